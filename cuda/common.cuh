@@ -1,0 +1,54 @@
+// Shared device helpers: warp/block reductions, ceil_div, 16-byte vector access.
+// Included by every cuda/<op>.cu (nvcc gets -I cuda/). Header-only, no entry points.
+#pragma once
+#include <cuda_runtime.h>
+#include <float.h>
+#include <stdint.h>
+
+#define WARP_SIZE 32
+
+__host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+// sum / max over the 32 lanes of a warp; every lane gets the result
+__device__ __forceinline__ float warp_reduce_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ float warp_reduce_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// block-wide sum / max for blockDim.x a multiple of 32 (<= 1024). `shared` needs 32 floats.
+// Every thread gets the result. Safe to call twice in a row (the trailing barrier protects shared).
+__device__ __forceinline__ float block_reduce_sum(float v, float* shared) {
+    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    const int nwarps = blockDim.x / WARP_SIZE;
+    v = warp_reduce_sum(v);
+    if (lane == 0) shared[warp] = v;
+    __syncthreads();
+    v = (lane < nwarps) ? shared[lane] : 0.0f;
+    v = warp_reduce_sum(v);
+    __syncthreads();
+    return v;
+}
+__device__ __forceinline__ float block_reduce_max(float v, float* shared) {
+    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    const int nwarps = blockDim.x / WARP_SIZE;
+    v = warp_reduce_max(v);
+    if (lane == 0) shared[warp] = v;
+    __syncthreads();
+    v = (lane < nwarps) ? shared[lane] : -FLT_MAX;
+    v = warp_reduce_max(v);
+    __syncthreads();
+    return v;
+}
+
+// 16-byte loads/stores; the pointer must be 16-byte aligned (launchers check C % 4 == 0).
+__device__ __forceinline__ float4 load4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+__device__ __forceinline__ void store4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
+// streaming load: read once, don't keep in L1 (ld.global.cs)
+__device__ __forceinline__ float4 load4_cs(const float* p) { return __ldcs(reinterpret_cast<const float4*>(p)); }
+__device__ __forceinline__ void store4_cs(float* p, float4 v) { __stcs(reinterpret_cast<float4*>(p), v); }

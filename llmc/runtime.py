@@ -1,0 +1,364 @@
+"""The CUDA runtime layer: PyCUDA on the primary context, our own nvcc build cache, checked launches.
+
+    from llmc.runtime import Runtime
+    rt = Runtime()                                   # primary context of device 0, one stream
+    k = rt.kernel("layernorm", "layernorm_forward_kernel1", "PPPPPPii", label="layernorm_forward 1")
+    x = rt.to_device(np.random.randn(8, 768).astype(np.float32))
+    k((grid, 1, 1), (256, 1, 1), out.ptr, ..., np.int32(N), np.int32(C))
+    rt.synchronize(); out.get()
+
+Design notes
+- Kernels live in cuda/<module>.cu. We compile them ourselves with nvcc to a cubin (not through
+  SourceModule) so that the cache key covers the .cu, every cuda/*.cuh it may include, the options,
+  the arch and the nvcc version, and so that CI can run the very same command without a GPU
+  (`compile_cubin` needs no device; see tests/test_cuda_compile.py).
+- Every .cu declares its entry points `extern "C" __global__`, so names are unmangled even when
+  the file uses templates.
+- Every launch goes through Kernel.__call__: a prepared async launch on the runtime's one stream.
+  A launch error raises CudaError naming the op and variant. With LLMC_SYNC=1 we synchronise after
+  every launch so that an asynchronous fault is also pinned on the launch that caused it.
+- Memory: DevArray is a typed view of device memory (ptr, shape, dtype). Everything the model needs
+  is allocated once at build; views into a flat buffer share its allocation.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from llmc.errors import LLMCError
+
+ROOT = Path(__file__).resolve().parent.parent
+CUDA_DIR = ROOT / "cuda"
+CACHE_DIR = Path(os.environ.get("LLMC_CACHE", Path.home() / ".cache" / "llmc"))
+
+# -O3 and C++17 everywhere; no --use_fast_math: kernels that want intrinsics (__expf) say so, and the
+# numpy oracle stays meaningful. -lineinfo keeps source lines for ncu/compute-sanitizer.
+NVCC_FLAGS = ["-O3", "-std=c++17", "-lineinfo", "-Xptxas=-v"]
+
+
+class CudaError(LLMCError):
+    """A CUDA failure, with the op/variant that caused it when known."""
+
+
+# ----------------------------------------------------------------------------------------------
+# building (no GPU needed)
+
+def nvcc_path() -> str | None:
+    return shutil.which("nvcc") or (
+        "/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").exists() else None)
+
+
+def cuda_sources() -> list[str]:
+    """Module names, one per cuda/<name>.cu."""
+    return sorted(p.stem for p in CUDA_DIR.glob("*.cu"))
+
+
+def _nvcc_version(nvcc: str) -> str:
+    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+    return out.strip().splitlines()[-1] if out else "unknown"
+
+
+def _cache_key(module: str, arch: str, defines: dict, nvcc: str) -> str:
+    h = hashlib.sha256()
+    h.update((CUDA_DIR / f"{module}.cu").read_bytes())
+    for hdr in sorted(CUDA_DIR.glob("*.cuh")):  # any header may be included; hash them all
+        h.update(hdr.name.encode()); h.update(hdr.read_bytes())
+    h.update(repr((arch, sorted(defines.items()), NVCC_FLAGS, _nvcc_version(nvcc))).encode())
+    return h.hexdigest()[:24]
+
+
+def compile_cubin(module: str, arch: str = "sm_90", defines: dict | None = None,
+                  extra_flags: list[str] | None = None, use_cache: bool = True) -> tuple[Path, str]:
+    """Compile cuda/<module>.cu to a cubin for `arch`. Returns (cubin path, ptxas report)."""
+    defines = dict(defines or {})
+    src = CUDA_DIR / f"{module}.cu"
+    if not src.exists():
+        raise CudaError(f"no kernel source {src}")
+    nvcc = nvcc_path()
+    if nvcc is None:
+        raise CudaError("nvcc not found on PATH (needed to build the CUDA kernels)")
+    key = _cache_key(module, arch, defines, nvcc) + ("-" + hashlib.sha256(
+        repr(extra_flags).encode()).hexdigest()[:8] if extra_flags else "")
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    cubin = CACHE_DIR / f"{module}-{arch}-{key}.cubin"
+    logf = cubin.with_suffix(".log")
+    if use_cache and cubin.exists() and logf.exists():
+        return cubin, logf.read_text()
+    cmd = [nvcc, "-cubin", f"-arch={arch}", *NVCC_FLAGS, *(extra_flags or []), f"-I{CUDA_DIR}",
+           *[f"-D{k}={v}" for k, v in defines.items()]]
+    with tempfile.TemporaryDirectory(dir=CACHE_DIR) as tmp:
+        tmp_out = Path(tmp) / "out.cubin"
+        res = subprocess.run(cmd + ["-o", str(tmp_out), str(src)], capture_output=True, text=True)
+        if res.returncode != 0:
+            raise CudaError(f"nvcc failed on cuda/{module}.cu for {arch}:\n{res.stderr.strip()}")
+        logf.write_text(res.stderr)
+        os.replace(tmp_out, cubin)  # atomic: a concurrent build never sees half a file
+    return cubin, res.stderr
+
+
+def resource_report(ptxas_log: str) -> dict[str, dict]:
+    """Parse `ptxas -v` output into {kernel: {regs, stack, spill_stores, spill_loads, smem}}."""
+    report, cur = {}, None
+    for line in ptxas_log.splitlines():
+        m = re.search(r"Compiling entry function '(\w+)'", line) or \
+            re.search(r"Function properties for (\w+)", line)
+        if m:
+            cur = m.group(1)
+            report.setdefault(cur, {"regs": 0, "stack": 0, "spill_stores": 0, "spill_loads": 0, "smem": 0})
+            continue
+        if cur is None:
+            continue
+        m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if m:
+            report[cur].update(stack=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)))
+        m = re.search(r"Used (\d+) registers", line)
+        if m:
+            report[cur]["regs"] = int(m.group(1))
+        m = re.search(r"(\d+) bytes smem", line)
+        if m:
+            report[cur]["smem"] = int(m.group(1))
+    return report
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ----------------------------------------------------------------------------------------------
+# device memory
+
+class DevArray:
+    """A typed view of device memory. `owner` keeps the allocation alive for views."""
+
+    __slots__ = ("ptr", "shape", "dtype", "size", "nbytes", "owner", "rt")
+
+    def __init__(self, rt: "Runtime", ptr: int, shape, dtype, owner):
+        self.rt, self.ptr, self.owner = rt, int(ptr), owner
+        self.shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list)) else (shape,)))
+        self.dtype = np.dtype(dtype)
+        self.size = int(np.prod(self.shape)) if self.shape else 1
+        self.nbytes = self.size * self.dtype.itemsize
+
+    def view(self, offset: int, shape, dtype=None) -> "DevArray":
+        """A view starting `offset` elements in (of this array's dtype), with a new shape."""
+        dtype = np.dtype(dtype or self.dtype)
+        out = DevArray(self.rt, self.ptr + offset * self.dtype.itemsize, shape, dtype, self.owner)
+        assert offset * self.dtype.itemsize + out.nbytes <= self.nbytes, "view out of bounds"
+        return out
+
+    def reshape(self, *shape) -> "DevArray":
+        shape = shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
+        out = DevArray(self.rt, self.ptr, shape, self.dtype, self.owner)
+        assert out.size == self.size
+        return out
+
+    def get(self, stream_sync: bool = True) -> np.ndarray:
+        import pycuda.driver as drv
+        host = np.empty(self.shape, self.dtype)
+        if stream_sync:
+            self.rt.stream.synchronize()
+        drv.memcpy_dtoh(host, self.ptr)
+        return host
+
+    def set(self, host: np.ndarray) -> "DevArray":
+        import pycuda.driver as drv
+        host = np.ascontiguousarray(host, dtype=self.dtype)
+        assert host.size == self.size, f"set: {host.size} elements into {self.size}"
+        self.rt.stream.synchronize()
+        drv.memcpy_htod(self.ptr, host)
+        return self
+
+    def set_async(self, pinned_host: np.ndarray) -> None:
+        """Copy from page-locked host memory on the runtime's stream (no host wait)."""
+        import pycuda.driver as drv
+        drv.memcpy_htod_async(self.ptr, pinned_host, self.rt.stream)
+
+    def fill_bytes(self, byte: int) -> None:
+        """memset every byte (e.g. 0xFF poisons fp32 with NaN), on the stream."""
+        import pycuda.driver as drv
+        drv.memset_d8_async(self.ptr, byte, self.nbytes, self.rt.stream)
+
+    def zero(self) -> None:
+        self.fill_bytes(0)
+
+    def __repr__(self):
+        return f"DevArray(shape={self.shape}, dtype={self.dtype}, ptr=0x{self.ptr:x})"
+
+
+# ----------------------------------------------------------------------------------------------
+# kernels
+
+class Kernel:
+    """A prepared kernel: call with (grid, block, *args, smem=bytes). Launch errors name `label`."""
+
+    def __init__(self, rt: "Runtime", func, argtypes: str, label: str):
+        self.rt, self.func, self.label = rt, func, label
+        self.argtypes = argtypes
+        func.prepare(argtypes)
+        self._call = func.prepared_async_call
+        self.max_dynamic_smem = 48 * 1024
+
+    def set_max_dynamic_smem(self, nbytes: int) -> None:
+        """Opt in to more than 48 KB of dynamic shared memory (Hopper allows up to 227 KB)."""
+        import pycuda.driver as drv
+        if nbytes > 48 * 1024:
+            self.func.set_attribute(drv.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, int(nbytes))
+        self.max_dynamic_smem = max(self.max_dynamic_smem, int(nbytes))
+
+    def __call__(self, grid, block, *args, smem: int = 0):
+        try:
+            self._call(grid, block, self.rt.stream, *args, shared_size=smem)
+        except Exception as e:  # pycuda raises its own LaunchError/LogicError types
+            raise CudaError(f"{self.label}: launch failed (grid={grid}, block={block}, smem={smem}): {e}") from None
+        if self.rt.sync:
+            self.rt.check(self.label)
+
+    def attributes(self) -> dict:
+        import pycuda.driver as drv
+        fa = drv.function_attribute
+        return {"regs": self.func.get_attribute(fa.NUM_REGS),
+                "local_bytes": self.func.get_attribute(fa.LOCAL_SIZE_BYTES),
+                "static_smem": self.func.get_attribute(fa.SHARED_SIZE_BYTES),
+                "max_threads": self.func.get_attribute(fa.MAX_THREADS_PER_BLOCK)}
+
+
+class Runtime:
+    """PyCUDA on the primary context of one device, one stream, our module cache."""
+
+    def __init__(self, device: int = 0, sync: bool | None = None):
+        try:
+            import pycuda.driver as drv
+        except ImportError:
+            raise LLMCError("--device cuda: PyCUDA is not installed (pip install pycuda); "
+                            "--device cpu runs the numpy backend") from None
+        try:
+            drv.init()
+            if drv.Device.count() == 0:
+                raise LLMCError("no CUDA device")
+            self.device = drv.Device(device)
+            self.context = self.device.retain_primary_context()
+            self.context.push()
+        except LLMCError:
+            raise LLMCError("--device cuda: no CUDA GPU found; --device cpu runs the numpy backend") from None
+        except Exception as e:
+            raise LLMCError(f"--device cuda: no usable CUDA GPU ({e}); --device cpu runs the numpy backend") from None
+        import atexit
+        atexit.register(self._pop)
+        self.drv = drv
+        major, minor = self.device.compute_capability()
+        self.arch = f"sm_{major}{minor}"
+        self.name = self.device.name()
+        self.sm_count = self.device.get_attribute(drv.device_attribute.MULTIPROCESSOR_COUNT)
+        self.l2_bytes = self.device.get_attribute(drv.device_attribute.L2_CACHE_SIZE)
+        self.max_smem_optin = self.device.get_attribute(
+            drv.device_attribute.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+        self.stream = drv.Stream()
+        self.sync = (os.environ.get("LLMC_SYNC", "0") == "1") if sync is None else sync
+        self._modules: dict = {}
+        self._kernels: dict = {}
+        self._allocs: list = []
+        self.allocated_bytes = 0
+
+    def _pop(self):
+        try:
+            self.context.pop()
+        except Exception:
+            pass
+
+    # -- modules and kernels
+    def module(self, name: str, defines: dict | None = None):
+        key = (name, tuple(sorted((defines or {}).items())))
+        mod = self._modules.get(key)
+        if mod is None:
+            cubin, _ = compile_cubin(name, self.arch, defines)
+            mod = self.drv.module_from_file(str(cubin))
+            self._modules[key] = mod
+        return mod
+
+    def kernel(self, module: str, func: str, argtypes: str, label: str | None = None,
+               defines: dict | None = None) -> Kernel:
+        """The prepared kernel `func` of cuda/<module>.cu. `argtypes` in PyCUDA's struct letters:
+        P pointer, i int32, f float32, ... Cached: asking twice returns the same Kernel."""
+        key = (module, func, argtypes, tuple(sorted((defines or {}).items())))
+        k = self._kernels.get(key)
+        if k is None:
+            try:
+                f = self.module(module, defines).get_function(func)
+            except self.drv.LogicError as e:
+                raise CudaError(f"cuda/{module}.cu has no entry point {func} ({e})") from None
+            k = Kernel(self, f, argtypes, label or f"{module}.{func}")
+            self._kernels[key] = k
+        return k
+
+    # -- memory
+    def mem_info(self) -> tuple[int, int]:
+        """(free, total) bytes on the device."""
+        return self.drv.mem_get_info()
+
+    def empty(self, shape, dtype=np.float32) -> DevArray:
+        dtype = np.dtype(dtype)
+        n = int(np.prod(shape)) * dtype.itemsize
+        try:
+            alloc = self.drv.mem_alloc(max(n, 1))
+        except self.drv.MemoryError:
+            free, _ = self.mem_info()
+            raise LLMCError(f"out of GPU memory: need {n:,} more bytes, {free:,} free") from None
+        self._allocs.append(alloc)
+        self.allocated_bytes += n
+        return DevArray(self, int(alloc), shape, dtype, alloc)
+
+    def zeros(self, shape, dtype=np.float32) -> DevArray:
+        a = self.empty(shape, dtype)
+        a.zero()
+        return a
+
+    def to_device(self, host: np.ndarray) -> DevArray:
+        host = np.ascontiguousarray(host)
+        a = self.empty(host.shape, host.dtype)
+        return a.set(host)
+
+    def pinned(self, shape, dtype=np.float32) -> np.ndarray:
+        return self.drv.pagelocked_empty(shape, dtype)
+
+    def require_free(self, nbytes: int, what: str = "model") -> None:
+        free, _ = self.mem_info()
+        if nbytes > free:
+            raise LLMCError(f"not enough GPU memory for the {what}: need {nbytes:,} bytes, {free:,} free")
+
+    # -- sync, errors and timing
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+    def check(self, label: str) -> None:
+        try:
+            self.stream.synchronize()
+        except Exception as e:
+            raise CudaError(f"{label}: kernel failed: {e}") from None
+
+    def event(self):
+        return self.drv.Event()
+
+    def time_ms(self, fn, warmup: int = 3, repeat: int = 20, flush_l2: bool = False) -> list[float]:
+        """Run fn() (which launches on rt.stream) and return per-repeat times in ms (CUDA events).
+        With flush_l2, a buffer twice the L2 size is overwritten before each timed repeat."""
+        for _ in range(warmup):
+            fn()
+        flush = self.empty((2 * self.l2_bytes,), np.uint8) if flush_l2 else None
+        times = []
+        for _ in range(repeat):
+            if flush is not None:
+                flush.fill_bytes(repeat & 0xFF)
+            start, end = self.event(), self.event()
+            start.record(self.stream)
+            fn()
+            end.record(self.stream)
+            end.synchronize()
+            times.append(end.time_since(start))
+        return times
