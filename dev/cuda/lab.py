@@ -1,0 +1,205 @@
+"""The kernel lab's shared harness: validate every variant, then time it, then print a table.
+
+A lab script (dev/cuda/<op>.py) reads top to bottom the same way every time:
+
+    import lab
+    L = lab.Lab("layernorm_forward")          # argv: [variant ...] [--repeat N] [--md PATH] [--png PATH] [--quick]
+    spec = llmc.ops.get("layernorm_forward")
+    for n in L.selected(spec):
+        launch = spec.build(L.rt, n, N=N, C=C)
+        L.validate(n, lambda: launch(...), outputs={"out": d_out}, refs={"out": ref}, atol=1e-5, rtol=1e-5)
+        L.time(n, lambda: launch(...), bytes=..., ceiling="dram")
+    L.finish()
+
+Validation poisons every output (0xFF bytes: fp32 NaN), runs once and compares against the float64
+reference (|got - ref| <= atol + rtol*|ref|; NaN = unwritten fails). Timing: warm-up, then CUDA
+events around each repeat with the L2 cache flushed before it (a 2x-L2 memset), median reported
+with GB/s or TFLOP/s and the fraction of the ceiling measured on this H100 (../../shared/anchors.md).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from llmc.testing import compare  # noqa: E402
+
+# Ceilings measured on the lent H100 80GB HBM3 (anchors.md, 2026-11-22)
+CEILINGS = {
+    "dram": ("GB/s", 2980.0),     # device-to-device copy, bytes read + written
+    "fp32": ("TFLOP/s", 51.0),    # plain FP32 GEMM 8192^3
+    "tf32": ("TFLOP/s", 377.0),   # TF32 tensor-core GEMM 8192^3
+}
+
+
+class Lab:
+    def __init__(self, op: str, argv=None):
+        p = argparse.ArgumentParser(description=f"kernel lab: {op}")
+        p.add_argument("variants", nargs="*", type=int, help="variant numbers to run (default: all)")
+        p.add_argument("--repeat", type=int, default=50, help="timed repeats per configuration")
+        p.add_argument("--quick", action="store_true", help="fewer repeats, default block size only")
+        p.add_argument("--md", help="append the results table (markdown) to this file")
+        p.add_argument("--png", help="write a bar chart of the results to this PNG")
+        p.add_argument("--no-l2-flush", action="store_true", help="time with a warm L2 (llm.c's way)")
+        self.args = p.parse_args(argv)
+        if self.args.quick:
+            self.args.repeat = min(self.args.repeat, 10)
+        self.op = op
+        from llmc.runtime import Runtime
+        self.rt = Runtime()
+        self.rows: list[dict] = []
+        self.failed: list[str] = []
+        self.validated: set = set()
+        print(f"# {op} on {self.rt.name} ({self.rt.arch}, {self.rt.sm_count} SMs)")
+
+    # -- selection
+    def selected(self, spec_or_numbers) -> list[int]:
+        have = sorted(spec_or_numbers.variants) if hasattr(spec_or_numbers, "variants") else sorted(spec_or_numbers)
+        if not self.args.variants:
+            return have
+        missing = [v for v in self.args.variants if v not in have]
+        if missing:
+            print(f"{self.op}: no variant {missing}; have {have}")
+            sys.exit(2)
+        return [v for v in have if v in self.args.variants]
+
+    def block_sizes(self, sizes):
+        """The block sizes to sweep (just the first with --quick)."""
+        return list(sizes)[:1] if self.args.quick else list(sizes)
+
+    # -- validation
+    def validate(self, variant, fn, outputs: dict, refs: dict, atol: float, rtol: float,
+                 init: dict | None = None) -> bool:
+        """Poison outputs (or set them to `init` values for accumulating outputs), run fn once,
+        compare each output with its reference. Prints OK or the first mismatches."""
+        init = init or {}
+        for name, dev in outputs.items():
+            if name in init:
+                dev.set(init[name])
+            else:
+                dev.fill_bytes(0xFF)
+        fn()
+        self.rt.synchronize()
+        ok = True
+        for name, dev in outputs.items():
+            msg = compare(dev.get(), refs[name], atol, rtol, name)
+            if msg:
+                ok = False
+                print(f"  variant {variant}: MISMATCH\n{msg}")
+        if ok:
+            print(f"  variant {variant}: all outputs match the reference ({', '.join(outputs)})")
+            self.validated.add(variant)
+        else:
+            self.failed.append(str(variant))
+        return ok
+
+    # -- timing
+    def _record(self, label, ms_list, block_size, bytes, flops, ceiling, kind="ours"):
+        med = statistics.median(ms_list)
+        row = {"variant": label, "block": block_size if block_size is not None else "",
+               "ms": med, "spread": (max(ms_list) - min(ms_list)) / med if med else 0.0, "kind": kind}
+        unit, peak = CEILINGS[ceiling] if ceiling else (None, None)
+        if flops:
+            row["rate"] = flops / (med * 1e-3) / 1e12
+            row["unit"] = "TFLOP/s"
+        elif bytes:
+            row["rate"] = bytes / (med * 1e-3) / 1e9
+            row["unit"] = "GB/s"
+        if "rate" in row and peak and unit == row["unit"]:
+            row["frac"] = row["rate"] / peak
+        self.rows.append(row)
+        rate = f"{row['rate']:9.1f} {row['unit']}" if "rate" in row else ""
+        frac = f" ({100 * row['frac']:.0f}% of {ceiling})" if "frac" in row else ""
+        bs = f" bs={block_size}" if block_size is not None else ""
+        print(f"  {label}{bs}: {med:.4f} ms {rate}{frac}")
+        return med
+
+    def time(self, variant, fn, block_size=None, bytes=None, flops=None, ceiling="dram"):
+        """Median of CUDA-event times over --repeat runs, L2 flushed before each."""
+        if variant not in self.validated and str(variant) not in self.failed and not isinstance(variant, str):
+            print(f"  warning: variant {variant} timed without validate()")
+        ms = self.rt.time_ms(fn, warmup=3, repeat=self.args.repeat, flush_l2=not self.args.no_l2_flush)
+        return self._record(str(variant), ms, block_size, bytes, flops, ceiling)
+
+    def reference(self, label, fn, bytes=None, flops=None, ceiling="dram"):
+        """A vendor-library line (cuBLAS via torch, ...), timed with torch's CUDA events."""
+        import torch
+        for _ in range(3):
+            fn()
+        flush = torch.empty(2 * self.rt.l2_bytes, dtype=torch.uint8, device="cuda")
+        times = []
+        for i in range(self.args.repeat):
+            flush.fill_(i & 0xFF)
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record(); fn(); e.record(); e.synchronize()
+            times.append(s.elapsed_time(e))
+        return self._record(label, times, None, bytes, flops, ceiling, kind="reference")
+
+    # -- output
+    def table(self) -> str:
+        lines = [f"### {self.op} — {self.rt.name}, {datetime.date.today().isoformat()}", "",
+                 "| variant | block | median ms | achieved | % of ceiling | vs best ref |",
+                 "| --- | --- | --- | --- | --- | --- |"]
+        refs = [r for r in self.rows if r["kind"] == "reference"]
+        best_ref = min((r["ms"] for r in refs), default=None)
+        for r in self.rows:
+            ach = f"{r['rate']:.1f} {r['unit']}" if "rate" in r else ""
+            frac = f"{100 * r['frac']:.0f}%" if "frac" in r else ""
+            vs = f"{best_ref / r['ms']:.2f}x" if best_ref else ""
+            lines.append(f"| {r['variant']} | {r['block']} | {r['ms']:.4f} | {ach} | {frac} | {vs} |")
+        return "\n".join(lines)
+
+    def best_rows(self) -> list[dict]:
+        """Fastest row per variant label (over block sizes)."""
+        best = {}
+        for r in self.rows:
+            if r["variant"] not in best or r["ms"] < best[r["variant"]]["ms"]:
+                best[r["variant"]] = r
+        return list(best.values())
+
+    def png(self, path: str) -> None:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        rows = self.best_rows()
+        labels = [r["variant"] for r in rows]
+        vals = [r.get("rate", 0.0) for r in rows]
+        unit = next((r["unit"] for r in rows if "unit" in r), "")
+        fig, ax = plt.subplots(figsize=(max(4, 0.8 * len(rows) + 2), 3.5))
+        colors = ["#888888" if r["kind"] == "reference" else "#3b75af" for r in rows]
+        ax.bar(labels, vals, color=colors)
+        ax.set_ylabel(unit)
+        ax.set_title(f"{self.op} ({self.rt.name})")
+        for r in rows:
+            if r.get("unit") == "GB/s":
+                ax.axhline(CEILINGS["dram"][1], color="r", lw=0.8, ls="--")
+                break
+        plt.xticks(rotation=30, ha="right")
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+
+    def finish(self) -> None:
+        print()
+        print(self.table())
+        if self.args.md:
+            with open(self.args.md, "a") as f:
+                f.write(self.table() + "\n\n")
+        if self.args.png and self.rows:
+            self.png(self.args.png)
+        if self.failed:
+            print(f"\nFAILED validation: variants {', '.join(self.failed)}")
+            sys.exit(1)
+
+
+def rand(rng, shape, dtype=np.float32, scale=1.0):
+    """Random normal inputs (never zeros)."""
+    return (rng.standard_normal(shape) * scale).astype(dtype)
