@@ -1,0 +1,147 @@
+"""Backends: where the model's buffers live and what runs each op.
+
+The model (llmc/model.py) is written once against this small interface:
+
+    be.empty(shape) / be.zeros(shape)      a buffer (numpy array, or a DevArray on the GPU)
+    be.view(buf, offset, shape)            a view into a flat buffer, sharing memory
+    be.op(name, **shape)                   the launch closure for one op at one shape (docs/ops.md)
+    be.memset0(buf), be.upload(buf, host), be.download(buf), be.synchronize()
+
+CpuBackend runs each op's numpy reference (in float32 for training, float64 for tests).
+CudaBackend runs the kernel variant chosen per op (`kernels={"softmax_forward": 5, ...}`); the
+variant is fixed when the op is built, so nothing is looked up per launch.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from llmc import ops
+from llmc.errors import LLMCError
+
+# composite ops (attention) pick the variants of the ops they are made of
+COMPOSITES = {
+    "attention_forward": ("softmax_forward", "matmul_forward"),
+    "attention_backward": ("softmax_backward", "matmul_backward"),
+}
+
+
+def kernel_choices(overrides: dict | None = None) -> dict[str, int]:
+    """{op name: variant number}: each op's default, overridden by `overrides`.
+    Unknown op names or variant numbers raise LLMCError naming the flag."""
+    reg = ops.registry()
+    choice = {name: spec.default for name, spec in reg.items() if spec.variants}
+    for name, num in (overrides or {}).items():
+        if num is None:
+            continue
+        if name not in reg:
+            raise LLMCError(f"unknown op {name!r} in kernel choices; have {', '.join(sorted(reg))}")
+        reg[name].variant(int(num))  # raises with the flag name if unknown
+        choice[name] = int(num)
+    return choice
+
+
+class CpuBackend:
+    name = "cpu"
+
+    def __init__(self, dtype=np.float32, kernels: dict | None = None):
+        self.dtype = np.dtype(dtype)
+        # validated like the GPU's (an unknown variant is a user error either way), then ignored:
+        # the numpy backend has one way per op
+        self.kernels = kernel_choices(kernels)
+
+    def empty(self, shape, dtype=None):
+        return np.empty(shape, dtype or self.dtype)
+
+    def zeros(self, shape, dtype=None):
+        return np.zeros(shape, dtype or self.dtype)
+
+    def view(self, buf, offset, shape):
+        n = int(np.prod(shape))
+        return buf.reshape(-1)[offset:offset + n].reshape(shape)
+
+    def op(self, name, **shape):
+        return ops.get(name).cpu(**shape)
+
+    def memset0(self, buf):
+        buf[...] = 0
+
+    def upload(self, buf, host):
+        buf[...] = np.asarray(host).reshape(buf.shape)
+
+    def upload_async(self, buf, host):
+        self.upload(buf, host)
+
+    def download(self, buf):
+        return np.array(buf, copy=True)
+
+    def synchronize(self):
+        pass
+
+    def pinned(self, shape, dtype):
+        return np.empty(shape, dtype)
+
+    def describe(self) -> str:
+        return f"cpu (numpy {np.__version__}, {self.dtype})"
+
+
+class CudaBackend:
+    name = "cuda"
+
+    def __init__(self, kernels: dict | None = None):
+        from llmc.runtime import Runtime
+        self.rt = Runtime()
+        self.dtype = np.dtype(np.float32)
+        self.kernels = kernel_choices(kernels)
+
+    def empty(self, shape, dtype=None):
+        return self.rt.empty(shape, dtype or self.dtype)
+
+    def zeros(self, shape, dtype=None):
+        return self.rt.zeros(shape, dtype or self.dtype)
+
+    def view(self, buf, offset, shape):
+        return buf.view(offset, shape)
+
+    def op(self, name, **shape):
+        if name in COMPOSITES:
+            from llmc.ops import attention
+            softmax, matmul = (self.kernels[p] for p in COMPOSITES[name])
+            return getattr(attention, f"build_{name}")(self.rt, softmax, matmul, **shape)
+        spec = ops.get(name)
+        return spec.build(self.rt, self.kernels[name], **shape)
+
+    def memset0(self, buf):
+        buf.zero()
+
+    def upload(self, buf, host):
+        buf.set(host)
+
+    def upload_async(self, buf, pinned_host):
+        buf.set_async(pinned_host)
+
+    def download(self, buf):
+        return buf.get()
+
+    def synchronize(self):
+        self.rt.synchronize()
+
+    def pinned(self, shape, dtype):
+        return self.rt.pinned(shape, dtype)
+
+    def describe(self) -> str:
+        return f"cuda ({self.rt.name}, {self.rt.arch})"
+
+
+def make_backend(device: str, kernels: dict | None = None, dtype=np.float32):
+    """device: cpu | cuda | auto (cuda when a GPU and PyCUDA are usable, else cpu with a warning)."""
+    if device == "cpu":
+        return CpuBackend(dtype, kernels)
+    if device == "cuda":
+        return CudaBackend(kernels)
+    if device == "auto":
+        try:
+            return CudaBackend(kernels)
+        except LLMCError as e:
+            print(f"WARNING: no usable GPU ({e}); using the numpy backend (--device cpu)")
+            return CpuBackend(dtype, kernels)
+    raise LLMCError(f"--device {device}: expected cpu, cuda or auto")

@@ -1,0 +1,322 @@
+"""GPT-2 over flat buffers in llm.c's layout, written once for both backends.
+
+    from llmc.backend import make_backend
+    from llmc.model import GPT2
+    model = GPT2(cfg, make_backend("cuda"), B=4, T=1024)   # every buffer allocated here, once
+    model.load_params(params)                                # host fp32, llm.c order (or init_params)
+    loss = model.forward(x, y)                               # mean loss (host float)
+    model.zero_grad(); model.backward(); model.update(lr=3e-4, step=1)
+    print(model.grad_norm())
+
+Each op call is one line below, with the shapes in comments; what each op computes and whether it
+overwrites (=) or accumulates (+=) its outputs is in docs/ops.md.
+
+Memory notes (GPT-2 124M, B=4, T=1024): per layer we keep what backward needs (ln1, qkvr, att,
+atty, residual2, ln2, fch, residual3 and the layernorm statistics). The GELU output and the qkv /
+attproj / fcproj matmul outputs are not kept: one scratch buffer each, and GELU is recomputed in
+backward (one extra cheap pass per layer saves 600 MB). att (B,NH,T,T) per layer is half of the
+activation memory.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from llmc.config import DECAYED, GPT2Config, param_layout, param_shapes
+from llmc.errors import LLMCError
+
+
+def _size(shape) -> int:
+    return int(np.prod(shape))
+
+
+class GPT2:
+    def __init__(self, cfg: GPT2Config, backend, B: int, T: int, training: bool = True):
+        if T > cfg.max_seq_len:
+            raise LLMCError(f"-t/--seq-len {T}: longer than the model's max sequence length {cfg.max_seq_len}")
+        if B < 1 or T < 1:
+            raise LLMCError(f"batch {B} x seq len {T}: both must be positive")
+        self.cfg, self.be, self.B, self.T, self.training = cfg, backend, B, T, training
+        L, C, NH, Vp, V = cfg.num_layers, cfg.channels, cfg.num_heads, cfg.padded_vocab_size, cfg.vocab_size
+        N = B * T
+        be = backend
+        self._check_memory()
+
+        # -- parameters (and their gradients, AdamW state): one flat buffer each, views per tensor
+        self.num_params = cfg.num_parameters
+        self.params = be.zeros((self.num_params,))
+        self.p = self._views(self.params)
+        if training:
+            self.grads = be.zeros((self.num_params,))
+            self.g = self._views(self.grads)
+            self.m = be.zeros((self.num_params,))
+            self.v = be.zeros((self.num_params,))
+            self.norm2 = be.zeros((1,))
+
+        # -- activations: one flat buffer, views (shape comments are per view)
+        spec = [
+            ("encoded", (B, T, C)),
+            ("ln1", (L, B, T, C)), ("ln1_mean", (L, B, T)), ("ln1_rstd", (L, B, T)),
+            ("qkvr", (L, B, T, 3 * C)),      # permuted q | k | v, each (B, NH, T, hs)
+            ("att", (L, B, NH, T, T)),       # softmax probabilities (zero above the diagonal)
+            ("atty", (L, B, T, C)),          # attention output, pre-projection
+            ("residual2", (L, B, T, C)),
+            ("ln2", (L, B, T, C)), ("ln2_mean", (L, B, T)), ("ln2_rstd", (L, B, T)),
+            ("fch", (L, B, T, 4 * C)),       # fc output, pre-GELU
+            ("residual3", (L, B, T, C)),
+            ("lnf", (B, T, C)), ("lnf_mean", (B, T)), ("lnf_rstd", (B, T)),
+            ("losses", (B, T)), ("loss_acc", (B, T)),
+            ("logits", (B, T, Vp)),          # overwritten by dlogits when training
+            # one-layer scratch (not needed by backward, or recomputed there)
+            ("qkv", (B, T, 3 * C)), ("attproj", (B, T, C)), ("fch_gelu", (B, T, 4 * C)), ("fcproj", (B, T, C)),
+        ]
+        if training:  # gradient scratch, reused by every layer
+            spec += [("dresidual", (B, T, C)), ("dbtc", (B, T, C)), ("dqkv", (B, T, 3 * C)),
+                     ("dfch", (B, T, 4 * C))]
+        self.acts_buf = be.empty((sum(_size(s) for _, s in spec),))
+        self.a = {}
+        off = 0
+        for name, shape in spec:
+            self.a[name] = be.view(self.acts_buf, off, shape)
+            off += _size(shape)
+        self.inputs = be.zeros((B, T), np.int32)
+        self.targets = be.zeros((B, T), np.int32)
+        self._pinned_x = be.pinned((B, T), np.int32)
+        self._pinned_y = be.pinned((B, T), np.int32)
+
+        # -- the launch plan: every op built once for its shape (variants fixed here)
+        op = be.op
+        self.k = {
+            "encoder_forward": op("encoder_forward", B=B, T=T, C=C),
+            "layernorm_forward": op("layernorm_forward", N=N, C=C),
+            "mm_qkv": op("matmul_forward", N=N, C=C, OC=3 * C, has_bias=True),
+            "attention_forward": op("attention_forward", B=B, T=T, C=C, NH=NH),
+            "mm_attproj": op("matmul_forward", N=N, C=C, OC=C, has_bias=True),
+            "residual_layernorm": op("residual_layernorm_forward", N=N, C=C),
+            "mm_fc": op("matmul_forward", N=N, C=C, OC=4 * C, has_bias=True),
+            "gelu_forward": op("gelu_forward", N=N * 4 * C),
+            "mm_fcproj": op("matmul_forward", N=N, C=4 * C, OC=C, has_bias=True),
+            "mm_lmhead": op("matmul_forward", N=N, C=C, OC=Vp, has_bias=False),
+            "classifier": op("classifier", N=N, V=V, Vp=Vp),
+            "loss_acc": op("residual_forward", N=N),
+        }
+        if training:
+            self.k.update({
+                "mmb_lmhead": op("matmul_backward", N=N, C=C, OC=Vp),
+                "layernorm_backward": op("layernorm_backward", N=N, C=C),
+                "mmb_fcproj": op("matmul_backward", N=N, C=4 * C, OC=C),
+                "mmb_fc": op("matmul_backward", N=N, C=C, OC=4 * C),
+                "mmb_attproj": op("matmul_backward", N=N, C=C, OC=C),
+                "mmb_qkv": op("matmul_backward", N=N, C=C, OC=3 * C),
+                "bias_C": op("matmul_backward_bias", N=N, OC=C),
+                "bias_3C": op("matmul_backward_bias", N=N, OC=3 * C),
+                "bias_4C": op("matmul_backward_bias", N=N, OC=4 * C),
+                "gelu_backward": op("gelu_backward", N=N * 4 * C),
+                "attention_backward": op("attention_backward", B=B, T=T, C=C, NH=NH),
+                "encoder_backward": op("encoder_backward", B=B, T=T, C=C),
+                "global_norm": op("global_norm", n=self.num_params),
+            })
+            # AdamW runs over contiguous ranges of the flat buffer with one weight-decay flag each
+            self.update_ranges = self._decay_ranges()
+            self.adamw_plan = [(op("adamw", n=n), decay,
+                                *(be.view(buf, off, (n,)) for buf in (self.params, self.grads, self.m, self.v)))
+                               for off, n, decay in self.update_ranges]
+        self.micro_steps = 0
+        self.has_loss = False
+
+    # ------------------------------------------------------------------------------------------
+    # buffers
+
+    def _views(self, flat) -> dict:
+        return {name: self.be.view(flat, off, shape)
+                for (name, shape), (_, off, _) in zip(param_shapes(self.cfg), param_layout(self.cfg))}
+
+    def _decay_ranges(self) -> list[tuple[int, int, bool]]:
+        """Merge llm.c's 16 tensors into contiguous runs with the same weight-decay flag."""
+        runs = []
+        for name, off, size in param_layout(self.cfg):
+            decay = name in DECAYED
+            if runs and runs[-1][2] == decay:
+                o, n, d = runs[-1]
+                runs[-1] = (o, n + size, d)
+            else:
+                runs.append((off, size, decay))
+        return runs
+
+    def activation_bytes(self) -> int:
+        return self.acts_buf.size * 4 if hasattr(self.acts_buf, "size") else 0
+
+    def _check_memory(self):
+        """Fail early, in one line, when the GPU can't hold the model (before allocating anything)."""
+        rt = getattr(self.be, "rt", None)
+        if rt is None:
+            return
+        cfg, B, T = self.cfg, self.B, self.T
+        L, C, NH, Vp = cfg.num_layers, cfg.channels, cfg.num_heads, cfg.padded_vocab_size
+        floats = cfg.num_parameters * (4 if self.training else 1)
+        floats += B * T * (C * (1 + 9 * L + 2 + 10) + L * NH * T + 6 * L + Vp + 8)
+        floats += 3 * B * NH * T * T  # attention scratch (preatt, datt, dpreatt)
+        rt.require_free(floats * 4, what=f"model ({cfg.describe()}, B={B}, T={T})")
+
+    def init_params(self, seed: int = 1337) -> np.ndarray:
+        """GPT-2 initialisation: N(0, 0.02) weights, residual projections scaled by 1/sqrt(2L),
+        zero biases, unit layernorm weights; the padded vocab rows of wte stay zero."""
+        cfg = self.cfg
+        rng = np.random.default_rng(seed)
+        host = np.zeros(self.num_params, np.float32)
+        scaled = {"attprojw", "fcprojw"}
+        for (name, shape), (_, off, size) in zip(param_shapes(cfg), param_layout(cfg)):
+            if name in ("ln1w", "ln2w", "lnfw"):
+                host[off:off + size] = 1.0
+            elif name.endswith("w") or name in ("wte", "wpe"):
+                std = 0.02 / math.sqrt(2 * cfg.num_layers) if name in scaled else 0.02
+                vals = rng.standard_normal(size, dtype=np.float32) * np.float32(std)
+                if name == "wte":  # rows V..Vp-1 are padding: never used, kept zero
+                    vals.reshape(shape)[cfg.vocab_size:] = 0.0
+                host[off:off + size] = vals
+        self.load_params(host)
+        return host
+
+    def load_params(self, host: np.ndarray) -> None:
+        host = np.asarray(host, dtype=self.be.dtype).reshape(-1)
+        if host.size != self.num_params:
+            raise LLMCError(f"parameters: got {host.size:,} values, model needs {self.num_params:,}")
+        self.be.upload(self.params, host)
+
+    def get_params(self) -> np.ndarray:
+        return self.be.download(self.params).reshape(-1).astype(np.float32)
+
+    def get_grads(self) -> np.ndarray:
+        return self.be.download(self.grads).reshape(-1)
+
+    def set_batch(self, x: np.ndarray, y: np.ndarray | None = None) -> None:
+        """Copy a batch in: through pinned memory with an async copy on the GPU."""
+        B, T = self.B, self.T
+        if x.shape != (B, T):
+            raise LLMCError(f"batch shape {x.shape}: model was built for (B={B}, T={T})")
+        if int(x.max(initial=0)) >= self.cfg.vocab_size or int(x.min(initial=0)) < 0:
+            raise LLMCError(f"token id out of range [0, {self.cfg.vocab_size}) in the input batch")
+        self._pinned_x[...] = x
+        self.be.upload_async(self.inputs, self._pinned_x)
+        if y is not None:
+            self._pinned_y[...] = y
+            self.be.upload_async(self.targets, self._pinned_y)
+
+    # ------------------------------------------------------------------------------------------
+    # forward
+
+    def forward(self, x: np.ndarray | None, y: np.ndarray | None = None, grad: bool | None = None,
+                read_loss: bool = True):
+        """Forward over a (B, T) batch (x=None: the batch already uploaded). With targets, computes
+        the per-token losses and (when training and grad is not False) writes dlogits into the
+        logits buffer for backward. Returns the mean loss as a float (read_loss) or None."""
+        if x is not None:
+            self.set_batch(x, y)
+        with_targets = y is not None or (x is None and self.has_targets_loaded)
+        self.has_targets_loaded = with_targets
+        cfg, a, p, k = self.cfg, self.a, self.p, self.k
+        L = cfg.num_layers
+
+        k["encoder_forward"](a["encoded"], self.inputs, p["wte"], p["wpe"])                  # (B,T,C)
+        k["layernorm_forward"](a["ln1"][0], a["ln1_mean"][0], a["ln1_rstd"][0],
+                               a["encoded"], p["ln1w"][0], p["ln1b"][0])
+        for l in range(L):
+            residual = a["encoded"] if l == 0 else a["residual3"][l - 1]                       # (B,T,C)
+            k["mm_qkv"](a["qkv"], a["ln1"][l], p["qkvw"][l], p["qkvb"][l])                   # (B,T,3C)
+            k["attention_forward"](a["atty"][l], a["qkvr"][l], a["att"][l], a["qkv"])        # (B,T,C)
+            k["mm_attproj"](a["attproj"], a["atty"][l], p["attprojw"][l], p["attprojb"][l])  # (B,T,C)
+            k["residual_layernorm"](a["residual2"][l], a["ln2"][l], a["ln2_mean"][l], a["ln2_rstd"][l],
+                                    residual, a["attproj"], p["ln2w"][l], p["ln2b"][l])
+            k["mm_fc"](a["fch"][l], a["ln2"][l], p["fcw"][l], p["fcb"][l])                   # (B,T,4C)
+            k["gelu_forward"](a["fch_gelu"], a["fch"][l])                                     # (B,T,4C)
+            k["mm_fcproj"](a["fcproj"], a["fch_gelu"], p["fcprojw"][l], p["fcprojb"][l])     # (B,T,C)
+            # residual3 = residual2 + fcproj, normalised for the next layer (or the final layernorm)
+            if l + 1 < L:
+                ln, mean, rstd, w, b = (a["ln1"][l + 1], a["ln1_mean"][l + 1], a["ln1_rstd"][l + 1],
+                                        p["ln1w"][l + 1], p["ln1b"][l + 1])
+            else:
+                ln, mean, rstd, w, b = a["lnf"], a["lnf_mean"], a["lnf_rstd"], p["lnfw"], p["lnfb"]
+            k["residual_layernorm"](a["residual3"][l], ln, mean, rstd, a["residual2"][l], a["fcproj"], w, b)
+        k["mm_lmhead"](a["logits"], a["lnf"], p["wte"], None)                                 # (B,T,Vp)
+        self.has_loss = False
+        if not with_targets:
+            return None
+        write_dlogits = self.training and grad is not False
+        dloss = 1.0 / (self.B * self.T * self.grad_accum_steps)
+        k["classifier"](a["losses"], a["logits"], self.targets, dloss, int(write_dlogits))  # (B,T)
+        self.has_loss = True
+        self.dlogits_ready = write_dlogits
+        if read_loss:
+            return float(self.be.download(a["losses"]).astype(np.float64).mean())
+        return None
+
+    has_targets_loaded = False
+    grad_accum_steps = 1
+    dlogits_ready = False
+
+    def logits(self) -> np.ndarray:
+        """Host copy of the logits (B, T, V) of the last forward without targets."""
+        return self.be.download(self.a["logits"])[..., :self.cfg.vocab_size]
+
+    # ------------------------------------------------------------------------------------------
+    # backward and update
+
+    def zero_grad(self) -> None:
+        self.be.memset0(self.grads)
+        self.be.memset0(self.a["loss_acc"])
+        self.micro_steps = 0
+
+    def backward(self) -> None:
+        """Gradients of the mean loss of the last forward, ACCUMULATED into self.grads."""
+        if not (self.training and self.dlogits_ready):
+            raise RuntimeError("backward() needs a training forward with targets first")
+        cfg, a, p, g, k = self.cfg, self.a, self.p, self.g, self.k
+        L = cfg.num_layers
+        dres, dbtc, dqkv, dfch = a["dresidual"], a["dbtc"], a["dqkv"], a["dfch"]
+        # running loss sum for logging: loss_acc += losses (the residual op, elementwise)
+        k["loss_acc"](a["loss_acc"], a["loss_acc"], a["losses"])
+        self.micro_steps += 1
+
+        k["mmb_lmhead"](dbtc, g["wte"], a["logits"], a["lnf"], p["wte"])       # dlnf (B,T,C); dwte +=
+        self.be.memset0(dres)
+        k["layernorm_backward"](dres, g["lnfw"], g["lnfb"], dbtc, a["residual3"][L - 1],
+                                p["lnfw"], a["lnf_mean"], a["lnf_rstd"])          # dres = d residual3[L-1]
+        for l in reversed(range(L)):
+            residual = a["encoded"] if l == 0 else a["residual3"][l - 1]
+            # MLP: residual3 = residual2 + fcproj(gelu(fc(ln2)))
+            k["gelu_forward"](a["fch_gelu"], a["fch"][l])                          # recompute (B,T,4C)
+            k["mmb_fcproj"](dfch, g["fcprojw"][l], dres, a["fch_gelu"], p["fcprojw"][l])  # d fch_gelu
+            k["bias_C"](g["fcprojb"][l], dres)
+            k["gelu_backward"](dfch, a["fch"][l], dfch)                             # in place: d fch
+            k["mmb_fc"](dbtc, g["fcw"][l], dfch, a["ln2"][l], p["fcw"][l])          # d ln2 (B,T,C)
+            k["bias_4C"](g["fcb"][l], dfch)
+            k["layernorm_backward"](dres, g["ln2w"][l], g["ln2b"][l], dbtc, a["residual2"][l],
+                                    p["ln2w"][l], a["ln2_mean"][l], a["ln2_rstd"][l])  # dres = d residual2
+            # attention: residual2 = residual + attproj(attention(qkv(ln1)))
+            k["mmb_attproj"](dbtc, g["attprojw"][l], dres, a["atty"][l], p["attprojw"][l])  # d atty
+            k["bias_C"](g["attprojb"][l], dres)
+            k["attention_backward"](dqkv, dbtc, a["qkvr"][l], a["att"][l])         # d qkv (B,T,3C)
+            k["mmb_qkv"](dbtc, g["qkvw"][l], dqkv, a["ln1"][l], p["qkvw"][l])      # d ln1 (B,T,C)
+            k["bias_3C"](g["qkvb"][l], dqkv)
+            k["layernorm_backward"](dres, g["ln1w"][l], g["ln1b"][l], dbtc, residual,
+                                    p["ln1w"][l], a["ln1_mean"][l], a["ln1_rstd"][l])  # dres = d residual
+        k["encoder_backward"](g["wte"], g["wpe"], dres, self.inputs)
+        self.dlogits_ready = False
+
+    def update(self, lr: float, step: int, weight_decay: float = 0.0, beta1: float = 0.9,
+               beta2: float = 0.95, eps: float = 1e-8, max_norm: float = 1.0) -> None:
+        """Global-norm clipping (computed and applied on the device) and AdamW. `step` is 1-based."""
+        self.k["global_norm"](self.norm2, self.grads)
+        for adamw, decay, params, grads, m, v in self.adamw_plan:
+            adamw(params, grads, m, v, self.norm2, lr, beta1, beta2, eps,
+                  weight_decay if decay else 0.0, step, max_norm)
+
+    def grad_norm(self) -> float:
+        """The global gradient norm computed by the last update() (a host read: a sync)."""
+        return float(math.sqrt(max(float(self.be.download(self.norm2).reshape(-1)[0]), 0.0)))
+
+    def step_loss(self) -> float:
+        """Mean loss over the micro-steps since zero_grad() (a host read: a sync)."""
+        acc = self.be.download(self.a["loss_acc"]).astype(np.float64)
+        return float(acc.mean() / max(self.micro_steps, 1))
