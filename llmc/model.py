@@ -259,6 +259,12 @@ class GPT2:
         """Host copy of the logits (B, T, V) of the last forward without targets."""
         return self.be.download(self.a["logits"])[..., :self.cfg.vocab_size]
 
+    def logits_row(self, b: int, t: int) -> np.ndarray:
+        """Host copy of one row of logits (V,): copies V floats, not the whole (B, T, Vp) buffer."""
+        Vp = self.cfg.padded_vocab_size
+        row = self.be.view(self.a["logits"], (b * self.T + t) * Vp, (Vp,))
+        return self.be.download(row)[:self.cfg.vocab_size]
+
     # ------------------------------------------------------------------------------------------
     # backward and update
 

@@ -1,0 +1,296 @@
+"""The training driver behind train_gpt2.py: flags, the loop, validation, samples, checkpoints.
+
+    python train_gpt2.py                                  # GPT-2 124M on tiny shakespeare (GPU), or a
+                                                          # small model on the numpy backend without one
+    python train_gpt2.py -e d12 -b 4 -t 1024 -x 100       # from scratch
+    python train_gpt2.py --softmax-kernel 5 --matmul-kernel 5
+    python train_gpt2.py --device cpu -e L2C64H2 -b 4 -t 64 -x 50
+    python train_gpt2.py -o out -n 100 ; python train_gpt2.py -o out -y 1   # checkpoints, resume
+    python train_gpt2.py --list-kernels
+
+Long flags are readable; llm.c's one-letter flags are aliases (-i -j -e -o -n -y -b -t -d -x -l -u
+-k -q -c -v -m -s -g -a).
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from llmc.errors import LLMCError
+
+DEFAULT_TRAIN = "dev/data/tinyshakespeare/tiny_shakespeare_train.bin"
+DEFAULT_VAL = "dev/data/tinyshakespeare/tiny_shakespeare_val.bin"
+SMALL_CPU_MODEL = ("L2C64H2", 4, 64)  # what `python train_gpt2.py` trains when there is no GPU
+
+
+# ----------------------------------------------------------------------------------------------
+# flags
+
+def kernel_flags():
+    """[(flag, op name, help)] for every op with GPU variants, from the op registry."""
+    from llmc import ops
+    out = []
+    for name, spec in ops.registry().items():
+        if spec.variants and spec.flag:
+            have = ", ".join(str(k) for k in sorted(spec.variants))
+            out.append((spec.flag, name, f"{name} variant ({have}; default {spec.default})"))
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="train_gpt2.py", description="Train GPT-2 on our own CUDA kernels "
+                                "(or the numpy backend).", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    a = p.add_argument
+    a("-i", "--train-data", default=DEFAULT_TRAIN, help="train shards (glob pattern)")
+    a("-j", "--val-data", default=DEFAULT_VAL, help="val shards (glob pattern); '' = none")
+    a("-e", "--model", default=None, help="checkpoint file, llm.c descriptor (d6, d12, d24, d36, d48) "
+      "or L<layers>C<channels>H<heads>; default gpt2_124M.bin if present, else d12")
+    a("-o", "--output-dir", default=None, help="where main.log, checkpoints and state go")
+    a("-n", "--checkpoint-every", type=int, default=0, help="write a checkpoint every N steps (0 = only at the end, with -o)")
+    a("-y", "--resume", type=int, default=0, help="1 = resume from the latest checkpoint in -o")
+    a("-b", "--batch-size", type=int, default=None, help="micro batch size B (default 4)")
+    a("-t", "--seq-len", type=int, default=None, help="sequence length T (default 1024)")
+    a("-d", "--total-batch-size", type=int, default=-1, help="tokens per optimizer step (-1 = B*T); gives gradient accumulation")
+    a("-x", "--max-steps", type=int, default=-1, help="optimizer steps (-1 = one epoch of the train data)")
+    a("-l", "--learning-rate", type=float, default=3e-4)
+    a("-u", "--warmup-steps", type=int, default=0)
+    a("-k", "--lr-schedule", default="cosine", help="cosine | linear | constant | wsd")
+    a("-q", "--final-lr-frac", type=float, default=1.0, help="final lr as a fraction of -l")
+    a("-c", "--weight-decay", type=float, default=0.0)
+    a("-v", "--val-every", type=int, default=20, help="validate every N steps (0 = never)")
+    a("-m", "--val-batches", type=int, default=20, help="batches per validation")
+    a("-s", "--sample-every", type=int, default=20, help="print a text sample every N steps (0 = never)")
+    a("-g", "--gen-tokens", type=int, default=64, help="tokens per sample")
+    a("-a", "--overfit-single-batch", type=int, default=0, help="1 = train on the first batch only")
+    a("--grad-clip", type=float, default=1.0, help="global gradient-norm clip (0 = off)")
+    a("--seed", type=int, default=1337)
+    a("--shuffle", type=int, default=0, help="1 = seeded shuffle of shards and windows each epoch")
+    a("--device", default="auto", help="cpu | cuda | auto")
+    a("--precision", default="fp32", help="fp32 (the only one so far)")
+    a("--list-kernels", action="store_true", help="print every op's kernel variants and exit")
+    try:
+        flags = kernel_flags()
+    except Exception:  # an op module that fails to import must not hide --help
+        flags = []
+    g = p.add_argument_group("kernel variants (GPU; the numpy backend accepts and ignores them)")
+    for flag, name, helptext in flags:
+        g.add_argument(flag, type=int, default=None, dest=f"kernel_{name}", help=helptext)
+    return p
+
+
+def list_kernels() -> str:
+    from llmc import ops
+    lines = []
+    for name, spec in ops.registry().items():
+        if not spec.variants:
+            continue
+        lines.append(f"{name}  ({spec.flag}, default {spec.default})")
+        for num in sorted(spec.variants):
+            mark = "*" if num == spec.default else " "
+            lines.append(f"  {mark}{num}: {spec.variants[num].description}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# checkpoints
+
+def checkpoint_paths(out_dir: str, step: int) -> tuple[str, str]:
+    return (os.path.join(out_dir, f"model_{step:08d}.bin"), os.path.join(out_dir, f"state_{step:08d}.bin"))
+
+
+def latest_checkpoint(out_dir: str) -> int | None:
+    steps = []
+    for f in glob.glob(os.path.join(out_dir, "state_*.bin")):
+        try:
+            step = int(Path(f).stem.split("_")[1])
+        except (IndexError, ValueError):
+            continue
+        if os.path.exists(checkpoint_paths(out_dir, step)[0]):
+            steps.append(step)
+    return max(steps) if steps else None
+
+
+def save_checkpoint(out_dir, step, model, loader, rng):
+    from llmc.checkpoint import write_model, write_state
+    mpath, spath = checkpoint_paths(out_dir, step)
+    write_model(mpath, model.cfg, model.get_params(), dtype="fp32")
+    extra = {"rng": rng.bit_generator.state}
+    write_state(spath, step, model.be.download(model.m).reshape(-1), model.be.download(model.v).reshape(-1),
+                loader.state(), extra)
+    return mpath
+
+
+# ----------------------------------------------------------------------------------------------
+# main
+
+def resolve_model_arg(arg):
+    if arg is not None:
+        return arg
+    return "gpt2_124M.bin" if os.path.exists("gpt2_124M.bin") else "d12"
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.list_kernels:
+        print(list_kernels())
+        return 0
+    if args.precision != "fp32":
+        raise LLMCError(f"--precision {args.precision}: only fp32 is implemented")
+    kernels = {k[len("kernel_"):]: v for k, v in vars(args).items() if k.startswith("kernel_") and v is not None}
+
+    from llmc.backend import make_backend
+    be = make_backend(args.device, kernels)
+
+    # the defaults that depend on the device: a real run on a GPU, a small one on the numpy backend
+    small = be.name == "cpu" and args.model is None and args.batch_size is None and args.seq_len is None
+    if small:
+        args.model, args.batch_size, args.seq_len = SMALL_CPU_MODEL
+        if args.max_steps < 0:
+            args.max_steps = 50
+        print(f"no GPU in use: training a small model ({args.model}, B={args.batch_size}, T={args.seq_len}) "
+              f"on the numpy backend; on a GPU machine this command trains GPT-2 124M with our CUDA kernels")
+    B = args.batch_size or 4
+    T = args.seq_len or 1024
+    model_arg = resolve_model_arg(args.model)
+
+    # model config and weights
+    from llmc.config import config_from_name
+    params = None
+    if os.path.exists(model_arg) or model_arg.endswith(".bin"):
+        from llmc.checkpoint import read_model
+        cfg, params = read_model(model_arg)
+        origin = f"checkpoint {model_arg}"
+    else:
+        cfg = config_from_name(model_arg)
+        origin = f"random init ({model_arg}, seed {args.seed})"
+
+    # data
+    from llmc.data import DataLoader
+    train_loader = DataLoader(args.train_data, B, T, shuffle=bool(args.shuffle), seed=args.seed)
+    val_loader = DataLoader(args.val_data, B, T) if args.val_data and args.val_every > 0 else None
+    tokens_per_micro = B * T
+    total = args.total_batch_size if args.total_batch_size > 0 else tokens_per_micro
+    if total % tokens_per_micro != 0:
+        raise LLMCError(f"-d/--total-batch-size {total}: must be a multiple of B*T = {tokens_per_micro}")
+    accum = total // tokens_per_micro
+    max_steps = args.max_steps if args.max_steps > 0 else max(train_loader.num_tokens // total, 1)
+
+    from llmc.model import GPT2
+    model = GPT2(cfg, be, B, T)
+    model.grad_accum_steps = accum
+    if params is not None:
+        model.load_params(params)
+    else:
+        model.init_params(args.seed)
+    rng = np.random.default_rng(args.seed)
+
+    start_step = 0
+    if args.resume:
+        if not args.output_dir:
+            raise LLMCError("-y/--resume 1 needs -o/--output-dir (where the checkpoints are)")
+        last = latest_checkpoint(args.output_dir)
+        if last is None:
+            raise LLMCError(f"-y/--resume 1: no checkpoint (model_*.bin + state_*.bin) in {args.output_dir}")
+        from llmc.checkpoint import read_model, read_state
+        mpath, spath = checkpoint_paths(args.output_dir, last)
+        cfg2, params = read_model(mpath)
+        if cfg2 != cfg:
+            raise LLMCError(f"{mpath}: its config ({cfg2.describe()}) differs from -e ({cfg.describe()})")
+        model.load_params(params)
+        st = read_state(spath, cfg.num_parameters)
+        be.upload(model.m, st["m"]); be.upload(model.v, st["v"])
+        train_loader.load_state(st["loader"])
+        if "rng" in st.get("extra", {}):
+            rng.bit_generator.state = st["extra"]["rng"]
+        start_step = st["step"]
+        origin = f"resumed from {mpath} (step {start_step})"
+
+    print(f"model: {cfg.describe()} | {origin}")
+    print(f"backend: {be.describe()} | B={B} T={T} grad accum {accum} | {max_steps} steps | "
+          f"train {train_loader.num_tokens:,} tokens")
+    if be.name == "cuda":
+        print("kernels: " + ", ".join(f"{k}={v}" for k, v in sorted(be.kernels.items())))
+
+    logf = None
+    if args.output_dir:
+        os.makedirs(args.output_dir, exist_ok=True)
+        logf = open(os.path.join(args.output_dir, "main.log"), "a" if args.resume else "w")
+
+    from llmc.schedule import get_lr
+    get_lr(args.lr_schedule, 0, args.learning_rate, args.warmup_steps, max_steps, args.final_lr_frac)
+
+    tokenizer = None
+    if args.sample_every > 0:
+        try:
+            from llmc.tokenizer import get_encoding
+            tokenizer = get_encoding()
+        except LLMCError as e:
+            print(f"WARNING: no tokenizer ({e}); samples are printed as token ids")
+
+    overfit_batch = train_loader.next_batch() if args.overfit_single_batch else None
+    for step in range(start_step, max_steps + 1):
+        last_step = step == max_steps
+        # a resumed run already validated, sampled and saved at start_step before it stopped:
+        # doing it again would draw from the sampling rng and break bit-exact continuation
+        again = bool(args.resume) and step == start_step
+        # validation
+        if val_loader is not None and not again and (step % args.val_every == 0 or last_step):
+            val_loader.reset()
+            vl = 0.0
+            nb = min(args.val_batches, max(val_loader.num_tokens // (B * T + 1), 1))
+            for _ in range(nb):
+                x, y = val_loader.next_batch()
+                vl += model.forward(x, y, grad=False)
+            vl /= nb
+            print(f"val loss {vl:.6f}")
+            if logf:
+                logf.write(f"s:{step} tel:{vl:.6f}\n"); logf.flush()
+        # samples
+        if args.sample_every > 0 and not again and (step % args.sample_every == 0 or last_step) and step > 0:
+            from llmc.sample import sample_during_training
+            text = sample_during_training(model, args.gen_tokens, rng, tokenizer)
+            print(f"generating:\n---\n{text}\n---")
+        # checkpoint
+        if args.output_dir and step > start_step and (last_step or (args.checkpoint_every > 0 and step % args.checkpoint_every == 0)):
+            path = save_checkpoint(args.output_dir, step, model, train_loader, rng)
+            print(f"wrote {path}")
+        if last_step:
+            break
+
+        # one optimizer step: accum micro-steps of forward + backward, then clip + AdamW
+        t0 = time.perf_counter()
+        model.zero_grad()
+        for _ in range(accum):
+            x, y = overfit_batch if overfit_batch is not None else train_loader.next_batch()
+            model.forward(x, y, read_loss=False)
+            model.backward()
+        lr = get_lr(args.lr_schedule, step, args.learning_rate, args.warmup_steps, max_steps, args.final_lr_frac)
+        model.update(lr, step + 1, weight_decay=args.weight_decay, max_norm=args.grad_clip)
+        loss = model.step_loss()   # host read: the one sync of the step
+        norm = model.grad_norm()
+        ms = (time.perf_counter() - t0) * 1000
+        print(f"step {step + 1:4d}/{max_steps} | loss {loss:.6f} | norm {norm:.4f} | lr {lr:.2e} | "
+              f"{ms:.2f} ms | {total / (ms / 1000):.0f} tok/s")
+        if logf:
+            logf.write(f"s:{step + 1} trl:{loss:.6f}\n"); logf.flush()
+    if logf:
+        logf.close()
+    return 0
+
+
+def cli(argv=None) -> int:
+    """Entry point: user mistakes become one line on stderr and exit code 1."""
+    try:
+        return main(argv)
+    except LLMCError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
