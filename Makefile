@@ -1,0 +1,35 @@
+# Two commands do everything:  make train  (the main job)   make test  (the test suite)
+PY ?= python3
+PIP ?= $(PY) -m pip
+
+.PHONY: setup setup-test data train test gpu-test lab bench profile clean
+
+setup:            ## runtime dependencies (PyCUDA comes separately on a GPU machine: pip install pycuda)
+	$(PIP) install -q -r requirements.txt
+
+setup-test: setup
+	$(PIP) install -q -r requirements-test.txt
+
+data: setup       ## tokenize tiny shakespeare into dev/data/tinyshakespeare/*.bin (skips if present)
+	$(PY) prepro_tinyshakespeare.py
+
+train: data       ## GPT-2 124M on the GPU; without one, a small model on the numpy backend
+	$(PY) train_gpt2.py
+
+test: setup-test  ## the CI suite (no GPU needed)
+	$(PY) -m pytest -q
+
+gpu-test:         ## on a GPU machine: every kernel variant, the model on cuda vs cpu
+	$(PY) -m pytest -m gpu -q
+
+lab:              ## on a GPU machine: the whole kernel lab -> docs/lab/
+	$(PY) dev/cuda/run_all.py
+
+bench:            ## on a GPU machine: d12 training step at B=4, T=1024
+	$(PY) dev/bench_step.py
+
+profile:          ## on a GPU machine: per-kernel profile of one d12 training step
+	$(PY) dev/profile_step.py
+
+clean:
+	rm -rf out .pytest_cache

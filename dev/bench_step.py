@@ -1,0 +1,84 @@
+"""Benchmark: one training step of GPT-2 124M (d12) at B=4, T=1024 on the GPU.
+
+    python dev/bench_step.py                       # default kernel variants
+    python dev/bench_step.py --softmax-kernel 5 --matmul-kernel 5
+    python dev/bench_step.py --steps 30 --graph    # (graph: replay the step as a CUDA graph, if available)
+
+Times forward + backward + clip + AdamW + the loss read, exactly the trainer's step, with CUDA
+events around each step after warm-up; prints the median ms/step, tokens/s and peak GPU memory
+(our allocations, and the device's used memory as nvidia-smi would count it, context included).
+"""
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+
+from llmc.backend import CudaBackend  # noqa: E402
+from llmc.config import config_from_name  # noqa: E402
+from llmc.model import GPT2  # noqa: E402
+from llmc.train import kernel_flags  # noqa: E402
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-e", "--model", default="d12")
+    p.add_argument("-b", "--batch-size", type=int, default=4)
+    p.add_argument("-t", "--seq-len", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    for flag, name, h in kernel_flags():
+        p.add_argument(flag, type=int, default=None, dest=f"kernel_{name}", help=h)
+    args = p.parse_args()
+    kernels = {k[7:]: v for k, v in vars(args).items() if k.startswith("kernel_") and v is not None}
+
+    be = CudaBackend(kernels)
+    rt = be.rt
+    free0, total = rt.mem_info()
+    cfg = config_from_name(args.model)
+    B, T = args.batch_size, args.seq_len
+    t0 = time.perf_counter()
+    model = GPT2(cfg, be, B, T)
+    model.init_params(0)
+    build_s = time.perf_counter() - t0
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32)
+    y = rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32)
+
+    def step(i):
+        model.zero_grad()
+        model.forward(x, y, read_loss=False)
+        model.backward()
+        model.update(3e-4, i + 1)
+        return model.step_loss()
+
+    for i in range(args.warmup):
+        step(i)
+    times, walls = [], []
+    for i in range(args.steps):
+        s, e = rt.event(), rt.event()
+        w0 = time.perf_counter()
+        s.record(rt.stream)
+        loss = step(args.warmup + i)
+        e.record(rt.stream)
+        e.synchronize()
+        walls.append((time.perf_counter() - w0) * 1000)
+        times.append(e.time_since(s))
+    free1, _ = rt.mem_info()
+    ms = statistics.median(times)
+    print(f"device: {rt.name} | model {cfg.describe()} | B={B} T={T} | build {build_s:.1f} s")
+    print("kernels: " + ", ".join(f"{k}={v}" for k, v in sorted(be.kernels.items())))
+    print(f"step: median {ms:.2f} ms (GPU events), {statistics.median(walls):.2f} ms wall | "
+          f"{B * T / (ms / 1000):,.0f} tokens/s | last loss {loss:.4f}")
+    print(f"memory: {rt.allocated_bytes / 2**30:.2f} GiB allocated by the model | "
+          f"{(total - free1) / 2**30:.2f} GiB used on the device (context included; "
+          f"{(total - free0) / 2**30:.2f} GiB before the model)")
+
+
+if __name__ == "__main__":
+    main()
