@@ -3,9 +3,8 @@
     from llmc.sample import sample_token, generate_full
     tok = sample_token(logits_row, temperature=0.8, top_k=40, rng=rng)   # one draw from one row
 
-generate_full runs the whole (B, T) forward of a model built for training for every new token
-(llm.c's way during training: simple, no extra buffers, O(T) work per token). The KV-cache decoder
-for the sampling CLI lives in llmc/decode.py.
+generate_full runs the whole (B, T) forward of a model for every new token (O(T) work per token):
+the reference the KV-cache decoder (llmc/decode.py) is tested against, and the --no-kv-cache baseline.
 """
 from __future__ import annotations
 
@@ -51,9 +50,11 @@ def generate_full(model, prompt: list[int], n: int, temperature: float = 1.0, to
     return toks
 
 
-def sample_during_training(model, gen_tokens: int, rng: np.random.Generator, tokenizer=None) -> str:
-    """What the trainer prints every -s steps: gen_tokens tokens after <|endoftext|>, temperature 1."""
-    toks = generate_full(model, [EOT], gen_tokens, temperature=1.0, top_k=None, rng=rng)[1:]
+def sample_during_training(decoder, gen_tokens: int, rng: np.random.Generator, tokenizer=None) -> str:
+    """What the trainer prints every -s steps: gen_tokens tokens after <|endoftext|>, temperature 1,
+    through the same KV-cache decoder as sample_gpt2.py (reading the model's live weights)."""
+    from llmc.decode import generate
+    toks = generate(decoder, [EOT], gen_tokens, temperature=1.0, top_k=None, rng=rng)[0]
     if tokenizer is None:
         return " ".join(str(t) for t in toks)
     return tokenizer.decode([t for t in toks if t < tokenizer.n_vocab])

@@ -233,6 +233,7 @@ def main(argv=None) -> int:
         except LLMCError as e:
             print(f"WARNING: no tokenizer ({e}); samples are printed as token ids")
 
+    decoder = None  # built at the first sample; reads the model's live weights
     overfit_batch = train_loader.next_batch() if args.overfit_single_batch else None
     for step in range(start_step, max_steps + 1):
         last_step = step == max_steps
@@ -253,8 +254,11 @@ def main(argv=None) -> int:
                 logf.write(f"s:{step} tel:{vl:.6f}\n"); logf.flush()
         # samples
         if args.sample_every > 0 and not again and (step % args.sample_every == 0 or last_step) and step > 0:
+            from llmc.decode import Decoder
             from llmc.sample import sample_during_training
-            text = sample_during_training(model, args.gen_tokens, rng, tokenizer)
+            if decoder is None:
+                decoder = Decoder(cfg, be, 1, params_buf=model.params)
+            text = sample_during_training(decoder, min(args.gen_tokens, cfg.max_seq_len - 1), rng, tokenizer)
             print(f"generating:\n---\n{text}\n---")
         # checkpoint
         if args.output_dir and step > start_step and (last_step or (args.checkpoint_every > 0 and step % args.checkpoint_every == 0)):

@@ -1,0 +1,171 @@
+"""Generation with a KV cache: after the prompt, each new token costs one position's worth of work.
+
+    from llmc.decode import Decoder, generate
+    dec = Decoder(cfg, backend, B=1, params=host_params)     # or params_buf= a model's flat buffer
+    toks = generate(dec, prompt_ids, max_new=200, temperature=0.8, top_k=40, rng=rng)
+
+The decoder keeps, per layer, the keys and values of every position so far: kcache and vcache
+(L, B, NH, maxT, hs). One step takes B new tokens at position `pos` through the network at M = B
+rows: the encoder at that position, layernorm, the qkv matmul, the new k and v appended to the
+cache, the attention of one query over positions 0..pos (our decode kernel on the GPU), and the
+rest of the block; then the lm head gives the next logits. The prompt is fed through the same step,
+one position at a time (so the cache is filled by exactly the code that uses it).
+
+When the context reaches maxT the window slides: the cache is rebuilt from the last maxT/2 tokens
+(recomputed), and we say so once.
+"""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from llmc.config import GPT2Config, param_layout, param_shapes
+from llmc.errors import LLMCError
+from llmc.sample import EOT, sample_token
+
+
+# ----------------------------------------------------------------------------------------------
+# the two ops only decoding needs, for the numpy backend (the GPU ones live in llmc/ops/attention.py)
+
+def kv_append_cpu(B, C, NH, maxT):
+    hs = C // NH
+
+    def launch(kcache, vcache, qkv, pos):
+        kv = qkv.reshape(B, 3, NH, hs)
+        kcache[:, :, pos, :] = kv[:, 1]
+        vcache[:, :, pos, :] = kv[:, 2]
+    return launch
+
+
+def attention_decode_cpu(B, C, NH, maxT):
+    from llmc.ops.attention import attention_decode_ref
+
+    def launch(out, qkv, kcache, vcache, pos):
+        q = qkv.reshape(B, 3 * C)[:, :C]
+        out[...] = attention_decode_ref(q, kcache, vcache, pos).reshape(out.shape)
+    return launch
+
+
+class Decoder:
+    def __init__(self, cfg: GPT2Config, backend, B: int, params: np.ndarray | None = None, params_buf=None):
+        self.cfg, self.be, self.B = cfg, backend, B
+        L, C, NH, Vp, maxT = cfg.num_layers, cfg.channels, cfg.num_heads, cfg.padded_vocab_size, cfg.max_seq_len
+        hs = C // NH
+        be = backend
+        if params_buf is None:
+            params_buf = be.empty((cfg.num_parameters,))
+            be.upload(params_buf, np.asarray(params, dtype=be.dtype))
+        self.params = params_buf
+        self.p = {name: be.view(params_buf, off, shape)
+                  for (name, shape), (_, off, _) in zip(param_shapes(cfg), param_layout(cfg))}
+        self.wpe_off = param_layout(cfg)[1][1]
+        a = {}
+        for name, shape in [("x", (B, 1, C)), ("ln", (B, C)), ("mean", (B,)), ("rstd", (B,)),
+                            ("qkv", (B, 3 * C)), ("atty", (B, C)), ("proj", (B, C)),
+                            ("fch", (B, 4 * C)), ("fch_gelu", (B, 4 * C)), ("logits", (B, Vp))]:
+            a[name] = be.empty(shape)
+        self.a = a
+        self.kcache = be.zeros((L, B, NH, maxT, hs))
+        self.vcache = be.zeros((L, B, NH, maxT, hs))
+        self.kc = [be.view(self.kcache, l * B * NH * maxT * hs, (B, NH, maxT, hs)) for l in range(L)]
+        self.vc = [be.view(self.vcache, l * B * NH * maxT * hs, (B, NH, maxT, hs)) for l in range(L)]
+        self.tokens = be.zeros((B, 1), np.int32)
+        self._pinned = be.pinned((B, 1), np.int32)
+        op = be.op
+        self.k = {
+            "encoder": op("encoder_forward", B=B, T=1, C=C),
+            "layernorm": op("layernorm_forward", N=B, C=C),
+            "mm_qkv": op("matmul_forward", N=B, C=C, OC=3 * C, has_bias=True),
+            "mm_attproj": op("matmul_forward", N=B, C=C, OC=C, has_bias=True),
+            "mm_fc": op("matmul_forward", N=B, C=C, OC=4 * C, has_bias=True),
+            "mm_fcproj": op("matmul_forward", N=B, C=4 * C, OC=C, has_bias=True),
+            "mm_lmhead": op("matmul_forward", N=B, C=C, OC=Vp, has_bias=False),
+            "residual": op("residual_forward", N=B * C),
+            "gelu": op("gelu_forward", N=B * 4 * C),
+        }
+        if be.name == "cuda":
+            from llmc.ops import attention
+            self.k["kv_append"] = attention.build_kv_append(be.rt, B, C, NH, maxT)
+            self.k["attention"] = attention.build_attention_decode(be.rt, B, C, NH, maxT)
+        else:
+            self.k["kv_append"] = kv_append_cpu(B, C, NH, maxT)
+            self.k["attention"] = attention_decode_cpu(B, C, NH, maxT)
+
+    def step(self, tokens: np.ndarray, pos: int) -> np.ndarray:
+        """Feed B tokens at position pos; returns the next-token logits (B, V) on the host."""
+        cfg, a, p, k, be = self.cfg, self.a, self.p, self.k, self.be
+        C, L = cfg.channels, cfg.num_layers
+        if not 0 <= pos < cfg.max_seq_len:
+            raise LLMCError(f"decode position {pos} outside 0..{cfg.max_seq_len - 1}")
+        self._pinned[...] = np.asarray(tokens, np.int32).reshape(self.B, 1)
+        be.upload_async(self.tokens, self._pinned)
+        wpe_at = be.view(self.params, self.wpe_off + pos * C, (1, C))   # wpe[pos] as a T=1 table
+        k["encoder"](a["x"], self.tokens, p["wte"], wpe_at)              # (B,1,C)
+        x = be.view(a["x"], 0, (self.B, C))
+        for l in range(L):
+            k["layernorm"](a["ln"], a["mean"], a["rstd"], x, p["ln1w"][l], p["ln1b"][l])
+            k["mm_qkv"](a["qkv"], a["ln"], p["qkvw"][l], p["qkvb"][l])          # (B,3C)
+            k["kv_append"](self.kc[l], self.vc[l], a["qkv"], pos)
+            k["attention"](a["atty"], a["qkv"], self.kc[l], self.vc[l], pos)     # (B,C)
+            k["mm_attproj"](a["proj"], a["atty"], p["attprojw"][l], p["attprojb"][l])
+            k["residual"](x, x, a["proj"])                                        # x += attn
+            k["layernorm"](a["ln"], a["mean"], a["rstd"], x, p["ln2w"][l], p["ln2b"][l])
+            k["mm_fc"](a["fch"], a["ln"], p["fcw"][l], p["fcb"][l])              # (B,4C)
+            k["gelu"](a["fch_gelu"], a["fch"])
+            k["mm_fcproj"](a["proj"], a["fch_gelu"], p["fcprojw"][l], p["fcprojb"][l])
+            k["residual"](x, x, a["proj"])                                        # x += mlp
+        k["layernorm"](a["ln"], a["mean"], a["rstd"], x, p["lnfw"], p["lnfb"])
+        k["mm_lmhead"](a["logits"], a["ln"], p["wte"], None)                      # (B,Vp)
+        return be.download(a["logits"])[:, :cfg.vocab_size]
+
+
+def generate(dec: Decoder, prompt: list[int], max_new: int, temperature: float = 1.0,
+             top_k: int | None = None, rng: np.random.Generator | None = None,
+             stop_at_eot: bool = False, on_tokens=None, log=sys.stderr) -> list[list[int]]:
+    """B samples (dec.B) continuing the same prompt. on_tokens(list of B new tokens) is called after
+    each step (for streaming). Greedy when temperature <= 0. Returns the generated tokens per row."""
+    if not prompt:
+        raise LLMCError("the prompt is empty (use <|endoftext|> to start from nothing)")
+    rng = rng or np.random.default_rng(0)
+    B, maxT = dec.B, dec.cfg.max_seq_len
+    ctx = [list(prompt) for _ in range(B)]
+    out = [[] for _ in range(B)]
+    done = [False] * B
+    logits = _prefill(dec, ctx, len(ctx[0]))
+    pos = len(ctx[0])
+    warned = False
+    for _ in range(max_new):
+        new = [sample_token(logits[b], temperature, top_k, rng) for b in range(B)]
+        for b in range(B):
+            if not done[b]:
+                out[b].append(new[b])
+                done[b] = stop_at_eot and new[b] == EOT
+            ctx[b].append(new[b])
+        if on_tokens:
+            on_tokens(new, done)
+        if all(done):
+            break
+        if pos == maxT:  # the context is full: slide the window, recompute the cache
+            keep = maxT // 2
+            if not warned:
+                print(f"[context reached maxT={maxT}: sliding the window, recomputing the cache over "
+                      f"the last {keep} tokens]", file=log)
+                warned = True
+            logits = _prefill(dec, [c[-keep:] for c in ctx], keep)
+            pos = keep
+        else:
+            logits = dec.step(np.array([c[pos] for c in ctx]), pos)
+            pos += 1
+    return out
+
+
+def _prefill(dec: Decoder, ctx: list[list[int]], n: int) -> np.ndarray:
+    """Run positions 0..n-1 of ctx through the decoder (filling the cache); logits after the last."""
+    if n > dec.cfg.max_seq_len:
+        raise LLMCError(f"prompt of {n} tokens is longer than the model's max sequence length "
+                        f"{dec.cfg.max_seq_len}")
+    logits = None
+    for t in range(n):
+        logits = dec.step(np.array([c[t] for c in ctx]), t)
+    return logits
