@@ -1,0 +1,434 @@
+"""Attention: numpy references vs PyTorch float64 autograd (CPU), the composite's launch plan on a
+numpy "device" (CPU), and every GPU softmax variant plus the GPU composite and decode kernel vs the
+references (-m gpu).
+
+    python -m pytest tests/test_attention.py -q            # CPU part (CI)
+    python -m pytest tests/test_attention.py -q -m gpu     # GPU part, on a machine with a GPU
+"""
+import functools
+import math
+
+import numpy as np
+import pytest
+
+from llmc import ops
+from llmc.errors import LLMCError, VariantRefused
+from llmc.ops import attention as A
+from llmc.testing import assert_close, poison, rel_err
+
+# ----------------------------------------------------------------------------------------------
+# torch float64 versions of the math, written out (the oracle for the numpy references)
+
+
+def torch_causal_softmax(preatt, scale):
+    import torch
+    T = preatt.shape[-1]
+    mask = torch.tril(torch.ones(T, T, dtype=torch.bool))
+    return torch.softmax((preatt * scale).masked_fill(~mask, float("-inf")), dim=-1)
+
+
+def torch_attention(inp, NH):
+    """inp (B,T,3C) float64 tensor -> (out (B,T,C), att (B,NH,T,T)), GPT-2's causal attention."""
+    B, T, C3 = inp.shape
+    C = C3 // 3
+    hs = C // NH
+    q, k, v = inp.split(C, dim=2)
+    q, k, v = (x.view(B, T, NH, hs).transpose(1, 2) for x in (q, k, v))  # (B, NH, T, hs)
+    att = torch_causal_softmax(q @ k.transpose(-2, -1), 1.0 / math.sqrt(hs))
+    out = (att @ v).transpose(1, 2).reshape(B, T, C)
+    return out, att
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU: references vs torch
+
+
+@pytest.mark.parametrize("BNH,T", [(3, 17), (2, 1), (1, 64)])
+def test_softmax_refs_match_torch(BNH, T, rng):
+    import torch
+    scale = 0.3
+    preatt = rng.standard_normal((BNH, T, T)) * 3
+    datt = rng.standard_normal((BNH, T, T))
+    x = torch.tensor(preatt, requires_grad=True)
+    att_t = torch_causal_softmax(x, scale)
+    att_t.backward(torch.tensor(datt))
+    att = A.softmax_forward_ref(preatt, scale)
+    assert_close(att, att_t.detach().numpy(), 1e-12, 1e-10, "att")
+    assert np.all(att[:, ~np.tril(np.ones((T, T), bool))] == 0)
+    dpre = A.softmax_backward_ref(datt, att, scale)
+    # torch's gradient above the diagonal is 0 too (those inputs are masked out)
+    assert_close(dpre, x.grad.numpy(), 1e-12, 1e-10, "dpreatt")
+
+
+@pytest.mark.parametrize("B,T,C,NH", [(2, 9, 24, 3), (1, 1, 8, 2), (2, 16, 32, 4)])
+def test_attention_refs_match_torch(B, T, C, NH, rng):
+    import torch
+    inp = rng.standard_normal((B, T, 3 * C))
+    dout = rng.standard_normal((B, T, C))
+    x = torch.tensor(inp, requires_grad=True)
+    out_t, att_t = torch_attention(x, NH)
+    out_t.backward(torch.tensor(dout))
+    out, qkvr, att = A.attention_forward_ref(inp, NH)
+    assert out.shape == (B, T, C) and qkvr.shape == (B, T, 3 * C) and att.shape == (B, NH, T, T)
+    assert_close(out, out_t.detach().numpy(), 1e-12, 1e-10, "out")
+    assert_close(att, att_t.detach().numpy(), 1e-12, 1e-10, "att")
+    # qkvr layout: q | k | v, each (B, NH, T, hs), one after the other
+    hs = C // NH
+    q, k, v = qkvr.reshape(3, B, NH, T, hs)
+    assert np.array_equal(k[1 % B, NH - 1, T - 1], inp[1 % B, T - 1, C + (NH - 1) * hs:C + NH * hs])
+    assert np.array_equal(v[0, 0, 0], inp[0, 0, 2 * C:2 * C + hs])
+    dinp = A.attention_backward_ref(dout, qkvr, att, NH)
+    assert_close(dinp, x.grad.numpy(), 1e-12, 1e-10, "dinp")
+
+
+def test_refs_keep_float32():
+    rng = np.random.default_rng(0)
+    inp = rng.standard_normal((1, 5, 24)).astype(np.float32)
+    out, qkvr, att = A.attention_forward_ref(inp, 2)
+    assert out.dtype == qkvr.dtype == att.dtype == np.float32
+    assert A.attention_backward_ref(out, qkvr, att, 2).dtype == np.float32
+
+
+def test_cpu_launchers_write_in_place(rng):
+    B, T, C, NH = 2, 7, 12, 3
+    inp = rng.standard_normal((B, T, 3 * C))
+    out, qkvr, att = np.full((B, T, C), np.nan), np.full((B, T, 3 * C), np.nan), np.full((B, NH, T, T), np.nan)
+    ops.get("attention_forward").cpu(B=B, T=T, C=C, NH=NH)(out, qkvr, att, inp)
+    r_out, r_qkvr, r_att = A.attention_forward_ref(inp, NH)
+    assert np.array_equal(out, r_out) and np.array_equal(qkvr, r_qkvr) and np.array_equal(att, r_att)
+    dout = rng.standard_normal((B, T, C))
+    dinp = np.full((B, T, 3 * C), np.nan)
+    ops.get("attention_backward").cpu(B=B, T=T, C=C, NH=NH)(dinp, dout, qkvr, att)
+    assert np.array_equal(dinp, A.attention_backward_ref(dout, qkvr, att, NH))
+    # softmax ops on flat (BNH, T, T) buffers
+    pre = rng.standard_normal((B * NH, T, T))
+    a = np.full_like(pre, np.nan)
+    ops.get("softmax_forward").cpu(BNH=B * NH, T=T, scale=0.5)(a, pre)
+    assert np.array_equal(a, A.softmax_forward_ref(pre, 0.5))
+    d = np.full_like(pre, np.nan)
+    ops.get("softmax_backward").cpu(BNH=B * NH, T=T, scale=0.5)(d, pre, a)
+    assert np.array_equal(d, A.softmax_backward_ref(pre, a, 0.5))
+
+
+@pytest.mark.parametrize("B,T,C,NH,maxT", [(2, 9, 24, 3, 16), (1, 1, 8, 2, 4), (3, 16, 32, 4, 16)])
+def test_decode_ref_matches_forward_last_row(B, T, C, NH, maxT, rng):
+    inp = rng.standard_normal((B, T, 3 * C))
+    out, qkvr, _ = A.attention_forward_ref(inp, NH)
+    q, kc, vc = _decode_inputs(inp, qkvr, B, T, C, NH, maxT, rng)
+    assert_close(A.attention_decode_ref(q, kc, vc, T - 1), out[:, T - 1], 1e-12, 1e-10)
+
+
+def _decode_inputs(inp, qkvr, B, T, C, NH, maxT, rng):
+    """q of the last token and caches holding k, v of positions 0..T-1 (garbage after)."""
+    hs = C // NH
+    _, k, v = qkvr.reshape(3, B, NH, T, hs)
+    kc = rng.standard_normal((B, NH, maxT, hs)).astype(inp.dtype) * 100  # beyond pos: must be ignored
+    vc = rng.standard_normal((B, NH, maxT, hs)).astype(inp.dtype) * 100
+    kc[:, :, :T], vc[:, :, :T] = k, v
+    return np.ascontiguousarray(inp[:, T - 1, :C]), kc, vc
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU: the variant tables and refusals (no GPU needed)
+
+
+@pytest.mark.parametrize("name", ["softmax_forward", "softmax_backward"])
+def test_variant_tables(name):
+    spec = ops.get(name)
+    assert len(spec.variants) >= 5 and spec.default in spec.variants
+    for n, v in spec.variants.items():
+        assert v.number == n and v.description
+        assert v.refuse_reason(BNH=48, T=1024, scale=0.125) is None
+        assert v.refuse_reason(BNH=4, T=64, scale=0.125) is None
+    for n in (5, 6):  # float4 variants refuse T % 4 != 0, saying why
+        assert "multiple of 4" in spec.variants[n].refuse_reason(BNH=4, T=65, scale=0.125)
+        with pytest.raises(VariantRefused, match="multiple of 4"):
+            spec.build(None, n, BNH=4, T=65, scale=0.125)
+    assert "2048" in spec.variants[6].refuse_reason(BNH=1, T=4096, scale=0.1)
+    assert "power of two" in spec.variants[2].refuse_reason(BNH=1, T=8, scale=0.1, block_size=96)
+    with pytest.raises(LLMCError, match="no variant 99"):
+        spec.variant(99)
+
+
+def test_composites_have_no_variants():
+    # the composites take no part in kernel_choices; their GPU side is build_attention_*
+    for name in ("attention_forward", "attention_backward"):
+        assert ops.get(name).variants == {}
+
+
+def test_chunks_cover_rows():
+    for T in (1, 63, 64, 65, 200, 1024):
+        for c in (1, 2, 3, 4, 8):
+            ch = A._chunks(T, c)
+            assert ch[0][0] == 0 and ch[-1][1] == T
+            assert all(a[1] == b[0] for a, b in zip(ch, ch[1:]))
+            assert all(t1 > t0 for t0, t1 in ch)
+    with pytest.raises(LLMCError):
+        A._chunks(64, 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU: the composite's launch plan (pointer offsets, strides, causal chunks) run on a numpy
+# "device": a float64 heap filled with NaN, pointers are byte offsets into it, the GEMM engine and
+# our kernels are emulated with numpy. Anything the plan reads that nothing wrote shows up as NaN.
+
+
+class _Arr:
+    def __init__(self, ptr, shape):
+        self.ptr, self.shape = ptr, tuple(shape)
+        self.size = int(np.prod(shape))
+
+
+class FakeRuntime:
+    max_smem_optin = 227 * 1024
+
+    def __init__(self, nfloats):
+        self.heap = np.full(nfloats, np.nan)
+        self.top = 64  # byte 0 stays unused so that a null pointer is an error
+        self.calls = []
+
+    def empty(self, shape, dtype=np.float32):
+        n = int(np.prod(shape))
+        a = _Arr(self.top, shape)
+        self.top += 4 * n + 64
+        assert self.top // 4 <= self.heap.size, "fake heap too small"
+        return a
+
+    def put(self, host):
+        a = self.empty(host.shape)
+        self.get_view(a.ptr, host.size)[:] = host.reshape(-1)
+        return a
+
+    def get(self, a):
+        return self.get_view(a.ptr, a.size).reshape(a.shape).copy()
+
+    def get_view(self, ptr, n):
+        assert ptr % 4 == 0 and ptr >= 64
+        return self.heap[ptr // 4: ptr // 4 + n]
+
+    def strided(self, ptr, shape, strides):
+        return np.lib.stride_tricks.as_strided(self.heap[ptr // 4:], shape, [8 * s for s in strides])
+
+    def kernel(self, module, func, argtypes, label=None, defines=None):
+        return _FakeKernel(self, func)
+
+
+class _FakeKernel:
+    def __init__(self, rt, func):
+        self.rt, self.func = rt, func
+
+    def set_max_dynamic_smem(self, n):
+        pass
+
+    def __call__(self, grid, block, *args, smem=0):
+        rt, f = self.rt, self.func
+        rt.calls.append(f)
+        if f.startswith(("permute", "unpermute")):
+            dst, src, B, T, S, NH, hs = (int(a) for a in args)
+            n = S * B * NH * T * hs
+            s = rt.get_view(src, n).copy()
+            if f.startswith("permute"):    # dst (S,B,NH,T,hs) <- src (B,T,S,NH,hs)
+                out = s.reshape(B, T, S, NH, hs).transpose(2, 0, 3, 1, 4)
+            else:                          # dst (B,T,S,NH,hs) <- src (S,B,NH,T,hs)
+                out = s.reshape(S, B, NH, T, hs).transpose(1, 3, 0, 2, 4)
+            rt.get_view(dst, n)[:] = out.reshape(-1)
+        elif f.startswith("softmax_forward"):
+            att, pre, BNH, T, scale = int(args[0]), int(args[1]), int(args[2]), int(args[3]), float(args[4])
+            x = rt.get_view(pre, BNH * T * T).reshape(BNH, T, T)
+            rt.get_view(att, BNH * T * T)[:] = A.softmax_forward_ref(x, scale).reshape(-1)
+        elif f.startswith("softmax_backward"):
+            dx, g, a, BNH, T = (int(x) for x in args[:5])
+            scale = float(args[5])
+            gv = rt.get_view(g, BNH * T * T).reshape(BNH, T, T)
+            av = rt.get_view(a, BNH * T * T).reshape(BNH, T, T)
+            rt.get_view(dx, BNH * T * T)[:] = A.softmax_backward_ref(gv, av, scale).reshape(-1)
+        else:
+            raise AssertionError(f"unexpected kernel {f}")
+
+
+def _fake_gemm_build(rt, variant, transA, transB, M, N, K, batch=1, lda=None, ldb=None, ldc=None,
+                     strideA=0, strideB=0, strideC=0, alpha=1.0, beta=0.0, has_bias=False):
+    """The engine's contract (llmc/ops/matmul.py) in numpy on the fake heap."""
+    lda = lda or (M if transA else K)
+    ldb = ldb or (K if transB else N)
+    ldc = ldc or N
+
+    def launch(C, Am, Bm, bias=None):
+        c, a, b = (x if isinstance(x, int) else x.ptr for x in (C, Am, Bm))
+        av = rt.strided(a, (batch, K, M) if transA else (batch, M, K), (strideA, lda, 1))
+        bv = rt.strided(b, (batch, N, K) if transB else (batch, K, N), (strideB, ldb, 1))
+        opa = av.swapaxes(-1, -2) if transA else av
+        opb = bv.swapaxes(-1, -2) if transB else bv
+        res = alpha * (opa @ opb)
+        cv = rt.strided(c, (batch, M, N), (strideC, ldc, 1))
+        if beta != 0.0:
+            res = res + beta * cv
+        cv[...] = res
+    return launch
+
+
+@pytest.mark.parametrize("B,T,C,NH,chunks", [
+    (2, 9, 24, 3, 1), (1, 1, 8, 2, 4), (2, 200, 32, 2, 3), (1, 256, 16, 2, 4), (1, 130, 16, 1, 8),
+])
+def test_composite_plan_on_numpy_device(B, T, C, NH, chunks, rng, monkeypatch):
+    import llmc.ops.matmul as mm
+    monkeypatch.setattr(mm, "gemm_build", _fake_gemm_build)
+    hs = C // NH
+    rt = FakeRuntime(8 * (3 * B * T * C + 3 * B * NH * T * T + 4096) + 4 * 3 * B * T * C)
+    fwd = A.build_attention_forward(rt, 6, 1, B=B, T=T, C=C, NH=NH, causal_chunks=chunks)
+    bwd = A.build_attention_backward(rt, 6, 1, B=B, T=T, C=C, NH=NH, causal_chunks=chunks)
+    inp = rng.standard_normal((B, T, 3 * C))
+    dout = rng.standard_normal((B, T, C))
+    d_inp, d_dout = rt.put(inp), rt.put(dout)
+    d_out, d_qkvr, d_att = rt.empty((B, T, C)), rt.empty((B, T, 3 * C)), rt.empty((B, NH, T, T))
+    d_dinp = rt.empty((B, T, 3 * C))
+    fwd(d_out, d_qkvr, d_att, d_inp)
+    bwd(d_dinp, d_dout, d_qkvr, d_att)
+    out, qkvr, att = A.attention_forward_ref(inp, NH)
+    assert_close(rt.get(d_out), out, 1e-7, 1e-6, "out")  # scale passes through float32
+    assert_close(rt.get(d_qkvr), qkvr, 0, 0, "qkvr")
+    assert_close(rt.get(d_att), att, 1e-7, 1e-6, "att")
+    assert_close(rt.get(d_dinp), A.attention_backward_ref(dout, qkvr, att, NH), 1e-7, 1e-6, "dinp")
+    # the plan launches: permute, gemms, softmax, gemms, unpermute (forward); float4 permutes when hs % 4 == 0
+    perm = "permute_kernel2" if hs % 4 == 0 else "permute_kernel1"
+    assert rt.calls[0] == perm
+
+
+def test_composite_falls_back_when_softmax_refuses(rng, monkeypatch, capsys):
+    import llmc.ops.matmul as mm
+    monkeypatch.setattr(mm, "gemm_build", _fake_gemm_build)
+    rt = FakeRuntime(1 << 16)
+    A.build_attention_forward(rt, 6, 1, B=1, T=65, C=8, NH=2)
+    assert "using softmax_forward 4" in capsys.readouterr().out
+    with pytest.raises(LLMCError, match="not divisible"):
+        A.build_attention_forward(rt, 6, 1, B=1, T=8, C=10, NH=3)
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: every softmax variant (poisoned outputs, every element checked, zeros above the diagonal)
+
+SOFTMAX_SHAPES = [(48, 1024), (4, 1), (6, 65), (5, 64)]
+
+
+@functools.lru_cache(maxsize=4)
+def _softmax_case(BNH, T):
+    """float32 inputs and float64 references for one shape (shared by all variants)."""
+    rng = np.random.default_rng(BNH * 10007 + T)
+    scale = 1.0 / math.sqrt(64)
+    preatt = (rng.standard_normal((BNH, T, T)) * 8).astype(np.float32)  # scaled logits ~ N(0, 1)
+    # what the GEMM leaves above the diagonal must not matter: put NaN and huge values there
+    upper = ~np.tril(np.ones((T, T), bool))
+    preatt[:, upper] = np.where(rng.random(int(upper.sum())) < 0.5, np.nan, 1e30).astype(np.float32)
+    att64 = A.softmax_forward_ref(preatt.astype(np.float64), scale)
+    datt = rng.standard_normal((BNH, T, T)).astype(np.float32)
+    datt[:, upper] = np.nan
+    att32 = att64.astype(np.float32)
+    dpre64 = A.softmax_backward_ref(datt.astype(np.float64), att32.astype(np.float64), scale)
+    return scale, preatt, att64, datt, att32, dpre64
+
+
+def _variant_ids(name):
+    return [(name, n) for n in sorted(ops.get(name).variants)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("BNH,T", SOFTMAX_SHAPES)
+@pytest.mark.parametrize("n", sorted(A.SOFTMAX_FORWARD_VARIANTS))
+def test_softmax_forward_gpu(rt, n, BNH, T):
+    spec = ops.get("softmax_forward")
+    scale, preatt, att64, *_ = _softmax_case(BNH, T)
+    if spec.variants[n].refuse_reason(BNH=BNH, T=T, scale=scale):
+        pytest.skip(spec.variants[n].refuse_reason(BNH=BNH, T=T, scale=scale))
+    d_pre = rt.to_device(preatt)
+    d_att = rt.empty((BNH, T, T))
+    poison(d_att)
+    spec.build(rt, n, BNH=BNH, T=T, scale=scale)(d_att, d_pre)
+    got = d_att.get()
+    # fp32 with expf: a few ulp per element; the sum over <= 1024 terms adds ~1e-6 relative
+    assert_close(got, att64, atol=1e-7, rtol=1e-5, name=f"softmax_forward {n} att")
+    assert np.all(got[:, ~np.tril(np.ones((T, T), bool))] == 0.0), "upper triangle not written as 0"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("BNH,T", SOFTMAX_SHAPES)
+@pytest.mark.parametrize("n", sorted(A.SOFTMAX_BACKWARD_VARIANTS))
+def test_softmax_backward_gpu(rt, n, BNH, T):
+    spec = ops.get("softmax_backward")
+    scale, _, _, datt, att32, dpre64 = _softmax_case(BNH, T)
+    if spec.variants[n].refuse_reason(BNH=BNH, T=T, scale=scale):
+        pytest.skip(spec.variants[n].refuse_reason(BNH=BNH, T=T, scale=scale))
+    d_att, d_datt = rt.to_device(att32), rt.to_device(datt)
+    d_dpre = rt.empty((BNH, T, T))
+    poison(d_dpre)
+    spec.build(rt, n, BNH=BNH, T=T, scale=scale)(d_dpre, d_datt, d_att)
+    got = d_dpre.get()
+    # |dpreatt| <= scale * att * O(1); the fp32 dot over <= 1024 terms is good to ~1e-6 of its size
+    assert_close(got, dpre64, atol=1e-7, rtol=1e-4, name=f"softmax_backward {n} dpreatt")
+    assert np.all(got[:, ~np.tril(np.ones((T, T), bool))] == 0.0), "upper triangle not written as 0"
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: the composite forward/backward and the decode kernel
+
+ATTN_SHAPES = [(2, 65, 96, 2), (1, 1, 64, 1), (4, 64, 768, 12)]
+
+
+def _matmul_variants():
+    """The matmul variant numbers to drive the GEMM engine with (default first)."""
+    try:
+        fwd, bwd = ops.get("matmul_forward"), ops.get("matmul_backward")
+        return fwd.default, bwd.default
+    except KeyError:
+        return 1, 1
+
+
+# The GEMM engine may run on TF32 tensor cores: ~1e-3 relative per product with K = hs or T, so
+# elementwise checks would need ~1e-2; we compare norm-wise (rel_err < 5e-3) and require every
+# element written (finite). The permute into qkvr is a copy: exact.
+TF32_REL = 5e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunks", [1, 4])
+@pytest.mark.parametrize("sm", [1, 6])
+@pytest.mark.parametrize("B,T,C,NH", ATTN_SHAPES)
+def test_attention_composite_gpu(rt, B, T, C, NH, sm, chunks):
+    rng = np.random.default_rng(B * 1000 + T)
+    mf, mb = _matmul_variants()
+    fwd = A.build_attention_forward(rt, sm, mf, B=B, T=T, C=C, NH=NH, causal_chunks=chunks)
+    bwd = A.build_attention_backward(rt, sm, mb, B=B, T=T, C=C, NH=NH, causal_chunks=chunks)
+    inp = rng.standard_normal((B, T, 3 * C)).astype(np.float32)
+    dout = rng.standard_normal((B, T, C)).astype(np.float32)
+    out64, qkvr64, att64 = A.attention_forward_ref(inp.astype(np.float64), NH)
+    d_inp, d_dout = rt.to_device(inp), rt.to_device(dout)
+    d_out, d_qkvr, d_att = rt.empty((B, T, C)), rt.empty((B, T, 3 * C)), rt.empty((B, NH, T, T))
+    d_dinp = rt.empty((B, T, 3 * C))
+    poison(d_out, d_qkvr, d_att, d_dinp, *fwd.scratch.values(), *bwd.scratch.values())
+    fwd(d_out, d_qkvr, d_att, d_inp)
+    out, qkvr, att = d_out.get(), d_qkvr.get(), d_att.get()
+    assert_close(qkvr, qkvr64, 0, 0, "qkvr")
+    for name, got, ref in (("out", out, out64), ("att", att, att64)):
+        assert np.isfinite(got).all(), f"{name}: unwritten (NaN) elements"
+        assert rel_err(got, ref) < TF32_REL, f"{name}: rel_err {rel_err(got, ref):.2e}"
+    assert np.all(att[:, :, ~np.tril(np.ones((T, T), bool))] == 0.0)
+    # backward from the GPU's own forward state (what the model does)
+    bwd(d_dinp, d_dout, d_qkvr, d_att)
+    dinp = d_dinp.get()
+    ref = A.attention_backward_ref(dout.astype(np.float64), qkvr.astype(np.float64), att.astype(np.float64), NH)
+    assert np.isfinite(dinp).all(), "dinp: unwritten (NaN) elements"
+    assert rel_err(dinp, ref) < TF32_REL, f"dinp: rel_err {rel_err(dinp, ref):.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,T,C,NH,maxT", [(2, 65, 96, 2, 128), (1, 1, 64, 1, 16), (4, 1024, 768, 12, 1024),
+                                           (3, 300, 768, 12, 1024)])
+def test_attention_decode_gpu(rt, B, T, C, NH, maxT):
+    rng = np.random.default_rng(T)
+    inp = rng.standard_normal((B, T, 3 * C)).astype(np.float32)
+    out64, qkvr64, _ = A.attention_forward_ref(inp.astype(np.float64), NH)
+    q, kc, vc = _decode_inputs(inp, qkvr64.astype(np.float32), B, T, C, NH, maxT, rng)
+    d_out = rt.empty((B, C))
+    poison(d_out)
+    A.build_attention_decode(rt, B, C, NH, maxT)(d_out, rt.to_device(q), rt.to_device(kc), rt.to_device(vc), T - 1)
+    # plain fp32 dot products and sums over <= 1024 terms
+    assert_close(d_out.get(), out64[:, T - 1], atol=1e-5, rtol=1e-4, name="decode out")
