@@ -1,0 +1,187 @@
+"""Classifier: fused softmax + cross-entropy loss + the logit gradient, over llm.c's padded vocabulary.
+
+    python dev/cuda/classifier.py                 # validate + time every variant at N=4096, Vp=50304
+    python dev/cuda/classifier.py 4               # one variant
+    python -m pytest tests/test_classifier.py -q  # numpy references vs torch (add -m gpu on a GPU)
+
+Semantics (docs/ops.md), for launch(losses, logits, targets, dloss, write_dlogits):
+    losses(N) =      losses[i] = -log softmax(logits[i, :V])[targets[i]]
+    logits(N, Vp)    read; if write_dlogits, overwritten in place with the gradient of
+                     sum_i dloss * losses[i]: (softmax - onehot(targets[i])) * dloss on columns < V,
+                     0 on the padded columns V..Vp-1
+    targets(N) int32 in [0, V)
+The padded columns never affect the loss or the gradient (they may hold anything, NaN included).
+Shapes may carry extra leading dims ((B, T, Vp) logits, (B, T) losses/targets): N = B*T rows.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from llmc.errors import LLMCError
+from llmc.ops import OpSpec, Variant, refuse
+
+MODULE = "classifier"  # cuda/classifier.cu
+OP = "classifier"
+SMEM_LIMIT_SM90 = 227 * 1024  # opt-in shared memory per block on Hopper; build checks the real device
+
+# ----------------------------------------------------------------------------------------------
+# numpy references
+
+
+def classifier_forward_ref(logits, targets, V):
+    """(losses(N), probs(N, V)) for logits (N, Vp) (any leading dims flatten to N), in the logits'
+    dtype. Only the first V columns are read."""
+    Vp = logits.shape[-1]
+    x = logits.reshape(-1, Vp)[:, :V]
+    t = np.asarray(targets).reshape(-1)
+    if t.size and (t.min() < 0 or t.max() >= V):
+        raise LLMCError(f"classifier: targets must lie in [0, {V}), got [{t.min()}, {t.max()}]")
+    x = x - x.max(axis=1, keepdims=True)
+    e = np.exp(x)
+    s = e.sum(axis=1, keepdims=True)
+    probs = e / s
+    rows = np.arange(x.shape[0])
+    losses = np.log(s[:, 0]) - x[rows, t]  # -(x_t - max - log sum)
+    return losses, probs
+
+
+def classifier_backward_ref(probs, targets, dloss, Vp):
+    """dlogits(N, Vp): (probs - onehot(targets)) * dloss on the first V columns, 0 on the padding."""
+    N, V = probs.shape
+    t = np.asarray(targets).reshape(-1)
+    d = np.zeros((N, Vp), probs.dtype)
+    d[:, :V] = probs
+    d[np.arange(N), t] -= 1.0
+    d[:, :V] *= dloss
+    return d
+
+
+def classifier_cpu(N, V, Vp, **_):
+    """The numpy backend: launch(losses, logits, targets, dloss, write_dlogits) in place, with the
+    GPU variants' semantics. Works in the arrays' dtype (float32 for training, float64 for tests);
+    one exp over the (N, V) block and no Python loop, so N=256 x V=50257 takes well under a second."""
+    def launch(losses, logits, targets, dloss, write_dlogits):
+        L = logits.reshape(N, Vp)  # views: the arrays are contiguous
+        t = np.asarray(targets).reshape(N)
+        x = L[:, :V]
+        m = x.max(axis=1, keepdims=True)
+        rows = np.arange(N)
+        xt = x[rows, t] - m[:, 0]          # read the target logits before anything is overwritten
+        e = x - m                          # (N, V) the one temporary
+        np.exp(e, out=e)
+        s = e.sum(axis=1, keepdims=True)
+        losses.reshape(N)[...] = np.log(s[:, 0]) - xt
+        if write_dlogits:
+            e *= (dloss / s).astype(e.dtype)
+            x[...] = e
+            x[rows, t] -= L.dtype.type(dloss)
+            L[:, V:] = 0
+    return launch
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU variants: one block per row (versions 1-3) or a persistent grid (version 4)
+
+ARGTYPES = "PPPfiiii"  # losses, logits, targets, dloss, write_dlogits, N, V, Vp
+
+
+def _check_common(N, V, Vp, block_size=None, **_):
+    if V < 1 or Vp < V:
+        return f"need 1 <= V <= Vp, got V={V}, Vp={Vp}"
+    if N < 1:
+        return f"need N >= 1, got {N}"
+    if block_size is not None and (block_size % 32 or not 32 <= block_size <= 1024):
+        return f"block_size must be a multiple of 32 in [32, 1024], got {block_size}"
+    return None
+
+
+def _check_float4(N, V, Vp, block_size=None, **_):
+    return _check_common(N, V, Vp, block_size) or (
+        f"Vp={Vp} is not a multiple of 4 (float4 loads of each row)" if Vp % 4 else None)
+
+
+def _smem_bytes(V):
+    return -(-V // 4) * 16  # ceil(V/4) float4s: the row's real columns
+
+
+def _check_smem(N, V, Vp, block_size=None, **_):
+    return _check_float4(N, V, Vp, block_size) or (
+        f"a row of V={V} floats needs {_smem_bytes(V):,} bytes of shared memory, more than "
+        f"{SMEM_LIMIT_SM90:,}" if _smem_bytes(V) > SMEM_LIMIT_SM90 else None)
+
+
+def _aligned(logits, number):
+    if logits.ptr % 16:
+        raise LLMCError(f"{OP} variant {number}: the logits pointer must be 16-byte aligned (float4 loads)")
+
+
+def _build_row_kernel(rt, number, N, V, Vp, block_size, default_bs, smem=0, float4=False):
+    """The launch of a one-block-per-row kernel (versions 1-3)."""
+    bs = block_size or default_bs
+    k = rt.kernel(MODULE, f"classifier_kernel{number}", ARGTYPES, label=f"{OP} {number}")
+    if smem > 48 * 1024:
+        if smem > rt.max_smem_optin:
+            refuse(OP, number, f"a row of V={V} floats needs {smem:,} bytes of shared memory; "
+                               f"this GPU allows {rt.max_smem_optin:,} per block")
+        k.set_max_dynamic_smem(smem)
+    grid, block = (N, 1, 1), (bs, 1, 1)
+    n32, V32, Vp32 = np.int32(N), np.int32(V), np.int32(Vp)
+
+    def launch(losses, logits, targets, dloss, write_dlogits):
+        if float4:
+            _aligned(logits, number)
+        k(grid, block, losses.ptr, logits.ptr, targets.ptr, np.float32(dloss), np.int32(write_dlogits),
+          n32, V32, Vp32, smem=smem)
+    return launch
+
+
+def classifier1(rt, N, V, Vp, block_size=None):
+    return _build_row_kernel(rt, 1, N, V, Vp, block_size, 1024)
+
+
+def classifier2(rt, N, V, Vp, block_size=None):
+    return _build_row_kernel(rt, 2, N, V, Vp, block_size, 1024, float4=True)
+
+
+def classifier3(rt, N, V, Vp, block_size=None):
+    return _build_row_kernel(rt, 3, N, V, Vp, block_size, 1024, smem=_smem_bytes(V), float4=True)
+
+
+def classifier4(rt, N, V, Vp, block_size=None):
+    bs = block_size or 1024
+    smem = _smem_bytes(V)
+    k = rt.kernel(MODULE, "classifier_kernel4", ARGTYPES, label=f"{OP} 4")
+    if smem > 48 * 1024:
+        if smem > rt.max_smem_optin:
+            refuse(OP, 4, f"a row of V={V} floats needs {smem:,} bytes of shared memory; "
+                          f"this GPU allows {rt.max_smem_optin:,} per block")
+        k.set_max_dynamic_smem(smem)
+    # persistent: as many blocks as fit at once (shared memory or threads decide), never more than N
+    smem_sm = rt.device.get_attribute(rt.drv.device_attribute.MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)
+    per_sm = max(1, min(2048 // bs, smem_sm // (smem + 1024 + 256)))  # 1 KB per block reserved by the driver
+    grid, block = (min(N, rt.sm_count * per_sm), 1, 1), (bs, 1, 1)
+    n32, V32, Vp32 = np.int32(N), np.int32(V), np.int32(Vp)
+
+    def launch(losses, logits, targets, dloss, write_dlogits):
+        _aligned(logits, 4)
+        k(grid, block, losses.ptr, logits.ptr, targets.ptr, np.float32(dloss), np.int32(write_dlogits),
+          n32, V32, Vp32, smem=smem)
+    return launch
+
+
+VARIANTS = {
+    1: Variant(1, "one block per row, three passes over global memory (max, sum, write), scalar loads",
+               classifier1, _check_common),
+    2: Variant(2, "one block per row, online softmax: one read pass for max+sum, one write pass; float4, streaming hints",
+               classifier2, _check_float4),
+    3: Variant(3, "one block per row held in shared memory (cp.async): logits read from DRAM once, written once",
+               classifier3, _check_smem),
+    4: Variant(4, "version 3 persistent: each block prefetches its next row while writing this row's gradient",
+               classifier4, _check_smem),
+}
+
+OPS = [
+    OpSpec("classifier", cpu=classifier_cpu, variants=VARIANTS, default=4, flag="--classifier-kernel",
+           doc="losses(N)=, logits(N,Vp) in/out, targets(N) int32, dloss, write_dlogits: fused softmax "
+               "+ cross-entropy; the logit gradient overwrites the logits, padded columns zeroed"),
+]

@@ -1,0 +1,182 @@
+"""Classifier (fused softmax + cross-entropy + logit gradient): numpy references vs PyTorch, the cpu
+launcher's in-place semantics, variant shape checks, and (with -m gpu) every variant on the GPU.
+
+    python -m pytest tests/test_classifier.py -q          # CPU part (CI)
+    python -m pytest -m gpu tests/test_classifier.py -q   # GPU variants (needs PyCUDA + a GPU)
+"""
+import functools
+import time
+
+import numpy as np
+import pytest
+
+from llmc.errors import LLMCError, VariantRefused
+from llmc.ops import classifier as cls
+from llmc.testing import assert_close
+
+GPT2 = (50257, 50304)  # V, Vp
+
+
+def make_inputs(rng, N, V, Vp, scale=2.0, pad=50.0):
+    """Random logits (N, Vp) with a loud padding (a value that would dominate the softmax if it were
+    read) and random targets in [0, V)."""
+    logits = (rng.standard_normal((N, Vp)) * scale).astype(np.float32)
+    logits[:, V:] = pad
+    targets = rng.integers(0, V, size=N).astype(np.int32)
+    return logits, targets
+
+
+# ----------------------------------------------------------------------------------------------
+# references vs torch (float64)
+
+
+@pytest.mark.parametrize("N,V,Vp", [(7, 100, 128), (5, 97, 100), (3, 1, 4), (4, 1000, 1000)])
+def test_forward_ref_vs_torch(rng, N, V, Vp):
+    torch = pytest.importorskip("torch")
+    logits, targets = make_inputs(rng, N, V, Vp)
+    logits = logits.astype(np.float64)
+    losses, probs = cls.classifier_forward_ref(logits, targets, V)
+    x = torch.tensor(logits[:, :V])
+    t = torch.tensor(targets, dtype=torch.long)
+    want = torch.nn.functional.cross_entropy(x, t, reduction="none").numpy()
+    assert_close(losses, want, 1e-12, 1e-12, "losses")
+    assert_close(probs, torch.softmax(x, dim=1).numpy(), 1e-14, 1e-12, "probs")
+
+
+@pytest.mark.parametrize("N,V,Vp", [(7, 100, 128), (5, 97, 100), (2, 50257, 50304)])
+def test_backward_ref_vs_torch_autograd(rng, N, V, Vp):
+    torch = pytest.importorskip("torch")
+    logits, targets = make_inputs(rng, N, V, Vp)
+    logits = logits.astype(np.float64)
+    dloss = 0.37
+    _, probs = cls.classifier_forward_ref(logits, targets, V)
+    got = cls.classifier_backward_ref(probs, targets, dloss, Vp)
+    x = torch.tensor(logits, requires_grad=True)  # (N, Vp): the padding gets exactly zero gradient
+    loss = torch.nn.functional.cross_entropy(x[:, :V], torch.tensor(targets, dtype=torch.long),
+                                             reduction="none")
+    (loss * dloss).sum().backward()
+    assert_close(got, x.grad.numpy(), 1e-15, 1e-10, "dlogits")
+    assert (got[:, V:] == 0).all()
+
+
+def test_forward_ref_rejects_bad_targets(rng):
+    logits, targets = make_inputs(rng, 3, 10, 12)
+    targets[1] = 10
+    with pytest.raises(LLMCError, match="targets"):
+        cls.classifier_forward_ref(logits, targets, 10)
+
+
+# ----------------------------------------------------------------------------------------------
+# the cpu launcher: in place, same semantics as the GPU variants
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("N,V,Vp", [(7, 100, 128), (5, 97, 100), (256, 50257, 50304)])
+def test_cpu_launcher(rng, N, V, Vp, dtype):
+    logits, targets = make_inputs(rng, N, V, Vp)
+    logits = logits.astype(dtype)
+    losses_ref, probs = cls.classifier_forward_ref(logits.astype(np.float64), targets, V)
+    dlogits_ref = cls.classifier_backward_ref(probs, targets, 0.37, Vp)
+    launch = cls.OPS[0].cpu(N=N, V=V, Vp=Vp)
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    atol_d = 1e-9 if dtype == np.float32 else 1e-16
+
+    # forward only: logits untouched (bitwise), losses overwritten
+    x = logits.copy()
+    losses = np.full(N, np.nan, dtype)
+    launch(losses, x, targets, 0.37, 0)
+    assert np.array_equal(x, logits)
+    assert_close(losses, losses_ref, tol, tol, "losses")
+
+    # with the gradient, in place; logits shaped (B, T, Vp) like the model's buffer
+    x = logits.copy().reshape(1, N, Vp)
+    losses = np.full((1, N), np.nan, dtype)
+    t0 = time.perf_counter()
+    launch(losses, x, targets.reshape(1, N), 0.37, 1)
+    elapsed = time.perf_counter() - t0
+    assert_close(losses, losses_ref, tol, tol, "losses")
+    assert_close(x.reshape(N, Vp), dlogits_ref, atol_d, tol, "dlogits")
+    assert (x[..., V:] == 0).all()
+    print(f"cpu classifier N={N} Vp={Vp} {np.dtype(dtype).name}: {elapsed * 1e3:.1f} ms")
+
+
+def test_cpu_padding_is_ignored(rng):
+    """NaN in the padded columns changes nothing (they are never read for the loss)."""
+    N, V, Vp = 6, 97, 100
+    logits, targets = make_inputs(rng, N, V, Vp, pad=np.nan)
+    launch = cls.OPS[0].cpu(N=N, V=V, Vp=Vp)
+    losses = np.empty(N, np.float32)
+    launch(losses, logits, targets, 1.0, 1)
+    assert np.isfinite(losses).all() and np.isfinite(logits).all()
+    assert (logits[:, V:] == 0).all()
+
+
+# ----------------------------------------------------------------------------------------------
+# variant shape checks (no GPU)
+
+
+def test_variant_checks():
+    spec = cls.OPS[0]
+    for num in spec.variants:  # every variant takes the trainer's shape
+        assert spec.variants[num].refuse_reason(N=4096, V=GPT2[0], Vp=GPT2[1]) is None, num
+    for num in (2, 3, 4):  # float4 variants refuse Vp % 4 != 0
+        assert "multiple of 4" in spec.variants[num].refuse_reason(N=5, V=97, Vp=101)
+    assert spec.variants[1].refuse_reason(N=5, V=97, Vp=101) is None
+    for num in (3, 4):  # a row too big for shared memory
+        assert "shared memory" in spec.variants[num].refuse_reason(N=5, V=60000, Vp=60000)
+    assert spec.variants[2].refuse_reason(N=5, V=60000, Vp=60000) is None
+    assert "block_size" in spec.variants[1].refuse_reason(N=5, V=97, Vp=100, block_size=100)
+    assert "V <= Vp" in spec.variants[1].refuse_reason(N=5, V=101, Vp=100)
+    with pytest.raises(VariantRefused, match="classifier variant 2"):
+        spec.build(None, 2, N=5, V=97, Vp=101)
+    with pytest.raises(LLMCError, match="no variant 9"):
+        spec.variant(9)
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: every variant against the float64 reference
+
+GPU_SHAPES = [(4096, *GPT2), (65, *GPT2), (1, *GPT2), (7, 100, 128), (5, 97, 100), (33, 1000, 1000)]
+
+
+@functools.lru_cache(maxsize=2)
+def _case(N, V, Vp):
+    rng = np.random.default_rng(N * 7919 + V)
+    logits, targets = make_inputs(rng, N, V, Vp)
+    logits[:, V:] = np.nan  # the padding must be neither read for the loss nor left unwritten
+    losses, probs = cls.classifier_forward_ref(logits.astype(np.float64), targets, V)
+    dlogits = cls.classifier_backward_ref(probs, targets, 0.37, Vp)
+    return logits, targets, losses, dlogits
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "N%d-V%d-Vp%d" % s)
+@pytest.mark.parametrize("number", sorted(cls.VARIANTS))
+def test_gpu_variant(rt, number, shape):
+    from llmc.testing import poison
+    N, V, Vp = shape
+    spec = cls.OPS[0]
+    reason = spec.variants[number].refuse_reason(N=N, V=V, Vp=Vp)
+    if reason:
+        with pytest.raises(VariantRefused):
+            spec.build(rt, number, N=N, V=V, Vp=Vp)
+        pytest.skip(f"refused as it should: {reason}")
+    logits, targets, losses_ref, dlogits_ref = _case(N, V, Vp)
+    d_logits, d_targets = rt.to_device(logits), rt.to_device(targets)
+    d_losses = rt.empty((N,))
+    # the block sizes: the default and a small one (several chunks per thread, partial last warp
+    # row coverage at V=97)
+    for bs in (None, 128):
+        launch = spec.build(rt, number, N=N, V=V, Vp=Vp, block_size=bs)
+        # fp32 tolerances: the loss is log(sum) - x: ~1e-6 absolute at V=50257; dlogits are
+        # p*dloss with p ~ 1e-5, so atol must sit far below that: relative 1e-5, atol 1e-10
+        d_logits.set(logits); poison(d_losses)
+        launch(d_losses, d_logits, d_targets, 0.37, 0)  # forward only: logits untouched
+        got = d_logits.get()
+        assert np.array_equal(got, logits, equal_nan=True), "write_dlogits=0 modified the logits"
+        assert_close(d_losses.get(), losses_ref, 2e-5, 1e-5, f"losses v{number} bs={bs}")
+
+        d_logits.set(logits); poison(d_losses)
+        launch(d_losses, d_logits, d_targets, 0.37, 1)
+        assert_close(d_losses.get(), losses_ref, 2e-5, 1e-5, f"losses v{number} bs={bs}")
+        assert_close(d_logits.get(), dlogits_ref, 1e-10, 1e-5, f"dlogits v{number} bs={bs}")
