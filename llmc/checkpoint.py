@@ -1,0 +1,340 @@
+"""Model checkpoints, llm.c debug states and our optimizer/resume state, as files.
+
+    from llmc.checkpoint import read_model, write_model, read_debug_state, read_state, write_state
+    cfg, params = read_model("gpt2_124M.bin")            # fp32 (v3) or bf16 (v5), params come back fp32
+    write_model("out/model_00001000.bin", cfg, params)   # atomic: temp file + fsync + rename
+    write_model("out/model_bf16.bin", cfg, params, dtype="bf16")   # round-to-nearest-even
+    dbg = read_debug_state("gpt2_124M_debug_state.bin", cfg)       # x, y, logits, loss, grads
+    st = read_state("out/state_00001000.bin", cfg.num_parameters)  # step, m, v, loader, extra
+
+Every file starts with a 256 x int32 little-endian header. The model and debug-state files are
+llm.c's formats byte for byte (its files load here and ours load there):
+
+  model        header[0]=20240326 magic, [1]=3 (fp32 params) or 5 (bf16 params), [2]=maxT, [3]=V,
+               [4]=L, [5]=NH, [6]=C, [7]=Vp; then the 16 parameter tensors flat, in llm.c's order
+               (llmc.config.param_shapes). wte is (Vp, C): rows V..Vp-1 are padding.
+  debug state  header[0]=20240327 magic, [1]=2, [2]=B, [3]=T; then x (B*T int32), y (B*T int32),
+               logits (B*T*V fp32), loss (1 fp32), grads (num_parameters fp32).
+               The logits are UNPADDED, V per row, not Vp: llm.c's train_gpt2.py writes the
+               PyTorch model's (B, T, V) logits and its test_gpt2.cu reads B*T*V floats and compares
+               the first V entries of each padded row. The grads ARE padded like the params: the
+               wte grad is (Vp, C) with zero rows V..Vp-1, so grads has exactly num_parameters floats.
+
+Our own optimizer + dataloader state for resuming a run (not llm.c's 20240527 layout: ours also
+carries the dataloader position and RNG state, so a resumed run continues bit-exactly):
+
+  state        header (256 x int32):
+                 [0] = 20241122 magic, [1] = 1 version, [2] = step (number of steps completed),
+                 [3] = json_bytes (length of the JSON blob, padded with spaces to a multiple of 8),
+                 [4:6] = num_parameters as one little-endian int64 (two int32 words, low first),
+                 everything else 0.
+               then the JSON blob, UTF-8: {"loader": <DataLoader.state()>, "extra": <anything,
+                 e.g. RNG state, learning-rate schedule position, flags of the run>}
+               then m (num_parameters fp32), then v (num_parameters fp32): AdamW's moments.
+
+Every reader checks: the file exists, the header is there, the magic, the version, the header
+fields are sane, and the file size is EXACTLY what the header implies (truncated or trailing data
+both fail). Mistakes raise llmc.errors.LLMCError with one line naming the file and what was expected.
+
+Writers are atomic: they write `.<name>.tmp.<pid>` in the same directory, flush + fsync, then
+os.replace() onto the real name, so a crash mid-save leaves the previous file intact.
+The generic helpers (atomic_open, read_header, check_size) are shared with llmc.data and
+llmc.tokenizer.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from llmc.config import GPT2Config
+from llmc.errors import LLMCError
+
+HEADER_INTS = 256
+HEADER_BYTES = HEADER_INTS * 4
+
+MODEL_MAGIC = 20240326
+MODEL_VERSION_FP32 = 3
+MODEL_VERSION_BF16 = 5
+DEBUG_STATE_MAGIC = 20240327
+DEBUG_STATE_VERSION = 2
+STATE_MAGIC = 20241122
+STATE_VERSION = 1
+
+# elements per chunk of bf16 conversion when writing: bounds the temporaries to ~200 MB for any model
+_CHUNK = 1 << 24
+
+# -----------------------------------------------------------------------------
+# generic file helpers (also used by llmc.data and llmc.tokenizer)
+
+
+@contextlib.contextmanager
+def atomic_open(path):
+    """Open `path` for binary writing such that it appears under its name only when complete.
+
+    Writes a temp file in the same directory (so the rename stays on one filesystem and is atomic),
+    then flush + fsync + os.replace. On any exception the temp file is removed and the old file,
+    if any, is untouched."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+    # make the rename itself durable (best effort: not every filesystem allows opening a directory)
+    with contextlib.suppress(OSError):
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def make_header(*fields) -> np.ndarray:
+    header = np.zeros(HEADER_INTS, dtype="<i4")
+    header[:len(fields)] = fields
+    return header
+
+
+def read_header(path, kind: str, magic: int, versions, hint: str) -> np.ndarray:
+    """Check the file exists and holds a header with the right magic and version; return it.
+
+    kind names the file in messages ("model file"), hint says what the magic means."""
+    p = Path(path)
+    if not p.exists():
+        raise LLMCError(f"{kind} {path}: not found")
+    if not p.is_file():
+        raise LLMCError(f"{kind} {path}: not a regular file")
+    size = p.stat().st_size
+    if size < HEADER_BYTES:
+        raise LLMCError(f"{kind} {path}: truncated: {size:,} bytes, smaller than the "
+                        f"{HEADER_BYTES}-byte header")
+    header = np.fromfile(p, dtype="<i4", count=HEADER_INTS)
+    if int(header[0]) != magic:
+        raise LLMCError(f"{kind} {path}: bad magic {int(header[0])} (expected {magic}; "
+                        f"is this {hint}?)")
+    if int(header[1]) not in versions:
+        want = " or ".join(str(v) for v in versions)
+        raise LLMCError(f"{kind} {path}: unsupported version {int(header[1])} (expected {want})")
+    return header
+
+
+def check_size(path, kind: str, expected_payload: int, what: str) -> None:
+    """The file must be exactly header + expected_payload bytes; `what` says where the number
+    comes from ("header says 124,475,904 fp32 params")."""
+    have = Path(path).stat().st_size - HEADER_BYTES
+    if have < expected_payload:
+        raise LLMCError(f"{kind} {path}: truncated: {what} = {expected_payload:,} bytes after the "
+                        f"{HEADER_BYTES}-byte header, file has {have:,}")
+    if have > expected_payload:
+        raise LLMCError(f"{kind} {path}: too long: {what} = {expected_payload:,} bytes after the "
+                        f"{HEADER_BYTES}-byte header, file has {have:,} (trailing data: wrong header "
+                        f"or a different format?)")
+
+
+def _check_positive(path, kind: str, **fields) -> None:
+    for name, value in fields.items():
+        if value <= 0:
+            raise LLMCError(f"{kind} {path}: header field {name}={value} is not positive "
+                            f"(corrupt header?)")
+
+
+# -----------------------------------------------------------------------------
+# bf16 <-> fp32
+
+
+def fp32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """fp32 -> bf16 bit patterns (uint16), round to nearest, ties to even. NaN stays a quiet NaN.
+
+    Add 0x7FFF plus the lowest kept bit, then drop the low 16 bits: below the halfway point this
+    truncates, above it carries into the kept bits, and exactly at halfway it carries only when
+    the kept part is odd. Overflow carries into the exponent and gives inf, as it should."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = bits + (np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))
+    out = (rounded >> np.uint32(16)).astype(np.uint16)
+    nan = np.isnan(bits.view(np.float32))
+    if nan.any():  # NaN + 0x7FFF could carry into the sign bit; keep sign, make it a quiet NaN
+        out[nan] = ((bits[nan] >> np.uint32(16)) | np.uint32(0x0040)).astype(np.uint16)
+    return out
+
+
+def bf16_bits_to_fp32(bits: np.ndarray) -> np.ndarray:
+    """bf16 bit patterns (uint16) -> fp32, exact: the 16 bits become the high half of the fp32."""
+    out = np.zeros(bits.size, dtype=np.uint32)
+    out.view(np.uint16)[1::2] = bits.reshape(-1)  # little-endian: the high half is the odd uint16
+    return out.view(np.float32)
+
+
+# -----------------------------------------------------------------------------
+# model checkpoint
+
+
+def read_model(path) -> tuple[GPT2Config, np.ndarray]:
+    """Read an llm.c model checkpoint (version 3 fp32 or 5 bf16). Returns (config, params) where
+    params is a flat float32 array of cfg.num_parameters elements in llm.c's layout."""
+    kind = "model file"
+    h = read_header(path, kind, MODEL_MAGIC, (MODEL_VERSION_FP32, MODEL_VERSION_BF16),
+                    "an llm.c model checkpoint")
+    version = int(h[1])
+    maxT, V, L, NH, C, Vp = (int(v) for v in h[2:8])
+    _check_positive(path, kind, maxT=maxT, V=V, L=L, NH=NH, C=C, Vp=Vp)
+    if Vp < V:
+        raise LLMCError(f"{kind} {path}: header says padded vocab Vp={Vp} < vocab V={V} (corrupt header?)")
+    if C % NH != 0:
+        raise LLMCError(f"{kind} {path}: header says channels C={C} not divisible by heads NH={NH}")
+    cfg = GPT2Config(max_seq_len=maxT, vocab_size=V, padded_vocab_size=Vp,
+                     num_layers=L, num_heads=NH, channels=C)
+    n = cfg.num_parameters
+    shape = f"L={L} C={C} NH={NH} maxT={maxT} Vp={Vp}"
+    if version == MODEL_VERSION_FP32:
+        check_size(path, kind, 4 * n, f"header ({shape}) says {n:,} fp32 params")
+        params = np.fromfile(path, dtype="<f4", count=n, offset=HEADER_BYTES)
+    else:
+        check_size(path, kind, 2 * n, f"header ({shape}) says {n:,} bf16 params")
+        params = bf16_bits_to_fp32(np.fromfile(path, dtype="<u2", count=n, offset=HEADER_BYTES))
+    return cfg, params
+
+
+def write_model(path, cfg: GPT2Config, params: np.ndarray, dtype: str = "fp32") -> None:
+    """Write params (flat, cfg.num_parameters elements, llm.c layout) as an llm.c checkpoint.
+    dtype "fp32" writes version 3, "bf16" version 5 (rounded to nearest even)."""
+    if dtype not in ("fp32", "bf16"):
+        raise LLMCError(f"write_model {path}: dtype {dtype!r}: expected 'fp32' or 'bf16'")
+    params = np.ascontiguousarray(params, dtype=np.float32).reshape(-1)
+    n = cfg.num_parameters
+    if params.size != n:
+        raise ValueError(f"write_model {path}: got {params.size:,} params, config {cfg.describe()} "
+                         f"needs {n:,}")
+    version = MODEL_VERSION_FP32 if dtype == "fp32" else MODEL_VERSION_BF16
+    header = make_header(MODEL_MAGIC, version, cfg.max_seq_len, cfg.vocab_size, cfg.num_layers,
+                         cfg.num_heads, cfg.channels, cfg.padded_vocab_size)
+    with atomic_open(path) as f:
+        f.write(header.tobytes())
+        if dtype == "fp32":
+            f.write(memoryview(params).cast("B"))
+        else:  # convert in chunks so a big model doesn't need a second full-size temporary
+            for i in range(0, n, _CHUNK):
+                f.write(fp32_to_bf16_bits(params[i:i + _CHUNK]).tobytes())
+
+
+# -----------------------------------------------------------------------------
+# llm.c debug state (the reference batch that test_gpt2 checks against)
+
+
+def read_debug_state(path, cfg: GPT2Config) -> dict:
+    """Read llm.c's debug state for a model of config cfg. Returns dict(B, T, x (B,T) int32,
+    y (B,T) int32, logits (B,T,V) fp32 unpadded, loss float, grads flat fp32 num_parameters)."""
+    kind = "debug state file"
+    h = read_header(path, kind, DEBUG_STATE_MAGIC, (DEBUG_STATE_VERSION,),
+                    "an llm.c debug state (gpt2_124M_debug_state.bin)")
+    B, T = int(h[2]), int(h[3])
+    _check_positive(path, kind, B=B, T=T)
+    if T > cfg.max_seq_len:
+        raise LLMCError(f"{kind} {path}: header says T={T} > the model's maxT={cfg.max_seq_len}")
+    BT, V, n = B * T, cfg.vocab_size, cfg.num_parameters
+    check_size(path, kind, 4 * (2 * BT + BT * V + 1 + n),
+               f"header says B={B} T={T} and the model has V={V}, {n:,} params")
+    off = HEADER_BYTES
+    x = np.fromfile(path, dtype="<i4", count=BT, offset=off); off += 4 * BT
+    y = np.fromfile(path, dtype="<i4", count=BT, offset=off); off += 4 * BT
+    logits = np.fromfile(path, dtype="<f4", count=BT * V, offset=off); off += 4 * BT * V
+    loss = np.fromfile(path, dtype="<f4", count=1, offset=off); off += 4
+    grads = np.fromfile(path, dtype="<f4", count=n, offset=off)
+    return dict(B=B, T=T, x=x.reshape(B, T), y=y.reshape(B, T), logits=logits.reshape(B, T, V),
+                loss=float(loss[0]), grads=grads)
+
+
+def write_debug_state(path, cfg: GPT2Config, B: int, T: int, x, y, logits, loss, grads) -> None:
+    """Write an llm.c debug state. logits must be (B, T, V) unpadded (a (B, T, Vp) array is
+    accepted and cut to V); grads flat with num_parameters elements."""
+    BT, V, n = B * T, cfg.vocab_size, cfg.num_parameters
+    x = np.ascontiguousarray(x, dtype="<i4").reshape(-1)
+    y = np.ascontiguousarray(y, dtype="<i4").reshape(-1)
+    logits = np.asarray(logits, dtype="<f4")
+    if logits.size == BT * cfg.padded_vocab_size and V != cfg.padded_vocab_size:
+        logits = logits.reshape(BT, cfg.padded_vocab_size)[:, :V]
+    logits = np.ascontiguousarray(logits).reshape(-1)
+    grads = np.ascontiguousarray(grads, dtype="<f4").reshape(-1)
+    for name, a, want in (("x", x, BT), ("y", y, BT), ("logits", logits, BT * V), ("grads", grads, n)):
+        if a.size != want:
+            raise ValueError(f"write_debug_state {path}: {name} has {a.size:,} elements, expected {want:,}")
+    with atomic_open(path) as f:
+        f.write(make_header(DEBUG_STATE_MAGIC, DEBUG_STATE_VERSION, B, T).tobytes())
+        for a in (x, y, logits, np.array([loss], dtype="<f4"), grads):
+            f.write(memoryview(a).cast("B"))
+
+
+# -----------------------------------------------------------------------------
+# optimizer + dataloader state (our format, see the module docstring)
+
+
+def _json_default(o):
+    if isinstance(o, np.integer):
+        return int(o)
+    if isinstance(o, np.floating):
+        return float(o)
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    raise TypeError(f"cannot store {type(o).__name__} in a state file")
+
+
+def write_state(path, step: int, m: np.ndarray, v: np.ndarray, loader_state: dict,
+                extra: dict | None = None) -> None:
+    """Write AdamW's m and v, the step count, the dataloader state and any extra JSON-able dict
+    (RNG state etc.) for an exact resume. Atomic."""
+    m = np.ascontiguousarray(m, dtype="<f4").reshape(-1)
+    v = np.ascontiguousarray(v, dtype="<f4").reshape(-1)
+    if m.size != v.size:
+        raise ValueError(f"write_state {path}: m has {m.size:,} elements, v has {v.size:,}")
+    if not 0 <= step < 2**31:
+        raise ValueError(f"write_state {path}: step {step} out of range")
+    blob = json.dumps({"loader": loader_state, "extra": extra or {}}, default=_json_default,
+                      sort_keys=True).encode()
+    blob += b" " * (-len(blob) % 8)  # keep m and v 8-byte aligned in the file
+    header = make_header(STATE_MAGIC, STATE_VERSION, step, len(blob))
+    header[4:6] = np.array([m.size], dtype="<i8").view("<i4")
+    with atomic_open(path) as f:
+        f.write(header.tobytes())
+        f.write(blob)
+        f.write(memoryview(m).cast("B"))
+        f.write(memoryview(v).cast("B"))
+
+
+def read_state(path, num_parameters: int | None) -> dict:
+    """Read a state file written by write_state. Returns dict(step, num_parameters, m, v,
+    loader (alias loader_state), extra). num_parameters (the model's) must match the file's unless None."""
+    kind = "state file"
+    h = read_header(path, kind, STATE_MAGIC, (STATE_VERSION,), "an llmc optimizer/resume state")
+    step, nblob = int(h[2]), int(h[3])
+    n = int(h[4:6].copy().view("<i8")[0])
+    if step < 0 or nblob < 0 or n <= 0:
+        raise LLMCError(f"{kind} {path}: header says step={step}, json_bytes={nblob}, "
+                        f"num_parameters={n} (corrupt header?)")
+    if num_parameters is not None and n != num_parameters:
+        raise LLMCError(f"{kind} {path}: holds optimizer state for {n:,} params, the model has "
+                        f"{num_parameters:,} (state from a different model?)")
+    check_size(path, kind, nblob + 8 * n, f"header says {nblob:,} json bytes + 2 x {n:,} fp32")
+    with open(path, "rb") as f:
+        f.seek(HEADER_BYTES)
+        raw = f.read(nblob)
+    try:
+        meta = json.loads(raw.decode())
+        loader_state, extra = meta["loader"], meta["extra"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise LLMCError(f"{kind} {path}: unreadable JSON block ({e})") from None
+    off = HEADER_BYTES + nblob
+    m = np.fromfile(path, dtype="<f4", count=n, offset=off)
+    v = np.fromfile(path, dtype="<f4", count=n, offset=off + 4 * n)
+    # "loader" and "loader_state" are the same dict (both spellings are in use by callers)
+    return dict(step=step, num_parameters=n, m=m, v=v, loader=loader_state, loader_state=loader_state,
+                extra=extra)

@@ -1,0 +1,152 @@
+"""Test fixtures written independently of llmc: llm.c-format files and a local HTTP server.
+
+The writers here use only struct and numpy (and torch for bf16 rounding), straight from the format
+descriptions (llm.c's train_gpt2.py writes the same bytes), never llmc's own writers, so a round trip
+through them checks llmc against the format rather than against itself.
+
+    from llmc_fixtures import write_llmc_model, write_llmc_shard, serve_files
+    write_llmc_model(path, header_fields, params, version=3)
+    with serve_files({"a.bin": b"..."}) as (base_url, log): ...
+"""
+from __future__ import annotations
+
+import contextlib
+import re
+import struct
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+
+
+def header_bytes(*fields: int) -> bytes:
+    """256 little-endian int32, the given fields first, zeros after."""
+    return struct.pack("<256i", *fields, *([0] * (256 - len(fields))))
+
+
+def bf16_bytes_torch(x: np.ndarray) -> bytes:
+    """fp32 -> bf16 (round to nearest even) by PyTorch, as little-endian uint16 bytes."""
+    import torch
+    t = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).to(torch.bfloat16)
+    return t.view(torch.int16).numpy().astype("<i2").tobytes()
+
+
+def write_llmc_model(path, maxT, V, L, NH, C, Vp, params, version=3) -> None:
+    """llm.c model checkpoint: magic 20240326, version 3 (fp32) or 5 (bf16), maxT V L NH C Vp."""
+    params = np.asarray(params, dtype=np.float32).reshape(-1)
+    body = params.astype("<f4").tobytes() if version == 3 else bf16_bytes_torch(params)
+    with open(path, "wb") as f:
+        f.write(header_bytes(20240326, version, maxT, V, L, NH, C, Vp))
+        f.write(body)
+
+
+def write_llmc_debug_state(path, B, T, x, y, logits, loss, grads) -> None:
+    """llm.c debug state: magic 20240327, version 2, B, T; x, y int32; logits (B,T,V), loss, grads fp32."""
+    with open(path, "wb") as f:
+        f.write(header_bytes(20240327, 2, B, T))
+        f.write(np.asarray(x, dtype="<i4").tobytes())
+        f.write(np.asarray(y, dtype="<i4").tobytes())
+        f.write(np.asarray(logits, dtype="<f4").tobytes())
+        f.write(struct.pack("<f", loss))
+        f.write(np.asarray(grads, dtype="<f4").tobytes())
+
+
+def write_llmc_shard(path, tokens) -> None:
+    """llm.c data shard: magic 20240520, version 1, count; uint16 tokens."""
+    tokens = list(tokens)
+    with open(path, "wb") as f:
+        f.write(header_bytes(20240520, 1, len(tokens)))
+        f.write(struct.pack(f"<{len(tokens)}H", *tokens))
+
+
+def write_llmc_tokenizer(path, token_bytes, eot=50256, version=2) -> None:
+    """llm.c tokenizer: magic 20240328, version 2, vocab size, eot; per token a length byte + bytes.
+    Version 1 has no eot field."""
+    fields = (20240328, version, len(token_bytes)) + ((eot,) if version == 2 else ())
+    with open(path, "wb") as f:
+        f.write(header_bytes(*fields))
+        for b in token_bytes:
+            f.write(struct.pack("<B", len(b)) + b)
+
+
+# -----------------------------------------------------------------------------
+# a local HTTP server with HEAD and byte ranges (what curl -C - and our downloads need)
+
+
+@contextlib.contextmanager
+def serve_files(files: dict, etags: dict | None = None, fail_first: int = 0):
+    """Serve {name: bytes} at http://127.0.0.1:<port>/<name> from a thread.
+
+    Yields (base_url, log): log gets (method, path, range header or None) per request. Missing
+    names answer 404. etags adds an x-linked-etag header per name (as HuggingFace does for the
+    sha256). fail_first answers the first n requests with 503."""
+    etags = etags or {}
+    log = []
+    state = {"to_fail": fail_first}
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):  # keep test output clean
+            pass
+
+        def _answer(self, with_body: bool):
+            name = self.path.lstrip("/")
+            rng = self.headers.get("Range")
+            log.append((self.command, name, rng))
+            if state["to_fail"] > 0:
+                state["to_fail"] -= 1
+                self.send_response(503)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            if name not in files:
+                self.send_response(404)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            data = files[name]
+            start = 0
+            m = re.fullmatch(r"bytes=(\d+)-", rng or "")
+            if m:
+                start = int(m.group(1))
+                if start >= len(data):
+                    self.send_response(416)
+                    self.send_header("Content-Range", f"bytes */{len(data)}")
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                self.send_response(206)
+                self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+            else:
+                self.send_response(200)
+            self.send_header("Accept-Ranges", "bytes")
+            self.send_header("Content-Length", str(len(data) - start))
+            if name in etags:
+                self.send_header("X-Linked-Etag", f'"{etags[name]}"')
+            self.end_headers()
+            if with_body:
+                self.wfile.write(data[start:])
+
+        def do_HEAD(self):
+            self._answer(False)
+
+        def do_GET(self):
+            self._answer(True)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", log
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def closed_port() -> int:
+    """A local port with nothing listening on it (connection refused)."""
+    import socket
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
