@@ -269,6 +269,7 @@ def _fake_gemm_build(rt, variant, transA, transB, M, N, K, batch=1, lda=None, ld
 
 @pytest.mark.parametrize("B,T,C,NH,chunks", [
     (2, 9, 24, 3, 1), (1, 1, 8, 2, 4), (2, 200, 32, 2, 3), (1, 256, 16, 2, 4), (1, 130, 16, 1, 8),
+    (1, 256, 16, 2, (4, 2)), (2, 200, 12, 3, (1, 3)), (1, 70, 8, 2, None),
 ])
 def test_composite_plan_on_numpy_device(B, T, C, NH, chunks, rng, monkeypatch):
     import llmc.ops.matmul as mm
@@ -344,8 +345,9 @@ def test_softmax_forward_gpu(rt, n, BNH, T):
     poison(d_att)
     spec.build(rt, n, BNH=BNH, T=T, scale=scale)(d_att, d_pre)
     got = d_att.get()
-    # fp32 with expf: a few ulp per element; the sum over <= 1024 terms adds ~1e-6 relative
-    assert_close(got, att64, atol=1e-7, rtol=1e-5, name=f"softmax_forward {n} att")
+    # fp32 with expf: a few ulp per element; a serial fp32 sum over <= 1024 terms (variant 1) can be
+    # off by ~1e-5 relative (n*eps bound 6e-5), and every element of the row shares that error
+    assert_close(got, att64, atol=1e-7, rtol=3e-5, name=f"softmax_forward {n} att")
     assert np.all(got[:, ~np.tril(np.ones((T, T), bool))] == 0.0), "upper triangle not written as 0"
 
 
@@ -389,7 +391,7 @@ TF32_REL = 5e-3
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("chunks", [1, 4])
+@pytest.mark.parametrize("chunks", [1, (4, 2)])
 @pytest.mark.parametrize("sm", [1, 6])
 @pytest.mark.parametrize("B,T,C,NH", ATTN_SHAPES)
 def test_attention_composite_gpu(rt, B, T, C, NH, sm, chunks):

@@ -33,8 +33,10 @@ writes the zeros above it). The GEMMs skip most of the upper triangle by splitti
 `causal_chunks` row blocks: block i computes its rows against columns 0..end of block i only
 (QK^T, dy V^T), or sums over K = 0..end of block i only (att@V, dpreatt K), or, for the transposed
 products (att^T dy, dpreatt^T q), over K = start of block i..T. With c chunks the GEMM work is
-(c+1)/(2c) of the full square. Entries of preatt/datt above the diagonal outside the computed
-blocks stay unwritten: nothing reads them (the softmax kernels mask s > t with selects).
+(c+1)/(2c) of the full square. causal_chunks is an int or a pair (wide, narrow): the GEMMs with
+(T, T) outputs and those with (T, hs) outputs split differently (see _chunk_plan). Entries of
+preatt/datt above the diagonal outside the computed blocks stay unwritten: nothing reads them (the
+softmax kernels mask s > t with selects).
 
 Decode (sampling with a KV cache): build_attention_decode(rt, B, C, NH, maxT)
     -> launch(out (B,C), q (B,C), kcache (B,NH,maxT,hs), vcache (B,NH,maxT,hs), pos)
@@ -353,19 +355,28 @@ def _softmax_op(rt, op, number, BNH, T, scale):
     return spec.build(rt, number, BNH=BNH, T=T, scale=scale)
 
 
-def _chunks(T, causal_chunks):
-    """Row blocks [(t0, t1), ...] for the causal GEMM split. Blocks are multiples of 64 rows
-    (the GEMM tile height) so that no tile straddles two blocks needlessly."""
-    if causal_chunks is None:
-        causal_chunks = DEFAULT_CAUSAL_CHUNKS
-    if causal_chunks < 1:
-        raise LLMCError(f"attention: causal_chunks must be >= 1, got {causal_chunks}")
-    size = max(64, ceil_div(ceil_div(T, causal_chunks), 64) * 64)
+def _chunks(T, n):
+    """Row blocks [(t0, t1), ...] for the causal GEMM split into about n blocks. Blocks are
+    multiples of 64 rows (the GEMM tile height) so that no tile straddles two blocks needlessly."""
+    if n < 1:
+        raise LLMCError(f"attention: causal_chunks must be >= 1, got {n}")
+    size = max(64, ceil_div(ceil_div(T, n), 64) * 64)
     return [(t0, min(T, t0 + size)) for t0 in range(0, T, size)]
 
 
-# measured on the H100 (dev/cuda/attention_forward.py --chunks): see the README table
-DEFAULT_CAUSAL_CHUNKS = 4
+def _chunk_plan(T, causal_chunks):
+    """(row blocks for the wide GEMMs, row blocks for the narrow ones). causal_chunks is None (the
+    default), an int (both) or a pair (wide, narrow). Wide GEMMs write (T, T) outputs (q k^T,
+    dy v^T): every skipped tile saves work and bytes, and each block still has many tiles. Narrow
+    ones write (T, hs) (att v, att^T dy, dpreatt k, dpreatt^T q): a block of rows is only
+    rows/64 x batch tiles, so many blocks underfill the GPU."""
+    cc = DEFAULT_CAUSAL_CHUNKS if causal_chunks is None else causal_chunks
+    wide, narrow = (cc, cc) if isinstance(cc, int) else cc
+    return _chunks(T, wide), _chunks(T, narrow)
+
+
+# (wide, narrow), measured on the H100 (dev/cuda/attention_forward.py, attention_backward.py)
+DEFAULT_CAUSAL_CHUNKS = (4, 2)
 
 
 def build_attention_forward(rt, softmax_variant, matmul_variant, B, T, C, NH, causal_chunks=None):
@@ -383,14 +394,15 @@ def build_attention_forward(rt, softmax_variant, matmul_variant, B, T, C, NH, ca
     F4 = 4  # bytes per float: offsets below are in bytes, added to the pointers at launch
     qkv_bytes = BNH * T * hs * F4     # one of q, k, v inside qkvr
 
+    wide, narrow = _chunk_plan(T, causal_chunks)
     qk = []  # (gemm launch, C byte offset into preatt, A offset into qkvr, B offset into qkvr)
-    for t0, t1 in _chunks(T, causal_chunks):
+    for t0, t1 in wide:
         # preatt[rows t0:t1, cols 0:t1] = q[t0:t1] @ k[0:t1]^T
         g = gemm_build(rt, gv, False, True, M=t1 - t0, N=t1, K=hs, batch=BNH, lda=hs, ldb=hs, ldc=T,
                        strideA=T * hs, strideB=T * hs, strideC=T * T)
         qk.append((g, t0 * T * F4, t0 * hs * F4, qkv_bytes))
     av = []  # (gemm launch, C offset into y, A offset into att, B offset into qkvr)
-    for t0, t1 in _chunks(T, causal_chunks):
+    for t0, t1 in narrow:
         # y[t0:t1] = att[rows t0:t1, cols 0:t1] @ v[0:t1]  (att is 0 for s > t within the block)
         g = gemm_build(rt, gv, False, False, M=t1 - t0, N=hs, K=t1, batch=BNH, lda=T, ldb=hs, ldc=hs,
                        strideA=T * T, strideB=T * hs, strideC=T * hs)
@@ -430,25 +442,25 @@ def build_attention_backward(rt, softmax_backward_variant, matmul_backward_varia
     sTT, sTh = T * T, T * hs
 
     # each entry: (gemm, C base, C off, A base, A off, B base, B off); bases name a buffer
+    wide, narrow = _chunk_plan(T, causal_chunks)
     steps_pre, steps_post = [], []
-    for t0, t1 in _chunks(T, causal_chunks):
-        M = t1 - t0
+    for t0, t1 in narrow:
         # dv[s in t0:t1] = att[t >= t0, s]^T @ dy[t >= t0]   (att[t, s] = 0 for t < s)
-        g = gemm_build(rt, gv, True, False, M=M, N=hs, K=T - t0, batch=BNH, lda=T, ldb=hs, ldc=hs,
+        g = gemm_build(rt, gv, True, False, M=t1 - t0, N=hs, K=T - t0, batch=BNH, lda=T, ldb=hs, ldc=hs,
                        strideA=sTT, strideB=sTh, strideC=sTh)
         steps_pre.append((g, "dqkvr", 2 * qkv_bytes + t0 * hs * F4, "att", (t0 * T + t0) * F4, "dy", t0 * hs * F4))
+    for t0, t1 in wide:
         # datt[rows t0:t1, cols 0:t1] = dy[t0:t1] @ v[0:t1]^T
-        g = gemm_build(rt, gv, False, True, M=M, N=t1, K=hs, batch=BNH, lda=hs, ldb=hs, ldc=T,
+        g = gemm_build(rt, gv, False, True, M=t1 - t0, N=t1, K=hs, batch=BNH, lda=hs, ldb=hs, ldc=T,
                        strideA=sTh, strideB=sTh, strideC=sTT)
         steps_pre.append((g, "datt", t0 * T * F4, "dy", t0 * hs * F4, "qkvr", 2 * qkv_bytes))
-    for t0, t1 in _chunks(T, causal_chunks):
-        M = t1 - t0
+    for t0, t1 in narrow:
         # dq[t0:t1] = dpreatt[rows t0:t1, cols 0:t1] @ k[0:t1]
-        g = gemm_build(rt, gv, False, False, M=M, N=hs, K=t1, batch=BNH, lda=T, ldb=hs, ldc=hs,
+        g = gemm_build(rt, gv, False, False, M=t1 - t0, N=hs, K=t1, batch=BNH, lda=T, ldb=hs, ldc=hs,
                        strideA=sTT, strideB=sTh, strideC=sTh)
         steps_post.append((g, "dqkvr", t0 * hs * F4, "dpreatt", t0 * T * F4, "qkvr", qkv_bytes))
         # dk[s in t0:t1] = dpreatt[t >= t0, s]^T @ q[t >= t0]
-        g = gemm_build(rt, gv, True, False, M=M, N=hs, K=T - t0, batch=BNH, lda=T, ldb=hs, ldc=hs,
+        g = gemm_build(rt, gv, True, False, M=t1 - t0, N=hs, K=T - t0, batch=BNH, lda=T, ldb=hs, ldc=hs,
                        strideA=sTT, strideB=sTh, strideC=sTh)
         steps_post.append((g, "dqkvr", qkv_bytes + t0 * hs * F4, "dpreatt", (t0 * T + t0) * F4, "qkvr", t0 * hs * F4))
     own = {"dy": dy.ptr, "datt": datt.ptr, "dpreatt": dpreatt.ptr, "dqkvr": dqkvr.ptr}

@@ -1,0 +1,78 @@
+"""Kernel lab: the attention forward composite (permute, q k^T, causal softmax, att v, unpermute)
+at the trainer's shape: B=4, T=1024, C=768, NH=12.
+
+    python dev/cuda/attention_forward.py          # default softmax variant at several causal_chunks
+                                                  # (wide, narrow),
+                                                  # plus softmax 4; torch lines for comparison
+    python dev/cuda/attention_forward.py 5 6      # these softmax variants at the default chunking
+
+Time per call (one layer). The GEMMs run in the engine that goes with the default --matmul-kernel.
+causal_chunks (wide, narrow) splits the T rows into blocks so that the GEMMs skip most of the upper
+triangle ((c+1)/(2c) of the square's work with c blocks; llmc/ops/attention.py says more). The torch lines take q, k, v already split into heads (no
+permutes), fp32 with TF32 allowed.
+"""
+import sys, pathlib; sys.path[:0] = [str(pathlib.Path(__file__).resolve().parents[2]), str(pathlib.Path(__file__).resolve().parent)]
+
+import numpy as np
+
+import lab
+import llmc.ops
+from llmc.ops import attention as A
+from llmc.testing import rel_err
+
+B, T, C, NH = 4, 1024, 768, 12
+hs = C // NH
+
+L = lab.Lab("attention_forward")
+rt = L.rt
+sm_spec = llmc.ops.get("softmax_forward")
+try:
+    mm = llmc.ops.get("matmul_forward").default
+except KeyError:  # matmul ops not registered yet: the GEMM engine maps any number
+    mm = 1
+
+# -----------------------------------------------------------------------------
+rng = np.random.default_rng(1337)
+inp = lab.rand(rng, (B, T, 3 * C))
+out64, qkvr64, att64 = A.attention_forward_ref(inp.astype(np.float64), NH)
+d_inp = rt.to_device(inp)
+d_out, d_qkvr, d_att = rt.empty((B, T, C)), rt.empty((B, T, 3 * C)), rt.empty((B, NH, T, T))
+
+if L.args.variants:
+    configs = [(n, A.DEFAULT_CAUSAL_CHUNKS) for n in L.selected(sm_spec)]
+else:
+    configs = [(sm_spec.default, c) for c in ((1, 1), (2, 2), (4, 1), (4, 2), (4, 4), (8, 2), (8, 4))] + [(4, A.DEFAULT_CAUSAL_CHUNKS)]
+
+# -----------------------------------------------------------------------------
+for sm, chunks in configs:
+    label = f"softmax {sm}, chunks {chunks}"
+    launch = A.build_attention_forward(rt, sm, mm, B=B, T=T, C=C, NH=NH, causal_chunks=chunks)
+    fn = lambda: launch(d_out, d_qkvr, d_att, d_inp)  # noqa: E731
+    # TF32 GEMMs: ~1e-3 relative on the logits; elementwise bounds set for that, rel_err printed
+    L.validate(label, fn, outputs={"out": d_out, "qkvr": d_qkvr, "att": d_att},
+               refs={"out": out64, "qkvr": qkvr64, "att": att64}, atol=5e-3, rtol=2e-2)
+    print(f"    rel_err out {rel_err(d_out.get(), out64):.2e}  att {rel_err(d_att.get(), att64):.2e}")
+    L.time(label, fn)
+
+# the composite's data-movement pieces on their own (GB/s: bytes read + written)
+perm = A._build_permute(rt, "permute", B, T, 3, NH, hs)
+L.time("  permute inp -> qkvr", lambda: perm(d_qkvr, d_inp), bytes=2 * 4 * 3 * B * T * C)
+unperm = A._build_permute(rt, "unpermute", B, T, 1, NH, hs)
+d_y = rt.to_device(lab.rand(rng, (B, NH, T, hs)))
+L.time("  unpermute y -> out", lambda: unperm(d_out, d_y), bytes=2 * 4 * B * T * C)
+
+try:
+    import torch
+    import torch.nn.functional as Fn
+    torch.backends.cuda.matmul.allow_tf32 = True
+    q, k, v = (torch.from_numpy(x.astype(np.float32)).cuda() for x in qkvr64.reshape(3, B, NH, T, hs))
+    L.reference("torch SDPA causal (fp32, TF32 allowed)", lambda: Fn.scaled_dot_product_attention(q, k, v, is_causal=True))
+    mask = torch.tril(torch.ones(T, T, dtype=torch.bool, device="cuda"))
+
+    def torch_math():
+        a = (q @ k.transpose(-2, -1)) * (1.0 / hs ** 0.5)
+        return torch.softmax(a.masked_fill(~mask, float("-inf")), dim=-1) @ v
+    L.reference("torch math: q k^T, masked softmax, att v", torch_math)
+except Exception as e:
+    print(f"WARNING: no torch reference ({e})")
+L.finish()
