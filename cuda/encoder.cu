@@ -1,0 +1,190 @@
+// Encoder: token + position embeddings. out[b,t,:] = wte[inp[b,t],:] + wpe[t,:]
+// Backward scatters dout back: dwte[inp[b,t],:] += dout[b,t,:], dwpe[t,:] += sum_b dout[b,t,:].
+// Only the rows of dwte whose tokens occur in inp are touched.
+//
+// encoder_forward (--encoder-kernel N):
+//   1  one thread per output element (any C)
+//   2  one thread per 4 channels, float4 loads/stores (C % 4 == 0)
+// encoder_backward (--encoder-backward-kernel N):
+//   1  one thread per element, atomicAdd into dwte and dwpe (not deterministic: repeated tokens and
+//      the B rows of each position race, and float addition does not commute bit-wise)
+//   2  deterministic, no atomics: one block per position p. The block first checks whether p is the
+//      first occurrence of its token among the B*T positions; only that "owner" block then walks the
+//      later positions in order and adds each occurrence's dout row into the dwte row, so every dwte
+//      row is written by exactly one block, in the same order as np.add.at. Blocks p < T also own
+//      dwpe row t = p and sum its B rows in order (any C)
+//   3  2 with float4 loads/stores over the channels (C % 4 == 0)
+//   4  1 with float4: one 16-byte vector atomicAdd per 4 channels on sm_90, four scalar ones on
+//      older GPUs (C % 4 == 0; not deterministic)
+//
+// Memory traffic at B=4, T=1024, C=768 (N = 4096 positions, U distinct tokens, ~N for random ids):
+//   forward  reads U wte rows + T wpe rows (+ N ids), writes N rows: ~28 MB, 9.5 us at 2.98 TB/s
+//   backward reads dout (12.6 MB), reads and writes U dwte rows and T dwpe rows: ~37.7 MB, 12.7 us.
+//            Variants 2 and 3 also read the 16 KB of ids up to N/2 times on average (L1/L2 hits).
+#include "common.cuh"
+
+// ----------------------------------------------------------------------------------------------
+// encoder_forward: out (B,T,C) =, inp (B,T) int32, wte (Vp,C), wpe (maxT,C)
+
+extern "C" __global__ void encoder_forward_kernel1(float* out, const int* inp, const float* wte,
+        const float* wpe, int B, int T, int C) {
+    int idx = blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= B * T * C) return;
+    int bt = idx / C, c = idx % C, t = bt % T;
+    out[idx] = wte[(size_t)inp[bt] * C + c] + wpe[(size_t)t * C + c];
+}
+
+extern "C" __global__ void encoder_forward_kernel2(float* out, const int* inp, const float* wte,
+        const float* wpe, int B, int T, int C) {
+    int idx = blockIdx.x * blockDim.x + threadIdx.x;  // one float4 of the output
+    int C4 = C / 4;
+    if (idx >= B * T * C4) return;
+    int bt = idx / C4, c = (idx % C4) * 4, t = bt % T;
+    float4 a = load4(wte + (size_t)inp[bt] * C + c), b = load4(wpe + (size_t)t * C + c);
+    store4(out + (size_t)bt * C + c, make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w));
+}
+
+// ----------------------------------------------------------------------------------------------
+// encoder_backward: dwte (Vp,C) +=, dwpe (maxT,C) +=, dout (B,T,C), inp (B,T) int32
+
+extern "C" __global__ void encoder_backward_kernel1(float* dwte, float* dwpe, const float* dout,
+        const int* inp, int B, int T, int C) {
+    int idx = blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= B * T * C) return;
+    int bt = idx / C, c = idx % C, t = bt % T;
+    float d = dout[idx];
+    atomicAdd(&dwte[(size_t)inp[bt] * C + c], d);
+    atomicAdd(&dwpe[(size_t)t * C + c], d);
+}
+
+extern "C" __global__ void encoder_backward_kernel4(float* dwte, float* dwpe, const float* dout,
+        const int* inp, int B, int T, int C) {
+    int idx = blockIdx.x * blockDim.x + threadIdx.x;
+    int C4 = C / 4;
+    if (idx >= B * T * C4) return;
+    int bt = idx / C4, c = (idx % C4) * 4, t = bt % T;
+    float4 d = load4(dout + (size_t)bt * C + c);
+    float* w = dwte + (size_t)inp[bt] * C + c;
+    float* p = dwpe + (size_t)t * C + c;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    atomicAdd(reinterpret_cast<float4*>(w), d);
+    atomicAdd(reinterpret_cast<float4*>(p), d);
+#else
+    atomicAdd(w, d.x); atomicAdd(w + 1, d.y); atomicAdd(w + 2, d.z); atomicAdd(w + 3, d.w);
+    atomicAdd(p, d.x); atomicAdd(p + 1, d.y); atomicAdd(p + 2, d.z); atomicAdd(p + 3, d.w);
+#endif
+}
+
+// dst[c] += src_k[c] for k = 0..n-1 in that order, src_k = dout row list[k]; each thread owns
+// channels tid, tid+bs, ... and keeps its running sum in a register, so the n row loads are
+// independent of each other (unrolled: several in flight) and only the adds are chained. The
+// order of the adds is np.add.at's: ((dst + d_0) + d_1) + ...
+template <bool VEC>
+__device__ __forceinline__ void rows_add(float* dst, const float* dout, const int* list, int n, int C) {
+    if (VEC) {
+        for (int c = 4 * threadIdx.x; c < C; c += 4 * blockDim.x) {
+            float4 acc = load4(dst + c);
+#pragma unroll 8
+            for (int k = 0; k < n; k++) {
+                float4 d = load4(dout + (size_t)list[k] * C + c);
+                acc.x += d.x; acc.y += d.y; acc.z += d.z; acc.w += d.w;
+            }
+            store4(dst + c, acc);
+        }
+    } else {
+        for (int c = threadIdx.x; c < C; c += blockDim.x) {
+            float acc = dst[c];
+#pragma unroll 8
+            for (int k = 0; k < n; k++) acc += dout[(size_t)list[k] * C + c];
+            dst[c] = acc;
+        }
+    }
+}
+
+// Variants 2 and 3. One block per position p (grid = B*T), blockDim.x a multiple of 32.
+// Cost beyond the bytes: every block scans the ids before it (~N/2 ids on average, 4 loads in
+// flight per thread), owners also scan the ids after them; at N = 4096 that is ~16 KB per block
+// from L1/L2, small next to the 3 KB dout row it moves but not free. On text, the most frequent
+// token owns a few percent of all positions, and its one block adds them all: that block's
+// serial chain of row loads is the tail of the kernel (the lab times Zipf-distributed ids too).
+template <bool VEC>
+__device__ __forceinline__ void encoder_backward_owner(float* dwte, float* dwpe, const float* dout,
+        const int* inp, int B, int T, int C) {
+    __shared__ int s_count[32];    // matches per warp in the current sub-chunk
+    __shared__ int s_list[1024];   // the sub-chunk's matching positions, ascending
+    const int N = B * T, p = blockIdx.x, tid = threadIdx.x, bs = blockDim.x;
+    const int lane = tid % WARP_SIZE, warp = tid / WARP_SIZE, nwarps = bs / WARP_SIZE;
+    const int tok = inp[p];
+
+    // dwpe row t = p: sum the B rows in order b = 0..B-1 (no other block touches this row)
+    if (p < T) {
+        if (VEC) {
+            for (int c = 4 * tid; c < C; c += 4 * bs) {
+                float4 s = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                for (int b = 0; b < B; b++) {
+                    float4 d = load4(dout + ((size_t)b * T + p) * C + c);
+                    s.x += d.x; s.y += d.y; s.z += d.z; s.w += d.w;
+                }
+                float4 w = load4(dwpe + (size_t)p * C + c);
+                store4(dwpe + (size_t)p * C + c, make_float4(w.x + s.x, w.y + s.y, w.z + s.z, w.w + s.w));
+            }
+        } else {
+            for (int c = tid; c < C; c += bs) {
+                float s = 0.0f;
+                for (int b = 0; b < B; b++) s += dout[((size_t)b * T + p) * C + c];
+                dwpe[(size_t)p * C + c] += s;
+            }
+        }
+    }
+
+    // Is there an earlier occurrence of tok? Then that position's block owns the row: leave.
+    int found = 0;
+    for (int q0 = 0; q0 < p; q0 += 4 * bs) {
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            int q = q0 + j * bs + tid;
+            if (q < p && inp[q] == tok) found = 1;
+        }
+    }
+    if (__syncthreads_or(found)) return;
+
+    // The owner: positions q >= p in ascending order, 4*bs at a time; the (rare) sub-chunks with a
+    // match are compacted in order with warp ballots and a prefix over the warps' counts.
+    float* wrow = dwte + (size_t)tok * C;
+    for (int q0 = p; q0 < N; q0 += 4 * bs) {
+        int m[4], any = 0;
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            int q = q0 + j * bs + tid;
+            m[j] = q < N && inp[q] == tok;
+            any |= m[j];
+        }
+        if (!__syncthreads_or(any)) continue;
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            unsigned ballot = __ballot_sync(0xffffffffu, m[j]);
+            if (lane == 0) s_count[warp] = __popc(ballot);
+            __syncthreads();
+            int offset = 0, total = 0;
+            for (int w = 0; w < nwarps; w++) {
+                int cnt = s_count[w];
+                offset += (w < warp) ? cnt : 0;
+                total += cnt;
+            }
+            if (m[j]) s_list[offset + __popc(ballot & ((1u << lane) - 1u))] = q0 + j * bs + tid;
+            __syncthreads();
+            if (total > 0) rows_add<VEC>(wrow, dout, s_list, total, C);
+            __syncthreads();  // s_count and s_list are reused
+        }
+    }
+}
+
+extern "C" __global__ void encoder_backward_kernel2(float* dwte, float* dwpe, const float* dout,
+        const int* inp, int B, int T, int C) {
+    encoder_backward_owner<false>(dwte, dwpe, dout, inp, B, T, C);
+}
+
+extern "C" __global__ void encoder_backward_kernel3(float* dwte, float* dwpe, const float* dout,
+        const int* inp, int B, int T, int C) {
+    encoder_backward_owner<true>(dwte, dwpe, dout, inp, B, T, C);
+}

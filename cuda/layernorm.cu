@@ -1,0 +1,377 @@
+// Layernorm over the last dimension of (N, C) rows, GPT-2's form:
+//   mean = sum(x)/C, var = sum((x-mean)^2)/C (biased), rstd = 1/sqrt(var + 1e-5)
+//   out = (x - mean) * rstd * weight + bias
+// Backward, with norm = (x - mean) * rstd and dnorm = dout * weight:
+//   dbias += dout, dweight += norm * dout (both summed over rows)
+//   dinp  += rstd * (dnorm - mean_c(dnorm) - norm * mean_c(dnorm * norm))
+//
+// layernorm_forward (--layernorm-kernel N):
+//   1  one thread per row, three serial passes over its row (neighbouring threads read rows C apart:
+//      uncoalesced, the plainest)
+//   2  one block per row, shared-memory block reductions for the mean and the variance
+//   3  one warp per row, shuffle reductions, lanes stride the row (coalesced), three passes via L1
+//   4  one warp per row, float4 loads, the row held in registers: x read from DRAM once and the
+//      variance taken as E[(x-mean)^2] in registers (C % 4 == 0, C <= 2048)
+//   5  4 with streaming cache hints: x loaded with ld.global.cs and out stored with st.global.cs
+//      (each is touched once; keep L2 for weight/bias and whoever reads out next)
+// layernorm_backward (--layernorm-backward-kernel N):
+//   1  one thread per row, a global atomicAdd for every dweight/dbias element (N-way contended)
+//   2  one warp per row, dweight/dbias summed per block in shared memory (shared atomics), then one
+//      global atomicAdd per channel per block (not deterministic: the atomics' order varies)
+//   3  deterministic: one warp per row over a fixed contiguous chunk of rows per block, per-warp
+//      shared-memory accumulators (each lane owns its channels: no atomics), per-block partial sums
+//      to a scratch buffer, then layernorm_backward_reduce_kernel adds them up in a fixed order
+//   4  3 with float4 loads and the rows of dout and inp held in registers (C % 4 == 0, C <= 2048)
+//
+// Memory traffic at the trainer's shape (N = 4096, C = 768, fp32; one row = 3 KB):
+//   forward  reads x (12.6 MB) and writes out (12.6 MB): 25.2 MB, 8.5 us at 2.98 TB/s
+//   backward reads dout, inp and dinp (+=), writes dinp: 50.3 MB, 16.9 us; the scratch of the
+//            deterministic variants adds 2 * G * C floats written and read (G blocks, ~1-3 MB)
+#include "common.cuh"
+
+#define LN_EPS 1e-5f
+// the register-resident variants hold NV float4 per lane: NV * 128 channels, NV <= LN_MAX_NV
+#define LN_MAX_NV 16
+
+__device__ __forceinline__ float hsum4(float4 a) { return (a.x + a.y) + (a.z + a.w); }
+
+// ----------------------------------------------------------------------------------------------
+// layernorm_forward
+
+// out (N,C), mean (N), rstd (N), inp (N,C), weight (C), bias (C)
+extern "C" __global__ void layernorm_forward_kernel1(float* out, float* mean, float* rstd,
+        const float* inp, const float* weight, const float* bias, int N, int C) {
+    int row = blockIdx.x * blockDim.x + threadIdx.x;
+    if (row >= N) return;
+    const float* x = inp + (size_t)row * C;
+    float m = 0.0f;
+    for (int c = 0; c < C; c++) m += x[c];
+    m /= C;
+    float v = 0.0f;
+    for (int c = 0; c < C; c++) { float d = x[c] - m; v += d * d; }
+    v /= C;
+    float s = rsqrtf(v + LN_EPS);
+    float* o = out + (size_t)row * C;
+    for (int c = 0; c < C; c++) o[c] = (x[c] - m) * s * weight[c] + bias[c];
+    mean[row] = m;
+    rstd[row] = s;
+}
+
+// one block per row; blockDim.x a multiple of 32
+extern "C" __global__ void layernorm_forward_kernel2(float* out, float* mean, float* rstd,
+        const float* inp, const float* weight, const float* bias, int N, int C) {
+    __shared__ float shared[32];
+    int row = blockIdx.x;
+    const float* x = inp + (size_t)row * C;
+    float sum = 0.0f;
+    for (int c = threadIdx.x; c < C; c += blockDim.x) sum += x[c];
+    float m = block_reduce_sum(sum, shared) / C;
+    float v = 0.0f;
+    for (int c = threadIdx.x; c < C; c += blockDim.x) { float d = x[c] - m; v += d * d; }
+    float s = rsqrtf(block_reduce_sum(v, shared) / C + LN_EPS);
+    float* o = out + (size_t)row * C;
+    for (int c = threadIdx.x; c < C; c += blockDim.x) o[c] = (x[c] - m) * s * weight[c] + bias[c];
+    if (threadIdx.x == 0) { mean[row] = m; rstd[row] = s; }
+}
+
+// one warp per row; the second and third passes mostly hit L1 (a row is C*4 bytes)
+extern "C" __global__ void layernorm_forward_kernel3(float* out, float* mean, float* rstd,
+        const float* inp, const float* weight, const float* bias, int N, int C) {
+    int lane = threadIdx.x % WARP_SIZE;
+    int row = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
+    if (row >= N) return;  // whole warp leaves together
+    const float* x = inp + (size_t)row * C;
+    float sum = 0.0f;
+    for (int c = lane; c < C; c += WARP_SIZE) sum += x[c];
+    float m = warp_reduce_sum(sum) / C;
+    float v = 0.0f;
+    for (int c = lane; c < C; c += WARP_SIZE) { float d = x[c] - m; v += d * d; }
+    float s = rsqrtf(warp_reduce_sum(v) / C + LN_EPS);
+    float* o = out + (size_t)row * C;
+    for (int c = lane; c < C; c += WARP_SIZE) o[c] = (x[c] - m) * s * weight[c] + bias[c];
+    if (lane == 0) { mean[row] = m; rstd[row] = s; }
+}
+
+// One warp per row, the row in registers: lane l holds float4 number l + 32*i for i < NV, so each
+// of the NV loads is one coalesced 512-byte transaction per warp and all NV are in flight before
+// the first add. Slots past C/4 are guarded (their index test is uniform per slot and lane).
+template <int NV, bool STREAM>
+__device__ __forceinline__ void layernorm_forward4(float* out, float* mean, float* rstd,
+        const float* inp, const float* weight, const float* bias, int N, int C) {
+    int lane = threadIdx.x % WARP_SIZE;
+    int row = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
+    if (row >= N) return;
+    const int C4 = C / 4;
+    const float* x = inp + (size_t)row * C;
+    float4 v[NV];
+    float sum = 0.0f;
+#pragma unroll
+    for (int i = 0; i < NV; i++) {
+        int c4 = lane + i * WARP_SIZE;
+        if (c4 < C4) {
+            v[i] = STREAM ? load4_cs(x + 4 * c4) : load4(x + 4 * c4);
+            sum += hsum4(v[i]);
+        }
+    }
+    const float m = warp_reduce_sum(sum) / C;
+    float var = 0.0f;
+#pragma unroll
+    for (int i = 0; i < NV; i++) {
+        if (lane + i * WARP_SIZE < C4) {
+            float dx = v[i].x - m, dy = v[i].y - m, dz = v[i].z - m, dw = v[i].w - m;
+            var += (dx * dx + dy * dy) + (dz * dz + dw * dw);
+        }
+    }
+    const float s = rsqrtf(warp_reduce_sum(var) / C + LN_EPS);
+    float* o = out + (size_t)row * C;
+#pragma unroll
+    for (int i = 0; i < NV; i++) {
+        int c4 = lane + i * WARP_SIZE;
+        if (c4 < C4) {
+            float4 w = load4(weight + 4 * c4), b = load4(bias + 4 * c4), r;
+            r.x = (v[i].x - m) * s * w.x + b.x;
+            r.y = (v[i].y - m) * s * w.y + b.y;
+            r.z = (v[i].z - m) * s * w.z + b.z;
+            r.w = (v[i].w - m) * s * w.w + b.w;
+            if (STREAM) store4_cs(o + 4 * c4, r); else store4(o + 4 * c4, r);
+        }
+    }
+    if (lane == 0) { mean[row] = m; rstd[row] = s; }
+}
+
+// Entry points per NV (the launcher picks NV = ceil(C / 128)): layernorm_forward_kernel4_nv6 is
+// variant 4 for 640 < C <= 768. Registers are sized per NV, so small C keeps high occupancy.
+#define LN_FWD_ENTRY(NV)                                                                             \
+    extern "C" __global__ void layernorm_forward_kernel4_nv##NV(float* out, float* mean, float* rstd, \
+            const float* inp, const float* weight, const float* bias, int N, int C) {                 \
+        layernorm_forward4<NV, false>(out, mean, rstd, inp, weight, bias, N, C);                      \
+    }                                                                                                 \
+    extern "C" __global__ void layernorm_forward_kernel5_nv##NV(float* out, float* mean, float* rstd, \
+            const float* inp, const float* weight, const float* bias, int N, int C) {                 \
+        layernorm_forward4<NV, true>(out, mean, rstd, inp, weight, bias, N, C);                       \
+    }
+LN_FWD_ENTRY(1) LN_FWD_ENTRY(2) LN_FWD_ENTRY(3) LN_FWD_ENTRY(4) LN_FWD_ENTRY(5) LN_FWD_ENTRY(6)
+LN_FWD_ENTRY(7) LN_FWD_ENTRY(8) LN_FWD_ENTRY(9) LN_FWD_ENTRY(10) LN_FWD_ENTRY(11) LN_FWD_ENTRY(12)
+LN_FWD_ENTRY(13) LN_FWD_ENTRY(14) LN_FWD_ENTRY(15) LN_FWD_ENTRY(16)
+
+// ----------------------------------------------------------------------------------------------
+// layernorm_backward
+
+// dinp (N,C) +=, dweight (C) +=, dbias (C) +=, dout (N,C), inp (N,C), weight (C), mean (N), rstd (N)
+// One thread per row. Every thread adds into the same 2C addresses: the atomics serialise at L2,
+// which is what this baseline is here to show.
+extern "C" __global__ void layernorm_backward_kernel1(float* dinp, float* dweight, float* dbias,
+        const float* dout, const float* inp, const float* weight, const float* mean, const float* rstd,
+        int N, int C) {
+    int row = blockIdx.x * blockDim.x + threadIdx.x;
+    if (row >= N) return;
+    const float* d = dout + (size_t)row * C;
+    const float* x = inp + (size_t)row * C;
+    float* g = dinp + (size_t)row * C;
+    const float m = mean[row], s = rstd[row];
+    float a = 0.0f, b = 0.0f;  // sum(dnorm), sum(dnorm * norm)
+    for (int c = 0; c < C; c++) {
+        float n = (x[c] - m) * s, dn = d[c] * weight[c];
+        a += dn;
+        b += dn * n;
+    }
+    a /= C;
+    b /= C;
+    for (int c = 0; c < C; c++) {
+        float n = (x[c] - m) * s, dn = d[c] * weight[c];
+        atomicAdd(&dbias[c], d[c]);
+        atomicAdd(&dweight[c], n * d[c]);
+        g[c] += s * (dn - a - n * b);
+    }
+}
+
+// One warp per row, rows strided over the whole grid. Dynamic smem: 2*C floats (dweight | dbias).
+extern "C" __global__ void layernorm_backward_kernel2(float* dinp, float* dweight, float* dbias,
+        const float* dout, const float* inp, const float* weight, const float* mean, const float* rstd,
+        int N, int C) {
+    extern __shared__ float acc[];  // (2, C): dweight | dbias partial sums of this block
+    float* acc_w = acc;
+    float* acc_b = acc + C;
+    for (int c = threadIdx.x; c < 2 * C; c += blockDim.x) acc[c] = 0.0f;
+    __syncthreads();
+    const int lane = threadIdx.x % WARP_SIZE, nwarps = blockDim.x / WARP_SIZE;
+    for (int row = blockIdx.x * nwarps + threadIdx.x / WARP_SIZE; row < N; row += gridDim.x * nwarps) {
+        const float* d = dout + (size_t)row * C;
+        const float* x = inp + (size_t)row * C;
+        float* g = dinp + (size_t)row * C;
+        const float m = mean[row], s = rstd[row];
+        float a = 0.0f, b = 0.0f;
+        for (int c = lane; c < C; c += WARP_SIZE) {
+            float n = (x[c] - m) * s, dn = d[c] * weight[c];
+            a += dn;
+            b += dn * n;
+        }
+        a = warp_reduce_sum(a) / C;
+        b = warp_reduce_sum(b) / C;
+        for (int c = lane; c < C; c += WARP_SIZE) {
+            float dc = d[c], n = (x[c] - m) * s, dn = dc * weight[c];
+            atomicAdd(&acc_b[c], dc);
+            atomicAdd(&acc_w[c], n * dc);
+            g[c] += s * (dn - a - n * b);
+        }
+    }
+    __syncthreads();
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+        atomicAdd(&dweight[c], acc_w[c]);
+        atomicAdd(&dbias[c], acc_b[c]);
+    }
+}
+
+// The deterministic variants. Block `blockIdx.x` owns rows [blockIdx.x*R, min(N, (blockIdx.x+1)*R));
+// warp w takes rows w, w + nwarps, ... of that chunk, so which warp adds which row is fixed. Each
+// warp keeps its own dweight|dbias accumulators in shared memory (dynamic smem: nwarps * 2C floats)
+// and lane l only ever touches its own channels, so no two threads write one address. At the end the
+// block sums its warps in order into scratch (G, 2, C); the reduce kernel then sums the G blocks.
+
+// sum the per-warp accumulators (nwarps, 2, C) in warp order into scratch row blockIdx.x
+__device__ __forceinline__ void ln_block_partials_to_scratch(float* scratch, const float* acc, int C) {
+    const int nwarps = blockDim.x / WARP_SIZE;
+    float* out = scratch + (size_t)blockIdx.x * 2 * C;
+    for (int c = threadIdx.x; c < 2 * C; c += blockDim.x) {
+        float sum = 0.0f;
+        for (int w = 0; w < nwarps; w++) sum += acc[w * 2 * C + c];
+        out[c] = sum;
+    }
+}
+
+// scratch (G, 2, C): written whole by kernel 3 or 4
+extern "C" __global__ void layernorm_backward_kernel3(float* dinp, float* scratch,
+        const float* dout, const float* inp, const float* weight, const float* mean, const float* rstd,
+        int N, int C, int R) {
+    extern __shared__ float acc[];  // (nwarps, 2, C)
+    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    const int nwarps = blockDim.x / WARP_SIZE;
+    float* acc_w = acc + warp * 2 * C;
+    float* acc_b = acc_w + C;
+    for (int c = lane; c < C; c += WARP_SIZE) { acc_w[c] = 0.0f; acc_b[c] = 0.0f; }
+    const int row_end = min(N, (blockIdx.x + 1) * R);
+    for (int row = blockIdx.x * R + warp; row < row_end; row += nwarps) {
+        const float* d = dout + (size_t)row * C;
+        const float* x = inp + (size_t)row * C;
+        float* g = dinp + (size_t)row * C;
+        const float m = mean[row], s = rstd[row];
+        float a = 0.0f, b = 0.0f;
+        for (int c = lane; c < C; c += WARP_SIZE) {
+            float n = (x[c] - m) * s, dn = d[c] * weight[c];
+            a += dn;
+            b += dn * n;
+        }
+        a = warp_reduce_sum(a) / C;
+        b = warp_reduce_sum(b) / C;
+        for (int c = lane; c < C; c += WARP_SIZE) {
+            float dc = d[c], n = (x[c] - m) * s, dn = dc * weight[c];
+            acc_b[c] += dc;
+            acc_w[c] += n * dc;
+            g[c] += s * (dn - a - n * b);
+        }
+    }
+    __syncthreads();
+    ln_block_partials_to_scratch(scratch, acc, C);
+}
+
+template <int NV>
+__device__ __forceinline__ void layernorm_backward4(float* dinp, float* scratch,
+        const float* dout, const float* inp, const float* weight, const float* mean, const float* rstd,
+        int N, int C, int R) {
+    extern __shared__ float acc[];  // (nwarps, 2, C)
+    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    const int nwarps = blockDim.x / WARP_SIZE;
+    const int C4 = C / 4;
+    float4* acc_w = reinterpret_cast<float4*>(acc + warp * 2 * C);  // C % 4 == 0: 16-byte aligned
+    float4* acc_b = acc_w + C4;
+    const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+    for (int i = 0; i < NV; i++) {
+        int c4 = lane + i * WARP_SIZE;
+        if (c4 < C4) { acc_w[c4] = zero; acc_b[c4] = zero; }
+    }
+    const int row_end = min(N, (blockIdx.x + 1) * R);
+    for (int row = blockIdx.x * R + warp; row < row_end; row += nwarps) {
+        const float* dr = dout + (size_t)row * C;
+        const float* xr = inp + (size_t)row * C;
+        float* gr = dinp + (size_t)row * C;
+        float4 d[NV], x[NV];
+#pragma unroll
+        for (int i = 0; i < NV; i++) {  // 2*NV independent 16-byte loads in flight per lane
+            int c4 = lane + i * WARP_SIZE;
+            if (c4 < C4) { d[i] = load4(dr + 4 * c4); x[i] = load4(xr + 4 * c4); }
+        }
+        const float m = mean[row], s = rstd[row];
+        float a = 0.0f, b = 0.0f;
+#pragma unroll
+        for (int i = 0; i < NV; i++) {
+            int c4 = lane + i * WARP_SIZE;
+            if (c4 < C4) {
+                float4 w = load4(weight + 4 * c4);
+                float nx = (x[i].x - m) * s, ny = (x[i].y - m) * s, nz = (x[i].z - m) * s, nw = (x[i].w - m) * s;
+                float dx = d[i].x * w.x, dy = d[i].y * w.y, dz = d[i].z * w.z, dw = d[i].w * w.w;
+                a += (dx + dy) + (dz + dw);
+                b += (dx * nx + dy * ny) + (dz * nz + dw * nw);
+            }
+        }
+        a = warp_reduce_sum(a) / C;
+        b = warp_reduce_sum(b) / C;
+#pragma unroll
+        for (int i = 0; i < NV; i++) {
+            int c4 = lane + i * WARP_SIZE;
+            if (c4 < C4) {
+                float4 w = load4(weight + 4 * c4), g = load4(gr + 4 * c4);
+                float4 n;
+                n.x = (x[i].x - m) * s; n.y = (x[i].y - m) * s; n.z = (x[i].z - m) * s; n.w = (x[i].w - m) * s;
+                g.x += s * (d[i].x * w.x - a - n.x * b);
+                g.y += s * (d[i].y * w.y - a - n.y * b);
+                g.z += s * (d[i].z * w.z - a - n.z * b);
+                g.w += s * (d[i].w * w.w - a - n.w * b);
+                store4(gr + 4 * c4, g);
+                float4 aw = acc_w[c4], ab = acc_b[c4];
+                aw.x += n.x * d[i].x; aw.y += n.y * d[i].y; aw.z += n.z * d[i].z; aw.w += n.w * d[i].w;
+                ab.x += d[i].x; ab.y += d[i].y; ab.z += d[i].z; ab.w += d[i].w;
+                acc_w[c4] = aw;
+                acc_b[c4] = ab;
+            }
+        }
+    }
+    __syncthreads();
+    ln_block_partials_to_scratch(scratch, acc, C);
+}
+
+#define LN_BWD_ENTRY(NV)                                                                             \
+    extern "C" __global__ void layernorm_backward_kernel4_nv##NV(float* dinp, float* scratch,        \
+            const float* dout, const float* inp, const float* weight, const float* mean,              \
+            const float* rstd, int N, int C, int R) {                                                 \
+        layernorm_backward4<NV>(dinp, scratch, dout, inp, weight, mean, rstd, N, C, R);               \
+    }
+LN_BWD_ENTRY(1) LN_BWD_ENTRY(2) LN_BWD_ENTRY(3) LN_BWD_ENTRY(4) LN_BWD_ENTRY(5) LN_BWD_ENTRY(6)
+LN_BWD_ENTRY(7) LN_BWD_ENTRY(8) LN_BWD_ENTRY(9) LN_BWD_ENTRY(10) LN_BWD_ENTRY(11) LN_BWD_ENTRY(12)
+LN_BWD_ENTRY(13) LN_BWD_ENTRY(14) LN_BWD_ENTRY(15) LN_BWD_ENTRY(16)
+
+// dweight (C) +=, dbias (C) +=, scratch (G, 2, C). Block (32, 8): threadIdx.x picks the channel,
+// the 8 rows of threads sum blocks g = y, y+8, ... then thread row 0 adds the 8 sums in order.
+// Every sum has a fixed order, so the result is the same bits on every run.
+extern "C" __global__ void layernorm_backward_reduce_kernel(float* dweight, float* dbias,
+        const float* scratch, int G, int C) {
+    __shared__ float sw[8][33], sb[8][33];
+    const int c = blockIdx.x * 32 + threadIdx.x;
+    float aw = 0.0f, ab = 0.0f;
+    if (c < C) {
+        for (int g = threadIdx.y; g < G; g += 8) {
+            aw += scratch[(size_t)g * 2 * C + c];
+            ab += scratch[(size_t)g * 2 * C + C + c];
+        }
+    }
+    sw[threadIdx.y][threadIdx.x] = aw;
+    sb[threadIdx.y][threadIdx.x] = ab;
+    __syncthreads();
+    if (threadIdx.y == 0 && c < C) {
+        float w = 0.0f, b = 0.0f;
+#pragma unroll
+        for (int y = 0; y < 8; y++) { w += sw[y][threadIdx.x]; b += sb[y][threadIdx.x]; }
+        dweight[c] += w;
+        dbias[c] += b;
+    }
+}

@@ -1,0 +1,154 @@
+"""Encoder: GPT-2's token + position embeddings, forward and backward.
+
+    python dev/cuda/encoder_forward.py          # validate + time every variant at B=4, T=1024, C=768
+    python dev/cuda/encoder_backward.py 2 3     # just the deterministic backward variants
+    python -m pytest tests/test_encoder.py -q   # references vs torch autograd (add -m gpu on a GPU)
+
+Semantics (docs/ops.md):
+    encoder_forward:  out(B,T,C)=, inp(B,T) int32, wte(Vp,C), wpe(maxT,C)
+                      out[b,t] = wte[inp[b,t]] + wpe[t]
+    encoder_backward: dwte(Vp,C)+=, dwpe(maxT,C)+=, dout(B,T,C), inp(B,T) int32
+                      dwte[inp[b,t]] += dout[b,t]; dwpe[t] += sum_b dout[b,t]; only the rows of
+                      dwte whose tokens occur (and the first T rows of dwpe) are touched
+
+Variants 2 and 3 of encoder_backward are deterministic without atomics (same inputs, same bits on
+every run, and in the same order as np.add.at); 1 and 4 use atomics and are not.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from llmc.ops import OpSpec, Variant
+from llmc.runtime import ceil_div
+
+MODULE = "encoder"  # cuda/encoder.cu
+
+
+# ----------------------------------------------------------------------------------------------
+# numpy references (float32 or float64)
+
+def encoder_forward_ref(inp, wte, wpe):
+    """inp (B, T) int -> out (B, T, C) = wte[inp] + wpe[:T]."""
+    return wte[inp] + wpe[:inp.shape[-1]]
+
+
+def encoder_backward_ref(dwte, dwpe, dout, inp):
+    """Accumulates (+=) into dwte (Vp, C) and dwpe (maxT, C) in place and returns them.
+
+    Unlike the other references this one works in place: dwte is the whole (Vp, C) table, and a
+    fresh zero table per call would cost more than the op. np.add.at adds repeated tokens one after
+    another in position order (a plain fancy-index += would keep only the last one)."""
+    C = dout.shape[-1]
+    T = inp.shape[-1]
+    np.add.at(dwte, inp.reshape(-1), dout.reshape(-1, C))
+    dwpe[:T] += dout.reshape(-1, T, C).sum(axis=0)
+    return dwte, dwpe
+
+
+def _shaped(a, shape):
+    """A view of `a` with `shape`; raises instead of silently copying (writes must land in `a`)."""
+    v = a.view()
+    v.shape = shape
+    return v
+
+
+# ----------------------------------------------------------------------------------------------
+# cpu launchers
+
+def encoder_forward_cpu(B, T, C, block_size=None):
+    def launch(out, inp, wte, wpe):
+        _shaped(out, (B, T, C))[...] = encoder_forward_ref(_shaped(inp, (B, T)), _shaped(wte, (-1, C)),
+                                                           _shaped(wpe, (-1, C)))
+    return launch
+
+
+def encoder_backward_cpu(B, T, C, block_size=None):
+    def launch(dwte, dwpe, dout, inp):
+        encoder_backward_ref(_shaped(dwte, (-1, C)), _shaped(dwpe, (-1, C)), _shaped(dout, (B, T, C)),
+                             _shaped(inp, (B, T)))
+    return launch
+
+
+# ----------------------------------------------------------------------------------------------
+# shape checks and GPU variants
+
+ARGS = "PPPPiii"  # 4 pointers (outputs first), B, T, C
+
+
+def _check_block(block_size):
+    if block_size is not None and (block_size % 32 or not 32 <= block_size <= 1024):
+        return f"block_size={block_size}: needs a multiple of 32 in [32, 1024]"
+    return None
+
+
+def check_any(B, T, C, block_size=None):
+    return _check_block(block_size)
+
+
+def check_float4(B, T, C, block_size=None):
+    if C % 4:
+        return f"C={C} is not a multiple of 4 (float4 loads of each row)"
+    return _check_block(block_size)
+
+
+def _elementwise(op, number, per_thread, default_bs):
+    """One thread per element (per_thread=1) or per float4 (per_thread=4) of the (B,T,C) tensor."""
+    def build(rt, B, T, C, block_size=None):
+        bs = block_size or default_bs
+        k = rt.kernel(MODULE, f"{op}_kernel{number}", ARGS, label=f"{op} {number}")
+        grid = (ceil_div(B * T * C // per_thread, bs), 1, 1)
+        b_, t_, c_ = np.int32(B), np.int32(T), np.int32(C)
+
+        def launch(a0, a1, a2, a3):  # forward: out, inp, wte, wpe; backward: dwte, dwpe, dout, inp
+            k(grid, (bs, 1, 1), a0.ptr, a1.ptr, a2.ptr, a3.ptr, b_, t_, c_)
+        return launch
+    return build
+
+
+def _owner(number, default_bs):
+    """Deterministic backward: one block per position, the first occurrence of a token owns its row."""
+    def build(rt, B, T, C, block_size=None):
+        bs = block_size or default_bs
+        k = rt.kernel(MODULE, f"encoder_backward_kernel{number}", ARGS, label=f"encoder_backward {number}")
+        grid = (B * T, 1, 1)
+        b_, t_, c_ = np.int32(B), np.int32(T), np.int32(C)
+
+        def launch(dwte, dwpe, dout, inp):
+            k(grid, (bs, 1, 1), dwte.ptr, dwpe.ptr, dout.ptr, inp.ptr, b_, t_, c_)
+        return launch
+    return build
+
+
+encoder_forward1 = _elementwise("encoder_forward", 1, 1, 256)
+encoder_forward2 = _elementwise("encoder_forward", 2, 4, 256)
+encoder_backward1 = _elementwise("encoder_backward", 1, 1, 256)
+encoder_backward2 = _owner(2, 256)
+encoder_backward3 = _owner(3, 256)
+encoder_backward4 = _elementwise("encoder_backward", 4, 4, 256)
+
+
+# ----------------------------------------------------------------------------------------------
+# the table
+
+OPS = [
+    OpSpec(
+        name="encoder_forward", flag="--encoder-kernel", default=2,
+        cpu=encoder_forward_cpu,
+        doc="out(B,T,C)=, inp(B,T) int32, wte(Vp,C), wpe(maxT,C); out[b,t] = wte[inp[b,t]] + wpe[t]",
+        variants={
+            1: Variant(1, "one thread per output element", encoder_forward1, check_any),
+            2: Variant(2, "one thread per 4 channels, float4 (C%4==0)", encoder_forward2, check_float4),
+        }),
+    OpSpec(
+        name="encoder_backward", flag="--encoder-backward-kernel", default=3,
+        cpu=encoder_backward_cpu,
+        doc="dwte(Vp,C)+=, dwpe(maxT,C)+=, dout(B,T,C), inp(B,T) int32; scatter-add",
+        variants={
+            1: Variant(1, "one thread per element, atomicAdd scatter (non-deterministic)", encoder_backward1, check_any),
+            2: Variant(2, "deterministic, no atomics: first occurrence of each token owns its row, block per position",
+                       encoder_backward2, check_any),
+            3: Variant(3, "2 with float4 over the channels (C%4==0), deterministic", encoder_backward3, check_float4),
+            4: Variant(4, "1 with float4 vector atomics (sm_90 RED.F32x4; C%4==0), non-deterministic",
+                       encoder_backward4, check_float4),
+        }),
+]

@@ -1,0 +1,120 @@
+"""GELU: GPT-2's tanh approximation, elementwise, forward and backward.
+
+    python dev/cuda/gelu_forward.py             # validate + time every variant at N = 4*1024*3072
+    python dev/cuda/gelu_backward.py
+    python -m pytest tests/test_gelu.py -q      # references vs torch (approximate='tanh'), float64
+
+Semantics (docs/ops.md):
+    gelu_forward:  out(N)=, inp(N)          out = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+    gelu_backward: dinp(N)=, inp(N), dout(N) dinp = gelu'(inp) * dout; dinp may alias dout (in place)
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from llmc.ops import OpSpec, Variant
+from llmc.runtime import ceil_div
+
+MODULE = "gelu"  # cuda/gelu.cu
+GELU_K = math.sqrt(2.0 / math.pi)  # a Python float: keeps float32 inputs in float32 (NEP 50)
+GELU_C = 0.044715
+
+
+# ----------------------------------------------------------------------------------------------
+# numpy references (float32 or float64)
+
+def gelu_forward_ref(inp):
+    return 0.5 * inp * (1.0 + np.tanh(GELU_K * (inp + GELU_C * inp ** 3)))
+
+
+def gelu_backward_ref(inp, dout):
+    """dinp = gelu'(inp) * dout (not accumulated)."""
+    t = np.tanh(GELU_K * (inp + GELU_C * inp ** 3))
+    grad = 0.5 * (1.0 + t) + 0.5 * inp * (1.0 - t * t) * GELU_K * (1.0 + 3.0 * GELU_C * inp * inp)
+    return grad * dout
+
+
+def _flat(a, N):
+    v = a.view()
+    v.shape = (N,)  # raises rather than copy: the writes must land in a
+    return v
+
+
+# ----------------------------------------------------------------------------------------------
+# cpu launchers
+
+def gelu_forward_cpu(N, block_size=None):
+    def launch(out, inp):
+        _flat(out, N)[...] = gelu_forward_ref(_flat(inp, N))
+    return launch
+
+
+def gelu_backward_cpu(N, block_size=None):
+    def launch(dinp, inp, dout):  # the result is computed whole before it is written: dinp may be dout
+        _flat(dinp, N)[...] = gelu_backward_ref(_flat(inp, N), _flat(dout, N))
+    return launch
+
+
+# ----------------------------------------------------------------------------------------------
+# shape checks and GPU variants
+
+def _check_block(block_size):
+    if block_size is not None and (block_size % 32 or not 32 <= block_size <= 1024):
+        return f"block_size={block_size}: needs a multiple of 32 in [32, 1024]"
+    return None
+
+
+def check_any(N, block_size=None):
+    return _check_block(block_size)
+
+
+def check_float4(N, block_size=None):
+    if N % 4:
+        return f"N={N} is not a multiple of 4 (float4 loads)"
+    return _check_block(block_size)
+
+
+def _variant(op, number, per_thread, default_bs, nptr):
+    def build(rt, N, block_size=None):
+        bs = block_size or default_bs
+        k = rt.kernel(MODULE, f"{op}_kernel{number}", "P" * nptr + "i", label=f"{op} {number}")
+        grid, n_ = (max(1, ceil_div(N // per_thread, bs)), 1, 1), np.int32(N)
+        if nptr == 2:
+            def launch(out, inp):
+                k(grid, (bs, 1, 1), out.ptr, inp.ptr, n_)
+        else:
+            def launch(dinp, inp, dout):
+                k(grid, (bs, 1, 1), dinp.ptr, inp.ptr, dout.ptr, n_)
+        return launch
+    return build
+
+
+gelu_forward1 = _variant("gelu_forward", 1, 1, 256, 2)
+gelu_forward2 = _variant("gelu_forward", 2, 4, 256, 2)
+gelu_backward1 = _variant("gelu_backward", 1, 1, 256, 3)
+gelu_backward2 = _variant("gelu_backward", 2, 4, 256, 3)
+
+
+# ----------------------------------------------------------------------------------------------
+# the table
+
+OPS = [
+    OpSpec(
+        name="gelu_forward", flag="--gelu-kernel", default=2,
+        cpu=gelu_forward_cpu,
+        doc="out(N)=, inp(N); GPT-2 tanh form",
+        variants={
+            1: Variant(1, "one thread per element", gelu_forward1, check_any),
+            2: Variant(2, "one thread per 4 elements, float4 (N%4==0)", gelu_forward2, check_float4),
+        }),
+    OpSpec(
+        name="gelu_backward", flag="--gelu-backward-kernel", default=2,
+        cpu=gelu_backward_cpu,
+        doc="dinp(N)=, inp(N), dout(N); dinp may alias dout",
+        variants={
+            1: Variant(1, "one thread per element (in place allowed)", gelu_backward1, check_any),
+            2: Variant(2, "one thread per 4 elements, float4 (N%4==0; in place allowed)", gelu_backward2, check_float4),
+        }),
+]

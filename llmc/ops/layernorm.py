@@ -1,0 +1,298 @@
+"""Layernorm: GPT-2's normalisation over the channels of (N, C) rows, forward and backward.
+
+    python dev/cuda/layernorm_forward.py        # validate + time every forward variant (B=4, T=1024, C=768)
+    python dev/cuda/layernorm_forward.py 4 5    # just variants 4 and 5
+    python dev/cuda/layernorm_backward.py
+    python -m pytest tests/test_layernorm.py -q           # references vs torch autograd (float64)
+    python -m pytest -m gpu tests/test_layernorm.py -q    # every variant vs the reference, on a GPU
+
+Semantics (docs/ops.md):
+    layernorm_forward:  out(N,C)=, mean(N)=, rstd(N)=, inp(N,C), weight(C), bias(C)
+                        eps = 1e-5, biased variance; mean and rstd are kept for backward
+    layernorm_backward: dinp(N,C)+=, dweight(C)+=, dbias(C)+=, dout(N,C), inp(N,C), weight(C),
+                        mean(N), rstd(N)
+
+This module is the pattern the other op modules follow: numpy references, the cpu launchers that
+wrap them, one small build function per GPU variant (kernels resolved, grid/block/shared memory and
+scratch fixed at build; the returned closure only launches), then the OPS table.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from llmc.ops import OpSpec, Variant, refuse
+from llmc.runtime import ceil_div
+
+MODULE = "layernorm"  # cuda/layernorm.cu
+EPS = 1e-5
+MAX_NV = 16           # register-resident variants hold C/4 float4 over 32 lanes: C <= 16*128
+SMEM_OPTIN = 227 * 1024  # H100's per-block shared-memory limit (opt-in); build re-reads the device's
+
+
+# ----------------------------------------------------------------------------------------------
+# numpy references (float32 or float64: they compute in the inputs' dtype)
+
+def layernorm_forward_ref(inp, weight, bias, eps=EPS):
+    """inp (N, C) (or any (..., C)) -> out, mean (...), rstd (...)."""
+    mean = inp.mean(axis=-1, keepdims=True)
+    xc = inp - mean
+    var = (xc * xc).mean(axis=-1, keepdims=True)  # biased, two-pass: E[(x - mean)^2]
+    rstd = 1.0 / np.sqrt(var + eps)
+    out = xc * rstd * weight + bias
+    return out, mean[..., 0], rstd[..., 0]
+
+
+def layernorm_backward_ref(dout, inp, weight, mean, rstd):
+    """Gradients of layernorm_forward: (dinp, dweight, dbias), not accumulated."""
+    norm = (inp - mean[..., None]) * rstd[..., None]
+    dnorm = dout * weight
+    dinp = rstd[..., None] * (dnorm - dnorm.mean(axis=-1, keepdims=True)
+                              - norm * (dnorm * norm).mean(axis=-1, keepdims=True))
+    red = tuple(range(dout.ndim - 1))
+    dweight = (norm * dout).sum(axis=red)
+    dbias = dout.sum(axis=red)
+    return dinp, dweight, dbias
+
+
+def _shaped(a, shape):
+    """A view of `a` with `shape`; raises instead of silently copying (writes must land in `a`)."""
+    v = a.view()
+    v.shape = shape
+    return v
+
+
+# ----------------------------------------------------------------------------------------------
+# cpu launchers: same arguments and semantics as the GPU variants
+
+def layernorm_forward_cpu(N, C, block_size=None):
+    def launch(out, mean, rstd, inp, weight, bias):
+        o, m, s = layernorm_forward_ref(_shaped(inp, (N, C)), weight, bias)
+        _shaped(out, (N, C))[...] = o
+        _shaped(mean, (N,))[...] = m
+        _shaped(rstd, (N,))[...] = s
+    return launch
+
+
+def layernorm_backward_cpu(N, C, block_size=None):
+    def launch(dinp, dweight, dbias, dout, inp, weight, mean, rstd):
+        gi, gw, gb = layernorm_backward_ref(_shaped(dout, (N, C)), _shaped(inp, (N, C)), weight,
+                                            _shaped(mean, (N,)), _shaped(rstd, (N,)))
+        _shaped(dinp, (N, C))[...] += gi
+        dweight += gw
+        dbias += gb
+    return launch
+
+
+# ----------------------------------------------------------------------------------------------
+# shape checks (no GPU needed) and small build helpers
+
+def _check_block(block_size):
+    if block_size is not None and (block_size % 32 or not 32 <= block_size <= 1024):
+        return f"block_size={block_size}: needs a multiple of 32 in [32, 1024]"
+    return None
+
+
+def check_any(N, C, block_size=None):
+    return _check_block(block_size)
+
+
+def check_float4(N, C, block_size=None):
+    if C % 4:
+        return f"C={C} is not a multiple of 4 (float4 loads of each row)"
+    if C > MAX_NV * 128:
+        return f"C={C} > {MAX_NV * 128} (the row is held in registers: at most {MAX_NV} float4 per lane)"
+    return _check_block(block_size)
+
+
+def check_smem(N, C, block_size=None):
+    if 2 * C * 4 > SMEM_OPTIN:
+        return f"C={C}: the per-warp dweight/dbias accumulators (8*C bytes) exceed shared memory"
+    return _check_block(block_size)
+
+
+def check_float4_smem(N, C, block_size=None):
+    return check_float4(N, C, block_size) or check_smem(N, C, block_size)
+
+
+def _nv(C):
+    return max(1, ceil_div(C // 4, 128 // 4))
+
+
+def _fits(op, number, kernel, block_size):
+    """Refuse a block size the kernel can't launch with (its registers cap threads per block)."""
+    limit = kernel.attributes()["max_threads"]
+    if block_size > limit:
+        refuse(op, number, f"block_size={block_size} > {limit} threads (register use of {kernel.label})")
+
+
+def _i32(*xs):
+    return [np.int32(x) for x in xs]
+
+
+# ----------------------------------------------------------------------------------------------
+# layernorm_forward variants
+
+FWD_ARGS = "PPPPPPii"  # out, mean, rstd, inp, weight, bias, N, C
+
+
+def _forward_rows_per_thread(number, default_bs):
+    """Variant 1: one thread per row."""
+    def build(rt, N, C, block_size=None):
+        bs = block_size or default_bs
+        k = rt.kernel(MODULE, f"layernorm_forward_kernel{number}", FWD_ARGS, label=f"layernorm_forward {number}")
+        _fits("layernorm_forward", number, k, bs)
+        grid, n_, c_ = (ceil_div(N, bs), 1, 1), *_i32(N, C)
+
+        def launch(out, mean, rstd, inp, weight, bias):
+            k(grid, (bs, 1, 1), out.ptr, mean.ptr, rstd.ptr, inp.ptr, weight.ptr, bias.ptr, n_, c_)
+        return launch
+    return build
+
+
+def layernorm_forward2(rt, N, C, block_size=None):
+    """One block per row."""
+    bs = block_size or 128
+    k = rt.kernel(MODULE, "layernorm_forward_kernel2", FWD_ARGS, label="layernorm_forward 2")
+    _fits("layernorm_forward", 2, k, bs)
+    n_, c_ = _i32(N, C)
+
+    def launch(out, mean, rstd, inp, weight, bias):
+        k((N, 1, 1), (bs, 1, 1), out.ptr, mean.ptr, rstd.ptr, inp.ptr, weight.ptr, bias.ptr, n_, c_)
+    return launch
+
+
+def _forward_warp_per_row(number, default_bs, func):
+    """Variants 3, 4, 5: one warp per row, block_size/32 rows per block."""
+    def build(rt, N, C, block_size=None):
+        bs = block_size or default_bs
+        name = func(C)
+        k = rt.kernel(MODULE, name, FWD_ARGS, label=f"layernorm_forward {number}")
+        _fits("layernorm_forward", number, k, bs)
+        grid, n_, c_ = (ceil_div(N, bs // 32), 1, 1), *_i32(N, C)
+
+        def launch(out, mean, rstd, inp, weight, bias):
+            k(grid, (bs, 1, 1), out.ptr, mean.ptr, rstd.ptr, inp.ptr, weight.ptr, bias.ptr, n_, c_)
+        return launch
+    return build
+
+
+layernorm_forward1 = _forward_rows_per_thread(1, 128)
+layernorm_forward3 = _forward_warp_per_row(3, 256, lambda C: "layernorm_forward_kernel3")
+layernorm_forward4 = _forward_warp_per_row(4, 256, lambda C: f"layernorm_forward_kernel4_nv{_nv(C)}")
+layernorm_forward5 = _forward_warp_per_row(5, 256, lambda C: f"layernorm_forward_kernel5_nv{_nv(C)}")
+
+
+# ----------------------------------------------------------------------------------------------
+# layernorm_backward variants
+
+BWD_ARGS = "PPPPPPPPii"  # dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C
+
+
+def _blocks_per_sm(rt, k, bs, smem):
+    """How many blocks of this kernel fit on one SM (threads, registers, shared memory)."""
+    regs = max(1, k.attributes()["regs"])
+    by_threads = 2048 // bs
+    by_regs = 65536 // (regs * bs)
+    by_smem = (rt.max_smem_optin + 1024) // (smem + 1024) if smem else 32
+    return max(1, min(by_threads, by_regs, by_smem, 32))
+
+
+def layernorm_backward1(rt, N, C, block_size=None):
+    """One thread per row, global atomics for dweight/dbias."""
+    bs = block_size or 128
+    k = rt.kernel(MODULE, "layernorm_backward_kernel1", BWD_ARGS, label="layernorm_backward 1")
+    _fits("layernorm_backward", 1, k, bs)
+    grid, n_, c_ = (ceil_div(N, bs), 1, 1), *_i32(N, C)
+
+    def launch(dinp, dweight, dbias, dout, inp, weight, mean, rstd):
+        k(grid, (bs, 1, 1), dinp.ptr, dweight.ptr, dbias.ptr, dout.ptr, inp.ptr, weight.ptr,
+          mean.ptr, rstd.ptr, n_, c_)
+    return launch
+
+
+def layernorm_backward2(rt, N, C, block_size=None):
+    """Warp per row, block-shared accumulators (shared atomics), one global atomic per channel per block."""
+    bs = block_size or 512
+    k = rt.kernel(MODULE, "layernorm_backward_kernel2", BWD_ARGS, label="layernorm_backward 2")
+    _fits("layernorm_backward", 2, k, bs)
+    smem = 2 * C * 4
+    if smem > rt.max_smem_optin:
+        refuse("layernorm_backward", 2, f"C={C}: 8*C bytes of accumulators exceed shared memory")
+    k.set_max_dynamic_smem(smem)
+    G = min(ceil_div(N, bs // 32), rt.sm_count * _blocks_per_sm(rt, k, bs, smem))
+    n_, c_ = _i32(N, C)
+
+    def launch(dinp, dweight, dbias, dout, inp, weight, mean, rstd):
+        k((G, 1, 1), (bs, 1, 1), dinp.ptr, dweight.ptr, dbias.ptr, dout.ptr, inp.ptr, weight.ptr,
+          mean.ptr, rstd.ptr, n_, c_, smem=smem)
+    return launch
+
+
+def _backward_deterministic(number, default_bs, func):
+    """Variants 3 and 4: per-warp accumulators, per-block partials in scratch (G, 2, C) allocated
+    here, then the fixed-order reduce kernel. Same inputs -> same bits, every run."""
+    def build(rt, N, C, block_size=None):
+        bs = block_size or default_bs
+        label = f"layernorm_backward {number}"
+        k = rt.kernel(MODULE, func(C), "PPPPPPPiii", label=label)
+        kr = rt.kernel(MODULE, "layernorm_backward_reduce_kernel", "PPPii", label=label + " (reduce)")
+        _fits("layernorm_backward", number, k, bs)
+        # each warp needs 2*C floats of shared memory: use fewer warps per block if C is large
+        nwarps = min(bs // 32, rt.max_smem_optin // (8 * C))
+        if nwarps == 0:
+            refuse("layernorm_backward", number, f"C={C}: 8*C bytes of accumulators exceed shared memory")
+        bs = nwarps * 32
+        smem = nwarps * 2 * C * 4
+        k.set_max_dynamic_smem(smem)
+        # enough blocks for one full wave; rows per block R a multiple of the warps so they share evenly
+        G0 = rt.sm_count * _blocks_per_sm(rt, k, bs, smem)
+        R = nwarps * ceil_div(N, G0 * nwarps)
+        G = ceil_div(N, R)
+        scratch = rt.empty((G, 2, C), np.float32)  # per-block dweight | dbias partials
+        n_, c_, r_, g_ = _i32(N, C, R, G)
+        grid_r = (ceil_div(C, 32), 1, 1)
+
+        def launch(dinp, dweight, dbias, dout, inp, weight, mean, rstd):
+            k((G, 1, 1), (bs, 1, 1), dinp.ptr, scratch.ptr, dout.ptr, inp.ptr, weight.ptr,
+              mean.ptr, rstd.ptr, n_, c_, r_, smem=smem)
+            kr(grid_r, (32, 8, 1), dweight.ptr, dbias.ptr, scratch.ptr, g_, c_)
+        launch.scratch = scratch  # kept alive with the closure
+        return launch
+    return build
+
+
+layernorm_backward3 = _backward_deterministic(3, 256, lambda C: "layernorm_backward_kernel3")
+layernorm_backward4 = _backward_deterministic(4, 256, lambda C: f"layernorm_backward_kernel4_nv{_nv(C)}")
+
+
+# ----------------------------------------------------------------------------------------------
+# the table
+
+OPS = [
+    OpSpec(
+        name="layernorm_forward", flag="--layernorm-kernel", default=4,
+        cpu=layernorm_forward_cpu,
+        doc="out(N,C)=, mean(N)=, rstd(N)=, inp(N,C), weight(C), bias(C); eps 1e-5, biased variance",
+        variants={
+            1: Variant(1, "one thread per row, three serial passes (uncoalesced)", layernorm_forward1, check_any),
+            2: Variant(2, "one block per row, shared-memory block reductions", layernorm_forward2, check_any),
+            3: Variant(3, "one warp per row, shuffle reductions, three coalesced passes", layernorm_forward3, check_any),
+            4: Variant(4, "one warp per row, float4, row in registers, one DRAM read (C%4==0, C<=2048)",
+                       layernorm_forward4, check_float4),
+            5: Variant(5, "4 + streaming cache hints on the row in/out (C%4==0, C<=2048)",
+                       layernorm_forward5, check_float4),
+        }),
+    OpSpec(
+        name="layernorm_backward", flag="--layernorm-backward-kernel", default=4,
+        cpu=layernorm_backward_cpu,
+        doc="dinp(N,C)+=, dweight(C)+=, dbias(C)+=, dout(N,C), inp(N,C), weight(C), mean(N), rstd(N)",
+        variants={
+            1: Variant(1, "one thread per row, global atomics for dweight/dbias (baseline)", layernorm_backward1, check_any),
+            2: Variant(2, "one warp per row, shared-memory atomics per block, then global atomics (non-deterministic)",
+                       layernorm_backward2, check_smem),
+            3: Variant(3, "deterministic: warp per row, per-warp smem sums, per-block scratch + fixed-order reduce",
+                       layernorm_backward3, check_smem),
+            4: Variant(4, "3 with float4 and the rows in registers (C%4==0, C<=2048), deterministic",
+                       layernorm_backward4, check_float4_smem),
+        }),
+]

@@ -1,0 +1,82 @@
+"""Residual: out = inp1 + inp2, elementwise.
+
+    python dev/cuda/residual_forward.py         # validate + time every variant at N = 4*1024*768
+    python -m pytest tests/test_residual.py -q
+
+Semantics (docs/ops.md):
+    residual_forward: out(N)=, inp1(N), inp2(N); out may alias inp1 or inp2 (the model's running
+                      loss sum is loss_acc = loss_acc + losses)
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from llmc.ops import OpSpec, Variant
+from llmc.runtime import ceil_div
+
+MODULE = "residual"  # cuda/residual.cu
+
+
+# ----------------------------------------------------------------------------------------------
+# numpy reference and cpu launcher
+
+def residual_forward_ref(inp1, inp2):
+    return inp1 + inp2
+
+
+def _flat(a, N):
+    v = a.view()
+    v.shape = (N,)  # raises rather than copy: the writes must land in a
+    return v
+
+
+def residual_forward_cpu(N, block_size=None):
+    def launch(out, inp1, inp2):
+        _flat(out, N)[...] = residual_forward_ref(_flat(inp1, N), _flat(inp2, N))
+    return launch
+
+
+# ----------------------------------------------------------------------------------------------
+# shape checks and GPU variants
+
+def _check_block(block_size):
+    if block_size is not None and (block_size % 32 or not 32 <= block_size <= 1024):
+        return f"block_size={block_size}: needs a multiple of 32 in [32, 1024]"
+    return None
+
+
+def check_any(N, block_size=None):
+    return _check_block(block_size)
+
+
+def check_float4(N, block_size=None):
+    if N % 4:
+        return f"N={N} is not a multiple of 4 (float4 loads)"
+    return _check_block(block_size)
+
+
+def _variant(number, per_thread, default_bs):
+    def build(rt, N, block_size=None):
+        bs = block_size or default_bs
+        k = rt.kernel(MODULE, f"residual_forward_kernel{number}", "PPPi", label=f"residual_forward {number}")
+        grid, n_ = (max(1, ceil_div(N // per_thread, bs)), 1, 1), np.int32(N)
+
+        def launch(out, inp1, inp2):
+            k(grid, (bs, 1, 1), out.ptr, inp1.ptr, inp2.ptr, n_)
+        return launch
+    return build
+
+
+residual_forward1 = _variant(1, 1, 256)
+residual_forward2 = _variant(2, 4, 256)
+
+OPS = [
+    OpSpec(
+        name="residual_forward", flag="--residual-kernel", default=2,
+        cpu=residual_forward_cpu,
+        doc="out(N)=, inp1(N), inp2(N); out = inp1 + inp2 (out may alias an input)",
+        variants={
+            1: Variant(1, "one thread per element", residual_forward1, check_any),
+            2: Variant(2, "one thread per 4 elements, float4 (N%4==0)", residual_forward2, check_float4),
+        }),
+]

@@ -1,0 +1,171 @@
+"""Layernorm: numpy references vs torch autograd (float64), cpu launcher semantics, shape refusals;
+with -m gpu, every variant of layernorm_forward and layernorm_backward against the reference.
+
+    python -m pytest tests/test_layernorm.py -q
+    python -m pytest -m gpu tests/test_layernorm.py -q
+"""
+import numpy as np
+import pytest
+
+from llmc import ops
+from llmc.errors import LLMCError, VariantRefused
+from llmc.ops.layernorm import layernorm_backward_ref, layernorm_forward_ref
+from llmc.testing import assert_close, poison
+
+FWD = ops.get("layernorm_forward")
+BWD = ops.get("layernorm_backward")
+
+
+def inputs(rng, N, C, dtype=np.float64):
+    # rows with their own offset and scale, so mean and rstd matter; weight/bias away from 1/0
+    x = rng.standard_normal((N, C)) * rng.uniform(0.5, 2.0, (N, 1)) + rng.standard_normal((N, 1))
+    w = 1.0 + 0.2 * rng.standard_normal(C)
+    b = 0.2 * rng.standard_normal(C)
+    dout = rng.standard_normal((N, C))
+    return [a.astype(dtype) for a in (x, w, b, dout)]
+
+
+# ----------------------------------------------------------------------------------------------
+# references (no GPU)
+
+@pytest.mark.parametrize("N,C", [(7, 33), (1, 768), (16, 80)])
+def test_references_match_torch_autograd(rng, N, C):
+    torch = pytest.importorskip("torch")
+    x, w, b, dout = inputs(rng, N, C)
+    out, mean, rstd = layernorm_forward_ref(x, w, b)
+    tx, tw, tb = (torch.tensor(a, requires_grad=True) for a in (x, w, b))
+    tout = torch.nn.functional.layer_norm(tx, (C,), tw, tb, eps=1e-5)
+    tout.backward(torch.tensor(dout))
+    np.testing.assert_allclose(out, tout.detach().numpy(), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(mean, x.mean(-1), rtol=1e-12, atol=1e-12)
+    trstd = 1.0 / torch.sqrt(tx.detach().var(-1, unbiased=False) + 1e-5)
+    np.testing.assert_allclose(rstd, trstd.numpy(), rtol=1e-12, atol=1e-12)
+    dinp, dweight, dbias = layernorm_backward_ref(dout, x, w, mean, rstd)
+    np.testing.assert_allclose(dinp, tx.grad.numpy(), rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(dweight, tw.grad.numpy(), rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(dbias, tb.grad.numpy(), rtol=1e-10, atol=1e-10)
+
+
+def test_references_in_float32(rng):
+    x, w, b, dout = inputs(rng, 12, 96)
+    o64, m64, s64 = layernorm_forward_ref(x, w, b)
+    o32, m32, s32 = layernorm_forward_ref(*(a.astype(np.float32) for a in (x, w, b)))
+    assert o32.dtype == m32.dtype == s32.dtype == np.float32
+    assert_close(o32, o64, 1e-5, 1e-5)
+    g64 = layernorm_backward_ref(dout, x, w, m64, s64)
+    g32 = layernorm_backward_ref(*(a.astype(np.float32) for a in (dout, x, w, m64, s64)))
+    for a, r in zip(g32, g64):
+        assert a.dtype == np.float32
+        assert_close(a, r, 1e-4, 1e-5)
+
+
+def test_cpu_launchers_overwrite_and_accumulate(rng):
+    N, C = 10, 24
+    x, w, b, dout = inputs(rng, N, C)
+    flat = rng.standard_normal(N * C + 2 * N)  # outputs as views into one flat buffer, like the model
+    out, mean, rstd = flat[:N * C].reshape(N, C), flat[N * C:N * C + N], flat[N * C + N:]
+    FWD.cpu(N=N, C=C)(out, mean, rstd, x, w, b)
+    ro, rm, rs = layernorm_forward_ref(x, w, b)
+    np.testing.assert_array_equal(flat, np.concatenate([ro.ravel(), rm, rs]))
+    dinp0, dw0, db0 = rng.standard_normal((N, C)), rng.standard_normal(C), rng.standard_normal(C)
+    dinp, dw, db = dinp0.copy(), dw0.copy(), db0.copy()
+    BWD.cpu(N=N, C=C)(dinp, dw, db, dout, x, w, rm, rs)
+    gi, gw, gb = layernorm_backward_ref(dout, x, w, rm, rs)
+    np.testing.assert_allclose(dinp, dinp0 + gi, rtol=1e-14, atol=1e-14)
+    np.testing.assert_allclose(dw, dw0 + gw, rtol=1e-14, atol=1e-14)
+    np.testing.assert_allclose(db, db0 + gb, rtol=1e-14, atol=1e-14)
+
+
+@pytest.mark.parametrize("spec,number", [(FWD, 4), (FWD, 5), (BWD, 4)])
+def test_float4_variants_refuse_odd_C(spec, number):
+    for C, why in [(66, "multiple of 4"), (4096, "registers")]:
+        reason = spec.variants[number].refuse_reason(N=8, C=C)
+        assert reason and why in reason
+        with pytest.raises(VariantRefused, match=spec.flag):
+            spec.build(None, number, N=8, C=C)  # refused before it touches the (absent) GPU
+    assert spec.variants[number].refuse_reason(N=8, C=768) is None
+
+
+def test_variants_table():
+    for spec in (FWD, BWD):
+        assert spec.default in spec.variants and len(spec.variants) >= (5 if spec is FWD else 4)
+        for n, v in spec.variants.items():
+            assert v.number == n and v.description
+            assert v.refuse_reason(N=5, C=80) is None
+            assert "block_size" in (v.refuse_reason(N=5, C=80, block_size=48) or "")
+        with pytest.raises(LLMCError, match="have 1, 2"):
+            spec.variant(99)
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: every variant against the float64 reference
+
+# N not a multiple of any block's rows (257, 65), N=1, C not a power of two (80, 96, 1600), C=66
+# (the float4 variants must refuse it; the others run)
+SHAPES = [(1, 768), (65, 80), (130, 96), (257, 768), (64, 1600), (33, 66)]
+
+
+def _expect_refusal(spec, number, N, C):
+    reason = spec.variants[number].refuse_reason(N=N, C=C)
+    if reason:  # only the float4 variants may refuse these shapes, and only for C % 4 != 0
+        assert C % 4 and number in ((4, 5) if spec is FWD else (4,)), reason
+        with pytest.raises(VariantRefused):
+            spec.build(None, number, N=N, C=C)
+    return reason
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,C", SHAPES)
+@pytest.mark.parametrize("number", sorted(FWD.variants))
+def test_forward_gpu(rt, rng, number, N, C):
+    if _expect_refusal(FWD, number, N, C):
+        return
+    x, w, b, _ = inputs(rng, N, C)
+    launch = FWD.build(rt, number, N=N, C=C)
+    d_x, d_w, d_b = (rt.to_device(a.astype(np.float32)) for a in (x, w, b))
+    out, mean, rstd = rt.empty((N, C)), rt.empty(N), rt.empty(N)
+    poison(out, mean, rstd)
+    launch(out, mean, rstd, d_x, d_w, d_b)
+    # float32 inputs, float64 reference on those same values
+    ro, rm, rs = layernorm_forward_ref(*(a.astype(np.float32).astype(np.float64) for a in (x, w, b)))
+    # fp32: |out| <~ 10 after a C-term mean/variance; 1e-5 abs + 1e-5 rel is ~100x the rounding
+    assert_close(out.get(), ro, 1e-5, 1e-5, "out")
+    assert_close(mean.get(), rm, 1e-5, 1e-5, "mean")
+    assert_close(rstd.get(), rs, 1e-5, 1e-5, "rstd")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,C", SHAPES)
+@pytest.mark.parametrize("number", sorted(BWD.variants))
+def test_backward_gpu_accumulates(rt, rng, number, N, C):
+    if _expect_refusal(BWD, number, N, C):
+        return
+    x, w, b, dout = (a.astype(np.float32) for a in inputs(rng, N, C))
+    _, mean, rstd = layernorm_forward_ref(x.astype(np.float64), w.astype(np.float64), b.astype(np.float64))
+    mean, rstd = mean.astype(np.float32), rstd.astype(np.float32)
+    init = [rng.standard_normal(s).astype(np.float32) for s in ((N, C), C, C)]  # "+=" outputs pre-filled
+    launch = BWD.build(rt, number, N=N, C=C)
+    dinp, dweight, dbias = (rt.to_device(a) for a in init)
+    launch(dinp, dweight, dbias, *(rt.to_device(a) for a in (dout, x, w, mean, rstd)))
+    gi, gw, gb = layernorm_backward_ref(*(a.astype(np.float64) for a in (dout, x, w, mean, rstd)))
+    assert_close(dinp.get(), init[0] + gi, 1e-5, 1e-5, "dinp")
+    # dweight/dbias sum N rows of O(1) terms in fp32 in whatever order the variant uses
+    assert_close(dweight.get(), init[1] + gw, 1e-4, 1e-4, "dweight")
+    assert_close(dbias.get(), init[2] + gb, 1e-4, 1e-4, "dbias")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("number", [3, 4])
+def test_backward_deterministic_variants_are_bitwise_repeatable(rt, rng, number):
+    N, C = 1031, 768
+    x, w, b, dout = (a.astype(np.float32) for a in inputs(rng, N, C))
+    _, mean, rstd = (a.astype(np.float32) for a in layernorm_forward_ref(x, w, b))
+    ins = [rt.to_device(a) for a in (dout, x, w, mean, rstd)]
+    launch = BWD.build(rt, number, N=N, C=C)
+    results = []
+    for _ in range(2):
+        outs = [rt.zeros(s) for s in ((N, C), C, C)]
+        launch(*outs, *ins)
+        results.append([o.get().view(np.uint32) for o in outs])
+    for a, b_ in zip(*results):
+        np.testing.assert_array_equal(a, b_)
