@@ -13,6 +13,11 @@
 //
 // Memory traffic: read p, g, m, v; write p, m, v: 28 bytes per parameter. At 124,475,904 params that
 // is 3.49 GB -> 1.17 ms at 2.98 TB/s.
+// Measured on the H100 (dev/cuda/adamw.py, L2 flushed, 2026-11-22) at n = 124,475,904:
+//   version 1: 1.264 ms (2.76 TB/s) at 256 threads   version 2: 1.243 ms (2.80 TB/s) at 1024 threads
+//   torch.optim.AdamW(fused=True).step(): 1.480 ms (no clipping in it)
+// Both are at the DRAM floor; the float4 version wins by little because a thread per element already
+// has four independent loads in flight.
 #include "common.cuh"
 
 // the clip scale, computed by every thread from the one norm2 float (a broadcast load)
