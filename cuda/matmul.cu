@@ -1,18 +1,44 @@
-// Matmul family: the forward/backward matmuls of GPT-2 and a general strided-batched GEMM engine
-// (used by the matmul ops here and by attention). Everything is fp32 in memory, row-major.
+// Matmul family: GPT-2's linear layers and a general strided-batched GEMM engine (attention uses it
+// too). Everything is fp32 in memory, row-major. Python side: llmc/ops/matmul.py.
+//
+// matmul_forward: out(N,OC) = inp(N,C) @ weight(OC,C)^T + bias(OC)       (--matmul-kernel)
+//   version 1: naive, one thread per output, threads along OC (weight rows read C apart: uncoalesced)
+//   version 2: coalesced: a warp per (8 rows, 1 column), lanes stride along C, warp-shuffle reduction
+//   version 3: 32x32 shared-memory tiles, one output per thread
+//   version 4: 128x128 register-blocked tiles, 8x8 outputs per thread, float4 loads and stores
+//   version 5: TF32 tensor cores, mma.sync m16n8k8, 64x64 tiles, plain loads through shared memory
+//   version 6: the TF32 GEMM engine (gemm engine 2): cp.async 3-stage pipeline, 128x256 / 128x128 /
+//              64x64 block tiles picked per shape, 64x64 warp tiles, swizzled smem, fused bias, float4 stores
+// matmul_backward: dinp = dout @ weight (=), dweight += dout^T @ inp     (--matmul-backward-kernel)
+//   version 1: two GEMMs on gemm engine 1 (SIMT)
+//   version 2: two GEMMs on gemm engine 2 (TF32), split-K for the K=N*T reduction of dweight
+// matmul_backward_bias: dbias(OC) += column sums of dout(N,OC)           (--matmul-backward-bias-kernel)
+//   version 1: one thread per column, walks all N rows (coalesced across the warp, few threads)
+//   version 2: 2-D blocks (32 columns x 8 row-lanes) over row chunks -> partials; a fixed-order
+//              second pass adds them to dbias (deterministic, no atomics)
 //
 // GEMM engines (llmc/ops/matmul.py: gemm_build, GEMM_VARIANTS):
-//   gemm engine 1: SIMT fp32, 64x64x16 tiles, 4x4 outputs per thread, scalar predicated loads: any shape, any alignment
+//   engine 1: SIMT fp32, 64x64x16 tiles, 4x4 outputs per thread, scalar predicated loads: any shape, any alignment
+//   engine 2: TF32 mma.sync, 16-byte cp.async (leading dims, batch strides % 4 == 0, 16-byte aligned pointers)
+//   engine 3: engine 2 with 4-byte cp.async: any shape and alignment (the TF32 fallback)
 //
-// Layout names: the first letter says how A is stored, the second B. N = as used ("not transposed"),
-// T = stored transposed. C[b](M,N) = alpha * op(A[b]) @ op(B[b]) + beta * C[b] (+ bias[n]):
-//   A: N -> (M,K) row-major, leading dim lda >= K;  T -> stored (K,M), lda >= M
-//   B: N -> (K,N) row-major, leading dim ldb >= N;  T -> stored (N,K), ldb >= K
-// beta == 0 never reads C (C may hold garbage/NaN), bias may be NULL.
+// Layout names: the first letter says how A is stored, the second B. n = as used ("not transposed"),
+// t = stored transposed. C[b](M,N) = alpha * op(A[b]) @ op(B[b]) + beta * C[b] (+ bias[n]):
+//   A: n -> (M,K) row-major, leading dim lda >= K;  t -> stored (K,M), lda >= M
+//   B: n -> (K,N) row-major, leading dim ldb >= N;  t -> stored (N,K), ldb >= K
+// beta == 0 never reads C (C may hold garbage/NaN); bias may be NULL.
+//
+// TF32 numerics: inputs are rounded to tf32 (10-bit mantissa) round-to-nearest, ties away from zero,
+// by adding 0x1000 to the bit pattern (the tensor core ignores the low 13 bits). That is what
+// cvt.rna.tf32.f32 computes for finite inputs, in one integer add instead of cvt's three
+// instructions (cvt also guards inf/NaN; here an inf input becomes a NaN, which is just as loud).
+// Accumulation is fp32. Everything compiles for sm_80 and sm_90 (mma.sync, cp.async); no wgmma.
 #include "common.cuh"
 
+typedef long long ll;
+
 // ----------------------------------------------------------------------------------------------
-// gemm engine 1: SIMT, any shape, any alignment
+// gemm engine 1: SIMT, any shape, any alignment (also matmul_backward version 1)
 
 // Each block computes a 64x64 tile of C with 256 threads (16x16), 4x4 outputs per thread.
 // A and B tiles are staged in shared memory as As[k][m], Bs[k][n], so the inner loop reads
@@ -94,3 +120,612 @@ GEMM_SIMT_ENTRY(gemm_simt_nn, false, false)
 GEMM_SIMT_ENTRY(gemm_simt_nt, false, true)
 GEMM_SIMT_ENTRY(gemm_simt_tn, true, false)
 GEMM_SIMT_ENTRY(gemm_simt_tt, true, true)
+
+// ----------------------------------------------------------------------------------------------
+// tensor-core helpers (sm_80+)
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+// 16-byte / 4-byte asynchronous global->shared copies; bytes < size zero-fills the rest (edges)
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, int bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// fp32 -> tf32, round to nearest (ties away), see the note at the top
+// Built with -DMATMUL_TF32_TRUNCATE=1 the engine feeds raw fp32 bits (the tensor core truncates):
+// the lab uses it to measure what the rounding costs.
+#if defined(MATMUL_TF32_TRUNCATE) && MATMUL_TF32_TRUNCATE
+__device__ __forceinline__ uint32_t tf32_round(float x) { return __float_as_uint(x); }
+#else
+__device__ __forceinline__ uint32_t tf32_round(float x) { return __float_as_uint(x) + 0x1000u; }
+#endif
+
+// D = A(16x8, row) * B(8x8, col) + D. Fragments (g = lane/4, t = lane%4):
+//   a0 (g, t) a1 (g+8, t) a2 (g, t+4) a3 (g+8, t+4);  b0 (k=t, n=g) b1 (k=t+4, n=g);
+//   c0 (g, 2t) c1 (g, 2t+1) c2 (g+8, 2t) c3 (g+8, 2t+1)
+__device__ __forceinline__ void mma_tf32(float* d, const uint32_t* a, const uint32_t* b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// ----------------------------------------------------------------------------------------------
+// gemm engines 2 and 3: TF32 tensor cores, cp.async multi-stage pipeline
+
+// How the mma fragments map onto the tile (the trick that makes the shared-memory reads wide).
+// An mma only needs A and B to agree on which k each fragment register holds, and the epilogue to
+// agree with A/B on which row/column each accumulator is. So we choose the mapping for the loads:
+//  - k: in k-step j (0..3) of a 32-wide k-tile, mma k-index t (t = lane%4) is tile k
+//    pi = 4j + 16(t>>1) + 2(t&1), and k-index t+4 is pi+1: each lane's two k are adjacent.
+//  - rows: mma row g (+8h) of m-tile mi is tile row wm + g*RPG_A + 2mi + h (RPG_A = 2*MI): each
+//    lane owns RPG_A consecutive rows; columns: mma col g of n-tile ni is wn + g*NI + ni.
+// Then a K-major fragment pair (a0,a2), (a1,a3), (b0,b1) is one 8-byte load (LDS.64), and an MN-major
+// fragment set is RPG/4 16-byte loads per k (LDS.128). Each lane's accumulators cover RPG_A
+// consecutive rows x 2*NI consecutive columns: the epilogue stores float4s with no shuffles.
+//
+// Shared-memory tiles hold a BK=32 slice of K, in whichever layout matches global memory so that
+// cp.async copies 16-byte chunks straight through, swizzled so that every read and write is
+// bank-conflict-free (checked exhaustively by a Python model of these formulas, docs/matmul_notes.md):
+//  K-major  (A stored (M,K), B stored (N,K)): R rows of 32 floats; chunk c (4 floats) of row r lives
+//           at chunk position c ^ ((r / RPG) & 7).
+//  MN-major (A stored (K,M), B stored (K,N)): 32 k-rows of R floats; chunk c of k-row k lives at
+//           c ^ f(u(k)), u(k) = ((k>>1)&1) | ((k>>3)&2) (= the t of the lanes reading row k),
+//           f(u) = 2u if RPG == 4, else (u&1) | ((u&2)<<1).
+
+__device__ __forceinline__ int kstep_k(int j, int t) { return 4 * j + 16 * (t >> 1) + 2 * (t & 1); }
+template <int RPG>
+__device__ __forceinline__ int kmajor_off(int r, int k) {
+    return r * 32 + ((((k >> 2) ^ ((r / RPG) & 7))) << 2) + (k & 3);
+}
+template <int R, int RPG>
+__device__ __forceinline__ int mnmajor_off(int k, int col) {
+    const int u = ((k >> 1) & 1) | ((k >> 3) & 2);
+    const int f = RPG == 4 ? 2 * u : (u & 1) | ((u & 2) << 1);
+    return k * R + ((((col >> 2) ^ f)) << 2) + (col & 3);
+}
+
+// Global -> shared copies of one operand's k-tiles. Everything that depends only on the thread (its
+// chunks' rows/columns, predicates, base pointer) is computed once; per k-tile only k moves.
+//  K-major (16-byte):  chunk e = tid + i*NT covers stored row e/8, k-chunk e%8 (= tid%8 for all i).
+//  MN-major (16-byte): chunk e covers k-row e/CPR, column chunk e%CPR (= tid%CPR for all i).
+// A chunk past the matrix edge copies fewer bytes (zero-filling the rest of the 16); with 0 bytes
+// cp.async reads nothing, so its (out-of-range) source address is never dereferenced.
+// VEC == 1 (engine 3) copies single floats with 4-byte cp.async instead: any alignment.
+template <bool KMAJOR, int R, int NT, int RPG, int VEC>
+struct TileLoader {
+    static constexpr int CPR = KMAJOR ? 8 : R / 4;     // 16-byte chunks per stored row
+    static constexpr int PER = R * 8 / NT;              // chunks per thread per k-tile
+    static constexpr int RSTEP = NT / CPR;              // stored rows between a thread's chunks
+    static_assert(VEC == 1 || ((R * 8) % NT == 0 && NT % CPR == 0), "tile chunks must divide over the threads");
+    const float* gp;   // this thread's first chunk at k = 0 (VEC == 4) / the matrix (VEC == 1)
+    ll ld;
+    int r0, c, edge;   // first stored row, chunk column; K-major: valid-row mask; MN-major: column bytes
+    int rc0, rcs;      // VEC == 1: tile origin and extent in the M (or N) direction
+
+    __device__ __forceinline__ TileLoader(const float* g, int ld_, int rc0_, int rcs_, int tid)
+        : ld(ld_), rc0(rc0_), rcs(rcs_) {
+        if (VEC == 4) {
+            r0 = tid / CPR;
+            c = tid % CPR;
+            if (KMAJOR) {
+                gp = g + (ll)(rc0 + r0) * ld + 4 * c;
+                edge = 0;
+#pragma unroll
+                for (int i = 0; i < PER; i++) edge |= (rc0 + r0 + i * RSTEP < rcs) << i;
+            } else {
+                gp = g + (ll)r0 * ld + rc0 + 4 * c;
+                edge = 4 * max(0, min(4, rcs - (rc0 + 4 * c)));
+            }
+        } else {
+            gp = g;
+        }
+    }
+
+    __device__ __forceinline__ void load(float* s, int k0, int K, int tid) const {
+        if (VEC == 4) {
+            if (KMAJOR) {
+                const int kbytes = 4 * max(0, min(4, K - (k0 + 4 * c)));
+                const float* p = gp + k0;
+#pragma unroll
+                for (int i = 0; i < PER; i++) {
+                    const int r = r0 + i * RSTEP;
+                    cp_async16(smem_u32(s + kmajor_off<RPG>(r, 4 * c)), p + i * RSTEP * ld,
+                               (edge >> i) & 1 ? kbytes : 0);
+                }
+            } else {
+                const float* p = gp + k0 * ld;
+#pragma unroll
+                for (int i = 0; i < PER; i++) {
+                    const int k = r0 + i * RSTEP;
+                    cp_async16(smem_u32(s + mnmajor_off<R, RPG>(k, 4 * c)), p + i * RSTEP * ld,
+                               k0 + k < K ? edge : 0);
+                }
+            }
+        } else {
+#pragma unroll 4
+            for (int i = 0; i < R * 32 / NT; i++) {
+                const int e = tid + i * NT;
+                // consecutive threads take consecutive addresses of the stored matrix
+                const int r = KMAJOR ? e >> 5 : e % R, k = KMAJOR ? e & 31 : e / R;
+                const int gr = rc0 + r, gk = k0 + k;
+                const bool in = gr < rcs && gk < K;
+                const float* src = gp + (KMAJOR ? (ll)gr * ld + gk : (ll)gk * ld + gr);
+                cp_async4(smem_u32(s + (KMAJOR ? kmajor_off<RPG>(r, k) : mnmajor_off<R, RPG>(k, r))), src, in ? 4 : 0);
+            }
+        }
+    }
+};
+
+// One CTA computes a BM x BN tile of C; warps tile it in WM x WN pieces (MI x NI mma tiles each).
+// Pipeline: STAGES-1 k-tiles in flight while the tensor cores work on the oldest; one barrier per
+// k-tile. blockIdx.x walks M (fastest), so consecutive CTAs share a B tile (the weights, usually the
+// larger operand) and the A panel stays hot in L2. blockIdx.z = batch * splits + split: with
+// split-K (splits > 1) each CTA reduces its share of the k-tiles and writes raw partial sums to the
+// workspace W[z](M, ldw); gemm_splitk_reduce then adds them in a fixed order (deterministic).
+template <bool TA, bool TB, int BM, int BN, int WM, int WN, int STAGES, int VEC>
+__device__ __forceinline__ void gemm_tf32_body(float* C, const float* A, const float* B, const float* bias,
+                                               float* W, int M, int N, int K, int lda, int ldb, int ldc,
+                                               ll sA, ll sB, ll sC, float alpha, float beta, int splits,
+                                               int kt_per_split, int ldw) {
+    constexpr int BK = 32, WARPS_M = BM / WM, WARPS_N = BN / WN, NT = WARPS_M * WARPS_N * 32;
+    constexpr int MI = WM / 16, NI = WN / 8, RPGA = 2 * MI, RPGB = NI;
+    static_assert(NI % 4 == 0 && RPGA % 4 == 0, "warp tile too small for the float4 mapping");
+    constexpr int A_TILE = BM * BK, B_TILE = BN * BK;
+    extern __shared__ __align__(16) float smem[];
+    float* As = smem;                     // (STAGES, A_TILE)
+    float* Bs = smem + STAGES * A_TILE;   // (STAGES, B_TILE)
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int wm = (warp % WARPS_M) * WM, wn = (warp / WARPS_M) * WN;
+    const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN;
+    const int z = blockIdx.z, b = z / splits, split = z % splits;
+    A += b * sA;
+    B += b * sB;
+    C += b * sC;
+    const int KT = (K + BK - 1) / BK;
+    const int kt0 = split * kt_per_split;
+    const int nkt = max(0, min(KT, kt0 + kt_per_split) - kt0);
+
+    const TileLoader<!TA, BM, NT, RPGA, VEC> loadA(A, lda, m0, M, tid);
+    const TileLoader<TB, BN, NT, RPGB, VEC> loadB(B, ldb, n0, N, tid);
+    auto load_stage = [&](int stage, int kt) {
+        loadA.load(As + stage * A_TILE, kt * BK, K, tid);
+        loadB.load(Bs + stage * B_TILE, kt * BK, K, tid);
+    };
+
+    float acc[MI][NI][4];
+#pragma unroll
+    for (int i = 0; i < MI; i++)
+#pragma unroll
+        for (int j = 0; j < NI; j++)
+#pragma unroll
+            for (int r = 0; r < 4; r++) acc[i][j][r] = 0.0f;
+
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; s++) {
+        if (s < nkt) load_stage(s, kt0 + s);
+        cp_async_commit();
+    }
+
+    // Per-lane fragment offsets inside a stage. With the mapping above, the swizzles collapse to a
+    // few per-lane constants plus compile-time immediates (the compiler does not see this itself):
+    //  K-major row r = w + g*RPG + i, k = 4j + 16(t>>1) + 2(t&1):
+    //     off = (w + g*RPG)*32 + 2(t&1) + (((j ^ g ^ 4(t>>1)) & 7) << 2) + 32i   (w/RPG % 8 == 0)
+    //  MN-major k-row k + r, col w + g*RPG + 4q:
+    //     off = (16(t>>1) + 2(t&1))*R + (4j + r)*R + ((cb ^ f(t) ^ q) << 2),  cb = (w + g*RPG)/4
+    int offA[4], offB[4];
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const int gx = g ^ (4 * (t >> 1));
+        offA[j] = TA ? (16 * (t >> 1) + 2 * (t & 1)) * BM +
+                           (((((wm + g * RPGA) >> 2) ^ (RPGA == 4 ? 2 * t : (t & 1) | ((t & 2) << 1))) ^ j) << 2)
+                     : (wm + g * RPGA) * 32 + 2 * (t & 1) + (((j ^ gx) & 7) << 2);
+        offB[j] = !TB ? (16 * (t >> 1) + 2 * (t & 1)) * BN +
+                            (((((wn + g * RPGB) >> 2) ^ (RPGB == 4 ? 2 * t : (t & 1) | ((t & 2) << 1))) ^ j) << 2)
+                      : (wn + g * RPGB) * 32 + 2 * (t & 1) + (((j ^ gx) & 7) << 2);
+    }
+    // (for MN-major, offX[q] is the q-th 16-byte column chunk, q < RPG/4 <= 2; entries 2, 3 unused)
+
+    int stage = 0;
+    for (int i = 0; i < nkt; i++) {
+        cp_async_wait<STAGES - 2>();   // k-tile i has landed (this thread's copies) ...
+        __syncthreads();               // ... and everyone's; everyone is also done with tile i-1
+        {
+            const int nx = i + STAGES - 1;  // refill the stage that tile i-1 used
+            if (nx < nkt) load_stage(stage == 0 ? STAGES - 1 : stage - 1, kt0 + nx);
+            cp_async_commit();
+        }
+        const float* as = As + stage * A_TILE;
+        const float* bs = Bs + stage * B_TILE;
+        stage = stage == STAGES - 1 ? 0 : stage + 1;
+#pragma unroll
+        for (int j = 0; j < BK / 8; j++) {
+            uint32_t af[MI][4], bf[NI][2];
+            if (!TA) {  // K-major: (a0, a2) and (a1, a3) are adjacent k of one row
+#pragma unroll
+                for (int mi = 0; mi < MI; mi++)
+#pragma unroll
+                    for (int h = 0; h < 2; h++) {
+                        const float2 v = *reinterpret_cast<const float2*>(as + offA[j] + (2 * mi + h) * 32);
+                        af[mi][h] = tf32_round(v.x);
+                        af[mi][h + 2] = tf32_round(v.y);
+                    }
+            } else {    // MN-major: k-row k holds the lane's RPGA rows contiguously (a0/a1), k+1 (a2/a3)
+#pragma unroll
+                for (int r = 0; r < 2; r++)
+#pragma unroll
+                    for (int q = 0; q < RPGA / 4; q++) {
+                        const float4 v = *reinterpret_cast<const float4*>(as + offA[q] + (4 * j + r) * BM);
+                        af[2 * q][2 * r] = tf32_round(v.x);
+                        af[2 * q][2 * r + 1] = tf32_round(v.y);
+                        af[2 * q + 1][2 * r] = tf32_round(v.z);
+                        af[2 * q + 1][2 * r + 1] = tf32_round(v.w);
+                    }
+            }
+            if (TB) {   // K-major: (b0, b1) adjacent
+#pragma unroll
+                for (int ni = 0; ni < NI; ni++) {
+                    const float2 v = *reinterpret_cast<const float2*>(bs + offB[j] + ni * 32);
+                    bf[ni][0] = tf32_round(v.x);
+                    bf[ni][1] = tf32_round(v.y);
+                }
+            } else {    // MN-major: k-row k holds b0 of NI consecutive n-tiles, k+1 their b1
+#pragma unroll
+                for (int r = 0; r < 2; r++)
+#pragma unroll
+                    for (int q = 0; q < NI / 4; q++) {
+                        const float4 v = *reinterpret_cast<const float4*>(bs + offB[q] + (4 * j + r) * BN);
+                        bf[4 * q][r] = tf32_round(v.x);
+                        bf[4 * q + 1][r] = tf32_round(v.y);
+                        bf[4 * q + 2][r] = tf32_round(v.z);
+                        bf[4 * q + 3][r] = tf32_round(v.w);
+                    }
+            }
+#pragma unroll
+            for (int mi = 0; mi < MI; mi++)
+#pragma unroll
+                for (int ni = 0; ni < NI; ni++) mma_tf32(acc[mi][ni], af[mi], bf[ni]);
+        }
+    }
+    cp_async_wait<0>();  // only empty groups can be left; keep the exit clean anyway
+
+    // Epilogue: acc[mi][ni][2h + c] is C at row wm + g*RPGA + 2mi + h, column wn + (2t + c)*NI + ni.
+    // So for each of the lane's rows, columns wn + (2t + c)*NI + 4q .. +3 are acc[mi][4q..4q+3][2h+c]:
+    // one float4 each.
+#pragma unroll
+    for (int mi = 0; mi < MI; mi++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int row = m0 + wm + g * RPGA + 2 * mi + h;
+            if (row >= M) continue;
+#pragma unroll
+            for (int c = 0; c < 2; c++)
+#pragma unroll
+                for (int q = 0; q < NI / 4; q++) {
+                    const int col = n0 + wn + (2 * t + c) * NI + 4 * q;  // multiple of 4
+                    if (col >= N) continue;
+                    float o[4];
+#pragma unroll
+                    for (int e = 0; e < 4; e++) o[e] = acc[mi][4 * q + e][2 * h + c];
+                    if (splits > 1) {  // raw partial sums; ldw % 4 == 0 so the float4 stays in the row
+                        float* w = W + ((ll)z * M + row) * ldw + col;
+                        if (VEC == 4) {
+                            *reinterpret_cast<float4*>(w) = make_float4(o[0], o[1], o[2], o[3]);
+                        } else {
+#pragma unroll
+                            for (int e = 0; e < 4; e++) w[e] = o[e];
+                        }
+                        continue;
+                    }
+                    float* cp = C + (ll)row * ldc + col;
+                    if (VEC == 4 && col + 4 <= N) {
+                        if (beta != 0.0f) {
+                            const float4 c4 = *reinterpret_cast<const float4*>(cp);
+                            o[0] = alpha * o[0] + beta * c4.x; o[1] = alpha * o[1] + beta * c4.y;
+                            o[2] = alpha * o[2] + beta * c4.z; o[3] = alpha * o[3] + beta * c4.w;
+                        } else {
+#pragma unroll
+                            for (int e = 0; e < 4; e++) o[e] *= alpha;
+                        }
+                        if (bias) {
+#pragma unroll
+                            for (int e = 0; e < 4; e++) o[e] += bias[col + e];
+                        }
+                        *reinterpret_cast<float4*>(cp) = make_float4(o[0], o[1], o[2], o[3]);
+                    } else {
+#pragma unroll
+                        for (int e = 0; e < 4; e++) {
+                            if (col + e >= N) break;
+                            float x = alpha * o[e];
+                            if (beta != 0.0f) x += beta * cp[e];
+                            if (bias) x += bias[col + e];
+                            cp[e] = x;
+                        }
+                    }
+                }
+        }
+}
+
+// Tile configurations (block tile, warp tile, stages, min blocks/SM); the Python builder picks one
+// per shape and passes the dynamic shared memory: STAGES * (BM + BN) * 32 * 4 bytes.
+//   big:   128x256, 8 warps of 64x64, 3 stages (144 KB, 1 CTA/SM): large GEMMs (fc, lm head)
+//   mid:   128x128, 4 warps of 64x64, 3 stages (96 KB, 2 CTAs/SM): fewer tiles, better wave fill
+//   small: 64x64, 4 warps of 32x32, 3 stages (48 KB): small problems; also the VEC=1 engine 3
+#define GEMM_TF32_ENTRY(cfg, BM, BN, WM, WN, ST, MINB, VEC, lay, TA, TB)                              \
+    extern "C" __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32, MINB)                    \
+        gemm_tf32_##cfg##_v##VEC##_##lay(float* C, const float* A, const float* B, const float* bias, \
+                                         float* W, int M, int N, int K, int lda, int ldb, int ldc,   \
+                                         ll sA, ll sB, ll sC, float alpha, float beta, int splits,    \
+                                         int kt_per_split, int ldw) {                                 \
+        gemm_tf32_body<TA, TB, BM, BN, WM, WN, ST, VEC>(C, A, B, bias, W, M, N, K, lda, ldb, ldc, sA, \
+                                                        sB, sC, alpha, beta, splits, kt_per_split,   \
+                                                        ldw);                                         \
+    }
+#define GEMM_TF32_LAYOUTS(cfg, BM, BN, WM, WN, ST, MINB, VEC)                  \
+    GEMM_TF32_ENTRY(cfg, BM, BN, WM, WN, ST, MINB, VEC, nn, false, false)      \
+    GEMM_TF32_ENTRY(cfg, BM, BN, WM, WN, ST, MINB, VEC, nt, false, true)       \
+    GEMM_TF32_ENTRY(cfg, BM, BN, WM, WN, ST, MINB, VEC, tn, true, false)       \
+    GEMM_TF32_ENTRY(cfg, BM, BN, WM, WN, ST, MINB, VEC, tt, true, true)
+GEMM_TF32_LAYOUTS(big, 128, 256, 64, 64, 3, 1, 4)
+GEMM_TF32_LAYOUTS(mid, 128, 128, 64, 64, 3, 2, 4)
+GEMM_TF32_LAYOUTS(small, 64, 64, 32, 32, 3, 2, 4)
+GEMM_TF32_LAYOUTS(small, 64, 64, 32, 32, 3, 2, 1)
+
+// Split-K second pass: C[b] = alpha * sum_s W[b*splits + s] + beta * C[b] (+ bias), s in order.
+// Memory: reads splits*M*N partials (+ M*N of C if beta != 0), writes M*N.
+extern "C" __global__ void gemm_splitk_reduce(float* C, const float* W, const float* bias, int M, int N,
+                                              int ldc, ll sC, int ldw, int splits, int batch,
+                                              float alpha, float beta) {
+    const ll total = (ll)batch * M * N;
+    for (ll idx = (ll)blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += (ll)gridDim.x * blockDim.x) {
+        const int n = (int)(idx % N);
+        const ll bm = idx / N;
+        const int m = (int)(bm % M), b = (int)(bm / M);
+        float s = 0.0f;
+        for (int k = 0; k < splits; k++) s += W[(((ll)b * splits + k) * M + m) * ldw + n];
+        float* cp = C + b * sC + (ll)m * ldc + n;
+        float x = alpha * s;
+        if (beta != 0.0f) x += beta * *cp;
+        if (bias) x += bias[n];
+        *cp = x;
+    }
+}
+
+// ----------------------------------------------------------------------------------------------
+// matmul_forward versions 1-5 (version 6 is gemm engine 2 with the bias fused)
+
+// version 1: one thread per output out[n][oc]; consecutive threads take consecutive oc, so each
+// reads its own weight row: 32 rows C floats apart per warp load (uncoalesced), inp[n] broadcast.
+extern "C" __global__ void matmul_forward_kernel1(float* out, const float* inp, const float* weight,
+                                                  const float* bias, int N, int C, int OC) {
+    const int oc = blockIdx.x * blockDim.x + threadIdx.x, n = blockIdx.y;
+    if (oc >= OC) return;
+    const float* x = inp + (ll)n * C;
+    const float* w = weight + (ll)oc * C;
+    float s = bias ? bias[oc] : 0.0f;
+    for (int c = 0; c < C; c++) s = fmaf(x[c], w[c], s);
+    out[(ll)n * OC + oc] = s;
+}
+
+// version 2: the reduction runs along the lanes, so every warp load is 32 consecutive floats of
+// one row (128 bytes, coalesced). A warp owns one weight row oc and 8 rows of inp: each weight value
+// it loads is used 8 times. Warp-shuffle reductions at the end, lane 0..7 write the 8 outputs.
+extern "C" __global__ void matmul_forward_kernel2(float* out, const float* inp, const float* weight,
+                                                  const float* bias, int N, int C, int OC) {
+    constexpr int R = 8;
+    const int lane = threadIdx.x % 32;
+    const int oc = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    const int n0 = blockIdx.y * R;
+    if (oc >= OC) return;
+    const float* w = weight + (ll)oc * C;
+    float s[R] = {};
+    for (int c = lane; c < C; c += 32) {
+        const float wv = w[c];
+#pragma unroll
+        for (int r = 0; r < R; r++)
+            if (n0 + r < N) s[r] = fmaf(inp[(ll)(n0 + r) * C + c], wv, s[r]);
+    }
+    const float b = bias ? bias[oc] : 0.0f;
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        const float v = warp_reduce_sum(s[r]);
+        if (lane == r && n0 + r < N) out[(ll)(n0 + r) * OC + oc] = v + b;
+    }
+}
+
+// version 3: 32x32 output tile per block (32x32 threads), K in steps of 32 through shared memory.
+// Both tiles load coalesced along C; wt is padded to 33 so the column walk is conflict-free.
+extern "C" __global__ void __launch_bounds__(1024) matmul_forward_kernel3(
+    float* out, const float* inp, const float* weight, const float* bias, int N, int C, int OC) {
+    __shared__ float xt[32][33];  // (rows n, c)
+    __shared__ float wt[32][33];  // (rows oc, c)
+    const int tx = threadIdx.x, ty = threadIdx.y;
+    const int n = blockIdx.y * 32 + ty, oc = blockIdx.x * 32 + tx;
+    const int wrow = blockIdx.x * 32 + ty;  // the weight row this thread loads
+    float s = 0.0f;
+    for (int c0 = 0; c0 < C; c0 += 32) {
+        xt[ty][tx] = (n < N && c0 + tx < C) ? inp[(ll)n * C + c0 + tx] : 0.0f;
+        wt[ty][tx] = (wrow < OC && c0 + tx < C) ? weight[(ll)wrow * C + c0 + tx] : 0.0f;
+        __syncthreads();
+#pragma unroll
+        for (int k = 0; k < 32; k++) s = fmaf(xt[ty][k], wt[tx][k], s);
+        __syncthreads();
+    }
+    if (n < N && oc < OC) out[(ll)n * OC + oc] = s + (bias ? bias[oc] : 0.0f);
+}
+
+// version 4: 128x128 tile per block of 256 threads, 8x8 outputs per thread (two 4x4 quadrants 64
+// apart so the float4 smem reads of a warp spread over the banks), K in steps of 8. Global loads
+// are float4 along C (needs C % 4 == 0), stored transposed as (k, m) so the inner loop reads
+// 4 consecutive m as one float4; rows padded to 132 floats to split the transposing stores over
+// the banks. The next k-slice is fetched into registers while the current one is consumed.
+extern "C" __global__ void __launch_bounds__(256) matmul_forward_kernel4(
+    float* out, const float* inp, const float* weight, const float* bias, int N, int C, int OC) {
+    constexpr int BM = 128, BK = 8, LDS = BM + 4;
+    __shared__ __align__(16) float xs[BK][LDS];  // (k, n)
+    __shared__ __align__(16) float ws[BK][LDS];  // (k, oc)
+    const int tid = threadIdx.x, tx = tid % 16, ty = tid / 16;
+    const int n0 = blockIdx.y * BM, oc0 = blockIdx.x * BM;
+    const int lr = tid / 2, lk = (tid % 2) * 4;  // each thread loads one float4 of each tile
+    const bool xin = n0 + lr < N, win = oc0 + lr < OC;
+    const float* xp = inp + (ll)(n0 + lr) * C + lk;
+    const float* wp = weight + (ll)(oc0 + lr) * C + lk;
+    const float4 zero4 = make_float4(0.f, 0.f, 0.f, 0.f);
+    float4 xv = (xin && lk < C) ? load4(xp) : zero4;
+    float4 wv = (win && lk < C) ? load4(wp) : zero4;
+    float acc[8][8] = {};
+    for (int c0 = 0; c0 < C; c0 += BK) {
+        xs[lk + 0][lr] = xv.x; xs[lk + 1][lr] = xv.y; xs[lk + 2][lr] = xv.z; xs[lk + 3][lr] = xv.w;
+        ws[lk + 0][lr] = wv.x; ws[lk + 1][lr] = wv.y; ws[lk + 2][lr] = wv.z; ws[lk + 3][lr] = wv.w;
+        __syncthreads();
+        const int cn = c0 + BK + lk;  // prefetch the next slice while computing this one
+        xv = (xin && cn < C) ? load4(xp + c0 + BK) : zero4;
+        wv = (win && cn < C) ? load4(wp + c0 + BK) : zero4;
+#pragma unroll
+        for (int k = 0; k < BK; k++) {
+            const float4 a0 = *reinterpret_cast<const float4*>(&xs[k][ty * 4]);
+            const float4 a1 = *reinterpret_cast<const float4*>(&xs[k][64 + ty * 4]);
+            const float4 b0 = *reinterpret_cast<const float4*>(&ws[k][tx * 4]);
+            const float4 b1 = *reinterpret_cast<const float4*>(&ws[k][64 + tx * 4]);
+            const float a[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+            const float bb[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+#pragma unroll
+            for (int i = 0; i < 8; i++)
+#pragma unroll
+                for (int j = 0; j < 8; j++) acc[i][j] = fmaf(a[i], bb[j], acc[i][j]);
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        const int n = n0 + (i < 4 ? ty * 4 + i : 64 + ty * 4 + i - 4);
+        if (n >= N) continue;
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int oc = oc0 + h * 64 + tx * 4;
+            if (oc >= OC) continue;  // OC % 4 == 0: the float4 is all in or all out
+            float4 o = make_float4(acc[i][h * 4], acc[i][h * 4 + 1], acc[i][h * 4 + 2], acc[i][h * 4 + 3]);
+            if (bias) { o.x += bias[oc]; o.y += bias[oc + 1]; o.z += bias[oc + 2]; o.w += bias[oc + 3]; }
+            store4(out + (ll)n * OC + oc, o);
+        }
+    }
+}
+
+// version 5: the first tensor-core version. 64x64 output tile per block of 4 warps (2x2, 32x32 each),
+// K in steps of 32. Tiles go global -> registers (float4, C % 4 == 0) -> tf32-rounded -> shared, rows
+// padded to 36 floats: the fragment read (row g, col t) then hits bank 4g+t, all 32 distinct.
+// No pipelining: load, barrier, compute, barrier.
+extern "C" __global__ void __launch_bounds__(128) matmul_forward_kernel5(
+    float* out, const float* inp, const float* weight, const float* bias, int N, int C, int OC) {
+    constexpr int BM = 64, BK = 32, LDS = BK + 4;
+    __shared__ __align__(16) uint32_t xs[BM][LDS];  // (n, c) as tf32
+    __shared__ __align__(16) uint32_t ws[BM][LDS];  // (oc, c) as tf32
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    const int g = lane / 4, t = lane % 4;
+    const int wm = (warp % 2) * 32, wn = (warp / 2) * 32;
+    const int n0 = blockIdx.y * BM, oc0 = blockIdx.x * BM;
+    float acc[2][4][4] = {};
+    for (int c0 = 0; c0 < C; c0 += BK) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) {  // 64 rows x 8 float4 per tile = 512 float4 / 128 threads
+            const int e = tid + i * 128, r = e / 8, c = (e % 8) * 4;
+            float4 xv = make_float4(0.f, 0.f, 0.f, 0.f), wv = xv;
+            if (n0 + r < N && c0 + c < C) xv = load4(inp + (ll)(n0 + r) * C + c0 + c);
+            if (oc0 + r < OC && c0 + c < C) wv = load4(weight + (ll)(oc0 + r) * C + c0 + c);
+            *reinterpret_cast<uint4*>(&xs[r][c]) =
+                make_uint4(tf32_round(xv.x), tf32_round(xv.y), tf32_round(xv.z), tf32_round(xv.w));
+            *reinterpret_cast<uint4*>(&ws[r][c]) =
+                make_uint4(tf32_round(wv.x), tf32_round(wv.y), tf32_round(wv.z), tf32_round(wv.w));
+        }
+        __syncthreads();
+#pragma unroll
+        for (int kk = 0; kk < BK; kk += 8) {
+            uint32_t af[2][4], bf[4][2];
+#pragma unroll
+            for (int mi = 0; mi < 2; mi++) {
+                const int r = wm + mi * 16 + g;
+                af[mi][0] = xs[r][kk + t];
+                af[mi][1] = xs[r + 8][kk + t];
+                af[mi][2] = xs[r][kk + t + 4];
+                af[mi][3] = xs[r + 8][kk + t + 4];
+            }
+#pragma unroll
+            for (int ni = 0; ni < 4; ni++) {
+                bf[ni][0] = ws[wn + ni * 8 + g][kk + t];
+                bf[ni][1] = ws[wn + ni * 8 + g][kk + t + 4];
+            }
+#pragma unroll
+            for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+                for (int ni = 0; ni < 4; ni++) mma_tf32(acc[mi][ni], af[mi], bf[ni]);
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+        for (int ni = 0; ni < 4; ni++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {  // h = 0: row g, cols 2t, 2t+1; h = 1: row g+8
+                const int n = n0 + wm + mi * 16 + g + h * 8, oc = oc0 + wn + ni * 8 + 2 * t;
+                if (n >= N) continue;
+#pragma unroll
+                for (int j = 0; j < 2; j++)
+                    if (oc + j < OC)
+                        out[(ll)n * OC + oc + j] = acc[mi][ni][h * 2 + j] + (bias ? bias[oc + j] : 0.0f);
+            }
+}
+
+// ----------------------------------------------------------------------------------------------
+// matmul_backward_bias
+
+// version 1: thread oc sums column oc over all N rows. A warp reads 32 consecutive floats of a row
+// per step (coalesced), but there are only OC threads in flight (768: 6 blocks on a 132-SM GPU).
+extern "C" __global__ void matmul_backward_bias_kernel1(float* dbias, const float* dout, int N, int OC) {
+    const int oc = blockIdx.x * blockDim.x + threadIdx.x;
+    if (oc >= OC) return;
+    float s = 0.0f;
+    for (int n = 0; n < N; n++) s += dout[(ll)n * OC + oc];
+    dbias[oc] += s;
+}
+
+// version 2, pass 1: block (32, 8) owns 32 columns of one chunk of rows; the 8 row-lanes stride
+// through the chunk (each warp load: 32 consecutive floats), then a shared-memory sum over the
+// row-lanes in fixed order. partial(nchunks, OC) = per-chunk column sums.
+// Memory: reads N*OC floats once, writes nchunks*OC.
+extern "C" __global__ void matmul_backward_bias_kernel2(float* partial, const float* dout, int N, int OC,
+                                                        int rows_per_chunk) {
+    __shared__ float sh[8][33];
+    const int tx = threadIdx.x, ty = threadIdx.y;
+    const int oc = blockIdx.x * 32 + tx;
+    const int r0 = blockIdx.y * rows_per_chunk, r1 = min(N, r0 + rows_per_chunk);
+    float s = 0.0f;
+    if (oc < OC)
+        for (int n = r0 + ty; n < r1; n += 8) s += dout[(ll)n * OC + oc];
+    sh[ty][tx] = s;
+    __syncthreads();
+    if (ty == 0 && oc < OC) {
+#pragma unroll
+        for (int k = 1; k < 8; k++) s += sh[k][tx];
+        partial[(ll)blockIdx.y * OC + oc] = s;
+    }
+}
+// version 2, pass 2: dbias[oc] += sum of the nchunks partials, in chunk order (deterministic)
+extern "C" __global__ void matmul_backward_bias_kernel2_finish(float* dbias, const float* partial, int nchunks,
+                                                               int OC) {
+    const int oc = blockIdx.x * blockDim.x + threadIdx.x;
+    if (oc >= OC) return;
+    float s = 0.0f;
+    for (int k = 0; k < nchunks; k++) s += partial[(ll)k * OC + oc];
+    dbias[oc] += s;
+}

@@ -59,20 +59,35 @@ def gemm_ref(A, B, C=None, transA=False, transB=False, alpha=1.0, beta=0.0, bias
 
 
 # ----------------------------------------------------------------------------------------------
-# the GEMM engine: strided-batched, any M, N, K, layouts NN / NT / TN / TT
+# the GEMM engine: strided-batched, any M, N, K, layouts nn / nt / tn / tt
 
 GEMM_VARIANTS = {
     1: "SIMT fp32, 64x64x16 tiles, 4x4 per thread, predicated scalar loads: any shape and alignment",
+    2: "TF32 mma.sync m16n8k8, 16-byte cp.async 3-stage pipeline, 128x256/128x128/64x64 tiles by shape, "
+       "split-K when the grid is short (needs leading dims, strides % 4 == 0, 16-byte aligned pointers)",
+    3: "TF32 like 2 but 4-byte cp.async and 64x64 tiles: any shape and alignment (engine 2's fallback)",
 }
+
+# TF32 tile configurations: name -> (BM, BN, threads, CTAs per SM, relative efficiency). The
+# efficiencies feed the cost model in _tf32_plan; measured on the H100 (docs/matmul_notes.md).
+TF32_CONFIGS = {
+    "big": (128, 256, 256, 1, 1.0),
+    "mid": (128, 128, 128, 2, 0.95),
+    "small": (64, 64, 128, 4, 0.6),
+}
+TF32_STAGES = 3
+SM_TFLOPS = 2.5e12   # per-SM TF32 rate the cost model assumes (only ratios matter)
+DRAM_BPS = 2.5e12    # bytes/s for the split-K second pass
 
 
 def gemm_variant_for(matmul_variant: int) -> int:
-    """The GEMM engine that goes with a --matmul-kernel number (attention uses it)."""
-    return 1
+    """The GEMM engine that goes with a --matmul-kernel number (attention uses it): the SIMT engine
+    for the fp32 variants 1-4, the TF32 engine for the tensor-core variants 5+."""
+    return 1 if matmul_variant <= 4 else 2
 
 
 def _ptr(x) -> int:
-    return 0 if x is None else (x if isinstance(x, (int, np.integer)) else x.ptr)
+    return 0 if x is None else int(x if isinstance(x, (int, np.integer)) else x.ptr)
 
 
 def _layout(transA: bool, transB: bool) -> str:
@@ -80,18 +95,25 @@ def _layout(transA: bool, transB: bool) -> str:
 
 
 def _gemm_check(variant, transA, transB, M, N, K, batch, lda, ldb, ldc, strideA, strideB, strideC):
-    """Reason string when engine `variant` cannot take this GEMM, else None."""
-    if variant == 1:
-        return None
-    return f"no GEMM engine {variant}"
+    """Reason string when engine `variant` cannot take this GEMM (pointer alignment is checked at
+    launch), else None."""
+    if variant == 2:
+        odd = [f"{n}={v}" for n, v in (("lda", lda), ("ldb", ldb), ("ldc", ldc), ("strideA", strideA),
+                                       ("strideB", strideB), ("strideC", strideC)) if v % 4]
+        if odd:
+            return "16-byte copies need leading dims and batch strides % 4 == 0, have " + ", ".join(odd)
+    return None
 
 
 def gemm_build(rt, variant: int, transA: bool, transB: bool, M: int, N: int, K: int, batch: int = 1,
                lda=None, ldb=None, ldc=None, strideA: int = 0, strideB: int = 0, strideC: int = 0,
-               alpha: float = 1.0, beta: float = 0.0, has_bias: bool = False):
+               alpha: float = 1.0, beta: float = 0.0, has_bias: bool = False, config: str | None = None,
+               splits: int | None = None, truncate: bool = False):
     """Build C[b] = alpha * op(A[b]) @ op(B[b]) + beta * C[b] (+ bias[n]) for b < batch.
     Returns launch(C, A, B, bias=None) taking DevArrays (or raw device pointers).
-    A refused engine falls back to engine 1 (SIMT) with one printed line."""
+    A refused engine falls back (2 -> 3 -> 1 never needed: 3 and 1 take anything) with one printed
+    line. `config` ("big"/"mid"/"small") and `splits` override the TF32 planner (the lab sweeps them);
+    `truncate` feeds unrounded fp32 to the tensor cores (a lab experiment, not used by the trainer)."""
     if variant not in GEMM_VARIANTS:
         raise LLMCError(f"gemm: no engine {variant}; have {', '.join(map(str, GEMM_VARIANTS))}")
     if min(M, N, K, batch) < 1:
@@ -106,10 +128,14 @@ def gemm_build(rt, variant: int, transA: bool, transB: bool, M: int, N: int, K: 
                  strideA=strideA, strideB=strideB, strideC=strideC)
     reason = _gemm_check(variant, **shape)
     if reason:
+        fb = 3 if variant == 2 else 1
         print(f"gemm engine {variant} refuses M={M} N={N} K={K} {_layout(transA, transB)} ({reason}); "
-              f"falling back to engine 1 (SIMT)")
-        variant = 1
-    return _GEMM_BUILDERS[variant](rt, alpha=alpha, beta=beta, has_bias=has_bias, **shape)
+              f"falling back to engine {fb} ({GEMM_VARIANTS[fb].split(',')[0]})")
+        variant = fb
+    if variant == 1:
+        return _gemm_simt(rt, alpha=alpha, beta=beta, has_bias=has_bias, **shape)
+    return _gemm_tf32(rt, vec=4 if variant == 2 else 1, alpha=alpha, beta=beta, has_bias=has_bias,
+                      config=config, splits=splits, truncate=truncate, **shape)
 
 
 def _gemm_simt(rt, transA, transB, M, N, K, batch, lda, ldb, ldc, strideA, strideB, strideC,
@@ -124,4 +150,246 @@ def _gemm_simt(rt, transA, transB, M, N, K, batch, lda, ldb, ldc, strideA, strid
     return launch
 
 
-_GEMM_BUILDERS = {1: _gemm_simt}
+def _tf32_plan(sm_count, M, N, K, batch, vec):
+    """Pick (config, splits) minimising a wave-quantised time estimate: each wave runs `occ` CTAs per
+    SM, a CTA costs BM*BN*64*(k-tiles) flops at the config's efficiency, and split-K adds a second
+    pass that reads the partials once and writes C."""
+    KT = -(-K // 32)
+    best = None
+    for name, (BM, BN, _, occ, eff) in TF32_CONFIGS.items():
+        if vec == 1 and name != "small":
+            continue
+        tiles = -(-M // BM) * -(-N // BN) * batch
+        for s in (1, 2, 3, 4, 6, 8):
+            if s > 1 and (KT // s < 8 or tiles * s > 2 * sm_count * occ):
+                continue  # each split keeps >= 8 k-tiles; stop splitting once the grid is full
+            kts = -(-KT // s)
+            s = -(-KT // kts)  # no empty splits
+            waves = -(-tiles * s // (sm_count * occ))
+            t = waves * occ * BM * BN * 64 * kts / (SM_TFLOPS * eff)
+            if s > 1:
+                t += (s + 2) * M * N * batch * 4 / DRAM_BPS
+            if best is None or t < best[0]:
+                best = (t, name, s)
+    return best[1], best[2]
+
+
+def _gemm_tf32(rt, vec, transA, transB, M, N, K, batch, lda, ldb, ldc, strideA, strideB, strideC,
+               alpha, beta, has_bias, config=None, splits=None, truncate=False):
+    lay = _layout(transA, transB)
+    plan_cfg, plan_splits = _tf32_plan(rt.sm_count, M, N, K, batch, vec)
+    config = config or plan_cfg
+    if vec == 1:
+        config = "small"
+    if config not in TF32_CONFIGS:
+        raise LLMCError(f"gemm: no TF32 config {config!r}; have {', '.join(TF32_CONFIGS)}")
+    BM, BN, threads, _, _ = TF32_CONFIGS[config]
+    KT = -(-K // 32)
+    splits = max(1, min(splits or plan_splits, KT))
+    kts = -(-KT // splits)
+    splits = -(-KT // kts)
+    engine = 2 if vec == 4 else 3
+    argt = "PPPPPiiiiiiqqqffiii"
+    k = rt.kernel(MODULE, f"gemm_tf32_{config}_v{vec}_{lay}", argt, label=f"gemm {engine} ({config})",
+                  defines={"MATMUL_TF32_TRUNCATE": 1} if truncate else None)
+    smem = TF32_STAGES * (BM + BN) * 32 * 4
+    k.set_max_dynamic_smem(smem)
+    grid, block = (-(-M // BM), -(-N // BN), batch * splits), (threads, 1, 1)
+    ldw = -(-N // 4) * 4
+    W = rt.empty((batch * splits * M * ldw,), np.float32) if splits > 1 else None
+    args = (np.int32(M), np.int32(N), np.int32(K), np.int32(lda), np.int32(ldb), np.int32(ldc),
+            np.int64(strideA), np.int64(strideB), np.int64(strideC), np.float32(alpha), np.float32(beta),
+            np.int32(splits), np.int32(kts), np.int32(ldw))
+    if splits > 1:
+        red = rt.kernel(MODULE, "gemm_splitk_reduce", "PPPiiiqiiiff", label=f"gemm {engine} split-K reduce")
+        total = batch * M * N
+        rgrid = (max(1, min(-(-total // 256), rt.sm_count * 8)), 1, 1)
+        rargs = (np.int32(M), np.int32(N), np.int32(ldc), np.int64(strideC), np.int32(ldw), np.int32(splits),
+                 np.int32(batch), np.float32(alpha), np.float32(beta))
+    fallback = None
+    if vec == 4:  # a pointer that is not 16-byte aligned at launch goes to engine 3, said once
+        fallback = [None, False]
+
+    def launch(C, A, B, bias=None):
+        c, a, b, bi = _ptr(C), _ptr(A), _ptr(B), _ptr(bias)
+        if fallback is not None and (c | a | b) & 15:
+            if fallback[0] is None:
+                print(f"gemm engine 2: pointers not 16-byte aligned (C=0x{c:x} A=0x{a:x} B=0x{b:x}); "
+                      f"using engine 3 for this GEMM")
+                fallback[0] = _gemm_tf32(rt, 1, transA, transB, M, N, K, batch, lda, ldb, ldc, strideA,
+                                         strideB, strideC, alpha, beta, has_bias)
+            return fallback[0](C, A, B, bias)
+        if splits > 1:
+            k(grid, block, c, a, b, 0, W.ptr, *args, smem=smem)
+            red(rgrid, (256, 1, 1), c, W.ptr, bi, *rargs)
+        else:
+            k(grid, block, c, a, b, bi, 0, *args, smem=smem)
+    launch.plan = (engine, config, splits)  # for the lab's table
+    return launch
+
+
+# ----------------------------------------------------------------------------------------------
+# matmul_forward: out(N,OC) = inp(N,C) @ weight(OC,C)^T + bias(OC)
+
+
+def _fwd_kernel(rt, n):
+    return rt.kernel(MODULE, f"matmul_forward_kernel{n}", "PPPPiii", label=f"matmul_forward {n}")
+
+
+def matmul_forward1(rt, N, C, OC, has_bias=True, block_size=None):
+    k, bs = _fwd_kernel(rt, 1), block_size or 256
+    grid, args = (-(-OC // bs), N, 1), (np.int32(N), np.int32(C), np.int32(OC))
+
+    def launch(out, inp, weight, bias=None):
+        k(grid, (bs, 1, 1), out.ptr, inp.ptr, weight.ptr, _ptr(bias), *args)
+    return launch
+
+
+def matmul_forward2(rt, N, C, OC, has_bias=True, block_size=None):
+    k, bs = _fwd_kernel(rt, 2), block_size or 256   # a warp per output column, 8 rows each
+    grid, args = (-(-OC // (bs // 32)), -(-N // 8), 1), (np.int32(N), np.int32(C), np.int32(OC))
+
+    def launch(out, inp, weight, bias=None):
+        k(grid, (bs, 1, 1), out.ptr, inp.ptr, weight.ptr, _ptr(bias), *args)
+    return launch
+
+
+def _fwd_tiled(n, tile, block):
+    def build(rt, N, C, OC, has_bias=True, block_size=None):
+        k = _fwd_kernel(rt, n)
+        grid, args = (-(-OC // tile), -(-N // tile), 1), (np.int32(N), np.int32(C), np.int32(OC))
+
+        def launch(out, inp, weight, bias=None):
+            k(grid, block, out.ptr, inp.ptr, weight.ptr, _ptr(bias), *args)
+        return launch
+    return build
+
+
+matmul_forward3 = _fwd_tiled(3, 32, (32, 32, 1))
+matmul_forward4 = _fwd_tiled(4, 128, (256, 1, 1))
+matmul_forward5 = _fwd_tiled(5, 64, (128, 1, 1))
+
+
+def matmul_forward6(rt, N, C, OC, has_bias=True, block_size=None):
+    gemm = gemm_build(rt, 2, False, True, M=N, N=OC, K=C, has_bias=has_bias, config=block_size)
+
+    def launch(out, inp, weight, bias=None):
+        gemm(out, inp, weight, bias)
+    launch.plan = gemm.plan
+    return launch
+
+
+def _need_c4(N, C, OC, **_):
+    if C % 4 or OC % 4:
+        return f"float4 loads/stores need C % 4 == 0 and OC % 4 == 0 (C={C}, OC={OC})"
+    return None
+
+
+def _need_c4_in(N, C, OC, **_):
+    return f"float4 loads need C % 4 == 0 (C={C})" if C % 4 else None
+
+
+def _fwd_engine_check(N, C, OC, **_):
+    return _gemm_check(2, False, True, N, OC, C, 1, C, C, OC, 0, 0, 0)
+
+
+def matmul_forward_cpu(N, C, OC, has_bias=True, **_):
+    def launch(out, inp, weight, bias=None):
+        out[...] = matmul_forward_ref(inp, weight, bias if has_bias else None)
+    return launch
+
+
+# ----------------------------------------------------------------------------------------------
+# matmul_backward: dinp(N,C) = dout(N,OC) @ weight(OC,C) ; dweight(OC,C) += dout^T @ inp
+
+
+def _matmul_backward_engine(engine):
+    def build(rt, N, C, OC, block_size=None):
+        # dinp (N,C) = dout (N,OC) @ weight (OC,C): nn, K = OC, overwrite
+        g_dinp = gemm_build(rt, engine, False, False, M=N, N=C, K=OC)
+        # dweight (OC,C) += dout^T @ inp: A = dout stored (N,OC) = (K,M) -> t; B = inp (N,C) = (K,N) -> n
+        g_dw = gemm_build(rt, engine, True, False, M=OC, N=C, K=N, beta=1.0)
+
+        def launch(dinp, dweight, dout, inp, weight):
+            g_dinp(dinp, dout, weight)
+            g_dw(dweight, dout, inp)
+        launch.plan = (g_dinp.plan if hasattr(g_dinp, "plan") else None,
+                       g_dw.plan if hasattr(g_dw, "plan") else None)
+        return launch
+    return build
+
+
+def _bwd_engine_check(N, C, OC, **_):
+    return (_gemm_check(2, False, False, N, C, OC, 1, OC, C, C, 0, 0, 0)
+            or _gemm_check(2, True, False, OC, C, N, 1, OC, C, C, 0, 0, 0))
+
+
+def matmul_backward_cpu(N, C, OC, **_):
+    def launch(dinp, dweight, dout, inp, weight):
+        dinp[...] = dout @ weight
+        dweight += dout.T @ inp
+    return launch
+
+
+# ----------------------------------------------------------------------------------------------
+# matmul_backward_bias: dbias(OC) += column sums of dout(N,OC)
+
+
+def matmul_backward_bias1(rt, N, OC, block_size=None):
+    k, bs = rt.kernel(MODULE, "matmul_backward_bias_kernel1", "PPii", label="matmul_backward_bias 1"), block_size or 128
+    grid, args = (-(-OC // bs), 1, 1), (np.int32(N), np.int32(OC))
+
+    def launch(dbias, dout):
+        k(grid, (bs, 1, 1), dbias.ptr, dout.ptr, *args)
+    return launch
+
+
+def matmul_backward_bias2(rt, N, OC, block_size=None):
+    k1 = rt.kernel(MODULE, "matmul_backward_bias_kernel2", "PPiii", label="matmul_backward_bias 2")
+    k2 = rt.kernel(MODULE, "matmul_backward_bias_kernel2_finish", "PPii", label="matmul_backward_bias 2 finish")
+    col_blocks = -(-OC // 32)
+    # enough (32 x 8)-thread blocks to fill the GPU a few times over, each walking >= 64 rows
+    nchunks = max(1, min(-(-4 * rt.sm_count // col_blocks), -(-N // 64)))
+    rows = -(-N // nchunks)
+    nchunks = -(-N // rows)
+    partial = rt.empty((nchunks, OC), np.float32)
+    args1 = (np.int32(N), np.int32(OC), np.int32(rows))
+    args2 = (np.int32(nchunks), np.int32(OC))
+
+    def launch(dbias, dout):
+        k1((col_blocks, nchunks, 1), (32, 8, 1), partial.ptr, dout.ptr, *args1)
+        k2((-(-OC // 256), 1, 1), (256, 1, 1), dbias.ptr, partial.ptr, *args2)
+    return launch
+
+
+def matmul_backward_bias_cpu(N, OC, **_):
+    def launch(dbias, dout):
+        dbias += dout.sum(axis=0)
+    return launch
+
+
+# ----------------------------------------------------------------------------------------------
+# the op table
+
+OPS = [
+    OpSpec("matmul_forward", matmul_forward_cpu, {
+        1: Variant(1, "naive: one thread per output, threads along OC (uncoalesced weight reads)", matmul_forward1),
+        2: Variant(2, "coalesced: a warp per column x 8 rows, lanes stride along C, shuffle reduction", matmul_forward2),
+        3: Variant(3, "32x32 shared-memory tiles, one output per thread", matmul_forward3),
+        4: Variant(4, "128x128 register-blocked tiles, 8x8 per thread, float4 loads/stores", matmul_forward4, _need_c4),
+        5: Variant(5, "TF32 tensor cores (mma.sync m16n8k8), 64x64 tiles, no pipelining", matmul_forward5, _need_c4_in),
+        6: Variant(6, "TF32 GEMM engine 2: cp.async 3-stage, 128x256/128x128 tiles, 64x64 warp tiles, "
+                      "swizzled smem, fused bias, float4 stores", matmul_forward6, _fwd_engine_check),
+    }, default=6, flag="--matmul-kernel", doc="out(N,OC)= ; inp(N,C), weight(OC,C), bias(OC) or None"),
+    OpSpec("matmul_backward", matmul_backward_cpu, {
+        1: Variant(1, "SIMT: dinp and dweight on GEMM engine 1 (64x64 tiles)", _matmul_backward_engine(1)),
+        2: Variant(2, "TF32: dinp and dweight on GEMM engine 2 (split-K for the K=N reduction)",
+                   _matmul_backward_engine(2), _bwd_engine_check),
+    }, default=2, flag="--matmul-backward-kernel",
+        doc="dinp(N,C)= ; dweight(OC,C)+= ; dout(N,OC), inp(N,C), weight(OC,C)"),
+    OpSpec("matmul_backward_bias", matmul_backward_bias_cpu, {
+        1: Variant(1, "one thread per column over all rows", matmul_backward_bias1),
+        2: Variant(2, "(32x8)-thread blocks over row chunks -> partials, fixed-order second pass "
+                      "(deterministic, no atomics)", matmul_backward_bias2),
+    }, default=2, flag="--matmul-backward-bias-kernel", doc="dbias(OC)+= ; dout(N,OC)"),
+]

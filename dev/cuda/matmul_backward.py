@@ -1,0 +1,138 @@
+"""Kernel lab: matmul_backward (dinp = dout @ weight, dweight += dout^T @ inp) and matmul_backward_bias.
+
+    python dev/cuda/matmul_backward.py            # every variant at the trainer's shapes, + cuBLAS TF32
+    python dev/cuda/matmul_backward.py 2          # one variant of matmul_backward (bias variants always run)
+    python dev/cuda/matmul_backward.py --quick    # fewer repeats, no per-GEMM config sweep
+
+Shapes: GPT-2 124M at B=4, T=1024 (N = 4096 rows), per linear layer (C -> OC): qkv 768->2304,
+attproj 768->768, fc 768->3072, fcproj 3072->768, lm head 768->50304. matmul_backward does
+4*N*C*OC flops (two GEMMs): dinp (N,C) = dout (N,OC) @ weight (OC,C) [nn, K=OC] and
+dweight (OC,C) += dout^T @ inp [tn, K=N=4096, accumulate]. The TF32 variant is also broken down
+into its two GEMMs, each swept over the engine's tile configs (and split-K for dweight).
+matmul_backward_bias reads N*OC floats once: judged in GB/s against 2.98 TB/s.
+"""
+import sys, pathlib; sys.path[:0] = [str(pathlib.Path(__file__).resolve().parents[2]), str(pathlib.Path(__file__).resolve().parent)]  # noqa: E401,E702
+import lab  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+import llmc.ops  # noqa: E402
+from llmc.ops import matmul as mm  # noqa: E402
+
+L = lab.Lab("matmul_backward")
+rt = L.rt
+spec = llmc.ops.get("matmul_backward")
+bspec = llmc.ops.get("matmul_backward_bias")
+B, T, C, Vp = 4, 1024, 768, 50304
+N = B * T
+rng = np.random.default_rng(0)
+
+try:
+    import torch
+    torch.backends.cuda.matmul.allow_tf32 = True
+    HAVE_TORCH = torch.cuda.is_available()
+except ImportError:
+    HAVE_TORCH = False
+
+
+def reference64(fn, *arrays):
+    if HAVE_TORCH:
+        out = fn(*(torch.from_numpy(a).cuda().double() for a in arrays))
+        return tuple(o.cpu().numpy() for o in out)
+    return fn(*(a.astype(np.float64) for a in arrays))
+
+
+def tolerances(tf32, ref):
+    rms = float(np.sqrt(np.mean(np.square(ref))))
+    return (1e-2 * rms, 1e-2) if tf32 else (1e-4 * max(1.0, rms), 1e-4)
+
+
+summary = []
+SHAPES = [("qkv", C, 3 * C), ("attproj", C, C), ("fc", C, 4 * C), ("fcproj", 4 * C, C), ("lmhead", C, Vp)]
+for name, Cin, OC in SHAPES:
+    print(f"\n## {name}: N={N} C={Cin} OC={OC}")
+    dout, inp = lab.rand(rng, (N, OC)), lab.rand(rng, (N, Cin))
+    weight, dw0 = lab.rand(rng, (OC, Cin), scale=OC ** -0.5), lab.rand(rng, (OC, Cin))
+    dinp_ref, dw_ref = reference64(lambda d, x, w, w0: (d @ w, w0 + d.T @ x), dout, inp, weight, dw0)
+    d_dout, d_inp, d_w = rt.to_device(dout), rt.to_device(inp), rt.to_device(weight)
+    d_dinp, d_dw = rt.empty((N, Cin)), rt.to_device(dw0)
+    flops = 4 * N * Cin * OC
+    for n in L.selected(spec):
+        launch = spec.build(rt, n, N=N, C=Cin, OC=OC)
+        fn = (lambda launch=launch: launch(d_dinp, d_dw, d_dout, d_inp, d_w))
+        label = f"{n} {name}"
+        a1, r1 = tolerances(n == 2, dinp_ref)
+        a2, r2 = tolerances(n == 2, dw_ref)
+        L.validate(label, fn, outputs={"dinp": d_dinp, "dweight": d_dw}, refs={"dinp": dinp_ref, "dweight": dw_ref},
+                   atol=max(a1, a2), rtol=max(r1, r2), init={"dweight": dw0})
+        plan = getattr(launch, "plan", None)
+        bs = "/".join(f"{p[1]}.s{p[2]}" for p in plan) if plan and plan[0] else None
+        ms = L.time(label, fn, block_size=bs, flops=flops, ceiling="tf32" if n == 2 else "fp32")
+        summary.append((name, f"{n}", ms, flops / ms / 1e9))
+    # the TF32 variant's two GEMMs on their own, over tile configs / split-K
+    if 2 in L.selected(spec) and not L.args.quick:
+        sweeps = [("dinp", False, False, N, Cin, OC, 0.0, d_dinp, d_dout, d_w,
+                   [(c, 1) for c in mm.TF32_CONFIGS]),
+                  ("dweight", True, False, OC, Cin, N, 1.0, d_dw, d_dout, d_inp,
+                   [(c, s) for c in ("big", "mid") for s in (1, 2, 3, 4, 6)])]
+        for gname, tA, tB, M_, N_, K_, beta, dC, dA, dB, cfgs in sweeps:
+            for cfg, s in [(None, None)] + cfgs:
+                g = mm.gemm_build(rt, 2, tA, tB, M_, N_, K_, beta=beta, config=cfg, splits=s)
+                lbl = f"gemm2 {name} {gname}"
+                ms = L.time(lbl, (lambda g=g, dC=dC, dA=dA, dB=dB: g(dC, dA, dB)),
+                            block_size=f"{g.plan[1]}/s{g.plan[2]}" + ("" if cfg else " (plan)"),
+                            flops=2 * M_ * N_ * K_, ceiling="tf32")
+                summary.append((f"{name} {gname}", f"{g.plan[1]}/s{g.plan[2]}" + ("" if cfg else "*"), ms,
+                                2 * M_ * N_ * K_ / ms / 1e9))
+    if HAVE_TORCH:
+        td, ti, tw = (torch.from_numpy(a).cuda() for a in (dout, inp, weight))
+        tdi, tdw = torch.empty((N, Cin), device="cuda"), torch.from_numpy(dw0).cuda()
+
+        def cublas():
+            torch.mm(td, tw, out=tdi)
+            tdw.addmm_(td.t(), ti)
+        ms = L.reference(f"cuBLAS TF32 {name}", cublas, flops=flops, ceiling="tf32")
+        summary.append((name, "cuBLAS", ms, flops / ms / 1e9))
+        ms1 = L.reference(f"cuBLAS TF32 {name} dinp", lambda: torch.mm(td, tw, out=tdi), flops=flops // 2, ceiling="tf32")
+        ms2 = L.reference(f"cuBLAS TF32 {name} dweight", lambda: tdw.addmm_(td.t(), ti), flops=flops // 2, ceiling="tf32")
+        summary.append((f"{name} dinp", "cuBLAS", ms1, flops / 2 / ms1 / 1e9))
+        summary.append((f"{name} dweight", "cuBLAS", ms2, flops / 2 / ms2 / 1e9))
+        del td, ti, tw, tdi, tdw
+    del d_dout, d_inp, d_w, d_dinp, d_dw
+
+# ----------------------------------------------------------------------------------------------
+# matmul_backward_bias
+
+bsummary = []
+for OC in (C, 3 * C, 4 * C):
+    print(f"\n## matmul_backward_bias: N={N} OC={OC}")
+    dout, db0 = lab.rand(rng, (N, OC)), lab.rand(rng, (OC,))
+    ref = db0.astype(np.float64) + dout.astype(np.float64).sum(0)
+    d_dout, d_db = rt.to_device(dout), rt.to_device(db0)
+    for n in bspec.variants:
+        launch = bspec.build(rt, n, N=N, OC=OC)
+        fn = (lambda launch=launch: launch(d_db, d_dout))
+        label = f"bias{n} OC={OC}"
+        L.validate(label, fn, outputs={"dbias": d_db}, refs={"dbias": ref}, atol=1e-4 * np.sqrt(N), rtol=1e-5,
+                   init={"dbias": db0})
+        ms = L.time(label, fn, bytes=N * OC * 4, ceiling="dram")
+        bsummary.append((OC, n, ms, N * OC * 4 / ms / 1e6))
+
+
+def print_summary():
+    print("\n## summary: TFLOP/s (fraction of cuBLAS TF32 at the same shape; * = the planner's pick)")
+    for s in dict.fromkeys(r[0] for r in summary):
+        rows = [r for r in summary if r[0] == s]
+        cub = next((r[2] for r in rows if r[1] == "cuBLAS"), None)
+        if cub is None:
+            cub = next((r[2] for r in summary if r[0] == s and r[1] == "cuBLAS"), None)
+        cells = [f"{lbl}: {tf:.1f}" + (f" ({cub / ms:.2f})" if cub and lbl != "cuBLAS" else "") for _, lbl, ms, tf in rows]
+        print(f"{s:18s} " + " | ".join(cells))
+    for OC, n, ms, gbs in bsummary:
+        print(f"bias{n} OC={OC}: {ms * 1e3:.1f} us, {gbs:.0f} GB/s")
+
+
+try:
+    L.finish()
+finally:
+    print_summary()

@@ -1,0 +1,153 @@
+"""Kernel lab: matmul_forward (out = inp @ weight^T + bias) and the attention-shaped batched GEMMs.
+
+    python dev/cuda/matmul_forward.py             # every variant at the trainer's shapes, + cuBLAS TF32
+    python dev/cuda/matmul_forward.py 6           # one variant (its tile configs swept too)
+    python dev/cuda/matmul_forward.py --quick     # fewer repeats, planner's tile config only
+
+Shapes: GPT-2 124M at B=4, T=1024 (N = 4096 rows): qkv 768->2304, attproj 768->768, fc 768->3072,
+fcproj 3072->768, lm head 768->50304 (no bias); then the attention GEMMs (batch B*NH = 48, T=1024,
+hs=64) on GEMM engines 1 and 2: q@k^T (nt, K=64), att@v (nn, K=1024) and the backward's
+datt=dy@v^T (nt), dv=att^T@dy (tn), dq=datt@k (nn), dk=datt^T@q (tn).
+Each row: median ms (L2 flushed), TFLOP/s vs the fp32 (51) or tf32 (377) ceiling; the summary at the
+end gives each variant as a fraction of cuBLAS TF32 (torch, allow_tf32) at the same shape.
+The variants 1-3 are skipped at the lm-head shape unless named (they take seconds there).
+"""
+import sys, pathlib; sys.path[:0] = [str(pathlib.Path(__file__).resolve().parents[2]), str(pathlib.Path(__file__).resolve().parent)]  # noqa: E401,E702
+import lab  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+import llmc.ops  # noqa: E402
+from llmc.ops import matmul as mm  # noqa: E402
+
+L = lab.Lab("matmul_forward")
+rt = L.rt
+spec = llmc.ops.get("matmul_forward")
+B, T, C, NH, Vp = 4, 1024, 768, 12, 50304
+N, hs = B * T, C // NH
+TF32 = {5, 6}
+rng = np.random.default_rng(0)
+
+try:
+    import torch
+    torch.backends.cuda.matmul.allow_tf32 = True
+    HAVE_TORCH = torch.cuda.is_available()
+except ImportError:
+    HAVE_TORCH = False
+
+
+def reference64(fn, *arrays):
+    """float64 reference, on the GPU through torch when we can (the lm head is 316 GFLOP)."""
+    if HAVE_TORCH:
+        return fn(*(torch.from_numpy(a).cuda().double() for a in arrays)).cpu().numpy()
+    return fn(*(a.astype(np.float64) for a in arrays))
+
+
+def tolerances(tf32, ref):
+    rms = float(np.sqrt(np.mean(np.square(ref))))
+    return (1e-2 * rms, 1e-2) if tf32 else (1e-4, 1e-4)
+
+
+summary = []  # (shape, label, ms, tflops)
+
+# ----------------------------------------------------------------------------------------------
+# matmul_forward at the trainer's shapes
+
+SHAPES = [("qkv", C, 3 * C, True), ("attproj", C, C, True), ("fc", C, 4 * C, True),
+          ("fcproj", 4 * C, C, True), ("lmhead", C, Vp, False)]
+for name, Cin, OC, has_bias in SHAPES:
+    print(f"\n## {name}: ({N}, {Cin}) @ ({OC}, {Cin})^T" + (" + bias" if has_bias else ""))
+    inp, weight, bias = lab.rand(rng, (N, Cin)), lab.rand(rng, (OC, Cin), scale=Cin ** -0.5), lab.rand(rng, (OC,))
+    ref = reference64(lambda x, w, b: x @ w.T + (b if has_bias else 0), inp, weight, bias)
+    d_inp, d_w, d_b, d_out = rt.to_device(inp), rt.to_device(weight), rt.to_device(bias), rt.empty((N, OC))
+    bias_arg = d_b if has_bias else None
+    flops = 2 * N * Cin * OC
+    for n in L.selected(spec):
+        if n <= 3 and name == "lmhead" and not L.args.variants:
+            print(f"  variant {n}: skipped at the lm-head shape (name it to run it)")
+            continue
+        sweep = [None] + (list(mm.TF32_CONFIGS) if n == 6 and not L.args.quick else [])
+        for cfg in sweep:
+            launch = spec.build(rt, n, N=N, C=Cin, OC=OC, has_bias=has_bias, block_size=cfg)
+            fn = (lambda launch=launch: launch(d_out, d_inp, d_w, bias_arg))
+            label = f"{n} {name}"
+            atol, rtol = tolerances(n in TF32, ref)
+            if cfg is None or name != "lmhead":  # (the lm-head check is 206M elements on the host)
+                L.validate(label if cfg is None else f"{label} {cfg}", fn, outputs={"out": d_out},
+                           refs={"out": ref}, atol=atol, rtol=rtol)
+            plan = getattr(launch, "plan", None)
+            bs = cfg or (f"{plan[1]}/s{plan[2]}" if plan else None)
+            ms = L.time(label if cfg is None else f"{label} {cfg}", fn, block_size=bs, flops=flops,
+                        ceiling="tf32" if n in TF32 else "fp32")
+            summary.append((name, f"{n}" + (f" {cfg}" if cfg else ""), ms, flops / ms / 1e9))
+    if 6 in L.selected(spec) and not L.args.quick and name in ("qkv", "fc", "lmhead"):
+        # experiment: what does rounding to tf32 (one integer add per fragment element) cost?
+        g = mm.gemm_build(rt, 2, False, True, M=N, N=OC, K=Cin, has_bias=has_bias, truncate=True)
+        fn = (lambda g=g: g(d_out, d_inp, d_w, bias_arg))
+        atol, rtol = tolerances(True, ref)
+        L.validate(f"6 {name} truncate", fn, outputs={"out": d_out}, refs={"out": ref}, atol=2 * atol, rtol=2 * rtol)
+        ms = L.time(f"6 {name} truncate", fn, block_size=f"{g.plan[1]}/s{g.plan[2]}", flops=flops, ceiling="tf32")
+        summary.append((name, "6 trunc", ms, flops / ms / 1e9))
+    if HAVE_TORCH:
+        ti, tw, tb = (torch.from_numpy(a).cuda() for a in (inp, weight, bias))
+        to = torch.empty((N, OC), device="cuda")
+        fn = (lambda: torch.addmm(tb, ti, tw.t(), out=to)) if has_bias else (lambda: torch.mm(ti, tw.t(), out=to))
+        ms = L.reference(f"cuBLAS TF32 {name}", fn, flops=flops, ceiling="tf32")
+        summary.append((name, "cuBLAS", ms, flops / ms / 1e9))
+        del ti, tw, tb, to
+    del d_inp, d_w, d_b, d_out
+
+# ----------------------------------------------------------------------------------------------
+# attention's batched GEMMs (B*NH = 48 heads), on the SIMT and TF32 engines
+
+BH = B * NH
+# name, transA, transB, M, N, K, (A rows, A cols), (B rows, B cols), alpha
+ATT = [("att q@kT", False, True, T, T, hs, (T, hs), (T, hs), hs ** -0.5),
+       ("att att@v", False, False, T, hs, T, (T, T), (T, hs), 1.0),
+       ("att dy@vT", False, True, T, T, hs, (T, hs), (T, hs), 1.0),
+       ("att attT@dy", True, False, T, hs, T, (T, T), (T, hs), 1.0),
+       ("att datt@k", False, False, T, hs, T, (T, T), (T, hs), 1.0),
+       ("att dattT@q", True, False, T, hs, T, (T, T), (T, hs), 1.0)]
+for name, tA, tB, M_, N_, K_, ashape, bshape, alpha in ATT:
+    print(f"\n## {name}: batch {BH}, M={M_} N={N_} K={K_} ({'t' if tA else 'n'}{'t' if tB else 'n'})")
+    A, Bm = lab.rand(rng, (BH, *ashape)), lab.rand(rng, (BH, *bshape), scale=K_ ** -0.5)
+    ref = reference64(lambda a, b: alpha * ((a.transpose(1, 2) if tA else a) @ (b.transpose(1, 2) if tB else b))
+                      if HAVE_TORCH else alpha * ((np.swapaxes(a, 1, 2) if tA else a) @ (np.swapaxes(b, 1, 2) if tB else b)),
+                      A, Bm)
+    d_A, d_B, d_C = rt.to_device(A), rt.to_device(Bm), rt.empty((BH, M_, N_))
+    flops = 2 * BH * M_ * N_ * K_
+    for engine in (1, 2):
+        g = mm.gemm_build(rt, engine, tA, tB, M_, N_, K_, batch=BH, strideA=ashape[0] * ashape[1],
+                          strideB=bshape[0] * bshape[1], strideC=M_ * N_, alpha=alpha)
+        fn = (lambda g=g: g(d_C, d_A, d_B))
+        label = f"gemm{engine} {name}"
+        atol, rtol = tolerances(engine != 1, ref)
+        L.validate(label, fn, outputs={"C": d_C}, refs={"C": ref}, atol=atol, rtol=rtol)
+        plan = getattr(g, "plan", None)
+        ms = L.time(label, fn, block_size=f"{plan[1]}/s{plan[2]}" if plan else None, flops=flops,
+                    ceiling="fp32" if engine == 1 else "tf32")
+        summary.append((name, f"gemm{engine}", ms, flops / ms / 1e9))
+    if HAVE_TORCH:
+        ta, tb_ = torch.from_numpy(A).cuda(), torch.from_numpy(Bm).cuda()
+        tc = torch.empty((BH, M_, N_), device="cuda")
+        opa, opb = (ta.transpose(1, 2) if tA else ta), (tb_.transpose(1, 2) if tB else tb_)
+        fn = (lambda: torch.baddbmm(tc, opa, opb, beta=0.0, alpha=alpha, out=tc))
+        ms = L.reference(f"cuBLAS TF32 {name}", fn, flops=flops, ceiling="tf32")
+        summary.append((name, "cuBLAS", ms, flops / ms / 1e9))
+
+
+def print_summary():
+    print("\n## summary: TFLOP/s (fraction of cuBLAS TF32 at the same shape)")
+    shapes = list(dict.fromkeys(s for s, *_ in summary))
+    for s in shapes:
+        rows = [r for r in summary if r[0] == s]
+        cub = next((r[2] for r in rows if r[1] == "cuBLAS"), None)
+        cells = [f"{lbl}: {tf:.1f}" + (f" ({cub / ms:.2f})" if cub and lbl != "cuBLAS" else "")
+                 for _, lbl, ms, tf in rows]
+        print(f"{s:12s} " + " | ".join(cells))
+
+
+try:
+    L.finish()
+finally:
+    print_summary()

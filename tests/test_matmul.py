@@ -1,0 +1,375 @@
+"""Matmul family: numpy references vs torch autograd (CPU), shape checks and the GEMM planner (CPU),
+every GPU variant and every GEMM engine/layout against the float64 reference (-m gpu).
+
+    python -m pytest tests/test_matmul.py -q          # CPU part
+    python -m pytest tests/test_matmul.py -q -m gpu   # GPU part (needs a GPU and PyCUDA)
+
+Tolerances. fp32 SIMT variants: atol = rtol = 1e-4 (outputs are O(1); K <= 3072 fp32 sums stay
+~1e-6 relative). TF32 variants: inputs are rounded to 10 mantissa bits, so each output carries
+~2^-11 * sqrt(K) relative noise: we require ||got - ref|| / ||ref|| < 2e-3 norm-wise and elementwise
+|err| <= 1e-2 * rms(ref) + 1e-2 * |ref| (about 25 standard deviations of the TF32 error: no flakes,
+but an indexing bug, which is O(1), always fails). Small-integer inputs (|x| <= 8, exact in fp32
+and in tf32, all partial sums < 2^24) must match exactly in every variant, whatever the order.
+"""
+import numpy as np
+import pytest
+
+from llmc import ops
+from llmc.errors import LLMCError, VariantRefused
+from llmc.ops import matmul as mm
+
+TF32_FWD = {5, 6}
+TF32_BWD = {2}
+
+
+def rnd(rng, *shape, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+def ints(rng, *shape, lim=8, scale=None):
+    return rng.integers(-lim, lim + 1, size=shape).astype(np.float32)
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU: references against torch autograd in float64
+
+
+def test_forward_backward_refs_match_torch(rng):
+    torch = pytest.importorskip("torch")
+    N, C, OC = 37, 48, 80
+    inp, weight, bias = rng.standard_normal((N, C)), rng.standard_normal((OC, C)), rng.standard_normal(OC)
+    dout = rng.standard_normal((N, OC))
+    ti, tw, tb = (torch.tensor(x, requires_grad=True) for x in (inp, weight, bias))
+    tout = torch.nn.functional.linear(ti, tw, tb)
+    tout.backward(torch.tensor(dout))
+    out = mm.matmul_forward_ref(inp, weight, bias)
+    np.testing.assert_allclose(out, tout.detach().numpy(), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(mm.matmul_forward_ref(inp, weight), inp @ weight.T, rtol=1e-12)
+    dinp, dweight, dbias = mm.matmul_backward_ref(dout, inp, weight)
+    np.testing.assert_allclose(dinp, ti.grad.numpy(), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(dweight, tw.grad.numpy(), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(dbias, tb.grad.numpy(), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("transA,transB", [(False, False), (False, True), (True, False), (True, True)])
+def test_gemm_ref_matches_torch(rng, transA, transB):
+    torch = pytest.importorskip("torch")
+    b, M, N, K = 3, 5, 7, 4
+    A = rng.standard_normal((b, K, M) if transA else (b, M, K))
+    B = rng.standard_normal((b, N, K) if transB else (b, K, N))
+    C, bias = rng.standard_normal((b, M, N)), rng.standard_normal(N)
+    ta, tb = torch.tensor(A), torch.tensor(B)
+    want = 0.5 * ((ta.transpose(1, 2) if transA else ta) @ (tb.transpose(1, 2) if transB else tb)) \
+        - 2.0 * torch.tensor(C) + torch.tensor(bias)
+    got = mm.gemm_ref(A, B, C, transA, transB, alpha=0.5, beta=-2.0, bias=bias)
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-12, atol=1e-12)
+
+
+def test_cpu_launchers_overwrite_and_accumulate(rng):
+    N, C, OC = 9, 12, 16
+    inp, weight, bias, dout = rnd(rng, N, C), rnd(rng, OC, C), rnd(rng, OC), rnd(rng, N, OC)
+    out = np.full((N, OC), np.nan, np.float32)
+    ops.get("matmul_forward").cpu(N=N, C=C, OC=OC, has_bias=True)(out, inp, weight, bias)
+    np.testing.assert_allclose(out, inp @ weight.T + bias, rtol=1e-6)
+    assert out.dtype == np.float32
+    dinp = np.full((N, C), np.nan, np.float32)
+    dw0 = rnd(rng, OC, C)
+    dweight = dw0.copy()
+    ops.get("matmul_backward").cpu(N=N, C=C, OC=OC)(dinp, dweight, dout, inp, weight)
+    np.testing.assert_allclose(dinp, dout @ weight, rtol=1e-5)
+    np.testing.assert_allclose(dweight, dw0 + dout.T @ inp, rtol=1e-5, atol=1e-6)
+    db0 = rnd(rng, OC)
+    dbias = db0.copy()
+    ops.get("matmul_backward_bias").cpu(N=N, OC=OC)(dbias, dout)
+    np.testing.assert_allclose(dbias, db0 + dout.sum(0), rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU: shape checks, variant table, the GEMM planner and builder logic (a fake runtime)
+
+ODD_FWD = [dict(N=1, C=80, OC=96, has_bias=True), dict(N=65, C=1600, OC=2304, has_bias=False),
+           dict(N=4 * 1024, C=768, OC=50304, has_bias=False), dict(N=7, C=81, OC=30, has_bias=True),
+           dict(N=5, C=96, OC=1, has_bias=True)]
+
+
+@pytest.mark.parametrize("shape", ODD_FWD, ids=str)
+def test_forward_checks(shape):
+    spec = ops.get("matmul_forward")
+    for n, v in spec.variants.items():
+        reason = v.refuse_reason(**shape)
+        if n in (1, 2, 3):
+            assert reason is None
+        elif n == 4:
+            assert (reason is None) == (shape["C"] % 4 == 0 and shape["OC"] % 4 == 0)
+        elif n == 5:
+            assert (reason is None) == (shape["C"] % 4 == 0)
+        elif n == 6:  # engine 2 needs ld % 4 == 0
+            assert (reason is None) == (shape["C"] % 4 == 0 and shape["OC"] % 4 == 0)
+        if reason:
+            with pytest.raises(VariantRefused, match=f"matmul_forward variant {n}"):
+                spec.build(None, n, **shape)
+
+
+def test_backward_checks():
+    spec = ops.get("matmul_backward")
+    assert spec.variant(1).refuse_reason(N=65, C=81, OC=7) is None
+    assert spec.variant(2).refuse_reason(N=65, C=81, OC=7) is not None
+    assert spec.variant(2).refuse_reason(N=65, C=768, OC=2304) is None
+    for v in ops.get("matmul_backward_bias").variants.values():
+        assert v.refuse_reason(N=1, OC=7) is None
+
+
+def test_variant_table():
+    for name in ("matmul_forward", "matmul_backward", "matmul_backward_bias"):
+        spec = ops.get(name)
+        assert spec.default in spec.variants
+        assert all(v.description and "\n" not in v.description for v in spec.variants.values())
+        with pytest.raises(LLMCError, match="has no variant 99"):
+            spec.variant(99)
+    assert set(mm.GEMM_VARIANTS) == {1, 2, 3}
+    assert [mm.gemm_variant_for(v) for v in range(1, 7)] == [1, 1, 1, 1, 2, 2]
+
+
+TRAINER_GEMMS = [(4096, 2304, 768, 1), (4096, 768, 768, 1), (4096, 3072, 768, 1), (4096, 768, 3072, 1),
+                 (4096, 50304, 768, 1), (768, 768, 4096, 1), (50304, 768, 4096, 1), (1024, 1024, 64, 48),
+                 (1024, 64, 1024, 48), (65, 1, 80, 1), (1, 1, 1, 1), (3, 5, 100000, 1)]
+
+
+@pytest.mark.parametrize("M,N,K,batch", TRAINER_GEMMS)
+def test_tf32_plan(M, N, K, batch):
+    for vec in (4, 1):
+        cfg, splits = mm._tf32_plan(132, M, N, K, batch, vec)
+        assert cfg in mm.TF32_CONFIGS and (vec == 4 or cfg == "small")
+        KT = -(-K // 32)
+        assert 1 <= splits <= KT
+        kts = -(-KT // splits)
+        assert (splits - 1) * kts < KT  # no empty split
+
+
+class FakeKernel:
+    def __init__(self, name, log):
+        self.name, self.log, self.max_dynamic_smem = name, log, 48 * 1024
+
+    def set_max_dynamic_smem(self, n):
+        self.max_dynamic_smem = n
+
+    def __call__(self, grid, block, *args, smem=0):
+        assert smem <= self.max_dynamic_smem
+        self.log.append((self.name, grid, block, args))
+
+
+class FakeRuntime:
+    """Records launches: enough to test the builders' planning and fallbacks without a GPU."""
+    sm_count = 132
+
+    def __init__(self):
+        self.log = []
+
+    def kernel(self, module, func, argtypes, label=None, defines=None):
+        assert module == "matmul"
+        return FakeKernel(func, self.log)
+
+    def empty(self, shape, dtype=np.float32):
+        class Buf:
+            ptr = 1 << 20
+        return Buf()
+
+
+def test_gemm_build_fallbacks(capsys):
+    rt = FakeRuntime()
+    # engine 2 with an odd leading dim -> engine 3, one line
+    g = mm.gemm_build(rt, 2, False, False, M=65, N=1, K=80)
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and "falling back to engine 3" in out
+    g(4096, 8192, 12288)
+    assert rt.log[-1][0] == "gemm_tf32_small_v1_nn"
+    # aligned -> engine 2; a misaligned pointer at launch -> engine 3, said once
+    g = mm.gemm_build(rt, 2, True, False, M=64, N=64, K=64, batch=2, strideA=4096, strideB=4096, strideC=4096)
+    g(4096, 8192, 12288)
+    assert rt.log[-1][0].startswith("gemm_tf32_") and "_v4_tn" in rt.log[-1][0]
+    assert rt.log[-1][1][2] == 2  # batch in grid.z
+    capsys.readouterr()
+    g(4096, 8196, 12288)
+    g(4096, 8196, 12288)
+    assert rt.log[-1][0] == "gemm_tf32_small_v1_tn"
+    assert capsys.readouterr().out.count("using engine 3") == 1
+    # split-K: main kernel then the reduce
+    g = mm.gemm_build(rt, 2, True, False, M=768, N=768, K=4096, beta=1.0, config="mid", splits=4)
+    g(4096, 8192, 12288)
+    assert rt.log[-2][0] == "gemm_tf32_mid_v4_tn" and rt.log[-2][1] == (6, 6, 4)
+    assert rt.log[-1][0] == "gemm_splitk_reduce"
+    with pytest.raises(LLMCError, match="leading dims too small"):
+        mm.gemm_build(rt, 1, False, False, M=4, N=4, K=4, lda=3)
+    with pytest.raises(LLMCError, match="no engine 7"):
+        mm.gemm_build(rt, 7, False, False, M=4, N=4, K=4)
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU
+
+
+def tf32_close(got, ref, name):
+    from llmc.testing import assert_close, rel_err
+    rms = float(np.sqrt(np.mean(np.square(ref)))) + 1e-30
+    assert_close(got, ref, atol=1e-2 * rms, rtol=1e-2, name=name)
+    assert rel_err(got, ref) < 2e-3, f"{name}: rel_err {rel_err(got, ref):.2e}"
+
+
+def check(got, ref, tf32, name, exact=False):
+    from llmc.testing import assert_close
+    if exact:
+        assert_close(got, ref, atol=0, rtol=0, name=name)
+    elif tf32:
+        tf32_close(got, ref, name)
+    else:
+        assert_close(got, ref, atol=1e-4, rtol=1e-4, name=name)
+
+
+FWD_SHAPES = [dict(N=4 * 65, C=768, OC=2304, has_bias=True), dict(N=1, C=80, OC=96, has_bias=True),
+              dict(N=130, C=96, OC=80, has_bias=False), dict(N=65, C=1600, OC=200, has_bias=True),
+              dict(N=4 * 1024, C=768, OC=768, has_bias=True), dict(N=33, C=81, OC=30, has_bias=True)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", FWD_SHAPES, ids=str)
+@pytest.mark.parametrize("integers", [False, True], ids=["random", "ints"])
+def test_matmul_forward_gpu(rt, rng, shape, integers):
+    from llmc.testing import poison
+    N, C, OC, has_bias = shape["N"], shape["C"], shape["OC"], shape["has_bias"]
+    if integers:
+        inp, weight, bias = ints(rng, N, C), ints(rng, OC, C), ints(rng, OC)
+    else:
+        inp, weight, bias = rnd(rng, N, C), rnd(rng, OC, C, scale=C ** -0.5), rnd(rng, OC)
+    ref = mm.matmul_forward_ref(inp.astype(np.float64), weight.astype(np.float64),
+                                bias.astype(np.float64) if has_bias else None)
+    d_inp, d_w, d_b = rt.to_device(inp), rt.to_device(weight), rt.to_device(bias)
+    d_out = rt.empty((N, OC))
+    spec = ops.get("matmul_forward")
+    for n, v in spec.variants.items():
+        if v.refuse_reason(**shape):
+            continue
+        launch = spec.build(rt, n, **shape)
+        poison(d_out)
+        launch(d_out, d_inp, d_w, d_b if has_bias else None)
+        check(d_out.get(), ref, n in TF32_FWD, f"matmul_forward {n} {shape}", exact=integers)
+
+
+BWD_SHAPES = [dict(N=4 * 65, C=768, OC=2304), dict(N=1, C=80, OC=96), dict(N=130, C=96, OC=80),
+              dict(N=65, C=1600, OC=200), dict(N=4 * 1024, C=768, OC=3072), dict(N=33, C=81, OC=30)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", BWD_SHAPES, ids=str)
+@pytest.mark.parametrize("integers", [False, True], ids=["random", "ints"])
+def test_matmul_backward_gpu(rt, rng, shape, integers):
+    from llmc.testing import poison
+    N, C, OC = shape["N"], shape["C"], shape["OC"]
+    mk = ints if integers else rnd
+    dout, inp, weight, dw0 = mk(rng, N, OC), mk(rng, N, C), mk(rng, OC, C), mk(rng, OC, C)
+    dinp_ref, dw_ref, _ = mm.matmul_backward_ref(*(x.astype(np.float64) for x in (dout, inp, weight)))
+    dw_ref = dw_ref + dw0
+    d_dout, d_inp, d_w = rt.to_device(dout), rt.to_device(inp), rt.to_device(weight)
+    d_dinp, d_dw = rt.empty((N, C)), rt.empty((OC, C))
+    spec = ops.get("matmul_backward")
+    for n, v in spec.variants.items():
+        if v.refuse_reason(**shape):
+            continue
+        launch = spec.build(rt, n, **shape)
+        poison(d_dinp)
+        d_dw.set(dw0)
+        launch(d_dinp, d_dw, d_dout, d_inp, d_w)
+        check(d_dinp.get(), dinp_ref, n in TF32_BWD, f"matmul_backward {n} dinp {shape}", exact=integers)
+        check(d_dw.get(), dw_ref, n in TF32_BWD, f"matmul_backward {n} dweight {shape}", exact=integers)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,OC", [(4 * 1024, 768), (1, 96), (4 * 65, 2304), (65, 1600), (7, 1)])
+def test_matmul_backward_bias_gpu(rt, rng, N, OC):
+    from llmc.testing import assert_close
+    dout, db0 = rnd(rng, N, OC), rnd(rng, OC)
+    ref = db0.astype(np.float64) + dout.astype(np.float64).sum(0)
+    d_dout, d_db = rt.to_device(dout), rt.empty((OC,))
+    spec = ops.get("matmul_backward_bias")
+    for n in spec.variants:
+        launch = spec.build(rt, n, N=N, OC=OC)
+        d_db.set(db0)
+        launch(d_db, d_dout)
+        assert_close(d_db.get(), ref, atol=1e-4 * np.sqrt(N), rtol=1e-5, name=f"matmul_backward_bias {n}")
+        if n == 2:  # deterministic: the same bits twice
+            first = d_db.get()
+            d_db.set(db0)
+            launch(d_db, d_dout)
+            assert np.array_equal(first, d_db.get())
+
+
+# (M, N, K, batch, padded leading dims, extra builder kwargs)
+GEMM_CASES = [
+    (65, 1, 80, 1, False, {}),
+    (65, 12, 80, 3, True, {}),
+    (33, 70, 129, 2, False, {}),
+    (130, 96, 81, 2, True, {}),                       # K % 4 != 0 with aligned ld: partial 16-byte copies
+    (1024, 64, 1024, 4, False, {}),                   # attention's att @ v shape
+    (1024, 1024, 64, 2, False, {}),                   # attention's q @ k^T shape
+    (768, 200, 4096, 1, False, dict(splits=4, config="mid")),  # split-K
+    (300, 520, 1000, 2, True, dict(splits=3, config="big")),   # split-K, batched, edges
+    (4096, 2304, 768, 1, False, {}),                  # full size
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("engine", [1, 2, 3])
+@pytest.mark.parametrize("lay", ["nn", "nt", "tn", "tt"])
+@pytest.mark.parametrize("case", GEMM_CASES, ids=lambda c: "x".join(map(str, c[:4])) + ("p" if c[4] else ""))
+@pytest.mark.parametrize("integers", [False, True], ids=["random", "ints"])
+def test_gemm_gpu(rt, rng, engine, lay, case, integers):
+    from llmc.testing import poison
+    M, N, K, batch, padded, kw = case
+    if M * N * K * batch > 2e8 and (engine, lay) not in ((2, "nt"), (2, "nn"), (2, "tn"), (1, "nt")):
+        pytest.skip("full size: engine 2's trainer layouts and one SIMT layout (the float64 reference is slow)")
+    if engine != 2 and kw:
+        kw = {}
+    transA, transB = lay[0] == "t", lay[1] == "t"
+    ra, ca = (K, M) if transA else (M, K)
+    rb, cb = (N, K) if transB else (K, N)
+    pad = 4 if padded else 0
+    lda, ldb, ldc = ca + pad, cb + pad, N + pad
+    sA, sB, sC = ra * lda + pad * 8, rb * ldb + pad * 8, M * ldc + pad * 8
+    mk = ints if integers else rnd
+    Abuf, Bbuf = mk(rng, batch * sA), mk(rng, batch * sB, scale=K ** -0.5)
+    C0 = mk(rng, batch * sC)
+    bias = mk(rng, N)
+    A = np.stack([Abuf[b * sA: b * sA + ra * lda].reshape(ra, lda)[:, :ca] for b in range(batch)])
+    B = np.stack([Bbuf[b * sB: b * sB + rb * ldb].reshape(rb, ldb)[:, :cb] for b in range(batch)])
+    Cin = np.stack([C0[b * sC: b * sC + M * ldc].reshape(M, ldc)[:, :N] for b in range(batch)])
+    d_A, d_B, d_C, d_bias = rt.to_device(Abuf), rt.to_device(Bbuf), rt.empty((batch * sC,)), rt.to_device(bias)
+    tf32 = engine in (2, 3)
+    for alpha, beta, has_bias in [(1.0, 0.0, False), (0.5, -2.0, True)]:
+        ref = mm.gemm_ref(A.astype(np.float64), B.astype(np.float64), Cin.astype(np.float64), transA, transB,
+                          alpha, beta, bias.astype(np.float64) if has_bias else None)
+        g = mm.gemm_build(rt, engine, transA, transB, M, N, K, batch=batch, lda=lda, ldb=ldb, ldc=ldc,
+                          strideA=sA, strideB=sB, strideC=sC, alpha=alpha, beta=beta, has_bias=has_bias, **kw)
+        if beta == 0.0:
+            poison(d_C)
+        else:
+            d_C.set(C0)
+        g(d_C, d_A, d_B, d_bias if has_bias else None)
+        Cout = d_C.get()
+        got = np.stack([Cout[b * sC: b * sC + M * ldc].reshape(M, ldc)[:, :N] for b in range(batch)])
+        check(got, ref, tf32, f"gemm {engine} {lay} {case} alpha={alpha} beta={beta}", exact=integers)
+        if beta != 0.0:  # the padding between rows/batches is never written
+            mask = np.ones(batch * sC, bool)
+            for b in range(batch):
+                mask[b * sC: b * sC + M * ldc].reshape(M, ldc)[:, :N] = False
+            assert np.array_equal(Cout[mask], C0[mask]), "gemm wrote outside C"
+
+
+@pytest.mark.gpu
+def test_gemm_misaligned_pointer_falls_back(rt, rng, capsys):
+    M, N, K = 64, 32, 48
+    A, B = rnd(rng, M * K + 1), rnd(rng, K * N)
+    d_A, d_B, d_C = rt.to_device(A), rt.to_device(B), rt.empty((M * N,))
+    g = mm.gemm_build(rt, 2, False, False, M, N, K)
+    g(d_C, d_A.view(1, (M * K,)), d_B)
+    assert "using engine 3" in capsys.readouterr().out
+    tf32_close(d_C.get().reshape(M, N), A[1:].astype(np.float64).reshape(M, K) @ B.astype(np.float64).reshape(K, N),
+               "gemm misaligned")
