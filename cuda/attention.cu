@@ -19,7 +19,8 @@
 //   4  one block per row, the row cached in shared memory: one DRAM read (any T)
 //   5  3 + float4 loads/stores (T % 4 == 0)
 //   6  one warp per row, lower triangle of att and datt held in registers: one DRAM read of
-//      s <= t, streaming float4 stores (T % 4 == 0, T <= 2048)
+//      s <= t, streaming float4 stores (T % 4 == 0, T <= 2048). Its _lower_ entry points store only
+//      s <= t (the composite's pre-zeroed scratch); 403 -> 302 MB at BNH=48, T=1024.
 // permutes (helpers of the composite, no variant flag):
 //   permute_kernel1/2    dst(S,B,NH,T,hs) <- src(B,T,S,NH,hs); 1 scalar, 2 float4 (hs % 4 == 0)
 //   unpermute_kernel1/2  dst(B,T,S,NH,hs) <- src(S,B,NH,T,hs); the inverse
@@ -328,7 +329,11 @@ extern "C" __global__ void softmax_backward_kernel5(float* dpreatt, const float*
 }
 
 // 6: like softmax_forward6, both inputs' lower triangles in registers (8*NV4 floats per lane).
-template <int NV4>
+// FULL = false writes only the float4s that hold some s <= t (a third less traffic at T = 1024):
+// used by the attention composite, whose dpreatt scratch is zeroed once at build and written by
+// nothing else, so the zeros above the diagonal are already there. Not an op variant of its own
+// (the op's contract writes every element).
+template <int NV4, bool FULL>
 __device__ __forceinline__ void softmax_backward6(float* dpreatt, const float* datt, const float* att,
                                                   int BNH, int T, float scale) {
     int row = (blockIdx.x * blockDim.x + threadIdx.x) / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
@@ -363,7 +368,7 @@ __device__ __forceinline__ void softmax_backward6(float* dpreatt, const float* d
 #pragma unroll
     for (int j = 0; j < NV4; j++) {
         int i = j * WARP_SIZE + lane;
-        if (i < T4)  // a = 0 above t, so these products are exact zeros there
+        if (FULL ? i < T4 : i < n4)  // a = 0 above t, so these products are exact zeros there
             __stcs(dx4 + i, make_float4(scale * a[4 * j] * (g[4 * j] - dot), scale * a[4 * j + 1] * (g[4 * j + 1] - dot),
                                         scale * a[4 * j + 2] * (g[4 * j + 2] - dot), scale * a[4 * j + 3] * (g[4 * j + 3] - dot)));
     }
@@ -371,7 +376,10 @@ __device__ __forceinline__ void softmax_backward6(float* dpreatt, const float* d
 #define SOFTMAX_BACKWARD6(NV4) \
     extern "C" __global__ void softmax_backward_kernel6_nv##NV4(float* dpreatt, const float* datt, const float* att, \
                                                               int BNH, int T, float scale) \
-    { softmax_backward6<NV4>(dpreatt, datt, att, BNH, T, scale); }
+    { softmax_backward6<NV4, true>(dpreatt, datt, att, BNH, T, scale); } \
+    extern "C" __global__ void softmax_backward_kernel6_lower_nv##NV4(float* dpreatt, const float* datt, const float* att, \
+                                                                    int BNH, int T, float scale) \
+    { softmax_backward6<NV4, false>(dpreatt, datt, att, BNH, T, scale); }
 SOFTMAX_BACKWARD6(1)
 SOFTMAX_BACKWARD6(2)
 SOFTMAX_BACKWARD6(4)

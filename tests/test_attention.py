@@ -194,6 +194,11 @@ class FakeRuntime:
         assert self.top // 4 <= self.heap.size, "fake heap too small"
         return a
 
+    def zeros(self, shape, dtype=np.float32):
+        a = self.empty(shape)
+        self.get_view(a.ptr, a.size)[:] = 0.0
+        return a
+
     def put(self, host):
         a = self.empty(host.shape)
         self.get_view(a.ptr, host.size)[:] = host.reshape(-1)
@@ -241,7 +246,13 @@ class _FakeKernel:
             scale = float(args[5])
             gv = rt.get_view(g, BNH * T * T).reshape(BNH, T, T)
             av = rt.get_view(a, BNH * T * T).reshape(BNH, T, T)
-            rt.get_view(dx, BNH * T * T)[:] = A.softmax_backward_ref(gv, av, scale).reshape(-1)
+            d = A.softmax_backward_ref(gv, av, scale)
+            out = rt.get_view(dx, BNH * T * T).reshape(BNH, T, T)
+            if "lower" in f:  # stores only s <= t (rounded up to float4s: those extra are 0 anyway)
+                m = np.tril(np.ones((T, T), bool))
+                out[:, m] = d[:, m]
+            else:
+                out[...] = d
         else:
             raise AssertionError(f"unexpected kernel {f}")
 
@@ -271,13 +282,14 @@ def _fake_gemm_build(rt, variant, transA, transB, M, N, K, batch=1, lda=None, ld
     (2, 9, 24, 3, 1), (1, 1, 8, 2, 4), (2, 200, 32, 2, 3), (1, 256, 16, 2, 4), (1, 130, 16, 1, 8),
     (1, 256, 16, 2, (4, 2)), (2, 200, 12, 3, (1, 3)), (1, 70, 8, 2, None),
 ])
-def test_composite_plan_on_numpy_device(B, T, C, NH, chunks, rng, monkeypatch):
+@pytest.mark.parametrize("lower_only", [True, False])
+def test_composite_plan_on_numpy_device(B, T, C, NH, chunks, lower_only, rng, monkeypatch):
     import llmc.ops.matmul as mm
     monkeypatch.setattr(mm, "gemm_build", _fake_gemm_build)
     hs = C // NH
     rt = FakeRuntime(8 * (3 * B * T * C + 3 * B * NH * T * T + 4096) + 4 * 3 * B * T * C)
     fwd = A.build_attention_forward(rt, 6, 1, B=B, T=T, C=C, NH=NH, causal_chunks=chunks)
-    bwd = A.build_attention_backward(rt, 6, 1, B=B, T=T, C=C, NH=NH, causal_chunks=chunks)
+    bwd = A.build_attention_backward(rt, 6, 1, B=B, T=T, C=C, NH=NH, causal_chunks=chunks, lower_only=lower_only)
     inp = rng.standard_normal((B, T, 3 * C))
     dout = rng.standard_normal((B, T, C))
     d_inp, d_dout = rt.put(inp), rt.put(dout)
@@ -293,6 +305,9 @@ def test_composite_plan_on_numpy_device(B, T, C, NH, chunks, rng, monkeypatch):
     # the plan launches: permute, gemms, softmax, gemms, unpermute (forward); float4 permutes when hs % 4 == 0
     perm = "permute_kernel2" if hs % 4 == 0 else "permute_kernel1"
     assert rt.calls[0] == perm
+    # softmax_backward 6 takes T % 4 == 0 (else the composite falls back to 4); lower-only if asked
+    lower = [c for c in rt.calls if c.startswith("softmax_backward_kernel6_lower")]
+    assert bool(lower) == (lower_only and T % 4 == 0)
 
 
 def test_composite_falls_back_when_softmax_refuses(rng, monkeypatch, capsys):
@@ -391,21 +406,26 @@ TF32_REL = 5e-3
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("lower_only", [True, False])
 @pytest.mark.parametrize("chunks", [1, (4, 2)])
 @pytest.mark.parametrize("sm", [1, 6])
 @pytest.mark.parametrize("B,T,C,NH", ATTN_SHAPES)
-def test_attention_composite_gpu(rt, B, T, C, NH, sm, chunks):
+def test_attention_composite_gpu(rt, B, T, C, NH, sm, chunks, lower_only):
     rng = np.random.default_rng(B * 1000 + T)
     mf, mb = _matmul_variants()
     fwd = A.build_attention_forward(rt, sm, mf, B=B, T=T, C=C, NH=NH, causal_chunks=chunks)
-    bwd = A.build_attention_backward(rt, sm, mb, B=B, T=T, C=C, NH=NH, causal_chunks=chunks)
+    bwd = A.build_attention_backward(rt, sm, mb, B=B, T=T, C=C, NH=NH, causal_chunks=chunks,
+                                     lower_only=lower_only)
     inp = rng.standard_normal((B, T, 3 * C)).astype(np.float32)
     dout = rng.standard_normal((B, T, C)).astype(np.float32)
     out64, qkvr64, att64 = A.attention_forward_ref(inp.astype(np.float64), NH)
     d_inp, d_dout = rt.to_device(inp), rt.to_device(dout)
     d_out, d_qkvr, d_att = rt.empty((B, T, C)), rt.empty((B, T, 3 * C)), rt.empty((B, NH, T, T))
     d_dinp = rt.empty((B, T, 3 * C))
-    poison(d_out, d_qkvr, d_att, d_dinp, *fwd.scratch.values(), *bwd.scratch.values())
+    # poison the scratch too: nothing may read scratch it did not write (but dpreatt of the
+    # lower-only softmax backward is zeroed at build and must stay so)
+    poison(d_out, d_qkvr, d_att, d_dinp, *fwd.scratch.values(),
+           *(v for k, v in bwd.scratch.items() if k not in bwd.keep))
     fwd(d_out, d_qkvr, d_att, d_inp)
     out, qkvr, att = d_out.get(), d_qkvr.get(), d_att.get()
     assert_close(qkvr, qkvr64, 0, 0, "qkvr")

@@ -39,15 +39,17 @@ ref = A.attention_backward_ref(dout.astype(np.float64), qkvr.astype(np.float64),
 d_dout, d_qkvr, d_att = rt.to_device(dout), rt.to_device(qkvr), rt.to_device(att)
 d_dinp = rt.empty((B, T, 3 * C))
 
+# (softmax_backward variant, causal_chunks, lower_only)
 if L.args.variants:
-    configs = [(n, A.DEFAULT_CAUSAL_CHUNKS) for n in L.selected(sm_spec)]
+    configs = [(n, A.DEFAULT_CAUSAL_CHUNKS, True) for n in L.selected(sm_spec)]
 else:
-    configs = [(sm_spec.default, c) for c in ((1, 1), (2, 2), (4, 1), (4, 2), (4, 4), (8, 2), (8, 4))] + [(5, A.DEFAULT_CAUSAL_CHUNKS)]
+    configs = ([(sm_spec.default, c, True) for c in ((1, 1), (2, 2), (4, 2), (4, 4), (8, 2))]
+               + [(sm_spec.default, A.DEFAULT_CAUSAL_CHUNKS, False), (5, A.DEFAULT_CAUSAL_CHUNKS, True)])
 
 # -----------------------------------------------------------------------------
-for sm, chunks in configs:
-    label = f"softmax_bwd {sm}, chunks {chunks}"
-    launch = A.build_attention_backward(rt, sm, mm, B=B, T=T, C=C, NH=NH, causal_chunks=chunks)
+for sm, chunks, lower in configs:
+    label = f"softmax_bwd {sm}{' lower-only' if lower and sm == 6 else ''}, chunks {chunks}"
+    launch = A.build_attention_backward(rt, sm, mm, B=B, T=T, C=C, NH=NH, causal_chunks=chunks, lower_only=lower)
     fn = lambda: launch(d_dinp, d_dout, d_qkvr, d_att)  # noqa: E731
     scale = float(np.abs(ref).max())  # dinp entries vary a lot in size: atol relative to the largest
     L.validate(label, fn, outputs={"dinp": d_dinp}, refs={"dinp": ref}, atol=2e-3 * scale, rtol=2e-2)

@@ -41,7 +41,7 @@ d_out, d_qkvr, d_att = rt.empty((B, T, C)), rt.empty((B, T, 3 * C)), rt.empty((B
 if L.args.variants:
     configs = [(n, A.DEFAULT_CAUSAL_CHUNKS) for n in L.selected(sm_spec)]
 else:
-    configs = [(sm_spec.default, c) for c in ((1, 1), (2, 2), (4, 1), (4, 2), (4, 4), (8, 2), (8, 4))] + [(4, A.DEFAULT_CAUSAL_CHUNKS)]
+    configs = [(sm_spec.default, c) for c in ((1, 1), (2, 2), (4, 2), (8, 2))] + [(4, A.DEFAULT_CAUSAL_CHUNKS)]
 
 # -----------------------------------------------------------------------------
 for sm, chunks in configs:

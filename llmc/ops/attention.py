@@ -24,7 +24,8 @@ kernel_choices). On the GPU they are built by the plain functions
                              causal_chunks=None) -> launch(dinp, dout, qkvr, att)
 
 (the argument order llmc/backend.py calls them with), from: a permute kernel, QK^T and att@V in
-the batched GEMM engine that goes with the --matmul-kernel number (llmc.ops.matmul.gemm_variant_for),
+the batched GEMM engine that goes with the --matmul-kernel number (llmc.ops.matmul.gemm_variant_for;
+for backward the --matmul-backward-kernel number, see gemm_engine_for_backward),
 the chosen softmax variant and an unpermute kernel. Scratch (preatt; dy, datt, dpreatt, dqkvr) is
 allocated once in the builder; one built op can serve every layer, nothing is carried between calls.
 
@@ -343,8 +344,8 @@ def _check_attention(B, T, C, NH):
 
 
 def _softmax_op(rt, op, number, BNH, T, scale):
-    """Build softmax variant `number`; if it refuses this shape, say so in one line and use the
-    variant that takes every shape."""
+    """(variant number, launch) for softmax variant `number`; if it refuses this shape, say so in
+    one line and use the variant that takes every shape."""
     from llmc.ops import get
     spec = get(op)
     v = spec.variant(number)
@@ -352,7 +353,7 @@ def _softmax_op(rt, op, number, BNH, T, scale):
     if reason:
         print(f"attention: {spec.flag} {number} refuses T={T} ({reason}); using {op} {_FALLBACK}")
         number = _FALLBACK
-    return spec.build(rt, number, BNH=BNH, T=T, scale=scale)
+    return number, spec.build(rt, number, BNH=BNH, T=T, scale=scale)
 
 
 def _chunks(T, n):
@@ -379,6 +380,19 @@ def _chunk_plan(T, causal_chunks):
 DEFAULT_CAUSAL_CHUNKS = (4, 2)
 
 
+def gemm_engine_for_backward(matmul_backward_variant: int) -> int:
+    """The GEMM engine that goes with a --matmul-backward-kernel number. gemm_variant_for maps
+    --matmul-kernel (forward) numbers; matmul_backward's variant n runs on GEMM engine n
+    (llmc/ops/matmul.py), so backward numbers map to themselves unless matmul.py says otherwise."""
+    from llmc.ops import matmul as mm
+    f = getattr(mm, "gemm_variant_for_backward", None)
+    if f is not None:
+        return f(matmul_backward_variant)
+    if matmul_backward_variant in mm.GEMM_VARIANTS:
+        return matmul_backward_variant
+    return mm.gemm_variant_for(matmul_backward_variant)
+
+
 def build_attention_forward(rt, softmax_variant, matmul_variant, B, T, C, NH, causal_chunks=None):
     """launch(out (B,T,C), qkvr (B,T,3C), att (B,NH,T,T), inp (B,T,3C)); all outputs overwritten."""
     from llmc.ops.matmul import gemm_build, gemm_variant_for
@@ -386,7 +400,7 @@ def build_attention_forward(rt, softmax_variant, matmul_variant, B, T, C, NH, ca
     hs, BNH = C // NH, B * NH
     scale = 1.0 / math.sqrt(hs)
     gv = gemm_variant_for(matmul_variant)
-    softmax = _softmax_op(rt, "softmax_forward", softmax_variant, BNH, T, scale)
+    _, softmax = _softmax_op(rt, "softmax_forward", softmax_variant, BNH, T, scale)
     permute = _build_permute(rt, "permute", B, T, 3, NH, hs)
     unpermute = _build_permute(rt, "unpermute", B, T, 1, NH, hs)
     preatt = rt.empty((B, NH, T, T))  # scratch: q k^T, unscaled (the softmax applies the scale)
@@ -423,19 +437,24 @@ def build_attention_forward(rt, softmax_variant, matmul_variant, B, T, C, NH, ca
 
 
 def build_attention_backward(rt, softmax_backward_variant, matmul_backward_variant, B, T, C, NH,
-                             causal_chunks=None):
-    """launch(dinp (B,T,3C), dout (B,T,C), qkvr (B,T,3C), att (B,NH,T,T)); dinp overwritten."""
-    from llmc.ops.matmul import gemm_build, gemm_variant_for
+                             causal_chunks=None, lower_only=True):
+    """launch(dinp (B,T,3C), dout (B,T,C), qkvr (B,T,3C), att (B,NH,T,T)); dinp overwritten.
+    lower_only: with softmax_backward 6, use its entry point that stores only s <= t into a dpreatt
+    scratch zeroed here once (nothing else writes dpreatt, so its upper triangle stays 0)."""
+    from llmc.ops.matmul import gemm_build
     _check_attention(B, T, C, NH)
     hs, BNH = C // NH, B * NH
     scale = 1.0 / math.sqrt(hs)
-    gv = gemm_variant_for(matmul_backward_variant)
-    softmax_bwd = _softmax_op(rt, "softmax_backward", softmax_backward_variant, BNH, T, scale)
+    gv = gemm_engine_for_backward(matmul_backward_variant)
+    sm_number, softmax_bwd = _softmax_op(rt, "softmax_backward", softmax_backward_variant, BNH, T, scale)
+    lower_only = lower_only and sm_number == 6
+    if lower_only:
+        softmax_bwd = _warp_per_row(BW, lambda T: f"softmax_backward_kernel6_lower_nv{_nv4(T)}", 6)(rt, BNH, T, scale)
     to_heads = _build_permute(rt, "permute", B, T, 1, NH, hs)      # dy (B,NH,T,hs) <- dout (B,T,C)
     from_heads = _build_permute(rt, "unpermute", B, T, 3, NH, hs)  # dinp (B,T,3C) <- dqkvr (3,B,NH,T,hs)
     dy = rt.empty((B, NH, T, hs))
     datt = rt.empty((B, NH, T, T))
-    dpreatt = rt.empty((B, NH, T, T))
+    dpreatt = rt.zeros((B, NH, T, T)) if lower_only else rt.empty((B, NH, T, T))
     dqkvr = rt.empty((3, B, NH, T, hs))
     F4 = 4
     qkv_bytes = BNH * T * hs * F4
@@ -475,6 +494,7 @@ def build_attention_backward(rt, softmax_backward_variant, matmul_backward_varia
             g(base[cb] + co, base[ab] + ao, base[bb] + bo)
         from_heads(dinp, own["dqkvr"])                                 # dinp (B,T,3C)
     launch.scratch = {"dy": dy, "datt": datt, "dpreatt": dpreatt, "dqkvr": dqkvr}
+    launch.keep = {"dpreatt"} if lower_only else set()  # scratch whose contents must persist
     return launch
 
 
