@@ -5,6 +5,8 @@
 // encoder_forward (--encoder-kernel N):
 //   1  one thread per output element (any C)
 //   2  one thread per 4 channels, float4 loads/stores (C % 4 == 0)
+//   3  one warp per (b,t) row, float4: the id read once per row, no division per element, and 8
+//      16-byte loads in flight per lane before the first store (C % 4 == 0)
 // encoder_backward (--encoder-backward-kernel N):
 //   1  one thread per element, atomicAdd into dwte and dwpe (not deterministic: repeated tokens and
 //      the B rows of each position race, and float addition does not commute bit-wise)
@@ -16,6 +18,8 @@
 //   3  2 with float4 loads/stores over the channels (C % 4 == 0)
 //   4  1 with float4: one 16-byte vector atomicAdd per 4 channels on sm_90, four scalar ones on
 //      older GPUs (C % 4 == 0; not deterministic)
+//   5  one thread per (t, 4 channels): dwpe summed over b in registers and written once (no atomics,
+//      no B-way conflicts), dwte by float4 vector atomics as in 4 (C % 4 == 0; dwte not deterministic)
 //
 // Memory traffic at B=4, T=1024, C=768 (N = 4096 positions, U distinct tokens, ~N for random ids):
 //   forward  reads U wte rows + T wpe rows (+ N ids), writes N rows: ~28 MB, 9.5 us at 2.98 TB/s
@@ -42,6 +46,32 @@ extern "C" __global__ void encoder_forward_kernel2(float* out, const int* inp, c
     int bt = idx / C4, c = (idx % C4) * 4, t = bt % T;
     float4 a = load4(wte + (size_t)inp[bt] * C + c), b = load4(wpe + (size_t)t * C + c);
     store4(out + (size_t)bt * C + c, make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w));
+}
+
+// out, wte, wpe never overlap (an activation and two parameter tensors): __restrict__ lets the
+// compiler issue the loads of a chunk before the stores of the previous one
+extern "C" __global__ void encoder_forward_kernel3(float* __restrict__ out, const int* __restrict__ inp,
+        const float* __restrict__ wte, const float* __restrict__ wpe, int B, int T, int C) {
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int bt = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
+    if (bt >= B * T) return;
+    const float* w = wte + (size_t)inp[bt] * C;
+    const float* p = wpe + (size_t)(bt % T) * C;
+    float* o = out + (size_t)bt * C;
+    const int C4 = C / 4;
+    for (int base = 0; base < C4; base += 4 * WARP_SIZE) {
+        float4 a[4], b[4];
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            int c4 = base + j * WARP_SIZE + lane;
+            if (c4 < C4) { a[j] = load4(w + 4 * c4); b[j] = load4(p + 4 * c4); }
+        }
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            int c4 = base + j * WARP_SIZE + lane;
+            if (c4 < C4) store4(o + 4 * c4, make_float4(a[j].x + b[j].x, a[j].y + b[j].y, a[j].z + b[j].z, a[j].w + b[j].w));
+        }
+    }
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -77,25 +107,40 @@ extern "C" __global__ void encoder_backward_kernel4(float* dwte, float* dwpe, co
 
 // dst[c] += src_k[c] for k = 0..n-1 in that order, src_k = dout row list[k]; each thread owns
 // channels tid, tid+bs, ... and keeps its running sum in a register, so the n row loads are
-// independent of each other (unrolled: several in flight) and only the adds are chained. The
+// independent of each other (8 in flight) and only the adds are chained.
+// For a frequent token this loop is the kernel's critical path: n row loads by one block. The
 // order of the adds is np.add.at's: ((dst + d_0) + d_1) + ...
+#define ROWS_IN_FLIGHT 8
 template <bool VEC>
 __device__ __forceinline__ void rows_add(float* dst, const float* dout, const int* list, int n, int C) {
+    // the loads of ROWS_IN_FLIGHT rows are written out before their adds: left to itself, the
+    // compiler interleaved each load with the adds of the one before, ~3 loads in flight
     if (VEC) {
         for (int c = 4 * threadIdx.x; c < C; c += 4 * blockDim.x) {
             float4 acc = load4(dst + c);
-#pragma unroll 8
-            for (int k = 0; k < n; k++) {
-                float4 d = load4(dout + (size_t)list[k] * C + c);
-                acc.x += d.x; acc.y += d.y; acc.z += d.z; acc.w += d.w;
+            for (int k0 = 0; k0 < n; k0 += ROWS_IN_FLIGHT) {
+                float4 d[ROWS_IN_FLIGHT];
+#pragma unroll
+                for (int j = 0; j < ROWS_IN_FLIGHT; j++)
+                    if (k0 + j < n) d[j] = load4(dout + (size_t)list[k0 + j] * C + c);
+#pragma unroll
+                for (int j = 0; j < ROWS_IN_FLIGHT; j++)
+                    if (k0 + j < n) { acc.x += d[j].x; acc.y += d[j].y; acc.z += d[j].z; acc.w += d[j].w; }
             }
             store4(dst + c, acc);
         }
     } else {
         for (int c = threadIdx.x; c < C; c += blockDim.x) {
             float acc = dst[c];
-#pragma unroll 8
-            for (int k = 0; k < n; k++) acc += dout[(size_t)list[k] * C + c];
+            for (int k0 = 0; k0 < n; k0 += ROWS_IN_FLIGHT) {
+                float d[ROWS_IN_FLIGHT];
+#pragma unroll
+                for (int j = 0; j < ROWS_IN_FLIGHT; j++)
+                    if (k0 + j < n) d[j] = dout[(size_t)list[k0 + j] * C + c];
+#pragma unroll
+                for (int j = 0; j < ROWS_IN_FLIGHT; j++)
+                    if (k0 + j < n) acc += d[j];
+            }
             dst[c] = acc;
         }
     }
@@ -187,4 +232,29 @@ extern "C" __global__ void encoder_backward_kernel2(float* dwte, float* dwpe, co
 extern "C" __global__ void encoder_backward_kernel3(float* dwte, float* dwpe, const float* dout,
         const int* inp, int B, int T, int C) {
     encoder_backward_owner<true>(dwte, dwpe, dout, inp, B, T, C);
+}
+
+// One thread per (t, 4 channels); grid covers T * C/4 threads.
+extern "C" __global__ void encoder_backward_kernel5(float* dwte, float* dwpe, const float* dout,
+        const int* inp, int B, int T, int C) {
+    const int C4 = C / 4;
+    const int idx = blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= T * C4) return;
+    const int t = idx / C4, c = (idx % C4) * 4;
+    float4 s = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 4
+    for (int b = 0; b < B; b++) {
+        const size_t bt = (size_t)b * T + t;
+        float4 d = load4(dout + bt * C + c);
+        s.x += d.x; s.y += d.y; s.z += d.z; s.w += d.w;
+        float* w = dwte + (size_t)inp[bt] * C + c;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        atomicAdd(reinterpret_cast<float4*>(w), d);
+#else
+        atomicAdd(w, d.x); atomicAdd(w + 1, d.y); atomicAdd(w + 2, d.z); atomicAdd(w + 3, d.w);
+#endif
+    }
+    float* p = dwpe + (size_t)t * C + c;
+    float4 o = load4(p);
+    store4(p, make_float4(o.x + s.x, o.y + s.y, o.z + s.z, o.w + s.w));
 }

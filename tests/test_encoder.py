@@ -76,7 +76,7 @@ def test_cpu_launchers(rng):
     np.testing.assert_array_equal(flat, np.concatenate([w.ravel() for w in want]))
 
 
-@pytest.mark.parametrize("spec,number", [(FWD, 2), (BWD, 3), (BWD, 4)])
+@pytest.mark.parametrize("spec,number", [(FWD, 2), (FWD, 3), (BWD, 3), (BWD, 4), (BWD, 5)])
 def test_float4_variants_refuse_odd_C(spec, number):
     reason = spec.variants[number].refuse_reason(B=2, T=3, C=66)
     assert reason and "multiple of 4" in reason

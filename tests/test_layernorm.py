@@ -76,7 +76,7 @@ def test_cpu_launchers_overwrite_and_accumulate(rng):
     np.testing.assert_allclose(db, db0 + gb, rtol=1e-14, atol=1e-14)
 
 
-@pytest.mark.parametrize("spec,number", [(FWD, 4), (FWD, 5), (BWD, 4)])
+@pytest.mark.parametrize("spec,number", [(FWD, 4), (FWD, 5), (BWD, 4), (BWD, 5)])
 def test_float4_variants_refuse_odd_C(spec, number):
     for C, why in [(66, "multiple of 4"), (4096, "registers")]:
         reason = spec.variants[number].refuse_reason(N=8, C=C)
@@ -108,7 +108,7 @@ SHAPES = [(1, 768), (65, 80), (130, 96), (257, 768), (64, 1600), (33, 66)]
 def _expect_refusal(spec, number, N, C):
     reason = spec.variants[number].refuse_reason(N=N, C=C)
     if reason:  # only the float4 variants may refuse these shapes, and only for C % 4 != 0
-        assert C % 4 and number in ((4, 5) if spec is FWD else (4,)), reason
+        assert C % 4 and number in (4, 5), reason
         with pytest.raises(VariantRefused):
             spec.build(None, number, N=N, C=C)
     return reason
@@ -155,7 +155,7 @@ def test_backward_gpu_accumulates(rt, rng, number, N, C):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("number", [3, 4])
+@pytest.mark.parametrize("number", [3, 4, 5])
 def test_backward_deterministic_variants_are_bitwise_repeatable(rt, rng, number):
     N, C = 1031, 768
     x, w, b, dout = (a.astype(np.float32) for a in inputs(rng, N, C))

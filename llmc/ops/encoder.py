@@ -105,6 +105,32 @@ def _elementwise(op, number, per_thread, default_bs):
     return build
 
 
+def _warp_per_row(number, default_bs):
+    """Forward variant 3: one warp per (b, t) row."""
+    def build(rt, B, T, C, block_size=None):
+        bs = block_size or default_bs
+        k = rt.kernel(MODULE, f"encoder_forward_kernel{number}", ARGS, label=f"encoder_forward {number}")
+        grid = (ceil_div(B * T, bs // 32), 1, 1)
+        b_, t_, c_ = np.int32(B), np.int32(T), np.int32(C)
+
+        def launch(out, inp, wte, wpe):
+            k(grid, (bs, 1, 1), out.ptr, inp.ptr, wte.ptr, wpe.ptr, b_, t_, c_)
+        return launch
+    return build
+
+
+def encoder_backward5(rt, B, T, C, block_size=None):
+    """One thread per (t, 4 channels): dwpe summed in registers, dwte by vector atomics."""
+    bs = block_size or 256
+    k = rt.kernel(MODULE, "encoder_backward_kernel5", ARGS, label="encoder_backward 5")
+    grid = (ceil_div(T * C // 4, bs), 1, 1)
+    b_, t_, c_ = np.int32(B), np.int32(T), np.int32(C)
+
+    def launch(dwte, dwpe, dout, inp):
+        k(grid, (bs, 1, 1), dwte.ptr, dwpe.ptr, dout.ptr, inp.ptr, b_, t_, c_)
+    return launch
+
+
 def _owner(number, default_bs):
     """Deterministic backward: one block per position, the first occurrence of a token owns its row."""
     def build(rt, B, T, C, block_size=None):
@@ -121,6 +147,7 @@ def _owner(number, default_bs):
 
 encoder_forward1 = _elementwise("encoder_forward", 1, 1, 256)
 encoder_forward2 = _elementwise("encoder_forward", 2, 4, 256)
+encoder_forward3 = _warp_per_row(3, 256)
 encoder_backward1 = _elementwise("encoder_backward", 1, 1, 256)
 encoder_backward2 = _owner(2, 256)
 encoder_backward3 = _owner(3, 256)
@@ -138,6 +165,8 @@ OPS = [
         variants={
             1: Variant(1, "one thread per output element", encoder_forward1, check_any),
             2: Variant(2, "one thread per 4 channels, float4 (C%4==0)", encoder_forward2, check_float4),
+            3: Variant(3, "one warp per (b,t) row, float4, 8 loads in flight per lane (C%4==0)",
+                       encoder_forward3, check_float4),
         }),
     OpSpec(
         name="encoder_backward", flag="--encoder-backward-kernel", default=3,
@@ -150,5 +179,7 @@ OPS = [
             3: Variant(3, "2 with float4 over the channels (C%4==0), deterministic", encoder_backward3, check_float4),
             4: Variant(4, "1 with float4 vector atomics (sm_90 RED.F32x4; C%4==0), non-deterministic",
                        encoder_backward4, check_float4),
+            5: Variant(5, "thread per (t, 4 channels): dwpe summed in registers, dwte by float4 atomics (C%4==0), "
+                          "non-deterministic", encoder_backward5, check_float4),
         }),
 ]

@@ -255,7 +255,7 @@ def _backward_deterministic(number, default_bs, func):
         def launch(dinp, dweight, dbias, dout, inp, weight, mean, rstd):
             k((G, 1, 1), (bs, 1, 1), dinp.ptr, scratch.ptr, dout.ptr, inp.ptr, weight.ptr,
               mean.ptr, rstd.ptr, n_, c_, r_, smem=smem)
-            kr(grid_r, (32, 8, 1), dweight.ptr, dbias.ptr, scratch.ptr, g_, c_)
+            kr(grid_r, (32, 32, 1), dweight.ptr, dbias.ptr, scratch.ptr, g_, c_)
         launch.scratch = scratch  # kept alive with the closure
         return launch
     return build
@@ -263,6 +263,7 @@ def _backward_deterministic(number, default_bs, func):
 
 layernorm_backward3 = _backward_deterministic(3, 256, lambda C: "layernorm_backward_kernel3")
 layernorm_backward4 = _backward_deterministic(4, 256, lambda C: f"layernorm_backward_kernel4_nv{_nv(C)}")
+layernorm_backward5 = _backward_deterministic(5, 256, lambda C: f"layernorm_backward_kernel5_nv{_nv(C)}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -270,7 +271,7 @@ layernorm_backward4 = _backward_deterministic(4, 256, lambda C: f"layernorm_back
 
 OPS = [
     OpSpec(
-        name="layernorm_forward", flag="--layernorm-kernel", default=4,
+        name="layernorm_forward", flag="--layernorm-kernel", default=5,
         cpu=layernorm_forward_cpu,
         doc="out(N,C)=, mean(N)=, rstd(N)=, inp(N,C), weight(C), bias(C); eps 1e-5, biased variance",
         variants={
@@ -283,7 +284,7 @@ OPS = [
                        layernorm_forward5, check_float4),
         }),
     OpSpec(
-        name="layernorm_backward", flag="--layernorm-backward-kernel", default=4,
+        name="layernorm_backward", flag="--layernorm-backward-kernel", default=5,
         cpu=layernorm_backward_cpu,
         doc="dinp(N,C)+=, dweight(C)+=, dbias(C)+=, dout(N,C), inp(N,C), weight(C), mean(N), rstd(N)",
         variants={
@@ -294,5 +295,7 @@ OPS = [
                        layernorm_backward3, check_smem),
             4: Variant(4, "3 with float4 and the rows in registers (C%4==0, C<=2048), deterministic",
                        layernorm_backward4, check_float4_smem),
+            5: Variant(5, "4 with dinp loaded together with dout and inp (C<=1024; above, as 4), deterministic",
+                       layernorm_backward5, check_float4_smem),
         }),
 ]
