@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from llmc.ops import OpSpec, Variant
+from llmc.ops import OpSpec, Variant, refuse
 from llmc.runtime import ceil_div
 
 MODULE = "encoder"  # cuda/encoder.cu
@@ -91,11 +91,19 @@ def check_float4(B, T, C, block_size=None):
     return _check_block(block_size)
 
 
+def _fits(op, number, kernel, block_size):
+    """Refuse a block size the kernel can't launch with (its registers cap threads per block)."""
+    limit = kernel.attributes()["max_threads"]
+    if block_size > limit:
+        refuse(op, number, f"block_size={block_size} > {limit} threads (register use of {kernel.label})")
+
+
 def _elementwise(op, number, per_thread, default_bs):
     """One thread per element (per_thread=1) or per float4 (per_thread=4) of the (B,T,C) tensor."""
     def build(rt, B, T, C, block_size=None):
         bs = block_size or default_bs
         k = rt.kernel(MODULE, f"{op}_kernel{number}", ARGS, label=f"{op} {number}")
+        _fits(op, number, k, bs)
         grid = (ceil_div(B * T * C // per_thread, bs), 1, 1)
         b_, t_, c_ = np.int32(B), np.int32(T), np.int32(C)
 
@@ -110,6 +118,7 @@ def _warp_per_row(number, default_bs):
     def build(rt, B, T, C, block_size=None):
         bs = block_size or default_bs
         k = rt.kernel(MODULE, f"encoder_forward_kernel{number}", ARGS, label=f"encoder_forward {number}")
+        _fits("encoder_forward", number, k, bs)
         grid = (ceil_div(B * T, bs // 32), 1, 1)
         b_, t_, c_ = np.int32(B), np.int32(T), np.int32(C)
 
@@ -123,6 +132,7 @@ def encoder_backward5(rt, B, T, C, block_size=None):
     """One thread per (t, 4 channels): dwpe summed in registers, dwte by vector atomics."""
     bs = block_size or 256
     k = rt.kernel(MODULE, "encoder_backward_kernel5", ARGS, label="encoder_backward 5")
+    _fits("encoder_backward", 5, k, bs)
     grid = (ceil_div(T * C // 4, bs), 1, 1)
     b_, t_, c_ = np.int32(B), np.int32(T), np.int32(C)
 
@@ -136,6 +146,7 @@ def _owner(number, default_bs):
     def build(rt, B, T, C, block_size=None):
         bs = block_size or default_bs
         k = rt.kernel(MODULE, f"encoder_backward_kernel{number}", ARGS, label=f"encoder_backward {number}")
+        _fits("encoder_backward", number, k, bs)
         grid = (B * T, 1, 1)
         b_, t_, c_ = np.int32(B), np.int32(T), np.int32(C)
 
@@ -159,7 +170,7 @@ encoder_backward4 = _elementwise("encoder_backward", 4, 4, 256)
 
 OPS = [
     OpSpec(
-        name="encoder_forward", flag="--encoder-kernel", default=2,
+        name="encoder_forward", flag="--encoder-kernel", default=3,
         cpu=encoder_forward_cpu,
         doc="out(B,T,C)=, inp(B,T) int32, wte(Vp,C), wpe(maxT,C); out[b,t] = wte[inp[b,t]] + wpe[t]",
         variants={
