@@ -8,7 +8,8 @@
 //   version 4: 128x128 register-blocked tiles, 8x8 outputs per thread, float4 loads and stores
 //   version 5: TF32 tensor cores, mma.sync m16n8k8, 64x64 tiles, plain loads through shared memory
 //   version 6: the TF32 GEMM engine (gemm engine 2): cp.async 3-stage pipeline, 128x256 / 128x128 /
-//              64x64 block tiles picked per shape, 64x64 warp tiles, swizzled smem, fused bias, float4 stores
+//              64x64 block tiles picked per shape, 64x64 warp tiles, swizzled smem, fused bias, float4
+//              stores staged through shared memory
 // matmul_backward: dinp = dout @ weight (=), dweight += dout^T @ inp     (--matmul-backward-kernel)
 //   version 1: two GEMMs on gemm engine 1 (SIMT)
 //   version 2: two GEMMs on gemm engine 2 (TF32), split-K for the K=N*T reduction of dweight
@@ -16,6 +17,7 @@
 //   version 1: one thread per column, walks all N rows (coalesced across the warp, few threads)
 //   version 2: 2-D blocks (32 columns x 8 row-lanes) over row chunks -> partials; a fixed-order
 //              second pass adds them to dbias (deterministic, no atomics)
+//   version 3: version 2 with float4 columns (128 per block) and 4 rows in flight per thread
 //
 // GEMM engines (llmc/ops/matmul.py: gemm_build, GEMM_VARIANTS):
 //   engine 1: SIMT fp32, 64x64x16 tiles, 4x4 outputs per thread, scalar predicated loads: any shape, any alignment
@@ -399,6 +401,75 @@ __device__ __forceinline__ void gemm_tf32_body(float* C, const float* A, const f
     }
     cp_async_wait<0>();  // only empty groups can be left; keep the exit clean anyway
 
+    if constexpr (VEC == 4) {
+        // Epilogue through shared memory. A lane's accumulators are RPGA rows x 2*NI columns spread
+        // 4 lanes apart, which as direct float4 stores leaves every 32-byte sector half-written per
+        // instruction. So each warp parks its WM x WN tile in (now idle) shared memory, then writes
+        // it back row by row: 32 lanes = whole 128-256 byte row segments per store.
+        // Staging layout: row stride WN floats, 4-float chunk ch stored at
+        //   (ch & ~7) | ((ch & 7) ^ h), h = ((row / RPGA) & 1) | (((ch >> 3) & 1) << 1)
+        // which makes both the fragment-order writes and the row-order reads conflict-free
+        // (checked by the same Python model as the main loop).
+        static_assert(BM * BN <= STAGES * (A_TILE + B_TILE), "staging tile must fit in the pipeline smem");
+        __syncthreads();  // everyone is done reading the last k-tile
+        float* stg = smem + warp * (WM * WN);
+        auto stage_off = [](int row, int col) {
+            const int ch = col >> 2;
+            const int h = ((row / RPGA) & 1) | (((ch >> 3) & 1) << 1);
+            return row * WN + (((ch & ~7) | ((ch & 7) ^ h)) << 2) + (col & 3);
+        };
+#pragma unroll
+        for (int mi = 0; mi < MI; mi++)
+#pragma unroll
+            for (int h = 0; h < 2; h++)
+#pragma unroll
+                for (int c = 0; c < 2; c++)
+#pragma unroll
+                    for (int q = 0; q < NI / 4; q++) {
+                        const int row = g * RPGA + 2 * mi + h, col = (2 * t + c) * NI + 4 * q;
+                        *reinterpret_cast<float4*>(stg + stage_off(row, col)) =
+                            make_float4(acc[mi][4 * q][2 * h + c], acc[mi][4 * q + 1][2 * h + c],
+                                        acc[mi][4 * q + 2][2 * h + c], acc[mi][4 * q + 3][2 * h + c]);
+                    }
+        __syncwarp();
+        constexpr int CPR = WN / 4, RPI = 32 / CPR;  // 4-float chunks per row, rows per instruction
+        const int ch = lane % CPR, r0 = lane / CPR;
+        const int col = n0 + wn + 4 * ch;
+        float bv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        if (bias && splits == 1) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) bv[e] = col + e < N ? bias[col + e] : 0.0f;
+        }
+#pragma unroll 4
+        for (int i = 0; i < WM / RPI; i++) {
+            const int rl = r0 + i * RPI, row = m0 + wm + rl;
+            if (row >= M || col >= N) continue;
+            const float4 v = *reinterpret_cast<const float4*>(stg + stage_off(rl, 4 * ch));
+            if (splits > 1) {  // raw partial sums; ldw % 4 == 0 so the float4 stays in the row
+                *reinterpret_cast<float4*>(W + ((ll)z * M + row) * ldw + col) = v;
+                continue;
+            }
+            float o[4] = {alpha * v.x, alpha * v.y, alpha * v.z, alpha * v.w};
+            float* cp = C + (ll)row * ldc + col;
+            if (col + 4 <= N) {
+                if (beta != 0.0f) {
+                    const float4 c4 = *reinterpret_cast<const float4*>(cp);
+                    o[0] += beta * c4.x; o[1] += beta * c4.y; o[2] += beta * c4.z; o[3] += beta * c4.w;
+                }
+                *reinterpret_cast<float4*>(cp) = make_float4(o[0] + bv[0], o[1] + bv[1], o[2] + bv[2], o[3] + bv[3]);
+            } else {
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    if (col + e >= N) break;
+                    float x = o[e] + bv[e];
+                    if (beta != 0.0f) x += beta * cp[e];
+                    cp[e] = x;
+                }
+            }
+        }
+        return;
+    }
+
     // Epilogue: acc[mi][ni][2h + c] is C at row wm + g*RPGA + 2mi + h, column wn + (2t + c)*NI + ni.
     // So for each of the lane's rows, columns wn + (2t + c)*NI + 4q .. +3 are acc[mi][4q..4q+3][2h+c]:
     // one float4 each.
@@ -459,7 +530,9 @@ __device__ __forceinline__ void gemm_tf32_body(float* C, const float* A, const f
 // Tile configurations (block tile, warp tile, stages, min blocks/SM); the Python builder picks one
 // per shape and passes the dynamic shared memory: STAGES * (BM + BN) * 32 * 4 bytes.
 //   big:   128x256, 8 warps of 64x64, 3 stages (144 KB, 1 CTA/SM): large GEMMs (fc, lm head)
+//   big4:  big with 4 stages (192 KB): one more k-tile in flight
 //   mid:   128x128, 4 warps of 64x64, 3 stages (96 KB, 2 CTAs/SM): fewer tiles, better wave fill
+//   mid8:  128x128, 8 warps of 64x32, 3 stages (96 KB, 2 CTAs/SM): twice the warps to hide latency
 //   small: 64x64, 4 warps of 32x32, 3 stages (48 KB): small problems; also the VEC=1 engine 3
 #define GEMM_TF32_ENTRY(cfg, BM, BN, WM, WN, ST, MINB, VEC, lay, TA, TB)                              \
     extern "C" __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32, MINB)                    \
@@ -477,7 +550,12 @@ __device__ __forceinline__ void gemm_tf32_body(float* C, const float* A, const f
     GEMM_TF32_ENTRY(cfg, BM, BN, WM, WN, ST, MINB, VEC, tn, true, false)       \
     GEMM_TF32_ENTRY(cfg, BM, BN, WM, WN, ST, MINB, VEC, tt, true, true)
 GEMM_TF32_LAYOUTS(big, 128, 256, 64, 64, 3, 1, 4)
+GEMM_TF32_LAYOUTS(big4, 128, 256, 64, 64, 4, 1, 4)
 GEMM_TF32_LAYOUTS(mid, 128, 128, 64, 64, 3, 2, 4)
+// mid8 in the tn layout needs more than the 128 registers that 2 CTAs/SM allow (it spilled): not built
+GEMM_TF32_ENTRY(mid8, 128, 128, 64, 32, 3, 2, 4, nn, false, false)
+GEMM_TF32_ENTRY(mid8, 128, 128, 64, 32, 3, 2, 4, nt, false, true)
+GEMM_TF32_ENTRY(mid8, 128, 128, 64, 32, 3, 2, 4, tt, true, true)
 GEMM_TF32_LAYOUTS(small, 64, 64, 32, 32, 3, 2, 4)
 GEMM_TF32_LAYOUTS(small, 64, 64, 32, 32, 3, 2, 1)
 
@@ -499,6 +577,25 @@ extern "C" __global__ void gemm_splitk_reduce(float* C, const float* W, const fl
         if (bias) x += bias[n];
         *cp = x;
     }
+}
+
+
+// Lab instrument (dev/cuda/matmul_forward.py), not an op: the issue rate of mma.sync m16n8k8 TF32
+// with no memory traffic at all, 8 independent accumulators per warp. Its TFLOP/s is the ceiling of
+// every mma.sync kernel in this file; the gap from there to cuBLAS is what wgmma buys.
+extern "C" __global__ void __launch_bounds__(256) gemm_tf32_mma_probe(float* out, int iters) {
+    const uint32_t a[4] = {tf32_round(1.0f + threadIdx.x * 1e-3f), tf32_round(0.5f - threadIdx.x * 1e-3f),
+                           tf32_round(0.25f + blockIdx.x * 1e-3f), tf32_round(-1.5f)};
+    const uint32_t b[2] = {tf32_round(0.75f + threadIdx.x * 2e-3f), tf32_round(-0.125f)};
+    float acc[8][4] = {};
+    for (int i = 0; i < iters; i++) {
+#pragma unroll
+        for (int j = 0; j < 8; j++) mma_tf32(acc[j], a, b);
+    }
+    float s = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 8; j++) s += acc[j][0] + acc[j][1] + acc[j][2] + acc[j][3];
+    out[blockIdx.x * blockDim.x + threadIdx.x] = s;
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -728,4 +825,33 @@ extern "C" __global__ void matmul_backward_bias_kernel2_finish(float* dbias, con
     float s = 0.0f;
     for (int k = 0; k < nchunks; k++) s += partial[(ll)k * OC + oc];
     dbias[oc] += s;
+}
+
+// version 3, pass 1: like version 2 but each lane owns 4 adjacent columns (float4 loads, OC % 4 == 0):
+// a warp reads 512 contiguous bytes per row, and 4 rows per thread are in flight at once (unrolled).
+// Same fixed-order partials and finishing pass (deterministic). Memory: reads N*OC floats once.
+extern "C" __global__ void matmul_backward_bias_kernel3(float* partial, const float* dout, int N, int OC,
+                                                        int rows_per_chunk) {
+    __shared__ float4 sh[8][32];
+    const int tx = threadIdx.x, ty = threadIdx.y;
+    const int col = (blockIdx.x * 32 + tx) * 4;
+    const int r0 = blockIdx.y * rows_per_chunk, r1 = min(N, r0 + rows_per_chunk);
+    float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (col < OC) {
+#pragma unroll 4
+        for (int n = r0 + ty; n < r1; n += 8) {
+            const float4 v = load4(dout + (ll)n * OC + col);
+            s.x += v.x; s.y += v.y; s.z += v.z; s.w += v.w;
+        }
+    }
+    sh[ty][tx] = s;
+    __syncthreads();
+    if (ty == 0 && col < OC) {
+#pragma unroll
+        for (int k = 1; k < 8; k++) {
+            const float4 v = sh[k][tx];
+            s.x += v.x; s.y += v.y; s.z += v.z; s.w += v.w;
+        }
+        store4(partial + (ll)blockIdx.y * OC + col, s);
+    }
 }

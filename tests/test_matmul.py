@@ -4,8 +4,8 @@ every GPU variant and every GEMM engine/layout against the float64 reference (-m
     python -m pytest tests/test_matmul.py -q          # CPU part
     python -m pytest tests/test_matmul.py -q -m gpu   # GPU part (needs a GPU and PyCUDA)
 
-Tolerances. fp32 SIMT variants: atol = rtol = 1e-4 (outputs are O(1); K <= 3072 fp32 sums stay
-~1e-6 relative). TF32 variants: inputs are rounded to 10 mantissa bits, so each output carries
+Tolerances. fp32 SIMT variants: rtol = 1e-4, atol = 1e-4 * max(1, rms(ref)) (fp32 sums over K <= 4096
+terms stay ~1e-6 relative to the terms' size, and outputs near 0 need the absolute part). TF32 variants: inputs are rounded to 10 mantissa bits, so each output carries
 ~2^-11 * sqrt(K) relative noise: we require ||got - ref|| / ||ref|| < 2e-3 norm-wise and elementwise
 |err| <= 1e-2 * rms(ref) + 1e-2 * |ref| (about 25 standard deviations of the TF32 error: no flakes,
 but an indexing bug, which is O(1), always fails). Small-integer inputs (|x| <= 8, exact in fp32
@@ -115,8 +115,9 @@ def test_backward_checks():
     assert spec.variant(1).refuse_reason(N=65, C=81, OC=7) is None
     assert spec.variant(2).refuse_reason(N=65, C=81, OC=7) is not None
     assert spec.variant(2).refuse_reason(N=65, C=768, OC=2304) is None
-    for v in ops.get("matmul_backward_bias").variants.values():
-        assert v.refuse_reason(N=1, OC=7) is None
+    bias = ops.get("matmul_backward_bias")
+    assert [bias.variant(n).refuse_reason(N=1, OC=7) is None for n in (1, 2, 3)] == [True, True, False]
+    assert all(v.refuse_reason(N=1, OC=768) is None for v in bias.variants.values())
 
 
 def test_variant_table():
@@ -137,9 +138,9 @@ TRAINER_GEMMS = [(4096, 2304, 768, 1), (4096, 768, 768, 1), (4096, 3072, 768, 1)
 
 @pytest.mark.parametrize("M,N,K,batch", TRAINER_GEMMS)
 def test_tf32_plan(M, N, K, batch):
-    for vec in (4, 1):
-        cfg, splits = mm._tf32_plan(132, M, N, K, batch, vec)
-        assert cfg in mm.TF32_CONFIGS and (vec == 4 or cfg == "small")
+    for vec, lay in ((4, "nt"), (4, "tn"), (1, "nn")):
+        cfg, splits = mm._tf32_plan(132, M, N, K, batch, vec, lay)
+        assert cfg in mm.TF32_CONFIGS and (vec == 4 or cfg == "small") and (cfg, lay) != ("mid8", "tn")
         KT = -(-K // 32)
         assert 1 <= splits <= KT
         kts = -(-KT // splits)
@@ -221,8 +222,9 @@ def check(got, ref, tf32, name, exact=False):
         assert_close(got, ref, atol=0, rtol=0, name=name)
     elif tf32:
         tf32_close(got, ref, name)
-    else:
-        assert_close(got, ref, atol=1e-4, rtol=1e-4, name=name)
+    else:  # fp32: atol scales with the outputs' size (unscaled inputs give |out| ~ sqrt(K))
+        rms = float(np.sqrt(np.mean(np.square(ref))))
+        assert_close(got, ref, atol=1e-4 * max(1.0, rms), rtol=1e-4, name=name)
 
 
 FWD_SHAPES = [dict(N=4 * 65, C=768, OC=2304, has_bias=True), dict(N=1, C=80, OC=96, has_bias=True),
@@ -290,12 +292,14 @@ def test_matmul_backward_bias_gpu(rt, rng, N, OC):
     ref = db0.astype(np.float64) + dout.astype(np.float64).sum(0)
     d_dout, d_db = rt.to_device(dout), rt.empty((OC,))
     spec = ops.get("matmul_backward_bias")
-    for n in spec.variants:
+    for n, v in spec.variants.items():
+        if v.refuse_reason(N=N, OC=OC):
+            continue
         launch = spec.build(rt, n, N=N, OC=OC)
         d_db.set(db0)
         launch(d_db, d_dout)
         assert_close(d_db.get(), ref, atol=1e-4 * np.sqrt(N), rtol=1e-5, name=f"matmul_backward_bias {n}")
-        if n == 2:  # deterministic: the same bits twice
+        if n >= 2:  # deterministic: the same bits twice
             first = d_db.get()
             d_db.set(db0)
             launch(d_db, d_dout)

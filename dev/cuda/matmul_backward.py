@@ -74,7 +74,7 @@ for name, Cin, OC in SHAPES:
         sweeps = [("dinp", False, False, N, Cin, OC, 0.0, d_dinp, d_dout, d_w,
                    [(c, 1) for c in mm.TF32_CONFIGS]),
                   ("dweight", True, False, OC, Cin, N, 1.0, d_dw, d_dout, d_inp,
-                   [(c, s) for c in ("big", "mid") for s in (1, 2, 3, 4, 6)])]
+                   [(c, s) for c in ("big", "mid", "small") for s in (1, 2, 3, 4, 6)])]
         for gname, tA, tB, M_, N_, K_, beta, dC, dA, dB, cfgs in sweeps:
             for cfg, s in [(None, None)] + cfgs:
                 g = mm.gemm_build(rt, 2, tA, tB, M_, N_, K_, beta=beta, config=cfg, splits=s)

@@ -11,6 +11,8 @@ datt=dy@v^T (nt), dv=att^T@dy (tn), dq=datt@k (nn), dk=datt^T@q (tn).
 Each row: median ms (L2 flushed), TFLOP/s vs the fp32 (51) or tf32 (377) ceiling; the summary at the
 end gives each variant as a fraction of cuBLAS TF32 (torch, allow_tf32) at the same shape.
 The variants 1-3 are skipped at the lm-head shape unless named (they take seconds there).
+First of all, a probe times mma.sync m16n8k8 TF32 with no memory traffic: the ceiling of any
+mma.sync kernel on this GPU (cuBLAS uses Hopper's wgmma instead).
 """
 import sys, pathlib; sys.path[:0] = [str(pathlib.Path(__file__).resolve().parents[2]), str(pathlib.Path(__file__).resolve().parent)]  # noqa: E401,E702
 import lab  # noqa: E402
@@ -49,6 +51,18 @@ def tolerances(tf32, ref):
 
 
 summary = []  # (shape, label, ms, tflops)
+
+# ----------------------------------------------------------------------------------------------
+# the mma.sync ceiling: HMMA.1688.F32.TF32 back to back from registers, no memory traffic
+
+probe = rt.kernel("matmul", "gemm_tf32_mma_probe", "Pi", label="mma.sync probe")
+blocks, iters = rt.sm_count * 4, 4096
+d_probe = rt.empty((blocks * 256,))
+flops = blocks * 8 * iters * 8 * 2048  # warps x iterations x 8 mma x 16*8*8*2 flops
+print("\n## mma.sync m16n8k8 TF32 issue-rate probe (8 independent accumulators per warp, 32 warps/SM)")
+ms = L.time("mma.sync probe", lambda: probe((blocks, 1, 1), (256, 1, 1), d_probe.ptr, np.int32(iters)),
+            flops=flops, ceiling="tf32")
+summary.append(("probe", "mma.sync", ms, flops / ms / 1e9))
 
 # ----------------------------------------------------------------------------------------------
 # matmul_forward at the trainer's shapes

@@ -64,19 +64,24 @@ def gemm_ref(A, B, C=None, transA=False, transB=False, alpha=1.0, beta=0.0, bias
 GEMM_VARIANTS = {
     1: "SIMT fp32, 64x64x16 tiles, 4x4 per thread, predicated scalar loads: any shape and alignment",
     2: "TF32 mma.sync m16n8k8, 16-byte cp.async 3-stage pipeline, 128x256/128x128/64x64 tiles by shape, "
-       "split-K when the grid is short (needs leading dims, strides % 4 == 0, 16-byte aligned pointers)",
+       "split-K when the grid is short, epilogue staged through smem (needs leading dims, strides % 4 == 0, "
+       "16-byte aligned pointers)",
     3: "TF32 like 2 but 4-byte cp.async and 64x64 tiles: any shape and alignment (engine 2's fallback)",
 }
 
-# TF32 tile configurations: name -> (BM, BN, threads, CTAs per SM, relative efficiency). The
-# efficiencies feed the cost model in _tf32_plan; measured on the H100 (docs/matmul_notes.md).
+# TF32 tile configurations: name -> (BM, BN, threads, pipeline stages, CTAs per SM, efficiency).
+# The efficiency (steady-state rate relative to "mid") feeds the planner's cost model; measured on
+# the H100 (docs/matmul_notes.md). mid8 is not built for the tn layout (it spilled).
 TF32_CONFIGS = {
-    "big": (128, 256, 256, 1, 1.0),
-    "mid": (128, 128, 128, 2, 0.95),
-    "small": (64, 64, 128, 4, 0.6),
+    "big": (128, 256, 256, 3, 1, 0.85),
+    "big4": (128, 256, 256, 4, 1, 0.85),
+    "mid": (128, 128, 128, 3, 2, 1.0),
+    "mid8": (128, 128, 256, 3, 2, 0.9),
+    "small": (64, 64, 128, 3, 4, 0.82),
 }
-TF32_STAGES = 3
-SM_TFLOPS = 2.5e12   # per-SM TF32 rate the cost model assumes (only ratios matter)
+SM_FLOPS = 1.3e12    # per-SM rate of "mid" with two CTAs resident (170 TFLOP/s over 132 SMs)
+LONE_CTA = 0.65      # a 4-warp CTA alone on an SM gets this fraction of it (8-warp CTAs: all)
+TILE_OVERHEAD = 3    # pipeline fill + epilogue, in k-tiles
 DRAM_BPS = 2.5e12    # bytes/s for the split-K second pass
 
 
@@ -150,14 +155,15 @@ def _gemm_simt(rt, transA, transB, M, N, K, batch, lda, ldb, ldc, strideA, strid
     return launch
 
 
-def _tf32_plan(sm_count, M, N, K, batch, vec):
-    """Pick (config, splits) minimising a wave-quantised time estimate: each wave runs `occ` CTAs per
-    SM, a CTA costs BM*BN*64*(k-tiles) flops at the config's efficiency, and split-K adds a second
-    pass that reads the partials once and writes C."""
+def _tf32_plan(sm_count, M, N, K, batch, vec, layout="nn"):
+    """Pick (config, splits) minimising a wave-quantised time estimate. c = CTAs resident per SM
+    (<= the config's occupancy, fewer when the grid is short); the grid runs in ceil(ctas / (sm*c))
+    rounds of c CTAs per SM; a 4-warp CTA alone on an SM runs at LONE_CTA of the SM's rate.
+    Split-K adds a pass that reads the partials once and writes C."""
     KT = -(-K // 32)
     best = None
-    for name, (BM, BN, _, occ, eff) in TF32_CONFIGS.items():
-        if vec == 1 and name != "small":
+    for name, (BM, BN, threads, _, occ, eff) in TF32_CONFIGS.items():
+        if (vec == 1 and name != "small") or (name == "mid8" and layout == "tn"):
             continue
         tiles = -(-M // BM) * -(-N // BN) * batch
         for s in (1, 2, 3, 4, 6, 8):
@@ -165,8 +171,11 @@ def _tf32_plan(sm_count, M, N, K, batch, vec):
                 continue  # each split keeps >= 8 k-tiles; stop splitting once the grid is full
             kts = -(-KT // s)
             s = -(-KT // kts)  # no empty splits
-            waves = -(-tiles * s // (sm_count * occ))
-            t = waves * occ * BM * BN * 64 * kts / (SM_TFLOPS * eff)
+            ctas = tiles * s
+            c = min(occ, -(-ctas // sm_count))
+            rounds = -(-ctas // (sm_count * c))
+            rate = SM_FLOPS * eff * (LONE_CTA if c == 1 and occ > 1 and threads < 256 else 1.0)
+            t = rounds * c * BM * BN * 64 * (kts + TILE_OVERHEAD) / rate
             if s > 1:
                 t += (s + 2) * M * N * batch * 4 / DRAM_BPS
             if best is None or t < best[0]:
@@ -177,13 +186,14 @@ def _tf32_plan(sm_count, M, N, K, batch, vec):
 def _gemm_tf32(rt, vec, transA, transB, M, N, K, batch, lda, ldb, ldc, strideA, strideB, strideC,
                alpha, beta, has_bias, config=None, splits=None, truncate=False):
     lay = _layout(transA, transB)
-    plan_cfg, plan_splits = _tf32_plan(rt.sm_count, M, N, K, batch, vec)
+    plan_cfg, plan_splits = _tf32_plan(rt.sm_count, M, N, K, batch, vec, lay)
     config = config or plan_cfg
     if vec == 1:
         config = "small"
-    if config not in TF32_CONFIGS:
-        raise LLMCError(f"gemm: no TF32 config {config!r}; have {', '.join(TF32_CONFIGS)}")
-    BM, BN, threads, _, _ = TF32_CONFIGS[config]
+    if config not in TF32_CONFIGS or (config == "mid8" and lay == "tn"):
+        raise LLMCError(f"gemm: no TF32 config {config!r} for layout {lay}; have {', '.join(TF32_CONFIGS)} "
+                        f"(mid8: not tn)")
+    BM, BN, threads, stages, _, _ = TF32_CONFIGS[config]
     KT = -(-K // 32)
     splits = max(1, min(splits or plan_splits, KT))
     kts = -(-KT // splits)
@@ -192,7 +202,7 @@ def _gemm_tf32(rt, vec, transA, transB, M, N, K, batch, lda, ldb, ldc, strideA, 
     argt = "PPPPPiiiiiiqqqffiii"
     k = rt.kernel(MODULE, f"gemm_tf32_{config}_v{vec}_{lay}", argt, label=f"gemm {engine} ({config})",
                   defines={"MATMUL_TF32_TRUNCATE": 1} if truncate else None)
-    smem = TF32_STAGES * (BM + BN) * 32 * 4
+    smem = stages * (BM + BN) * 32 * 4
     k.set_max_dynamic_smem(smem)
     grid, block = (-(-M // BM), -(-N // BN), batch * splits), (threads, 1, 1)
     ldw = -(-N // 4) * 4
@@ -362,6 +372,28 @@ def matmul_backward_bias2(rt, N, OC, block_size=None):
     return launch
 
 
+def matmul_backward_bias3(rt, N, OC, block_size=None):
+    k1 = rt.kernel(MODULE, "matmul_backward_bias_kernel3", "PPiii", label="matmul_backward_bias 3")
+    k2 = rt.kernel(MODULE, "matmul_backward_bias_kernel2_finish", "PPii", label="matmul_backward_bias 3 finish")
+    col_blocks = -(-OC // 128)
+    # >= 4 blocks of 256 threads per SM, each thread walking >= 4 rows (32 per chunk)
+    nchunks = max(1, min(-(-4 * rt.sm_count // col_blocks), -(-N // 32)))
+    rows = -(-N // nchunks)
+    nchunks = -(-N // rows)
+    partial = rt.empty((nchunks, OC), np.float32)
+    args1 = (np.int32(N), np.int32(OC), np.int32(rows))
+    args2 = (np.int32(nchunks), np.int32(OC))
+
+    def launch(dbias, dout):
+        k1((col_blocks, nchunks, 1), (32, 8, 1), partial.ptr, dout.ptr, *args1)
+        k2((-(-OC // 256), 1, 1), (256, 1, 1), dbias.ptr, partial.ptr, *args2)
+    return launch
+
+
+def _bias_c4(N, OC, **_):
+    return f"float4 loads need OC % 4 == 0 (OC={OC})" if OC % 4 else None
+
+
 def matmul_backward_bias_cpu(N, OC, **_):
     def launch(dbias, dout):
         dbias += dout.sum(axis=0)
@@ -391,5 +423,7 @@ OPS = [
         1: Variant(1, "one thread per column over all rows", matmul_backward_bias1),
         2: Variant(2, "(32x8)-thread blocks over row chunks -> partials, fixed-order second pass "
                       "(deterministic, no atomics)", matmul_backward_bias2),
+        3: Variant(3, "version 2 with float4 columns (128 per block), 4 rows in flight per thread",
+                   matmul_backward_bias3, _bias_c4),
     }, default=2, flag="--matmul-backward-bias-kernel", doc="dbias(OC)+= ; dout(N,OC)"),
 ]
