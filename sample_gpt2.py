@@ -111,7 +111,7 @@ def main(argv=None) -> int:
         outs = [[] for _ in range(B)]
         ctx = [list(prompt) for _ in range(B)]
         for _ in range(min(args.max_new_tokens, T - len(prompt))):
-            x = np.full((B, T), enc.eot_token, np.int32)
+            x = np.zeros((B, T), np.int32)
             for b in range(B):
                 x[b, :len(ctx[b])] = ctx[b]
             model.forward(x)

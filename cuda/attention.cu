@@ -26,6 +26,8 @@
 //   unpermute_kernel1/2  dst(B,T,S,NH,hs) <- src(S,B,NH,T,hs); the inverse
 // decode:
 //   attention_decode_kernel1  one block per (b, h): scores in shared memory, block softmax, att @ v
+//   attention_kv_append_kernel1  the new token's k, v from qkv (B,3C) into the caches at pos, and q
+//                                into a packed (B,C) buffer for the decode kernel
 //
 // Byte counts (fp32) for one softmax pass at BNH=48, T=1024: the lower triangle is 48*T(T+1)/2*4 =
 // 101 MB, a full matrix 201 MB. Forward must read the triangle once and write the full matrix
@@ -475,4 +477,20 @@ extern "C" __global__ void attention_decode_kernel1(float* out, const float* q, 
         for (int g = 0; g < G; g++) acc += part[g * hs + d];
         out[(size_t)b * C + h * hs + d] = acc * inv;
     }
+}
+
+// qkv (B, 3C) holds q | k | v for the new token of each sequence; write k and v at position pos of
+// the caches (B, NH, maxT, hs) and q into q_out (B, C). One thread per element of C, for all B.
+// Reads 3*B*C floats, writes 3*B*C: a few KB per layer per token, launch-bound.
+extern "C" __global__ void attention_kv_append_kernel1(float* kcache, float* vcache, float* q_out, const float* qkv,
+                                                       int B, int NH, int hs, int maxT, int pos) {
+    int C = NH * hs;
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= B * C) return;
+    int b = i / C, c = i % C, h = c / hs, d = c % hs;
+    const float* row = qkv + (size_t)b * 3 * C;
+    size_t dst = (((size_t)b * NH + h) * maxT + pos) * hs + d;
+    q_out[i] = row[c];
+    kcache[dst] = row[C + c];
+    vcache[dst] = row[2 * C + c];
 }

@@ -29,20 +29,17 @@ from llmc.sample import EOT, sample_token
 # the two ops only decoding needs, for the numpy backend (the GPU ones live in llmc/ops/attention.py)
 
 def kv_append_cpu(B, C, NH, maxT):
-    hs = C // NH
+    from llmc.ops.attention import kv_append_ref
 
-    def launch(kcache, vcache, qkv, pos):
-        kv = qkv.reshape(B, 3, NH, hs)
-        kcache[:, :, pos, :] = kv[:, 1]
-        vcache[:, :, pos, :] = kv[:, 2]
+    def launch(kcache, vcache, q_out, qkv, pos):
+        q_out[...] = kv_append_ref(kcache, vcache, qkv, pos)
     return launch
 
 
 def attention_decode_cpu(B, C, NH, maxT):
     from llmc.ops.attention import attention_decode_ref
 
-    def launch(out, qkv, kcache, vcache, pos):
-        q = qkv.reshape(B, 3 * C)[:, :C]
+    def launch(out, q, kcache, vcache, pos):
         out[...] = attention_decode_ref(q, kcache, vcache, pos).reshape(out.shape)
     return launch
 
@@ -62,7 +59,7 @@ class Decoder:
         self.wpe_off = param_layout(cfg)[1][1]
         a = {}
         for name, shape in [("x", (B, 1, C)), ("ln", (B, C)), ("mean", (B,)), ("rstd", (B,)),
-                            ("qkv", (B, 3 * C)), ("atty", (B, C)), ("proj", (B, C)),
+                            ("qkv", (B, 3 * C)), ("q", (B, C)), ("atty", (B, C)), ("proj", (B, C)),
                             ("fch", (B, 4 * C)), ("fch_gelu", (B, 4 * C)), ("logits", (B, Vp))]:
             a[name] = be.empty(shape)
         self.a = a
@@ -106,8 +103,8 @@ class Decoder:
         for l in range(L):
             k["layernorm"](a["ln"], a["mean"], a["rstd"], x, p["ln1w"][l], p["ln1b"][l])
             k["mm_qkv"](a["qkv"], a["ln"], p["qkvw"][l], p["qkvb"][l])          # (B,3C)
-            k["kv_append"](self.kc[l], self.vc[l], a["qkv"], pos)
-            k["attention"](a["atty"], a["qkv"], self.kc[l], self.vc[l], pos)     # (B,C)
+            k["kv_append"](self.kc[l], self.vc[l], a["q"], a["qkv"], pos)         # k, v -> cache
+            k["attention"](a["atty"], a["q"], self.kc[l], self.vc[l], pos)       # (B,C)
             k["mm_attproj"](a["proj"], a["atty"], p["attprojw"][l], p["attprojb"][l])
             k["residual"](x, x, a["proj"])                                        # x += attn
             k["layernorm"](a["ln"], a["mean"], a["rstd"], x, p["ln2w"][l], p["ln2b"][l])
@@ -122,7 +119,7 @@ class Decoder:
 
 def generate(dec: Decoder, prompt: list[int], max_new: int, temperature: float = 1.0,
              top_k: int | None = None, rng: np.random.Generator | None = None,
-             stop_at_eot: bool = False, on_tokens=None, log=sys.stderr) -> list[list[int]]:
+             stop_at_eot: bool = False, on_tokens=None, log=None) -> list[list[int]]:
     """B samples (dec.B) continuing the same prompt. on_tokens(list of B new tokens) is called after
     each step (for streaming). Greedy when temperature <= 0. Returns the generated tokens per row."""
     if not prompt:
@@ -150,7 +147,7 @@ def generate(dec: Decoder, prompt: list[int], max_new: int, temperature: float =
             keep = maxT // 2
             if not warned:
                 print(f"[context reached maxT={maxT}: sliding the window, recomputing the cache over "
-                      f"the last {keep} tokens]", file=log)
+                      f"the last {keep} tokens]", file=log or sys.stderr)
                 warned = True
             logits = _prefill(dec, [c[-keep:] for c in ctx], keep)
             pos = keep

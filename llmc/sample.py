@@ -42,7 +42,7 @@ def generate_full(model, prompt: list[int], n: int, temperature: float = 1.0, to
     toks = list(prompt)
     n = min(n, T - len(toks))
     for _ in range(max(n, 0)):
-        x = np.full((B, T), EOT, np.int32)
+        x = np.zeros((B, T), np.int32)  # positions after the context never affect it (causal)
         x[0, :len(toks)] = toks
         model.forward(x)
         row = model.logits_row(0, len(toks) - 1)

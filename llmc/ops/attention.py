@@ -526,6 +526,31 @@ def build_attention_decode(rt, B, C, NH, maxT, block_size=128):
     return launch
 
 
+def kv_append_ref(kcache, vcache, qkv, pos):
+    """Write the new token's k, v (from qkv (B,3C)) at position pos of the (B,NH,maxT,hs) caches
+    (in place); return q (B,C)."""
+    B, NH, maxT, hs = kcache.shape
+    C = NH * hs
+    kv = qkv.reshape(B, 3, NH, hs)
+    kcache[:, :, pos, :] = kv[:, 1]
+    vcache[:, :, pos, :] = kv[:, 2]
+    return qkv.reshape(B, 3 * C)[:, :C].copy()
+
+
+def build_kv_append(rt, B, C, NH, maxT, block_size=256):
+    """launch(kcache (B,NH,maxT,hs), vcache, q_out (B,C), qkv (B,3C), pos int)."""
+    hs = C // NH
+    k = rt.kernel(MODULE, "attention_kv_append_kernel1", "PPPPiiiii", label="attention kv_append 1")
+    grid, block = (-(-B * C // block_size), 1, 1), (block_size, 1, 1)
+
+    def launch(kcache, vcache, q_out, qkv, pos):
+        if not 0 <= pos < maxT:
+            raise LLMCError(f"kv append: position {pos} outside the cache (maxT={maxT})")
+        k(grid, block, _ptr(kcache), _ptr(vcache), _ptr(q_out), _ptr(qkv), np.int32(B), np.int32(NH),
+          np.int32(hs), np.int32(maxT), np.int32(pos))
+    return launch
+
+
 # ----------------------------------------------------------------------------------------------
 # the op table
 

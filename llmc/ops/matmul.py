@@ -336,8 +336,10 @@ def _bwd_engine_check(N, C, OC, **_):
 
 def matmul_backward_cpu(N, C, OC, **_):
     def launch(dinp, dweight, dout, inp, weight):
-        dinp[...] = dout @ weight
-        dweight += dout.T @ inp
+        # the model passes (B,T,.) views: work on them as (N, .) rows
+        dout2, inp2 = dout.reshape(N, OC), inp.reshape(N, C)
+        dinp[...] = (dout2 @ weight).reshape(dinp.shape)
+        dweight += dout2.T @ inp2
     return launch
 
 
@@ -396,7 +398,7 @@ def _bias_c4(N, OC, **_):
 
 def matmul_backward_bias_cpu(N, OC, **_):
     def launch(dbias, dout):
-        dbias += dout.sum(axis=0)
+        dbias += dout.reshape(N, OC).sum(axis=0)
     return launch
 
 
