@@ -25,6 +25,13 @@
 //   forward  reads U wte rows + T wpe rows (+ N ids), writes N rows: ~28 MB, 9.5 us at 2.98 TB/s
 //   backward reads dout (12.6 MB), reads and writes U dwte rows and T dwpe rows: ~37.7 MB, 12.7 us.
 //            Variants 2 and 3 also read the 16 KB of ids up to N/2 times on average (L1/L2 hits).
+// Measured on the lent H100 (dev/cuda lab: median of 30, L2 flushed before each, best block size):
+//   forward   1: 21.5 us (1.29 TB/s)   2: 15.0 us (1.85 TB/s)   3: 15.0 us (1.85 TB/s)
+//   backward  uniform ids / Zipf ids (dev/cuda/encoder_backward.py):
+//             1: 24.4 / 22.8 us   2: 31.7 / 70.1 us   3: 26.8 (bs 64) / 50.0 (bs 512) us, at the
+//             default bs 256 36.2 / 58.0 us   4: 24.0 / 22.8 us   5: 21.6 / 19.8 us (1.99 TB/s)
+//   The owner variants pay for the id scans and, on text-like ids, for one block summing all rows
+//   of a frequent token; they are here for bit-reproducible runs (--encoder-backward-kernel 3).
 #include "common.cuh"
 
 // ----------------------------------------------------------------------------------------------

@@ -44,8 +44,13 @@ for n in L.selected(spec):
             print(f"  {e}")
             continue
         fn = lambda: launch(outs["dinp"], outs["dweight"], outs["dbias"], *ins)  # noqa: E731
-        # dweight/dbias sum 4096 rows in fp32: 1e-4 absolute on values of ~60
-        L.validate(n, fn, outputs=outs, refs=refs, atol=1e-4, rtol=1e-4, init=init)
+        # dweight/dbias sum 4096 rows in fp32 onto partial sums of up to ~60: sequential (variant 1's
+        # atomics) that rounds to ~1e-4 typically, a few e-4 at worst (one element of variant 1 was
+        # 1.7e-4 off in one run), so 1e-3 absolute here; dinp stays at 1e-4
+        # (two validations, each from the initial values: the second re-runs the kernel)
+        L.validate(n, fn, outputs={"dinp": outs["dinp"]}, refs=refs, atol=1e-4, rtol=1e-4, init=init)
+        L.validate(n, fn, outputs={"dweight": outs["dweight"], "dbias": outs["dbias"]}, refs=refs,
+                   atol=1e-3, rtol=1e-4, init=init)
         L.time(n, fn, block_size=bs or "default", bytes=nbytes, ceiling="dram")
         if n == 1:
             break  # the contended-atomics baseline is slow at every block size; one is enough
