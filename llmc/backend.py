@@ -87,11 +87,14 @@ class CpuBackend:
 class CudaBackend:
     name = "cuda"
 
-    def __init__(self, kernels: dict | None = None):
+    def __init__(self, kernels: dict | None = None, quiet: bool = False):
         from llmc.runtime import Runtime
         self.rt = Runtime()
         self.dtype = np.dtype(np.float32)
         self.kernels = kernel_choices(kernels)
+        self.chosen = {k for k, v in (kernels or {}).items() if v is not None}  # named on the command line
+        self.quiet = quiet
+        self._noted = set()
 
     def empty(self, shape, dtype=None):
         return self.rt.empty(shape, dtype or self.dtype)
@@ -108,7 +111,18 @@ class CudaBackend:
             softmax, matmul = (self.kernels[p] for p in COMPOSITES[name])
             return getattr(attention, f"build_{name}")(self.rt, softmax, matmul, **shape)
         spec = ops.get(name)
-        return spec.build(self.rt, self.kernels[name], **shape)
+        num = self.kernels[name]
+        if name in self.chosen or spec.variant(num).refuse_reason(**shape) is None:
+            return spec.build(self.rt, num, **shape)  # a variant the user named refuses loudly
+        # the default can't take this shape: fall back to the highest-numbered variant that can
+        reason = spec.variant(num).refuse_reason(**shape)
+        for alt in sorted(spec.variants, reverse=True):
+            if spec.variants[alt].refuse_reason(**shape) is None:
+                if (name, num, alt) not in self._noted and not self.quiet:
+                    print(f"note: {name} variant {num} (default) refuses {shape}: {reason}; using variant {alt}")
+                self._noted.add((name, num, alt))
+                return spec.build(self.rt, alt, **shape)
+        return spec.build(self.rt, num, **shape)  # nothing fits: raise the default's refusal
 
     def memset0(self, buf):
         buf.zero()

@@ -40,6 +40,7 @@ class GPT2:
         self.cfg, self.be, self.B, self.T, self.training = cfg, backend, B, T, training
         L, C, NH, Vp, V = cfg.num_layers, cfg.channels, cfg.num_heads, cfg.padded_vocab_size, cfg.vocab_size
         N = B * T
+        Np = -(-N // 4) * 4
         be = backend
         self._check_memory()
 
@@ -66,7 +67,7 @@ class GPT2:
             ("fch", (L, B, T, 4 * C)),       # fc output, pre-GELU
             ("residual3", (L, B, T, C)),
             ("lnf", (B, T, C)), ("lnf_mean", (B, T)), ("lnf_rstd", (B, T)),
-            ("losses", (B, T)), ("loss_acc", (B, T)),
+            ("losses", (Np,)), ("loss_acc", (Np,)),  # N rounded up to 4; the tail stays unused
             ("logits", (B, T, Vp)),          # overwritten by dlogits when training
             # one-layer scratch (not needed by backward, or recomputed there)
             ("qkv", (B, T, 3 * C)), ("attproj", (B, T, C)), ("fch_gelu", (B, T, 4 * C)), ("fcproj", (B, T, C)),
@@ -74,12 +75,15 @@ class GPT2:
         if training:  # gradient scratch, reused by every layer
             spec += [("dresidual", (B, T, C)), ("dbtc", (B, T, C)), ("dqkv", (B, T, 3 * C)),
                      ("dfch", (B, T, 4 * C))]
-        self.acts_buf = be.empty((sum(_size(s) for _, s in spec),))
+        # every view starts on a 256-byte boundary, so float4 kernels can take any of them
+        align = lambda n: -(-n // 64) * 64  # noqa: E731
+        self.acts_buf = be.empty((sum(align(_size(s)) for _, s in spec),))
         self.a = {}
         off = 0
         for name, shape in spec:
             self.a[name] = be.view(self.acts_buf, off, shape)
-            off += _size(shape)
+            off += align(_size(shape))
+        self.a["losses_N"] = be.view(self.a["losses"], 0, (N,))  # what the classifier writes
         self.inputs = be.zeros((B, T), np.int32)
         self.targets = be.zeros((B, T), np.int32)
         self._pinned_x = be.pinned((B, T), np.int32)
@@ -99,7 +103,7 @@ class GPT2:
             "mm_fcproj": op("matmul_forward", N=N, C=4 * C, OC=C, has_bias=True),
             "mm_lmhead": op("matmul_forward", N=N, C=C, OC=Vp, has_bias=False),
             "classifier": op("classifier", N=N, V=V, Vp=Vp),
-            "loss_acc": op("residual_forward", N=N),
+            "loss_acc": op("residual_forward", N=Np),
         }
         if training:
             self.k.update({
@@ -244,11 +248,11 @@ class GPT2:
             return None
         write_dlogits = self.training and grad is not False
         dloss = 1.0 / (self.B * self.T * self.grad_accum_steps)
-        k["classifier"](a["losses"], a["logits"], self.targets, dloss, int(write_dlogits))  # (B,T)
+        k["classifier"](a["losses_N"], a["logits"], self.targets, dloss, int(write_dlogits))  # (N,)
         self.has_loss = True
         self.dlogits_ready = write_dlogits
         if read_loss:
-            return float(self.be.download(a["losses"]).astype(np.float64).mean())
+            return float(self.be.download(a["losses"])[:self.B * self.T].astype(np.float64).mean())
         return None
 
     has_targets_loaded = False
@@ -271,6 +275,7 @@ class GPT2:
     def zero_grad(self) -> None:
         self.be.memset0(self.grads)
         self.be.memset0(self.a["loss_acc"])
+        self.be.memset0(self.a["losses"])  # the padded tail must not be garbage (it is summed, then dropped)
         self.micro_steps = 0
 
     def backward(self) -> None:
@@ -324,5 +329,5 @@ class GPT2:
 
     def step_loss(self) -> float:
         """Mean loss over the micro-steps since zero_grad() (a host read: a sync)."""
-        acc = self.be.download(self.a["loss_acc"]).astype(np.float64)
+        acc = self.be.download(self.a["loss_acc"])[:self.B * self.T].astype(np.float64)
         return float(acc.mean() / max(self.micro_steps, 1))
