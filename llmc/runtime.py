@@ -153,6 +153,22 @@ class DevArray:
         assert offset * self.dtype.itemsize + out.nbytes <= self.nbytes, "view out of bounds"
         return out
 
+    def __getitem__(self, i) -> "DevArray":
+        """Integer index along the first axis, like numpy's a[i]: a view of one sub-tensor
+        (the model indexes per-layer tensors this way: p["qkvw"][l] is (3C, C))."""
+        if not isinstance(i, (int, np.integer)):
+            raise TypeError("DevArray supports only an integer index along the first axis")
+        n = self.shape[0]
+        i = int(i) + n if i < 0 else int(i)
+        if not 0 <= i < n:
+            raise IndexError(f"index {i} out of range for the first axis of {self.shape}")
+        sub = self.shape[1:]
+        step = int(np.prod(sub)) if sub else 1
+        return DevArray(self.rt, self.ptr + i * step * self.dtype.itemsize, sub, self.dtype, self.owner)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
     def reshape(self, *shape) -> "DevArray":
         shape = shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
         out = DevArray(self.rt, self.ptr, shape, self.dtype, self.owner)
