@@ -22,7 +22,8 @@ EOT_TEXT = "<|endoftext|>"
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from llmc.train import OneLineParser
+    p = OneLineParser(prog="sample_gpt2.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-e", "--model", default="gpt2_124M.bin", help="model checkpoint (llm.c format, v3 or v5)")
     p.add_argument("--prompt", default=None, help=f"prompt text (default {EOT_TEXT}: start from nothing)")
     p.add_argument("--prompt-file", default=None, help="read the prompt from a file ('-' = stdin)")

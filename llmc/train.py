@@ -43,8 +43,15 @@ def kernel_flags():
     return out
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line on stderr (not the whole usage block) and exit 2."""
+
+    def error(self, message):
+        self.exit(2, f"error: {self.prog}: {message} (see --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="train_gpt2.py", description="Train GPT-2 on our own CUDA kernels "
+    p = OneLineParser(prog="train_gpt2.py", description="Train GPT-2 on our own CUDA kernels "
                                 "(or the numpy backend).", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     a = p.add_argument
     a("-i", "--train-data", default=DEFAULT_TRAIN, help="train shards (glob pattern)")

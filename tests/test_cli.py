@@ -112,3 +112,6 @@ def test_bad_inputs(shards, tmp_path):
     one_line_error(run(["--device", "cpu", "-e", "L1C32H2", "-b", "1", "-t", "2048"] + data_args(shards),
                        check=False), "2048")
     one_line_error(run(SMALL + data_args(shards) + ["-k", "bogus"], check=False), "bogus")
+    one_line_error(run(SMALL + data_args(shards) + ["-b", "x"], check=False), "--batch-size")
+    one_line_error(run(SMALL + data_args(shards) + ["-d", "100"], check=False), "--total-batch-size")
+    one_line_error(run(SMALL + data_args(shards) + ["-y", "1"], check=False), "--resume")

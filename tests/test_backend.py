@@ -1,0 +1,106 @@
+"""Backend behaviour that needs no GPU: a variant the user named refuses a shape loudly at build,
+a default that can't take a shape falls back with one line, too little GPU memory is one line,
+unknown variants are errors on both backends, --device cuda without PyCUDA is one line."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from llmc import ops
+from llmc.backend import CpuBackend, CudaBackend, kernel_choices
+from llmc.config import config_from_name
+from llmc.errors import LLMCError, VariantRefused
+from llmc.model import GPT2
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class NoGpuRuntime:
+    """Enough of Runtime for build functions to run: kernels are dummies, memory is pretend."""
+
+    def __init__(self, free=80 << 30):
+        self.free, self.built = free, []
+        self.max_smem_optin, self.sm_count, self.l2_bytes, self.arch = 227 * 1024, 132, 50 << 20, "sm_90"
+
+    def kernel(self, module, func, argtypes, label=None, defines=None):
+        self.built.append(func)
+
+        class K:
+            max_dynamic_smem = 48 * 1024
+
+            def set_max_dynamic_smem(self, n):
+                self.max_dynamic_smem = n
+
+            def __call__(self, *a, **k):
+                raise AssertionError("no launches without a GPU")
+        return K()
+
+    def mem_info(self):
+        return self.free, 80 << 30
+
+    def require_free(self, nbytes, what="model"):
+        from llmc.runtime import Runtime
+        Runtime.require_free(self, nbytes, what)
+
+
+def cuda_backend(kernels=None, free=80 << 30):
+    be = CudaBackend.__new__(CudaBackend)
+    be.rt, be.dtype = NoGpuRuntime(free), np.dtype(np.float32)
+    be.kernels = kernel_choices(kernels)
+    be.chosen = set((kernels or {}).keys())
+    be.quiet, be._noted = False, set()
+    return be
+
+
+def test_named_variant_refuses_at_build():
+    be = cuda_backend({"softmax_forward": 5})
+    with pytest.raises(VariantRefused, match="softmax_forward variant 5"):
+        be.op("softmax_forward", BNH=4, T=65, scale=0.125)
+
+
+def test_default_falls_back_with_one_note(capsys):
+    be = cuda_backend()
+    spec = ops.get("softmax_forward")
+    assert spec.variant(spec.default).refuse_reason(BNH=4, T=65, scale=0.125)  # the default can't take T=65
+    be.op("softmax_forward", BNH=4, T=65, scale=0.125)
+    be.op("softmax_forward", BNH=4, T=65, scale=0.125)
+    out = capsys.readouterr().out
+    assert out.count("note: softmax_forward") == 1
+
+
+def test_too_little_gpu_memory_is_one_line():
+    be = cuda_backend(free=1 << 30)
+    with pytest.raises(LLMCError, match=r"need [\d,]+ bytes, [\d,]+ free"):
+        GPT2(config_from_name("d12"), be, 4, 1024)
+
+
+def test_unknown_variant_is_an_error_on_both_backends():
+    with pytest.raises(LLMCError, match="--matmul-kernel 42"):
+        CpuBackend(kernels={"matmul_forward": 42})
+    with pytest.raises(LLMCError, match="--matmul-kernel 42"):
+        kernel_choices({"matmul_forward": 42})
+
+
+def test_every_op_has_a_flag_and_a_default():
+    flags = set()
+    for name, spec in ops.registry().items():
+        if spec.variants:
+            assert spec.default in spec.variants, name
+            assert spec.flag.startswith("--") and spec.flag.endswith("-kernel"), name
+            assert spec.flag not in flags, spec.flag
+            flags.add(spec.flag)
+            for num, v in spec.variants.items():
+                assert v.description and "\n" not in v.description, (name, num)
+    assert {"--softmax-kernel", "--matmul-kernel", "--softmax-backward-kernel", "--matmul-backward-kernel"} <= flags
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("pycuda") is not None, reason="PyCUDA is installed here")
+def test_device_cuda_without_pycuda_is_one_line():
+    p = subprocess.run([sys.executable, str(ROOT / "train_gpt2.py"), "--device", "cuda"], cwd=ROOT,
+                       capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert p.returncode == 1
+    lines = [l for l in p.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and "--device cpu" in lines[0] and "Traceback" not in p.stderr
