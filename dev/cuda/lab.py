@@ -58,7 +58,12 @@ class Lab:
         self.rows: list[dict] = []
         self.failed: list[str] = []
         self.validated: set = set()
+        self.group = None  # rows are compared with the reference lines of their own group
         print(f"# {op} on {self.rt.name} ({self.rt.arch}, {self.rt.sm_count} SMs)")
+
+    def section(self, name: str) -> None:
+        """Start a group of rows (one shape, say): "vs ref" compares within the group."""
+        self.group = name
 
     # -- selection
     def selected(self, spec_or_numbers) -> list[int]:
@@ -105,7 +110,8 @@ class Lab:
     def _record(self, label, ms_list, block_size, bytes, flops, ceiling, kind="ours"):
         med = statistics.median(ms_list)
         row = {"variant": label, "block": block_size if block_size is not None else "",
-               "ms": med, "spread": (max(ms_list) - min(ms_list)) / med if med else 0.0, "kind": kind}
+               "ms": med, "spread": (max(ms_list) - min(ms_list)) / med if med else 0.0, "kind": kind,
+               "group": self.group}
         unit, peak = CEILINGS[ceiling] if ceiling else (None, None)
         if flops:
             row["rate"] = flops / (med * 1e-3) / 1e12
@@ -146,14 +152,17 @@ class Lab:
     # -- output
     def table(self) -> str:
         lines = [f"### {self.op} — {self.rt.name}, {datetime.date.today().isoformat()}", "",
-                 "| variant | block | median ms | achieved | % of ceiling | vs best ref |",
+                 "| variant | block | median ms | achieved | % of ceiling | speed vs the best reference (same group) |",
                  "| --- | --- | --- | --- | --- | --- |"]
-        refs = [r for r in self.rows if r["kind"] == "reference"]
-        best_ref = min((r["ms"] for r in refs), default=None)
+        best_ref = {}
+        for r in self.rows:
+            if r["kind"] == "reference":
+                best_ref[r["group"]] = min(best_ref.get(r["group"], r["ms"]), r["ms"])
         for r in self.rows:
             ach = f"{r['rate']:.1f} {r['unit']}" if "rate" in r else ""
             frac = f"{100 * r['frac']:.0f}%" if "frac" in r else ""
-            vs = f"{best_ref / r['ms']:.2f}x" if best_ref else ""
+            ref = best_ref.get(r["group"])
+            vs = f"{ref / r['ms']:.2f}x" if ref else ""
             lines.append(f"| {r['variant']} | {r['block']} | {r['ms']:.4f} | {ach} | {frac} | {vs} |")
         return "\n".join(lines)
 

@@ -50,6 +50,7 @@ def tolerances(tf32, ref):
 summary = []
 SHAPES = [("qkv", C, 3 * C), ("attproj", C, C), ("fc", C, 4 * C), ("fcproj", 4 * C, C), ("lmhead", C, Vp)]
 for name, Cin, OC in SHAPES:
+    L.section(name)
     print(f"\n## {name}: N={N} C={Cin} OC={OC}")
     dout, inp = lab.rand(rng, (N, OC)), lab.rand(rng, (N, Cin))
     weight, dw0 = lab.rand(rng, (OC, Cin), scale=OC ** -0.5), lab.rand(rng, (OC, Cin))

@@ -70,6 +70,7 @@ summary.append(("probe", "mma.sync", ms, flops / ms / 1e9))
 SHAPES = [("qkv", C, 3 * C, True), ("attproj", C, C, True), ("fc", C, 4 * C, True),
           ("fcproj", 4 * C, C, True), ("lmhead", C, Vp, False)]
 for name, Cin, OC, has_bias in SHAPES:
+    L.section(name)
     print(f"\n## {name}: ({N}, {Cin}) @ ({OC}, {Cin})^T" + (" + bias" if has_bias else ""))
     inp, weight, bias = lab.rand(rng, (N, Cin)), lab.rand(rng, (OC, Cin), scale=Cin ** -0.5), lab.rand(rng, (OC,))
     ref = reference64(lambda x, w, b: x @ w.T + (b if has_bias else 0), inp, weight, bias)
@@ -123,6 +124,7 @@ ATT = [("att q@kT", False, True, T, T, hs, (T, hs), (T, hs), hs ** -0.5),
        ("att datt@k", False, False, T, hs, T, (T, T), (T, hs), 1.0),
        ("att dattT@q", True, False, T, hs, T, (T, T), (T, hs), 1.0)]
 for name, tA, tB, M_, N_, K_, ashape, bshape, alpha in ATT:
+    L.section(name)
     print(f"\n## {name}: batch {BH}, M={M_} N={N_} K={K_} ({'t' if tA else 'n'}{'t' if tB else 'n'})")
     A, Bm = lab.rand(rng, (BH, *ashape)), lab.rand(rng, (BH, *bshape), scale=K_ ** -0.5)
     ref = reference64(lambda a, b: alpha * ((a.transpose(1, 2) if tA else a) @ (b.transpose(1, 2) if tB else b))
