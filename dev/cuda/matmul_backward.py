@@ -105,6 +105,7 @@ for name, Cin, OC in SHAPES:
 # matmul_backward_bias
 
 bsummary = []
+L.section("bias backward")
 for OC in (C, 3 * C, 4 * C):
     print(f"\n## matmul_backward_bias: N={N} OC={OC}")
     dout, db0 = lab.rand(rng, (N, OC)), lab.rand(rng, (OC,))
