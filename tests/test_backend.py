@@ -18,25 +18,73 @@ from llmc.model import GPT2
 ROOT = Path(__file__).resolve().parent.parent
 
 
+_ENTRY = {}
+
+
+def entry_points(module):
+    """The kernel names in cuda/<module>.cu's cubin (from ptxas's report; needs nvcc, no GPU)."""
+    if module not in _ENTRY:
+        from llmc.runtime import compile_cubin, nvcc_path, resource_report
+        if nvcc_path() is None:
+            pytest.skip("nvcc not installed")
+        _ENTRY[module] = set(resource_report(compile_cubin(module, "sm_90")[1]))
+    return _ENTRY[module]
+
+
+class _AnyAttr:
+    def __getattr__(self, name):
+        return name
+
+
+class _Device:
+    """H100-like device attributes, by name."""
+    VALUES = {"MAX_REGISTERS_PER_MULTIPROCESSOR": 65536, "MAX_THREADS_PER_MULTIPROCESSOR": 2048,
+              "MAX_SHARED_MEMORY_PER_MULTIPROCESSOR": 228 * 1024, "MULTIPROCESSOR_COUNT": 132}
+
+    def get_attribute(self, name):
+        return self.VALUES[name]
+
+
 class NoGpuRuntime:
-    """Enough of Runtime for build functions to run: kernels are dummies, memory is pretend."""
+    """Enough of Runtime for build functions to run: kernels are dummies, memory is pretend
+    (DevArrays with made-up pointers), device attributes are an H100's. Launching is an error."""
 
     def __init__(self, free=80 << 30):
         self.free, self.built = free, []
         self.max_smem_optin, self.sm_count, self.l2_bytes, self.arch = 227 * 1024, 132, 50 << 20, "sm_90"
+        self.device, self.drv = _Device(), type("drv", (), {"device_attribute": _AnyAttr()})()
+        self.top = 1 << 40
+        self.allocated_bytes = 0
 
     def kernel(self, module, func, argtypes, label=None, defines=None):
+        assert func in entry_points(module), f"cuda/{module}.cu has no entry point {func}"
         self.built.append(func)
 
         class K:
             max_dynamic_smem = 48 * 1024
 
             def set_max_dynamic_smem(self, n):
+                assert n <= 227 * 1024, n
                 self.max_dynamic_smem = n
+
+            def attributes(self):
+                return {"regs": 64, "local_bytes": 0, "static_smem": 0, "max_threads": 1024}
 
             def __call__(self, *a, **k):
                 raise AssertionError("no launches without a GPU")
         return K()
+
+    def empty(self, shape, dtype=np.float32):
+        from llmc.runtime import DevArray
+        a = DevArray(self, self.top, shape, dtype, None)
+        self.top += -(-a.nbytes // 256) * 256
+        self.allocated_bytes += a.nbytes
+        return a
+
+    zeros = empty
+
+    def pinned(self, shape, dtype):
+        return np.empty(shape, dtype)
 
     def mem_info(self):
         return self.free, 80 << 30
@@ -104,3 +152,31 @@ def test_device_cuda_without_pycuda_is_one_line():
     assert p.returncode == 1
     lines = [l for l in p.stderr.splitlines() if l.strip()]
     assert len(lines) == 1 and "--device cpu" in lines[0] and "Traceback" not in p.stderr
+
+
+def model_op_shapes(cfg, B, T):
+    """(op name, shape) for every op the model builds at (cfg, B, T)."""
+    be = cuda_backend()
+    seen = []
+    real = be.op
+    be.op = lambda name, **shape: (seen.append((name, shape)), real(name, **shape))[1]
+    GPT2(cfg, be, B, T)
+    return seen
+
+
+@pytest.mark.parametrize("cfg_name,B,T", [("d12", 4, 1024), ("L2C64H2", 3, 65), ("L1C80H5", 1, 1)])
+def test_every_variant_builds_or_refuses_cleanly(cfg_name, B, T):
+    """Every build function runs (grid, block, shared memory, scratch) for every variant at the
+    model's shapes, without a GPU: it builds when check() passes and raises VariantRefused when not."""
+    shapes = model_op_shapes(config_from_name(cfg_name), B, T)
+    assert {n for n, _ in shapes} >= {"matmul_forward", "attention_forward", "classifier", "adamw"}
+    for name, shape in shapes:
+        spec = ops.get(name)
+        for num, v in spec.variants.items():
+            rt = NoGpuRuntime()
+            if v.refuse_reason(**shape):
+                with pytest.raises(VariantRefused):
+                    spec.build(rt, num, **shape)
+            else:
+                launch = spec.build(rt, num, **shape)
+                assert callable(launch) and rt.built, (name, num, shape)
