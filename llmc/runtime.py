@@ -236,6 +236,16 @@ class Kernel:
         if self.rt.sync:
             self.rt.check(self.label)
 
+    def resident_blocks(self, block_size: int) -> int:
+        """Blocks of `block_size` threads that fit on one SM at once, by threads and registers
+        (for kernels with little shared memory). A grid-stride kernel wants sm_count times this:
+        one block more than fits starts a second, mostly empty wave."""
+        attr = self.rt.drv.device_attribute
+        regs_sm = self.rt.device.get_attribute(attr.MAX_REGISTERS_PER_MULTIPROCESSOR)
+        threads_sm = self.rt.device.get_attribute(attr.MAX_THREADS_PER_MULTIPROCESSOR)
+        regs = -(-max(self.attributes()["regs"], 1) // 8) * 8  # allocated per warp, 8 per thread at a time
+        return max(1, min(threads_sm // block_size, (regs_sm // (regs * 32)) // (block_size // 32), 32))
+
     def attributes(self) -> dict:
         import pycuda.driver as drv
         fa = drv.function_attribute

@@ -62,6 +62,7 @@ class NoGpuRuntime:
 
         class K:
             max_dynamic_smem = 48 * 1024
+            rt = self
 
             def set_max_dynamic_smem(self, n):
                 assert n <= 227 * 1024, n
@@ -69,6 +70,10 @@ class NoGpuRuntime:
 
             def attributes(self):
                 return {"regs": 64, "local_bytes": 0, "static_smem": 0, "max_threads": 1024}
+
+            def resident_blocks(self, block_size):  # the real formula, over the fake device
+                from llmc.runtime import Kernel
+                return Kernel.resident_blocks(self, block_size)
 
             def __call__(self, *a, **k):
                 raise AssertionError("no launches without a GPU")

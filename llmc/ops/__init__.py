@@ -63,6 +63,14 @@ class OpSpec:
         return v.build(rt, **shape)
 
 
+def check_block_size(block_size) -> str | None:
+    """The common launch constraint: a block of whole warps, at most 1024 threads (None = the
+    variant's own default)."""
+    if block_size is not None and (block_size % 32 or not 32 <= block_size <= 1024):
+        return f"block_size={block_size}: needs a multiple of 32 in [32, 1024]"
+    return None
+
+
 def refuse(op: str, number: int, reason: str):
     """Raise the standard refusal from inside a build function."""
     raise VariantRefused(f"{op} variant {number} refuses this shape: {reason}")

@@ -21,7 +21,7 @@ import math
 import numpy as np
 
 from llmc.errors import LLMCError
-from llmc.ops import OpSpec, Variant
+from llmc.ops import OpSpec, Variant, check_block_size
 
 MODULE = "adamw"  # cuda/adamw.cu
 OP = "adamw"
@@ -86,9 +86,7 @@ def _check(n, block_size=None, **_):
         return f"need n >= 1, got {n}"
     if n >= 2**31:
         return f"n={n} does not fit the kernels' int32 count"
-    if block_size is not None and (block_size % 32 or not 32 <= block_size <= 1024):
-        return f"block_size must be a multiple of 32 in [32, 1024], got {block_size}"
-    return None
+    return check_block_size(block_size)
 
 
 def _make_launch(k, grid, block, n):
@@ -104,18 +102,6 @@ def _make_launch(k, grid, block, n):
     return launch
 
 
-def resident_blocks(rt, kernel, bs: int) -> int:
-    """Blocks of `bs` threads of `kernel` that fit on one SM at once (threads and registers; none of
-    these kernels uses much shared memory). A grid-stride kernel wants exactly sm_count times this:
-    one more block than fits starts a second, mostly empty wave. (A helper runtime.py could own.)"""
-    attr = rt.drv.device_attribute
-    regs_sm = rt.device.get_attribute(attr.MAX_REGISTERS_PER_MULTIPROCESSOR)
-    threads_sm = rt.device.get_attribute(attr.MAX_THREADS_PER_MULTIPROCESSOR)
-    regs = -(-max(kernel.attributes()["regs"], 1) // 8) * 8  # allocated per warp, 8 per thread at a time
-    warps = bs // 32
-    return max(1, min(threads_sm // bs, (regs_sm // (regs * 32)) // warps, 32))
-
-
 def adamw1(rt, n, block_size=None):
     bs = block_size or 256  # H100: 1.264 ms at 256, 1.296 at 512, 1.334 at 1024
     k = rt.kernel(MODULE, "adamw_kernel1", ARGTYPES, label=f"{OP} 1")
@@ -126,7 +112,7 @@ def adamw2(rt, n, block_size=None):
     bs = block_size or 1024  # H100: 1.243 ms at 1024, 1.27-1.28 at 128..512
     k = rt.kernel(MODULE, "adamw_kernel2", ARGTYPES, label=f"{OP} 2")
     # grid-stride over n/4 float4s: enough blocks to fill the chip, fewer for small ranges
-    grid = max(1, min(rt.sm_count * resident_blocks(rt, k, bs), -(-max(n // 4, 1) // bs)))
+    grid = max(1, min(rt.sm_count * k.resident_blocks(bs), -(-max(n // 4, 1) // bs)))
     return _make_launch(k, (grid, 1, 1), (bs, 1, 1), n)
 
 

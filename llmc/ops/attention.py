@@ -51,7 +51,7 @@ import math
 import numpy as np
 
 from llmc.errors import LLMCError
-from llmc.ops import OpSpec, Variant, refuse
+from llmc.ops import OpSpec, Variant, refuse, check_block_size
 from llmc.runtime import ceil_div
 
 MODULE = "attention"  # cuda/attention.cu
@@ -185,9 +185,7 @@ def _check_rows(BNH, T, **_):
 
 
 def _check_warp_block(block_size=None, **_):
-    if block_size is not None and (block_size % 32 or not 32 <= block_size <= 1024):
-        return f"block_size {block_size} must be a multiple of 32 in [32, 1024]"
-    return None
+    return check_block_size(block_size)
 
 
 def _check_pow2_block(block_size=None, **_):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from llmc.errors import LLMCError
-from llmc.ops import OpSpec, Variant, refuse
+from llmc.ops import OpSpec, Variant, refuse, check_block_size
 
 MODULE = "classifier"  # cuda/classifier.cu
 OP = "classifier"
@@ -90,9 +90,7 @@ def _check_common(N, V, Vp, block_size=None, **_):
         return f"need 1 <= V <= Vp, got V={V}, Vp={Vp}"
     if N < 1:
         return f"need N >= 1, got {N}"
-    if block_size is not None and (block_size % 32 or not 32 <= block_size <= 1024):
-        return f"block_size must be a multiple of 32 in [32, 1024], got {block_size}"
-    return None
+    return check_block_size(block_size)
 
 
 def _check_float4(N, V, Vp, block_size=None, **_):

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from llmc.ops import OpSpec, Variant, refuse
+from llmc.ops import OpSpec, Variant, refuse, check_block_size
 from llmc.runtime import ceil_div
 
 MODULE = "encoder"  # cuda/encoder.cu
@@ -77,10 +77,7 @@ def encoder_backward_cpu(B, T, C, block_size=None):
 ARGS = "PPPPiii"  # 4 pointers (outputs first), B, T, C
 
 
-def _check_block(block_size):
-    if block_size is not None and (block_size % 32 or not 32 <= block_size <= 1024):
-        return f"block_size={block_size}: needs a multiple of 32 in [32, 1024]"
-    return None
+_check_block = check_block_size  # whole warps, <= 1024 threads
 
 
 def check_any(B, T, C, block_size=None):

@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-from llmc.ops import OpSpec, Variant
+from llmc.ops import OpSpec, Variant, check_block_size
 from llmc.runtime import ceil_div
 
 MODULE = "gelu"  # cuda/gelu.cu
@@ -60,10 +60,7 @@ def gelu_backward_cpu(N, block_size=None):
 # ----------------------------------------------------------------------------------------------
 # shape checks and GPU variants
 
-def _check_block(block_size):
-    if block_size is not None and (block_size % 32 or not 32 <= block_size <= 1024):
-        return f"block_size={block_size}: needs a multiple of 32 in [32, 1024]"
-    return None
+_check_block = check_block_size  # whole warps, <= 1024 threads
 
 
 def check_any(N, block_size=None):

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from llmc.ops import OpSpec, Variant
-from llmc.ops.adamw import resident_blocks
+from llmc.ops import OpSpec, Variant, check_block_size
 
 MODULE = "global_norm"  # cuda/global_norm.cu
 OP = "global_norm"
@@ -48,15 +47,13 @@ def _check(n, block_size=None, **_):
         return f"need n >= 1, got {n}"
     if n >= 2**31:
         return f"n={n} does not fit the kernels' int32 count"
-    if block_size is not None and (block_size % 32 or not 32 <= block_size <= 1024):
-        return f"block_size must be a multiple of 32 in [32, 1024], got {block_size}"
-    return None
+    return check_block_size(block_size)
 
 
 def _grid(rt, k, n, bs, per_thread):
     """As many blocks as are resident at once (a grid-stride loop), fewer when n is small. The grid
     depends only on (n, bs, the GPU): the deterministic variants give the same bits on every run."""
-    return max(1, min(rt.sm_count * resident_blocks(rt, k, bs), -(-n // (bs * per_thread))))
+    return max(1, min(rt.sm_count * k.resident_blocks(bs), -(-n // (bs * per_thread))))
 
 
 def global_norm1(rt, n, block_size=None):
