@@ -28,6 +28,8 @@
 //   attention_decode_kernel1  one block per (b, h): scores in shared memory, block softmax, att @ v
 //   attention_kv_append_kernel1  the new token's k, v from qkv (B,3C) into the caches at pos, and q
 //                                into a packed (B,C) buffer for the decode kernel
+//   attention_kv_fill_kernel1    after the prompt's forward pass: k, v of positions 0..T-1 from the
+//                                forward's qkvr (q|k|v, each (B,NH,T,hs)) into the caches
 //
 // Byte counts (fp32) for one softmax pass at BNH=48, T=1024: the lower triangle is 48*T(T+1)/2*4 =
 // 101 MB, a full matrix 201 MB. Forward must read the triangle once and write the full matrix
@@ -493,4 +495,17 @@ extern "C" __global__ void attention_kv_append_kernel1(float* kcache, float* vca
     q_out[i] = row[c];
     kcache[dst] = row[C + c];
     vcache[dst] = row[2 * C + c];
+}
+
+// qkvr holds q | k | v, each (B, NH, T, hs) (what attention_forward saves); copy k and v into
+// positions 0..T-1 of the caches (B, NH, maxT, hs). One thread per element of k.
+extern "C" __global__ void attention_kv_fill_kernel1(float* kcache, float* vcache, const float* qkvr,
+                                                     int B, int NH, int T, int hs, int maxT) {
+    size_t n = (size_t)B * NH * T * hs;
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    size_t d = i % hs, t = (i / hs) % T, bh = i / ((size_t)hs * T);
+    size_t dst = (bh * maxT + t) * hs + d;
+    kcache[dst] = qkvr[n + i];
+    vcache[dst] = qkvr[2 * n + i];
 }

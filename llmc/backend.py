@@ -62,6 +62,10 @@ class CpuBackend:
     def op(self, name, **shape):
         return ops.get(name).cpu(**shape)
 
+    def custom(self, cpu_launch, gpu_build, **shape):
+        """An op outside the registry (the decoder's cache kernels): the numpy closure here."""
+        return cpu_launch
+
     def memset0(self, buf):
         buf[...] = 0
 
@@ -123,6 +127,10 @@ class CudaBackend:
                 self._noted.add((name, num, alt))
                 return spec.build(self.rt, alt, **shape)
         return spec.build(self.rt, num, **shape)  # nothing fits: raise the default's refusal
+
+    def custom(self, cpu_launch, gpu_build, **shape):
+        """An op outside the registry (the decoder's cache kernels): built for the GPU here."""
+        return gpu_build(self.rt, **shape)
 
     def memset0(self, buf):
         buf.zero()

@@ -8,8 +8,9 @@ The decoder keeps, per layer, the keys and values of every position so far: kcac
 (L, B, NH, maxT, hs). One step takes B new tokens at position `pos` through the network at M = B
 rows: the encoder at that position, layernorm, the qkv matmul, the new k and v appended to the
 cache, the attention of one query over positions 0..pos (our decode kernel on the GPU), and the
-rest of the block; then the lm head gives the next logits. The prompt is fed through the same step,
-one position at a time (so the cache is filled by exactly the code that uses it).
+rest of the block; then the lm head gives the next logits. The prompt goes through one ordinary
+forward pass (the training model's code at T = prompt length, sharing the decoder's weights), and
+the keys and values it computed are copied into the cache.
 
 When the context reaches maxT the window slides: the cache is rebuilt from the last maxT/2 tokens
 (recomputed), and we say so once.
@@ -33,6 +34,14 @@ def kv_append_cpu(B, C, NH, maxT):
 
     def launch(kcache, vcache, q_out, qkv, pos):
         q_out[...] = kv_append_ref(kcache, vcache, qkv, pos)
+    return launch
+
+
+def kv_fill_cpu(B, C, NH, maxT, T):
+    from llmc.ops.attention import kv_fill_ref
+
+    def launch(kcache, vcache, qkvr):
+        kv_fill_ref(kcache, vcache, qkvr, T)
     return launch
 
 
@@ -81,13 +90,11 @@ class Decoder:
             "residual": op("residual_forward", N=B * C),
             "gelu": op("gelu_forward", N=B * 4 * C),
         }
-        if be.name == "cuda":
-            from llmc.ops import attention
-            self.k["kv_append"] = attention.build_kv_append(be.rt, B, C, NH, maxT)
-            self.k["attention"] = attention.build_attention_decode(be.rt, B, C, NH, maxT)
-        else:
-            self.k["kv_append"] = kv_append_cpu(B, C, NH, maxT)
-            self.k["attention"] = attention_decode_cpu(B, C, NH, maxT)
+        from llmc.ops import attention
+        shape = dict(B=B, C=C, NH=NH, maxT=maxT)
+        self.k["kv_append"] = be.custom(kv_append_cpu(**shape), attention.build_kv_append, **shape)
+        self.k["attention"] = be.custom(attention_decode_cpu(**shape), attention.build_attention_decode, **shape)
+        self._prefill = {}  # T -> (inference model sharing our weights, kv fill op)
 
     def step(self, tokens: np.ndarray, pos: int) -> np.ndarray:
         """Feed B tokens at position pos; returns the next-token logits (B, V) on the host."""
@@ -115,6 +122,28 @@ class Decoder:
         k["layernorm"](a["ln"], a["mean"], a["rstd"], x, p["lnfw"], p["lnfb"])
         k["mm_lmhead"](a["logits"], a["ln"], p["wte"], None)                      # (B,Vp)
         return be.download(a["logits"])[:, :cfg.vocab_size]
+
+    def prefill(self, tokens: np.ndarray) -> np.ndarray:
+        """The prompt's forward pass: tokens (B, T) at positions 0..T-1 through the full model
+        (built once per T, sharing our weights); its keys and values fill the cache. Returns the
+        logits (B, V) after the last position."""
+        from llmc.model import GPT2
+        tokens = np.asarray(tokens, np.int32)
+        B, T = tokens.shape
+        cfg = self.cfg
+        if T > cfg.max_seq_len:
+            raise LLMCError(f"prompt of {T} tokens is longer than the model's max sequence length "
+                            f"{cfg.max_seq_len}")
+        if T not in self._prefill:
+            from llmc.ops import attention
+            model = GPT2(cfg, self.be, B, T, training=False, params_buf=self.params)
+            shape = dict(B=B, C=cfg.channels, NH=cfg.num_heads, maxT=cfg.max_seq_len, T=T)
+            self._prefill[T] = (model, self.be.custom(kv_fill_cpu(**shape), attention.build_kv_fill, **shape))
+        model, fill = self._prefill[T]
+        model.forward(tokens)
+        for l in range(cfg.num_layers):
+            fill(self.kc[l], self.vc[l], model.a["qkvr"][l])
+        return np.stack([model.logits_row(b, T - 1) for b in range(B)])
 
 
 def generate(dec: Decoder, prompt: list[int], max_new: int, temperature: float = 1.0,
@@ -158,11 +187,5 @@ def generate(dec: Decoder, prompt: list[int], max_new: int, temperature: float =
 
 
 def _prefill(dec: Decoder, ctx: list[list[int]], n: int) -> np.ndarray:
-    """Run positions 0..n-1 of ctx through the decoder (filling the cache); logits after the last."""
-    if n > dec.cfg.max_seq_len:
-        raise LLMCError(f"prompt of {n} tokens is longer than the model's max sequence length "
-                        f"{dec.cfg.max_seq_len}")
-    logits = None
-    for t in range(n):
-        logits = dec.step(np.array([c[t] for c in ctx]), t)
-    return logits
+    """Positions 0..n-1 of ctx (one forward pass) into the cache; the logits after the last."""
+    return dec.prefill(np.array([c[:n] for c in ctx], np.int32))

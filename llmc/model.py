@@ -32,7 +32,7 @@ def _size(shape) -> int:
 
 
 class GPT2:
-    def __init__(self, cfg: GPT2Config, backend, B: int, T: int, training: bool = True):
+    def __init__(self, cfg: GPT2Config, backend, B: int, T: int, training: bool = True, params_buf=None):
         if T > cfg.max_seq_len:
             raise LLMCError(f"-t/--seq-len {T}: longer than the model's max sequence length {cfg.max_seq_len}")
         if B < 1 or T < 1:
@@ -46,7 +46,10 @@ class GPT2:
 
         # -- parameters (and their gradients, AdamW state): one flat buffer each, views per tensor
         self.num_params = cfg.num_parameters
-        self.params = be.zeros((self.num_params,))
+        if params_buf is not None and training:
+            raise ValueError("params_buf (shared weights) is for inference models only")
+        # an inference model may read another's weights (the decoder's prefill does)
+        self.params = params_buf if params_buf is not None else be.zeros((self.num_params,))
         self.p = self._views(self.params)
         if training:
             self.grads = be.zeros((self.num_params,))
@@ -158,7 +161,7 @@ class GPT2:
             return
         cfg, B, T = self.cfg, self.B, self.T
         L, C, NH, Vp = cfg.num_layers, cfg.channels, cfg.num_heads, cfg.padded_vocab_size
-        floats = cfg.num_parameters * (4 if self.training else 1)
+        floats = cfg.num_parameters * (4 if self.training else 1)  # (overcounts a shared params_buf)
         floats += B * T * (C * (1 + 9 * L + 2 + 10) + L * NH * T + 6 * L + Vp + 8)
         floats += 3 * B * NH * T * T  # attention scratch (preatt, datt, dpreatt)
         rt.require_free(floats * 4, what=f"model ({cfg.describe()}, B={B}, T={T})")

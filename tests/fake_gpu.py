@@ -69,6 +69,13 @@ class FakeCudaBackend:
             cpu(*[conv(x) if isinstance(x, DevArray) else x for x in args])
         return launch
 
+    def custom(self, cpu_launch, gpu_build, **shape):
+        conv = self.rt.np
+
+        def launch(*args):
+            cpu_launch(*[conv(x) if isinstance(x, DevArray) else x for x in args])
+        return launch
+
     def memset0(self, buf):
         self.rt.np(buf)[...] = 0
 

@@ -185,3 +185,14 @@ def test_every_variant_builds_or_refuses_cleanly(cfg_name, B, T):
             else:
                 launch = spec.build(rt, num, **shape)
                 assert callable(launch) and rt.built, (name, num, shape)
+
+
+def test_decoder_kernels_build_without_gpu():
+    from llmc.decode import Decoder
+    from llmc.ops.attention import build_kv_fill
+    cfg = config_from_name("d12")
+    be = cuda_backend()
+    dec = Decoder(cfg, be, 8, params_buf=be.empty((cfg.num_parameters,)))
+    assert callable(dec.k["kv_append"]) and callable(dec.k["attention"])
+    assert callable(build_kv_fill(be.rt, B=8, C=768, NH=12, maxT=1024, T=64))
+    assert {"attention_kv_append_kernel1", "attention_decode_kernel1", "attention_kv_fill_kernel1"} <= set(be.rt.built)

@@ -535,6 +535,29 @@ def kv_append_ref(kcache, vcache, qkv, pos):
     return qkv.reshape(B, 3 * C)[:, :C].copy()
 
 
+def kv_fill_ref(kcache, vcache, qkvr, T):
+    """Positions 0..T-1 of the (B,NH,maxT,hs) caches <- k, v of a forward's qkvr (q|k|v, each
+    (B,NH,T,hs)), in place."""
+    B, NH, maxT, hs = kcache.shape
+    q, k, v = qkvr.reshape(3, B, NH, T, hs)
+    kcache[:, :, :T, :] = k
+    vcache[:, :, :T, :] = v
+
+
+def build_kv_fill(rt, B, C, NH, maxT, T, block_size=256):
+    """launch(kcache (B,NH,maxT,hs), vcache, qkvr (B,T,3C) as saved by attention_forward)."""
+    hs = C // NH
+    if not 1 <= T <= maxT:
+        raise LLMCError(f"kv fill: T={T} outside 1..maxT={maxT}")
+    k = rt.kernel(MODULE, "attention_kv_fill_kernel1", "PPPiiiii", label="attention kv_fill 1")
+    grid, block = (-(-B * NH * T * hs // block_size), 1, 1), (block_size, 1, 1)
+    args = (np.int32(B), np.int32(NH), np.int32(T), np.int32(hs), np.int32(maxT))
+
+    def launch(kcache, vcache, qkvr):
+        k(grid, block, _ptr(kcache), _ptr(vcache), _ptr(qkvr), *args)
+    return launch
+
+
 def build_kv_append(rt, B, C, NH, maxT, block_size=256):
     """launch(kcache (B,NH,maxT,hs), vcache, q_out (B,C), qkv (B,3C), pos int)."""
     hs = C // NH
