@@ -10,9 +10,11 @@
 //   version 6: the TF32 GEMM engine (gemm engine 2): cp.async 3-stage pipeline, 128x256 / 128x128 /
 //              64x64 block tiles picked per shape, 64x64 warp tiles, swizzled smem, fused bias, float4
 //              stores staged through shared memory
+//   version 7: gemm engine 4: version 6 with ldmatrix fragments and a leaner loader (not yet run on a GPU)
 // matmul_backward: dinp = dout @ weight (=), dweight += dout^T @ inp     (--matmul-backward-kernel)
 //   version 1: two GEMMs on gemm engine 1 (SIMT)
 //   version 2: two GEMMs on gemm engine 2 (TF32), split-K for the K=N*T reduction of dweight
+//   version 3: version 2 on gemm engine 4 (not yet run on a GPU)
 // matmul_backward_bias: dbias(OC) += column sums of dout(N,OC)           (--matmul-backward-bias-kernel)
 //   version 1: one thread per column, walks all N rows (coalesced across the warp, few threads)
 //   version 2: 2-D blocks (32 columns x 8 row-lanes) over row chunks -> partials; a fixed-order
@@ -29,6 +31,8 @@
 //   engine 1: SIMT fp32, 64x64x16 tiles, 4x4 outputs per thread, scalar predicated loads: any shape, any alignment
 //   engine 2: TF32 mma.sync, 16-byte cp.async (leading dims, batch strides % 4 == 0, 16-byte aligned pointers)
 //   engine 3: engine 2 with 4-byte cp.async: any shape and alignment (the TF32 fallback)
+//   engine 4: engine 2 with K-major fragments through ldmatrix.x4 and a leaner cp.async loader: ~2.9
+//             instead of 3.8-4.7 SASS instructions per HMMA in the main loop; same needs as engine 2
 //
 // Layout names: the first letter says how A is stored, the second B. n = as used ("not transposed"),
 // t = stored transposed. C[b](M,N) = alpha * op(A[b]) @ op(B[b]) + beta * C[b] (+ bias[n]):
@@ -585,6 +589,397 @@ extern "C" __global__ void gemm_splitk_reduce(float* C, const float* W, const fl
     }
 }
 
+
+// ----------------------------------------------------------------------------------------------
+// gemm engine 4: engine 2 with ldmatrix fragments and a leaner loader
+//
+// Engine 2's main loop issues 524-606 instructions per 128 HMMA (SASS of mid, docs/matmul_notes.md):
+// 128 HMMA, 128 tf32 rounding adds, 32-64 shared loads, and ~240-290 more, mostly the cp.async
+// loader's address arithmetic (a swizzled destination and a 64-bit source recomputed for every
+// chunk, a select per chunk for the zero-fill). Engine 4 keeps its pipeline, its smem tiles (K-major unchanged), its
+// row/column mapping and so its epilogue, its planner and split-K, and changes three things:
+//
+//  1. K-major operands (A stored (M,K): nn/nt; B stored (N,K): nt/tt) are read with ldmatrix.x4.
+//     On 32-bit data an ldmatrix "8x8 b16 matrix" is an 8x4 block of floats: 8 rows of 16 bytes,
+//     row r's address given by lane 8q + r for matrix q, and lane l receives word l%4 of row l/4,
+//     which is exactly the (g, t) position of the m16n8k8 A and B fragments. So one LDSM.x4 is a
+//     whole A fragment (matrices = rows +0/+8 x k +0/+4 -> a0 a1 a2 a3), or the b0 b1 of two
+//     n-tiles: 16 + 16 LDSM per k-tile instead of 32 + 32 LDS.64 for a 64x64 warp tile.
+//     Each lane's address can point at any row, so the rows stay engine 2's (mma row g (+8) of
+//     m-tile mi = tile row wm + g*RPGA + 2mi (+1), column g of n-tile ni = wn + g*NI + ni). The k
+//     order cannot stay: an ldmatrix row is 4 consecutive k, so mma k-index kk of k-step j is tile
+//     k 8j + kk (engine 2 permuted k to make LDS.64 pairs).
+//  2. MN-major operands keep engine 2's LDS.128 reads (already one load per 4 registers), in the
+//     new k order; their swizzle is now keyed on k & 3, the t of the lanes that read k-row k.
+//  3. The loader gives each thread chunks that all share one swizzle key (K-major: 8 threads per
+//     row, key = row / RPG % 8 fixed per thread), so a chunk's smem address is one register plus an
+//     immediate; sources are chained by row steps kept in registers (one 64-bit add per chunk); and
+//     interior k-tiles copy 16 bytes with no zero-fill arithmetic (a uniform branch: only edge tiles
+//     compute per-chunk byte counts).
+// Result (SASS, steady-state path of the main loop): 366-382 instructions per 128 HMMA for the big
+// and mid tiles in every layout, against engine 2's 523-606. The tf32 rounding adds (128) are now
+// the largest item after the HMMAs themselves.
+// Not yet run on a GPU (2026-11-22): tests/test_matmul_layout.py checks every index formula below
+// against a Python model of the mma and ldmatrix layouts and the banks, on the CPU.
+
+// One operand's tile in shared memory (one stage) and every index formula engine 4 uses on it.
+// KMAJOR: k contiguous in global memory, kept as R rows of 32 floats; else MN-major: 32 k-rows of
+// R floats. R = BM (A) or BN (B); RPG = rows per lane group (A: 2*MI, B: NI); IS_A picks the matrix
+// order of the A or B ldmatrix; NT = threads. Host + device, so that the layout test can compile
+// them on the CPU and compare every value with its Python model.
+template <bool KMAJOR, bool IS_A, int R, int RPG, int NT>
+struct E4Tile {
+    static constexpr bool KM = KMAJOR;
+    static constexpr int ROWS = R, RPG_ = RPG;
+    static constexpr int PER = R * 8 / NT;  // 16-byte chunks per thread per k-tile
+    static constexpr int X = NT / 64;       // K-major: threads sharing a (chunk column, swizzle key)
+    static constexpr int CPR = R / 4;       // MN-major: 16-byte chunks per k-row
+    static constexpr int KSTEP = NT / CPR;  // MN-major: k-rows between one thread's chunks
+    static_assert(RPG == 4 || RPG == 8, "lane groups of 4 or 8 rows");
+    static_assert(KMAJOR ? (NT % 64 == 0 && RPG % (NT / 64) == 0 && R % (8 * RPG) == 0)
+                         : (NT % (R / 4) == 0 && (NT / (R / 4)) % 4 == 0), "loader mapping");
+
+    // MN-major swizzle key of a k-row: a function of k & 3 only
+    __host__ __device__ static constexpr int mn_key(int u) { return RPG == 4 ? 2 * u : (u & 1) | ((u & 2) << 1); }
+    // where tile element (row, k) lives, in floats from the stage's start (row runs along M or N).
+    // K-major: chunk k/4 of row `row` at chunk position k/4 ^ (row/RPG % 8) (engine 2's layout).
+    // MN-major: chunk row/4 of k-row k at chunk position row/4 ^ mn_key(k % 4).
+    __host__ __device__ static constexpr int off(int row, int k) {
+        return KMAJOR ? row * 32 + (((k >> 2) ^ ((row / RPG) & 7)) << 2) + (k & 3)
+                      : k * R + (((row >> 2) ^ mn_key(k & 3)) << 2) + (row & 3);
+    }
+
+    // Loader: chunk i of thread tid is 4 floats along the stored row, at (stored row, column)
+    // (ld_row(tid) + ld_step(i), ld_col(tid)): K-major = (tile row, k), MN-major = (k-row, tile row).
+    // K-major: column c = tid % 8, swizzle key = tid / 8 % 8, x = tid / 64; chunk i is row x + X*i
+    // of the key's lane groups (rows key*RPG .. +RPG-1, then the same 8*RPG rows further on). A warp
+    // instruction copies 4 whole 128-byte rows; each 8-thread phase writes one row (8 banks quads).
+    // MN-major (engine 2's): thread tid takes column chunk tid % CPR of k-rows tid / CPR + KSTEP*i.
+    __host__ __device__ static constexpr int ld_row(int tid) { return KMAJOR ? (tid >> 6) + RPG * ((tid >> 3) & 7) : tid / CPR; }
+    __host__ __device__ static constexpr int ld_col(int tid) { return KMAJOR ? 4 * (tid & 7) : 4 * (tid % CPR); }
+    __host__ __device__ static constexpr int ld_step(int i) {
+        return KMAJOR ? (X * i) % RPG + 8 * RPG * ((X * i) / RPG) : KSTEP * i;
+    }
+    __host__ __device__ static constexpr int ld_smem(int tid) {
+        return KMAJOR ? off(ld_row(tid), ld_col(tid)) : off(ld_col(tid), ld_row(tid));
+    }
+    __host__ __device__ static constexpr int ld_smem_step(int i) { return (KMAJOR ? 32 : R) * ld_step(i); }
+
+    // Fragments of warp tile origin w (wm or wn) for k-step j (tile k 8j .. 8j+7):
+    // K-major, ldmatrix.x4: lane l gives the address of row l % 8 of matrix q = l / 8;
+    //   A: matrix q = mma rows +8*(q & 1), k +4*(q >> 1): the registers a0..a3 of one m-tile;
+    //   B: matrix q = n-tile +(q >> 1), k +4*(q & 1): b0 b1 of n-tile ni, then of ni + 1.
+    //   address = frag_base(w, lane, j) + frag_imm(sub, 0), sub = 2*mi (A) or ni (B, even).
+    // MN-major, LDS.128: lane (g, t) reads rows w + g*RPG + 4q .. +3 of k-row 8j + 4r + t
+    //   (r = 0: k-index t, r = 1: t + 4): address = frag_base(w, lane, q) + frag_imm(j, r).
+    __host__ __device__ static constexpr int frag_base(int w, int lane, int x) {
+        return KMAJOR ? off(w + (lane & 7) * RPG + (IS_A ? (lane >> 3) & 1 : lane >> 4),
+                            8 * x + 4 * (IS_A ? lane >> 4 : (lane >> 3) & 1))
+                      : off(w + (lane >> 2) * RPG + 4 * x, lane & 3);
+    }
+    __host__ __device__ static constexpr int frag_imm(int a, int b) { return KMAJOR ? 32 * a : (8 * a + 4 * b) * R; }
+};
+
+__device__ __forceinline__ void ldsm_x4(uint32_t (&d)[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+                 : "r"(addr));
+}
+// a whole 16-byte chunk, no zero-fill operand
+__device__ __forceinline__ void cp_async16_full(uint32_t dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+}
+__device__ __forceinline__ uint4 lds128(uint32_t addr) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+    return v;
+}
+__device__ __forceinline__ const float* add_bytes(const float* p, uint32_t bytes) {
+    return reinterpret_cast<const float*>(reinterpret_cast<const char*>(p) + bytes);
+}
+
+// Global -> shared copies of one operand, k-tile after k-tile (the pipeline loads them in order).
+// A chunk past the matrix (rows >= M or N: K-major; columns: MN-major) or past K copies fewer
+// bytes, zero-filling the rest; with 0 bytes its source is never read. Tiles entirely inside the
+// matrix (all but the last k-tile of all but the edge CTAs) take the path without byte counts.
+// Source addresses are chained: chunk i = chunk i-1 + a row step held in a register, in bytes
+// (K-major: X or 7*RPG + X rows, MN-major: KSTEP rows; leading dims < 2^24, checked by the builder).
+template <class T>
+struct E4Loader {
+    const float* gp;  // this thread's chunk 0 in the next k-tile
+    uint32_t sm;      // smem byte address of chunk 0 in stage 0
+    uint32_t s1, s2;  // byte steps: K-major: X rows, 7*RPG + X rows; MN-major: KSTEP rows, 32 rows
+    int k0, kc;       // k of the next k-tile; K-major: the chunk's k offset, MN-major: its first k-row
+    int edge;         // K-major: bit i = chunk i's row is inside; MN-major: bytes of the column chunk inside
+    bool all_in;      // every row (K-major) / column (MN-major) of the tile is inside the matrix
+
+    __device__ __forceinline__ E4Loader(const float* g, int ld, int rc0, int rcs, int tid, uint32_t smem, int k0_)
+        : sm(smem + 4 * T::ld_smem(tid)), k0(k0_), all_in(rc0 + T::ROWS <= rcs) {
+        const int row = T::ld_row(tid), col = T::ld_col(tid);
+        if (T::KM) {
+            gp = g + (ll)(rc0 + row) * ld + k0_ + col;
+            s1 = 4u * T::X * ld;
+            s2 = 4u * (7 * T::RPG_ + T::X) * ld;
+            kc = col;
+            edge = 0;
+#pragma unroll
+            for (int i = 0; i < T::PER; i++) edge |= (rc0 + row + T::ld_step(i) < rcs) << i;
+        } else {
+            gp = g + (ll)(k0_ + row) * ld + rc0 + col;
+            s1 = 4u * T::KSTEP * ld;
+            s2 = 4u * 32 * ld;
+            kc = row;
+            edge = 4 * max(0, min(4, rcs - (rc0 + col)));
+        }
+    }
+    // source of chunk i from that of chunk i - 1
+    __device__ __forceinline__ const float* next(const float* p, int i) const {
+        return add_bytes(p, !T::KM || T::ld_step(i) - T::ld_step(i - 1) == T::X ? s1 : s2);
+    }
+
+    // copy the next k-tile into the stage that starts `stage` bytes after stage 0
+    __device__ __forceinline__ void load(uint32_t stage, int K) {
+        const uint32_t dst = sm + stage;
+        const float* p = gp;
+        if (all_in && k0 + 32 <= K) {  // interior: whole chunks
+#pragma unroll
+            for (int i = 0; i < T::PER; i++) {
+                if (i) p = next(p, i);
+                cp_async16_full(dst + 4 * T::ld_smem_step(i), p);
+            }
+        } else if (T::KM) {
+            const int kb = 4 * max(0, min(4, K - (k0 + kc)));
+#pragma unroll
+            for (int i = 0; i < T::PER; i++) {
+                if (i) p = next(p, i);
+                cp_async16(dst + 4 * T::ld_smem_step(i), p, (edge >> i) & 1 ? kb : 0);
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < T::PER; i++) {
+                if (i) p = next(p, i);
+                cp_async16(dst + 4 * T::ld_smem_step(i), p, k0 + kc + T::ld_step(i) < K ? edge : 0);
+            }
+        }
+        gp = T::KM ? gp + 32 : add_bytes(gp, s2);
+        k0 += 32;
+    }
+};
+
+// Engine 4's epilogue: engine 2's (same accumulator mapping, same staging swizzle), as a function.
+// acc[mi][ni][2h + c] is C at warp-tile row g*RPGA + 2mi + h, column (2t + c)*NI + ni. Each warp
+// parks its tile in shared memory, chunk ch of row `row` at (ch & ~7) | ((ch & 7) ^ hh),
+// hh = ((row / RPGA) & 1) | (((ch >> 3) & 1) << 1), and writes it back as whole row segments.
+template <int WM, int WN>
+__device__ __forceinline__ void gemm_e4_store(float (&acc)[WM / 16][WN / 8][4], float* stg, float* C,
+                                              const float* bias, float* W, int M, int N, int ldc, float alpha,
+                                              float beta, int splits, int ldw, int z, int row0, int col0, int lane) {
+    constexpr int MI = WM / 16, NI = WN / 8, RPGA = 2 * MI;
+    const int g = lane >> 2, t = lane & 3;
+    auto stage_off = [](int row, int col) {
+        const int ch = col >> 2;
+        const int hh = ((row / RPGA) & 1) | (((ch >> 3) & 1) << 1);
+        return row * WN + (((ch & ~7) | ((ch & 7) ^ hh)) << 2) + (col & 3);
+    };
+#pragma unroll
+    for (int mi = 0; mi < MI; mi++)
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+#pragma unroll
+            for (int c = 0; c < 2; c++)
+#pragma unroll
+                for (int q = 0; q < NI / 4; q++) {
+                    const int row = g * RPGA + 2 * mi + h, col = (2 * t + c) * NI + 4 * q;
+                    *reinterpret_cast<float4*>(stg + stage_off(row, col)) =
+                        make_float4(acc[mi][4 * q][2 * h + c], acc[mi][4 * q + 1][2 * h + c],
+                                    acc[mi][4 * q + 2][2 * h + c], acc[mi][4 * q + 3][2 * h + c]);
+                }
+    __syncwarp();
+    constexpr int CPR = WN / 4, RPI = 32 / CPR;  // 4-float chunks per row, rows per instruction
+    const int ch = lane % CPR, r0 = lane / CPR;
+    const int col = col0 + 4 * ch;
+    float bv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (bias && splits == 1) {
+#pragma unroll
+        for (int e = 0; e < 4; e++) bv[e] = col + e < N ? bias[col + e] : 0.0f;
+    }
+#pragma unroll 4
+    for (int i = 0; i < WM / RPI; i++) {
+        const int rl = r0 + i * RPI, row = row0 + rl;
+        if (row >= M || col >= N) continue;
+        const float4 v = *reinterpret_cast<const float4*>(stg + stage_off(rl, 4 * ch));
+        if (splits > 1) {  // raw partial sums; ldw % 4 == 0 so the float4 stays in the row
+            *reinterpret_cast<float4*>(W + ((ll)z * M + row) * ldw + col) = v;
+            continue;
+        }
+        float o[4] = {alpha * v.x, alpha * v.y, alpha * v.z, alpha * v.w};
+        float* cp = C + (ll)row * ldc + col;
+        if (col + 4 <= N) {
+            if (beta != 0.0f) {
+                const float4 c4 = *reinterpret_cast<const float4*>(cp);
+                o[0] += beta * c4.x; o[1] += beta * c4.y; o[2] += beta * c4.z; o[3] += beta * c4.w;
+            }
+            *reinterpret_cast<float4*>(cp) = make_float4(o[0] + bv[0], o[1] + bv[1], o[2] + bv[2], o[3] + bv[3]);
+        } else {
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                if (col + e >= N) break;
+                float x = o[e] + bv[e];
+                if (beta != 0.0f) x += beta * cp[e];
+                cp[e] = x;
+            }
+        }
+    }
+}
+
+// The CTA, grid, split-K and pipeline are engine 2's (gemm_tf32_body); only the loads differ.
+template <bool TA, bool TB, int BM, int BN, int WM, int WN, int STAGES>
+__device__ __forceinline__ void gemm_e4_body(float* C, const float* A, const float* B, const float* bias, float* W,
+                                             int M, int N, int K, int lda, int ldb, int ldc, ll sA, ll sB, ll sC,
+                                             float alpha, float beta, int splits, int kt_per_split, int ldw) {
+    constexpr int BK = 32, WARPS_M = BM / WM, WARPS_N = BN / WN, NT = WARPS_M * WARPS_N * 32;
+    constexpr int MI = WM / 16, NI = WN / 8, RPGA = 2 * MI, RPGB = NI;
+    static_assert(NI % 4 == 0 && RPGA % 4 == 0, "warp tile too small for the float4 mapping");
+    using TileA = E4Tile<!TA, true, BM, RPGA, NT>;
+    using TileB = E4Tile<TB, false, BN, RPGB, NT>;
+    constexpr int A_TILE = BM * BK, B_TILE = BN * BK;  // floats per stage
+    static_assert(BM * BN <= STAGES * (A_TILE + B_TILE), "staging tile must fit in the pipeline smem");
+    extern __shared__ __align__(16) float smem[];
+    float* As = smem;                     // (STAGES, A_TILE)
+    float* Bs = smem + STAGES * A_TILE;   // (STAGES, B_TILE)
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wm = (warp % WARPS_M) * WM, wn = (warp / WARPS_M) * WN;
+    const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN;
+    const int z = blockIdx.z, b = z / splits, split = z % splits;
+    A += b * sA;
+    B += b * sB;
+    C += b * sC;
+    const int KT = (K + BK - 1) / BK;
+    const int kt0 = split * kt_per_split;
+    const int nkt = max(0, min(KT, kt0 + kt_per_split) - kt0);
+    const uint32_t sa0 = smem_u32(As), sb0 = smem_u32(Bs);
+
+    E4Loader<TileA> la(A, lda, m0, M, tid, sa0, kt0 * BK);
+    E4Loader<TileB> lb(B, ldb, n0, N, tid, sb0, kt0 * BK);
+
+    float acc[MI][NI][4];
+#pragma unroll
+    for (int i = 0; i < MI; i++)
+#pragma unroll
+        for (int j = 0; j < NI; j++)
+#pragma unroll
+            for (int r = 0; r < 4; r++) acc[i][j][r] = 0.0f;
+
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; s++) {
+        if (s < nkt) {
+            la.load(s * (A_TILE * 4), K);
+            lb.load(s * (B_TILE * 4), K);
+        }
+        cp_async_commit();
+    }
+
+    // per-lane fragment offsets in a stage: K-major one per k-step j, MN-major one per 16-byte column chunk q
+    int fa[4], fb[4];
+#pragma unroll
+    for (int x = 0; x < 4; x++) {
+        fa[x] = TileA::frag_base(wm, lane, x);
+        fb[x] = TileB::frag_base(wn, lane, x);
+    }
+
+    int rd = 0, wr = STAGES - 1;  // the stage read in this iteration, the stage refilled
+    for (int i = 0; i < nkt; i++) {
+        cp_async_wait<STAGES - 2>();  // k-tile i has landed (this thread's copies) ...
+        __syncthreads();              // ... and everyone's; everyone is also done with tile i-1
+        if (i + STAGES - 1 < nkt) {   // refill the stage that tile i-1 used
+            la.load(wr * (A_TILE * 4), K);
+            lb.load(wr * (B_TILE * 4), K);
+        }
+        cp_async_commit();
+        wr = wr == STAGES - 1 ? 0 : wr + 1;
+        const uint32_t sa = sa0 + rd * (A_TILE * 4), sb = sb0 + rd * (B_TILE * 4);
+        rd = rd == STAGES - 1 ? 0 : rd + 1;
+#pragma unroll
+        for (int j = 0; j < BK / 8; j++) {
+            uint32_t af[MI][4], bf[NI][2];
+            if (!TA) {  // K-major: one ldmatrix.x4 per m-tile
+#pragma unroll
+                for (int mi = 0; mi < MI; mi++) ldsm_x4(af[mi], sa + 4 * (fa[j] + TileA::frag_imm(2 * mi, 0)));
+            } else {    // MN-major: k-row 8j+t holds the lane's RPGA rows contiguously (a0/a1), 8j+4+t (a2/a3)
+#pragma unroll
+                for (int r = 0; r < 2; r++)
+#pragma unroll
+                    for (int q = 0; q < RPGA / 4; q++) {
+                        const uint4 v = lds128(sa + 4 * (fa[q] + TileA::frag_imm(j, r)));
+                        af[2 * q][2 * r] = v.x;
+                        af[2 * q][2 * r + 1] = v.y;
+                        af[2 * q + 1][2 * r] = v.z;
+                        af[2 * q + 1][2 * r + 1] = v.w;
+                    }
+            }
+            if (TB) {   // K-major: one ldmatrix.x4 per two n-tiles
+#pragma unroll
+                for (int ni = 0; ni < NI; ni += 2) {
+                    uint32_t d[4];
+                    ldsm_x4(d, sb + 4 * (fb[j] + TileB::frag_imm(ni, 0)));
+                    bf[ni][0] = d[0];
+                    bf[ni][1] = d[1];
+                    bf[ni + 1][0] = d[2];
+                    bf[ni + 1][1] = d[3];
+                }
+            } else {    // MN-major: k-row 8j+t holds b0 of NI consecutive n-tiles, 8j+4+t their b1
+#pragma unroll
+                for (int r = 0; r < 2; r++)
+#pragma unroll
+                    for (int q = 0; q < NI / 4; q++) {
+                        const uint4 v = lds128(sb + 4 * (fb[q] + TileB::frag_imm(j, r)));
+                        bf[4 * q][r] = v.x;
+                        bf[4 * q + 1][r] = v.y;
+                        bf[4 * q + 2][r] = v.z;
+                        bf[4 * q + 3][r] = v.w;
+                    }
+            }
+#pragma unroll
+            for (int mi = 0; mi < MI; mi++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) af[mi][e] = tf32_round(__uint_as_float(af[mi][e]));
+#pragma unroll
+            for (int ni = 0; ni < NI; ni++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) bf[ni][e] = tf32_round(__uint_as_float(bf[ni][e]));
+#pragma unroll
+            for (int mi = 0; mi < MI; mi++)
+#pragma unroll
+                for (int ni = 0; ni < NI; ni++) mma_tf32(acc[mi][ni], af[mi], bf[ni]);
+        }
+    }
+    cp_async_wait<0>();  // only empty groups can be left; keep the exit clean anyway
+    __syncthreads();     // everyone is done reading the last k-tile: its smem becomes the staging area
+    gemm_e4_store<WM, WN>(acc, smem + warp * (WM * WN), C, bias, W, M, N, ldc, alpha, beta, splits, ldw, z,
+                          m0 + wm, n0 + wn, lane);
+}
+
+// Engine 4's tile configurations are engine 2's (same names, threads and smem; llmc/ops/matmul.py)
+// except mid8, which needs more than the 128 registers that 2 CTAs/SM of 256 threads allow (it spilled).
+#define GEMM_E4_ENTRY(cfg, BM, BN, WM, WN, ST, MINB, lay, TA, TB)                                      \
+    extern "C" __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32, MINB)                    \
+        gemm_tf32_e4_##cfg##_##lay(float* C, const float* A, const float* B, const float* bias,       \
+                                   float* W, int M, int N, int K, int lda, int ldb, int ldc, ll sA,  \
+                                   ll sB, ll sC, float alpha, float beta, int splits,                 \
+                                   int kt_per_split, int ldw) {                                       \
+        gemm_e4_body<TA, TB, BM, BN, WM, WN, ST>(C, A, B, bias, W, M, N, K, lda, ldb, ldc, sA, sB, sC, \
+                                                 alpha, beta, splits, kt_per_split, ldw);             \
+    }
+#define GEMM_E4_LAYOUTS(cfg, BM, BN, WM, WN, ST, MINB)                  \
+    GEMM_E4_ENTRY(cfg, BM, BN, WM, WN, ST, MINB, nn, false, false)      \
+    GEMM_E4_ENTRY(cfg, BM, BN, WM, WN, ST, MINB, nt, false, true)       \
+    GEMM_E4_ENTRY(cfg, BM, BN, WM, WN, ST, MINB, tn, true, false)       \
+    GEMM_E4_ENTRY(cfg, BM, BN, WM, WN, ST, MINB, tt, true, true)
+GEMM_E4_LAYOUTS(big, 128, 256, 64, 64, 3, 1)
+GEMM_E4_LAYOUTS(big4, 128, 256, 64, 64, 4, 1)
+GEMM_E4_LAYOUTS(mid, 128, 128, 64, 64, 3, 2)
+GEMM_E4_LAYOUTS(small, 64, 64, 32, 32, 3, 2)
 
 // Lab instrument (dev/cuda/matmul_forward.py), not an op: the issue rate of mma.sync m16n8k8 TF32
 // with no memory traffic at all, 8 independent accumulators per warp. Its TFLOP/s is the ceiling of

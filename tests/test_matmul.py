@@ -1,5 +1,6 @@
 """Matmul family: numpy references vs torch autograd (CPU), shape checks and the GEMM planner (CPU),
-every GPU variant and every GEMM engine/layout against the float64 reference (-m gpu).
+every GPU variant and every GEMM engine/layout against the float64 reference (-m gpu). Engine 4's
+index formulas have their own CPU test: tests/test_matmul_layout.py.
 
     python -m pytest tests/test_matmul.py -q          # CPU part
     python -m pytest tests/test_matmul.py -q -m gpu   # GPU part (needs a GPU and PyCUDA)
@@ -18,8 +19,8 @@ from llmc import ops
 from llmc.errors import LLMCError, VariantRefused
 from llmc.ops import matmul as mm
 
-TF32_FWD = {5, 6}
-TF32_BWD = {2}
+TF32_FWD = {5, 6, 7}
+TF32_BWD = {2, 3}
 
 
 def rnd(rng, *shape, scale=1.0):
@@ -103,7 +104,7 @@ def test_forward_checks(shape):
             assert (reason is None) == (shape["C"] % 4 == 0 and shape["OC"] % 4 == 0)
         elif n == 5:
             assert (reason is None) == (shape["C"] % 4 == 0)
-        elif n == 6:  # engine 2 needs ld % 4 == 0
+        elif n in (6, 7):  # engines 2 and 4 need ld % 4 == 0
             assert (reason is None) == (shape["C"] % 4 == 0 and shape["OC"] % 4 == 0)
         if reason:
             with pytest.raises(VariantRefused, match=f"matmul_forward variant {n}"):
@@ -115,6 +116,8 @@ def test_backward_checks():
     assert spec.variant(1).refuse_reason(N=65, C=81, OC=7) is None
     assert spec.variant(2).refuse_reason(N=65, C=81, OC=7) is not None
     assert spec.variant(2).refuse_reason(N=65, C=768, OC=2304) is None
+    assert spec.variant(3).refuse_reason(N=65, C=81, OC=7) is not None
+    assert spec.variant(3).refuse_reason(N=65, C=768, OC=2304) is None
     bias = ops.get("matmul_backward_bias")
     assert [bias.variant(n).refuse_reason(N=1, OC=7) is None for n in (1, 2, 3)] == [True, True, False]
     assert all(v.refuse_reason(N=1, OC=768) is None for v in bias.variants.values())
@@ -127,8 +130,12 @@ def test_variant_table():
         assert all(v.description and "\n" not in v.description for v in spec.variants.values())
         with pytest.raises(LLMCError, match="has no variant 99"):
             spec.variant(99)
-    assert set(mm.GEMM_VARIANTS) == {1, 2, 3}
-    assert [mm.gemm_variant_for(v) for v in range(1, 7)] == [1, 1, 1, 1, 2, 2]
+    assert set(mm.GEMM_VARIANTS) == {1, 2, 3, 4}
+    assert [mm.gemm_variant_for(v) for v in range(1, 8)] == [1, 1, 1, 1, 2, 2, 4]
+    assert [mm.gemm_variant_for_backward(v) for v in (1, 2, 3)] == [1, 2, 4]
+    from llmc.ops.attention import gemm_engine_for_backward  # attention's backward follows matmul's
+    assert [gemm_engine_for_backward(v) for v in (1, 2, 3)] == [1, 2, 4]
+    assert ops.get("matmul_forward").default == 6 and ops.get("matmul_backward").default == 2
 
 
 TRAINER_GEMMS = [(4096, 2304, 768, 1), (4096, 768, 768, 1), (4096, 3072, 768, 1), (4096, 768, 3072, 1),
@@ -138,9 +145,10 @@ TRAINER_GEMMS = [(4096, 2304, 768, 1), (4096, 768, 768, 1), (4096, 3072, 768, 1)
 
 @pytest.mark.parametrize("M,N,K,batch", TRAINER_GEMMS)
 def test_tf32_plan(M, N, K, batch):
-    for vec, lay in ((4, "nt"), (4, "tn"), (1, "nn")):
-        cfg, splits = mm._tf32_plan(132, M, N, K, batch, vec, lay)
+    for vec, lay, engine in ((4, "nt", 2), (4, "tn", 2), (1, "nn", 3), (4, "nt", 4), (4, "tn", 4), (4, "nn", 4)):
+        cfg, splits = mm._tf32_plan(132, M, N, K, batch, vec, lay, engine)
         assert cfg in mm.TF32_CONFIGS and (vec == 4 or cfg == "small") and (cfg, lay) != ("mid8", "tn")
+        assert engine != 4 or cfg in mm.E4_CONFIGS
         KT = -(-K // 32)
         assert 1 <= splits <= KT
         kts = -(-KT // splits)
@@ -203,6 +211,44 @@ def test_gemm_build_fallbacks(capsys):
         mm.gemm_build(rt, 1, False, False, M=4, N=4, K=4, lda=3)
     with pytest.raises(LLMCError, match="no engine 7"):
         mm.gemm_build(rt, 7, False, False, M=4, N=4, K=4)
+
+
+def test_gemm_build_engine4(capsys):
+    rt = FakeRuntime()
+    # its own entry points, engine 2's planner over the configs it builds
+    for lay in ("nn", "nt", "tn", "tt"):
+        g = mm.gemm_build(rt, 4, lay[0] == "t", lay[1] == "t", M=4096, N=2304, K=768)
+        g(4096, 8192, 12288)
+        assert rt.log[-1][0] == f"gemm_tf32_e4_{g.plan[1]}_{lay}" and g.plan[0] == 4
+        assert g.plan[1] == mm._tf32_plan(132, 4096, 2304, 768, 1, 4, lay, 4)[0]
+    assert capsys.readouterr().out == ""
+    # an odd leading dim -> engine 3, one line
+    g = mm.gemm_build(rt, 4, False, False, M=65, N=1, K=80)
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and "gemm engine 4 refuses" in out and "falling back to engine 3" in out
+    g(4096, 8192, 12288)
+    assert rt.log[-1][0] == "gemm_tf32_small_v1_nn"
+    # a misaligned pointer at launch -> engine 3, said once
+    g = mm.gemm_build(rt, 4, False, True, M=64, N=64, K=64, batch=2, strideA=4096, strideB=4096, strideC=4096)
+    g(4096, 8192, 12288)
+    assert rt.log[-1][0].startswith("gemm_tf32_e4_") and rt.log[-1][1][2] == 2
+    g(4096, 8196, 12288)
+    g(4096, 8196, 12288)
+    assert rt.log[-1][0] == "gemm_tf32_small_v1_nt"
+    assert capsys.readouterr().out.count("gemm engine 4: pointers not 16-byte aligned") == 1
+    # split-K: main kernel then the reduce; every config it builds can be forced
+    g = mm.gemm_build(rt, 4, True, False, M=768, N=768, K=4096, beta=1.0, config="big", splits=3)
+    g(4096, 8192, 12288)
+    assert rt.log[-2][0] == "gemm_tf32_e4_big_tn" and rt.log[-2][1] == (6, 3, 3)
+    assert rt.log[-1][0] == "gemm_splitk_reduce"
+    for cfg in mm.E4_CONFIGS:
+        mm.gemm_build(rt, 4, False, True, M=256, N=256, K=64, config=cfg)(4096, 8192, 12288)
+        assert rt.log[-1][0] == f"gemm_tf32_e4_{cfg}_nt"
+    with pytest.raises(LLMCError, match="engine 4 has no TF32 config 'mid8'"):
+        mm.gemm_build(rt, 4, False, True, M=256, N=256, K=64, config="mid8")
+    # row steps are 32-bit byte counts in its loader: huge leading dims go to engine 3
+    assert "2^24" in mm._gemm_check(4, False, False, 4, 4, 4, 1, 1 << 24, 4, 4, 0, 0, 0)
+    assert mm._gemm_check(2, False, False, 4, 4, 4, 1, 1 << 24, 4, 4, 0, 0, 0) is None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -321,16 +367,17 @@ GEMM_CASES = [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("engine", [1, 2, 3])
+@pytest.mark.parametrize("engine", [1, 2, 3, 4])
 @pytest.mark.parametrize("lay", ["nn", "nt", "tn", "tt"])
 @pytest.mark.parametrize("case", GEMM_CASES, ids=lambda c: "x".join(map(str, c[:4])) + ("p" if c[4] else ""))
 @pytest.mark.parametrize("integers", [False, True], ids=["random", "ints"])
 def test_gemm_gpu(rt, rng, engine, lay, case, integers):
     from llmc.testing import poison
     M, N, K, batch, padded, kw = case
-    if M * N * K * batch > 2e8 and (engine, lay) not in ((2, "nt"), (2, "nn"), (2, "tn"), (1, "nt")):
-        pytest.skip("full size: engine 2's trainer layouts and one SIMT layout (the float64 reference is slow)")
-    if engine != 2 and kw:
+    if M * N * K * batch > 2e8 and (engine, lay) not in ((2, "nt"), (2, "nn"), (2, "tn"), (4, "nt"), (4, "nn"),
+                                                         (4, "tn"), (1, "nt")):
+        pytest.skip("full size: engines 2 and 4's trainer layouts and one SIMT layout (the float64 reference is slow)")
+    if engine not in (2, 4) and kw:
         kw = {}
     transA, transB = lay[0] == "t", lay[1] == "t"
     ra, ca = (K, M) if transA else (M, K)
@@ -346,7 +393,7 @@ def test_gemm_gpu(rt, rng, engine, lay, case, integers):
     B = np.stack([Bbuf[b * sB: b * sB + rb * ldb].reshape(rb, ldb)[:, :cb] for b in range(batch)])
     Cin = np.stack([C0[b * sC: b * sC + M * ldc].reshape(M, ldc)[:, :N] for b in range(batch)])
     d_A, d_B, d_C, d_bias = rt.to_device(Abuf), rt.to_device(Bbuf), rt.empty((batch * sC,)), rt.to_device(bias)
-    tf32 = engine in (2, 3)
+    tf32 = engine in (2, 3, 4)
     for alpha, beta, has_bias in [(1.0, 0.0, False), (0.5, -2.0, True)]:
         ref = mm.gemm_ref(A.astype(np.float64), B.astype(np.float64), Cin.astype(np.float64), transA, transB,
                           alpha, beta, bias.astype(np.float64) if has_bias else None)
@@ -368,12 +415,67 @@ def test_gemm_gpu(rt, rng, engine, lay, case, integers):
 
 
 @pytest.mark.gpu
-def test_gemm_misaligned_pointer_falls_back(rt, rng, capsys):
+@pytest.mark.parametrize("engine", [2, 4])
+def test_gemm_misaligned_pointer_falls_back(rt, rng, capsys, engine):
     M, N, K = 64, 32, 48
     A, B = rnd(rng, M * K + 1), rnd(rng, K * N)
     d_A, d_B, d_C = rt.to_device(A), rt.to_device(B), rt.empty((M * N,))
-    g = mm.gemm_build(rt, 2, False, False, M, N, K)
+    g = mm.gemm_build(rt, engine, False, False, M, N, K)
     g(d_C, d_A.view(1, (M * K,)), d_B)
     assert "using engine 3" in capsys.readouterr().out
     tf32_close(d_C.get().reshape(M, N), A[1:].astype(np.float64).reshape(M, K) @ B.astype(np.float64).reshape(K, N),
                "gemm misaligned")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", mm.E4_CONFIGS)
+@pytest.mark.parametrize("lay", ["nn", "nt", "tn", "tt"])
+@pytest.mark.parametrize("integers", [False, True], ids=["random", "ints"])
+def test_gemm_engine4_every_config_gpu(rt, rng, cfg, lay, integers):
+    """Every tile config engine 4 builds, in every layout, forced (the planner picks only some of
+    them): edges in M, N and K, batched, padded leading dims, split-K, bias; against float64, and
+    equal to engine 2 on small integers (both exact)."""
+    from llmc.testing import poison
+    M, N, K, batch, pad = 200, 300, 170, 2, 4
+    transA, transB = lay[0] == "t", lay[1] == "t"
+    ra, ca = (K, M) if transA else (M, K)
+    rb, cb = (N, K) if transB else (K, N)
+    lda, ldb, ldc = ca + pad, cb + pad, N + pad
+    sA, sB, sC = ra * lda + 32, rb * ldb + 32, M * ldc + 32
+    mk = ints if integers else rnd
+    Abuf, Bbuf, C0, bias = mk(rng, batch * sA), mk(rng, batch * sB, scale=K ** -0.5), mk(rng, batch * sC), mk(rng, N)
+    A = np.stack([Abuf[b * sA: b * sA + ra * lda].reshape(ra, lda)[:, :ca] for b in range(batch)])
+    B = np.stack([Bbuf[b * sB: b * sB + rb * ldb].reshape(rb, ldb)[:, :cb] for b in range(batch)])
+    Cin = np.stack([C0[b * sC: b * sC + M * ldc].reshape(M, ldc)[:, :N] for b in range(batch)])
+    d_A, d_B, d_C, d_bias = rt.to_device(Abuf), rt.to_device(Bbuf), rt.empty((batch * sC,)), rt.to_device(bias)
+    for splits, alpha, beta, has_bias in [(1, 1.0, 0.0, True), (2, 0.5, -2.0, False), (1, 0.5, 1.0, True)]:
+        ref = mm.gemm_ref(A.astype(np.float64), B.astype(np.float64), Cin.astype(np.float64), transA, transB,
+                          alpha, beta, bias.astype(np.float64) if has_bias else None)
+        outs = []
+        for engine in (4, 2):
+            g = mm.gemm_build(rt, engine, transA, transB, M, N, K, batch=batch, lda=lda, ldb=ldb, ldc=ldc,
+                              strideA=sA, strideB=sB, strideC=sC, alpha=alpha, beta=beta, has_bias=has_bias,
+                              config=cfg, splits=splits)
+            if beta == 0.0:
+                poison(d_C)
+            else:
+                d_C.set(C0)
+            g(d_C, d_A, d_B, d_bias if has_bias else None)
+            Cout = d_C.get()
+            got = np.stack([Cout[b * sC: b * sC + M * ldc].reshape(M, ldc)[:, :N] for b in range(batch)])
+            outs.append(got)
+            check(got, ref, True, f"gemm {engine} {cfg} {lay} splits={splits} beta={beta}", exact=integers)
+            if beta != 0.0:  # the padding between rows/batches is never written
+                mask = np.ones(batch * sC, bool)
+                for b in range(batch):
+                    mask[b * sC: b * sC + M * ldc].reshape(M, ldc)[:, :N] = False
+                assert np.array_equal(Cout[mask], C0[mask]), f"gemm {engine} {cfg} {lay} wrote outside C"
+        if integers:
+            assert np.array_equal(outs[0], outs[1]), "engines 4 and 2 differ on exact inputs"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant,engine", [(6, 2), (7, 4)])
+def test_forward_variant_runs_on_its_engine(rt, variant, engine):
+    launch = ops.get("matmul_forward").build(rt, variant, N=256, C=64, OC=128, has_bias=True)
+    assert launch.plan[0] == engine

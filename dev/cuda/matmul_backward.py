@@ -2,13 +2,15 @@
 
     python dev/cuda/matmul_backward.py            # every variant at the trainer's shapes, + cuBLAS TF32
     python dev/cuda/matmul_backward.py 2          # one variant of matmul_backward (bias variants always run)
+    python dev/cuda/matmul_backward.py 2 3        # GEMM engines 2 and 4 side by side
     python dev/cuda/matmul_backward.py --quick    # fewer repeats, no per-GEMM config sweep
 
 Shapes: GPT-2 124M at B=4, T=1024 (N = 4096 rows), per linear layer (C -> OC): qkv 768->2304,
 attproj 768->768, fc 768->3072, fcproj 3072->768, lm head 768->50304. matmul_backward does
 4*N*C*OC flops (two GEMMs): dinp (N,C) = dout (N,OC) @ weight (OC,C) [nn, K=OC] and
-dweight (OC,C) += dout^T @ inp [tn, K=N=4096, accumulate]. The TF32 variant is also broken down
-into its two GEMMs, each swept over the engine's tile configs (and split-K for dweight).
+dweight (OC,C) += dout^T @ inp [tn, K=N=4096, accumulate]. The TF32 variants (2: engine 2, 3: engine
+4) are also broken down into their two GEMMs, each swept over the engine's tile configs (and split-K
+for dweight).
 matmul_backward_bias reads N*OC floats once: judged in GB/s against 2.98 TB/s.
 """
 import sys, pathlib; sys.path[:0] = [str(pathlib.Path(__file__).resolve().parents[2]), str(pathlib.Path(__file__).resolve().parent)]  # noqa: E401,E702
@@ -26,6 +28,7 @@ bspec = llmc.ops.get("matmul_backward_bias")
 B, T, C, Vp = 4, 1024, 768, 50304
 N = B * T
 rng = np.random.default_rng(0)
+TF32 = {2: 2, 3: 4}  # TF32 variant -> its GEMM engine
 
 try:
     import torch
@@ -62,28 +65,31 @@ for name, Cin, OC in SHAPES:
         launch = spec.build(rt, n, N=N, C=Cin, OC=OC)
         fn = (lambda launch=launch: launch(d_dinp, d_dw, d_dout, d_inp, d_w))
         label = f"{n} {name}"
-        a1, r1 = tolerances(n == 2, dinp_ref)
-        a2, r2 = tolerances(n == 2, dw_ref)
+        a1, r1 = tolerances(n in TF32, dinp_ref)
+        a2, r2 = tolerances(n in TF32, dw_ref)
         L.validate(label, fn, outputs={"dinp": d_dinp, "dweight": d_dw}, refs={"dinp": dinp_ref, "dweight": dw_ref},
                    atol=max(a1, a2), rtol=max(r1, r2), init={"dweight": dw0})
         plan = getattr(launch, "plan", None)
         bs = "/".join(f"{p[1]}.s{p[2]}" for p in plan) if plan and plan[0] else None
-        ms = L.time(label, fn, block_size=bs, flops=flops, ceiling="tf32" if n == 2 else "fp32")
+        ms = L.time(label, fn, block_size=bs, flops=flops, ceiling="tf32" if n in TF32 else "fp32")
         summary.append((name, f"{n}", ms, flops / ms / 1e9))
-    # the TF32 variant's two GEMMs on their own, over tile configs / split-K
-    if 2 in L.selected(spec) and not L.args.quick:
+    # the TF32 variants' two GEMMs on their own, over tile configs / split-K
+    for n, engine in TF32.items():
+        if n not in L.selected(spec) or L.args.quick:
+            continue
+        cfgs_all = mm.TF32_CONFIGS if engine == 2 else mm.E4_CONFIGS
         sweeps = [("dinp", False, False, N, Cin, OC, 0.0, d_dinp, d_dout, d_w,
-                   [(c, 1) for c in mm.TF32_CONFIGS]),
+                   [(c, 1) for c in cfgs_all]),
                   ("dweight", True, False, OC, Cin, N, 1.0, d_dw, d_dout, d_inp,
                    [(c, s) for c in ("big", "mid", "small") for s in (1, 2, 3, 4, 6)])]
         for gname, tA, tB, M_, N_, K_, beta, dC, dA, dB, cfgs in sweeps:
             for cfg, s in [(None, None)] + cfgs:
-                g = mm.gemm_build(rt, 2, tA, tB, M_, N_, K_, beta=beta, config=cfg, splits=s)
-                lbl = f"gemm2 {name} {gname}"
+                g = mm.gemm_build(rt, engine, tA, tB, M_, N_, K_, beta=beta, config=cfg, splits=s)
+                lbl = f"gemm{engine} {name} {gname}"
                 ms = L.time(lbl, (lambda g=g, dC=dC, dA=dA, dB=dB: g(dC, dA, dB)),
                             block_size=f"{g.plan[1]}/s{g.plan[2]}" + ("" if cfg else " (plan)"),
                             flops=2 * M_ * N_ * K_, ceiling="tf32")
-                summary.append((f"{name} {gname}", f"{g.plan[1]}/s{g.plan[2]}" + ("" if cfg else "*"), ms,
+                summary.append((f"{name} {gname}", f"e{engine} {g.plan[1]}/s{g.plan[2]}" + ("" if cfg else "*"), ms,
                                 2 * M_ * N_ * K_ / ms / 1e9))
     if HAVE_TORCH:
         td, ti, tw = (torch.from_numpy(a).cuda() for a in (dout, inp, weight))

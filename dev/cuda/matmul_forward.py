@@ -2,32 +2,128 @@
 
     python dev/cuda/matmul_forward.py             # every variant at the trainer's shapes, + cuBLAS TF32
     python dev/cuda/matmul_forward.py 6           # one variant (its tile configs swept too)
+    python dev/cuda/matmul_forward.py 6 7         # GEMM engines 2 and 4 side by side
     python dev/cuda/matmul_forward.py --quick     # fewer repeats, planner's tile config only
+    python dev/cuda/matmul_forward.py --sass      # no GPU: SASS instructions per HMMA in the main loop,
+                                                  # engines 2 and 4, every tile config and layout
 
 Shapes: GPT-2 124M at B=4, T=1024 (N = 4096 rows): qkv 768->2304, attproj 768->768, fc 768->3072,
 fcproj 3072->768, lm head 768->50304 (no bias); then the attention GEMMs (batch B*NH = 48, T=1024,
-hs=64) on GEMM engines 1 and 2: q@k^T (nt, K=64), att@v (nn, K=1024) and the backward's
+hs=64) on GEMM engines 1, 2 and 4: q@k^T (nt, K=64), att@v (nn, K=1024) and the backward's
 datt=dy@v^T (nt), dv=att^T@dy (tn), dq=datt@k (nn), dk=datt^T@q (tn).
 Each row: median ms (L2 flushed), TFLOP/s vs the fp32 (51) or tf32 (377) ceiling; the summary at the
 end gives each variant as a fraction of cuBLAS TF32 (torch, allow_tf32) at the same shape.
 The variants 1-3 are skipped at the lm-head shape unless named (they take seconds there).
 First of all, a probe times mma.sync m16n8k8 TF32 with no memory traffic: the ceiling of any
 mma.sync kernel on this GPU (cuBLAS uses Hopper's wgmma instead).
+The rounding experiment ("truncate") builds engines 2 and 4 feeding raw fp32 bits to the tensor
+cores: what the one-IADD-per-register tf32 rounding costs (a third of engine 4's loop instructions).
 """
 import sys, pathlib; sys.path[:0] = [str(pathlib.Path(__file__).resolve().parents[2]), str(pathlib.Path(__file__).resolve().parent)]  # noqa: E401,E702
-import lab  # noqa: E402
+import collections  # noqa: E402
+import re  # noqa: E402
+import subprocess  # noqa: E402
 
 import numpy as np  # noqa: E402
 
 import llmc.ops  # noqa: E402
 from llmc.ops import matmul as mm  # noqa: E402
 
+# ----------------------------------------------------------------------------------------------
+# --sass: instruction counts of the TF32 engines' main loops, from the cubin (nvcc + cuobjdump, no GPU)
+
+
+def sass_steady_loop(sass: str) -> collections.Counter:
+    """Opcodes issued by one warp in one trip of the k-tile loop (the loop holding the HMMAs), along
+    its steady-state path: of the paths from the loop head to the back edge, those that issue the
+    most LDGSTS (the next k-tile is loaded), the shortest (interior tiles: no zero-fill arithmetic)."""
+    ins = [(int(m.group(1), 16), m.group(2).strip())
+           for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
+    opc = lambda t: re.sub(r"^@!?U?P\w+\s+", "", t).split()[0]  # noqa: E731
+    best = None
+    for addr, text in ins:
+        m = re.search(r"BRA (0x[0-9a-f]+)", text)
+        if not (m and int(m.group(1), 16) < addr):
+            continue
+        lo, hi = int(m.group(1), 16), addr
+        body = [(a, t) for a, t in ins if lo <= a <= hi]
+        if not any(opc(t).startswith("HMMA") for _, t in body):
+            continue
+        starts = {lo} | {int(x, 16) for _, t in body for x in re.findall(r"BRA (0x[0-9a-f]+)", t)}
+        starts |= {body[k + 1][0] for k, (_, t) in enumerate(body[:-1]) if "BRA" in t}
+        blocks, cur = [], []
+        for a, t in body:
+            if a in starts and cur:
+                blocks.append(cur)
+                cur = []
+            cur.append((a, t))
+        blocks.append(cur)
+        index = {b[0][0]: k for k, b in enumerate(blocks)}
+
+        def succ(k):
+            last = blocks[k][-1][1]
+            m2 = re.search(r"BRA (0x[0-9a-f]+)", last)
+            out = []
+            if m2:
+                tgt = int(m2.group(1), 16)
+                out.append("end" if tgt == lo else index.get(tgt))
+                if last.startswith("@") and k + 1 < len(blocks):
+                    out.append(k + 1)
+            else:
+                out.append(k + 1 if k + 1 < len(blocks) else "end")
+            return [o for o in out if o is not None]
+
+        paths = []
+
+        def walk(k, path):
+            if k == "end":
+                paths.append([opc(t) for j in path for _, t in blocks[j]])
+            elif k not in path:
+                for s_ in succ(k):
+                    walk(s_, path + [k])
+        walk(0, [])
+        for p_ in paths:
+            key = (sum(o.startswith("LDGSTS") for o in p_), -len(p_))
+            if best is None or key > best[0]:
+                best = (key, collections.Counter(p_))
+    return best[1]
+
+
+def sass_report():
+    from llmc.runtime import compile_cubin
+    print("## TF32 engines: SASS instructions per warp per k-tile (main loop, steady state) / HMMA")
+    for arch in ("sm_90", "sm_80"):
+        cubin, _ = compile_cubin("matmul", arch)
+        print(f"\n### {arch} ({cubin.name})\n")
+        print("| config | layout | engine 2 | per HMMA | engine 4 | per HMMA | change | engine 4: LDSM / LDS.128 / LDGSTS |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+        for cfg in mm.E4_CONFIGS:
+            for lay in ("nn", "nt", "tn", "tt"):
+                counts = []
+                for fn in (f"gemm_tf32_{cfg}_v4_{lay}", f"gemm_tf32_e4_{cfg}_{lay}"):
+                    sass = subprocess.run(["cuobjdump", "-sass", "-fun", fn, str(cubin)], capture_output=True,
+                                          text=True, check=True).stdout
+                    c = sass_steady_loop(sass)
+                    counts.append((sum(c.values()), c["HMMA.1688.F32.TF32"], c))
+                (n2, h2, _), (n4, h4, c4) = counts
+                ldg = sum(v for k, v in c4.items() if k.startswith("LDGSTS"))
+                print(f"| {cfg} | {lay} | {n2} | {n2 / h2:.2f} | {n4} | {n4 / h4:.2f} | {100 * (n4 - n2) / n2:+.0f}% "
+                      f"| {c4['LDSM.16.M88.4']} / {c4['LDS.128']} / {ldg} |")
+
+
+if "--sass" in sys.argv:
+    sass_report()
+    sys.exit(0)
+
+import lab  # noqa: E402
+
 L = lab.Lab("matmul_forward")
 rt = L.rt
 spec = llmc.ops.get("matmul_forward")
 B, T, C, NH, Vp = 4, 1024, 768, 12, 50304
 N, hs = B * T, C // NH
-TF32 = {5, 6}
+TF32 = {5, 6, 7}
+SWEEP = {6: list(mm.TF32_CONFIGS), 7: list(mm.E4_CONFIGS)}  # tile configs each engine variant builds
 rng = np.random.default_rng(0)
 
 try:
@@ -81,7 +177,7 @@ for name, Cin, OC, has_bias in SHAPES:
         if n <= 3 and name == "lmhead" and not L.args.variants:
             print(f"  variant {n}: skipped at the lm-head shape (name it to run it)")
             continue
-        sweep = [None] + (list(mm.TF32_CONFIGS) if n == 6 and not L.args.quick else [])
+        sweep = [None] + (SWEEP.get(n, []) if not L.args.quick else [])
         for cfg in sweep:
             launch = spec.build(rt, n, N=N, C=Cin, OC=OC, has_bias=has_bias, block_size=cfg)
             fn = (lambda launch=launch: launch(d_out, d_inp, d_w, bias_arg))
@@ -95,14 +191,16 @@ for name, Cin, OC, has_bias in SHAPES:
             ms = L.time(label if cfg is None else f"{label} {cfg}", fn, block_size=bs, flops=flops,
                         ceiling="tf32" if n in TF32 else "fp32")
             summary.append((name, f"{n}" + (f" {cfg}" if cfg else ""), ms, flops / ms / 1e9))
-    if 6 in L.selected(spec) and not L.args.quick and name in ("qkv", "fc", "lmhead"):
+    for n, engine in ((6, 2), (7, 4)):
+        if n not in L.selected(spec) or L.args.quick or name not in ("qkv", "fc", "lmhead"):
+            continue
         # experiment: what does rounding to tf32 (one integer add per fragment element) cost?
-        g = mm.gemm_build(rt, 2, False, True, M=N, N=OC, K=Cin, has_bias=has_bias, truncate=True)
+        g = mm.gemm_build(rt, engine, False, True, M=N, N=OC, K=Cin, has_bias=has_bias, truncate=True)
         fn = (lambda g=g: g(d_out, d_inp, d_w, bias_arg))
         atol, rtol = tolerances(True, ref)
-        L.validate(f"6 {name} truncate", fn, outputs={"out": d_out}, refs={"out": ref}, atol=2 * atol, rtol=2 * rtol)
-        ms = L.time(f"6 {name} truncate", fn, block_size=f"{g.plan[1]}/s{g.plan[2]}", flops=flops, ceiling="tf32")
-        summary.append((name, "6 trunc", ms, flops / ms / 1e9))
+        L.validate(f"{n} {name} truncate", fn, outputs={"out": d_out}, refs={"out": ref}, atol=2 * atol, rtol=2 * rtol)
+        ms = L.time(f"{n} {name} truncate", fn, block_size=f"{g.plan[1]}/s{g.plan[2]}", flops=flops, ceiling="tf32")
+        summary.append((name, f"{n} trunc", ms, flops / ms / 1e9))
     if HAVE_TORCH:
         ti, tw, tb = (torch.from_numpy(a).cuda() for a in (inp, weight, bias))
         to = torch.empty((N, OC), device="cuda")
@@ -132,7 +230,7 @@ for name, tA, tB, M_, N_, K_, ashape, bshape, alpha in ATT:
                       A, Bm)
     d_A, d_B, d_C = rt.to_device(A), rt.to_device(Bm), rt.empty((BH, M_, N_))
     flops = 2 * BH * M_ * N_ * K_
-    for engine in (1, 2):
+    for engine in (1, 2, 4):
         g = mm.gemm_build(rt, engine, tA, tB, M_, N_, K_, batch=BH, strideA=ashape[0] * ashape[1],
                           strideB=bshape[0] * bshape[1], strideC=M_ * N_, alpha=alpha)
         fn = (lambda g=g: g(d_C, d_A, d_B))

@@ -67,6 +67,9 @@ GEMM_VARIANTS = {
        "split-K when the grid is short, epilogue staged through smem (needs leading dims, strides % 4 == 0, "
        "16-byte aligned pointers)",
     3: "TF32 like 2 but 4-byte cp.async and 64x64 tiles: any shape and alignment (engine 2's fallback)",
+    4: "TF32 like 2 with K-major fragments through ldmatrix.x4 and a leaner cp.async loader: ~2.9-3.0 "
+       "instructions per mma in the main loop instead of 4.1-4.7 (same tiles, planner, split-K, epilogue; "
+       "same alignment needs, engine 3 as its fallback)",
 }
 
 # TF32 tile configurations: name -> (BM, BN, threads, pipeline stages, CTAs per SM, efficiency).
@@ -79,6 +82,10 @@ TF32_CONFIGS = {
     "mid8": (128, 128, 256, 3, 2, 0.95),
     "small": (64, 64, 128, 3, 4, 0.82),
 }
+# warp tile (WM, WN) of each config (cuda/matmul.cu); engine 4 builds all but mid8 (it spilled at 128
+# registers). tests/test_matmul_layout.py checks engine 4's index formulas for every one of these.
+TF32_WARP_TILES = {"big": (64, 64), "big4": (64, 64), "mid": (64, 64), "mid8": (64, 32), "small": (32, 32)}
+E4_CONFIGS = ("big", "big4", "mid", "small")
 SM_FLOPS = 1.3e12    # per-SM rate of "mid" with two CTAs resident (170 TFLOP/s over 132 SMs)
 LONE_CTA = 0.65      # a 4-warp CTA alone on an SM gets this fraction of it (8-warp CTAs: all)
 TILE_OVERHEAD = 3    # pipeline fill + epilogue, in k-tiles
@@ -87,8 +94,14 @@ DRAM_BPS = 2.5e12    # bytes/s for the split-K second pass
 
 def gemm_variant_for(matmul_variant: int) -> int:
     """The GEMM engine that goes with a --matmul-kernel number (attention uses it): the SIMT engine
-    for the fp32 variants 1-4, the TF32 engine for the tensor-core variants 5+."""
-    return 1 if matmul_variant <= 4 else 2
+    for the fp32 variants 1-4, TF32 engine 2 for the tensor-core variants 5 and 6, engine 4 for 7."""
+    return 1 if matmul_variant <= 4 else 2 if matmul_variant <= 6 else 4
+
+
+def gemm_variant_for_backward(matmul_backward_variant: int) -> int:
+    """The GEMM engine that goes with a --matmul-backward-kernel number (attention's backward uses
+    it): variants 1 and 2 run on engines 1 and 2, variant 3 on engine 4."""
+    return {1: 1, 2: 2, 3: 4}.get(matmul_backward_variant, matmul_backward_variant)
 
 
 def _ptr(x) -> int:
@@ -102,11 +115,13 @@ def _layout(transA: bool, transB: bool) -> str:
 def _gemm_check(variant, transA, transB, M, N, K, batch, lda, ldb, ldc, strideA, strideB, strideC):
     """Reason string when engine `variant` cannot take this GEMM (pointer alignment is checked at
     launch), else None."""
-    if variant == 2:
+    if variant in (2, 4):
         odd = [f"{n}={v}" for n, v in (("lda", lda), ("ldb", ldb), ("ldc", ldc), ("strideA", strideA),
                                        ("strideB", strideB), ("strideC", strideC)) if v % 4]
         if odd:
             return "16-byte copies need leading dims and batch strides % 4 == 0, have " + ", ".join(odd)
+    if variant == 4 and max(lda, ldb) >= 1 << 24:  # its loader keeps row steps in 32-bit byte counts
+        return f"leading dims must be < 2^24 (lda={lda}, ldb={ldb})"
     return None
 
 
@@ -116,8 +131,8 @@ def gemm_build(rt, variant: int, transA: bool, transB: bool, M: int, N: int, K: 
                splits: int | None = None, truncate: bool = False):
     """Build C[b] = alpha * op(A[b]) @ op(B[b]) + beta * C[b] (+ bias[n]) for b < batch.
     Returns launch(C, A, B, bias=None) taking DevArrays (or raw device pointers).
-    A refused engine falls back (2 -> 3 -> 1 never needed: 3 and 1 take anything) with one printed
-    line. `config` ("big"/"mid"/"small") and `splits` override the TF32 planner (the lab sweeps them);
+    A refused engine falls back (2 or 4 -> 3; 3 and 1 take anything) with one printed line.
+    `config` ("big"/"mid"/"small"...) and `splits` override the TF32 planner (the lab sweeps them);
     `truncate` feeds unrounded fp32 to the tensor cores (a lab experiment, not used by the trainer)."""
     if variant not in GEMM_VARIANTS:
         raise LLMCError(f"gemm: no engine {variant}; have {', '.join(map(str, GEMM_VARIANTS))}")
@@ -133,14 +148,14 @@ def gemm_build(rt, variant: int, transA: bool, transB: bool, M: int, N: int, K: 
                  strideA=strideA, strideB=strideB, strideC=strideC)
     reason = _gemm_check(variant, **shape)
     if reason:
-        fb = 3 if variant == 2 else 1
+        fb = 3 if variant in (2, 4) else 1
         print(f"gemm engine {variant} refuses M={M} N={N} K={K} {_layout(transA, transB)} ({reason}); "
               f"falling back to engine {fb} ({GEMM_VARIANTS[fb].split(',')[0]})")
         variant = fb
     if variant == 1:
         return _gemm_simt(rt, alpha=alpha, beta=beta, has_bias=has_bias, **shape)
-    return _gemm_tf32(rt, vec=4 if variant == 2 else 1, alpha=alpha, beta=beta, has_bias=has_bias,
-                      config=config, splits=splits, truncate=truncate, **shape)
+    return _gemm_tf32(rt, vec=1 if variant == 3 else 4, alpha=alpha, beta=beta, has_bias=has_bias,
+                      config=config, splits=splits, truncate=truncate, engine=variant, **shape)
 
 
 def _gemm_simt(rt, transA, transB, M, N, K, batch, lda, ldb, ldc, strideA, strideB, strideC,
@@ -155,15 +170,17 @@ def _gemm_simt(rt, transA, transB, M, N, K, batch, lda, ldb, ldc, strideA, strid
     return launch
 
 
-def _tf32_plan(sm_count, M, N, K, batch, vec, layout="nn"):
+def _tf32_plan(sm_count, M, N, K, batch, vec, layout="nn", engine=2):
     """Pick (config, splits) minimising a wave-quantised time estimate. c = CTAs resident per SM
     (<= the config's occupancy, fewer when the grid is short); the grid runs in ceil(ctas / (sm*c))
     rounds of c CTAs per SM; a 4-warp CTA alone on an SM runs at LONE_CTA of the SM's rate.
-    Split-K adds a pass that reads the partials once and writes C."""
+    Split-K adds a pass that reads the partials once and writes C. Engine 4 uses engine 2's
+    (measured) efficiencies over the configs it builds, until it has been measured itself."""
     KT = -(-K // 32)
     best = None
     for name, (BM, BN, threads, _, occ, eff) in TF32_CONFIGS.items():
-        if (vec == 1 and name != "small") or (name == "mid8" and layout == "tn"):
+        if (vec == 1 and name != "small") or (name == "mid8" and layout == "tn") or \
+                (engine == 4 and name not in E4_CONFIGS):
             continue
         tiles = -(-M // BM) * -(-N // BN) * batch
         for s in (1, 2, 3, 4, 6, 8):
@@ -184,13 +201,17 @@ def _tf32_plan(sm_count, M, N, K, batch, vec, layout="nn"):
 
 
 def _gemm_tf32(rt, vec, transA, transB, M, N, K, batch, lda, ldb, ldc, strideA, strideB, strideC,
-               alpha, beta, has_bias, config=None, splits=None, truncate=False):
+               alpha, beta, has_bias, config=None, splits=None, truncate=False, engine=None):
+    engine = engine or (2 if vec == 4 else 3)
     lay = _layout(transA, transB)
-    plan_cfg, plan_splits = _tf32_plan(rt.sm_count, M, N, K, batch, vec, lay)
+    plan_cfg, plan_splits = _tf32_plan(rt.sm_count, M, N, K, batch, vec, lay, engine)
     config = config or plan_cfg
     if vec == 1:
         config = "small"
-    if config not in TF32_CONFIGS or (config == "mid8" and lay == "tn"):
+    if engine == 4:
+        if config not in E4_CONFIGS:
+            raise LLMCError(f"gemm: engine 4 has no TF32 config {config!r}; have {', '.join(E4_CONFIGS)}")
+    elif config not in TF32_CONFIGS or (config == "mid8" and lay == "tn"):
         raise LLMCError(f"gemm: no TF32 config {config!r} for layout {lay}; have {', '.join(TF32_CONFIGS)} "
                         f"(mid8: not tn)")
     BM, BN, threads, stages, _, _ = TF32_CONFIGS[config]
@@ -198,9 +219,9 @@ def _gemm_tf32(rt, vec, transA, transB, M, N, K, batch, lda, ldb, ldc, strideA, 
     splits = max(1, min(splits or plan_splits, KT))
     kts = -(-KT // splits)
     splits = -(-KT // kts)
-    engine = 2 if vec == 4 else 3
     argt = "PPPPPiiiiiiqqqffiii"
-    k = rt.kernel(MODULE, f"gemm_tf32_{config}_v{vec}_{lay}", argt, label=f"gemm {engine} ({config})",
+    name = f"gemm_tf32_e4_{config}_{lay}" if engine == 4 else f"gemm_tf32_{config}_v{vec}_{lay}"
+    k = rt.kernel(MODULE, name, argt, label=f"gemm {engine} ({config})",
                   defines={"MATMUL_TF32_TRUNCATE": 1} if truncate else None)
     smem = stages * (BM + BN) * 32 * 4
     k.set_max_dynamic_smem(smem)
@@ -224,7 +245,7 @@ def _gemm_tf32(rt, vec, transA, transB, M, N, K, batch, lda, ldb, ldc, strideA, 
         c, a, b, bi = _ptr(C), _ptr(A), _ptr(B), _ptr(bias)
         if fallback is not None and (c | a | b) & 15:
             if fallback[0] is None:
-                print(f"gemm engine 2: pointers not 16-byte aligned (C=0x{c:x} A=0x{a:x} B=0x{b:x}); "
+                print(f"gemm engine {engine}: pointers not 16-byte aligned (C=0x{c:x} A=0x{a:x} B=0x{b:x}); "
                       f"using engine 3 for this GEMM")
                 fallback[0] = _gemm_tf32(rt, 1, transA, transB, M, N, K, batch, lda, ldb, ldc, strideA,
                                          strideB, strideC, alpha, beta, has_bias)
@@ -289,6 +310,15 @@ def matmul_forward6(rt, N, C, OC, has_bias=True, block_size=None):
     return launch
 
 
+def matmul_forward7(rt, N, C, OC, has_bias=True, block_size=None):
+    gemm = gemm_build(rt, 4, False, True, M=N, N=OC, K=C, has_bias=has_bias, config=block_size)
+
+    def launch(out, inp, weight, bias=None):
+        gemm(out, inp, weight, bias)
+    launch.plan = gemm.plan
+    return launch
+
+
 def _need_c4(N, C, OC, **_):
     if C % 4 or OC % 4:
         return f"float4 loads/stores need C % 4 == 0 and OC % 4 == 0 (C={C}, OC={OC})"
@@ -299,8 +329,12 @@ def _need_c4_in(N, C, OC, **_):
     return f"float4 loads need C % 4 == 0 (C={C})" if C % 4 else None
 
 
-def _fwd_engine_check(N, C, OC, **_):
-    return _gemm_check(2, False, True, N, OC, C, 1, C, C, OC, 0, 0, 0)
+def _fwd_engine_check(N, C, OC, engine=2, **_):
+    return _gemm_check(engine, False, True, N, OC, C, 1, C, C, OC, 0, 0, 0)
+
+
+def _fwd_engine4_check(N, C, OC, **_):
+    return _fwd_engine_check(N, C, OC, engine=4)
 
 
 def matmul_forward_cpu(N, C, OC, has_bias=True, **_):
@@ -329,9 +363,13 @@ def _matmul_backward_engine(engine):
     return build
 
 
-def _bwd_engine_check(N, C, OC, **_):
-    return (_gemm_check(2, False, False, N, C, OC, 1, OC, C, C, 0, 0, 0)
-            or _gemm_check(2, True, False, OC, C, N, 1, OC, C, C, 0, 0, 0))
+def _bwd_engine_check(N, C, OC, engine=2, **_):
+    return (_gemm_check(engine, False, False, N, C, OC, 1, OC, C, C, 0, 0, 0)
+            or _gemm_check(engine, True, False, OC, C, N, 1, OC, C, C, 0, 0, 0))
+
+
+def _bwd_engine4_check(N, C, OC, **_):
+    return _bwd_engine_check(N, C, OC, engine=4)
 
 
 def matmul_backward_cpu(N, C, OC, **_):
@@ -414,11 +452,15 @@ OPS = [
         5: Variant(5, "TF32 tensor cores (mma.sync m16n8k8), 64x64 tiles, no pipelining", matmul_forward5, _need_c4_in),
         6: Variant(6, "TF32 GEMM engine 2: cp.async 3-stage, 128x256/128x128 tiles, 64x64 warp tiles, "
                       "swizzled smem, fused bias, float4 stores", matmul_forward6, _fwd_engine_check),
+        7: Variant(7, "TF32 GEMM engine 4: engine 2 with ldmatrix fragments and a leaner loader "
+                      "(fewer instructions per mma)", matmul_forward7, _fwd_engine4_check),
     }, default=6, flag="--matmul-kernel", doc="out(N,OC)= ; inp(N,C), weight(OC,C), bias(OC) or None"),
     OpSpec("matmul_backward", matmul_backward_cpu, {
         1: Variant(1, "SIMT: dinp and dweight on GEMM engine 1 (64x64 tiles)", _matmul_backward_engine(1)),
         2: Variant(2, "TF32: dinp and dweight on GEMM engine 2 (split-K for the K=N reduction)",
                    _matmul_backward_engine(2), _bwd_engine_check),
+        3: Variant(3, "TF32: dinp and dweight on GEMM engine 4 (ldmatrix fragments; split-K for dweight)",
+                   _matmul_backward_engine(4), _bwd_engine4_check),
     }, default=2, flag="--matmul-backward-kernel",
         doc="dinp(N,C)= ; dweight(OC,C)+= ; dout(N,OC), inp(N,C), weight(OC,C)"),
     OpSpec("matmul_backward_bias", matmul_backward_bias_cpu, {
