@@ -770,6 +770,9 @@ struct E4Loader {
 // acc[mi][ni][2h + c] is C at warp-tile row g*RPGA + 2mi + h, column (2t + c)*NI + ni. Each warp
 // parks its tile in shared memory, chunk ch of row `row` at (ch & ~7) | ((ch & 7) ^ hh),
 // hh = ((row / RPGA) & 1) | (((ch >> 3) & 1) << 1), and writes it back as whole row segments.
+// Engine 2's epilogue, as a function. Engine 2 keeps its inline copy for now: calling this from
+// gemm_tf32_body changes the SASS of 19 engine-2 kernels (scheduling), and engine 2 is the
+// measured default; merge the two once the GPU can re-validate and re-time engine 2.
 template <int WM, int WN>
 __device__ __forceinline__ void gemm_e4_store(float (&acc)[WM / 16][WN / 8][4], float* stg, float* C,
                                               const float* bias, float* W, int M, int N, int ldc, float alpha,
