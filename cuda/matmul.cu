@@ -10,11 +10,11 @@
 //   version 6: the TF32 GEMM engine (gemm engine 2): cp.async 3-stage pipeline, 128x256 / 128x128 /
 //              64x64 block tiles picked per shape, 64x64 warp tiles, swizzled smem, fused bias, float4
 //              stores staged through shared memory
-//   version 7: gemm engine 4: version 6 with ldmatrix fragments and a leaner loader (not yet run on a GPU)
+//   version 7: gemm engine 4: version 6 with ldmatrix fragments and a leaner loader (the default)
 // matmul_backward: dinp = dout @ weight (=), dweight += dout^T @ inp     (--matmul-backward-kernel)
 //   version 1: two GEMMs on gemm engine 1 (SIMT)
 //   version 2: two GEMMs on gemm engine 2 (TF32), split-K for the K=N*T reduction of dweight
-//   version 3: version 2 on gemm engine 4 (not yet run on a GPU)
+//   version 3: version 2 on gemm engine 4 (the default)
 // matmul_backward_bias: dbias(OC) += column sums of dout(N,OC)           (--matmul-backward-bias-kernel)
 //   version 1: one thread per column, walks all N rows (coalesced across the warp, few threads)
 //   version 2: 2-D blocks (32 columns x 8 row-lanes) over row chunks -> partials; a fixed-order

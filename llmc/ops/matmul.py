@@ -454,14 +454,14 @@ OPS = [
                       "swizzled smem, fused bias, float4 stores", matmul_forward6, _fwd_engine_check),
         7: Variant(7, "TF32 GEMM engine 4: engine 2 with ldmatrix fragments and a leaner loader "
                       "(fewer instructions per mma)", matmul_forward7, _fwd_engine4_check),
-    }, default=6, flag="--matmul-kernel", doc="out(N,OC)= ; inp(N,C), weight(OC,C), bias(OC) or None"),
+    }, default=7, flag="--matmul-kernel", doc="out(N,OC)= ; inp(N,C), weight(OC,C), bias(OC) or None"),
     OpSpec("matmul_backward", matmul_backward_cpu, {
         1: Variant(1, "SIMT: dinp and dweight on GEMM engine 1 (64x64 tiles)", _matmul_backward_engine(1)),
         2: Variant(2, "TF32: dinp and dweight on GEMM engine 2 (split-K for the K=N reduction)",
                    _matmul_backward_engine(2), _bwd_engine_check),
         3: Variant(3, "TF32: dinp and dweight on GEMM engine 4 (ldmatrix fragments; split-K for dweight)",
                    _matmul_backward_engine(4), _bwd_engine4_check),
-    }, default=2, flag="--matmul-backward-kernel",
+    }, default=3, flag="--matmul-backward-kernel",
         doc="dinp(N,C)= ; dweight(OC,C)+= ; dout(N,OC), inp(N,C), weight(OC,C)"),
     OpSpec("matmul_backward_bias", matmul_backward_bias_cpu, {
         1: Variant(1, "one thread per column over all rows", matmul_backward_bias1),
