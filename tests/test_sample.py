@@ -75,6 +75,47 @@ def test_top_k_never_outside_k():
             assert sample_token(logits, 1.5, k, rng) in allowed
 
 
+@pytest.mark.parametrize("V", [7, 300, 3001, 50257])
+def test_inverse_cdf_matches_float64(V):
+    """The two-level inverse CDF picks the index a float64 cumsum over the whole row picks (draws
+    within 1e-6 of a boundary excepted), zero weights never chosen."""
+    from llmc.sample import _inverse_cdf
+    rng = np.random.default_rng(V)
+    w = np.exp(rng.standard_normal(V) * 3).astype(np.float32)
+    w[rng.random(V) < 0.3] = 0.0
+    w[-1] = 0.0
+    cdf = np.cumsum(w.astype(np.float64))
+    checked = 0
+    for u in np.concatenate([rng.random(3000), [0.0, 1 - 1e-12]]):
+        j = _inverse_cdf(w, u)
+        assert w[j] > 0
+        t = u * cdf[-1]
+        ref = min(int(np.searchsorted(cdf, t, side="right")), V - 1)
+        while w[ref] == 0:
+            ref -= 1
+        if np.abs(cdf - t).min() > 1e-6 * cdf[-1]:
+            assert j == ref, (u, j, ref)
+            checked += 1
+    assert checked > 2900
+
+
+@pytest.mark.parametrize("V,k", [(300, None), (300, 17), (5000, None), (5000, 50)])
+def test_sampling_distribution(V, k):
+    """Frequencies of 20000 draws match softmax(logits / T) over the top k within 5 sigma."""
+    rng = np.random.default_rng(1)
+    logits = rng.standard_normal(V) * 2
+    T = 0.7
+    p = np.exp((logits - logits.max()) / T)
+    if k:
+        p[logits < np.sort(logits)[-k]] = 0
+    p /= p.sum()
+    n = 20000
+    counts = np.bincount([sample_token(logits, T, k, rng) for _ in range(n)], minlength=V)
+    f = counts / n
+    assert np.all(np.abs(f - p) <= 5 * np.sqrt(p * (1 - p) / n) + 2e-4)
+    assert np.all(counts[p == 0] == 0)
+
+
 def test_greedy_is_argmax():
     logits = np.array([0.1, 3.0, -2.0, 2.9])
     assert sample_token(logits, 0.0, None, np.random.default_rng(0)) == 1
