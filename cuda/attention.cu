@@ -432,13 +432,15 @@ extern "C" __global__ void unpermute_kernel2(float* dst, const float* src, int B
 }
 
 // ----------------------------------------------------------------------------------------------
-// decode: one new query per sequence at position pos over cached keys/values 0..pos.
+// decode: one new query per sequence at position pos over cached keys/values 0..pos. The decode
+// kernels read pos from device memory (posp), so that a CUDA graph captured once replays every step.
 // out (B, C), q (B, C) (heads side by side, as the qkv matmul writes them), kcache/vcache
 // (B, NH, maxT, hs). One block per (b, h). Dynamic smem: hs (q) + maxT (scores) + blockDim.x floats.
 // Reads (pos+1)*hs*2 floats per head: tiny next to the matmuls of a decode step, so plain is fine.
 extern "C" __global__ void attention_decode_kernel1(float* out, const float* q, const float* kcache, const float* vcache,
-                                                    int B, int NH, int hs, int maxT, int pos, float scale) {
+                                                    const int* posp, int B, int NH, int hs, int maxT, float scale) {
     extern __shared__ float sm[];
+    int pos = *posp;
     float* sq = sm;             // (hs)
     float* sp = sm + hs;        // (maxT) scores, then probabilities
     float* part = sp + maxT;    // (blockDim.x) partial sums of att @ v
@@ -485,8 +487,8 @@ extern "C" __global__ void attention_decode_kernel1(float* out, const float* q, 
 // the caches (B, NH, maxT, hs) and q into q_out (B, C). One thread per element of C, for all B.
 // Reads 3*B*C floats, writes 3*B*C: a few KB per layer per token, launch-bound.
 extern "C" __global__ void attention_kv_append_kernel1(float* kcache, float* vcache, float* q_out, const float* qkv,
-                                                       int B, int NH, int hs, int maxT, int pos) {
-    int C = NH * hs;
+                                                       const int* posp, int B, int NH, int hs, int maxT) {
+    int C = NH * hs, pos = *posp;
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= B * C) return;
     int b = i / C, c = i % C, h = c / hs, d = c % hs;

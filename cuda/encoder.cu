@@ -20,6 +20,9 @@
 //      older GPUs (C % 4 == 0; not deterministic)
 //   5  one thread per (t, 4 channels): dwpe summed over b in registers and written once (no atomics,
 //      no B-way conflicts), dwte by float4 vector atomics as in 4 (C % 4 == 0; dwte not deterministic)
+// encoder_decode (sampling with a KV cache, not a training variant):
+//   1  out[b,:] = wte[inp[b],:] + wpe[inp[B],:]: B new tokens at the position stored after them in
+//      inp (B+1 ints), so that a captured CUDA graph reads the position from the device each step
 //
 // Memory traffic at B=4, T=1024, C=768 (N = 4096 positions, U distinct tokens, ~N for random ids):
 //   forward  reads U wte rows + T wpe rows (+ N ids), writes N rows: ~28 MB, 9.5 us at 2.98 TB/s
@@ -253,4 +256,15 @@ extern "C" __global__ void encoder_backward_kernel5(float* dwte, float* dwpe, co
     float* p = dwpe + (size_t)t * C + c;
     float4 o = load4(p);
     store4(p, make_float4(o.x + s.x, o.y + s.y, o.z + s.z, o.w + s.w));
+}
+
+// ----------------------------------------------------------------------------------------------
+// decode: B new tokens at one position; inp holds the B tokens and then the position (B+1 ints).
+// One thread per output element: B*C floats, launch-bound.
+extern "C" __global__ void encoder_decode_kernel1(float* out, const int* inp, const float* wte,
+        const float* wpe, int B, int C) {
+    int idx = blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= B * C) return;
+    int b = idx / C, c = idx % C, pos = inp[B];
+    out[idx] = wte[(size_t)inp[b] * C + c] + wpe[(size_t)pos * C + c];
 }

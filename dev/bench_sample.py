@@ -1,12 +1,16 @@
 """Benchmark: sampling speed of GPT-2 124M with and without the KV cache (GPU or CPU).
 
     python dev/bench_sample.py                      # batch 1 and 8, 64-token prompt, 256 new tokens
-    python dev/bench_sample.py -e gpt2_124M.bin --device cuda
+    python dev/bench_sample.py -e gpt2_124M.bin --device cuda --matmul-kernel 2
 
 Tokens/s counts generated tokens (batch x new tokens) over the wall time of the whole generation,
-prompt processing included, after one warm-up generation.
+prompt processing and top-k 40 sampling on the host included, after one warm-up generation. On the
+cuda backend the KV-cache rows come twice: with the decode step captured into a CUDA graph (the
+default) and launched kernel by kernel (LLMC_GRAPHS=0). "GPU ms/step" is the decode step alone
+(CUDA events around 50 replays, median), the floor the host work sits on top of.
 """
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -21,9 +25,11 @@ from llmc.config import config_from_name  # noqa: E402
 from llmc.decode import Decoder, generate  # noqa: E402
 from llmc.model import GPT2  # noqa: E402
 from llmc.sample import sample_token  # noqa: E402
+from llmc.train import kernel_flags  # noqa: E402
 
 
 def no_cache(cfg, be, params, B, prompt, n, rng):
+    """Full recomputation: a (B, len(prompt)+n) forward for every new token."""
     T = len(prompt) + n
     m = GPT2(cfg, be, B, T, training=False)
     m.load_params(params)
@@ -36,14 +42,19 @@ def no_cache(cfg, be, params, B, prompt, n, rng):
         m.forward(x)
         for b in range(B):
             ctx[b].append(sample_token(m.logits_row(b, len(ctx[b]) - 1), 1.0, 40, rng))
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, None
 
 
 def with_cache(cfg, be, params, B, prompt, n, rng):
     dec = Decoder(cfg, be, B, params=params)
     t0 = time.perf_counter()
     generate(dec, prompt, n, 1.0, 40, rng)
-    return time.perf_counter() - t0
+    s = time.perf_counter() - t0
+    gpu_ms = None
+    if hasattr(be, "rt"):  # the decode step alone, at the last position, on the GPU
+        dec.step(np.zeros(B, np.int32), len(prompt) + n - 1)
+        gpu_ms = float(np.median(be.rt.time_ms(dec._run, warmup=3, repeat=50)))
+    return s, gpu_ms
 
 
 def main():
@@ -53,8 +64,12 @@ def main():
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new", type=int, default=256)
     p.add_argument("--batches", default="1,8")
+    p.add_argument("--no-baseline", action="store_true", help="skip the rows without the cache")
+    for flag, name, h in kernel_flags():
+        p.add_argument(flag, type=int, default=None, dest=f"kernel_{name}", help=h)
     args = p.parse_args()
-    be = make_backend(args.device)
+    kernels = {k[7:]: v for k, v in vars(args).items() if k.startswith("kernel_") and v is not None}
+    be = make_backend(args.device, kernels)
     if Path(args.model).exists():
         from llmc.checkpoint import read_model
         cfg, params = read_model(args.model)
@@ -63,13 +78,22 @@ def main():
         params = GPT2(cfg, be, 1, 1, training=False).init_params(0)
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, cfg.vocab_size, args.prompt_len).tolist()
-    print(f"{be.describe()} | {cfg.describe()} | prompt {args.prompt_len} tokens, {args.new} new")
-    print("| batch | KV cache | tokens/s | s |\n| --- | --- | --- | --- |")
+    print(f"{be.describe()} | {cfg.describe()} | prompt {args.prompt_len} tokens, {args.new} new, top-k 40"
+          + (f" | kernels {kernels}" if kernels else ""))
+    print("| batch | KV cache | CUDA graph | tokens/s | ms per step | GPU ms/step |\n"
+          "| --- | --- | --- | --- | --- | --- |")
+    modes = [("yes", "yes", with_cache)] if be.name == "cuda" else []
+    modes += [("yes", "no" if be.name == "cuda" else "-", with_cache)]
+    if not args.no_baseline:
+        modes += [("no", "-", no_cache)]
     for B in (int(b) for b in args.batches.split(",")):
-        for name, fn in (("yes", with_cache), ("no", no_cache)):
+        for cache, graph, fn in modes:
+            os.environ["LLMC_GRAPHS"] = "0" if graph == "no" else "1"
             fn(cfg, be, params, B, prompt, 4, rng)  # warm-up (compiles, allocations)
-            s = fn(cfg, be, params, B, prompt, args.new, rng)
-            print(f"| {B} | {name} | {B * args.new / s:.1f} | {s:.2f} |", flush=True)
+            s, gpu_ms = fn(cfg, be, params, B, prompt, args.new, rng)
+            print(f"| {B} | {cache} | {graph} | {B * args.new / s:.1f} | {1e3 * s / args.new:.2f} | "
+                  f"{'-' if gpu_ms is None else f'{gpu_ms:.3f}'} |", flush=True)
+    os.environ.pop("LLMC_GRAPHS", None)
 
 
 if __name__ == "__main__":

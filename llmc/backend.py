@@ -78,6 +78,14 @@ class CpuBackend:
     def download(self, buf):
         return np.array(buf, copy=True)
 
+    def download_into(self, host, buf):
+        host[...] = buf
+        return host
+
+    def graph(self, fn):
+        """The numpy backend has no graphs: fn itself replays the step."""
+        return fn
+
     def synchronize(self):
         pass
 
@@ -143,6 +151,21 @@ class CudaBackend:
 
     def download(self, buf):
         return buf.get()
+
+    def download_into(self, host, buf):
+        """buf into page-locked `host` (from pinned()), waiting for the stream."""
+        return buf.get_into(host)
+
+    def graph(self, fn):
+        """fn's launches captured into a CUDA graph (a callable replaying them), or fn itself where
+        graphs are off or unavailable (said once)."""
+        why = self.rt.graphs_available()
+        if why is None:
+            return self.rt.capture(fn)
+        if "graphs" not in self._noted and not self.quiet and "LLMC_" not in why:
+            print(f"note: no CUDA graphs ({why}); launching kernel by kernel")
+        self._noted.add("graphs")
+        return fn
 
     def synchronize(self):
         self.rt.synchronize()

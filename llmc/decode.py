@@ -12,6 +12,11 @@ rest of the block; then the lm head gives the next logits. The prompt goes throu
 forward pass (the training model's code at T = prompt length, sharing the decoder's weights), and
 the keys and values it computed are copied into the cache.
 
+The step's kernels read the token ids and the position from the device (one small upload per
+step), so the first step runs kernel by kernel and is then captured into a CUDA graph (on the cuda
+backend with cuda-python): each later step is one upload, one graph launch and one download of the
+logits, instead of ~125 launches from Python.
+
 When the context reaches maxT the window slides: the cache is rebuilt from the last maxT/2 tokens
 (recomputed), and we say so once.
 """
@@ -33,7 +38,7 @@ def kv_append_cpu(B, C, NH, maxT):
     from llmc.ops.attention import kv_append_ref
 
     def launch(kcache, vcache, q_out, qkv, pos):
-        q_out[...] = kv_append_ref(kcache, vcache, qkv, pos)
+        q_out[...] = kv_append_ref(kcache, vcache, qkv, int(pos[0]))
     return launch
 
 
@@ -49,7 +54,7 @@ def attention_decode_cpu(B, C, NH, maxT):
     from llmc.ops.attention import attention_decode_ref
 
     def launch(out, q, kcache, vcache, pos):
-        out[...] = attention_decode_ref(q, kcache, vcache, pos).reshape(out.shape)
+        out[...] = attention_decode_ref(q, kcache, vcache, int(pos[0])).reshape(out.shape)
     return launch
 
 
@@ -65,7 +70,6 @@ class Decoder:
         self.params = params_buf
         self.p = {name: be.view(params_buf, off, shape)
                   for (name, shape), (_, off, _) in zip(param_shapes(cfg), param_layout(cfg))}
-        self.wpe_off = param_layout(cfg)[1][1]
         a = {}
         for name, shape in [("x", (B, 1, C)), ("ln", (B, C)), ("mean", (B,)), ("rstd", (B,)),
                             ("qkv", (B, 3 * C)), ("q", (B, C)), ("atty", (B, C)), ("proj", (B, C)),
@@ -76,11 +80,17 @@ class Decoder:
         self.vcache = be.zeros((L, B, NH, maxT, hs))
         self.kc = [be.view(self.kcache, l * B * NH * maxT * hs, (B, NH, maxT, hs)) for l in range(L)]
         self.vc = [be.view(self.vcache, l * B * NH * maxT * hs, (B, NH, maxT, hs)) for l in range(L)]
-        self.tokens = be.zeros((B, 1), np.int32)
-        self._pinned = be.pinned((B, 1), np.int32)
+        # the step's input on the device: B token ids, then their position (read by the kernels, so
+        # that one captured CUDA graph serves every step); uploaded from pinned memory each step
+        self.inp = be.zeros((B + 1,), np.int32)
+        self.pos = be.view(self.inp, B, (1,))
+        self._inp_host = be.pinned((B + 1,), np.int32)
+        self._logits_host = be.pinned((B, Vp), be.dtype)
+        self._run = None  # the step's launches: run once eagerly, then captured (be.graph)
         op = be.op
+        from llmc.ops import encoder
         self.k = {
-            "encoder": op("encoder_forward", B=B, T=1, C=C),
+            "encoder": be.custom(encoder.encoder_decode_cpu(B=B, C=C), encoder.build_encoder_decode, B=B, C=C),
             "layernorm": op("layernorm_forward", N=B, C=C),
             "mm_qkv": op("matmul_forward", N=B, C=C, OC=3 * C, has_bias=True),
             "mm_attproj": op("matmul_forward", N=B, C=C, OC=C, has_bias=True),
@@ -97,21 +107,31 @@ class Decoder:
         self._prefill = {}  # T -> (inference model sharing our weights, kv fill op)
 
     def step(self, tokens: np.ndarray, pos: int) -> np.ndarray:
-        """Feed B tokens at position pos; returns the next-token logits (B, V) on the host."""
-        cfg, a, p, k, be = self.cfg, self.a, self.p, self.k, self.be
-        C, L = cfg.channels, cfg.num_layers
-        if not 0 <= pos < cfg.max_seq_len:
-            raise LLMCError(f"decode position {pos} outside 0..{cfg.max_seq_len - 1}")
-        self._pinned[...] = np.asarray(tokens, np.int32).reshape(self.B, 1)
-        be.upload_async(self.tokens, self._pinned)
-        wpe_at = be.view(self.params, self.wpe_off + pos * C, (1, C))   # wpe[pos] as a T=1 table
-        k["encoder"](a["x"], self.tokens, p["wte"], wpe_at)              # (B,1,C)
-        x = be.view(a["x"], 0, (self.B, C))
-        for l in range(L):
+        """Feed B tokens at position pos; returns the next-token logits (B, V) on the host (a view
+        of a buffer the next step overwrites)."""
+        if not 0 <= pos < self.cfg.max_seq_len:
+            raise LLMCError(f"decode position {pos} outside 0..{self.cfg.max_seq_len - 1}")
+        self._inp_host[:self.B] = np.asarray(tokens, np.int32).reshape(self.B)
+        self._inp_host[self.B] = pos
+        self.be.upload_async(self.inp, self._inp_host)
+        if self._run is None:
+            self._launch_step()                       # first step: eager (builds, checks launches)
+            self._run = self.be.graph(self._launch_step)
+        else:
+            self._run()
+        # (the numpy backend returns float64 logits at float64)
+        return self.be.download_into(self._logits_host, self.a["logits"])[:, :self.cfg.vocab_size]
+
+    def _launch_step(self):
+        """Every launch of one decode step; token ids and position come from self.inp on the device."""
+        cfg, a, p, k = self.cfg, self.a, self.p, self.k
+        x = self.be.view(a["x"], 0, (self.B, cfg.channels))
+        k["encoder"](x, self.inp, p["wte"], p["wpe"])                         # (B,C)
+        for l in range(cfg.num_layers):
             k["layernorm"](a["ln"], a["mean"], a["rstd"], x, p["ln1w"][l], p["ln1b"][l])
             k["mm_qkv"](a["qkv"], a["ln"], p["qkvw"][l], p["qkvb"][l])          # (B,3C)
-            k["kv_append"](self.kc[l], self.vc[l], a["q"], a["qkv"], pos)         # k, v -> cache
-            k["attention"](a["atty"], a["q"], self.kc[l], self.vc[l], pos)       # (B,C)
+            k["kv_append"](self.kc[l], self.vc[l], a["q"], a["qkv"], self.pos)    # k, v -> cache
+            k["attention"](a["atty"], a["q"], self.kc[l], self.vc[l], self.pos)  # (B,C)
             k["mm_attproj"](a["proj"], a["atty"], p["attprojw"][l], p["attprojb"][l])
             k["residual"](x, x, a["proj"])                                        # x += attn
             k["layernorm"](a["ln"], a["mean"], a["rstd"], x, p["ln2w"][l], p["ln2b"][l])
@@ -121,7 +141,6 @@ class Decoder:
             k["residual"](x, x, a["proj"])                                        # x += mlp
         k["layernorm"](a["ln"], a["mean"], a["rstd"], x, p["lnfw"], p["lnfb"])
         k["mm_lmhead"](a["logits"], a["ln"], p["wte"], None)                      # (B,Vp)
-        return be.download(a["logits"])[:, :cfg.vocab_size]
 
     def prefill(self, tokens: np.ndarray) -> np.ndarray:
         """The prompt's forward pass: tokens (B, T) at positions 0..T-1 through the full model

@@ -191,6 +191,14 @@ class DevArray:
         drv.memcpy_htod(self.ptr, host)
         return self
 
+    def get_into(self, pinned_host: np.ndarray) -> np.ndarray:
+        """Copy into page-locked host memory on the runtime's stream, then wait for the stream."""
+        import pycuda.driver as drv
+        assert pinned_host.nbytes == self.nbytes, f"get_into: {pinned_host.nbytes} bytes from {self.nbytes}"
+        drv.memcpy_dtoh_async(pinned_host, self.ptr, self.rt.stream)
+        self.rt.stream.synchronize()
+        return pinned_host
+
     def set_async(self, pinned_host: np.ndarray) -> None:
         """Copy from page-locked host memory on the runtime's stream (no host wait)."""
         import pycuda.driver as drv
@@ -253,6 +261,50 @@ class Kernel:
                 "local_bytes": self.func.get_attribute(fa.LOCAL_SIZE_BYTES),
                 "static_smem": self.func.get_attribute(fa.SHARED_SIZE_BYTES),
                 "max_threads": self.func.get_attribute(fa.MAX_THREADS_PER_BLOCK)}
+
+
+def _cuda_driver():
+    """cuda-python's driver bindings (cuda.bindings.driver; cuda.cuda in older releases), or None."""
+    try:
+        from cuda.bindings import driver
+        return driver
+    except ImportError:
+        try:
+            from cuda import cuda as driver  # cuda-python < 12.6
+            return driver
+        except ImportError:
+            return None
+
+
+class Graph:
+    """Launches captured once from the runtime's stream into a CUDA graph, replayed by one call.
+
+    PyCUDA has no graphs; cuda-python's driver API captures PyCUDA's launches on PyCUDA's stream.
+    Kernel arguments are frozen at capture: whatever changes between replays (a decode position,
+    token ids) must be read by the kernels from device memory, written before each replay."""
+
+    def __init__(self, rt: "Runtime", cu, graph, exe):
+        self.rt, self._cu, self._graph, self._exe = rt, cu, graph, exe
+        self._stream = cu.CUstream(rt.stream.handle)
+
+    def __call__(self) -> None:
+        _cu_check(self._cu, self._cu.cuGraphLaunch(self._exe, self._stream), "cuGraphLaunch")
+        if self.rt.sync:
+            self.rt.check("graph replay")
+
+    def __del__(self):
+        try:
+            self._cu.cuGraphExecDestroy(self._exe)
+            self._cu.cuGraphDestroy(self._graph)
+        except Exception:
+            pass
+
+
+def _cu_check(cu, result, what: str):
+    err = result[0] if isinstance(result, tuple) else result
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise CudaError(f"{what} failed: {err}")
+    return result[1] if isinstance(result, tuple) and len(result) > 1 else None
 
 
 class Runtime:
@@ -357,6 +409,36 @@ class Runtime:
         free, _ = self.mem_info()
         if nbytes > free:
             raise LLMCError(f"not enough GPU memory for the {what}: need {nbytes:,} bytes, {free:,} free")
+
+    # -- CUDA graphs
+    def graphs_available(self) -> str | None:
+        """None when graphs can be captured here, else why not (LLMC_GRAPHS=0 turns them off;
+        LLMC_SYNC=1 too, since a synchronisation after each launch cannot be captured)."""
+        if os.environ.get("LLMC_GRAPHS", "1") == "0":
+            return "LLMC_GRAPHS=0"
+        if self.sync:
+            return "LLMC_SYNC=1"
+        if _cuda_driver() is None:
+            return "cuda-python is not installed (pip install cuda-python)"
+        return None
+
+    def capture(self, fn) -> Graph:
+        """Run fn() (launches on self.stream, no host synchronisation inside) under stream capture
+        and return the instantiated graph: calling it replays every launch fn made."""
+        why = self.graphs_available()
+        if why:
+            raise LLMCError(f"CUDA graphs unavailable: {why}")
+        cu = _cuda_driver()
+        stream = cu.CUstream(self.stream.handle)
+        mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
+        _cu_check(cu, cu.cuStreamBeginCapture(stream, mode), "cuStreamBeginCapture")
+        try:
+            fn()
+        finally:
+            graph = _cu_check(cu, cu.cuStreamEndCapture(stream), "cuStreamEndCapture (a launch in the "
+                              "captured function failed or synchronised)")
+        exe = _cu_check(cu, cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+        return Graph(self, cu, graph, exe)
 
     # -- sync, errors and timing
     def synchronize(self) -> None:

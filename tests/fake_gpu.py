@@ -87,6 +87,14 @@ class FakeCudaBackend:
     def download(self, buf):
         return self.rt.np(buf).copy()
 
+    def download_into(self, host, buf):
+        host[...] = self.rt.np(buf)
+        return host
+
+    def graph(self, fn):
+        self.graphs = getattr(self, "graphs", 0) + 1
+        return fn
+
     def synchronize(self):
         pass
 

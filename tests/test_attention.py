@@ -312,10 +312,14 @@ def test_composite_plan_on_numpy_device(B, T, C, NH, chunks, lower_only, rng, mo
 
 def test_composite_falls_back_when_softmax_refuses(rng, monkeypatch, capsys):
     import llmc.ops.matmul as mm
+    import llmc.ops
     monkeypatch.setattr(mm, "gemm_build", _fake_gemm_build)
+    monkeypatch.setattr(llmc.ops, "_NOTED", set())
     rt = FakeRuntime(1 << 16)
     A.build_attention_forward(rt, 6, 1, B=1, T=65, C=8, NH=2)
     assert "using softmax_forward 4" in capsys.readouterr().out
+    A.build_attention_forward(rt, 6, 1, B=1, T=65, C=8, NH=2)
+    assert "using softmax_forward 4" not in capsys.readouterr().out  # said once per process
     with pytest.raises(LLMCError, match="not divisible"):
         A.build_attention_forward(rt, 6, 1, B=1, T=8, C=10, NH=3)
 
@@ -451,6 +455,7 @@ def test_attention_decode_gpu(rt, B, T, C, NH, maxT):
     q, kc, vc = _decode_inputs(inp, qkvr64.astype(np.float32), B, T, C, NH, maxT, rng)
     d_out = rt.empty((B, C))
     poison(d_out)
-    A.build_attention_decode(rt, B, C, NH, maxT)(d_out, rt.to_device(q), rt.to_device(kc), rt.to_device(vc), T - 1)
+    A.build_attention_decode(rt, B, C, NH, maxT)(d_out, rt.to_device(q), rt.to_device(kc), rt.to_device(vc),
+                                                 rt.to_device(np.array([T - 1], np.int32)))
     # plain fp32 dot products and sums over <= 1024 terms
     assert_close(d_out.get(), out64[:, T - 1], atol=1e-5, rtol=1e-4, name="decode out")

@@ -190,3 +190,4 @@ def test_decoder_through_devarrays_is_bit_identical():
         outs.append(generate(dec, [4, 8, 15, 16], CFG.max_seq_len + 5, temperature=0.9, top_k=20,
                              rng=np.random.default_rng(3)))
     assert outs[0] == outs[1]
+    assert be.graphs == 1  # the step was handed to the backend's graph capture once, then replayed

@@ -71,6 +71,17 @@ def check_block_size(block_size) -> str | None:
     return None
 
 
+_NOTED: set[str] = set()
+
+
+def note_once(msg: str) -> None:
+    """Print a fallback note the first time it occurs in this process (a model is built once per
+    shape, but the trainer's sampler and the lab build many: one line each is enough)."""
+    if msg not in _NOTED:
+        _NOTED.add(msg)
+        print(msg)
+
+
 def refuse(op: str, number: int, reason: str):
     """Raise the standard refusal from inside a build function."""
     raise VariantRefused(f"{op} variant {number} refuses this shape: {reason}")

@@ -349,7 +349,8 @@ def _softmax_op(rt, op, number, BNH, T, scale):
     v = spec.variant(number)
     reason = v.refuse_reason(BNH=BNH, T=T, scale=scale)
     if reason:
-        print(f"attention: {spec.flag} {number} refuses T={T} ({reason}); using {op} {_FALLBACK}")
+        from llmc.ops import note_once
+        note_once(f"attention: {spec.flag} {number} refuses T={T} ({reason}); using {op} {_FALLBACK}")
         number = _FALLBACK
     return number, spec.build(rt, number, BNH=BNH, T=T, scale=scale)
 
@@ -503,24 +504,22 @@ def build_attention_backward(rt, softmax_backward_variant, matmul_backward_varia
 
 
 def build_attention_decode(rt, B, C, NH, maxT, block_size=128):
-    """launch(out (B,C), q (B,C), kcache (B,NH,maxT,hs), vcache (B,NH,maxT,hs), pos int)."""
+    """launch(out (B,C), q (B,C), kcache (B,NH,maxT,hs), vcache (B,NH,maxT,hs), pos (1,) int32 on the
+    device, 0 <= pos < maxT: the caller checks, the kernel reads it each launch)."""
     if C % NH:
         raise LLMCError(f"attention decode: C={C} is not divisible by NH={NH}")
     hs = C // NH
-    k = rt.kernel(MODULE, "attention_decode_kernel1", "PPPPiiiiif", label="attention decode 1")
+    k = rt.kernel(MODULE, "attention_decode_kernel1", "PPPPPiiiif", label="attention decode 1")
     G = max(1, block_size // hs)
     smem = 4 * (hs + maxT + max(G * hs, block_size))
     if smem > rt.max_smem_optin:
         raise LLMCError(f"attention decode: maxT={maxT} needs {smem} bytes of shared memory")
     k.set_max_dynamic_smem(smem)
     grid, block = (B * NH, 1, 1), (block_size, 1, 1)
-    scale = np.float32(1.0 / math.sqrt(hs))
+    args = (np.int32(B), np.int32(NH), np.int32(hs), np.int32(maxT), np.float32(1.0 / math.sqrt(hs)))
 
     def launch(out, q, kcache, vcache, pos):
-        if not 0 <= pos < maxT:
-            raise LLMCError(f"attention decode: position {pos} outside the cache (maxT={maxT})")
-        k(grid, block, _ptr(out), _ptr(q), _ptr(kcache), _ptr(vcache), np.int32(B), np.int32(NH),
-          np.int32(hs), np.int32(maxT), np.int32(pos), scale, smem=smem)
+        k(grid, block, _ptr(out), _ptr(q), _ptr(kcache), _ptr(vcache), _ptr(pos), *args, smem=smem)
     return launch
 
 
@@ -559,16 +558,14 @@ def build_kv_fill(rt, B, C, NH, maxT, T, block_size=256):
 
 
 def build_kv_append(rt, B, C, NH, maxT, block_size=256):
-    """launch(kcache (B,NH,maxT,hs), vcache, q_out (B,C), qkv (B,3C), pos int)."""
+    """launch(kcache (B,NH,maxT,hs), vcache, q_out (B,C), qkv (B,3C), pos (1,) int32 on the device)."""
     hs = C // NH
-    k = rt.kernel(MODULE, "attention_kv_append_kernel1", "PPPPiiiii", label="attention kv_append 1")
+    k = rt.kernel(MODULE, "attention_kv_append_kernel1", "PPPPPiiii", label="attention kv_append 1")
     grid, block = (-(-B * C // block_size), 1, 1), (block_size, 1, 1)
+    args = (np.int32(B), np.int32(NH), np.int32(hs), np.int32(maxT))
 
     def launch(kcache, vcache, q_out, qkv, pos):
-        if not 0 <= pos < maxT:
-            raise LLMCError(f"kv append: position {pos} outside the cache (maxT={maxT})")
-        k(grid, block, _ptr(kcache), _ptr(vcache), _ptr(q_out), _ptr(qkv), np.int32(B), np.int32(NH),
-          np.int32(hs), np.int32(maxT), np.int32(pos))
+        k(grid, block, _ptr(kcache), _ptr(vcache), _ptr(q_out), _ptr(qkv), _ptr(pos), *args)
     return launch
 
 

@@ -165,6 +165,33 @@ encoder_backward4 = _elementwise("encoder_backward", 4, 4, 256)
 
 
 # ----------------------------------------------------------------------------------------------
+# decode (sampling with a KV cache): B tokens at one position, both read from the device
+
+def encoder_decode_ref(inp, wte, wpe):
+    """inp (B+1,) int: B tokens, then their position. Returns (B, C) = wte[tokens] + wpe[pos]."""
+    inp = np.asarray(inp).reshape(-1)
+    return wte[inp[:-1]] + wpe[int(inp[-1])]
+
+
+def encoder_decode_cpu(B, C):
+    def launch(out, inp, wte, wpe):
+        _shaped(out, (B, C))[...] = encoder_decode_ref(_shaped(inp, (B + 1,)), _shaped(wte, (-1, C)),
+                                                       _shaped(wpe, (-1, C)))
+    return launch
+
+
+def build_encoder_decode(rt, B, C, block_size=256):
+    """launch(out (B,C), inp (B+1,) int32 tokens then position, wte (Vp,C), wpe (maxT,C))."""
+    k = rt.kernel(MODULE, "encoder_decode_kernel1", "PPPPii", label="encoder_decode 1")
+    grid, block = (ceil_div(B * C, block_size), 1, 1), (block_size, 1, 1)
+    b_, c_ = np.int32(B), np.int32(C)
+
+    def launch(out, inp, wte, wpe):
+        k(grid, block, out.ptr, inp.ptr, wte.ptr, wpe.ptr, b_, c_)
+    return launch
+
+
+# ----------------------------------------------------------------------------------------------
 # the table
 
 OPS = [

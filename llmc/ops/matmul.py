@@ -149,8 +149,9 @@ def gemm_build(rt, variant: int, transA: bool, transB: bool, M: int, N: int, K: 
     reason = _gemm_check(variant, **shape)
     if reason:
         fb = 3 if variant in (2, 4) else 1
-        print(f"gemm engine {variant} refuses M={M} N={N} K={K} {_layout(transA, transB)} ({reason}); "
-              f"falling back to engine {fb} ({GEMM_VARIANTS[fb].split(',')[0]})")
+        from llmc.ops import note_once
+        note_once(f"gemm engine {variant} refuses M={M} N={N} K={K} {_layout(transA, transB)} ({reason}); "
+                  f"falling back to engine {fb} ({GEMM_VARIANTS[fb].split(',')[0]})")
         variant = fb
     if variant == 1:
         return _gemm_simt(rt, alpha=alpha, beta=beta, has_bias=has_bias, **shape)
