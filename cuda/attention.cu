@@ -26,6 +26,8 @@
 //   unpermute_kernel1/2  dst(B,T,S,NH,hs) <- src(S,B,NH,T,hs); the inverse
 // decode:
 //   attention_decode_kernel1  one block per (b, h): scores in shared memory, block softmax, att @ v
+//   attention_decode_kernel2  split over chunks of 64 keys (B*NH x maxT/64 blocks, a thread per key),
+//                             + attention_decode_combine_kernel2 merging the chunks' softmax states
 //   attention_kv_append_kernel1  the new token's k, v from qkv (B,3C) into the caches at pos, and q
 //                                into a packed (B,C) buffer for the decode kernel
 //   attention_kv_fill_kernel1    after the prompt's forward pass: k, v of positions 0..T-1 from the
@@ -480,6 +482,87 @@ extern "C" __global__ void attention_decode_kernel1(float* out, const float* q, 
         float acc = 0.0f;
         for (int g = 0; g < G; g++) acc += part[g * hs + d];
         out[(size_t)b * C + h * hs + d] = acc * inv;
+    }
+}
+
+// version 2, split over the keys ("flash decoding"): kernel 1 runs one block per (b, h), a dozen
+// blocks at batch 1, each walking up to 1024 keys with one warp reduction per key: latency-bound.
+// Here grid (B*NH, ceil(maxT/64)): block c takes keys 64c..64c+63 (those <= pos; blocks past pos
+// return at once) with one thread per key (hs/4 independent float4 loads each, the dot product in
+// registers), and writes its chunk's softmax state to part (B*NH, chunks, hs+2): the unnormalised
+// sum over its keys of exp(score - m) * v (hs floats), then m (its max score) and l (the sum of
+// exp(score - m)). attention_decode_combine_kernel2 rescales the chunks to the global max and
+// normalises. Block: 128 threads (2 groups of hs for p @ v when hs = 64). hs % 4 == 0.
+#define DECODE_CHUNK 64
+extern "C" __global__ void __launch_bounds__(128) attention_decode_kernel2(float* part, const float* q,
+        const float* kcache, const float* vcache, const int* posp, int B, int NH, int hs, int maxT, float scale) {
+    extern __shared__ float4 sm4[];
+    float* sq = reinterpret_cast<float*>(sm4);  // (hs) the scaled query
+    float* sp = sq + hs;                        // (DECODE_CHUNK) scores, then exp(score - m)
+    float* acc = sp + DECODE_CHUNK;             // (G * hs) partial sums of p @ v
+    const int bh = blockIdx.x, chunk = blockIdx.y, pos = *posp, s0 = chunk * DECODE_CHUNK;
+    if (s0 > pos) return;                       // the combine reads chunks 0..pos/64 only
+    float* dst = part + ((size_t)bh * gridDim.y + chunk) * (hs + 2);
+    const int n = min(pos + 1 - s0, DECODE_CHUNK);
+    const int b = bh / NH, h = bh % NH, C = NH * hs, tid = threadIdx.x, hs4 = hs / 4;
+    const float* k = kcache + ((size_t)bh * maxT + s0) * hs;
+    const float* v = vcache + ((size_t)bh * maxT + s0) * hs;
+    for (int d = tid; d < hs; d += blockDim.x) sq[d] = q[(size_t)b * C + h * hs + d] * scale;
+    __syncthreads();
+    const float4* sq4 = reinterpret_cast<const float4*>(sq);
+    for (int s = tid; s < n; s += blockDim.x) {
+        const float4* kr = reinterpret_cast<const float4*>(k + (size_t)s * hs);
+        float dot = 0.0f;
+#pragma unroll 8
+        for (int i = 0; i < hs4; i++) {
+            const float4 kv = kr[i], qv = sq4[i];
+            dot = fmaf(qv.x, kv.x, fmaf(qv.y, kv.y, fmaf(qv.z, kv.z, fmaf(qv.w, kv.w, dot))));
+        }
+        sp[s] = dot;
+    }
+    __syncthreads();
+    if (tid < WARP_SIZE) {                      // max and sum over <= 64 scores: one warp
+        float m = -FLT_MAX;
+        for (int s = tid; s < n; s += WARP_SIZE) m = fmaxf(m, sp[s]);
+        m = warp_reduce_max(m);
+        float l = 0.0f;
+        for (int s = tid; s < n; s += WARP_SIZE) { const float e = expf(sp[s] - m); sp[s] = e; l += e; }
+        l = warp_reduce_sum(l);
+        if (tid == 0) { dst[hs] = m; dst[hs + 1] = l; }
+    }
+    __syncthreads();
+    const int G = max(1, (int)blockDim.x / hs);  // groups of hs threads split the chunk's keys
+    for (int i = tid; i < G * hs; i += blockDim.x) {
+        const int g = i / hs, d = i % hs;
+        float a = 0.0f;
+        for (int s = g; s < n; s += G) a = fmaf(sp[s], v[(size_t)s * hs + d], a);
+        acc[i] = a;
+    }
+    __syncthreads();
+    for (int d = tid; d < hs; d += blockDim.x) {
+        float a = 0.0f;
+        for (int g = 0; g < G; g++) a += acc[g * hs + d];
+        dst[d] = a;
+    }
+}
+
+// Merge the chunks 0..pos/64 of each (b, h): out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) l_c,
+// M the largest m_c. One block per (b, h), a thread per channel of the head.
+extern "C" __global__ void attention_decode_combine_kernel2(float* out, const float* part, const int* posp,
+                                                            int NH, int hs, int chunks) {
+    const int bh = blockIdx.x, b = bh / NH, h = bh % NH, used = *posp / DECODE_CHUNK + 1;
+    const float* p = part + (size_t)bh * chunks * (hs + 2);
+    float M = -FLT_MAX;
+    for (int c = 0; c < used; c++) M = fmaxf(M, p[(size_t)c * (hs + 2) + hs]);
+    for (int d = threadIdx.x; d < hs; d += blockDim.x) {
+        float L = 0.0f, a = 0.0f;
+        for (int c = 0; c < used; c++) {
+            const float* pc = p + (size_t)c * (hs + 2);
+            const float w = expf(pc[hs] - M);
+            L = fmaf(w, pc[hs + 1], L);
+            a = fmaf(w, pc[d], a);
+        }
+        out[(size_t)b * NH * hs + h * hs + d] = a / L;
     }
 }
 

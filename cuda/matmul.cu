@@ -11,6 +11,8 @@
 //              64x64 block tiles picked per shape, 64x64 warp tiles, swizzled smem, fused bias, float4
 //              stores staged through shared memory
 //   version 7: gemm engine 4: version 6 with ldmatrix fragments and a leaner loader (the default)
+//   version 8: GEMV for decoding (N <= 8 rows): a warp per output column streams its weight row once
+//              with float4 loads, the N row sums in registers (what the KV-cache decoder uses)
 // matmul_backward: dinp = dout @ weight (=), dweight += dout^T @ inp     (--matmul-backward-kernel)
 //   version 1: two GEMMs on gemm engine 1 (SIMT)
 //   version 2: two GEMMs on gemm engine 2 (TF32), split-K for the K=N*T reduction of dweight
@@ -1041,6 +1043,40 @@ extern "C" __global__ void matmul_forward_kernel2(float* out, const float* inp, 
     for (int r = 0; r < R; r++) {
         const float v = warp_reduce_sum(s[r]);
         if (lane == r && n0 + r < N) out[(ll)(n0 + r) * OC + oc] = v + b;
+    }
+}
+
+// version 8: GEMV for decoding, N <= 8 rows (the batch). The weight is read exactly once, in
+// float4s, streamed past the caches (__ldcs: a decode step touches each weight once); the N input
+// rows (N*C*4 bytes, <= 96 KB) are re-read by every warp from L1/L2. One warp per output column,
+// lanes stride along C, four 16-byte weight loads in flight per lane (unrolled), N sums per lane,
+// then one butterfly reduction per row. Bandwidth-bound: OC*C*4 bytes at ~3 TB/s.
+extern "C" __global__ void __launch_bounds__(256) matmul_forward_kernel8(float* out, const float* inp,
+        const float* weight, const float* bias, int N, int C, int OC) {
+    constexpr int R = 8;
+    const int lane = threadIdx.x % 32;
+    const int oc = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    if (oc >= OC) return;
+    const int C4 = C / 4;
+    const float4* w = reinterpret_cast<const float4*>(weight + (ll)oc * C);
+    const float4* x = reinterpret_cast<const float4*>(inp);
+    float s[R] = {};
+#pragma unroll 4
+    for (int c = lane; c < C4; c += 32) {
+        const float4 wv = __ldcs(w + c);
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            if (r < N) {
+                const float4 xv = __ldg(x + (ll)r * C4 + c);
+                s[r] = fmaf(wv.x, xv.x, fmaf(wv.y, xv.y, fmaf(wv.z, xv.z, fmaf(wv.w, xv.w, s[r]))));
+            }
+        }
+    }
+    const float b = bias ? bias[oc] : 0.0f;
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        const float v = warp_reduce_sum(s[r]);  // every lane holds the sum
+        if (lane == r && r < N) out[(ll)r * OC + oc] = v + b;
     }
 }
 

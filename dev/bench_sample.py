@@ -57,6 +57,36 @@ def with_cache(cfg, be, params, B, prompt, n, rng):
     return s, gpu_ms
 
 
+def profile_decode(cfg, be, params, B, pos, reps=20):
+    """Each launch of one eager decode step at `pos` bracketed by CUDA events: (name, calls, us)
+    per decoder op, median over reps, sorted by time."""
+    rt = be.rt
+    dec = Decoder(cfg, be, B, params=params)
+    dec.step(np.zeros(B, np.int32), pos)  # builds; leaves token ids and pos on the device
+    events = []
+    for name, fn in list(dec.k.items()):
+        def timed(*a, _fn=fn, _name=name):
+            start, end = rt.event(), rt.event()
+            start.record(rt.stream)
+            _fn(*a)
+            end.record(rt.stream)
+            events.append((_name, start, end))
+        dec.k[name] = timed
+    per = {}
+    for _ in range(reps):
+        events.clear()
+        dec._launch_step()
+        rt.synchronize()
+        tot = {}
+        for name, start, end in events:
+            calls, us = tot.get(name, (0, 0.0))
+            tot[name] = (calls + 1, us + 1e3 * end.time_since(start))
+        for name, v in tot.items():
+            per.setdefault(name, []).append(v)
+    rows = [(name, v[0][0], float(np.median([u for _, u in v]))) for name, v in per.items()]
+    return sorted(rows, key=lambda r: -r[2])
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-e", "--model", default="d12", help="checkpoint or descriptor (random init)")
@@ -65,6 +95,7 @@ def main():
     p.add_argument("--new", type=int, default=256)
     p.add_argument("--batches", default="1,8")
     p.add_argument("--no-baseline", action="store_true", help="skip the rows without the cache")
+    p.add_argument("--profile", action="store_true", help="also time each op of one decode step (cuda)")
     for flag, name, h in kernel_flags():
         p.add_argument(flag, type=int, default=None, dest=f"kernel_{name}", help=h)
     args = p.parse_args()
@@ -94,6 +125,15 @@ def main():
             print(f"| {B} | {cache} | {graph} | {B * args.new / s:.1f} | {1e3 * s / args.new:.2f} | "
                   f"{'-' if gpu_ms is None else f'{gpu_ms:.3f}'} |", flush=True)
     os.environ.pop("LLMC_GRAPHS", None)
+    if args.profile and be.name == "cuda":
+        pos = args.prompt_len + args.new - 1
+        for B in (int(b) for b in args.batches.split(",")):
+            rows = profile_decode(cfg, be, params, B, pos)
+            total = sum(us for _, _, us in rows)
+            print(f"\none decode step, batch {B}, position {pos}, launched op by op: {total:.1f} us in kernels")
+            print("| op | calls | us | % |\n| --- | --- | --- | --- |")
+            for name, calls, us in rows:
+                print(f"| {name} | {calls} | {us:.1f} | {100 * us / total:.1f}% |")
 
 
 if __name__ == "__main__":

@@ -59,7 +59,7 @@ class CpuBackend:
         n = int(np.prod(shape))
         return buf.reshape(-1)[offset:offset + n].reshape(shape)
 
-    def op(self, name, **shape):
+    def op(self, name, prefer=None, **shape):
         return ops.get(name).cpu(**shape)
 
     def custom(self, cpu_launch, gpu_build, **shape):
@@ -117,17 +117,25 @@ class CudaBackend:
     def view(self, buf, offset, shape):
         return buf.view(offset, shape)
 
-    def op(self, name, **shape):
+    def op(self, name, prefer=None, **shape):
+        """The launcher of op `name` at `shape`: the variant named on the command line (which
+        refuses loudly if it can't take the shape), else `prefer` if given and it fits (a caller's
+        better choice for its shapes, e.g. the decoder's GEMV), else the default, else (one note)
+        the highest-numbered variant that fits."""
         if name in COMPOSITES:
             from llmc.ops import attention
             softmax, matmul = (self.kernels[p] for p in COMPOSITES[name])
             return getattr(attention, f"build_{name}")(self.rt, softmax, matmul, **shape)
         spec = ops.get(name)
         num = self.kernels[name]
-        if name in self.chosen or spec.variant(num).refuse_reason(**shape) is None:
+        if name in self.chosen:
             return spec.build(self.rt, num, **shape)  # a variant the user named refuses loudly
-        # the default can't take this shape: fall back to the highest-numbered variant that can
+        if prefer is not None and spec.variant(prefer).refuse_reason(**shape) is None:
+            return spec.build(self.rt, prefer, **shape)
         reason = spec.variant(num).refuse_reason(**shape)
+        if reason is None:
+            return spec.build(self.rt, num, **shape)
+        # the default can't take this shape: fall back to the highest-numbered variant that can
         for alt in sorted(spec.variants, reverse=True):
             if spec.variants[alt].refuse_reason(**shape) is None:
                 if (name, num, alt) not in self._noted and not self.quiet:

@@ -58,6 +58,9 @@ def attention_decode_cpu(B, C, NH, maxT):
     return launch
 
 
+GEMV = 8  # matmul_forward's variant for a handful of rows (the decode step's M = batch)
+
+
 class Decoder:
     def __init__(self, cfg: GPT2Config, backend, B: int, params: np.ndarray | None = None, params_buf=None):
         self.cfg, self.be, self.B = cfg, backend, B
@@ -92,11 +95,12 @@ class Decoder:
         self.k = {
             "encoder": be.custom(encoder.encoder_decode_cpu(B=B, C=C), encoder.build_encoder_decode, B=B, C=C),
             "layernorm": op("layernorm_forward", N=B, C=C),
-            "mm_qkv": op("matmul_forward", N=B, C=C, OC=3 * C, has_bias=True),
-            "mm_attproj": op("matmul_forward", N=B, C=C, OC=C, has_bias=True),
-            "mm_fc": op("matmul_forward", N=B, C=C, OC=4 * C, has_bias=True),
-            "mm_fcproj": op("matmul_forward", N=B, C=4 * C, OC=C, has_bias=True),
-            "mm_lmhead": op("matmul_forward", N=B, C=C, OC=Vp, has_bias=False),
+            # M = B rows: the GEMV (matmul_forward 8) unless --matmul-kernel names another
+            "mm_qkv": op("matmul_forward", prefer=GEMV, N=B, C=C, OC=3 * C, has_bias=True),
+            "mm_attproj": op("matmul_forward", prefer=GEMV, N=B, C=C, OC=C, has_bias=True),
+            "mm_fc": op("matmul_forward", prefer=GEMV, N=B, C=C, OC=4 * C, has_bias=True),
+            "mm_fcproj": op("matmul_forward", prefer=GEMV, N=B, C=4 * C, OC=C, has_bias=True),
+            "mm_lmhead": op("matmul_forward", prefer=GEMV, N=B, C=C, OC=Vp, has_bias=False),
             "residual": op("residual_forward", N=B * C),
             "gelu": op("gelu_forward", N=B * 4 * C),
         }

@@ -58,7 +58,7 @@ class FakeCudaBackend:
     def view(self, buf, offset, shape):
         return buf.view(offset, shape)
 
-    def op(self, name, **shape):
+    def op(self, name, prefer=None, **shape):
         cpu = ops.get(name).cpu(**shape)
         conv = self.rt.np
 

@@ -446,16 +446,22 @@ def test_attention_composite_gpu(rt, B, T, C, NH, sm, chunks, lower_only):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("version", [1, 2])
 @pytest.mark.parametrize("B,T,C,NH,maxT", [(2, 65, 96, 2, 128), (1, 1, 64, 1, 16), (4, 1024, 768, 12, 1024),
-                                           (3, 300, 768, 12, 1024)])
-def test_attention_decode_gpu(rt, B, T, C, NH, maxT):
+                                           (3, 300, 768, 12, 1024), (2, 129, 90, 3, 200), (1, 64, 768, 12, 1024),
+                                           (8, 65, 768, 12, 1024)])
+def test_attention_decode_gpu(rt, B, T, C, NH, maxT, version):
     rng = np.random.default_rng(T)
     inp = rng.standard_normal((B, T, 3 * C)).astype(np.float32)
     out64, qkvr64, _ = A.attention_forward_ref(inp.astype(np.float64), NH)
     q, kc, vc = _decode_inputs(inp, qkvr64.astype(np.float32), B, T, C, NH, maxT, rng)
     d_out = rt.empty((B, C))
     poison(d_out)
-    A.build_attention_decode(rt, B, C, NH, maxT)(d_out, rt.to_device(q), rt.to_device(kc), rt.to_device(vc),
-                                                 rt.to_device(np.array([T - 1], np.int32)))
+    if version == 2 and (C // NH) % 4:
+        with pytest.raises(LLMCError, match="not a multiple of 4"):
+            A.build_attention_decode(rt, B, C, NH, maxT, version=2)
+        return
+    launch = A.build_attention_decode(rt, B, C, NH, maxT, version=version)
+    launch(d_out, rt.to_device(q), rt.to_device(kc), rt.to_device(vc), rt.to_device(np.array([T - 1], np.int32)))
     # plain fp32 dot products and sums over <= 1024 terms
     assert_close(d_out.get(), out64[:, T - 1], atol=1e-5, rtol=1e-4, name="decode out")

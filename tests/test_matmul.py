@@ -106,6 +106,8 @@ def test_forward_checks(shape):
             assert (reason is None) == (shape["C"] % 4 == 0)
         elif n in (6, 7):  # engines 2 and 4 need ld % 4 == 0
             assert (reason is None) == (shape["C"] % 4 == 0 and shape["OC"] % 4 == 0)
+        elif n == 8:  # the decode GEMV: at most 8 rows, float4 along C
+            assert (reason is None) == (shape["N"] <= 8 and shape["C"] % 4 == 0)
         if reason:
             with pytest.raises(VariantRefused, match=f"matmul_forward variant {n}"):
                 spec.build(None, n, **shape)
@@ -131,7 +133,8 @@ def test_variant_table():
         with pytest.raises(LLMCError, match="has no variant 99"):
             spec.variant(99)
     assert set(mm.GEMM_VARIANTS) == {1, 2, 3, 4}
-    assert [mm.gemm_variant_for(v) for v in range(1, 8)] == [1, 1, 1, 1, 2, 2, 4]
+    assert [mm.gemm_variant_for(v) for v in range(1, 9)] == [1, 1, 1, 1, 2, 2, 4, 1]
+    assert set(spec_fwd := ops.get("matmul_forward").variants) == set(range(1, 9)), spec_fwd
     assert [mm.gemm_variant_for_backward(v) for v in (1, 2, 3)] == [1, 2, 4]
     from llmc.ops.attention import gemm_engine_for_backward  # attention's backward follows matmul's
     assert [gemm_engine_for_backward(v) for v in (1, 2, 3)] == [1, 2, 4]
@@ -275,7 +278,10 @@ def check(got, ref, tf32, name, exact=False):
 
 FWD_SHAPES = [dict(N=4 * 65, C=768, OC=2304, has_bias=True), dict(N=1, C=80, OC=96, has_bias=True),
               dict(N=130, C=96, OC=80, has_bias=False), dict(N=65, C=1600, OC=200, has_bias=True),
-              dict(N=4 * 1024, C=768, OC=768, has_bias=True), dict(N=33, C=81, OC=30, has_bias=True)]
+              dict(N=4 * 1024, C=768, OC=768, has_bias=True), dict(N=33, C=81, OC=30, has_bias=True),
+              # decode shapes (N = batch <= 8: the GEMV variant 8 takes them)
+              dict(N=8, C=768, OC=2304, has_bias=True), dict(N=3, C=3072, OC=768, has_bias=True),
+              dict(N=1, C=768, OC=50304, has_bias=False), dict(N=5, C=84, OC=7, has_bias=True)]
 
 
 @pytest.mark.gpu

@@ -503,23 +503,50 @@ def build_attention_backward(rt, softmax_backward_variant, matmul_backward_varia
 # GPU: decode with a KV cache (sampling)
 
 
-def build_attention_decode(rt, B, C, NH, maxT, block_size=128):
+DECODE_CHUNK = 64  # keys per block of attention_decode_kernel2 (cuda/attention.cu)
+
+
+def build_attention_decode(rt, B, C, NH, maxT, block_size=128, version=None):
     """launch(out (B,C), q (B,C), kcache (B,NH,maxT,hs), vcache (B,NH,maxT,hs), pos (1,) int32 on the
-    device, 0 <= pos < maxT: the caller checks, the kernel reads it each launch)."""
+    device, 0 <= pos < maxT: the caller checks, the kernels read it each launch).
+    version 2 (the default where hs % 4 == 0): split over chunks of 64 keys, then a combine kernel;
+    version 1: one block per (b, h)."""
     if C % NH:
         raise LLMCError(f"attention decode: C={C} is not divisible by NH={NH}")
     hs = C // NH
-    k = rt.kernel(MODULE, "attention_decode_kernel1", "PPPPPiiiif", label="attention decode 1")
-    G = max(1, block_size // hs)
-    smem = 4 * (hs + maxT + max(G * hs, block_size))
+    version = version or (2 if hs % 4 == 0 else 1)
+    if version == 2 and hs % 4:
+        raise LLMCError(f"attention decode 2: head size {hs} is not a multiple of 4 (float4 keys)")
+    ptrs = lambda *a: [_ptr(x) for x in a]  # noqa: E731
+    if version == 1:
+        k = rt.kernel(MODULE, "attention_decode_kernel1", "PPPPPiiiif", label="attention decode 1")
+        G = max(1, block_size // hs)
+        smem = 4 * (hs + maxT + max(G * hs, block_size))
+        if smem > rt.max_smem_optin:
+            raise LLMCError(f"attention decode: maxT={maxT} needs {smem} bytes of shared memory")
+        k.set_max_dynamic_smem(smem)
+        grid, block = (B * NH, 1, 1), (block_size, 1, 1)
+        args = (np.int32(B), np.int32(NH), np.int32(hs), np.int32(maxT), np.float32(1.0 / math.sqrt(hs)))
+
+        def launch(out, q, kcache, vcache, pos):
+            k(grid, block, *ptrs(out, q, kcache, vcache, pos), *args, smem=smem)
+        return launch
+    chunks = -(-maxT // DECODE_CHUNK)
+    part = rt.empty((B * NH, chunks, hs + 2))
+    k = rt.kernel(MODULE, "attention_decode_kernel2", "PPPPPiiiif", label="attention decode 2")
+    comb = rt.kernel(MODULE, "attention_decode_combine_kernel2", "PPPiii", label="attention decode 2 combine")
+    bs = 128
+    smem = 4 * (hs + DECODE_CHUNK + max(1, bs // hs) * hs)
     if smem > rt.max_smem_optin:
-        raise LLMCError(f"attention decode: maxT={maxT} needs {smem} bytes of shared memory")
+        raise LLMCError(f"attention decode 2: head size {hs} needs {smem} bytes of shared memory")
     k.set_max_dynamic_smem(smem)
-    grid, block = (B * NH, 1, 1), (block_size, 1, 1)
     args = (np.int32(B), np.int32(NH), np.int32(hs), np.int32(maxT), np.float32(1.0 / math.sqrt(hs)))
+    cbs = min(1024, -(-hs // 32) * 32)
 
     def launch(out, q, kcache, vcache, pos):
-        k(grid, block, _ptr(out), _ptr(q), _ptr(kcache), _ptr(vcache), _ptr(pos), *args, smem=smem)
+        k((B * NH, chunks, 1), (bs, 1, 1), _ptr(part), *ptrs(q, kcache, vcache, pos), *args, smem=smem)
+        comb((B * NH, 1, 1), (cbs, 1, 1), _ptr(out), _ptr(part), _ptr(pos), np.int32(NH), np.int32(hs),
+             np.int32(chunks))
     return launch
 
 

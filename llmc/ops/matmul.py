@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from llmc.errors import LLMCError
-from llmc.ops import OpSpec, Variant
+from llmc.ops import OpSpec, Variant, check_block_size
 
 MODULE = "matmul"  # cuda/matmul.cu
 
@@ -94,8 +94,8 @@ DRAM_BPS = 2.5e12    # bytes/s for the split-K second pass
 
 def gemm_variant_for(matmul_variant: int) -> int:
     """The GEMM engine that goes with a --matmul-kernel number (attention uses it): the SIMT engine
-    for the fp32 variants 1-4, TF32 engine 2 for the tensor-core variants 5 and 6, engine 4 for 7."""
-    return 1 if matmul_variant <= 4 else 2 if matmul_variant <= 6 else 4
+    for the fp32 variants 1-4 and 8, TF32 engine 2 for the tensor-core variants 5 and 6, engine 4 for 7."""
+    return 1 if matmul_variant <= 4 or matmul_variant == 8 else 2 if matmul_variant <= 6 else 4
 
 
 def gemm_variant_for_backward(matmul_backward_variant: int) -> int:
@@ -286,6 +286,23 @@ def matmul_forward2(rt, N, C, OC, has_bias=True, block_size=None):
     return launch
 
 
+def matmul_forward8(rt, N, C, OC, has_bias=True, block_size=None):
+    k, bs = _fwd_kernel(rt, 8), block_size or 256   # a warp per output column, all N <= 8 rows
+    grid, args = (-(-OC // (bs // 32)), 1, 1), (np.int32(N), np.int32(C), np.int32(OC))
+
+    def launch(out, inp, weight, bias=None):
+        k(grid, (bs, 1, 1), out.ptr, inp.ptr, weight.ptr, _ptr(bias), *args)
+    return launch
+
+
+def _gemv_check(N, C, OC, block_size=None, **_):
+    if N > 8:
+        return f"N={N} rows > 8 (a GEMV for decoding: each warp keeps all N row sums in registers)"
+    if C % 4:
+        return f"float4 loads need C % 4 == 0 (C={C})"
+    return check_block_size(block_size)
+
+
 def _fwd_tiled(n, tile, block):
     def build(rt, N, C, OC, has_bias=True, block_size=None):
         k = _fwd_kernel(rt, n)
@@ -455,6 +472,8 @@ OPS = [
                       "swizzled smem, fused bias, float4 stores", matmul_forward6, _fwd_engine_check),
         7: Variant(7, "TF32 GEMM engine 4: engine 2 with ldmatrix fragments and a leaner loader "
                       "(fewer instructions per mma)", matmul_forward7, _fwd_engine4_check),
+        8: Variant(8, "GEMV for decoding (N <= 8 rows): a warp per output column, float4 weight stream "
+                      "read once, row sums in registers", matmul_forward8, _gemv_check),
     }, default=7, flag="--matmul-kernel", doc="out(N,OC)= ; inp(N,C), weight(OC,C), bias(OC) or None"),
     OpSpec("matmul_backward", matmul_backward_cpu, {
         1: Variant(1, "SIMT: dinp and dweight on GEMM engine 1 (64x64 tiles)", _matmul_backward_engine(1)),
