@@ -57,34 +57,39 @@ def with_cache(cfg, be, params, B, prompt, n, rng):
     return s, gpu_ms
 
 
-def profile_decode(cfg, be, params, B, pos, reps=20):
-    """Each launch of one eager decode step at `pos` bracketed by CUDA events: (name, calls, us)
-    per decoder op, median over reps, sorted by time."""
-    rt = be.rt
-    dec = Decoder(cfg, be, B, params=params)
-    dec.step(np.zeros(B, np.int32), pos)  # builds; leaves token ids and pos on the device
-    events = []
-    for name, fn in list(dec.k.items()):
-        def timed(*a, _fn=fn, _name=name):
-            start, end = rt.event(), rt.event()
-            start.record(rt.stream)
-            _fn(*a)
-            end.record(rt.stream)
-            events.append((_name, start, end))
-        dec.k[name] = timed
-    per = {}
-    for _ in range(reps):
-        events.clear()
-        dec._launch_step()
-        rt.synchronize()
-        tot = {}
-        for name, start, end in events:
-            calls, us = tot.get(name, (0, 0.0))
-            tot[name] = (calls + 1, us + 1e3 * end.time_since(start))
-        for name, v in tot.items():
-            per.setdefault(name, []).append(v)
-    rows = [(name, v[0][0], float(np.median([u for _, u in v]))) for name, v in per.items()]
-    return sorted(rows, key=lambda r: -r[2])
+def decode_matmuls(be, cfg, rows=(1, 2, 4, 8), variants=(7, 8), reps=20):
+    """The decode step's matmuls alone: (variant, N rows, us per launch), each timed as a CUDA
+    graph of `reps` back-to-back launches (kernel by kernel from Python, the host would be the
+    bottleneck for kernels this short)."""
+    from llmc import ops
+    rt, C, Vp = be.rt, cfg.channels, cfg.padded_vocab_size
+    spec = ops.get("matmul_forward")
+    shapes = {"qkv": (C, 3 * C), "attproj": (C, C), "fc": (C, 4 * C), "fcproj": (4 * C, C), "lmhead": (C, Vp)}
+    w = {k: rt.empty((oc, c)) for k, (c, oc) in shapes.items()}
+    rng = np.random.default_rng(0)
+    for k, (c, oc) in shapes.items():
+        w[k].set((rng.standard_normal((oc, c)) * 0.02).astype(np.float32))
+    out = []
+    for N in rows:
+        x = rt.to_device(rng.standard_normal((N, 4 * C)).astype(np.float32))
+        y = rt.empty((N, Vp))
+        for v in variants:
+            launches = []
+            for k, (c, oc) in shapes.items():
+                if spec.variant(v).refuse_reason(N=N, C=c, OC=oc) is None:
+                    launches.append(spec.build(rt, v, N=N, C=c, OC=oc, has_bias=False))
+                    launches[-1] = (launches[-1], k)
+            if len(launches) < len(shapes):
+                continue
+
+            def body():
+                for _ in range(reps):
+                    for fn, k in launches:
+                        fn(y, x, w[k], None)
+            g = rt.capture(body)
+            ms = float(np.median(rt.time_ms(g, warmup=2, repeat=10)))
+            out.append((v, N, 1e3 * ms / reps))
+    return out
 
 
 def main():
@@ -95,7 +100,8 @@ def main():
     p.add_argument("--new", type=int, default=256)
     p.add_argument("--batches", default="1,8")
     p.add_argument("--no-baseline", action="store_true", help="skip the rows without the cache")
-    p.add_argument("--profile", action="store_true", help="also time each op of one decode step (cuda)")
+    p.add_argument("--matmuls", action="store_true",
+                   help="also time the decode matmuls (qkv, attproj, fc, fcproj, lm head) per variant and batch")
     for flag, name, h in kernel_flags():
         p.add_argument(flag, type=int, default=None, dest=f"kernel_{name}", help=h)
     args = p.parse_args()
@@ -125,15 +131,11 @@ def main():
             print(f"| {B} | {cache} | {graph} | {B * args.new / s:.1f} | {1e3 * s / args.new:.2f} | "
                   f"{'-' if gpu_ms is None else f'{gpu_ms:.3f}'} |", flush=True)
     os.environ.pop("LLMC_GRAPHS", None)
-    if args.profile and be.name == "cuda":
-        pos = args.prompt_len + args.new - 1
-        for B in (int(b) for b in args.batches.split(",")):
-            rows = profile_decode(cfg, be, params, B, pos)
-            total = sum(us for _, _, us in rows)
-            print(f"\none decode step, batch {B}, position {pos}, launched op by op: {total:.1f} us in kernels")
-            print("| op | calls | us | % |\n| --- | --- | --- | --- |")
-            for name, calls, us in rows:
-                print(f"| {name} | {calls} | {us:.1f} | {100 * us / total:.1f}% |")
+    if args.matmuls and be.name == "cuda":
+        print("\nthe five matmuls of a decode layer + lm head, one set of launches, CUDA graph of 20 sets")
+        print("| matmul_forward variant | rows (batch) | us |\n| --- | --- | --- |")
+        for v, N, us in decode_matmuls(be, cfg):
+            print(f"| {v} | {N} | {us:.1f} |")
 
 
 if __name__ == "__main__":

@@ -74,7 +74,7 @@ class Decoder:
         self.p = {name: be.view(params_buf, off, shape)
                   for (name, shape), (_, off, _) in zip(param_shapes(cfg), param_layout(cfg))}
         a = {}
-        for name, shape in [("x", (B, 1, C)), ("ln", (B, C)), ("mean", (B,)), ("rstd", (B,)),
+        for name, shape in [("x", (B, C)), ("x2", (B, C)), ("ln", (B, C)), ("mean", (B,)), ("rstd", (B,)),
                             ("qkv", (B, 3 * C)), ("q", (B, C)), ("atty", (B, C)), ("proj", (B, C)),
                             ("fch", (B, 4 * C)), ("fch_gelu", (B, 4 * C)), ("logits", (B, Vp))]:
             a[name] = be.empty(shape)
@@ -101,7 +101,7 @@ class Decoder:
             "mm_fc": op("matmul_forward", prefer=GEMV, N=B, C=C, OC=4 * C, has_bias=True),
             "mm_fcproj": op("matmul_forward", prefer=GEMV, N=B, C=4 * C, OC=C, has_bias=True),
             "mm_lmhead": op("matmul_forward", prefer=GEMV, N=B, C=C, OC=Vp, has_bias=False),
-            "residual": op("residual_forward", N=B * C),
+            "residual_layernorm": op("residual_layernorm_forward", N=B, C=C),
             "gelu": op("gelu_forward", N=B * 4 * C),
         }
         from llmc.ops import attention
@@ -127,24 +127,27 @@ class Decoder:
         return self.be.download_into(self._logits_host, self.a["logits"])[:, :self.cfg.vocab_size]
 
     def _launch_step(self):
-        """Every launch of one decode step; token ids and position come from self.inp on the device."""
+        """Every launch of one decode step; token ids and position come from self.inp on the device.
+        The residual stream ping-pongs between x and x2: each residual add is fused with the
+        layernorm after it (residual_layernorm_forward), as in the training model."""
         cfg, a, p, k = self.cfg, self.a, self.p, self.k
-        x = self.be.view(a["x"], 0, (self.B, cfg.channels))
-        k["encoder"](x, self.inp, p["wte"], p["wpe"])                         # (B,C)
-        for l in range(cfg.num_layers):
-            k["layernorm"](a["ln"], a["mean"], a["rstd"], x, p["ln1w"][l], p["ln1b"][l])
-            k["mm_qkv"](a["qkv"], a["ln"], p["qkvw"][l], p["qkvb"][l])          # (B,3C)
-            k["kv_append"](self.kc[l], self.vc[l], a["q"], a["qkv"], self.pos)    # k, v -> cache
-            k["attention"](a["atty"], a["q"], self.kc[l], self.vc[l], self.pos)  # (B,C)
+        x, x2 = a["x"], a["x2"]
+        k["encoder"](x, self.inp, p["wte"], p["wpe"])                                 # (B,C)
+        k["layernorm"](a["ln"], a["mean"], a["rstd"], x, p["ln1w"][0], p["ln1b"][0])
+        L = cfg.num_layers
+        for l in range(L):
+            k["mm_qkv"](a["qkv"], a["ln"], p["qkvw"][l], p["qkvb"][l])                  # (B,3C)
+            k["kv_append"](self.kc[l], self.vc[l], a["q"], a["qkv"], self.pos)            # k, v -> cache
+            k["attention"](a["atty"], a["q"], self.kc[l], self.vc[l], self.pos)          # (B,C)
             k["mm_attproj"](a["proj"], a["atty"], p["attprojw"][l], p["attprojb"][l])
-            k["residual"](x, x, a["proj"])                                        # x += attn
-            k["layernorm"](a["ln"], a["mean"], a["rstd"], x, p["ln2w"][l], p["ln2b"][l])
-            k["mm_fc"](a["fch"], a["ln"], p["fcw"][l], p["fcb"][l])              # (B,4C)
+            k["residual_layernorm"](x2, a["ln"], a["mean"], a["rstd"], x, a["proj"],      # x2 = x + attn
+                                    p["ln2w"][l], p["ln2b"][l])
+            k["mm_fc"](a["fch"], a["ln"], p["fcw"][l], p["fcb"][l])                      # (B,4C)
             k["gelu"](a["fch_gelu"], a["fch"])
             k["mm_fcproj"](a["proj"], a["fch_gelu"], p["fcprojw"][l], p["fcprojb"][l])
-            k["residual"](x, x, a["proj"])                                        # x += mlp
-        k["layernorm"](a["ln"], a["mean"], a["rstd"], x, p["lnfw"], p["lnfb"])
-        k["mm_lmhead"](a["logits"], a["ln"], p["wte"], None)                      # (B,Vp)
+            w, b = (p["ln1w"][l + 1], p["ln1b"][l + 1]) if l + 1 < L else (p["lnfw"], p["lnfb"])
+            k["residual_layernorm"](x, a["ln"], a["mean"], a["rstd"], x2, a["proj"], w, b)  # x = x2 + mlp
+        k["mm_lmhead"](a["logits"], a["ln"], p["wte"], None)                              # (B,Vp)
 
     def prefill(self, tokens: np.ndarray) -> np.ndarray:
         """The prompt's forward pass: tokens (B, T) at positions 0..T-1 through the full model

@@ -287,7 +287,9 @@ def matmul_forward2(rt, N, C, OC, has_bias=True, block_size=None):
 
 
 def matmul_forward8(rt, N, C, OC, has_bias=True, block_size=None):
-    k, bs = _fwd_kernel(rt, 8), block_size or 256   # a warp per output column, all N <= 8 rows
+    # a warp per output column, all N <= 8 rows; one entry point per row count (cuda/matmul.cu)
+    k = rt.kernel(MODULE, f"matmul_forward_kernel8_rows{N}", "PPPPiii", label=f"matmul_forward 8 (rows={N})")
+    bs = block_size or 256
     grid, args = (-(-OC // (bs // 32)), 1, 1), (np.int32(N), np.int32(C), np.int32(OC))
 
     def launch(out, inp, weight, bias=None):
