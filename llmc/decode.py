@@ -58,7 +58,11 @@ def attention_decode_cpu(B, C, NH, maxT):
     return launch
 
 
-GEMV = 8  # matmul_forward's variant for a handful of rows (the decode step's M = batch)
+# The decode step's matmuls have M = batch rows. matmul_forward 8 (a GEMV) streams the weights at
+# ~85% of the H100's bandwidth at 1 row; measured per decode layer + lm head (dev/bench_sample.py
+# --matmuls, CUDA graphs): 71.5 / 82.2 / 88.1 / 99.2 us at 1 / 2 / 4 / 8 rows against the TF32
+# engine's (variant 7) 93.6 / 94.0 / 94.2 / 94.7. So the decoder prefers it up to 4 rows.
+GEMV, GEMV_MAX_BATCH = 8, 4
 
 
 class Decoder:
@@ -91,16 +95,17 @@ class Decoder:
         self._logits_host = be.pinned((B, Vp), be.dtype)
         self._run = None  # the step's launches: run once eagerly, then captured (be.graph)
         op = be.op
+        gemv = GEMV if B <= GEMV_MAX_BATCH else None
         from llmc.ops import encoder
         self.k = {
             "encoder": be.custom(encoder.encoder_decode_cpu(B=B, C=C), encoder.build_encoder_decode, B=B, C=C),
             "layernorm": op("layernorm_forward", N=B, C=C),
-            # M = B rows: the GEMV (matmul_forward 8) unless --matmul-kernel names another
-            "mm_qkv": op("matmul_forward", prefer=GEMV, N=B, C=C, OC=3 * C, has_bias=True),
-            "mm_attproj": op("matmul_forward", prefer=GEMV, N=B, C=C, OC=C, has_bias=True),
-            "mm_fc": op("matmul_forward", prefer=GEMV, N=B, C=C, OC=4 * C, has_bias=True),
-            "mm_fcproj": op("matmul_forward", prefer=GEMV, N=B, C=4 * C, OC=C, has_bias=True),
-            "mm_lmhead": op("matmul_forward", prefer=GEMV, N=B, C=C, OC=Vp, has_bias=False),
+            # M = B rows: the GEMV (matmul_forward 8) up to 4 rows unless --matmul-kernel names another
+            "mm_qkv": op("matmul_forward", prefer=gemv, N=B, C=C, OC=3 * C, has_bias=True),
+            "mm_attproj": op("matmul_forward", prefer=gemv, N=B, C=C, OC=C, has_bias=True),
+            "mm_fc": op("matmul_forward", prefer=gemv, N=B, C=C, OC=4 * C, has_bias=True),
+            "mm_fcproj": op("matmul_forward", prefer=gemv, N=B, C=4 * C, OC=C, has_bias=True),
+            "mm_lmhead": op("matmul_forward", prefer=gemv, N=B, C=C, OC=Vp, has_bias=False),
             "residual_layernorm": op("residual_layernorm_forward", N=B, C=C),
             "gelu": op("gelu_forward", N=B * 4 * C),
         }

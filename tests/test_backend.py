@@ -192,20 +192,20 @@ def test_decoder_kernels_build_without_gpu():
     from llmc.ops.attention import build_kv_fill
     cfg = config_from_name("d12")
     be = cuda_backend()
-    dec = Decoder(cfg, be, 8, params_buf=be.empty((cfg.num_parameters,)))
+    dec = Decoder(cfg, be, 4, params_buf=be.empty((cfg.num_parameters,)))
     assert callable(dec.k["kv_append"]) and callable(dec.k["attention"])
     assert callable(build_kv_fill(be.rt, B=8, C=768, NH=12, maxT=1024, T=64))
     assert {"attention_kv_append_kernel1", "attention_decode_kernel2", "attention_decode_combine_kernel2",
-            "attention_kv_fill_kernel1", "encoder_decode_kernel1", "matmul_forward_kernel8_rows8"} <= set(be.rt.built)
+            "attention_kv_fill_kernel1", "encoder_decode_kernel1", "matmul_forward_kernel8_rows4"} <= set(be.rt.built)
     assert not any(k.startswith("gemm") for k in be.rt.built)  # every decode matmul is the GEMV
 
 
 def test_decoder_matmul_follows_a_named_variant():
-    """--matmul-kernel 7 named on the command line beats the decoder's GEMV preference; at batch 16
-    the GEMV refuses (N > 8) and the default takes over, without a note."""
+    """--matmul-kernel 7 named on the command line beats the decoder's GEMV preference; from batch 5
+    the decoder leaves the matmuls to the default (the TF32 engine is faster there), without a note."""
     from llmc.decode import Decoder
     cfg = config_from_name("L2C64H2")
-    for kernels, B in (({"matmul_forward": 7}, 2), (None, 16)):
+    for kernels, B in (({"matmul_forward": 7}, 2), (None, 5), (None, 16)):
         be = cuda_backend(kernels)
         Decoder(cfg, be, B, params_buf=be.empty((cfg.num_parameters,)))
         assert not any(k.startswith("matmul_forward_kernel8") for k in be.rt.built) and not be._noted
