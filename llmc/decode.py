@@ -93,6 +93,11 @@ class Decoder:
         self.pos = be.view(self.inp, B, (1,))
         self._inp_host = be.pinned((B + 1,), np.int32)
         self._logits_host = be.pinned((B, Vp), be.dtype)
+        # sampling on the device: one uniform draw per row in, the B chosen tokens out
+        self.uniforms = be.zeros((B,), np.float64)
+        self._uni_host = be.pinned((B,), np.float64)
+        self.sampled = be.zeros((B,), np.int32)
+        self._sampled_host = be.pinned((B,), np.int32)
         self._run = None  # the step's launches: run once eagerly, then captured (be.graph)
         op = be.op
         gemv = GEMV if B <= GEMV_MAX_BATCH else None
@@ -113,11 +118,30 @@ class Decoder:
         shape = dict(B=B, C=C, NH=NH, maxT=maxT)
         self.k["kv_append"] = be.custom(kv_append_cpu(**shape), attention.build_kv_append, **shape)
         self.k["attention"] = be.custom(attention_decode_cpu(**shape), attention.build_attention_decode, **shape)
+        from llmc.ops import sample
+        V = cfg.vocab_size
+        self.k["sample"] = be.custom(sample.sample_cpu(B, V, Vp), sample.build_sample, B=B, V=V, Vp=Vp)
         self._prefill = {}  # T -> (inference model sharing our weights, kv fill op)
 
     def step(self, tokens: np.ndarray, pos: int) -> np.ndarray:
         """Feed B tokens at position pos; returns the next-token logits (B, V) on the host (a view
         of a buffer the next step overwrites)."""
+        self._run_step(tokens, pos)
+        return self.be.download_into(self._logits_host, self.a["logits"])[:, :self.cfg.vocab_size]
+
+    def step_sample(self, tokens: np.ndarray, pos: int, temperature: float, top_k: int | None,
+                    rng: np.random.Generator) -> list[int]:
+        """Feed B tokens at position pos and sample the next token of each row on the device
+        (llmc/ops/sample.py): only B token ids come back. Draws one uniform per row from rng
+        (none when greedy), as host sampling of each row in turn would."""
+        if temperature > 0:
+            self._uni_host[:] = [rng.random() for _ in range(self.B)]
+            self.be.upload_async(self.uniforms, self._uni_host)
+        self._run_step(tokens, pos)
+        self.k["sample"](self.sampled, self.a["logits"], self.uniforms, temperature, top_k)
+        return self.be.download_into(self._sampled_host, self.sampled).tolist()
+
+    def _run_step(self, tokens: np.ndarray, pos: int) -> None:
         if not 0 <= pos < self.cfg.max_seq_len:
             raise LLMCError(f"decode position {pos} outside 0..{self.cfg.max_seq_len - 1}")
         self._inp_host[:self.B] = np.asarray(tokens, np.int32).reshape(self.B)
@@ -128,8 +152,6 @@ class Decoder:
             self._run = self.be.graph(self._launch_step)
         else:
             self._run()
-        # (the numpy backend returns float64 logits at float64)
-        return self.be.download_into(self._logits_host, self.a["logits"])[:, :self.cfg.vocab_size]
 
     def _launch_step(self):
         """Every launch of one decode step; token ids and position come from self.inp on the device.
@@ -189,11 +211,13 @@ def generate(dec: Decoder, prompt: list[int], max_new: int, temperature: float =
     ctx = [list(prompt) for _ in range(B)]
     out = [[] for _ in range(B)]
     done = [False] * B
+    if max_new <= 0:
+        return out
     logits = _prefill(dec, ctx, len(ctx[0]))
+    new = [sample_token(logits[b], temperature, top_k, rng) for b in range(B)]
     pos = len(ctx[0])
     warned = False
-    for _ in range(max_new):
-        new = [sample_token(logits[b], temperature, top_k, rng) for b in range(B)]
+    for i in range(max_new):
         for b in range(B):
             if not done[b]:
                 out[b].append(new[b])
@@ -201,7 +225,7 @@ def generate(dec: Decoder, prompt: list[int], max_new: int, temperature: float =
             ctx[b].append(new[b])
         if on_tokens:
             on_tokens(new, done)
-        if all(done):
+        if all(done) or i == max_new - 1:
             break
         if pos == maxT:  # the context is full: slide the window, recompute the cache
             keep = maxT // 2
@@ -210,9 +234,10 @@ def generate(dec: Decoder, prompt: list[int], max_new: int, temperature: float =
                       f"the last {keep} tokens]", file=log or sys.stderr)
                 warned = True
             logits = _prefill(dec, [c[-keep:] for c in ctx], keep)
+            new = [sample_token(logits[b], temperature, top_k, rng) for b in range(B)]
             pos = keep
-        else:
-            logits = dec.step(np.array([c[pos] for c in ctx]), pos)
+        else:  # the step's logits stay on the device: sampled there, B token ids come back
+            new = dec.step_sample(np.array([c[pos] for c in ctx]), pos, temperature, top_k, rng)
             pos += 1
     return out
 

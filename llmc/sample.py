@@ -18,10 +18,18 @@ def sample_token(logits: np.ndarray, temperature: float, top_k: int | None, rng:
     top_k keeps only the k largest logits (ties at the k-th value are kept).
 
     One uniform draw per token (none when greedy), inverted through the cumulative distribution in
-    index order, so that the same seed gives the same stream on every backend. Fast enough to keep
-    up with the GPU (~0.05 ms for GPT-2's 50257 logits): float32 where numpy vectorises, the
-    cumulative sum in two levels (float32 sums of blocks of 512, float64 prefix over the blocks,
-    then over the one block the draw lands in) instead of a 50k-long float64 cumsum."""
+    index order, so that the same seed gives the same stream on every backend (the GPU's sampling
+    kernel, cuda/sample.cu, follows the same rule from the same draws)."""
+    if temperature <= 0:
+        return int(np.argmax(np.asarray(logits)))
+    return sample_with_uniform(logits, temperature, top_k, rng.random())
+
+
+def sample_with_uniform(logits: np.ndarray, temperature: float, top_k: int | None, u: float) -> int:
+    """sample_token given its uniform draw u in [0, 1). Fast enough to keep up with the GPU
+    (~0.05 ms for GPT-2's 50257 logits): float32 where numpy vectorises, the cumulative sum in two
+    levels (float32 sums of blocks of 512, float64 prefix over the blocks, then over the one block
+    the draw lands in) instead of a 50k-long float64 cumsum."""
     logits = np.asarray(logits)
     if temperature <= 0:
         return int(np.argmax(logits))
@@ -32,7 +40,7 @@ def sample_token(logits: np.ndarray, temperature: float, top_k: int | None, rng:
         idx = np.flatnonzero(z >= kth)
         z = z[idx]
     w = np.exp((z - z.max()) * np.float32(1.0 / temperature))
-    j = _inverse_cdf(w, rng.random())
+    j = _inverse_cdf(w, u)
     return int(idx[j]) if idx is not None else j
 
 

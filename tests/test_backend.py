@@ -196,7 +196,7 @@ def test_decoder_kernels_build_without_gpu():
     assert callable(dec.k["kv_append"]) and callable(dec.k["attention"])
     assert callable(build_kv_fill(be.rt, B=8, C=768, NH=12, maxT=1024, T=64))
     assert {"attention_kv_append_kernel1", "attention_decode_kernel2", "attention_decode_combine_kernel2",
-            "attention_kv_fill_kernel1", "encoder_decode_kernel1", "matmul_forward_kernel8_rows4"} <= set(be.rt.built)
+            "attention_kv_fill_kernel1", "encoder_decode_kernel1", "matmul_forward_kernel8_rows4", "sample_kernel1"} <= set(be.rt.built)
     assert not any(k.startswith("gemm") for k in be.rt.built)  # every decode matmul is the GEMV
 
 

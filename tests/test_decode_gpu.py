@@ -7,7 +7,7 @@ from llmc.backend import CpuBackend, CudaBackend
 from llmc.config import GPT2Config, config_from_name
 from llmc.decode import Decoder, generate
 from llmc.model import GPT2
-from llmc.sample import generate_full
+from llmc.sample import generate_full, sample_token
 
 pytestmark = pytest.mark.gpu
 
@@ -75,3 +75,23 @@ def test_graph_replay_equals_eager_gpu(monkeypatch):
         assert isinstance(dec._run, Graph) == (graphs == "1")
     for t, (a, b) in enumerate(zip(*runs)):
         assert np.array_equal(a, b), f"step {t}: graph replay differs from eager launches"
+
+
+def test_device_sampling_in_the_decoder_gpu():
+    """step_sample (sampling on the GPU) picks what host sampling of step()'s logits picks, from the
+    same draws; seeded generation on the GPU repeats itself."""
+    params = params_for(SMALL)
+    B = 4
+    rng = np.random.default_rng(11)
+    toks = rng.integers(0, SMALL.vocab_size, (B, 12)).astype(np.int32)
+    dec_a = Decoder(SMALL, CudaBackend(), B, params=params)
+    dec_b = Decoder(SMALL, CudaBackend(), B, params=params)
+    ra, rb = np.random.default_rng(3), np.random.default_rng(3)
+    for t in range(toks.shape[1]):
+        got = dec_a.step_sample(toks[:, t], t, 0.9, 20, ra)
+        logits = dec_b.step(toks[:, t], t)
+        want = [sample_token(logits[b], 0.9, 20, rb) for b in range(B)]
+        assert got == want, (t, got, want)
+    runs = [generate(Decoder(SMALL, CudaBackend(), 3, params=params), [5, 6, 7], 30, 1.0, 10,
+                     np.random.default_rng(9)) for _ in range(2)]
+    assert runs[0] == runs[1]

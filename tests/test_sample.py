@@ -191,3 +191,59 @@ def test_decoder_through_devarrays_is_bit_identical():
                              rng=np.random.default_rng(3)))
     assert outs[0] == outs[1]
     assert be.graphs == 1  # the step was handed to the backend's graph capture once, then replayed
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: the sampling kernel (cuda/sample.cu) against the host sampler, draw by draw
+
+
+@pytest.fixture(scope="module")
+def rt():
+    from llmc.runtime import Runtime
+    return Runtime()
+
+
+def _rows(rng, R, V, Vp, k):
+    """R rows of logits with ties planted at the max and at the k-th largest value."""
+    z = (rng.standard_normal((R, Vp)) * 3).astype(np.float32)
+    z[:, V:] = np.nan  # padding past V must never be read
+    for r in range(R):
+        row = z[r, :V]
+        row[rng.integers(0, V, 2)] = row.max()  # two more copies of the max: greedy takes the first
+        if k and k < V:
+            kth = np.partition(row, -k)[-k]
+            row[rng.integers(0, V, 3)] = kth    # ties at the k-th value are kept
+    return z
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("V,Vp", [(50257, 50304), (97, 128), (1, 4)])
+@pytest.mark.parametrize("temperature,top_k", [(0.0, None), (1.0, None), (0.8, 40), (1.5, 1), (0.7, 2000),
+                                               (1.0, 10 ** 6)])
+def test_sample_kernel_matches_host(rt, V, Vp, temperature, top_k):
+    from llmc.ops.sample import build_sample, sample_ref
+    from llmc.testing import poison
+    rng = np.random.default_rng(V + int(10 * temperature) + (top_k or 0))
+    R, draws = 8, 16
+    z = np.repeat(_rows(rng, R, V, Vp, top_k), draws, axis=0)   # each row with `draws` uniforms
+    u = rng.random(R * draws)
+    u[:2] = [0.0, np.nextafter(1.0, 0.0)]                         # the two ends of [0, 1)
+    tokens = rt.empty((R * draws,), np.int32)
+    poison(tokens)
+    build_sample(rt, R * draws, V, Vp)(tokens, rt.to_device(z), rt.to_device(u), temperature, top_k)
+    got = tokens.get()
+    want = sample_ref(z, u, V, temperature, top_k)
+    assert np.all((got >= 0) & (got < V)), "unwritten or out-of-range tokens"
+    if temperature <= 0:
+        assert np.array_equal(got, want)  # greedy: the first index of the max, exactly
+        return
+    ambiguous = 0
+    for i in np.flatnonzero(got != want):  # only a draw within rounding of a boundary may differ
+        row = z[i, :V].astype(np.float32)
+        keep = row >= (np.partition(row, -top_k)[-top_k] if top_k and top_k < V else -np.inf)
+        assert keep[got[i]], f"draw {i}: token {got[i]} is outside the top {top_k}"
+        w = np.where(keep, np.exp((row - row.max()) * np.float32(1 / temperature)), 0).astype(np.float64)
+        cdf = np.cumsum(w)
+        assert np.abs(cdf - u[i] * cdf[-1]).min() < 1e-6 * cdf[-1], f"draw {i}: {got[i]} != {want[i]}"
+        ambiguous += 1
+    assert ambiguous <= 2

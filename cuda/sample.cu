@@ -1,0 +1,162 @@
+// Sampling the next token on the GPU, one block per row of logits: what the KV-cache decoder runs
+// after each step instead of downloading B x 50304 logits and sampling on the host.
+//
+// Same rule as the host's sample_token (llmc/sample.py), given one uniform draw u per row:
+//   greedy (inv_temp == 0): the first index of the largest logit;
+//   else keep the logits >= the k-th largest (k = top_k, ties at the k-th value kept; all if
+//   top_k is 0 or >= V), weights w_i = exp((z_i - max z) * inv_temp), and take the first index j
+//   whose running sum of w in index order exceeds u * sum(w).
+// The k-th largest value comes from a radix select over the order-preserving uint32 image of the
+// floats: four passes of 8 bits, each a 256-bin histogram (warp-aggregated shared atomics) of the
+// logits that match the digits chosen so far. The running sum is a block scan over contiguous
+// per-thread chunks, in double (the host adds in float64 as well): the two can disagree only when
+// u * sum(w) lies within rounding of a boundary between two tokens.
+//
+// Work: a few passes over one row (201 KB at GPT-2's vocabulary), from L2 after the first; a few
+// microseconds per row, B blocks. Launch: grid (B), block SAMPLE_THREADS.
+#include "common.cuh"
+
+#define SAMPLE_THREADS 1024
+
+__device__ __forceinline__ unsigned int float_key(float f) {  // order-preserving: a < b <=> key(a) < key(b)
+    unsigned int u = __float_as_uint(f);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__device__ __forceinline__ float key_float(unsigned int k) {
+    return __uint_as_float((k & 0x80000000u) ? (k & 0x7FFFFFFFu) : ~k);
+}
+
+// the k-th largest of row[0..V) (k >= 1, counting repeated values), by radix select
+__device__ float kth_largest(const float* row, int V, int k, unsigned int* hist, int* bcast) {
+    unsigned int prefix = 0, mask = 0;
+    const int lane = threadIdx.x % WARP_SIZE;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
+        __syncthreads();
+        // every lane of the warp walks the loop the same number of times (for __match_any_sync)
+        for (int base = threadIdx.x - lane; base < V; base += blockDim.x) {
+            const int i = base + lane;
+            const unsigned int key = i < V ? float_key(row[i]) : 0u;
+            const bool in = i < V && (key & mask) == prefix;
+            const unsigned int digit = in ? (key >> shift) & 255u : 256u;  // 256: not counted
+            const unsigned int peers = __match_any_sync(0xFFFFFFFFu, digit);
+            if (in && lane == __ffs(peers) - 1) atomicAdd(&hist[digit], __popc(peers));
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {  // the bin holding the k-th largest: walk down from the top bin
+            int acc = 0, d = 255;
+            for (; d > 0; d--) {
+                if (acc + (int)hist[d] >= k) break;
+                acc += hist[d];
+            }
+            bcast[0] = d;
+            bcast[1] = k - acc;  // its rank within the bin
+        }
+        __syncthreads();
+        const unsigned int d = (unsigned int)bcast[0];
+        k = bcast[1];
+        prefix |= d << shift;
+        mask |= 255u << shift;
+        __syncthreads();  // bcast and hist are reused by the next pass
+    }
+    return key_float(prefix);
+}
+
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_kernel1(
+        int* tokens, const float* logits, const double* uniforms, int V, int Vp, int top_k, float inv_temp) {
+    __shared__ unsigned int hist[256];
+    __shared__ int bcast[2];
+    __shared__ float redf[WARP_SIZE];
+    __shared__ int redi[WARP_SIZE];
+    __shared__ double scan[SAMPLE_THREADS];
+    const float* row = logits + (size_t)blockIdx.x * Vp;
+    const int tid = threadIdx.x, lane = tid % WARP_SIZE, warp = tid / WARP_SIZE;
+    const int nwarps = blockDim.x / WARP_SIZE;
+
+    // the largest logit and its first index (greedy's answer; the softmax's shift otherwise)
+    float best = -FLT_MAX;
+    int besti = V;
+    for (int i = tid; i < V; i += blockDim.x) {
+        const float z = row[i];
+        if (z > best) { best = z; besti = i; }  // i increases: the first index of this thread's max
+    }
+    for (int off = WARP_SIZE / 2; off > 0; off >>= 1) {
+        const float ob = __shfl_xor_sync(0xFFFFFFFFu, best, off);
+        const int oi = __shfl_xor_sync(0xFFFFFFFFu, besti, off);
+        if (ob > best || (ob == best && oi < besti)) { best = ob; besti = oi; }
+    }
+    if (lane == 0) { redf[warp] = best; redi[warp] = besti; }
+    __syncthreads();
+    if (warp == 0) {
+        best = lane < nwarps ? redf[lane] : -FLT_MAX;
+        besti = lane < nwarps ? redi[lane] : V;
+        for (int off = WARP_SIZE / 2; off > 0; off >>= 1) {
+            const float ob = __shfl_xor_sync(0xFFFFFFFFu, best, off);
+            const int oi = __shfl_xor_sync(0xFFFFFFFFu, besti, off);
+            if (ob > best || (ob == best && oi < besti)) { best = ob; besti = oi; }
+        }
+        if (lane == 0) { redf[0] = best; redi[0] = besti; }
+    }
+    __syncthreads();
+    const float zmax = redf[0];
+    if (inv_temp == 0.0f) {
+        if (tid == 0) tokens[blockIdx.x] = redi[0];
+        return;
+    }
+    const float kth = (top_k > 0 && top_k < V) ? kth_largest(row, V, top_k, hist, bcast) : -FLT_MAX;
+
+    // weights over contiguous chunks, one per thread, summed in index order; block scan in double
+    const int chunk = (V + blockDim.x - 1) / blockDim.x;
+    const int i0 = min(V, tid * chunk), i1 = min(V, i0 + chunk);
+    double local = 0.0;
+    for (int i = i0; i < i1; i++) {
+        const float z = row[i];
+        if (z >= kth) local += (double)expf((z - zmax) * inv_temp);
+    }
+    scan[tid] = local;
+    __syncthreads();
+    for (int off = 1; off < blockDim.x; off <<= 1) {  // inclusive Hillis-Steele scan
+        const double v = tid >= off ? scan[tid - off] : 0.0;
+        __syncthreads();
+        scan[tid] += v;
+        __syncthreads();
+    }
+    const double total = scan[blockDim.x - 1];
+    const double target = uniforms[blockIdx.x] * total;
+    const double before = tid ? scan[tid - 1] : 0.0;  // chunks tile [0, total) without gaps
+    if (tid == 0) bcast[0] = -1;
+    __syncthreads();
+    if (local > 0.0 && before <= target && target < scan[tid]) {  // the draw lands in this chunk
+        double acc = before;
+        int pick = -1, last = -1;
+        for (int i = i0; i < i1; i++) {
+            const float z = row[i];
+            if (z < kth) continue;
+            const double w = (double)expf((z - zmax) * inv_temp);
+            if (w == 0.0) continue;
+            last = i;
+            acc += w;
+            if (acc > target) { pick = i; break; }
+        }
+        bcast[0] = pick >= 0 ? pick : last;  // rounding within the chunk: its last weighted token
+    }
+    __syncthreads();
+    if (bcast[0] < 0) {  // target >= total by rounding: the last token with a weight
+        int last = -1;
+        for (int i = i1 - 1; i >= i0; i--) {
+            const float z = row[i];
+            if (z >= kth && expf((z - zmax) * inv_temp) > 0.0f) { last = i; break; }
+        }
+        for (int off = WARP_SIZE / 2; off > 0; off >>= 1) last = max(last, __shfl_xor_sync(0xFFFFFFFFu, last, off));
+        if (lane == 0) redi[warp] = last;
+        __syncthreads();
+        if (tid == 0) {
+            int m = -1;
+            for (int w = 0; w < nwarps; w++) m = max(m, redi[w]);
+            bcast[0] = m;
+        }
+        __syncthreads();
+    }
+    if (tid == 0) tokens[blockIdx.x] = bcast[0];
+}
