@@ -177,6 +177,10 @@ for name, Cin, OC, has_bias in SHAPES:
         if n <= 3 and name == "lmhead" and not L.args.variants:
             print(f"  variant {n}: skipped at the lm-head shape (name it to run it)")
             continue
+        why = spec.variant(n).refuse_reason(N=N, C=Cin, OC=OC)
+        if why:
+            print(f"  variant {n}: refuses this shape ({why})")
+            continue
         sweep = [None] + (SWEEP.get(n, []) if not L.args.quick else [])
         for cfg in sweep:
             launch = spec.build(rt, n, N=N, C=Cin, OC=OC, has_bias=has_bias, block_size=cfg)
@@ -209,6 +213,38 @@ for name, Cin, OC, has_bias in SHAPES:
         summary.append((name, "cuBLAS", ms, flops / ms / 1e9))
         del ti, tw, tb, to
     del d_inp, d_w, d_b, d_out
+
+# ----------------------------------------------------------------------------------------------
+# the KV-cache decoder's matmuls: N = batch rows (1, 4, 8), weight-bandwidth-bound, so GB/s of
+# weights read; the GEMV (variant 8) against the TF32 engines
+
+for rows in (1, 4, 8):
+    for name, Cin, OC, has_bias in SHAPES:
+        L.section(f"decode {name} N={rows}")
+        print(f"\n## decode {name}: ({rows}, {Cin}) @ ({OC}, {Cin})^T" + (" + bias" if has_bias else ""))
+        inp, weight, bias = lab.rand(rng, (rows, Cin)), lab.rand(rng, (OC, Cin), scale=Cin ** -0.5), lab.rand(rng, (OC,))
+        ref = reference64(lambda x, w, b: x @ w.T + (b if has_bias else 0), inp, weight, bias)
+        d_inp, d_w, d_b, d_out = rt.to_device(inp), rt.to_device(weight), rt.to_device(bias), rt.empty((rows, OC))
+        bias_arg = d_b if has_bias else None
+        nbytes = 4 * (OC * Cin + rows * Cin + rows * OC)
+        for n in L.selected(spec):
+            if n < 5 or spec.variant(n).refuse_reason(N=rows, C=Cin, OC=OC):
+                continue
+            launch = spec.build(rt, n, N=rows, C=Cin, OC=OC, has_bias=has_bias)
+            fn = (lambda launch=launch: launch(d_out, d_inp, d_w, bias_arg))
+            label = f"{n} decode {name} N={rows}"
+            atol, rtol = tolerances(n in TF32, ref)
+            L.validate(label, fn, outputs={"out": d_out}, refs={"out": ref}, atol=atol, rtol=rtol)
+            ms = L.time(label, fn, bytes=nbytes)
+            summary.append((f"decode {name} N={rows}", f"{n}", ms, 2 * rows * Cin * OC / ms / 1e9))
+        if HAVE_TORCH:
+            ti, tw, tb = (torch.from_numpy(a).cuda() for a in (inp, weight, bias))
+            to = torch.empty((rows, OC), device="cuda")
+            fn = (lambda: torch.addmm(tb, ti, tw.t(), out=to)) if has_bias else (lambda: torch.mm(ti, tw.t(), out=to))
+            ms = L.reference(f"cuBLAS TF32 decode {name} N={rows}", fn, bytes=nbytes)
+            summary.append((f"decode {name} N={rows}", "cuBLAS", ms, 2 * rows * Cin * OC / ms / 1e9))
+            del ti, tw, tb, to
+        del d_inp, d_w, d_b, d_out
 
 # ----------------------------------------------------------------------------------------------
 # attention's batched GEMMs (B*NH = 48 heads), on the SIMT and TF32 engines
