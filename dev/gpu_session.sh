@@ -2,8 +2,8 @@
 # One call on the GPU machine that verifies everything GPU-side, in phases (PHASES picks, in order):
 #   tests   the whole `pytest -m gpu` suite, one process per test file (a kernel fault that kills the
 #           CUDA context fails its own file, not the rest); TESTS narrows it to some files
-#   bench   the step benchmark: defaults, --softmax-kernel 5 --matmul-kernel 5, and the matmul
-#           engine-4 variants (--matmul-kernel 7 --matmul-backward-kernel 3)
+#   bench   the step benchmark: defaults, --softmax-kernel 5 --matmul-kernel 5, and the previous
+#           matmul defaults (engine 2: --matmul-kernel 6 --matmul-backward-kernel 2)
 #   sample  the sampling benchmark (batch 1 and 8, with and without the KV cache)
 #   profile the per-kernel step profile, and a short real d12 training run
 #   lab     the kernel lab for LAB_OPS (default: all), bounded by LAB_SECONDS
@@ -26,7 +26,8 @@ for phase in $PHASES; do case $phase in
 tests)
   for f in ${TESTS:-tests/test_model_gpu.py tests/test_decode_gpu.py tests/test_attention.py tests/test_classifier.py \
            tests/test_adamw.py tests/test_global_norm.py tests/test_encoder.py tests/test_layernorm.py \
-           tests/test_gelu.py tests/test_residual.py tests/test_residual_layernorm.py tests/test_matmul.py}; do
+           tests/test_gelu.py tests/test_residual.py tests/test_residual_layernorm.py tests/test_matmul.py \
+           tests/test_sample.py}; do
     n=$(basename "$f" .py)
     step "pytest -m gpu $f"
     timeout "${TEST_SECONDS:-240}" python3 -m pytest -m gpu -q -rs -s "$f" > "$OUT/$n.txt" 2>&1
@@ -38,12 +39,8 @@ bench)
   timeout 100 python3 dev/bench_step.py --steps 20 2>&1 | tail -4 | tee -a "$S"
   step "bench --softmax-kernel 5 --matmul-kernel 5"
   timeout 60 python3 dev/bench_step.py --steps 10 --softmax-kernel 5 --matmul-kernel 5 2>&1 | tail -3 | tee -a "$S"
-  step "bench --matmul-kernel 7 --matmul-backward-kernel 3"
-  timeout 60 python3 dev/bench_step.py --steps 20 --matmul-kernel 7 --matmul-backward-kernel 3 2>&1 | tail -3 | tee -a "$S"
-  step "bench --matmul-kernel 7"
-  timeout 60 python3 dev/bench_step.py --steps 20 --matmul-kernel 7 2>&1 | tail -3 | tee -a "$S"
-  step "bench --matmul-backward-kernel 3"
-  timeout 60 python3 dev/bench_step.py --steps 20 --matmul-backward-kernel 3 2>&1 | tail -3 | tee -a "$S" ;;
+  step "bench --matmul-kernel 6 --matmul-backward-kernel 2"
+  timeout 60 python3 dev/bench_step.py --steps 20 --matmul-kernel 6 --matmul-backward-kernel 2 2>&1 | tail -3 | tee -a "$S" ;;
 sample)
   step "sampling benchmark"
   timeout 150 python3 dev/bench_sample.py --device cuda 2>&1 | tee -a "$S" ;;
