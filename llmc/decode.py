@@ -179,7 +179,9 @@ class Decoder:
     def prefill(self, tokens: np.ndarray) -> np.ndarray:
         """The prompt's forward pass: tokens (B, T) at positions 0..T-1 through the full model
         (built once per T, sharing our weights); its keys and values fill the cache. Returns the
-        logits (B, V) after the last position."""
+        logits (B, V) after the last position. Prompts shorter than 4 tokens (the trainer's samples
+        start from one <|endoftext|>) go through decode steps instead: no forward model to build,
+        and none of its float4 kernels refusing T=1 (they would each print a fallback note)."""
         from llmc.model import GPT2
         tokens = np.asarray(tokens, np.int32)
         B, T = tokens.shape
@@ -187,6 +189,10 @@ class Decoder:
         if T > cfg.max_seq_len:
             raise LLMCError(f"prompt of {T} tokens is longer than the model's max sequence length "
                             f"{cfg.max_seq_len}")
+        if T < 4:
+            for t in range(T):
+                logits = self.step(tokens[:, t], t)
+            return np.array(logits, copy=True)
         if T not in self._prefill:
             from llmc.ops import attention
             model = GPT2(cfg, self.be, B, T, training=False, params_buf=self.params)

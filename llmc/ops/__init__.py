@@ -71,6 +71,13 @@ def check_block_size(block_size) -> str | None:
     return None
 
 
+def as_view(a, shape):
+    """`a` reshaped without copying: the cpu launchers write their outputs through such views, so
+    a reshape that would need a copy (and silently drop the writes) raises instead."""
+    import numpy as np
+    return np.reshape(a, shape, copy=False)
+
+
 _NOTED: set[str] = set()
 
 

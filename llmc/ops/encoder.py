@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from llmc.ops import OpSpec, Variant, refuse, check_block_size
+from llmc.ops import OpSpec, Variant, refuse, check_block_size, as_view
 from llmc.runtime import ceil_div
 
 MODULE = "encoder"  # cuda/encoder.cu
@@ -47,11 +47,7 @@ def encoder_backward_ref(dwte, dwpe, dout, inp):
     return dwte, dwpe
 
 
-def _shaped(a, shape):
-    """A view of `a` with `shape`; raises instead of silently copying (writes must land in `a`)."""
-    v = a.view()
-    v.shape = shape
-    return v
+_shaped = as_view  # a view of `a` with `shape`; raises instead of silently copying
 
 
 # ----------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-from llmc.ops import OpSpec, Variant, check_block_size
+from llmc.ops import OpSpec, Variant, check_block_size, as_view
 from llmc.runtime import ceil_div
 
 MODULE = "gelu"  # cuda/gelu.cu
@@ -37,9 +37,7 @@ def gelu_backward_ref(inp, dout):
 
 
 def _flat(a, N):
-    v = a.view()
-    v.shape = (N,)  # raises rather than copy: the writes must land in a
-    return v
+    return as_view(a, (N,))  # raises rather than copy: the writes must land in a
 
 
 # ----------------------------------------------------------------------------------------------

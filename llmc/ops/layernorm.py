@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from llmc.ops import OpSpec, Variant, refuse, check_block_size
+from llmc.ops import OpSpec, Variant, refuse, check_block_size, as_view
 from llmc.runtime import ceil_div
 
 MODULE = "layernorm"  # cuda/layernorm.cu
@@ -54,11 +54,7 @@ def layernorm_backward_ref(dout, inp, weight, mean, rstd):
     return dinp, dweight, dbias
 
 
-def _shaped(a, shape):
-    """A view of `a` with `shape`; raises instead of silently copying (writes must land in `a`)."""
-    v = a.view()
-    v.shape = shape
-    return v
+_shaped = as_view  # a view of `a` with `shape`; raises instead of silently copying
 
 
 # ----------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from llmc.ops import OpSpec, Variant, check_block_size
+from llmc.ops import OpSpec, Variant, check_block_size, as_view
 from llmc.runtime import ceil_div
 
 MODULE = "residual"  # cuda/residual.cu
@@ -25,9 +25,7 @@ def residual_forward_ref(inp1, inp2):
 
 
 def _flat(a, N):
-    v = a.view()
-    v.shape = (N,)  # raises rather than copy: the writes must land in a
-    return v
+    return as_view(a, (N,))  # raises rather than copy: the writes must land in a
 
 
 def residual_forward_cpu(N, block_size=None):
