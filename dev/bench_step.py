@@ -2,9 +2,11 @@
 
     python dev/bench_step.py                       # default kernel variants
     python dev/bench_step.py --softmax-kernel 5 --matmul-kernel 5
-    python dev/bench_step.py --steps 30 --graph    # (graph: replay the step as a CUDA graph, if available)
+    python dev/bench_step.py -b 1 -t 128            # a small step, where launching from Python costs
+    LLMC_GRAPHS=0 python dev/bench_step.py          # kernel by kernel instead of CUDA graph replays
 
-Times forward + backward + clip + AdamW + the loss read, exactly the trainer's step, with CUDA
+Times forward + backward + clip + AdamW + the loss read, exactly the trainer's step (after the first
+step, the micro-step and the update are CUDA graph replays where cuda-python is installed), with CUDA
 events around each step after warm-up; prints the median ms/step, tokens/s and peak GPU memory
 (our allocations, and the device's used memory as nvidia-smi would count it, context included).
 """
@@ -52,8 +54,7 @@ def main():
 
     def step(i):
         model.zero_grad()
-        model.forward(x, y, read_loss=False)
-        model.backward()
+        model.train_micro_step(x, y)
         model.update(3e-4, i + 1)
         return model.step_loss()
 
@@ -73,6 +74,9 @@ def main():
     ms = statistics.median(times)
     print(f"device: {rt.name} | model {cfg.describe()} | B={B} T={T} | build {build_s:.1f} s")
     print("kernels: " + ", ".join(f"{k}={v}" for k, v in sorted(be.kernels.items())))
+    from llmc.runtime import Graph
+    print("CUDA graphs: " + ("yes" if isinstance(model._graph_micro, Graph) else
+                             f"no ({rt.graphs_available() or 'not captured'})"))
     print(f"step: median {ms:.2f} ms (GPU events), {statistics.median(walls):.2f} ms wall | "
           f"{B * T / (ms / 1000):,.0f} tokens/s | last loss {loss:.4f}")
     print(f"memory: {rt.allocated_bytes / 2**30:.2f} GiB allocated by the model | "

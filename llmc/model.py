@@ -129,8 +129,17 @@ class GPT2:
             self.adamw_plan = [(op("adamw", n=n), decay,
                                 *(be.view(buf, off, (n,)) for buf in (self.params, self.grads, self.m, self.v)))
                                for off, n, decay in self.update_ranges]
+            # AdamW's hyperparameters (lr, bias corrections, ...) per range, on the device: uploaded
+            # before each update, so that a captured update replays with the step's values
+            self.hp = be.zeros((len(self.adamw_plan), 8), be.dtype)
+            self._pinned_hp = be.pinned((len(self.adamw_plan), 8), be.dtype)
+            self.hps = [be.view(self.hp, 8 * i, (8,)) for i in range(len(self.adamw_plan))]
         self.micro_steps = 0
         self.has_loss = False
+        # CUDA graphs of the training step (cuda backend, cuda-python; LLMC_GRAPHS=0 turns them off):
+        # the first micro-step and update run kernel by kernel, then each is captured and replayed
+        self.use_graphs = training and hasattr(be, "graph")
+        self._graph_micro = self._graph_update = None
 
     # ------------------------------------------------------------------------------------------
     # buffers
@@ -222,6 +231,16 @@ class GPT2:
             self.set_batch(x, y)
         with_targets = y is not None or (x is None and self.has_targets_loaded)
         self.has_targets_loaded = with_targets
+        write_dlogits = with_targets and self.training and grad is not False
+        self._launch_forward(with_targets, write_dlogits)
+        self.has_loss = with_targets
+        self.dlogits_ready = write_dlogits
+        if with_targets and read_loss:
+            return float(self.be.download(self.a["losses"])[:self.B * self.T].astype(np.float64).mean())
+        return None
+
+    def _launch_forward(self, with_targets: bool, write_dlogits: bool) -> None:
+        """The forward's launches (no host work: capturable)."""
         cfg, a, p, k = self.cfg, self.a, self.p, self.k
         L = cfg.num_layers
 
@@ -246,17 +265,9 @@ class GPT2:
                 ln, mean, rstd, w, b = a["lnf"], a["lnf_mean"], a["lnf_rstd"], p["lnfw"], p["lnfb"]
             k["residual_layernorm"](a["residual3"][l], ln, mean, rstd, a["residual2"][l], a["fcproj"], w, b)
         k["mm_lmhead"](a["logits"], a["lnf"], p["wte"], None)                                 # (B,T,Vp)
-        self.has_loss = False
-        if not with_targets:
-            return None
-        write_dlogits = self.training and grad is not False
-        dloss = 1.0 / (self.B * self.T * self.grad_accum_steps)
-        k["classifier"](a["losses_N"], a["logits"], self.targets, dloss, int(write_dlogits))  # (N,)
-        self.has_loss = True
-        self.dlogits_ready = write_dlogits
-        if read_loss:
-            return float(self.be.download(a["losses"])[:self.B * self.T].astype(np.float64).mean())
-        return None
+        if with_targets:
+            dloss = 1.0 / (self.B * self.T * self.grad_accum_steps)
+            k["classifier"](a["losses_N"], a["logits"], self.targets, dloss, int(write_dlogits))  # (N,)
 
     has_targets_loaded = False
     grad_accum_steps = 1
@@ -285,12 +296,17 @@ class GPT2:
         """Gradients of the mean loss of the last forward, ACCUMULATED into self.grads."""
         if not (self.training and self.dlogits_ready):
             raise RuntimeError("backward() needs a training forward with targets first")
+        self._launch_backward()
+        self.micro_steps += 1
+        self.dlogits_ready = False
+
+    def _launch_backward(self) -> None:
+        """The backward's launches (no host work: capturable)."""
         cfg, a, p, g, k = self.cfg, self.a, self.p, self.g, self.k
         L = cfg.num_layers
         dres, dbtc, dqkv, dfch = a["dresidual"], a["dbtc"], a["dqkv"], a["dfch"]
         # running loss sum for logging: loss_acc += losses (the residual op, elementwise)
         k["loss_acc"](a["loss_acc"], a["loss_acc"], a["losses"])
-        self.micro_steps += 1
 
         k["mmb_lmhead"](dbtc, g["wte"], a["logits"], a["lnf"], p["wte"])       # dlnf (B,T,C); dwte +=
         self.be.memset0(dres)
@@ -316,15 +332,48 @@ class GPT2:
             k["layernorm_backward"](dres, g["ln1w"][l], g["ln1b"][l], dbtc, residual,
                                     p["ln1w"][l], a["ln1_mean"][l], a["ln1_rstd"][l])  # dres = d residual
         k["encoder_backward"](g["wte"], g["wpe"], dres, self.inputs)
-        self.dlogits_ready = False
+
+    def train_micro_step(self, x: np.ndarray, y: np.ndarray) -> None:
+        """forward(x, y) without reading the loss, then backward(): one micro-step of training.
+        On the cuda backend the first call launches kernel by kernel and captures the launches into
+        a CUDA graph; later calls upload the batch and replay it (one launch instead of ~400)."""
+        self.set_batch(x, y)
+        self.has_targets_loaded = True
+        if self._graph_micro is None or not self.use_graphs:
+            self.forward(None, read_loss=False)
+            self.backward()
+            if self.use_graphs:
+                self._graph_micro = self.be.graph(self._launch_micro)
+            return
+        self._graph_micro()
+        self.has_loss, self.dlogits_ready = True, False
+        self.micro_steps += 1
+
+    def _launch_micro(self) -> None:
+        self._launch_forward(True, True)
+        self._launch_backward()
 
     def update(self, lr: float, step: int, weight_decay: float = 0.0, beta1: float = 0.9,
                beta2: float = 0.95, eps: float = 1e-8, max_norm: float = 1.0) -> None:
-        """Global-norm clipping (computed and applied on the device) and AdamW. `step` is 1-based."""
+        """Global-norm clipping (computed and applied on the device) and AdamW. `step` is 1-based.
+        The hyperparameters go up in one small async copy; the launches are captured into a CUDA
+        graph after the first update (cuda backend)."""
+        from llmc.ops.adamw import hyperparams
+        for i, (_, decay, *_) in enumerate(self.adamw_plan):
+            self._pinned_hp[i] = hyperparams(lr, beta1, beta2, eps, weight_decay if decay else 0.0, step,
+                                             max_norm, self.be.dtype)
+        self.be.upload_async(self.hp, self._pinned_hp)
+        if self._graph_update is None or not self.use_graphs:
+            self._launch_update()
+            if self.use_graphs:
+                self._graph_update = self.be.graph(self._launch_update)
+            return
+        self._graph_update()
+
+    def _launch_update(self) -> None:
         self.k["global_norm"](self.norm2, self.grads)
-        for adamw, decay, params, grads, m, v in self.adamw_plan:
-            adamw(params, grads, m, v, self.norm2, lr, beta1, beta2, eps,
-                  weight_decay if decay else 0.0, step, max_norm)
+        for (adamw, _, params, grads, m, v), hp in zip(self.adamw_plan, self.hps):
+            adamw(params, grads, m, v, self.norm2, hp)
 
     def grad_norm(self) -> float:
         """The global gradient norm computed by the last update() (a host read: a sync)."""

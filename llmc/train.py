@@ -279,8 +279,7 @@ def main(argv=None) -> int:
         model.zero_grad()
         for _ in range(accum):
             x, y = overfit_batch if overfit_batch is not None else train_loader.next_batch()
-            model.forward(x, y, read_loss=False)
-            model.backward()
+            model.train_micro_step(x, y)   # forward + backward (a CUDA graph replay on the GPU)
         lr = get_lr(args.lr_schedule, step, args.learning_rate, args.warmup_steps, max_steps, args.final_lr_frac)
         model.update(lr, step + 1, weight_decay=args.weight_decay, max_norm=args.grad_clip)
         loss = model.step_loss()   # host read: the one sync of the step

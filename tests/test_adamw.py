@@ -78,7 +78,8 @@ def test_cpu_launcher(rng, dtype, max_norm):
     g = (rng.standard_normal(n) * 0.01).astype(dtype)
     norm2 = np.array([aw_norm2(g)], dtype)
     want = aw.adamw_ref(p, g, m, v, norm2, HP["lr"], HP["b1"], HP["b2"], HP["eps"], 0.1, 7, max_norm)
-    aw.OPS[0].cpu(n=n)(p, g, m, v, norm2, HP["lr"], HP["b1"], HP["b2"], HP["eps"], 0.1, 7, max_norm)
+    hp = aw.hyperparams(HP["lr"], HP["b1"], HP["b2"], HP["eps"], 0.1, 7, max_norm, dtype)
+    aw.OPS[0].cpu(n=n)(p, g, m, v, norm2, hp)
     tol = dict(atol=1e-6, rtol=1e-5) if dtype == np.float32 else dict(atol=1e-14, rtol=1e-12)
     for got, ref, name in zip((p, m, v), want, ("params", "m", "v")):
         np.testing.assert_allclose(got, ref, err_msg=name, **tol)
@@ -125,7 +126,8 @@ def test_gpu_variant(rt, number, case):
                 for view, host in zip(views, (p, g, m, v)):
                     view.set(host)
                 d_norm2 = rt.to_device(norm2)
-                launch(*views, d_norm2, HP["lr"], HP["b1"], HP["b2"], HP["eps"], 0.1, t, max_norm)
+                d_hp = rt.to_device(aw.hyperparams(HP["lr"], HP["b1"], HP["b2"], HP["eps"], 0.1, t, max_norm))
+                launch(*views, d_norm2, d_hp)
                 want = aw.adamw_ref(p, g, m, v, norm2, HP["lr"], HP["b1"], HP["b2"], HP["eps"], 0.1, t, max_norm)
                 got = [views[i].get() for i in (0, 2, 3)]
                 # fp32 element-wise update vs float64: a few ulp of |p| ~ 1 and of m, v

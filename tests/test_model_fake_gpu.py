@@ -49,3 +49,38 @@ def test_model_through_devarrays_is_bit_identical(B, T):
         results.append(out)
     for key in results[0]:
         np.testing.assert_array_equal(results[0][key], results[1][key], err_msg=key)
+
+
+def test_graph_path_of_the_training_step_is_bit_identical():
+    """train_micro_step + update, whose later calls replay what the backend's graph() returned
+    (here the launch functions themselves, counted), give exactly what forward/backward/update
+    give: the replay path's bookkeeping (micro-step count, loss, flags) and the device-side AdamW
+    hyperparameters (lr changing every step) included, with gradient accumulation."""
+    B, T, accum = 2, 8, 2
+    rng = np.random.default_rng(1)
+    batches = [(rng.integers(0, CFG.vocab_size, (B, T)).astype(np.int32),
+                rng.integers(0, CFG.vocab_size, (B, T)).astype(np.int32)) for _ in range(4 * accum)]
+    runs = []
+    for graph_path in (False, True):
+        be = FakeCudaBackend()
+        m = GPT2(CFG, be, B, T)
+        m.init_params(5)
+        m.grad_accum_steps = accum
+        m.use_graphs = graph_path  # False: every call launches kernel by kernel
+        out = []
+        for step in range(1, 5):
+            m.zero_grad()
+            for x, y in batches[(step - 1) * accum:step * accum]:
+                if graph_path:
+                    m.train_micro_step(x, y)
+                else:
+                    m.forward(x, y, read_loss=False)
+                    m.backward()
+            assert m.micro_steps == accum
+            m.update(lr=1e-3 * step, step=step, weight_decay=0.1, max_norm=0.5)
+            out.append((m.step_loss(), m.grad_norm()))
+        out.append(m.get_params())
+        runs.append(out)
+        assert getattr(be, "graphs", 0) == (2 if graph_path else 0)  # micro-step and update captured once
+    for a, b in zip(*runs):
+        np.testing.assert_array_equal(a, b)

@@ -15,7 +15,7 @@ import numpy as np
 
 import lab
 from llmc.ops import adamw as op_module
-from llmc.ops.adamw import adamw_ref
+from llmc.ops.adamw import adamw_ref, hyperparams
 
 n = 124_475_904
 LR, B1, B2, EPS, WD, T, MAX_NORM = 6e-4, 0.9, 0.95, 1e-8, 0.1, 7, 1.0
@@ -35,6 +35,8 @@ print("computing the float64 reference ...")
 p_ref, m_ref, v_ref = adamw_ref(p, g, m, v, norm2, LR, B1, B2, EPS, WD, T, 0.1)  # max_norm 0.1 < norm: clipping on
 
 d_p, d_g, d_m, d_v, d_norm2 = (rt.to_device(a) for a in (p, g, m, v, norm2))
+d_hp_clip = rt.to_device(hyperparams(LR, B1, B2, EPS, WD, T, 0.1))       # max_norm 0.1 < norm: clipping on
+d_hp = rt.to_device(hyperparams(LR, B1, B2, EPS, WD, T, MAX_NORM))
 nbytes = 28 * n
 
 for k in L.selected(spec):
@@ -42,10 +44,10 @@ for k in L.selected(spec):
         launch = spec.build(rt, k, n=n, block_size=bs)
         # validated at every block size (the grid, so which thread takes which element, changes);
         # fp32 elementwise vs float64: a few ulp of each value
-        L.validate(k, lambda: launch(d_p, d_g, d_m, d_v, d_norm2, LR, B1, B2, EPS, WD, T, 0.1),
+        L.validate(k, lambda: launch(d_p, d_g, d_m, d_v, d_norm2, d_hp_clip),
                    outputs={"params": d_p, "m": d_m, "v": d_v}, refs={"params": p_ref, "m": m_ref, "v": v_ref},
                    atol=1e-7, rtol=1e-5, init={"params": p, "m": m, "v": v})
-        L.time(k, lambda: launch(d_p, d_g, d_m, d_v, d_norm2, LR, B1, B2, EPS, WD, T, MAX_NORM),
+        L.time(k, lambda: launch(d_p, d_g, d_m, d_v, d_norm2, d_hp),
                block_size=bs, bytes=nbytes)
 
 try:

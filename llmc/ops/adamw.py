@@ -3,14 +3,16 @@
     python dev/cuda/adamw.py                 # validate + time every variant at n=124,475,904
     python -m pytest tests/test_adamw.py -q  # reference vs torch.optim.AdamW (add -m gpu on a GPU)
 
-Semantics (docs/ops.md), for launch(params, grads, m, v, norm2, lr, beta1, beta2, eps, weight_decay, t, max_norm):
+Semantics (docs/ops.md), for launch(params, grads, m, v, norm2, hp), where hp (8 float32, on the
+device for the GPU variants) = hyperparams(lr, beta1, beta2, eps, weight_decay, t, max_norm):
     s = max_norm / sqrt(norm2) if max_norm > 0 and sqrt(norm2) > max_norm else 1   (on the device)
     g = s * grads
     m = beta1 m + (1 - beta1) g ;  v = beta2 v + (1 - beta2) g^2                  (in place)
     params -= lr * (mhat / (sqrt(vhat) + eps) + weight_decay * params)             (in place)
     mhat = m / (1 - beta1^t), vhat = v / (1 - beta2^t), t the 1-based step (int).
 This is torch.optim.AdamW's update (decoupled weight decay on the old params) applied to the
-clipped gradient. grads and norm2 are only read. The model calls it once per run of tensors that
+clipped gradient. grads and norm2 are only read. The hyperparameters come from memory, not from
+launch arguments, so that a captured CUDA graph of the update replays with each step's lr and t. The model calls it once per run of tensors that
 share a weight-decay flag; any offset works: variant 2 handles a pointer that is not 16-byte
 aligned (scalar head and tail; scalar throughout if the four arrays are misaligned differently).
 """
@@ -41,6 +43,17 @@ def _check_t(t):
         raise LLMCError(f"adamw: step t must be >= 1 (1-based), got {t}")
 
 
+HP_FIELDS = ("lr", "beta1", "beta2", "bc1", "bc2", "eps", "weight_decay", "max_norm")
+
+
+def hyperparams(lr, beta1, beta2, eps, weight_decay, t, max_norm, dtype=np.float32) -> np.ndarray:
+    """The hp array the launchers read: (lr, beta1, beta2, 1 - beta1^t, 1 - beta2^t, eps,
+    weight_decay, max_norm), the bias corrections computed in double from t (1-based); float32 for
+    the GPU kernels, float64 for the numpy backend at float64."""
+    _check_t(t)
+    return np.array([lr, beta1, beta2, 1.0 - beta1 ** t, 1.0 - beta2 ** t, eps, weight_decay, max_norm], dtype)
+
+
 def adamw_ref(params, grads, m, v, norm2, lr, b1, b2, eps, wd, t, max_norm):
     """One AdamW step in float64; returns the new (params, m, v) (the inputs are not modified)."""
     _check_t(t)
@@ -57,10 +70,9 @@ def adamw_ref(params, grads, m, v, norm2, lr, b1, b2, eps, wd, t, max_norm):
 def adamw_cpu(n, **_):
     """The numpy backend: launch(...) updates params, m, v in place in their own dtype (float32 for
     training, float64 for tests), a chunk at a time so temporaries stay small at 124M params."""
-    def launch(params, grads, m, v, norm2, lr, beta1, beta2, eps, weight_decay, t, max_norm):
-        _check_t(t)
+    def launch(params, grads, m, v, norm2, hp):
+        lr, beta1, beta2, bc1, bc2, eps, weight_decay, max_norm = (float(x) for x in np.asarray(hp).reshape(-1)[:8])
         s = clip_scale(norm2, max_norm)
-        bc1, bc2 = 1.0 - beta1 ** t, 1.0 - beta2 ** t
         P, G, M, Vv = (a.reshape(-1) for a in (params, grads, m, v))
         for i in range(0, n, 1 << 20):
             j = min(n, i + (1 << 20))
@@ -78,7 +90,7 @@ def adamw_cpu(n, **_):
 # ----------------------------------------------------------------------------------------------
 # GPU variants
 
-ARGTYPES = "PPPPPiffffffff"  # params, grads, m, v, norm2, n, lr, b1, b2, bc1, bc2, eps, wd, max_norm
+ARGTYPES = "PPPPPPi"  # params, grads, m, v, norm2, hp, n
 
 
 def _check(n, block_size=None, **_):
@@ -92,13 +104,8 @@ def _check(n, block_size=None, **_):
 def _make_launch(k, grid, block, n):
     n32 = np.int32(n)
 
-    def launch(params, grads, m, v, norm2, lr, beta1, beta2, eps, weight_decay, t, max_norm):
-        _check_t(t)
-        # bias corrections in double on the host: t is a host integer, no device read needed
-        bc1, bc2 = 1.0 - beta1 ** t, 1.0 - beta2 ** t
-        k(grid, block, params.ptr, grads.ptr, m.ptr, v.ptr, norm2.ptr, n32,
-          np.float32(lr), np.float32(beta1), np.float32(beta2), np.float32(bc1), np.float32(bc2),
-          np.float32(eps), np.float32(weight_decay), np.float32(max_norm))
+    def launch(params, grads, m, v, norm2, hp):
+        k(grid, block, params.ptr, grads.ptr, m.ptr, v.ptr, norm2.ptr, hp.ptr, n32)
     return launch
 
 
@@ -123,6 +130,6 @@ VARIANTS = {
 
 OPS = [
     OpSpec("adamw", cpu=adamw_cpu, variants=VARIANTS, default=2, flag="--adamw-kernel",
-           doc="params(n), grads(n), m(n), v(n) in/out, norm2(1), lr, beta1, beta2, eps, weight_decay, "
-               "t (1-based), max_norm: AdamW on the clipped gradient, clip scale computed on the device"),
+           doc="params(n), grads(n), m(n), v(n) in/out, norm2(1), hp(8) = hyperparams(lr, beta1, beta2, eps, "
+               "weight_decay, t, max_norm): AdamW on the clipped gradient, clip scale computed on the device"),
 ]
