@@ -339,11 +339,14 @@ class GPT2:
         a CUDA graph; later calls upload the batch and replay it (one launch instead of ~400)."""
         self.set_batch(x, y)
         self.has_targets_loaded = True
+        if self._graph_micro is not None and self._graph_accum != self.grad_accum_steps:
+            self._graph_micro = None  # the loss scale 1/(B*T*accum) is a launch argument: recapture
         if self._graph_micro is None or not self.use_graphs:
             self.forward(None, read_loss=False)
             self.backward()
             if self.use_graphs:
                 self._graph_micro = self.be.graph(self._launch_micro)
+                self._graph_accum = self.grad_accum_steps
             return
         self._graph_micro()
         self.has_loss, self.dlogits_ready = True, False

@@ -84,3 +84,18 @@ def test_graph_path_of_the_training_step_is_bit_identical():
         assert getattr(be, "graphs", 0) == (2 if graph_path else 0)  # micro-step and update captured once
     for a, b in zip(*runs):
         np.testing.assert_array_equal(a, b)
+
+
+def test_micro_step_graph_recaptured_when_accumulation_changes():
+    """The captured micro-step bakes in the loss scale 1/(B*T*accum): changing grad_accum_steps
+    must capture again, not replay a stale scale."""
+    be = FakeCudaBackend()
+    m = GPT2(CFG, be, 1, 8)
+    m.init_params(0)
+    x = np.arange(8, dtype=np.int32).reshape(1, 8)
+    for _ in range(2):
+        m.train_micro_step(x, x)
+    assert be.graphs == 1
+    m.grad_accum_steps = 4
+    m.train_micro_step(x, x)
+    assert be.graphs == 2
