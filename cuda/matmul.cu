@@ -22,6 +22,8 @@
 //   version 2: 2-D blocks (32 columns x 8 row-lanes) over row chunks -> partials; a fixed-order
 //              second pass adds them to dbias (deterministic, no atomics)
 //   version 3: version 2 with float4 columns (128 per block) and 4 rows in flight per thread
+//   version 4: version 3 in one launch: the last block of each column block to finish (a ticket on
+//              a per-column-block counter) adds the partials up in chunk order (deterministic)
 //
 // Measured on the H100 (docs/matmul_notes.md; TFLOP/s at N=4096 for qkv / attproj / fc / fcproj / lm head):
 //   forward 1: 0.5, 2: 3.6, 3: 7.3, 4: 34 / 29 / 40 / 29 / 40, 5: 79 / 54 / 84 / 63 / 67,
@@ -1305,4 +1307,64 @@ extern "C" __global__ void matmul_backward_bias_kernel3(float* partial, const fl
         }
         store4(partial + (ll)blockIdx.y * OC + col, s);
     }
+}
+
+// version 4: version 3's pass and its finishing pass in one launch. Every block writes its partial
+// (chunk blockIdx.y, its 128 columns), fences, and takes a ticket on the counter of its column block;
+// the block that takes the last ticket sums the gridDim.y partials of those columns, thread (tx, ty)
+// over chunks ty, ty+8, ... and then the 8 row-lanes in order (a fixed order: deterministic), adds
+// them into dbias and resets the counter (zeroed once at build, so CUDA-graph replays work). Saves
+// the second launch and its serial walk over the chunks.
+extern "C" __global__ void matmul_backward_bias_kernel4(float* dbias, float* partial, unsigned int* counters,
+                                                        const float* dout, int N, int OC, int rows_per_chunk) {
+    __shared__ float4 sh[8][32];
+    __shared__ bool is_last;
+    const int tx = threadIdx.x, ty = threadIdx.y;
+    const int col = (blockIdx.x * 32 + tx) * 4;
+    const int r0 = blockIdx.y * rows_per_chunk, r1 = min(N, r0 + rows_per_chunk);
+    float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (col < OC) {
+#pragma unroll 4
+        for (int n = r0 + ty; n < r1; n += 8) {
+            const float4 v = load4(dout + (ll)n * OC + col);
+            s.x += v.x; s.y += v.y; s.z += v.z; s.w += v.w;
+        }
+    }
+    sh[ty][tx] = s;
+    __syncthreads();
+    if (ty == 0 && col < OC) {
+#pragma unroll
+        for (int k = 1; k < 8; k++) {
+            const float4 v = sh[k][tx];
+            s.x += v.x; s.y += v.y; s.z += v.z; s.w += v.w;
+        }
+        store4(partial + (ll)blockIdx.y * OC + col, s);
+    }
+    __threadfence();  // this block's partial is visible device-wide before its ticket is taken
+    __syncthreads();
+    if (tx == 0 && ty == 0) is_last = atomicAdd(&counters[blockIdx.x], 1u) == gridDim.y - 1;
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    float4 t = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (col < OC) {
+        for (int k = ty; k < (int)gridDim.y; k += 8) {
+            const float4 v = __ldcg(reinterpret_cast<const float4*>(partial + (ll)k * OC + col));
+            t.x += v.x; t.y += v.y; t.z += v.z; t.w += v.w;
+        }
+    }
+    __syncthreads();  // sh is reused
+    sh[ty][tx] = t;
+    __syncthreads();
+    if (ty == 0 && col < OC) {
+#pragma unroll
+        for (int k = 1; k < 8; k++) {
+            const float4 v = sh[k][tx];
+            t.x += v.x; t.y += v.y; t.z += v.z; t.w += v.w;
+        }
+        float4 d = load4(dbias + col);
+        d.x += t.x; d.y += t.y; d.z += t.z; d.w += t.w;
+        store4(dbias + col, d);
+    }
+    if (tx == 0 && ty == 0) counters[blockIdx.x] = 0u;
 }

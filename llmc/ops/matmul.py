@@ -450,6 +450,22 @@ def matmul_backward_bias3(rt, N, OC, block_size=None):
     return launch
 
 
+def matmul_backward_bias4(rt, N, OC, block_size=None):
+    k = rt.kernel(MODULE, "matmul_backward_bias_kernel4", "PPPPiii", label="matmul_backward_bias 4")
+    col_blocks = -(-OC // 128)
+    # as version 3: >= 4 blocks of 256 threads per SM, each thread walking >= 4 rows
+    nchunks = max(1, min(-(-4 * rt.sm_count // col_blocks), -(-N // 32)))
+    rows = -(-N // nchunks)
+    nchunks = -(-N // rows)
+    partial = rt.empty((nchunks, OC), np.float32)
+    counters = rt.zeros((col_blocks,), np.uint32)  # each finishing block resets its own
+    args = (np.int32(N), np.int32(OC), np.int32(rows))
+
+    def launch(dbias, dout):
+        k((col_blocks, nchunks, 1), (32, 8, 1), dbias.ptr, partial.ptr, counters.ptr, dout.ptr, *args)
+    return launch
+
+
 def _bias_c4(N, OC, **_):
     return f"float4 loads need OC % 4 == 0 (OC={OC})" if OC % 4 else None
 
@@ -491,5 +507,7 @@ OPS = [
                       "(deterministic, no atomics)", matmul_backward_bias2),
         3: Variant(3, "version 2 with float4 columns (128 per block), 4 rows in flight per thread",
                    matmul_backward_bias3, _bias_c4),
+        4: Variant(4, "version 3 in one launch: the last block of each column block sums the partials in "
+                      "order (deterministic)", matmul_backward_bias4, _bias_c4),
     }, default=3, flag="--matmul-backward-bias-kernel", doc="dbias(OC)+= ; dout(N,OC)"),
 ]
