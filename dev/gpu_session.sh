@@ -39,6 +39,13 @@ bench)
   timeout 100 python3 dev/bench_step.py --steps 20 2>&1 | tail -4 | tee -a "$S"
   step "bench --softmax-kernel 5 --matmul-kernel 5"
   timeout 60 python3 dev/bench_step.py --steps 10 --softmax-kernel 5 --matmul-kernel 5 2>&1 | tail -3 | tee -a "$S"
+  step "bench LLMC_GRAPHS=0 (kernel by kernel)"
+  LLMC_GRAPHS=0 timeout 100 python3 dev/bench_step.py --steps 20 2>&1 | tail -3 | tee -a "$S"
+  step "bench -b 1 -t 64, graphs and LLMC_GRAPHS=0"
+  timeout 60 python3 dev/bench_step.py --steps 20 -b 1 -t 64 2>&1 | tail -2 | tee -a "$S"
+  LLMC_GRAPHS=0 timeout 60 python3 dev/bench_step.py --steps 20 -b 1 -t 64 2>&1 | tail -2 | tee -a "$S"
+  step "bench ${BENCH_EXTRA:-(no extra)}"
+  [ -n "${BENCH_EXTRA:-}" ] && timeout 60 python3 dev/bench_step.py --steps 20 $BENCH_EXTRA 2>&1 | tail -3 | tee -a "$S"
   step "bench --matmul-kernel 6 --matmul-backward-kernel 2"
   timeout 60 python3 dev/bench_step.py --steps 20 --matmul-kernel 6 --matmul-backward-kernel 2 2>&1 | tail -3 | tee -a "$S" ;;
 sample)
