@@ -509,5 +509,5 @@ OPS = [
                    matmul_backward_bias3, _bias_c4),
         4: Variant(4, "version 3 in one launch: the last block of each column block sums the partials in "
                       "order (deterministic)", matmul_backward_bias4, _bias_c4),
-    }, default=3, flag="--matmul-backward-bias-kernel", doc="dbias(OC)+= ; dout(N,OC)"),
+    }, default=4, flag="--matmul-backward-bias-kernel", doc="dbias(OC)+= ; dout(N,OC)"),
 ]
