@@ -414,49 +414,40 @@ def matmul_backward_bias1(rt, N, OC, block_size=None):
     return launch
 
 
-def matmul_backward_bias2(rt, N, OC, block_size=None):
-    k1 = rt.kernel(MODULE, "matmul_backward_bias_kernel2", "PPiii", label="matmul_backward_bias 2")
-    k2 = rt.kernel(MODULE, "matmul_backward_bias_kernel2_finish", "PPii", label="matmul_backward_bias 2 finish")
-    col_blocks = -(-OC // 32)
-    # enough (32 x 8)-thread blocks to fill the GPU a few times over, each walking >= 64 rows
-    nchunks = max(1, min(-(-4 * rt.sm_count // col_blocks), -(-N // 64)))
+def _bias_chunks(rt, N, OC, cols_per_block, min_rows):
+    """Versions 2-4 split the rows into chunks: (column blocks, chunks, rows per chunk), with enough
+    (32 x 8)-thread blocks to fill the GPU ~4 times over, each chunk >= min_rows rows."""
+    col_blocks = -(-OC // cols_per_block)
+    nchunks = max(1, min(-(-4 * rt.sm_count // col_blocks), -(-N // min_rows)))
     rows = -(-N // nchunks)
-    nchunks = -(-N // rows)
-    partial = rt.empty((nchunks, OC), np.float32)
-    args1 = (np.int32(N), np.int32(OC), np.int32(rows))
-    args2 = (np.int32(nchunks), np.int32(OC))
-
-    def launch(dbias, dout):
-        k1((col_blocks, nchunks, 1), (32, 8, 1), partial.ptr, dout.ptr, *args1)
-        k2((-(-OC // 256), 1, 1), (256, 1, 1), dbias.ptr, partial.ptr, *args2)
-    return launch
+    return col_blocks, -(-N // rows), rows
 
 
-def matmul_backward_bias3(rt, N, OC, block_size=None):
-    k1 = rt.kernel(MODULE, "matmul_backward_bias_kernel3", "PPiii", label="matmul_backward_bias 3")
-    k2 = rt.kernel(MODULE, "matmul_backward_bias_kernel2_finish", "PPii", label="matmul_backward_bias 3 finish")
-    col_blocks = -(-OC // 128)
-    # >= 4 blocks of 256 threads per SM, each thread walking >= 4 rows (32 per chunk)
-    nchunks = max(1, min(-(-4 * rt.sm_count // col_blocks), -(-N // 32)))
-    rows = -(-N // nchunks)
-    nchunks = -(-N // rows)
-    partial = rt.empty((nchunks, OC), np.float32)
-    args1 = (np.int32(N), np.int32(OC), np.int32(rows))
-    args2 = (np.int32(nchunks), np.int32(OC))
+def _bias_two_pass(number, cols_per_block, min_rows):
+    """Versions 2 and 3: per-chunk partials, then the finishing pass adds them to dbias in order."""
+    def build(rt, N, OC, block_size=None):
+        k1 = rt.kernel(MODULE, f"matmul_backward_bias_kernel{number}", "PPiii", label=f"matmul_backward_bias {number}")
+        k2 = rt.kernel(MODULE, "matmul_backward_bias_kernel2_finish", "PPii",
+                       label=f"matmul_backward_bias {number} finish")
+        col_blocks, nchunks, rows = _bias_chunks(rt, N, OC, cols_per_block, min_rows)
+        partial = rt.empty((nchunks, OC), np.float32)
+        args1 = (np.int32(N), np.int32(OC), np.int32(rows))
+        args2 = (np.int32(nchunks), np.int32(OC))
 
-    def launch(dbias, dout):
-        k1((col_blocks, nchunks, 1), (32, 8, 1), partial.ptr, dout.ptr, *args1)
-        k2((-(-OC // 256), 1, 1), (256, 1, 1), dbias.ptr, partial.ptr, *args2)
-    return launch
+        def launch(dbias, dout):
+            k1((col_blocks, nchunks, 1), (32, 8, 1), partial.ptr, dout.ptr, *args1)
+            k2((-(-OC // 256), 1, 1), (256, 1, 1), dbias.ptr, partial.ptr, *args2)
+        return launch
+    return build
+
+
+matmul_backward_bias2 = _bias_two_pass(2, 32, 64)    # a column per lane, chunks of >= 64 rows
+matmul_backward_bias3 = _bias_two_pass(3, 128, 32)   # 4 columns per lane (float4), >= 4 rows per thread
 
 
 def matmul_backward_bias4(rt, N, OC, block_size=None):
     k = rt.kernel(MODULE, "matmul_backward_bias_kernel4", "PPPPiii", label="matmul_backward_bias 4")
-    col_blocks = -(-OC // 128)
-    # as version 3: >= 4 blocks of 256 threads per SM, each thread walking >= 4 rows
-    nchunks = max(1, min(-(-4 * rt.sm_count // col_blocks), -(-N // 32)))
-    rows = -(-N // nchunks)
-    nchunks = -(-N // rows)
+    col_blocks, nchunks, rows = _bias_chunks(rt, N, OC, 128, 32)  # version 3's chunks
     partial = rt.empty((nchunks, OC), np.float32)
     counters = rt.zeros((col_blocks,), np.uint32)  # each finishing block resets its own
     args = (np.int32(N), np.int32(OC), np.int32(rows))
