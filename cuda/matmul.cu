@@ -289,6 +289,77 @@ struct TileLoader {
 // larger operand) and the A panel stays hot in L2. blockIdx.z = batch * splits + split: with
 // split-K (splits > 1) each CTA reduces its share of the k-tiles and writes raw partial sums to the
 // workspace W[z](M, ldw); gemm_splitk_reduce then adds them in a fixed order (deterministic).
+// The TF32 engines' epilogue (engines 2 and 4, float4 path). A lane's accumulators are RPGA rows x
+// 2*NI columns spread 4 lanes apart, which as direct float4 stores leaves every 32-byte sector
+// half-written per instruction. So each warp parks its WM x WN tile in (now idle) shared memory
+// `stg`, then writes it back row by row: 32 lanes = whole 128-256 byte row segments per store.
+// acc[mi][ni][2h + c] is C at warp-tile row g*RPGA + 2mi + h, column (2t + c)*NI + ni; chunk ch
+// (4 floats) of staged row `row` sits at (ch & ~7) | ((ch & 7) ^ hh), hh = ((row / RPGA) & 1) |
+// (((ch >> 3) & 1) << 1), which makes both the fragment-order writes and the row-order reads
+// conflict-free (checked by tests/test_matmul_layout.py). row0, col0: the warp tile's origin in C.
+// With splits > 1 the raw partial sums go to the split-K workspace W instead.
+template <int WM, int WN>
+__device__ __forceinline__ void gemm_store_staged(float (&acc)[WM / 16][WN / 8][4], float* stg, float* C,
+                                              const float* bias, float* W, int M, int N, int ldc, float alpha,
+                                              float beta, int splits, int ldw, int z, int row0, int col0, int lane) {
+    constexpr int MI = WM / 16, NI = WN / 8, RPGA = 2 * MI;
+    const int g = lane >> 2, t = lane & 3;
+    auto stage_off = [](int row, int col) {
+        const int ch = col >> 2;
+        const int hh = ((row / RPGA) & 1) | (((ch >> 3) & 1) << 1);
+        return row * WN + (((ch & ~7) | ((ch & 7) ^ hh)) << 2) + (col & 3);
+    };
+#pragma unroll
+    for (int mi = 0; mi < MI; mi++)
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+#pragma unroll
+            for (int c = 0; c < 2; c++)
+#pragma unroll
+                for (int q = 0; q < NI / 4; q++) {
+                    const int row = g * RPGA + 2 * mi + h, col = (2 * t + c) * NI + 4 * q;
+                    *reinterpret_cast<float4*>(stg + stage_off(row, col)) =
+                        make_float4(acc[mi][4 * q][2 * h + c], acc[mi][4 * q + 1][2 * h + c],
+                                    acc[mi][4 * q + 2][2 * h + c], acc[mi][4 * q + 3][2 * h + c]);
+                }
+    __syncwarp();
+    constexpr int CPR = WN / 4, RPI = 32 / CPR;  // 4-float chunks per row, rows per instruction
+    const int ch = lane % CPR, r0 = lane / CPR;
+    const int col = col0 + 4 * ch;
+    float bv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (bias && splits == 1) {
+#pragma unroll
+        for (int e = 0; e < 4; e++) bv[e] = col + e < N ? bias[col + e] : 0.0f;
+    }
+#pragma unroll 4
+    for (int i = 0; i < WM / RPI; i++) {
+        const int rl = r0 + i * RPI, row = row0 + rl;
+        if (row >= M || col >= N) continue;
+        const float4 v = *reinterpret_cast<const float4*>(stg + stage_off(rl, 4 * ch));
+        if (splits > 1) {  // raw partial sums; ldw % 4 == 0 so the float4 stays in the row
+            *reinterpret_cast<float4*>(W + ((ll)z * M + row) * ldw + col) = v;
+            continue;
+        }
+        float o[4] = {alpha * v.x, alpha * v.y, alpha * v.z, alpha * v.w};
+        float* cp = C + (ll)row * ldc + col;
+        if (col + 4 <= N) {
+            if (beta != 0.0f) {
+                const float4 c4 = *reinterpret_cast<const float4*>(cp);
+                o[0] += beta * c4.x; o[1] += beta * c4.y; o[2] += beta * c4.z; o[3] += beta * c4.w;
+            }
+            *reinterpret_cast<float4*>(cp) = make_float4(o[0] + bv[0], o[1] + bv[1], o[2] + bv[2], o[3] + bv[3]);
+        } else {
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                if (col + e >= N) break;
+                float x = o[e] + bv[e];
+                if (beta != 0.0f) x += beta * cp[e];
+                cp[e] = x;
+            }
+        }
+    }
+}
+
 template <bool TA, bool TB, int BM, int BN, int WM, int WN, int STAGES, int VEC>
 __device__ __forceinline__ void gemm_tf32_body(float* C, const float* A, const float* B, const float* bias,
                                                float* W, int M, int N, int K, int lda, int ldb, int ldc,
@@ -418,71 +489,10 @@ __device__ __forceinline__ void gemm_tf32_body(float* C, const float* A, const f
     cp_async_wait<0>();  // only empty groups can be left; keep the exit clean anyway
 
     if constexpr (VEC == 4) {
-        // Epilogue through shared memory. A lane's accumulators are RPGA rows x 2*NI columns spread
-        // 4 lanes apart, which as direct float4 stores leaves every 32-byte sector half-written per
-        // instruction. So each warp parks its WM x WN tile in (now idle) shared memory, then writes
-        // it back row by row: 32 lanes = whole 128-256 byte row segments per store.
-        // Staging layout: row stride WN floats, 4-float chunk ch stored at
-        //   (ch & ~7) | ((ch & 7) ^ h), h = ((row / RPGA) & 1) | (((ch >> 3) & 1) << 1)
-        // which makes both the fragment-order writes and the row-order reads conflict-free
-        // (checked by the same Python model as the main loop).
         static_assert(BM * BN <= STAGES * (A_TILE + B_TILE), "staging tile must fit in the pipeline smem");
-        __syncthreads();  // everyone is done reading the last k-tile
-        float* stg = smem + warp * (WM * WN);
-        auto stage_off = [](int row, int col) {
-            const int ch = col >> 2;
-            const int h = ((row / RPGA) & 1) | (((ch >> 3) & 1) << 1);
-            return row * WN + (((ch & ~7) | ((ch & 7) ^ h)) << 2) + (col & 3);
-        };
-#pragma unroll
-        for (int mi = 0; mi < MI; mi++)
-#pragma unroll
-            for (int h = 0; h < 2; h++)
-#pragma unroll
-                for (int c = 0; c < 2; c++)
-#pragma unroll
-                    for (int q = 0; q < NI / 4; q++) {
-                        const int row = g * RPGA + 2 * mi + h, col = (2 * t + c) * NI + 4 * q;
-                        *reinterpret_cast<float4*>(stg + stage_off(row, col)) =
-                            make_float4(acc[mi][4 * q][2 * h + c], acc[mi][4 * q + 1][2 * h + c],
-                                        acc[mi][4 * q + 2][2 * h + c], acc[mi][4 * q + 3][2 * h + c]);
-                    }
-        __syncwarp();
-        constexpr int CPR = WN / 4, RPI = 32 / CPR;  // 4-float chunks per row, rows per instruction
-        const int ch = lane % CPR, r0 = lane / CPR;
-        const int col = n0 + wn + 4 * ch;
-        float bv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        if (bias && splits == 1) {
-#pragma unroll
-            for (int e = 0; e < 4; e++) bv[e] = col + e < N ? bias[col + e] : 0.0f;
-        }
-#pragma unroll 4
-        for (int i = 0; i < WM / RPI; i++) {
-            const int rl = r0 + i * RPI, row = m0 + wm + rl;
-            if (row >= M || col >= N) continue;
-            const float4 v = *reinterpret_cast<const float4*>(stg + stage_off(rl, 4 * ch));
-            if (splits > 1) {  // raw partial sums; ldw % 4 == 0 so the float4 stays in the row
-                *reinterpret_cast<float4*>(W + ((ll)z * M + row) * ldw + col) = v;
-                continue;
-            }
-            float o[4] = {alpha * v.x, alpha * v.y, alpha * v.z, alpha * v.w};
-            float* cp = C + (ll)row * ldc + col;
-            if (col + 4 <= N) {
-                if (beta != 0.0f) {
-                    const float4 c4 = *reinterpret_cast<const float4*>(cp);
-                    o[0] += beta * c4.x; o[1] += beta * c4.y; o[2] += beta * c4.z; o[3] += beta * c4.w;
-                }
-                *reinterpret_cast<float4*>(cp) = make_float4(o[0] + bv[0], o[1] + bv[1], o[2] + bv[2], o[3] + bv[3]);
-            } else {
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    if (col + e >= N) break;
-                    float x = o[e] + bv[e];
-                    if (beta != 0.0f) x += beta * cp[e];
-                    cp[e] = x;
-                }
-            }
-        }
+        __syncthreads();  // everyone is done reading the last k-tile: its smem becomes the staging area
+        gemm_store_staged<WM, WN>(acc, smem + warp * (WM * WN), C, bias, W, M, N, ldc, alpha, beta, splits, ldw, z,
+                                  m0 + wm, n0 + wn, lane);
         return;
     }
 
@@ -772,74 +782,6 @@ struct E4Loader {
     }
 };
 
-// Engine 4's epilogue: engine 2's (same accumulator mapping, same staging swizzle), as a function.
-// acc[mi][ni][2h + c] is C at warp-tile row g*RPGA + 2mi + h, column (2t + c)*NI + ni. Each warp
-// parks its tile in shared memory, chunk ch of row `row` at (ch & ~7) | ((ch & 7) ^ hh),
-// hh = ((row / RPGA) & 1) | (((ch >> 3) & 1) << 1), and writes it back as whole row segments.
-// Engine 2's epilogue, as a function. Engine 2 keeps its inline copy for now: calling this from
-// gemm_tf32_body changes the SASS of 19 engine-2 kernels (scheduling), and engine 2 is the
-// measured default; merge the two once the GPU can re-validate and re-time engine 2.
-template <int WM, int WN>
-__device__ __forceinline__ void gemm_e4_store(float (&acc)[WM / 16][WN / 8][4], float* stg, float* C,
-                                              const float* bias, float* W, int M, int N, int ldc, float alpha,
-                                              float beta, int splits, int ldw, int z, int row0, int col0, int lane) {
-    constexpr int MI = WM / 16, NI = WN / 8, RPGA = 2 * MI;
-    const int g = lane >> 2, t = lane & 3;
-    auto stage_off = [](int row, int col) {
-        const int ch = col >> 2;
-        const int hh = ((row / RPGA) & 1) | (((ch >> 3) & 1) << 1);
-        return row * WN + (((ch & ~7) | ((ch & 7) ^ hh)) << 2) + (col & 3);
-    };
-#pragma unroll
-    for (int mi = 0; mi < MI; mi++)
-#pragma unroll
-        for (int h = 0; h < 2; h++)
-#pragma unroll
-            for (int c = 0; c < 2; c++)
-#pragma unroll
-                for (int q = 0; q < NI / 4; q++) {
-                    const int row = g * RPGA + 2 * mi + h, col = (2 * t + c) * NI + 4 * q;
-                    *reinterpret_cast<float4*>(stg + stage_off(row, col)) =
-                        make_float4(acc[mi][4 * q][2 * h + c], acc[mi][4 * q + 1][2 * h + c],
-                                    acc[mi][4 * q + 2][2 * h + c], acc[mi][4 * q + 3][2 * h + c]);
-                }
-    __syncwarp();
-    constexpr int CPR = WN / 4, RPI = 32 / CPR;  // 4-float chunks per row, rows per instruction
-    const int ch = lane % CPR, r0 = lane / CPR;
-    const int col = col0 + 4 * ch;
-    float bv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    if (bias && splits == 1) {
-#pragma unroll
-        for (int e = 0; e < 4; e++) bv[e] = col + e < N ? bias[col + e] : 0.0f;
-    }
-#pragma unroll 4
-    for (int i = 0; i < WM / RPI; i++) {
-        const int rl = r0 + i * RPI, row = row0 + rl;
-        if (row >= M || col >= N) continue;
-        const float4 v = *reinterpret_cast<const float4*>(stg + stage_off(rl, 4 * ch));
-        if (splits > 1) {  // raw partial sums; ldw % 4 == 0 so the float4 stays in the row
-            *reinterpret_cast<float4*>(W + ((ll)z * M + row) * ldw + col) = v;
-            continue;
-        }
-        float o[4] = {alpha * v.x, alpha * v.y, alpha * v.z, alpha * v.w};
-        float* cp = C + (ll)row * ldc + col;
-        if (col + 4 <= N) {
-            if (beta != 0.0f) {
-                const float4 c4 = *reinterpret_cast<const float4*>(cp);
-                o[0] += beta * c4.x; o[1] += beta * c4.y; o[2] += beta * c4.z; o[3] += beta * c4.w;
-            }
-            *reinterpret_cast<float4*>(cp) = make_float4(o[0] + bv[0], o[1] + bv[1], o[2] + bv[2], o[3] + bv[3]);
-        } else {
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                if (col + e >= N) break;
-                float x = o[e] + bv[e];
-                if (beta != 0.0f) x += beta * cp[e];
-                cp[e] = x;
-            }
-        }
-    }
-}
 
 // The CTA, grid, split-K and pipeline are engine 2's (gemm_tf32_body); only the loads differ.
 template <bool TA, bool TB, int BM, int BN, int WM, int WN, int STAGES>
@@ -965,8 +907,8 @@ __device__ __forceinline__ void gemm_e4_body(float* C, const float* A, const flo
     }
     cp_async_wait<0>();  // only empty groups can be left; keep the exit clean anyway
     __syncthreads();     // everyone is done reading the last k-tile: its smem becomes the staging area
-    gemm_e4_store<WM, WN>(acc, smem + warp * (WM * WN), C, bias, W, M, N, ldc, alpha, beta, splits, ldw, z,
-                          m0 + wm, n0 + wn, lane);
+    gemm_store_staged<WM, WN>(acc, smem + warp * (WM * WN), C, bias, W, M, N, ldc, alpha, beta, splits, ldw, z,
+                              m0 + wm, n0 + wn, lane);
 }
 
 // Engine 4's tile configurations are engine 2's (same names, threads and smem; llmc/ops/matmul.py)
@@ -1282,12 +1224,25 @@ extern "C" __global__ void matmul_backward_bias_kernel2_finish(float* dbias, con
     dbias[oc] += s;
 }
 
-// version 3, pass 1: like version 2 but each lane owns 4 adjacent columns (float4 loads, OC % 4 == 0):
-// a warp reads 512 contiguous bytes per row, and 4 rows per thread are in flight at once (unrolled).
-// Same fixed-order partials and finishing pass (deterministic). Memory: reads N*OC floats once.
-extern "C" __global__ void matmul_backward_bias_kernel3(float* partial, const float* dout, int N, int OC,
-                                                        int rows_per_chunk) {
-    __shared__ float4 sh[8][32];
+// the 8 row-lanes' float4 column sums of the block, added up in lane order into the ty == 0 threads'
+// return value (the other threads return garbage); sh is the block's (8, 32) float4 scratch
+__device__ __forceinline__ float4 bias_reduce_rows(float4 s, float4 (*sh)[32], int tx, int ty) {
+    sh[ty][tx] = s;
+    __syncthreads();
+    if (ty == 0) {
+#pragma unroll
+        for (int k = 1; k < 8; k++) {
+            const float4 v = sh[k][tx];
+            s.x += v.x; s.y += v.y; s.z += v.z; s.w += v.w;
+        }
+    }
+    return s;
+}
+
+// version 3 and 4's first pass: thread (tx, ty) of block (bx, by) sums rows ty, ty+8, ... of chunk
+// by for columns 4(32 bx + tx) .. +3, and the block's column sums go to partial row by
+__device__ __forceinline__ void bias_chunk_partial(float* partial, const float* dout, int N, int OC,
+                                                   int rows_per_chunk, float4 (*sh)[32]) {
     const int tx = threadIdx.x, ty = threadIdx.y;
     const int col = (blockIdx.x * 32 + tx) * 4;
     const int r0 = blockIdx.y * rows_per_chunk, r1 = min(N, r0 + rows_per_chunk);
@@ -1299,16 +1254,17 @@ extern "C" __global__ void matmul_backward_bias_kernel3(float* partial, const fl
             s.x += v.x; s.y += v.y; s.z += v.z; s.w += v.w;
         }
     }
-    sh[ty][tx] = s;
-    __syncthreads();
-    if (ty == 0 && col < OC) {
-#pragma unroll
-        for (int k = 1; k < 8; k++) {
-            const float4 v = sh[k][tx];
-            s.x += v.x; s.y += v.y; s.z += v.z; s.w += v.w;
-        }
-        store4(partial + (ll)blockIdx.y * OC + col, s);
-    }
+    s = bias_reduce_rows(s, sh, tx, ty);
+    if (ty == 0 && col < OC) store4(partial + (ll)blockIdx.y * OC + col, s);
+}
+
+// version 3, pass 1: like version 2 but each lane owns 4 adjacent columns (float4 loads, OC % 4 == 0):
+// a warp reads 512 contiguous bytes per row, and 4 rows per thread are in flight at once (unrolled).
+// Same fixed-order partials and finishing pass (deterministic). Memory: reads N*OC floats once.
+extern "C" __global__ void matmul_backward_bias_kernel3(float* partial, const float* dout, int N, int OC,
+                                                        int rows_per_chunk) {
+    __shared__ float4 sh[8][32];
+    bias_chunk_partial(partial, dout, N, OC, rows_per_chunk, sh);
 }
 
 // version 4: version 3's pass and its finishing pass in one launch. Every block writes its partial
@@ -1323,25 +1279,7 @@ extern "C" __global__ void matmul_backward_bias_kernel4(float* dbias, float* par
     __shared__ bool is_last;
     const int tx = threadIdx.x, ty = threadIdx.y;
     const int col = (blockIdx.x * 32 + tx) * 4;
-    const int r0 = blockIdx.y * rows_per_chunk, r1 = min(N, r0 + rows_per_chunk);
-    float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (col < OC) {
-#pragma unroll 4
-        for (int n = r0 + ty; n < r1; n += 8) {
-            const float4 v = load4(dout + (ll)n * OC + col);
-            s.x += v.x; s.y += v.y; s.z += v.z; s.w += v.w;
-        }
-    }
-    sh[ty][tx] = s;
-    __syncthreads();
-    if (ty == 0 && col < OC) {
-#pragma unroll
-        for (int k = 1; k < 8; k++) {
-            const float4 v = sh[k][tx];
-            s.x += v.x; s.y += v.y; s.z += v.z; s.w += v.w;
-        }
-        store4(partial + (ll)blockIdx.y * OC + col, s);
-    }
+    bias_chunk_partial(partial, dout, N, OC, rows_per_chunk, sh);
     __threadfence();  // this block's partial is visible device-wide before its ticket is taken
     __syncthreads();
     if (tx == 0 && ty == 0) is_last = atomicAdd(&counters[blockIdx.x], 1u) == gridDim.y - 1;
@@ -1355,15 +1293,8 @@ extern "C" __global__ void matmul_backward_bias_kernel4(float* dbias, float* par
             t.x += v.x; t.y += v.y; t.z += v.z; t.w += v.w;
         }
     }
-    __syncthreads();  // sh is reused
-    sh[ty][tx] = t;
-    __syncthreads();
+    t = bias_reduce_rows(t, sh, tx, ty);
     if (ty == 0 && col < OC) {
-#pragma unroll
-        for (int k = 1; k < 8; k++) {
-            const float4 v = sh[k][tx];
-            t.x += v.x; t.y += v.y; t.z += v.z; t.w += v.w;
-        }
         float4 d = load4(dbias + col);
         d.x += t.x; d.y += t.y; d.z += t.z; d.w += t.w;
         store4(dbias + col, d);

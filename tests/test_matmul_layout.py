@@ -1,4 +1,4 @@
-"""GEMM engine 4's index formulas (cuda/matmul.cu: E4Tile, E4Loader, gemm_e4_body, gemm_e4_store),
+"""GEMM engine 4's index formulas (cuda/matmul.cu: E4Tile, E4Loader, gemm_e4_body, gemm_store_staged),
 checked exhaustively on the CPU against a model of what the hardware does, for every tile config the
 .cu builds and every layout (nn, nt, tn, tt). No GPU: this is how engine 4 was checked before it ever
 ran, and it keeps the mapping from regressing silently.
@@ -325,14 +325,14 @@ def fragment_b(T, S, wn, NI, j):
 
 
 def stage_off(row, col, RPGA, WN):
-    """gemm_e4_store's staging layout (engine 2's)."""
+    """gemm_store_staged's staging layout (engines 2 and 4)."""
     ch = col >> 2
     hh = ((row // RPGA) & 1) | (((ch >> 3) & 1) << 1)
     return row * WN + (((ch & ~7) | ((ch & 7) ^ hh)) << 2) + (col & 3)
 
 
 def epilogue(acc, WM, WN, C_warp):
-    """gemm_e4_store on the model: acc (MI, NI, 32, 4) -> C_warp (WM, WN), checking the staging."""
+    """gemm_store_staged on the model: acc (MI, NI, 32, 4) -> C_warp (WM, WN), checking the staging."""
     MI, NI, RPGA = WM // 16, WN // 8, 2 * (WM // 16)
     stg = np.full(WM * WN, np.nan)
     written = np.zeros(WM * WN, int)
