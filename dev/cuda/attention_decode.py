@@ -1,0 +1,39 @@
+"""Kernel lab: attention_decode, one query per sequence over the KV cache (the sampler's attention).
+
+    python dev/cuda/attention_decode.py            # versions 1 and 2 at batch 1 and 8, three positions
+    python dev/cuda/attention_decode.py 2 --quick
+
+GPT-2 124M: C=768, NH=12 (hs=64), maxT=1024. Version 1: one block per (b, h), walking keys 0..pos;
+version 2: the keys in chunks of 64 over B*NH*16 blocks, then a combine kernel. Bytes counted: the
+cached keys and values 0..pos read once, q read and out written (what a decode step must move).
+"""
+import sys, pathlib; sys.path[:0] = [str(pathlib.Path(__file__).resolve().parents[2]), str(pathlib.Path(__file__).resolve().parent)]  # noqa: E401,E702
+
+import numpy as np
+
+import lab
+from llmc.ops.attention import attention_decode_ref, build_attention_decode
+
+C, NH, maxT = 768, 12, 1024
+hs = C // NH
+
+L = lab.Lab("attention_decode")
+rt, rng = L.rt, np.random.default_rng(0)
+for B in (1, 8):
+    kc = lab.rand(rng, (B, NH, maxT, hs))
+    vc = lab.rand(rng, (B, NH, maxT, hs))
+    q = lab.rand(rng, (B, C), scale=2.0)
+    d_q, d_kc, d_vc, d_out = rt.to_device(q), rt.to_device(kc), rt.to_device(vc), rt.empty((B, C))
+    for pos in (63, 319, 1023):
+        L.section(f"B={B} pos={pos}")
+        print(f"\n## batch {B}, position {pos}")
+        ref = attention_decode_ref(q.astype(np.float64), kc.astype(np.float64), vc.astype(np.float64), pos)
+        d_pos = rt.to_device(np.array([pos], np.int32))
+        nbytes = 4 * (2 * B * NH * (pos + 1) * hs + 2 * B * C)
+        for v in L.selected([1, 2]):
+            launch = build_attention_decode(rt, B, C, NH, maxT, version=v)
+            fn = (lambda launch=launch: launch(d_out, d_q, d_kc, d_vc, d_pos))
+            label = f"{v} B={B} pos={pos}"
+            L.validate(label, fn, outputs={"out": d_out}, refs={"out": ref}, atol=1e-5, rtol=1e-4)
+            L.time(label, fn, bytes=nbytes, ceiling="dram")
+L.finish()

@@ -1,0 +1,51 @@
+"""Kernel lab: sample, the next token from each row of logits on the GPU (the sampler's last kernel).
+
+    python dev/cuda/sample.py            # greedy, top-k 40 and the full distribution, batch 1 and 8
+    python dev/cuda/sample.py --quick
+
+GPT-2's vocabulary (V=50257, Vp=50304). The kernel applies llmc.sample.sample_with_uniform's rule to
+each row with the row's uniform draw: validated token for token against it (greedy exactly; the
+draws here land nowhere near a boundary between two tokens). Bytes counted: the logits read once
+(the radix select for top-k reads its row 4 more times, from L2). Reference line: what PyTorch code
+does on the GPU, torch.topk + softmax + torch.multinomial (not the same draws).
+"""
+import sys, pathlib; sys.path[:0] = [str(pathlib.Path(__file__).resolve().parents[2]), str(pathlib.Path(__file__).resolve().parent)]  # noqa: E401,E702
+
+import numpy as np
+
+import lab
+from llmc.ops.sample import build_sample, sample_ref
+
+V, Vp = 50257, 50304
+
+L = lab.Lab("sample")
+rt, rng = L.rt, np.random.default_rng(0)
+for B in (1, 8):
+    logits = (rng.standard_normal((B, Vp)) * 3).astype(np.float32)
+    u = rng.random(B)
+    d_logits, d_u, d_tok = rt.to_device(logits), rt.to_device(u), rt.empty((B,), np.int32)
+    launch = build_sample(rt, B, V, Vp)
+    for name, temperature, top_k in (("greedy", 0.0, None), ("top-k 40", 1.0, 40), ("full", 1.0, None)):
+        L.section(f"B={B} {name}")
+        print(f"\n## batch {B}, {name}")
+        ref = sample_ref(logits, u, V, temperature, top_k)
+        fn = (lambda t=temperature, k=top_k: launch(d_tok, d_logits, d_u, t, k))
+        label = f"1 B={B} {name}"
+        L.validate(label, fn, outputs={"tokens": d_tok}, refs={"tokens": ref}, atol=0, rtol=0)
+        L.time(label, fn, bytes=4 * B * V, ceiling="dram")
+        try:
+            import torch
+            tl = torch.from_numpy(logits[:, :V]).cuda()
+
+            def torch_sample(t=temperature, k=top_k):
+                if t <= 0:
+                    return tl.argmax(-1)
+                z = tl / t
+                if k:
+                    vals, idx = torch.topk(z, k, dim=-1)
+                    return idx.gather(-1, torch.multinomial(torch.softmax(vals, -1), 1))
+                return torch.multinomial(torch.softmax(z, -1), 1)
+            L.reference(f"torch B={B} {name}", torch_sample, bytes=4 * B * V)
+        except (ImportError, RuntimeError) as e:
+            print(f"  no torch reference ({e})")
+L.finish()
