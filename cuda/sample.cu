@@ -12,8 +12,9 @@
 // per-thread chunks, in double (the host adds in float64 as well): the two can disagree only when
 // u * sum(w) lies within rounding of a boundary between two tokens.
 //
-// Work: a few passes over one row (201 KB at GPT-2's vocabulary), from L2 after the first; a few
-// microseconds per row, B blocks. Launch: grid (B), block SAMPLE_THREADS.
+// The row is first copied into shared memory (201 KB at GPT-2's vocabulary: one coalesced pass over
+// global memory, all later passes from shared memory) when it fits (`staged`); else every pass reads
+// global memory (L2). Launch: grid (B), block SAMPLE_THREADS, dynamic smem 4*V bytes if staged.
 #include "common.cuh"
 
 #define SAMPLE_THREADS 1024
@@ -44,14 +45,29 @@ __device__ float kth_largest(const float* row, int V, int k, unsigned int* hist,
             if (in && lane == __ffs(peers) - 1) atomicAdd(&hist[digit], __popc(peers));
         }
         __syncthreads();
-        if (threadIdx.x == 0) {  // the bin holding the k-th largest: walk down from the top bin
-            int acc = 0, d = 255;
-            for (; d > 0; d--) {
-                if (acc + (int)hist[d] >= k) break;
-                acc += hist[d];
+        if (threadIdx.x < WARP_SIZE) {  // the bin holding the k-th largest, counting from the top:
+            // lane l holds bins 255-8l .. 248-8l; a prefix sum over the lanes finds the lane, which
+            // then walks its 8 bins
+            int cnt[8], tot = 0;
+#pragma unroll
+            for (int j = 0; j < 8; j++) { cnt[j] = (int)hist[255 - 8 * lane - j]; tot += cnt[j]; }
+            int incl = tot;
+#pragma unroll
+            for (int off = 1; off < WARP_SIZE; off <<= 1) {
+                const int v = __shfl_up_sync(0xFFFFFFFFu, incl, off);
+                if (lane >= off) incl += v;
             }
-            bcast[0] = d;
-            bcast[1] = k - acc;  // its rank within the bin
+            const int excl = incl - tot;  // counts in the bins above this lane's
+            if (excl < k && k <= incl) {  // exactly one lane: the matching counts total >= k
+                int acc = excl, d = 248 - 8 * lane;
+#pragma unroll
+                for (int j = 0; j < 8; j++) {
+                    if (acc + cnt[j] >= k) { d = 255 - 8 * lane - j; break; }
+                    acc += cnt[j];
+                }
+                bcast[0] = d;
+                bcast[1] = k - acc;  // its rank within the bin
+            }
         }
         __syncthreads();
         const unsigned int d = (unsigned int)bcast[0];
@@ -64,15 +80,28 @@ __device__ float kth_largest(const float* row, int V, int k, unsigned int* hist,
 }
 
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_kernel1(
-        int* tokens, const float* logits, const double* uniforms, int V, int Vp, int top_k, float inv_temp) {
+        int* tokens, const float* logits, const double* uniforms, int V, int Vp, int top_k, float inv_temp,
+        int staged) {
+    extern __shared__ float4 srow4[];  // (V) the row, when staged
     __shared__ unsigned int hist[256];
     __shared__ int bcast[2];
     __shared__ float redf[WARP_SIZE];
     __shared__ int redi[WARP_SIZE];
     __shared__ double scan[SAMPLE_THREADS];
-    const float* row = logits + (size_t)blockIdx.x * Vp;
+    const float* grow = logits + (size_t)blockIdx.x * Vp;
     const int tid = threadIdx.x, lane = tid % WARP_SIZE, warp = tid / WARP_SIZE;
     const int nwarps = blockDim.x / WARP_SIZE;
+    const float* row = grow;
+    if (staged) {  // one coalesced pass; Vp % 4 == 0 and the rows are 16-byte aligned (float4)
+        float* srow = reinterpret_cast<float*>(srow4);
+        const float4* g4 = reinterpret_cast<const float4*>(grow);
+        const int V4 = V / 4;
+#pragma unroll 4
+        for (int i = tid; i < V4; i += blockDim.x) srow4[i] = __ldcs(g4 + i);
+        for (int i = 4 * V4 + tid; i < V; i += blockDim.x) srow[i] = grow[i];
+        __syncthreads();
+        row = srow;
+    }
 
     // the largest logit and its first index (greedy's answer; the softmax's shift otherwise)
     float best = -FLT_MAX;

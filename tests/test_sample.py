@@ -217,7 +217,7 @@ def _rows(rng, R, V, Vp, k):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("V,Vp", [(50257, 50304), (97, 128), (1, 4)])
+@pytest.mark.parametrize("V,Vp", [(50257, 50304), (97, 128), (1, 4), (97, 99)])  # 99: rows not 16-byte aligned: not staged
 @pytest.mark.parametrize("temperature,top_k", [(0.0, None), (1.0, None), (0.8, 40), (1.5, 1), (0.7, 2000),
                                                (1.0, 10 ** 6)])
 def test_sample_kernel_matches_host(rt, V, Vp, temperature, top_k):

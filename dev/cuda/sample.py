@@ -25,6 +25,7 @@ for B in (1, 8):
     u = rng.random(B)
     d_logits, d_u, d_tok = rt.to_device(logits), rt.to_device(u), rt.empty((B,), np.int32)
     launch = build_sample(rt, B, V, Vp)
+    print(f"batch {B}: the row {'is' if launch.staged else 'is not'} staged in shared memory")
     for name, temperature, top_k in (("greedy", 0.0, None), ("top-k 40", 1.0, 40), ("full", 1.0, None)):
         L.section(f"B={B} {name}")
         print(f"\n## batch {B}, {name}")
