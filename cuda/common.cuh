@@ -52,3 +52,14 @@ __device__ __forceinline__ void store4(float* p, float4 v) { *reinterpret_cast<f
 // streaming load: read once, don't keep in L1 (ld.global.cs)
 __device__ __forceinline__ float4 load4_cs(const float* p) { return __ldcs(reinterpret_cast<const float4*>(p)); }
 __device__ __forceinline__ void store4_cs(float* p, float4 v) { __stcs(reinterpret_cast<float4*>(p), v); }
+
+// GPT-2's GELU (tanh form; tanhf, not tanh.approx, whose ~1e-3 error would show against fp64):
+// gelu(x) = 0.5 x (1 + tanh(k (x + 0.044715 x^3))), k = sqrt(2/pi). Used by cuda/gelu.cu and by the
+// decode GEMV's fused epilogue in cuda/matmul.cu.
+#define GELU_K 0.7978845608028654f  // sqrt(2/pi)
+#define GELU_C 0.044715f
+
+__device__ __forceinline__ float gelu_fwd(float x) {
+    float u = GELU_K * (x + GELU_C * x * x * x);
+    return 0.5f * x * (1.0f + tanhf(u));
+}

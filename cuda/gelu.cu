@@ -19,13 +19,7 @@
 //   backward  1: 63.6 us (2.37 TB/s)   2: 54.9 us (2.75 TB/s)
 #include "common.cuh"
 
-#define GELU_K 0.7978845608028654f  // sqrt(2/pi)
-#define GELU_C 0.044715f
-
-__device__ __forceinline__ float gelu_fwd(float x) {
-    float u = GELU_K * (x + GELU_C * x * x * x);
-    return 0.5f * x * (1.0f + tanhf(u));
-}
+// gelu_fwd, GELU_K and GELU_C live in common.cuh (the decode GEMV applies gelu_fwd in its epilogue)
 
 __device__ __forceinline__ float gelu_grad(float x) {
     float u = GELU_K * (x + GELU_C * x * x * x);

@@ -1000,7 +1000,7 @@ extern "C" __global__ void matmul_forward_kernel2(float* out, const float* inp, 
 // load sits behind a branch, so the unrolled loop issues all its 16-byte loads before the first
 // FMA waits (with a runtime row count the loads serialise: 4x slower at 8 rows). Bandwidth-bound:
 // OC*C*4 bytes at ~3 TB/s, 2.4-9.4 MB per GPT-2 124M layer matmul.
-template <int R>
+template <int R, bool GELU>
 __device__ __forceinline__ void gemv_rows(float* out, const float* inp, const float* weight,
                                           const float* bias, int C, int OC) {
     constexpr int U = R <= 2 ? 4 : 2;  // 16-byte weight loads in flight per lane (registers: ~R*U*4)
@@ -1025,15 +1025,21 @@ __device__ __forceinline__ void gemv_rows(float* out, const float* inp, const fl
     const float b = bias ? bias[oc] : 0.0f;
 #pragma unroll
     for (int r = 0; r < R; r++) {
-        const float v = warp_reduce_sum(s[r]);  // every lane holds the sum
-        if (lane == r) out[(ll)r * OC + oc] = v + b;
+        const float v = warp_reduce_sum(s[r]) + b;  // every lane holds the sum
+        if (lane == r) out[(ll)r * OC + oc] = GELU ? gelu_fwd(v) : v;
     }
 }
 
+// matmul_forward_kernel8_gelu_rows<R>: the same with GELU applied to the result (the decoder's
+// fc matmul + gelu in one launch; not a matmul_forward variant)
 #define GEMV_ENTRY(R)                                                                                  \
     extern "C" __global__ void __launch_bounds__(256) matmul_forward_kernel8_rows##R(                 \
             float* out, const float* inp, const float* weight, const float* bias, int N, int C, int OC) { \
-        gemv_rows<R>(out, inp, weight, bias, C, OC);                                                   \
+        gemv_rows<R, false>(out, inp, weight, bias, C, OC);                                            \
+    }                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(256) matmul_forward_kernel8_gelu_rows##R(            \
+            float* out, const float* inp, const float* weight, const float* bias, int N, int C, int OC) { \
+        gemv_rows<R, true>(out, inp, weight, bias, C, OC);                                             \
     }
 GEMV_ENTRY(1) GEMV_ENTRY(2) GEMV_ENTRY(3) GEMV_ENTRY(4) GEMV_ENTRY(5) GEMV_ENTRY(6) GEMV_ENTRY(7) GEMV_ENTRY(8)
 

@@ -114,6 +114,14 @@ class Decoder:
             "residual_layernorm": op("residual_layernorm_forward", N=B, C=C),
             "gelu": op("gelu_forward", N=B * 4 * C),
         }
+        # with the GEMV, the fc matmul and GELU go in one launch (GELU in the GEMV's epilogue)
+        from llmc import ops
+        from llmc.ops import matmul
+        self.fc_gelu = (gemv is not None and "matmul_forward" not in getattr(be, "chosen", ())
+                        and ops.get("matmul_forward").variant(GEMV).refuse_reason(N=B, C=C, OC=4 * C) is None)
+        if self.fc_gelu:
+            self.k["mm_fc_gelu"] = be.custom(matmul.gemv_gelu_cpu(B, C, 4 * C), matmul.build_gemv_gelu,
+                                             N=B, C=C, OC=4 * C)
         from llmc.ops import attention
         shape = dict(B=B, C=C, NH=NH, maxT=maxT)
         self.k["kv_append"] = be.custom(kv_append_cpu(**shape), attention.build_kv_append, **shape)
@@ -169,8 +177,11 @@ class Decoder:
             k["mm_attproj"](a["proj"], a["atty"], p["attprojw"][l], p["attprojb"][l])
             k["residual_layernorm"](x2, a["ln"], a["mean"], a["rstd"], x, a["proj"],      # x2 = x + attn
                                     p["ln2w"][l], p["ln2b"][l])
-            k["mm_fc"](a["fch"], a["ln"], p["fcw"][l], p["fcb"][l])                      # (B,4C)
-            k["gelu"](a["fch_gelu"], a["fch"])
+            if self.fc_gelu:                                                              # (B,4C)
+                k["mm_fc_gelu"](a["fch_gelu"], a["ln"], p["fcw"][l], p["fcb"][l])
+            else:
+                k["mm_fc"](a["fch"], a["ln"], p["fcw"][l], p["fcb"][l])
+                k["gelu"](a["fch_gelu"], a["fch"])
             k["mm_fcproj"](a["proj"], a["fch_gelu"], p["fcprojw"][l], p["fcprojb"][l])
             w, b = (p["ln1w"][l + 1], p["ln1b"][l + 1]) if l + 1 < L else (p["lnfw"], p["lnfb"])
             k["residual_layernorm"](x, a["ln"], a["mean"], a["rstd"], x2, a["proj"], w, b)  # x = x2 + mlp

@@ -196,7 +196,9 @@ def test_decoder_kernels_build_without_gpu():
     assert callable(dec.k["kv_append"]) and callable(dec.k["attention"])
     assert callable(build_kv_fill(be.rt, B=8, C=768, NH=12, maxT=1024, T=64))
     assert {"attention_kv_append_kernel1", "attention_decode_kernel2", "attention_decode_combine_kernel2",
-            "attention_kv_fill_kernel1", "encoder_decode_kernel1", "matmul_forward_kernel8_rows4", "sample_kernel1"} <= set(be.rt.built)
+            "attention_kv_fill_kernel1", "encoder_decode_kernel1", "matmul_forward_kernel8_rows4", "matmul_forward_kernel8_gelu_rows4",
+            "sample_kernel1"} <= set(be.rt.built)
+    assert dec.fc_gelu
     assert not any(k.startswith("gemm") for k in be.rt.built)  # every decode matmul is the GEMV
 
 
@@ -207,6 +209,7 @@ def test_decoder_matmul_follows_a_named_variant():
     cfg = config_from_name("L2C64H2")
     for kernels, B in (({"matmul_forward": 7}, 2), (None, 5), (None, 16)):
         be = cuda_backend(kernels)
-        Decoder(cfg, be, B, params_buf=be.empty((cfg.num_parameters,)))
+        dec = Decoder(cfg, be, B, params_buf=be.empty((cfg.num_parameters,)))
         assert not any(k.startswith("matmul_forward_kernel8") for k in be.rt.built) and not be._noted
+        assert not dec.fc_gelu
         assert any(k.startswith("gemm") for k in be.rt.built)

@@ -485,3 +485,26 @@ def test_gemm_engine4_every_config_gpu(rt, rng, cfg, lay, integers):
 def test_forward_variant_runs_on_its_engine(rt, variant, engine):
     launch = ops.get("matmul_forward").build(rt, variant, N=256, C=64, OC=128, has_bias=True)
     assert launch.plan[0] == engine
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,C,OC", [(1, 768, 3072), (3, 96, 40), (8, 768, 3072), (4, 84, 7)])
+def test_gemv_gelu_gpu(rt, rng, N, C, OC):
+    """The decoder's fc + GELU in one launch against float64 gelu(inp @ w^T + b), every element
+    written (poisoned first)."""
+    from llmc.ops.gelu import gelu_forward_ref
+    from llmc.testing import assert_close, poison
+    inp, weight, bias = rnd(rng, N, C), rnd(rng, OC, C, scale=C ** -0.5), rnd(rng, OC)
+    ref = gelu_forward_ref(mm.matmul_forward_ref(inp.astype(np.float64), weight.astype(np.float64),
+                                                 bias.astype(np.float64)))
+    d_out = rt.empty((N, OC))
+    poison(d_out)
+    mm.build_gemv_gelu(rt, N, C, OC)(d_out, rt.to_device(inp), rt.to_device(weight), rt.to_device(bias))
+    assert_close(d_out.get(), ref, atol=1e-5, rtol=1e-4, name=f"gemv+gelu N={N}")
+
+
+def test_gemv_gelu_refuses_what_the_gemv_refuses():
+    with pytest.raises(LLMCError, match="rows > 8"):
+        mm.build_gemv_gelu(None, 9, 768, 3072)
+    with pytest.raises(LLMCError, match="C % 4"):
+        mm.build_gemv_gelu(None, 2, 81, 30)

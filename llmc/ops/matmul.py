@@ -286,14 +286,32 @@ def matmul_forward2(rt, N, C, OC, has_bias=True, block_size=None):
     return launch
 
 
-def matmul_forward8(rt, N, C, OC, has_bias=True, block_size=None):
+def matmul_forward8(rt, N, C, OC, has_bias=True, block_size=None, gelu=False):
     # a warp per output column, all N <= 8 rows; one entry point per row count (cuda/matmul.cu)
-    k = rt.kernel(MODULE, f"matmul_forward_kernel8_rows{N}", "PPPPiii", label=f"matmul_forward 8 (rows={N})")
+    name = f"matmul_forward_kernel8{'_gelu' if gelu else ''}_rows{N}"
+    k = rt.kernel(MODULE, name, "PPPPiii", label=f"matmul_forward 8{' + gelu' if gelu else ''} (rows={N})")
     bs = block_size or 256
     grid, args = (-(-OC // (bs // 32)), 1, 1), (np.int32(N), np.int32(C), np.int32(OC))
 
     def launch(out, inp, weight, bias=None):
         k(grid, (bs, 1, 1), out.ptr, inp.ptr, weight.ptr, _ptr(bias), *args)
+    return launch
+
+
+def build_gemv_gelu(rt, N, C, OC):
+    """The decoder's fc layer in one launch: out(N,OC) = gelu(inp @ weight^T + bias), N <= 8 rows
+    (the GEMV of matmul_forward 8 with GELU in its epilogue; not a registry op)."""
+    why = _gemv_check(N, C, OC)
+    if why:
+        raise LLMCError(f"gemv + gelu: {why}")
+    return matmul_forward8(rt, N, C, OC, gelu=True)
+
+
+def gemv_gelu_cpu(N, C, OC):
+    from llmc.ops.gelu import gelu_forward_ref
+
+    def launch(out, inp, weight, bias=None):
+        out[...] = gelu_forward_ref(matmul_forward_ref(inp, weight, bias)).reshape(out.shape)
     return launch
 
 
