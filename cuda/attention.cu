@@ -28,8 +28,8 @@
 //   attention_decode_kernel1  one block per (b, h): scores in shared memory, block softmax, att @ v
 //   attention_decode_kernel2  split over chunks of 64 keys (B*NH x maxT/64 blocks, a thread per key),
 //                             + attention_decode_combine_kernel2 merging the chunks' softmax states
-//   attention_kv_append_kernel1  the new token's k, v from qkv (B,3C) into the caches at pos, and q
-//                                into a packed (B,C) buffer for the decode kernel
+//   (both take the new token's q, k, v straight from the qkv matmul's (B,3C) output: its k, v are
+//    used for position pos and written into the caches there, so no separate append launch)
 //   attention_kv_fill_kernel1    after the prompt's forward pass: k, v of positions 0..T-1 from the
 //                                forward's qkvr (q|k|v, each (B,NH,T,hs)) into the caches
 //
@@ -436,10 +436,12 @@ extern "C" __global__ void unpermute_kernel2(float* dst, const float* src, int B
 // ----------------------------------------------------------------------------------------------
 // decode: one new query per sequence at position pos over cached keys/values 0..pos. The decode
 // kernels read pos from device memory (posp), so that a CUDA graph captured once replays every step.
-// out (B, C), q (B, C) (heads side by side, as the qkv matmul writes them), kcache/vcache
-// (B, NH, maxT, hs). One block per (b, h). Dynamic smem: hs (q) + maxT (scores) + blockDim.x floats.
-// Reads (pos+1)*hs*2 floats per head: tiny next to the matmuls of a decode step, so plain is fine.
-extern "C" __global__ void attention_decode_kernel1(float* out, const float* q, const float* kcache, const float* vcache,
+// out (B, C); qkv (B, 3C): q | k | v of the new token, heads side by side (the qkv matmul's output);
+// kcache/vcache (B, NH, maxT, hs) hold positions 0..pos-1. The new k, v are read from qkv for
+// position pos and written into the caches at pos by the one block (or chunk) that covers pos;
+// nothing else reads the caches at pos during the launch.
+// Version 1: one block per (b, h). Dynamic smem: hs (q) + maxT (scores) + blockDim.x floats.
+extern "C" __global__ void attention_decode_kernel1(float* out, const float* qkv, float* kcache, float* vcache,
                                                     const int* posp, int B, int NH, int hs, int maxT, float scale) {
     extern __shared__ float sm[];
     int pos = *posp;
@@ -451,12 +453,18 @@ extern "C" __global__ void attention_decode_kernel1(float* out, const float* q, 
     int tid = threadIdx.x, lane = tid % WARP_SIZE, warp = tid / WARP_SIZE, nwarps = blockDim.x / WARP_SIZE;
     const float* k = kcache + (size_t)bh * maxT * hs;
     const float* v = vcache + (size_t)bh * maxT * hs;
-    for (int d = tid; d < hs; d += blockDim.x) sq[d] = q[(size_t)b * C + h * hs + d] * scale;
+    const float* row = qkv + (size_t)b * 3 * C + h * hs;  // q; + C: the new k; + 2C: the new v
+    for (int d = tid; d < hs; d += blockDim.x) {
+        sq[d] = row[d] * scale;
+        kcache[((size_t)bh * maxT + pos) * hs + d] = row[C + d];      // append (read from qkv below)
+        vcache[((size_t)bh * maxT + pos) * hs + d] = row[2 * C + d];
+    }
     __syncthreads();
     // scores: one warp per cached key, lanes across hs
     for (int s = warp; s <= pos; s += nwarps) {
+        const float* kr = s == pos ? row + C : k + (size_t)s * hs;
         float dot = 0.0f;
-        for (int d = lane; d < hs; d += WARP_SIZE) dot += sq[d] * k[(size_t)s * hs + d];
+        for (int d = lane; d < hs; d += WARP_SIZE) dot += sq[d] * kr[d];
         dot = warp_reduce_sum(dot);
         if (lane == 0) sp[s] = dot;
     }
@@ -474,7 +482,7 @@ extern "C" __global__ void attention_decode_kernel1(float* out, const float* q, 
     for (int i = tid; i < G * hs; i += blockDim.x) {
         int g = i / hs, d = i % hs;
         float acc = 0.0f;
-        for (int s = g; s <= pos; s += G) acc += sp[s] * v[(size_t)s * hs + d];
+        for (int s = g; s <= pos; s += G) acc += sp[s] * (s == pos ? row[2 * C + d] : v[(size_t)s * hs + d]);
         part[i] = acc;
     }
     __syncthreads();
@@ -494,8 +502,8 @@ extern "C" __global__ void attention_decode_kernel1(float* out, const float* q, 
 // exp(score - m)). attention_decode_combine_kernel2 rescales the chunks to the global max and
 // normalises. Block: 128 threads (2 groups of hs for p @ v when hs = 64). hs % 4 == 0.
 #define DECODE_CHUNK 64
-extern "C" __global__ void __launch_bounds__(128) attention_decode_kernel2(float* part, const float* q,
-        const float* kcache, const float* vcache, const int* posp, int B, int NH, int hs, int maxT, float scale) {
+extern "C" __global__ void __launch_bounds__(128) attention_decode_kernel2(float* part, const float* qkv,
+        float* kcache, float* vcache, const int* posp, int B, int NH, int hs, int maxT, float scale) {
     extern __shared__ float4 sm4[];
     float* sq = reinterpret_cast<float*>(sm4);  // (hs) the scaled query
     float* sp = sq + hs;                        // (DECODE_CHUNK) scores, then exp(score - m)
@@ -507,11 +515,19 @@ extern "C" __global__ void __launch_bounds__(128) attention_decode_kernel2(float
     const int b = bh / NH, h = bh % NH, C = NH * hs, tid = threadIdx.x, hs4 = hs / 4;
     const float* k = kcache + ((size_t)bh * maxT + s0) * hs;
     const float* v = vcache + ((size_t)bh * maxT + s0) * hs;
-    for (int d = tid; d < hs; d += blockDim.x) sq[d] = q[(size_t)b * C + h * hs + d] * scale;
+    const float* row = qkv + (size_t)b * 3 * C + h * hs;  // q; + C: the new k; + 2C: the new v
+    const int last = pos - s0;                            // the new token's index here, if < n
+    for (int d = tid; d < hs; d += blockDim.x) {
+        sq[d] = row[d] * scale;
+        if (last < n) {                                   // this chunk covers pos: append
+            kcache[((size_t)bh * maxT + pos) * hs + d] = row[C + d];
+            vcache[((size_t)bh * maxT + pos) * hs + d] = row[2 * C + d];
+        }
+    }
     __syncthreads();
     const float4* sq4 = reinterpret_cast<const float4*>(sq);
     for (int s = tid; s < n; s += blockDim.x) {
-        const float4* kr = reinterpret_cast<const float4*>(k + (size_t)s * hs);
+        const float4* kr = reinterpret_cast<const float4*>(s == last ? row + C : k + (size_t)s * hs);
         float dot = 0.0f;
 #pragma unroll 8
         for (int i = 0; i < hs4; i++) {
@@ -535,7 +551,7 @@ extern "C" __global__ void __launch_bounds__(128) attention_decode_kernel2(float
     for (int i = tid; i < G * hs; i += blockDim.x) {
         const int g = i / hs, d = i % hs;
         float a = 0.0f;
-        for (int s = g; s < n; s += G) a = fmaf(sp[s], v[(size_t)s * hs + d], a);
+        for (int s = g; s < n; s += G) a = fmaf(sp[s], s == last ? row[2 * C + d] : v[(size_t)s * hs + d], a);
         acc[i] = a;
     }
     __syncthreads();
@@ -564,22 +580,6 @@ extern "C" __global__ void attention_decode_combine_kernel2(float* out, const fl
         }
         out[(size_t)b * NH * hs + h * hs + d] = a / L;
     }
-}
-
-// qkv (B, 3C) holds q | k | v for the new token of each sequence; write k and v at position pos of
-// the caches (B, NH, maxT, hs) and q into q_out (B, C). One thread per element of C, for all B.
-// Reads 3*B*C floats, writes 3*B*C: a few KB per layer per token, launch-bound.
-extern "C" __global__ void attention_kv_append_kernel1(float* kcache, float* vcache, float* q_out, const float* qkv,
-                                                       const int* posp, int B, int NH, int hs, int maxT) {
-    int C = NH * hs, pos = *posp;
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= B * C) return;
-    int b = i / C, c = i % C, h = c / hs, d = c % hs;
-    const float* row = qkv + (size_t)b * 3 * C;
-    size_t dst = (((size_t)b * NH + h) * maxT + pos) * hs + d;
-    q_out[i] = row[c];
-    kcache[dst] = row[C + c];
-    vcache[dst] = row[2 * C + c];
 }
 
 // qkvr holds q | k | v, each (B, NH, T, hs) (what attention_forward saves); copy k and v into

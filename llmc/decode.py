@@ -6,9 +6,9 @@
 
 The decoder keeps, per layer, the keys and values of every position so far: kcache and vcache
 (L, B, NH, maxT, hs). One step takes B new tokens at position `pos` through the network at M = B
-rows: the encoder at that position, layernorm, the qkv matmul, the new k and v appended to the
-cache, the attention of one query over positions 0..pos (our decode kernel on the GPU), and the
-rest of the block; then the lm head gives the next logits. The prompt goes through one ordinary
+rows: the encoder at that position, layernorm, the qkv matmul, the attention of one query over
+positions 0..pos (our decode kernel on the GPU, which also appends the new k and v to the cache),
+and the rest of the block; then the lm head gives the next logits. The prompt goes through one ordinary
 forward pass (the training model's code at T = prompt length, sharing the decoder's weights), and
 the keys and values it computed are copied into the cache.
 
@@ -34,14 +34,6 @@ from llmc.sample import EOT, sample_token
 # ----------------------------------------------------------------------------------------------
 # the two ops only decoding needs, for the numpy backend (the GPU ones live in llmc/ops/attention.py)
 
-def kv_append_cpu(B, C, NH, maxT):
-    from llmc.ops.attention import kv_append_ref
-
-    def launch(kcache, vcache, q_out, qkv, pos):
-        q_out[...] = kv_append_ref(kcache, vcache, qkv, int(pos[0]))
-    return launch
-
-
 def kv_fill_cpu(B, C, NH, maxT, T):
     from llmc.ops.attention import kv_fill_ref
 
@@ -51,9 +43,10 @@ def kv_fill_cpu(B, C, NH, maxT, T):
 
 
 def attention_decode_cpu(B, C, NH, maxT):
-    from llmc.ops.attention import attention_decode_ref
+    from llmc.ops.attention import attention_decode_ref, kv_append_ref
 
-    def launch(out, q, kcache, vcache, pos):
+    def launch(out, qkv, kcache, vcache, pos):
+        q = kv_append_ref(kcache, vcache, qkv, int(pos[0]))  # the new k, v into the caches at pos
         out[...] = attention_decode_ref(q, kcache, vcache, int(pos[0])).reshape(out.shape)
     return launch
 
@@ -79,7 +72,7 @@ class Decoder:
                   for (name, shape), (_, off, _) in zip(param_shapes(cfg), param_layout(cfg))}
         a = {}
         for name, shape in [("x", (B, C)), ("x2", (B, C)), ("ln", (B, C)), ("mean", (B,)), ("rstd", (B,)),
-                            ("qkv", (B, 3 * C)), ("q", (B, C)), ("atty", (B, C)), ("proj", (B, C)),
+                            ("qkv", (B, 3 * C)), ("atty", (B, C)), ("proj", (B, C)),
                             ("fch", (B, 4 * C)), ("fch_gelu", (B, 4 * C)), ("logits", (B, Vp))]:
             a[name] = be.empty(shape)
         self.a = a
@@ -124,7 +117,6 @@ class Decoder:
                                              N=B, C=C, OC=4 * C)
         from llmc.ops import attention
         shape = dict(B=B, C=C, NH=NH, maxT=maxT)
-        self.k["kv_append"] = be.custom(kv_append_cpu(**shape), attention.build_kv_append, **shape)
         self.k["attention"] = be.custom(attention_decode_cpu(**shape), attention.build_attention_decode, **shape)
         from llmc.ops import sample
         V = cfg.vocab_size
@@ -172,8 +164,7 @@ class Decoder:
         L = cfg.num_layers
         for l in range(L):
             k["mm_qkv"](a["qkv"], a["ln"], p["qkvw"][l], p["qkvb"][l])                  # (B,3C)
-            k["kv_append"](self.kc[l], self.vc[l], a["q"], a["qkv"], self.pos)            # k, v -> cache
-            k["attention"](a["atty"], a["q"], self.kc[l], self.vc[l], self.pos)          # (B,C)
+            k["attention"](a["atty"], a["qkv"], self.kc[l], self.vc[l], self.pos)        # k,v -> cache; (B,C)
             k["mm_attproj"](a["proj"], a["atty"], p["attprojw"][l], p["attprojb"][l])
             k["residual_layernorm"](x2, a["ln"], a["mean"], a["rstd"], x, a["proj"],      # x2 = x + attn
                                     p["ln2w"][l], p["ln2b"][l])

@@ -461,7 +461,18 @@ def test_attention_decode_gpu(rt, B, T, C, NH, maxT, version):
         with pytest.raises(LLMCError, match="not a multiple of 4"):
             A.build_attention_decode(rt, B, C, NH, maxT, version=2)
         return
+    # the kernel gets the new token's whole qkv row and caches holding positions 0..T-2: garbage at
+    # T-1 (it must append the new k, v there and use them) and after (must be ignored)
+    pos = T - 1
+    qkv = np.ascontiguousarray(inp[:, pos])                       # (B, 3C): q | k | v of the new token
+    want_k, want_v = kc[:, :, pos].copy(), vc[:, :, pos].copy()
+    kc[:, :, pos], vc[:, :, pos] = 1e4, -1e4
+    d_kc, d_vc = rt.to_device(kc), rt.to_device(vc)
     launch = A.build_attention_decode(rt, B, C, NH, maxT, version=version)
-    launch(d_out, rt.to_device(q), rt.to_device(kc), rt.to_device(vc), rt.to_device(np.array([T - 1], np.int32)))
+    launch(d_out, rt.to_device(qkv), d_kc, d_vc, rt.to_device(np.array([pos], np.int32)))
     # plain fp32 dot products and sums over <= 1024 terms
-    assert_close(d_out.get(), out64[:, T - 1], atol=1e-5, rtol=1e-4, name="decode out")
+    assert_close(d_out.get(), out64[:, pos], atol=1e-5, rtol=1e-4, name="decode out")
+    got_k, got_v = d_kc.get(), d_vc.get()
+    assert np.array_equal(got_k[:, :, pos], want_k) and np.array_equal(got_v[:, :, pos], want_v), "append"
+    kc[:, :, pos], vc[:, :, pos] = want_k, want_v
+    assert np.array_equal(got_k, kc) and np.array_equal(got_v, vc), "cache written outside position pos"

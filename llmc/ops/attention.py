@@ -40,9 +40,9 @@ preatt/datt above the diagonal outside the computed blocks stay unwritten: nothi
 softmax kernels mask s > t with selects).
 
 Decode (sampling with a KV cache): build_attention_decode(rt, B, C, NH, maxT)
-    -> launch(out (B,C), q (B,C), kcache (B,NH,maxT,hs), vcache (B,NH,maxT,hs), pos)
-attends the new token at position pos over cached positions 0..pos (the caller writes k, v for pos
-first). Reference: attention_decode_ref.
+    -> launch(out (B,C), qkv (B,3C), kcache (B,NH,maxT,hs), vcache (B,NH,maxT,hs), pos)
+appends the new token's k, v (from qkv) to the caches at position pos and attends its q over
+positions 0..pos. Reference: kv_append_ref then attention_decode_ref.
 """
 from __future__ import annotations
 
@@ -507,8 +507,10 @@ DECODE_CHUNK = 64  # keys per block of attention_decode_kernel2 (cuda/attention.
 
 
 def build_attention_decode(rt, B, C, NH, maxT, block_size=128, version=None):
-    """launch(out (B,C), q (B,C), kcache (B,NH,maxT,hs), vcache (B,NH,maxT,hs), pos (1,) int32 on the
-    device, 0 <= pos < maxT: the caller checks, the kernels read it each launch).
+    """launch(out (B,C), qkv (B,3C), kcache (B,NH,maxT,hs), vcache (B,NH,maxT,hs), pos (1,) int32 on
+    the device, 0 <= pos < maxT: the caller checks, the kernels read it each launch). qkv is the
+    qkv matmul's output for the new token: its k, v go into the caches at pos, its q attends over
+    positions 0..pos.
     version 2 (the default where hs % 4 == 0): split over chunks of 64 keys, then a combine kernel;
     version 1: one block per (b, h)."""
     if C % NH:
@@ -528,8 +530,8 @@ def build_attention_decode(rt, B, C, NH, maxT, block_size=128, version=None):
         grid, block = (B * NH, 1, 1), (block_size, 1, 1)
         args = (np.int32(B), np.int32(NH), np.int32(hs), np.int32(maxT), np.float32(1.0 / math.sqrt(hs)))
 
-        def launch(out, q, kcache, vcache, pos):
-            k(grid, block, *ptrs(out, q, kcache, vcache, pos), *args, smem=smem)
+        def launch(out, qkv, kcache, vcache, pos):
+            k(grid, block, *ptrs(out, qkv, kcache, vcache, pos), *args, smem=smem)
         return launch
     chunks = -(-maxT // DECODE_CHUNK)
     part = rt.empty((B * NH, chunks, hs + 2))
@@ -543,8 +545,8 @@ def build_attention_decode(rt, B, C, NH, maxT, block_size=128, version=None):
     args = (np.int32(B), np.int32(NH), np.int32(hs), np.int32(maxT), np.float32(1.0 / math.sqrt(hs)))
     cbs = min(1024, -(-hs // 32) * 32)
 
-    def launch(out, q, kcache, vcache, pos):
-        k((B * NH, chunks, 1), (bs, 1, 1), _ptr(part), *ptrs(q, kcache, vcache, pos), *args, smem=smem)
+    def launch(out, qkv, kcache, vcache, pos):
+        k((B * NH, chunks, 1), (bs, 1, 1), _ptr(part), *ptrs(qkv, kcache, vcache, pos), *args, smem=smem)
         comb((B * NH, 1, 1), (cbs, 1, 1), _ptr(out), _ptr(part), _ptr(pos), np.int32(NH), np.int32(hs),
              np.int32(chunks))
     return launch
@@ -581,18 +583,6 @@ def build_kv_fill(rt, B, C, NH, maxT, T, block_size=256):
 
     def launch(kcache, vcache, qkvr):
         k(grid, block, _ptr(kcache), _ptr(vcache), _ptr(qkvr), *args)
-    return launch
-
-
-def build_kv_append(rt, B, C, NH, maxT, block_size=256):
-    """launch(kcache (B,NH,maxT,hs), vcache, q_out (B,C), qkv (B,3C), pos (1,) int32 on the device)."""
-    hs = C // NH
-    k = rt.kernel(MODULE, "attention_kv_append_kernel1", "PPPPPiiii", label="attention kv_append 1")
-    grid, block = (-(-B * C // block_size), 1, 1), (block_size, 1, 1)
-    args = (np.int32(B), np.int32(NH), np.int32(hs), np.int32(maxT))
-
-    def launch(kcache, vcache, q_out, qkv, pos):
-        k(grid, block, _ptr(kcache), _ptr(vcache), _ptr(q_out), _ptr(qkv), _ptr(pos), *args)
     return launch
 
 
