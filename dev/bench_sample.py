@@ -74,18 +74,14 @@ def decode_matmuls(be, cfg, rows=(1, 2, 4, 8), variants=(7, 8), reps=20):
         x = rt.to_device(rng.standard_normal((N, 4 * C)).astype(np.float32))
         y = rt.empty((N, Vp))
         for v in variants:
-            launches = []
-            for k, (c, oc) in shapes.items():
-                if spec.variant(v).refuse_reason(N=N, C=c, OC=oc) is None:
-                    launches.append(spec.build(rt, v, N=N, C=c, OC=oc, has_bias=False))
-                    launches[-1] = (launches[-1], k)
-            if len(launches) < len(shapes):
+            if any(spec.variant(v).refuse_reason(N=N, C=c, OC=oc) for c, oc in shapes.values()):
                 continue
+            launches = [(spec.build(rt, v, N=N, C=c, OC=oc, has_bias=False), w[k]) for k, (c, oc) in shapes.items()]
 
             def body():
                 for _ in range(reps):
-                    for fn, k in launches:
-                        fn(y, x, w[k], None)
+                    for fn, weight in launches:
+                        fn(y, x, weight, None)
             g = rt.capture(body)
             ms = float(np.median(rt.time_ms(g, warmup=2, repeat=10)))
             out.append((v, N, 1e3 * ms / reps))

@@ -25,6 +25,7 @@ import numpy as np
 
 from llmc.config import DECAYED, GPT2Config, param_layout, param_shapes
 from llmc.errors import LLMCError
+from llmc.ops.adamw import hyperparams
 
 
 def _size(shape) -> int:
@@ -140,6 +141,7 @@ class GPT2:
         # the first micro-step and update run kernel by kernel, then each is captured and replayed
         self.use_graphs = training and hasattr(be, "graph")
         self._graph_micro = self._graph_update = None
+        self._graph_accum = None  # grad_accum_steps when _graph_micro was captured
 
     # ------------------------------------------------------------------------------------------
     # buffers
@@ -337,41 +339,42 @@ class GPT2:
         """forward(x, y) without reading the loss, then backward(): one micro-step of training.
         On the cuda backend the first call launches kernel by kernel and captures the launches into
         a CUDA graph; later calls upload the batch and replay it (one launch instead of ~400)."""
+        if not self.training:
+            raise RuntimeError("train_micro_step() needs a model built with training=True")
         self.set_batch(x, y)
-        self.has_targets_loaded = True
-        if self._graph_micro is not None and self._graph_accum != self.grad_accum_steps:
-            self._graph_micro = None  # the loss scale 1/(B*T*accum) is a launch argument: recapture
-        if self._graph_micro is None or not self.use_graphs:
-            self.forward(None, read_loss=False)
-            self.backward()
-            if self.use_graphs:
-                self._graph_micro = self.be.graph(self._launch_micro)
-                self._graph_accum = self.grad_accum_steps
-            return
-        self._graph_micro()
-        self.has_loss, self.dlogits_ready = True, False
+        if self._graph_accum != self.grad_accum_steps:
+            # the loss scale 1/(B*T*accum) is a launch argument of the captured classifier: recapture
+            self._graph_micro, self._graph_accum = None, self.grad_accum_steps
+        self._run_captured("_graph_micro", self._launch_micro)
+        self.has_targets_loaded = self.has_loss = True
+        self.dlogits_ready = False
         self.micro_steps += 1
 
     def _launch_micro(self) -> None:
         self._launch_forward(True, True)
         self._launch_backward()
 
+    def _run_captured(self, attr: str, launch) -> None:
+        """Run launch(): kernel by kernel the first time (or always, without graphs), then capture it
+        into getattr(self, attr) (be.graph) and replay that from then on."""
+        graph = getattr(self, attr)
+        if graph is not None and self.use_graphs:
+            graph()
+            return
+        launch()
+        if self.use_graphs:
+            setattr(self, attr, self.be.graph(launch))
+
     def update(self, lr: float, step: int, weight_decay: float = 0.0, beta1: float = 0.9,
                beta2: float = 0.95, eps: float = 1e-8, max_norm: float = 1.0) -> None:
         """Global-norm clipping (computed and applied on the device) and AdamW. `step` is 1-based.
         The hyperparameters go up in one small async copy; the launches are captured into a CUDA
         graph after the first update (cuda backend)."""
-        from llmc.ops.adamw import hyperparams
         for i, (_, decay, *_) in enumerate(self.adamw_plan):
             self._pinned_hp[i] = hyperparams(lr, beta1, beta2, eps, weight_decay if decay else 0.0, step,
                                              max_norm, self.be.dtype)
         self.be.upload_async(self.hp, self._pinned_hp)
-        if self._graph_update is None or not self.use_graphs:
-            self._launch_update()
-            if self.use_graphs:
-                self._graph_update = self.be.graph(self._launch_update)
-            return
-        self._graph_update()
+        self._run_captured("_graph_update", self._launch_update)
 
     def _launch_update(self) -> None:
         self.k["global_norm"](self.norm2, self.grads)
