@@ -594,3 +594,359 @@ extern "C" __global__ void attention_kv_fill_kernel1(float* kcache, float* vcach
     kcache[dst] = qkvr[n + i];
     vcache[dst] = qkvr[2 * n + i];
 }
+
+// ----------------------------------------------------------------------------------------------
+// Fused causal attention ("flash": Dao et al. 2022/2023), head size 64, TF32 tensor cores
+// (mma.sync m16n8k8), fp32 accumulation and fp32 softmax. Nothing of size T x T goes to memory:
+// the forward keeps per row the log-sum-exp of the scaled scores, and the backward recomputes the
+// probabilities from it, tile by tile.
+//   flash_attention_forward_kernel1      out (B,T,C) = softmax(scale q k^T, causal) v;
+//                                        lse (B,NH,T) = log sum_{s<=t} exp(scale q_t.k_s)
+//   flash_attention_backward_dq_kernel1  D (B,NH,T) = rowsum(dout * out); dq -> dinp[..., 0:C]
+//   flash_attention_backward_dkdv_kernel1  dk, dv -> dinp[..., C:2C], dinp[..., 2C:3C] (reads D)
+// q, k, v come from qkvr (3, B, NH, T, 64) as permute_kernel writes it; out, dout are (B,T,C) and
+// dinp (B,T,3C): the kernels read and write the model's layouts directly (no unpermute). dq is
+// summed over key tiles inside one block and dk, dv over query tiles inside another: no atomics,
+// the results are deterministic.
+// One block = 4 warps = 64 rows (queries in the forward and dq kernels, keys in dkdv); a warp owns
+// 16 rows and sweeps the other side in tiles of 64 positions staged in shared memory; the causal
+// mask skips every tile above the diagonal. Blocks with the most tiles are scheduled first.
+//
+// Fragments (g = lane/4, t = lane%4; layouts at mma_tf32 in mma.cuh). A product that contracts
+// over the head dimension uses the plain mapping (k-index t -> dim 8kk+t, t+4 -> 8kk+t+4). A
+// product that contracts over the 64 positions of a tile takes its A operand straight from the
+// accumulators of the product before it: accumulator columns 2t, 2t+1 of n-tile j serve as
+// k-indices t, t+4 of k-step j, i.e. k-index t means position 8j+2t and t+4 means 8j+2t+1; the B
+// operand reads the same two rows. No shuffles, no trip through shared memory.
+// Shared tiles are 64 rows of FA_LD = 68 floats, rounded to tf32 once when staged: both read
+// patterns, (row g, col t) and (row 2t, col g), hit 32 distinct banks.
+#include "mma.cuh"
+
+#define FA_D 64        // head size
+#define FA_TILE 64     // rows per block and positions per tile
+#define FA_LD 68       // shared-memory row stride in floats
+#define FA_THREADS 128
+#define FA_TILE_FLOATS (FA_TILE * FA_LD)
+#define FA_LOG2E 1.4426950408889634f
+#define FA_LN2 0.6931471805599453f
+
+__device__ __forceinline__ float fa_exp2(float x) {  // 2^x, ~2 ulp; exp2(-inf) = 0
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+__device__ __forceinline__ float fa_tf32(float x) { return __uint_as_float(tf32_round(x)); }
+
+// rows r0..r0+63 (row stride ld floats) of g into the shared tile s, rounded to tf32; rows >= T are 0
+__device__ __forceinline__ void fa_stage(float* s, const float* g, int r0, int T, int ld) {
+#pragma unroll
+    for (int i = 0; i < FA_TILE * FA_D / 4 / FA_THREADS; i++) {
+        int idx = threadIdx.x + i * FA_THREADS;
+        int r = idx >> 4, c = (idx & 15) * 4;
+        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (r0 + r < T) v = load4(g + (size_t)(r0 + r) * ld + c);
+        v.x = fa_tf32(v.x); v.y = fa_tf32(v.y); v.z = fa_tf32(v.z); v.w = fa_tf32(v.w);
+        store4(s + r * FA_LD + c, v);
+    }
+}
+// A fragment of rows row0..row0+15, head-dim k-step kk
+__device__ __forceinline__ void fa_frag_a(uint32_t (&a)[4], const float* s, int row0, int kk, int g, int t) {
+    const float* p = s + (row0 + g) * FA_LD + 8 * kk + t;
+    a[0] = __float_as_uint(p[0]);
+    a[1] = __float_as_uint(p[8 * FA_LD]);
+    a[2] = __float_as_uint(p[4]);
+    a[3] = __float_as_uint(p[8 * FA_LD + 4]);
+}
+// B fragment contracting over the head dim: B[k = dim 8kk+t (+4)][n = tile row n0+g]
+__device__ __forceinline__ void fa_frag_b_dim(uint32_t (&b)[2], const float* s, int n0, int kk, int g, int t) {
+    const float* p = s + (n0 + g) * FA_LD + 8 * kk + t;
+    b[0] = __float_as_uint(p[0]);
+    b[1] = __float_as_uint(p[4]);
+}
+// B fragment contracting over tile positions (k-step j): B[k = row 8j+2t (+1)][n = dim n0+g]
+__device__ __forceinline__ void fa_frag_b_pos(uint32_t (&b)[2], const float* s, int j, int n0, int g, int t) {
+    const float* p = s + (8 * j + 2 * t) * FA_LD + n0 + g;
+    b[0] = __float_as_uint(p[0]);
+    b[1] = __float_as_uint(p[FA_LD]);
+}
+// accumulators of n-tile j as the A fragment of k-step j (see the mapping above), rounded to tf32
+__device__ __forceinline__ void fa_acc_as_a(uint32_t (&a)[4], const float (&c)[4]) {
+    a[0] = tf32_round(c[0]);
+    a[1] = tf32_round(c[2]);
+    a[2] = tf32_round(c[1]);
+    a[3] = tf32_round(c[3]);
+}
+// acc[n] (16 x 64) += S (16 x 64 in accumulator layout, over tile positions) @ tile (64 x 64)
+__device__ __forceinline__ void fa_mma_pos(float (&acc)[8][4], const float (&S)[8][4], const float* tile, int g, int t) {
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        uint32_t a[4];
+        fa_acc_as_a(a, S[j]);
+#pragma unroll
+        for (int n = 0; n < 8; n++) {
+            uint32_t b[2];
+            fa_frag_b_pos(b, tile, j, 8 * n, g, t);
+            mma_tf32(acc[n], a, b);
+        }
+    }
+}
+// S (16 x 64) = A-rows (16 x 64, as fragments qa) @ tile^T (tile rows are the 64 columns of S)
+__device__ __forceinline__ void fa_mma_dim(float (&S)[8][4], const uint32_t (&qa)[8][4], const float* tile, int g, int t) {
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        S[j][0] = S[j][1] = S[j][2] = S[j][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < 8; kk++) {
+            uint32_t b[2];
+            fa_frag_b_dim(b, tile, 8 * j, kk, g, t);
+            mma_tf32(S[j], qa[kk], b);
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(FA_THREADS)
+flash_attention_forward_kernel1(float* out, float* lse, const float* qkvr, int B, int NH, int T, float scale) {
+    __shared__ __align__(16) float ks[FA_TILE_FLOATS];
+    __shared__ __align__(16) float vs[FA_TILE_FLOATS];
+    const int qt = gridDim.x - 1 - blockIdx.x;  // the query tiles with the most key tiles first
+    const int bh = blockIdx.y, b = bh / NH, h = bh % NH, C = NH * FA_D;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const size_t plane = (size_t)B * NH * T * FA_D;
+    const float* q = qkvr + (size_t)bh * T * FA_D;
+    const float* k = q + plane;
+    const float* v = q + 2 * plane;
+    const int q0 = qt * FA_TILE, w0 = warp * 16;
+    const int row[2] = {q0 + w0 + g, q0 + w0 + g + 8};  // this lane's two query positions
+    const float c2 = scale * FA_LOG2E;                  // scores -> log2 units
+
+    fa_stage(ks, q, q0, T, FA_D);  // q goes through ks into registers, once
+    __syncthreads();
+    uint32_t qa[8][4];
+#pragma unroll
+    for (int kk = 0; kk < 8; kk++) fa_frag_a(qa[kk], ks, w0, kk, g, t);
+
+    float o[8][4], s[8][4];
+#pragma unroll
+    for (int n = 0; n < 8; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // running max (log2 units), partial sum
+    for (int kt = 0; kt <= qt; kt++) {
+        __syncthreads();  // every warp is done with the previous tiles (and with q in ks)
+        fa_stage(ks, k, kt * FA_TILE, T, FA_D);
+        fa_stage(vs, v, kt * FA_TILE, T, FA_D);
+        __syncthreads();
+        fa_mma_dim(s, qa, ks, g, t);  // s = q k^T (16 x 64 per warp)
+        float mx[2] = {m[0], m[1]};
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                float x = s[j][e] * c2;
+                if (kt == qt && kt * FA_TILE + 8 * j + 2 * t + (e & 1) > row[e >> 1]) x = -INFINITY;
+                s[j][e] = x;
+                mx[e >> 1] = fmaxf(mx[e >> 1], x);
+            }
+        float corr[2];
+#pragma unroll
+        for (int r = 0; r < 2; r++) {  // the 4 lanes of a row hold its 64 columns
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+            corr[r] = fa_exp2(m[r] - mx[r]);  // 0 on the first tile (m = -inf; key 0 is never masked)
+            m[r] = mx[r];
+            l[r] *= corr[r];
+        }
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                float p = fa_exp2(s[j][e] - m[e >> 1]);
+                s[j][e] = p;
+                l[e >> 1] += p;
+            }
+#pragma unroll
+        for (int n = 0; n < 8; n++) {
+            o[n][0] *= corr[0]; o[n][1] *= corr[0];
+            o[n][2] *= corr[1]; o[n][3] *= corr[1];
+        }
+        fa_mma_pos(o, s, vs, g, t);  // o += p v
+    }
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+        if (row[r] >= T) continue;
+        const float inv = 1.0f / l[r];
+        float* dst = out + ((size_t)b * T + row[r]) * C + h * FA_D + 2 * t;
+#pragma unroll
+        for (int n = 0; n < 8; n++)
+            *reinterpret_cast<float2*>(dst + 8 * n) = make_float2(o[n][2 * r] * inv, o[n][2 * r + 1] * inv);
+        if (t == 0) lse[(size_t)bh * T + row[r]] = (m[r] + __log2f(l[r])) * FA_LN2;
+    }
+}
+
+// Backward, part 1: per query tile, D = rowsum(dout * out) (written for part 2) and
+// dq = scale * sum over key tiles of (p * (dp - D)) k, with p = exp(scale q k^T - lse), dp = dout v^T.
+extern "C" __global__ void __launch_bounds__(FA_THREADS)
+flash_attention_backward_dq_kernel1(float* dinp, float* Dbuf, const float* dout, const float* out, const float* qkvr,
+                                    const float* lse, int B, int NH, int T, float scale) {
+    __shared__ __align__(16) float ks[FA_TILE_FLOATS];
+    __shared__ __align__(16) float vs[FA_TILE_FLOATS];
+    __shared__ float dsm[FA_TILE];
+    const int qt = gridDim.x - 1 - blockIdx.x;
+    const int bh = blockIdx.y, b = bh / NH, h = bh % NH, C = NH * FA_D;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const size_t plane = (size_t)B * NH * T * FA_D;
+    const float* q = qkvr + (size_t)bh * T * FA_D;
+    const float* k = q + plane;
+    const float* v = q + 2 * plane;
+    const int q0 = qt * FA_TILE, w0 = warp * 16;
+    const int row[2] = {q0 + w0 + g, q0 + w0 + g + 8};
+    const float c2 = scale * FA_LOG2E;
+    const size_t rowbase = (size_t)b * T * C + h * FA_D;  // + t * C: row t of this head in out / dout
+
+    // D for the warp's 16 rows: a lane per pair of columns, warp sum
+    for (int i = 0; i < 16; i++) {
+        int r = q0 + w0 + i;
+        float d = 0.f;
+        if (r < T) {
+            float2 x = *reinterpret_cast<const float2*>(dout + rowbase + (size_t)r * C + 2 * lane);
+            float2 y = *reinterpret_cast<const float2*>(out + rowbase + (size_t)r * C + 2 * lane);
+            d = x.x * y.x + x.y * y.y;
+        }
+        d = warp_reduce_sum(d);
+        if (lane == 0) {
+            dsm[w0 + i] = d;
+            if (r < T) Dbuf[(size_t)bh * T + r] = d;
+        }
+    }
+    fa_stage(ks, q, q0, T, FA_D);
+    fa_stage(vs, dout + rowbase, q0, T, C);
+    __syncthreads();
+    uint32_t qa[8][4], da[8][4];
+#pragma unroll
+    for (int kk = 0; kk < 8; kk++) {
+        fa_frag_a(qa[kk], ks, w0, kk, g, t);
+        fa_frag_a(da[kk], vs, w0, kk, g, t);
+    }
+    float lr[2], Dr[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        lr[r] = row[r] < T ? lse[(size_t)bh * T + row[r]] * FA_LOG2E : 0.f;
+        Dr[r] = dsm[w0 + g + 8 * r];
+    }
+
+    float dq[8][4], s[8][4], dp[8][4];
+#pragma unroll
+    for (int n = 0; n < 8; n++) dq[n][0] = dq[n][1] = dq[n][2] = dq[n][3] = 0.f;
+    for (int kt = 0; kt <= qt; kt++) {
+        __syncthreads();
+        fa_stage(ks, k, kt * FA_TILE, T, FA_D);
+        fa_stage(vs, v, kt * FA_TILE, T, FA_D);
+        __syncthreads();
+        fa_mma_dim(s, qa, ks, g, t);   // q k^T
+        fa_mma_dim(dp, da, vs, g, t);  // dout v^T
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int r = e >> 1;
+                float p = fa_exp2(s[j][e] * c2 - lr[r]);
+                if (kt == qt && kt * FA_TILE + 8 * j + 2 * t + (e & 1) > row[r]) p = 0.f;
+                s[j][e] = scale * p * (dp[j][e] - Dr[r]);  // d preatt
+            }
+        fa_mma_pos(dq, s, ks, g, t);  // dq += dpreatt k
+    }
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        if (row[r] >= T) continue;
+        float* dst = dinp + ((size_t)b * T + row[r]) * 3 * C + h * FA_D + 2 * t;
+#pragma unroll
+        for (int n = 0; n < 8; n++)
+            *reinterpret_cast<float2*>(dst + 8 * n) = make_float2(dq[n][2 * r], dq[n][2 * r + 1]);
+    }
+}
+
+// Backward, part 2: per key tile, over the query tiles at and below the diagonal,
+// dv = sum p^T dout and dk = sum (p * (dp - D))^T q * scale, computed transposed (keys as rows):
+// p^T = exp(scale k q^T - lse), dp^T = v dout^T. Dynamic shared memory: 4 tiles + 128 floats.
+extern "C" __global__ void __launch_bounds__(FA_THREADS)
+flash_attention_backward_dkdv_kernel1(float* dinp, const float* dout, const float* qkvr, const float* lse,
+                                      const float* Dbuf, int B, int NH, int T, float scale) {
+    extern __shared__ __align__(16) float fa_smem[];
+    float* ks = fa_smem;                  // this block's keys (all of the loop)
+    float* vs = ks + FA_TILE_FLOATS;      // and values
+    float* qs = vs + FA_TILE_FLOATS;      // the current query tile
+    float* dos = qs + FA_TILE_FLOATS;     // and its dout rows
+    float* lsm = dos + FA_TILE_FLOATS;    // its lse (log2 units)
+    float* dsm = lsm + FA_TILE;           // and D
+    const int kt = blockIdx.x, nqt = gridDim.x;  // the key tiles with the most query tiles first
+    const int bh = blockIdx.y, b = bh / NH, h = bh % NH, C = NH * FA_D;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const size_t plane = (size_t)B * NH * T * FA_D;
+    const float* q = qkvr + (size_t)bh * T * FA_D;
+    const float* k = q + plane;
+    const float* v = q + 2 * plane;
+    const float* dO = dout + (size_t)b * T * C + h * FA_D;
+    const int k0 = kt * FA_TILE, w0 = warp * 16;
+    const int key[2] = {k0 + w0 + g, k0 + w0 + g + 8};  // this lane's two key positions
+    const float c2 = scale * FA_LOG2E;
+
+    fa_stage(ks, k, k0, T, FA_D);
+    fa_stage(vs, v, k0, T, FA_D);
+    float dk[8][4], dv[8][4], s[8][4], dp[8][4];
+#pragma unroll
+    for (int n = 0; n < 8; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) dk[n][e] = dv[n][e] = 0.f;
+    for (int qt = kt; qt < nqt; qt++) {
+        const int q0 = qt * FA_TILE;
+        __syncthreads();
+        fa_stage(qs, q, q0, T, FA_D);
+        fa_stage(dos, dO, q0, T, C);
+        if (threadIdx.x < FA_TILE) {
+            int r = q0 + threadIdx.x;
+            lsm[threadIdx.x] = r < T ? lse[(size_t)bh * T + r] * FA_LOG2E : 0.f;
+            dsm[threadIdx.x] = r < T ? Dbuf[(size_t)bh * T + r] : 0.f;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) s[j][e] = dp[j][e] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < 8; kk++) {  // s = k q^T, dp = v dout^T (16 keys x 64 queries per warp)
+            uint32_t ka[4], va[4];
+            fa_frag_a(ka, ks, w0, kk, g, t);
+            fa_frag_a(va, vs, w0, kk, g, t);
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                uint32_t bq[2], bd[2];
+                fa_frag_b_dim(bq, qs, 8 * j, kk, g, t);
+                fa_frag_b_dim(bd, dos, 8 * j, kk, g, t);
+                mma_tf32(s[j], ka, bq);
+                mma_tf32(dp[j], va, bd);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int c = 8 * j + 2 * t + (e & 1), qpos = q0 + c;
+                float p = fa_exp2(s[j][e] * c2 - lsm[c]);
+                if (qpos < key[e >> 1] || qpos >= T) p = 0.f;
+                s[j][e] = p;                                 // p^T
+                dp[j][e] = scale * p * (dp[j][e] - dsm[c]);  // d preatt^T
+            }
+        fa_mma_pos(dv, s, dos, g, t);  // dv += p^T dout
+        fa_mma_pos(dk, dp, qs, g, t);  // dk += dpreatt^T q
+    }
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        if (key[r] >= T) continue;
+        float* dst = dinp + ((size_t)b * T + key[r]) * 3 * C + h * FA_D + 2 * t;
+#pragma unroll
+        for (int n = 0; n < 8; n++) {
+            *reinterpret_cast<float2*>(dst + C + 8 * n) = make_float2(dk[n][2 * r], dk[n][2 * r + 1]);
+            *reinterpret_cast<float2*>(dst + 2 * C + 8 * n) = make_float2(dv[n][2 * r], dv[n][2 * r + 1]);
+        }
+    }
+}

@@ -18,7 +18,7 @@ import numpy as np
 from llmc import ops
 from llmc.errors import LLMCError
 
-# composite ops (attention) pick the variants of the ops they are made of
+# attention variant 1 (the composite) is built from the variants chosen for these ops
 COMPOSITES = {
     "attention_forward": ("softmax_forward", "matmul_forward"),
     "attention_backward": ("softmax_backward", "matmul_backward"),
@@ -37,7 +37,16 @@ def kernel_choices(overrides: dict | None = None) -> dict[str, int]:
             raise LLMCError(f"unknown op {name!r} in kernel choices; have {', '.join(sorted(reg))}")
         reg[name].variant(int(num))  # raises with the flag name if unknown
         choice[name] = int(num)
+    # forward and backward attention must agree on what forward keeps (att for 1, lse for 2): a
+    # number named for one direction only is used for both
+    named = [n for n in PAIRED if (overrides or {}).get(n) is not None]
+    if len(named) == 1:
+        for n in PAIRED:
+            choice[n] = choice[named[0]]
     return choice
+
+
+PAIRED = ("attention_forward", "attention_backward")
 
 
 class CpuBackend:
@@ -123,9 +132,8 @@ class CudaBackend:
         better choice for its shapes, e.g. the decoder's GEMV), else the default, else (one note)
         the highest-numbered variant that fits."""
         if name in COMPOSITES:
-            from llmc.ops import attention
             softmax, matmul = (self.kernels[p] for p in COMPOSITES[name])
-            return getattr(attention, f"build_{name}")(self.rt, softmax, matmul, **shape)
+            shape = dict(shape, softmax=softmax, matmul=matmul)
         spec = ops.get(name)
         num = self.kernels[name]
         if name in self.chosen:
@@ -139,7 +147,8 @@ class CudaBackend:
         for alt in sorted(spec.variants, reverse=True):
             if spec.variants[alt].refuse_reason(**shape) is None:
                 if (name, num, alt) not in self._noted and not self.quiet:
-                    print(f"note: {name} variant {num} (default) refuses {shape}: {reason}; using variant {alt}")
+                    dims = {k: v for k, v in shape.items() if k not in ("softmax", "matmul")}
+                    print(f"note: {name} variant {num} (default) refuses {dims}: {reason}; using variant {alt}")
                 self._noted.add((name, num, alt))
                 return spec.build(self.rt, alt, **shape)
         return spec.build(self.rt, num, **shape)  # nothing fits: raise the default's refusal

@@ -11,11 +11,12 @@
 Each op call is one line below, with the shapes in comments; what each op computes and whether it
 overwrites (=) or accumulates (+=) its outputs is in docs/ops.md.
 
-Memory notes (GPT-2 124M, B=4, T=1024): per layer we keep what backward needs (ln1, qkvr, att,
+Memory notes (GPT-2 124M, B=4, T=1024): per layer we keep what backward needs (ln1, qkvr, att or lse,
 atty, residual2, ln2, fch, residual3 and the layernorm statistics). The GELU output and the qkv /
 attproj / fcproj matmul outputs are not kept: one scratch buffer each, and GELU is recomputed in
-backward (one extra cheap pass per layer saves 600 MB). att (B,NH,T,T) per layer is half of the
-activation memory.
+backward (one extra cheap pass per layer saves 600 MB). With the composite attention
+(--attention-kernel 1), att (B,NH,T,T) per layer is half of the activation memory; the fused
+attention (2, the default) keeps only a (B,NH,T) log-sum-exp per layer instead.
 """
 from __future__ import annotations
 
@@ -59,41 +60,8 @@ class GPT2:
             self.v = be.zeros((self.num_params,))
             self.norm2 = be.zeros((1,))
 
-        # -- activations: one flat buffer, views (shape comments are per view)
-        spec = [
-            ("encoded", (B, T, C)),
-            ("ln1", (L, B, T, C)), ("ln1_mean", (L, B, T)), ("ln1_rstd", (L, B, T)),
-            ("qkvr", (L, B, T, 3 * C)),      # permuted q | k | v, each (B, NH, T, hs)
-            ("att", (L, B, NH, T, T)),       # softmax probabilities (zero above the diagonal)
-            ("atty", (L, B, T, C)),          # attention output, pre-projection
-            ("residual2", (L, B, T, C)),
-            ("ln2", (L, B, T, C)), ("ln2_mean", (L, B, T)), ("ln2_rstd", (L, B, T)),
-            ("fch", (L, B, T, 4 * C)),       # fc output, pre-GELU
-            ("residual3", (L, B, T, C)),
-            ("lnf", (B, T, C)), ("lnf_mean", (B, T)), ("lnf_rstd", (B, T)),
-            ("losses", (Np,)), ("loss_acc", (Np,)),  # N rounded up to 4; the tail stays unused
-            ("logits", (B, T, Vp)),          # overwritten by dlogits when training
-            # one-layer scratch (not needed by backward, or recomputed there)
-            ("qkv", (B, T, 3 * C)), ("attproj", (B, T, C)), ("fch_gelu", (B, T, 4 * C)), ("fcproj", (B, T, C)),
-        ]
-        if training:  # gradient scratch, reused by every layer
-            spec += [("dresidual", (B, T, C)), ("dbtc", (B, T, C)), ("dqkv", (B, T, 3 * C)),
-                     ("dfch", (B, T, 4 * C))]
-        # every view starts on a 256-byte boundary, so float4 kernels can take any of them
-        align = lambda n: -(-n // 64) * 64  # noqa: E731
-        self.acts_buf = be.empty((sum(align(_size(s)) for _, s in spec),))
-        self.a = {}
-        off = 0
-        for name, shape in spec:
-            self.a[name] = be.view(self.acts_buf, off, shape)
-            off += align(_size(shape))
-        self.a["losses_N"] = be.view(self.a["losses"], 0, (N,))  # what the classifier writes
-        self.inputs = be.zeros((B, T), np.int32)
-        self.targets = be.zeros((B, T), np.int32)
-        self._pinned_x = be.pinned((B, T), np.int32)
-        self._pinned_y = be.pinned((B, T), np.int32)
-
-        # -- the launch plan: every op built once for its shape (variants fixed here)
+        # -- the launch plan: every op built once for its shape (variants fixed here), before the
+        # activations: what attention forward keeps for backward depends on its variant
         op = be.op
         self.k = {
             "encoder_forward": op("encoder_forward", B=B, T=T, C=C),
@@ -135,6 +103,48 @@ class GPT2:
             self.hp = be.zeros((len(self.adamw_plan), 8), be.dtype)
             self._pinned_hp = be.pinned((len(self.adamw_plan), 8), be.dtype)
             self.hps = [be.view(self.hp, 8 * i, (8,)) for i in range(len(self.adamw_plan))]
+        att_saved = tuple(getattr(self.k["attention_forward"], "saved_shape", (B, NH, T, T)))
+        if training:
+            need = tuple(getattr(self.k["attention_backward"], "saved_shape", (B, NH, T, T)))
+            if need != att_saved:
+                raise LLMCError(f"attention: forward keeps {att_saved} for backward but backward needs {need}: "
+                                "give --attention-kernel and --attention-backward-kernel the same number")
+
+        # -- activations: one flat buffer, views (shape comments are per view)
+        spec = [
+            ("encoded", (B, T, C)),
+            ("ln1", (L, B, T, C)), ("ln1_mean", (L, B, T)), ("ln1_rstd", (L, B, T)),
+            ("qkvr", (L, B, T, 3 * C)),      # permuted q | k | v, each (B, NH, T, hs)
+            ("att", (L, *att_saved)),        # what attention backward needs: the softmax probabilities
+                                             # (B,NH,T,T) (variant 1) or their log-sum-exp (B,NH,T) (2)
+            ("atty", (L, B, T, C)),          # attention output, pre-projection
+            ("residual2", (L, B, T, C)),
+            ("ln2", (L, B, T, C)), ("ln2_mean", (L, B, T)), ("ln2_rstd", (L, B, T)),
+            ("fch", (L, B, T, 4 * C)),       # fc output, pre-GELU
+            ("residual3", (L, B, T, C)),
+            ("lnf", (B, T, C)), ("lnf_mean", (B, T)), ("lnf_rstd", (B, T)),
+            ("losses", (Np,)), ("loss_acc", (Np,)),  # N rounded up to 4; the tail stays unused
+            ("logits", (B, T, Vp)),          # overwritten by dlogits when training
+            # one-layer scratch (not needed by backward, or recomputed there)
+            ("qkv", (B, T, 3 * C)), ("attproj", (B, T, C)), ("fch_gelu", (B, T, 4 * C)), ("fcproj", (B, T, C)),
+        ]
+        if training:  # gradient scratch, reused by every layer
+            spec += [("dresidual", (B, T, C)), ("dbtc", (B, T, C)), ("dqkv", (B, T, 3 * C)),
+                     ("dfch", (B, T, 4 * C))]
+        # every view starts on a 256-byte boundary, so float4 kernels can take any of them
+        align = lambda n: -(-n // 64) * 64  # noqa: E731
+        self.acts_buf = be.empty((sum(align(_size(s)) for _, s in spec),))
+        self.a = {}
+        off = 0
+        for name, shape in spec:
+            self.a[name] = be.view(self.acts_buf, off, shape)
+            off += align(_size(shape))
+        self.a["losses_N"] = be.view(self.a["losses"], 0, (N,))  # what the classifier writes
+        self.inputs = be.zeros((B, T), np.int32)
+        self.targets = be.zeros((B, T), np.int32)
+        self._pinned_x = be.pinned((B, T), np.int32)
+        self._pinned_y = be.pinned((B, T), np.int32)
+
         self.micro_steps = 0
         self.has_loss = False
         # CUDA graphs of the training step (cuda backend, cuda-python; LLMC_GRAPHS=0 turns them off):
@@ -173,8 +183,11 @@ class GPT2:
         cfg, B, T = self.cfg, self.B, self.T
         L, C, NH, Vp = cfg.num_layers, cfg.channels, cfg.num_heads, cfg.padded_vocab_size
         floats = cfg.num_parameters * (4 if self.training else 1)  # (overcounts a shared params_buf)
-        floats += B * T * (C * (1 + 9 * L + 2 + 10) + L * NH * T + 6 * L + Vp + 8)
-        floats += 3 * B * NH * T * T  # attention scratch (preatt, datt, dpreatt)
+        # attention keeps att (B,NH,T,T) per layer and uses 3 such scratch buffers, unless the fused
+        # variant (default; head size 64) runs: then a (B,NH,T) log-sum-exp per layer
+        fused = self.be.kernels.get("attention_forward") == 2 and C == 64 * NH
+        floats += B * T * (C * (1 + 9 * L + 2 + 10) + L * NH * (1 if fused else T) + 6 * L + Vp + 8)
+        floats += 0 if fused else 3 * B * NH * T * T  # attention scratch (preatt, datt, dpreatt)
         rt.require_free(floats * 4, what=f"model ({cfg.describe()}, B={B}, T={T})")
 
     def init_params(self, seed: int = 1337) -> np.ndarray:
@@ -328,7 +341,7 @@ class GPT2:
             # attention: residual2 = residual + attproj(attention(qkv(ln1)))
             k["mmb_attproj"](dbtc, g["attprojw"][l], dres, a["atty"][l], p["attprojw"][l])  # d atty
             k["bias_C"](g["attprojb"][l], dres)
-            k["attention_backward"](dqkv, dbtc, a["qkvr"][l], a["att"][l])         # d qkv (B,T,3C)
+            k["attention_backward"](dqkv, dbtc, a["qkvr"][l], a["att"][l], a["atty"][l])  # d qkv (B,T,3C)
             k["mmb_qkv"](dbtc, g["qkvw"][l], dqkv, a["ln1"][l], p["qkvw"][l])      # d ln1 (B,T,C)
             k["bias_3C"](g["qkvb"][l], dqkv)
             k["layernorm_backward"](dres, g["ln1w"][l], g["ln1b"][l], dbtc, residual,

@@ -150,10 +150,40 @@ def test_variant_tables(name):
         spec.variant(99)
 
 
-def test_composites_have_no_variants():
-    # the composites take no part in kernel_choices; their GPU side is build_attention_*
-    for name in ("attention_forward", "attention_backward"):
-        assert ops.get(name).variants == {}
+def test_attention_variants_and_pairing():
+    from llmc.backend import kernel_choices
+    fwd, bwd = ops.get("attention_forward"), ops.get("attention_backward")
+    assert set(fwd.variants) == set(bwd.variants) == {1, 2}
+    assert fwd.flag == "--attention-kernel" and bwd.flag == "--attention-backward-kernel"
+    assert fwd.default == bwd.default
+    for spec in (fwd, bwd):
+        assert spec.variants[1].refuse_reason(B=2, T=65, C=96, NH=3) is None        # composite: any head size
+        assert spec.variants[2].refuse_reason(B=4, T=1024, C=768, NH=12) is None
+        assert spec.variants[2].refuse_reason(B=1, T=1, C=64, NH=1) is None
+        assert "head size" in spec.variants[2].refuse_reason(B=2, T=65, C=96, NH=3)
+        with pytest.raises(VariantRefused, match="head size C/NH = 32"):
+            spec.build(None, 2, B=1, T=8, C=64, NH=2)
+    # a number named for one direction is used for both (they must agree on what forward keeps)
+    assert kernel_choices({"attention_forward": 1})["attention_backward"] == 1
+    assert kernel_choices({"attention_backward": 1})["attention_forward"] == 1
+    both = kernel_choices({"attention_forward": 1, "attention_backward": 2})
+    assert (both["attention_forward"], both["attention_backward"]) == (1, 2)  # the model refuses this pair
+
+
+@pytest.mark.parametrize("B,T,C,NH", [(2, 9, 24, 3), (1, 1, 8, 2), (2, 70, 16, 2)])
+def test_lse_ref_gives_att(B, T, C, NH, rng):
+    """What the fused kernels keep (the log-sum-exp) reproduces the probabilities, and those the
+    composite's backward reference: the fused backward's reference is attention_backward_ref."""
+    inp = rng.standard_normal((B, T, 3 * C))
+    out, qkvr, att = A.attention_forward_ref(inp, NH)
+    lse = A.attention_lse_ref(inp, NH)
+    assert lse.shape == (B, NH, T)
+    assert_close(A.att_from_lse(qkvr, lse, NH), att, 1e-15, 1e-12, "att from lse")
+    # lse of row t is at least the largest scaled score and at most that + log(t + 1)
+    hs = C // NH
+    q, k, _ = qkvr.reshape(3, B, NH, T, hs)
+    s = np.where(np.tril(np.ones((T, T), bool)), q @ k.swapaxes(-1, -2) / math.sqrt(hs), -np.inf)
+    assert np.all(lse >= s.max(-1) - 1e-12) and np.all(lse <= s.max(-1) + np.log(np.arange(1, T + 1)) + 1e-12)
 
 
 def test_chunks_cover_rows():
@@ -443,6 +473,52 @@ def test_attention_composite_gpu(rt, B, T, C, NH, sm, chunks, lower_only):
     ref = A.attention_backward_ref(dout.astype(np.float64), qkvr.astype(np.float64), att.astype(np.float64), NH)
     assert np.isfinite(dinp).all(), "dinp: unwritten (NaN) elements"
     assert rel_err(dinp, ref) < TF32_REL, f"dinp: rel_err {rel_err(dinp, ref):.2e}"
+
+
+FLASH_SHAPES = [(2, 65, 128, 2), (1, 1, 64, 1), (4, 64, 768, 12), (1, 200, 192, 3), (2, 1024, 768, 12),
+                (3, 127, 64, 1)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,T,C,NH", FLASH_SHAPES)
+def test_flash_attention_gpu(rt, B, T, C, NH):
+    rng = np.random.default_rng(B * 1000 + T + 7)
+    fwd = A.build_flash_attention_forward(rt, B=B, T=T, C=C, NH=NH)
+    bwd = A.build_flash_attention_backward(rt, B=B, T=T, C=C, NH=NH)
+    inp = rng.standard_normal((B, T, 3 * C)).astype(np.float32)
+    dout = rng.standard_normal((B, T, C)).astype(np.float32)
+    inp64 = inp.astype(np.float64)
+    out64, qkvr64, att64 = A.attention_forward_ref(inp64, NH)
+    lse64 = A.attention_lse_ref(inp64, NH)
+    d_inp, d_dout = rt.to_device(inp), rt.to_device(dout)
+    d_out, d_qkvr, d_lse = rt.empty((B, T, C)), rt.empty((B, T, 3 * C)), rt.empty(fwd.saved_shape)
+    d_dinp = rt.empty((B, T, 3 * C))
+    assert fwd.saved_shape == bwd.saved_shape == (B, NH, T)
+    poison(d_out, d_qkvr, d_lse, d_dinp, *bwd.scratch.values())
+    fwd(d_out, d_qkvr, d_lse, d_inp)
+    out, qkvr, lse = d_out.get(), d_qkvr.get(), d_lse.get()
+    assert_close(qkvr, qkvr64, 0, 0, "qkvr")
+    for name, got, ref in (("out", out, out64), ("lse", lse, lse64)):
+        assert np.isfinite(got).all(), f"{name}: unwritten (NaN) elements"
+        assert rel_err(got, ref) < TF32_REL, f"{name}: rel_err {rel_err(got, ref):.2e}"
+    # scores are TF32 products (~1e-3 relative): lse elementwise to a few 1e-3 absolute
+    assert_close(lse, lse64, atol=1e-2, rtol=1e-3, name="lse")
+    bwd(d_dinp, d_dout, d_qkvr, d_lse, d_out)
+    dinp = d_dinp.get()
+    ref = A.attention_backward_ref(dout.astype(np.float64), qkvr.astype(np.float64), att64, NH)
+    assert np.isfinite(dinp).all(), "dinp: unwritten (NaN) elements"
+    # dq, dk come from p * (dp - D): dp is a TF32 product but D = rowsum(dout * out) is fp32, so
+    # where they cancel (a row attending to one key; T=1 makes dq = dk = 0 exactly) what is left is
+    # TF32 rounding of dp, ~1e-3 of |dout| |v| |k| scale. Each part's error is measured against the
+    # larger of its own norm and a tenth of the whole gradient's.
+    for i, part in enumerate(("dq", "dk", "dv")):
+        got, want = dinp[..., i * C:(i + 1) * C], ref[..., i * C:(i + 1) * C]
+        err = np.linalg.norm(got - want) / max(np.linalg.norm(want), 0.1 * np.linalg.norm(ref))
+        assert err < TF32_REL, f"{part}: relative error {err:.2e}"
+    # no atomics: a second run is bit-identical
+    poison(d_dinp)
+    bwd(d_dinp, d_dout, d_qkvr, d_lse, d_out)
+    assert np.array_equal(d_dinp.get(), dinp), "flash backward is not deterministic"
 
 
 @pytest.mark.gpu

@@ -154,14 +154,36 @@ def attention_forward_cpu(B, T, C, NH, **_):
         out[...] = o.reshape(out.shape)
         qkvr[...] = qk.reshape(qkvr.shape)
         att[...] = a.reshape(att.shape)
+    launch.saved_shape = (B, NH, T, T)  # what forward keeps for backward: the probabilities
     return launch
 
 
 def attention_backward_cpu(B, T, C, NH, **_):
-    def launch(dinp, dout, qkvr, att):
+    def launch(dinp, dout, qkvr, att, out=None):
         dinp[...] = attention_backward_ref(dout.reshape(B, T, C), qkvr.reshape(B, T, 3 * C),
                                            att.reshape(B, NH, T, T), NH).reshape(dinp.shape)
+    launch.saved_shape = (B, NH, T, T)
     return launch
+
+
+def attention_lse_ref(inp, NH):
+    """inp (B,T,3C) -> lse (B,NH,T): log sum_{s<=t} exp(scale q_t.k_s), what the fused forward keeps."""
+    B, T, C3 = inp.shape
+    hs = C3 // 3 // NH
+    q, k, _ = _split_heads(inp, NH)
+    x = (q @ k.swapaxes(-1, -2)) * inp.dtype.type(1.0 / math.sqrt(hs))
+    x = np.where(_causal_mask(T), x, -np.inf)
+    mx = x.max(axis=-1, keepdims=True)
+    return (mx + np.log(np.exp(x - mx).sum(axis=-1, keepdims=True)))[..., 0]
+
+
+def att_from_lse(qkvr, lse, NH):
+    """The probabilities (B,NH,T,T) the fused backward recomputes: exp(scale q k^T - lse), causal."""
+    B, T, C3 = qkvr.shape
+    hs = C3 // 3 // NH
+    q, k, _ = qkvr.reshape(3, B, NH, T, hs)
+    x = (q @ k.swapaxes(-1, -2)) * qkvr.dtype.type(1.0 / math.sqrt(hs)) - lse[..., None]
+    return np.where(_causal_mask(T), np.exp(np.where(_causal_mask(T), x, 0.0)), 0.0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -434,6 +456,7 @@ def build_attention_forward(rt, softmax_variant, matmul_variant, B, T, C, NH, ca
             g(yp + c_off, ap + a_off, qp + b_off)          # y (B,NH,T,hs)
         unpermute(out, yp)                                 # out (B,T,C)
     launch.scratch = {"preatt": preatt, "y": y}
+    launch.saved_shape = (B, NH, T, T)
     return launch
 
 
@@ -485,7 +508,7 @@ def build_attention_backward(rt, softmax_backward_variant, matmul_backward_varia
         steps_post.append((g, "dqkvr", qkv_bytes + t0 * hs * F4, "dpreatt", (t0 * T + t0) * F4, "qkvr", t0 * hs * F4))
     own = {"dy": dy.ptr, "datt": datt.ptr, "dpreatt": dpreatt.ptr, "dqkvr": dqkvr.ptr}
 
-    def launch(dinp, dout, qkvr, att):
+    def launch(dinp, dout, qkvr, att, out=None):  # out: the fused backward's argument, unused here
         base = dict(own, qkvr=_ptr(qkvr), att=_ptr(att))
         to_heads(own["dy"], dout)                                      # dy (B,NH,T,hs)
         for g, cb, co, ab, ao, bb, bo in steps_pre:                    # dv, datt
@@ -496,7 +519,100 @@ def build_attention_backward(rt, softmax_backward_variant, matmul_backward_varia
         from_heads(dinp, own["dqkvr"])                                 # dinp (B,T,3C)
     launch.scratch = {"dy": dy, "datt": datt, "dpreatt": dpreatt, "dqkvr": dqkvr}
     launch.keep = {"dpreatt"} if lower_only else set()  # scratch whose contents must persist
+    launch.saved_shape = (B, NH, T, T)
     return launch
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: fused ("flash") attention, head size 64 (cuda/attention.cu, flash_attention_*_kernel1)
+
+FLASH_HS = 64   # the kernels' head size (every GPT-2 size has 64)
+FLASH_TILE = 64  # rows per block, positions per tile
+
+
+def _check_flash(B, T, C, NH, **_):
+    if min(B, T, C, NH) < 1 or C % NH:
+        return f"B={B} T={T} C={C} NH={NH} is not a valid attention shape"
+    if C // NH != FLASH_HS:
+        return f"head size C/NH = {C // NH}: the fused kernels are written for head size {FLASH_HS}"
+    if 3 * B * T * C >= 2**31:
+        return f"3*B*T*C = {3 * B * T * C:,} does not fit int32 indexing"
+    return None
+
+
+def build_flash_attention_forward(rt, B, T, C, NH, **_):
+    """launch(out (B,T,C), qkvr (B,T,3C), lse (B,NH,T), inp (B,T,3C)): the permute into qkvr, then
+    one fused kernel writing out and the per-row log-sum-exp (launch.saved_shape) for backward."""
+    _check_attention(B, T, C, NH)
+    permute = _build_permute(rt, "permute", B, T, 3, NH, FLASH_HS)
+    k = rt.kernel(MODULE, "flash_attention_forward_kernel1", "PPPiiif", label="attention_forward 2 (flash)")
+    grid, block = (ceil_div(T, FLASH_TILE), B * NH, 1), (128, 1, 1)
+    args = (np.int32(B), np.int32(NH), np.int32(T), np.float32(1.0 / math.sqrt(FLASH_HS)))
+
+    def launch(out, qkvr, lse, inp):
+        permute(qkvr, inp)
+        k(grid, block, _ptr(out), _ptr(lse), _ptr(qkvr), *args)
+    launch.scratch = {}
+    launch.saved_shape = (B, NH, T)
+    return launch
+
+
+def build_flash_attention_backward(rt, B, T, C, NH, **_):
+    """launch(dinp (B,T,3C), dout (B,T,C), qkvr (B,T,3C), lse (B,NH,T), out (B,T,C)): two kernels,
+    dq (also writing D = rowsum(dout * out)) then dk, dv; dinp overwritten, no atomics."""
+    _check_attention(B, T, C, NH)
+    D = rt.empty((B, NH, T))
+    kq = rt.kernel(MODULE, "flash_attention_backward_dq_kernel1", "PPPPPPiiif", label="attention_backward 2 (flash) dq")
+    kkv = rt.kernel(MODULE, "flash_attention_backward_dkdv_kernel1", "PPPPPiiif",
+                    label="attention_backward 2 (flash) dk dv")
+    smem = 4 * (4 * FLASH_TILE * 68 + 2 * FLASH_TILE)  # 4 tiles of 64 x 68 floats, lse and D
+    kkv.set_max_dynamic_smem(smem)
+    grid, block = (ceil_div(T, FLASH_TILE), B * NH, 1), (128, 1, 1)
+    args = (np.int32(B), np.int32(NH), np.int32(T), np.float32(1.0 / math.sqrt(FLASH_HS)))
+
+    def launch(dinp, dout, qkvr, lse, out):
+        kq(grid, block, _ptr(dinp), _ptr(D), _ptr(dout), _ptr(out), _ptr(qkvr), _ptr(lse), *args)
+        kkv(grid, block, _ptr(dinp), _ptr(dout), _ptr(qkvr), _ptr(lse), _ptr(D), *args, smem=smem)
+    launch.scratch = {"D": D}
+    launch.keep = set()
+    launch.saved_shape = (B, NH, T)
+    return launch
+
+
+def _composite(direction):
+    """Variant 1 of attention_forward/backward: the composite, built from the softmax and matmul
+    variants the backend passes in (softmax=, matmul=)."""
+    def build(rt, B, T, C, NH, softmax=None, matmul=None, **kw):
+        from llmc.ops import get
+        sm = softmax if softmax is not None else get(f"softmax_{direction}").default
+        mm = matmul if matmul is not None else get("matmul_" + direction).default
+        f = build_attention_forward if direction == "forward" else build_attention_backward
+        return f(rt, sm, mm, B=B, T=T, C=C, NH=NH, **kw)
+    return build
+
+
+def _check_composite(B, T, C, NH, **_):
+    if min(B, T, C, NH) < 1 or C % NH:
+        return f"B={B} T={T} C={C} NH={NH} is not a valid attention shape"
+    return None
+
+
+ATTENTION_FORWARD_VARIANTS = {
+    1: Variant(1, "composite: permute, q k^T and att v in the batched GEMM (--matmul-kernel), causal softmax "
+                  "(--softmax-kernel), unpermute; keeps att (B,NH,T,T) for backward",
+               _composite("forward"), _check_composite),
+    2: Variant(2, "fused flash attention, TF32 mma.sync, online softmax in registers; keeps only the "
+                  "log-sum-exp (B,NH,T) (head size 64)",
+               build_flash_attention_forward, _check_flash),
+}
+ATTENTION_BACKWARD_VARIANTS = {
+    1: Variant(1, "composite: dv, datt in the batched GEMM (--matmul-backward-kernel), softmax backward "
+                  "(--softmax-backward-kernel), dq, dk; needs att from attention_forward 1",
+               _composite("backward"), _check_composite),
+    2: Variant(2, "fused flash attention backward, TF32 mma.sync: a dq kernel and a dk/dv kernel "
+                  "recompute att from the log-sum-exp, no atomics; needs attention_forward 2 (head size 64)",
+               build_flash_attention_backward, _check_flash),
+}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -595,9 +711,13 @@ OPS = [
     OpSpec("softmax_backward", softmax_backward_cpu, SOFTMAX_BACKWARD_VARIANTS, default=6,
            flag="--softmax-backward-kernel",
            doc="dpreatt(BNH,T,T)=, datt(BNH,T,T), att(BNH,T,T); build(BNH, T, scale)"),
-    # composites: no variants of their own (built by build_attention_forward/backward on the GPU)
-    OpSpec("attention_forward", attention_forward_cpu, {}, default=0, flag="",
-           doc="out(B,T,C)=, qkvr(B,T,3C)=, att(B,NH,T,T)=, inp(B,T,3C); build(B, T, C, NH)"),
-    OpSpec("attention_backward", attention_backward_cpu, {}, default=0, flag="",
-           doc="dinp(B,T,3C)=, dout(B,T,C), qkvr(B,T,3C), att(B,NH,T,T); build(B, T, C, NH)"),
+    # variant 1 is the composite of the softmax and matmul variants above; 2 is fused. What forward
+    # keeps for backward differs (att or lse): the backend keeps the two directions' numbers equal
+    OpSpec("attention_forward", attention_forward_cpu, ATTENTION_FORWARD_VARIANTS, default=2,
+           flag="--attention-kernel",
+           doc="out(B,T,C)=, qkvr(B,T,3C)=, saved=, inp(B,T,3C); saved is att(B,NH,T,T) (1) or "
+               "lse(B,NH,T) (2), launch.saved_shape; build(B, T, C, NH)"),
+    OpSpec("attention_backward", attention_backward_cpu, ATTENTION_BACKWARD_VARIANTS, default=2,
+           flag="--attention-backward-kernel",
+           doc="dinp(B,T,3C)=, dout(B,T,C), qkvr(B,T,3C), saved, out(B,T,C); build(B, T, C, NH)"),
 ]
