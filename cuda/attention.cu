@@ -600,10 +600,14 @@ extern "C" __global__ void attention_kv_fill_kernel1(float* kcache, float* vcach
 // (mma.sync m16n8k8), fp32 accumulation and fp32 softmax. Nothing of size T x T goes to memory:
 // the forward keeps per row the log-sum-exp of the scaled scores, and the backward recomputes the
 // probabilities from it, tile by tile.
-//   flash_attention_forward_kernel1      out (B,T,C) = softmax(scale q k^T, causal) v;
-//                                        lse (B,NH,T) = log sum_{s<=t} exp(scale q_t.k_s)
-//   flash_attention_backward_dq_kernel1  D (B,NH,T) = rowsum(dout * out); dq -> dinp[..., 0:C]
-//   flash_attention_backward_dkdv_kernel1  dk, dv -> dinp[..., C:2C], dinp[..., 2C:3C] (reads D)
+//   flash_attention_forward_kernel<N>      out (B,T,C) = softmax(scale q k^T, causal) v;
+//                                          lse (B,NH,T) = log sum_{s<=t} exp(scale q_t.k_s)
+//   flash_attention_backward_dq_kernel<N>  D (B,NH,T) = rowsum(dout * out); dq -> dinp[..., 0:C]
+//   flash_attention_backward_dkdv_kernel<N>  dk, dv -> dinp[..., C:2C], dinp[..., 2C:3C] (reads D)
+// N = 2 (attention variant 2): each tile is loaded, rounded to tf32 and stored to shared memory by
+//   the threads, between two barriers: the block waits for every load.
+// N = 3 (variant 3): tiles are double-buffered and copied with cp.async, the next tile in flight
+//   while the tensor cores work on this one; values are rounded to tf32 as fragments are read.
 // q, k, v come from qkvr (3, B, NH, T, 64) as permute_kernel writes it; out, dout are (B,T,C) and
 // dinp (B,T,3C): the kernels read and write the model's layouts directly (no unpermute). dq is
 // summed over key tiles inside one block and dk, dv over query tiles inside another: no atomics,
@@ -618,8 +622,8 @@ extern "C" __global__ void attention_kv_fill_kernel1(float* kcache, float* vcach
 // accumulators of the product before it: accumulator columns 2t, 2t+1 of n-tile j serve as
 // k-indices t, t+4 of k-step j, i.e. k-index t means position 8j+2t and t+4 means 8j+2t+1; the B
 // operand reads the same two rows. No shuffles, no trip through shared memory.
-// Shared tiles are 64 rows of FA_LD = 68 floats, rounded to tf32 once when staged: both read
-// patterns, (row g, col t) and (row 2t, col g), hit 32 distinct banks.
+// Shared tiles are 64 rows of FA_LD = 68 floats: both read patterns, (row g, col t) and
+// (row 2t, col g), hit 32 distinct banks; rows start 16-byte aligned for float4 / cp.async.
 #include "mma.cuh"
 
 #define FA_D 64        // head size
@@ -636,6 +640,9 @@ __device__ __forceinline__ float fa_exp2(float x) {  // 2^x, ~2 ulp; exp2(-inf) 
     return y;
 }
 __device__ __forceinline__ float fa_tf32(float x) { return __uint_as_float(tf32_round(x)); }
+// a tile value as an mma operand: staged values are already rounded (R = false), raw ones not
+template <bool R>
+__device__ __forceinline__ uint32_t fa_op(float x) { return R ? tf32_round(x) : __float_as_uint(x); }
 
 // rows r0..r0+63 (row stride ld floats) of g into the shared tile s, rounded to tf32; rows >= T are 0
 __device__ __forceinline__ void fa_stage(float* s, const float* g, int r0, int T, int ld) {
@@ -649,7 +656,32 @@ __device__ __forceinline__ void fa_stage(float* s, const float* g, int r0, int T
         store4(s + r * FA_LD + c, v);
     }
 }
-// A fragment of rows row0..row0+15, head-dim k-step kk
+// the same rows copied raw with cp.async (not waited for); rows >= T are zero-filled
+__device__ __forceinline__ void fa_stage_async(float* s, const float* g, int r0, int T, int ld) {
+#pragma unroll
+    for (int i = 0; i < FA_TILE * FA_D / 4 / FA_THREADS; i++) {
+        int idx = threadIdx.x + i * FA_THREADS;
+        int r = idx >> 4, c = (idx & 15) * 4;
+        bool ok = r0 + r < T;
+        const float* src = g + (size_t)(ok ? r0 + r : 0) * ld + c;
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                     ::"r"((uint32_t)__cvta_generic_to_shared(s + r * FA_LD + c)), "l"(src), "r"(ok ? 16 : 0));
+    }
+}
+// 64 per-row values (lse or D) from v[r0..] into s with cp.async, one per thread of `first`..+63; 0 past T
+__device__ __forceinline__ void fa_rows_async(float* s, const float* v, int r0, int T, int first) {
+    int i = threadIdx.x - first;
+    if (i >= 0 && i < FA_TILE) {
+        bool ok = r0 + i < T;
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n"
+                     ::"r"((uint32_t)__cvta_generic_to_shared(s + i)), "l"(v + (ok ? r0 + i : 0)), "r"(ok ? 4 : 0));
+    }
+}
+__device__ __forceinline__ void fa_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void fa_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// A fragment of rows row0..row0+15, head-dim k-step kk (from a staged, rounded tile)
 __device__ __forceinline__ void fa_frag_a(uint32_t (&a)[4], const float* s, int row0, int kk, int g, int t) {
     const float* p = s + (row0 + g) * FA_LD + 8 * kk + t;
     a[0] = __float_as_uint(p[0]);
@@ -658,16 +690,18 @@ __device__ __forceinline__ void fa_frag_a(uint32_t (&a)[4], const float* s, int 
     a[3] = __float_as_uint(p[8 * FA_LD + 4]);
 }
 // B fragment contracting over the head dim: B[k = dim 8kk+t (+4)][n = tile row n0+g]
+template <bool R>
 __device__ __forceinline__ void fa_frag_b_dim(uint32_t (&b)[2], const float* s, int n0, int kk, int g, int t) {
     const float* p = s + (n0 + g) * FA_LD + 8 * kk + t;
-    b[0] = __float_as_uint(p[0]);
-    b[1] = __float_as_uint(p[4]);
+    b[0] = fa_op<R>(p[0]);
+    b[1] = fa_op<R>(p[4]);
 }
 // B fragment contracting over tile positions (k-step j): B[k = row 8j+2t (+1)][n = dim n0+g]
+template <bool R>
 __device__ __forceinline__ void fa_frag_b_pos(uint32_t (&b)[2], const float* s, int j, int n0, int g, int t) {
     const float* p = s + (8 * j + 2 * t) * FA_LD + n0 + g;
-    b[0] = __float_as_uint(p[0]);
-    b[1] = __float_as_uint(p[FA_LD]);
+    b[0] = fa_op<R>(p[0]);
+    b[1] = fa_op<R>(p[FA_LD]);
 }
 // accumulators of n-tile j as the A fragment of k-step j (see the mapping above), rounded to tf32
 __device__ __forceinline__ void fa_acc_as_a(uint32_t (&a)[4], const float (&c)[4]) {
@@ -677,6 +711,7 @@ __device__ __forceinline__ void fa_acc_as_a(uint32_t (&a)[4], const float (&c)[4
     a[3] = tf32_round(c[3]);
 }
 // acc[n] (16 x 64) += S (16 x 64 in accumulator layout, over tile positions) @ tile (64 x 64)
+template <bool R>
 __device__ __forceinline__ void fa_mma_pos(float (&acc)[8][4], const float (&S)[8][4], const float* tile, int g, int t) {
 #pragma unroll
     for (int j = 0; j < 8; j++) {
@@ -685,12 +720,13 @@ __device__ __forceinline__ void fa_mma_pos(float (&acc)[8][4], const float (&S)[
 #pragma unroll
         for (int n = 0; n < 8; n++) {
             uint32_t b[2];
-            fa_frag_b_pos(b, tile, j, 8 * n, g, t);
+            fa_frag_b_pos<R>(b, tile, j, 8 * n, g, t);
             mma_tf32(acc[n], a, b);
         }
     }
 }
 // S (16 x 64) = A-rows (16 x 64, as fragments qa) @ tile^T (tile rows are the 64 columns of S)
+template <bool R>
 __device__ __forceinline__ void fa_mma_dim(float (&S)[8][4], const uint32_t (&qa)[8][4], const float* tile, int g, int t) {
 #pragma unroll
     for (int j = 0; j < 8; j++) {
@@ -698,16 +734,46 @@ __device__ __forceinline__ void fa_mma_dim(float (&S)[8][4], const uint32_t (&qa
 #pragma unroll
         for (int kk = 0; kk < 8; kk++) {
             uint32_t b[2];
-            fa_frag_b_dim(b, tile, 8 * j, kk, g, t);
+            fa_frag_b_dim<R>(b, tile, 8 * j, kk, g, t);
             mma_tf32(S[j], qa[kk], b);
         }
     }
 }
 
-extern "C" __global__ void __launch_bounds__(FA_THREADS)
-flash_attention_forward_kernel1(float* out, float* lse, const float* qkvr, int B, int NH, int T, float scale) {
-    __shared__ __align__(16) float ks[FA_TILE_FLOATS];
-    __shared__ __align__(16) float vs[FA_TILE_FLOATS];
+// The tile loop shared by the three kernels: for it = 0..n-1, make tile `it` of the sweep visible
+// in buffer it & 1 (PIPE) or 0, then call body(buffer). load(it, buffer) issues the tile's copies:
+// fa_stage (synchronous) without PIPE, fa_stage_async with it. With PIPE tile 0 must already be in
+// flight into buffer 0 (committed) when the loop starts.
+template <bool PIPE, typename Load, typename Body>
+__device__ __forceinline__ void fa_sweep(int n, Load load, Body body) {
+    for (int it = 0; it < n; it++) {
+        __syncthreads();  // every warp is done with the buffer about to be refilled
+        if (PIPE) {
+            if (it + 1 < n) {
+                load(it + 1, (it + 1) & 1);
+                fa_commit();
+                fa_wait<1>();  // tile `it` has landed (this thread's copies)
+            } else {
+                fa_wait<0>();
+            }
+        } else {
+            load(it, 0);
+        }
+        __syncthreads();  // ... and everyone's
+        body(PIPE ? (it & 1) : 0);
+    }
+}
+
+// dynamic shared memory in floats: forward and dq hold (k, v) tiles x stages (+ D for dq); dkdv
+// holds its own k, v and (q, dout) tiles x stages plus lse and D per stage
+#define FA_SMEM_FWD(PIPE) ((PIPE ? 4 : 2) * FA_TILE_FLOATS)
+#define FA_SMEM_DQ(PIPE) ((PIPE ? 4 : 2) * FA_TILE_FLOATS + FA_TILE)
+#define FA_SMEM_DKDV(PIPE) ((PIPE ? 6 : 4) * FA_TILE_FLOATS + (PIPE ? 4 : 2) * FA_TILE)
+
+template <bool PIPE>
+__device__ __forceinline__ void flash_forward(float* out, float* lse, const float* qkvr, int B, int NH, int T, float scale) {
+    extern __shared__ __align__(16) float fa_smem[];
+    float* kv = fa_smem;  // stage i: k at kv + 2i*TILE, v at kv + (2i+1)*TILE
     const int qt = gridDim.x - 1 - blockIdx.x;  // the query tiles with the most key tiles first
     const int bh = blockIdx.y, b = bh / NH, h = bh % NH, C = NH * FA_D;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -718,23 +784,33 @@ flash_attention_forward_kernel1(float* out, float* lse, const float* qkvr, int B
     const int q0 = qt * FA_TILE, w0 = warp * 16;
     const int row[2] = {q0 + w0 + g, q0 + w0 + g + 8};  // this lane's two query positions
     const float c2 = scale * FA_LOG2E;                  // scores -> log2 units
-
-    fa_stage(ks, q, q0, T, FA_D);  // q goes through ks into registers, once
+    auto load = [&](int kt, int buf) {
+        float* s = kv + 2 * buf * FA_TILE_FLOATS;
+        if (PIPE) {
+            fa_stage_async(s, k, kt * FA_TILE, T, FA_D);
+            fa_stage_async(s + FA_TILE_FLOATS, v, kt * FA_TILE, T, FA_D);
+        } else {
+            fa_stage(s, k, kt * FA_TILE, T, FA_D);
+            fa_stage(s + FA_TILE_FLOATS, v, kt * FA_TILE, T, FA_D);
+        }
+    };
+    if (PIPE) { load(0, 0); fa_commit(); }
+    // q goes into registers once, through the last tile buffer (not buffer 0 of a PIPE sweep)
+    float* qs = kv + (PIPE ? 3 : 0) * FA_TILE_FLOATS;
+    fa_stage(qs, q, q0, T, FA_D);
     __syncthreads();
     uint32_t qa[8][4];
 #pragma unroll
-    for (int kk = 0; kk < 8; kk++) fa_frag_a(qa[kk], ks, w0, kk, g, t);
+    for (int kk = 0; kk < 8; kk++) fa_frag_a(qa[kk], qs, w0, kk, g, t);
 
     float o[8][4], s[8][4];
 #pragma unroll
     for (int n = 0; n < 8; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // running max (log2 units), partial sum
-    for (int kt = 0; kt <= qt; kt++) {
-        __syncthreads();  // every warp is done with the previous tiles (and with q in ks)
-        fa_stage(ks, k, kt * FA_TILE, T, FA_D);
-        fa_stage(vs, v, kt * FA_TILE, T, FA_D);
-        __syncthreads();
-        fa_mma_dim(s, qa, ks, g, t);  // s = q k^T (16 x 64 per warp)
+    int kt = 0;
+    fa_sweep<PIPE>(qt + 1, load, [&](int buf) {
+        const float* ks = kv + 2 * buf * FA_TILE_FLOATS;
+        fa_mma_dim<PIPE>(s, qa, ks, g, t);  // s = q k^T (16 x 64 per warp)
         float mx[2] = {m[0], m[1]};
 #pragma unroll
         for (int j = 0; j < 8; j++)
@@ -767,8 +843,9 @@ flash_attention_forward_kernel1(float* out, float* lse, const float* qkvr, int B
             o[n][0] *= corr[0]; o[n][1] *= corr[0];
             o[n][2] *= corr[1]; o[n][3] *= corr[1];
         }
-        fa_mma_pos(o, s, vs, g, t);  // o += p v
-    }
+        fa_mma_pos<PIPE>(o, s, ks + FA_TILE_FLOATS, g, t);  // o += p v
+        kt++;
+    });
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
@@ -785,12 +862,12 @@ flash_attention_forward_kernel1(float* out, float* lse, const float* qkvr, int B
 
 // Backward, part 1: per query tile, D = rowsum(dout * out) (written for part 2) and
 // dq = scale * sum over key tiles of (p * (dp - D)) k, with p = exp(scale q k^T - lse), dp = dout v^T.
-extern "C" __global__ void __launch_bounds__(FA_THREADS)
-flash_attention_backward_dq_kernel1(float* dinp, float* Dbuf, const float* dout, const float* out, const float* qkvr,
-                                    const float* lse, int B, int NH, int T, float scale) {
-    __shared__ __align__(16) float ks[FA_TILE_FLOATS];
-    __shared__ __align__(16) float vs[FA_TILE_FLOATS];
-    __shared__ float dsm[FA_TILE];
+template <bool PIPE>
+__device__ __forceinline__ void flash_backward_dq(float* dinp, float* Dbuf, const float* dout, const float* out,
+                                                  const float* qkvr, const float* lse, int B, int NH, int T, float scale) {
+    extern __shared__ __align__(16) float fa_smem[];
+    float* kv = fa_smem;
+    float* dsm = fa_smem + (PIPE ? 4 : 2) * FA_TILE_FLOATS;
     const int qt = gridDim.x - 1 - blockIdx.x;
     const int bh = blockIdx.y, b = bh / NH, h = bh % NH, C = NH * FA_D;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -802,6 +879,17 @@ flash_attention_backward_dq_kernel1(float* dinp, float* Dbuf, const float* dout,
     const int row[2] = {q0 + w0 + g, q0 + w0 + g + 8};
     const float c2 = scale * FA_LOG2E;
     const size_t rowbase = (size_t)b * T * C + h * FA_D;  // + t * C: row t of this head in out / dout
+    auto load = [&](int kt, int buf) {
+        float* s = kv + 2 * buf * FA_TILE_FLOATS;
+        if (PIPE) {
+            fa_stage_async(s, k, kt * FA_TILE, T, FA_D);
+            fa_stage_async(s + FA_TILE_FLOATS, v, kt * FA_TILE, T, FA_D);
+        } else {
+            fa_stage(s, k, kt * FA_TILE, T, FA_D);
+            fa_stage(s + FA_TILE_FLOATS, v, kt * FA_TILE, T, FA_D);
+        }
+    };
+    if (PIPE) { load(0, 0); fa_commit(); }
 
     // D for the warp's 16 rows: a lane per pair of columns, warp sum
     for (int i = 0; i < 16; i++) {
@@ -818,14 +906,16 @@ flash_attention_backward_dq_kernel1(float* dinp, float* Dbuf, const float* dout,
             if (r < T) Dbuf[(size_t)bh * T + r] = d;
         }
     }
-    fa_stage(ks, q, q0, T, FA_D);
-    fa_stage(vs, dout + rowbase, q0, T, C);
+    // q and dout into registers once, through the buffers a PIPE sweep fills last
+    float* qs = kv + (PIPE ? 2 : 0) * FA_TILE_FLOATS;
+    fa_stage(qs, q, q0, T, FA_D);
+    fa_stage(qs + FA_TILE_FLOATS, dout + rowbase, q0, T, C);
     __syncthreads();
     uint32_t qa[8][4], da[8][4];
 #pragma unroll
     for (int kk = 0; kk < 8; kk++) {
-        fa_frag_a(qa[kk], ks, w0, kk, g, t);
-        fa_frag_a(da[kk], vs, w0, kk, g, t);
+        fa_frag_a(qa[kk], qs, w0, kk, g, t);
+        fa_frag_a(da[kk], qs + FA_TILE_FLOATS, w0, kk, g, t);
     }
     float lr[2], Dr[2];
 #pragma unroll
@@ -837,13 +927,11 @@ flash_attention_backward_dq_kernel1(float* dinp, float* Dbuf, const float* dout,
     float dq[8][4], s[8][4], dp[8][4];
 #pragma unroll
     for (int n = 0; n < 8; n++) dq[n][0] = dq[n][1] = dq[n][2] = dq[n][3] = 0.f;
-    for (int kt = 0; kt <= qt; kt++) {
-        __syncthreads();
-        fa_stage(ks, k, kt * FA_TILE, T, FA_D);
-        fa_stage(vs, v, kt * FA_TILE, T, FA_D);
-        __syncthreads();
-        fa_mma_dim(s, qa, ks, g, t);   // q k^T
-        fa_mma_dim(dp, da, vs, g, t);  // dout v^T
+    int kt = 0;
+    fa_sweep<PIPE>(qt + 1, load, [&](int buf) {
+        const float* ks = kv + 2 * buf * FA_TILE_FLOATS;
+        fa_mma_dim<PIPE>(s, qa, ks, g, t);                   // q k^T
+        fa_mma_dim<PIPE>(dp, da, ks + FA_TILE_FLOATS, g, t);  // dout v^T
 #pragma unroll
         for (int j = 0; j < 8; j++)
 #pragma unroll
@@ -853,8 +941,9 @@ flash_attention_backward_dq_kernel1(float* dinp, float* Dbuf, const float* dout,
                 if (kt == qt && kt * FA_TILE + 8 * j + 2 * t + (e & 1) > row[r]) p = 0.f;
                 s[j][e] = scale * p * (dp[j][e] - Dr[r]);  // d preatt
             }
-        fa_mma_pos(dq, s, ks, g, t);  // dq += dpreatt k
-    }
+        fa_mma_pos<PIPE>(dq, s, ks, g, t);  // dq += dpreatt k
+        kt++;
+    });
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         if (row[r] >= T) continue;
@@ -867,17 +956,15 @@ flash_attention_backward_dq_kernel1(float* dinp, float* Dbuf, const float* dout,
 
 // Backward, part 2: per key tile, over the query tiles at and below the diagonal,
 // dv = sum p^T dout and dk = sum (p * (dp - D))^T q * scale, computed transposed (keys as rows):
-// p^T = exp(scale k q^T - lse), dp^T = v dout^T. Dynamic shared memory: 4 tiles + 128 floats.
-extern "C" __global__ void __launch_bounds__(FA_THREADS)
-flash_attention_backward_dkdv_kernel1(float* dinp, const float* dout, const float* qkvr, const float* lse,
-                                      const float* Dbuf, int B, int NH, int T, float scale) {
+// p^T = exp(scale k q^T - lse), dp^T = v dout^T.
+template <bool PIPE>
+__device__ __forceinline__ void flash_backward_dkdv(float* dinp, const float* dout, const float* qkvr, const float* lse,
+                                                    const float* Dbuf, int B, int NH, int T, float scale) {
     extern __shared__ __align__(16) float fa_smem[];
-    float* ks = fa_smem;                  // this block's keys (all of the loop)
-    float* vs = ks + FA_TILE_FLOATS;      // and values
-    float* qs = vs + FA_TILE_FLOATS;      // the current query tile
-    float* dos = qs + FA_TILE_FLOATS;     // and its dout rows
-    float* lsm = dos + FA_TILE_FLOATS;    // its lse (log2 units)
-    float* dsm = lsm + FA_TILE;           // and D
+    float* ks = fa_smem;                       // this block's keys (all of the loop)
+    float* vs = ks + FA_TILE_FLOATS;           // and values
+    float* qd = vs + FA_TILE_FLOATS;           // stage i: q tile at qd + 2i*TILE, dout rows after it
+    float* rows = qd + (PIPE ? 4 : 2) * FA_TILE_FLOATS;  // stage i: lse at rows + 2i*64, D after it
     const int kt = blockIdx.x, nqt = gridDim.x;  // the key tiles with the most query tiles first
     const int bh = blockIdx.y, b = bh / NH, h = bh % NH, C = NH * FA_D;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -886,10 +973,31 @@ flash_attention_backward_dkdv_kernel1(float* dinp, const float* dout, const floa
     const float* k = q + plane;
     const float* v = q + 2 * plane;
     const float* dO = dout + (size_t)b * T * C + h * FA_D;
+    const float* lseh = lse + (size_t)bh * T;
+    const float* Dh = Dbuf + (size_t)bh * T;
     const int k0 = kt * FA_TILE, w0 = warp * 16;
     const int key[2] = {k0 + w0 + g, k0 + w0 + g + 8};  // this lane's two key positions
     const float c2 = scale * FA_LOG2E;
-
+    auto load = [&](int it, int buf) {
+        const int q0 = (kt + it) * FA_TILE;
+        float* s = qd + 2 * buf * FA_TILE_FLOATS;
+        float* r = rows + 2 * buf * FA_TILE;
+        if (PIPE) {
+            fa_stage_async(s, q, q0, T, FA_D);
+            fa_stage_async(s + FA_TILE_FLOATS, dO, q0, T, C);
+            fa_rows_async(r, lseh, q0, T, 0);
+            fa_rows_async(r + FA_TILE, Dh, q0, T, FA_TILE);
+        } else {
+            fa_stage(s, q, q0, T, FA_D);
+            fa_stage(s + FA_TILE_FLOATS, dO, q0, T, C);
+            if (threadIdx.x < FA_TILE) {
+                int i = threadIdx.x;
+                r[i] = q0 + i < T ? lseh[q0 + i] : 0.f;
+                r[FA_TILE + i] = q0 + i < T ? Dh[q0 + i] : 0.f;
+            }
+        }
+    };
+    if (PIPE) { load(0, 0); fa_commit(); }
     fa_stage(ks, k, k0, T, FA_D);
     fa_stage(vs, v, k0, T, FA_D);
     float dk[8][4], dv[8][4], s[8][4], dp[8][4];
@@ -897,17 +1005,13 @@ flash_attention_backward_dkdv_kernel1(float* dinp, const float* dout, const floa
     for (int n = 0; n < 8; n++)
 #pragma unroll
         for (int e = 0; e < 4; e++) dk[n][e] = dv[n][e] = 0.f;
-    for (int qt = kt; qt < nqt; qt++) {
+    int qt = kt;
+    fa_sweep<PIPE>(nqt - kt, load, [&](int buf) {
+        const float* qs = qd + 2 * buf * FA_TILE_FLOATS;
+        const float* dos = qs + FA_TILE_FLOATS;
+        const float* lsm = rows + 2 * buf * FA_TILE;
+        const float* dsm = lsm + FA_TILE;
         const int q0 = qt * FA_TILE;
-        __syncthreads();
-        fa_stage(qs, q, q0, T, FA_D);
-        fa_stage(dos, dO, q0, T, C);
-        if (threadIdx.x < FA_TILE) {
-            int r = q0 + threadIdx.x;
-            lsm[threadIdx.x] = r < T ? lse[(size_t)bh * T + r] * FA_LOG2E : 0.f;
-            dsm[threadIdx.x] = r < T ? Dbuf[(size_t)bh * T + r] : 0.f;
-        }
-        __syncthreads();
 #pragma unroll
         for (int j = 0; j < 8; j++)
 #pragma unroll
@@ -920,8 +1024,8 @@ flash_attention_backward_dkdv_kernel1(float* dinp, const float* dout, const floa
 #pragma unroll
             for (int j = 0; j < 8; j++) {
                 uint32_t bq[2], bd[2];
-                fa_frag_b_dim(bq, qs, 8 * j, kk, g, t);
-                fa_frag_b_dim(bd, dos, 8 * j, kk, g, t);
+                fa_frag_b_dim<PIPE>(bq, qs, 8 * j, kk, g, t);
+                fa_frag_b_dim<PIPE>(bd, dos, 8 * j, kk, g, t);
                 mma_tf32(s[j], ka, bq);
                 mma_tf32(dp[j], va, bd);
             }
@@ -931,14 +1035,15 @@ flash_attention_backward_dkdv_kernel1(float* dinp, const float* dout, const floa
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const int c = 8 * j + 2 * t + (e & 1), qpos = q0 + c;
-                float p = fa_exp2(s[j][e] * c2 - lsm[c]);
+                float p = fa_exp2(s[j][e] * c2 - lsm[c] * FA_LOG2E);
                 if (qpos < key[e >> 1] || qpos >= T) p = 0.f;
                 s[j][e] = p;                                 // p^T
                 dp[j][e] = scale * p * (dp[j][e] - dsm[c]);  // d preatt^T
             }
-        fa_mma_pos(dv, s, dos, g, t);  // dv += p^T dout
-        fa_mma_pos(dk, dp, qs, g, t);  // dk += dpreatt^T q
-    }
+        fa_mma_pos<PIPE>(dv, s, dos, g, t);  // dv += p^T dout
+        fa_mma_pos<PIPE>(dk, dp, qs, g, t);  // dk += dpreatt^T q
+        qt++;
+    });
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         if (key[r] >= T) continue;
@@ -950,3 +1055,21 @@ flash_attention_backward_dkdv_kernel1(float* dinp, const float* dout, const floa
         }
     }
 }
+
+#define FLASH_ENTRIES(N, PIPE)                                                                              \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_attention_forward_kernel##N(              \
+        float* out, float* lse, const float* qkvr, int B, int NH, int T, float scale) {                     \
+        flash_forward<PIPE>(out, lse, qkvr, B, NH, T, scale);                                               \
+    }                                                                                                       \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_attention_backward_dq_kernel##N(          \
+        float* dinp, float* Dbuf, const float* dout, const float* out, const float* qkvr, const float* lse, \
+        int B, int NH, int T, float scale) {                                                                \
+        flash_backward_dq<PIPE>(dinp, Dbuf, dout, out, qkvr, lse, B, NH, T, scale);                         \
+    }                                                                                                       \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_attention_backward_dkdv_kernel##N(        \
+        float* dinp, const float* dout, const float* qkvr, const float* lse, const float* Dbuf, int B,      \
+        int NH, int T, float scale) {                                                                       \
+        flash_backward_dkdv<PIPE>(dinp, dout, qkvr, lse, Dbuf, B, NH, T, scale);                            \
+    }
+FLASH_ENTRIES(2, false)
+FLASH_ENTRIES(3, true)

@@ -2,8 +2,9 @@
 # One call on the GPU machine that verifies everything GPU-side, in phases (PHASES picks, in order):
 #   tests   the whole `pytest -m gpu` suite, one process per test file (a kernel fault that kills the
 #           CUDA context fails its own file, not the rest); TESTS narrows it to some files
-#   bench   the step benchmark: defaults, --softmax-kernel 5 --matmul-kernel 5, and the previous
-#           matmul defaults (engine 2: --matmul-kernel 6 --matmul-backward-kernel 2)
+#   bench   the step benchmark: defaults, --attention-kernel 1 and 2, --softmax-kernel 5
+#           --matmul-kernel 5, and the previous matmul defaults (engine 2: --matmul-kernel 6
+#           --matmul-backward-kernel 2)
 #   sample  the sampling benchmark (batch 1 and 8, with and without the KV cache)
 #   profile the per-kernel step profile, and a short real d12 training run
 #   lab     the kernel lab for LAB_OPS (default: all), bounded by LAB_SECONDS
@@ -37,6 +38,10 @@ tests)
 bench)
   step "bench default"
   timeout 100 python3 dev/bench_step.py --steps 20 2>&1 | tail -4 | tee -a "$S"
+  step "bench --attention-kernel 1 (the composite attention, the previous default)"
+  timeout 100 python3 dev/bench_step.py --steps 20 --attention-kernel 1 2>&1 | tail -3 | tee -a "$S"
+  step "bench --attention-kernel 2 (fused, tiles staged by the threads)"
+  timeout 100 python3 dev/bench_step.py --steps 20 --attention-kernel 2 2>&1 | tail -3 | tee -a "$S"
   step "bench --softmax-kernel 5 --matmul-kernel 5"
   timeout 60 python3 dev/bench_step.py --steps 10 --softmax-kernel 5 --matmul-kernel 5 2>&1 | tail -3 | tee -a "$S"
   step "bench LLMC_GRAPHS=0 (kernel by kernel)"

@@ -117,10 +117,12 @@ def main():
     for key, opname, s, e in records:
         ms = e.time_since(s)
         variant = be.kernels.get(opname, "")
-        if opname.startswith("attention"):
+        if opname.startswith("attention") and variant == 1:  # the composite: what it is made of
             sm = "softmax_forward" if opname.endswith("forward") else "softmax_backward"
             mm = "matmul_forward" if opname.endswith("forward") else "matmul_backward"
-            variant = f"softmax {be.kernels[sm]}, matmul {be.kernels[mm]}"
+            variant = f"1: softmax {be.kernels[sm]}, matmul {be.kernels[mm]}"
+        elif opname.startswith("attention"):
+            variant = f"{variant} (fused)"
         row = agg[(opname, key if key.startswith(("mm", "bias")) else opname, variant)]
         _, flops, nbytes = table.get(key, (key, 0, 0))
         row[0] += 1; row[1] += ms; row[2] += flops; row[3] += nbytes

@@ -43,6 +43,14 @@ def kernel_choices(overrides: dict | None = None) -> dict[str, int]:
     if len(named) == 1:
         for n in PAIRED:
             choice[n] = choice[named[0]]
+    # a softmax variant runs only inside the composite attention: naming one (and no attention
+    # variant) selects the composite, so that the softmax asked for is the one that runs
+    softmax = [n for n in ("softmax_forward", "softmax_backward") if (overrides or {}).get(n) is not None]
+    if softmax and not named and choice["attention_forward"] != 1:
+        ops.note_once(f"note: {reg[softmax[0]].flag} runs inside the composite attention: using "
+                      f"--attention-kernel 1 (the fused default computes its softmax itself)")
+        for n in PAIRED:
+            choice[n] = 1
     return choice
 
 

@@ -16,7 +16,7 @@ atty, residual2, ln2, fch, residual3 and the layernorm statistics). The GELU out
 attproj / fcproj matmul outputs are not kept: one scratch buffer each, and GELU is recomputed in
 backward (one extra cheap pass per layer saves 600 MB). With the composite attention
 (--attention-kernel 1), att (B,NH,T,T) per layer is half of the activation memory; the fused
-attention (2, the default) keeps only a (B,NH,T) log-sum-exp per layer instead.
+attention (2 and 3; the default) keeps only a (B,NH,T) log-sum-exp per layer instead.
 """
 from __future__ import annotations
 
@@ -185,7 +185,7 @@ class GPT2:
         floats = cfg.num_parameters * (4 if self.training else 1)  # (overcounts a shared params_buf)
         # attention keeps att (B,NH,T,T) per layer and uses 3 such scratch buffers, unless the fused
         # variant (default; head size 64) runs: then a (B,NH,T) log-sum-exp per layer
-        fused = self.be.kernels.get("attention_forward") == 2 and C == 64 * NH
+        fused = self.be.kernels.get("attention_forward") in (2, 3) and C == 64 * NH
         floats += B * T * (C * (1 + 9 * L + 2 + 10) + L * NH * (1 if fused else T) + 6 * L + Vp + 8)
         floats += 0 if fused else 3 * B * NH * T * T  # attention scratch (preatt, datt, dpreatt)
         rt.require_free(floats * 4, what=f"model ({cfg.describe()}, B={B}, T={T})")

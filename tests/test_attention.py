@@ -153,21 +153,29 @@ def test_variant_tables(name):
 def test_attention_variants_and_pairing():
     from llmc.backend import kernel_choices
     fwd, bwd = ops.get("attention_forward"), ops.get("attention_backward")
-    assert set(fwd.variants) == set(bwd.variants) == {1, 2}
+    assert set(fwd.variants) == set(bwd.variants) == {1, 2, 3}
     assert fwd.flag == "--attention-kernel" and bwd.flag == "--attention-backward-kernel"
     assert fwd.default == bwd.default
     for spec in (fwd, bwd):
         assert spec.variants[1].refuse_reason(B=2, T=65, C=96, NH=3) is None        # composite: any head size
-        assert spec.variants[2].refuse_reason(B=4, T=1024, C=768, NH=12) is None
-        assert spec.variants[2].refuse_reason(B=1, T=1, C=64, NH=1) is None
-        assert "head size" in spec.variants[2].refuse_reason(B=2, T=65, C=96, NH=3)
-        with pytest.raises(VariantRefused, match="head size C/NH = 32"):
-            spec.build(None, 2, B=1, T=8, C=64, NH=2)
+        for n in (2, 3):
+            assert spec.variants[n].refuse_reason(B=4, T=1024, C=768, NH=12) is None
+            assert spec.variants[n].refuse_reason(B=1, T=1, C=64, NH=1) is None
+            assert "head size" in spec.variants[n].refuse_reason(B=2, T=65, C=96, NH=3)
+            with pytest.raises(VariantRefused, match="head size C/NH = 32"):
+                spec.build(None, n, B=1, T=8, C=64, NH=2)
     # a number named for one direction is used for both (they must agree on what forward keeps)
     assert kernel_choices({"attention_forward": 1})["attention_backward"] == 1
     assert kernel_choices({"attention_backward": 1})["attention_forward"] == 1
     both = kernel_choices({"attention_forward": 1, "attention_backward": 2})
     assert (both["attention_forward"], both["attention_backward"]) == (1, 2)  # the model refuses this pair
+    # a softmax variant only runs in the composite: naming one selects it, unless attention is named
+    for sm in ("softmax_forward", "softmax_backward"):
+        c = kernel_choices({sm: 5})
+        assert (c["attention_forward"], c["attention_backward"], c[sm]) == (1, 1, 5)
+        c = kernel_choices({sm: 5, "attention_forward": 2})
+        assert (c["attention_forward"], c["attention_backward"]) == (2, 2)
+    assert kernel_choices({})["attention_forward"] == fwd.default
 
 
 @pytest.mark.parametrize("B,T,C,NH", [(2, 9, 24, 3), (1, 1, 8, 2), (2, 70, 16, 2)])
@@ -480,11 +488,12 @@ FLASH_SHAPES = [(2, 65, 128, 2), (1, 1, 64, 1), (4, 64, 768, 12), (1, 200, 192, 
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("version", [2, 3])
 @pytest.mark.parametrize("B,T,C,NH", FLASH_SHAPES)
-def test_flash_attention_gpu(rt, B, T, C, NH):
+def test_flash_attention_gpu(rt, B, T, C, NH, version):
     rng = np.random.default_rng(B * 1000 + T + 7)
-    fwd = A.build_flash_attention_forward(rt, B=B, T=T, C=C, NH=NH)
-    bwd = A.build_flash_attention_backward(rt, B=B, T=T, C=C, NH=NH)
+    fwd = A.build_flash_attention_forward(rt, B=B, T=T, C=C, NH=NH, version=version)
+    bwd = A.build_flash_attention_backward(rt, B=B, T=T, C=C, NH=NH, version=version)
     inp = rng.standard_normal((B, T, 3 * C)).astype(np.float32)
     dout = rng.standard_normal((B, T, C)).astype(np.float32)
     inp64 = inp.astype(np.float64)

@@ -57,18 +57,19 @@ for sm, chunks, lower in configs:
     print(f"    rel_err dinp {rel_err(d_dinp.get(), ref):.2e}")
     L.time(label, fn)
 
-# attention_backward 2: the fused kernels (dq + D, then dk dv), from the log-sum-exp and out
+# attention_backward 2 and 3: the fused kernels (dq + D, then dk dv), from the log-sum-exp and out
 lse = A.attention_lse_ref(inp.astype(np.float64), NH).astype(np.float32)
 out = A.attention_forward_ref(inp.astype(np.float64), NH)[0].astype(np.float32)
 d_lse, d_outf = rt.to_device(lse), rt.to_device(out)
-flash = A.build_flash_attention_backward(rt, B=B, T=T, C=C, NH=NH)
-fn = lambda: flash(d_dinp, d_dout, d_qkvr, d_lse, d_outf)  # noqa: E731
 scale = float(np.abs(ref).max())
-L.validate("attention_backward 2 (flash)", fn, outputs={"dinp": d_dinp}, refs={"dinp": ref}, atol=2e-3 * scale, rtol=2e-2)
-print(f"    rel_err dinp {rel_err(d_dinp.get(), ref):.2e}")
 nt = -(-T // 64)  # 7 tile products per (query tile, key tile) pair at and below the diagonal
-L.time("attention_backward 2 (flash)", fn, flops=7 * 2 * B * NH * (nt * (nt + 1) // 2) * 64 * 64 * hs,
-       ceiling="tf32")
+for version in (2, 3):
+    flash = A.build_flash_attention_backward(rt, B=B, T=T, C=C, NH=NH, version=version)
+    fn = lambda: flash(d_dinp, d_dout, d_qkvr, d_lse, d_outf)  # noqa: E731
+    label = f"attention_backward {version} (flash{', cp.async' if version == 3 else ''})"
+    L.validate(label, fn, outputs={"dinp": d_dinp}, refs={"dinp": ref}, atol=2e-3 * scale, rtol=2e-2)
+    print(f"    rel_err dinp {rel_err(d_dinp.get(), ref):.2e}")
+    L.time(label, fn, flops=7 * 2 * B * NH * (nt * (nt + 1) // 2) * 64 * 64 * hs, ceiling="tf32")
 
 try:
     import torch

@@ -54,18 +54,19 @@ for sm, chunks in configs:
     print(f"    rel_err out {rel_err(d_out.get(), out64):.2e}  att {rel_err(d_att.get(), att64):.2e}")
     L.time(label, fn)
 
-# attention_forward 2: the fused kernel (plus the permute into qkvr), keeping only the log-sum-exp
+# attention_forward 2 and 3: the fused kernel (plus the permute into qkvr), keeping only the log-sum-exp
 lse64 = A.attention_lse_ref(inp.astype(np.float64), NH)
 d_lse = rt.empty((B, NH, T))
-flash = A.build_flash_attention_forward(rt, B=B, T=T, C=C, NH=NH)
-fn = lambda: flash(d_out, d_qkvr, d_lse, d_inp)  # noqa: E731
-L.validate("attention_forward 2 (flash)", fn, outputs={"out": d_out, "qkvr": d_qkvr, "lse": d_lse},
-           refs={"out": out64, "qkvr": qkvr64, "lse": lse64}, atol=5e-3, rtol=2e-2)
-print(f"    rel_err out {rel_err(d_out.get(), out64):.2e}  lse {rel_err(d_lse.get(), lse64):.2e}")
-# FLOPs actually done: q k^T and p v over the tiles at and below the diagonal (64 x 64 tiles)
-nt = -(-T // 64)
-flash_flops = 2 * 2 * B * NH * (nt * (nt + 1) // 2) * 64 * 64 * hs
-L.time("attention_forward 2 (flash)", fn, flops=flash_flops, ceiling="tf32")
+for version in (2, 3):
+    flash = A.build_flash_attention_forward(rt, B=B, T=T, C=C, NH=NH, version=version)
+    fn = lambda: flash(d_out, d_qkvr, d_lse, d_inp)  # noqa: E731
+    label = f"attention_forward {version} (flash{', cp.async' if version == 3 else ''})"
+    L.validate(label, fn, outputs={"out": d_out, "qkvr": d_qkvr, "lse": d_lse},
+               refs={"out": out64, "qkvr": qkvr64, "lse": lse64}, atol=5e-3, rtol=2e-2)
+    print(f"    rel_err out {rel_err(d_out.get(), out64):.2e}  lse {rel_err(d_lse.get(), lse64):.2e}")
+    # FLOPs actually done: q k^T and p v over the 64 x 64 tiles at and below the diagonal
+    nt = -(-T // 64)
+    L.time(label, fn, flops=2 * 2 * B * NH * (nt * (nt + 1) // 2) * 64 * 64 * hs, ceiling="tf32")
 
 # the composite's data-movement pieces on their own (GB/s: bytes read + written)
 perm = A._build_permute(rt, "permute", B, T, 3, NH, hs)

@@ -524,7 +524,7 @@ def build_attention_backward(rt, softmax_backward_variant, matmul_backward_varia
 
 
 # ----------------------------------------------------------------------------------------------
-# GPU: fused ("flash") attention, head size 64 (cuda/attention.cu, flash_attention_*_kernel1)
+# GPU: fused ("flash") attention, head size 64 (cuda/attention.cu, flash_attention_*_kernel2/3)
 
 FLASH_HS = 64   # the kernels' head size (every GPT-2 size has 64)
 FLASH_TILE = 64  # rows per block, positions per tile
@@ -540,43 +540,67 @@ def _check_flash(B, T, C, NH, **_):
     return None
 
 
-def build_flash_attention_forward(rt, B, T, C, NH, **_):
+def _flash_smem(kind, version):
+    """Dynamic shared memory in bytes of a flash kernel (FA_SMEM_* in cuda/attention.cu)."""
+    tile, pipe = FLASH_TILE * 68, version == 3
+    floats = {"fwd": (4 if pipe else 2) * tile,
+              "dq": (4 if pipe else 2) * tile + FLASH_TILE,
+              "dkdv": (6 if pipe else 4) * tile + (4 if pipe else 2) * FLASH_TILE}[kind]
+    return 4 * floats
+
+
+def _flash_kernel(rt, name, argtypes, kind, version, label):
+    k = rt.kernel(MODULE, f"{name}{version}", argtypes, label=label)
+    smem = _flash_smem(kind, version)
+    if smem > rt.max_smem_optin:
+        refuse(label.split()[0], version, f"needs {smem} bytes of shared memory, the device allows {rt.max_smem_optin}")
+    k.set_max_dynamic_smem(smem)
+    return k, smem
+
+
+def build_flash_attention_forward(rt, B, T, C, NH, version=2, **_):
     """launch(out (B,T,C), qkvr (B,T,3C), lse (B,NH,T), inp (B,T,3C)): the permute into qkvr, then
-    one fused kernel writing out and the per-row log-sum-exp (launch.saved_shape) for backward."""
+    one fused kernel writing out and the per-row log-sum-exp (launch.saved_shape) for backward.
+    version 2: tiles staged by the threads; 3: cp.async double-buffered."""
     _check_attention(B, T, C, NH)
     permute = _build_permute(rt, "permute", B, T, 3, NH, FLASH_HS)
-    k = rt.kernel(MODULE, "flash_attention_forward_kernel1", "PPPiiif", label="attention_forward 2 (flash)")
+    k, smem = _flash_kernel(rt, "flash_attention_forward_kernel", "PPPiiif", "fwd", version,
+                            f"attention_forward {version} (flash)")
     grid, block = (ceil_div(T, FLASH_TILE), B * NH, 1), (128, 1, 1)
     args = (np.int32(B), np.int32(NH), np.int32(T), np.float32(1.0 / math.sqrt(FLASH_HS)))
 
     def launch(out, qkvr, lse, inp):
         permute(qkvr, inp)
-        k(grid, block, _ptr(out), _ptr(lse), _ptr(qkvr), *args)
+        k(grid, block, _ptr(out), _ptr(lse), _ptr(qkvr), *args, smem=smem)
     launch.scratch = {}
     launch.saved_shape = (B, NH, T)
     return launch
 
 
-def build_flash_attention_backward(rt, B, T, C, NH, **_):
+def build_flash_attention_backward(rt, B, T, C, NH, version=2, **_):
     """launch(dinp (B,T,3C), dout (B,T,C), qkvr (B,T,3C), lse (B,NH,T), out (B,T,C)): two kernels,
     dq (also writing D = rowsum(dout * out)) then dk, dv; dinp overwritten, no atomics."""
     _check_attention(B, T, C, NH)
     D = rt.empty((B, NH, T))
-    kq = rt.kernel(MODULE, "flash_attention_backward_dq_kernel1", "PPPPPPiiif", label="attention_backward 2 (flash) dq")
-    kkv = rt.kernel(MODULE, "flash_attention_backward_dkdv_kernel1", "PPPPPiiif",
-                    label="attention_backward 2 (flash) dk dv")
-    smem = 4 * (4 * FLASH_TILE * 68 + 2 * FLASH_TILE)  # 4 tiles of 64 x 68 floats, lse and D
-    kkv.set_max_dynamic_smem(smem)
+    label = f"attention_backward {version} (flash)"
+    kq, smq = _flash_kernel(rt, "flash_attention_backward_dq_kernel", "PPPPPPiiif", "dq", version, label + " dq")
+    kkv, smkv = _flash_kernel(rt, "flash_attention_backward_dkdv_kernel", "PPPPPiiif", "dkdv", version,
+                              label + " dk dv")
     grid, block = (ceil_div(T, FLASH_TILE), B * NH, 1), (128, 1, 1)
     args = (np.int32(B), np.int32(NH), np.int32(T), np.float32(1.0 / math.sqrt(FLASH_HS)))
 
     def launch(dinp, dout, qkvr, lse, out):
-        kq(grid, block, _ptr(dinp), _ptr(D), _ptr(dout), _ptr(out), _ptr(qkvr), _ptr(lse), *args)
-        kkv(grid, block, _ptr(dinp), _ptr(dout), _ptr(qkvr), _ptr(lse), _ptr(D), *args, smem=smem)
+        kq(grid, block, _ptr(dinp), _ptr(D), _ptr(dout), _ptr(out), _ptr(qkvr), _ptr(lse), *args, smem=smq)
+        kkv(grid, block, _ptr(dinp), _ptr(dout), _ptr(qkvr), _ptr(lse), _ptr(D), *args, smem=smkv)
     launch.scratch = {"D": D}
     launch.keep = set()
     launch.saved_shape = (B, NH, T)
     return launch
+
+
+def _flash(direction, version):
+    f = build_flash_attention_forward if direction == "forward" else build_flash_attention_backward
+    return lambda rt, **shape: f(rt, version=version, **shape)
 
 
 def _composite(direction):
@@ -602,16 +626,21 @@ ATTENTION_FORWARD_VARIANTS = {
                   "(--softmax-kernel), unpermute; keeps att (B,NH,T,T) for backward",
                _composite("forward"), _check_composite),
     2: Variant(2, "fused flash attention, TF32 mma.sync, online softmax in registers; keeps only the "
-                  "log-sum-exp (B,NH,T) (head size 64)",
-               build_flash_attention_forward, _check_flash),
+                  "log-sum-exp (B,NH,T); k, v tiles staged by the threads (head size 64)",
+               _flash("forward", 2), _check_flash),
+    3: Variant(3, "2 with the k, v tiles double-buffered through cp.async: the next tile loads while "
+                  "the tensor cores work (head size 64)",
+               _flash("forward", 3), _check_flash),
 }
 ATTENTION_BACKWARD_VARIANTS = {
     1: Variant(1, "composite: dv, datt in the batched GEMM (--matmul-backward-kernel), softmax backward "
                   "(--softmax-backward-kernel), dq, dk; needs att from attention_forward 1",
                _composite("backward"), _check_composite),
     2: Variant(2, "fused flash attention backward, TF32 mma.sync: a dq kernel and a dk/dv kernel "
-                  "recompute att from the log-sum-exp, no atomics; needs attention_forward 2 (head size 64)",
-               build_flash_attention_backward, _check_flash),
+                  "recompute att from the log-sum-exp, no atomics; needs attention_forward 2 or 3 (head size 64)",
+               _flash("backward", 2), _check_flash),
+    3: Variant(3, "2 with the swept tiles double-buffered through cp.async (head size 64)",
+               _flash("backward", 3), _check_flash),
 }
 
 
@@ -713,11 +742,11 @@ OPS = [
            doc="dpreatt(BNH,T,T)=, datt(BNH,T,T), att(BNH,T,T); build(BNH, T, scale)"),
     # variant 1 is the composite of the softmax and matmul variants above; 2 is fused. What forward
     # keeps for backward differs (att or lse): the backend keeps the two directions' numbers equal
-    OpSpec("attention_forward", attention_forward_cpu, ATTENTION_FORWARD_VARIANTS, default=2,
+    OpSpec("attention_forward", attention_forward_cpu, ATTENTION_FORWARD_VARIANTS, default=3,
            flag="--attention-kernel",
            doc="out(B,T,C)=, qkvr(B,T,3C)=, saved=, inp(B,T,3C); saved is att(B,NH,T,T) (1) or "
                "lse(B,NH,T) (2), launch.saved_shape; build(B, T, C, NH)"),
-    OpSpec("attention_backward", attention_backward_cpu, ATTENTION_BACKWARD_VARIANTS, default=2,
+    OpSpec("attention_backward", attention_backward_cpu, ATTENTION_BACKWARD_VARIANTS, default=3,
            flag="--attention-backward-kernel",
            doc="dinp(B,T,3C)=, dout(B,T,C), qkvr(B,T,3C), saved, out(B,T,C); build(B, T, C, NH)"),
 ]
