@@ -549,8 +549,8 @@ def _flash_smem(kind, version):
     return 4 * floats
 
 
-def _flash_kernel(rt, name, argtypes, kind, version, label):
-    k = rt.kernel(MODULE, f"{name}{version}", argtypes, label=label)
+def _flash_kernel(rt, name, argtypes, kind, version, label, defines=None):
+    k = rt.kernel(MODULE, f"{name}{version}", argtypes, label=label, defines=defines)
     smem = _flash_smem(kind, version)
     if smem > rt.max_smem_optin:
         refuse(label.split()[0], version, f"needs {smem} bytes of shared memory, the device allows {rt.max_smem_optin}")
@@ -558,14 +558,14 @@ def _flash_kernel(rt, name, argtypes, kind, version, label):
     return k, smem
 
 
-def build_flash_attention_forward(rt, B, T, C, NH, version=2, **_):
+def build_flash_attention_forward(rt, B, T, C, NH, version=2, defines=None, **_):
     """launch(out (B,T,C), qkvr (B,T,3C), lse (B,NH,T), inp (B,T,3C)): the permute into qkvr, then
     one fused kernel writing out and the per-row log-sum-exp (launch.saved_shape) for backward.
     version 2: tiles staged by the threads; 3: cp.async double-buffered."""
     _check_attention(B, T, C, NH)
     permute = _build_permute(rt, "permute", B, T, 3, NH, FLASH_HS)
     k, smem = _flash_kernel(rt, "flash_attention_forward_kernel", "PPPiiif", "fwd", version,
-                            f"attention_forward {version} (flash)")
+                            f"attention_forward {version} (flash)", defines)
     grid, block = (ceil_div(T, FLASH_TILE), B * NH, 1), (128, 1, 1)
     args = (np.int32(B), np.int32(NH), np.int32(T), np.float32(1.0 / math.sqrt(FLASH_HS)))
 
@@ -577,15 +577,16 @@ def build_flash_attention_forward(rt, B, T, C, NH, version=2, **_):
     return launch
 
 
-def build_flash_attention_backward(rt, B, T, C, NH, version=2, **_):
+def build_flash_attention_backward(rt, B, T, C, NH, version=2, defines=None, **_):
     """launch(dinp (B,T,3C), dout (B,T,C), qkvr (B,T,3C), lse (B,NH,T), out (B,T,C)): two kernels,
     dq (also writing D = rowsum(dout * out)) then dk, dv; dinp overwritten, no atomics."""
     _check_attention(B, T, C, NH)
     D = rt.empty((B, NH, T))
     label = f"attention_backward {version} (flash)"
-    kq, smq = _flash_kernel(rt, "flash_attention_backward_dq_kernel", "PPPPPPiiif", "dq", version, label + " dq")
+    kq, smq = _flash_kernel(rt, "flash_attention_backward_dq_kernel", "PPPPPPiiif", "dq", version, label + " dq",
+                            defines)
     kkv, smkv = _flash_kernel(rt, "flash_attention_backward_dkdv_kernel", "PPPPPiiif", "dkdv", version,
-                              label + " dk dv")
+                              label + " dk dv", defines)
     grid, block = (ceil_div(T, FLASH_TILE), B * NH, 1), (128, 1, 1)
     args = (np.int32(B), np.int32(NH), np.int32(T), np.float32(1.0 / math.sqrt(FLASH_HS)))
 
@@ -629,7 +630,7 @@ ATTENTION_FORWARD_VARIANTS = {
                   "log-sum-exp (B,NH,T); k, v tiles staged by the threads (head size 64)",
                _flash("forward", 2), _check_flash),
     3: Variant(3, "2 with the k, v tiles double-buffered through cp.async: the next tile loads while "
-                  "the tensor cores work (head size 64)",
+                  "the tensor cores work (head size 64; measured slower than 2: not load-bound)",
                _flash("forward", 3), _check_flash),
 }
 ATTENTION_BACKWARD_VARIANTS = {
@@ -742,7 +743,7 @@ OPS = [
            doc="dpreatt(BNH,T,T)=, datt(BNH,T,T), att(BNH,T,T); build(BNH, T, scale)"),
     # variant 1 is the composite of the softmax and matmul variants above; 2 is fused. What forward
     # keeps for backward differs (att or lse): the backend keeps the two directions' numbers equal
-    OpSpec("attention_forward", attention_forward_cpu, ATTENTION_FORWARD_VARIANTS, default=3,
+    OpSpec("attention_forward", attention_forward_cpu, ATTENTION_FORWARD_VARIANTS, default=2,
            flag="--attention-kernel",
            doc="out(B,T,C)=, qkvr(B,T,3C)=, saved=, inp(B,T,3C); saved is att(B,NH,T,T) (1) or "
                "lse(B,NH,T) (2), launch.saved_shape; build(B, T, C, NH)"),
