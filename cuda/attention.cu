@@ -690,6 +690,21 @@ __device__ __forceinline__ void fa_commit() { asm volatile("cp.async.commit_grou
 template <int N>
 __device__ __forceinline__ void fa_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
+// q (which 0), k (1) or v (2) of this block's (batch, head) = blockIdx.y in qkvr (3, B, NH, T, 64)
+__device__ __forceinline__ const float* fa_head(const float* qkvr, int which, int B, int NH, int T) {
+    return qkvr + ((size_t)which * B * NH + blockIdx.y) * T * FA_D;
+}
+// the k and v tiles of positions r0.. into s and s + one tile: staged (PIPE false) or in flight (true)
+template <bool PIPE>
+__device__ __forceinline__ void fa_load_kv(float* s, const float* k, const float* v, int r0, int T) {
+    if (PIPE) {
+        fa_stage_async(s, k, r0, T, FA_D);
+        fa_stage_async(s + FA_TILE_FLOATS, v, r0, T, FA_D);
+    } else {
+        fa_stage(s, k, r0, T, FA_D);
+        fa_stage(s + FA_TILE_FLOATS, v, r0, T, FA_D);
+    }
+}
 // A fragment of rows row0..row0+15, head-dim k-step kk (from a staged, rounded tile)
 __device__ __forceinline__ void fa_frag_a(uint32_t (&a)[4], const float* s, int row0, int kk, int g, int t) {
     const float* p = s + (row0 + g) * FA_LD + 8 * kk + t;
@@ -793,23 +808,11 @@ __device__ __forceinline__ void flash_forward(float* out, float* lse, const floa
     const int qt = gridDim.x - 1 - blockIdx.x;  // the query tiles with the most key tiles first
     const int bh = blockIdx.y, b = bh / NH, h = bh % NH, C = NH * FA_D;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const size_t plane = (size_t)B * NH * T * FA_D;
-    const float* q = qkvr + (size_t)bh * T * FA_D;
-    const float* k = q + plane;
-    const float* v = q + 2 * plane;
+    const float *q = fa_head(qkvr, 0, B, NH, T), *k = fa_head(qkvr, 1, B, NH, T), *v = fa_head(qkvr, 2, B, NH, T);
     const int q0 = qt * FA_TILE, w0 = warp * 16;
     const int row[2] = {q0 + w0 + g, q0 + w0 + g + 8};  // this lane's two query positions
     const float c2 = scale * FA_LOG2E;                  // scores -> log2 units
-    auto load = [&](int kt, int buf) {
-        float* s = kv + 2 * buf * FA_TILE_FLOATS;
-        if (PIPE) {
-            fa_stage_async(s, k, kt * FA_TILE, T, FA_D);
-            fa_stage_async(s + FA_TILE_FLOATS, v, kt * FA_TILE, T, FA_D);
-        } else {
-            fa_stage(s, k, kt * FA_TILE, T, FA_D);
-            fa_stage(s + FA_TILE_FLOATS, v, kt * FA_TILE, T, FA_D);
-        }
-    };
+    auto load = [&](int kt, int buf) { fa_load_kv<PIPE>(kv + 2 * buf * FA_TILE_FLOATS, k, v, kt * FA_TILE, T); };
     if (PIPE) { load(0, 0); fa_commit(); }
     // q goes into registers once, through the last tile buffer (not buffer 0 of a PIPE sweep)
     float* qs = kv + (PIPE ? 3 : 0) * FA_TILE_FLOATS;
@@ -887,24 +890,12 @@ __device__ __forceinline__ void flash_backward_dq(float* dinp, float* Dbuf, cons
     const int qt = gridDim.x - 1 - blockIdx.x;
     const int bh = blockIdx.y, b = bh / NH, h = bh % NH, C = NH * FA_D;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const size_t plane = (size_t)B * NH * T * FA_D;
-    const float* q = qkvr + (size_t)bh * T * FA_D;
-    const float* k = q + plane;
-    const float* v = q + 2 * plane;
+    const float *q = fa_head(qkvr, 0, B, NH, T), *k = fa_head(qkvr, 1, B, NH, T), *v = fa_head(qkvr, 2, B, NH, T);
     const int q0 = qt * FA_TILE, w0 = warp * 16;
     const int row[2] = {q0 + w0 + g, q0 + w0 + g + 8};
     const float c2 = scale * FA_LOG2E;
     const size_t rowbase = (size_t)b * T * C + h * FA_D;  // + t * C: row t of this head in out / dout
-    auto load = [&](int kt, int buf) {
-        float* s = kv + 2 * buf * FA_TILE_FLOATS;
-        if (PIPE) {
-            fa_stage_async(s, k, kt * FA_TILE, T, FA_D);
-            fa_stage_async(s + FA_TILE_FLOATS, v, kt * FA_TILE, T, FA_D);
-        } else {
-            fa_stage(s, k, kt * FA_TILE, T, FA_D);
-            fa_stage(s + FA_TILE_FLOATS, v, kt * FA_TILE, T, FA_D);
-        }
-    };
+    auto load = [&](int kt, int buf) { fa_load_kv<PIPE>(kv + 2 * buf * FA_TILE_FLOATS, k, v, kt * FA_TILE, T); };
     if (PIPE) { load(0, 0); fa_commit(); }
 
     // D for the warp's 16 rows: a lane per pair of columns, warp sum
@@ -984,10 +975,7 @@ __device__ __forceinline__ void flash_backward_dkdv(float* dinp, const float* do
     const int kt = blockIdx.x, nqt = gridDim.x;  // the key tiles with the most query tiles first
     const int bh = blockIdx.y, b = bh / NH, h = bh % NH, C = NH * FA_D;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const size_t plane = (size_t)B * NH * T * FA_D;
-    const float* q = qkvr + (size_t)bh * T * FA_D;
-    const float* k = q + plane;
-    const float* v = q + 2 * plane;
+    const float *q = fa_head(qkvr, 0, B, NH, T), *k = fa_head(qkvr, 1, B, NH, T), *v = fa_head(qkvr, 2, B, NH, T);
     const float* dO = dout + (size_t)b * T * C + h * FA_D;
     const float* lseh = lse + (size_t)bh * T;
     const float* Dh = Dbuf + (size_t)bh * T;
