@@ -795,11 +795,9 @@ __device__ __forceinline__ void fa_sweep(int n, Load load, Body body) {
     }
 }
 
-// dynamic shared memory in floats: forward and dq hold (k, v) tiles x stages (+ D for dq); dkdv
-// holds its own k, v and (q, dout) tiles x stages plus lse and D per stage
-#define FA_SMEM_FWD(PIPE) ((PIPE ? 4 : 2) * FA_TILE_FLOATS)
-#define FA_SMEM_DQ(PIPE) ((PIPE ? 4 : 2) * FA_TILE_FLOATS + FA_TILE)
-#define FA_SMEM_DKDV(PIPE) ((PIPE ? 6 : 4) * FA_TILE_FLOATS + (PIPE ? 4 : 2) * FA_TILE)
+// Dynamic shared memory (sized by llmc/ops/attention.py, _flash_smem): forward and dq hold (k, v)
+// tiles x stages (+ 64 floats of D for dq); dkdv holds its own k, v and (q, dout) tiles x stages
+// plus 64 lse and 64 D per stage. Stages: 1 without PIPE, 2 with it.
 
 template <bool PIPE>
 __device__ __forceinline__ void flash_forward(float* out, float* lse, const float* qkvr, int B, int NH, int T, float scale) {

@@ -183,7 +183,8 @@ def att_from_lse(qkvr, lse, NH):
     hs = C3 // 3 // NH
     q, k, _ = qkvr.reshape(3, B, NH, T, hs)
     x = (q @ k.swapaxes(-1, -2)) * qkvr.dtype.type(1.0 / math.sqrt(hs)) - lse[..., None]
-    return np.where(_causal_mask(T), np.exp(np.where(_causal_mask(T), x, 0.0)), 0.0)
+    mask = _causal_mask(T)
+    return np.where(mask, np.exp(np.where(mask, x, 0.0)), 0.0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -531,8 +532,9 @@ FLASH_TILE = 64  # rows per block, positions per tile
 
 
 def _check_flash(B, T, C, NH, **_):
-    if min(B, T, C, NH) < 1 or C % NH:
-        return f"B={B} T={T} C={C} NH={NH} is not a valid attention shape"
+    bad = _check_composite(B, T, C, NH)
+    if bad:
+        return bad
     if C // NH != FLASH_HS:
         return f"head size C/NH = {C // NH}: the fused kernels are written for head size {FLASH_HS}"
     if 3 * B * T * C >= 2**31:
@@ -541,7 +543,7 @@ def _check_flash(B, T, C, NH, **_):
 
 
 def _flash_smem(kind, version):
-    """Dynamic shared memory in bytes of a flash kernel (FA_SMEM_* in cuda/attention.cu)."""
+    """Dynamic shared memory in bytes of a flash kernel (the layout is described in cuda/attention.cu)."""
     tile, pipe = FLASH_TILE * 68, version == 3
     floats = {"fwd": (4 if pipe else 2) * tile,
               "dq": (4 if pipe else 2) * tile + FLASH_TILE,
