@@ -42,6 +42,19 @@ CACHE_DIR = Path(os.environ.get("LLMC_CACHE", Path.home() / ".cache" / "llmc"))
 # numpy oracle stays meaningful. -lineinfo keeps source lines for ncu/compute-sanitizer.
 NVCC_FLAGS = ["-O3", "-std=c++17", "-lineinfo", "-Xptxas=-v"]
 
+# Modules built for an architecture-specific target instead of the device's plain one: wgmma and
+# setmaxnreg exist only on sm_90a (Hopper), so cuda/gemm_wgmma.cu is built for it and refused elsewhere.
+ARCH_SPECIFIC = {"gemm_wgmma": "sm_90a"}
+
+
+def arch_flags(arch: str) -> list[str]:
+    """nvcc target flags: `-arch=sm_XY`, or for an 'a' target the -gencode form (the -arch=sm_90a
+    shorthand may also run a plain sm_90 pass that rejects wgmma)."""
+    if arch.endswith("a"):
+        num = arch[3:]
+        return [f"-gencode=arch=compute_{num},code=sm_{num}"]
+    return [f"-arch={arch}"]
+
 
 class CudaError(LLMCError):
     """A CUDA failure, with the op/variant that caused it when known."""
@@ -91,7 +104,7 @@ def compile_cubin(module: str, arch: str = "sm_90", defines: dict | None = None,
     logf = cubin.with_suffix(".log")
     if use_cache and cubin.exists() and logf.exists():
         return cubin, logf.read_text()
-    cmd = [nvcc, "-cubin", f"-arch={arch}", *NVCC_FLAGS, *(extra_flags or []), f"-I{CUDA_DIR}",
+    cmd = [nvcc, "-cubin", *arch_flags(arch), *NVCC_FLAGS, *(extra_flags or []), f"-I{CUDA_DIR}",
            *[f"-D{k}={v}" for k, v in defines.items()]]
     with tempfile.TemporaryDirectory(dir=CACHE_DIR) as tmp:
         tmp_out = Path(tmp) / "out.cubin"
@@ -353,7 +366,12 @@ class Runtime:
         key = (name, tuple(sorted((defines or {}).items())))
         mod = self._modules.get(key)
         if mod is None:
-            cubin, _ = compile_cubin(name, self.arch, defines)
+            arch = self.arch
+            if name in ARCH_SPECIFIC:
+                arch = ARCH_SPECIFIC[name]
+                if arch.rstrip("a") != self.arch:
+                    raise CudaError(f"cuda/{name}.cu needs {arch} (this GPU is {self.arch})")
+            cubin, _ = compile_cubin(name, arch, defines)
             mod = self.drv.module_from_file(str(cubin))
             self._modules[key] = mod
         return mod

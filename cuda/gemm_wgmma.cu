@@ -1,0 +1,336 @@
+// GEMM engine 5: Hopper tensor cores through wgmma, tiles brought in by the TMA (sm_90a only).
+//
+//   C(M,N) = alpha * A(M,K) @ B(N,K)^T  (+ bias(N)) (+ beta * C)        both operands K-major
+//
+// Build: nvcc -gencode=arch=compute_90a,code=sm_90a (llmc/runtime.py does this for this file).
+// Lab:   python dev/cuda/matmul_forward.py 9      tests: pytest -m gpu tests/test_gemm_wgmma.py
+//
+// Why a new engine: engines 2-4 issue mma.sync (m16n8k8), which on Hopper tops out near 60% of the
+// tensor cores' rate; wgmma issues a 64xN product per warpgroup (4 warps) straight from shared
+// memory, asynchronously, so one thread can keep the tensor cores fed while the others wait.
+//
+// The structure (one CTA per SM, persistent):
+//   warpgroup 0      the producer. One thread walks the same tile sequence as the consumers and,
+//                    for each k-block, waits until the stage is free (`empty` mbarrier), then asks
+//                    the TMA for the A tile (128 x BK) and the B tile (BN x BK), both landing in
+//                    128-byte-swizzled shared memory and completing on the stage's `full` mbarrier.
+//                    It gives most of its registers away (setmaxnreg.dec).
+//   warpgroups 1, 2  the consumers, rows 0-63 and 64-127 of the 128 x BN tile. Per k-block: wait on
+//                    `full`, issue BK*size/32 wgmmas (k=8 for tf32, k=16 for bf16: 32 bytes of K
+//                    each), commit; wait for the previous k-block's group and free its stage. Then
+//                    the epilogue from registers: alpha, bias, beta*C, or raw partials for split-K.
+//   STAGES deep ring of stages: the TMA runs up to STAGES k-blocks ahead, across tile boundaries,
+//   so the next tile's loads overlap this tile's epilogue.
+//
+// Each shared-memory row of a tile is exactly 128 bytes of K (32 fp32 / 64 bf16): the TMA's
+// 128-byte swizzle XORs the 16-byte chunk index with (row % 8), and the wgmma descriptors say the
+// same (layout type 1, 8-row groups 1024 bytes apart), so the tensor cores read conflict-free.
+// Advancing K by one wgmma step inside the swizzled row is +32 bytes on the descriptor's start
+// address (stages are 1024-byte aligned, so the swizzle phase is unchanged).
+//
+// TF32 note: the tensor cores read the top 19 bits of each fp32 operand (truncation), where engines
+// 2-4 round with cvt.rna first. The TMA copies bits, so this engine truncates, like cuBLAS's TF32.
+// Out-of-range rows/columns of a tile (M, N, K not multiples of the tile) are zero-filled by the TMA.
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <stdint.h>
+#include "wgmma.cuh"
+
+typedef long long ll;
+
+constexpr int BM = 128;            // rows of C per tile: two consumer warpgroups x 64
+constexpr int ROW_BYTES = 128;     // bytes of K per shared-memory row (one swizzle span)
+constexpr int THREADS = 384;       // producer warpgroup + 2 consumer warpgroups
+constexpr int CONSUMER_WARPS = 8;
+constexpr int GROUP_M = 8;         // tile rows walked together, for L2 reuse of B tiles
+
+// ------------------------------------------------------------------------------------------------
+// PTX helpers: shared-memory addresses, mbarriers, TMA, wgmma bookkeeping
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+
+// the producer's arrival: one arrive, and the barrier also waits for `bytes` of TMA traffic
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes)
+                 : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
+}
+
+// wait until the phase with this parity has completed (a fresh barrier counts phase "-1", parity 1,
+// as completed: that is how the producer's first pass over the empty stages goes straight through)
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {
+    const uint32_t addr = smem_u32(bar);
+    uint32_t done;
+    do {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                     "selp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done) : "r"(addr), "r"(parity) : "memory");
+    } while (!done);
+}
+
+// 2D tile load: box at coordinates (c0 = K offset, c1 = row offset), completing on `bar`
+__device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];"
+                 ::"r"(smem_u32(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1)
+                 : "memory");
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
+
+// Shared-memory matrix descriptor of a K-major tile with the 128-byte swizzle: start address,
+// leading byte offset (unused by swizzled K-major layouts; 16), stride byte offset 1024 (the next
+// group of 8 rows), layout type 1 in bits 62-63.
+__device__ __forceinline__ uint64_t smem_desc(const void* p) {
+    const uint64_t addr = smem_u32(p);
+    return ((addr & 0x3FFFF) >> 4) | (uint64_t(16 >> 4) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
+}
+
+// the k-th tile of the persistent sequence: tile rows go in groups of GROUP_M, column-major inside a
+// group, so the CTAs running at one time share a few B tiles and GROUP_M A tiles in L2
+__device__ __forceinline__ void tile_coords(int t, int tiles_m, int tiles_n, int& tm, int& tn) {
+    const int per_group = GROUP_M * tiles_n;
+    const int g = t / per_group, first = g * GROUP_M;
+    const int rows = min(tiles_m - first, GROUP_M);
+    const int r = t - g * per_group;
+    tm = first + r % rows;
+    tn = r / rows;
+}
+
+template <int NREG>
+__device__ __forceinline__ void keep_in_regs(float (&d)[NREG]) {
+    // the accumulators are written by the async wgmma: stop the compiler moving reads above the wait
+#pragma unroll
+    for (int i = 0; i < NREG; i++) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+template <typename T, int BN> struct Wgmma;
+template <> struct Wgmma<float, 64> { static __device__ __forceinline__ void run(float (&d)[32], uint64_t a, uint64_t b, int s) { wgmma_tf32_n64(d, a, b, s); } };
+template <> struct Wgmma<float, 128> { static __device__ __forceinline__ void run(float (&d)[64], uint64_t a, uint64_t b, int s) { wgmma_tf32_n128(d, a, b, s); } };
+template <> struct Wgmma<float, 192> { static __device__ __forceinline__ void run(float (&d)[96], uint64_t a, uint64_t b, int s) { wgmma_tf32_n192(d, a, b, s); } };
+template <> struct Wgmma<float, 256> { static __device__ __forceinline__ void run(float (&d)[128], uint64_t a, uint64_t b, int s) { wgmma_tf32_n256(d, a, b, s); } };
+template <> struct Wgmma<__nv_bfloat16, 64> { static __device__ __forceinline__ void run(float (&d)[32], uint64_t a, uint64_t b, int s) { wgmma_bf16_n64(d, a, b, s); } };
+template <> struct Wgmma<__nv_bfloat16, 128> { static __device__ __forceinline__ void run(float (&d)[64], uint64_t a, uint64_t b, int s) { wgmma_bf16_n128(d, a, b, s); } };
+template <> struct Wgmma<__nv_bfloat16, 192> { static __device__ __forceinline__ void run(float (&d)[96], uint64_t a, uint64_t b, int s) { wgmma_bf16_n192(d, a, b, s); } };
+template <> struct Wgmma<__nv_bfloat16, 256> { static __device__ __forceinline__ void run(float (&d)[128], uint64_t a, uint64_t b, int s) { wgmma_bf16_n256(d, a, b, s); } };
+
+// ------------------------------------------------------------------------------------------------
+// the kernel body
+
+struct GemmArgs {
+    float* C;            // (M, ldc) row-major, or (N, ldc) when trans_c (C^T is stored)
+    const float* bias;   // (N) or nullptr
+    float* W;            // split-K workspace (splits, M, ldw), used when splits > 1
+    int M, N, K, ldc, ldw, splits, kb_per_split;
+    float alpha, beta;
+    int trans_c;
+};
+
+// One consumer thread's share of the epilogue. Accumulator d[4j + 2h + c] of warp w, lane l holds
+// C at row 16w + l/4 + 8h (of the warpgroup's 64), column 8j + 2(l%4) + c.
+template <int BN>
+__device__ __forceinline__ void epilogue(float (&d)[BN / 2], const GemmArgs& a, int m0, int n0, int split) {
+    const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
+    const int r0 = m0 + warp * 16 + (lane >> 2), c0 = n0 + 2 * (lane & 3);
+    if (a.splits > 1) {  // raw partial sums; gemm_wgmma_splitk_reduce applies alpha, beta, bias
+        float* W = a.W + (ll)split * a.M * a.ldw;
+#pragma unroll
+        for (int j = 0; j < BN / 8; j++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int r = r0 + 8 * h, c = c0 + 8 * j;
+                if (r < a.M && c < a.N) {  // ldw is even and >= N rounded up to 4: both columns fit
+                    *reinterpret_cast<float2*>(W + (ll)r * a.ldw + c) = make_float2(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
+                }
+            }
+        return;
+    }
+    const bool pair = !a.trans_c && (a.ldc % 2 == 0) && ((reinterpret_cast<uintptr_t>(a.C) & 7) == 0);
+#pragma unroll
+    for (int j = 0; j < BN / 8; j++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int r = r0 + 8 * h, c = c0 + 8 * j;
+            if (r >= a.M || c >= a.N) continue;
+            float v0 = a.alpha * d[4 * j + 2 * h], v1 = a.alpha * d[4 * j + 2 * h + 1];
+            const bool two = c + 1 < a.N;
+            if (a.bias) { v0 += a.bias[c]; if (two) v1 += a.bias[c + 1]; }
+            if (a.trans_c) {
+                float* p0 = a.C + (ll)c * a.ldc + r;
+                if (a.beta != 0.0f) v0 += a.beta * *p0;
+                *p0 = v0;
+                if (two) {
+                    float* p1 = p0 + a.ldc;
+                    if (a.beta != 0.0f) v1 += a.beta * *p1;
+                    *p1 = v1;
+                }
+            } else {
+                float* p = a.C + (ll)r * a.ldc + c;
+                if (pair && two) {
+                    if (a.beta != 0.0f) { const float2 o = *reinterpret_cast<float2*>(p); v0 += a.beta * o.x; v1 += a.beta * o.y; }
+                    *reinterpret_cast<float2*>(p) = make_float2(v0, v1);
+                } else {
+                    if (a.beta != 0.0f) v0 += a.beta * p[0];
+                    p[0] = v0;
+                    if (two) {
+                        if (a.beta != 0.0f) v1 += a.beta * p[1];
+                        p[1] = v1;
+                    }
+                }
+            }
+        }
+}
+
+template <typename T, int BN, int STAGES>
+__device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CUtensorMap* tmB, const GemmArgs& a) {
+    constexpr int BK = ROW_BYTES / sizeof(T);       // K per stage: 32 tf32 or 64 bf16
+    constexpr int KSTEPS = ROW_BYTES / 32;           // wgmmas per stage (32 bytes of K each)
+    constexpr int A_BYTES = BM * ROW_BYTES, B_BYTES = BN * ROW_BYTES, STAGE_BYTES = A_BYTES + B_BYTES;
+    extern __shared__ unsigned char smem_raw[];
+    // stages need 1024-byte alignment for the swizzle; the launcher asks for 1 KB extra
+    unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+    uint64_t* full = reinterpret_cast<uint64_t*>(smem + STAGES * STAGE_BYTES);
+    uint64_t* empty = full + STAGES;
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; s++) {
+            mbar_init(&full[s], 1);                  // the producer's expect_tx arrival (+ the bytes)
+            mbar_init(&empty[s], CONSUMER_WARPS);    // lane 0 of every consumer warp
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+
+    const int tiles_m = (a.M + BM - 1) / BM, tiles_n = (a.N + BN - 1) / BN;
+    const int units = tiles_m * tiles_n * a.splits;  // work units: (tile, K split)
+    const int kblocks_total = (a.K + BK - 1) / BK;
+    const int wg = threadIdx.x / 128;
+
+    if (wg == 0) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+        if (threadIdx.x == 0) {
+            int stage = 0, phase = 0;
+            for (int u = blockIdx.x; u < units; u += gridDim.x) {
+                const int split = u % a.splits, t = u / a.splits;
+                int tm, tn;
+                tile_coords(t, tiles_m, tiles_n, tm, tn);
+                const int kb0 = split * a.kb_per_split, kb1 = min(kblocks_total, kb0 + a.kb_per_split);
+                for (int kb = kb0; kb < kb1; kb++) {
+                    mbar_wait(&empty[stage], phase ^ 1);
+                    mbar_expect_tx(&full[stage], STAGE_BYTES);
+                    unsigned char* sa = smem + stage * STAGE_BYTES;
+                    tma_load_2d(sa, tmA, &full[stage], kb * BK, tm * BM);
+                    tma_load_2d(sa + A_BYTES, tmB, &full[stage], kb * BK, tn * BN);
+                    if (++stage == STAGES) { stage = 0; phase ^= 1; }
+                }
+            }
+        }
+    } else {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+        float d[BN / 2];
+        const int lane = threadIdx.x & 31;
+        int stage = 0, phase = 0;
+        for (int u = blockIdx.x; u < units; u += gridDim.x) {
+            const int split = u % a.splits, t = u / a.splits;
+            int tm, tn;
+            tile_coords(t, tiles_m, tiles_n, tm, tn);
+            const int kb0 = split * a.kb_per_split, kb1 = min(kblocks_total, kb0 + a.kb_per_split);
+            int prev = -1;
+            for (int kb = kb0; kb < kb1; kb++) {
+                mbar_wait(&full[stage], phase);
+                const unsigned char* sa = smem + stage * STAGE_BYTES + (wg - 1) * 64 * ROW_BYTES;
+                const unsigned char* sb = smem + stage * STAGE_BYTES + A_BYTES;
+                wgmma_fence();
+#pragma unroll
+                for (int ks = 0; ks < KSTEPS; ks++)
+                    Wgmma<T, BN>::run(d, smem_desc(sa + 32 * ks), smem_desc(sb + 32 * ks), (kb > kb0 || ks > 0) ? 1 : 0);
+                wgmma_commit();
+                wgmma_wait<1>();  // the previous k-block's products are done: its stage can be refilled
+                if (prev >= 0 && lane == 0) mbar_arrive(&empty[prev]);
+                prev = stage;
+                if (++stage == STAGES) { stage = 0; phase ^= 1; }
+            }
+            wgmma_wait<0>();
+            if (prev >= 0 && lane == 0) mbar_arrive(&empty[prev]);
+            keep_in_regs(d);
+            if (kb1 <= kb0) {  // an empty K range (only if K splits outnumber k-blocks): contributes 0
+#pragma unroll
+                for (int i = 0; i < BN / 2; i++) d[i] = 0.0f;
+            }
+            epilogue<BN>(d, a, tm * BM + (wg - 1) * 64, tn * BN, split);
+        }
+    }
+}
+
+// shared memory a (T, BN, STAGES) instance needs: the stages, 2 mbarriers each, 1 KB for alignment
+#define GEMM_WGMMA_ENTRY(NAME, T, BN, STAGES)                                                             \
+    extern "C" __global__ void __launch_bounds__(THREADS, 1)                                             \
+    NAME(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB, float* C,     \
+         const float* bias, float* W, int M, int N, int K, int ldc, int ldw, int splits, int kb_per_split, \
+         float alpha, float beta, int trans_c) {                                                          \
+        const GemmArgs a{C, bias, W, M, N, K, ldc, ldw, splits, kb_per_split, alpha, beta, trans_c};     \
+        gemm_wgmma_body<T, BN, STAGES>(&tmA, &tmB, a);                                                   \
+    }
+
+// stages: as many as fit in ~200 KB (A 16 KB + B BN*128 bytes each)
+GEMM_WGMMA_ENTRY(gemm_wgmma_tf32_n128, float, 128, 6)
+GEMM_WGMMA_ENTRY(gemm_wgmma_tf32_n192, float, 192, 5)
+GEMM_WGMMA_ENTRY(gemm_wgmma_tf32_n256, float, 256, 4)
+GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n128, __nv_bfloat16, 128, 6)
+GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n192, __nv_bfloat16, 192, 5)
+GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n256, __nv_bfloat16, 256, 4)
+
+// ------------------------------------------------------------------------------------------------
+// helpers the engine's launcher uses
+
+// C = alpha * sum_s W[s] (+ bias) (+ beta * C), the splits added in order (deterministic)
+extern "C" __global__ void gemm_wgmma_splitk_reduce(float* C, const float* W, const float* bias, int M, int N,
+                                                    int ldc, int ldw, int splits, float alpha, float beta) {
+    const ll total = (ll)M * N;
+    for (ll i = (ll)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (ll)gridDim.x * blockDim.x) {
+        const int m = (int)(i / N), n = (int)(i % N);
+        float s = 0.0f;
+        for (int k = 0; k < splits; k++) s += W[((ll)k * M + m) * ldw + n];
+        float x = alpha * s;
+        if (bias) x += bias[n];
+        float* p = C + (ll)m * ldc + n;
+        if (beta != 0.0f) x += beta * *p;
+        *p = x;
+    }
+}
+
+// out(cols, ld_out) = in(rows, cols)^T: 32x32 tiles through padded shared memory (the padding
+// column keeps the transposed reads off a single bank). Both global sides coalesced.
+extern "C" __global__ void transpose_kernel(float* out, const float* in, int rows, int cols, int ld_in, int ld_out) {
+    __shared__ float tile[32][33];
+    const int c = blockIdx.x * 32 + threadIdx.x;
+#pragma unroll
+    for (int i = 0; i < 32; i += 8) {
+        const int r = blockIdx.y * 32 + threadIdx.y + i;
+        if (r < rows && c < cols) tile[threadIdx.y + i][threadIdx.x] = in[(ll)r * ld_in + c];
+    }
+    __syncthreads();
+    const int r = blockIdx.y * 32 + threadIdx.x;
+#pragma unroll
+    for (int i = 0; i < 32; i += 8) {
+        const int oc = blockIdx.x * 32 + threadIdx.y + i;
+        if (oc < cols && r < rows) out[(ll)oc * ld_out + r] = tile[threadIdx.x][threadIdx.y + i];
+    }
+}
+
+// fp32 -> bf16 (round to nearest even), for the lab's BF16 rows and the tests
+extern "C" __global__ void to_bf16_kernel(__nv_bfloat16* out, const float* in, ll n) {
+    for (ll i = (ll)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (ll)gridDim.x * blockDim.x)
+        out[i] = __float2bfloat16_rn(in[i]);
+}

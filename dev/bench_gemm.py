@@ -1,0 +1,135 @@
+"""Every GEMM of a GPT-2 d12 training step, on each of our engines and on cuBLAS (through torch),
+timed in one run: TFLOP/s and the ratio to cuBLAS at the same precision.
+
+    python dev/bench_gemm.py                 # B=4 and B=16, T=1024; writes $OUT/bench_gemm.json if OUT is set
+    python dev/bench_gemm.py --B 4 --reps 50
+
+Shapes (row-major, N = B*T tokens): forward out(N,OC) = inp(N,C) @ W(OC,C)^T; dinp(N,C) = dout(N,OC) @ W;
+dweight(OC,C) = dout^T @ inp, for qkv, attproj, fc, fcproj and the lm head. Engine 5 (wgmma) takes only
+K-major operands in TF32, so its dinp row includes transposing W and its dweight row transposing dout
+and inp (the times of those transposes are also shown on their own).
+CUDA events around each call, median of --reps after warm-up; inputs random.
+"""
+import argparse
+import json
+import os
+
+import numpy as np
+
+LAYERS = {"qkv": (768, 2304), "attproj": (768, 768), "fc": (768, 3072), "fcproj": (3072, 768), "lmhead": (768, 50304)}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--B", type=int, nargs="*", default=[4, 16])
+    ap.add_argument("--T", type=int, default=1024)
+    ap.add_argument("--reps", type=int, default=30)
+    args = ap.parse_args()
+
+    import torch
+    from llmc.runtime import Runtime
+    from llmc.ops import gemm_wgmma as gw
+    from llmc.ops.matmul import gemm_build
+    rt = Runtime()
+    torch.backends.cuda.matmul.allow_tf32 = True
+    rng = np.random.default_rng(0)
+
+    def med(fn):
+        return float(np.median(rt.time_ms(fn, warmup=5, repeat=args.reps)))
+
+    def tmed(fn):
+        for _ in range(5):
+            fn()
+        ts = []
+        for _ in range(args.reps):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record(); fn(); e.record(); e.synchronize()
+            ts.append(s.elapsed_time(e))
+        return float(np.median(ts))
+
+    rows = []
+    for B in args.B:
+        Ntok = B * args.T
+        for name, (C, OC) in LAYERS.items():
+            x = torch.randn(Ntok, C, device="cuda")
+            w = torch.randn(OC, C, device="cuda") * 0.02
+            dout = torch.randn(Ntok, OC, device="cuda")
+            y = torch.empty(Ntok, OC, device="cuda")
+            dx = torch.empty(Ntok, C, device="cuda")
+            dw = torch.zeros(OC, C, device="cuda")
+            xb, wb, doutb = x.bfloat16(), w.bfloat16(), dout.bfloat16()
+            wt = w.t().contiguous()
+            doutT, xT = dout.t().contiguous(), x.t().contiguous()
+            P = lambda t: t.data_ptr()  # noqa: E731
+            flops = 2.0 * Ntok * C * OC
+            for kind in ("fwd", "dinp", "dweight"):
+                r = {"B": B, "layer": name, "gemm": kind}
+                if kind == "fwd":
+                    r["cublas_tf32"] = tmed(lambda: torch.matmul(x, w.t(), out=y))
+                    r["cublas_bf16"] = tmed(lambda: torch.matmul(xb, wb.t()))
+                    e4 = gemm_build(rt, 4, False, True, M=Ntok, N=OC, K=C)
+                    r["engine4"] = med(lambda: e4(P(y), P(x), P(w)))
+                    g = gw.wgmma_build(rt, "tf32", Ntok, OC, C)
+                    r["engine5_tf32"] = med(lambda: g(P(y), P(x), P(w)))
+                    r["plan_tf32"] = g.plan
+                    gb = gw.wgmma_build(rt, "bf16", Ntok, OC, C)
+                    yb = torch.empty(Ntok, OC, device="cuda")
+                    r["engine5_bf16"] = med(lambda: gb(P(yb), P(xb), P(wb)))
+                    r["plan_bf16"] = gb.plan
+                    # correctness spot check against cuBLAS at the same precision
+                    g(P(y), P(x), P(w)); torch.cuda.synchronize()
+                    ref = x.double() @ w.double().t()
+                    r["err_tf32"] = float((y.double() - ref).norm() / ref.norm())
+                    gb(P(yb), P(xb), P(wb)); torch.cuda.synchronize()
+                    refb = xb.double() @ wb.double().t()
+                    r["err_bf16"] = float((yb.double() - refb).norm() / refb.norm())
+                elif kind == "dinp":
+                    r["cublas_tf32"] = tmed(lambda: torch.matmul(dout, w, out=dx))
+                    r["cublas_bf16"] = tmed(lambda: torch.matmul(doutb, wb))
+                    e4 = gemm_build(rt, 4, False, False, M=Ntok, N=C, K=OC)
+                    r["engine4"] = med(lambda: e4(P(dx), P(dout), P(w)))
+                    g = gw.wgmma_build(rt, "tf32", Ntok, C, OC)
+                    tr = gw.transpose_build(rt, OC, C)
+                    r["transpose"] = med(lambda: tr(P(wt), P(w)))
+                    r["engine5_tf32_gemm"] = med(lambda: g(P(dx), P(dout), P(wt)))
+                    r["engine5_tf32"] = r["engine5_tf32_gemm"] + r["transpose"]
+                    r["plan_tf32"] = g.plan
+                else:
+                    r["cublas_tf32"] = tmed(lambda: torch.matmul(dout.t(), x, out=dw))
+                    r["cublas_bf16"] = tmed(lambda: torch.matmul(doutb.t(), xb))
+                    e4 = gemm_build(rt, 4, True, False, M=OC, N=C, K=Ntok, beta=1.0)
+                    r["engine4"] = med(lambda: e4(P(dw), P(dout), P(x)))
+                    g = gw.wgmma_build(rt, "tf32", OC, C, Ntok, beta=1.0)
+                    t1, t2 = gw.transpose_build(rt, Ntok, OC), gw.transpose_build(rt, Ntok, C)
+                    r["transpose"] = med(lambda: (t1(P(doutT), P(dout)), t2(P(xT), P(x))))
+                    r["engine5_tf32_gemm"] = med(lambda: g(P(dw), P(doutT), P(xT)))
+                    r["engine5_tf32"] = r["engine5_tf32_gemm"] + r["transpose"]
+                    r["plan_tf32"] = g.plan
+                for key in list(r):
+                    if key.startswith(("cublas", "engine")) and not key.endswith("_gemm"):
+                        r["tflops_" + key] = flops / r[key] / 1e9
+                rows.append(r)
+                line = (f"B={B:2d} {name:8s} {kind:7s} cuBLAS tf32 {r['cublas_tf32']:.3f} ms "
+                        f"| e4 {r['engine4']:.3f} | e5 tf32 {r['engine5_tf32']:.3f} "
+                        f"({r['cublas_tf32'] / r['engine5_tf32']:.2f}x of cuBLAS) {r['plan_tf32']}")
+                if "engine5_bf16" in r:
+                    line += (f" | bf16 cuBLAS {r['cublas_bf16']:.3f} e5 {r['engine5_bf16']:.3f} "
+                             f"({r['cublas_bf16'] / r['engine5_bf16']:.2f}x) err {r['err_tf32']:.1e}/{r['err_bf16']:.1e}")
+                if "transpose" in r:
+                    line += f" | transposes {r['transpose']:.3f}"
+                print(line, flush=True)
+            del x, w, dout, y, dx, dw, xb, wb, doutb, wt, doutT, xT
+            torch.cuda.empty_cache()
+    # totals per step (12 layers + lm head) for each engine
+    for B in args.B:
+        for key in ("cublas_tf32", "engine4", "engine5_tf32", "cublas_bf16"):
+            tot = sum(r.get(key, 0.0) * (1 if r["layer"] == "lmhead" else 12) for r in rows if r["B"] == B)
+            print(f"B={B} step total of matmuls, {key}: {tot:.2f} ms (cuBLAS bf16 has no dinp/dweight split rows: "
+                  f"all three GEMM kinds timed)" if key == "cublas_bf16" else f"B={B} step total of matmuls, {key}: {tot:.2f} ms")
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "bench_gemm.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,203 @@
+"""GEMM engine 5: wgmma + TMA on Hopper (cuda/gemm_wgmma.cu), TF32 and BF16 inputs, fp32 out.
+
+    from llmc.ops.gemm_wgmma import wgmma_build
+    g = wgmma_build(rt, "tf32", M=4096, N=2304, K=768, has_bias=True)   # A (M,K), B (N,K): K-major
+    g(C, A, B, bias)                          # C(M,N) = A @ B^T + bias
+    python dev/cuda/matmul_forward.py 9       # lab: against cuBLAS TF32/BF16 through torch
+    python -m pytest -m gpu tests/test_gemm_wgmma.py
+
+Both operands are K-major (each row holds K contiguous elements): the only layout wgmma takes for
+tf32 from shared memory. The launcher describes each operand to the TMA with a tensor map (the
+driver's cuTensorMapEncodeTiled, called through ctypes: PyCUDA does not wrap it), built once per
+operand pointer and passed to the kernel by value as a __grid_constant__ parameter. The maps hold
+the pointers, so the launch closure caches them per (A, B) pointer pair; a captured CUDA graph keeps
+the bytes it was launched with, which is right because the model's buffers never move.
+
+The planner picks the tile width BN (128, 192 or 256; the tile is 128 x BN) and a K split by a
+wave-quantised cost model: GPT-2's N = 768 is exactly 4 tiles of 192, which fills 128 of the H100's
+132 SMs at M = 4096. Split-K partial sums go to a workspace and a second pass adds them in order
+(deterministic).
+"""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+from llmc.errors import LLMCError
+
+MODULE = "gemm_wgmma"
+BM = 128
+BN_CHOICES = (128, 192, 256)
+# relative steady-state rate of each tile width (wider tiles reuse each A tile more); first guesses,
+# to be replaced by the lab's measurements
+BN_EFF = {128: 0.90, 192: 0.97, 256: 1.0}
+TILE_OVERHEAD_KB = 2            # epilogue + pipeline fill of a work unit, in k-blocks
+SM_TF32_FLOPS = 3.0e12          # per-SM rate assumed by the planner (~80% of 494 TFLOP/s / 132); bf16 twice
+DRAM_BPS = 2.5e12
+
+DTYPES = {  # name -> (numpy dtype of the operands, element bytes, CUtensorMapDataType)
+    "tf32": (np.float32, 4, 7),     # CU_TENSOR_MAP_DATA_TYPE_FLOAT32: bits copied, tensor cores truncate
+    "tf32r": (np.float32, 4, 11),   # CU_TENSOR_MAP_DATA_TYPE_TFLOAT32 (a lab experiment: does the TMA round?)
+    "bf16": (np.uint16, 2, 9),      # CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 (bf16 bits held as uint16 on the host)
+}
+SWIZZLE_128B = 3
+L2_PROMOTION_256B = 3
+
+
+# ----------------------------------------------------------------------------------------------
+# tensor maps (the TMA's description of a 2D operand)
+
+_libcuda = None
+
+
+def _driver():
+    global _libcuda
+    if _libcuda is None:
+        try:
+            _libcuda = ctypes.CDLL("libcuda.so.1")
+        except OSError as e:
+            raise LLMCError(f"gemm engine 5: cannot load the CUDA driver library for cuTensorMapEncodeTiled ({e})") from None
+        f = _libcuda.cuTensorMapEncodeTiled
+        f.restype = ctypes.c_int
+        f.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p,
+                      ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64),
+                      ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint32),
+                      ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    return _libcuda
+
+
+def tensor_map(ptr: int, dtype: str, rows: int, cols: int, ld: int, box_rows: int) -> bytes:
+    """The 128-byte CUtensorMap of a row-major (rows, cols) matrix with leading dimension `ld`
+    (elements), read in boxes of (box_rows, 128 bytes of cols), 128-byte swizzled, zero-filled out
+    of range."""
+    _, esize, code = DTYPES[dtype]
+    buf = ctypes.create_string_buffer(128 + 64)
+    addr = (ctypes.addressof(buf) + 63) & ~63          # CUtensorMap is 64-byte aligned
+    dims = (ctypes.c_uint64 * 2)(cols, rows)
+    strides = (ctypes.c_uint64 * 1)(ld * esize)
+    box = (ctypes.c_uint32 * 2)(128 // esize, box_rows)
+    estr = (ctypes.c_uint32 * 2)(1, 1)
+    err = _driver().cuTensorMapEncodeTiled(addr, code, 2, ctypes.c_void_p(ptr), dims, strides, box, estr,
+                                           0, SWIZZLE_128B, L2_PROMOTION_256B, 0)
+    if err != 0:
+        raise LLMCError(f"gemm engine 5: cuTensorMapEncodeTiled failed (CUresult {err}) for a {rows}x{cols} "
+                        f"{dtype} matrix, ld={ld}, at 0x{ptr:x}")
+    return ctypes.string_at(addr, 128)
+
+
+# ----------------------------------------------------------------------------------------------
+# planning and checks
+
+def check(dtype: str, M: int, N: int, K: int, lda: int, ldb: int) -> str | None:
+    """Why engine 5 cannot take this GEMM (before pointers are known), or None."""
+    if dtype not in DTYPES:
+        return f"no dtype {dtype!r}; have {', '.join(DTYPES)}"
+    esize = DTYPES[dtype][1]
+    if (lda * esize) % 16 or (ldb * esize) % 16:
+        return f"the TMA needs row strides that are multiples of 16 bytes (lda={lda}, ldb={ldb}, {esize}-byte elements)"
+    if min(M, N, K) < 1:
+        return f"empty problem M={M} N={N} K={K}"
+    return None
+
+
+def plan(sm_count: int, M: int, N: int, K: int, dtype: str = "tf32", allow_split: bool = True):
+    """(BN, splits) minimising a wave-quantised time estimate."""
+    bk = 128 // DTYPES[dtype][1]
+    kblocks = -(-K // bk)
+    best = None
+    for bn in BN_CHOICES:
+        tiles = -(-M // BM) * -(-N // bn)
+        for s in (1, 2, 3, 4, 6, 8) if allow_split else (1,):
+            if s > 1 and (kblocks // s < 4 or tiles * s > 2 * sm_count):
+                continue
+            per = -(-kblocks // s)
+            s = -(-kblocks // per)          # no empty splits
+            waves = -(-(tiles * s) // sm_count)
+            # seconds: waves x (k-blocks of one unit) x (flops of a k-block) / (the SM's rate)
+            t = waves * (per + TILE_OVERHEAD_KB) * 2 * BM * bn * bk / (SM_TF32_FLOPS * (4 / DTYPES[dtype][1]) * BN_EFF[bn])
+            if s > 1:
+                t += (s + 2) * M * N * 4 / DRAM_BPS
+            if best is None or t < best[0]:
+                best = (t, bn, s)
+    return best[1], best[2]
+
+
+def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, ldb: int | None = None,
+                ldc: int | None = None, alpha: float = 1.0, beta: float = 0.0, has_bias: bool = False,
+                trans_c: bool = False, bn: int | None = None, splits: int | None = None):
+    """C = alpha * A(M,K) @ B(N,K)^T (+ bias(N)) (+ beta*C); with trans_c, C^T is what is stored
+    (C is (N, ldc)). Returns launch(C, A, B, bias=None) taking DevArrays or raw pointers."""
+    lda = K if lda is None else lda
+    ldb = K if ldb is None else ldb
+    ldc = (M if trans_c else N) if ldc is None else ldc
+    why = check(dtype, M, N, K, lda, ldb)
+    if why:
+        raise LLMCError(f"gemm engine 5 refuses M={M} N={N} K={K}: {why}")
+    pbn, psplits = plan(rt.sm_count, M, N, K, dtype, allow_split=not trans_c)
+    bn, splits = bn or pbn, splits or psplits
+    if bn not in BN_CHOICES:
+        raise LLMCError(f"gemm engine 5: no tile width {bn}; have {', '.join(map(str, BN_CHOICES))}")
+    if trans_c and splits > 1:
+        raise LLMCError("gemm engine 5: split-K does not write transposed outputs")
+    bk = 128 // DTYPES[dtype][1]
+    kblocks = -(-K // bk)
+    splits = max(1, min(splits, kblocks))
+    per = -(-kblocks // splits)
+    splits = -(-kblocks // per)
+    stages = {128: 6, 192: 5, 256: 4}[bn]
+    smem = stages * (BM + bn) * 128 + 2 * 8 * stages + 1024
+    ty = "bf16" if dtype == "bf16" else "tf32"
+    k = rt.kernel(MODULE, f"gemm_wgmma_{ty}_n{bn}", "128s128sPPPiiiiiiiffi", label=f"gemm 5 ({ty}, 128x{bn})")
+    k.set_max_dynamic_smem(smem)
+    units = -(-M // BM) * -(-N // bn) * splits
+    grid, block = (min(units, rt.sm_count), 1, 1), (384, 1, 1)
+    ldw = -(-N // 4) * 4
+    W = rt.empty((splits * M * ldw,), np.float32) if splits > 1 else None
+    red = rt.kernel(MODULE, "gemm_wgmma_splitk_reduce", "PPPiiiiiff", label="gemm 5 split-K reduce") if splits > 1 else None
+    rgrid = (max(1, min(-(-(M * N) // 256), rt.sm_count * 8)), 1, 1)
+    maps: dict = {}
+
+    def _p(x):
+        return 0 if x is None else int(x if isinstance(x, (int, np.integer)) else x.ptr)
+
+    def launch(C, A, B, bias=None):
+        a, b, c, bi = _p(A), _p(B), _p(C), _p(bias)
+        if (a | b) & 15:
+            raise LLMCError(f"gemm engine 5: operands must be 16-byte aligned (A=0x{a:x}, B=0x{b:x})")
+        tm = maps.get((a, b))
+        if tm is None:
+            tm = maps[(a, b)] = (tensor_map(a, dtype, M, K, lda, BM), tensor_map(b, dtype, N, K, ldb, bn))
+        if splits > 1:
+            k(grid, block, tm[0], tm[1], c, 0, W.ptr, np.int32(M), np.int32(N), np.int32(K), np.int32(ldc),
+              np.int32(ldw), np.int32(splits), np.int32(per), np.float32(1.0), np.float32(0.0), np.int32(0),
+              smem=smem)
+            red(rgrid, (256, 1, 1), c, W.ptr, bi if has_bias else 0, np.int32(M), np.int32(N), np.int32(ldc),
+                np.int32(ldw), np.int32(splits), np.float32(alpha), np.float32(beta))
+        else:
+            k(grid, block, tm[0], tm[1], c, bi if has_bias else 0, 0, np.int32(M), np.int32(N), np.int32(K),
+              np.int32(ldc), np.int32(ldw), np.int32(1), np.int32(per), np.float32(alpha), np.float32(beta),
+              np.int32(1 if trans_c else 0), smem=smem)
+    launch.plan = (5, f"128x{bn}", splits)
+    return launch
+
+
+def transpose_build(rt, rows: int, cols: int, ld_in: int | None = None, ld_out: int | None = None):
+    """out(cols, ld_out) = in(rows, ld_in)^T (fp32). Returns launch(out, inp)."""
+    ld_in = cols if ld_in is None else ld_in
+    ld_out = rows if ld_out is None else ld_out
+    k = rt.kernel(MODULE, "transpose_kernel", "PPiiii", label="transpose")
+    grid = (-(-cols // 32), -(-rows // 32), 1)
+    args = (np.int32(rows), np.int32(cols), np.int32(ld_in), np.int32(ld_out))
+
+    def launch(out, inp):
+        k(grid, (32, 8, 1), int(getattr(out, "ptr", out)), int(getattr(inp, "ptr", inp)), *args)
+    return launch
+
+
+def to_bf16(rt, x):
+    """A bf16 copy (uint16 bits) of the fp32 DevArray x, rounded to nearest even on the GPU."""
+    out = rt.empty(x.shape, np.uint16)
+    k = rt.kernel(MODULE, "to_bf16_kernel", "PPq", label="to_bf16")
+    k((min(-(-x.size // 256), rt.sm_count * 8), 1, 1), (256, 1, 1), out.ptr, x.ptr, np.int64(x.size))
+    return out
