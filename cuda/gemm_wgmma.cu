@@ -334,3 +334,33 @@ extern "C" __global__ void to_bf16_kernel(__nv_bfloat16* out, const float* in, l
     for (ll i = (ll)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (ll)gridDim.x * blockDim.x)
         out[i] = __float2bfloat16_rn(in[i]);
 }
+
+#ifdef GEMM_WGMMA_DEBUG
+// bring-up probes (built only with -DGEMM_WGMMA_DEBUG): what the kernel sees of its parameters, and
+// one TMA box copied back out through shared memory
+extern "C" __global__ void wgmma_debug_params(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB,
+                                              float* C, const float* bias, float* W, int M, int N, int K, int ldc, int ldw,
+                                              int splits, int kb_per_split, float alpha, float beta, int trans_c) {
+    if (threadIdx.x == 0) {
+        C[0] = M; C[1] = N; C[2] = K; C[3] = ldc; C[4] = ldw; C[5] = splits; C[6] = kb_per_split; C[7] = alpha;
+        C[8] = beta; C[9] = trans_c; C[10] = (float)(reinterpret_cast<uintptr_t>(bias) & 0xFFFF);
+        const unsigned* t = reinterpret_cast<const unsigned*>(&tmA);
+        for (int i = 0; i < 8; i++) C[16 + i] = (float)(t[i] & 0xFFFF);
+    }
+}
+
+extern "C" __global__ void wgmma_debug_tma(const __grid_constant__ CUtensorMap tmA, float* out, int rows) {
+    extern __shared__ unsigned char smem_raw[];
+    unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+    __shared__ uint64_t bar;
+    if (threadIdx.x == 0) { mbar_init(&bar, 1); asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        mbar_expect_tx(&bar, rows * ROW_BYTES);
+        tma_load_2d(smem, &tmA, &bar, 0, 0);
+    }
+    mbar_wait(&bar, 0);
+    const float* s = reinterpret_cast<const float*>(smem);
+    for (int i = threadIdx.x; i < rows * 32; i += blockDim.x) out[i] = s[i];
+}
+#endif
