@@ -77,6 +77,14 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {
     } while (!done);
 }
 
+// The tensor maps live in global memory (written by the host before the launch), not in kernel
+// parameters: a 64-byte-aligned __grid_constant__ parameter arrived misplaced through PyCUDA's packed
+// argument buffer (seen on the H100: every parameter after it read garbage). This fence makes the
+// tensor-map proxy see what the generic proxy (the host's copy) wrote there.
+__device__ __forceinline__ void tensormap_acquire(const CUtensorMap* map) {
+    asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+
 // 2D tile load: box at coordinates (c0 = K offset, c1 = row offset), completing on `bar`
 __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1) {
     asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];"
@@ -220,6 +228,8 @@ __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CU
     if (wg == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
         if (threadIdx.x == 0) {
+            tensormap_acquire(tmA);
+            tensormap_acquire(tmB);
             int stage = 0, phase = 0;
             for (int u = blockIdx.x; u < units; u += gridDim.x) {
                 const int split = u % a.splits, t = u / a.splits;
@@ -276,11 +286,11 @@ __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CU
 // shared memory a (T, BN, STAGES) instance needs: the stages, 2 mbarriers each, 1 KB for alignment
 #define GEMM_WGMMA_ENTRY(NAME, T, BN, STAGES)                                                             \
     extern "C" __global__ void __launch_bounds__(THREADS, 1)                                             \
-    NAME(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB, float* C,     \
-         const float* bias, float* W, int M, int N, int K, int ldc, int ldw, int splits, int kb_per_split, \
-         float alpha, float beta, int trans_c) {                                                          \
+    NAME(const CUtensorMap* tmA, const CUtensorMap* tmB, float* C, const float* bias, float* W, int M,   \
+         int N, int K, int ldc, int ldw, int splits, int kb_per_split, float alpha, float beta,          \
+         int trans_c) {                                                                                   \
         const GemmArgs a{C, bias, W, M, N, K, ldc, ldw, splits, kb_per_split, alpha, beta, trans_c};     \
-        gemm_wgmma_body<T, BN, STAGES>(&tmA, &tmB, a);                                                   \
+        gemm_wgmma_body<T, BN, STAGES>(tmA, tmB, a);                                                     \
     }
 
 // stages: as many as fit in ~200 KB (A 16 KB + B BN*128 bytes each)
@@ -336,28 +346,17 @@ extern "C" __global__ void to_bf16_kernel(__nv_bfloat16* out, const float* in, l
 }
 
 #ifdef GEMM_WGMMA_DEBUG
-// bring-up probes (built only with -DGEMM_WGMMA_DEBUG): what the kernel sees of its parameters, and
-// one TMA box copied back out through shared memory
-extern "C" __global__ void wgmma_debug_params(const __grid_constant__ CUtensorMap tmA, const __grid_constant__ CUtensorMap tmB,
-                                              float* C, const float* bias, float* W, int M, int N, int K, int ldc, int ldw,
-                                              int splits, int kb_per_split, float alpha, float beta, int trans_c) {
-    if (threadIdx.x == 0) {
-        C[0] = M; C[1] = N; C[2] = K; C[3] = ldc; C[4] = ldw; C[5] = splits; C[6] = kb_per_split; C[7] = alpha;
-        C[8] = beta; C[9] = trans_c; C[10] = (float)(reinterpret_cast<uintptr_t>(bias) & 0xFFFF);
-        const unsigned* t = reinterpret_cast<const unsigned*>(&tmA);
-        for (int i = 0; i < 8; i++) C[16 + i] = (float)(t[i] & 0xFFFF);
-    }
-}
-
-extern "C" __global__ void wgmma_debug_tma(const __grid_constant__ CUtensorMap tmA, float* out, int rows) {
+// bring-up probe (built only with -DGEMM_WGMMA_DEBUG): one TMA box copied back out through shared memory
+extern "C" __global__ void wgmma_debug_tma(const CUtensorMap* tmA, float* out, int rows) {
     extern __shared__ unsigned char smem_raw[];
     unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
     __shared__ uint64_t bar;
     if (threadIdx.x == 0) { mbar_init(&bar, 1); asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
     __syncthreads();
     if (threadIdx.x == 0) {
+        tensormap_acquire(tmA);
         mbar_expect_tx(&bar, rows * ROW_BYTES);
-        tma_load_2d(smem, &tmA, &bar, 0, 0);
+        tma_load_2d(smem, tmA, &bar, 0, 0);
     }
     mbar_wait(&bar, 0);
     const float* s = reinterpret_cast<const float*>(smem);

@@ -9,9 +9,10 @@
 Both operands are K-major (each row holds K contiguous elements): the only layout wgmma takes for
 tf32 from shared memory. The launcher describes each operand to the TMA with a tensor map (the
 driver's cuTensorMapEncodeTiled, called through ctypes: PyCUDA does not wrap it), built once per
-operand pointer and passed to the kernel by value as a __grid_constant__ parameter. The maps hold
-the pointers, so the launch closure caches them per (A, B) pointer pair; a captured CUDA graph keeps
-the bytes it was launched with, which is right because the model's buffers never move.
+operand pointer pair and copied to device memory; the kernel gets pointers to the maps. (The usual
+way, a 64-byte-aligned __grid_constant__ kernel parameter, arrived misplaced through PyCUDA's packed
+argument buffer on the H100.) The maps hold the operand pointers, so the launch closure keeps one
+pair per (A, B) pointer pair; the model's buffers never move, so a captured CUDA graph stays valid.
 
 The planner picks the tile width BN (128, 192 or 256; the tile is 128 x BN) and a K split by a
 wave-quantised cost model: GPT-2's N = 768 is exactly 4 tiles of 192, which fills 128 of the H100's
@@ -148,7 +149,7 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
     stages = {128: 6, 192: 5, 256: 4}[bn]
     smem = stages * (BM + bn) * 128 + 2 * 8 * stages + 1024
     ty = "bf16" if dtype == "bf16" else "tf32"
-    k = rt.kernel(MODULE, f"gemm_wgmma_{ty}_n{bn}", "128s128sPPPiiiiiiiffi", label=f"gemm 5 ({ty}, 128x{bn})")
+    k = rt.kernel(MODULE, f"gemm_wgmma_{ty}_n{bn}", "PPPPPiiiiiiiffi", label=f"gemm 5 ({ty}, 128x{bn})")
     k.set_max_dynamic_smem(smem)
     units = -(-M // BM) * -(-N // bn) * splits
     grid, block = (min(units, rt.sm_count), 1, 1), (384, 1, 1)
@@ -165,9 +166,11 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
         a, b, c, bi = _p(A), _p(B), _p(C), _p(bias)
         if (a | b) & 15:
             raise LLMCError(f"gemm engine 5: operands must be 16-byte aligned (A=0x{a:x}, B=0x{b:x})")
-        tm = maps.get((a, b))
-        if tm is None:
-            tm = maps[(a, b)] = (tensor_map(a, dtype, M, K, lda, BM), tensor_map(b, dtype, N, K, ldb, bn))
+        dm = maps.get((a, b))
+        if dm is None:  # first launch with these operands: encode both maps, copy them to the device
+            host = np.frombuffer(tensor_map(a, dtype, M, K, lda, BM) + tensor_map(b, dtype, N, K, ldb, bn), np.uint8)
+            dm = maps[(a, b)] = rt.to_device(host)
+        tm = (dm.ptr, dm.ptr + 128)
         if splits > 1:
             k(grid, block, tm[0], tm[1], c, 0, W.ptr, np.int32(M), np.int32(N), np.int32(K), np.int32(ldc),
               np.int32(ldw), np.int32(splits), np.int32(per), np.float32(1.0), np.float32(0.0), np.int32(0),
