@@ -146,14 +146,15 @@ class CudaBackend:
         num = self.kernels[name]
         if name in self.chosen:
             return spec.build(self.rt, num, **shape)  # a variant the user named refuses loudly
-        if prefer is not None and spec.variant(prefer).refuse_reason(**shape) is None:
+        arch = self.rt.arch
+        if prefer is not None and spec.variant(prefer).refuse_reason(arch, **shape) is None:
             return spec.build(self.rt, prefer, **shape)
-        reason = spec.variant(num).refuse_reason(**shape)
+        reason = spec.variant(num).refuse_reason(arch, **shape)
         if reason is None:
             return spec.build(self.rt, num, **shape)
         # the default can't take this shape: fall back to the highest-numbered variant that can
         for alt in sorted(spec.variants, reverse=True):
-            if spec.variants[alt].refuse_reason(**shape) is None:
+            if spec.variants[alt].refuse_reason(arch, **shape) is None:
                 if (name, num, alt) not in self._noted and not self.quiet:
                     dims = {k: v for k, v in shape.items() if k not in ("softmax", "matmul")}
                     print(f"note: {name} variant {num} (default) refuses {dims}: {reason}; using variant {alt}")

@@ -24,10 +24,10 @@ _ENTRY = {}
 def entry_points(module):
     """The kernel names in cuda/<module>.cu's cubin (from ptxas's report; needs nvcc, no GPU)."""
     if module not in _ENTRY:
-        from llmc.runtime import compile_cubin, nvcc_path, resource_report
+        from llmc.runtime import ARCH_SPECIFIC, compile_cubin, nvcc_path, resource_report
         if nvcc_path() is None:
             pytest.skip("nvcc not installed")
-        _ENTRY[module] = set(resource_report(compile_cubin(module, "sm_90")[1]))
+        _ENTRY[module] = set(resource_report(compile_cubin(module, ARCH_SPECIFIC.get(module, "sm_90"))[1]))
     return _ENTRY[module]
 
 

@@ -133,11 +133,11 @@ def test_variant_table():
         with pytest.raises(LLMCError, match="has no variant 99"):
             spec.variant(99)
     assert set(mm.GEMM_VARIANTS) == {1, 2, 3, 4}
-    assert [mm.gemm_variant_for(v) for v in range(1, 9)] == [1, 1, 1, 1, 2, 2, 4, 1]
-    assert set(spec_fwd := ops.get("matmul_forward").variants) == set(range(1, 9)), spec_fwd
-    assert [mm.gemm_variant_for_backward(v) for v in (1, 2, 3)] == [1, 2, 4]
+    assert [mm.gemm_variant_for(v) for v in range(1, 10)] == [1, 1, 1, 1, 2, 2, 4, 1, 4]
+    assert set(spec_fwd := ops.get("matmul_forward").variants) == set(range(1, 10)), spec_fwd
+    assert [mm.gemm_variant_for_backward(v) for v in (1, 2, 3, 4)] == [1, 2, 4, 4]
     from llmc.ops.attention import gemm_engine_for_backward  # attention's backward follows matmul's
-    assert [gemm_engine_for_backward(v) for v in (1, 2, 3)] == [1, 2, 4]
+    assert [gemm_engine_for_backward(v) for v in (1, 2, 3, 4)] == [1, 2, 4, 4]
     assert ops.get("matmul_forward").default == 7 and ops.get("matmul_backward").default == 3
 
 
@@ -508,3 +508,13 @@ def test_gemv_gelu_refuses_what_the_gemv_refuses():
         mm.build_gemv_gelu(None, 9, 768, 3072)
     with pytest.raises(LLMCError, match="C % 4"):
         mm.build_gemv_gelu(None, 2, 81, 30)
+
+
+def test_hopper_variants_refuse_other_gpus():
+    # engine 5 (wgmma) exists only on sm_90: elsewhere the variants refuse, so a default falls back
+    for name, num, shape in (("matmul_forward", 9, dict(N=64, C=64, OC=64, has_bias=True)),
+                             ("matmul_backward", 4, dict(N=64, C=64, OC=64))):
+        v = ops.get(name).variant(num)
+        assert v.refuse_reason("sm_90", **shape) is None
+        assert "sm_90" in v.refuse_reason("sm_80", **shape)
+    assert "OC % 4" in ops.get("matmul_backward").variant(4).refuse_reason("sm_90", N=8, C=64, OC=66)

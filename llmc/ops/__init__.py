@@ -34,8 +34,11 @@ class Variant:
     description: str              # one line, shown by --list-kernels
     build: Callable               # build(rt, **shape) -> launch
     check: Callable | None = None  # check(**shape) -> None or a reason string (no GPU needed)
+    arch: str | None = None        # the one GPU architecture it runs on ("sm_90": wgmma), or any
 
-    def refuse_reason(self, **shape) -> str | None:
+    def refuse_reason(self, arch: str | None = None, **shape) -> str | None:
+        if self.arch and arch and arch != self.arch:
+            return f"needs an {self.arch} GPU (this one is {arch})"
         return self.check(**shape) if self.check else None
 
 
@@ -57,7 +60,7 @@ class OpSpec:
 
     def build(self, rt, number: int, **shape):
         v = self.variant(number)
-        reason = v.refuse_reason(**shape)
+        reason = v.refuse_reason(getattr(rt, "arch", None), **shape)
         if reason:
             raise VariantRefused(f"{self.name} variant {number} ({self.flag} {number}) refuses this shape: {reason}")
         return v.build(rt, **shape)

@@ -100,8 +100,9 @@ def gemm_variant_for(matmul_variant: int) -> int:
 
 def gemm_variant_for_backward(matmul_backward_variant: int) -> int:
     """The GEMM engine that goes with a --matmul-backward-kernel number (attention's backward uses
-    it): variants 1 and 2 run on engines 1 and 2, variant 3 on engine 4."""
-    return {1: 1, 2: 2, 3: 4}.get(matmul_backward_variant, matmul_backward_variant)
+    it): variants 1 and 2 run on engines 1 and 2, variants 3 and 4 on engine 4 (engine 5 does not do
+    the batched, strided GEMMs the composite attention needs)."""
+    return {1: 1, 2: 2, 3: 4, 4: 4}[matmul_backward_variant]
 
 
 def _ptr(x) -> int:
@@ -357,6 +358,16 @@ def matmul_forward7(rt, N, C, OC, has_bias=True, block_size=None):
     return launch
 
 
+def matmul_forward9(rt, N, C, OC, has_bias=True, block_size=None):
+    from llmc.ops.gemm_wgmma import wgmma_build
+    gemm = wgmma_build(rt, "tf32", N, OC, C, has_bias=has_bias)  # inp (N,C) and weight (OC,C): both K-major
+
+    def launch(out, inp, weight, bias=None):
+        gemm(out, inp, weight, bias)
+    launch.plan = gemm.plan
+    return launch
+
+
 def _need_c4(N, C, OC, **_):
     if C % 4 or OC % 4:
         return f"float4 loads/stores need C % 4 == 0 and OC % 4 == 0 (C={C}, OC={OC})"
@@ -399,6 +410,32 @@ def _matmul_backward_engine(engine):
                        g_dw.plan if hasattr(g_dw, "plan") else None)
         return launch
     return build
+
+
+def matmul_backward4(rt, N, C, OC, block_size=None):
+    """dinp on engine 5 (wgmma): TF32 wgmma needs both operands K-major, and weight (OC,C) is K-major
+    for the forward but not for dinp = dout @ weight, so weight^T (C,OC) is written first (a 2 x OC x C
+    float pass, ~3-10% of the GEMM's time at GPT-2's shapes). dweight stays on engine 4: both of its
+    operands would need transposing (dout is the lm head's (N, Vp) dlogits), which measured slower
+    than engine 4 on every d12 shape (dev/bench_gemm.py)."""
+    from llmc.ops.gemm_wgmma import transpose_build, wgmma_build
+    wt = rt.empty((C, OC), np.float32)                       # weight^T
+    tr = transpose_build(rt, OC, C)
+    g_dinp = wgmma_build(rt, "tf32", N, C, OC)               # dinp(N,C) = dout(N,OC) @ wt(C,OC)^T
+    g_dw = gemm_build(rt, 4, True, False, M=OC, N=C, K=N, beta=1.0)
+
+    def launch(dinp, dweight, dout, inp, weight):
+        tr(wt, weight)
+        g_dinp(dinp, dout, wt)
+        g_dw(dweight, dout, inp)
+    launch.plan = (g_dinp.plan, getattr(g_dw, "plan", None))
+    return launch
+
+
+def _bwd_wgmma_check(N, C, OC, **_):
+    if OC % 4:
+        return f"the TMA needs 16-byte row strides: OC % 4 == 0 (OC={OC})"
+    return _bwd_engine_check(N, C, OC, engine=4)
 
 
 def _bwd_engine_check(N, C, OC, engine=2, **_):
@@ -501,6 +538,9 @@ OPS = [
                       "(fewer instructions per mma)", matmul_forward7, _fwd_engine4_check),
         8: Variant(8, "GEMV for decoding (N <= 8 rows): a warp per output column, float4 weight stream "
                       "read once, row sums in registers", matmul_forward8, _gemv_check),
+        9: Variant(9, "TF32 GEMM engine 5 (Hopper): wgmma from TMA-loaded 128B-swizzled smem, 4-6 stage "
+                      "mbarrier pipeline, producer + 2 consumer warpgroups, persistent, fused bias",
+                   matmul_forward9, _need_c4_in, arch="sm_90"),
     }, default=7, flag="--matmul-kernel", doc="out(N,OC)= ; inp(N,C), weight(OC,C), bias(OC) or None"),
     OpSpec("matmul_backward", matmul_backward_cpu, {
         1: Variant(1, "SIMT: dinp and dweight on GEMM engine 1 (64x64 tiles)", _matmul_backward_engine(1)),
@@ -508,6 +548,8 @@ OPS = [
                    _matmul_backward_engine(2), _bwd_engine_check),
         3: Variant(3, "TF32: dinp and dweight on GEMM engine 4 (ldmatrix fragments; split-K for dweight)",
                    _matmul_backward_engine(4), _bwd_engine4_check),
+        4: Variant(4, "TF32: dinp on GEMM engine 5 (wgmma, Hopper; weight transposed first), dweight on "
+                      "engine 4", matmul_backward4, _bwd_wgmma_check, arch="sm_90"),
     }, default=3, flag="--matmul-backward-kernel",
         doc="dinp(N,C)= ; dweight(OC,C)+= ; dout(N,OC), inp(N,C), weight(OC,C)"),
     OpSpec("matmul_backward_bias", matmul_backward_bias_cpu, {
