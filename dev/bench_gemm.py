@@ -80,6 +80,11 @@ def main():
                     g(P(y), P(x), P(w)); torch.cuda.synchronize()
                     ref = x.double() @ w.double().t()
                     r["err_tf32"] = float((y.double() - ref).norm() / ref.norm())
+                    gr = gw.wgmma_build(rt, "tf32r", Ntok, OC, C)   # TFLOAT32 tensor maps: does the TMA round?
+                    gr(P(y), P(x), P(w)); torch.cuda.synchronize()
+                    r["err_tf32r"] = float((y.double() - ref).norm() / ref.norm())
+                    e4(P(y), P(x), P(w)); torch.cuda.synchronize()
+                    r["err_engine4"] = float((y.double() - ref).norm() / ref.norm())
                     gb(P(yb), P(xb), P(wb)); torch.cuda.synchronize()
                     refb = xb.double() @ wb.double().t()
                     r["err_bf16"] = float((yb.double() - refb).norm() / refb.norm())
@@ -114,7 +119,8 @@ def main():
                         f"({r['cublas_tf32'] / r['engine5_tf32']:.2f}x of cuBLAS) {r['plan_tf32']}")
                 if "engine5_bf16" in r:
                     line += (f" | bf16 cuBLAS {r['cublas_bf16']:.3f} e5 {r['engine5_bf16']:.3f} "
-                             f"({r['cublas_bf16'] / r['engine5_bf16']:.2f}x) err {r['err_tf32']:.1e}/{r['err_bf16']:.1e}")
+                             f"({r['cublas_bf16'] / r['engine5_bf16']:.2f}x) err tf32 {r['err_tf32']:.1e} tf32r {r['err_tf32r']:.1e} "
+                             f"e4 {r['err_engine4']:.1e} bf16 {r['err_bf16']:.1e}")
                 if "transpose" in r:
                     line += f" | transposes {r['transpose']:.3f}"
                 print(line, flush=True)

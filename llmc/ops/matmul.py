@@ -541,7 +541,7 @@ OPS = [
         9: Variant(9, "TF32 GEMM engine 5 (Hopper): wgmma from TMA-loaded 128B-swizzled smem, 4-6 stage "
                       "mbarrier pipeline, producer + 2 consumer warpgroups, persistent, fused bias",
                    matmul_forward9, _need_c4_in, arch="sm_90"),
-    }, default=7, flag="--matmul-kernel", doc="out(N,OC)= ; inp(N,C), weight(OC,C), bias(OC) or None"),
+    }, default=9, flag="--matmul-kernel", doc="out(N,OC)= ; inp(N,C), weight(OC,C), bias(OC) or None"),
     OpSpec("matmul_backward", matmul_backward_cpu, {
         1: Variant(1, "SIMT: dinp and dweight on GEMM engine 1 (64x64 tiles)", _matmul_backward_engine(1)),
         2: Variant(2, "TF32: dinp and dweight on GEMM engine 2 (split-K for the K=N reduction)",
@@ -550,7 +550,7 @@ OPS = [
                    _matmul_backward_engine(4), _bwd_engine4_check),
         4: Variant(4, "TF32: dinp on GEMM engine 5 (wgmma, Hopper; weight transposed first), dweight on "
                       "engine 4", matmul_backward4, _bwd_wgmma_check, arch="sm_90"),
-    }, default=3, flag="--matmul-backward-kernel",
+    }, default=4, flag="--matmul-backward-kernel",
         doc="dinp(N,C)= ; dweight(OC,C)+= ; dout(N,OC), inp(N,C), weight(OC,C)"),
     OpSpec("matmul_backward_bias", matmul_backward_bias_cpu, {
         1: Variant(1, "one thread per column over all rows", matmul_backward_bias1),
