@@ -28,8 +28,10 @@ gpu-test:         ## on a GPU machine: every kernel variant, the model on cuda v
 lab:              ## on a GPU machine: the whole kernel lab -> docs/lab/
 	$(PY) dev/cuda/run_all.py
 
-bench:            ## on a GPU machine: d12 training step at B=4, T=1024
-	$(PY) dev/bench_step.py
+bench:            ## on a GPU machine: d12 training step at B=4 and B=16, T=1024, with torch.compile's beside it
+	$(PY) dev/bench_step.py -b 4
+	$(PY) dev/bench_step.py -b 16
+	$(PY) dev/bench_torch.py -b 4 16
 
 profile:          ## on a GPU machine: per-kernel profile of one d12 training step
 	$(PY) dev/profile_step.py
