@@ -92,6 +92,20 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, u
                  : "memory");
 }
 
+// 2D tile store from shared memory (the TMA clips what falls outside the tensor), in a bulk group
+__device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, const void* src, int c0, int c1) {
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];"
+                 ::"l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(src)), "r"(c0), "r"(c1) : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+// the stores of earlier groups have finished READING shared memory (the buffer may be rewritten)
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+// ordinary shared-memory stores made visible to the TMA (the async proxy)
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+// barrier over one warpgroup's 128 threads (ids 1, 2; 0 is __syncthreads)
+__device__ __forceinline__ void wg_barrier(int id) { asm volatile("bar.sync %0, 128;" ::"r"(id) : "memory"); }
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int N>
@@ -200,15 +214,53 @@ __device__ __forceinline__ void epilogue(float (&d)[BN / 2], const GemmArgs& a, 
         }
 }
 
-template <typename T, int BN, int STAGES>
-__device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CUtensorMap* tmB, const GemmArgs& a) {
+// The TMA-store epilogue: the warpgroup's 64 x BN tile (alpha, bias applied) goes to shared memory
+// in BN/32 boxes of 64 rows x 128 bytes, 128-byte swizzled like the loads (16-byte chunk ch of row r
+// at ch ^ (r % 8): a warp's float2 stores spread over all 32 banks), then one thread hands the boxes
+// to the TMA and the warpgroup goes straight on to its next tile's products while the copy engine
+// writes C. Before rewriting the staging buffer, the last stores must have finished reading it.
+template <int BN>
+__device__ __forceinline__ void epilogue_tma(float (&d)[BN / 2], const GemmArgs& a, const CUtensorMap* tmC,
+                                             unsigned char* stg, int m0, int n0, int wg) {
+    const int tid = threadIdx.x & 127, lane = threadIdx.x & 31, warp = tid >> 5;
+    if (tid == 0) bulk_wait_read();
+    wg_barrier(wg);
+#pragma unroll
+    for (int j = 0; j < BN / 8; j++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int r = warp * 16 + (lane >> 2) + 8 * h, c = 8 * j + 2 * (lane & 3);
+            float v0 = a.alpha * d[4 * j + 2 * h], v1 = a.alpha * d[4 * j + 2 * h + 1];
+            if (a.bias) {
+                const int gc = n0 + c;  // columns past N are clipped by the store; don't read past bias
+                v0 += gc < a.N ? a.bias[gc] : 0.0f;
+                v1 += gc + 1 < a.N ? a.bias[gc + 1] : 0.0f;
+            }
+            const int box = c >> 5, ch = (c & 31) >> 2;
+            float* p = reinterpret_cast<float*>(stg + box * (64 * ROW_BYTES) + r * ROW_BYTES + ((ch ^ (r & 7)) << 4)) + (c & 3);
+            *reinterpret_cast<float2*>(p) = make_float2(v0, v1);
+        }
+    fence_async_smem();
+    wg_barrier(wg);
+    if (tid == 0) {
+#pragma unroll
+        for (int b = 0; b < BN / 32; b++) tma_store_2d(tmC, stg + b * (64 * ROW_BYTES), n0 + 32 * b, m0);
+        bulk_commit();
+    }
+}
+
+template <typename T, int BN, int STAGES, bool TMA_STORE>
+__device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CUtensorMap* tmB, const CUtensorMap* tmC,
+                                                const GemmArgs& a) {
     constexpr int BK = ROW_BYTES / sizeof(T);       // K per stage: 32 tf32 or 64 bf16
     constexpr int KSTEPS = ROW_BYTES / 32;           // wgmmas per stage (32 bytes of K each)
     constexpr int A_BYTES = BM * ROW_BYTES, B_BYTES = BN * ROW_BYTES, STAGE_BYTES = A_BYTES + B_BYTES;
     extern __shared__ unsigned char smem_raw[];
     // stages need 1024-byte alignment for the swizzle; the launcher asks for 1 KB extra
     unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-    uint64_t* full = reinterpret_cast<uint64_t*>(smem + STAGES * STAGE_BYTES);
+    // with TMA_STORE, each consumer warpgroup's staging buffer (64 x BN fp32) follows the stages
+    constexpr int STG_BYTES = TMA_STORE ? 64 * BN * 4 : 0;
+    uint64_t* full = reinterpret_cast<uint64_t*>(smem + STAGES * STAGE_BYTES + 2 * STG_BYTES);
     uint64_t* empty = full + STAGES;
 
     if (threadIdx.x == 0) {
@@ -278,28 +330,40 @@ __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CU
 #pragma unroll
                 for (int i = 0; i < BN / 2; i++) d[i] = 0.0f;
             }
-            epilogue<BN>(d, a, tm * BM + (wg - 1) * 64, tn * BN, split);
+            // the TMA store takes plain results (no split-K partials, no beta * C read, not transposed)
+            if (TMA_STORE && tmC && a.splits == 1 && a.beta == 0.0f && !a.trans_c)
+                epilogue_tma<BN>(d, a, tmC, smem + STAGES * STAGE_BYTES + (wg - 1) * STG_BYTES, tm * BM + (wg - 1) * 64,
+                                 tn * BN, wg);
+            else
+                epilogue<BN>(d, a, tm * BM + (wg - 1) * 64, tn * BN, split);
         }
+        if (TMA_STORE && (threadIdx.x & 127) == 0) bulk_wait_all();  // C is written before the CTA ends
     }
 }
 
 // shared memory a (T, BN, STAGES) instance needs: the stages, 2 mbarriers each, 1 KB for alignment
-#define GEMM_WGMMA_ENTRY(NAME, T, BN, STAGES)                                                             \
+// tmC: the TMA map of C (or nullptr: direct stores); used only by the _ts instances
+#define GEMM_WGMMA_ENTRY(NAME, T, BN, STAGES, TMA_STORE)                                                  \
     extern "C" __global__ void __launch_bounds__(THREADS, 1)                                             \
-    NAME(const CUtensorMap* tmA, const CUtensorMap* tmB, float* C, const float* bias, float* W, int M,   \
-         int N, int K, int ldc, int ldw, int splits, int kb_per_split, float alpha, float beta,          \
-         int trans_c) {                                                                                   \
+    NAME(const CUtensorMap* tmA, const CUtensorMap* tmB, const CUtensorMap* tmC, float* C, const float* bias, \
+         float* W, int M, int N, int K, int ldc, int ldw, int splits, int kb_per_split, float alpha,     \
+         float beta, int trans_c) {                                                                       \
         const GemmArgs a{C, bias, W, M, N, K, ldc, ldw, splits, kb_per_split, alpha, beta, trans_c};     \
-        gemm_wgmma_body<T, BN, STAGES>(tmA, tmB, a);                                                     \
+        gemm_wgmma_body<T, BN, STAGES, TMA_STORE>(tmA, tmB, tmC, a);                                     \
     }
 
-// stages: as many as fit in ~200 KB (A 16 KB + B BN*128 bytes each)
-GEMM_WGMMA_ENTRY(gemm_wgmma_tf32_n128, float, 128, 6)
-GEMM_WGMMA_ENTRY(gemm_wgmma_tf32_n192, float, 192, 5)
-GEMM_WGMMA_ENTRY(gemm_wgmma_tf32_n256, float, 256, 4)
-GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n128, __nv_bfloat16, 128, 6)
-GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n192, __nv_bfloat16, 192, 5)
-GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n256, __nv_bfloat16, 256, 4)
+// stages: as many as fit in ~200 KB (A 16 KB + B BN*128 bytes each); the _ts (TMA store) instances
+// give 2 x 64 x BN x 4 bytes of that to the staging buffers
+GEMM_WGMMA_ENTRY(gemm_wgmma_tf32_n128, float, 128, 6, false)
+GEMM_WGMMA_ENTRY(gemm_wgmma_tf32_n192, float, 192, 5, false)
+GEMM_WGMMA_ENTRY(gemm_wgmma_tf32_n256, float, 256, 4, false)
+GEMM_WGMMA_ENTRY(gemm_wgmma_tf32_n128_ts, float, 128, 5, true)
+GEMM_WGMMA_ENTRY(gemm_wgmma_tf32_n192_ts, float, 192, 3, true)
+GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n128, __nv_bfloat16, 128, 6, false)
+GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n192, __nv_bfloat16, 192, 5, false)
+GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n256, __nv_bfloat16, 256, 4, false)
+GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n128_ts, __nv_bfloat16, 128, 5, true)
+GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n192_ts, __nv_bfloat16, 192, 3, true)
 
 // ------------------------------------------------------------------------------------------------
 // helpers the engine's launcher uses

@@ -72,6 +72,9 @@ def main():
                     g = gw.wgmma_build(rt, "tf32", Ntok, OC, C)
                     r["engine5_tf32"] = med(lambda: g(P(y), P(x), P(w)))
                     r["plan_tf32"] = g.plan
+                    gd = gw.wgmma_build(rt, "tf32", Ntok, OC, C, store="direct")
+                    r["engine5_direct"] = med(lambda: gd(P(y), P(x), P(w)))
+                    r["plan_direct"] = gd.plan
                     gb = gw.wgmma_build(rt, "bf16", Ntok, OC, C)
                     yb = torch.empty(Ntok, OC, device="cuda")
                     r["engine5_bf16"] = med(lambda: gb(P(yb), P(xb), P(wb)))
@@ -99,6 +102,9 @@ def main():
                     r["engine5_tf32_gemm"] = med(lambda: g(P(dx), P(dout), P(wt)))
                     r["engine5_tf32"] = r["engine5_tf32_gemm"] + r["transpose"]
                     r["plan_tf32"] = g.plan
+                    gd = gw.wgmma_build(rt, "tf32", Ntok, C, OC, store="direct")
+                    r["engine5_direct"] = med(lambda: gd(P(dx), P(dout), P(wt))) + r["transpose"]
+                    r["plan_direct"] = gd.plan
                 else:
                     r["cublas_tf32"] = tmed(lambda: torch.matmul(dout.t(), x, out=dw))
                     r["cublas_bf16"] = tmed(lambda: torch.matmul(doutb.t(), xb))
@@ -121,6 +127,8 @@ def main():
                     line += (f" | bf16 cuBLAS {r['cublas_bf16']:.3f} e5 {r['engine5_bf16']:.3f} "
                              f"({r['cublas_bf16'] / r['engine5_bf16']:.2f}x) err tf32 {r['err_tf32']:.1e} tf32r {r['err_tf32r']:.1e} "
                              f"e4 {r['err_engine4']:.1e} bf16 {r['err_bf16']:.1e}")
+                if "engine5_direct" in r:
+                    line += f" | direct stores {r['engine5_direct']:.3f} {r['plan_direct']}"
                 if "transpose" in r:
                     line += f" | transposes {r['transpose']:.3f}"
                 print(line, flush=True)
@@ -128,7 +136,7 @@ def main():
             torch.cuda.empty_cache()
     # totals per step (12 layers + lm head) for each engine
     for B in args.B:
-        for key in ("cublas_tf32", "engine4", "engine5_tf32", "cublas_bf16"):
+        for key in ("cublas_tf32", "engine4", "engine5_tf32", "engine5_direct", "cublas_bf16"):
             tot = sum(r.get(key, 0.0) * (1 if r["layer"] == "lmhead" else 12) for r in rows if r["B"] == B)
             print(f"B={B} step total of matmuls, {key}: {tot:.2f} ms (cuBLAS bf16 has no dinp/dweight split rows: "
                   f"all three GEMM kinds timed)" if key == "cublas_bf16" else f"B={B} step total of matmuls, {key}: {tot:.2f} ms")

@@ -46,7 +46,8 @@ def _bf16_round(x):
     return b, (b.astype(np.uint32) << 16).view(np.float32)
 
 
-def _run(rt, dtype, M, N, K, rng, has_bias=False, beta=0.0, trans_c=False, bn=None, splits=None, alpha=1.0):
+def _run(rt, dtype, M, N, K, rng, has_bias=False, beta=0.0, trans_c=False, bn=None, splits=None, alpha=1.0,
+         store="auto", c_offset=0):
     A = rng.standard_normal((M, K)).astype(np.float32)
     B = rng.standard_normal((N, K)).astype(np.float32)
     bias = rng.standard_normal(N).astype(np.float32) if has_bias else None
@@ -57,12 +58,18 @@ def _run(rt, dtype, M, N, K, rng, has_bias=False, beta=0.0, trans_c=False, bn=No
         dA, dB = rt.to_device(Ab), rt.to_device(Bb)
     else:
         dA, dB = rt.to_device(A), rt.to_device(B)
-    dC = rt.to_device(C0) if beta else rt.empty(C0.shape, np.float32)
-    if not beta:
+    if c_offset:  # C starting off a 16-byte boundary: the TMA store can't take it, the direct path must
+        base = rt.empty((C0.size + c_offset,), np.float32)
+        dC = base.view(c_offset, C0.shape)
+    else:
+        dC = rt.empty(C0.shape, np.float32)
+    if beta:
+        dC.set(C0)
+    else:
         dC.fill_bytes(0xFF)  # NaN: every element must be written
     dbias = rt.to_device(bias) if has_bias else None
     g = gw.wgmma_build(rt, dtype, M, N, K, alpha=alpha, beta=beta, has_bias=has_bias, trans_c=trans_c,
-                       bn=bn, splits=splits)
+                       bn=bn, splits=splits, store=store)
     g(dC, dA, dB, dbias)
     out = dC.get()
     ref = alpha * (A.astype(np.float64) @ B.astype(np.float64).T)
@@ -87,13 +94,24 @@ SHAPES = [(1, 1, 8), (7, 5, 8), (65, 1, 16), (128, 192, 32), (129, 193, 36), (30
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("store", ["tma", "direct"])
 @pytest.mark.parametrize("dtype", ["tf32", "tf32r", "bf16"])
 @pytest.mark.parametrize("M,N,K", SHAPES)
-def test_wgmma_matches_float64(hopper, rng, dtype, M, N, K):
+def test_wgmma_matches_float64(hopper, rng, dtype, M, N, K, store):
     if dtype == "bf16" and K % 8:
         pytest.skip("bf16 rows need K % 8 == 0 (16-byte TMA strides)")
-    out, ref, _ = _run(hopper, dtype, M, N, K, rng, has_bias=True)
+    if store == "tma" and N % 4:
+        pytest.skip("the TMA store needs ldc % 4 == 0")
+    out, ref, g = _run(hopper, dtype, M, N, K, rng, has_bias=True, store=store)
+    assert ("+ts" in g.plan[1]) == (store == "tma")
     assert _rel(out, ref) < TOL[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bn", gw.TS_WIDTHS)
+def test_wgmma_tma_store_misaligned_c_falls_back(hopper, rng, bn):
+    out, ref, _ = _run(hopper, "tf32", 200, 196, 64, rng, has_bias=True, bn=bn, store="tma", c_offset=1)
+    assert _rel(out, ref) < TOL["tf32"]
 
 
 @pytest.mark.gpu

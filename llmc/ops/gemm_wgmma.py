@@ -102,12 +102,13 @@ def check(dtype: str, M: int, N: int, K: int, lda: int, ldb: int) -> str | None:
     return None
 
 
-def plan(sm_count: int, M: int, N: int, K: int, dtype: str = "tf32", allow_split: bool = True):
+def plan(sm_count: int, M: int, N: int, K: int, dtype: str = "tf32", allow_split: bool = True,
+         widths=BN_CHOICES):
     """(BN, splits) minimising a wave-quantised time estimate."""
     bk = 128 // DTYPES[dtype][1]
     kblocks = -(-K // bk)
     best = None
-    for bn in BN_CHOICES:
+    for bn in widths:
         tiles = -(-M // BM) * -(-N // bn)
         for s in (1, 2, 3, 4, 6, 8) if allow_split else (1,):
             if s > 1 and (kblocks // s < 4 or tiles * s > 2 * sm_count):
@@ -124,19 +125,39 @@ def plan(sm_count: int, M: int, N: int, K: int, dtype: str = "tf32", allow_split
     return best[1], best[2]
 
 
+TS_WIDTHS = (128, 192)          # tile widths built with the TMA-store epilogue (_ts); 256 has no room
+
+
 def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, ldb: int | None = None,
                 ldc: int | None = None, alpha: float = 1.0, beta: float = 0.0, has_bias: bool = False,
-                trans_c: bool = False, bn: int | None = None, splits: int | None = None):
+                trans_c: bool = False, bn: int | None = None, splits: int | None = None, store: str = "auto"):
     """C = alpha * A(M,K) @ B(N,K)^T (+ bias(N)) (+ beta*C); with trans_c, C^T is what is stored
-    (C is (N, ldc)). Returns launch(C, A, B, bias=None) taking DevArrays or raw pointers."""
+    (C is (N, ldc)). Returns launch(C, A, B, bias=None) taking DevArrays or raw pointers.
+    store: "tma" stages each tile in shared memory and writes it with the TMA, overlapping the next
+    tile's products (plain outputs only: no beta, no split-K, not transposed); "direct" stores from
+    registers; "auto" takes "tma" where it can."""
     lda = K if lda is None else lda
     ldb = K if ldb is None else ldb
     ldc = (M if trans_c else N) if ldc is None else ldc
     why = check(dtype, M, N, K, lda, ldb)
     if why:
         raise LLMCError(f"gemm engine 5 refuses M={M} N={N} K={K}: {why}")
-    pbn, psplits = plan(rt.sm_count, M, N, K, dtype, allow_split=not trans_c)
+    ts_ok = beta == 0.0 and not trans_c and (ldc * 4) % 16 == 0
+    if store not in ("auto", "tma", "direct"):
+        raise LLMCError(f"gemm engine 5: store={store!r}; expected auto, tma or direct")
+    if store == "tma" and not ts_ok:
+        raise LLMCError("gemm engine 5: the TMA store takes plain outputs (beta = 0, not transposed, ldc % 4 == 0)")
+    use_ts = store == "tma" or (store == "auto" and ts_ok and (bn is None or bn in TS_WIDTHS))
+    if use_ts:  # the TMA store needs the whole tile at once: no split-K
+        pbn, psplits = plan(rt.sm_count, M, N, K, dtype, allow_split=False, widths=TS_WIDTHS)
+        splits = 1 if splits is None else splits
+        if splits > 1 and store == "auto":
+            use_ts = False
+    if not use_ts:
+        pbn, psplits = plan(rt.sm_count, M, N, K, dtype, allow_split=not trans_c)
     bn, splits = bn or pbn, splits or psplits
+    if use_ts and (bn not in TS_WIDTHS or splits > 1):
+        raise LLMCError(f"gemm engine 5: the TMA store is built for tile widths {TS_WIDTHS} without split-K")
     if bn not in BN_CHOICES:
         raise LLMCError(f"gemm engine 5: no tile width {bn}; have {', '.join(map(str, BN_CHOICES))}")
     if trans_c and splits > 1:
@@ -146,10 +167,11 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
     splits = max(1, min(splits, kblocks))
     per = -(-kblocks // splits)
     splits = -(-kblocks // per)
-    stages = {128: 6, 192: 5, 256: 4}[bn]
-    smem = stages * (BM + bn) * 128 + 2 * 8 * stages + 1024
+    stages = ({128: 5, 192: 3} if use_ts else {128: 6, 192: 5, 256: 4})[bn]
+    smem = stages * (BM + bn) * 128 + (2 * 64 * bn * 4 if use_ts else 0) + 2 * 8 * stages + 1024
     ty = "bf16" if dtype == "bf16" else "tf32"
-    k = rt.kernel(MODULE, f"gemm_wgmma_{ty}_n{bn}", "PPPPPiiiiiiiffi", label=f"gemm 5 ({ty}, 128x{bn})")
+    k = rt.kernel(MODULE, f"gemm_wgmma_{ty}_n{bn}{'_ts' if use_ts else ''}", "PPPPPPiiiiiiiffi",
+                  label=f"gemm 5 ({ty}, 128x{bn}{', TMA store' if use_ts else ''})")
     k.set_max_dynamic_smem(smem)
     units = -(-M // BM) * -(-N // bn) * splits
     grid, block = (min(units, rt.sm_count), 1, 1), (384, 1, 1)
@@ -166,22 +188,25 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
         a, b, c, bi = _p(A), _p(B), _p(C), _p(bias)
         if (a | b) & 15:
             raise LLMCError(f"gemm engine 5: operands must be 16-byte aligned (A=0x{a:x}, B=0x{b:x})")
-        dm = maps.get((a, b))
-        if dm is None:  # first launch with these operands: encode both maps, copy them to the device
-            host = np.frombuffer(tensor_map(a, dtype, M, K, lda, BM) + tensor_map(b, dtype, N, K, ldb, bn), np.uint8)
-            dm = maps[(a, b)] = rt.to_device(host)
-        tm = (dm.ptr, dm.ptr + 128)
+        ts = use_ts and not c & 15
+        dm = maps.get((a, b, c if ts else 0))
+        if dm is None:  # first launch with these operands: encode the maps, copy them to the device
+            blob = tensor_map(a, dtype, M, K, lda, BM) + tensor_map(b, dtype, N, K, ldb, bn)
+            if ts:
+                blob += tensor_map(c, "tf32", M, N, ldc, 64)  # C: fp32, boxes of 64 rows x 32 columns
+            dm = maps[(a, b, c if ts else 0)] = rt.to_device(np.frombuffer(blob, np.uint8))
+        tm = (dm.ptr, dm.ptr + 128, dm.ptr + 256 if ts else 0)
         if splits > 1:
-            k(grid, block, tm[0], tm[1], c, 0, W.ptr, np.int32(M), np.int32(N), np.int32(K), np.int32(ldc),
+            k(grid, block, tm[0], tm[1], 0, c, 0, W.ptr, np.int32(M), np.int32(N), np.int32(K), np.int32(ldc),
               np.int32(ldw), np.int32(splits), np.int32(per), np.float32(1.0), np.float32(0.0), np.int32(0),
               smem=smem)
             red(rgrid, (256, 1, 1), c, W.ptr, bi if has_bias else 0, np.int32(M), np.int32(N), np.int32(ldc),
                 np.int32(ldw), np.int32(splits), np.float32(alpha), np.float32(beta))
         else:
-            k(grid, block, tm[0], tm[1], c, bi if has_bias else 0, 0, np.int32(M), np.int32(N), np.int32(K),
+            k(grid, block, tm[0], tm[1], tm[2], c, bi if has_bias else 0, 0, np.int32(M), np.int32(N), np.int32(K),
               np.int32(ldc), np.int32(ldw), np.int32(1), np.int32(per), np.float32(alpha), np.float32(beta),
               np.int32(1 if trans_c else 0), smem=smem)
-    launch.plan = (5, f"128x{bn}", splits)
+    launch.plan = (5, f"128x{bn}{'+ts' if use_ts else ''}", splits)
     return launch
 
 
