@@ -38,10 +38,15 @@ SM_TF32_FLOPS = 3.0e12          # per-SM rate assumed by the planner (~80% of 49
 DRAM_BPS = 2.5e12
 
 DTYPES = {  # name -> (numpy dtype of the operands, element bytes, CUtensorMapDataType)
-    "tf32": (np.float32, 4, 7),     # CU_TENSOR_MAP_DATA_TYPE_FLOAT32: bits copied, tensor cores truncate
-    "tf32r": (np.float32, 4, 11),   # CU_TENSOR_MAP_DATA_TYPE_TFLOAT32 (a lab experiment: does the TMA round?)
+    # CU_TENSOR_MAP_DATA_TYPE_TFLOAT32: the TMA rounds fp32 to tf32 as it copies (measured on the H100:
+    # 2.9e-4 relative error at the d12 shapes, the same as engines 2-4's cvt.rna)
+    "tf32": (np.float32, 4, 11),
+    # CU_TENSOR_MAP_DATA_TYPE_FLOAT32: bits copied, the tensor cores truncate (7.7e-4): a lab experiment
+    "tf32t": (np.float32, 4, 7),
     "bf16": (np.uint16, 2, 9),      # CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 (bf16 bits held as uint16 on the host)
 }
+TS_MAX_K = 1024   # the TMA-store instances have 3-5 stages: past this K the direct stores' deeper
+                  # pipeline wins (H100: lm head dinp, K = 50304, 0.98 ms direct vs 1.32 with the TMA store)
 SWIZZLE_128B = 3
 L2_PROMOTION_256B = 3
 
@@ -135,7 +140,8 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
     (C is (N, ldc)). Returns launch(C, A, B, bias=None) taking DevArrays or raw pointers.
     store: "tma" stages each tile in shared memory and writes it with the TMA, overlapping the next
     tile's products (plain outputs only: no beta, no split-K, not transposed); "direct" stores from
-    registers; "auto" takes "tma" where it can."""
+    registers; "auto" takes "tma" where it can and K <= TS_MAX_K (short K: the epilogue is a large part
+    of a tile's time; long K wants the deeper pipeline of the direct-store instances)."""
     lda = K if lda is None else lda
     ldb = K if ldb is None else ldb
     ldc = (M if trans_c else N) if ldc is None else ldc
@@ -147,7 +153,7 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
         raise LLMCError(f"gemm engine 5: store={store!r}; expected auto, tma or direct")
     if store == "tma" and not ts_ok:
         raise LLMCError("gemm engine 5: the TMA store takes plain outputs (beta = 0, not transposed, ldc % 4 == 0)")
-    use_ts = store == "tma" or (store == "auto" and ts_ok and (bn is None or bn in TS_WIDTHS))
+    use_ts = store == "tma" or (store == "auto" and ts_ok and K <= TS_MAX_K and (bn is None or bn in TS_WIDTHS))
     if use_ts:  # the TMA store needs the whole tile at once: no split-K
         pbn, psplits = plan(rt.sm_count, M, N, K, dtype, allow_split=False, widths=TS_WIDTHS)
         splits = 1 if splits is None else splits
@@ -193,7 +199,7 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
         if dm is None:  # first launch with these operands: encode the maps, copy them to the device
             blob = tensor_map(a, dtype, M, K, lda, BM) + tensor_map(b, dtype, N, K, ldb, bn)
             if ts:
-                blob += tensor_map(c, "tf32", M, N, ldc, 64)  # C: fp32, boxes of 64 rows x 32 columns
+                blob += tensor_map(c, "tf32t", M, N, ldc, 64)  # fp32 out: copied as is  # C: fp32, boxes of 64 rows x 32 columns
             dm = maps[(a, b, c if ts else 0)] = rt.to_device(np.frombuffer(blob, np.uint8))
         tm = (dm.ptr, dm.ptr + 128, dm.ptr + 256 if ts else 0)
         if splits > 1:
