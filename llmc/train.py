@@ -349,8 +349,8 @@ def main(argv=None) -> int:
     if ck is not None:
         cfg, params = ck["cfg"], ck["params"]
         origin = f"resumed from {ck['model_path']} (step {ck['step']})"
-        if args.model is not None and not small:
-            note(f"note: -e {args.model} is not used: resuming the model in {ck['model_path']}")
+        if args.model is not None and not os.path.exists(args.model) and config_from_name(args.model) != cfg:
+            note(f"note: -e {args.model} is not used: resuming the model in {ck['model_path']} ({cfg.describe()})")
     else:
         model_arg = resolve_model_arg(args.model)
         params = None
