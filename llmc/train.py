@@ -316,6 +316,8 @@ def main(argv=None) -> int:
 
     from llmc.backend import make_backend
     be = make_backend(args.device, kernels)
+    # a diverging run is caught by the finite checks below, in one line: no numpy overflow warnings
+    np.seterr(over="ignore", invalid="ignore", divide="ignore")
 
     # the defaults that depend on the device: a real run on a GPU, a small one on the numpy backend
     small = be.name == "cpu" and args.model is None and args.batch_size is None and args.seq_len is None
