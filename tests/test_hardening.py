@@ -224,3 +224,16 @@ def test_auto_falls_back_and_cuda_stops(monkeypatch, capsys):
     assert "PyCUDA is not installed" in cap.err and "numpy backend" in cap.err
     with pytest.raises(LLMCError, match="--device cuda: PyCUDA is not installed.*--device cpu"):
         make_backend("cuda")
+
+
+def test_first_kernel_build_says_it_is_compiling(tmp_path):
+    from llmc.runtime import nvcc_path
+    if nvcc_path() is None:
+        pytest.skip("no nvcc")
+    code = "from llmc.runtime import compile_cubin; compile_cubin('gelu', 'sm_80'); compile_cubin('residual', 'sm_80')"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), LLMC_CACHE=str(tmp_path))
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    assert p.stderr.count("compiling CUDA kernels") == 1 and p.stdout == ""
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert "compiling" not in p.stderr  # cached: nothing to say
