@@ -4,6 +4,7 @@ wrong stop loudly; --help, --deterministic, MFU, and the no-GPU reasons.
     python -m pytest tests/test_hardening.py -q
 """
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -237,3 +238,28 @@ def test_first_kernel_build_says_it_is_compiling(tmp_path):
     assert p.stderr.count("compiling CUDA kernels") == 1 and p.stdout == ""
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert "compiling" not in p.stderr  # cached: nothing to say
+
+
+# -----------------------------------------------------------------------------
+# the newcomer's path: make train (prepro, train -o out), then the README's sampling command
+
+
+@pytest.mark.slow
+def test_make_train_then_sample(tmp_path):
+    """What `make train` runs (in a scratch directory, with fewer steps), then `python sample_gpt2.py
+    -o out`: text on stdout, the no-GPU note on stderr only."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    data = tmp_path / "dev" / "data" / "tinyshakespeare"
+    data.mkdir(parents=True)
+    shutil.copy(ROOT / "dev" / "data" / "tinyshakespeare" / "input.txt", data / "input.txt")
+    sh = lambda *cmd: subprocess.run([sys.executable, *map(str, cmd)], cwd=tmp_path, env=env,  # noqa: E731
+                                     capture_output=True, text=True, timeout=600)
+    p = sh(ROOT / "prepro_tinyshakespeare.py", "--data-dir", data, "--tokenizer-out", tmp_path / "dev" / "data" / "gpt2_tokenizer.bin")
+    assert p.returncode == 0, p.stderr
+    p = sh(ROOT / "train_gpt2.py", "-o", "out", "-x", "3", "--device", "cpu", "-s", "0")
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / "out" / "DONE_00000003").exists()
+    p = sh(ROOT / "sample_gpt2.py", "-o", "out", "--prompt", "ROMEO:", "--max-new-tokens", "16")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith("ROMEO:") and "WARNING" not in p.stdout and "note" not in p.stdout
+    assert "model_00000003.bin" in p.stderr
