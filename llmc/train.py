@@ -65,7 +65,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     def _get_help_string(self, action):
         h = action.help or ""
         d = action.default
-        if action.option_strings and d not in (None, False, argparse.SUPPRESS) and "default" not in h:
+        shown = not (d is None or d is False or d is argparse.SUPPRESS)  # (0 == False: compare by identity)
+        if action.option_strings and shown and "default" not in h:
             h += f" (default: {str(d).replace('%', '%%')})"
         return h
 
@@ -165,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
         flags = []
     g = p.add_argument_group("kernel variants (GPU; the numpy backend accepts and ignores them)")
     for flag, name, helptext in flags:
-        g.add_argument(flag, type=number(int, 1), default=None, dest=f"kernel_{name}", help=helptext)
+        g.add_argument(flag, type=number(int, 1), default=None, dest=f"kernel_{name}", metavar="N", help=helptext)
     return p
 
 
