@@ -31,8 +31,10 @@ def shards(tmp_path_factory, rt):
 
 def train(*args, cwd=ROOT, exe=None, check=True):
     cmd = [str(exe)] if exe else [sys.executable, str(ROOT / "train_gpt2.py")]
-    env = dict(os.environ, PYTHONPATH=str(ROOT)) if exe is None else \
-        {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    if exe is not None:  # the installed command: keep PYTHONPATH (PyCUDA may live there), minus the checkout
+        keep = [d for d in os.environ.get("PYTHONPATH", "").split(os.pathsep) if d and Path(d).resolve() != ROOT]
+        env["PYTHONPATH"] = os.pathsep.join(keep)
     p = subprocess.run(cmd + [str(a) for a in args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     if check:
         assert p.returncode == 0, p.stdout + p.stderr
