@@ -1,8 +1,10 @@
 # Two commands do everything:  make train  (the main job)   make test  (the test suite)
 PY ?= python3
+# where make train keeps main.log and its checkpoints (then: python sample_gpt2.py -o out)
+OUT ?= out
 PIP ?= $(PY) -m pip
 
-.PHONY: setup setup-test data train test gpu-test lab bench profile clean
+.PHONY: setup setup-test data train sample test gpu-test lab bench profile clean
 
 setup:            ## runtime dependencies; on a machine with an NVIDIA GPU also PyCUDA and cuda-python
 	$(PIP) install -q -r requirements.txt
@@ -16,8 +18,11 @@ setup-test: setup
 data: setup       ## tokenize tiny shakespeare into dev/data/tinyshakespeare/*.bin (skips if present)
 	$(PY) prepro_tinyshakespeare.py
 
-train: data       ## GPT-2 124M on the GPU; without one, a small model on the numpy backend
-	$(PY) train_gpt2.py
+train: data       ## GPT-2 124M on the GPU; without one, a small model on the numpy backend; checkpoints in $(OUT)/
+	$(PY) train_gpt2.py -o $(OUT)
+
+sample:           ## text from the newest checkpoint that make train wrote
+	$(PY) sample_gpt2.py -o $(OUT) --prompt "ROMEO:" --max-new-tokens 100
 
 test: setup-test  ## the CI suite (no GPU needed)
 	$(PY) -m pytest -q

@@ -122,6 +122,12 @@ def main(argv=None) -> int:
     except LLMCError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except OSError as e:  # an output we could not write: full disk, read-only or missing directory
+        print(f"error: {e.filename or args.data_dir}: {e.strerror or e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
     return 0
 
 
@@ -149,9 +155,17 @@ def run(args) -> None:
     if val_path.exists() and train_path.exists() and not args.force:
         print(f"{val_path} and {train_path.name} already exist, skipping (--force to rewrite)")
         return
-    raw = src.read_bytes()
+    try:
+        raw = src.read_bytes()
+    except OSError as e:
+        raise LLMCError(f"{src}: cannot read it ({e.strerror})") from None
     known = hashlib.sha256(raw).hexdigest() == KNOWN_SHA256
-    tokens = tokenize(raw.decode("utf-8"), enc)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise LLMCError(f"{src}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); "
+                        f"convert it, e.g. iconv -t UTF-8") from None
+    tokens = tokenize(text, enc)
     val, train = tokens[:VAL_TOKENS], tokens[VAL_TOKENS:]
     write_shard(val_path, val)
     write_shard(train_path, train)

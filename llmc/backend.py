@@ -204,15 +204,23 @@ class CudaBackend:
 
 
 def make_backend(device: str, kernels: dict | None = None, dtype=np.float32):
-    """device: cpu | cuda | auto (cuda when a GPU and PyCUDA are usable, else cpu with a warning)."""
+    """device: cpu | cuda | auto (cuda when usable, else cpu with a warning on stderr naming the
+    reason: llmc.gpu_check)."""
+    import sys
+    from llmc.gpu_check import why_no_gpu
     if device == "cpu":
         return CpuBackend(dtype, kernels)
-    if device == "cuda":
-        return CudaBackend(kernels)
-    if device == "auto":
-        try:
-            return CudaBackend(kernels)
-        except LLMCError as e:
-            print(f"WARNING: no usable GPU ({e}); using the numpy backend (--device cpu)")
-            return CpuBackend(dtype, kernels)
+    if device in ("cuda", "auto"):
+        why = why_no_gpu()
+        if why is None:
+            try:
+                return CudaBackend(kernels)
+            except LLMCError as e:
+                if device == "cuda":
+                    raise
+                why = str(e)
+        if device == "cuda":
+            raise LLMCError(f"--device cuda: {why} (--device cpu runs the numpy backend)")
+        print(f"WARNING: no GPU backend: {why}; using the numpy backend (--device cpu)", file=sys.stderr)
+        return CpuBackend(dtype, kernels)
     raise LLMCError(f"--device {device}: expected cpu, cuda or auto")

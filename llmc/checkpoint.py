@@ -5,7 +5,7 @@
     write_model("out/model_00001000.bin", cfg, params)   # atomic: temp file + fsync + rename
     write_model("out/model_bf16.bin", cfg, params, dtype="bf16")   # round-to-nearest-even
     dbg = read_debug_state("gpt2_124M_debug_state.bin", cfg)       # x, y, logits, loss, grads
-    st = read_state("out/state_00001000.bin", cfg.num_parameters)  # step, m, v, loader, extra
+    st = read_state("out/state_00001000_00000.bin", cfg.num_parameters)  # step, m, v, loader, ...
 
 Every file starts with a 256 x int32 little-endian header. The model and debug-state files are
 llm.c's formats byte for byte (its files load here and ours load there):
@@ -20,17 +20,28 @@ llm.c's formats byte for byte (its files load here and ours load there):
                the first V entries of each padded row. The grads ARE padded like the params: the
                wte grad is (Vp, C) with zero rows V..Vp-1, so grads has exactly num_parameters floats.
 
-Our own optimizer + dataloader state for resuming a run (not llm.c's 20240527 layout: ours also
-carries the dataloader position and RNG state, so a resumed run continues bit-exactly):
+The optimizer/resume state is llm.c's layout (its train_gpt2.cu reads ours and we read its), one
+file per rank, `state_%08d_%05d.bin` (llmc/runfiles.py names the files of a run directory):
 
-  state        header (256 x int32):
-                 [0] = 20241122 magic, [1] = 1 version, [2] = step (number of steps completed),
-                 [3] = json_bytes (length of the JSON blob, padded with spaces to a multiple of 8),
-                 [4:6] = num_parameters as one little-endian int64 (two int32 words, low first),
+  state        header (256 x int32), llm.c's fields:
+                 [0] = 20240527 magic, [1] = 1 version, [2] = number of processes, [3] = rank,
+                 [4] = 1 if fp32 master weights follow (llm.c's bf16 runs), [5] = 1 if llm.c's
+                 shuffling dataloader state follows (we always write 0, see below), [10] = step
+                 (optimizer steps completed), [20:22] = llm.c's stochastic-rounding RNG (uint64),
+                 [30:32] = current shard index (uint64), [32:34] = current sample index (uint64):
+                 the batch the loader serves next, counted in windows of B*T*processes tokens;
                  everything else 0.
-               then the JSON blob, UTF-8: {"loader": <DataLoader.state()>, "extra": <anything,
-                 e.g. RNG state, learning-rate schedule position, flags of the run>}
-               then m (num_parameters fp32), then v (num_parameters fp32): AdamW's moments.
+               then m, then v (AdamW's moments, fp32, this rank's parameters), then the fp32 master
+                 weights when [4] = 1.
+               then, in files we write, our trailer: int32 20241122, int32 version 2, int64 n,
+                 n bytes of UTF-8 JSON {"loader": <DataLoader.state()>, "extra": <numpy RNG state,
+                 outlier-detector windows, the run's hyperparameters>}. llm.c's reader stops
+                 after the master weights unless [5] = 1, so it never sees the trailer.
+
+llm.c's header does not record the parameter count: the reader takes it from the model and checks
+that the file size adds up exactly. llm.c's own shuffle state ([5] = 1: a permutation of the
+shards and of one shard's windows plus an mt19937 state) cannot be continued here and is refused
+with one line; an unshuffled llm.c run resumes here from the same batch.
 
 Every reader checks: the file exists, the header is there, the magic, the version, the header
 fields are sane, and the file size is EXACTLY what the header implies (truncated or trailing data
@@ -61,8 +72,11 @@ MODEL_VERSION_FP32 = 3
 MODEL_VERSION_BF16 = 5
 DEBUG_STATE_MAGIC = 20240327
 DEBUG_STATE_VERSION = 2
-STATE_MAGIC = 20241122
+STATE_MAGIC = 20240527       # llm.c's optimizer/resume state
 STATE_VERSION = 1
+TRAILER_MAGIC = 20241122     # our JSON trailer after llm.c's fields
+TRAILER_VERSION = 2
+LLMC_RNG_INIT = 13371337     # llm.c's initial stochastic-rounding RNG state (plus the rank)
 
 # elements per chunk of bf16 conversion when writing: bounds the temporaries to ~200 MB for any model
 _CHUNK = 1 << 24
@@ -275,7 +289,7 @@ def write_debug_state(path, cfg: GPT2Config, B: int, T: int, x, y, logits, loss,
 
 
 # -----------------------------------------------------------------------------
-# optimizer + dataloader state (our format, see the module docstring)
+# optimizer + dataloader state (llm.c's layout plus our trailer, see the module docstring)
 
 
 def _json_default(o):
@@ -288,53 +302,96 @@ def _json_default(o):
     raise TypeError(f"cannot store {type(o).__name__} in a state file")
 
 
+def _put_u64(header: np.ndarray, at: int, value: int) -> None:
+    header[at:at + 2] = np.array([value], dtype="<u8").view("<i4")
+
+
+def _get_u64(header: np.ndarray, at: int) -> int:
+    return int(header[at:at + 2].copy().view("<u8")[0])
+
+
 def write_state(path, step: int, m: np.ndarray, v: np.ndarray, loader_state: dict,
-                extra: dict | None = None) -> None:
-    """Write AdamW's m and v, the step count, the dataloader state and any extra JSON-able dict
-    (RNG state etc.) for an exact resume. Atomic."""
-    m = np.ascontiguousarray(m, dtype="<f4").reshape(-1)
-    v = np.ascontiguousarray(v, dtype="<f4").reshape(-1)
-    if m.size != v.size:
-        raise ValueError(f"write_state {path}: m has {m.size:,} elements, v has {v.size:,}")
+                extra: dict | None = None, *, master: np.ndarray | None = None, rank: int = 0,
+                world: int = 1, sr_rng: int | None = None) -> None:
+    """Write one rank's optimizer state in llm.c's layout: AdamW's m and v (and the fp32 master
+    weights when given), the step, the loader position (from loader_state's shard_index and
+    window_index) and llm.c's stochastic-rounding RNG; then our trailer with the whole
+    loader_state and `extra` (JSON-able: numpy RNG state etc.) for a bit-exact resume. Atomic."""
+    arrays = [np.ascontiguousarray(a, dtype="<f4").reshape(-1) for a in (m, v) + ((master,) if master is not None else ())]
+    n = arrays[0].size
+    if any(a.size != n for a in arrays):
+        raise ValueError(f"write_state {path}: m, v (and master) differ in size: {[a.size for a in arrays]}")
     if not 0 <= step < 2**31:
         raise ValueError(f"write_state {path}: step {step} out of range")
+    if not 0 <= rank < world:
+        raise ValueError(f"write_state {path}: rank {rank} out of range for {world} processes")
+    header = make_header(STATE_MAGIC, STATE_VERSION, world, rank, int(master is not None), 0)
+    header[10] = step
+    _put_u64(header, 20, LLMC_RNG_INIT + rank if sr_rng is None else sr_rng)
+    _put_u64(header, 30, int(loader_state["shard_index"]))
+    _put_u64(header, 32, int(loader_state["window_index"]))
     blob = json.dumps({"loader": loader_state, "extra": extra or {}}, default=_json_default,
                       sort_keys=True).encode()
-    blob += b" " * (-len(blob) % 8)  # keep m and v 8-byte aligned in the file
-    header = make_header(STATE_MAGIC, STATE_VERSION, step, len(blob))
-    header[4:6] = np.array([m.size], dtype="<i8").view("<i4")
+    trailer = np.array([TRAILER_MAGIC, TRAILER_VERSION, 0, 0], dtype="<i4")
+    trailer[2:4] = np.array([len(blob)], dtype="<i8").view("<i4")
     with atomic_open(path) as f:
         f.write(header.tobytes())
+        for a in arrays:
+            f.write(memoryview(a).cast("B"))
+        f.write(trailer.tobytes())
         f.write(blob)
-        f.write(memoryview(m).cast("B"))
-        f.write(memoryview(v).cast("B"))
 
 
-def read_state(path, num_parameters: int | None) -> dict:
-    """Read a state file written by write_state. Returns dict(step, num_parameters, m, v,
-    loader (alias loader_state), extra). num_parameters (the model's) must match the file's unless None."""
+def read_state(path, num_parameters: int, rank: int | None = None, world: int | None = None) -> dict:
+    """Read one rank's state file, ours or llm.c's. num_parameters is how many fp32 values each of
+    m, v (and master) holds for this rank (llm.c's header does not say; the file size must add up).
+
+    Returns dict(step, m, v, master (None unless the file has master weights), num_processes,
+    rank, shard_index, sample_index (llm.c's loader position), sr_rng (llm.c's RNG), loader (our
+    DataLoader.state(), or None for an llm.c file), extra ({} for an llm.c file), ours (bool))."""
     kind = "state file"
-    h = read_header(path, kind, STATE_MAGIC, (STATE_VERSION,), "an llmc optimizer/resume state")
-    step, nblob = int(h[2]), int(h[3])
-    n = int(h[4:6].copy().view("<i8")[0])
-    if step < 0 or nblob < 0 or n <= 0:
-        raise LLMCError(f"{kind} {path}: header says step={step}, json_bytes={nblob}, "
-                        f"num_parameters={n} (corrupt header?)")
-    if num_parameters is not None and n != num_parameters:
-        raise LLMCError(f"{kind} {path}: holds optimizer state for {n:,} params, the model has "
-                        f"{num_parameters:,} (state from a different model?)")
-    check_size(path, kind, nblob + 8 * n, f"header says {nblob:,} json bytes + 2 x {n:,} fp32")
-    with open(path, "rb") as f:
-        f.seek(HEADER_BYTES)
-        raw = f.read(nblob)
-    try:
-        meta = json.loads(raw.decode())
-        loader_state, extra = meta["loader"], meta["extra"]
-    except (ValueError, KeyError, TypeError) as e:
-        raise LLMCError(f"{kind} {path}: unreadable JSON block ({e})") from None
-    off = HEADER_BYTES + nblob
+    h = read_header(path, kind, STATE_MAGIC, (STATE_VERSION,), "an llm.c/llmc-py optimizer state "
+                    "(state_%08d_%05d.bin)")
+    nproc, frank, has_master, shuffled, step = (int(h[i]) for i in (2, 3, 4, 5, 10))
+    if nproc < 1 or not 0 <= frank < nproc or has_master not in (0, 1) or shuffled not in (0, 1) or step < 0:
+        raise LLMCError(f"{kind} {path}: header says processes={nproc} rank={frank} master_weights="
+                        f"{has_master} shuffle={shuffled} step={step} (corrupt header?)")
+    if world is not None and nproc != world:
+        raise LLMCError(f"{kind} {path}: written by a run of {nproc} processes, this run has {world} "
+                        f"(resume with the same number of processes)")
+    if rank is not None and frank != rank:
+        raise LLMCError(f"{kind} {path}: holds rank {frank}'s state, expected rank {rank}'s")
+    if shuffled:
+        raise LLMCError(f"{kind} {path}: written by llm.c with its shuffling dataloader (header[5]=1), "
+                        f"whose permutation llmc-py cannot continue; resume that run in llm.c, or "
+                        f"start from its model_*.bin with -e")
+    n = int(num_parameters)
+    k = 3 if has_master else 2
+    floats = 4 * k * n
+    size = Path(path).stat().st_size - HEADER_BYTES
+    if size < floats:
+        raise LLMCError(f"{kind} {path}: truncated: {k} x {n:,} fp32 (m, v{', master' if has_master else ''}) "
+                        f"= {floats:,} bytes after the header, file has {size:,} (state of a different model?)")
+    loader_state, extra, ours = None, {}, size > floats
+    if ours:  # our trailer: magic, version, int64 length, JSON
+        with open(path, "rb") as f:
+            f.seek(HEADER_BYTES + floats)
+            rest = f.read()
+        t = np.frombuffer(rest[:16].ljust(16, b"\0"), dtype="<i4")
+        nblob = int(t[2:4].copy().view("<i8")[0])
+        if int(t[0]) != TRAILER_MAGIC or int(t[1]) != TRAILER_VERSION or len(rest) != 16 + nblob:
+            raise LLMCError(f"{kind} {path}: {len(rest):,} bytes after m, v"
+                            f"{', master' if has_master else ''} for {n:,} params are not an llmc-py "
+                            f"trailer (state of a different model, or a corrupt file?)")
+        try:
+            meta = json.loads(rest[16:].decode())
+            loader_state, extra = meta["loader"], meta["extra"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise LLMCError(f"{kind} {path}: unreadable JSON trailer ({e})") from None
+    off = HEADER_BYTES
     m = np.fromfile(path, dtype="<f4", count=n, offset=off)
     v = np.fromfile(path, dtype="<f4", count=n, offset=off + 4 * n)
-    # "loader" and "loader_state" are the same dict (both spellings are in use by callers)
-    return dict(step=step, num_parameters=n, m=m, v=v, loader=loader_state, loader_state=loader_state,
-                extra=extra)
+    master = np.fromfile(path, dtype="<f4", count=n, offset=off + 8 * n) if has_master else None
+    return dict(step=step, m=m, v=v, master=master, num_processes=nproc, rank=frank,
+                shard_index=_get_u64(h, 30), sample_index=_get_u64(h, 32), sr_rng=_get_u64(h, 20),
+                loader=loader_state, extra=extra, ours=ours)

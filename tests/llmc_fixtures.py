@@ -150,3 +150,38 @@ def closed_port() -> int:
     port = s.getsockname()[1]
     s.close()
     return port
+
+
+# llm.c's optimizer state (train_gpt2.cu save_state/load_state), per rank: a 256 x int32 header with
+# [0]=20240527 magic, [1]=1 version, [2]=num_processes, [3]=process_rank, [4]=use_master_weights,
+# [5]=should_shuffle, [10]=step, int64 [20:22]=rng_state, int64 [30:32]=current_shard_idx,
+# int64 [32:34]=current_sample_idx; then m, v (fp32), then master weights (fp32) when [4]=1; then,
+# only when [5]=1, the shuffling loader's permutations (which llm.c's reader reads and nothing else).
+
+def write_llmc_state(path, step, m, v, master=None, shard=0, sample=0, rng_state=13371337,
+                     num_processes=1, rank=0, shuffle=0, tail=b"") -> None:
+    ints = [0] * 256
+    ints[0:6] = [20240527, 1, num_processes, rank, int(master is not None), shuffle]
+    ints[10] = step
+    head = bytearray(struct.pack("<256i", *ints))
+    struct.pack_into("<Q", head, 20 * 4, rng_state)
+    struct.pack_into("<Q", head, 30 * 4, shard)
+    struct.pack_into("<Q", head, 32 * 4, sample)
+    with open(path, "wb") as f:
+        f.write(bytes(head))
+        for a in (m, v) + ((master,) if master is not None else ()):
+            f.write(np.asarray(a, dtype="<f4").tobytes())
+        f.write(tail)
+
+
+def read_llmc_state(path, num_parameters) -> dict:
+    """What llm.c's load_state takes from a state file (it reads no further unless [5]=1)."""
+    data = open(path, "rb").read()
+    h = struct.unpack_from("<256i", data)
+    assert h[0] == 20240527 and h[1] == 1, "llm.c asserts the magic and version"
+    n = num_parameters
+    floats = np.frombuffer(data, dtype="<f4", count=(3 if h[4] else 2) * n, offset=1024)
+    return dict(num_processes=h[2], rank=h[3], master_weights=h[4], shuffle=h[5], step=h[10],
+                rng_state=struct.unpack_from("<Q", data, 80)[0], shard=struct.unpack_from("<Q", data, 120)[0],
+                sample=struct.unpack_from("<Q", data, 128)[0], m=floats[:n], v=floats[n:2 * n],
+                master=floats[2 * n:] if h[4] else None)

@@ -13,7 +13,8 @@ from llmc.checkpoint import (HEADER_BYTES, atomic_open, bf16_bits_to_fp32, fp32_
                              write_model, write_state)
 from llmc.config import GPT2Config
 from llmc.errors import LLMCError
-from llmc_fixtures import bf16_bytes_torch, header_bytes, write_llmc_debug_state, write_llmc_model
+from llmc_fixtures import (bf16_bytes_torch, header_bytes, read_llmc_state, write_llmc_debug_state,
+                           write_llmc_model, write_llmc_state)
 
 # small, with a padded vocab (V=11 -> Vp=16) and C not a power of two
 CFG = GPT2Config(max_seq_len=8, vocab_size=11, padded_vocab_size=16, num_layers=2, num_heads=2, channels=6)
@@ -243,44 +244,78 @@ def test_state_round_trip(tmp_path, rng):
     extra = {"rng": bitgen, "lr": 6e-4, "note": "ünïcode", "np_int": np.int64(5)}
     write_state(tmp_path / "s.bin", 123, m, v, loader, extra)
     st = read_state(tmp_path / "s.bin", n)
-    assert st["step"] == 123 and st["num_parameters"] == n
+    assert st["step"] == 123 and st["ours"] and st["master"] is None
     assert np.array_equal(st["m"], m) and np.array_equal(st["v"], v)
-    assert st["loader_state"] == loader and st["loader"] == loader
+    assert st["loader"] == loader and (st["shard_index"], st["sample_index"]) == (1, 7)
     assert st["extra"]["rng"] == bitgen and st["extra"]["np_int"] == 5 and st["extra"]["note"] == "ünïcode"
     g = np.random.default_rng()
     g.bit_generator.state = st["extra"]["rng"]
     assert g.random() == np.random.default_rng(42).random()
-    h = np.fromfile(tmp_path / "s.bin", dtype="<i4", count=256)
-    assert h[0] == 20241122 and h[1] == 1 and h[2] == 123 and h[3] % 8 == 0
-    assert h[4:6].copy().view("<i8")[0] == n
-    assert read_state(tmp_path / "s.bin", None)["step"] == 123
     assert no_temp_files(tmp_path)
+
+
+def test_state_is_llmc_layout(tmp_path, rng):
+    """What llm.c's load_state reads from our file: its header fields, m, v, master weights; the
+    shuffle flag is 0 so it stops there and never reads our trailer."""
+    n = CFG.num_parameters
+    m, v, master = random_params(rng), np.abs(random_params(rng)), random_params(rng)
+    loader = {"epoch": 0, "shard_index": 2, "window_index": 5}
+    write_state(tmp_path / "s.bin", 77, m, v, loader, {"x": 1}, master=master, rank=1, world=2, sr_rng=2**40 + 3)
+    got = read_llmc_state(tmp_path / "s.bin", n)
+    assert (got["num_processes"], got["rank"], got["master_weights"], got["shuffle"], got["step"]) == (2, 1, 1, 0, 77)
+    assert (got["shard"], got["sample"], got["rng_state"]) == (2, 5, 2**40 + 3)
+    assert np.array_equal(got["m"], m) and np.array_equal(got["v"], v) and np.array_equal(got["master"], master)
+    # the default stochastic-rounding RNG is llm.c's initial one for the rank, never 0 (a stuck xorshift)
+    write_state(tmp_path / "t.bin", 1, m, v, loader)
+    assert read_llmc_state(tmp_path / "t.bin", n)["rng_state"] == 13371337
+
+
+def test_reads_llmc_state(tmp_path, rng):
+    n = CFG.num_parameters
+    m, v, master = random_params(rng), np.abs(random_params(rng)), random_params(rng)
+    write_llmc_state(tmp_path / "a.bin", 40, m, v, shard=3, sample=9, rng_state=99)
+    st = read_state(tmp_path / "a.bin", n)
+    assert not st["ours"] and st["loader"] is None and st["extra"] == {} and st["master"] is None
+    assert (st["step"], st["shard_index"], st["sample_index"], st["sr_rng"]) == (40, 3, 9, 99)
+    assert np.array_equal(st["m"], m) and np.array_equal(st["v"], v)
+    write_llmc_state(tmp_path / "b.bin", 40, m, v, master=master)
+    assert np.array_equal(read_state(tmp_path / "b.bin", n)["master"], master)
+    # llm.c's shuffled loader state cannot be continued: one clear line
+    write_llmc_state(tmp_path / "c.bin", 40, m, v, shuffle=1, tail=b"\0" * 64)
+    with pytest.raises(LLMCError, match="shuffling dataloader"):
+        read_state(tmp_path / "c.bin", n)
+    with pytest.raises(LLMCError, match="rank 0's state, expected rank 1's"):
+        read_state(tmp_path / "a.bin", n, rank=1)
+    with pytest.raises(LLMCError, match="1 processes, this run has 2"):
+        read_state(tmp_path / "a.bin", n, world=2)
 
 
 def test_state_bad_files(tmp_path, rng):
     n = CFG.num_parameters
     good = tmp_path / "good.bin"
-    write_state(good, 5, random_params(rng), random_params(rng), {"epoch": 0}, {})
+    write_state(good, 5, random_params(rng), random_params(rng), {"shard_index": 0, "window_index": 0}, {})
     data = good.read_bytes()
-    nblob = int(np.frombuffer(data[12:16], "<i4")[0])
+    tail = HEADER_BYTES + 8 * n
     cases = {
-        "magic": (header_bytes(20240527, 1) + data[HEADER_BYTES:], "bad magic 20240527"),
+        "magic": (header_bytes(20241122, 1) + data[HEADER_BYTES:], "bad magic 20241122"),
         "version": (data[:4] + header_bytes(0, 2)[4:8] + data[8:], "version 2"),
-        "trunc": (data[:-1], "truncated"),
-        "long": (data + b"\0" * 8, "too long"),
-        "json": (data[:HEADER_BYTES] + b"{" * nblob + data[HEADER_BYTES + nblob:], "JSON"),
+        "trunc": (data[:HEADER_BYTES + 8 * n - 4], "truncated"),
+        "long": (data + b"\0" * 8, "not an llmc-py trailer"),
+        "trailer": (data[:tail] + b"\0" * 16 + data[tail + 16:], "not an llmc-py trailer"),
+        "json": (data[:tail + 16] + b"{" * (len(data) - tail - 16), "JSON"),
+        "rank": (data[:12] + header_bytes(0, 0, 0, 5)[12:16] + data[16:], "corrupt header"),
     }
     for name, (content, needle) in cases.items():
         p = tmp_path / f"{name}.bin"
         p.write_bytes(content)
         with pytest.raises(LLMCError, match=needle):
             read_state(p, n)
-    with pytest.raises(LLMCError, match="different model"):
-        read_state(good, n + 1)
+    with pytest.raises(LLMCError, match="truncated"):
+        read_state(good, 2 * n)
     with pytest.raises(LLMCError, match="not found"):
         read_state(tmp_path / "missing.bin", n)
     # a model checkpoint is not a state file
     write_model(tmp_path / "m.bin", CFG, random_params(rng))
     with pytest.raises(LLMCError, match="bad magic 20240326"):
         read_state(tmp_path / "m.bin", n)
-    json.loads(data[HEADER_BYTES:HEADER_BYTES + nblob])  # the blob itself is plain JSON
+    json.loads(data[tail + 16:])  # the trailer's blob itself is plain JSON

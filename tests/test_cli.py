@@ -57,12 +57,15 @@ def test_checkpoints_and_exact_resume(shards, tmp_path):
     assert (tmp_path / "full" / "model_00000004.bin").exists()
     assert (tmp_path / "full" / "model_00000008.bin").exists()
     log = (tmp_path / "full" / "main.log").read_text()
-    assert "s:1 trl:" in log and "s:8 trl:" in log
+    # llm.c's main.log: the train line of optimizer step k (console "step k+1/N") says s:k
+    assert re.search(r"^s:0 trl:\d+\.\d{4} lr:0\.000500 norm:\d+\.\d{2}$", log, re.M), log
+    assert "s:7 trl:" in log and "s:8 trl:" not in log
+    assert (tmp_path / "full" / "state_00000004_00000.bin").exists() and (tmp_path / "full" / "DONE_00000008").exists()
     # a second run into another dir, whose last checkpoint we delete: as if it had stopped after
     # step 4 (same -x, so the same lr schedule); resuming must reproduce steps 5..8 exactly
     part = tmp_path / "part"
     run(common + ["-o", str(part)])
-    for f in part.glob("*_00000008.bin"):
+    for f in part.glob("*_00000008*"):
         f.unlink()
     resumed = run(common + ["-o", str(part), "-y", "1"])
     assert "resumed from" in resumed.stdout
@@ -115,3 +118,4 @@ def test_bad_inputs(shards, tmp_path):
     one_line_error(run(SMALL + data_args(shards) + ["-b", "x"], check=False), "--batch-size")
     one_line_error(run(SMALL + data_args(shards) + ["-d", "100"], check=False), "--total-batch-size")
     one_line_error(run(SMALL + data_args(shards) + ["-y", "1"], check=False), "--resume")
+    one_line_error(run(SMALL + data_args(shards) + ["-m", "0"], check=False), "--val-batches")

@@ -97,3 +97,23 @@ def test_download_failures(tmp_path, capsys, case):
     err = capsys.readouterr().err.strip()
     assert needle in err and "\n" not in err, err
     assert not (tmp_path / "ts" / "input.txt").exists()
+
+
+def test_non_utf8_input_is_one_line(tmp_path, capsys):
+    (tmp_path / "ts").mkdir()
+    (tmp_path / "ts" / "input.txt").write_bytes("Ünïcode in latin-1".encode("latin-1"))
+    assert run(tmp_path) == 1
+    err = capsys.readouterr().err.strip()
+    assert "input.txt: not UTF-8" in err and "0xdc" in err and "\n" not in err
+
+
+def test_unwritable_output_is_one_line(tmp_path, capsys, monkeypatch):
+    (tmp_path / "ts").mkdir()
+    shutil.copy(INPUT, tmp_path / "ts" / "input.txt")
+
+    def full(path, tokens):
+        raise OSError(28, "No space left on device", str(path))
+    monkeypatch.setattr(prepro, "write_shard", full)
+    assert run(tmp_path) == 1
+    err = capsys.readouterr().err.strip()
+    assert "tiny_shakespeare_val.bin: No space left on device" in err and "\n" not in err

