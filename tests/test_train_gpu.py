@@ -33,7 +33,11 @@ def train(*args, cwd=ROOT, exe=None, check=True):
     cmd = [str(exe)] if exe else [sys.executable, str(ROOT / "train_gpt2.py")]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     if exe is not None:  # the installed command: keep PYTHONPATH (PyCUDA may live there), minus the checkout
+        import site
         keep = [d for d in os.environ.get("PYTHONPATH", "").split(os.pathsep) if d and Path(d).resolve() != ROOT]
+        # and this interpreter's site-packages: where python3 is itself a venv (the GPU machine's is),
+        # a --system-site-packages venv made from it sees the base interpreter's, not numpy's
+        keep += [d for d in site.getsitepackages() if d not in keep]
         env["PYTHONPATH"] = os.pathsep.join(keep)
     p = subprocess.run(cmd + [str(a) for a in args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     if check:
