@@ -147,6 +147,28 @@ template <> struct Wgmma<__nv_bfloat16, 128> { static __device__ __forceinline__
 template <> struct Wgmma<__nv_bfloat16, 192> { static __device__ __forceinline__ void run(float (&d)[96], uint64_t a, uint64_t b, int s) { wgmma_bf16_n192(d, a, b, s); } };
 template <> struct Wgmma<__nv_bfloat16, 256> { static __device__ __forceinline__ void run(float (&d)[128], uint64_t a, uint64_t b, int s) { wgmma_bf16_n256(d, a, b, s); } };
 
+template <int BN> struct WgmmaRS;
+template <> struct WgmmaRS<128> { static __device__ __forceinline__ void run(float (&d)[64], const uint32_t (&a)[4], uint64_t b, int s) { wgmma_tf32_rs_n128(d, a, b, s); } };
+template <> struct WgmmaRS<192> { static __device__ __forceinline__ void run(float (&d)[96], const uint32_t (&a)[4], uint64_t b, int s) { wgmma_tf32_rs_n192(d, a, b, s); } };
+template <> struct WgmmaRS<256> { static __device__ __forceinline__ void run(float (&d)[128], const uint32_t (&a)[4], uint64_t b, int s) { wgmma_tf32_rs_n256(d, a, b, s); } };
+
+// An M-major A tile (the dweight GEMM's A is dout^T: its K runs along dout's rows) comes in as 4
+// TMA boxes of 32 m (128 bytes) x 32 k, each 4 KB, 128-byte swizzled by k row. TF32 wgmma takes
+// only K-major tiles from shared memory, so A goes through registers instead: one k-step's fragment
+// is a0 (g, t), a1 (g+8, t), a2 (g, t+4), a3 (g+8, t+4) of the warp's 16 rows (g = lane/4, t = lane%4),
+// read with 4 scalar loads (2-way bank conflicts at worst: the swizzle spreads the 4 k rows).
+__device__ __forceinline__ void load_a_mn(uint32_t (&a)[4], const unsigned char* stage_a, int wg_row0, int ks) {
+    const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const int m = wg_row0 + warp * 16 + g + 8 * (i & 1), k = ks * 8 + t + 4 * (i >> 1);
+        const int mm = m & 31;
+        a[i] = *reinterpret_cast<const uint32_t*>(stage_a + (m >> 5) * 4096 + k * ROW_BYTES +
+                                                   (((mm >> 2) ^ (k & 7)) << 4) + (mm & 3) * 4);
+    }
+}
+
 // ------------------------------------------------------------------------------------------------
 // the kernel body
 
@@ -257,7 +279,7 @@ __device__ __forceinline__ void epilogue_tma(float (&d)[BN / 2], const GemmArgs&
     }
 }
 
-template <typename T, int BN, int STAGES, bool TMA_STORE>
+template <typename T, int BN, int STAGES, bool TMA_STORE, bool A_MN = false>
 __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CUtensorMap* tmB, const CUtensorMap* tmC,
                                                 const GemmArgs& a) {
     constexpr int BK = ROW_BYTES / sizeof(T);       // K per stage: 32 tf32 or 64 bf16
@@ -300,7 +322,12 @@ __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CU
                     mbar_wait(&empty[stage], phase ^ 1);
                     mbar_expect_tx(&full[stage], STAGE_BYTES);
                     unsigned char* sa = smem + stage * STAGE_BYTES;
-                    tma_load_2d(sa, tmA, &full[stage], kb * BK, tm * BM);
+                    if (A_MN) {  // A^T is stored (K rows of M): 4 boxes of 32 m x BK k
+#pragma unroll
+                        for (int b = 0; b < 4; b++) tma_load_2d(sa + b * 4096, tmA, &full[stage], tm * BM + 32 * b, kb * BK);
+                    } else {
+                        tma_load_2d(sa, tmA, &full[stage], kb * BK, tm * BM);
+                    }
                     tma_load_2d(sa + A_BYTES, tmB, &full[stage], kb * BK, tn * BN);
                     if (++stage == STAGES) { stage = 0; phase ^= 1; }
                 }
@@ -321,10 +348,21 @@ __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CU
                 mbar_wait(&full[stage], phase);
                 const unsigned char* sa = smem + stage * STAGE_BYTES + (wg - 1) * 64 * ROW_BYTES;
                 const unsigned char* sb = smem + stage * STAGE_BYTES + A_BYTES;
-                wgmma_fence();
+                if constexpr (A_MN) {
+                    uint32_t af[KSTEPS][4];
 #pragma unroll
-                for (int ks = 0; ks < KSTEPS; ks++)
-                    Wgmma<T, BN>::run(d, smem_desc(sa + 32 * ks), smem_desc(sb + 32 * ks), (kb > kb0 || ks > 0) ? 1 : 0);
+                    for (int ks = 0; ks < KSTEPS; ks++)
+                        load_a_mn(af[ks], smem + stage * STAGE_BYTES, (wg - 1) * 64, ks);
+                    wgmma_fence();
+#pragma unroll
+                    for (int ks = 0; ks < KSTEPS; ks++)
+                        WgmmaRS<BN>::run(d, af[ks], smem_desc(sb + 32 * ks), (kb > kb0 || ks > 0) ? 1 : 0);
+                } else {
+                    wgmma_fence();
+#pragma unroll
+                    for (int ks = 0; ks < KSTEPS; ks++)
+                        Wgmma<T, BN>::run(d, smem_desc(sa + 32 * ks), smem_desc(sb + 32 * ks), (kb > kb0 || ks > 0) ? 1 : 0);
+                }
                 wgmma_commit();
                 wgmma_wait<1>();  // the previous k-block's products are done: its stage can be refilled
                 if (prev >= 0 && lane == 0) mbar_arrive(&empty[prev]);
@@ -351,13 +389,13 @@ __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CU
 
 // shared memory a (T, BN, STAGES) instance needs: the stages, 2 mbarriers each, 1 KB for alignment
 // tmC: the TMA map of C (or nullptr: direct stores); used only by the _ts instances
-#define GEMM_WGMMA_ENTRY(NAME, T, BN, STAGES, TMA_STORE)                                                  \
+#define GEMM_WGMMA_ENTRY(NAME, T, BN, STAGES, TMA_STORE, ...)                                             \
     extern "C" __global__ void __launch_bounds__(THREADS, 1)                                             \
     NAME(const CUtensorMap* tmA, const CUtensorMap* tmB, const CUtensorMap* tmC, float* C, const float* bias, \
          float* W, int M, int N, int K, int ldc, int ldw, int splits, int kb_per_split, float alpha,     \
          float beta, int trans_c) {                                                                       \
         const GemmArgs a{C, bias, W, M, N, K, ldc, ldw, splits, kb_per_split, alpha, beta, trans_c};     \
-        gemm_wgmma_body<T, BN, STAGES, TMA_STORE>(tmA, tmB, tmC, a);                                     \
+        gemm_wgmma_body<T, BN, STAGES, TMA_STORE, ##__VA_ARGS__>(tmA, tmB, tmC, a);                      \
     }
 
 // stages: as many as fit in ~200 KB (A 16 KB + B BN*128 bytes each); the _ts (TMA store) instances
@@ -367,6 +405,10 @@ GEMM_WGMMA_ENTRY(gemm_wgmma_tf32_n192, float, 192, 5, false)
 GEMM_WGMMA_ENTRY(gemm_wgmma_tf32_n256, float, 256, 4, false)
 GEMM_WGMMA_ENTRY(gemm_wgmma_tf32_n128_ts, float, 128, 5, true)
 GEMM_WGMMA_ENTRY(gemm_wgmma_tf32_n192_ts, float, 192, 3, true)
+// A M-major (A^T stored, as dout is for dweight = dout^T @ inp), tf32 only, through registers
+GEMM_WGMMA_ENTRY(gemm_wgmma_tf32_n128_am, float, 128, 6, false, true)
+GEMM_WGMMA_ENTRY(gemm_wgmma_tf32_n192_am, float, 192, 5, false, true)
+GEMM_WGMMA_ENTRY(gemm_wgmma_tf32_n256_am, float, 256, 4, false, true)
 GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n128, __nv_bfloat16, 128, 6, false)
 GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n192, __nv_bfloat16, 192, 5, false)
 GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n256, __nv_bfloat16, 256, 4, false)
@@ -376,9 +418,10 @@ GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n192_ts, __nv_bfloat16, 192, 3, true)
 // ------------------------------------------------------------------------------------------------
 // helpers the engine's launcher uses
 
-// C = alpha * sum_s W[s] (+ bias) (+ beta * C), the splits added in order (deterministic)
+// C = alpha * sum_s W[s] (+ bias) (+ beta * C), the splits added in order (deterministic); with
+// trans_c, C^T is what is stored
 extern "C" __global__ void gemm_wgmma_splitk_reduce(float* C, const float* W, const float* bias, int M, int N,
-                                                    int ldc, int ldw, int splits, float alpha, float beta) {
+                                                    int ldc, int ldw, int splits, float alpha, float beta, int trans_c) {
     const ll total = (ll)M * N;
     for (ll i = (ll)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (ll)gridDim.x * blockDim.x) {
         const int m = (int)(i / N), n = (int)(i % N);
@@ -386,7 +429,7 @@ extern "C" __global__ void gemm_wgmma_splitk_reduce(float* C, const float* W, co
         for (int k = 0; k < splits; k++) s += W[((ll)k * M + m) * ldw + n];
         float x = alpha * s;
         if (bias) x += bias[n];
-        float* p = C + (ll)m * ldc + n;
+        float* p = trans_c ? C + (ll)n * ldc + m : C + (ll)m * ldc + n;
         if (beta != 0.0f) x += beta * *p;
         *p = x;
     }

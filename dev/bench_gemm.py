@@ -115,8 +115,18 @@ def main():
                     t1, t2 = gw.transpose_build(rt, Ntok, OC), gw.transpose_build(rt, Ntok, C)
                     r["transpose"] = med(lambda: (t1(P(doutT), P(dout)), t2(P(xT), P(x))))
                     r["engine5_tf32_gemm"] = med(lambda: g(P(dw), P(doutT), P(xT)))
-                    r["engine5_tf32"] = r["engine5_tf32_gemm"] + r["transpose"]
-                    r["plan_tf32"] = g.plan
+                    r["plan_tf32_kk"] = g.plan
+                    # what the trainer runs (matmul_backward 5): the wider operand M-major through
+                    # registers, the narrower one transposed (N x min(C, OC))
+                    if OC >= C:
+                        gm = gw.wgmma_build(rt, "tf32", OC, C, Ntok, lda=OC, beta=1.0, a_major="m")
+                        r["transpose_narrow"] = med(lambda: t2(P(xT), P(x)))
+                        r["engine5_tf32"] = med(lambda: gm(P(dw), P(dout), P(xT))) + r["transpose_narrow"]
+                    else:
+                        gm = gw.wgmma_build(rt, "tf32", C, OC, Ntok, lda=C, ldc=C, beta=1.0, a_major="m", trans_c=True)
+                        r["transpose_narrow"] = med(lambda: t1(P(doutT), P(dout)))
+                        r["engine5_tf32"] = med(lambda: gm(P(dw), P(x), P(doutT))) + r["transpose_narrow"]
+                    r["plan_tf32"] = gm.plan
                 for key in list(r):
                     if key.startswith(("cublas", "engine")) and not key.endswith("_gemm"):
                         r["tflops_" + key] = flops / r[key] / 1e9
@@ -132,6 +142,9 @@ def main():
                     line += f" | direct stores {r['engine5_direct']:.3f} {r['plan_direct']}"
                 if "transpose" in r:
                     line += f" | transposes {r['transpose']:.3f}"
+                if "transpose_narrow" in r:
+                    line += (f" | both K-major (after both transposes) {r['engine5_tf32_gemm']:.3f} {r['plan_tf32_kk']}, "
+                             f"narrow transpose {r['transpose_narrow']:.3f}")
                 print(line, flush=True)
             del x, w, dout, y, dx, dw, xb, wb, doutb, wt, doutT, xT
             torch.cuda.empty_cache()

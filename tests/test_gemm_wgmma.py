@@ -139,6 +139,25 @@ def test_wgmma_transposed_store(hopper, rng, beta):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("M,N,K,splits,trans_c", [(2304, 768, 1024, 1, False), (131, 67, 65 * 4, 1, False),
+                                                  (300, 196, 1000, 3, False), (3072, 768, 512, 1, True),
+                                                  (200, 130, 520, 2, True), (1, 1, 4, 1, False)])
+def test_wgmma_a_m_major(hopper, rng, M, N, K, splits, trans_c):
+    """A given as A^T (K rows of M, the layout dout has for dweight = dout^T @ inp): through registers."""
+    lda = -(-M // 4) * 4  # 16-byte rows for the TMA; the padding columns hold garbage that must not leak in
+    At = rng.standard_normal((K, lda)).astype(np.float32)
+    B = rng.standard_normal((N, K)).astype(np.float32)
+    C0 = rng.standard_normal((N, M) if trans_c else (M, N)).astype(np.float32)
+    dC = hopper.to_device(C0)
+    g = gw.wgmma_build(hopper, "tf32", M, N, K, lda=lda, beta=1.0, a_major="m", trans_c=trans_c, splits=splits)
+    assert "+am" in g.plan[1] and g.plan[2] == splits
+    g(dC, hopper.to_device(At), hopper.to_device(B))
+    ref = At[:, :M].T.astype(np.float64) @ B.astype(np.float64).T
+    ref = (ref.T if trans_c else ref) + C0
+    assert _rel(dC.get(), ref) < TOL["tf32"]
+
+
+@pytest.mark.gpu
 def test_wgmma_is_deterministic(hopper, rng):
     A = hopper.to_device(rng.standard_normal((500, 1024)).astype(np.float32))
     B = hopper.to_device(rng.standard_normal((300, 1024)).astype(np.float32))

@@ -20,7 +20,7 @@ from llmc.errors import LLMCError, VariantRefused
 from llmc.ops import matmul as mm
 
 TF32_FWD = {5, 6, 7, 9}
-TF32_BWD = {2, 3, 4}
+TF32_BWD = {2, 3, 4, 5}
 
 
 def rnd(rng, *shape, scale=1.0):
@@ -135,9 +135,9 @@ def test_variant_table():
     assert set(mm.GEMM_VARIANTS) == {1, 2, 3, 4}
     assert [mm.gemm_variant_for(v) for v in range(1, 10)] == [1, 1, 1, 1, 2, 2, 4, 1, 4]
     assert set(spec_fwd := ops.get("matmul_forward").variants) == set(range(1, 10)), spec_fwd
-    assert [mm.gemm_variant_for_backward(v) for v in (1, 2, 3, 4)] == [1, 2, 4, 4]
+    assert [mm.gemm_variant_for_backward(v) for v in (1, 2, 3, 4, 5)] == [1, 2, 4, 4, 4]
     from llmc.ops.attention import gemm_engine_for_backward  # attention's backward follows matmul's
-    assert [gemm_engine_for_backward(v) for v in (1, 2, 3, 4)] == [1, 2, 4, 4]
+    assert [gemm_engine_for_backward(v) for v in (1, 2, 3, 4, 5)] == [1, 2, 4, 4, 4]
     assert ops.get("matmul_forward").default == 9 and ops.get("matmul_backward").default == 4
 
 

@@ -31,7 +31,8 @@ def shards(tmp_path_factory, rt):
 
 def train(*args, cwd=ROOT, exe=None, check=True):
     cmd = [str(exe)] if exe else [sys.executable, str(ROOT / "train_gpt2.py")]
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    # the checkout first, then whatever PYTHONPATH held (PyCUDA may be installed there)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")])))
     if exe is not None:  # the installed command: keep PYTHONPATH (PyCUDA may live there), minus the checkout
         import site
         keep = [d for d in os.environ.get("PYTHONPATH", "").split(os.pathsep) if d and Path(d).resolve() != ROOT]

@@ -30,9 +30,10 @@ from llmc.errors import LLMCError
 MODULE = "gemm_wgmma"
 BM = 128
 BN_CHOICES = (128, 192, 256)
-# relative steady-state rate of each tile width (wider tiles reuse each A tile more); first guesses,
-# to be replaced by the lab's measurements
-BN_EFF = {128: 0.90, 192: 0.97, 256: 1.0}
+# relative steady-state rate of each tile width, measured on the H100 with long K (2026-11-23, TF32,
+# direct stores: 50304 x 768 x 4096 ran at 318 / 373 / 313 TFLOP/s, 3072 x 768 x 4096 at 178 / 236 /
+# 171): 192 wide with 5 stages beats 256 with 4
+BN_EFF = {128: 0.85, 192: 1.0, 256: 0.84}
 TILE_OVERHEAD_KB = 2            # epilogue + pipeline fill of a work unit, in k-blocks
 SM_TF32_FLOPS = 3.0e12          # per-SM rate assumed by the planner (~80% of 494 TFLOP/s / 132); bf16 twice
 DRAM_BPS = 2.5e12
@@ -135,20 +136,25 @@ TS_WIDTHS = (128, 192)          # tile widths built with the TMA-store epilogue 
 
 def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, ldb: int | None = None,
                 ldc: int | None = None, alpha: float = 1.0, beta: float = 0.0, has_bias: bool = False,
-                trans_c: bool = False, bn: int | None = None, splits: int | None = None, store: str = "auto"):
+                trans_c: bool = False, bn: int | None = None, splits: int | None = None, store: str = "auto",
+                a_major: str = "k"):
     """C = alpha * A(M,K) @ B(N,K)^T (+ bias(N)) (+ beta*C); with trans_c, C^T is what is stored
     (C is (N, ldc)). Returns launch(C, A, B, bias=None) taking DevArrays or raw pointers.
+    a_major="m": the A argument holds A^T, i.e. (K, lda >= M) row-major, as dout holds dout^T for the
+    dweight GEMM; tf32 only (A goes through registers: TF32 wgmma reads only K-major shared memory).
     store: "tma" stages each tile in shared memory and writes it with the TMA, overlapping the next
     tile's products (plain outputs only: no beta, no split-K, not transposed); "direct" stores from
     registers; "auto" takes "tma" where it can and K <= TS_MAX_K (short K: the epilogue is a large part
     of a tile's time; long K wants the deeper pipeline of the direct-store instances)."""
-    lda = K if lda is None else lda
+    if a_major not in ("k", "m") or (a_major == "m" and dtype == "bf16"):
+        raise LLMCError(f"gemm engine 5: a_major={a_major!r} with {dtype}; M-major A is built for tf32 only")
+    lda = (M if a_major == "m" else K) if lda is None else lda
     ldb = K if ldb is None else ldb
     ldc = (M if trans_c else N) if ldc is None else ldc
     why = check(dtype, M, N, K, lda, ldb)
     if why:
         raise LLMCError(f"gemm engine 5 refuses M={M} N={N} K={K}: {why}")
-    ts_ok = beta == 0.0 and not trans_c and (ldc * 4) % 16 == 0
+    ts_ok = beta == 0.0 and not trans_c and (ldc * 4) % 16 == 0 and a_major == "k"
     if store not in ("auto", "tma", "direct"):
         raise LLMCError(f"gemm engine 5: store={store!r}; expected auto, tma or direct")
     if store == "tma" and not ts_ok:
@@ -160,14 +166,12 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
         if splits > 1 and store == "auto":
             use_ts = False
     if not use_ts:
-        pbn, psplits = plan(rt.sm_count, M, N, K, dtype, allow_split=not trans_c)
+            pbn, psplits = plan(rt.sm_count, M, N, K, dtype)
     bn, splits = bn or pbn, splits or psplits
     if use_ts and (bn not in TS_WIDTHS or splits > 1):
         raise LLMCError(f"gemm engine 5: the TMA store is built for tile widths {TS_WIDTHS} without split-K")
     if bn not in BN_CHOICES:
         raise LLMCError(f"gemm engine 5: no tile width {bn}; have {', '.join(map(str, BN_CHOICES))}")
-    if trans_c and splits > 1:
-        raise LLMCError("gemm engine 5: split-K does not write transposed outputs")
     bk = 128 // DTYPES[dtype][1]
     kblocks = -(-K // bk)
     splits = max(1, min(splits, kblocks))
@@ -176,14 +180,15 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
     stages = ({128: 5, 192: 3} if use_ts else {128: 6, 192: 5, 256: 4})[bn]
     smem = stages * (BM + bn) * 128 + (2 * 64 * bn * 4 if use_ts else 0) + 2 * 8 * stages + 1024
     ty = "bf16" if dtype == "bf16" else "tf32"
-    k = rt.kernel(MODULE, f"gemm_wgmma_{ty}_n{bn}{'_ts' if use_ts else ''}", "PPPPPPiiiiiiiffi",
-                  label=f"gemm 5 ({ty}, 128x{bn}{', TMA store' if use_ts else ''})")
+    suffix = "_ts" if use_ts else "_am" if a_major == "m" else ""
+    k = rt.kernel(MODULE, f"gemm_wgmma_{ty}_n{bn}{suffix}", "PPPPPPiiiiiiiffi",
+                  label=f"gemm 5 ({ty}, 128x{bn}{', TMA store' if use_ts else ', A M-major' if a_major == 'm' else ''})")
     k.set_max_dynamic_smem(smem)
     units = -(-M // BM) * -(-N // bn) * splits
     grid, block = (min(units, rt.sm_count), 1, 1), (384, 1, 1)
     ldw = -(-N // 4) * 4
     W = rt.empty((splits * M * ldw,), np.float32) if splits > 1 else None
-    red = rt.kernel(MODULE, "gemm_wgmma_splitk_reduce", "PPPiiiiiff", label="gemm 5 split-K reduce") if splits > 1 else None
+    red = rt.kernel(MODULE, "gemm_wgmma_splitk_reduce", "PPPiiiiiffi", label="gemm 5 split-K reduce") if splits > 1 else None
     rgrid = (max(1, min(-(-(M * N) // 256), rt.sm_count * 8)), 1, 1)
     maps: dict = {}
 
@@ -197,7 +202,9 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
         ts = use_ts and not c & 15
         dm = maps.get((a, b, c if ts else 0))
         if dm is None:  # first launch with these operands: encode the maps, copy them to the device
-            blob = tensor_map(a, dtype, M, K, lda, BM) + tensor_map(b, dtype, N, K, ldb, bn)
+            ta = tensor_map(a, dtype, K, M, lda, 128 // DTYPES[dtype][1]) if a_major == "m" else \
+                tensor_map(a, dtype, M, K, lda, BM)   # M-major: boxes of 32 m x 32 k rows
+            blob = ta + tensor_map(b, dtype, N, K, ldb, bn)
             if ts:
                 blob += tensor_map(c, "tf32t", M, N, ldc, 64)  # fp32 out: copied as is  # C: fp32, boxes of 64 rows x 32 columns
             dm = maps[(a, b, c if ts else 0)] = rt.to_device(np.frombuffer(blob, np.uint8))
@@ -207,12 +214,12 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
               np.int32(ldw), np.int32(splits), np.int32(per), np.float32(1.0), np.float32(0.0), np.int32(0),
               smem=smem)
             red(rgrid, (256, 1, 1), c, W.ptr, bi if has_bias else 0, np.int32(M), np.int32(N), np.int32(ldc),
-                np.int32(ldw), np.int32(splits), np.float32(alpha), np.float32(beta))
+                np.int32(ldw), np.int32(splits), np.float32(alpha), np.float32(beta), np.int32(1 if trans_c else 0))
         else:
             k(grid, block, tm[0], tm[1], tm[2], c, bi if has_bias else 0, 0, np.int32(M), np.int32(N), np.int32(K),
               np.int32(ldc), np.int32(ldw), np.int32(1), np.int32(per), np.float32(alpha), np.float32(beta),
               np.int32(1 if trans_c else 0), smem=smem)
-    launch.plan = (5, f"128x{bn}{'+ts' if use_ts else ''}", splits)
+    launch.plan = (5, f"128x{bn}{'+ts' if use_ts else '+am' if a_major == 'm' else ''}", splits)
     return launch
 
 

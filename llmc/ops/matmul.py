@@ -100,9 +100,9 @@ def gemm_variant_for(matmul_variant: int) -> int:
 
 def gemm_variant_for_backward(matmul_backward_variant: int) -> int:
     """The GEMM engine that goes with a --matmul-backward-kernel number (attention's backward uses
-    it): variants 1 and 2 run on engines 1 and 2, variants 3 and 4 on engine 4 (engine 5 does not do
+    it): variants 1 and 2 run on engines 1 and 2, variants 3-5 on engine 4 (engine 5 does not do
     the batched, strided GEMMs the composite attention needs)."""
-    return {1: 1, 2: 2, 3: 4, 4: 4}[matmul_backward_variant]
+    return {1: 1, 2: 2, 3: 4, 4: 4, 5: 4}[matmul_backward_variant]
 
 
 def _ptr(x) -> int:
@@ -432,10 +432,50 @@ def matmul_backward4(rt, N, C, OC, block_size=None):
     return launch
 
 
+def matmul_backward5(rt, N, C, OC, block_size=None):
+    """dinp and dweight on engine 5. dinp as in variant 4 (weight^T written first). dweight =
+    dout^T @ inp reduces over the N rows, which is the slow dimension of both operands; TF32 wgmma
+    wants K-major tiles in shared memory, so: the wider of dout (N,OC) and inp (N,C) is the A operand,
+    M-major straight from its rows into registers (engine 5's `_am` kernels), and the narrower one is
+    transposed (N x min(C, OC) floats: one pass, 0.012 ms at N = 4096, C = 768 on the H100) into a
+    K-major B. When inp is the wider (fcproj: C = 3072 > OC = 768) the GEMM computes dweight^T and
+    stores it transposed."""
+    from llmc.ops.gemm_wgmma import transpose_build, wgmma_build
+    wt = rt.empty((C, OC), np.float32)                       # weight^T
+    tr_w = transpose_build(rt, OC, C)
+    g_dinp = wgmma_build(rt, "tf32", N, C, OC)
+    Np = -(-N // 4) * 4                                       # 16-byte rows for the TMA
+    narrow = min(C, OC)
+    t_buf = rt.empty((narrow, Np), np.float32)                # the narrow operand, transposed
+    tr_x = transpose_build(rt, N, narrow, ld_out=Np)
+    if OC >= C:   # dweight(OC,C) += dout^T(OC,N) @ inp(N,C): A = dout (M-major), B = inp^T
+        g_dw = wgmma_build(rt, "tf32", OC, C, N, lda=OC, ldb=Np, ldc=C, beta=1.0, a_major="m")
+    else:         # dweight^T(C,OC) += inp^T(C,N) @ dout(N,OC): A = inp (M-major), B = dout^T
+        g_dw = wgmma_build(rt, "tf32", C, OC, N, lda=C, ldb=Np, ldc=C, beta=1.0, a_major="m", trans_c=True)
+
+    def launch(dinp, dweight, dout, inp, weight):
+        tr_w(wt, weight)
+        g_dinp(dinp, dout, wt)
+        if OC >= C:
+            tr_x(t_buf, inp)
+            g_dw(dweight, dout, t_buf)
+        else:
+            tr_x(t_buf, dout)
+            g_dw(dweight, inp, t_buf)
+    launch.plan = (g_dinp.plan, g_dw.plan)
+    return launch
+
+
 def _bwd_wgmma_check(N, C, OC, **_):
     if OC % 4:
         return f"the TMA needs 16-byte row strides: OC % 4 == 0 (OC={OC})"
     return _bwd_engine_check(N, C, OC, engine=4)
+
+
+def _bwd_wgmma5_check(N, C, OC, **_):
+    if OC % 4 or C % 4:
+        return f"the TMA needs 16-byte row strides: C % 4 == 0 and OC % 4 == 0 (C={C}, OC={OC})"
+    return None
 
 
 def _bwd_engine_check(N, C, OC, engine=2, **_):
@@ -550,6 +590,8 @@ OPS = [
                    _matmul_backward_engine(4), _bwd_engine4_check),
         4: Variant(4, "TF32: dinp on GEMM engine 5 (wgmma, Hopper; weight transposed first), dweight on "
                       "engine 4", matmul_backward4, _bwd_wgmma_check, arch="sm_90"),
+        5: Variant(5, "TF32: dinp and dweight on GEMM engine 5; dweight's wider operand M-major through "
+                      "registers, the narrower one transposed", matmul_backward5, _bwd_wgmma5_check, arch="sm_90"),
     }, default=4, flag="--matmul-backward-kernel",
         doc="dinp(N,C)= ; dweight(OC,C)+= ; dout(N,OC), inp(N,C), weight(OC,C)"),
     OpSpec("matmul_backward_bias", matmul_backward_bias_cpu, {
