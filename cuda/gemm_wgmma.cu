@@ -477,4 +477,52 @@ extern "C" __global__ void wgmma_debug_tma(const CUtensorMap* tmA, float* out, i
     const float* s = reinterpret_cast<const float*>(smem);
     for (int i = threadIdx.x; i < rows * 32; i += blockDim.x) out[i] = s[i];
 }
+
+// Which (row, k) of A does register i of lane l hold in wgmma's tf32 register form? A's registers hold
+// the code 4 * tid + i + 1 (exact in tf32), B(n, k) = (n == k) in 128B-swizzled K-major shared memory,
+// so D(m, n < 8) = the code at A(m, n); D is written out through the (verified) accumulator layout.
+extern "C" __global__ void wgmma_debug_rs_layout(float* out /* (64, 8) */) {
+    extern __shared__ unsigned char smem_raw[];
+    unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+    float* b = reinterpret_cast<float*>(smem);
+    for (int i = threadIdx.x; i < 128 * 32; i += blockDim.x) {
+        const int n = i / 32, k = i % 32;
+        b[n * 32 + (((k >> 2) ^ (n & 7)) << 2) + (k & 3)] = (n == k && k < 8) ? 1.0f : 0.0f;
+    }
+    fence_async_smem();
+    __syncthreads();
+    uint32_t a[4];
+    for (int i = 0; i < 4; i++) a[i] = __float_as_uint((float)(4 * threadIdx.x + i + 1));
+    float d[64];
+    wgmma_fence();
+    wgmma_tf32_rs_n128(d, a, smem_desc(smem), 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    keep_in_regs(d);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int h = 0; h < 2; h++)
+        for (int c = 0; c < 2; c++)
+            out[(warp * 16 + (lane >> 2) + 8 * h) * 8 + 2 * (lane & 3) + c] = d[2 * h + c];
+}
+
+// load_a_mn against a known A^T (value m * 1000 + k) loaded by the TMA as the kernel loads it
+extern "C" __global__ void wgmma_debug_load_a_mn(const CUtensorMap* tmA, float* out /* (256 threads, 4 ks, 4) */) {
+    extern __shared__ unsigned char smem_raw[];
+    unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+    __shared__ uint64_t bar;
+    if (threadIdx.x == 0) { mbar_init(&bar, 1); asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        tensormap_acquire(tmA);
+        mbar_expect_tx(&bar, 4 * 4096);
+        for (int b = 0; b < 4; b++) tma_load_2d(smem + b * 4096, tmA, &bar, 32 * b, 0);
+    }
+    mbar_wait(&bar, 0);
+    const int wg = threadIdx.x / 128;  // launched with 256 threads: warpgroups "1" and "2" of the kernel
+    for (int ks = 0; ks < 4; ks++) {
+        uint32_t a[4];
+        load_a_mn(a, smem, wg * 64, ks);
+        for (int i = 0; i < 4; i++) out[(threadIdx.x * 4 + ks) * 4 + i] = __uint_as_float(a[i]);
+    }
+}
 #endif
