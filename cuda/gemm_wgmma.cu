@@ -364,9 +364,18 @@ __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CU
                         Wgmma<T, BN>::run(d, smem_desc(sa + 32 * ks), smem_desc(sb + 32 * ks), (kb > kb0 || ks > 0) ? 1 : 0);
                 }
                 wgmma_commit();
-                wgmma_wait<1>();  // the previous k-block's products are done: its stage can be refilled
-                if (prev >= 0 && lane == 0) mbar_arrive(&empty[prev]);
-                prev = stage;
+                if constexpr (A_MN) {
+                    // A's fragments are registers that the wgmma reads while it runs, and the next
+                    // k-block's loads would reuse them (the compiler sees them dead after the asm):
+                    // wait for this block's products before going on (measured wrong without it)
+                    wgmma_wait<0>();
+                    if (lane == 0) mbar_arrive(&empty[stage]);
+                    prev = -1;
+                } else {
+                    wgmma_wait<1>();  // the previous k-block's products are done: its stage can be refilled
+                    if (prev >= 0 && lane == 0) mbar_arrive(&empty[prev]);
+                    prev = stage;
+                }
                 if (++stage == STAGES) { stage = 0; phase ^= 1; }
             }
             wgmma_wait<0>();
