@@ -592,7 +592,7 @@ OPS = [
                       "engine 4", matmul_backward4, _bwd_wgmma_check, arch="sm_90"),
         5: Variant(5, "TF32: dinp and dweight on GEMM engine 5; dweight's wider operand M-major through "
                       "registers, the narrower one transposed", matmul_backward5, _bwd_wgmma5_check, arch="sm_90"),
-    }, default=4, flag="--matmul-backward-kernel",
+    }, default=5, flag="--matmul-backward-kernel",
         doc="dinp(N,C)= ; dweight(OC,C)+= ; dout(N,OC), inp(N,C), weight(OC,C)"),
     OpSpec("matmul_backward_bias", matmul_backward_bias_cpu, {
         1: Variant(1, "one thread per column over all rows", matmul_backward_bias1),
