@@ -103,6 +103,51 @@ def compile_cubin(module: str, arch: str = "sm_90", defines: dict | None = None,
     return cubin, res.stderr
 
 
+def compile_ptx(module: str, arch: str = "sm_90", defines: dict | None = None) -> str:
+    """The PTX of cuda/<module>.cu (cached like the cubins): what the CPU tests read the kernels'
+    parameter lists from."""
+    defines = dict(defines or {})
+    nvcc = nvcc_path()
+    if nvcc is None:
+        raise CudaError("nvcc not found on PATH (needed to build the CUDA kernels)")
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    out = CACHE_DIR / f"{module}-{arch}-{_cache_key(module, arch, defines, nvcc)}.ptx"
+    if out.exists():
+        return out.read_text()
+    flags = [f for f in NVCC_FLAGS if not f.startswith("-Xptxas")]
+    cmd = [nvcc, "-ptx", f"-arch={arch}", *flags, f"-I{CUDA_DIR}", *[f"-D{k}={v}" for k, v in defines.items()]]
+    with tempfile.TemporaryDirectory(dir=CACHE_DIR) as tmp:
+        tmp_out = Path(tmp) / "out.ptx"
+        res = subprocess.run(cmd + ["-o", str(tmp_out), str(CUDA_DIR / f"{module}.cu")], capture_output=True, text=True)
+        if res.returncode != 0:
+            raise CudaError(f"nvcc -ptx failed on cuda/{module}.cu for {arch}:\n{res.stderr.strip()}")
+        os.replace(tmp_out, out)
+    return out.read_text()
+
+
+# PTX parameter types -> the PyCUDA struct letters a launch may pass for them (8-byte integers are
+# pointers (P) or int64 (q/Q): PTX does not tell them apart)
+_PTX_LETTERS = {"u64": "PqQ", "s64": "PqQ", "b64": "PqQ", "u32": "iI", "s32": "iI", "b32": "iI",
+                "f32": "f", "f64": "d", "u16": "hH", "s16": "hH", "u8": "bB", "s8": "bB"}
+
+
+def ptx_signatures(ptx: str) -> dict[str, list[str]]:
+    """{entry point: [PTX parameter type, ...]} from `.entry name(.param .u64 ..., ...)`."""
+    sigs = {}
+    for m in re.finditer(r"\.entry\s+(\w+)\s*\(([^)]*)\)", ptx):
+        sigs[m.group(1)] = re.findall(r"\.param\s+\.(\w+)", m.group(2))
+    return sigs
+
+
+def argtypes_mismatch(argtypes: str, ptx_params: list[str]) -> str | None:
+    """Why a PyCUDA argtypes string can't launch a kernel with these PTX parameters (None: it can)."""
+    if len(argtypes) != len(ptx_params):
+        return f"{len(argtypes)} argtypes {argtypes!r} for {len(ptx_params)} parameters {ptx_params}"
+    bad = [f"#{i} {a!r} vs .{t}" for i, (a, t) in enumerate(zip(argtypes, ptx_params))
+           if a not in _PTX_LETTERS.get(t, "")]
+    return f"argtypes {argtypes!r} do not match the PTX parameters: {', '.join(bad)}" if bad else None
+
+
 def resource_report(ptxas_log: str) -> dict[str, dict]:
     """Parse `ptxas -v` output into {kernel: {regs, stack, spill_stores, spill_loads, smem}}."""
     report, cur = {}, None

@@ -14,98 +14,14 @@ from llmc.backend import CpuBackend, CudaBackend, kernel_choices
 from llmc.config import config_from_name
 from llmc.errors import LLMCError, VariantRefused
 from llmc.model import GPT2
+from tests.fake_runtime import FakeRuntime
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-_ENTRY = {}
-
-
-def entry_points(module):
-    """The kernel names in cuda/<module>.cu's cubin (from ptxas's report; needs nvcc, no GPU)."""
-    if module not in _ENTRY:
-        from llmc.runtime import compile_cubin, nvcc_path, resource_report
-        if nvcc_path() is None:
-            pytest.skip("nvcc not installed")
-        _ENTRY[module] = set(resource_report(compile_cubin(module, "sm_90")[1]))
-    return _ENTRY[module]
-
-
-class _AnyAttr:
-    def __getattr__(self, name):
-        return name
-
-
-class _Device:
-    """H100-like device attributes, by name."""
-    VALUES = {"MAX_REGISTERS_PER_MULTIPROCESSOR": 65536, "MAX_THREADS_PER_MULTIPROCESSOR": 2048,
-              "MAX_SHARED_MEMORY_PER_MULTIPROCESSOR": 228 * 1024, "MULTIPROCESSOR_COUNT": 132}
-
-    def get_attribute(self, name):
-        return self.VALUES[name]
-
-
-class NoGpuRuntime:
-    """Enough of Runtime for build functions to run: kernels are dummies, memory is pretend
-    (DevArrays with made-up pointers), device attributes are an H100's. Launching is an error."""
-
-    def __init__(self, free=80 << 30):
-        self.free, self.built = free, []
-        self.max_smem_optin, self.sm_count, self.l2_bytes, self.arch = 227 * 1024, 132, 50 << 20, "sm_90"
-        self.device, self.drv = _Device(), type("drv", (), {"device_attribute": _AnyAttr()})()
-        self.top = 1 << 40
-        self.allocated_bytes = 0
-
-    def kernel(self, module, func, argtypes, label=None, defines=None):
-        assert func in entry_points(module), f"cuda/{module}.cu has no entry point {func}"
-        self.built.append(func)
-
-        class K:
-            max_dynamic_smem = 48 * 1024
-            rt = self
-
-            def set_max_dynamic_smem(self, n):
-                assert n <= 227 * 1024, n
-                self.max_dynamic_smem = n
-
-            def attributes(self):
-                return {"regs": 64, "local_bytes": 0, "static_smem": 0, "max_threads": 1024}
-
-            def resident_blocks(self, block_size):  # the real formula, over the fake device
-                from llmc.runtime import Kernel
-                return Kernel.resident_blocks(self, block_size)
-
-            def __call__(self, *a, **k):
-                raise AssertionError("no launches without a GPU")
-        return K()
-
-    def empty(self, shape, dtype=np.float32):
-        from llmc.runtime import DevArray
-        a = DevArray(self, self.top, shape, dtype, None)
-        self.top += -(-a.nbytes // 256) * 256
-        self.allocated_bytes += a.nbytes
-        return a
-
-    zeros = empty
-
-    def pinned(self, shape, dtype):
-        return np.empty(shape, dtype)
-
-    def mem_info(self):
-        return self.free, 80 << 30
-
-    def require_free(self, nbytes, what="model"):
-        from llmc.runtime import Runtime
-        Runtime.require_free(self, nbytes, what)
-
-
 def cuda_backend(kernels=None, free=80 << 30):
-    be = CudaBackend.__new__(CudaBackend)
-    be.rt, be.dtype = NoGpuRuntime(free), np.dtype(np.float32)
-    be.kernels = kernel_choices(kernels)
-    be.chosen = set((kernels or {}).keys())
-    be.quiet, be._noted = False, set()
-    return be
+    """The real CudaBackend over the tests' fake runtime (no heap: builds run, nothing launches)."""
+    return CudaBackend(kernels, rt=FakeRuntime(free=free))
 
 
 def test_named_variant_refuses_at_build():
@@ -117,7 +33,7 @@ def test_named_variant_refuses_at_build():
 def test_default_falls_back_with_one_note(capsys):
     be = cuda_backend()
     spec = ops.get("softmax_forward")
-    assert spec.variant(spec.default).refuse_reason(BNH=4, T=65, scale=0.125)  # the default can't take T=65
+    assert spec.refuse_reason(spec.default, BNH=4, T=65, scale=0.125)  # the default can't take T=65
     be.op("softmax_forward", BNH=4, T=65, scale=0.125)
     be.op("softmax_forward", BNH=4, T=65, scale=0.125)
     out = capsys.readouterr().out
@@ -160,12 +76,21 @@ def test_device_cuda_without_pycuda_is_one_line():
 
 
 def model_op_shapes(cfg, B, T):
-    """(op name, shape) for every op the model builds at (cfg, B, T)."""
+    """(op name, shape) for every op the model builds at (cfg, B, T), and the decoder at batch B
+    (the prompt's kv fill at T)."""
+    from llmc.decode import Decoder
     be = cuda_backend()
     seen = []
-    real = be.op
-    be.op = lambda name, **shape: (seen.append((name, shape)), real(name, **shape))[1]
+    real = be.build
+    be.build = lambda name, prefer=None, **shape: (seen.append((name, shape)), real(name, prefer, **shape))[1]
     GPT2(cfg, be, B, T)
+    dec = Decoder(cfg, be, B, params_buf=be.empty((cfg.num_parameters,)))
+    if T <= cfg.max_seq_len:
+        be.op("attention_kv_fill", B=B, C=cfg.channels, NH=cfg.num_heads, maxT=cfg.max_seq_len, T=T)
+    assert dec.k
+    # the softmax ops run inside the composite attention, which builds them through the registry
+    hs = cfg.channels // cfg.num_heads
+    seen += [(n, dict(BNH=B * cfg.num_heads, T=T, scale=hs ** -0.5)) for n in ("softmax_forward", "softmax_backward")]
     return seen
 
 
@@ -174,12 +99,12 @@ def test_every_variant_builds_or_refuses_cleanly(cfg_name, B, T):
     """Every build function runs (grid, block, shared memory, scratch) for every variant at the
     model's shapes, without a GPU: it builds when check() passes and raises VariantRefused when not."""
     shapes = model_op_shapes(config_from_name(cfg_name), B, T)
-    assert {n for n, _ in shapes} >= {"matmul_forward", "attention_forward", "classifier", "adamw"}
+    assert {n for n, _ in shapes} == set(ops.registry())
     for name, shape in shapes:
         spec = ops.get(name)
         for num, v in spec.variants.items():
-            rt = NoGpuRuntime()
-            if v.refuse_reason(**shape):
+            rt = FakeRuntime()
+            if spec.refuse_reason(num, **shape):
                 with pytest.raises(VariantRefused):
                     spec.build(rt, num, **shape)
             else:
@@ -189,12 +114,11 @@ def test_every_variant_builds_or_refuses_cleanly(cfg_name, B, T):
 
 def test_decoder_kernels_build_without_gpu():
     from llmc.decode import Decoder
-    from llmc.ops.attention import build_kv_fill
     cfg = config_from_name("d12")
     be = cuda_backend()
     dec = Decoder(cfg, be, 4, params_buf=be.empty((cfg.num_parameters,)))
     assert callable(dec.k["attention"]) and "kv_append" not in dec.k
-    assert callable(build_kv_fill(be.rt, B=8, C=768, NH=12, maxT=1024, T=64))
+    assert callable(be.op("attention_kv_fill", B=8, C=768, NH=12, maxT=1024, T=64))
     assert {"attention_decode_kernel2", "attention_decode_combine_kernel2",
             "attention_kv_fill_kernel1", "encoder_decode_kernel1", "matmul_forward_kernel8_rows4", "matmul_forward_kernel8_gelu_rows4",
             "sample_kernel1"} <= set(be.rt.built)

@@ -133,11 +133,11 @@ def test_variant_table():
         with pytest.raises(LLMCError, match="has no variant 99"):
             spec.variant(99)
     assert set(mm.GEMM_VARIANTS) == {1, 2, 3, 4}
-    assert [mm.gemm_variant_for(v) for v in range(1, 9)] == [1, 1, 1, 1, 2, 2, 4, 1]
+    # the engine each variant declares (the composite attention runs its GEMMs on it)
+    from llmc.ops.attention import gemm_engine
+    assert [gemm_engine("matmul_forward", v) for v in range(1, 9)] == [1, 1, 1, 1, 2, 2, 4, 1]
     assert set(spec_fwd := ops.get("matmul_forward").variants) == set(range(1, 9)), spec_fwd
-    assert [mm.gemm_variant_for_backward(v) for v in (1, 2, 3)] == [1, 2, 4]
-    from llmc.ops.attention import gemm_engine_for_backward  # attention's backward follows matmul's
-    assert [gemm_engine_for_backward(v) for v in (1, 2, 3)] == [1, 2, 4]
+    assert [gemm_engine("matmul_backward", v) for v in (1, 2, 3)] == [1, 2, 4]
     assert ops.get("matmul_forward").default == 7 and ops.get("matmul_backward").default == 3
 
 
@@ -158,33 +158,23 @@ def test_tf32_plan(M, N, K, batch):
         assert (splits - 1) * kts < KT  # no empty split
 
 
-class FakeKernel:
-    def __init__(self, name, log):
-        self.name, self.log, self.max_dynamic_smem = name, log, 48 * 1024
-
-    def set_max_dynamic_smem(self, n):
-        self.max_dynamic_smem = n
-
-    def __call__(self, grid, block, *args, smem=0):
-        assert smem <= self.max_dynamic_smem
-        self.log.append((self.name, grid, block, args))
+def FakeRuntime():
+    """Records launches (tests/fake_runtime.py): enough to test the builders' planning and fallbacks."""
+    from tests.fake_runtime import FakeRuntime as Fake
+    rt = Fake()
+    rt.log = _LaunchLog(rt)
+    return rt
 
 
-class FakeRuntime:
-    """Records launches: enough to test the builders' planning and fallbacks without a GPU."""
-    sm_count = 132
+class _LaunchLog:
+    """rt.log[-1] == (kernel name, grid, block, args) of the latest launch."""
 
-    def __init__(self):
-        self.log = []
+    def __init__(self, rt):
+        self.rt = rt
 
-    def kernel(self, module, func, argtypes, label=None, defines=None):
-        assert module == "matmul"
-        return FakeKernel(func, self.log)
-
-    def empty(self, shape, dtype=np.float32):
-        class Buf:
-            ptr = 1 << 20
-        return Buf()
+    def __getitem__(self, i):
+        x = self.rt.launches[i]
+        return (x.func, x.grid, x.block, x.args)
 
 
 def test_gemm_build_fallbacks(capsys):
@@ -483,8 +473,8 @@ def test_gemm_engine4_every_config_gpu(rt, rng, cfg, lay, integers):
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant,engine", [(6, 2), (7, 4)])
 def test_forward_variant_runs_on_its_engine(rt, variant, engine):
-    launch = ops.get("matmul_forward").build(rt, variant, N=256, C=64, OC=128, has_bias=True)
-    assert launch.plan[0] == engine
+    built = ops.get("matmul_forward").build(rt, variant, N=256, C=64, OC=128, has_bias=True)
+    assert built.plan[0] == engine == ops.get("matmul_forward").variant(variant).engine
 
 
 @pytest.mark.gpu
@@ -499,12 +489,25 @@ def test_gemv_gelu_gpu(rt, rng, N, C, OC):
                                                  bias.astype(np.float64)))
     d_out = rt.empty((N, OC))
     poison(d_out)
-    mm.build_gemv_gelu(rt, N, C, OC)(d_out, rt.to_device(inp), rt.to_device(weight), rt.to_device(bias))
+    ops.get("matmul_forward").build(rt, 8, N=N, C=C, OC=OC, gelu=True)(d_out, rt.to_device(inp), rt.to_device(weight), rt.to_device(bias))
     assert_close(d_out.get(), ref, atol=1e-5, rtol=1e-4, name=f"gemv+gelu N={N}")
 
 
 def test_gemv_gelu_refuses_what_the_gemv_refuses():
+    spec = ops.get("matmul_forward")
     with pytest.raises(LLMCError, match="rows > 8"):
-        mm.build_gemv_gelu(None, 9, 768, 3072)
+        spec.build(None, 8, N=9, C=768, OC=3072, gelu=True)
     with pytest.raises(LLMCError, match="C % 4"):
-        mm.build_gemv_gelu(None, 2, 81, 30)
+        spec.build(None, 8, N=2, C=81, OC=30, gelu=True)
+    # only variant 8 has the GELU epilogue: every other refuses gelu=True, saying so
+    for n in set(spec.variants) - {8}:
+        assert "no gelu option" in spec.refuse_reason(n, N=2, C=768, OC=3072, gelu=True)
+        assert spec.refuse_reason(n, N=2, C=768, OC=3072, gelu=False) is None
+
+
+def test_gelu_option_on_the_numpy_backend(rng):
+    from llmc.ops.gelu import gelu_forward_ref
+    inp, weight, bias = rng.standard_normal((3, 8)), rng.standard_normal((5, 8)), rng.standard_normal(5)
+    out = np.full((3, 5), np.nan)
+    ops.get("matmul_forward").cpu(N=3, C=8, OC=5, gelu=True)(out, inp, weight, bias)
+    assert np.array_equal(out, gelu_forward_ref(inp @ weight.T + bias))

@@ -14,7 +14,8 @@ import sys, pathlib; sys.path[:0] = [str(pathlib.Path(__file__).resolve().parent
 import numpy as np
 
 import lab
-from llmc.ops.sample import build_sample, sample_ref
+import llmc.ops
+from llmc.ops.sample import sample_ref
 
 V, Vp = 50257, 50304
 
@@ -24,8 +25,8 @@ for B in (1, 8):
     logits = (rng.standard_normal((B, Vp)) * 3).astype(np.float32)
     u = rng.random(B)
     d_logits, d_u, d_tok = rt.to_device(logits), rt.to_device(u), rt.empty((B,), np.int32)
-    launch = build_sample(rt, B, V, Vp)
-    print(f"batch {B}: the row {'is' if launch.staged else 'is not'} staged in shared memory")
+    launch = llmc.ops.get("sample").build(rt, 1, B=B, V=V, Vp=Vp)
+    print(f"batch {B}: the row {'is' if launch.info['staged'] else 'is not'} staged in shared memory")
     for name, temperature, top_k in (("greedy", 0.0, None), ("top-k 40", 1.0, 40), ("full", 1.0, None)):
         L.section(f"B={B} {name}")
         print(f"\n## batch {B}, {name}")

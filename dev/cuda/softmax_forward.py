@@ -15,7 +15,7 @@ import numpy as np
 
 import lab
 import llmc.ops
-from llmc.ops.attention import softmax_forward_ref
+from llmc.ops.softmax import softmax_forward_ref
 
 B, NH, T, hs = 4, 12, 1024, 64
 BNH, scale = B * NH, 1.0 / math.sqrt(hs)

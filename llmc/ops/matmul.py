@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from llmc.errors import LLMCError
-from llmc.ops import OpSpec, Variant, check_block_size
+from llmc.ops import Built, OpSpec, Variant, check_block_size
 
 MODULE = "matmul"  # cuda/matmul.cu
 
@@ -92,18 +92,6 @@ TILE_OVERHEAD = 3    # pipeline fill + epilogue, in k-tiles
 DRAM_BPS = 2.5e12    # bytes/s for the split-K second pass
 
 
-def gemm_variant_for(matmul_variant: int) -> int:
-    """The GEMM engine that goes with a --matmul-kernel number (attention uses it): the SIMT engine
-    for the fp32 variants 1-4 and 8, TF32 engine 2 for the tensor-core variants 5 and 6, engine 4 for 7."""
-    return 1 if matmul_variant <= 4 or matmul_variant == 8 else 2 if matmul_variant <= 6 else 4
-
-
-def gemm_variant_for_backward(matmul_backward_variant: int) -> int:
-    """The GEMM engine that goes with a --matmul-backward-kernel number (attention's backward uses
-    it): variants 1 and 2 run on engines 1 and 2, variant 3 on engine 4."""
-    return {1: 1, 2: 2, 3: 4}.get(matmul_backward_variant, matmul_backward_variant)
-
-
 def _ptr(x) -> int:
     return 0 if x is None else int(x if isinstance(x, (int, np.integer)) else x.ptr)
 
@@ -168,7 +156,7 @@ def _gemm_simt(rt, transA, transB, M, N, K, batch, lda, ldb, ldc, strideA, strid
 
     def launch(C, A, B, bias=None):
         k(grid, block, _ptr(C), _ptr(A), _ptr(B), _ptr(bias), *args)
-    return launch
+    return Built(launch, op="gemm", number=1, plan=(1, "simt", 1))
 
 
 def _tf32_plan(sm_count, M, N, K, batch, vec, layout="nn", engine=2):
@@ -250,14 +238,13 @@ def _gemm_tf32(rt, vec, transA, transB, M, N, K, batch, lda, ldb, ldc, strideA, 
                       f"using engine 3 for this GEMM")
                 fallback[0] = _gemm_tf32(rt, 1, transA, transB, M, N, K, batch, lda, ldb, ldc, strideA,
                                          strideB, strideC, alpha, beta, has_bias)
-            return fallback[0](C, A, B, bias)
+            return fallback[0].launch(C, A, B, bias)
         if splits > 1:
             k(grid, block, c, a, b, 0, W.ptr, *args, smem=smem)
             red(rgrid, (256, 1, 1), c, W.ptr, bi, *rargs)
         else:
             k(grid, block, c, a, b, bi, 0, *args, smem=smem)
-    launch.plan = (engine, config, splits)  # for the lab's table
-    return launch
+    return Built(launch, op="gemm", number=engine, plan=(engine, config, splits))  # plan: for the lab's table
 
 
 # ----------------------------------------------------------------------------------------------
@@ -298,23 +285,6 @@ def matmul_forward8(rt, N, C, OC, has_bias=True, block_size=None, gelu=False):
     return launch
 
 
-def build_gemv_gelu(rt, N, C, OC):
-    """The decoder's fc layer in one launch: out(N,OC) = gelu(inp @ weight^T + bias), N <= 8 rows
-    (the GEMV of matmul_forward 8 with GELU in its epilogue; not a registry op)."""
-    why = _gemv_check(N, C, OC)
-    if why:
-        raise LLMCError(f"gemv + gelu: {why}")
-    return matmul_forward8(rt, N, C, OC, gelu=True)
-
-
-def gemv_gelu_cpu(N, C, OC):
-    from llmc.ops.gelu import gelu_forward_ref
-
-    def launch(out, inp, weight, bias=None):
-        out[...] = gelu_forward_ref(matmul_forward_ref(inp, weight, bias)).reshape(out.shape)
-    return launch
-
-
 def _gemv_check(N, C, OC, block_size=None, **_):
     if N > 8:
         return f"N={N} rows > 8 (a GEMV for decoding: each warp keeps all N row sums in registers)"
@@ -341,20 +311,12 @@ matmul_forward5 = _fwd_tiled(5, 64, (128, 1, 1))
 
 def matmul_forward6(rt, N, C, OC, has_bias=True, block_size=None):
     gemm = gemm_build(rt, 2, False, True, M=N, N=OC, K=C, has_bias=has_bias, config=block_size)
-
-    def launch(out, inp, weight, bias=None):
-        gemm(out, inp, weight, bias)
-    launch.plan = gemm.plan
-    return launch
+    return Built(gemm.launch, plan=gemm.plan)
 
 
 def matmul_forward7(rt, N, C, OC, has_bias=True, block_size=None):
     gemm = gemm_build(rt, 4, False, True, M=N, N=OC, K=C, has_bias=has_bias, config=block_size)
-
-    def launch(out, inp, weight, bias=None):
-        gemm(out, inp, weight, bias)
-    launch.plan = gemm.plan
-    return launch
+    return Built(gemm.launch, plan=gemm.plan)
 
 
 def _need_c4(N, C, OC, **_):
@@ -375,9 +337,12 @@ def _fwd_engine4_check(N, C, OC, **_):
     return _fwd_engine_check(N, C, OC, engine=4)
 
 
-def matmul_forward_cpu(N, C, OC, has_bias=True, **_):
+def matmul_forward_cpu(N, C, OC, has_bias=True, gelu=False, **_):
+    from llmc.ops.gelu import gelu_forward_ref
+
     def launch(out, inp, weight, bias=None):
-        out[...] = matmul_forward_ref(inp, weight, bias if has_bias else None)
+        y = matmul_forward_ref(inp, weight, bias if has_bias else None)
+        out[...] = gelu_forward_ref(y).reshape(out.shape) if gelu else y
     return launch
 
 
@@ -392,12 +357,12 @@ def _matmul_backward_engine(engine):
         # dweight (OC,C) += dout^T @ inp: A = dout stored (N,OC) = (K,M) -> t; B = inp (N,C) = (K,N) -> n
         g_dw = gemm_build(rt, engine, True, False, M=OC, N=C, K=N, beta=1.0)
 
+        dinp_, dw_ = g_dinp.launch, g_dw.launch
+
         def launch(dinp, dweight, dout, inp, weight):
-            g_dinp(dinp, dout, weight)
-            g_dw(dweight, dout, inp)
-        launch.plan = (g_dinp.plan if hasattr(g_dinp, "plan") else None,
-                       g_dw.plan if hasattr(g_dw, "plan") else None)
-        return launch
+            dinp_(dinp, dout, weight)
+            dw_(dweight, dout, inp)
+        return Built(launch, plan=(g_dinp.plan, g_dw.plan))
     return build
 
 
@@ -486,29 +451,47 @@ def matmul_backward_bias_cpu(N, OC, **_):
 
 
 # ----------------------------------------------------------------------------------------------
+# cost models (FLOPs, bytes) of one call, for the lab and the profile: each input read once, each
+# output written once (the dweight accumulation reads and writes it)
+
+def cost_forward(N, C, OC, has_bias=True, **_):
+    return 2 * N * C * OC, 4 * (N * C + OC * C + N * OC + (OC if has_bias else 0))
+
+
+def cost_backward(N, C, OC, **_):
+    return 4 * N * C * OC, 4 * (N * OC + N * C + 2 * OC * C + N * C)
+
+
+def cost_backward_bias(N, OC, **_):
+    return 0, 4 * N * OC
+
+
+# ----------------------------------------------------------------------------------------------
 # the op table
 
 OPS = [
     OpSpec("matmul_forward", matmul_forward_cpu, {
-        1: Variant(1, "naive: one thread per output, threads along OC (uncoalesced weight reads)", matmul_forward1),
-        2: Variant(2, "coalesced: a warp per column x 8 rows, lanes stride along C, shuffle reduction", matmul_forward2),
-        3: Variant(3, "32x32 shared-memory tiles, one output per thread", matmul_forward3),
-        4: Variant(4, "128x128 register-blocked tiles, 8x8 per thread, float4 loads/stores", matmul_forward4, _need_c4),
-        5: Variant(5, "TF32 tensor cores (mma.sync m16n8k8), 64x64 tiles, no pipelining", matmul_forward5, _need_c4_in),
+        1: Variant(1, "naive: one thread per output, threads along OC (uncoalesced weight reads)", matmul_forward1, engine=1),
+        2: Variant(2, "coalesced: a warp per column x 8 rows, lanes stride along C, shuffle reduction", matmul_forward2, engine=1),
+        3: Variant(3, "32x32 shared-memory tiles, one output per thread", matmul_forward3, engine=1),
+        4: Variant(4, "128x128 register-blocked tiles, 8x8 per thread, float4 loads/stores", matmul_forward4, _need_c4, engine=1),
+        5: Variant(5, "TF32 tensor cores (mma.sync m16n8k8), 64x64 tiles, no pipelining", matmul_forward5, _need_c4_in, engine=2),
         6: Variant(6, "TF32 GEMM engine 2: cp.async 3-stage, 128x256/128x128 tiles, 64x64 warp tiles, "
-                      "swizzled smem, fused bias, float4 stores", matmul_forward6, _fwd_engine_check),
+                      "swizzled smem, fused bias, float4 stores", matmul_forward6, _fwd_engine_check, engine=2),
         7: Variant(7, "TF32 GEMM engine 4: engine 2 with ldmatrix fragments and a leaner loader "
-                      "(fewer instructions per mma)", matmul_forward7, _fwd_engine4_check),
+                      "(fewer instructions per mma)", matmul_forward7, _fwd_engine4_check, engine=4),
         8: Variant(8, "GEMV for decoding (N <= 8 rows): a warp per output column, float4 weight stream "
-                      "read once, row sums in registers", matmul_forward8, _gemv_check),
-    }, default=7, flag="--matmul-kernel", doc="out(N,OC)= ; inp(N,C), weight(OC,C), bias(OC) or None"),
+                      "read once, row sums in registers", matmul_forward8, _gemv_check,
+                   engine=1, options=("gelu",)),
+    }, default=7, flag="--matmul-kernel", options=("gelu",), cost=cost_forward,
+        doc="out(N,OC)= ; inp(N,C), weight(OC,C), bias(OC) or None; gelu=True: out = gelu(...) (variant 8)"),
     OpSpec("matmul_backward", matmul_backward_cpu, {
-        1: Variant(1, "SIMT: dinp and dweight on GEMM engine 1 (64x64 tiles)", _matmul_backward_engine(1)),
+        1: Variant(1, "SIMT: dinp and dweight on GEMM engine 1 (64x64 tiles)", _matmul_backward_engine(1), engine=1),
         2: Variant(2, "TF32: dinp and dweight on GEMM engine 2 (split-K for the K=N reduction)",
-                   _matmul_backward_engine(2), _bwd_engine_check),
+                   _matmul_backward_engine(2), _bwd_engine_check, engine=2),
         3: Variant(3, "TF32: dinp and dweight on GEMM engine 4 (ldmatrix fragments; split-K for dweight)",
-                   _matmul_backward_engine(4), _bwd_engine4_check),
-    }, default=3, flag="--matmul-backward-kernel",
+                   _matmul_backward_engine(4), _bwd_engine4_check, engine=4),
+    }, default=3, flag="--matmul-backward-kernel", cost=cost_backward,
         doc="dinp(N,C)= ; dweight(OC,C)+= ; dout(N,OC), inp(N,C), weight(OC,C)"),
     OpSpec("matmul_backward_bias", matmul_backward_bias_cpu, {
         1: Variant(1, "one thread per column over all rows", matmul_backward_bias1),
@@ -518,5 +501,5 @@ OPS = [
                    matmul_backward_bias3, _bias_c4),
         4: Variant(4, "version 3 in one launch: the last block of each column block sums the partials in "
                       "order (deterministic)", matmul_backward_bias4, _bias_c4),
-    }, default=4, flag="--matmul-backward-bias-kernel", doc="dbias(OC)+= ; dout(N,OC)"),
+    }, default=4, flag="--matmul-backward-bias-kernel", cost=cost_backward_bias, doc="dbias(OC)+= ; dout(N,OC)"),
 ]
