@@ -299,8 +299,7 @@ __device__ __forceinline__ void fa_stage_async(float* s, const float* g, int r0,
         int r = idx >> 4, c = (idx & 15) * 4;
         bool ok = r0 + r < T;
         const float* src = g + (size_t)(ok ? r0 + r : 0) * ld + c;
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
-                     ::"r"((uint32_t)__cvta_generic_to_shared(s + r * FA_LD + c)), "l"(src), "r"(ok ? 16 : 0));
+        cp_async16(smem_u32(s + r * FA_LD + c), src, ok ? 16 : 0);
     }
 }
 // 64 per-row values (lse or D) from v[r0..] into s with cp.async, one per thread of `first`..+63; 0 past T
@@ -308,13 +307,9 @@ __device__ __forceinline__ void fa_rows_async(float* s, const float* v, int r0, 
     int i = threadIdx.x - first;
     if (i >= 0 && i < FA_TILE) {
         bool ok = r0 + i < T;
-        asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n"
-                     ::"r"((uint32_t)__cvta_generic_to_shared(s + i)), "l"(v + (ok ? r0 + i : 0)), "r"(ok ? 4 : 0));
+        cp_async4(smem_u32(s + i), v + (ok ? r0 + i : 0), ok ? 4 : 0);
     }
 }
-__device__ __forceinline__ void fa_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void fa_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 // q (which 0), k (1) or v (2) of this block's (batch, head) = blockIdx.y in qkvr (3, B, NH, T, 64)
 __device__ __forceinline__ const float* fa_head(const float* qkvr, int which, int B, int NH, int T) {
@@ -408,10 +403,10 @@ __device__ __forceinline__ void fa_sweep(int n, Load load, Body body) {
         if (PIPE) {
             if (it + 1 < n) {
                 load(it + 1, (it + 1) & 1);
-                fa_commit();
-                fa_wait<1>();  // tile `it` has landed (this thread's copies)
+                cp_async_commit();
+                cp_async_wait<1>();  // tile `it` has landed (this thread's copies)
             } else {
-                fa_wait<0>();
+                cp_async_wait<0>();
             }
         } else {
             load(it, 0);
@@ -437,7 +432,7 @@ __device__ __forceinline__ void flash_forward(float* out, float* lse, const floa
     const int row[2] = {q0 + w0 + g, q0 + w0 + g + 8};  // this lane's two query positions
     const float c2 = scale * FA_LOG2E;                  // scores -> log2 units
     auto load = [&](int kt, int buf) { fa_load_kv<PIPE>(kv + 2 * buf * FA_TILE_FLOATS, k, v, kt * FA_TILE, T); };
-    if (PIPE) { load(0, 0); fa_commit(); }
+    if (PIPE) { load(0, 0); cp_async_commit(); }
     // q goes into registers once, through the last tile buffer (not buffer 0 of a PIPE sweep)
     float* qs = kv + (PIPE ? 3 : 0) * FA_TILE_FLOATS;
     fa_stage(qs, q, q0, T, FA_D);
@@ -520,7 +515,7 @@ __device__ __forceinline__ void flash_backward_dq(float* dinp, float* Dbuf, cons
     const float c2 = scale * FA_LOG2E;
     const size_t rowbase = (size_t)b * T * C + h * FA_D;  // + t * C: row t of this head in out / dout
     auto load = [&](int kt, int buf) { fa_load_kv<PIPE>(kv + 2 * buf * FA_TILE_FLOATS, k, v, kt * FA_TILE, T); };
-    if (PIPE) { load(0, 0); fa_commit(); }
+    if (PIPE) { load(0, 0); cp_async_commit(); }
 
     // D for the warp's 16 rows: a lane per pair of columns, warp sum
     for (int i = 0; i < 16; i++) {
@@ -625,7 +620,7 @@ __device__ __forceinline__ void flash_backward_dkdv(float* dinp, const float* do
             }
         }
     };
-    if (PIPE) { load(0, 0); fa_commit(); }
+    if (PIPE) { load(0, 0); cp_async_commit(); }
     fa_stage(ks, k, k0, T, FA_D);
     fa_stage(vs, v, k0, T, FA_D);
     float dk[8][4], dv[8][4], s[8][4], dp[8][4];

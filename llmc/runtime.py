@@ -9,9 +9,13 @@
 
 Design notes
 - Kernels live in cuda/<module>.cu. We compile them ourselves with nvcc to a cubin (not through
-  SourceModule) so that the cache key covers the .cu, every cuda/*.cuh it may include, the options,
+  SourceModule) so that the cache key covers the .cu, the cuda/*.cuh headers it includes (followed
+  through their own includes: editing a header rebuilds only the modules that use it), the options,
   the arch and the nvcc version, and so that CI can run the very same command without a GPU
   (`compile_cubin` needs no device; see tests/test_cuda_compile.py).
+- A .cu whose kernels need an arch-specific target (wgmma: sm_90a) says so in a line of its own,
+  `// llmc-target: sm_90a`: it is compiled for that target on a GPU of that generation and refused
+  (CudaError) elsewhere; the ops that use it declare the same (Variant.min_arch) and so fall back.
 - Every .cu declares its entry points `extern "C" __global__`, so names are unmangled even when
   the file uses templates.
 - Every launch goes through Kernel.__call__: a prepared async launch on the runtime's one stream.
@@ -60,16 +64,51 @@ def cuda_sources() -> list[str]:
     return sorted(p.stem for p in CUDA_DIR.glob("*.cu"))
 
 
+_NVCC_VERSIONS: dict = {}
+
+
 def _nvcc_version(nvcc: str) -> str:
-    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
-    return out.strip().splitlines()[-1] if out else "unknown"
+    if nvcc not in _NVCC_VERSIONS:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+        _NVCC_VERSIONS[nvcc] = out.strip().splitlines()[-1] if out else "unknown"
+    return _NVCC_VERSIONS[nvcc]
 
 
-def _cache_key(module: str, arch: str, defines: dict, nvcc: str) -> str:
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
+
+
+def module_headers(module: str, cuda_dir: Path | None = None) -> list[str]:
+    """The headers of cuda/ that cuda/<module>.cu includes, directly or through other headers
+    (quoted includes only; system headers are nvcc's and covered by its version)."""
+    cuda_dir = cuda_dir or CUDA_DIR
+    seen, todo = [], [f"{module}.cu"]
+    while todo:
+        text = (cuda_dir / todo.pop()).read_text()
+        for name in _INCLUDE.findall(text):
+            if name not in seen and (cuda_dir / name).exists():
+                seen.append(name)
+                todo.append(name)
+    return sorted(seen)
+
+
+def module_target(module: str, arch: str, cuda_dir: Path | None = None) -> str | None:
+    """The -arch nvcc gets for cuda/<module>.cu on `arch`: arch itself, or the arch-specific target the
+    file declares (`// llmc-target: sm_90a`) when arch is its generation; None when the file can't
+    be built for arch (an sm_90a file on sm_80)."""
+    text = ((cuda_dir or CUDA_DIR) / f"{module}.cu").read_text()
+    m = re.search(r"^//\s*llmc-target:\s*(sm_\w+)", text, re.M)
+    if m is None:
+        return arch
+    target = m.group(1)
+    return target if target.rstrip("a") == arch.rstrip("a") else None
+
+
+def _cache_key(module: str, arch: str, defines: dict, nvcc: str, cuda_dir: Path | None = None) -> str:
+    cuda_dir = cuda_dir or CUDA_DIR
     h = hashlib.sha256()
-    h.update((CUDA_DIR / f"{module}.cu").read_bytes())
-    for hdr in sorted(CUDA_DIR.glob("*.cuh")):  # any header may be included; hash them all
-        h.update(hdr.name.encode()); h.update(hdr.read_bytes())
+    h.update((cuda_dir / f"{module}.cu").read_bytes())
+    for hdr in module_headers(module, cuda_dir):  # only what this module includes
+        h.update(hdr.encode()); h.update((cuda_dir / hdr).read_bytes())
     h.update(repr((arch, sorted(defines.items()), NVCC_FLAGS, _nvcc_version(nvcc))).encode())
     return h.hexdigest()[:24]
 
@@ -84,6 +123,10 @@ def compile_cubin(module: str, arch: str = "sm_90", defines: dict | None = None,
     nvcc = nvcc_path()
     if nvcc is None:
         raise CudaError("nvcc not found on PATH (needed to build the CUDA kernels)")
+    target = module_target(module, arch)
+    if target is None:
+        raise CudaError(f"cuda/{module}.cu is built for another GPU generation than {arch} (its llmc-target line)")
+    arch = target
     key = _cache_key(module, arch, defines, nvcc) + ("-" + hashlib.sha256(
         repr(extra_flags).encode()).hexdigest()[:8] if extra_flags else "")
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
@@ -110,6 +153,7 @@ def compile_ptx(module: str, arch: str = "sm_90", defines: dict | None = None) -
     nvcc = nvcc_path()
     if nvcc is None:
         raise CudaError("nvcc not found on PATH (needed to build the CUDA kernels)")
+    arch = module_target(module, arch) or arch
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
     out = CACHE_DIR / f"{module}-{arch}-{_cache_key(module, arch, defines, nvcc)}.ptx"
     if out.exists():

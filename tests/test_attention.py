@@ -5,7 +5,6 @@ references (-m gpu).
     python -m pytest tests/test_attention.py -q            # CPU part (CI)
     python -m pytest tests/test_attention.py -q -m gpu     # GPU part, on a machine with a GPU
 """
-import functools
 import math
 
 import numpy as np
@@ -182,7 +181,7 @@ def test_decode_ops_are_registered_variants():
 def test_declared_scratch_is_what_the_builds_allocate(B, T, C, NH, monkeypatch):
     """Variant.scratch_bytes (the model's memory estimate) against the bytes each build allocates
     on the fake runtime (the composite's GEMMs emulated without a split-K workspace)."""
-    import llmc.ops.matmul as mm
+    import llmc.ops.gemm as mm
     from tests.fake_runtime import FakeRuntime
     monkeypatch.setattr(mm, "gemm_build", _fake_gemm_build)
     shapes = {"attention_forward": dict(B=B, T=T, C=C, NH=NH), "attention_backward": dict(B=B, T=T, C=C, NH=NH),
@@ -293,7 +292,7 @@ def _fake_gemm_build(rt, variant, transA, transB, M, N, K, batch=1, lda=None, ld
 ])
 @pytest.mark.parametrize("lower_only", [True, False])
 def test_composite_plan_on_numpy_device(B, T, C, NH, chunks, lower_only, rng, monkeypatch):
-    import llmc.ops.matmul as mm
+    import llmc.ops.gemm as mm
     monkeypatch.setattr(mm, "gemm_build", _fake_gemm_build)
     hs = C // NH
     rt = fake_runtime(4 * (12 * B * T * C + 6 * B * NH * T * T) + (1 << 16))
@@ -324,7 +323,7 @@ def test_composite_plan_on_numpy_device(B, T, C, NH, chunks, lower_only, rng, mo
 
 
 def test_composite_falls_back_when_softmax_refuses(rng, monkeypatch, capsys):
-    import llmc.ops.matmul as mm
+    import llmc.ops.gemm as mm
     import llmc.ops
     monkeypatch.setattr(mm, "gemm_build", _fake_gemm_build)
     monkeypatch.setattr(llmc.ops, "_NOTED", set())

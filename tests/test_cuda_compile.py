@@ -2,7 +2,7 @@
 and no local-memory stack frame in any kernel (ptxas -v report parsed). No GPU needed."""
 import pytest
 
-from llmc.runtime import compile_cubin, cuda_sources, nvcc_path, resource_report
+from llmc.runtime import compile_cubin, cuda_sources, module_target, nvcc_path, resource_report
 
 pytestmark = pytest.mark.skipif(nvcc_path() is None, reason="nvcc not installed")
 
@@ -14,8 +14,41 @@ def test_there_are_kernels():
 @pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
 @pytest.mark.parametrize("module", cuda_sources())
 def test_compiles_without_spills(module, arch):
+    if module_target(module, arch) is None:
+        pytest.skip(f"cuda/{module}.cu declares another GPU generation (llmc-target)")
     _, log = compile_cubin(module, arch)
     report = resource_report(log)
     assert report, f"cuda/{module}.cu: no kernels in the ptxas report"
     bad = {k: r for k, r in report.items() if r["spill_stores"] or r["spill_loads"] or r["stack"]}
     assert not bad, f"cuda/{module}.cu for {arch}: spills or local memory in {bad}"
+
+
+def test_cache_key_covers_only_the_headers_a_module_includes(tmp_path):
+    """Editing a header rebuilds the modules that include it (directly or through another header)
+    and no other: a GEMV edit (cuda/matmul.cu) or a layernorm header edit leaves the GEMM engines'
+    cubin (cuda/gemm.cu) where it is."""
+    import shutil
+    from llmc.runtime import CUDA_DIR, _cache_key, module_headers
+    assert module_headers("gemm") == ["common.cuh", "mma.cuh"]
+    assert module_headers("layernorm") == ["common.cuh", "layernorm.cuh"]  # common through layernorm.cuh
+    assert "mma.cuh" not in module_headers("softmax")
+    d = tmp_path / "cuda"
+    shutil.copytree(CUDA_DIR, d)
+    key = lambda m: _cache_key(m, "sm_90", {}, nvcc_path(), d)  # noqa: E731
+    before = {m: key(m) for m in ("gemm", "matmul", "layernorm", "residual_layernorm", "softmax")}
+    (d / "matmul.cu").write_text((d / "matmul.cu").read_text() + "\n// edited\n")
+    (d / "layernorm.cuh").write_text((d / "layernorm.cuh").read_text() + "\n// edited\n")
+    after = {m: key(m) for m in before}
+    assert after["gemm"] == before["gemm"] and after["softmax"] == before["softmax"]
+    assert all(after[m] != before[m] for m in ("matmul", "layernorm", "residual_layernorm"))
+    (d / "common.cuh").write_text((d / "common.cuh").read_text() + "\n// edited\n")
+    assert all(key(m) != after[m] for m in after)  # everyone includes common.cuh
+
+
+def test_arch_specific_target_line(tmp_path):
+    """A .cu that declares `// llmc-target: sm_90a` is built for sm_90a on sm_90 and refused on sm_80."""
+    from llmc.runtime import CUDA_DIR, module_target
+    (tmp_path / "x.cu").write_text("// a wgmma engine\n// llmc-target: sm_90a\n")
+    assert module_target("x", "sm_90", tmp_path) == "sm_90a"
+    assert module_target("x", "sm_80", tmp_path) is None
+    assert module_target("gemm", "sm_80", CUDA_DIR) == "sm_80"

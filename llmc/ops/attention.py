@@ -232,7 +232,7 @@ def gemm_engine(op: str, number: int) -> int:
 
 def build_attention_forward(rt, softmax_variant, matmul_variant, B, T, C, NH, causal_chunks=None):
     """launch(out (B,T,C), qkvr (B,T,3C), att (B,NH,T,T), inp (B,T,3C)); all outputs overwritten."""
-    from llmc.ops.matmul import gemm_build
+    from llmc.ops.gemm import gemm_build
     _check_attention(B, T, C, NH)
     hs, BNH = C // NH, B * NH
     scale = 1.0 / math.sqrt(hs)
@@ -277,7 +277,7 @@ def build_attention_backward(rt, softmax_backward_variant, matmul_backward_varia
     """launch(dinp (B,T,3C), dout (B,T,C), qkvr (B,T,3C), att (B,NH,T,T)); dinp overwritten.
     lower_only: with softmax_backward 6, use its entry point that stores only s <= t into a dpreatt
     scratch zeroed here once (nothing else writes dpreatt, so its upper triangle stays 0)."""
-    from llmc.ops.matmul import gemm_build
+    from llmc.ops.gemm import gemm_build
     _check_attention(B, T, C, NH)
     hs, BNH = C // NH, B * NH
     scale = 1.0 / math.sqrt(hs)
