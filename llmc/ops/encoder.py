@@ -194,6 +194,7 @@ def encoder_decode1(rt, B, C, block_size=None):
 OPS = [
     OpSpec(
         name="encoder_forward", flag="--encoder-kernel", default=3,
+        cost=lambda B, T, C, **_: (0, 4 * 3 * B * T * C),  # wte rows, wpe rows read; out written
         cpu=encoder_forward_cpu,
         doc="out(B,T,C)=, inp(B,T) int32, wte(Vp,C), wpe(maxT,C); out[b,t] = wte[inp[b,t]] + wpe[t]",
         variants={
@@ -204,6 +205,7 @@ OPS = [
         }),
     OpSpec(
         name="encoder_backward", flag="--encoder-backward-kernel", default=5,
+        cost=lambda B, T, C, **_: (0, 4 * 2 * B * T * C),
         cpu=encoder_backward_cpu,
         doc="dwte(Vp,C)+=, dwpe(maxT,C)+=, dout(B,T,C), inp(B,T) int32; scatter-add",
         variants={

@@ -265,6 +265,7 @@ layernorm_backward5 = _backward_deterministic(5, 256, lambda C: f"layernorm_back
 OPS = [
     OpSpec(
         name="layernorm_forward", flag="--layernorm-kernel", default=5,
+        cost=lambda N, C, **_: (0, 4 * 2 * N * C),  # read inp, write out (weights, stats: small)
         cpu=layernorm_forward_cpu,
         doc="out(N,C)=, mean(N)=, rstd(N)=, inp(N,C), weight(C), bias(C); eps 1e-5, biased variance",
         variants={
@@ -278,6 +279,7 @@ OPS = [
         }),
     OpSpec(
         name="layernorm_backward", flag="--layernorm-backward-kernel", default=5,
+        cost=lambda N, C, **_: (0, 4 * 4 * N * C),  # read dout, inp; read-modify-write dinp
         cpu=layernorm_backward_cpu,
         doc="dinp(N,C)+=, dweight(C)+=, dbias(C)+=, dout(N,C), inp(N,C), weight(C), mean(N), rstd(N)",
         variants={
