@@ -6,7 +6,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from llmc import ops
@@ -137,3 +136,109 @@ def test_decoder_matmul_follows_a_named_variant():
         assert not any(k.startswith("matmul_forward_kernel8") for k in be.rt.built) and not be._noted
         assert not dec.fc_gelu
         assert any(k.startswith("gemm") for k in be.rt.built)
+
+
+def test_every_built_op_has_a_cost_model():
+    """The profile's FLOPs and bytes come from each op's declared cost model at the shape the model
+    built it for (Built.op, Built.shape): every op the model and the decoder build has one."""
+    cfg = config_from_name("d12")
+    be = cuda_backend()
+    model = GPT2(cfg, be, 4, 1024)
+    assert set(model.k) == set(model.built)
+    for key, built in model.built.items():
+        flops, nbytes = ops.get(built.op).cost(**built.shape)
+        assert nbytes > 0 and flops >= 0, key
+        assert (flops > 0) == built.op.startswith(("matmul_forward", "matmul_backward", "attention")) or \
+            built.op == "matmul_backward_bias", key
+    assert model.built["attention_forward"].number == 2 and model.built["attention_forward"].saved_shape == (4, 12, 1024)
+    for name, spec in ops.registry().items():
+        assert spec.cost is not None, name
+
+
+def test_memory_estimate_follows_the_chosen_attention():
+    """What attention keeps per layer and its scratch come from the variants that will run: the
+    composite needs (B,NH,T,T) per layer and T x T scratch, the fused variant a (B,NH,T) lse."""
+    cfg = config_from_name("d12")
+    need = {}
+    for kernels in (None, {"attention_forward": 1}):
+        be = cuda_backend(kernels, free=0)
+        with pytest.raises(LLMCError, match=r"need ([\d,]+) bytes") as e:
+            GPT2(cfg, be, 4, 1024)
+        need[1 if kernels else 2] = int(str(e.value).split("need ")[1].split(" bytes")[0].replace(",", ""))
+    B, T, NH, L = 4, 1024, 12, 12
+    extra = 4 * (L * B * NH * T * (T - 1)) + ops.get("attention_forward").variant(1).scratch_bytes(B=B, T=T, C=768, NH=NH) \
+        + ops.get("attention_backward").variant(1).scratch_bytes(B=B, T=T, C=768, NH=NH) \
+        - ops.get("attention_backward").variant(3).scratch_bytes(B=B, T=T, C=768, NH=NH)
+    assert need[1] - need[2] == extra
+
+
+# ----------------------------------------------------------------------------------------------
+# contracts: the Backend protocol, typed build results, argument types against the PTX
+
+
+def test_both_backends_and_the_fake_implement_the_protocol():
+    from llmc.backend import Backend
+    from tests.fake_runtime import FakeCudaBackend
+    for be in (CpuBackend(), cuda_backend(), FakeCudaBackend()):
+        assert isinstance(be, Backend), type(be).__name__
+        assert be.precision == "fp32" and be.kernels == kernel_choices(None)
+        built = be.build("layernorm_forward", N=4, C=64)
+        assert isinstance(built, ops.Built) and callable(built.launch) and built.op == "layernorm_forward"
+    assert CpuBackend().build("attention_forward", B=1, T=8, C=64, NH=1).saved_shape == (1, 1, 8, 8)
+    assert cuda_backend().build("attention_forward", B=1, T=8, C=64, NH=1).saved_shape == (1, 1, 8)
+
+
+def test_argtypes_are_checked_against_the_ptx():
+    """A launcher whose argtypes string disagrees with the kernel's parameters (count, or an int where
+    the kernel takes a float, or a 4-byte int for a pointer) fails on the CPU, not on a GPU."""
+    from llmc.runtime import argtypes_mismatch, nvcc_path
+    from tests.fake_runtime import FakeRuntime, signatures
+    if nvcc_path() is None:
+        pytest.skip("nvcc not installed")
+    sig = signatures("softmax")["softmax_forward_kernel1"]
+    assert sig == ["u64", "u64", "u32", "u32", "f32"]
+    assert argtypes_mismatch("PPiif", sig) is None
+    assert "argtypes" in argtypes_mismatch("PPiii", sig)   # float passed as int
+    assert "argtypes" in argtypes_mismatch("PPPPPiiiii"[:5].replace("P", "i", 1), sig)
+    assert "4 argtypes" in argtypes_mismatch("PPii", sig)
+    rt = FakeRuntime()
+    with pytest.raises(AssertionError, match="do not match"):
+        rt.kernel("softmax", "softmax_forward_kernel1", "PPiii")
+    with pytest.raises(AssertionError, match="no entry point"):
+        rt.kernel("softmax", "softmax_forward_kernel9", "PPiif")
+    k = rt.kernel("softmax", "softmax_forward_kernel1", "PPiif")
+    with pytest.raises(AssertionError, match="launch arguments"):
+        k((1, 1, 1), (32, 1, 1), 0, 0, 1, 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# dtype: a build parameter of every op
+
+
+def test_every_variant_declares_its_dtypes_and_refuses_others():
+    for name, spec in ops.registry().items():
+        for num, v in spec.variants.items():
+            assert v.dtypes == ("fp32",), (name, num)  # bf16 kernels come next (same numbers)
+            assert "no bf16 kernels" in spec.refuse_reason(num, dtype="bf16", N=4, C=64, OC=64, B=1, T=4, NH=1,
+                                                            BNH=1, scale=1.0, n=64, V=64, Vp=64, maxT=8)
+    with pytest.raises(VariantRefused, match=r"layernorm_forward variant 5 .*no bf16 kernels \(has fp32\)"):
+        ops.get("layernorm_forward").build(FakeRuntime(), 5, dtype="bf16", N=4, C=64)
+
+
+def test_a_bf16_build_sits_beside_the_fp32_one():
+    """A variant with kernels for two dtypes: the same number builds either, the backend asks for its
+    precision, and a dtype the variant lacks refuses (so a default falls back)."""
+    built = []
+    v = ops.Variant(1, "two dtypes", {"fp32": lambda rt, n: built.append(("fp32", n)) or (lambda: None),
+                                      "bf16": lambda rt, n: built.append(("bf16", n)) or (lambda: None)})
+    w = ops.Variant(2, "fp32 only", lambda rt, n: (lambda: None))
+    spec = ops.OpSpec("toy", cpu=lambda n: None, variants={1: v, 2: w}, default=2, flag="--toy-kernel")
+    assert v.dtypes == ("fp32", "bf16")
+    spec.build(None, 1, dtype="bf16", n=8)
+    spec.build(None, 1, n=8)
+    assert built == [("bf16", 8), ("fp32", 8)]
+    assert spec.build(None, 1, dtype="bf16", n=8).dtype == "bf16"
+    with pytest.raises(VariantRefused, match="no bf16 kernels"):
+        spec.build(None, 2, dtype="bf16", n=8)
+    with pytest.raises(ValueError, match="unknown dtype"):
+        ops.Variant(3, "bad", {"fp16": lambda rt: None})
