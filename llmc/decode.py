@@ -226,3 +226,12 @@ def generate(dec: Decoder, prompt: list[int], max_new: int, temperature: float =
 def _prefill(dec: Decoder, ctx: list[list[int]], n: int) -> np.ndarray:
     """Positions 0..n-1 of ctx (one forward pass) into the cache; the logits after the last."""
     return dec.prefill(np.array([c[:n] for c in ctx], np.int32))
+
+
+def sample_during_training(decoder, gen_tokens: int, rng: np.random.Generator, tokenizer=None) -> str:
+    """What the trainer prints every -s steps: gen_tokens tokens after <|endoftext|>, temperature 1,
+    through the same KV-cache decoder as sample_gpt2.py (reading the model's live weights)."""
+    toks = generate(decoder, [EOT], gen_tokens, temperature=1.0, top_k=None, rng=rng)[0]
+    if tokenizer is None:
+        return " ".join(str(t) for t in toks)
+    return tokenizer.decode([t for t in toks if t < tokenizer.n_vocab])

@@ -1,13 +1,6 @@
 """Shared fixtures. GPU tests carry @pytest.mark.gpu and use the `rt` fixture (one Runtime per session)."""
-import os
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 
 @pytest.fixture(scope="session")

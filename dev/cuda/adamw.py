@@ -9,7 +9,6 @@ m, v: 28 bytes per parameter, 3.49 GB, 1.17 ms at 2.98 TB/s.
 Reference line: torch.optim.AdamW(fused=True).step() on one fp32 parameter of the same size (its
 clipping would be a separate pass; ours is folded in).
 """
-import sys, pathlib; sys.path[:0] = [str(pathlib.Path(__file__).resolve().parents[2]), str(pathlib.Path(__file__).resolve().parent)]  # noqa: E401,E702
 
 import numpy as np
 

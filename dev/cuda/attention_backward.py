@@ -10,7 +10,6 @@ Time per call (one layer). Inputs qkvr and att come from the float64 reference f
 to fp32), so the check isolates backward. The torch line is SDPA's backward (autograd.grad of a
 causal SDPA forward done once), fp32 with TF32 allowed.
 """
-import sys, pathlib; sys.path[:0] = [str(pathlib.Path(__file__).resolve().parents[2]), str(pathlib.Path(__file__).resolve().parent)]
 
 import numpy as np
 

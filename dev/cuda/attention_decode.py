@@ -7,7 +7,6 @@ GPT-2 124M: C=768, NH=12 (hs=64), maxT=1024. Version 1: one block per (b, h), wa
 version 2: the keys in chunks of 64 over B*NH*16 blocks, then a combine kernel. Bytes counted: the
 cached keys and values 0..pos read once, the new q, k, v read, k, v appended and out written.
 """
-import sys, pathlib; sys.path[:0] = [str(pathlib.Path(__file__).resolve().parents[2]), str(pathlib.Path(__file__).resolve().parent)]  # noqa: E401,E702
 
 import numpy as np
 

@@ -11,7 +11,6 @@ causal_chunks (wide, narrow) splits the T rows into blocks so that the GEMMs ski
 triangle ((c+1)/(2c) of the square's work with c blocks; llmc/ops/attention.py says more). The torch lines take q, k, v already split into heads (no
 permutes), fp32 with TF32 allowed.
 """
-import sys, pathlib; sys.path[:0] = [str(pathlib.Path(__file__).resolve().parents[2]), str(pathlib.Path(__file__).resolve().parent)]
 
 import numpy as np
 

@@ -10,7 +10,6 @@ targets read and losses written: 1.65 GB, 0.55 ms at 2.98 TB/s. The "loss only" 
 (write_dlogits=0, the eval path) count N*Vp*4 read + N*8.
 Reference line: torch's F.cross_entropy forward + backward on a (N, V) fp32 tensor (no padding).
 """
-import sys, pathlib; sys.path[:0] = [str(pathlib.Path(__file__).resolve().parents[2]), str(pathlib.Path(__file__).resolve().parent)]  # noqa: E401,E702
 
 import numpy as np
 

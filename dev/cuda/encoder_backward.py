@@ -10,7 +10,6 @@ rows in one block. Rows labelled "z" use the Zipf ids.
 Bytes counted: dout and the ids read once; each used dwte row and the T dwpe rows read and written
 once ("+="). Timed repeats keep accumulating into dwte/dwpe (the values don't matter to the time).
 """
-import sys, pathlib; sys.path[:0] = [str(pathlib.Path(__file__).resolve().parents[2]), str(pathlib.Path(__file__).resolve().parent)]  # noqa: E401,E702
 
 import numpy as np
 

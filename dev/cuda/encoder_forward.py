@@ -4,7 +4,6 @@
 
 Bytes counted: the ids, each distinct wte row used and the T wpe rows read once, out written once.
 """
-import sys, pathlib; sys.path[:0] = [str(pathlib.Path(__file__).resolve().parents[2]), str(pathlib.Path(__file__).resolve().parent)]  # noqa: E401,E702
 
 import numpy as np
 

@@ -5,7 +5,6 @@
 
 Bytes counted: each input read once, the output written once (forward 2N floats, backward 3N).
 """
-import sys, pathlib; sys.path[:0] = [str(pathlib.Path(__file__).resolve().parents[2]), str(pathlib.Path(__file__).resolve().parent)]  # noqa: E401,E702
 
 import numpy as np
 

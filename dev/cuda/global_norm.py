@@ -7,7 +7,6 @@ Shape: n = 124,475,904 floats. Bytes counted: read 4n = 498 MB (0.167 ms at 2.98
 partials and norm2 are a few KB.
 Reference line: torch.linalg.vector_norm(g) on the GPU (it returns the norm; same bytes).
 """
-import sys, pathlib; sys.path[:0] = [str(pathlib.Path(__file__).resolve().parents[2]), str(pathlib.Path(__file__).resolve().parent)]  # noqa: E401,E702
 
 import numpy as np
 

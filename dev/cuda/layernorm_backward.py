@@ -7,7 +7,6 @@ Bytes counted: dout, inp read once; dinp (+=) read and written once; weight, mea
 dweight, dbias (+=) read and written once. The deterministic variants' scratch is not counted.
 Timed repeats keep accumulating into the outputs (the values don't matter to the time).
 """
-import sys, pathlib; sys.path[:0] = [str(pathlib.Path(__file__).resolve().parents[2]), str(pathlib.Path(__file__).resolve().parent)]  # noqa: E401,E702
 
 import numpy as np
 

@@ -6,7 +6,6 @@
 
 Bytes counted: x read once, out written once, weight/bias read once, mean/rstd written once.
 """
-import sys, pathlib; sys.path[:0] = [str(pathlib.Path(__file__).resolve().parents[2]), str(pathlib.Path(__file__).resolve().parent)]  # noqa: E401,E702
 
 import numpy as np
 

@@ -4,7 +4,6 @@
 
 Bytes counted: inp1, inp2 read once, out written once (3N floats).
 """
-import sys, pathlib; sys.path[:0] = [str(pathlib.Path(__file__).resolve().parents[2]), str(pathlib.Path(__file__).resolve().parent)]  # noqa: E401,E702
 
 import numpy as np
 

@@ -9,7 +9,6 @@ draws here land nowhere near a boundary between two tokens). Bytes counted: the 
 (the radix select for top-k reads its row 4 more times, from L2). Reference line: what PyTorch code
 does on the GPU, torch.topk + softmax + torch.multinomial (not the same draws).
 """
-import sys, pathlib; sys.path[:0] = [str(pathlib.Path(__file__).resolve().parents[2]), str(pathlib.Path(__file__).resolve().parent)]  # noqa: E401,E702
 
 import numpy as np
 

@@ -7,7 +7,6 @@ dpreatt = scale * att * (datt - sum_s att*datt) on s <= t, 0 above. Bytes counte
 same for every variant): read the lower triangles of att and datt once (2 x 101 MB) and write the
 full dpreatt (201 MB): 403 MB, 0.135 ms at 2.98 TB/s.
 """
-import sys, pathlib; sys.path[:0] = [str(pathlib.Path(__file__).resolve().parents[2]), str(pathlib.Path(__file__).resolve().parent)]
 import math
 
 import numpy as np

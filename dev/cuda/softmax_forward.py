@@ -8,7 +8,6 @@ Bytes counted for GB/s, the same for every variant: the fewest any kernel must m
 lower triangle s <= t once (48*T(T+1)/2 floats = 101 MB) and write the full matrix (201 MB):
 302 MB, 0.10 ms at 2.98 TB/s. A variant that re-reads rows shows as a lower GB/s.
 """
-import sys, pathlib; sys.path[:0] = [str(pathlib.Path(__file__).resolve().parents[2]), str(pathlib.Path(__file__).resolve().parent)]
 import math
 
 import numpy as np

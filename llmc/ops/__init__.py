@@ -82,7 +82,8 @@ class Variant:
     options: tuple = ()           # the op's boolean options this variant takes (e.g. ("gelu",))
     uses: dict = field(default_factory=dict)   # {build kwarg: op}: built from those ops' chosen variants
     selected_by: tuple = ()       # ops whose flag, named alone, selects this variant (they run inside it)
-    engine: int | None = None     # the GEMM engine it runs on (llmc/ops/gemm.py), for ops composed of GEMMs
+    engine: int | None = None     # the GEMM engine it runs on (llmc/ops/gemm.py); for a matmul variant with
+                                  # its own kernels, the engine the composite attention pairs with it
     saves: Callable | None = None  # saves(**shape) -> shape kept for backward, when not the op's
     scratch_bytes: Callable | None = None  # scratch_bytes(**shape) -> bytes its build allocates
     min_arch: int = 0             # oldest compute capability (80, 90, ...) it has kernels for

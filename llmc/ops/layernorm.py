@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from llmc.ops import OpSpec, Variant, refuse, check_block_size, as_view
+from llmc.ops import Built, OpSpec, Variant, refuse, check_block_size, as_view
 from llmc.runtime import ceil_div
 
 MODULE = "layernorm"  # cuda/layernorm.cu
@@ -249,8 +249,7 @@ def _backward_deterministic(number, default_bs, func):
             k((G, 1, 1), (bs, 1, 1), dinp.ptr, scratch.ptr, dout.ptr, inp.ptr, weight.ptr,
               mean.ptr, rstd.ptr, n_, c_, r_, smem=smem)
             kr(grid_r, (32, 32, 1), dweight.ptr, dbias.ptr, scratch.ptr, g_, c_)
-        launch.scratch = scratch  # kept alive with the closure
-        return launch
+        return Built(launch, scratch={"partials": scratch})
     return build
 
 

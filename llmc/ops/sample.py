@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from llmc.ops import Built, OpSpec, Variant
+from llmc.sample import sample_with_uniform  # the host sampler's rule, which the kernel follows
 
 MODULE = "sample"  # cuda/sample.cu
 THREADS = 1024      # SAMPLE_THREADS
@@ -23,7 +24,6 @@ THREADS = 1024      # SAMPLE_THREADS
 
 def sample_ref(logits, uniforms, V, temperature, top_k):
     """tokens (B,) from logits (B, >=V) with one uniform per row."""
-    from llmc.sample import sample_with_uniform  # the host sampler's rule, which the kernel follows
     return np.array([sample_with_uniform(row[:V], temperature, top_k, float(u))
                      for row, u in zip(logits, uniforms)], np.int32)
 
