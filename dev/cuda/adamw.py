@@ -40,7 +40,7 @@ nbytes = 28 * n
 
 for k in L.selected(spec):
     for bs in L.block_sizes(BLOCK_SIZES[k]):
-        launch = spec.build(rt, k, n=n, block_size=bs)
+        launch = spec.build(rt, k, n=n, block_size=bs).launch  # the bare closure: no Python call in between
         # validated at every block size (the grid, so which thread takes which element, changes);
         # fp32 elementwise vs float64: a few ulp of each value
         L.validate(k, lambda: launch(d_p, d_g, d_m, d_v, d_norm2, d_hp_clip),

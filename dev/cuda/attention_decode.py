@@ -35,7 +35,7 @@ for B in (1, 8):
         spec = llmc.ops.get("attention_decode")
         _, nbytes = spec.cost(B=B, C=C, NH=NH, maxT=maxT, pos=pos)  # cost model: llmc/ops/attention.py
         for v in L.selected(spec):
-            launch = spec.build(rt, v, B=B, C=C, NH=NH, maxT=maxT)
+            launch = spec.build(rt, v, B=B, C=C, NH=NH, maxT=maxT).launch  # the bare closure: no Python call in between
             fn = (lambda launch=launch: launch(d_out, d_qkv, d_kc, d_vc, d_pos))
             label = f"{v} B={B} pos={pos}"
             L.validate(label, fn, outputs={"out": d_out}, refs={"out": ref}, atol=1e-5, rtol=1e-4)

@@ -45,7 +45,7 @@ for n in L.selected(spec):
         label = f"{n} {tag}".strip()
         for bs in L.block_sizes(BLOCK_SIZES):
             try:
-                launch = spec.build(rt, n, B=B, T=T, C=C, block_size=bs)
+                launch = spec.build(rt, n, B=B, T=T, C=C, block_size=bs).launch  # the bare closure: no Python call in between
             except VariantRefused as e:
                 print(f"  {e}")
                 continue

@@ -25,7 +25,7 @@ for B in (1, 8):
     _, nbytes = spec.cost(B=B, C=C)
     for n in L.selected(spec):
         for bs in L.block_sizes((256, 128, 512)):
-            launch = spec.build(rt, n, B=B, C=C, block_size=bs)
+            launch = spec.build(rt, n, B=B, C=C, block_size=bs).launch  # the bare closure: no Python call in between
             fn = (lambda launch=launch: launch(d_out, d_inp, d_wte, d_wpe))
             label = f"{n} B={B}"
             L.validate(label, fn, outputs={"out": d_out}, refs={"out": ref}, atol=1e-6, rtol=1e-6)

@@ -28,7 +28,7 @@ d_g, d_norm2 = rt.to_device(g), rt.empty((1,))
 
 for k in L.selected(spec):
     for bs in L.block_sizes(BLOCK_SIZES[k]):
-        launch = spec.build(rt, k, n=n, block_size=bs)
+        launch = spec.build(rt, k, n=n, block_size=bs).launch  # the bare closure: no Python call in between
         # validated at every block size (the grid and the summation order change with it);
         # fp32 partial sums vs a float64 sum: relative 1e-5 is the bar the tests set
         L.validate(k, lambda: launch(d_norm2, d_g), outputs={"norm2": d_norm2}, refs={"norm2": ref},

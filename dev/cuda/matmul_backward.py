@@ -60,14 +60,14 @@ for name, Cin, OC in SHAPES:
     d_dinp, d_dw = rt.empty((N, Cin)), rt.to_device(dw0)
     flops = 4 * N * Cin * OC
     for n in L.selected(spec):
-        launch = spec.build(rt, n, N=N, C=Cin, OC=OC)
+        built = spec.build(rt, n, N=N, C=Cin, OC=OC)
+        launch, plan = built.launch, built.plan  # time the bare closure
         fn = (lambda launch=launch: launch(d_dinp, d_dw, d_dout, d_inp, d_w))
         label = f"{n} {name}"
         a1, r1 = tolerances(n in TF32, dinp_ref)
         a2, r2 = tolerances(n in TF32, dw_ref)
         L.validate(label, fn, outputs={"dinp": d_dinp, "dweight": d_dw}, refs={"dinp": dinp_ref, "dweight": dw_ref},
                    atol=max(a1, a2), rtol=max(r1, r2), init={"dweight": dw0})
-        plan = launch.plan  # (dinp's, dweight's) GEMM plans: (engine, config, splits) each
         bs = "/".join(f"{p[1]}.s{p[2]}" for p in plan) if n in TF32 else None
         ms = L.time(label, fn, block_size=bs, flops=flops, ceiling="tf32" if n in TF32 else "fp32")
         summary.append((name, f"{n}", ms, flops / ms / 1e9))
@@ -84,7 +84,7 @@ for name, Cin, OC in SHAPES:
             for cfg, s in [(None, None)] + cfgs:
                 g = mm.gemm_build(rt, engine, tA, tB, M_, N_, K_, beta=beta, config=cfg, splits=s)
                 lbl = f"gemm{engine} {name} {gname}"
-                ms = L.time(lbl, (lambda g=g, dC=dC, dA=dA, dB=dB: g(dC, dA, dB)),
+                ms = L.time(lbl, (lambda g=g.launch, dC=dC, dA=dA, dB=dB: g(dC, dA, dB)),
                             block_size=f"{g.plan[1]}/s{g.plan[2]}" + ("" if cfg else " (plan)"),
                             flops=2 * M_ * N_ * K_, ceiling="tf32")
                 summary.append((f"{name} {gname}", f"e{engine} {g.plan[1]}/s{g.plan[2]}" + ("" if cfg else "*"), ms,

@@ -24,7 +24,7 @@ for OC in (C, 3 * C, 4 * C):
     d_dout, d_db = rt.to_device(dout), rt.to_device(db0)
     _, nbytes = spec.cost(N=N, OC=OC)
     for n in L.selected(spec):
-        launch = spec.build(rt, n, N=N, OC=OC)
+        launch = spec.build(rt, n, N=N, OC=OC).launch  # the bare closure: no Python call in between
         fn = (lambda launch=launch: launch(d_db, d_dout))
         label = f"{n} OC={OC}"
         L.validate(label, fn, outputs={"dbias": d_db}, refs={"dbias": ref}, atol=1e-4 * np.sqrt(N), rtol=1e-5,

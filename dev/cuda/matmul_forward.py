@@ -183,14 +183,14 @@ for name, Cin, OC, has_bias in SHAPES:
             continue
         sweep = [None] + (SWEEP.get(n, []) if not L.args.quick else [])
         for cfg in sweep:
-            launch = spec.build(rt, n, N=N, C=Cin, OC=OC, has_bias=has_bias, block_size=cfg)
+            built = spec.build(rt, n, N=N, C=Cin, OC=OC, has_bias=has_bias, block_size=cfg)
+            launch, plan = built.launch, built.plan  # time the bare closure
             fn = (lambda launch=launch: launch(d_out, d_inp, d_w, bias_arg))
             label = f"{n} {name}"
             atol, rtol = tolerances(n in TF32, ref)
             if cfg is None or name != "lmhead":  # (the lm-head check is 206M elements on the host)
                 L.validate(label if cfg is None else f"{label} {cfg}", fn, outputs={"out": d_out},
                            refs={"out": ref}, atol=atol, rtol=rtol)
-            plan = launch.plan  # (engine, config, splits) for the variants on a GEMM engine, else None
             bs = cfg or (f"{plan[1]}/s{plan[2]}" if plan else None)
             ms = L.time(label if cfg is None else f"{label} {cfg}", fn, block_size=bs, flops=flops,
                         ceiling="tf32" if n in TF32 else "fp32")
@@ -200,7 +200,7 @@ for name, Cin, OC, has_bias in SHAPES:
             continue
         # experiment: what does rounding to tf32 (one integer add per fragment element) cost?
         g = mm.gemm_build(rt, engine, False, True, M=N, N=OC, K=Cin, has_bias=has_bias, truncate=True)
-        fn = (lambda g=g: g(d_out, d_inp, d_w, bias_arg))
+        fn = (lambda g=g.launch: g(d_out, d_inp, d_w, bias_arg))
         atol, rtol = tolerances(True, ref)
         L.validate(f"{n} {name} truncate", fn, outputs={"out": d_out}, refs={"out": ref}, atol=2 * atol, rtol=2 * rtol)
         ms = L.time(f"{n} {name} truncate", fn, block_size=f"{g.plan[1]}/s{g.plan[2]}", flops=flops, ceiling="tf32")
@@ -230,7 +230,8 @@ for rows in (1, 4, 8):
         for n in L.selected(spec):
             if n < 5 or spec.variant(n).refuse_reason(N=rows, C=Cin, OC=OC):
                 continue
-            launch = spec.build(rt, n, N=rows, C=Cin, OC=OC, has_bias=has_bias)
+            built = spec.build(rt, n, N=rows, C=Cin, OC=OC, has_bias=has_bias)
+            launch, plan = built.launch, built.plan  # time the bare closure
             fn = (lambda launch=launch: launch(d_out, d_inp, d_w, bias_arg))
             label = f"{n} decode {name} N={rows}"
             atol, rtol = tolerances(n in TF32, ref)
@@ -269,7 +270,7 @@ for name, tA, tB, M_, N_, K_, ashape, bshape, alpha in ATT:
     for engine in (1, 2, 4):
         g = mm.gemm_build(rt, engine, tA, tB, M_, N_, K_, batch=BH, strideA=ashape[0] * ashape[1],
                           strideB=bshape[0] * bshape[1], strideC=M_ * N_, alpha=alpha)
-        fn = (lambda g=g: g(d_C, d_A, d_B))
+        fn = (lambda g=g.launch: g(d_C, d_A, d_B))
         label = f"gemm{engine} {name}"
         atol, rtol = tolerances(engine != 1, ref)
         L.validate(label, fn, outputs={"C": d_C}, refs={"C": ref}, atol=atol, rtol=rtol)
