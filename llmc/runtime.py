@@ -13,9 +13,9 @@ Design notes
   through their own includes: editing a header rebuilds only the modules that use it), the options,
   the arch and the nvcc version, and so that CI can run the very same command without a GPU
   (`compile_cubin` needs no device; see tests/test_cuda_compile.py).
-- A .cu whose kernels need an arch-specific target (wgmma: sm_90a) says so in a line of its own,
-  `// llmc-target: sm_90a`: it is compiled for that target on a GPU of that generation and refused
-  (CudaError) elsewhere; the ops that use it declare the same (Variant.min_arch) and so fall back.
+- A module whose kernels need an architecture-specific target (wgmma: sm_90a) is named in
+  ARCH_SPECIFIC: it is compiled for that target on a GPU of that generation and refused (CudaError)
+  elsewhere; the variants that use it declare the same (Variant.arch) and so refuse, and fall back.
 - Every .cu declares its entry points `extern "C" __global__`, so names are unmangled even when
   the file uses templates.
 - Every launch goes through Kernel.__call__: a prepared async launch on the runtime's one stream.
@@ -45,6 +45,19 @@ CACHE_DIR = Path(os.environ.get("LLMC_CACHE", Path.home() / ".cache" / "llmc"))
 # -O3 and C++17 everywhere; no --use_fast_math: kernels that want intrinsics (__expf) say so, and the
 # numpy oracle stays meaningful. -lineinfo keeps source lines for ncu/compute-sanitizer.
 NVCC_FLAGS = ["-O3", "-std=c++17", "-lineinfo", "-Xptxas=-v"]
+
+# Modules built for an architecture-specific target instead of the device's plain one: wgmma and
+# setmaxnreg exist only on sm_90a (Hopper), so cuda/gemm_wgmma.cu is built for it and refused elsewhere.
+ARCH_SPECIFIC = {"gemm_wgmma": "sm_90a"}
+
+
+def arch_flags(arch: str) -> list[str]:
+    """nvcc target flags: `-arch=sm_XY`, or for an 'a' target the -gencode form (the -arch=sm_90a
+    shorthand may also run a plain sm_90 pass that rejects wgmma)."""
+    if arch.endswith("a"):
+        num = arch[3:]
+        return [f"-gencode=arch=compute_{num},code=sm_{num}"]
+    return [f"-arch={arch}"]
 
 
 class CudaError(LLMCError):
@@ -91,15 +104,12 @@ def module_headers(module: str, cuda_dir: Path | None = None) -> list[str]:
     return sorted(seen)
 
 
-def module_target(module: str, arch: str, cuda_dir: Path | None = None) -> str | None:
-    """The -arch nvcc gets for cuda/<module>.cu on `arch`: arch itself, or the arch-specific target the
-    file declares (`// llmc-target: sm_90a`) when arch is its generation; None when the file can't
-    be built for arch (an sm_90a file on sm_80)."""
-    text = ((cuda_dir or CUDA_DIR) / f"{module}.cu").read_text()
-    m = re.search(r"^//\s*llmc-target:\s*(sm_\w+)", text, re.M)
-    if m is None:
+def module_target(module: str, arch: str) -> str | None:
+    """The target cuda/<module>.cu is built for on a GPU of `arch`: arch itself, or the module's
+    ARCH_SPECIFIC target when arch is that generation; None when the module can't run there."""
+    target = ARCH_SPECIFIC.get(module)
+    if target is None:
         return arch
-    target = m.group(1)
     return target if target.rstrip("a") == arch.rstrip("a") else None
 
 
@@ -123,10 +133,6 @@ def compile_cubin(module: str, arch: str = "sm_90", defines: dict | None = None,
     nvcc = nvcc_path()
     if nvcc is None:
         raise CudaError("nvcc not found on PATH (needed to build the CUDA kernels)")
-    target = module_target(module, arch)
-    if target is None:
-        raise CudaError(f"cuda/{module}.cu is built for another GPU generation than {arch} (its llmc-target line)")
-    arch = target
     key = _cache_key(module, arch, defines, nvcc) + ("-" + hashlib.sha256(
         repr(extra_flags).encode()).hexdigest()[:8] if extra_flags else "")
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
@@ -134,7 +140,7 @@ def compile_cubin(module: str, arch: str = "sm_90", defines: dict | None = None,
     logf = cubin.with_suffix(".log")
     if use_cache and cubin.exists() and logf.exists():
         return cubin, logf.read_text()
-    cmd = [nvcc, "-cubin", f"-arch={arch}", *NVCC_FLAGS, *(extra_flags or []), f"-I{CUDA_DIR}",
+    cmd = [nvcc, "-cubin", *arch_flags(arch), *NVCC_FLAGS, *(extra_flags or []), f"-I{CUDA_DIR}",
            *[f"-D{k}={v}" for k, v in defines.items()]]
     with tempfile.TemporaryDirectory(dir=CACHE_DIR) as tmp:
         tmp_out = Path(tmp) / "out.cubin"
@@ -442,7 +448,12 @@ class Runtime:
         key = (name, tuple(sorted((defines or {}).items())))
         mod = self._modules.get(key)
         if mod is None:
-            cubin, _ = compile_cubin(name, self.arch, defines)
+            arch = self.arch
+            if name in ARCH_SPECIFIC:
+                arch = ARCH_SPECIFIC[name]
+                if arch.rstrip("a") != self.arch:
+                    raise CudaError(f"cuda/{name}.cu needs {arch} (this GPU is {self.arch})")
+            cubin, _ = compile_cubin(name, arch, defines)
             mod = self.drv.module_from_file(str(cubin))
             self._modules[key] = mod
         return mod

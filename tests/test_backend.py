@@ -242,3 +242,22 @@ def test_a_bf16_build_sits_beside_the_fp32_one():
         spec.build(None, 2, dtype="bf16", n=8)
     with pytest.raises(ValueError, match="unknown dtype"):
         ops.Variant(3, "bad", {"fp16": lambda rt: None})
+
+
+def test_a_variant_tied_to_one_arch_refuses_elsewhere_and_the_default_falls_back(monkeypatch, capsys):
+    """Variant.arch (wgmma variants: "sm_90"): built on that GPU; elsewhere it refuses with the reason,
+    a default falls back with one note, a variant the user named refuses loudly."""
+    hopper = ops.Variant(2, "sm_90 only", lambda rt, n: (lambda: None), arch="sm_90")
+    plain = ops.Variant(1, "anywhere", lambda rt, n: (lambda: None))
+    toy = ops.OpSpec("toy", cpu=lambda n: None, variants={1: plain, 2: hopper}, default=2, flag="--toy-kernel")
+    monkeypatch.setattr(ops, "_registry", dict(ops.registry(), toy=toy))
+    assert hopper.refuse_reason("sm_90", n=1) is None and "needs an sm_90 GPU" in hopper.refuse_reason("sm_80", n=1)
+    for arch, want in (("sm_90", 2), ("sm_80", 1)):
+        be = cuda_backend()
+        be.rt.arch = arch
+        assert be.build("toy", n=4).number == want
+    assert capsys.readouterr().out.count("note: toy variant 2 (default) refuses") == 1
+    be = cuda_backend({"toy": 2})
+    be.rt.arch = "sm_80"
+    with pytest.raises(VariantRefused, match="needs an sm_90 GPU"):
+        be.build("toy", n=4)

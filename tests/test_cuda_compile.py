@@ -2,7 +2,7 @@
 and no local-memory stack frame in any kernel (ptxas -v report parsed). No GPU needed."""
 import pytest
 
-from llmc.runtime import compile_cubin, cuda_sources, module_target, nvcc_path, resource_report
+from llmc.runtime import ARCH_SPECIFIC, compile_cubin, cuda_sources, nvcc_path, resource_report
 
 pytestmark = pytest.mark.skipif(nvcc_path() is None, reason="nvcc not installed")
 
@@ -14,8 +14,10 @@ def test_there_are_kernels():
 @pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
 @pytest.mark.parametrize("module", cuda_sources())
 def test_compiles_without_spills(module, arch):
-    if module_target(module, arch) is None:
-        pytest.skip(f"cuda/{module}.cu declares another GPU generation (llmc-target)")
+    if module in ARCH_SPECIFIC:  # built only for its own target (sm_90a for wgmma)
+        if arch != ARCH_SPECIFIC[module].rstrip("a"):
+            pytest.skip(f"cuda/{module}.cu is built for {ARCH_SPECIFIC[module]} only")
+        arch = ARCH_SPECIFIC[module]
     _, log = compile_cubin(module, arch)
     report = resource_report(log)
     assert report, f"cuda/{module}.cu: no kernels in the ptxas report"
@@ -45,10 +47,12 @@ def test_cache_key_covers_only_the_headers_a_module_includes(tmp_path):
     assert all(key(m) != after[m] for m in after)  # everyone includes common.cuh
 
 
-def test_arch_specific_target_line(tmp_path):
-    """A .cu that declares `// llmc-target: sm_90a` is built for sm_90a on sm_90 and refused on sm_80."""
-    from llmc.runtime import CUDA_DIR, module_target
-    (tmp_path / "x.cu").write_text("// a wgmma engine\n// llmc-target: sm_90a\n")
-    assert module_target("x", "sm_90", tmp_path) == "sm_90a"
-    assert module_target("x", "sm_80", tmp_path) is None
-    assert module_target("gemm", "sm_80", CUDA_DIR) == "sm_80"
+def test_arch_specific_targets(monkeypatch):
+    """A module in ARCH_SPECIFIC (wgmma: sm_90a) is built for that target on its generation and for
+    nothing else; every other module for the GPU's own arch. The -gencode form for 'a' targets."""
+    import llmc.runtime as R
+    monkeypatch.setitem(R.ARCH_SPECIFIC, "x", "sm_90a")
+    assert R.module_target("x", "sm_90") == "sm_90a" and R.module_target("x", "sm_80") is None
+    assert R.module_target("gemm", "sm_80") == "sm_80"
+    assert R.arch_flags("sm_90a") == ["-gencode=arch=compute_90a,code=sm_90a"]
+    assert R.arch_flags("sm_80") == ["-arch=sm_80"]

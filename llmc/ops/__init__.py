@@ -25,7 +25,7 @@ docs/architecture.md walks through adding a variant. The contract every op modul
   composite attention takes the softmax and matmul variants chosen for those ops), the ops whose
   flag selects it (`selected_by`), the GEMM engine it runs on (`engine`), what it saves for
   backward if it differs from the op's (`saves`), the scratch bytes its build allocates
-  (`scratch_bytes`) and the oldest GPU it runs on (`min_arch`).
+  (`scratch_bytes`) and the one GPU architecture it runs on, if it is tied to one (`arch`: wgmma is sm_90).
 * Launch closures take arguments in the op's own order: outputs first, then inputs, then scalars.
   The same order for the cpu launch and every GPU variant, so the model is written once.
 """
@@ -82,11 +82,13 @@ class Variant:
     options: tuple = ()           # the op's boolean options this variant takes (e.g. ("gelu",))
     uses: dict = field(default_factory=dict)   # {build kwarg: op}: built from those ops' chosen variants
     selected_by: tuple = ()       # ops whose flag, named alone, selects this variant (they run inside it)
-    engine: int | None = None     # the GEMM engine it runs on (llmc/ops/gemm.py); for a matmul variant with
-                                  # its own kernels, the engine the composite attention pairs with it
+    engine: int | None = None     # the strided-batched GEMM engine (llmc/ops/gemm.py: ENGINES) that goes
+                                  # with this matmul variant: the one it runs on, or, for a variant with its
+                                  # own kernels or on an engine that can't batch (wgmma), the one the
+                                  # composite attention's batched products use when it is chosen
     saves: Callable | None = None  # saves(**shape) -> shape kept for backward, when not the op's
     scratch_bytes: Callable | None = None  # scratch_bytes(**shape) -> bytes its build allocates
-    min_arch: int = 0             # oldest compute capability (80, 90, ...) it has kernels for
+    arch: str | None = None       # the one GPU architecture it runs on ("sm_90": wgmma), or any
 
     def __post_init__(self):
         self.builds = dict(self.build) if isinstance(self.build, dict) else {"fp32": self.build}
@@ -98,15 +100,11 @@ class Variant:
     def dtypes(self) -> tuple:
         return tuple(self.builds)
 
-    def refuse_reason(self, **shape) -> str | None:
+    def refuse_reason(self, arch: str | None = None, **shape) -> str | None:
+        """Why this variant can't take `shape` on a GPU of `arch` (None: unknown, not checked)."""
+        if self.arch and arch and arch != self.arch:
+            return f"needs an {self.arch} GPU (this one is {arch})"
         return self.check(**shape) if self.check else None
-
-
-def _arch_number(arch) -> int:
-    """'sm_90' / 'sm_90a' / 90 -> 90."""
-    if isinstance(arch, int):
-        return arch
-    return int("".join(ch for ch in str(arch) if ch.isdigit()) or 0)
 
 
 @dataclass
@@ -143,12 +141,10 @@ class OpSpec:
         v = self.variant(number)
         if dtype not in v.builds:
             return f"no {dtype} kernels (has {', '.join(v.dtypes)})"
-        if arch is not None and v.min_arch and _arch_number(arch) < v.min_arch:
-            return f"needs sm_{v.min_arch} or newer, this GPU is {arch}"
         for opt in self.options:
             if shape.get(opt) and opt not in v.options:
                 return f"has no {opt} option"
-        return v.refuse_reason(**{k: s for k, s in shape.items() if k not in self.options or s})
+        return v.refuse_reason(arch, **{k: s for k, s in shape.items() if k not in self.options or s})
 
     def saved_shape(self, number: int | None, **shape) -> tuple | None:
         """What variant `number` (None: the numpy reference) keeps for backward, or needs from forward."""

@@ -15,9 +15,11 @@ The engine is row-major: C[b](M,N) = alpha * op(A[b]) @ op(B[b]) + beta * C[b] (
 op(X) = X or X^T as stored. beta == 0 never reads C.
 
 Adding an engine (docs/architecture.md): its kernels in their own cuda/<file>.cu (an arch-specific
-target such as sm_90a is declared in the file: `// llmc-target: sm_90a`), its build in its own
-llmc/ops/<file>.py that registers `ENGINES[n] = Engine(n, ..., build, check, fallback=..., min_arch=90)`,
-the module named in ENGINE_MODULES below; then matmul variants declare `engine=n`.
+target such as sm_90a goes in llmc.runtime.ARCH_SPECIFIC), its build in its own llmc/ops/<file>.py.
+An engine that does this strided-batched contract registers `ENGINES[n] = Engine(n, ..., build, check,
+fallback=..., arch="sm_90")` (its module named in ENGINE_MODULES below) and gemm_build serves it; one
+with its own contract (a wgmma engine taking K-major operands only) keeps its own builder, called by
+the matmul variants that use it. Either way the variants declare `arch` and `engine` (llmc/ops/matmul.py).
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from typing import Callable
 import numpy as np
 
 from llmc.errors import LLMCError
-from llmc.ops import Built, _arch_number, note_once, ptr as _ptr
+from llmc.ops import Built, note_once, ptr as _ptr
 
 MODULE = "gemm"  # cuda/gemm.cu
 
@@ -248,11 +250,11 @@ class Engine:
                                    #       strideB, strideC, alpha, beta, has_bias, config, splits, truncate) -> Built
     check: Callable | None = None  # check(transA, transB, M, ..., strideC) -> None or a reason
     fallback: int | None = None    # the engine that takes what this one refuses (one printed note)
-    min_arch: int = 0              # oldest compute capability it has kernels for (90: sm_90a wgmma)
+    arch: str | None = None        # the one GPU architecture it runs on ("sm_90": wgmma), or any
 
     def refuse_reason(self, arch=None, **shape) -> str | None:
-        if arch is not None and self.min_arch and _arch_number(arch) < self.min_arch:
-            return f"needs sm_{self.min_arch} or newer, this GPU is {arch}"
+        if self.arch and arch and arch != self.arch:
+            return f"needs an {self.arch} GPU (this one is {arch})"
         return self.check(**shape) if self.check else None
 
 
