@@ -6,8 +6,9 @@ PIP ?= $(PY) -m pip
 
 .PHONY: setup setup-test data train sample test gpu-test lab bench profile clean
 
-setup:            ## runtime dependencies; on a machine with an NVIDIA GPU also PyCUDA and cuda-python
+setup:            ## runtime dependencies, llmc itself (editable: dev/ scripts import it); with a GPU also PyCUDA
 	$(PIP) install -q -r requirements.txt
+	$(PIP) install -q --no-deps -e .
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && ! $(PY) -c "import pycuda" 2>/dev/null; then \
 		echo "GPU found: installing PyCUDA (builds from source if no wheel fits; needs nvcc)"; \
 		$(PIP) install -q pycuda cuda-python; fi

@@ -35,13 +35,11 @@
 //   Backward is ~10 us off the bytes: two rows per warp one after the other, the block's partial
 //   sums and the second (reduce) launch. Next to try: overlap the next row's loads with this row's
 //   stores, and fold the reduce into the last blocks.
-#include "common.cuh"
+#include "layernorm.cuh"  // LN_EPS, hsum4, ln_row_stats (includes common.cuh)
 
-#define LN_EPS 1e-5f
 // the register-resident variants hold NV float4 per lane: NV * 128 channels, NV <= LN_MAX_NV
 #define LN_MAX_NV 16
 
-__device__ __forceinline__ float hsum4(float4 a) { return (a.x + a.y) + (a.z + a.w); }
 
 // ----------------------------------------------------------------------------------------------
 // layernorm_forward
@@ -121,16 +119,8 @@ __device__ __forceinline__ void layernorm_forward4(float* out, float* mean, floa
             sum += hsum4(v[i]);
         }
     }
-    const float m = warp_reduce_sum(sum) / C;
-    float var = 0.0f;
-#pragma unroll
-    for (int i = 0; i < NV; i++) {
-        if (lane + i * WARP_SIZE < C4) {
-            float dx = v[i].x - m, dy = v[i].y - m, dz = v[i].z - m, dw = v[i].w - m;
-            var += (dx * dx + dy * dy) + (dz * dz + dw * dw);
-        }
-    }
-    const float s = rsqrtf(warp_reduce_sum(var) / C + LN_EPS);
+    float m, s;
+    ln_row_stats<NV>(v, sum, lane, C4, C, m, s);
     float* o = out + (size_t)row * C;
 #pragma unroll
     for (int i = 0; i < NV; i++) {

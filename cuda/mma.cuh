@@ -1,10 +1,11 @@
-// TF32 tensor-core helpers shared by cuda/matmul.cu (the GEMM engines) and cuda/attention.cu (the
-// fused attention): fp32 -> tf32 rounding and one mma.sync m16n8k8. Header-only, sm_80+.
+// Tensor-core and async-copy helpers shared by cuda/gemm.cu (the GEMM engines), cuda/matmul.cu
+// (matmul_forward 5) and cuda/attention.cu (the fused attention): fp32 -> tf32 rounding, one
+// mma.sync m16n8k8, ldmatrix, cp.async copies and 128-bit shared loads. Header-only, sm_80+.
 #pragma once
 #include <stdint.h>
 
 // fp32 -> tf32, round to nearest (ties away from zero) by adding 0x1000 to the bit pattern: the tensor
-// core ignores the low 13 bits (cvt.rna.tf32.f32 in one integer add; see the note in cuda/matmul.cu)
+// core ignores the low 13 bits (cvt.rna.tf32.f32 in one integer add; see the note in cuda/gemm.cu)
 // Built with -DMATMUL_TF32_TRUNCATE=1 the kernels feed raw fp32 bits (the tensor core truncates):
 // the lab uses it to measure what the rounding costs.
 #if defined(MATMUL_TF32_TRUNCATE) && MATMUL_TF32_TRUNCATE
@@ -22,4 +23,34 @@ __device__ __forceinline__ void mma_tf32(float* d, const uint32_t* a, const uint
         "{%0,%1,%2,%3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// shared-memory address of a generic pointer (what cp.async and ldmatrix take)
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+// 16-byte / 4-byte asynchronous global->shared copies; bytes < size zero-fills the rest (edges)
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, int bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ void ldsm_x4(uint32_t (&d)[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+                 : "r"(addr));
+}
+// a whole 16-byte chunk, no zero-fill operand
+__device__ __forceinline__ void cp_async16_full(uint32_t dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+}
+__device__ __forceinline__ uint4 lds128(uint32_t addr) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+    return v;
 }

@@ -14,9 +14,7 @@
 // 50.3 MB (16.9 us at 2.98 TB/s). The unfused baseline moves 75.5 MB (it reads residual again).
 // Measured on the lent H100 (dev/cuda lab: median of 30, L2 flushed before each, best block size):
 //   1: 26.1 us (1.93 TB/s counting the fused bytes)   2: 31.4 us (1.60 TB/s)   3: 21.3 us (2.36 TB/s)
-#include "common.cuh"
-
-#define LN_EPS 1e-5f
+#include "layernorm.cuh"  // LN_EPS, hsum4, ln_row_stats (includes common.cuh)
 
 // residual (N,C) =, out (N,C) =, mean (N) =, rstd (N) =, inp1 (N,C), inp2 (N,C), weight (C), bias (C)
 extern "C" __global__ void residual_layernorm_forward_kernel2(float* residual, float* out, float* mean,
@@ -65,16 +63,8 @@ __device__ __forceinline__ void residual_layernorm_forward3(float* residual, flo
             sum += (v[i].x + v[i].y) + (v[i].z + v[i].w);
         }
     }
-    const float m = warp_reduce_sum(sum) / C;
-    float var = 0.0f;
-#pragma unroll
-    for (int i = 0; i < NV; i++) {
-        if (lane + i * WARP_SIZE < C4) {
-            float dx = v[i].x - m, dy = v[i].y - m, dz = v[i].z - m, dw = v[i].w - m;
-            var += (dx * dx + dy * dy) + (dz * dz + dw * dw);
-        }
-    }
-    const float s = rsqrtf(warp_reduce_sum(var) / C + LN_EPS);
+    float m, s;
+    ln_row_stats<NV>(v, sum, lane, C4, C, m, s);
 #pragma unroll
     for (int i = 0; i < NV; i++) {
         int c4 = lane + i * WARP_SIZE;

@@ -11,21 +11,18 @@ default) and launched kernel by kernel (LLMC_GRAPHS=0). "GPU ms/step" is the dec
 """
 import argparse
 import os
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from llmc.backend import make_backend  # noqa: E402
-from llmc.config import config_from_name  # noqa: E402
-from llmc.decode import Decoder, generate  # noqa: E402
-from llmc.model import GPT2  # noqa: E402
-from llmc.sample import sample_token  # noqa: E402
-from llmc.train import kernel_flags  # noqa: E402
+from llmc.backend import make_backend
+from llmc.config import config_from_name
+from llmc.decode import Decoder, generate
+from llmc.model import GPT2
+from llmc.sample import sample_token
+from llmc.train import kernel_flags
 
 
 def no_cache(cfg, be, params, B, prompt, n, rng):

@@ -12,19 +12,15 @@ events around each step after warm-up; prints the median ms/step, tokens/s and p
 """
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from llmc.backend import CudaBackend  # noqa: E402
-from llmc.config import config_from_name  # noqa: E402
-from llmc.model import GPT2  # noqa: E402
-from llmc.train import kernel_flags  # noqa: E402
+from llmc.backend import CudaBackend
+from llmc.config import config_from_name
+from llmc.model import GPT2
+from llmc.train import kernel_flags
 
 
 def main():

@@ -5,6 +5,7 @@
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # llmc for the dev/ scripts, without an install
 ls .whl/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH
 S="$OUT/summary.txt"
 step() { echo "=== $* ($(date +%T))" | tee -a "$S"; }

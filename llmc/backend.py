@@ -1,70 +1,139 @@
 """Backends: where the model's buffers live and what runs each op.
 
-The model (llmc/model.py) is written once against this small interface:
-
-    be.empty(shape) / be.zeros(shape)      a buffer (numpy array, or a DevArray on the GPU)
-    be.view(buf, offset, shape)            a view into a flat buffer, sharing memory
-    be.op(name, **shape)                   the launch closure for one op at one shape (docs/ops.md)
-    be.memset0(buf), be.upload(buf, host), be.download(buf), be.synchronize()
+The model (llmc/model.py) and the decoder (llmc/decode.py) are written once against `Backend`, the
+protocol below; CpuBackend (numpy) and CudaBackend (our kernels) implement it, and so does the CPU
+tests' fake (tests/fake_runtime.py), which tests/test_backend.py checks.
 
 CpuBackend runs each op's numpy reference (in float32 for training, float64 for tests).
 CudaBackend runs the kernel variant chosen per op (`kernels={"softmax_forward": 5, ...}`); the
-variant is fixed when the op is built, so nothing is looked up per launch.
+variant is fixed when the op is built, so nothing is looked up per launch. Which variant runs is
+decided in one place, CudaBackend.choose, from rules the ops declare (llmc/ops/__init__.py).
 """
 from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
 from llmc import ops
 from llmc.errors import LLMCError
 
-# attention variant 1 (the composite) is built from the variants chosen for these ops
-COMPOSITES = {
-    "attention_forward": ("softmax_forward", "matmul_forward"),
-    "attention_backward": ("softmax_backward", "matmul_backward"),
-}
+
+@runtime_checkable
+class Backend(Protocol):
+    """What the model and the decoder need from a backend."""
+    name: str
+    dtype: np.dtype          # the host/numpy dtype of activations and parameters
+    precision: str           # the element type the op builds are asked for ("fp32")
+    kernels: dict            # {op name: variant number}, defaults overridden by the user's choices
+
+    def empty(self, shape, dtype=None): ...
+    def zeros(self, shape, dtype=None): ...
+    def view(self, buf, offset, shape): ...
+    def build(self, name, prefer=None, **shape) -> ops.Built: ...   # one op at one shape
+    def op(self, name, prefer=None, **shape): ...                   # build(...).launch
+    def choose(self, name, prefer=None, **shape) -> int: ...         # the variant build() would take
+    def named(self, name) -> bool: ...                              # the user chose this op's variant
+    def memset0(self, buf): ...
+    def upload(self, buf, host): ...
+    def upload_async(self, buf, host): ...
+    def download(self, buf): ...
+    def download_into(self, host, buf): ...
+    def graph(self, fn): ...
+    def synchronize(self): ...
+    def pinned(self, shape, dtype): ...
+    def require_free(self, nbytes, what): ...                       # one-line error if the device can't hold it
+    def describe(self) -> str: ...
 
 
 def kernel_choices(overrides: dict | None = None) -> dict[str, int]:
     """{op name: variant number}: each op's default, overridden by `overrides`.
-    Unknown op names or variant numbers raise LLMCError naming the flag."""
+    Unknown op names or variant numbers raise LLMCError naming the flag. Two rules the ops declare:
+    a pair (attention forward/backward: what forward keeps must be what backward reads) takes a
+    number named for one direction only in both; an op that runs only inside another op's variant
+    (softmax inside the composite attention), named alone, selects that variant."""
     reg = ops.registry()
+    overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
     choice = {name: spec.default for name, spec in reg.items() if spec.variants}
-    for name, num in (overrides or {}).items():
-        if num is None:
-            continue
+    for name, num in overrides.items():
         if name not in reg:
             raise LLMCError(f"unknown op {name!r} in kernel choices; have {', '.join(sorted(reg))}")
         reg[name].variant(int(num))  # raises with the flag name if unknown
         choice[name] = int(num)
-    # forward and backward attention must agree on what forward keeps (att for 1, lse for 2): a
-    # number named for one direction only is used for both
-    named = [n for n in PAIRED if (overrides or {}).get(n) is not None]
-    if len(named) == 1:
-        for n in PAIRED:
-            choice[n] = choice[named[0]]
-    # a softmax variant runs only inside the composite attention: naming one (and no attention
-    # variant) selects the composite, so that the softmax asked for is the one that runs
-    softmax = [n for n in ("softmax_forward", "softmax_backward") if (overrides or {}).get(n) is not None]
-    if softmax and not named and choice["attention_forward"] != 1:
-        ops.note_once(f"note: {reg[softmax[0]].flag} runs inside the composite attention: using "
-                      f"--attention-kernel 1 (the fused default computes its softmax itself)")
-        for n in PAIRED:
-            choice[n] = 1
+    for name, spec in reg.items():
+        if spec.pair and name in overrides and spec.pair not in overrides:
+            choice[spec.pair] = choice[name]
+    for name, spec in reg.items():
+        group = {name, spec.pair} - {None}
+        if group & set(overrides):
+            continue  # the user chose this op's variant himself
+        for num, v in sorted(spec.variants.items()):
+            inner = [n for n in v.selected_by if n in overrides]
+            if inner and choice[name] != num:
+                ops.note_once(f"note: {reg[inner[0]].flag} runs inside {name} {num}: using {spec.flag} {num} "
+                              f"(variant {choice[name]} does not run it)")
+                for n in group:
+                    choice[n] = num
     return choice
 
 
-PAIRED = ("attention_forward", "attention_backward")
+class _Choosing:
+    """The variant resolution both backends share (the numpy backend validates choices the same way,
+    then runs the reference)."""
+
+    def _setup(self, kernels, quiet):
+        self.kernels = kernel_choices(kernels)
+        self.chosen = frozenset(k for k, v in (kernels or {}).items() if v is not None)  # named by the user
+        self.quiet = quiet
+        self._noted = set()
+
+    def named(self, name) -> bool:
+        return name in self.chosen
+
+    def _arch(self):
+        return None
+
+    def choose(self, name, prefer=None, **shape) -> int:
+        """The variant of op `name` at `shape`: the one named on the command line (even if it
+        refuses: build says why, loudly), else `prefer` if given and it fits (a caller's better
+        choice for its shapes, e.g. the decoder's GEMV), else the default, else (one note) the
+        highest-numbered variant that fits; if none fits, the default (whose build then refuses)."""
+        spec = ops.get(name)
+        num = self.kernels[name]
+        if name in self.chosen:
+            return num
+        fits = lambda n: spec.refuse_reason(n, self.precision, self._arch(), **shape) is None  # noqa: E731
+        if prefer is not None and fits(prefer):
+            return prefer
+        if fits(num):
+            return num
+        for alt in sorted(spec.variants, reverse=True):
+            if fits(alt):
+                if (name, num, alt) not in self._noted and not self.quiet:
+                    reason = spec.refuse_reason(num, self.precision, self._arch(), **shape)
+                    print(f"note: {name} variant {num} (default) refuses {shape}: {reason}; using variant {alt}")
+                self._noted.add((name, num, alt))
+                return alt
+        return num
+
+    def _uses(self, name, number) -> dict:
+        """Build kwargs naming the variants chosen for the ops variant `number` is built from."""
+        return {kw: self.kernels[op] for kw, op in ops.get(name).variant(number).uses.items()}
+
+    def op(self, name, prefer=None, **shape):
+        """The launch closure of op `name` at `shape` (see build)."""
+        return self.build(name, prefer, **shape).launch
 
 
-class CpuBackend:
+class CpuBackend(_Choosing):
     name = "cpu"
 
-    def __init__(self, dtype=np.float32, kernels: dict | None = None):
+    def __init__(self, dtype=np.float32, kernels: dict | None = None, quiet: bool = False):
         self.dtype = np.dtype(dtype)
+        self.precision = "fp32"
         # validated like the GPU's (an unknown variant is a user error either way), then ignored:
         # the numpy backend has one way per op
-        self.kernels = kernel_choices(kernels)
+        self._setup(kernels, quiet)
 
     def empty(self, shape, dtype=None):
         return np.empty(shape, dtype or self.dtype)
@@ -76,12 +145,11 @@ class CpuBackend:
         n = int(np.prod(shape))
         return buf.reshape(-1)[offset:offset + n].reshape(shape)
 
-    def op(self, name, prefer=None, **shape):
-        return ops.get(name).cpu(**shape)
+    def choose(self, name, prefer=None, **shape) -> int:
+        return 0  # the numpy reference
 
-    def custom(self, cpu_launch, gpu_build, **shape):
-        """An op outside the registry (the decoder's cache kernels): the numpy closure here."""
-        return cpu_launch
+    def build(self, name, prefer=None, **shape) -> ops.Built:
+        return ops.get(name).build_cpu(**shape)
 
     def memset0(self, buf):
         buf[...] = 0
@@ -109,21 +177,27 @@ class CpuBackend:
     def pinned(self, shape, dtype):
         return np.empty(shape, dtype)
 
+    def require_free(self, nbytes, what="model"):
+        pass  # host memory: numpy says so itself
+
     def describe(self) -> str:
         return f"cpu (numpy {np.__version__}, {self.dtype})"
 
 
-class CudaBackend:
+class CudaBackend(_Choosing):
     name = "cuda"
 
-    def __init__(self, kernels: dict | None = None, quiet: bool = False):
-        from llmc.runtime import Runtime
-        self.rt = Runtime()
+    def __init__(self, kernels: dict | None = None, quiet: bool = False, rt=None):
+        if rt is None:
+            from llmc.runtime import Runtime
+            rt = Runtime()
+        self.rt = rt  # a Runtime (tests pass their fake, tests/fake_runtime.py)
         self.dtype = np.dtype(np.float32)
-        self.kernels = kernel_choices(kernels)
-        self.chosen = {k for k, v in (kernels or {}).items() if v is not None}  # named on the command line
-        self.quiet = quiet
-        self._noted = set()
+        self.precision = "fp32"
+        self._setup(kernels, quiet)
+
+    def _arch(self):
+        return self.rt.arch
 
     def empty(self, shape, dtype=None):
         return self.rt.empty(shape, dtype or self.dtype)
@@ -134,37 +208,11 @@ class CudaBackend:
     def view(self, buf, offset, shape):
         return buf.view(offset, shape)
 
-    def op(self, name, prefer=None, **shape):
-        """The launcher of op `name` at `shape`: the variant named on the command line (which
-        refuses loudly if it can't take the shape), else `prefer` if given and it fits (a caller's
-        better choice for its shapes, e.g. the decoder's GEMV), else the default, else (one note)
-        the highest-numbered variant that fits."""
-        if name in COMPOSITES:
-            softmax, matmul = (self.kernels[p] for p in COMPOSITES[name])
-            shape = dict(shape, softmax=softmax, matmul=matmul)
-        spec = ops.get(name)
-        num = self.kernels[name]
-        if name in self.chosen:
-            return spec.build(self.rt, num, **shape)  # a variant the user named refuses loudly
-        arch = self.rt.arch
-        if prefer is not None and spec.variant(prefer).refuse_reason(arch, **shape) is None:
-            return spec.build(self.rt, prefer, **shape)
-        reason = spec.variant(num).refuse_reason(arch, **shape)
-        if reason is None:
-            return spec.build(self.rt, num, **shape)
-        # the default can't take this shape: fall back to the highest-numbered variant that can
-        for alt in sorted(spec.variants, reverse=True):
-            if spec.variants[alt].refuse_reason(arch, **shape) is None:
-                if (name, num, alt) not in self._noted and not self.quiet:
-                    dims = {k: v for k, v in shape.items() if k not in ("softmax", "matmul")}
-                    print(f"note: {name} variant {num} (default) refuses {dims}: {reason}; using variant {alt}")
-                self._noted.add((name, num, alt))
-                return spec.build(self.rt, alt, **shape)
-        return spec.build(self.rt, num, **shape)  # nothing fits: raise the default's refusal
-
-    def custom(self, cpu_launch, gpu_build, **shape):
-        """An op outside the registry (the decoder's cache kernels): built for the GPU here."""
-        return gpu_build(self.rt, **shape)
+    def build(self, name, prefer=None, **shape) -> ops.Built:
+        """Op `name` built at `shape` with the variant choose() picks (a variant the user named
+        refuses loudly if it can't take the shape)."""
+        num = self.choose(name, prefer, **shape)
+        return ops.get(name).build(self.rt, num, self.precision, **shape, **self._uses(name, num))
 
     def memset0(self, buf):
         buf.zero()
@@ -198,6 +246,9 @@ class CudaBackend:
 
     def pinned(self, shape, dtype):
         return self.rt.pinned(shape, dtype)
+
+    def require_free(self, nbytes, what="model"):
+        self.rt.require_free(nbytes, what)
 
     def describe(self) -> str:
         return f"cuda ({self.rt.name}, {self.rt.arch})"

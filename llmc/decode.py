@@ -31,26 +31,6 @@ from llmc.errors import LLMCError
 from llmc.sample import EOT, sample_token
 
 
-# ----------------------------------------------------------------------------------------------
-# the two ops only decoding needs, for the numpy backend (the GPU ones live in llmc/ops/attention.py)
-
-def kv_fill_cpu(B, C, NH, maxT, T):
-    from llmc.ops.attention import kv_fill_ref
-
-    def launch(kcache, vcache, qkvr):
-        kv_fill_ref(kcache, vcache, qkvr, T)
-    return launch
-
-
-def attention_decode_cpu(B, C, NH, maxT):
-    from llmc.ops.attention import attention_decode_ref, kv_append_ref
-
-    def launch(out, qkv, kcache, vcache, pos):
-        q = kv_append_ref(kcache, vcache, qkv, int(pos[0]))  # the new k, v into the caches at pos
-        out[...] = attention_decode_ref(q, kcache, vcache, int(pos[0])).reshape(out.shape)
-    return launch
-
-
 # The decode step's matmuls have M = batch rows. matmul_forward 8 (a GEMV) streams the weights at
 # ~85% of the H100's bandwidth at 1 row; measured per decode layer + lm head (dev/bench_sample.py
 # --matmuls, CUDA graphs): 71.5 / 82.2 / 88.1 / 99.2 us at 1 / 2 / 4 / 8 rows against the TF32
@@ -94,9 +74,8 @@ class Decoder:
         self._run = None  # the step's launches: run once eagerly, then captured (be.graph)
         op = be.op
         gemv = GEMV if B <= GEMV_MAX_BATCH else None
-        from llmc.ops import encoder
         self.k = {
-            "encoder": be.custom(encoder.encoder_decode_cpu(B=B, C=C), encoder.build_encoder_decode, B=B, C=C),
+            "encoder": op("encoder_decode", B=B, C=C),
             "layernorm": op("layernorm_forward", N=B, C=C),
             # M = B rows: the GEMV (matmul_forward 8) up to 4 rows unless --matmul-kernel names another
             "mm_qkv": op("matmul_forward", prefer=gemv, N=B, C=C, OC=3 * C, has_bias=True),
@@ -107,20 +86,15 @@ class Decoder:
             "residual_layernorm": op("residual_layernorm_forward", N=B, C=C),
             "gelu": op("gelu_forward", N=B * 4 * C),
         }
-        # with the GEMV, the fc matmul and GELU go in one launch (GELU in the GEMV's epilogue)
-        from llmc import ops
-        from llmc.ops import matmul
-        self.fc_gelu = (gemv is not None and "matmul_forward" not in getattr(be, "chosen", ())
-                        and ops.get("matmul_forward").variant(GEMV).refuse_reason(N=B, C=C, OC=4 * C) is None)
+        # with the GEMV, the fc matmul and GELU go in one launch (matmul_forward 8's GELU epilogue),
+        # unless --matmul-kernel names a variant (which has none)
+        fc_gelu = dict(N=B, C=C, OC=4 * C, has_bias=True, gelu=True)
+        self.fc_gelu = (gemv is not None and not be.named("matmul_forward")
+                        and be.choose("matmul_forward", prefer=gemv, **fc_gelu) == gemv)
         if self.fc_gelu:
-            self.k["mm_fc_gelu"] = be.custom(matmul.gemv_gelu_cpu(B, C, 4 * C), matmul.build_gemv_gelu,
-                                             N=B, C=C, OC=4 * C)
-        from llmc.ops import attention
-        shape = dict(B=B, C=C, NH=NH, maxT=maxT)
-        self.k["attention"] = be.custom(attention_decode_cpu(**shape), attention.build_attention_decode, **shape)
-        from llmc.ops import sample
-        V = cfg.vocab_size
-        self.k["sample"] = be.custom(sample.sample_cpu(B, V, Vp), sample.build_sample, B=B, V=V, Vp=Vp)
+            self.k["mm_fc_gelu"] = op("matmul_forward", prefer=gemv, **fc_gelu)
+        self.k["attention"] = op("attention_decode", B=B, C=C, NH=NH, maxT=maxT)
+        self.k["sample"] = op("sample", B=B, V=cfg.vocab_size, Vp=Vp)
         self._prefill = {}  # T -> (inference model sharing our weights, kv fill op)
 
     def step(self, tokens: np.ndarray, pos: int) -> np.ndarray:
@@ -196,10 +170,9 @@ class Decoder:
                 logits = self.step(tokens[:, t], t)
             return np.array(logits, copy=True)
         if T not in self._prefill:
-            from llmc.ops import attention
             model = GPT2(cfg, self.be, B, T, training=False, params_buf=self.params)
-            shape = dict(B=B, C=cfg.channels, NH=cfg.num_heads, maxT=cfg.max_seq_len, T=T)
-            self._prefill[T] = (model, self.be.custom(kv_fill_cpu(**shape), attention.build_kv_fill, **shape))
+            fill = self.be.op("attention_kv_fill", B=B, C=cfg.channels, NH=cfg.num_heads, maxT=cfg.max_seq_len, T=T)
+            self._prefill[T] = (model, fill)
         model, fill = self._prefill[T]
         model.forward(tokens)
         for l in range(cfg.num_layers):
@@ -253,3 +226,12 @@ def generate(dec: Decoder, prompt: list[int], max_new: int, temperature: float =
 def _prefill(dec: Decoder, ctx: list[list[int]], n: int) -> np.ndarray:
     """Positions 0..n-1 of ctx (one forward pass) into the cache; the logits after the last."""
     return dec.prefill(np.array([c[:n] for c in ctx], np.int32))
+
+
+def sample_during_training(decoder, gen_tokens: int, rng: np.random.Generator, tokenizer=None) -> str:
+    """What the trainer prints every -s steps: gen_tokens tokens after <|endoftext|>, temperature 1,
+    through the same KV-cache decoder as sample_gpt2.py (reading the model's live weights)."""
+    toks = generate(decoder, [EOT], gen_tokens, temperature=1.0, top_k=None, rng=rng)[0]
+    if tokenizer is None:
+        return " ".join(str(t) for t in toks)
+    return tokenizer.decode([t for t in toks if t < tokenizer.n_vocab])

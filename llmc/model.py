@@ -25,6 +25,7 @@ import math
 import numpy as np
 
 from llmc.config import DECAYED, GPT2Config, param_layout, param_shapes
+from llmc import ops
 from llmc.errors import LLMCError
 from llmc.ops.adamw import hyperparams
 
@@ -62,8 +63,8 @@ class GPT2:
 
         # -- the launch plan: every op built once for its shape (variants fixed here), before the
         # activations: what attention forward keeps for backward depends on its variant
-        op = be.op
-        self.k = {
+        op = be.build
+        self.built = {
             "encoder_forward": op("encoder_forward", B=B, T=T, C=C),
             "layernorm_forward": op("layernorm_forward", N=N, C=C),
             "mm_qkv": op("matmul_forward", N=N, C=C, OC=3 * C, has_bias=True),
@@ -78,7 +79,7 @@ class GPT2:
             "loss_acc": op("residual_forward", N=Np),
         }
         if training:
-            self.k.update({
+            self.built.update({
                 "mmb_lmhead": op("matmul_backward", N=N, C=C, OC=Vp),
                 "layernorm_backward": op("layernorm_backward", N=N, C=C),
                 "mmb_fcproj": op("matmul_backward", N=N, C=4 * C, OC=C),
@@ -95,7 +96,7 @@ class GPT2:
             })
             # AdamW runs over contiguous ranges of the flat buffer with one weight-decay flag each
             self.update_ranges = self._decay_ranges()
-            self.adamw_plan = [(op("adamw", n=n), decay,
+            self.adamw_plan = [(be.op("adamw", n=n), decay,
                                 *(be.view(buf, off, (n,)) for buf in (self.params, self.grads, self.m, self.v)))
                                for off, n, decay in self.update_ranges]
             # AdamW's hyperparameters (lr, bias corrections, ...) per range, on the device: uploaded
@@ -103,9 +104,11 @@ class GPT2:
             self.hp = be.zeros((len(self.adamw_plan), 8), be.dtype)
             self._pinned_hp = be.pinned((len(self.adamw_plan), 8), be.dtype)
             self.hps = [be.view(self.hp, 8 * i, (8,)) for i in range(len(self.adamw_plan))]
-        att_saved = tuple(getattr(self.k["attention_forward"], "saved_shape", (B, NH, T, T)))
+        # the launch closures themselves (the Built records stay for the profile: op, variant, shape)
+        self.k = {key: b.launch for key, b in self.built.items()}
+        att_saved = self.built["attention_forward"].saved_shape
         if training:
-            need = tuple(getattr(self.k["attention_backward"], "saved_shape", (B, NH, T, T)))
+            need = self.built["attention_backward"].saved_shape
             if need != att_saved:
                 raise LLMCError(f"attention: forward keeps {att_saved} for backward but backward needs {need}: "
                                 "give --attention-kernel and --attention-backward-kernel the same number")
@@ -149,7 +152,7 @@ class GPT2:
         self.has_loss = False
         # CUDA graphs of the training step (cuda backend, cuda-python; LLMC_GRAPHS=0 turns them off):
         # the first micro-step and update run kernel by kernel, then each is captured and replayed
-        self.use_graphs = training and hasattr(be, "graph")
+        self.use_graphs = training
         self._graph_micro = self._graph_update = None
         self._graph_accum = None  # grad_accum_steps when _graph_micro was captured
 
@@ -173,22 +176,25 @@ class GPT2:
         return runs
 
     def activation_bytes(self) -> int:
-        return self.acts_buf.size * 4 if hasattr(self.acts_buf, "size") else 0
+        return self.acts_buf.size * 4
 
     def _check_memory(self):
-        """Fail early, in one line, when the GPU can't hold the model (before allocating anything)."""
-        rt = getattr(self.be, "rt", None)
-        if rt is None:
-            return
+        """Fail early, in one line, when the GPU can't hold the model (before allocating anything).
+        What attention keeps per layer and the scratch its builds allocate are declared by the
+        variants that will run (Variant.saves, Variant.scratch_bytes)."""
         cfg, B, T = self.cfg, self.B, self.T
         L, C, NH, Vp = cfg.num_layers, cfg.channels, cfg.num_heads, cfg.padded_vocab_size
         floats = cfg.num_parameters * (4 if self.training else 1)  # (overcounts a shared params_buf)
-        # attention keeps att (B,NH,T,T) per layer and uses 3 such scratch buffers, unless the fused
-        # variant (default; head size 64) runs: then a (B,NH,T) log-sum-exp per layer
-        fused = self.be.kernels.get("attention_forward") in (2, 3) and C == 64 * NH
-        floats += B * T * (C * (1 + 9 * L + 2 + 10) + L * NH * (1 if fused else T) + 6 * L + Vp + 8)
-        floats += 0 if fused else 3 * B * NH * T * T  # attention scratch (preatt, datt, dpreatt)
-        rt.require_free(floats * 4, what=f"model ({cfg.describe()}, B={B}, T={T})")
+        floats += B * T * (C * (1 + 9 * L + 2 + 10) + 6 * L + Vp + 8)
+        shape = dict(B=B, T=T, C=C, NH=NH)
+        fwd = self.be.choose("attention_forward", **shape)
+        floats += L * int(np.prod(ops.get("attention_forward").saved_shape(fwd or None, **shape)))
+        scratch = 0
+        for name in ("attention_forward", "attention_backward") if self.training else ("attention_forward",):
+            num = self.be.choose(name, **shape)
+            v = ops.get(name).variants.get(num)
+            scratch += v.scratch_bytes(**shape) if v is not None and v.scratch_bytes else 0
+        self.be.require_free(floats * 4 + scratch, what=f"model ({cfg.describe()}, B={B}, T={T})")
 
     def init_params(self, seed: int = 1337) -> np.ndarray:
         """GPT-2 initialisation: N(0, 0.02) weights, residual projections scaled by 1/sqrt(2L),

@@ -9,9 +9,13 @@
 
 Design notes
 - Kernels live in cuda/<module>.cu. We compile them ourselves with nvcc to a cubin (not through
-  SourceModule) so that the cache key covers the .cu, every cuda/*.cuh it may include, the options,
+  SourceModule) so that the cache key covers the .cu, the cuda/*.cuh headers it includes (followed
+  through their own includes: editing a header rebuilds only the modules that use it), the options,
   the arch and the nvcc version, and so that CI can run the very same command without a GPU
   (`compile_cubin` needs no device; see tests/test_cuda_compile.py).
+- A module whose kernels need an architecture-specific target (wgmma: sm_90a) is named in
+  ARCH_SPECIFIC: it is compiled for that target on a GPU of that generation and refused (CudaError)
+  elsewhere; the variants that use it declare the same (Variant.arch) and so refuse, and fall back.
 - Every .cu declares its entry points `extern "C" __global__`, so names are unmangled even when
   the file uses templates.
 - Every launch goes through Kernel.__call__: a prepared async launch on the runtime's one stream.
@@ -85,16 +89,48 @@ def cuda_sources() -> list[str]:
     return sorted(p.stem for p in CUDA_DIR.glob("*.cu"))
 
 
+_NVCC_VERSIONS: dict = {}
+
+
 def _nvcc_version(nvcc: str) -> str:
-    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
-    return out.strip().splitlines()[-1] if out else "unknown"
+    if nvcc not in _NVCC_VERSIONS:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+        _NVCC_VERSIONS[nvcc] = out.strip().splitlines()[-1] if out else "unknown"
+    return _NVCC_VERSIONS[nvcc]
 
 
-def _cache_key(module: str, arch: str, defines: dict, nvcc: str) -> str:
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
+
+
+def module_headers(module: str, cuda_dir: Path | None = None) -> list[str]:
+    """The headers of cuda/ that cuda/<module>.cu includes, directly or through other headers
+    (quoted includes only; system headers are nvcc's and covered by its version)."""
+    cuda_dir = cuda_dir or CUDA_DIR
+    seen, todo = [], [f"{module}.cu"]
+    while todo:
+        text = (cuda_dir / todo.pop()).read_text()
+        for name in _INCLUDE.findall(text):
+            if name not in seen and (cuda_dir / name).exists():
+                seen.append(name)
+                todo.append(name)
+    return sorted(seen)
+
+
+def module_target(module: str, arch: str) -> str | None:
+    """The target cuda/<module>.cu is built for on a GPU of `arch`: arch itself, or the module's
+    ARCH_SPECIFIC target when arch is that generation; None when the module can't run there."""
+    target = ARCH_SPECIFIC.get(module)
+    if target is None:
+        return arch
+    return target if target.rstrip("a") == arch.rstrip("a") else None
+
+
+def _cache_key(module: str, arch: str, defines: dict, nvcc: str, cuda_dir: Path | None = None) -> str:
+    cuda_dir = cuda_dir or CUDA_DIR
     h = hashlib.sha256()
-    h.update((CUDA_DIR / f"{module}.cu").read_bytes())
-    for hdr in sorted(CUDA_DIR.glob("*.cuh")):  # any header may be included; hash them all
-        h.update(hdr.name.encode()); h.update(hdr.read_bytes())
+    h.update((cuda_dir / f"{module}.cu").read_bytes())
+    for hdr in module_headers(module, cuda_dir):  # only what this module includes
+        h.update(hdr.encode()); h.update((cuda_dir / hdr).read_bytes())
     h.update(repr((arch, sorted(defines.items()), NVCC_FLAGS, _nvcc_version(nvcc))).encode())
     return h.hexdigest()[:24]
 
@@ -132,6 +168,52 @@ def compile_cubin(module: str, arch: str = "sm_90", defines: dict | None = None,
         logf.write_text(res.stderr)
         os.replace(tmp_out, cubin)  # atomic: a concurrent build never sees half a file
     return cubin, res.stderr
+
+
+def compile_ptx(module: str, arch: str = "sm_90", defines: dict | None = None) -> str:
+    """The PTX of cuda/<module>.cu (cached like the cubins): what the CPU tests read the kernels'
+    parameter lists from."""
+    defines = dict(defines or {})
+    nvcc = nvcc_path()
+    if nvcc is None:
+        raise CudaError("nvcc not found on PATH (needed to build the CUDA kernels)")
+    arch = module_target(module, arch) or arch
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    out = CACHE_DIR / f"{module}-{arch}-{_cache_key(module, arch, defines, nvcc)}.ptx"
+    if out.exists():
+        return out.read_text()
+    flags = [f for f in NVCC_FLAGS if not f.startswith("-Xptxas")]
+    cmd = [nvcc, "-ptx", f"-arch={arch}", *flags, f"-I{CUDA_DIR}", *[f"-D{k}={v}" for k, v in defines.items()]]
+    with tempfile.TemporaryDirectory(dir=CACHE_DIR) as tmp:
+        tmp_out = Path(tmp) / "out.ptx"
+        res = subprocess.run(cmd + ["-o", str(tmp_out), str(CUDA_DIR / f"{module}.cu")], capture_output=True, text=True)
+        if res.returncode != 0:
+            raise CudaError(f"nvcc -ptx failed on cuda/{module}.cu for {arch}:\n{res.stderr.strip()}")
+        os.replace(tmp_out, out)
+    return out.read_text()
+
+
+# PTX parameter types -> the PyCUDA struct letters a launch may pass for them (8-byte integers are
+# pointers (P) or int64 (q/Q): PTX does not tell them apart)
+_PTX_LETTERS = {"u64": "PqQ", "s64": "PqQ", "b64": "PqQ", "u32": "iI", "s32": "iI", "b32": "iI",
+                "f32": "f", "f64": "d", "u16": "hH", "s16": "hH", "u8": "bB", "s8": "bB"}
+
+
+def ptx_signatures(ptx: str) -> dict[str, list[str]]:
+    """{entry point: [PTX parameter type, ...]} from `.entry name(.param .u64 ..., ...)`."""
+    sigs = {}
+    for m in re.finditer(r"\.entry\s+(\w+)\s*\(([^)]*)\)", ptx):
+        sigs[m.group(1)] = re.findall(r"\.param\s+\.(\w+)", m.group(2))
+    return sigs
+
+
+def argtypes_mismatch(argtypes: str, ptx_params: list[str]) -> str | None:
+    """Why a PyCUDA argtypes string can't launch a kernel with these PTX parameters (None: it can)."""
+    if len(argtypes) != len(ptx_params):
+        return f"{len(argtypes)} argtypes {argtypes!r} for {len(ptx_params)} parameters {ptx_params}"
+    bad = [f"#{i} {a!r} vs .{t}" for i, (a, t) in enumerate(zip(argtypes, ptx_params))
+           if a not in _PTX_LETTERS.get(t, "")]
+    return f"argtypes {argtypes!r} do not match the PTX parameters: {', '.join(bad)}" if bad else None
 
 
 def resource_report(ptxas_log: str) -> dict[str, dict]:

@@ -5,6 +5,8 @@
 
 generate_full runs the whole (B, T) forward of a model for every new token (O(T) work per token):
 the reference the KV-cache decoder (llmc/decode.py) is tested against, and the --no-kv-cache baseline.
+This module imports nothing else of llmc: the decoder and the sampling kernel's reference
+(llmc/ops/sample.py) both build on it, never the other way round.
 """
 from __future__ import annotations
 
@@ -83,13 +85,3 @@ def generate_full(model, prompt: list[int], n: int, temperature: float = 1.0, to
         row = model.logits_row(0, len(toks) - 1)
         toks.append(sample_token(row, temperature, top_k, rng))
     return toks
-
-
-def sample_during_training(decoder, gen_tokens: int, rng: np.random.Generator, tokenizer=None) -> str:
-    """What the trainer prints every -s steps: gen_tokens tokens after <|endoftext|>, temperature 1,
-    through the same KV-cache decoder as sample_gpt2.py (reading the model's live weights)."""
-    from llmc.decode import generate
-    toks = generate(decoder, [EOT], gen_tokens, temperature=1.0, top_k=None, rng=rng)[0]
-    if tokenizer is None:
-        return " ".join(str(t) for t in toks)
-    return tokenizer.decode([t for t in toks if t < tokenizer.n_vocab])

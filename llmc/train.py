@@ -475,7 +475,7 @@ def main(argv=None) -> int:
         # samples
         if args.sample_every > 0 and not again and (step % args.sample_every == 0 or last_step) and step > 0:
             from llmc.decode import Decoder
-            from llmc.sample import sample_during_training
+            from llmc.decode import sample_during_training
             if decoder is None:
                 decoder = Decoder(cfg, be, 1, params_buf=model.params)
             text = sample_during_training(decoder, min(args.gen_tokens, cfg.max_seq_len - 1), rng, tokenizer)

@@ -1,13 +1,10 @@
 """Shared fixtures. GPU tests carry @pytest.mark.gpu and use the `rt` fixture (one Runtime per session)."""
-import os
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parent.parent  # the repository root (importable through pytest's pythonpath option)
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from llmc import ops
@@ -14,98 +13,14 @@ from llmc.backend import CpuBackend, CudaBackend, kernel_choices
 from llmc.config import config_from_name
 from llmc.errors import LLMCError, VariantRefused
 from llmc.model import GPT2
+from tests.fake_runtime import FakeRuntime
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-_ENTRY = {}
-
-
-def entry_points(module):
-    """The kernel names in cuda/<module>.cu's cubin (from ptxas's report; needs nvcc, no GPU)."""
-    if module not in _ENTRY:
-        from llmc.runtime import ARCH_SPECIFIC, compile_cubin, nvcc_path, resource_report
-        if nvcc_path() is None:
-            pytest.skip("nvcc not installed")
-        _ENTRY[module] = set(resource_report(compile_cubin(module, ARCH_SPECIFIC.get(module, "sm_90"))[1]))
-    return _ENTRY[module]
-
-
-class _AnyAttr:
-    def __getattr__(self, name):
-        return name
-
-
-class _Device:
-    """H100-like device attributes, by name."""
-    VALUES = {"MAX_REGISTERS_PER_MULTIPROCESSOR": 65536, "MAX_THREADS_PER_MULTIPROCESSOR": 2048,
-              "MAX_SHARED_MEMORY_PER_MULTIPROCESSOR": 228 * 1024, "MULTIPROCESSOR_COUNT": 132}
-
-    def get_attribute(self, name):
-        return self.VALUES[name]
-
-
-class NoGpuRuntime:
-    """Enough of Runtime for build functions to run: kernels are dummies, memory is pretend
-    (DevArrays with made-up pointers), device attributes are an H100's. Launching is an error."""
-
-    def __init__(self, free=80 << 30):
-        self.free, self.built = free, []
-        self.max_smem_optin, self.sm_count, self.l2_bytes, self.arch = 227 * 1024, 132, 50 << 20, "sm_90"
-        self.device, self.drv = _Device(), type("drv", (), {"device_attribute": _AnyAttr()})()
-        self.top = 1 << 40
-        self.allocated_bytes = 0
-
-    def kernel(self, module, func, argtypes, label=None, defines=None):
-        assert func in entry_points(module), f"cuda/{module}.cu has no entry point {func}"
-        self.built.append(func)
-
-        class K:
-            max_dynamic_smem = 48 * 1024
-            rt = self
-
-            def set_max_dynamic_smem(self, n):
-                assert n <= 227 * 1024, n
-                self.max_dynamic_smem = n
-
-            def attributes(self):
-                return {"regs": 64, "local_bytes": 0, "static_smem": 0, "max_threads": 1024}
-
-            def resident_blocks(self, block_size):  # the real formula, over the fake device
-                from llmc.runtime import Kernel
-                return Kernel.resident_blocks(self, block_size)
-
-            def __call__(self, *a, **k):
-                raise AssertionError("no launches without a GPU")
-        return K()
-
-    def empty(self, shape, dtype=np.float32):
-        from llmc.runtime import DevArray
-        a = DevArray(self, self.top, shape, dtype, None)
-        self.top += -(-a.nbytes // 256) * 256
-        self.allocated_bytes += a.nbytes
-        return a
-
-    zeros = empty
-
-    def pinned(self, shape, dtype):
-        return np.empty(shape, dtype)
-
-    def mem_info(self):
-        return self.free, 80 << 30
-
-    def require_free(self, nbytes, what="model"):
-        from llmc.runtime import Runtime
-        Runtime.require_free(self, nbytes, what)
-
-
 def cuda_backend(kernels=None, free=80 << 30):
-    be = CudaBackend.__new__(CudaBackend)
-    be.rt, be.dtype = NoGpuRuntime(free), np.dtype(np.float32)
-    be.kernels = kernel_choices(kernels)
-    be.chosen = set((kernels or {}).keys())
-    be.quiet, be._noted = False, set()
-    return be
+    """The real CudaBackend over the tests' fake runtime (no heap: builds run, nothing launches)."""
+    return CudaBackend(kernels, rt=FakeRuntime(free=free))
 
 
 def test_named_variant_refuses_at_build():
@@ -117,7 +32,7 @@ def test_named_variant_refuses_at_build():
 def test_default_falls_back_with_one_note(capsys):
     be = cuda_backend()
     spec = ops.get("softmax_forward")
-    assert spec.variant(spec.default).refuse_reason(BNH=4, T=65, scale=0.125)  # the default can't take T=65
+    assert spec.refuse_reason(spec.default, BNH=4, T=65, scale=0.125)  # the default can't take T=65
     be.op("softmax_forward", BNH=4, T=65, scale=0.125)
     be.op("softmax_forward", BNH=4, T=65, scale=0.125)
     out = capsys.readouterr().out
@@ -160,12 +75,21 @@ def test_device_cuda_without_pycuda_is_one_line():
 
 
 def model_op_shapes(cfg, B, T):
-    """(op name, shape) for every op the model builds at (cfg, B, T)."""
+    """(op name, shape) for every op the model builds at (cfg, B, T), and the decoder at batch B
+    (the prompt's kv fill at T)."""
+    from llmc.decode import Decoder
     be = cuda_backend()
     seen = []
-    real = be.op
-    be.op = lambda name, **shape: (seen.append((name, shape)), real(name, **shape))[1]
+    real = be.build
+    be.build = lambda name, prefer=None, **shape: (seen.append((name, shape)), real(name, prefer, **shape))[1]
     GPT2(cfg, be, B, T)
+    dec = Decoder(cfg, be, B, params_buf=be.empty((cfg.num_parameters,)))
+    if T <= cfg.max_seq_len:
+        be.op("attention_kv_fill", B=B, C=cfg.channels, NH=cfg.num_heads, maxT=cfg.max_seq_len, T=T)
+    assert dec.k
+    # the softmax ops run inside the composite attention, which builds them through the registry
+    hs = cfg.channels // cfg.num_heads
+    seen += [(n, dict(BNH=B * cfg.num_heads, T=T, scale=hs ** -0.5)) for n in ("softmax_forward", "softmax_backward")]
     return seen
 
 
@@ -174,12 +98,12 @@ def test_every_variant_builds_or_refuses_cleanly(cfg_name, B, T):
     """Every build function runs (grid, block, shared memory, scratch) for every variant at the
     model's shapes, without a GPU: it builds when check() passes and raises VariantRefused when not."""
     shapes = model_op_shapes(config_from_name(cfg_name), B, T)
-    assert {n for n, _ in shapes} >= {"matmul_forward", "attention_forward", "classifier", "adamw"}
+    assert {n for n, _ in shapes} == set(ops.registry())
     for name, shape in shapes:
         spec = ops.get(name)
         for num, v in spec.variants.items():
-            rt = NoGpuRuntime()
-            if v.refuse_reason(**shape):
+            rt = FakeRuntime()
+            if spec.refuse_reason(num, **shape):
                 with pytest.raises(VariantRefused):
                     spec.build(rt, num, **shape)
             else:
@@ -189,12 +113,11 @@ def test_every_variant_builds_or_refuses_cleanly(cfg_name, B, T):
 
 def test_decoder_kernels_build_without_gpu():
     from llmc.decode import Decoder
-    from llmc.ops.attention import build_kv_fill
     cfg = config_from_name("d12")
     be = cuda_backend()
     dec = Decoder(cfg, be, 4, params_buf=be.empty((cfg.num_parameters,)))
     assert callable(dec.k["attention"]) and "kv_append" not in dec.k
-    assert callable(build_kv_fill(be.rt, B=8, C=768, NH=12, maxT=1024, T=64))
+    assert callable(be.op("attention_kv_fill", B=8, C=768, NH=12, maxT=1024, T=64))
     assert {"attention_decode_kernel2", "attention_decode_combine_kernel2",
             "attention_kv_fill_kernel1", "encoder_decode_kernel1", "matmul_forward_kernel8_rows4", "matmul_forward_kernel8_gelu_rows4",
             "sample_kernel1"} <= set(be.rt.built)
@@ -213,3 +136,128 @@ def test_decoder_matmul_follows_a_named_variant():
         assert not any(k.startswith("matmul_forward_kernel8") for k in be.rt.built) and not be._noted
         assert not dec.fc_gelu
         assert any(k.startswith("gemm") for k in be.rt.built)
+
+
+def test_every_built_op_has_a_cost_model():
+    """The profile's FLOPs and bytes come from each op's declared cost model at the shape the model
+    built it for (Built.op, Built.shape): every op the model and the decoder build has one."""
+    cfg = config_from_name("d12")
+    be = cuda_backend()
+    model = GPT2(cfg, be, 4, 1024)
+    assert set(model.k) == set(model.built)
+    for key, built in model.built.items():
+        flops, nbytes = ops.get(built.op).cost(**built.shape)
+        assert nbytes > 0 and flops >= 0, key
+        assert (flops > 0) == built.op.startswith(("matmul_forward", "matmul_backward", "attention")) or \
+            built.op == "matmul_backward_bias", key
+    assert model.built["attention_forward"].number == 2 and model.built["attention_forward"].saved_shape == (4, 12, 1024)
+    for name, spec in ops.registry().items():
+        assert spec.cost is not None, name
+
+
+def test_memory_estimate_follows_the_chosen_attention():
+    """What attention keeps per layer and its scratch come from the variants that will run: the
+    composite needs (B,NH,T,T) per layer and T x T scratch, the fused variant a (B,NH,T) lse."""
+    cfg = config_from_name("d12")
+    need = {}
+    for kernels in (None, {"attention_forward": 1}):
+        be = cuda_backend(kernels, free=0)
+        with pytest.raises(LLMCError, match=r"need ([\d,]+) bytes") as e:
+            GPT2(cfg, be, 4, 1024)
+        need[1 if kernels else 2] = int(str(e.value).split("need ")[1].split(" bytes")[0].replace(",", ""))
+    B, T, NH, L = 4, 1024, 12, 12
+    extra = 4 * (L * B * NH * T * (T - 1)) + ops.get("attention_forward").variant(1).scratch_bytes(B=B, T=T, C=768, NH=NH) \
+        + ops.get("attention_backward").variant(1).scratch_bytes(B=B, T=T, C=768, NH=NH) \
+        - ops.get("attention_backward").variant(3).scratch_bytes(B=B, T=T, C=768, NH=NH)
+    assert need[1] - need[2] == extra
+
+
+# ----------------------------------------------------------------------------------------------
+# contracts: the Backend protocol, typed build results, argument types against the PTX
+
+
+def test_both_backends_and_the_fake_implement_the_protocol():
+    from llmc.backend import Backend
+    from tests.fake_runtime import FakeCudaBackend
+    for be in (CpuBackend(), cuda_backend(), FakeCudaBackend()):
+        assert isinstance(be, Backend), type(be).__name__
+        assert be.precision == "fp32" and be.kernels == kernel_choices(None)
+        built = be.build("layernorm_forward", N=4, C=64)
+        assert isinstance(built, ops.Built) and callable(built.launch) and built.op == "layernorm_forward"
+    assert CpuBackend().build("attention_forward", B=1, T=8, C=64, NH=1).saved_shape == (1, 1, 8, 8)
+    assert cuda_backend().build("attention_forward", B=1, T=8, C=64, NH=1).saved_shape == (1, 1, 8)
+
+
+def test_argtypes_are_checked_against_the_ptx():
+    """A launcher whose argtypes string disagrees with the kernel's parameters (count, or an int where
+    the kernel takes a float, or a 4-byte int for a pointer) fails on the CPU, not on a GPU."""
+    from llmc.runtime import argtypes_mismatch, nvcc_path
+    from tests.fake_runtime import FakeRuntime, signatures
+    if nvcc_path() is None:
+        pytest.skip("nvcc not installed")
+    sig = signatures("softmax")["softmax_forward_kernel1"]
+    assert sig == ["u64", "u64", "u32", "u32", "f32"]
+    assert argtypes_mismatch("PPiif", sig) is None
+    assert "argtypes" in argtypes_mismatch("PPiii", sig)   # float passed as int
+    assert "argtypes" in argtypes_mismatch("PPPPPiiiii"[:5].replace("P", "i", 1), sig)
+    assert "4 argtypes" in argtypes_mismatch("PPii", sig)
+    rt = FakeRuntime()
+    with pytest.raises(AssertionError, match="do not match"):
+        rt.kernel("softmax", "softmax_forward_kernel1", "PPiii")
+    with pytest.raises(AssertionError, match="no entry point"):
+        rt.kernel("softmax", "softmax_forward_kernel9", "PPiif")
+    k = rt.kernel("softmax", "softmax_forward_kernel1", "PPiif")
+    with pytest.raises(AssertionError, match="launch arguments"):
+        k((1, 1, 1), (32, 1, 1), 0, 0, 1, 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# dtype: a build parameter of every op
+
+
+def test_every_variant_declares_its_dtypes_and_refuses_others():
+    for name, spec in ops.registry().items():
+        for num, v in spec.variants.items():
+            assert v.dtypes == ("fp32",), (name, num)  # bf16 kernels come next (same numbers)
+            assert "no bf16 kernels" in spec.refuse_reason(num, dtype="bf16", N=4, C=64, OC=64, B=1, T=4, NH=1,
+                                                            BNH=1, scale=1.0, n=64, V=64, Vp=64, maxT=8)
+    with pytest.raises(VariantRefused, match=r"layernorm_forward variant 5 .*no bf16 kernels \(has fp32\)"):
+        ops.get("layernorm_forward").build(FakeRuntime(), 5, dtype="bf16", N=4, C=64)
+
+
+def test_a_bf16_build_sits_beside_the_fp32_one():
+    """A variant with kernels for two dtypes: the same number builds either, the backend asks for its
+    precision, and a dtype the variant lacks refuses (so a default falls back)."""
+    built = []
+    v = ops.Variant(1, "two dtypes", {"fp32": lambda rt, n: built.append(("fp32", n)) or (lambda: None),
+                                      "bf16": lambda rt, n: built.append(("bf16", n)) or (lambda: None)})
+    w = ops.Variant(2, "fp32 only", lambda rt, n: (lambda: None))
+    spec = ops.OpSpec("toy", cpu=lambda n: None, variants={1: v, 2: w}, default=2, flag="--toy-kernel")
+    assert v.dtypes == ("fp32", "bf16")
+    spec.build(None, 1, dtype="bf16", n=8)
+    spec.build(None, 1, n=8)
+    assert built == [("bf16", 8), ("fp32", 8)]
+    assert spec.build(None, 1, dtype="bf16", n=8).dtype == "bf16"
+    with pytest.raises(VariantRefused, match="no bf16 kernels"):
+        spec.build(None, 2, dtype="bf16", n=8)
+    with pytest.raises(ValueError, match="unknown dtype"):
+        ops.Variant(3, "bad", {"fp16": lambda rt: None})
+
+
+def test_a_variant_tied_to_one_arch_refuses_elsewhere_and_the_default_falls_back(monkeypatch, capsys):
+    """Variant.arch (wgmma variants: "sm_90"): built on that GPU; elsewhere it refuses with the reason,
+    a default falls back with one note, a variant the user named refuses loudly."""
+    hopper = ops.Variant(2, "sm_90 only", lambda rt, n: (lambda: None), arch="sm_90")
+    plain = ops.Variant(1, "anywhere", lambda rt, n: (lambda: None))
+    toy = ops.OpSpec("toy", cpu=lambda n: None, variants={1: plain, 2: hopper}, default=2, flag="--toy-kernel")
+    monkeypatch.setattr(ops, "_registry", dict(ops.registry(), toy=toy))
+    assert hopper.refuse_reason("sm_90", n=1) is None and "needs an sm_90 GPU" in hopper.refuse_reason("sm_80", n=1)
+    for arch, want in (("sm_90", 2), ("sm_80", 1)):
+        be = cuda_backend()
+        be.rt.arch = arch
+        assert be.build("toy", n=4).number == want
+    assert capsys.readouterr().out.count("note: toy variant 2 (default) refuses") == 1
+    be = cuda_backend({"toy": 2})
+    be.rt.arch = "sm_80"
+    with pytest.raises(VariantRefused, match="needs an sm_90 GPU"):
+        be.build("toy", n=4)

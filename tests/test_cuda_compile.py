@@ -23,3 +23,36 @@ def test_compiles_without_spills(module, arch):
     assert report, f"cuda/{module}.cu: no kernels in the ptxas report"
     bad = {k: r for k, r in report.items() if r["spill_stores"] or r["spill_loads"] or r["stack"]}
     assert not bad, f"cuda/{module}.cu for {arch}: spills or local memory in {bad}"
+
+
+def test_cache_key_covers_only_the_headers_a_module_includes(tmp_path):
+    """Editing a header rebuilds the modules that include it (directly or through another header)
+    and no other: a GEMV edit (cuda/matmul.cu) or a layernorm header edit leaves the GEMM engines'
+    cubin (cuda/gemm.cu) where it is."""
+    import shutil
+    from llmc.runtime import CUDA_DIR, _cache_key, module_headers
+    assert module_headers("gemm") == ["common.cuh", "mma.cuh"]
+    assert module_headers("layernorm") == ["common.cuh", "layernorm.cuh"]  # common through layernorm.cuh
+    assert "mma.cuh" not in module_headers("softmax")
+    d = tmp_path / "cuda"
+    shutil.copytree(CUDA_DIR, d)
+    key = lambda m: _cache_key(m, "sm_90", {}, nvcc_path(), d)  # noqa: E731
+    before = {m: key(m) for m in ("gemm", "matmul", "layernorm", "residual_layernorm", "softmax")}
+    (d / "matmul.cu").write_text((d / "matmul.cu").read_text() + "\n// edited\n")
+    (d / "layernorm.cuh").write_text((d / "layernorm.cuh").read_text() + "\n// edited\n")
+    after = {m: key(m) for m in before}
+    assert after["gemm"] == before["gemm"] and after["softmax"] == before["softmax"]
+    assert all(after[m] != before[m] for m in ("matmul", "layernorm", "residual_layernorm"))
+    (d / "common.cuh").write_text((d / "common.cuh").read_text() + "\n// edited\n")
+    assert all(key(m) != after[m] for m in after)  # everyone includes common.cuh
+
+
+def test_arch_specific_targets(monkeypatch):
+    """A module in ARCH_SPECIFIC (wgmma: sm_90a) is built for that target on its generation and for
+    nothing else; every other module for the GPU's own arch. The -gencode form for 'a' targets."""
+    import llmc.runtime as R
+    monkeypatch.setitem(R.ARCH_SPECIFIC, "x", "sm_90a")
+    assert R.module_target("x", "sm_90") == "sm_90a" and R.module_target("x", "sm_80") is None
+    assert R.module_target("gemm", "sm_80") == "sm_80"
+    assert R.arch_flags("sm_90a") == ["-gencode=arch=compute_90a,code=sm_90a"]
+    assert R.arch_flags("sm_80") == ["-arch=sm_80"]

@@ -3,6 +3,7 @@ greedy by full recomputation, the decoder's logits match the full forward's, bat
 import numpy as np
 import pytest
 
+from llmc import ops
 from llmc.backend import CpuBackend, CudaBackend
 from llmc.config import GPT2Config, config_from_name
 from llmc.decode import Decoder, generate
@@ -95,3 +96,16 @@ def test_device_sampling_in_the_decoder_gpu():
     runs = [generate(Decoder(SMALL, CudaBackend(), 3, params=params), [5, 6, 7], 30, 1.0, 10,
                      np.random.default_rng(9)) for _ in range(2)]
     assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("op,num", [(name, num) for name in ("encoder_decode", "attention_decode", "attention_kv_fill", "sample")
+                                    for num in sorted(ops.get(name).variants)])
+def test_every_decode_variant_matches_the_cpu_decoder_gpu(op, num):
+    """The decoder's own ops (registered like every op): each variant named on the command line
+    gives the numpy decoder's greedy tokens (a 5-token prompt goes through the kv fill)."""
+    params = params_for(SMALL)
+    outs = []
+    for be in (CudaBackend(kernels={op: num}), CpuBackend(np.float32)):
+        dec = Decoder(SMALL, be, 2, params=params)
+        outs.append(generate(dec, [1, 2, 3, 4, 5], 16, temperature=0))
+    assert outs[0] == outs[1], (op, num)

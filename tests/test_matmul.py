@@ -1,6 +1,7 @@
-"""Matmul family: numpy references vs torch autograd (CPU), shape checks and the GEMM planner (CPU),
-every GPU variant and every GEMM engine/layout against the float64 reference (-m gpu). Engine 4's
-index formulas have their own CPU test: tests/test_matmul_layout.py.
+"""Matmul family: numpy references vs torch autograd (CPU), shape checks (CPU), every GPU variant
+against the float64 reference (-m gpu). The GEMM engines the TF32 variants run on have their own
+tests: tests/test_gemm.py (planner, fallbacks, every engine/layout) and tests/test_gemm_layout.py
+(engine 4's index formulas).
 
     python -m pytest tests/test_matmul.py -q          # CPU part
     python -m pytest tests/test_matmul.py -q -m gpu   # GPU part (needs a GPU and PyCUDA)
@@ -50,20 +51,6 @@ def test_forward_backward_refs_match_torch(rng):
     np.testing.assert_allclose(dinp, ti.grad.numpy(), rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(dweight, tw.grad.numpy(), rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(dbias, tb.grad.numpy(), rtol=1e-12, atol=1e-12)
-
-
-@pytest.mark.parametrize("transA,transB", [(False, False), (False, True), (True, False), (True, True)])
-def test_gemm_ref_matches_torch(rng, transA, transB):
-    torch = pytest.importorskip("torch")
-    b, M, N, K = 3, 5, 7, 4
-    A = rng.standard_normal((b, K, M) if transA else (b, M, K))
-    B = rng.standard_normal((b, N, K) if transB else (b, K, N))
-    C, bias = rng.standard_normal((b, M, N)), rng.standard_normal(N)
-    ta, tb = torch.tensor(A), torch.tensor(B)
-    want = 0.5 * ((ta.transpose(1, 2) if transA else ta) @ (tb.transpose(1, 2) if transB else tb)) \
-        - 2.0 * torch.tensor(C) + torch.tensor(bias)
-    got = mm.gemm_ref(A, B, C, transA, transB, alpha=0.5, beta=-2.0, bias=bias)
-    np.testing.assert_allclose(got, want.numpy(), rtol=1e-12, atol=1e-12)
 
 
 def test_cpu_launchers_overwrite_and_accumulate(rng):
@@ -132,126 +119,14 @@ def test_variant_table():
         assert all(v.description and "\n" not in v.description for v in spec.variants.values())
         with pytest.raises(LLMCError, match="has no variant 99"):
             spec.variant(99)
-    assert set(mm.GEMM_VARIANTS) == {1, 2, 3, 4}
-    assert [mm.gemm_variant_for(v) for v in range(1, 10)] == [1, 1, 1, 1, 2, 2, 4, 1, 4]
+    from llmc.ops.gemm import ENGINES
+    assert set(ENGINES) == {1, 2, 3, 4}
+    # the engine each variant declares (the composite attention runs its GEMMs on it; engine 5 can't batch)
+    from llmc.ops.attention import gemm_engine
+    assert [gemm_engine("matmul_forward", v) for v in range(1, 10)] == [1, 1, 1, 1, 2, 2, 4, 1, 4]
     assert set(spec_fwd := ops.get("matmul_forward").variants) == set(range(1, 10)), spec_fwd
-    assert [mm.gemm_variant_for_backward(v) for v in (1, 2, 3, 4, 5)] == [1, 2, 4, 4, 4]
-    from llmc.ops.attention import gemm_engine_for_backward  # attention's backward follows matmul's
-    assert [gemm_engine_for_backward(v) for v in (1, 2, 3, 4, 5)] == [1, 2, 4, 4, 4]
+    assert [gemm_engine("matmul_backward", v) for v in (1, 2, 3, 4, 5)] == [1, 2, 4, 4, 4]
     assert ops.get("matmul_forward").default == 9 and ops.get("matmul_backward").default == 5
-
-
-TRAINER_GEMMS = [(4096, 2304, 768, 1), (4096, 768, 768, 1), (4096, 3072, 768, 1), (4096, 768, 3072, 1),
-                 (4096, 50304, 768, 1), (768, 768, 4096, 1), (50304, 768, 4096, 1), (1024, 1024, 64, 48),
-                 (1024, 64, 1024, 48), (65, 1, 80, 1), (1, 1, 1, 1), (3, 5, 100000, 1)]
-
-
-@pytest.mark.parametrize("M,N,K,batch", TRAINER_GEMMS)
-def test_tf32_plan(M, N, K, batch):
-    for vec, lay, engine in ((4, "nt", 2), (4, "tn", 2), (1, "nn", 3), (4, "nt", 4), (4, "tn", 4), (4, "nn", 4)):
-        cfg, splits = mm._tf32_plan(132, M, N, K, batch, vec, lay, engine)
-        assert cfg in mm.TF32_CONFIGS and (vec == 4 or cfg == "small") and (cfg, lay) != ("mid8", "tn")
-        assert engine != 4 or cfg in mm.E4_CONFIGS
-        KT = -(-K // 32)
-        assert 1 <= splits <= KT
-        kts = -(-KT // splits)
-        assert (splits - 1) * kts < KT  # no empty split
-
-
-class FakeKernel:
-    def __init__(self, name, log):
-        self.name, self.log, self.max_dynamic_smem = name, log, 48 * 1024
-
-    def set_max_dynamic_smem(self, n):
-        self.max_dynamic_smem = n
-
-    def __call__(self, grid, block, *args, smem=0):
-        assert smem <= self.max_dynamic_smem
-        self.log.append((self.name, grid, block, args))
-
-
-class FakeRuntime:
-    """Records launches: enough to test the builders' planning and fallbacks without a GPU."""
-    sm_count = 132
-
-    def __init__(self):
-        self.log = []
-
-    def kernel(self, module, func, argtypes, label=None, defines=None):
-        assert module == "matmul"
-        return FakeKernel(func, self.log)
-
-    def empty(self, shape, dtype=np.float32):
-        class Buf:
-            ptr = 1 << 20
-        return Buf()
-
-
-def test_gemm_build_fallbacks(capsys):
-    rt = FakeRuntime()
-    # engine 2 with an odd leading dim -> engine 3, one line
-    g = mm.gemm_build(rt, 2, False, False, M=65, N=1, K=80)
-    out = capsys.readouterr().out
-    assert out.count("\n") == 1 and "falling back to engine 3" in out
-    g(4096, 8192, 12288)
-    assert rt.log[-1][0] == "gemm_tf32_small_v1_nn"
-    # aligned -> engine 2; a misaligned pointer at launch -> engine 3, said once
-    g = mm.gemm_build(rt, 2, True, False, M=64, N=64, K=64, batch=2, strideA=4096, strideB=4096, strideC=4096)
-    g(4096, 8192, 12288)
-    assert rt.log[-1][0].startswith("gemm_tf32_") and "_v4_tn" in rt.log[-1][0]
-    assert rt.log[-1][1][2] == 2  # batch in grid.z
-    capsys.readouterr()
-    g(4096, 8196, 12288)
-    g(4096, 8196, 12288)
-    assert rt.log[-1][0] == "gemm_tf32_small_v1_tn"
-    assert capsys.readouterr().out.count("using engine 3") == 1
-    # split-K: main kernel then the reduce
-    g = mm.gemm_build(rt, 2, True, False, M=768, N=768, K=4096, beta=1.0, config="mid", splits=4)
-    g(4096, 8192, 12288)
-    assert rt.log[-2][0] == "gemm_tf32_mid_v4_tn" and rt.log[-2][1] == (6, 6, 4)
-    assert rt.log[-1][0] == "gemm_splitk_reduce"
-    with pytest.raises(LLMCError, match="leading dims too small"):
-        mm.gemm_build(rt, 1, False, False, M=4, N=4, K=4, lda=3)
-    with pytest.raises(LLMCError, match="no engine 7"):
-        mm.gemm_build(rt, 7, False, False, M=4, N=4, K=4)
-
-
-def test_gemm_build_engine4(capsys):
-    rt = FakeRuntime()
-    # its own entry points, engine 2's planner over the configs it builds
-    for lay in ("nn", "nt", "tn", "tt"):
-        g = mm.gemm_build(rt, 4, lay[0] == "t", lay[1] == "t", M=4096, N=2304, K=768)
-        g(4096, 8192, 12288)
-        assert rt.log[-1][0] == f"gemm_tf32_e4_{g.plan[1]}_{lay}" and g.plan[0] == 4
-        assert g.plan[1] == mm._tf32_plan(132, 4096, 2304, 768, 1, 4, lay, 4)[0]
-    assert capsys.readouterr().out == ""
-    # an odd leading dim -> engine 3, one line
-    g = mm.gemm_build(rt, 4, False, False, M=65, N=1, K=80)
-    out = capsys.readouterr().out
-    assert out.count("\n") == 1 and "gemm engine 4 refuses" in out and "falling back to engine 3" in out
-    g(4096, 8192, 12288)
-    assert rt.log[-1][0] == "gemm_tf32_small_v1_nn"
-    # a misaligned pointer at launch -> engine 3, said once
-    g = mm.gemm_build(rt, 4, False, True, M=64, N=64, K=64, batch=2, strideA=4096, strideB=4096, strideC=4096)
-    g(4096, 8192, 12288)
-    assert rt.log[-1][0].startswith("gemm_tf32_e4_") and rt.log[-1][1][2] == 2
-    g(4096, 8196, 12288)
-    g(4096, 8196, 12288)
-    assert rt.log[-1][0] == "gemm_tf32_small_v1_nt"
-    assert capsys.readouterr().out.count("gemm engine 4: pointers not 16-byte aligned") == 1
-    # split-K: main kernel then the reduce; every config it builds can be forced
-    g = mm.gemm_build(rt, 4, True, False, M=768, N=768, K=4096, beta=1.0, config="big", splits=3)
-    g(4096, 8192, 12288)
-    assert rt.log[-2][0] == "gemm_tf32_e4_big_tn" and rt.log[-2][1] == (6, 3, 3)
-    assert rt.log[-1][0] == "gemm_splitk_reduce"
-    for cfg in mm.E4_CONFIGS:
-        mm.gemm_build(rt, 4, False, True, M=256, N=256, K=64, config=cfg)(4096, 8192, 12288)
-        assert rt.log[-1][0] == f"gemm_tf32_e4_{cfg}_nt"
-    with pytest.raises(LLMCError, match="engine 4 has no TF32 config 'mid8'"):
-        mm.gemm_build(rt, 4, False, True, M=256, N=256, K=64, config="mid8")
-    # row steps are 32-bit byte counts in its loader: huge leading dims go to engine 3
-    assert "2^24" in mm._gemm_check(4, False, False, 4, 4, 4, 1, 1 << 24, 4, 4, 0, 0, 0)
-    assert mm._gemm_check(2, False, False, 4, 4, 4, 1, 1 << 24, 4, 4, 0, 0, 0) is None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -359,132 +234,11 @@ def test_matmul_backward_bias_gpu(rt, rng, N, OC):
 
 
 # (M, N, K, batch, padded leading dims, extra builder kwargs)
-GEMM_CASES = [
-    (65, 1, 80, 1, False, {}),
-    (65, 12, 80, 3, True, {}),
-    (33, 70, 129, 2, False, {}),
-    (130, 96, 81, 2, True, {}),                       # K % 4 != 0 with aligned ld: partial 16-byte copies
-    (1024, 64, 1024, 4, False, {}),                   # attention's att @ v shape
-    (1024, 1024, 64, 2, False, {}),                   # attention's q @ k^T shape
-    (768, 200, 4096, 1, False, dict(splits=4, config="mid")),  # split-K
-    (300, 520, 1000, 2, True, dict(splits=3, config="big")),   # split-K, batched, edges
-    (4096, 2304, 768, 1, False, {}),                  # full size
-]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("engine", [1, 2, 3, 4])
-@pytest.mark.parametrize("lay", ["nn", "nt", "tn", "tt"])
-@pytest.mark.parametrize("case", GEMM_CASES, ids=lambda c: "x".join(map(str, c[:4])) + ("p" if c[4] else ""))
-@pytest.mark.parametrize("integers", [False, True], ids=["random", "ints"])
-def test_gemm_gpu(rt, rng, engine, lay, case, integers):
-    from llmc.testing import poison
-    M, N, K, batch, padded, kw = case
-    if M * N * K * batch > 2e8 and (engine, lay) not in ((2, "nt"), (2, "nn"), (2, "tn"), (4, "nt"), (4, "nn"),
-                                                         (4, "tn"), (1, "nt")):
-        pytest.skip("full size: engines 2 and 4's trainer layouts and one SIMT layout (the float64 reference is slow)")
-    if engine not in (2, 4) and kw:
-        kw = {}
-    transA, transB = lay[0] == "t", lay[1] == "t"
-    ra, ca = (K, M) if transA else (M, K)
-    rb, cb = (N, K) if transB else (K, N)
-    pad = 4 if padded else 0
-    lda, ldb, ldc = ca + pad, cb + pad, N + pad
-    sA, sB, sC = ra * lda + pad * 8, rb * ldb + pad * 8, M * ldc + pad * 8
-    mk = ints if integers else rnd
-    Abuf, Bbuf = mk(rng, batch * sA), mk(rng, batch * sB, scale=K ** -0.5)
-    C0 = mk(rng, batch * sC)
-    bias = mk(rng, N)
-    A = np.stack([Abuf[b * sA: b * sA + ra * lda].reshape(ra, lda)[:, :ca] for b in range(batch)])
-    B = np.stack([Bbuf[b * sB: b * sB + rb * ldb].reshape(rb, ldb)[:, :cb] for b in range(batch)])
-    Cin = np.stack([C0[b * sC: b * sC + M * ldc].reshape(M, ldc)[:, :N] for b in range(batch)])
-    d_A, d_B, d_C, d_bias = rt.to_device(Abuf), rt.to_device(Bbuf), rt.empty((batch * sC,)), rt.to_device(bias)
-    tf32 = engine in (2, 3, 4)
-    for alpha, beta, has_bias in [(1.0, 0.0, False), (0.5, -2.0, True)]:
-        ref = mm.gemm_ref(A.astype(np.float64), B.astype(np.float64), Cin.astype(np.float64), transA, transB,
-                          alpha, beta, bias.astype(np.float64) if has_bias else None)
-        g = mm.gemm_build(rt, engine, transA, transB, M, N, K, batch=batch, lda=lda, ldb=ldb, ldc=ldc,
-                          strideA=sA, strideB=sB, strideC=sC, alpha=alpha, beta=beta, has_bias=has_bias, **kw)
-        if beta == 0.0:
-            poison(d_C)
-        else:
-            d_C.set(C0)
-        g(d_C, d_A, d_B, d_bias if has_bias else None)
-        Cout = d_C.get()
-        got = np.stack([Cout[b * sC: b * sC + M * ldc].reshape(M, ldc)[:, :N] for b in range(batch)])
-        check(got, ref, tf32, f"gemm {engine} {lay} {case} alpha={alpha} beta={beta}", exact=integers)
-        if beta != 0.0:  # the padding between rows/batches is never written
-            mask = np.ones(batch * sC, bool)
-            for b in range(batch):
-                mask[b * sC: b * sC + M * ldc].reshape(M, ldc)[:, :N] = False
-            assert np.array_equal(Cout[mask], C0[mask]), "gemm wrote outside C"
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("engine", [2, 4])
-def test_gemm_misaligned_pointer_falls_back(rt, rng, capsys, engine):
-    M, N, K = 64, 32, 48
-    A, B = rnd(rng, M * K + 1), rnd(rng, K * N)
-    d_A, d_B, d_C = rt.to_device(A), rt.to_device(B), rt.empty((M * N,))
-    g = mm.gemm_build(rt, engine, False, False, M, N, K)
-    g(d_C, d_A.view(1, (M * K,)), d_B)
-    assert "using engine 3" in capsys.readouterr().out
-    tf32_close(d_C.get().reshape(M, N), A[1:].astype(np.float64).reshape(M, K) @ B.astype(np.float64).reshape(K, N),
-               "gemm misaligned")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("cfg", mm.E4_CONFIGS)
-@pytest.mark.parametrize("lay", ["nn", "nt", "tn", "tt"])
-@pytest.mark.parametrize("integers", [False, True], ids=["random", "ints"])
-def test_gemm_engine4_every_config_gpu(rt, rng, cfg, lay, integers):
-    """Every tile config engine 4 builds, in every layout, forced (the planner picks only some of
-    them): edges in M, N and K, batched, padded leading dims, split-K, bias; against float64, and
-    equal to engine 2 on small integers (both exact)."""
-    from llmc.testing import poison
-    M, N, K, batch, pad = 200, 300, 170, 2, 4
-    transA, transB = lay[0] == "t", lay[1] == "t"
-    ra, ca = (K, M) if transA else (M, K)
-    rb, cb = (N, K) if transB else (K, N)
-    lda, ldb, ldc = ca + pad, cb + pad, N + pad
-    sA, sB, sC = ra * lda + 32, rb * ldb + 32, M * ldc + 32
-    mk = ints if integers else rnd
-    Abuf, Bbuf, C0, bias = mk(rng, batch * sA), mk(rng, batch * sB, scale=K ** -0.5), mk(rng, batch * sC), mk(rng, N)
-    A = np.stack([Abuf[b * sA: b * sA + ra * lda].reshape(ra, lda)[:, :ca] for b in range(batch)])
-    B = np.stack([Bbuf[b * sB: b * sB + rb * ldb].reshape(rb, ldb)[:, :cb] for b in range(batch)])
-    Cin = np.stack([C0[b * sC: b * sC + M * ldc].reshape(M, ldc)[:, :N] for b in range(batch)])
-    d_A, d_B, d_C, d_bias = rt.to_device(Abuf), rt.to_device(Bbuf), rt.empty((batch * sC,)), rt.to_device(bias)
-    for splits, alpha, beta, has_bias in [(1, 1.0, 0.0, True), (2, 0.5, -2.0, False), (1, 0.5, 1.0, True)]:
-        ref = mm.gemm_ref(A.astype(np.float64), B.astype(np.float64), Cin.astype(np.float64), transA, transB,
-                          alpha, beta, bias.astype(np.float64) if has_bias else None)
-        outs = []
-        for engine in (4, 2):
-            g = mm.gemm_build(rt, engine, transA, transB, M, N, K, batch=batch, lda=lda, ldb=ldb, ldc=ldc,
-                              strideA=sA, strideB=sB, strideC=sC, alpha=alpha, beta=beta, has_bias=has_bias,
-                              config=cfg, splits=splits)
-            if beta == 0.0:
-                poison(d_C)
-            else:
-                d_C.set(C0)
-            g(d_C, d_A, d_B, d_bias if has_bias else None)
-            Cout = d_C.get()
-            got = np.stack([Cout[b * sC: b * sC + M * ldc].reshape(M, ldc)[:, :N] for b in range(batch)])
-            outs.append(got)
-            check(got, ref, True, f"gemm {engine} {cfg} {lay} splits={splits} beta={beta}", exact=integers)
-            if beta != 0.0:  # the padding between rows/batches is never written
-                mask = np.ones(batch * sC, bool)
-                for b in range(batch):
-                    mask[b * sC: b * sC + M * ldc].reshape(M, ldc)[:, :N] = False
-                assert np.array_equal(Cout[mask], C0[mask]), f"gemm {engine} {cfg} {lay} wrote outside C"
-        if integers:
-            assert np.array_equal(outs[0], outs[1]), "engines 4 and 2 differ on exact inputs"
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant,engine", [(6, 2), (7, 4)])
 def test_forward_variant_runs_on_its_engine(rt, variant, engine):
-    launch = ops.get("matmul_forward").build(rt, variant, N=256, C=64, OC=128, has_bias=True)
-    assert launch.plan[0] == engine
+    built = ops.get("matmul_forward").build(rt, variant, N=256, C=64, OC=128, has_bias=True)
+    assert built.plan[0] == engine == ops.get("matmul_forward").variant(variant).engine
 
 
 @pytest.mark.gpu
@@ -499,15 +253,28 @@ def test_gemv_gelu_gpu(rt, rng, N, C, OC):
                                                  bias.astype(np.float64)))
     d_out = rt.empty((N, OC))
     poison(d_out)
-    mm.build_gemv_gelu(rt, N, C, OC)(d_out, rt.to_device(inp), rt.to_device(weight), rt.to_device(bias))
+    ops.get("matmul_forward").build(rt, 8, N=N, C=C, OC=OC, gelu=True)(d_out, rt.to_device(inp), rt.to_device(weight), rt.to_device(bias))
     assert_close(d_out.get(), ref, atol=1e-5, rtol=1e-4, name=f"gemv+gelu N={N}")
 
 
 def test_gemv_gelu_refuses_what_the_gemv_refuses():
+    spec = ops.get("matmul_forward")
     with pytest.raises(LLMCError, match="rows > 8"):
-        mm.build_gemv_gelu(None, 9, 768, 3072)
+        spec.build(None, 8, N=9, C=768, OC=3072, gelu=True)
     with pytest.raises(LLMCError, match="C % 4"):
-        mm.build_gemv_gelu(None, 2, 81, 30)
+        spec.build(None, 8, N=2, C=81, OC=30, gelu=True)
+    # only variant 8 has the GELU epilogue: every other refuses gelu=True, saying so
+    for n in set(spec.variants) - {8}:
+        assert "no gelu option" in spec.refuse_reason(n, N=2, C=768, OC=3072, gelu=True)
+        assert spec.refuse_reason(n, N=2, C=768, OC=3072, gelu=False) is None
+
+
+def test_gelu_option_on_the_numpy_backend(rng):
+    from llmc.ops.gelu import gelu_forward_ref
+    inp, weight, bias = rng.standard_normal((3, 8)), rng.standard_normal((5, 8)), rng.standard_normal(5)
+    out = np.full((3, 5), np.nan)
+    ops.get("matmul_forward").cpu(N=3, C=8, OC=5, gelu=True)(out, inp, weight, bias)
+    assert np.array_equal(out, gelu_forward_ref(inp @ weight.T + bias))
 
 
 def test_hopper_variants_refuse_other_gpus():

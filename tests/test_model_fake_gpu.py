@@ -1,4 +1,4 @@
-"""The model driven through DevArrays (tests/fake_gpu.py) must give bit-identical results to the
+"""The model driven through DevArrays (tests/fake_runtime.py) must give bit-identical results to the
 numpy backend: this runs the cuda backend's buffer plumbing (views, per-layer indexing, offsets,
 argument order) in CI, where there is no GPU."""
 import numpy as np
@@ -8,7 +8,7 @@ from llmc.backend import CpuBackend
 from llmc.config import GPT2Config
 from llmc.model import GPT2
 from llmc.runtime import DevArray
-from tests.fake_gpu import BASE, FakeCudaBackend
+from tests.fake_runtime import BASE, FakeCudaBackend
 
 CFG = GPT2Config(max_seq_len=32, vocab_size=97, padded_vocab_size=100, num_layers=2, num_heads=2, channels=32)
 

@@ -181,8 +181,8 @@ def test_prefill_fills_the_cache_like_steps():
 
 def test_decoder_through_devarrays_is_bit_identical():
     """The decoder's GPU-side plumbing (cache views, kv append/fill, prefill model sharing the
-    weights) run through DevArrays (tests/fake_gpu.py) gives exactly the numpy backend's tokens."""
-    from tests.fake_gpu import FakeCudaBackend
+    weights) run through DevArrays (tests/fake_runtime.py) gives exactly the numpy backend's tokens."""
+    from tests.fake_runtime import FakeCudaBackend
     _, params = model_and_params(dtype=np.float32)
     outs = []
     for be in (CpuBackend(np.float32), FakeCudaBackend()):
@@ -221,7 +221,8 @@ def _rows(rng, R, V, Vp, k):
 @pytest.mark.parametrize("temperature,top_k", [(0.0, None), (1.0, None), (0.8, 40), (1.5, 1), (0.7, 2000),
                                                (1.0, 10 ** 6)])
 def test_sample_kernel_matches_host(rt, V, Vp, temperature, top_k):
-    from llmc.ops.sample import build_sample, sample_ref
+    from llmc import ops
+    from llmc.ops.sample import sample_ref
     from llmc.testing import poison
     rng = np.random.default_rng(V + int(10 * temperature) + (top_k or 0))
     R, draws = 8, 16
@@ -230,7 +231,7 @@ def test_sample_kernel_matches_host(rt, V, Vp, temperature, top_k):
     u[:2] = [0.0, np.nextafter(1.0, 0.0)]                         # the two ends of [0, 1)
     tokens = rt.empty((R * draws,), np.int32)
     poison(tokens)
-    build_sample(rt, R * draws, V, Vp)(tokens, rt.to_device(z), rt.to_device(u), temperature, top_k)
+    ops.get("sample").build(rt, 1, B=R * draws, V=V, Vp=Vp)(tokens, rt.to_device(z), rt.to_device(u), temperature, top_k)
     got = tokens.get()
     want = sample_ref(z, u, V, temperature, top_k)
     assert np.all((got >= 0) & (got < V)), "unwritten or out-of-range tokens"

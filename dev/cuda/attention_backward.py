@@ -10,7 +10,6 @@ Time per call (one layer). Inputs qkvr and att come from the float64 reference f
 to fp32), so the check isolates backward. The torch line is SDPA's backward (autograd.grad of a
 causal SDPA forward done once), fp32 with TF32 allowed.
 """
-import sys, pathlib; sys.path[:0] = [str(pathlib.Path(__file__).resolve().parents[2]), str(pathlib.Path(__file__).resolve().parent)]
 
 import numpy as np
 
@@ -50,7 +49,7 @@ else:
 # -----------------------------------------------------------------------------
 for sm, chunks, lower in configs:
     label = f"softmax_bwd {sm}{' lower-only' if lower and sm == 6 else ''}, chunks {chunks}"
-    launch = A.build_attention_backward(rt, sm, mm, B=B, T=T, C=C, NH=NH, causal_chunks=chunks, lower_only=lower)
+    launch = A.build_attention_backward(rt, sm, mm, B=B, T=T, C=C, NH=NH, causal_chunks=chunks, lower_only=lower).launch
     fn = lambda: launch(d_dinp, d_dout, d_qkvr, d_att)  # noqa: E731
     scale = float(np.abs(ref).max())  # dinp entries vary a lot in size: atol relative to the largest
     L.validate(label, fn, outputs={"dinp": d_dinp}, refs={"dinp": ref}, atol=2e-3 * scale, rtol=2e-2)
@@ -63,7 +62,7 @@ d_lse, d_outf = rt.to_device(lse), rt.to_device(out64.astype(np.float32))
 scale = float(np.abs(ref).max())
 nt = -(-T // 64)  # 7 tile products per (query tile, key tile) pair at and below the diagonal
 for version in (2, 3):
-    flash = A.build_flash_attention_backward(rt, B=B, T=T, C=C, NH=NH, version=version)
+    flash = A.build_flash_attention_backward(rt, B=B, T=T, C=C, NH=NH, version=version).launch
     fn = lambda: flash(d_dinp, d_dout, d_qkvr, d_lse, d_outf)  # noqa: E731
     label = f"attention_backward {version} (flash{', cp.async' if version == 3 else ''})"
     L.validate(label, fn, outputs={"dinp": d_dinp}, refs={"dinp": ref}, atol=2e-3 * scale, rtol=2e-2)

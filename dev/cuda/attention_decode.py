@@ -7,12 +7,12 @@ GPT-2 124M: C=768, NH=12 (hs=64), maxT=1024. Version 1: one block per (b, h), wa
 version 2: the keys in chunks of 64 over B*NH*16 blocks, then a combine kernel. Bytes counted: the
 cached keys and values 0..pos read once, the new q, k, v read, k, v appended and out written.
 """
-import sys, pathlib; sys.path[:0] = [str(pathlib.Path(__file__).resolve().parents[2]), str(pathlib.Path(__file__).resolve().parent)]  # noqa: E401,E702
 
 import numpy as np
 
 import lab
-from llmc.ops.attention import attention_decode_ref, build_attention_decode
+import llmc.ops
+from llmc.ops.attention import attention_decode_ref
 
 C, NH, maxT = 768, 12, 1024
 hs = C // NH
@@ -32,9 +32,10 @@ for B in (1, 8):
         # them there again, so every repeat sees the same caches)
         qkv = np.concatenate([q, kc[:, :, pos].reshape(B, C), vc[:, :, pos].reshape(B, C)], axis=1)
         d_qkv, d_pos = rt.to_device(qkv), rt.to_device(np.array([pos], np.int32))
-        nbytes = 4 * (2 * B * NH * (pos + 1) * hs + 4 * B * C)
-        for v in L.selected([1, 2]):
-            launch = build_attention_decode(rt, B, C, NH, maxT, version=v)
+        spec = llmc.ops.get("attention_decode")
+        _, nbytes = spec.cost(B=B, C=C, NH=NH, maxT=maxT, pos=pos)  # cost model: llmc/ops/attention.py
+        for v in L.selected(spec):
+            launch = spec.build(rt, v, B=B, C=C, NH=NH, maxT=maxT).launch  # the bare closure: no Python call in between
             fn = (lambda launch=launch: launch(d_out, d_qkv, d_kc, d_vc, d_pos))
             label = f"{v} B={B} pos={pos}"
             L.validate(label, fn, outputs={"out": d_out}, refs={"out": ref}, atol=1e-5, rtol=1e-4)

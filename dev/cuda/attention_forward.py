@@ -11,7 +11,6 @@ causal_chunks (wide, narrow) splits the T rows into blocks so that the GEMMs ski
 triangle ((c+1)/(2c) of the square's work with c blocks; llmc/ops/attention.py says more). The torch lines take q, k, v already split into heads (no
 permutes), fp32 with TF32 allowed.
 """
-import sys, pathlib; sys.path[:0] = [str(pathlib.Path(__file__).resolve().parents[2]), str(pathlib.Path(__file__).resolve().parent)]
 
 import numpy as np
 
@@ -46,7 +45,7 @@ else:
 # -----------------------------------------------------------------------------
 for sm, chunks in configs:
     label = f"softmax {sm}, chunks {chunks}"
-    launch = A.build_attention_forward(rt, sm, mm, B=B, T=T, C=C, NH=NH, causal_chunks=chunks)
+    launch = A.build_attention_forward(rt, sm, mm, B=B, T=T, C=C, NH=NH, causal_chunks=chunks).launch
     fn = lambda: launch(d_out, d_qkvr, d_att, d_inp)  # noqa: E731
     # TF32 GEMMs: ~1e-3 relative on the logits; elementwise bounds set for that, rel_err printed
     L.validate(label, fn, outputs={"out": d_out, "qkvr": d_qkvr, "att": d_att},

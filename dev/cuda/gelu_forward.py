@@ -5,7 +5,6 @@
 
 Bytes counted: each input read once, the output written once (forward 2N floats, backward 3N).
 """
-import sys, pathlib; sys.path[:0] = [str(pathlib.Path(__file__).resolve().parents[2]), str(pathlib.Path(__file__).resolve().parent)]  # noqa: E401,E702
 
 import numpy as np
 
@@ -30,7 +29,7 @@ spec = ops.get("gelu_forward")
 for n in L.selected(spec):
     for bs in L.block_sizes(BLOCK_SIZES):
         try:
-            launch = spec.build(rt, n, N=N, block_size=bs)
+            launch = spec.build(rt, n, N=N, block_size=bs).launch  # the bare closure: no Python call in between
         except VariantRefused as e:
             print(f"  {e}")
             continue

@@ -14,7 +14,7 @@ A lab script (dev/cuda/<op>.py) reads top to bottom the same way every time:
 Validation poisons every output (0xFF bytes: fp32 NaN), runs once and compares against the float64
 reference (|got - ref| <= atol + rtol*|ref|; NaN = unwritten fails). Timing: warm-up, then CUDA
 events around each repeat with the L2 cache flushed before it (a 2x-L2 memset), median reported
-with GB/s or TFLOP/s and the fraction of the ceiling measured on this H100 (../../shared/anchors.md).
+with GB/s or TFLOP/s and the fraction of the ceiling measured on the H100 (CEILINGS below).
 """
 from __future__ import annotations
 
@@ -22,17 +22,12 @@ import argparse
 import datetime
 import statistics
 import sys
-from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from llmc.testing import compare
 
-from llmc.testing import compare  # noqa: E402
-
-# Ceilings measured on the lent H100 80GB HBM3 (anchors.md, 2026-11-22)
+# Ceilings measured on the lent H100 80GB HBM3 (the project's anchor runs, 2026-11-22)
 CEILINGS = {
     "dram": ("GB/s", 2980.0),     # device-to-device copy, bytes read + written
     "fp32": ("TFLOP/s", 51.0),    # plain FP32 GEMM 8192^3

@@ -1,7 +1,8 @@
-"""Kernel lab: matmul_backward (dinp = dout @ weight, dweight += dout^T @ inp) and matmul_backward_bias.
+"""Kernel lab: matmul_backward (dinp = dout @ weight, dweight += dout^T @ inp). The bias gradient has
+its own script, dev/cuda/matmul_backward_bias.py.
 
     python dev/cuda/matmul_backward.py            # every variant at the trainer's shapes, + cuBLAS TF32
-    python dev/cuda/matmul_backward.py 2          # one variant of matmul_backward (bias variants always run)
+    python dev/cuda/matmul_backward.py 2          # one variant
     python dev/cuda/matmul_backward.py 2 3        # GEMM engines 2 and 4 side by side
     python dev/cuda/matmul_backward.py --quick    # fewer repeats, no per-GEMM config sweep
 
@@ -11,24 +12,21 @@ attproj 768->768, fc 768->3072, fcproj 3072->768, lm head 768->50304. matmul_bac
 dweight (OC,C) += dout^T @ inp [tn, K=N=4096, accumulate]. The TF32 variants (2: engine 2, 3: engine
 4) are also broken down into their two GEMMs, each swept over the engine's tile configs (and split-K
 for dweight).
-matmul_backward_bias reads N*OC floats once: judged in GB/s against 2.98 TB/s.
 """
-import sys, pathlib; sys.path[:0] = [str(pathlib.Path(__file__).resolve().parents[2]), str(pathlib.Path(__file__).resolve().parent)]  # noqa: E401,E702
 import lab  # noqa: E402
 
 import numpy as np  # noqa: E402
 
 import llmc.ops  # noqa: E402
-from llmc.ops import matmul as mm  # noqa: E402
+from llmc.ops import gemm as mm  # noqa: E402 (the GEMM engines)
 
 L = lab.Lab("matmul_backward")
 rt = L.rt
 spec = llmc.ops.get("matmul_backward")
-bspec = llmc.ops.get("matmul_backward_bias")
 B, T, C, Vp = 4, 1024, 768, 50304
 N = B * T
 rng = np.random.default_rng(0)
-TF32 = {2: 2, 3: 4}  # TF32 variant -> its GEMM engine
+TF32 = {n: v.engine for n, v in spec.variants.items() if v.engine != 1}  # TF32 variant -> the engine it declares
 
 try:
     import torch
@@ -62,15 +60,15 @@ for name, Cin, OC in SHAPES:
     d_dinp, d_dw = rt.empty((N, Cin)), rt.to_device(dw0)
     flops = 4 * N * Cin * OC
     for n in L.selected(spec):
-        launch = spec.build(rt, n, N=N, C=Cin, OC=OC)
+        built = spec.build(rt, n, N=N, C=Cin, OC=OC)
+        launch, plan = built.launch, built.plan  # time the bare closure
         fn = (lambda launch=launch: launch(d_dinp, d_dw, d_dout, d_inp, d_w))
         label = f"{n} {name}"
         a1, r1 = tolerances(n in TF32, dinp_ref)
         a2, r2 = tolerances(n in TF32, dw_ref)
         L.validate(label, fn, outputs={"dinp": d_dinp, "dweight": d_dw}, refs={"dinp": dinp_ref, "dweight": dw_ref},
                    atol=max(a1, a2), rtol=max(r1, r2), init={"dweight": dw0})
-        plan = getattr(launch, "plan", None)
-        bs = "/".join(f"{p[1]}.s{p[2]}" for p in plan) if plan and plan[0] else None
+        bs = "/".join(f"{p[1]}.s{p[2]}" for p in plan) if n in TF32 else None
         ms = L.time(label, fn, block_size=bs, flops=flops, ceiling="tf32" if n in TF32 else "fp32")
         summary.append((name, f"{n}", ms, flops / ms / 1e9))
     # the TF32 variants' two GEMMs on their own, over tile configs / split-K
@@ -86,7 +84,7 @@ for name, Cin, OC in SHAPES:
             for cfg, s in [(None, None)] + cfgs:
                 g = mm.gemm_build(rt, engine, tA, tB, M_, N_, K_, beta=beta, config=cfg, splits=s)
                 lbl = f"gemm{engine} {name} {gname}"
-                ms = L.time(lbl, (lambda g=g, dC=dC, dA=dA, dB=dB: g(dC, dA, dB)),
+                ms = L.time(lbl, (lambda g=g.launch, dC=dC, dA=dA, dB=dB: g(dC, dA, dB)),
                             block_size=f"{g.plan[1]}/s{g.plan[2]}" + ("" if cfg else " (plan)"),
                             flops=2 * M_ * N_ * K_, ceiling="tf32")
                 summary.append((f"{name} {gname}", f"e{engine} {g.plan[1]}/s{g.plan[2]}" + ("" if cfg else "*"), ms,
@@ -107,26 +105,6 @@ for name, Cin, OC in SHAPES:
         del td, ti, tw, tdi, tdw
     del d_dout, d_inp, d_w, d_dinp, d_dw
 
-# ----------------------------------------------------------------------------------------------
-# matmul_backward_bias
-
-bsummary = []
-L.section("bias backward")
-for OC in (C, 3 * C, 4 * C):
-    print(f"\n## matmul_backward_bias: N={N} OC={OC}")
-    dout, db0 = lab.rand(rng, (N, OC)), lab.rand(rng, (OC,))
-    ref = db0.astype(np.float64) + dout.astype(np.float64).sum(0)
-    d_dout, d_db = rt.to_device(dout), rt.to_device(db0)
-    for n in bspec.variants:
-        launch = bspec.build(rt, n, N=N, OC=OC)
-        fn = (lambda launch=launch: launch(d_db, d_dout))
-        label = f"bias{n} OC={OC}"
-        L.validate(label, fn, outputs={"dbias": d_db}, refs={"dbias": ref}, atol=1e-4 * np.sqrt(N), rtol=1e-5,
-                   init={"dbias": db0})
-        ms = L.time(label, fn, bytes=N * OC * 4, ceiling="dram")
-        bsummary.append((OC, n, ms, N * OC * 4 / ms / 1e6))
-
-
 def print_summary():
     print("\n## summary: TFLOP/s (fraction of cuBLAS TF32 at the same shape; * = the planner's pick)")
     for s in dict.fromkeys(r[0] for r in summary):
@@ -136,8 +114,6 @@ def print_summary():
             cub = next((r[2] for r in summary if r[0] == s and r[1] == "cuBLAS"), None)
         cells = [f"{lbl}: {tf:.1f}" + (f" ({cub / ms:.2f})" if cub and lbl != "cuBLAS" else "") for _, lbl, ms, tf in rows]
         print(f"{s:18s} " + " | ".join(cells))
-    for OC, n, ms, gbs in bsummary:
-        print(f"bias{n} OC={OC}: {ms * 1e3:.1f} us, {gbs:.0f} GB/s")
 
 
 try:

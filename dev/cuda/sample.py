@@ -9,12 +9,12 @@ draws here land nowhere near a boundary between two tokens). Bytes counted: the 
 (the radix select for top-k reads its row 4 more times, from L2). Reference line: what PyTorch code
 does on the GPU, torch.topk + softmax + torch.multinomial (not the same draws).
 """
-import sys, pathlib; sys.path[:0] = [str(pathlib.Path(__file__).resolve().parents[2]), str(pathlib.Path(__file__).resolve().parent)]  # noqa: E401,E702
 
 import numpy as np
 
 import lab
-from llmc.ops.sample import build_sample, sample_ref
+import llmc.ops
+from llmc.ops.sample import sample_ref
 
 V, Vp = 50257, 50304
 
@@ -24,8 +24,9 @@ for B in (1, 8):
     logits = (rng.standard_normal((B, Vp)) * 3).astype(np.float32)
     u = rng.random(B)
     d_logits, d_u, d_tok = rt.to_device(logits), rt.to_device(u), rt.empty((B,), np.int32)
-    launch = build_sample(rt, B, V, Vp)
-    print(f"batch {B}: the row {'is' if launch.staged else 'is not'} staged in shared memory")
+    built = llmc.ops.get("sample").build(rt, 1, B=B, V=V, Vp=Vp)
+    launch = built.launch  # the bare closure: no Python call in between
+    print(f"batch {B}: the row {'is' if built.info['staged'] else 'is not'} staged in shared memory")
     for name, temperature, top_k in (("greedy", 0.0, None), ("top-k 40", 1.0, 40), ("full", 1.0, None)):
         L.section(f"B={B} {name}")
         print(f"\n## batch {B}, {name}")

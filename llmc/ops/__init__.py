@@ -1,42 +1,107 @@
 """Ops: per op family one module, holding the numpy reference and every GPU variant's launcher.
 
-The contract every op module follows (llmc/ops/layernorm.py is the pattern):
+docs/architecture.md walks through adding a variant. The contract every op module follows
+(llmc/ops/layernorm.py is the pattern):
 
-* numpy references, pure functions named `<op>_<direction>_ref(...)`, returning their outputs
-  (and whatever backward needs). They work in float32 and float64 (tests run them in float64
-  against PyTorch autograd). No Python loops over tokens or channels.
-* `OPS`: a list of `OpSpec`, one per op direction the model calls ("layernorm_forward",
-  "layernorm_backward", ...). An OpSpec has
+* numpy references, pure functions named `<op>_ref(...)`, returning their outputs (and whatever
+  backward needs). They work in float32 and float64 (tests run them in float64 against PyTorch
+  autograd). No Python loops over tokens or channels.
+* `OPS`: a list of `OpSpec`, one per op the model (or the decoder) calls ("layernorm_forward",
+  "layernorm_backward", "attention_decode", ...). An OpSpec has
     - `cpu(**shape)`   -> launch(*numpy arrays): the numpy backend; writes into its output arrays
                           in place with exactly the semantics of the GPU variants (overwrite or
                           accumulate, documented per op);
-    - `variants`       -> {number: Variant}; Variant.build(rt, **shape) checks the shape, fetches
-                          the compiled kernels, picks grid/block, and returns
-                          launch(*DevArrays, *scalars) that only launches. Nothing is looked up
-                          per launch; a shape the variant can't take raises VariantRefused then;
-    - `default`        -> the variant the trainer uses unless a flag says otherwise;
-    - `flag`           -> the command-line flag that selects the variant (--layernorm-kernel, ...).
+    - `variants`       -> {number: Variant}; a Variant's build(rt, **shape) checks the shape, fetches
+                          the compiled kernels, picks grid/block, allocates its scratch and returns
+                          launch(*DevArrays, *scalars) that only launches (or a `Built` when it has
+                          more to say). Nothing is looked up per launch;
+    - `default`, `flag` -> the variant used unless `flag` (--layernorm-kernel, ...) names another;
+    - the op's rules, declared here and resolved generically by the backends, the model, the lab
+      and the profiler: `pair` (forward/backward ops whose numbers go together), `saves` (what a
+      forward keeps for its backward), `options` (boolean shape keys only some variants take, like
+      matmul_forward's gelu epilogue), `cost` (FLOPs and bytes of one call, for the lab and the profile).
+* A Variant declares its own: the shape check (`check`, no GPU needed), the element types it has
+  kernels for (`dtypes`; a build for another dtype refuses), the ops it is built from (`uses`: the
+  composite attention takes the softmax and matmul variants chosen for those ops), the ops whose
+  flag selects it (`selected_by`), the GEMM engine it runs on (`engine`), what it saves for
+  backward if it differs from the op's (`saves`), the scratch bytes its build allocates
+  (`scratch_bytes`) and the one GPU architecture it runs on, if it is tied to one (`arch`: wgmma is sm_90).
 * Launch closures take arguments in the op's own order: outputs first, then inputs, then scalars.
   The same order for the cpu launch and every GPU variant, so the model is written once.
 """
 from __future__ import annotations
 
 import importlib
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
 from llmc.errors import LLMCError, VariantRefused
+
+# Element types a build can be asked for. Every variant has fp32 kernels today; a bf16 kernel of
+# variant n is declared beside the fp32 one (Variant(n, ..., build={"fp32": f, "bf16": g})), same
+# number, same flag, so the lab and the tests pick it up without a parallel table.
+DTYPES = ("fp32", "bf16")
+
+
+@dataclass
+class Built:
+    """What building one op at one shape gives: the launch closure and what the rest of the program
+    needs to know about it (typed fields, not attributes hung on the closure)."""
+    launch: Callable                         # launch(*outputs, *inputs, *scalars): only launches
+    op: str = ""                             # "attention_forward"
+    number: int = 0                          # the variant that was built (0: the numpy reference)
+    dtype: str = "fp32"
+    shape: dict = field(default_factory=dict)  # the shape it was built for (the profile's cost model)
+    saved_shape: tuple | None = None         # what a forward keeps for its backward (and a backward needs)
+    scratch: dict = field(default_factory=dict)  # {name: DevArray} allocated by the build
+    keep: frozenset = frozenset()            # scratch names whose contents persist between launches
+    plan: tuple | None = None                # GEMM plans, (engine, config, splits) each: for the lab
+    info: dict = field(default_factory=dict)  # anything else a lab script prints (e.g. sample's staging)
+
+    def __call__(self, *args):
+        return self.launch(*args)
+
+
+def _as_built(x, op: str, number: int, dtype: str, shape: dict, saved_shape) -> Built:
+    """A build function's result as a Built: a bare launch closure, or the Built it returned with
+    the registry's facts filled in."""
+    b = x if isinstance(x, Built) else Built(x)
+    b.op, b.number, b.dtype, b.shape = op, number, dtype, shape
+    if b.saved_shape is None:
+        b.saved_shape = saved_shape
+    return b
 
 
 @dataclass
 class Variant:
     number: int
     description: str              # one line, shown by --list-kernels
-    build: Callable               # build(rt, **shape) -> launch
+    build: Callable | dict        # build(rt, **shape) -> launch or Built; or {dtype: build}
     check: Callable | None = None  # check(**shape) -> None or a reason string (no GPU needed)
-    arch: str | None = None        # the one GPU architecture it runs on ("sm_90": wgmma), or any
+    options: tuple = ()           # the op's boolean options this variant takes (e.g. ("gelu",))
+    uses: dict = field(default_factory=dict)   # {build kwarg: op}: built from those ops' chosen variants
+    selected_by: tuple = ()       # ops whose flag, named alone, selects this variant (they run inside it)
+    engine: int | None = None     # the strided-batched GEMM engine (llmc/ops/gemm.py: ENGINES) that goes
+                                  # with this matmul variant: the one it runs on, or, for a variant with its
+                                  # own kernels or on an engine that can't batch (wgmma), the one the
+                                  # composite attention's batched products use when it is chosen
+    saves: Callable | None = None  # saves(**shape) -> shape kept for backward, when not the op's
+    scratch_bytes: Callable | None = None  # scratch_bytes(**shape) -> bytes its build allocates
+    arch: str | None = None       # the one GPU architecture it runs on ("sm_90": wgmma), or any
+
+    def __post_init__(self):
+        self.builds = dict(self.build) if isinstance(self.build, dict) else {"fp32": self.build}
+        for dt in self.builds:
+            if dt not in DTYPES:
+                raise ValueError(f"variant {self.number}: unknown dtype {dt!r}; have {', '.join(DTYPES)}")
+
+    @property
+    def dtypes(self) -> tuple:
+        return tuple(self.builds)
 
     def refuse_reason(self, arch: str | None = None, **shape) -> str | None:
+        """Why this variant can't take `shape` on a GPU of `arch` (None: unknown, not checked)."""
         if self.arch and arch and arch != self.arch:
             return f"needs an {self.arch} GPU (this one is {arch})"
         return self.check(**shape) if self.check else None
@@ -50,6 +115,18 @@ class OpSpec:
     default: int
     flag: str                      # "--layernorm-kernel"
     doc: str = ""                  # argument order, shapes, overwrite/accumulate semantics
+    pair: str | None = None        # the other direction whose variant number must match (attention)
+    saves: Callable | None = None  # saves(**shape) -> what forward keeps for backward (the cpu's; variants may differ)
+    options: tuple = ()            # boolean shape keys that only some variants take (Variant.options)
+    cost: Callable | None = None   # cost(**shape) -> (flops, bytes) of one call
+
+    @property
+    def family(self) -> str:
+        """The family name: cuda/<family>.cu, llmc/ops/<family>.py, tests/test_<family>.py."""
+        for suffix in ("_backward_bias", "_forward", "_backward", "_decode", "_kv_fill"):
+            if self.name.endswith(suffix):
+                return self.name[:-len(suffix)]
+        return self.name
 
     def variant(self, number: int) -> Variant:
         v = self.variants.get(number)
@@ -58,12 +135,39 @@ class OpSpec:
             raise LLMCError(f"{self.flag} {number}: {self.name} has no variant {number}; have {have}")
         return v
 
-    def build(self, rt, number: int, **shape):
+    def refuse_reason(self, number: int, dtype: str = "fp32", arch=None, **shape) -> str | None:
+        """Why variant `number` can't take this call (None if it can): the dtype, the GPU, an option
+        it lacks, then its own shape check."""
         v = self.variant(number)
-        reason = v.refuse_reason(getattr(rt, "arch", None), **shape)
+        if dtype not in v.builds:
+            return f"no {dtype} kernels (has {', '.join(v.dtypes)})"
+        for opt in self.options:
+            if shape.get(opt) and opt not in v.options:
+                return f"has no {opt} option"
+        return v.refuse_reason(arch, **{k: s for k, s in shape.items() if k not in self.options or s})
+
+    def saved_shape(self, number: int | None, **shape) -> tuple | None:
+        """What variant `number` (None: the numpy reference) keeps for backward, or needs from forward."""
+        f = self.variants[number].saves if number is not None and self.variants[number].saves else self.saves
+        return tuple(f(**shape)) if f else None
+
+    def build(self, rt, number: int, dtype: str = "fp32", **shape) -> Built:
+        """Variant `number` built at `shape` for element type `dtype`; VariantRefused (naming the op,
+        the variant, the flag and the reason) when it can't take them."""
+        v = self.variant(number)
+        reason = self.refuse_reason(number, dtype, getattr(rt, "arch", None), **shape)
         if reason:
             raise VariantRefused(f"{self.name} variant {number} ({self.flag} {number}) refuses this shape: {reason}")
-        return v.build(rt, **shape)
+        kw = {k: s for k, s in shape.items() if k not in self.options or s}  # options a variant lacks are False
+        out = v.builds[dtype](rt, **kw)
+        dims = {k: s for k, s in shape.items() if k not in v.uses}
+        return _as_built(out, op=self.name, number=number, dtype=dtype, shape=dims,
+                         saved_shape=self.saved_shape(number, **dims))
+
+    def build_cpu(self, **shape) -> Built:
+        """The numpy backend's launcher, typed like a GPU build."""
+        return Built(self.cpu(**shape), op=self.name, number=0, shape=dict(shape),
+                     saved_shape=self.saved_shape(None, **shape))
 
 
 def check_block_size(block_size) -> str | None:
@@ -79,6 +183,15 @@ def as_view(a, shape):
     a reshape that would need a copy (and silently drop the writes) raises instead."""
     import numpy as np
     return np.reshape(a, shape, copy=False)
+
+
+def ptr(x) -> int:
+    """The device address of a DevArray, or x itself when it is already an address (None: 0)."""
+    return 0 if x is None else int(x if isinstance(x, int) else getattr(x, "ptr", x))
+
+
+def nbytes(shape, itemsize: int = 4) -> int:
+    return int(math.prod(shape)) * itemsize
 
 
 _NOTED: set[str] = set()
@@ -97,28 +210,22 @@ def refuse(op: str, number: int, reason: str):
     raise VariantRefused(f"{op} variant {number} refuses this shape: {reason}")
 
 
-# Op family modules, in the order the model runs them. One name per op across cuda/, llmc/ops/,
-# tests/ and dev/cuda/.
-FAMILIES = ["encoder", "layernorm", "matmul", "attention", "gelu", "residual",
-            "residual_layernorm", "classifier", "adamw", "global_norm"]
+# Op family modules, in the order the model runs them (the order of --list-kernels). One name per
+# op across cuda/, llmc/ops/, tests/ and dev/cuda/.
+FAMILIES = ["encoder", "layernorm", "matmul", "softmax", "attention", "gelu", "residual",
+            "residual_layernorm", "classifier", "adamw", "global_norm", "sample"]
 
 _registry: dict[str, OpSpec] | None = None
 
 
 def registry() -> dict[str, OpSpec]:
-    """{op name: OpSpec} over every family (imported lazily; modules not yet written are skipped
-    only if they don't exist at all)."""
+    """{op name: OpSpec} over every family, in FAMILIES order."""
     global _registry
     if _registry is None:
         reg = {}
         for fam in FAMILIES:
-            try:
-                mod = importlib.import_module(f"llmc.ops.{fam}")
-            except ModuleNotFoundError as e:
-                if e.name == f"llmc.ops.{fam}":
-                    continue
-                raise
-            for spec in getattr(mod, "OPS", []):
+            mod = importlib.import_module(f"llmc.ops.{fam}")
+            for spec in mod.OPS:
                 reg[spec.name] = spec
         _registry = reg
     return _registry

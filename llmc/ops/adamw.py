@@ -130,6 +130,7 @@ VARIANTS = {
 
 OPS = [
     OpSpec("adamw", cpu=adamw_cpu, variants=VARIANTS, default=2, flag="--adamw-kernel",
+           cost=lambda n, **_: (0, 28 * n),  # read params, grads, m, v; write params, m, v
            doc="params(n), grads(n), m(n), v(n) in/out, norm2(1), hp(8) = hyperparams(lr, beta1, beta2, eps, "
                "weight_decay, t, max_norm): AdamW on the clipped gradient, clip scale computed on the device"),
 ]

@@ -1,33 +1,31 @@
-"""Attention: causal softmax forward/backward (numbered variants), the attention composite built
-from them and the team's batched GEMM, and a KV-cache decode kernel for sampling.
+"""Attention: causal self-attention forward/backward (the composite of GEMMs and a softmax, and the
+fused "flash" kernels), and the two ops of decoding with a KV cache.
 
-    python dev/cuda/softmax_forward.py          # validate + time every softmax_forward variant (BNH=48, T=1024)
-    python dev/cuda/softmax_backward.py         # same for softmax_backward
-    python dev/cuda/attention_forward.py        # the whole composite at B=4 T=1024 C=768 NH=12, vs torch SDPA
+    python dev/cuda/attention_forward.py        # every variant at B=4 T=1024 C=768 NH=12, vs torch SDPA
     python dev/cuda/attention_backward.py
+    python dev/cuda/attention_decode.py         # one query over a KV cache, batch 1 and 8
     python -m pytest tests/test_attention.py -q # numpy references vs torch autograd (add -m gpu on a GPU)
 
 Semantics (docs/ops.md), scale = 1/sqrt(hs), everything causal (position t sees s <= t):
-    softmax_forward(att=, preatt)           att[r, t, s] = softmax_s(scale * preatt[r, t, :t+1]), 0 for s > t
-    softmax_backward(dpreatt=, datt, att)   dpreatt = scale * att * (datt - sum_s att * datt), 0 for s > t
-    attention_forward(out=, qkvr=, att=, inp)    inp (B,T,3C) -> out (B,T,C); qkvr holds q|k|v,
-                                                 each (B,NH,T,hs), one after the other; att (B,NH,T,T)
-    attention_backward(dinp=, dout, qkvr, att)   dinp (B,T,3C) is overwritten
+    attention_forward(out=, qkvr=, saved=, inp)   inp (B,T,3C) -> out (B,T,C); qkvr holds q|k|v,
+                                                  each (B,NH,T,hs), one after the other; saved is what
+                                                  backward reads: att (B,NH,T,T) (variant 1, the
+                                                  numpy backend) or its log-sum-exp (B,NH,T) (2, 3)
+    attention_backward(dinp=, dout, qkvr, saved, out)   dinp (B,T,3C) is overwritten
+    attention_decode(out=, qkv, kcache+=, vcache+=, pos)   one new token per row at position pos
+                                                  (read from the device): its k, v appended to the
+                                                  caches (B,NH,maxT,hs), its q attends over 0..pos
+    attention_kv_fill(kcache=, vcache=, qkvr)     positions 0..T-1 of the caches from a forward's qkvr
 
-How the composite ops are exposed (my choice): `attention_forward` and `attention_backward` are
-OpSpecs with a cpu launcher and NO variants of their own (so they have no flag and take no part in
-kernel_choices). On the GPU they are built by the plain functions
+What each variant keeps for backward, which ops it is built from and which flags select it are
+declared on its Variant (saves, uses, selected_by; llmc/ops/__init__.py): the backends and the model
+read them from there, so a new attention variant is added in this file alone.
 
-    build_attention_forward(rt, softmax_variant, matmul_variant, B=, T=, C=, NH=, causal_chunks=None)
-        -> launch(out, qkvr, att, inp)
-    build_attention_backward(rt, softmax_backward_variant, matmul_backward_variant, B=, T=, C=, NH=,
-                             causal_chunks=None) -> launch(dinp, dout, qkvr, att)
-
-(the argument order llmc/backend.py calls them with), from: a permute kernel, QK^T and att@V in
-the batched GEMM engine that goes with the --matmul-kernel number (llmc.ops.matmul.gemm_variant_for;
-for backward the --matmul-backward-kernel number, see gemm_engine_for_backward),
-the chosen softmax variant and an unpermute kernel. Scratch (preatt; dy, datt, dpreatt, dqkvr) is
-allocated once in the builder; one built op can serve every layer, nothing is carried between calls.
+Variant 1, the composite: a permute kernel, q k^T and att v in the batched GEMM engine that goes
+with the --matmul-kernel number (the engine the matmul variant declares; for backward the
+--matmul-backward-kernel's), the chosen softmax variant (llmc/ops/softmax.py) and an unpermute
+kernel. Scratch (preatt, y; dy, datt, dpreatt, dqkvr) is allocated once in the builder; one built op
+can serve every layer, nothing is carried between calls.
 
 Causal structure: only s <= t matters. Every softmax variant reads only the lower triangle (and
 writes the zeros above it). The GEMMs skip most of the upper triangle by splitting the T rows into
@@ -39,10 +37,9 @@ products (att^T dy, dpreatt^T q), over K = start of block i..T. With c chunks th
 preatt/datt above the diagonal outside the computed blocks stay unwritten: nothing reads them (the
 softmax kernels mask s > t with selects).
 
-Decode (sampling with a KV cache): build_attention_decode(rt, B, C, NH, maxT)
-    -> launch(out (B,C), qkv (B,3C), kcache (B,NH,maxT,hs), vcache (B,NH,maxT,hs), pos)
-appends the new token's k, v (from qkv) to the caches at position pos and attends its q over
-positions 0..pos. Reference: kv_append_ref then attention_decode_ref.
+Variants 2 and 3, fused (head size 64): one kernel computes q k^T, the online softmax and p v tile
+by tile on TF32 tensor cores and keeps only each row's log-sum-exp; backward recomputes the
+probabilities in a dq kernel and a dk/dv kernel (cuda/attention.cu says more).
 """
 from __future__ import annotations
 
@@ -51,7 +48,8 @@ import math
 import numpy as np
 
 from llmc.errors import LLMCError
-from llmc.ops import OpSpec, Variant, refuse, check_block_size
+from llmc.ops import Built, OpSpec, Variant, check_block_size, get, note_once, ptr as _ptr, refuse, softmax
+from llmc.ops.softmax import _causal_mask
 from llmc.runtime import ceil_div
 
 MODULE = "attention"  # cuda/attention.cu
@@ -59,29 +57,8 @@ MODULE = "attention"  # cuda/attention.cu
 # ----------------------------------------------------------------------------------------------
 # numpy references (float32 or float64: they compute in the inputs' dtype)
 
-
-def _causal_mask(T):
-    return np.tril(np.ones((T, T), dtype=bool))  # (T, T), True where s <= t
-
-
-def softmax_forward_ref(preatt, scale):
-    """preatt (..., T, T) -> att (..., T, T): causal softmax of scale * preatt, zeros above the diagonal."""
-    T = preatt.shape[-1]
-    mask = _causal_mask(T)
-    x = np.where(mask, preatt * preatt.dtype.type(scale), -np.inf)
-    x = x - x.max(axis=-1, keepdims=True)
-    e = np.where(mask, np.exp(x), 0.0).astype(preatt.dtype)
-    return e / e.sum(axis=-1, keepdims=True)
-
-
-def softmax_backward_ref(datt, att, scale):
-    """Gradient of softmax_forward w.r.t. preatt: scale * att * (datt - sum_s att*datt), 0 above the diagonal."""
-    T = att.shape[-1]
-    mask = _causal_mask(T)
-    a = np.where(mask, att, 0.0).astype(att.dtype)
-    g = np.where(mask, datt, 0.0).astype(att.dtype)
-    dot = (a * g).sum(axis=-1, keepdims=True)
-    return att.dtype.type(scale) * a * (g - dot)
+softmax_forward_ref = softmax.softmax_forward_ref
+softmax_backward_ref = softmax.softmax_backward_ref
 
 
 def _split_heads(inp, NH):
@@ -135,18 +112,6 @@ def attention_decode_ref(q, kcache, vcache, pos):
 # cpu launchers (the numpy backend): same argument order as the GPU, outputs written in place
 
 
-def softmax_forward_cpu(BNH, T, scale, **_):
-    def launch(att, preatt):
-        att[...] = softmax_forward_ref(preatt.reshape(BNH, T, T), scale).reshape(att.shape)
-    return launch
-
-
-def softmax_backward_cpu(BNH, T, scale, **_):
-    def launch(dpreatt, datt, att):
-        dpreatt[...] = softmax_backward_ref(datt.reshape(BNH, T, T), att.reshape(BNH, T, T),
-                                            scale).reshape(dpreatt.shape)
-    return launch
-
 
 def attention_forward_cpu(B, T, C, NH, **_):
     def launch(out, qkvr, att, inp):
@@ -154,7 +119,6 @@ def attention_forward_cpu(B, T, C, NH, **_):
         out[...] = o.reshape(out.shape)
         qkvr[...] = qk.reshape(qkvr.shape)
         att[...] = a.reshape(att.shape)
-    launch.saved_shape = (B, NH, T, T)  # what forward keeps for backward: the probabilities
     return launch
 
 
@@ -162,7 +126,6 @@ def attention_backward_cpu(B, T, C, NH, **_):
     def launch(dinp, dout, qkvr, att, out=None):
         dinp[...] = attention_backward_ref(dout.reshape(B, T, C), qkvr.reshape(B, T, 3 * C),
                                            att.reshape(B, NH, T, T), NH).reshape(dinp.shape)
-    launch.saved_shape = (B, NH, T, T)
     return launch
 
 
@@ -187,153 +150,10 @@ def att_from_lse(qkvr, lse, NH):
     return np.where(mask, np.exp(np.where(mask, x, 0.0)), 0.0)
 
 
-# ----------------------------------------------------------------------------------------------
-# GPU: softmax_forward variants. build(rt, BNH, T, scale, block_size=None) -> launch(att, preatt)
-
-
-def _ptr(x) -> int:
-    return x if isinstance(x, (int, np.integer)) else x.ptr
-
-
-def _row_args(BNH, T, scale):
-    return np.int32(BNH), np.int32(T), np.float32(scale)
-
-
-def _check_rows(BNH, T, **_):
-    if BNH < 1 or T < 1:
-        return f"empty problem BNH={BNH} T={T}"
-    if BNH * T * T >= 2**31:
-        return f"BNH*T*T = {BNH * T * T:,} elements does not fit the kernels' int32 row index math"
-    return None
-
-
-def _check_warp_block(block_size=None, **_):
-    return check_block_size(block_size)
-
-
-def _check_pow2_block(block_size=None, **_):
-    if block_size is not None and (block_size & (block_size - 1) or not 1 <= block_size <= 1024):
-        return f"block_size {block_size} must be a power of two <= 1024 (tree reduction)"
-    return None
-
-
-def _check_vec4(T, **_):
-    if T % 4:
-        return f"T={T} is not a multiple of 4 (float4 rows must start 16-byte aligned)"
-    return None
-
-
-def _nv4(T):
-    """float4s per lane for the register-resident variants (the smallest power of two covering T)."""
-    for nv in (1, 2, 4, 8, 16):
-        if 128 * nv >= T:
-            return nv
-    return None
-
-
-def _check_regs(T, **_):
-    if _nv4(T) is None:
-        return f"T={T} > 2048: the row no longer fits in one warp's registers (use variant 5)"
-    return None
-
-
-def _all(*checks):
-    def check(**shape):
-        for c in checks:
-            r = c(**shape)
-            if r:
-                return r
-        return None
-    return check
-
-
-def _thread_per_row(op, func):
-    def build(rt, BNH, T, scale, block_size=None):
-        bs = block_size or 256
-        k = rt.kernel(MODULE, func, "P" * (2 if op == "softmax_forward" else 3) + "iif", label=f"{op} 1")
-        grid, args = (ceil_div(BNH * T, bs), 1, 1), _row_args(BNH, T, scale)
-
-        def launch(*bufs):
-            k(grid, (bs, 1, 1), *(_ptr(b) for b in bufs), *args)
-        return launch
-    return build
-
-
-def _block_per_row(op, func, number, smem_floats):
-    """smem_floats(T, bs): dynamic shared memory in floats."""
-    def build(rt, BNH, T, scale, block_size=None):
-        bs = block_size or (256 if number == 2 else 128)
-        k = rt.kernel(MODULE, func, "P" * (2 if op == "softmax_forward" else 3) + "iif", label=f"{op} {number}")
-        smem = 4 * smem_floats(T, bs)
-        if smem > rt.max_smem_optin:
-            refuse(op, number, f"needs {smem} bytes of shared memory, the device allows {rt.max_smem_optin}")
-        k.set_max_dynamic_smem(smem)
-        grid, args = (BNH * T, 1, 1), _row_args(BNH, T, scale)
-
-        def launch(*bufs):
-            k(grid, (bs, 1, 1), *(_ptr(b) for b in bufs), *args, smem=smem)
-        return launch
-    return build
-
-
-def _warp_per_row(op, func, number):
-    """func may be a callable T -> kernel name (register-resident variants pick NV4 by T)."""
-    def build(rt, BNH, T, scale, block_size=None):
-        bs = block_size or 256
-        name = func(T) if callable(func) else func
-        k = rt.kernel(MODULE, name, "P" * (2 if op == "softmax_forward" else 3) + "iif", label=f"{op} {number}")
-        grid, args = (ceil_div(BNH * T * 32, bs), 1, 1), _row_args(BNH, T, scale)
-
-        def launch(*bufs):
-            k(grid, (bs, 1, 1), *(_ptr(b) for b in bufs), *args)
-        return launch
-    return build
-
-
-F, BW = "softmax_forward", "softmax_backward"
-
-SOFTMAX_FORWARD_VARIANTS = {
-    1: Variant(1, "one thread per row, three serial passes (max, sum, write): the plainest",
-               _thread_per_row(F, "softmax_forward_kernel1"), _all(_check_rows)),
-    2: Variant(2, "one block per row, shared-memory tree reductions",
-               _block_per_row(F, "softmax_forward_kernel2", 2, lambda T, bs: bs), _all(_check_rows, _check_pow2_block)),
-    3: Variant(3, "one warp per row, shuffle reductions, three passes over the row",
-               _warp_per_row(F, "softmax_forward_kernel3", 3), _all(_check_rows, _check_warp_block)),
-    4: Variant(4, "one warp per row, online softmax (max and sum in one pass), then the write pass",
-               _warp_per_row(F, "softmax_forward_kernel4", 4), _all(_check_rows, _check_warp_block)),
-    5: Variant(5, "4 with float4 loads/stores (T % 4 == 0)",
-               _warp_per_row(F, "softmax_forward_kernel5", 5), _all(_check_rows, _check_warp_block, _check_vec4)),
-    6: Variant(6, "one warp per row, lower triangle held in registers: one DRAM read of s <= t, streaming "
-                  "float4 stores (T % 4 == 0, T <= 2048)",
-               _warp_per_row(F, lambda T: f"softmax_forward_kernel6_nv{_nv4(T)}", 6),
-               _all(_check_rows, _check_warp_block, _check_vec4, _check_regs)),
-}
-
-SOFTMAX_BACKWARD_VARIANTS = {
-    1: Variant(1, "one thread per row, two serial passes (dot, write): the plainest",
-               _thread_per_row(BW, "softmax_backward_kernel1"), _all(_check_rows)),
-    2: Variant(2, "one block per row, shared-memory tree reduction of the dot product",
-               _block_per_row(BW, "softmax_backward_kernel2", 2, lambda T, bs: bs), _all(_check_rows, _check_pow2_block)),
-    3: Variant(3, "one warp per row, shuffle reduction, two passes over the row",
-               _warp_per_row(BW, "softmax_backward_kernel3", 3), _all(_check_rows, _check_warp_block)),
-    4: Variant(4, "one block per row, the row cached in shared memory: one DRAM read for any T",
-               _block_per_row(BW, "softmax_backward_kernel4", 4, lambda T, bs: 2 * T),
-               _all(_check_rows, _check_warp_block,
-                    lambda T, **_: f"T={T}: 2*T floats exceed 227 KB of shared memory" if 8 * T > 227 * 1024 else None)),
-    5: Variant(5, "3 with float4 loads/stores (T % 4 == 0)",
-               _warp_per_row(BW, "softmax_backward_kernel5", 5), _all(_check_rows, _check_warp_block, _check_vec4)),
-    6: Variant(6, "one warp per row, lower triangles of att and datt held in registers: one DRAM read, "
-                  "streaming float4 stores (T % 4 == 0, T <= 2048)",
-               _warp_per_row(BW, lambda T: f"softmax_backward_kernel6_nv{_nv4(T)}", 6),
-               _all(_check_rows, _check_warp_block, _check_vec4, _check_regs)),
-}
-
-# the variant the composite falls back to when the chosen one refuses the shape (any T)
-_FALLBACK = 4
-
 
 # ----------------------------------------------------------------------------------------------
 # GPU: permutes between (B, T, S, NH, hs) and (S, B, NH, T, hs)
+
 
 
 def _build_permute(rt, kind, B, T, S, NH, hs):
@@ -351,8 +171,10 @@ def _build_permute(rt, kind, B, T, S, NH, hs):
     return launch
 
 
+
 # ----------------------------------------------------------------------------------------------
-# GPU: the composites
+# GPU: the composite (variant 1)
+
 
 
 def _check_attention(B, T, C, NH):
@@ -367,15 +189,12 @@ def _check_attention(B, T, C, NH):
 def _softmax_op(rt, op, number, BNH, T, scale):
     """(variant number, launch) for softmax variant `number`; if it refuses this shape, say so in
     one line and use the variant that takes every shape."""
-    from llmc.ops import get
     spec = get(op)
-    v = spec.variant(number)
-    reason = v.refuse_reason(BNH=BNH, T=T, scale=scale)
+    reason = spec.refuse_reason(number, BNH=BNH, T=T, scale=scale)
     if reason:
-        from llmc.ops import note_once
-        note_once(f"attention: {spec.flag} {number} refuses T={T} ({reason}); using {op} {_FALLBACK}")
-        number = _FALLBACK
-    return number, spec.build(rt, number, BNH=BNH, T=T, scale=scale)
+        note_once(f"attention: {spec.flag} {number} refuses T={T} ({reason}); using {op} {softmax.FALLBACK}")
+        number = softmax.FALLBACK
+    return number, spec.build(rt, number, BNH=BNH, T=T, scale=scale).launch
 
 
 def _chunks(T, n):
@@ -404,26 +223,20 @@ def _chunk_plan(T, causal_chunks):
 DEFAULT_CAUSAL_CHUNKS = (2, 2)
 
 
-def gemm_engine_for_backward(matmul_backward_variant: int) -> int:
-    """The GEMM engine that goes with a --matmul-backward-kernel number. gemm_variant_for maps
-    --matmul-kernel (forward) numbers; matmul_backward's variant n runs on GEMM engine n
-    (llmc/ops/matmul.py), so backward numbers map to themselves unless matmul.py says otherwise."""
-    from llmc.ops import matmul as mm
-    f = getattr(mm, "gemm_variant_for_backward", None)
-    if f is not None:
-        return f(matmul_backward_variant)
-    if matmul_backward_variant in mm.GEMM_VARIANTS:
-        return matmul_backward_variant
-    return mm.gemm_variant_for(matmul_backward_variant)
+def gemm_engine(op: str, number: int) -> int:
+    """The GEMM engine matmul op `op`'s variant `number` declares (Variant.engine): the composite
+    runs its batched products on the engine of the --matmul-kernel (forward) or
+    --matmul-backward-kernel (backward) chosen."""
+    return get(op).variant(number).engine
 
 
 def build_attention_forward(rt, softmax_variant, matmul_variant, B, T, C, NH, causal_chunks=None):
     """launch(out (B,T,C), qkvr (B,T,3C), att (B,NH,T,T), inp (B,T,3C)); all outputs overwritten."""
-    from llmc.ops.matmul import gemm_build, gemm_variant_for
+    from llmc.ops.gemm import gemm_build
     _check_attention(B, T, C, NH)
     hs, BNH = C // NH, B * NH
     scale = 1.0 / math.sqrt(hs)
-    gv = gemm_variant_for(matmul_variant)
+    gv = gemm_engine("matmul_forward", matmul_variant)
     _, softmax = _softmax_op(rt, "softmax_forward", softmax_variant, BNH, T, scale)
     permute = _build_permute(rt, "permute", B, T, 3, NH, hs)
     unpermute = _build_permute(rt, "unpermute", B, T, 1, NH, hs)
@@ -437,13 +250,13 @@ def build_attention_forward(rt, softmax_variant, matmul_variant, B, T, C, NH, ca
     for t0, t1 in wide:
         # preatt[rows t0:t1, cols 0:t1] = q[t0:t1] @ k[0:t1]^T
         g = gemm_build(rt, gv, False, True, M=t1 - t0, N=t1, K=hs, batch=BNH, lda=hs, ldb=hs, ldc=T,
-                       strideA=T * hs, strideB=T * hs, strideC=T * T)
+                       strideA=T * hs, strideB=T * hs, strideC=T * T).launch
         qk.append((g, t0 * T * F4, t0 * hs * F4, qkv_bytes))
     av = []  # (gemm launch, C offset into y, A offset into att, B offset into qkvr)
     for t0, t1 in narrow:
         # y[t0:t1] = att[rows t0:t1, cols 0:t1] @ v[0:t1]  (att is 0 for s > t within the block)
         g = gemm_build(rt, gv, False, False, M=t1 - t0, N=hs, K=t1, batch=BNH, lda=T, ldb=hs, ldc=hs,
-                       strideA=T * T, strideB=T * hs, strideC=T * hs)
+                       strideA=T * T, strideB=T * hs, strideC=T * hs).launch
         av.append((g, t0 * hs * F4, t0 * T * F4, 2 * qkv_bytes))
     pre, yp = preatt.ptr, y.ptr
 
@@ -456,9 +269,7 @@ def build_attention_forward(rt, softmax_variant, matmul_variant, B, T, C, NH, ca
         for g, c_off, a_off, b_off in av:
             g(yp + c_off, ap + a_off, qp + b_off)          # y (B,NH,T,hs)
         unpermute(out, yp)                                 # out (B,T,C)
-    launch.scratch = {"preatt": preatt, "y": y}
-    launch.saved_shape = (B, NH, T, T)
-    return launch
+    return Built(launch, scratch={"preatt": preatt, "y": y})
 
 
 def build_attention_backward(rt, softmax_backward_variant, matmul_backward_variant, B, T, C, NH,
@@ -466,15 +277,15 @@ def build_attention_backward(rt, softmax_backward_variant, matmul_backward_varia
     """launch(dinp (B,T,3C), dout (B,T,C), qkvr (B,T,3C), att (B,NH,T,T)); dinp overwritten.
     lower_only: with softmax_backward 6, use its entry point that stores only s <= t into a dpreatt
     scratch zeroed here once (nothing else writes dpreatt, so its upper triangle stays 0)."""
-    from llmc.ops.matmul import gemm_build
+    from llmc.ops.gemm import gemm_build
     _check_attention(B, T, C, NH)
     hs, BNH = C // NH, B * NH
     scale = 1.0 / math.sqrt(hs)
-    gv = gemm_engine_for_backward(matmul_backward_variant)
+    gv = gemm_engine("matmul_backward", matmul_backward_variant)
     sm_number, softmax_bwd = _softmax_op(rt, "softmax_backward", softmax_backward_variant, BNH, T, scale)
     lower_only = lower_only and sm_number == 6
     if lower_only:
-        softmax_bwd = _warp_per_row(BW, lambda T: f"softmax_backward_kernel6_lower_nv{_nv4(T)}", 6)(rt, BNH, T, scale)
+        softmax_bwd = softmax.build_backward6_lower(rt, BNH, T, scale)
     to_heads = _build_permute(rt, "permute", B, T, 1, NH, hs)      # dy (B,NH,T,hs) <- dout (B,T,C)
     from_heads = _build_permute(rt, "unpermute", B, T, 3, NH, hs)  # dinp (B,T,3C) <- dqkvr (3,B,NH,T,hs)
     dy = rt.empty((B, NH, T, hs))
@@ -491,21 +302,21 @@ def build_attention_backward(rt, softmax_backward_variant, matmul_backward_varia
     for t0, t1 in narrow:
         # dv[s in t0:t1] = att[t >= t0, s]^T @ dy[t >= t0]   (att[t, s] = 0 for t < s)
         g = gemm_build(rt, gv, True, False, M=t1 - t0, N=hs, K=T - t0, batch=BNH, lda=T, ldb=hs, ldc=hs,
-                       strideA=sTT, strideB=sTh, strideC=sTh)
+                       strideA=sTT, strideB=sTh, strideC=sTh).launch
         steps_pre.append((g, "dqkvr", 2 * qkv_bytes + t0 * hs * F4, "att", (t0 * T + t0) * F4, "dy", t0 * hs * F4))
     for t0, t1 in wide:
         # datt[rows t0:t1, cols 0:t1] = dy[t0:t1] @ v[0:t1]^T
         g = gemm_build(rt, gv, False, True, M=t1 - t0, N=t1, K=hs, batch=BNH, lda=hs, ldb=hs, ldc=T,
-                       strideA=sTh, strideB=sTh, strideC=sTT)
+                       strideA=sTh, strideB=sTh, strideC=sTT).launch
         steps_pre.append((g, "datt", t0 * T * F4, "dy", t0 * hs * F4, "qkvr", 2 * qkv_bytes))
     for t0, t1 in narrow:
         # dq[t0:t1] = dpreatt[rows t0:t1, cols 0:t1] @ k[0:t1]
         g = gemm_build(rt, gv, False, False, M=t1 - t0, N=hs, K=t1, batch=BNH, lda=T, ldb=hs, ldc=hs,
-                       strideA=sTT, strideB=sTh, strideC=sTh)
+                       strideA=sTT, strideB=sTh, strideC=sTh).launch
         steps_post.append((g, "dqkvr", t0 * hs * F4, "dpreatt", t0 * T * F4, "qkvr", qkv_bytes))
         # dk[s in t0:t1] = dpreatt[t >= t0, s]^T @ q[t >= t0]
         g = gemm_build(rt, gv, True, False, M=t1 - t0, N=hs, K=T - t0, batch=BNH, lda=T, ldb=hs, ldc=hs,
-                       strideA=sTT, strideB=sTh, strideC=sTh)
+                       strideA=sTT, strideB=sTh, strideC=sTh).launch
         steps_post.append((g, "dqkvr", qkv_bytes + t0 * hs * F4, "dpreatt", (t0 * T + t0) * F4, "qkvr", t0 * hs * F4))
     own = {"dy": dy.ptr, "datt": datt.ptr, "dpreatt": dpreatt.ptr, "dqkvr": dqkvr.ptr}
 
@@ -518,14 +329,15 @@ def build_attention_backward(rt, softmax_backward_variant, matmul_backward_varia
         for g, cb, co, ab, ao, bb, bo in steps_post:                   # dq, dk
             g(base[cb] + co, base[ab] + ao, base[bb] + bo)
         from_heads(dinp, own["dqkvr"])                                 # dinp (B,T,3C)
-    launch.scratch = {"dy": dy, "datt": datt, "dpreatt": dpreatt, "dqkvr": dqkvr}
-    launch.keep = {"dpreatt"} if lower_only else set()  # scratch whose contents must persist
-    launch.saved_shape = (B, NH, T, T)
-    return launch
+    return Built(launch, scratch={"dy": dy, "datt": datt, "dpreatt": dpreatt, "dqkvr": dqkvr},
+                 keep=frozenset({"dpreatt"}) if lower_only else frozenset())  # keep: contents must persist
+
 
 
 # ----------------------------------------------------------------------------------------------
 # GPU: fused ("flash") attention, head size 64 (cuda/attention.cu, flash_attention_*_kernel2/3)
+
+
 
 FLASH_HS = 64   # the kernels' head size (every GPT-2 size has 64)
 FLASH_TILE = 64  # rows per block, positions per tile
@@ -562,7 +374,7 @@ def _flash_kernel(rt, name, argtypes, kind, version, label, defines=None):
 
 def build_flash_attention_forward(rt, B, T, C, NH, version=2, defines=None, **_):
     """launch(out (B,T,C), qkvr (B,T,3C), lse (B,NH,T), inp (B,T,3C)): the permute into qkvr, then
-    one fused kernel writing out and the per-row log-sum-exp (launch.saved_shape) for backward.
+    one fused kernel writing out and the per-row log-sum-exp (saved for backward) for backward.
     version 2: tiles staged by the threads; 3: cp.async double-buffered."""
     _check_attention(B, T, C, NH)
     permute = _build_permute(rt, "permute", B, T, 3, NH, FLASH_HS)
@@ -574,8 +386,6 @@ def build_flash_attention_forward(rt, B, T, C, NH, version=2, defines=None, **_)
     def launch(out, qkvr, lse, inp):
         permute(qkvr, inp)
         k(grid, block, _ptr(out), _ptr(lse), _ptr(qkvr), *args, smem=smem)
-    launch.scratch = {}
-    launch.saved_shape = (B, NH, T)
     return launch
 
 
@@ -595,56 +405,8 @@ def build_flash_attention_backward(rt, B, T, C, NH, version=2, defines=None, **_
     def launch(dinp, dout, qkvr, lse, out):
         kq(grid, block, _ptr(dinp), _ptr(D), _ptr(dout), _ptr(out), _ptr(qkvr), _ptr(lse), *args, smem=smq)
         kkv(grid, block, _ptr(dinp), _ptr(dout), _ptr(qkvr), _ptr(lse), _ptr(D), *args, smem=smkv)
-    launch.scratch = {"D": D}
-    launch.keep = set()
-    launch.saved_shape = (B, NH, T)
-    return launch
+    return Built(launch, scratch={"D": D})
 
-
-def _flash(direction, version):
-    f = build_flash_attention_forward if direction == "forward" else build_flash_attention_backward
-    return lambda rt, **shape: f(rt, version=version, **shape)
-
-
-def _composite(direction):
-    """Variant 1 of attention_forward/backward: the composite, built from the softmax and matmul
-    variants the backend passes in (softmax=, matmul=)."""
-    def build(rt, B, T, C, NH, softmax=None, matmul=None, **kw):
-        from llmc.ops import get
-        sm = softmax if softmax is not None else get(f"softmax_{direction}").default
-        mm = matmul if matmul is not None else get("matmul_" + direction).default
-        f = build_attention_forward if direction == "forward" else build_attention_backward
-        return f(rt, sm, mm, B=B, T=T, C=C, NH=NH, **kw)
-    return build
-
-
-def _check_composite(B, T, C, NH, **_):
-    if min(B, T, C, NH) < 1 or C % NH:
-        return f"B={B} T={T} C={C} NH={NH} is not a valid attention shape"
-    return None
-
-
-ATTENTION_FORWARD_VARIANTS = {
-    1: Variant(1, "composite: permute, q k^T and att v in the batched GEMM (--matmul-kernel), causal softmax "
-                  "(--softmax-kernel), unpermute; keeps att (B,NH,T,T) for backward",
-               _composite("forward"), _check_composite),
-    2: Variant(2, "fused flash attention, TF32 mma.sync, online softmax in registers; keeps only the "
-                  "log-sum-exp (B,NH,T); k, v tiles staged by the threads (head size 64)",
-               _flash("forward", 2), _check_flash),
-    3: Variant(3, "2 with the k, v tiles double-buffered through cp.async: the next tile loads while "
-                  "the tensor cores work (head size 64; measured slower than 2: not load-bound)",
-               _flash("forward", 3), _check_flash),
-}
-ATTENTION_BACKWARD_VARIANTS = {
-    1: Variant(1, "composite: dv, datt in the batched GEMM (--matmul-backward-kernel), softmax backward "
-                  "(--softmax-backward-kernel), dq, dk; needs att from attention_forward 1",
-               _composite("backward"), _check_composite),
-    2: Variant(2, "fused flash attention backward, TF32 mma.sync: a dq kernel and a dk/dv kernel "
-                  "recompute att from the log-sum-exp, no atomics; needs attention_forward 2 or 3 (head size 64)",
-               _flash("backward", 2), _check_flash),
-    3: Variant(3, "2 with the swept tiles double-buffered through cp.async (head size 64)",
-               _flash("backward", 3), _check_flash),
-}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -652,52 +414,6 @@ ATTENTION_BACKWARD_VARIANTS = {
 
 
 DECODE_CHUNK = 64  # keys per block of attention_decode_kernel2 (cuda/attention.cu)
-
-
-def build_attention_decode(rt, B, C, NH, maxT, block_size=128, version=None):
-    """launch(out (B,C), qkv (B,3C), kcache (B,NH,maxT,hs), vcache (B,NH,maxT,hs), pos (1,) int32 on
-    the device, 0 <= pos < maxT: the caller checks, the kernels read it each launch). qkv is the
-    qkv matmul's output for the new token: its k, v go into the caches at pos, its q attends over
-    positions 0..pos.
-    version 2 (the default where hs % 4 == 0): split over chunks of 64 keys, then a combine kernel;
-    version 1: one block per (b, h)."""
-    if C % NH:
-        raise LLMCError(f"attention decode: C={C} is not divisible by NH={NH}")
-    hs = C // NH
-    version = version or (2 if hs % 4 == 0 else 1)
-    if version == 2 and hs % 4:
-        raise LLMCError(f"attention decode 2: head size {hs} is not a multiple of 4 (float4 keys)")
-    ptrs = lambda *a: [_ptr(x) for x in a]  # noqa: E731
-    if version == 1:
-        k = rt.kernel(MODULE, "attention_decode_kernel1", "PPPPPiiiif", label="attention decode 1")
-        G = max(1, block_size // hs)
-        smem = 4 * (hs + maxT + max(G * hs, block_size))
-        if smem > rt.max_smem_optin:
-            raise LLMCError(f"attention decode: maxT={maxT} needs {smem} bytes of shared memory")
-        k.set_max_dynamic_smem(smem)
-        grid, block = (B * NH, 1, 1), (block_size, 1, 1)
-        args = (np.int32(B), np.int32(NH), np.int32(hs), np.int32(maxT), np.float32(1.0 / math.sqrt(hs)))
-
-        def launch(out, qkv, kcache, vcache, pos):
-            k(grid, block, *ptrs(out, qkv, kcache, vcache, pos), *args, smem=smem)
-        return launch
-    chunks = -(-maxT // DECODE_CHUNK)
-    part = rt.empty((B * NH, chunks, hs + 2))
-    k = rt.kernel(MODULE, "attention_decode_kernel2", "PPPPPiiiif", label="attention decode 2")
-    comb = rt.kernel(MODULE, "attention_decode_combine_kernel2", "PPPiii", label="attention decode 2 combine")
-    bs = 128
-    smem = 4 * (hs + DECODE_CHUNK + max(1, bs // hs) * hs)
-    if smem > rt.max_smem_optin:
-        raise LLMCError(f"attention decode 2: head size {hs} needs {smem} bytes of shared memory")
-    k.set_max_dynamic_smem(smem)
-    args = (np.int32(B), np.int32(NH), np.int32(hs), np.int32(maxT), np.float32(1.0 / math.sqrt(hs)))
-    cbs = min(1024, -(-hs // 32) * 32)
-
-    def launch(out, qkv, kcache, vcache, pos):
-        k((B * NH, chunks, 1), (bs, 1, 1), _ptr(part), *ptrs(qkv, kcache, vcache, pos), *args, smem=smem)
-        comb((B * NH, 1, 1), (cbs, 1, 1), _ptr(out), _ptr(part), _ptr(pos), np.int32(NH), np.int32(hs),
-             np.int32(chunks))
-    return launch
 
 
 def kv_append_ref(kcache, vcache, qkv, pos):
@@ -720,12 +436,105 @@ def kv_fill_ref(kcache, vcache, qkvr, T):
     vcache[:, :, :T, :] = v
 
 
-def build_kv_fill(rt, B, C, NH, maxT, T, block_size=256):
-    """launch(kcache (B,NH,maxT,hs), vcache, qkvr (B,T,3C) as saved by attention_forward)."""
+def attention_decode_cpu(B, C, NH, maxT, **_):
+    def launch(out, qkv, kcache, vcache, pos):
+        q = kv_append_ref(kcache, vcache, qkv, int(pos[0]))  # the new k, v into the caches at pos
+        out[...] = attention_decode_ref(q, kcache, vcache, int(pos[0])).reshape(out.shape)
+    return launch
+
+
+def attention_kv_fill_cpu(B, C, NH, maxT, T, **_):
+    def launch(kcache, vcache, qkvr):
+        kv_fill_ref(kcache, vcache, qkvr, T)
+    return launch
+
+
+# attention_decode: launch(out (B,C), qkv (B,3C), kcache (B,NH,maxT,hs), vcache (B,NH,maxT,hs),
+# pos (1,) int32 on the device, 0 <= pos < maxT: the caller checks, the kernels read it each launch).
+# qkv is the qkv matmul's output for the new token: its k, v go into the caches at pos, its q
+# attends over positions 0..pos.
+
+def _decode1_smem(C, NH, maxT, block_size=128):
     hs = C // NH
+    G = max(1, block_size // hs)
+    return 4 * (hs + maxT + max(G * hs, block_size))
+
+
+def _decode2_smem(C, NH, bs=128):
+    hs = C // NH
+    return 4 * (hs + DECODE_CHUNK + max(1, bs // hs) * hs)
+
+
+def _check_decode(B, C, NH, maxT, block_size=None, **_):
+    if min(B, C, NH, maxT) < 1 or C % NH:
+        return f"B={B} C={C} NH={NH} maxT={maxT} is not a valid attention shape"
+    return check_block_size(block_size)
+
+
+def _check_decode1(B, C, NH, maxT, block_size=None, **_):
+    bad = _check_decode(B, C, NH, maxT, block_size)
+    smem = _decode1_smem(C, NH, maxT, block_size or 128)
+    return bad or (f"maxT={maxT} needs {smem} bytes of shared memory (> 227 KB)" if smem > 227 * 1024 else None)
+
+
+def _check_decode2(B, C, NH, maxT, **shape):
+    bad = _check_decode(B, C, NH, maxT, **shape)
+    if bad:
+        return bad
+    if (C // NH) % 4:
+        return f"head size {C // NH} is not a multiple of 4 (float4 keys)"
+    smem = _decode2_smem(C, NH)
+    return f"head size {C // NH} needs {smem} bytes of shared memory (> 227 KB)" if smem > 227 * 1024 else None
+
+
+def attention_decode1(rt, B, C, NH, maxT, block_size=None):
+    """One block per (b, h)."""
+    hs, block_size = C // NH, block_size or 128
+    k = rt.kernel(MODULE, "attention_decode_kernel1", "PPPPPiiiif", label="attention_decode 1")
+    smem = _decode1_smem(C, NH, maxT, block_size)
+    k.set_max_dynamic_smem(smem)
+    grid, block = (B * NH, 1, 1), (block_size, 1, 1)
+    args = (np.int32(B), np.int32(NH), np.int32(hs), np.int32(maxT), np.float32(1.0 / math.sqrt(hs)))
+
+    def launch(out, qkv, kcache, vcache, pos):
+        k(grid, block, _ptr(out), _ptr(qkv), _ptr(kcache), _ptr(vcache), _ptr(pos), *args, smem=smem)
+    return launch
+
+
+def attention_decode2(rt, B, C, NH, maxT, block_size=None):
+    """Split over chunks of 64 keys, then a combine kernel (block_size is fixed at 128: a thread per key
+    and the chunk's partial state)."""
+    hs = C // NH
+    chunks = -(-maxT // DECODE_CHUNK)
+    part = rt.empty((B * NH, chunks, hs + 2))
+    k = rt.kernel(MODULE, "attention_decode_kernel2", "PPPPPiiiif", label="attention_decode 2")
+    comb = rt.kernel(MODULE, "attention_decode_combine_kernel2", "PPPiii", label="attention_decode 2 combine")
+    bs = 128
+    smem = _decode2_smem(C, NH, bs)
+    k.set_max_dynamic_smem(smem)
+    args = (np.int32(B), np.int32(NH), np.int32(hs), np.int32(maxT), np.float32(1.0 / math.sqrt(hs)))
+    cbs = min(1024, -(-hs // 32) * 32)
+
+    def launch(out, qkv, kcache, vcache, pos):
+        k((B * NH, chunks, 1), (bs, 1, 1), _ptr(part), _ptr(qkv), _ptr(kcache), _ptr(vcache), _ptr(pos), *args,
+          smem=smem)
+        comb((B * NH, 1, 1), (cbs, 1, 1), _ptr(out), _ptr(part), _ptr(pos), np.int32(NH), np.int32(hs),
+             np.int32(chunks))
+    return Built(launch, scratch={"part": part})
+
+
+def _check_kv_fill(B, C, NH, maxT, T, block_size=None, **_):
+    if min(B, C, NH, maxT) < 1 or C % NH:
+        return f"B={B} C={C} NH={NH} maxT={maxT} is not a valid attention shape"
     if not 1 <= T <= maxT:
-        raise LLMCError(f"kv fill: T={T} outside 1..maxT={maxT}")
-    k = rt.kernel(MODULE, "attention_kv_fill_kernel1", "PPPiiiii", label="attention kv_fill 1")
+        return f"T={T} outside 1..maxT={maxT}"
+    return check_block_size(block_size)
+
+
+def attention_kv_fill1(rt, B, C, NH, maxT, T, block_size=None):
+    """launch(kcache (B,NH,maxT,hs), vcache, qkvr (B,T,3C) as saved by attention_forward)."""
+    hs, block_size = C // NH, block_size or 256
+    k = rt.kernel(MODULE, "attention_kv_fill_kernel1", "PPPiiiii", label="attention_kv_fill 1")
     grid, block = (-(-B * NH * T * hs // block_size), 1, 1), (block_size, 1, 1)
     args = (np.int32(B), np.int32(NH), np.int32(T), np.int32(hs), np.int32(maxT))
 
@@ -734,22 +543,134 @@ def build_kv_fill(rt, B, C, NH, maxT, T, block_size=256):
     return launch
 
 
+def _flash(direction, version):
+    f = build_flash_attention_forward if direction == "forward" else build_flash_attention_backward
+    return lambda rt, **shape: f(rt, version=version, **shape)
+
+
+def _composite(direction):
+    """Variant 1 of attention_forward/backward: the composite, built from the softmax and matmul
+    variants the backend passes in (softmax=, matmul=: Variant.uses), else those ops' defaults."""
+    def build(rt, B, T, C, NH, softmax=None, matmul=None, **kw):
+        sm = softmax if softmax is not None else get(f"softmax_{direction}").default
+        mm = matmul if matmul is not None else get("matmul_" + direction).default
+        f = build_attention_forward if direction == "forward" else build_attention_backward
+        return f(rt, sm, mm, B=B, T=T, C=C, NH=NH, **kw)
+    return build
+
+
+def _check_composite(B, T, C, NH, **_):
+    if min(B, T, C, NH) < 1 or C % NH:
+        return f"B={B} T={T} C={C} NH={NH} is not a valid attention shape"
+    return None
+
+
+# what each direction keeps / reads, and the scratch its build allocates (fp32 bytes; the
+# composite's GEMMs may add a split-K workspace of their own, llmc/ops/gemm.py)
+def _saves_att(B, T, C, NH, **_):
+    return (B, NH, T, T)
+
+
+def _saves_lse(B, T, C, NH, **_):
+    return (B, NH, T)
+
+
+def _scratch_composite_forward(B, T, C, NH, **_):
+    return 4 * B * NH * T * (T + C // NH)            # preatt (B,NH,T,T), y (B,NH,T,hs)
+
+
+def _scratch_composite_backward(B, T, C, NH, **_):
+    return 4 * B * NH * T * (2 * T + 4 * (C // NH))  # datt, dpreatt (B,NH,T,T); dy, dqkvr (1+3 x (B,NH,T,hs))
+
+
+def _scratch_flash_backward(B, T, C, NH, **_):
+    return 4 * B * NH * T                            # D = rowsum(dout * out) (B,NH,T)
+
+
+_COMPOSITE = dict(saves=_saves_att, selected_by=("softmax_forward", "softmax_backward"))
+_FUSED = dict(saves=_saves_lse, check=_check_flash)
+
+ATTENTION_FORWARD_VARIANTS = {
+    1: Variant(1, "composite: permute, q k^T and att v in the batched GEMM (--matmul-kernel), causal softmax "
+                  "(--softmax-kernel), unpermute; keeps att (B,NH,T,T) for backward",
+               _composite("forward"), _check_composite, uses={"softmax": "softmax_forward", "matmul": "matmul_forward"},
+               scratch_bytes=_scratch_composite_forward, **_COMPOSITE),
+    2: Variant(2, "fused flash attention, TF32 mma.sync, online softmax in registers; keeps only the "
+                  "log-sum-exp (B,NH,T); k, v tiles staged by the threads (head size 64)",
+               _flash("forward", 2), scratch_bytes=lambda **_: 0, **_FUSED),
+    3: Variant(3, "2 with the k, v tiles double-buffered through cp.async: the next tile loads while "
+                  "the tensor cores work (head size 64; measured slower than 2: not load-bound)",
+               _flash("forward", 3), scratch_bytes=lambda **_: 0, **_FUSED),
+}
+ATTENTION_BACKWARD_VARIANTS = {
+    1: Variant(1, "composite: dv, datt in the batched GEMM (--matmul-backward-kernel), softmax backward "
+                  "(--softmax-backward-kernel), dq, dk; needs att from attention_forward 1",
+               _composite("backward"), _check_composite,
+               uses={"softmax": "softmax_backward", "matmul": "matmul_backward"},
+               scratch_bytes=_scratch_composite_backward, **_COMPOSITE),
+    2: Variant(2, "fused flash attention backward, TF32 mma.sync: a dq kernel and a dk/dv kernel "
+                  "recompute att from the log-sum-exp, no atomics; needs attention_forward 2 or 3 (head size 64)",
+               _flash("backward", 2), scratch_bytes=_scratch_flash_backward, **_FUSED),
+    3: Variant(3, "2 with the swept tiles double-buffered through cp.async (head size 64)",
+               _flash("backward", 3), scratch_bytes=_scratch_flash_backward, **_FUSED),
+}
+ATTENTION_DECODE_VARIANTS = {
+    1: Variant(1, "one block per (b, h): scores in shared memory, block softmax, att @ v; appends k, v",
+               attention_decode1, _check_decode1, scratch_bytes=lambda **_: 0),
+    2: Variant(2, "split keys: chunks of 64 keys across blocks (a thread per key), then a combine kernel "
+                  "merging the chunks' softmax states; appends k, v (head size % 4 == 0)",
+               attention_decode2, _check_decode2,
+               scratch_bytes=lambda B, C, NH, maxT, **_: 4 * B * NH * -(-maxT // DECODE_CHUNK) * (C // NH + 2)),
+}
+ATTENTION_KV_FILL_VARIANTS = {
+    1: Variant(1, "one thread per cached element: k, v of positions 0..T-1 from a forward's qkvr",
+               attention_kv_fill1, _check_kv_fill),
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# cost models (FLOPs, bytes) of one call, for the lab and the profile. Attention FLOPs are the
+# useful work over the full T x T square, the same for every variant (the kernels skip the causal
+# upper half, so the real rate is about twice that shown; the fused backward also recomputes).
+
+def cost_forward(B, T, C, NH, **_):
+    N, att = B * T, B * NH * T * T
+    return 4 * att * (C // NH), 4 * (N * 3 * C * 2 + N * C + 3 * att)
+
+
+def cost_backward(B, T, C, NH, **_):
+    N, att = B * T, B * NH * T * T
+    return 8 * att * (C // NH), 4 * (N * C + 2 * N * 3 * C + 6 * att)
+
+
+def cost_decode(B, C, NH, maxT, pos=None, **_):
+    """At position pos (default the last, maxT-1): read q, k, v of the new token and the cached keys
+    and values of positions 0..pos, write out and the new k, v."""
+    n = (maxT if pos is None else pos + 1)
+    return 4 * B * C * n, 4 * (3 * B * C + 2 * B * C * n + 3 * B * C)
+
+
+def cost_kv_fill(B, C, NH, maxT, T, **_):
+    return 0, 4 * 4 * B * T * C  # read k, v of qkvr, write both caches
+
+
 # ----------------------------------------------------------------------------------------------
 # the op table
 
 OPS = [
-    OpSpec("softmax_forward", softmax_forward_cpu, SOFTMAX_FORWARD_VARIANTS, default=6, flag="--softmax-kernel",
-           doc="att(BNH,T,T)=, preatt(BNH,T,T); build(BNH, T, scale)"),
-    OpSpec("softmax_backward", softmax_backward_cpu, SOFTMAX_BACKWARD_VARIANTS, default=6,
-           flag="--softmax-backward-kernel",
-           doc="dpreatt(BNH,T,T)=, datt(BNH,T,T), att(BNH,T,T); build(BNH, T, scale)"),
-    # variant 1 is the composite of the softmax and matmul variants above; 2 is fused. What forward
-    # keeps for backward differs (att or lse): the backend keeps the two directions' numbers equal
+    # variant 1 is the composite of the softmax and matmul variants; 2 and 3 are fused. What forward
+    # keeps for backward differs (att or lse): `pair` keeps the two directions' numbers equal
     OpSpec("attention_forward", attention_forward_cpu, ATTENTION_FORWARD_VARIANTS, default=2,
-           flag="--attention-kernel",
+           flag="--attention-kernel", pair="attention_backward", saves=_saves_att, cost=cost_forward,
            doc="out(B,T,C)=, qkvr(B,T,3C)=, saved=, inp(B,T,3C); saved is att(B,NH,T,T) (1) or "
-               "lse(B,NH,T) (2), launch.saved_shape; build(B, T, C, NH)"),
+               "lse(B,NH,T) (2, 3): Built.saved_shape; build(B, T, C, NH)"),
     OpSpec("attention_backward", attention_backward_cpu, ATTENTION_BACKWARD_VARIANTS, default=3,
-           flag="--attention-backward-kernel",
+           flag="--attention-backward-kernel", pair="attention_forward", saves=_saves_att, cost=cost_backward,
            doc="dinp(B,T,3C)=, dout(B,T,C), qkvr(B,T,3C), saved, out(B,T,C); build(B, T, C, NH)"),
+    OpSpec("attention_decode", attention_decode_cpu, ATTENTION_DECODE_VARIANTS, default=2,
+           flag="--attention-decode-kernel", cost=cost_decode,
+           doc="out(B,C)=, qkv(B,3C), kcache(B,NH,maxT,hs)+=, vcache+=, pos(1,) int32; build(B, C, NH, maxT)"),
+    OpSpec("attention_kv_fill", attention_kv_fill_cpu, ATTENTION_KV_FILL_VARIANTS, default=1,
+           flag="--attention-kv-fill-kernel", cost=cost_kv_fill,
+           doc="kcache(B,NH,maxT,hs)=, vcache=, qkvr(B,T,3C); build(B, C, NH, maxT, T)"),
 ]

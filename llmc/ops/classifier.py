@@ -183,6 +183,7 @@ VARIANTS = {
 # it at build, and version 2 (0.575 ms on the H100, no shared-memory limit) is the one to fall back to.
 OPS = [
     OpSpec("classifier", cpu=classifier_cpu, variants=VARIANTS, default=3, flag="--classifier-kernel",
+           cost=lambda N, V, Vp, **_: (0, 4 * 2 * N * Vp),  # logits read once, dlogits written once
            doc="losses(N)=, logits(N,Vp) in/out, targets(N) int32, dloss, write_dlogits: fused softmax "
                "+ cross-entropy; the logit gradient overwrites the logits, padded columns zeroed"),
 ]

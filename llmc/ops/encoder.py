@@ -169,15 +169,16 @@ def encoder_decode_ref(inp, wte, wpe):
     return wte[inp[:-1]] + wpe[int(inp[-1])]
 
 
-def encoder_decode_cpu(B, C):
+def encoder_decode_cpu(B, C, **_):
     def launch(out, inp, wte, wpe):
         _shaped(out, (B, C))[...] = encoder_decode_ref(_shaped(inp, (B + 1,)), _shaped(wte, (-1, C)),
                                                        _shaped(wpe, (-1, C)))
     return launch
 
 
-def build_encoder_decode(rt, B, C, block_size=256):
+def encoder_decode1(rt, B, C, block_size=None):
     """launch(out (B,C), inp (B+1,) int32 tokens then position, wte (Vp,C), wpe (maxT,C))."""
+    block_size = block_size or 256
     k = rt.kernel(MODULE, "encoder_decode_kernel1", "PPPPii", label="encoder_decode 1")
     grid, block = (ceil_div(B * C, block_size), 1, 1), (block_size, 1, 1)
     b_, c_ = np.int32(B), np.int32(C)
@@ -193,6 +194,7 @@ def build_encoder_decode(rt, B, C, block_size=256):
 OPS = [
     OpSpec(
         name="encoder_forward", flag="--encoder-kernel", default=3,
+        cost=lambda B, T, C, **_: (0, 4 * 3 * B * T * C),  # wte rows, wpe rows read; out written
         cpu=encoder_forward_cpu,
         doc="out(B,T,C)=, inp(B,T) int32, wte(Vp,C), wpe(maxT,C); out[b,t] = wte[inp[b,t]] + wpe[t]",
         variants={
@@ -203,6 +205,7 @@ OPS = [
         }),
     OpSpec(
         name="encoder_backward", flag="--encoder-backward-kernel", default=5,
+        cost=lambda B, T, C, **_: (0, 4 * 2 * B * T * C),
         cpu=encoder_backward_cpu,
         doc="dwte(Vp,C)+=, dwpe(maxT,C)+=, dout(B,T,C), inp(B,T) int32; scatter-add",
         variants={
@@ -214,5 +217,14 @@ OPS = [
                        encoder_backward4, check_float4),
             5: Variant(5, "thread per (t, 4 channels): dwpe summed in registers, dwte by float4 atomics (C%4==0), "
                           "non-deterministic", encoder_backward5, check_float4),
+        }),
+    OpSpec(
+        name="encoder_decode", flag="--encoder-decode-kernel", default=1,
+        cpu=encoder_decode_cpu,
+        doc="out(B,C)=, inp(B+1,) int32 (B tokens, then their position), wte(Vp,C), wpe(maxT,C)",
+        cost=lambda B, C, **_: (0, 4 * 3 * B * C),
+        variants={
+            1: Variant(1, "one thread per output element; tokens and position read from the device",
+                       encoder_decode1, lambda B, C, block_size=None: _check_block(block_size)),
         }),
 ]

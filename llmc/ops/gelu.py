@@ -98,6 +98,7 @@ gelu_backward2 = _variant("gelu_backward", 2, 4, 256, 3)
 OPS = [
     OpSpec(
         name="gelu_forward", flag="--gelu-kernel", default=2,
+        cost=lambda N, **_: (0, 4 * 2 * N),  # read inp, write out
         cpu=gelu_forward_cpu,
         doc="out(N)=, inp(N); GPT-2 tanh form",
         variants={
@@ -106,6 +107,7 @@ OPS = [
         }),
     OpSpec(
         name="gelu_backward", flag="--gelu-backward-kernel", default=2,
+        cost=lambda N, **_: (0, 4 * 3 * N),  # read inp, dout; write dinp
         cpu=gelu_backward_cpu,
         doc="dinp(N)=, inp(N), dout(N); dinp may alias dout",
         variants={

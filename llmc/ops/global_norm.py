@@ -105,5 +105,6 @@ VARIANTS = {
 
 OPS = [
     OpSpec("global_norm", cpu=global_norm_cpu, variants=VARIANTS, default=3, flag="--global-norm-kernel",
+           cost=lambda n, **_: (0, 4 * n),
            doc="norm2(1)=, grads(n): norm2 = sum of squares of grads"),
 ]

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from llmc.ops import OpSpec, Variant, refuse, check_block_size, as_view
+from llmc.ops import Built, OpSpec, Variant, refuse, check_block_size, as_view
 from llmc.runtime import ceil_div
 
 MODULE = "layernorm"  # cuda/layernorm.cu
@@ -249,8 +249,7 @@ def _backward_deterministic(number, default_bs, func):
             k((G, 1, 1), (bs, 1, 1), dinp.ptr, scratch.ptr, dout.ptr, inp.ptr, weight.ptr,
               mean.ptr, rstd.ptr, n_, c_, r_, smem=smem)
             kr(grid_r, (32, 32, 1), dweight.ptr, dbias.ptr, scratch.ptr, g_, c_)
-        launch.scratch = scratch  # kept alive with the closure
-        return launch
+        return Built(launch, scratch={"partials": scratch})
     return build
 
 
@@ -265,6 +264,7 @@ layernorm_backward5 = _backward_deterministic(5, 256, lambda C: f"layernorm_back
 OPS = [
     OpSpec(
         name="layernorm_forward", flag="--layernorm-kernel", default=5,
+        cost=lambda N, C, **_: (0, 4 * 2 * N * C),  # read inp, write out (weights, stats: small)
         cpu=layernorm_forward_cpu,
         doc="out(N,C)=, mean(N)=, rstd(N)=, inp(N,C), weight(C), bias(C); eps 1e-5, biased variance",
         variants={
@@ -278,6 +278,7 @@ OPS = [
         }),
     OpSpec(
         name="layernorm_backward", flag="--layernorm-backward-kernel", default=5,
+        cost=lambda N, C, **_: (0, 4 * 4 * N * C),  # read dout, inp; read-modify-write dinp
         cpu=layernorm_backward_cpu,
         doc="dinp(N,C)+=, dweight(C)+=, dbias(C)+=, dout(N,C), inp(N,C), weight(C), mean(N), rstd(N)",
         variants={

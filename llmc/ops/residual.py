@@ -68,6 +68,7 @@ residual_forward2 = _variant(2, 4, 256)
 OPS = [
     OpSpec(
         name="residual_forward", flag="--residual-kernel", default=2,
+        cost=lambda N, **_: (0, 4 * 3 * N),
         cpu=residual_forward_cpu,
         doc="out(N)=, inp1(N), inp2(N); out = inp1 + inp2 (out may alias an input)",
         variants={

@@ -78,6 +78,7 @@ residual_layernorm_forward3 = _fused(3, 256, lambda C: f"residual_layernorm_forw
 OPS = [
     OpSpec(
         name="residual_layernorm_forward", flag="--residual-layernorm-kernel", default=3,
+        cost=lambda N, C, **_: (0, 4 * 5 * N * C),  # read inp1, inp2 (and residual back); write residual, out
         cpu=residual_layernorm_forward_cpu,
         doc="residual(N,C)=, out(N,C)=, mean(N)=, rstd(N)=, inp1(N,C), inp2(N,C), weight(C), bias(C)",
         variants={

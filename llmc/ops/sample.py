@@ -1,20 +1,22 @@
 """Sampling the next token on the GPU (the KV-cache decoder's last kernel of a step).
 
-    launch = build_sample(rt, B=8, V=50257, Vp=50304)
+    python dev/cuda/sample.py                   # greedy / top-k / full, batch 1 and 8, vs torch
+    launch = llmc.ops.get("sample").build(rt, 1, B=8, V=50257, Vp=50304)
     launch(tokens (B,) int32, logits (B, Vp), uniforms (B,) float64, temperature, top_k)
 
 The rule is llmc.sample.sample_with_uniform's (greedy at temperature <= 0; top-k with ties kept;
 the first index whose running sum of exp((z - max) / T) exceeds u * the total), applied per row
 with the row's uniform draw, so a seed gives the same tokens as host sampling except where a draw
 lands within rounding of a boundary between two tokens. cuda/sample.cu has the kernel; sample_cpu
-is the numpy backend's launcher (it is the host sampler itself). Not a registry op: it has one
-version and only the decoder runs it.
+is the numpy backend's launcher (it is the host sampler itself). One variant so far; only the
+decoder runs it (--sample-kernel).
 """
 from __future__ import annotations
 
 import numpy as np
 
-from llmc.errors import LLMCError
+from llmc.ops import Built, OpSpec, Variant
+from llmc.sample import sample_with_uniform  # the host sampler's rule, which the kernel follows
 
 MODULE = "sample"  # cuda/sample.cu
 THREADS = 1024      # SAMPLE_THREADS
@@ -22,20 +24,23 @@ THREADS = 1024      # SAMPLE_THREADS
 
 def sample_ref(logits, uniforms, V, temperature, top_k):
     """tokens (B,) from logits (B, >=V) with one uniform per row."""
-    from llmc.sample import sample_with_uniform
     return np.array([sample_with_uniform(row[:V], temperature, top_k, float(u))
                      for row, u in zip(logits, uniforms)], np.int32)
 
 
-def sample_cpu(B, V, Vp):
+def sample_cpu(B, V, Vp, **_):
     def launch(tokens, logits, uniforms, temperature, top_k):
         tokens.reshape(-1)[:B] = sample_ref(logits.reshape(B, Vp), uniforms.reshape(-1)[:B], V, temperature, top_k)
     return launch
 
 
-def build_sample(rt, B, V, Vp):
-    if not 1 <= V <= Vp:
-        raise LLMCError(f"sample: vocabulary V={V} outside 1..Vp={Vp}")
+def _check(B, V, Vp, **_):
+    if B < 1 or not 1 <= V <= Vp:
+        return f"B={B}, vocabulary V={V} outside 1..Vp={Vp}"
+    return None
+
+
+def sample1(rt, B, V, Vp):
     k = rt.kernel(MODULE, "sample_kernel1", "PPPiiifi", label="sample 1")
     grid, block = (B, 1, 1), (THREADS, 1, 1)
     # the row in shared memory when it fits next to the kernel's static ~9.4 KB (GPT-2: 201 KB)
@@ -50,5 +55,13 @@ def build_sample(rt, B, V, Vp):
         k_ = np.int32(top_k if top_k is not None and 0 < top_k < V else 0)
         k(grid, block, tokens.ptr, logits.ptr, uniforms.ptr, np.int32(V), np.int32(Vp), k_, inv_temp,
           np.int32(staged), smem=smem)
-    launch.staged = staged
-    return launch
+    return Built(launch, info={"staged": staged})
+
+
+OPS = [
+    OpSpec("sample", sample_cpu, {
+        1: Variant(1, "a block per row: max, top-k threshold by a radix select over the row, the inverse "
+                      "CDF by a block scan; the row staged in shared memory when it fits", sample1, _check),
+    }, default=1, flag="--sample-kernel", cost=lambda B, V, Vp, **_: (0, 4 * B * V),
+        doc="tokens(B,) int32=, logits(B,Vp), uniforms(B,) float64, temperature, top_k; build(B, V, Vp)"),
+]

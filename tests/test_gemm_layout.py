@@ -1,9 +1,9 @@
-"""GEMM engine 4's index formulas (cuda/matmul.cu: E4Tile, E4Loader, gemm_e4_body, gemm_store_staged),
+"""GEMM engine 4's index formulas (cuda/gemm.cu: E4Tile, E4Loader, gemm_e4_body, gemm_store_staged),
 checked exhaustively on the CPU against a model of what the hardware does, for every tile config the
 .cu builds and every layout (nn, nt, tn, tt). No GPU: this is how engine 4 was checked before it ever
 ran, and it keeps the mapping from regressing silently.
 
-    python -m pytest tests/test_matmul_layout.py -q
+    python -m pytest tests/test_gemm_layout.py -q
 
 The hardware model (facts from the PTX ISA; lane l, g = l // 4, t = l % 4):
   mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32
@@ -32,7 +32,7 @@ conflict-free; (4) the epilogue stages each accumulator at the element of C it h
 inside the warp's staging area, which fits in the pipeline's smem; (5) a whole k-tile run through the
 model (loader -> smem -> fragments -> mma -> epilogue) on integer data equals A @ B^T exactly; and
 (6) the C++ formulas are the formulas modelled here: E4Tile is compiled on the host from
-cuda/matmul.cu (nvcc, no GPU) and every value is compared (skipped without nvcc).
+cuda/gemm.cu (nvcc, no GPU) and every value is compared (skipped without nvcc).
 """
 import re
 import subprocess
@@ -41,18 +41,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from llmc.ops import matmul as mm
+from llmc.ops import gemm as mm
 
 ROOT = Path(__file__).resolve().parent.parent
-SRC = ROOT / "cuda" / "matmul.cu"
+SRC = ROOT / "cuda" / "gemm.cu"
 LAYOUTS = ["nn", "nt", "tn", "tt"]
 
 # ----------------------------------------------------------------------------------------------
-# the configs: what cuda/matmul.cu instantiates must be what llmc/ops/matmul.py knows
+# the configs: what cuda/gemm.cu instantiates must be what llmc/ops/gemm.py knows
 
 
 def source_configs():
-    """{name: (BM, BN, WM, WN, STAGES, MINB)} from the GEMM_E4_LAYOUTS(...) lines of cuda/matmul.cu."""
+    """{name: (BM, BN, WM, WN, STAGES, MINB)} from the GEMM_E4_LAYOUTS(...) lines of cuda/gemm.cu."""
     found = re.findall(r"^GEMM_E4_LAYOUTS\((\w+), (\d+), (\d+), (\d+), (\d+), (\d+), (\d+)\)", SRC.read_text(), re.M)
     return {name: tuple(map(int, rest)) for name, *rest in found}
 
@@ -413,10 +413,10 @@ def test_fragments_and_epilogue(cfg, lay):
 
 
 # ----------------------------------------------------------------------------------------------
-# 6. the C++ formulas are these formulas (E4Tile compiled on the host from cuda/matmul.cu)
+# 6. the C++ formulas are these formulas (E4Tile compiled on the host from cuda/gemm.cu)
 
 DUMP = r"""
-#include "matmul.cu"
+#include "gemm.cu"
 #include <cstdio>
 template <bool KM, bool IS_A, int R, int RPG, int NT>
 void dump(const char* name, int W) {

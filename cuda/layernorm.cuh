@@ -1,0 +1,27 @@
+// Layernorm row statistics shared by cuda/layernorm.cu (layernorm_forward 4, 5) and
+// cuda/residual_layernorm.cu (residual_layernorm_forward 3): both hold a row in registers, one warp
+// per row, lane l owning float4 number l + 32*i for i < NV. Header-only.
+#pragma once
+#include "common.cuh"
+
+#define LN_EPS 1e-5f
+
+__device__ __forceinline__ float hsum4(float4 a) { return (a.x + a.y) + (a.z + a.w); }
+
+// mean and rstd of a row of C floats (C4 = C/4 float4s) held as v[NV] in the warp's registers, given
+// each lane's partial sum of its elements: m = sum/C, then the biased variance around m in a second
+// pass over the registers (two passes: no catastrophic cancellation), rstd = 1/sqrt(var + eps).
+template <int NV>
+__device__ __forceinline__ void ln_row_stats(const float4 (&v)[NV], float sum, int lane, int C4, int C,
+                                             float& m, float& s) {
+    m = warp_reduce_sum(sum) / C;
+    float var = 0.0f;
+#pragma unroll
+    for (int i = 0; i < NV; i++) {
+        if (lane + i * WARP_SIZE < C4) {
+            float dx = v[i].x - m, dy = v[i].y - m, dz = v[i].z - m, dw = v[i].w - m;
+            var += (dx * dx + dy * dy) + (dz * dz + dw * dw);
+        }
+    }
+    s = rsqrtf(warp_reduce_sum(var) / C + LN_EPS);
+}

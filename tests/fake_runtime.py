@@ -1,0 +1,217 @@
+"""The CPU tests' one stand-in for the CUDA runtime (llmc/runtime.py: Runtime) and the cuda backend.
+
+FakeRuntime has an H100's attributes (132 SMs, 227 KB of shared memory per block, sm_90) and
+hands out DevArrays: with heap_bytes, views into a numpy "device heap" (poisoned with 0xFF, so a
+read of unwritten memory shows as NaN); without, made-up addresses (enough to run every build at
+GPT-2 sizes). rt.kernel() checks that the entry point exists in cuda/<module>.cu and that the
+argtypes string matches its PTX parameter list (nvcc, no GPU); a launch checks the argument count
+and shared memory, is recorded in rt.launches and, when the test registered an emulator for the
+kernel (rt.emulate[prefix] = fn(rt, *args)), runs it on the heap.
+
+FakeCudaBackend is the real CudaBackend over a FakeRuntime, with each op run by its numpy
+reference on the heap memory the DevArrays name: the model's GPU-side plumbing (views, per-layer
+indexing, offsets, argument order, graphs) runs in CI exactly as on the GPU.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy
+import numpy as np
+
+from llmc import ops
+from llmc.backend import CudaBackend
+from llmc.runtime import DevArray, argtypes_mismatch, compile_ptx, nvcc_path, ptx_signatures
+
+BASE = 0x7F0000000000  # fake device addresses start here
+
+_SIGS: dict = {}
+
+
+def signatures(module: str) -> dict[str, list[str]]:
+    """{entry point: PTX parameter types} of cuda/<module>.cu (compiled once per process, cached on disk)."""
+    if module not in _SIGS:
+        _SIGS[module] = ptx_signatures(compile_ptx(module, "sm_90"))
+    return _SIGS[module]
+
+
+class _AnyAttr:
+    def __getattr__(self, name):
+        return name
+
+
+class _Device:
+    """H100-like device attributes, by name."""
+    VALUES = {"MAX_REGISTERS_PER_MULTIPROCESSOR": 65536, "MAX_THREADS_PER_MULTIPROCESSOR": 2048,
+              "MAX_SHARED_MEMORY_PER_MULTIPROCESSOR": 228 * 1024, "MULTIPROCESSOR_COUNT": 132}
+
+    def get_attribute(self, name):
+        return self.VALUES[name]
+
+
+@dataclass
+class Launch:
+    func: str
+    grid: tuple
+    block: tuple
+    args: tuple
+    smem: int
+
+
+class FakeKernel:
+    def __init__(self, rt, module, func, argtypes, label):
+        self.rt, self.module, self.func, self.argtypes, self.label = rt, module, func, argtypes, label
+        self.max_dynamic_smem = 48 * 1024
+
+    def set_max_dynamic_smem(self, n):
+        assert n <= self.rt.max_smem_optin, f"{self.label}: {n} bytes of shared memory"
+        self.max_dynamic_smem = max(self.max_dynamic_smem, n)
+
+    def attributes(self):
+        return {"regs": 64, "local_bytes": 0, "static_smem": 0, "max_threads": 1024}
+
+    def resident_blocks(self, block_size):  # the real formula, over the fake device
+        from llmc.runtime import Kernel
+        return Kernel.resident_blocks(self, block_size)
+
+    def __call__(self, grid, block, *args, smem=0):
+        assert len(args) == len(self.argtypes), \
+            f"{self.label}: {len(args)} launch arguments for argtypes {self.argtypes!r}"
+        assert smem <= self.max_dynamic_smem, f"{self.label}: smem {smem} > {self.max_dynamic_smem} opted in"
+        assert block[0] * block[1] * block[2] <= 1024, f"{self.label}: block {block}"
+        self.rt.launches.append(Launch(self.func, tuple(grid), tuple(block), args, smem))
+        for prefix, fn in self.rt.emulate.items():
+            if self.func.startswith(prefix):
+                fn(self.rt, *args)
+                return
+
+
+class FakeRuntime:
+    def __init__(self, heap_bytes: int | None = None, free: int = 80 << 30, check_ptx: bool | None = None):
+        self.heap = np.zeros(heap_bytes, np.uint8) if heap_bytes else None
+        self.top, self.free, self.allocated_bytes = 0, free, 0
+        self.max_smem_optin, self.sm_count, self.l2_bytes, self.arch = 227 * 1024, 132, 50 << 20, "sm_90"
+        self.name, self.sync = "fake H100", False
+        self.device, self.drv = _Device(), type("drv", (), {"device_attribute": _AnyAttr()})()
+        self.check_ptx = nvcc_path() is not None if check_ptx is None else check_ptx
+        self.built: list[str] = []         # entry points fetched, in order
+        self.launches: list[Launch] = []   # every launch, in order
+        self.emulate: dict = {}            # kernel name prefix -> fn(rt, *launch args)
+
+    # -- kernels
+    def kernel(self, module, func, argtypes, label=None, defines=None):
+        if self.check_ptx:
+            sigs = signatures(module)
+            assert func in sigs, f"cuda/{module}.cu has no entry point {func}"
+            bad = argtypes_mismatch(argtypes, sigs[func])
+            assert bad is None, f"{func}: {bad}"
+        self.built.append(func)
+        return FakeKernel(self, module, func, argtypes, label or f"{module}.{func}")
+
+    # -- memory
+    def empty(self, shape, dtype=np.float32) -> DevArray:
+        a = DevArray(self, BASE + self.top, shape, dtype, owner=None)
+        if self.heap is not None:
+            assert self.top + a.nbytes <= self.heap.size, "fake device heap exhausted"
+            self.heap[self.top:self.top + a.nbytes] = 0xFF  # poisoned: unwritten floats read as NaN
+        self.top += -(-max(a.nbytes, 1) // 256) * 256
+        self.allocated_bytes += a.nbytes
+        return a
+
+    def zeros(self, shape, dtype=np.float32) -> DevArray:
+        a = self.empty(shape, dtype)
+        if self.heap is not None:
+            self.np(a)[...] = 0
+        return a
+
+    def to_device(self, host) -> DevArray:
+        host = np.ascontiguousarray(host)
+        a = self.empty(host.shape, host.dtype)
+        self.np(a)[...] = host
+        return a
+
+    def np(self, a: DevArray) -> "numpy.ndarray":
+        """The heap memory a DevArray names, as a numpy array of its dtype and shape (a view)."""
+        assert self.heap is not None, "this FakeRuntime has no heap"
+        off = a.ptr - BASE
+        assert 0 <= off and off + a.nbytes <= self.top, f"pointer outside the fake heap: {a}"
+        return self.heap[off:off + a.nbytes].view(a.dtype).reshape(a.shape)
+
+    def floats(self, ptr: int, n: int) -> np.ndarray:
+        """n float32s at device address ptr (a view)."""
+        off = int(ptr) - BASE
+        assert self.heap is not None and off % 4 == 0 and 0 <= off and off + 4 * n <= self.top, hex(int(ptr))
+        return self.heap[off:off + 4 * n].view(np.float32)
+
+    def strided(self, ptr: int, shape, strides) -> np.ndarray:
+        """A float32 view at device address ptr with strides in elements (the GEMM engine's operands)."""
+        off = int(ptr) - BASE
+        base = self.heap[off:].view(np.float32) if (self.heap.size - off) % 4 == 0 else \
+            self.heap[off:off + (self.heap.size - off) // 4 * 4].view(np.float32)
+        return np.lib.stride_tricks.as_strided(base, shape, [4 * s for s in strides])
+
+    def pinned(self, shape, dtype=numpy.float32):
+        return np.empty(shape, dtype)
+
+    def mem_info(self):
+        return self.free, 80 << 30
+
+    def require_free(self, nbytes, what="model"):
+        from llmc.runtime import Runtime
+        Runtime.require_free(self, nbytes, what)
+
+    def synchronize(self):
+        pass
+
+    def graphs_available(self):
+        return "a fake runtime"
+
+
+class FakeCudaBackend(CudaBackend):
+    """The cuda backend over a FakeRuntime with a heap, running each op's numpy reference on the
+    heap memory its DevArray arguments name. Variant choice, fallbacks and notes are CudaBackend's."""
+    name = "fake-cuda"
+
+    def __init__(self, kernels=None, nbytes=1 << 26, quiet=False):
+        super().__init__(kernels, quiet, rt=FakeRuntime(nbytes))
+        self.launches = []  # op names, in launch order
+        self.graphs = 0
+
+    def build(self, name, prefer=None, **shape):
+        num = self.choose(name, prefer, **shape)  # resolved as on the GPU (notes included)
+        spec = ops.get(name)
+        reason = spec.refuse_reason(num, self.precision, self.rt.arch, **shape)
+        if reason and self.named(name):
+            spec.build(self.rt, num, self.precision, **shape)  # raises the same refusal as the GPU
+        cpu = spec.build_cpu(**shape)
+        conv, run = self.rt.np, cpu.launch
+
+        def launch(*args):
+            for x in args:  # a DevArray argument must be a DevArray, never a numpy array
+                assert not isinstance(x, np.ndarray), f"{name}: got a host array"
+            self.launches.append(name)
+            run(*[conv(x) if isinstance(x, DevArray) else x for x in args])
+        cpu.launch, cpu.number = launch, num  # (saved_shape stays the reference's: it runs the reference)
+        return cpu
+
+    def memset0(self, buf):
+        self.rt.np(buf)[...] = 0
+
+    def upload(self, buf, host):
+        self.rt.np(buf)[...] = np.asarray(host, dtype=buf.dtype).reshape(buf.shape)
+
+    upload_async = upload
+
+    def download(self, buf):
+        return self.rt.np(buf).copy()
+
+    def download_into(self, host, buf):
+        host[...] = self.rt.np(buf)
+        return host
+
+    def graph(self, fn):
+        self.graphs += 1
+        return fn
+
+    def describe(self):
+        return "fake cuda (numpy ops over DevArrays)"
