@@ -471,18 +471,25 @@ extern "C" __global__ void to_bf16_kernel(__nv_bfloat16* out, const float* in, l
 
 #ifdef GEMM_WGMMA_DEBUG
 // bring-up probe (built only with -DGEMM_WGMMA_DEBUG): one TMA box copied back out through shared memory
-extern "C" __global__ void wgmma_debug_tma(const CUtensorMap* tmA, float* out, int rows) {
+// `boxes` TMA boxes of `box_bytes`, the b-th at coordinates (b * c0_step, 0), into 1024-aligned shared
+// memory one after another; every thread returns once they have landed
+__device__ unsigned char* debug_load_boxes(const CUtensorMap* tm, int boxes, int box_bytes, int c0_step) {
     extern __shared__ unsigned char smem_raw[];
     unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
     __shared__ uint64_t bar;
     if (threadIdx.x == 0) { mbar_init(&bar, 1); asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
     __syncthreads();
     if (threadIdx.x == 0) {
-        tensormap_acquire(tmA);
-        mbar_expect_tx(&bar, rows * ROW_BYTES);
-        tma_load_2d(smem, tmA, &bar, 0, 0);
+        tensormap_acquire(tm);
+        mbar_expect_tx(&bar, boxes * box_bytes);
+        for (int b = 0; b < boxes; b++) tma_load_2d(smem + b * box_bytes, tm, &bar, b * c0_step, 0);
     }
     mbar_wait(&bar, 0);
+    return smem;
+}
+
+extern "C" __global__ void wgmma_debug_tma(const CUtensorMap* tmA, float* out, int rows) {
+    const unsigned char* smem = debug_load_boxes(tmA, 1, rows * ROW_BYTES, 0);
     const float* s = reinterpret_cast<const float*>(smem);
     for (int i = threadIdx.x; i < rows * 32; i += blockDim.x) out[i] = s[i];
 }
@@ -516,17 +523,7 @@ extern "C" __global__ void wgmma_debug_rs_layout(float* out /* (64, 8) */) {
 
 // load_a_mn against a known A^T (value m * 1000 + k) loaded by the TMA as the kernel loads it
 extern "C" __global__ void wgmma_debug_load_a_mn(const CUtensorMap* tmA, float* out /* (256 threads, 4 ks, 4) */) {
-    extern __shared__ unsigned char smem_raw[];
-    unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-    __shared__ uint64_t bar;
-    if (threadIdx.x == 0) { mbar_init(&bar, 1); asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        tensormap_acquire(tmA);
-        mbar_expect_tx(&bar, 4 * 4096);
-        for (int b = 0; b < 4; b++) tma_load_2d(smem + b * 4096, tmA, &bar, 32 * b, 0);
-    }
-    mbar_wait(&bar, 0);
+    const unsigned char* smem = debug_load_boxes(tmA, 4, 4096, 32);
     const int wg = threadIdx.x / 128;  // launched with 256 threads: warpgroups "1" and "2" of the kernel
     for (int ks = 0; ks < 4; ks++) {
         uint32_t a[4];
