@@ -24,7 +24,7 @@ EOT_TEXT = "<|endoftext|>"
 def parse(argv=None):
     from llmc.train import OneLineParser
     p = OneLineParser(prog="sample_gpt2.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("-e", "--model", default="gpt2_124M.bin", help="model checkpoint (llm.c format, v3 or v5)")
+    p.add_argument("-e", "--model", default="gpt2_124M.bin", help="model checkpoint (llm.c format, v3 or v5) or a Hugging Face GPT-2 directory")
     p.add_argument("--prompt", default=None, help=f"prompt text (default {EOT_TEXT}: start from nothing)")
     p.add_argument("--prompt-file", default=None, help="read the prompt from a file ('-' = stdin)")
     p.add_argument("--max-new-tokens", type=int, default=200)
@@ -68,13 +68,13 @@ def _utf8_prefix(b: bytes):
 
 def main(argv=None) -> int:
     args = parse(argv)
-    from llmc.checkpoint import read_model
+    from llmc.hf import read_any_model
     from llmc.tokenizer import get_encoding
     if args.num_samples < 1:
         raise LLMCError(f"--num-samples {args.num_samples}: must be at least 1")
     if args.max_new_tokens < 0:
         raise LLMCError(f"--max-new-tokens {args.max_new_tokens}: must be >= 0")
-    cfg, params = read_model(args.model)
+    cfg, params = read_any_model(args.model)   # an llm.c .bin or an HF directory (config.json + model.safetensors)
     if not 0 <= args.top_k <= cfg.vocab_size:
         raise LLMCError(f"--top-k {args.top_k}: expected 0 (off) to the vocab size {cfg.vocab_size}")
     enc = get_encoding()

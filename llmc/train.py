@@ -9,7 +9,7 @@
     python train_gpt2.py --list-kernels
 
 Long flags are readable; llm.c's one-letter flags are aliases (-i -j -e -o -n -y -b -t -d -x -l -u
--k -q -c -v -m -s -g -a).
+-k -q -c -v -m -s -g -a -h). As in llm.c, -h 1 turns HellaSwag on; --help is the help.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from llmc.errors import LLMCError
 
 DEFAULT_TRAIN = "dev/data/tinyshakespeare/tiny_shakespeare_train.bin"
 DEFAULT_VAL = "dev/data/tinyshakespeare/tiny_shakespeare_val.bin"
+DEFAULT_HELLASWAG = "dev/data/hellaswag/hellaswag_val.bin"
 SMALL_CPU_MODEL = ("L2C64H2", 4, 64)  # what `python train_gpt2.py` trains when there is no GPU
 
 
@@ -52,8 +53,10 @@ class OneLineParser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="train_gpt2.py", description="Train GPT-2 on our own CUDA kernels "
-                                "(or the numpy backend).", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                "(or the numpy backend).", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                     add_help=False)  # -h is llm.c's HellaSwag flag; --help stays help
     a = p.add_argument
+    a("--help", action="help", help="show this help message and exit")
     a("-i", "--train-data", default=DEFAULT_TRAIN, help="train shards (glob pattern)")
     a("-j", "--val-data", default=DEFAULT_VAL, help="val shards (glob pattern); '' = none")
     a("-e", "--model", default=None, help="checkpoint file, llm.c descriptor (d6, d12, d24, d36, d48) "
@@ -74,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("-m", "--val-batches", type=int, default=20, help="batches per validation")
     a("-s", "--sample-every", type=int, default=20, help="print a text sample every N steps (0 = never)")
     a("-g", "--gen-tokens", type=int, default=64, help="tokens per sample")
+    a("-h", "--hellaswag", type=int, default=0, help="1 = evaluate HellaSwag at the val cadence and the last step")
+    a("--hellaswag-data", default=DEFAULT_HELLASWAG, help="llm.c's HellaSwag eval file")
     a("-a", "--overfit-single-batch", type=int, default=0, help="1 = train on the first batch only")
     a("--grad-clip", type=float, default=1.0, help="global gradient-norm clip (0 = off)")
     a("--seed", type=int, default=1337)
@@ -170,8 +175,8 @@ def main(argv=None) -> int:
     from llmc.config import config_from_name
     params = None
     if os.path.exists(model_arg) or model_arg.endswith(".bin"):
-        from llmc.checkpoint import read_model
-        cfg, params = read_model(model_arg)
+        from llmc.hf import read_any_model   # an llm.c .bin, or a Hugging Face directory
+        cfg, params = read_any_model(model_arg)
         origin = f"checkpoint {model_arg}"
     else:
         cfg = config_from_name(model_arg)
@@ -186,7 +191,7 @@ def main(argv=None) -> int:
     if total % tokens_per_micro != 0:
         raise LLMCError(f"-d/--total-batch-size {total}: must be a multiple of B*T = {tokens_per_micro}")
     accum = total // tokens_per_micro
-    max_steps = args.max_steps if args.max_steps > 0 else max(train_loader.num_tokens // total, 1)
+    max_steps = args.max_steps if args.max_steps >= 0 else max(train_loader.num_tokens // total, 1)  # -x 0: only evaluate
 
     from llmc.model import GPT2
     model = GPT2(cfg, be, B, T)
@@ -196,6 +201,8 @@ def main(argv=None) -> int:
     else:
         model.init_params(args.seed)
     rng = np.random.default_rng(args.seed)
+    from llmc.hellaswag import open_hellaswag
+    hellaswag = open_hellaswag(args.hellaswag, args.hellaswag_data, B, T, cfg.vocab_size)
 
     start_step = 0
     if args.resume:
@@ -259,6 +266,11 @@ def main(argv=None) -> int:
             print(f"val loss {vl:.6f}")
             if logf:
                 logf.write(f"s:{step} tel:{vl:.6f}\n"); logf.flush()
+        # HellaSwag, at llm.c's cadence: every val step after the first, and the last step
+        if hellaswag is not None and not again and (last_step or (args.val_every > 0 and step > 0 and step % args.val_every == 0)):
+            acc = hellaswag.run(model)
+            if logf:
+                logf.write(f"s:{step} eval:{acc:.4f}\n"); logf.flush()
         # samples
         if args.sample_every > 0 and not again and (step % args.sample_every == 0 or last_step) and step > 0:
             from llmc.decode import Decoder
