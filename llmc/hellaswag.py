@@ -196,7 +196,9 @@ class HellaSwag:
         t0 = time.perf_counter()
         correct, total = self.evaluate(model, progress=sys.stdout.isatty())
         acc = correct / total
-        print(f"HellaSwag: {correct}/{total} = {acc:f} ({time.perf_counter() - t0:.1f} s)")
+        print(f"HellaSwag: {correct}/{total} = {acc:f}")   # llm.c's line, to the character
+        print(f"(HellaSwag: {total:,} examples in {self.num_batches:,} forward passes of B={self.B} "
+              f"T={self.T}, {time.perf_counter() - t0:.1f} s)")
         return acc
 
 

@@ -5,6 +5,7 @@ computation, and the trainer's -h 1 / -x 0 end to end on the numpy backend.
     python -m pytest tests/test_hellaswag.py -q
 """
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -240,7 +241,7 @@ def test_eval_only(files, tiny, tmp_path):
     hs = HellaSwag(files / "h.bin", B=8, T=16, vocab_size=cfg.vocab_size)
     c, n = hs.evaluate(model, progress=False)
     p = run(common(files) + ["-x", "0", "-h", "1", "-o", str(tmp_path)])
-    assert f"HellaSwag: {c}/{n} = {c / n:f}" in p.stdout
+    assert f"\nHellaSwag: {c}/{n} = {c / n:f}\n" in p.stdout           # llm.c's line exactly
     assert "val loss" in p.stdout and "step 1" not in p.stdout     # -x 0: no training step
     log = (tmp_path / "main.log").read_text().splitlines()
     assert log[0].startswith("s:0 tel:") and log[1] == f"s:0 eval:{c / n:.4f}" and len(log) == 2
@@ -249,7 +250,7 @@ def test_eval_only(files, tiny, tmp_path):
 
 def test_cadence_while_training(files, tmp_path):
     p = run(common(files) + ["-x", "3", "-v", "2", "-h", "1", "-o", str(tmp_path)])
-    assert p.stdout.count("HellaSwag: ") == 2                       # step 2 and the last step (3)
+    assert len(re.findall(r"^HellaSwag: \d+/5 = ", p.stdout, re.M)) == 2   # step 2 and the last step (3)
     evals = [l for l in (tmp_path / "main.log").read_text().splitlines() if " eval:" in l]
     assert [l.split()[0] for l in evals] == ["s:2", "s:3"]
 
