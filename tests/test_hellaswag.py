@@ -264,3 +264,23 @@ def test_flags(files):
     assert p.returncode != 0 and "-h/--hellaswag 2" in p.stderr
     p = run(common(files)[:-1] + [str(files / "nope.bin"), "-x", "0", "-h", "1"], check=False)
     assert p.returncode != 0 and "nope.bin: not found" in p.stderr and p.stderr.strip().count("\n") == 0
+
+
+def test_through_the_cuda_backends_plumbing(tmp_path):
+    """HellaSwag with the cuda backend's buffers (tests/fake_gpu.py: DevArrays, kernels replaced by
+    their references) scores exactly as the numpy backend: the GPU path's downloads and views."""
+    from llmc.backend import CpuBackend
+    from llmc.config import GPT2Config
+    from llmc.model import GPT2
+    from tests.fake_gpu import FakeCudaBackend
+    cfg = GPT2Config(max_seq_len=32, vocab_size=97, padded_vocab_size=100, num_layers=2, num_heads=2, channels=32)
+    write_llmc_evalfile(tmp_path / "h.bin", random_examples(np.random.default_rng(4), 9, vocab=97))
+    hs = HellaSwag(tmp_path / "h.bin", B=8, T=16, vocab_size=cfg.vocab_size)
+    results = []
+    for be in (CpuBackend(np.float32), FakeCudaBackend()):
+        m = GPT2(cfg, be, 8, 16)
+        m.load_params(m.init_params(3) * np.float32(8))
+        x, y, _, _ = pack_batch(hs.examples[:2], 8, 16)
+        results.append((hs.evaluate(m, progress=False), token_losses(m, x, y)))
+    assert results[0][0] == results[1][0]
+    assert np.array_equal(results[0][1], results[1][1])
