@@ -10,9 +10,9 @@ validation, samples, checkpoints, resume.
     python train_gpt2.py --list-kernels
 
 Long flags are readable; llm.c's one-letter flags are aliases (-i -j -e -o -n -nk -nm -y -b -t -d
--x -l -u -k -q -c -sl -sg -v -m -s -g -a). The run directory (-o) is llm.c's: model_%08d.bin,
-state_%08d_%05d.bin, DONE_%08d and main.log (llmc/runfiles.py), so a run started by llm.c resumes
-here and the reverse.
+-x -l -u -k -q -c -sl -sg -v -m -s -g -h -a). As in llm.c, -h 1 turns HellaSwag on; --help is the
+help. The run directory (-o) is llm.c's: model_%08d.bin, state_%08d_%05d.bin, DONE_%08d and main.log
+(llmc/runfiles.py), so a run started by llm.c resumes here and the reverse.
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from llmc.errors import LLMCError
 
 DEFAULT_TRAIN = "dev/data/tinyshakespeare/tiny_shakespeare_train.bin"
 DEFAULT_VAL = "dev/data/tinyshakespeare/tiny_shakespeare_val.bin"
+DEFAULT_HELLASWAG = "dev/data/hellaswag/hellaswag_val.bin"
 SMALL_CPU_MODEL = ("L2C64H2", 4, 64)  # what `python train_gpt2.py` trains when there is no GPU
 SMALL_CPU_STEPS = 50
 
@@ -131,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("-d", "--total-batch-size", type=number(int, 1, also=(-1,)), default=-1,
       help="tokens per optimizer step, a multiple of B*T (-1 = B*T, no gradient accumulation)")
     a("-x", "--max-steps", type=number(int, 0, also=(-1,)), default=-1,
-      help="optimizer steps (-1 = one epoch of the train data)")
+      help="optimizer steps (-1 = one epoch of the train data; 0 = only evaluate)")
     # optimization
     a("-l", "--learning-rate", type=number(float, 0.0), default=3e-4, help="peak learning rate")
     a("-u", "--warmup-steps", type=number(int, 0), default=0, help="linear warmup steps")
@@ -151,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
       help="batches per validation (-1 = the whole val split)")
     a("-s", "--sample-every", type=number(int, 0), default=20, help="print a text sample every N steps (0 = never)")
     a("-g", "--gen-tokens", type=number(int, 1), default=64, help="tokens per sample")
+    a("-h", "--hellaswag", type=bit, default=0,
+      help="1 = evaluate HellaSwag at the val cadence (after step 0) and at the last step")
+    a("--hellaswag-data", default=DEFAULT_HELLASWAG, help="llm.c's HellaSwag eval file (used with -h 1)")
     a("-a", "--overfit-single-batch", type=bit, default=0, help="1 = train on the first batch only")
     a("--shuffle", type=bit, default=0, help="1 = seeded shuffle of shards and windows each epoch")
     # device
@@ -358,8 +362,8 @@ def main(argv=None) -> int:
         model_arg = resolve_model_arg(args.model)
         params = None
         if os.path.exists(model_arg) or model_arg.endswith(".bin"):
-            from llmc.checkpoint import read_model
-            cfg, params = read_model(model_arg)
+            from llmc.hf import read_any_model   # an llm.c .bin, or a Hugging Face directory
+            cfg, params = read_any_model(model_arg)
             origin = f"checkpoint {model_arg}"
         else:
             cfg = config_from_name(model_arg)
@@ -380,7 +384,7 @@ def main(argv=None) -> int:
     if total % tokens_per_micro != 0:
         raise LLMCError(f"-d/--total-batch-size {total}: must be a multiple of B*T = {tokens_per_micro}")
     accum = total // tokens_per_micro
-    max_steps = args.max_steps if args.max_steps > 0 else max(train_loader.num_tokens // total, 1)
+    max_steps = args.max_steps if args.max_steps >= 0 else max(train_loader.num_tokens // total, 1)  # -x 0: only evaluate
     hparams = {"learning_rate": args.learning_rate, "lr_schedule": args.lr_schedule,
                "final_lr_frac": args.final_lr_frac, "warmup_steps": args.warmup_steps,
                "weight_decay": args.weight_decay, "total_batch_size": total, "max_steps": max_steps,
@@ -397,6 +401,8 @@ def main(argv=None) -> int:
     from llmc.runfiles import OutlierDetector
     loss_z, grad_z = OutlierDetector(), OutlierDetector()
     sr_rng = None  # llm.c's stochastic-rounding RNG: carried over unchanged from an llm.c state
+    from llmc.hellaswag import open_hellaswag
+    hellaswag = open_hellaswag(args.hellaswag, args.hellaswag_data, B, T, cfg.vocab_size)
 
     start_step = 0
     if ck is not None:
@@ -472,6 +478,11 @@ def main(argv=None) -> int:
             print(f"val loss {vl:.6f}")
             if log:
                 log.val(step, vl)
+        # HellaSwag, at llm.c's cadence: every val step after the first, and the last step
+        if hellaswag is not None and not again and (last_step or (args.val_every > 0 and step > 0 and step % args.val_every == 0)):
+            acc = hellaswag.run(model)
+            if log:
+                log.eval(step, acc)
         # samples
         if args.sample_every > 0 and not again and (step % args.sample_every == 0 or last_step) and step > 0:
             from llmc.decode import Decoder
