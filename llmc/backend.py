@@ -116,9 +116,9 @@ class CpuBackend:
 class CudaBackend:
     name = "cuda"
 
-    def __init__(self, kernels: dict | None = None, quiet: bool = False):
+    def __init__(self, kernels: dict | None = None, quiet: bool = False, gpu: int = 0):
         from llmc.runtime import Runtime
-        self.rt = Runtime()
+        self.rt = Runtime(gpu)  # gpu: the device index (data parallel: the process's local rank)
         self.dtype = np.dtype(np.float32)
         self.kernels = kernel_choices(kernels)
         self.chosen = {k for k, v in (kernels or {}).items() if v is not None}  # named on the command line
@@ -202,15 +202,16 @@ class CudaBackend:
         return f"cuda ({self.rt.name}, {self.rt.arch})"
 
 
-def make_backend(device: str, kernels: dict | None = None, dtype=np.float32):
-    """device: cpu | cuda | auto (cuda when a GPU and PyCUDA are usable, else cpu with a warning)."""
+def make_backend(device: str, kernels: dict | None = None, dtype=np.float32, gpu: int = 0):
+    """device: cpu | cuda | auto (cuda when a GPU and PyCUDA are usable, else cpu with a warning);
+    gpu: which GPU the cuda backend runs on."""
     if device == "cpu":
         return CpuBackend(dtype, kernels)
     if device == "cuda":
-        return CudaBackend(kernels)
+        return CudaBackend(kernels, gpu=gpu)
     if device == "auto":
         try:
-            return CudaBackend(kernels)
+            return CudaBackend(kernels, gpu=gpu)
         except LLMCError as e:
             print(f"WARNING: no usable GPU ({e}); using the numpy backend (--device cpu)")
             return CpuBackend(dtype, kernels)

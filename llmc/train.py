@@ -7,18 +7,17 @@
     python train_gpt2.py --device cpu -e L2C64H2 -b 4 -t 64 -x 50
     python train_gpt2.py -o out -n 100 ; python train_gpt2.py -o out -y 1   # checkpoints, resume
     python train_gpt2.py --list-kernels
+    mpirun -np 2 python train_gpt2.py -e d12 -b 16 -z 1            # data parallel (docs/multi_gpu.md)
 
 Long flags are readable; llm.c's one-letter flags are aliases (-i -j -e -o -n -y -b -t -d -x -l -u
--k -q -c -v -m -s -g -a).
+-k -q -c -v -m -s -g -a -z).
 """
 from __future__ import annotations
 
 import argparse
-import glob
 import os
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -75,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("-s", "--sample-every", type=int, default=20, help="print a text sample every N steps (0 = never)")
     a("-g", "--gen-tokens", type=int, default=64, help="tokens per sample")
     a("-a", "--overfit-single-batch", type=int, default=0, help="1 = train on the first batch only")
+    a("-z", "--zero-stage", type=int, default=0, help="under mpirun: 0 = all-reduce the gradients, "
+      "1 = ZeRO-1 (each rank keeps 1/N of the optimizer state)")
     a("--grad-clip", type=float, default=1.0, help="global gradient-norm clip (0 = off)")
     a("--seed", type=int, default=1337)
     a("--shuffle", type=int, default=0, help="1 = seeded shuffle of shards and windows each epoch")
@@ -107,29 +108,28 @@ def list_kernels() -> str:
 # ----------------------------------------------------------------------------------------------
 # checkpoints
 
-def checkpoint_paths(out_dir: str, step: int) -> tuple[str, str]:
-    return (os.path.join(out_dir, f"model_{step:08d}.bin"), os.path.join(out_dir, f"state_{step:08d}.bin"))
+def checkpoint_paths(out_dir: str, step: int, rank: int = 0) -> tuple[str, str]:
+    """The model file (rank 0 writes it) and rank `rank`'s optimizer state (llm.c's names)."""
+    from llmc.dist import state_path
+    return os.path.join(out_dir, f"model_{step:08d}.bin"), state_path(out_dir, step, rank)
 
 
-def latest_checkpoint(out_dir: str) -> int | None:
-    steps = []
-    for f in glob.glob(os.path.join(out_dir, "state_*.bin")):
-        try:
-            step = int(Path(f).stem.split("_")[1])
-        except (IndexError, ValueError):
-            continue
-        if os.path.exists(checkpoint_paths(out_dir, step)[0]):
-            steps.append(step)
-    return max(steps) if steps else None
+def latest_checkpoint(out_dir: str, world: int = 1) -> int | None:
+    """The latest step with the model and every rank's state (a different rank count: one line)."""
+    from llmc.dist import find_resume_step
+    return find_resume_step(out_dir, world)
 
 
-def save_checkpoint(out_dir, step, model, loader, rng):
+def save_checkpoint(out_dir, step, model, loader, rng, dp):
+    """Rank 0 writes the model, every rank its own optimizer state (its shard with -z 1), its
+    dataloader position and its rng."""
     from llmc.checkpoint import write_model, write_state
-    mpath, spath = checkpoint_paths(out_dir, step)
-    write_model(mpath, model.cfg, model.get_params(), dtype="fp32")
-    extra = {"rng": rng.bit_generator.state}
-    write_state(spath, step, model.be.download(model.m).reshape(-1), model.be.download(model.v).reshape(-1),
-                loader.state(), extra)
+    mpath, spath = checkpoint_paths(out_dir, step, dp.rank)
+    if dp.rank == 0:
+        write_model(mpath, model.cfg, model.get_params(), dtype="fp32")
+    extra = {"rng": rng.bit_generator.state, **dp.state_extra()}
+    m, v = dp.optimizer_state()
+    write_state(spath, step, m, v, loader.state(), extra)
     return mpath
 
 
@@ -142,17 +142,35 @@ def resolve_model_arg(arg):
     return "gpt2_124M.bin" if os.path.exists("gpt2_124M.bin") else "d12"
 
 
-def main(argv=None) -> int:
+def main(argv=None, group=None) -> int:
     args = build_parser().parse_args(argv)
     if args.list_kernels:
         print(list_kernels())
         return 0
+    from llmc.dist import DataParallel, Group, MpiComm, NcclComm, Watchdog, check_gpus, timeout_seconds
+    group = group or Group.start()
+    world = group.world
+    if not group.is_main:  # rank 0 alone prints (errors are agreed on and printed by rank 0)
+        sys.stdout = open(os.devnull, "w")
     if args.precision != "fp32":
         raise LLMCError(f"--precision {args.precision}: only fp32 is implemented")
+    if args.zero_stage not in (0, 1):
+        raise LLMCError(f"-z/--zero-stage {args.zero_stage}: expected 0 (all-reduce) or 1 (ZeRO-1)")
     kernels = {k[len("kernel_"):]: v for k, v in vars(args).items() if k.startswith("kernel_") and v is not None}
 
     from llmc.backend import make_backend
-    be = make_backend(args.device, kernels)
+    if world > 1 and args.device != "cpu":
+        why = check_gpus(group)
+        if why is not None and args.device == "cuda":
+            raise LLMCError(why)
+        if why is not None:  # auto: every rank must make the same choice, so none guesses alone
+            raise LLMCError(f"{why}; with mpirun, name the backend: --device cpu (numpy + MPI) or cuda")
+        args.device = "cuda"
+        try:
+            import nccl.core  # noqa: F401  (the communicator itself is made once every rank is ready)
+        except ImportError as e:
+            raise LLMCError(f"multi-GPU needs NCCL's Python bindings (pip install nccl4py): {e}") from None
+    be = make_backend(args.device, kernels, gpu=group.local_rank)
 
     # the defaults that depend on the device: a real run on a GPU, a small one on the numpy backend
     small = be.name == "cpu" and args.model is None and args.batch_size is None and args.seq_len is None
@@ -179,53 +197,80 @@ def main(argv=None) -> int:
 
     # data
     from llmc.data import DataLoader
-    train_loader = DataLoader(args.train_data, B, T, shuffle=bool(args.shuffle), seed=args.seed)
-    val_loader = DataLoader(args.val_data, B, T) if args.val_data and args.val_every > 0 else None
-    tokens_per_micro = B * T
+    ranks = dict(rank=group.rank, world=world)  # each rank reads its own B*T slice of every window
+    train_loader = DataLoader(args.train_data, B, T, shuffle=bool(args.shuffle), seed=args.seed, **ranks)
+    val_loader = DataLoader(args.val_data, B, T, **ranks) if args.val_data and args.val_every > 0 else None
+    tokens_per_micro = B * T * world  # -d counts every rank's tokens
     total = args.total_batch_size if args.total_batch_size > 0 else tokens_per_micro
     if total % tokens_per_micro != 0:
-        raise LLMCError(f"-d/--total-batch-size {total}: must be a multiple of B*T = {tokens_per_micro}")
+        bt = f"B*T*ranks = {B}*{T}*{world}" if world > 1 else "B*T"
+        raise LLMCError(f"-d/--total-batch-size {total}: must be a multiple of {bt} = {tokens_per_micro}")
     accum = total // tokens_per_micro
     max_steps = args.max_steps if args.max_steps > 0 else max(train_loader.num_tokens // total, 1)
 
     from llmc.model import GPT2
-    model = GPT2(cfg, be, B, T)
+    zero = args.zero_stage if world > 1 else 0
+    model = GPT2(cfg, be, B, T, optimizer=zero == 0)  # ZeRO-1: the rank's shard of m, v lives in dp
     model.grad_accum_steps = accum
     if params is not None:
         model.load_params(params)
     else:
-        model.init_params(args.seed)
+        model.init_params(args.seed)  # the same seed on every rank: the same weights
     rng = np.random.default_rng(args.seed)
+
+    # every rank has set up (or says why not); then the communicator between them
+    group.agree(None, "set-up")
+    comm = None
+    if world > 1:
+        if len(set(group.allgather(be.name))) > 1:
+            raise LLMCError("the ranks chose different backends: name one with --device")
+        if be.name == "cpu":
+            comm = MpiComm(group)
+        else:
+            dog = Watchdog(timeout_seconds(), "NCCL's start-up", group.rank)
+            try:
+                comm = NcclComm(group, be.rt)
+            finally:
+                dog.cancel()
+    dp = DataParallel(group, model, zero, comm)
 
     start_step = 0
     if args.resume:
         if not args.output_dir:
             raise LLMCError("-y/--resume 1 needs -o/--output-dir (where the checkpoints are)")
-        last = latest_checkpoint(args.output_dir)
+        last = latest_checkpoint(args.output_dir, world)
         if last is None:
             raise LLMCError(f"-y/--resume 1: no checkpoint (model_*.bin + state_*.bin) in {args.output_dir}")
         from llmc.checkpoint import read_model, read_state
-        mpath, spath = checkpoint_paths(args.output_dir, last)
+        mpath, spath = checkpoint_paths(args.output_dir, last, group.rank)
         cfg2, params = read_model(mpath)
         if cfg2 != cfg:
             raise LLMCError(f"{mpath}: its config ({cfg2.describe()}) differs from -e ({cfg.describe()})")
         model.load_params(params)
-        st = read_state(spath, cfg.num_parameters)
-        be.upload(model.m, st["m"]); be.upload(model.v, st["v"])
+        st = read_state(spath, None)
+        dp.check_state_extra(st.get("extra", {}), spath)
+        if st["num_parameters"] != dp.optimizer_numel():
+            raise LLMCError(f"{spath}: holds optimizer state for {st['num_parameters']:,} values, this "
+                            f"rank needs {dp.optimizer_numel():,} (a different model?)")
+        dp.load_optimizer_state(st["m"], st["v"])
         train_loader.load_state(st["loader"])
         if "rng" in st.get("extra", {}):
             rng.bit_generator.state = st["extra"]["rng"]
         start_step = st["step"]
         origin = f"resumed from {mpath} (step {start_step})"
+    group.agree(None, "resume")
+    group.phase = "train"  # from here on an error on one rank alone aborts the job
 
     print(f"model: {cfg.describe()} | {origin}")
     print(f"backend: {be.describe()} | B={B} T={T} grad accum {accum} | {max_steps} steps | "
           f"train {train_loader.num_tokens:,} tokens")
     if be.name == "cuda":
         print("kernels: " + ", ".join(f"{k}={v}" for k, v in sorted(be.kernels.items())))
+    if world > 1:
+        print(f"data parallel: {dp.describe()}")
 
     logf = None
-    if args.output_dir:
+    if args.output_dir and group.is_main:
         os.makedirs(args.output_dir, exist_ok=True)
         logf = open(os.path.join(args.output_dir, "main.log"), "a" if args.resume else "w")
 
@@ -251,16 +296,17 @@ def main(argv=None) -> int:
         if val_loader is not None and not again and (step % args.val_every == 0 or last_step):
             val_loader.reset()
             vl = 0.0
-            nb = min(args.val_batches, max(val_loader.num_tokens // (B * T + 1), 1))
+            nb = min(args.val_batches, max(val_loader.num_tokens // (B * T * world + 1), 1))
             for _ in range(nb):
                 x, y = val_loader.next_batch()
                 vl += model.forward(x, y, grad=False)
-            vl /= nb
+            vl = dp.mean(vl / nb)  # every rank's slice of the val batches
             print(f"val loss {vl:.6f}")
             if logf:
                 logf.write(f"s:{step} tel:{vl:.6f}\n"); logf.flush()
         # samples
-        if args.sample_every > 0 and not again and (step % args.sample_every == 0 or last_step) and step > 0:
+        if (args.sample_every > 0 and not again and (step % args.sample_every == 0 or last_step) and step > 0
+                and group.is_main):
             from llmc.decode import Decoder
             from llmc.sample import sample_during_training
             if decoder is None:
@@ -269,7 +315,12 @@ def main(argv=None) -> int:
             print(f"generating:\n---\n{text}\n---")
         # checkpoint
         if args.output_dir and step > start_step and (last_step or (args.checkpoint_every > 0 and step % args.checkpoint_every == 0)):
-            path = save_checkpoint(args.output_dir, step, model, train_loader, rng)
+            err = None
+            try:
+                path = save_checkpoint(args.output_dir, step, model, train_loader, rng, dp)
+            except (LLMCError, OSError) as e:
+                err = f"checkpoint at step {step}: {e}"
+            group.agree(err, "checkpoint")  # every rank's files are written before anyone goes on
             print(f"wrote {path}")
         if last_step:
             break
@@ -277,13 +328,15 @@ def main(argv=None) -> int:
         # one optimizer step: accum micro-steps of forward + backward, then clip + AdamW
         t0 = time.perf_counter()
         model.zero_grad()
-        for _ in range(accum):
+        for micro in range(accum):
             x, y = overfit_batch if overfit_batch is not None else train_loader.next_batch()
-            model.train_micro_step(x, y)   # forward + backward (a CUDA graph replay on the GPU)
+            # forward + backward (a CUDA graph replay on the GPU); on the last micro-step of a
+            # data-parallel step each layer's gradients are reduced across ranks as backward goes
+            dp.train_micro_step(x, y, last=micro == accum - 1)
         lr = get_lr(args.lr_schedule, step, args.learning_rate, args.warmup_steps, max_steps, args.final_lr_frac)
-        model.update(lr, step + 1, weight_decay=args.weight_decay, max_norm=args.grad_clip)
-        loss = model.step_loss()   # host read: the one sync of the step
-        norm = model.grad_norm()
+        dp.update(lr, step + 1, weight_decay=args.weight_decay, max_norm=args.grad_clip)
+        loss = dp.step_loss()   # host read: the one sync of the step (and the mean over ranks)
+        norm = dp.grad_norm()
         ms = (time.perf_counter() - t0) * 1000
         print(f"step {step + 1:4d}/{max_steps} | loss {loss:.6f} | norm {norm:.4f} | lr {lr:.2e} | "
               f"{ms:.2f} ms | {total / (ms / 1000):.0f} tok/s")
@@ -295,12 +348,39 @@ def main(argv=None) -> int:
 
 
 def cli(argv=None) -> int:
-    """Entry point: user mistakes become one line on stderr and exit code 1."""
+    """Entry point: user mistakes become one line on stderr and exit code 1. Under mpirun, an error
+    while setting up is agreed on by every rank and printed once, by rank 0; an error on one rank
+    during training takes the whole job down (the others would wait for it forever)."""
+    from llmc.dist import DistError, Group
+    group = None
     try:
-        return main(argv)
+        group = Group.start()
+        return main(argv, group)
+    except DistError as e:
+        if not e.quiet:
+            print(f"error: {e}", file=sys.stderr)
+        return 1
     except LLMCError as e:
-        print(f"error: {e}", file=sys.stderr)
+        if group is None or group.world == 1:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        if group.phase == "setup":  # the others are at (or on their way to) the next agreement
+            try:
+                group.agree(str(e), "set-up")
+            except DistError as agreed:
+                if not agreed.quiet:
+                    print(f"error: {agreed}", file=sys.stderr)
+            return 1
+        print(f"error: rank {group.rank}: {e}", file=sys.stderr, flush=True)
+        group.abort(1)
         return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BaseException:
+        if group is not None and group.world > 1:  # a bug on one rank: don't leave the others hanging
+            import traceback
+            traceback.print_exc()
+            sys.stderr.flush()
+            group.abort(1)
+        raise
