@@ -27,17 +27,16 @@ How it works, as llm.c does it (docs/multi_gpu.md has more):
   is what CI runs (tests/test_dist.py).
 - Failures: errors found while setting up (a bad flag, a file, no GPU for a rank, no NCCL) are
   gathered from every rank at a few agreement points; if any rank failed, rank 0 prints one line and
-  every rank exits 1. The start-up (MPI_Init and the first collective) runs under a watchdog:
-  LLMC_DIST_TIMEOUT seconds (default 120), then one line and exit 1, so no rank hangs forever on
-  a rank that never started. An unexpected exception on one rank aborts the whole job.
+  every rank exits 1. The start-up (MPI_Init and the first collective) and NCCL's runs under a
+  watchdog process: LLMC_DIST_TIMEOUT seconds (default 120; the agreement points get 10 times
+  that), then one line and exit 1, so no rank hangs forever on a rank that never started. An
+  unexpected exception on one rank aborts the whole job.
 """
 from __future__ import annotations
 
 import glob
 import os
 import re
-import sys
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -83,25 +82,59 @@ class DistError(LLMCError):
 
 
 class Watchdog:
-    """Ends this process with one line if `what` has not finished within `seconds`: a blocking
-    MPI_Init or collective waiting for a rank that never came cannot be interrupted otherwise.
-    mpirun then ends the other ranks (a rank exiting non-zero aborts the job)."""
+    """A small process forked before MPI starts, which ends this one if a step it is told about
+    (arm) does not finish (disarm) in time. It must be a process, not a thread: MPI_Init and NCCL's
+    start-up block inside C code that holds the GIL, where no Python thread or signal handler runs.
+    On a timeout it prints one line (rank 0) and kills this process; mpirun then ends the others.
+    When this process exits, the pipe closes and the watchdog goes too."""
 
-    def __init__(self, seconds: float, what: str, rank: int):
-        self.what, self.rank, self.seconds = what, rank, seconds
-        self._timer = threading.Timer(seconds, self._fire)
-        self._timer.daemon = True
-        self._timer.start()
+    def __init__(self, rank: int):
+        r, w = os.pipe()
+        parent = os.getpid()
+        pid = os.fork()
+        if pid == 0:  # the watchdog
+            os.close(w)
+            try:
+                _watch(r, parent, rank)
+            finally:
+                os._exit(0)
+        os.close(r)
+        self._w, self.pid = w, pid
 
-    def _fire(self):
-        if self.rank == 0:
-            print(f"error: data parallel: {self.what} did not finish within {self.seconds:g} s "
-                  f"(did a rank fail to start? see its output; LLMC_DIST_TIMEOUT sets the limit)",
-                  file=sys.stderr, flush=True)
-        os._exit(1)
+    def arm(self, seconds: float, what: str) -> None:
+        os.write(self._w, f"arm {seconds} {what}\n".encode())
 
-    def cancel(self):
-        self._timer.cancel()
+    def disarm(self) -> None:
+        os.write(self._w, b"disarm\n")
+
+
+def _watch(fd: int, parent: int, rank: int) -> None:
+    import select
+    import signal
+    import time
+    deadline, seconds, what, buf = None, 0.0, "", b""
+    while True:
+        wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ready, _, _ = select.select([fd], [], [], wait)
+        if not ready:  # the deadline passed
+            if rank == 0:
+                os.write(2, (f"error: data parallel: {what} did not finish within {seconds:g} s (did a "
+                             f"rank fail to start? see its output; LLMC_DIST_TIMEOUT sets the limit)\n").encode())
+            os.kill(parent, signal.SIGKILL)
+            return
+        data = os.read(fd, 4096)
+        if not data:  # the trainer has exited
+            return
+        buf += data
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            cmd, _, rest = line.decode().partition(" ")
+            if cmd == "arm":
+                sec, _, what = rest.partition(" ")
+                seconds = float(sec)
+                deadline = time.monotonic() + seconds
+            else:
+                deadline = None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -128,26 +161,41 @@ class Group:
         and a first all-gather, under the watchdog."""
         if not launched_by_mpi():
             return cls()
-        rank = _env_rank()
-        dog = Watchdog(timeout_seconds(), "the MPI start-up (MPI_Init and a first all-gather across "
-                                          "ranks)", rank)
+        timeout = timeout_seconds()
+        dog = Watchdog(_env_rank())
+        dog.arm(timeout, "the MPI start-up (MPI_Init and a first all-gather across ranks)")
         try:
-            try:
-                from mpi4py import MPI
-            except ImportError:
-                raise LLMCError("started by mpirun but mpi4py is not installed: pip install mpi4py "
-                                "(and an MPI, e.g. pip install mpich; see README)") from None
-            comm = MPI.COMM_WORLD
-            # the ranks on this host, in rank order: local rank = which GPU to use
-            local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
-            g = cls(comm, local.Get_rank(), local.Get_size())
-            hosts = comm.allgather(MPI.Get_processor_name())  # the first collective
-        finally:
-            dog.cancel()
-        g.num_hosts = len(set(hosts))
+            from mpi4py import MPI
+        except ImportError:
+            raise LLMCError("started by mpirun but mpi4py is not installed: pip install mpi4py "
+                            "(and an MPI, e.g. pip install mpich; see README)") from None
+        comm = MPI.COMM_WORLD
+        # the ranks on this host, in rank order: local rank = which GPU to use
+        local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+        g = cls(comm, local.Get_rank(), local.Get_size())
+        hosts = comm.allgather(MPI.Get_processor_name())  # the first collective
+        dog.disarm()
+        g.watchdog, g.timeout, g.num_hosts = dog, timeout, len(set(hosts))
         return g
 
+    def guarded(self, what: str, scale: float = 1.0):
+        """A context in which `what` must finish within scale x LLMC_DIST_TIMEOUT seconds."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def ctx():
+            if self.watchdog is None:
+                yield
+                return
+            self.watchdog.arm(scale * self.timeout, what)
+            try:
+                yield
+            finally:
+                self.watchdog.disarm()
+        return ctx()
+
     num_hosts = 1
+    watchdog, timeout = None, DEFAULT_TIMEOUT
     phase = "setup"  # "train" once the loop starts: then an error on one rank aborts the job
 
     def allgather(self, obj) -> list:
@@ -160,11 +208,9 @@ class Group:
             if error is not None:
                 raise LLMCError(error)
             return
-        dog = Watchdog(10 * timeout_seconds(), f"agreeing on the {what} across ranks", self.rank)
-        try:
+        # (generous: the ranks may take a while to set up, e.g. building the kernels)
+        with self.guarded(f"agreeing on the {what} across ranks", scale=10):
             errors = self.comm.allgather(error)
-        finally:
-            dog.cancel()
         bad = [(r, e) for r, e in enumerate(errors) if e is not None]
         if not bad:
             return
@@ -533,24 +579,39 @@ def state_path(out_dir, step: int, rank: int) -> str:
     return os.path.join(out_dir, f"state_{step:08d}_{rank:05d}.bin")
 
 
+def saved_world(path) -> int | None:
+    """How many ranks wrote the run whose state file this is (None: unreadable). Reads the header
+    and the JSON block only, not the moments."""
+    import json
+    from llmc.checkpoint import HEADER_BYTES, STATE_MAGIC, STATE_VERSION, read_header
+    try:
+        h = read_header(path, "state file", STATE_MAGIC, (STATE_VERSION,), "an llmc optimizer/resume state")
+        with open(path, "rb") as f:
+            f.seek(HEADER_BYTES)
+            extra = json.loads(f.read(int(h[3])).decode()).get("extra", {})
+        return int(extra.get("world", 1))
+    except (LLMCError, OSError, ValueError, TypeError, AttributeError):
+        return None
+
+
 def find_resume_step(out_dir, world: int) -> int | None:
-    """The latest step with a model file and a complete set of `world` state files. A complete set
-    written by another number of ranks is one clear error (the run must resume with that many)."""
+    """The latest step with a model file and every rank's state file. A whole checkpoint written by
+    another number of ranks is one clear error (the run must resume with that many); a set cut
+    short by a crash while saving is passed over for an earlier one."""
     steps = {}
     for f in glob.glob(os.path.join(out_dir, "state_*.bin")):
         m = re.fullmatch(r"state_(\d{8})_(\d{5})\.bin", Path(f).name)
         if m:
             steps.setdefault(int(m.group(1)), set()).add(int(m.group(2)))
     for step in sorted(steps, reverse=True):
-        if not os.path.exists(os.path.join(out_dir, f"model_{step:08d}.bin")):
+        if not os.path.exists(os.path.join(out_dir, f"model_{step:08d}.bin")) or 0 not in steps[step]:
             continue
-        ranks = steps[step]
-        if ranks == set(range(world)):
-            return step
-        have = max(ranks) + 1
-        if ranks == set(range(have)):
-            raise LLMCError(f"-y 1: the checkpoint at step {step} in {out_dir} was written by {have} "
-                            f"rank{'s' if have != 1 else ''} (state_{step:08d}_00000..{have - 1:05d}.bin), "
-                            f"this run has {world}: resume with mpirun -np {have}")
-        # an incomplete set (a crash while saving): an earlier checkpoint may be whole
+        saved = saved_world(state_path(out_dir, step, 0))
+        if saved is None or steps[step] != set(range(saved)):
+            continue  # incomplete
+        if saved != world:
+            raise LLMCError(f"-y 1: the checkpoint at step {step} in {out_dir} was written by {saved} "
+                            f"rank{'s' if saved != 1 else ''} (state_{step:08d}_00000..{saved - 1:05d}.bin), "
+                            f"this run has {world}: resume with mpirun -np {saved}")
+        return step
     return None

@@ -147,7 +147,7 @@ def main(argv=None, group=None) -> int:
     if args.list_kernels:
         print(list_kernels())
         return 0
-    from llmc.dist import DataParallel, Group, MpiComm, NcclComm, Watchdog, check_gpus, timeout_seconds
+    from llmc.dist import DataParallel, Group, MpiComm, NcclComm, check_gpus
     group = group or Group.start()
     world = group.world
     if not group.is_main:  # rank 0 alone prints (errors are agreed on and printed by rank 0)
@@ -227,11 +227,8 @@ def main(argv=None, group=None) -> int:
         if be.name == "cpu":
             comm = MpiComm(group)
         else:
-            dog = Watchdog(timeout_seconds(), "NCCL's start-up", group.rank)
-            try:
+            with group.guarded("NCCL's start-up (ncclCommInitRank)"):
                 comm = NcclComm(group, be.rt)
-            finally:
-                dog.cancel()
     dp = DataParallel(group, model, zero, comm)
 
     start_step = 0
