@@ -253,3 +253,21 @@ def test_rank_that_never_starts_times_out(shards):
     assert time.monotonic() - t0 < 100
     assert p.returncode != 0
     assert "did not finish within 3 s" in p.stderr and "did a rank fail to start?" in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_gpu_code_path_on_a_fake_gpu_and_fake_nccl(zero):
+    """NcclComm and DataParallel's GPU side (CUDA-array views of our DevArrays, the second stream
+    waiting on backward's events, ZeRO-1's piece pointers) on tests/fake_gpu.py's heap, with a
+    stand-in nccl.core that checks nccl4py's signatures: 2 ranks match 1 fake GPU at twice the batch."""
+    need_mpi()
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.run([mpiexec(), "-n", "2", sys.executable, str(ROOT / "tests" / "dist_fake_nccl.py"), str(zero)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    m = re.search(r"^losses (.*) \| one (.*) \| max weight diff (\S+)", p.stdout, re.M)
+    assert m, p.stdout
+    two, one = ([float(v) for v in g.split()] for g in m.groups()[:2])
+    assert len(two) == len(one) == 4
+    np.testing.assert_allclose(two, one, rtol=0, atol=2e-6)
+    assert float(m.group(3)) < 1e-5
