@@ -26,9 +26,13 @@ SMALL = ["--device", "cpu", "-e", "L1C32H2", "-t", "16", "-s", "0", "-l", "1e-3"
 
 
 def mpiexec() -> str | None:
-    """The mpiexec beside this Python (the mpich wheel installs it there), else one on PATH."""
-    here = Path(sys.executable).parent / "mpiexec"
-    return str(here) if here.exists() else shutil.which("mpiexec")
+    """The mpiexec that pip installed with the mpich wheel (in this Python's scripts directory),
+    else one on PATH."""
+    import sysconfig
+    for d in (sysconfig.get_path("scripts"), Path(sys.executable).parent):
+        if (Path(d) / "mpiexec").exists():
+            return str(Path(d) / "mpiexec")
+    return shutil.which("mpiexec")
 
 
 def need_mpi():
