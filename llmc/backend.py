@@ -116,9 +116,9 @@ class CpuBackend:
 class CudaBackend:
     name = "cuda"
 
-    def __init__(self, kernels: dict | None = None, quiet: bool = False):
+    def __init__(self, kernels: dict | None = None, quiet: bool = False, gpu: int = 0):
         from llmc.runtime import Runtime
-        self.rt = Runtime()
+        self.rt = Runtime(gpu)  # gpu: the device index (data parallel: the process's local rank)
         self.dtype = np.dtype(np.float32)
         self.kernels = kernel_choices(kernels)
         self.chosen = {k for k, v in (kernels or {}).items() if v is not None}  # named on the command line
@@ -203,9 +203,9 @@ class CudaBackend:
         return f"cuda ({self.rt.name}, {self.rt.arch})"
 
 
-def make_backend(device: str, kernels: dict | None = None, dtype=np.float32):
+def make_backend(device: str, kernels: dict | None = None, dtype=np.float32, gpu: int = 0):
     """device: cpu | cuda | auto (cuda when usable, else cpu with a warning on stderr naming the
-    reason: llmc.gpu_check)."""
+    reason: llmc.gpu_check); gpu: which GPU the cuda backend runs on (data parallel: the local rank)."""
     import sys
     from llmc.gpu_check import why_no_gpu
     if device == "cpu":
@@ -214,7 +214,7 @@ def make_backend(device: str, kernels: dict | None = None, dtype=np.float32):
         why = why_no_gpu()
         if why is None:
             try:
-                return CudaBackend(kernels)
+                return CudaBackend(kernels, gpu=gpu)
             except LLMCError as e:
                 if device == "cuda":
                     raise

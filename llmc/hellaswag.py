@@ -177,12 +177,14 @@ class HellaSwag:
     def num_batches(self) -> int:
         return -(-self.num_examples // self.per_batch)
 
-    def evaluate(self, model, progress: bool = True) -> tuple[int, int]:
+    def evaluate(self, model, progress: bool = True, rank: int = 0, world: int = 1) -> tuple[int, int]:
         """(correct, total) over every example, through model.forward (the training kernels).
-        progress: a `evaluating HellaSwag: i/N` line rewritten in place, as llm.c prints it."""
+        progress: a `evaluating HellaSwag: i/N` line rewritten in place, as llm.c prints it.
+        Data parallel (as llm.c splits it): rank r of `world` scores batches r, r+world, ...; the
+        count it returns is its own (the caller sums over ranks), the total is every example."""
         correct = 0
         n = self.per_batch
-        for i in range(self.num_batches):
+        for i in range(rank, self.num_batches, world):
             if progress and i % 10 == 0:
                 print(f"evaluating HellaSwag: {i}/{self.num_batches}", end="\r", flush=True)
             x, y, mask, labels = pack_batch(self.examples[i * n:(i + 1) * n], self.B, self.T)
@@ -191,10 +193,14 @@ class HellaSwag:
             print(" " * 40, end="\r")
         return correct, self.num_examples
 
-    def run(self, model) -> float:
-        """evaluate() and print llm.c's line; returns the accuracy."""
+    def run(self, model, group=None) -> float:
+        """evaluate() and print llm.c's line; returns the accuracy. group (llmc.dist.Group): under
+        mpirun each rank scores its share of the batches and the counts are summed."""
         t0 = time.perf_counter()
-        correct, total = self.evaluate(model, progress=sys.stdout.isatty())
+        rank, world = (group.rank, group.world) if group is not None else (0, 1)
+        correct, total = self.evaluate(model, progress=sys.stdout.isatty(), rank=rank, world=world)
+        if world > 1:
+            correct = sum(group.allgather(correct))
         acc = correct / total
         print(f"HellaSwag: {correct}/{total} = {acc:f}")   # llm.c's line, to the character
         print(f"(HellaSwag: {total:,} examples in {self.num_batches:,} forward passes of B={self.B} "
