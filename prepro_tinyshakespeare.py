@@ -15,6 +15,8 @@ Tokenization, as llm.c does it: every blank-line-separated section (one speaker'
 own document, so the text is split on "\\n\\n", each section is prefixed with <|endoftext|> and the
 sections are joined again with "\\n\\n". That is: "<|endoftext|>" + text with every "\\n\\n" replaced
 by "\\n\\n<|endoftext|>", encoded with <|endoftext|> allowed as the special token 50256.
+This is prepro_text.py's rule with its defaults (--doc-sep "\\n\\n", --val-tokens 32768): this script
+is prepro_text.py with llm.c's tiny shakespeare file names, one shard per split.
 The GPT-2 tokenizer works offline (see llmc/tokenizer.py); only --download needs the network.
 """
 from __future__ import annotations
@@ -25,17 +27,13 @@ import os
 import sys
 from pathlib import Path
 
-import numpy as np
-
-from llmc.data import write_shard
 from llmc.errors import LLMCError
-from llmc.tokenizer import get_encoding, write_tokenizer
+from prepro_text import tokenize_to_shards, write_tokenizer_once
 
 ROOT = Path(__file__).resolve().parent
 DATA_DIR = ROOT / "dev" / "data" / "tinyshakespeare"
 TOKENIZER_OUT = ROOT / "dev" / "data" / "gpt2_tokenizer.bin"
 URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
-EOT = "<|endoftext|>"
 VAL_TOKENS = 32768
 # what the committed input.txt gives; printed so a user can see their run is the expected one
 KNOWN_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
@@ -90,19 +88,6 @@ def download(url: str, dest: Path, timeout: float = 30.0, retries: int = 3) -> N
     print(f"downloaded {url} -> {dest} ({got:,} bytes)")
 
 
-# -----------------------------------------------------------------------------
-# tokenize
-
-
-def tokenize(text: str, enc=None) -> np.ndarray:
-    """llm.c's tiny shakespeare tokenization: every "\\n\\n"-separated section starts with <|endoftext|>."""
-    enc = enc or get_encoding()
-    doc = EOT + text.replace("\n\n", "\n\n" + EOT)
-    tokens = np.array(enc.encode(doc, allowed_special={EOT}), dtype=np.int64)
-    assert tokens.max() < 2**16, "GPT-2 token ids fit uint16"
-    return tokens.astype(np.uint16)
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -142,13 +127,7 @@ def run(args) -> None:
     if not src.exists():
         raise LLMCError(f"{src}: not found (run with --download to fetch it)")
 
-    enc = None
-    if args.tokenizer_out.exists() and not args.force:
-        print(f"{args.tokenizer_out} already exists, skipping")
-    else:
-        enc = get_encoding()
-        write_tokenizer(args.tokenizer_out, enc)
-        print(f"wrote {args.tokenizer_out} ({enc.n_vocab:,} tokens, eot {enc.eot_token})")
+    write_tokenizer_once(args.tokenizer_out, args.force)
 
     val_path = data_dir / "tiny_shakespeare_val.bin"
     train_path = data_dir / "tiny_shakespeare_train.bin"
@@ -160,19 +139,20 @@ def run(args) -> None:
     except OSError as e:
         raise LLMCError(f"{src}: cannot read it ({e.strerror})") from None
     known = hashlib.sha256(raw).hexdigest() == KNOWN_SHA256
+    # checked here too (prepro_text's streaming reader would also refuse it) to name the bad byte
     try:
-        text = raw.decode("utf-8")
+        raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise LLMCError(f"{src}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); "
                         f"convert it, e.g. iconv -t UTF-8") from None
-    tokens = tokenize(text, enc)
-    val, train = tokens[:VAL_TOKENS], tokens[VAL_TOKENS:]
-    write_shard(val_path, val)
-    write_shard(train_path, train)
-    print(f"wrote {val_path} ({val.size:,} tokens)")
-    print(f"wrote {train_path} ({train.size:,} tokens)")
+    names = {"val": val_path, "train": train_path}
+    # one shard per split: the shard size is the most a shard's int32 count field holds
+    written = tokenize_to_shards(src, lambda split, index: names[split], VAL_TOKENS, 2**31 - 1, "\n\n")
+    counts = {split: n for _, split, n in written}
+    for path, split, n in written:
+        print(f"wrote {path} ({n:,} tokens)")
     if known:
-        ok = (train.size, val.size) == (EXPECTED_TRAIN, EXPECTED_VAL)
+        ok = (counts["train"], counts["val"]) == (EXPECTED_TRAIN, EXPECTED_VAL)
         print(f"expected for this input.txt: {EXPECTED_TRAIN:,} train / {EXPECTED_VAL:,} val tokens: "
               f"{'match' if ok else 'MISMATCH (different tokenizer?)'}")
     else:

@@ -187,10 +187,10 @@ class CpuBackend(_Choosing):
 class CudaBackend(_Choosing):
     name = "cuda"
 
-    def __init__(self, kernels: dict | None = None, quiet: bool = False, rt=None):
+    def __init__(self, kernels: dict | None = None, quiet: bool = False, rt=None, gpu: int = 0):
         if rt is None:
             from llmc.runtime import Runtime
-            rt = Runtime()
+            rt = Runtime(gpu)  # gpu: the device index (data parallel: the process's local rank)
         self.rt = rt  # a Runtime (tests pass their fake, tests/fake_runtime.py)
         self.dtype = np.dtype(np.float32)
         self.precision = "fp32"
@@ -254,9 +254,9 @@ class CudaBackend(_Choosing):
         return f"cuda ({self.rt.name}, {self.rt.arch})"
 
 
-def make_backend(device: str, kernels: dict | None = None, dtype=np.float32):
+def make_backend(device: str, kernels: dict | None = None, dtype=np.float32, gpu: int = 0):
     """device: cpu | cuda | auto (cuda when usable, else cpu with a warning on stderr naming the
-    reason: llmc.gpu_check)."""
+    reason: llmc.gpu_check); gpu: which GPU the cuda backend runs on (data parallel: the local rank)."""
     import sys
     from llmc.gpu_check import why_no_gpu
     if device == "cpu":
@@ -265,7 +265,7 @@ def make_backend(device: str, kernels: dict | None = None, dtype=np.float32):
         why = why_no_gpu()
         if why is None:
             try:
-                return CudaBackend(kernels)
+                return CudaBackend(kernels, gpu=gpu)
             except LLMCError as e:
                 if device == "cuda":
                     raise

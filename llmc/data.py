@@ -19,6 +19,11 @@ shard's windows in a random order; both permutations are drawn from numpy's PCG6
 (seed, epoch) and (seed, epoch, shard), so they depend only on seed and epoch and a resumed run
 draws exactly the same ones.
 
+Data parallel (llm.c's loader): with `world` processes, a window is world*B*T+1 tokens and process
+`rank` takes its B*T+1 tokens starting at rank*B*T, so the windows start at multiples of
+world*B*T and N ranks at micro-batch B see exactly the tokens one rank sees at B*N (rank r gets
+rows r*B .. r*B+B-1 of that rank's batch). Shuffling permutes the windows, the same for every rank.
+
 The state is the position of the NEXT batch: (epoch, index into the epoch's shard order, index into
 that shard's window order). It always points at a valid window: serving the last window of the
 last shard moves it on to epoch + 1 at once.
@@ -87,9 +92,14 @@ class DataLoader:
 
     vocab_size = None  # when set (the trainer sets the model's V), next_batch checks every token id
 
-    def __init__(self, pattern, B: int, T: int, shuffle: bool = False, seed: int = 1337):
+    def __init__(self, pattern, B: int, T: int, shuffle: bool = False, seed: int = 1337,
+                 rank: int = 0, world: int = 1):
         if B < 1 or T < 1:
             raise LLMCError(f"dataloader: B={B} and T={T} must be positive")
+        if not 0 <= rank < world:
+            raise ValueError(f"dataloader: rank {rank} outside [0, {world})")
+        self.rank, self.world = int(rank), int(world)
+        W = self.world * B * T  # tokens of one window: every rank's B*T, side by side
         if seed < 0:
             raise LLMCError(f"dataloader: seed {seed} must be >= 0")
         self.pattern = str(pattern)
@@ -102,12 +112,13 @@ class DataLoader:
         self.shard_tokens = []
         for f in self.files:
             n = shard_num_tokens(f)
-            if n < B * T + 1:
-                raise LLMCError(f"data shard {f}: {n:,} tokens, fewer than B*T+1 = {B * T + 1:,} "
+            if n < W + 1:
+                ranks = f" x {self.world} ranks" if self.world > 1 else ""
+                raise LLMCError(f"data shard {f}: {n:,} tokens, fewer than B*T{ranks}+1 = {W + 1:,} "
                                 f"needed for one batch at B={B} T={T} (use a smaller B or T)")
             self.shard_tokens.append(n)
-        # windows per shard: starts at 0, BT, 2BT, ... with start + BT + 1 <= n
-        self.shard_windows = [(n - 1) // (B * T) for n in self.shard_tokens]
+        # windows per shard: starts at 0, W, 2W, ... with start + W + 1 <= n
+        self.shard_windows = [(n - 1) // W for n in self.shard_tokens]
         self._shards = {}  # shard number -> memmap, opened on first use
         self.reset()
 
@@ -154,9 +165,9 @@ class DataLoader:
 
     @property
     def position(self) -> int:
-        """Token offset of the next batch's window in its shard."""
+        """Token offset of the next batch (this rank's part of its window) in its shard."""
         w = self.window_idx if self._windows is None else int(self._windows[self.window_idx])
-        return w * self.B * self.T
+        return (w * self.world + self.rank) * self.B * self.T
 
     def _tokens(self, shard: int) -> np.ndarray:
         if shard not in self._shards:
@@ -188,7 +199,8 @@ class DataLoader:
         """Where the next batch comes from, plus what must match for a resume to be exact."""
         return {"epoch": self.epoch, "shard_index": self.shard_idx, "window_index": self.window_idx,
                 "shard": self.current_shard, "position": self.position, "seed": self.seed,
-                "shuffle": self.shuffle, "B": self.B, "T": self.T, "num_shards": len(self.files)}
+                "shuffle": self.shuffle, "B": self.B, "T": self.T, "num_shards": len(self.files),
+                "rank": self.rank, "world": self.world}
 
     def load_state(self, state: dict) -> None:
         """Continue from state(): the next batch is the one the saved loader would have given."""
@@ -202,6 +214,11 @@ class DataLoader:
         if (B, T) != (self.B, self.T):
             raise LLMCError(f"dataloader state: saved with B={B} T={T}, this run has B={self.B} "
                             f"T={self.T}: resume with the same batch shape")
+        # (states from before data parallel have no rank/world: a single process wrote them)
+        rank, world = int(state.get("rank", 0)), int(state.get("world", 1))
+        if (rank, world) != (self.rank, self.world):
+            raise LLMCError(f"dataloader state: saved by rank {rank} of {world}, this is rank "
+                            f"{self.rank} of {self.world}: resume with the same number of ranks")
         if nshards != len(self.files):
             raise LLMCError(f"dataloader state: saved with {nshards} shards, {self.pattern!r} now "
                             f"matches {len(self.files)}")
@@ -221,5 +238,6 @@ class DataLoader:
 
     def __repr__(self) -> str:
         return (f"DataLoader({self.pattern!r}, B={self.B}, T={self.T}, shuffle={self.shuffle}, "
+                f"rank={self.rank}/{self.world}, "
                 f"seed={self.seed}: {len(self.files)} shards, {self.num_tokens:,} tokens, "
                 f"{self.batches_per_epoch:,} batches per epoch)")

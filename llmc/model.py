@@ -35,7 +35,8 @@ def _size(shape) -> int:
 
 
 class GPT2:
-    def __init__(self, cfg: GPT2Config, backend, B: int, T: int, training: bool = True, params_buf=None):
+    def __init__(self, cfg: GPT2Config, backend, B: int, T: int, training: bool = True, params_buf=None,
+                 optimizer: bool = True):
         if T > cfg.max_seq_len:
             raise LLMCError(f"-t/--seq-len {T}: longer than the model's max sequence length {cfg.max_seq_len}")
         if B < 1 or T < 1:
@@ -45,6 +46,9 @@ class GPT2:
         N = B * T
         Np = -(-N // 4) * 4
         be = backend
+        # optimizer=False: no AdamW state here; whoever updates the weights owns it (ZeRO-1 in
+        # llmc/dist.py keeps only this rank's shard of m and v)
+        self.has_optimizer = training and optimizer
         self._check_memory()
 
         # -- parameters (and their gradients, AdamW state): one flat buffer each, views per tensor
@@ -57,9 +61,10 @@ class GPT2:
         if training:
             self.grads = be.zeros((self.num_params,))
             self.g = self._views(self.grads)
+            self.norm2 = be.zeros((1,))
+        if self.has_optimizer:
             self.m = be.zeros((self.num_params,))
             self.v = be.zeros((self.num_params,))
-            self.norm2 = be.zeros((1,))
 
         # -- the launch plan: every op built once for its shape (variants fixed here), before the
         # activations: what attention forward keeps for backward depends on its variant
@@ -94,6 +99,7 @@ class GPT2:
                 "encoder_backward": op("encoder_backward", B=B, T=T, C=C),
                 "global_norm": op("global_norm", n=self.num_params),
             })
+        if self.has_optimizer:
             # AdamW runs over contiguous ranges of the flat buffer with one weight-decay flag each
             self.update_ranges = self._decay_ranges()
             self.adamw_plan = [(be.op("adamw", n=n), decay,
@@ -184,7 +190,7 @@ class GPT2:
         variants that will run (Variant.saves, Variant.scratch_bytes)."""
         cfg, B, T = self.cfg, self.B, self.T
         L, C, NH, Vp = cfg.num_layers, cfg.channels, cfg.num_heads, cfg.padded_vocab_size
-        floats = cfg.num_parameters * (4 if self.training else 1)  # (overcounts a shared params_buf)
+        floats = cfg.num_parameters * ((4 if self.has_optimizer else 2) if self.training else 1)  # (overcounts a shared params_buf)
         floats += B * T * (C * (1 + 9 * L + 2 + 10) + 6 * L + Vp + 8)
         shape = dict(B=B, T=T, C=C, NH=NH)
         fwd = self.be.choose("attention_forward", **shape)
@@ -321,8 +327,10 @@ class GPT2:
         self.micro_steps += 1
         self.dlogits_ready = False
 
-    def _launch_backward(self) -> None:
-        """The backward's launches (no host work: capturable)."""
+    def _launch_backward(self, on_layer_grads=None) -> None:
+        """The backward's launches (no host work: capturable). on_layer_grads(l), if given, is
+        called as soon as layer l's gradients are launched (l = L-1 .. 0), then once with None when
+        the rest (wte, wpe, lnfw, lnfb) are: data parallel starts reducing them there."""
         cfg, a, p, g, k = self.cfg, self.a, self.p, self.g, self.k
         L = cfg.num_layers
         dres, dbtc, dqkv, dfch = a["dresidual"], a["dbtc"], a["dqkv"], a["dfch"]
@@ -352,19 +360,28 @@ class GPT2:
             k["bias_3C"](g["qkvb"][l], dqkv)
             k["layernorm_backward"](dres, g["ln1w"][l], g["ln1b"][l], dbtc, residual,
                                     p["ln1w"][l], a["ln1_mean"][l], a["ln1_rstd"][l])  # dres = d residual
+            if on_layer_grads is not None:
+                on_layer_grads(l)
         k["encoder_backward"](g["wte"], g["wpe"], dres, self.inputs)
+        if on_layer_grads is not None:
+            on_layer_grads(None)
 
-    def train_micro_step(self, x: np.ndarray, y: np.ndarray) -> None:
+    def train_micro_step(self, x: np.ndarray, y: np.ndarray, on_layer_grads=None) -> None:
         """forward(x, y) without reading the loss, then backward(): one micro-step of training.
         On the cuda backend the first call launches kernel by kernel and captures the launches into
-        a CUDA graph; later calls upload the batch and replay it (one launch instead of ~400)."""
+        a CUDA graph; later calls upload the batch and replay it (one launch instead of ~400).
+        With on_layer_grads (see _launch_backward) it launches kernel by kernel, never captured."""
         if not self.training:
             raise RuntimeError("train_micro_step() needs a model built with training=True")
         self.set_batch(x, y)
         if self._graph_accum != self.grad_accum_steps:
             # the loss scale 1/(B*T*accum) is a launch argument of the captured classifier: recapture
             self._graph_micro, self._graph_accum = None, self.grad_accum_steps
-        self._run_captured("_graph_micro", self._launch_micro)
+        if on_layer_grads is not None:
+            self._launch_forward(True, True)
+            self._launch_backward(on_layer_grads)
+        else:
+            self._run_captured("_graph_micro", self._launch_micro)
         self.has_targets_loaded = self.has_loss = True
         self.dlogits_ready = False
         self.micro_steps += 1
@@ -389,6 +406,8 @@ class GPT2:
         """Global-norm clipping (computed and applied on the device) and AdamW. `step` is 1-based.
         The hyperparameters go up in one small async copy; the launches are captured into a CUDA
         graph after the first update (cuda backend)."""
+        if not self.has_optimizer:
+            raise RuntimeError("update(): this model was built with optimizer=False")
         for i, (_, decay, *_) in enumerate(self.adamw_plan):
             self._pinned_hp[i] = hyperparams(lr, beta1, beta2, eps, weight_decay if decay else 0.0, step,
                                              max_norm, self.be.dtype)

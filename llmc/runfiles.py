@@ -97,34 +97,48 @@ def _alive(pid: int) -> bool:
 def save_checkpoint(out_dir, step: int, cfg, params, m, v, loader_state: dict, extra: dict | None = None,
                     *, rank: int = 0, world: int = 1, barrier=None, master=None, sr_rng=None) -> str:
     """Write the checkpoint of `step`: the model (rank 0), this rank's state file, then (after
-    `barrier()`, when several processes write) the DONE marker (rank 0). params are the full
-    model's fp32 weights; m, v (and master) this rank's optimizer state.
+    `barrier(error)`, when several processes write) the DONE marker (rank 0). params are the full
+    model's fp32 weights (rank 0; None elsewhere); m, v (and master) this rank's optimizer state.
+
+    barrier(error) is called on every rank with None or this rank's error message, whether or not
+    its own writes worked, so that no rank waits for one that failed; it must raise on every rank
+    if any rank failed (llmc.dist.Group.agree does). DONE is written only when all succeeded.
 
     Refuses (LLMCError) to write values that are not finite. A failed write (disk full, directory
     gone or read-only) raises LLMCError saying the previous checkpoint is intact. Returns the
     model file's path."""
     from llmc.checkpoint import write_model, write_state
-    for name, a in (("weights", params), ("AdamW m", m), ("AdamW v", v)):
-        if a is not None and not np.isfinite(a).all():
-            raise LLMCError(f"step {step}: the {name} hold NaN/inf; not writing a checkpoint "
-                            f"({_intact(out_dir)})")
     mpath = model_path(out_dir, step)
+    err = None
     try:
-        if rank == 0:
-            # a marker from an older run at this step must not vouch for the files we now replace
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(done_path(out_dir, step))
-            write_model(mpath, cfg, params, dtype="fp32")
-        write_state(state_path(out_dir, step, rank), step, m, v, loader_state, extra,
-                    master=master, rank=rank, world=world, sr_rng=sr_rng)
-        if barrier is not None:
-            barrier()
-        if rank == 0:
+        for name, a in (("weights", params), ("AdamW m", m), ("AdamW v", v)):
+            if a is not None and not np.isfinite(a).all():
+                raise LLMCError(f"step {step}: the {name} hold NaN/inf; not writing a checkpoint "
+                                f"({_intact(out_dir)})")
+        try:
+            if rank == 0:
+                # a marker from an older run at this step must not vouch for the files we now replace
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(done_path(out_dir, step))
+                write_model(mpath, cfg, params, dtype="fp32")
+            write_state(state_path(out_dir, step, rank), step, m, v, loader_state, extra,
+                        master=master, rank=rank, world=world, sr_rng=sr_rng)
+        except OSError as e:
+            raise LLMCError(f"writing the checkpoint of step {step} in {out_dir} failed: "
+                            f"{e.strerror or e} ({e.filename or out_dir}); {_intact(out_dir)}") from None
+    except LLMCError as e:
+        err = e
+    if barrier is not None:
+        barrier(None if err is None else str(err))  # every rank has written, or all raise here
+    if err is not None:
+        raise err
+    if rank == 0:
+        try:
             with open(done_path(out_dir, step), "wb") as f:
                 os.fsync(f.fileno())
-    except OSError as e:
-        raise LLMCError(f"writing the checkpoint of step {step} in {out_dir} failed: "
-                        f"{e.strerror or e} ({e.filename or out_dir}); {_intact(out_dir)}") from None
+        except OSError as e:
+            raise LLMCError(f"writing the checkpoint of step {step} in {out_dir} failed: "
+                            f"{e.strerror or e} ({e.filename or out_dir}); {_intact(out_dir)}") from None
     return mpath
 
 
@@ -135,21 +149,43 @@ def _intact(out_dir) -> str:
     return f"the previous checkpoint, step {last} ({model_path(out_dir, last)}), is intact"
 
 
-def load_checkpoint(out_dir, step: int, rank: int = 0, world: int = 1, num_parameters: int | None = None) -> dict:
+def load_checkpoint(out_dir, step: int, rank: int = 0, world: int = 1, num_parameters: int | None = None,
+                    shards: int = 1) -> dict:
     """Read the model and this rank's state of checkpoint `step` (ours or llm.c's). num_parameters:
-    the size of this rank's optimizer state (default: the whole model's). Returns read_state's
-    dict plus cfg, params (fp32: the master weights when the state holds them, which is what
-    llm.c's bf16 runs train) and model_path, state_path."""
+    the size of this rank's optimizer state (default: the whole model's / shards, i.e. a ZeRO-1
+    shard when shards = the number of ranks). Returns read_state's dict plus cfg, params (fp32: the
+    master weights when the state holds all of them, which is what llm.c's bf16 runs train) and
+    model_path, state_path."""
     from llmc.checkpoint import read_model, read_state
     mpath, spath = model_path(out_dir, step), state_path(out_dir, step, rank)
     cfg, params = read_model(mpath)
-    st = read_state(spath, num_parameters or cfg.num_parameters, rank=rank, world=world)
+    st = read_state(spath, num_parameters or cfg.num_parameters // shards, rank=rank, world=world)
     if st["step"] != step:
         raise LLMCError(f"state file {spath}: says step {st['step']}, its name says {step}")
     if st["master"] is not None and st["master"].size == params.size:
         params = st["master"]
     st.update(cfg=cfg, params=params, model_path=mpath, state_path=spath)
     return st
+
+
+def checkpoint_processes(out_dir, step: int) -> int:
+    """How many processes wrote the checkpoint of `step`: llm.c's header field [2] of rank 0's
+    state file (every rank's file says the same)."""
+    from llmc.checkpoint import STATE_MAGIC, STATE_VERSION, read_header
+    h = read_header(state_path(out_dir, step, 0), "state file", STATE_MAGIC, (STATE_VERSION,),
+                    "an llm.c/llmc-py optimizer state (state_%08d_%05d.bin)")
+    return int(h[2])
+
+
+def check_processes(out_dir, step: int, world: int) -> None:
+    """-y 1 under another number of processes than the run that wrote the checkpoint: one line
+    (each rank's state holds that rank's data slice and, with ZeRO-1, its shard of m and v)."""
+    n = checkpoint_processes(out_dir, step)
+    if n != world:
+        files = f"state_{step:08d}_00000..{n - 1:05d}.bin" if n > 1 else f"state_{step:08d}_00000.bin"
+        how = f"mpirun -np {n}" if n > 1 else "one process (no mpirun)"
+        raise LLMCError(f"-y 1: the checkpoint of step {step} in {out_dir} was written by {n} "
+                        f"rank{'s' if n != 1 else ''} ({files}), this run has {world}: resume with {how}")
 
 
 # -----------------------------------------------------------------------------

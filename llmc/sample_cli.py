@@ -7,6 +7,7 @@ The body of sample_gpt2.py and of the llmc-sample command (same flags).
     python sample_gpt2.py -e gpt2_124M.bin --prompt-file prompt.txt --num-samples 4 --stop-at-eot
     echo "The meaning of life is" | python sample_gpt2.py -e gpt2_124M.bin --prompt-file -
     python sample_gpt2.py -e gpt2_124M.bin --temperature 0      # greedy
+    python sample_gpt2.py -e hf_dir --prompt "Hello"          # a Hugging Face GPT-2 directory
 
 Text streams to stdout as it is generated (one sample), or each sample is printed when the batch
 is done (--num-samples N > 1). Everything else (notes, the timing line) goes to stderr, so stdout
@@ -35,8 +36,8 @@ def build_parser():
     from llmc.train import HelpFormatter, OneLineParser, number
     p = OneLineParser(prog="sample_gpt2.py", description=__doc__, formatter_class=HelpFormatter)
     a = p.add_argument
-    a("-e", "--model", default=None, help=f"model checkpoint, llm.c format v3 or v5 (default: {DEFAULT_MODEL}, "
-      f"or with -o the newest model there)")
+    a("-e", "--model", default=None, help=f"model checkpoint, llm.c format v3 or v5, or a Hugging Face GPT-2 "
+      f"directory (config.json + model.safetensors) (default: {DEFAULT_MODEL}, or with -o the newest model there)")
     a("-o", "--output-dir", default=None, help="a run directory (train_gpt2.py -o): sample from its newest "
       "complete checkpoint")
     a("--prompt", default=None, help=f"prompt text (default: {EOT_TEXT}, i.e. start from nothing)")
@@ -118,7 +119,7 @@ def _utf8_prefix(b: bytes):
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from llmc.checkpoint import read_model
+    from llmc.hf import read_any_model
     from llmc.tokenizer import get_encoding
     if args.model is not None:
         path = args.model
@@ -129,7 +130,7 @@ def main(argv=None) -> int:
         if not os.path.exists(path):
             raise LLMCError(f"model file {path}: not found (./download_starter_pack.sh fetches it; or "
                             f"-o out to sample the model that make train wrote, or -e FILE)")
-    cfg, params = read_model(path)
+    cfg, params = read_any_model(path)   # an llm.c .bin or an HF directory (config.json + model.safetensors)
     if not args.top_k <= cfg.vocab_size:
         raise LLMCError(f"--top-k {args.top_k}: expected 0 (off) to the vocab size {cfg.vocab_size}")
     enc = get_encoding()

@@ -8,11 +8,13 @@ validation, samples, checkpoints, resume.
     python train_gpt2.py --device cpu -e L2C64H2 -b 4 -t 64 -x 50
     python train_gpt2.py -o out -n 100 -nk 3 ; python train_gpt2.py -o out -y 1   # checkpoints, resume
     python train_gpt2.py --list-kernels
+    mpirun -np 2 python train_gpt2.py -e d12 -b 16 -z 1            # data parallel (docs/multi_gpu.md)
 
 Long flags are readable; llm.c's one-letter flags are aliases (-i -j -e -o -n -nk -nm -y -b -t -d
--x -l -u -k -q -c -sl -sg -v -m -s -g -a). The run directory (-o) is llm.c's: model_%08d.bin,
-state_%08d_%05d.bin, DONE_%08d and main.log (llmc/runfiles.py), so a run started by llm.c resumes
-here and the reverse.
+-x -l -u -k -q -c -sl -sg -v -m -s -g -h -a -z). As in llm.c, -h 1 turns HellaSwag on; --help is the
+help. The run directory (-o) is llm.c's: model_%08d.bin, state_%08d_%05d.bin, DONE_%08d and main.log
+(llmc/runfiles.py), so a run started by llm.c resumes here and the reverse. Under mpirun every
+rank writes its own state file; rank 0 alone prints, writes main.log, the model and DONE.
 """
 from __future__ import annotations
 
@@ -28,13 +30,18 @@ from llmc.errors import LLMCError
 
 DEFAULT_TRAIN = "dev/data/tinyshakespeare/tiny_shakespeare_train.bin"
 DEFAULT_VAL = "dev/data/tinyshakespeare/tiny_shakespeare_val.bin"
+DEFAULT_HELLASWAG = "dev/data/hellaswag/hellaswag_val.bin"
 SMALL_CPU_MODEL = ("L2C64H2", 4, 64)  # what `python train_gpt2.py` trains when there is no GPU
 SMALL_CPU_STEPS = 50
 
 
+_QUIET_RANK = False  # data parallel: ranks other than 0 print nothing (set in main)
+
+
 def note(msg: str) -> None:
     """Diagnostics (notes, warnings) go to stderr: stdout carries the run's own output."""
-    print(msg, file=sys.stderr, flush=True)
+    if not _QUIET_RANK:
+        print(msg, file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -131,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("-d", "--total-batch-size", type=number(int, 1, also=(-1,)), default=-1,
       help="tokens per optimizer step, a multiple of B*T (-1 = B*T, no gradient accumulation)")
     a("-x", "--max-steps", type=number(int, 0, also=(-1,)), default=-1,
-      help="optimizer steps (-1 = one epoch of the train data)")
+      help="optimizer steps (-1 = one epoch of the train data; 0 = only evaluate)")
     # optimization
     a("-l", "--learning-rate", type=number(float, 0.0), default=3e-4, help="peak learning rate")
     a("-u", "--warmup-steps", type=number(int, 0), default=0, help="linear warmup steps")
@@ -151,8 +158,14 @@ def build_parser() -> argparse.ArgumentParser:
       help="batches per validation (-1 = the whole val split)")
     a("-s", "--sample-every", type=number(int, 0), default=20, help="print a text sample every N steps (0 = never)")
     a("-g", "--gen-tokens", type=number(int, 1), default=64, help="tokens per sample")
+    a("-h", "--hellaswag", type=bit, default=0,
+      help="1 = evaluate HellaSwag at the val cadence (after step 0) and at the last step")
+    a("--hellaswag-data", default=DEFAULT_HELLASWAG, help="llm.c's HellaSwag eval file (used with -h 1)")
     a("-a", "--overfit-single-batch", type=bit, default=0, help="1 = train on the first batch only")
     a("--shuffle", type=bit, default=0, help="1 = seeded shuffle of shards and windows each epoch")
+    # many GPUs
+    a("-z", "--zero-stage", type=bit, default=0, help="under mpirun: 0 = all-reduce the gradients, "
+      "1 = ZeRO-1 (each rank keeps 1/N of the optimizer state)")
     # device
     a("--device", default="auto", choices=("auto", "cuda", "cpu"),
       help="auto = the GPU when usable, else the numpy backend (saying why)")
@@ -261,40 +274,59 @@ def prepare_output_dir(out_dir: str) -> None:
         note(f"note: removed {len(removed)} temp file(s) of an interrupted save in {out_dir}")
 
 
-def save_checkpoint(out_dir, step, model, loader, rng, detectors, hparams, sr_rng=None,
-                    rank: int = 0, world: int = 1, barrier=None) -> str:
-    """The model's checkpoint of `step` (llmc.runfiles.save_checkpoint with what this trainer keeps)."""
+def save_checkpoint(out_dir, step, model, loader, rng, detectors, hparams, sr_rng=None, dp=None,
+                    barrier=None) -> str:
+    """The model's checkpoint of `step` (llmc.runfiles.save_checkpoint with what this trainer keeps).
+    dp (llmc.dist.DataParallel): this rank's optimizer state (its ZeRO-1 shard with -z 1) goes in
+    its own state file, llm.c's header names the rank and the number of ranks; barrier(error) is
+    where every rank has written (or failed), before rank 0 writes DONE."""
     from llmc.runfiles import save_checkpoint as save
     extra = {"rng": rng.bit_generator.state, "hparams": hparams,
              "detectors": [d.state() for d in detectors]}
-    return save(out_dir, step, model.cfg, model.get_params(), model.be.download(model.m).reshape(-1),
-                model.be.download(model.v).reshape(-1), loader.state(), extra,
-                rank=rank, world=world, barrier=barrier, sr_rng=sr_rng)
+    if dp is not None:
+        m, v = dp.optimizer_state()
+        extra.update(dp.state_extra())
+        rank, world = dp.rank, dp.world
+    else:
+        m, v = model.be.download(model.m).reshape(-1), model.be.download(model.v).reshape(-1)
+        rank, world = 0, 1
+    return save(out_dir, step, model.cfg, model.get_params() if rank == 0 else None, m, v, loader.state(),
+                extra, rank=rank, world=world, barrier=barrier, sr_rng=sr_rng)
 
 
 def llmc_loader_state(loader, shard: int, sample: int) -> dict:
     """Our DataLoader.state() for llm.c's (current_shard_idx, current_sample_idx): the batch llm.c
-    would serve next. llm.c may stop at sample == the shard's window count (it moves on at the
-    next call); we move on now."""
+    would serve next. llm.c counts samples in windows of processes x B x T tokens (each rank reads
+    its B*T slice of a window), and so does a DataLoader built with (rank, world): the numbers carry
+    over as they are, for any number of processes. llm.c may stop at sample == the shard's window
+    count (it moves on at the next call); we move on now."""
     n = len(loader.files)
     if not 0 <= shard < n or not 0 <= sample <= loader.shard_windows[shard]:
         have = loader.shard_windows[shard] if 0 <= shard < n else 0
+        procs = f" x {loader.world} processes" if loader.world > 1 else ""
         raise LLMCError(f"llm.c state: loader position shard {shard}, sample {sample} is outside "
-                        f"-i {loader.pattern} ({n} shards; that shard has {have} batches at B={loader.B} "
-                        f"T={loader.T}): resume with the same data, -b and -t")
+                        f"-i {loader.pattern} ({n} shards; that shard has {have} batches of B*T{procs} "
+                        f"at B={loader.B} T={loader.T}): resume with the same data, -b, -t and ranks")
     epoch = 0
     if sample == loader.shard_windows[shard]:
         shard, sample = shard + 1, 0
         if shard == n:
             shard, epoch = 0, 1
     return {"epoch": epoch, "shard_index": shard, "window_index": sample, "seed": loader.seed,
-            "shuffle": False, "B": loader.B, "T": loader.T, "num_shards": n}
+            "shuffle": False, "B": loader.B, "T": loader.T, "num_shards": n,
+            "rank": loader.rank, "world": loader.world}
 
 
-def check_finite(what: str, value: float, step: int) -> None:
+def check_finite(what: str, value: float, step: int, group=None) -> None:
+    """group: the value is the same on every rank (a mean or a reduced norm), so every rank stops
+    here together and rank 0 alone says why (llmc.dist.DistError)."""
     if not math.isfinite(value):
-        raise LLMCError(f"step {step}: {what} is {value}: the run diverged (or started from non-finite "
-                        f"weights); stopping without writing a checkpoint (try a lower -l/--learning-rate)")
+        msg = (f"step {step}: {what} is {value}: the run diverged (or started from non-finite "
+               f"weights); stopping without writing a checkpoint (try a lower -l/--learning-rate)")
+        if group is not None and group.world > 1:
+            from llmc.dist import DistError
+            raise DistError(msg, quiet=not group.is_main)
+        raise LLMCError(msg)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -306,17 +338,36 @@ def resolve_model_arg(arg):
     return "gpt2_124M.bin" if os.path.exists("gpt2_124M.bin") else "d12"
 
 
-def main(argv=None) -> int:
+def main(argv=None, group=None) -> int:
+    global _QUIET_RANK
     args = build_parser().parse_args(argv)
     if args.list_kernels:
         print(list_kernels())
         return 0
+    # data parallel: the processes mpirun started (llmc/dist.py), or this one alone
+    from llmc.dist import DataParallel, DistError, Group, MpiComm, NcclComm, check_gpus
+    group = group or Group.start()
+    world = group.world
+    if not group.is_main:  # rank 0 alone prints (errors are agreed on and printed by rank 0)
+        sys.stdout = open(os.devnull, "w")
+        _QUIET_RANK = True
     kernels = {k[len("kernel_"):]: v for k, v in vars(args).items() if k.startswith("kernel_") and v is not None}
     if args.deterministic:
         kernels = deterministic_kernels(kernels)
 
     from llmc.backend import make_backend
-    be = make_backend(args.device, kernels)
+    if world > 1 and args.device != "cpu":
+        why = check_gpus(group)
+        if why is not None and args.device == "cuda":
+            raise LLMCError(why)
+        if why is not None:  # auto: every rank must make the same choice, so none guesses alone
+            raise LLMCError(f"{why}; with mpirun, name the backend: --device cpu (numpy + MPI) or cuda")
+        args.device = "cuda"
+        try:
+            import nccl.core  # noqa: F401  (the communicator itself is made once every rank is ready)
+        except ImportError as e:
+            raise LLMCError(f"multi-GPU needs NCCL's Python bindings (pip install nccl4py): {e}") from None
+    be = make_backend(args.device, kernels, gpu=group.local_rank)
     # a diverging run is caught by the finite checks below, in one line: no numpy overflow warnings
     np.seterr(over="ignore", invalid="ignore", divide="ignore")
 
@@ -332,10 +383,15 @@ def main(argv=None) -> int:
     B = args.batch_size or 4
     T = args.seq_len or 1024
     out = args.output_dir
+    zero = args.zero_stage if world > 1 else 0  # one rank: nothing to shard
     if out:
-        prepare_output_dir(out)
+        if group.is_main:  # (the others write only once every rank has set up)
+            prepare_output_dir(out)
+        elif not os.path.isdir(out):
+            os.makedirs(out, exist_ok=True)
 
-    # resume: the newest checkpoint with a DONE marker (ours or llm.c's); none = start fresh
+    # resume: the newest checkpoint with a DONE marker (ours or llm.c's); none = start fresh. Each
+    # rank reads the model and its own state file (its ZeRO-1 shard of m and v with -z 1).
     from llmc import runfiles
     ck = None
     if args.resume:
@@ -345,7 +401,8 @@ def main(argv=None) -> int:
         if last is None:
             note(f"note: -y 1: no complete checkpoint (DONE_*) in {out}; starting fresh")
         else:
-            ck = runfiles.load_checkpoint(out, last)
+            from llmc.dist import load_checkpoint   # (another number of ranks or -z: one line)
+            ck = load_checkpoint(out, last, group.rank, world, zero)
 
     # model config and weights
     from llmc.config import config_from_name
@@ -358,8 +415,8 @@ def main(argv=None) -> int:
         model_arg = resolve_model_arg(args.model)
         params = None
         if os.path.exists(model_arg) or model_arg.endswith(".bin"):
-            from llmc.checkpoint import read_model
-            cfg, params = read_model(model_arg)
+            from llmc.hf import read_any_model   # an llm.c .bin, or a Hugging Face directory
+            cfg, params = read_any_model(model_arg)
             origin = f"checkpoint {model_arg}"
         else:
             cfg = config_from_name(model_arg)
@@ -370,40 +427,59 @@ def main(argv=None) -> int:
 
     # data
     from llmc.data import DataLoader
-    train_loader = DataLoader(args.train_data, B, T, shuffle=bool(args.shuffle), seed=args.seed)
+    ranks = dict(rank=group.rank, world=world)  # each rank reads its own B*T slice of every window
+    train_loader = DataLoader(args.train_data, B, T, shuffle=bool(args.shuffle), seed=args.seed, **ranks)
     train_loader.vocab_size = cfg.vocab_size
-    val_loader = DataLoader(args.val_data, B, T) if args.val_data and args.val_every > 0 else None
+    val_loader = DataLoader(args.val_data, B, T, **ranks) if args.val_data and args.val_every > 0 else None
     if val_loader is not None:
         val_loader.vocab_size = cfg.vocab_size
-    tokens_per_micro = B * T
+    tokens_per_micro = B * T * world  # -d counts every rank's tokens
     total = args.total_batch_size if args.total_batch_size > 0 else tokens_per_micro
     if total % tokens_per_micro != 0:
-        raise LLMCError(f"-d/--total-batch-size {total}: must be a multiple of B*T = {tokens_per_micro}")
+        bt = f"B*T*ranks = {B}*{T}*{world}" if world > 1 else "B*T"
+        raise LLMCError(f"-d/--total-batch-size {total}: must be a multiple of {bt} = {tokens_per_micro}")
     accum = total // tokens_per_micro
-    max_steps = args.max_steps if args.max_steps > 0 else max(train_loader.num_tokens // total, 1)
+    max_steps = args.max_steps if args.max_steps >= 0 else max(train_loader.num_tokens // total, 1)  # -x 0: only evaluate
     hparams = {"learning_rate": args.learning_rate, "lr_schedule": args.lr_schedule,
                "final_lr_frac": args.final_lr_frac, "warmup_steps": args.warmup_steps,
                "weight_decay": args.weight_decay, "total_batch_size": total, "max_steps": max_steps,
                "grad_clip": args.grad_clip, "seed": args.seed}
 
     from llmc.model import GPT2
-    model = GPT2(cfg, be, B, T)
+    model = GPT2(cfg, be, B, T, optimizer=zero == 0)  # ZeRO-1: the rank's shard of m, v lives in dp
     model.grad_accum_steps = accum
     if params is not None:
         model.load_params(params)
     else:
-        model.init_params(args.seed)
+        model.init_params(args.seed)  # the same seed on every rank: the same weights
     rng = np.random.default_rng(args.seed)
     from llmc.runfiles import OutlierDetector
     loss_z, grad_z = OutlierDetector(), OutlierDetector()
     sr_rng = None  # llm.c's stochastic-rounding RNG: carried over unchanged from an llm.c state
+    from llmc.hellaswag import open_hellaswag
+    hellaswag = open_hellaswag(args.hellaswag, args.hellaswag_data, B, T, cfg.vocab_size)
+
+    # every rank has set up (or says why not); then the communicator between them
+    group.agree(None, "set-up")
+    comm = None
+    if world > 1:
+        if len(set(group.allgather(be.name))) > 1:
+            raise DistError("the ranks chose different backends: name one with --device", quiet=not group.is_main)
+        if be.name == "cpu":
+            comm = MpiComm(group)
+        else:
+            with group.guarded("NCCL's start-up (ncclCommInitRank)"):
+                comm = NcclComm(group, be.rt)
+    dp = DataParallel(group, model, zero, comm)
 
     start_step = 0
     if ck is not None:
         for name, a in (("m", ck["m"]), ("v", ck["v"])):
             if not np.isfinite(a).all():
                 raise LLMCError(f"{ck['state_path']}: AdamW {name} holds NaN/inf values")
-        be.upload(model.m, ck["m"]); be.upload(model.v, ck["v"])
+        dp.load_optimizer_state(ck["m"], ck["v"])
+        if ck["master"] is not None and ck["master"].size != cfg.num_parameters:
+            dp.load_master_shard(ck["master"])  # llm.c's bf16 ZeRO-1 run: each rank's fp32 master piece
         if ck["ours"]:
             train_loader.load_state(ck["loader"])
             extra = ck["extra"]
@@ -424,6 +500,8 @@ def main(argv=None) -> int:
         start_step = ck["step"]
         if start_step >= max_steps:
             note(f"note: the checkpoint is at step {start_step}, -x/--max-steps is {max_steps}: nothing to train")
+    group.agree(None, "resume")
+    group.phase = "train"  # from here on an error on one rank alone aborts the job
 
     print(f"model: {cfg.describe()} | {origin}")
     print(f"backend: {be.describe()} | B={B} T={T} grad accum {accum} | {max_steps} steps | "
@@ -435,9 +513,11 @@ def main(argv=None) -> int:
         print(f"GPU memory: {be.rt.allocated_bytes / 2**30:.2f} GiB allocated by the model, "
               f"{(total_mem - free) / 2**30:.2f} of {total_mem / 2**30:.1f} GiB in use on the device")
         peak = peak_flops(be.rt.name, args.precision)
-    flops_step = flops_per_token(cfg, T) * total
+    flops_step = flops_per_token(cfg, T) * total / world  # one GPU's share (MFU is per GPU)
+    if world > 1:
+        print(f"data parallel: {dp.describe()}")
 
-    log = runfiles.RunLog(out, append=ck is not None) if out else None
+    log = runfiles.RunLog(out, append=ck is not None) if out and group.is_main else None
 
     from llmc.schedule import get_lr
     get_lr(args.lr_schedule, 0, args.learning_rate, args.warmup_steps, max_steps, args.final_lr_frac)
@@ -467,13 +547,19 @@ def main(argv=None) -> int:
             for _ in range(nb):
                 x, y = val_loader.next_batch()
                 vl += model.forward(x, y, grad=False)
-            vl /= nb
-            check_finite("the val loss", vl, step)
+            vl = dp.mean(vl / nb)  # every rank's slice of the val batches
+            check_finite("the val loss", vl, step, group)
             print(f"val loss {vl:.6f}")
             if log:
                 log.val(step, vl)
+        # HellaSwag, at llm.c's cadence: every val step after the first, and the last step
+        if hellaswag is not None and not again and (last_step or (args.val_every > 0 and step > 0 and step % args.val_every == 0)):
+            acc = hellaswag.run(model, group)  # the examples split over the ranks, as llm.c does
+            if log:
+                log.eval(step, acc)
         # samples
-        if args.sample_every > 0 and not again and (step % args.sample_every == 0 or last_step) and step > 0:
+        if (args.sample_every > 0 and not again and (step % args.sample_every == 0 or last_step) and step > 0
+                and group.is_main):
             from llmc.decode import Decoder
             from llmc.decode import sample_during_training
             if decoder is None:
@@ -482,41 +568,47 @@ def main(argv=None) -> int:
             print(f"generating:\n---\n{text}\n---")
         # checkpoint (with -o: every -n steps and always at the end)
         if out and step > start_step and (last_step or (args.checkpoint_every > 0 and step % args.checkpoint_every == 0)):
-            path = save_checkpoint(out, step, model, train_loader, rng, (loss_z, grad_z), hparams, sr_rng)
+            # every rank writes its state; rank 0 the model, and DONE once all have written
+            barrier = (lambda err: group.agree(err, "checkpoint")) if world > 1 else None
+            path = save_checkpoint(out, step, model, train_loader, rng, (loss_z, grad_z), hparams, sr_rng,
+                                   dp=dp, barrier=barrier)
             print(f"wrote {path}")
-            for gone in runfiles.prune_checkpoints(out, step, args.checkpoints_keep, args.major_checkpoint_every):
-                print(f"deleted the checkpoint of step {gone} (-nk {args.checkpoints_keep})")
+            if group.is_main:
+                for gone in runfiles.prune_checkpoints(out, step, args.checkpoints_keep, args.major_checkpoint_every):
+                    print(f"deleted the checkpoint of step {gone} (-nk {args.checkpoints_keep})")
         if last_step:
             break
 
         # one optimizer step: accum micro-steps of forward + backward, then clip + AdamW
         t0 = time.perf_counter()
         model.zero_grad()
-        for _ in range(accum):
+        for micro in range(accum):
             x, y = overfit_batch if overfit_batch is not None else train_loader.next_batch()
-            model.train_micro_step(x, y)   # forward + backward (a CUDA graph replay on the GPU)
+            # forward + backward (a CUDA graph replay on the GPU); on the last micro-step of a
+            # data-parallel step each layer's gradients are reduced across ranks as backward goes
+            dp.train_micro_step(x, y, last=micro == accum - 1)
         lr = get_lr(args.lr_schedule, step, args.learning_rate, args.warmup_steps, max_steps, args.final_lr_frac)
         skip = None
         if args.skip_loss_z > 0 or args.skip_grad_z > 0:
             # llm.c's outlier guards need the loss and the norm before the update: one more sync
             # per step, only when they are on
-            loss = model.step_loss()
-            check_finite("the loss", loss, step + 1)
-            norm = grad_norm_before_update(model)
-            check_finite("the gradient norm", norm, step + 1)
+            loss = dp.step_loss()
+            check_finite("the loss", loss, step + 1, group)
+            norm = dp.grad_norm_before_update()
+            check_finite("the gradient norm", norm, step + 1, group)
             zl, zg = loss_z.update(loss), grad_z.update(norm)
             if args.skip_loss_z > 0 and math.isfinite(zl) and zl > args.skip_loss_z:
                 skip = f"skipping update due to loss z-score of {zl:f}"
             elif args.skip_grad_z > 0 and math.isfinite(zg) and zg > args.skip_grad_z:
                 skip = f"skipping update due to grad z-score of {zg:f}"
         if skip is None:
-            model.update(lr, step + 1, weight_decay=args.weight_decay, max_norm=args.grad_clip)
+            dp.update(lr, step + 1, weight_decay=args.weight_decay, max_norm=args.grad_clip)
         else:
             print(skip)
-        loss = model.step_loss()   # host read: the one sync of the step
-        norm = model.grad_norm()
-        check_finite("the loss", loss, step + 1)
-        check_finite("the gradient norm", norm, step + 1)
+        loss = dp.step_loss()   # host read: the one sync of the step (and the mean over ranks)
+        norm = dp.grad_norm()
+        check_finite("the loss", loss, step + 1, group)
+        check_finite("the gradient norm", norm, step + 1, group)
         ms = (time.perf_counter() - t0) * 1000
         if step > start_step:  # the first step of a run builds graphs and warms up: not counted
             step_ms.append(ms)
@@ -533,29 +625,50 @@ def main(argv=None) -> int:
     return 0
 
 
-def grad_norm_before_update(model) -> float:
-    """The global gradient norm of the accumulated gradients, before any update (for -sg)."""
-    model.k["global_norm"](model.norm2, model.grads)
-    return model.grad_norm()
-
-
 def cli(argv=None) -> int:
-    """Entry point: user and machine faults become one line on stderr and a non-zero exit."""
+    """Entry point: user and machine faults become one line on stderr and a non-zero exit. Under
+    mpirun, an error while setting up is agreed on by every rank and printed once, by rank 0; an
+    error on one rank during training takes the whole job down (the others would wait for it
+    forever)."""
+    from llmc.dist import DistError, Group
+    group = None
     try:
-        return main(argv)
-    except LLMCError as e:
-        print(f"error: {e}", file=sys.stderr)
+        group = Group.start()
+        return main(argv, group)
+    except DistError as e:  # agreed by every rank: rank 0 says it
+        if not e.quiet:
+            print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except MemoryError:
-        print("error: out of host memory (try a smaller model, -b or -t)", file=sys.stderr)
+    except (LLMCError, MemoryError, OSError) as e:
+        if isinstance(e, LLMCError):
+            msg = str(e)
+        elif isinstance(e, MemoryError):
+            msg = "out of host memory (try a smaller model, -b or -t)"
+        else:  # a file we could not read or write that no check above caught
+            msg = f"{e.filename}: {e.strerror or e}" if e.filename else f"{e.strerror or e}"
+        if group is None or group.world == 1:
+            print(f"error: {msg}", file=sys.stderr)
+            return 1
+        if group.phase == "setup":  # the others are at (or on their way to) the next agreement
+            try:
+                group.agree(msg, "set-up")
+            except DistError as agreed:
+                if not agreed.quiet:
+                    print(f"error: {agreed}", file=sys.stderr)
+            return 1
+        print(f"error: rank {group.rank}: {msg}", file=sys.stderr, flush=True)
+        group.abort(1)
         return 1
-    except OSError as e:  # a file we could not read or write that no check above caught
-        where = f" {e.filename}" if e.filename else ""
-        print(f"error:{where}: {e.strerror or e}", file=sys.stderr)
-        return 1
+    except BaseException:
+        if group is not None and group.world > 1:  # a bug on one rank: don't leave the others hanging
+            import traceback
+            traceback.print_exc()
+            sys.stderr.flush()
+            group.abort(1)
+        raise
 
 
 def cli_main() -> None:

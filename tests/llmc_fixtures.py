@@ -69,6 +69,23 @@ def write_llmc_tokenizer(path, token_bytes, eot=50256, version=2) -> None:
             f.write(struct.pack("<B", len(b)) + b)
 
 
+def write_llmc_evalfile(path, examples, magic=20240522, version=1) -> None:
+    """llm.c eval file (HellaSwag): header magic 20240522, version 1, example count, longest example
+    in bytes; then per example the uint16 stream 65535, its byte length, its index, label, 4, the
+    context as (n, tokens), each ending as (n, tokens). examples: [(label, ctx_tokens, [4 endings])]."""
+    stream, longest = [], 0
+    for i, (label, ctx, endings) in enumerate(examples):
+        ex = [65535, 0, i, label, len(endings), len(ctx), *ctx]
+        for end in endings:
+            ex += [len(end), *end]
+        ex[1] = 2 * len(ex)
+        longest = max(longest, ex[1])
+        stream += ex
+    with open(path, "wb") as f:
+        f.write(header_bytes(magic, version, len(examples), longest))
+        f.write(struct.pack(f"<{len(stream)}H", *stream))
+
+
 # -----------------------------------------------------------------------------
 # a local HTTP server with HEAD and byte ranges (what curl -C - and our downloads need)
 

@@ -113,7 +113,8 @@ def test_unwritable_output_is_one_line(tmp_path, capsys, monkeypatch):
 
     def full(path, tokens):
         raise OSError(28, "No space left on device", str(path))
-    monkeypatch.setattr(prepro, "write_shard", full)
+    import llmc.data
+    monkeypatch.setattr(llmc.data, "write_shard", full)   # what prepro_text's ShardWriter calls
     assert run(tmp_path) == 1
     err = capsys.readouterr().err.strip()
     assert "tiny_shakespeare_val.bin: No space left on device" in err and "\n" not in err

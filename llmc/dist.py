@@ -1,0 +1,618 @@
+"""Data parallel training: one process per GPU, started by mpirun, gradients reduced per layer.
+
+    mpirun -np 2 python train_gpt2.py -e d12 -b 16 -t 1024              # 2 GPUs, all-reduce (-z 0)
+    mpirun -np 8 python train_gpt2.py -e d12 -b 16 -t 1024 -z 1         # 8 GPUs, ZeRO-1
+    mpirun -np 2 python train_gpt2.py --device cpu -e L2C64H2 -b 2 -t 64 -x 10   # numpy backend + MPI
+    python -m pytest -q tests/test_dist.py                              # 2 ranks vs 1 on the numpy backend
+
+How it works, as llm.c does it (docs/multi_gpu.md has more):
+- mpirun starts N copies of train_gpt2.py. mpi4py gives each its rank, the number of ranks and its
+  rank on this host (the local rank), which picks its GPU. Rank 0 alone prints, logs, samples and
+  writes the model file. Every rank reads its own B*T slice of each window of N*B*T tokens
+  (llmc.data), so N ranks at B train on exactly what one rank at B*N would.
+- Backward calls a hook as soon as a layer's gradients are launched (model.train_micro_step's
+  on_layer_grads). The hook records an event on the compute stream; a second stream waits for it
+  and reduces that layer's 12 gradient tensors (one NCCL group) while backward goes on with the
+  layers below. The update waits for the last reduction with another event: no host sync anywhere.
+- -z 0: the reductions are all-reduces (average) in place; every rank then runs the same clip +
+  AdamW on the whole model (model.update), holding all of m and v.
+- -z 1 (ZeRO-1): every gradient tensor (per layer) is cut into N equal pieces; the reductions are
+  reduce-scatters, so rank r receives the average of piece r of each tensor, into a contiguous
+  buffer of num_parameters/N floats. The grad norm is the sum over ranks of each rank's squared
+  shard norm (an all-reduce of one float); AdamW runs on the rank's pieces only, with m and v of
+  num_parameters/N floats each (N times less optimizer memory); then an all-gather of each tensor's
+  updated pieces gives every rank the whole new weights.
+- On the GPU the collectives are NCCL's (nccl4py) on our own device pointers and streams; on the
+  numpy backend they are MPI's (mpi4py) on the numpy buffers, the same code path otherwise: that
+  is what CI runs (tests/test_dist.py).
+- Failures: errors found while setting up (a bad flag, a file, no GPU for a rank, no NCCL) are
+  gathered from every rank at a few agreement points; if any rank failed, rank 0 prints one line and
+  every rank exits 1. The start-up (MPI_Init and the first collective) and NCCL's runs under a
+  watchdog process: LLMC_DIST_TIMEOUT seconds (default 120; the agreement points get 10 times
+  that), then one line and exit 1, so no rank hangs forever on a rank that never started. An
+  unexpected exception on one rank aborts the whole job.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from llmc.config import DECAYED, param_layout, param_shapes
+from llmc.errors import LLMCError
+
+# environment variables that MPI launchers set in the processes they start: Open MPI, MPICH and
+# Intel MPI (hydra), PMIx-based launchers, MVAPICH. LLMC_MPI=1 forces MPI on (an unusual launcher).
+MPI_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MV2_COMM_WORLD_SIZE")
+DEFAULT_TIMEOUT = 120.0
+
+
+def launched_by_mpi() -> bool:
+    return os.environ.get("LLMC_MPI") == "1" or any(v in os.environ for v in MPI_ENV)
+
+
+def _env_rank() -> int:
+    """This process's rank from the launcher's environment (before MPI is up; 0 if unknown)."""
+    for v in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK"):
+        if os.environ.get(v, "").isdigit():
+            return int(os.environ[v])
+    return 0
+
+
+def timeout_seconds() -> float:
+    raw = os.environ.get("LLMC_DIST_TIMEOUT", str(DEFAULT_TIMEOUT))
+    try:
+        t = float(raw)
+        if t > 0:
+            return t
+    except ValueError:
+        pass
+    raise LLMCError(f"LLMC_DIST_TIMEOUT={raw!r}: expected a positive number of seconds")
+
+
+class DistError(LLMCError):
+    """An error agreed on by every rank: rank 0 prints it, the others exit quietly."""
+
+    def __init__(self, message: str, quiet: bool):
+        super().__init__(message)
+        self.quiet = quiet
+
+
+class Watchdog:
+    """A small process forked before MPI starts, which ends this one if a step it is told about
+    (arm) does not finish (disarm) in time. It must be a process, not a thread: MPI_Init and NCCL's
+    start-up block inside C code that holds the GIL, where no Python thread or signal handler runs.
+    On a timeout it prints one line (rank 0) and kills this process; mpirun then ends the others.
+    When this process exits, the pipe closes and the watchdog goes too."""
+
+    def __init__(self, rank: int):
+        r, w = os.pipe()
+        parent = os.getpid()
+        pid = os.fork()
+        if pid == 0:  # the watchdog
+            os.close(w)
+            try:
+                _watch(r, parent, rank)
+            finally:
+                os._exit(0)
+        os.close(r)
+        self._w, self.pid = w, pid
+
+    def arm(self, seconds: float, what: str) -> None:
+        os.write(self._w, f"arm {seconds} {what}\n".encode())
+
+    def disarm(self) -> None:
+        os.write(self._w, b"disarm\n")
+
+
+def _watch(fd: int, parent: int, rank: int) -> None:
+    import select
+    import signal
+    import time
+    deadline, seconds, what, buf = None, 0.0, "", b""
+    while True:
+        wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ready, _, _ = select.select([fd], [], [], wait)
+        if not ready:  # the deadline passed
+            if rank == 0:
+                os.write(2, (f"error: data parallel: {what} did not finish within {seconds:g} s (did a "
+                             f"rank fail to start? see its output; LLMC_DIST_TIMEOUT sets the limit)\n").encode())
+            os.kill(parent, signal.SIGKILL)
+            return
+        data = os.read(fd, 4096)
+        if not data:  # the trainer has exited
+            return
+        buf += data
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            cmd, _, rest = line.decode().partition(" ")
+            if cmd == "arm":
+                sec, _, what = rest.partition(" ")
+                seconds = float(sec)
+                deadline = time.monotonic() + seconds
+            else:
+                deadline = None
+
+
+# ----------------------------------------------------------------------------------------------
+# the process group: ranks, host-side collectives (MPI), agreement on errors
+
+
+class Group:
+    """rank / world / local rank of this process, and the few host-side collectives the trainer
+    needs (MPI through mpi4py). Group() is the single process: every collective is the identity."""
+
+    def __init__(self, comm=None, local_rank: int = 0, local_world: int = 1):
+        self.comm = comm
+        self.rank = comm.Get_rank() if comm is not None else 0
+        self.world = comm.Get_size() if comm is not None else 1
+        self.local_rank, self.local_world = local_rank, local_world
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def start(cls) -> "Group":
+        """The group of processes mpirun started (or the single process, if none did): MPI_Init
+        and a first all-gather, under the watchdog."""
+        if not launched_by_mpi():
+            return cls()
+        timeout = timeout_seconds()
+        dog = Watchdog(_env_rank())
+        dog.arm(timeout, "the MPI start-up (MPI_Init and a first all-gather across ranks)")
+        try:
+            from mpi4py import MPI
+        except ImportError:
+            raise LLMCError("started by mpirun but mpi4py is not installed: pip install mpi4py "
+                            "(and an MPI, e.g. pip install mpich; see README)") from None
+        comm = MPI.COMM_WORLD
+        # the ranks on this host, in rank order: local rank = which GPU to use
+        local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+        g = cls(comm, local.Get_rank(), local.Get_size())
+        hosts = comm.allgather(MPI.Get_processor_name())  # the first collective
+        dog.disarm()
+        g.watchdog, g.timeout, g.num_hosts = dog, timeout, len(set(hosts))
+        return g
+
+    def guarded(self, what: str, scale: float = 1.0):
+        """A context in which `what` must finish within scale x LLMC_DIST_TIMEOUT seconds."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def ctx():
+            if self.watchdog is None:
+                yield
+                return
+            self.watchdog.arm(scale * self.timeout, what)
+            try:
+                yield
+            finally:
+                self.watchdog.disarm()
+        return ctx()
+
+    num_hosts = 1
+    watchdog, timeout = None, DEFAULT_TIMEOUT
+    phase = "setup"  # "train" once the loop starts: then an error on one rank aborts the job
+
+    def allgather(self, obj) -> list:
+        return [obj] if self.comm is None else self.comm.allgather(obj)
+
+    def agree(self, error: str | None, what: str = "set-up") -> None:
+        """A point every rank reaches, with its error (None = fine). If any rank failed, every
+        rank raises DistError with the first failing rank's message (printed by rank 0 only)."""
+        if self.comm is None:
+            if error is not None:
+                raise LLMCError(error)
+            return
+        # (generous: the ranks may take a while to set up, e.g. building the kernels)
+        with self.guarded(f"agreeing on the {what} across ranks", scale=10):
+            errors = self.comm.allgather(error)
+        bad = [(r, e) for r, e in enumerate(errors) if e is not None]
+        if not bad:
+            return
+        r, e = bad[0]
+        same = all(x == e for _, x in bad) and len(bad) == self.world
+        msg = e if same else f"rank {r}: {e}" + (f" (and {len(bad) - 1} more ranks failed)" if len(bad) > 1 else "")
+        raise DistError(msg, quiet=not self.is_main)
+
+    def mean(self, x: float) -> float:
+        """The average of a host float over the ranks (losses for printing)."""
+        if self.comm is None:
+            return float(x)
+        from mpi4py import MPI
+        return float(self.comm.allreduce(float(x), op=MPI.SUM)) / self.world
+
+    def abort(self, code: int = 1) -> None:
+        """Take the whole job down (an unexpected error on one rank; the others would hang)."""
+        if self.comm is not None:
+            self.comm.Abort(code)
+
+
+# ----------------------------------------------------------------------------------------------
+# collectives on the model's buffers: MPI on numpy arrays, NCCL on device pointers
+
+
+class MpiComm:
+    """Collectives on the numpy backend's buffers, through MPI (host memory, blocking). Streams and
+    events are no-ops here: every call has finished when it returns."""
+
+    def __init__(self, group: Group):
+        from mpi4py import MPI
+        self.MPI, self.comm, self.world = MPI, group.comm, group.world
+
+    def all_reduce_avg(self, bufs, stream=None) -> None:
+        for b in bufs:  # in place
+            self.comm.Allreduce(self.MPI.IN_PLACE, b, op=self.MPI.SUM)
+            b *= b.dtype.type(1.0 / self.world)
+
+    def reduce_scatter_avg(self, pairs, stream=None) -> None:
+        for send, recv in pairs:  # send (n,) -> recv (n/N,): the average of piece `rank`
+            self.comm.Reduce_scatter_block(send, recv, op=self.MPI.SUM)
+            recv *= recv.dtype.type(1.0 / self.world)
+
+    def all_reduce_sum(self, buf, stream=None) -> None:
+        self.comm.Allreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM)
+
+    def all_gather(self, pairs, stream=None) -> None:
+        for send, recv in pairs:  # send is recv's piece `rank` (in place)
+            self.comm.Allgather(self.MPI.IN_PLACE, recv)
+
+    # streams and events: nothing to order on the host
+    def new_stream(self):
+        return None
+
+    def record(self, stream):
+        return None
+
+    def wait(self, stream, event):
+        pass
+
+
+class _CudaArray:
+    """A DevArray (or view) seen through __cuda_array_interface__, which is how nccl4py takes
+    foreign device memory (1-D, contiguous, read-write)."""
+
+    def __init__(self, a):
+        self.__cuda_array_interface__ = {"shape": (a.size,), "strides": (a.dtype.itemsize,),
+                                         "data": (a.ptr, False), "typestr": a.dtype.str,
+                                         "stream": None, "version": 3}
+
+
+class NcclComm:
+    """Collectives on the cuda backend's DevArrays through NCCL's Python bindings (nccl4py), on our
+    own PyCUDA streams; nothing goes through the host. One communicator over all ranks, created
+    from a unique id that rank 0 makes and MPI broadcasts."""
+
+    def __init__(self, group: Group, rt):
+        # NVLink SHARP (multicast) stays off unless asked for: the machines we measured on forbid it,
+        # and at these message sizes it is not what limits us (docs/multi_gpu.md)
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        try:
+            import nccl.core as nccl
+        except ImportError as e:
+            raise LLMCError(f"multi-GPU needs NCCL's Python bindings (pip install nccl4py): {e}") from None
+        self.nccl, self.rt, self.world = nccl, rt, group.world
+        uid = nccl.get_unique_id() if group.is_main else None
+        uid = group.comm.bcast(bytes(uid) if uid is not None else None, root=0)
+        self.comm = nccl.Communicator.init(group.world, group.rank, nccl.UniqueId.from_bytes(uid))
+
+    def describe(self) -> str:
+        try:
+            return f"NCCL {self.nccl.get_version()}"
+        except Exception:
+            return "NCCL"
+
+    def _h(self, stream) -> int:
+        return int((stream or self.rt.stream).handle)
+
+    def all_reduce_avg(self, bufs, stream=None) -> None:
+        h = self._h(stream)
+        with self.nccl.group():
+            for b in bufs:
+                a = _CudaArray(b)
+                self.comm.allreduce(a, a, self.nccl.AVG, stream=h)
+
+    def reduce_scatter_avg(self, pairs, stream=None) -> None:
+        h = self._h(stream)
+        with self.nccl.group():
+            for send, recv in pairs:
+                self.comm.reduce_scatter(_CudaArray(send), _CudaArray(recv), self.nccl.AVG, stream=h)
+
+    def all_reduce_sum(self, buf, stream=None) -> None:
+        a = _CudaArray(buf)
+        self.comm.allreduce(a, a, self.nccl.SUM, stream=self._h(stream))
+
+    def all_gather(self, pairs, stream=None) -> None:
+        h = self._h(stream)
+        with self.nccl.group():
+            for send, recv in pairs:  # send = recv + rank * count: in place
+                self.comm.allgather(_CudaArray(send), _CudaArray(recv), stream=h)
+
+    def new_stream(self):
+        return self.rt.drv.Stream()
+
+    def record(self, stream):
+        ev = self.rt.drv.Event(self.rt.drv.event_flags.DISABLE_TIMING)
+        ev.record(stream or self.rt.stream)
+        return ev
+
+    def wait(self, stream, event):
+        (stream or self.rt.stream).wait_for_event(event)
+
+    def close(self):
+        try:
+            self.comm.destroy()
+        except Exception:
+            pass
+
+
+def check_gpus(group: Group) -> str | None:
+    """None if this host has a GPU for each of its ranks (device = local rank), else why not."""
+    try:
+        import pycuda.driver as drv
+        drv.init()
+        n = drv.Device.count()
+    except ImportError:
+        return "--device cuda: PyCUDA is not installed (pip install pycuda)"
+    except Exception as e:
+        return f"--device cuda: no usable CUDA GPU ({e})"
+    if group.local_world > n:
+        return (f"{group.local_world} ranks on this host but {n} GPU{'s' if n != 1 else ''}: one "
+                f"process per GPU (mpirun -np {n} or fewer per host)")
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# data parallel training of one model
+
+
+def grad_chunks(cfg) -> tuple[dict, list]:
+    """The gradient tensors as reduction units: {layer: [(offset, size, decay)]} for l = 0..L-1,
+    and [(offset, size, decay)] for the tensors outside the layers (wte, wpe, lnfw, lnfb). Every
+    per-layer tensor is a chunk per layer, so a layer's reduction can start as soon as backward
+    has written it. Together the chunks tile the flat buffer in order."""
+    L = cfg.num_layers
+    per_layer, rest = {l: [] for l in range(L)}, []
+    for (name, shape), (_, off, size) in zip(param_shapes(cfg), param_layout(cfg)):
+        decay = name in DECAYED
+        if name in ("wte", "wpe", "lnfw", "lnfb"):
+            rest.append((off, size, decay))
+        else:
+            n = size // L
+            for l in range(L):
+                per_layer[l].append((off + l * n, n, decay))
+    return per_layer, rest
+
+
+class DataParallel:
+    """Training-step calls for one rank: the micro-step (with the per-layer reduction hook on the
+    last one), the update (all-reduce + AdamW, or ZeRO-1), the losses averaged over ranks, and the
+    optimizer state this rank checkpoints. With one rank it is the model's own calls."""
+
+    def __init__(self, group: Group, model, zero: int, comm=None):
+        if zero not in (0, 1):
+            raise LLMCError(f"-z/--zero-stage {zero}: expected 0 (all-reduce) or 1 (ZeRO-1)")
+        self.group, self.model, self.be = group, model, model.be
+        self.world, self.rank = group.world, group.rank
+        self.zero = zero if self.world > 1 else 0  # one rank: nothing to shard
+        self.comm = comm
+        self.trace = None  # list of (label, stream name, start event, end event) when profiling
+        if self.world == 1:
+            return
+        if model.has_optimizer == (self.zero == 1):
+            raise ValueError("DataParallel: build the model with optimizer=(zero == 0)")
+        # the micro-steps without the hook may replay a graph; the reducing one launches directly
+        self.per_layer, self.rest = grad_chunks(model.cfg)
+        self.comm_stream = comm.new_stream()
+        be, N = self.be, self.world
+        if self.zero == 1:
+            P = model.num_params
+            bad = [(o, n) for o, n, _ in self._all_chunks() if n % N]
+            if bad:
+                name = _tensor_name(model.cfg, bad[0][0])
+                raise LLMCError(f"-z 1: {name} has {bad[0][1]:,} values per layer, not divisible by "
+                                f"{N} ranks: ZeRO-1 splits every tensor evenly (use -z 0 or a rank count "
+                                f"that divides it)")
+            S = P // N  # this rank's shard: piece `rank` of every chunk, in the buffer's order
+            self.shard_size = S
+            self.gshard = be.zeros((S,))   # reduced gradient pieces
+            self.m = be.zeros((S,))
+            self.v = be.zeros((S,))
+            self.norm2 = be.zeros((1,))
+            self.k_norm = be.op("global_norm", n=S)
+            self.hp = be.zeros((2, 8), be.dtype)            # row 0 no decay, row 1 decay
+            self._pinned_hp = be.pinned((2, 8), be.dtype)
+            self.hps = [be.view(self.hp, 8 * i, (8,)) for i in range(2)]
+            adamw = {}
+            self.plan = []  # per chunk: launcher, decay, param piece, grad piece, m piece, v piece
+            for off, n, decay in self._all_chunks():
+                s = n // N
+                if s not in adamw:
+                    adamw[s] = be.op("adamw", n=s)
+                so = off // N  # the shard buffers hold the chunks' pieces in order
+                self.plan.append((adamw[s], int(decay), be.view(model.params, off + self.rank * s, (s,)),
+                                  be.view(self.gshard, so, (s,)), be.view(self.m, so, (s,)),
+                                  be.view(self.v, so, (s,))))
+
+    def _all_chunks(self):
+        return [c for l in range(self.model.cfg.num_layers) for c in self.per_layer[l]] + self.rest
+
+    def describe(self) -> str:
+        if self.world == 1:
+            return "1 rank"
+        how = "ZeRO-1 (reduce-scatter, sharded AdamW, all-gather)" if self.zero else "all-reduce"
+        hosts = f" on {self.group.num_hosts} hosts" if self.group.num_hosts > 1 else ""
+        via = self.comm.describe() if hasattr(self.comm, "describe") else "MPI"
+        return f"{self.world} ranks{hosts}, -z {self.zero}: {how} per layer, {via}"
+
+    # -- one training step
+
+    def train_micro_step(self, x, y, last: bool) -> None:
+        """Forward + backward on this rank's batch; on the last micro-step of the optimizer step
+        each layer's gradients start reducing on the second stream as soon as they exist."""
+        if self.world == 1 or not last:
+            self.model.train_micro_step(x, y)
+            return
+        self.model.train_micro_step(x, y, on_layer_grads=self._reduce_layer)
+
+    def _reduce_layer(self, layer) -> None:
+        chunks = self.rest if layer is None else self.per_layer[layer]
+        be, comm, cs = self.be, self.comm, self.comm_stream
+        # the second stream waits for backward to have written these gradients (no host sync)
+        comm.wait(cs, comm.record(None))
+        label = "rest" if layer is None else f"layer {layer}"
+        t0 = self._mark(cs)
+        if self.zero == 0:
+            comm.all_reduce_avg([be.view(self.model.grads, off, (n,)) for off, n, _ in chunks], cs)
+        else:
+            N = self.world
+            comm.reduce_scatter_avg([(be.view(self.model.grads, off, (n,)),
+                                      be.view(self.gshard, off // N, (n // N,))) for off, n, _ in chunks], cs)
+        self._span(("all-reduce " if self.zero == 0 else "reduce-scatter ") + label, "comm", t0, cs)
+        if layer is None:  # the last reduction: the update waits for this event
+            self._reduced = comm.record(cs)
+
+    def update(self, lr: float, step: int, weight_decay: float = 0.0, max_norm: float = 1.0,
+               beta1: float = 0.9, beta2: float = 0.95, eps: float = 1e-8) -> None:
+        model = self.model
+        if self.world == 1:
+            model.update(lr, step, weight_decay=weight_decay, max_norm=max_norm)
+            return
+        self.comm.wait(None, self._reduced)  # the compute stream waits for every reduction
+        if self.zero == 0:
+            t0 = self._mark(None)
+            model.update(lr, step, weight_decay=weight_decay, max_norm=max_norm)
+            self._span("clip + AdamW", "compute", t0, None)
+            return
+        from llmc.ops.adamw import hyperparams
+        be, comm = self.be, self.comm
+        t0 = self._mark(None)
+        # the global norm: each rank's squared norm of its shard, summed over ranks
+        self.k_norm(self.norm2, self.gshard)
+        comm.all_reduce_sum(self.norm2)
+        for decay in (0, 1):
+            self._pinned_hp[decay] = hyperparams(lr, beta1, beta2, eps, weight_decay if decay else 0.0,
+                                                 step, max_norm, be.dtype)
+        be.upload_async(self.hp, self._pinned_hp)
+        for adamw, decay, p, g, m, v in self.plan:
+            adamw(p, g, m, v, self.norm2, self.hps[decay])
+        self._span("norm + sharded AdamW", "compute", t0, None)
+        # every rank gets every tensor's updated pieces (on the compute stream: the next forward
+        # reads the weights)
+        t1 = self._mark(None)
+        N = self.world
+        comm.all_gather([(be.view(model.params, off + self.rank * (n // N), (n // N,)),
+                          be.view(model.params, off, (n,))) for off, n, _ in self._all_chunks()])
+        self._span("all-gather params", "compute", t1, None)
+
+    def grad_norm_before_update(self) -> float:
+        """The global norm of the reduced gradients before any update (llm.c's -sg guard): the
+        same value on every rank. Waits for the reductions (the update would, too)."""
+        model = self.model
+        if self.world > 1:
+            self.comm.wait(None, self._reduced)
+        if self.zero == 0:
+            model.k["global_norm"](model.norm2, model.grads)
+            return model.grad_norm()
+        self.k_norm(self.norm2, self.gshard)
+        self.comm.all_reduce_sum(self.norm2)
+        return self.grad_norm()
+
+    def grad_norm(self) -> float:
+        if self.zero == 0:
+            return self.model.grad_norm()
+        return float(np.sqrt(max(float(self.be.download(self.norm2).reshape(-1)[0]), 0.0)))
+
+    def step_loss(self) -> float:
+        """The step's mean loss over every rank's tokens (a host read and a host all-reduce)."""
+        return self.group.mean(self.model.step_loss())
+
+    def mean(self, x: float) -> float:
+        return self.group.mean(x)
+
+    # -- checkpoints: what this rank writes and reads
+
+    def optimizer_state(self) -> tuple[np.ndarray, np.ndarray]:
+        """(m, v) as this rank holds them: the whole model's, or (ZeRO-1) its shard."""
+        src = self if self.zero == 1 else self.model
+        return (self.be.download(src.m).reshape(-1), self.be.download(src.v).reshape(-1))
+
+    def optimizer_numel(self) -> int:
+        return self.shard_size if self.zero == 1 else self.model.num_params
+
+    def load_optimizer_state(self, m, v) -> None:
+        dst = self if self.zero == 1 else self.model
+        self.be.upload(dst.m, m)
+        self.be.upload(dst.v, v)
+
+    def load_master_shard(self, master) -> None:
+        """llm.c's bf16 runs with ZeRO-1 keep each rank's piece of the fp32 master weights in its
+        state file (the model file holds bf16): put this rank's pieces into the weights, then
+        all-gather, so that every rank starts from the same, exact fp32 weights."""
+        if self.zero != 1 or master.size != self.shard_size:
+            raise LLMCError(f"master weights of {master.size:,} values: expected this rank's ZeRO-1 "
+                            f"shard of {self.optimizer_numel():,} (resume with the -z of the run that wrote them)")
+        be, model, N = self.be, self.model, self.world
+        for off, n, _ in self._all_chunks():
+            s = n // N
+            be.upload(be.view(model.params, off + self.rank * s, (s,)), master[off // N:off // N + s])
+        self.comm.all_gather([(be.view(model.params, off + self.rank * (n // N), (n // N,)),
+                               be.view(model.params, off, (n,))) for off, n, _ in self._all_chunks()])
+        be.synchronize()
+
+    def state_extra(self) -> dict:
+        """What this trainer adds to each rank's state trailer (llm.c's header has rank and count)."""
+        return {"rank": self.rank, "world": self.world, "zero": self.zero}
+
+    # -- profiling (dev/bench_multi_gpu.py): CUDA events around each collective and update phase
+
+    def _mark(self, stream):
+        if self.trace is None:
+            return None
+        ev = self.be.rt.event()
+        ev.record(stream or self.be.rt.stream)
+        return ev
+
+    def _span(self, label, lane, start, stream):
+        if start is not None:
+            end = self._mark(stream)
+            self.trace.append((label, lane, start, end))
+
+
+def _tensor_name(cfg, offset: int) -> str:
+    for (name, _), (_, off, size) in zip(param_shapes(cfg), param_layout(cfg)):
+        if off <= offset < off + size:
+            return name
+    return "a tensor"
+
+
+# ----------------------------------------------------------------------------------------------
+# checkpoints of a data-parallel run: llm.c's run directory (llmc/runfiles.py), one state file per
+# rank. Rank 0 writes the model; every rank writes state_%08d_%05d.bin with llm.c's header (the
+# number of processes and the rank), its m and v (the whole model's with -z 0, its ZeRO-1 shard
+# with -z 1, laid out as llm.c lays its shards out: piece `rank` of each tensor's per-layer slice, in
+# the parameters' order) and our trailer (its loader position and RNG, the rank count and -z);
+# rank 0 writes DONE_%08d once every rank has written (an agreement point, Group.agree).
+
+
+def load_checkpoint(out_dir, step: int, rank: int, world: int, zero: int) -> dict:
+    """This rank's part of the checkpoint of `step` (llmc.runfiles.load_checkpoint): the model and
+    its own state file, whose m and v are the whole model's (-z 0) or this rank's ZeRO-1 shard
+    (-z 1). A run of another rank count is refused first (runfiles.check_processes); a state of
+    the other -z is one line saying which -z wrote it."""
+    from llmc import runfiles
+    runfiles.check_processes(out_dir, step, world)
+    try:
+        return runfiles.load_checkpoint(out_dir, step, rank=rank, world=world, shards=world if zero else 1)
+    except LLMCError as first:
+        if world == 1:
+            raise
+        try:  # does it read as the other stage's state? (the sizes differ: P vs P/N floats each)
+            runfiles.load_checkpoint(out_dir, step, rank=rank, world=world, shards=1 if zero else world)
+        except LLMCError:
+            raise first from None
+        had = "ZeRO-1 shards of m and v (-z 1)" if not zero else "the whole model's m and v (-z 0)"
+        # (the same words on every rank, so rank 0 prints it once)
+        raise LLMCError(f"-y 1: the checkpoint of step {step} in {out_dir} holds {had} in each rank's "
+                        f"state file, this run has -z {zero}: resume with -z {1 - zero}") from None

@@ -1,0 +1,388 @@
+"""Data parallel on the numpy backend: 2 ranks under mpiexec (MPI through mpi4py) train exactly as 1 rank
+at twice the batch, with -z 0 and -z 1; per-rank checkpoints resume exactly; bad input is one line on
+rank 0 and a non-zero exit, never a hang.
+
+    pip install -r requirements-test.txt          # mpi4py + the mpich wheel (mpiexec)
+    python -m pytest -q tests/test_dist.py
+"""
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from llmc.config import config_from_name
+from llmc.data import DataLoader, write_shard
+from llmc.dist import grad_chunks
+from llmc.errors import LLMCError
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = ["--device", "cpu", "-e", "L1C32H2", "-t", "16", "-s", "0", "-l", "1e-3", "-u", "2"]
+
+
+def mpiexec() -> str | None:
+    """The mpiexec that pip installed with the mpich wheel (in this Python's scripts directory),
+    else one on PATH."""
+    import sysconfig
+    for d in (sysconfig.get_path("scripts"), Path(sys.executable).parent):
+        if (Path(d) / "mpiexec").exists():
+            return str(Path(d) / "mpiexec")
+    return shutil.which("mpiexec")
+
+
+def need_mpi():
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        pytest.skip("mpi4py not installed (pip install -r requirements-test.txt)")
+    if mpiexec() is None:
+        pytest.skip("no mpiexec (pip install -r requirements-test.txt installs the mpich wheel)")
+
+
+def run(args, np_=1, check=True, env=None, timeout=300):
+    """train_gpt2.py on np_ ranks (np_=1: a plain process, no MPI)."""
+    e = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
+    cmd = [sys.executable, str(ROOT / "train_gpt2.py"), *args]
+    if np_ > 1:
+        cmd = [mpiexec(), "-n", str(np_), *cmd]
+    p = subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=timeout)
+    if check and p.returncode != 0:
+        raise AssertionError(f"exit {p.returncode}\nstdout:\n{p.stdout}\nstderr:\n{p.stderr}")
+    return p
+
+
+def step_losses(stdout):
+    return [float(m) for m in re.findall(r"^step\s+\d+/\d+ \| loss ([0-9.]+)", stdout, re.M)]
+
+
+def val_losses(stdout):
+    return [float(m) for m in re.findall(r"^val loss ([0-9.]+)", stdout, re.M)]
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    d = tmp_path_factory.mktemp("data")
+    rng = np.random.default_rng(0)
+    base = rng.integers(0, 500, 64)
+    # two train shards (the loader crosses a shard boundary and wraps an epoch within the tests)
+    write_shard(str(d / "train_000.bin"), np.tile(base, 12).astype(np.uint16))
+    write_shard(str(d / "train_001.bin"), rng.integers(0, 500, 700).astype(np.uint16))
+    write_shard(str(d / "val_000.bin"), np.tile(base, 5).astype(np.uint16))
+    return d
+
+
+def data_args(d):
+    return ["-i", str(d / "train_*.bin"), "-j", str(d / "val_*.bin")]
+
+
+# ----------------------------------------------------------------------------------------------
+# without MPI: the pieces
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_loader_ranks_slice_the_single_rank_batch(shards, shuffle):
+    """Rank r of N at micro-batch B gets rows r*B..r*B+B-1 of what one rank gets at B*N (llm.c's
+    loader: rank r starts at r*B*T, stride N*B*T), batch after batch, across shards and epochs."""
+    B, T, N = 2, 16, 3
+    pattern = str(shards / "train_*.bin")
+    one = DataLoader(pattern, B * N, T, shuffle=shuffle, seed=5)
+    ranks = [DataLoader(pattern, B, T, shuffle=shuffle, seed=5, rank=r, world=N) for r in range(N)]
+    assert all(r.batches_per_epoch == one.batches_per_epoch for r in ranks)
+    for _ in range(2 * one.batches_per_epoch + 1):
+        x1, y1 = one.next_batch()
+        for r, ld in enumerate(ranks):
+            x, y = ld.next_batch()
+            assert np.array_equal(x, x1[r * B:(r + 1) * B]) and np.array_equal(y, y1[r * B:(r + 1) * B])
+
+
+def test_loader_state_names_its_rank(shards):
+    pattern = str(shards / "train_*.bin")
+    a = DataLoader(pattern, 2, 16, rank=1, world=2)
+    a.next_batch()
+    b = DataLoader(pattern, 2, 16, rank=1, world=2)
+    b.load_state(a.state())
+    assert np.array_equal(a.next_batch()[0], b.next_batch()[0])
+    with pytest.raises(LLMCError, match="rank 1 of 2.*rank 0 of 3"):
+        DataLoader(pattern, 2, 16, rank=0, world=3).load_state(a.state())
+
+
+def test_loader_too_short_for_all_ranks(shards):
+    with pytest.raises(LLMCError, match=r"fewer than B\*T x 5 ranks\+1"):
+        DataLoader(str(shards / "val_000.bin"), 4, 16, world=5)  # 320 tokens < 5*4*16+1
+
+
+def test_grad_chunks_tile_the_parameters():
+    cfg = config_from_name("L3C32H2")
+    per_layer, rest = grad_chunks(cfg)
+    chunks = sorted([c for l in range(3) for c in per_layer[l]] + rest)
+    off = 0
+    for o, n, _ in chunks:
+        assert o == off
+        off += n
+    assert off == cfg.num_parameters
+    assert len(per_layer[0]) == 12 and len(rest) == 4
+
+
+def test_state_files_name_processes_and_rank_and_resume_needs_the_same_count(tmp_path):
+    """runfiles.save_checkpoint per rank: llm.c's header holds the number of processes and the rank,
+    DONE comes only after the barrier; -y 1 under another count is one line naming the count."""
+    from llmc import runfiles
+    from llmc.checkpoint import read_state
+    cfg = config_from_name("L1C32H2")
+    P = cfg.num_parameters
+    params = np.zeros(P, np.float32)
+    loader = {"shard_index": 0, "window_index": 3}
+    calls = []
+    for r in range(2):  # two ranks writing in turn; the barrier records what each reported
+        runfiles.save_checkpoint(tmp_path, 4, cfg, params if r == 0 else None, np.full(P // 2, r, np.float32),
+                                 np.zeros(P // 2, np.float32), loader, {"zero": 1}, rank=r, world=2,
+                                 barrier=calls.append)
+    assert calls == [None, None] and runfiles.latest_done(tmp_path) == 4
+    st = read_state(tmp_path / "state_00000004_00001.bin", P // 2, rank=1, world=2)
+    assert (st["num_processes"], st["rank"], st["sample_index"]) == (2, 1, 3) and (st["m"] == 1).all()
+    assert runfiles.checkpoint_processes(tmp_path, 4) == 2
+    runfiles.check_processes(tmp_path, 4, 2)
+    with pytest.raises(LLMCError, match=r"written by 2 ranks .*this run has 4: resume with mpirun -np 2"):
+        runfiles.check_processes(tmp_path, 4, 4)
+    runfiles.save_checkpoint(tmp_path, 8, cfg, params, np.zeros(P), np.zeros(P), loader)
+    with pytest.raises(LLMCError, match=r"written by 1 rank .*resume with one process"):
+        runfiles.check_processes(tmp_path, 8, 2)
+
+
+def test_a_rank_that_fails_to_save_stops_every_rank_and_no_done(tmp_path):
+    """The barrier hears a failing rank's error (it does not wait for a rank that raised): no DONE."""
+    from llmc import runfiles
+    cfg = config_from_name("L1C32H2")
+    P = cfg.num_parameters
+    heard = []
+
+    def barrier(err):
+        heard.append(err)
+        if err is not None:
+            raise LLMCError(f"rank 1: {err}")
+    bad = np.full(P, np.nan, np.float32)
+    with pytest.raises(LLMCError, match="rank 1: step 2: the AdamW m hold NaN/inf"):
+        runfiles.save_checkpoint(tmp_path, 2, cfg, None, bad, np.zeros(P), {"shard_index": 0, "window_index": 0},
+                                 rank=1, world=2, barrier=barrier)
+    assert heard and heard[0] is not None and runfiles.latest_done(tmp_path) is None
+
+
+# ----------------------------------------------------------------------------------------------
+# under mpiexec
+
+
+@pytest.mark.parametrize("zero,extra", [(0, []), (1, ["-d", "128"])], ids=["z0", "z1-accum2"])
+def test_two_ranks_match_one_rank_at_twice_the_batch(shards, tmp_path, zero, extra):
+    """2 ranks x B=2 == 1 rank x B=4 on the same tokens: step losses, val losses and the final
+    weights agree to float32 summation-order noise. -d 128 is 2 micro-steps per step: the
+    reduction runs on the last one only."""
+    need_mpi()
+    common = SMALL + data_args(shards) + ["-x", "8", "-v", "4", "-c", "0.1"] + extra
+    one = run(common + ["-b", "4", "-o", str(tmp_path / "one")])
+    two = run(common + ["-b", "2", "-z", str(zero), "-o", str(tmp_path / "two")], np_=2)
+    assert "data parallel: 2 ranks, -z %d" % zero in two.stdout
+    l1, l2 = step_losses(one.stdout), step_losses(two.stdout)
+    assert len(l1) == len(l2) == 8
+    np.testing.assert_allclose(l2, l1, rtol=0, atol=2e-5)
+    np.testing.assert_allclose(val_losses(two.stdout), val_losses(one.stdout), rtol=0, atol=2e-5)
+    assert l2[-1] < l2[0]  # it trains
+    w1 = np.fromfile(tmp_path / "one" / "model_00000008.bin", dtype=np.float32)[256:]
+    w2 = np.fromfile(tmp_path / "two" / "model_00000008.bin", dtype=np.float32)[256:]
+    # (atol: the k part of qkvb has a zero true gradient, so AdamW turns its float noise into
+    # updates of ~1e-6 that differ in sign between the two runs)
+    np.testing.assert_allclose(w2, w1, rtol=1e-4, atol=1e-5)
+    # rank 0 alone prints: one header, one line per step
+    assert two.stdout.count("model: ") == 1 and two.stdout.count("step    1/8") == 1
+
+
+def test_zero1_equals_zero0(shards, tmp_path):
+    """ZeRO-1 (reduce-scatter, AdamW on the shard, all-gather) updates as the all-reduce does. The
+    averaged gradients are the same bits (two floats add the same either way); the squared norm is
+    summed in another order (per shard, then across ranks), which moves the clip scale (clipping is
+    on here) in its last bits: float32 noise, amplified by AdamW only where the gradient is ~0."""
+    need_mpi()
+    common = SMALL + data_args(shards) + ["-b", "2", "-x", "6", "-v", "0", "-c", "0.1", "--grad-clip", "0.5"]
+    z0 = run(common + ["-z", "0", "-o", str(tmp_path / "z0")], np_=2)
+    z1 = run(common + ["-z", "1", "-o", str(tmp_path / "z1")], np_=2)
+    np.testing.assert_allclose(step_losses(z1.stdout), step_losses(z0.stdout), rtol=0, atol=2e-6)
+    a = np.fromfile(tmp_path / "z0" / "model_00000006.bin", dtype=np.float32)[256:]
+    b = np.fromfile(tmp_path / "z1" / "model_00000006.bin", dtype=np.float32)[256:]
+    np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5)
+    # each rank wrote its own optimizer state: the whole model's with -z 0, half of it with -z 1
+    n = config_from_name("L1C32H2").num_parameters
+    s0 = (tmp_path / "z0" / "state_00000006_00001.bin").stat().st_size
+    s1 = (tmp_path / "z1" / "state_00000006_00001.bin").stat().st_size
+    assert s0 - s1 == 2 * 4 * (n - n // 2)
+
+
+def test_resume_same_ranks_is_exact_and_other_ranks_refused(shards, tmp_path):
+    need_mpi()
+    common = SMALL + data_args(shards) + ["-b", "2", "-z", "1", "-x", "8", "-n", "4", "-v", "0"]
+    full = run(common + ["-o", str(tmp_path / "full")], np_=2)
+    part = tmp_path / "part"
+    run(common + ["-o", str(part)], np_=2)
+    for f in part.glob("*_00000008*"):   # the model, both ranks' states and DONE_00000008
+        f.unlink()
+    resumed = run(common + ["-o", str(part), "-y", "1"], np_=2)
+    assert "resumed from" in resumed.stdout
+    assert step_losses(resumed.stdout) == step_losses(full.stdout)[4:]
+    a = (tmp_path / "full" / "model_00000008.bin").read_bytes()
+    assert a == (part / "model_00000008.bin").read_bytes(), "resumed weights differ"
+    # resuming with another number of ranks: one line, non-zero exit, from rank 0 only
+    for np_ in (1, 4):
+        p = run(common + ["-o", str(part), "-y", "1"], np_=np_, check=False)
+        assert p.returncode != 0
+        errs = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
+        assert len(errs) == 1 and "written by 2 ranks" in errs[0] and "mpirun -np 2" in errs[0], p.stderr
+        assert "Traceback" not in p.stderr
+
+
+def one_error_line(p):
+    assert p.returncode != 0, p.stdout
+    errs = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errs) == 1, p.stderr
+    assert "Traceback" not in p.stderr, p.stderr
+    return errs[0]
+
+
+def test_bad_input_is_one_line_from_rank_0(shards, tmp_path):
+    need_mpi()
+    base = SMALL + data_args(shards) + ["-x", "2", "-v", "0"]
+    # -d must be a multiple of B*T*ranks
+    line = one_error_line(run(base + ["-b", "2", "-d", "96"], np_=2, check=False))
+    assert "-d/--total-batch-size 96" in line and "B*T*ranks = 2*16*2 = 64" in line
+    # ZeRO-1 needs every tensor to split evenly (C=32 over 3 ranks does not)
+    line = one_error_line(run(base + ["-b", "1", "-z", "1"], np_=3, check=False))
+    assert "-z 1" in line and "not divisible by 3 ranks" in line
+    # one rank alone fails (its state file is damaged): rank 0 says which and why, nobody hangs
+    common = SMALL + data_args(shards) + ["-b", "2", "-x", "2", "-v", "0", "-o", str(tmp_path)]
+    run(common, np_=2)
+    st = tmp_path / "state_00000002_00001.bin"
+    st.write_bytes(st.read_bytes()[:1024 + 400])   # the header and a little of m
+    line = one_error_line(run(common + ["-y", "1"], np_=2, check=False))
+    assert line.startswith("error: rank 1: state file") and "truncated" in line
+
+
+def test_rank_that_never_starts_times_out(shards):
+    """A rank that never reaches the start-up handshake (here: a process that only sleeps) must not
+    leave the others waiting forever: rank 0 gives up after LLMC_DIST_TIMEOUT and the job ends."""
+    need_mpi()
+    env = dict(os.environ, PYTHONPATH=str(ROOT), LLMC_DIST_TIMEOUT="3")
+    cmd = [mpiexec(), "-n", "1", sys.executable, str(ROOT / "train_gpt2.py"), *SMALL, *data_args(shards),
+           "-b", "2", "-x", "2", ":", "-n", "1", sys.executable, "-c", "import time; time.sleep(120)"]
+    t0 = time.monotonic()
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=110)
+    assert time.monotonic() - t0 < 100
+    assert p.returncode != 0
+    assert "did not finish within 3 s" in p.stderr and "did a rank fail to start?" in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_gpu_code_path_on_a_fake_gpu_and_fake_nccl(zero):
+    """NcclComm and DataParallel's GPU side (CUDA-array views of our DevArrays, the second stream
+    waiting on backward's events, ZeRO-1's piece pointers) on tests/fake_gpu.py's heap, with a
+    stand-in nccl.core that checks nccl4py's signatures: 2 ranks match 1 fake GPU at twice the batch."""
+    need_mpi()
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.run([mpiexec(), "-n", "2", sys.executable, str(ROOT / "tests" / "dist_fake_nccl.py"), str(zero)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    m = re.search(r"^losses (.*) \| one (.*) \| max weight diff (\S+)", p.stdout, re.M)
+    assert m, p.stdout
+    two, one = ([float(v) for v in g.split()] for g in m.groups()[:2])
+    assert len(two) == len(one) == 4
+    np.testing.assert_allclose(two, one, rtol=0, atol=2e-6)
+    assert float(m.group(3)) < 1e-5
+
+
+# ----------------------------------------------------------------------------------------------
+# llm.c's run files under mpiexec: per-rank state in llm.c's layout, DONE, -z, HellaSwag, rank 0's log
+
+
+def strip_trailer(path, floats_per_array):
+    """Cut our JSON trailer off a state file: what is left is exactly what llm.c writes."""
+    data = path.read_bytes()
+    path.write_bytes(data[:1024 + 2 * 4 * floats_per_array])
+
+
+def set_loader_position(path, shard, sample):
+    h = np.fromfile(path, dtype="<i4", count=256)
+    h[30:32] = np.array([shard], "<u8").view("<i4")
+    h[32:34] = np.array([sample], "<u8").view("<i4")
+    data = bytearray(path.read_bytes())
+    data[:1024] = h.tobytes()
+    path.write_bytes(bytes(data))
+
+
+def test_llmc_layout_states_of_two_ranks_resume_exactly(shards, tmp_path):
+    """Each rank's state_%08d_%05d.bin is llm.c's: the header names 2 processes and the rank, holds
+    the rank's ZeRO-1 shard of m and v, and counts the loader position in windows of 2*B*T tokens.
+    With our trailer cut off (what llm.c itself writes) both ranks resume from the header alone, at
+    a shard's end in our form (next shard, sample 0) and in llm.c's (same shard, sample = count)."""
+    need_mpi()
+    P = config_from_name("L1C32H2").num_parameters
+    common = SMALL + data_args(shards) + ["-b", "2", "-z", "1", "-v", "0", "-x", "13", "-n", "11"]
+    full = run(common + ["-o", str(tmp_path / "full")], np_=2)
+    for r in range(2):
+        h = np.fromfile(tmp_path / "full" / f"state_00000011_{r:05d}.bin", dtype="<i4", count=256)
+        # 11 steps x one 2*2*16-token window each: all 11 windows of train_000 (768 tokens) are done
+        assert (h[0], h[2], h[3], h[10]) == (20240527, 2, r, 11)
+        assert (int(h[30]), int(h[32])) == (1, 0)
+    want = step_losses(full.stdout)[11:]
+    assert len(want) == 2
+    for position in [(1, 0), (0, 11)]:
+        part = tmp_path / f"part_{position[0]}"
+        shutil.copytree(tmp_path / "full", part)
+        for f in part.glob("*_00000013*"):
+            f.unlink()
+        for r in range(2):
+            st = part / f"state_00000011_{r:05d}.bin"
+            strip_trailer(st, P // 2)
+            set_loader_position(st, *position)
+        p = run(common + ["-o", str(part), "-y", "1"], np_=2)
+        assert "is llm.c's: continuing at its loader position" in p.stderr
+        assert p.stderr.count("is llm.c's") == 1   # rank 0's note only
+        assert step_losses(p.stdout) == want, position
+    # the same files under -z 0 (each rank would need the whole model's m and v): one line
+    line = one_error_line(run(common + ["-z", "0", "-o", str(tmp_path / "part_1"), "-y", "1"], np_=2, check=False))
+    assert "holds ZeRO-1 shards of m and v (-z 1)" in line and "resume with -z 1" in line
+    assert not line.startswith("error: rank")
+
+
+def test_rank0_alone_logs_prunes_and_marks_done(shards, tmp_path):
+    need_mpi()
+    common = SMALL + data_args(shards) + ["-b", "2", "-x", "6", "-n", "2", "-nk", "1", "-v", "3", "-o", str(tmp_path)]
+    p = run(common, np_=2)
+    names = sorted(f.name for f in tmp_path.iterdir())
+    # -nk 1: only step 6 is left, every rank's state of the older steps deleted with them
+    assert names == ["DONE_00000006", "main.log", "model_00000006.bin", "state_00000006_00000.bin",
+                     "state_00000006_00001.bin"], names
+    log = (tmp_path / "main.log").read_text().splitlines()
+    assert [l.split()[0] for l in log if " trl:" in l] == [f"s:{i}" for i in range(6)]   # one line per step
+    assert [l.split()[0] for l in log if " tel:" in l] == ["s:0", "s:3", "s:6"]
+    assert p.stdout.count("deleted the checkpoint of step") == 2
+
+
+def test_hellaswag_split_over_ranks_counts_every_example(tmp_path):
+    """-h 1 under 2 ranks: each scores every other batch, the counts are summed: llm.c's line is the
+    same as one process's, and only rank 0 prints it and logs s:0 eval:."""
+    need_mpi()
+    from llmc_fixtures import write_llmc_evalfile
+    rng = np.random.default_rng(3)
+    ex = [(int(rng.integers(0, 4)), rng.integers(0, 500, int(rng.integers(1, 6))).tolist(),
+           [rng.integers(0, 500, int(rng.integers(1, 5))).tolist() for _ in range(4)]) for _ in range(7)]
+    write_llmc_evalfile(tmp_path / "hs.bin", ex)
+    write_shard(str(tmp_path / "train.bin"), rng.integers(0, 500, 2000).astype(np.uint16))
+    args = ["--device", "cpu", "-e", "L1C32H2", "-t", "16", "-b", "4", "-x", "0", "-h", "1", "-s", "0",
+            "--hellaswag-data", str(tmp_path / "hs.bin"), "-i", str(tmp_path / "train.bin"), "-j", ""]
+    one = run(args)
+    two = run(args + ["-o", str(tmp_path / "out")], np_=2)
+    line = re.findall(r"^HellaSwag: \d+/7 = .*$", one.stdout, re.M)
+    assert len(line) == 1 and re.findall(r"^HellaSwag: \d+/7 = .*$", two.stdout, re.M) == line
+    acc = float(line[0].split("= ")[1])
+    assert (tmp_path / "out" / "main.log").read_text().splitlines() == [f"s:0 eval:{acc:.4f}"]
