@@ -279,6 +279,28 @@ class _CudaArray:
                                          "stream": None, "version": 3}
 
 
+def _make_current(ordinal: int) -> None:
+    """Make GPU `ordinal` the current device for every library nccl4py may ask: the CUDA runtime
+    (cudaSetDevice), cuda.core (which resolves our __cuda_array_interface__ views) and CuPy. PyCUDA
+    already holds that device's primary context; without this, rank 1 of 2 on one host got "sendbuf
+    is on device 0, but communicator is on device 1" on the H200s, though its buffers were on GPU 1."""
+    try:
+        from cuda.bindings import runtime as cudart
+        cudart.cudaSetDevice(ordinal)
+    except ImportError:
+        pass
+    try:
+        from cuda.core import Device
+        Device(ordinal).set_current()
+    except Exception:  # cuda.core missing or older: nccl4py then falls back on the runtime's device
+        pass
+    try:
+        import cupy
+        cupy.cuda.Device(ordinal).use()
+    except Exception:
+        pass
+
+
 class NcclComm:
     """Collectives on the cuda backend's DevArrays through NCCL's Python bindings (nccl4py), on our
     own PyCUDA streams; nothing goes through the host. One communicator over all ranks, created
@@ -293,6 +315,7 @@ class NcclComm:
         except ImportError as e:
             raise LLMCError(f"multi-GPU needs NCCL's Python bindings (pip install nccl4py): {e}") from None
         self.nccl, self.rt, self.world = nccl, rt, group.world
+        _make_current(getattr(rt, "ordinal", 0))
         uid = nccl.get_unique_id() if group.is_main else None
         uid = group.comm.bcast(bytes(uid) if uid is not None else None, root=0)
         self.comm = nccl.Communicator.init(group.world, group.rank, nccl.UniqueId.from_bytes(uid))

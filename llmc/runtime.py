@@ -432,6 +432,7 @@ class Runtime:
             if drv.Device.count() == 0:
                 raise LLMCError("no CUDA device")
             self.device = drv.Device(device)
+            self.ordinal = device  # the device index (data parallel: the process's local rank)
             self.context = self.device.retain_primary_context()
             self.context.push()
         except LLMCError:
