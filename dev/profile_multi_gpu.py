@@ -19,9 +19,6 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
 import numpy as np  # noqa: E402
 
 from llmc.backend import make_backend  # noqa: E402

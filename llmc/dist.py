@@ -289,11 +289,16 @@ def _make_current(ordinal: int) -> None:
         cudart.cudaSetDevice(ordinal)
     except ImportError:
         pass
-    try:
-        from cuda.core import Device
-        Device(ordinal).set_current()
-    except Exception:  # cuda.core missing or older: nccl4py then falls back on the runtime's device
-        pass
+    for mod in ("cuda.core", "cuda.core.experimental"):  # Device moved out of .experimental in 0.4
+        try:
+            Device = __import__(mod, fromlist=["Device"]).Device
+        except (ImportError, AttributeError):
+            continue
+        try:
+            Device(ordinal).set_current()
+        except Exception:
+            pass
+        break
     try:
         import cupy
         cupy.cuda.Device(ordinal).use()
@@ -319,6 +324,22 @@ class NcclComm:
         uid = nccl.get_unique_id() if group.is_main else None
         uid = group.comm.bcast(bytes(uid) if uid is not None else None, root=0)
         self.comm = nccl.Communicator.init(group.world, group.rank, nccl.UniqueId.from_bytes(uid))
+        self._check_device(rt)
+
+    def _check_device(self, rt) -> None:
+        """nccl4py works out which GPU a buffer lives on by itself; if that is not the
+        communicator's GPU, every collective would fail mid-step. Ask once, at start-up, with one of
+        our own allocations, and say so in one line."""
+        try:
+            from nccl.core.buffer import NcclBuffer
+            probe = rt.empty((4,), np.float32)
+            seen, mine = NcclBuffer(_CudaArray(probe)).device_id, self.comm.device.device_id
+        except Exception:  # an nccl4py without these internals: the collectives will tell
+            return
+        if seen != mine:
+            raise LLMCError(f"NCCL: nccl4py sees this rank's buffers on GPU {seen} but its communicator on "
+                            f"GPU {mine} (rank {self.comm.rank}, PyCUDA device {getattr(rt, 'ordinal', '?')}); "
+                            "see docs/multi_gpu.md, 'Known problem'")
 
     def describe(self) -> str:
         try:

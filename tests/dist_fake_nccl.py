@@ -1,28 +1,22 @@
 """The GPU side of data parallel (llmc.dist.NcclComm, the CUDA-array views, the stream/event calls, the
-pointer arithmetic of the ZeRO-1 pieces) run without a GPU: the model lives in tests/fake_gpu.py's
+pointer arithmetic of the ZeRO-1 pieces) run without a GPU: the model lives in tests/fake_runtime.py's
 numpy "device heap", and a stand-in `nccl.core` with nccl4py's call signatures does each collective
 with MPI on the heap memory the __cuda_array_interface__ pointers name. Started by tests/test_dist.py:
 
-    mpiexec -n 2 python tests/dist_fake_nccl.py 0      # -z 0; prints one line of losses on rank 0
-    mpiexec -n 2 python tests/dist_fake_nccl.py 1      # -z 1
+    PYTHONPATH=.:tests mpiexec -n 2 python tests/dist_fake_nccl.py 0      # -z 0; one line of losses on rank 0
+    PYTHONPATH=.:tests mpiexec -n 2 python tests/dist_fake_nccl.py 1      # -z 1
 
 Rank 0 also trains the same model on one fake GPU at twice the batch and prints both loss lists.
 """
 import sys
 import types
-from pathlib import Path
 
 import numpy as np
+from fake_runtime import BASE, FakeCudaBackend
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
-
-from fake_gpu import BASE, FakeCudaBackend  # noqa: E402
-
-from llmc.config import config_from_name  # noqa: E402
-from llmc.dist import DataParallel, Group, NcclComm  # noqa: E402
-from llmc.model import GPT2  # noqa: E402
+from llmc.config import config_from_name
+from llmc.dist import DataParallel, Group, NcclComm
+from llmc.model import GPT2
 
 HEAPS = {}  # the fake backend whose heap the pointers point into
 

@@ -285,10 +285,10 @@ def test_rank_that_never_starts_times_out(shards):
 @pytest.mark.parametrize("zero", [0, 1])
 def test_gpu_code_path_on_a_fake_gpu_and_fake_nccl(zero):
     """NcclComm and DataParallel's GPU side (CUDA-array views of our DevArrays, the second stream
-    waiting on backward's events, ZeRO-1's piece pointers) on tests/fake_gpu.py's heap, with a
+    waiting on backward's events, ZeRO-1's piece pointers) on tests/fake_runtime.py's heap, with a
     stand-in nccl.core that checks nccl4py's signatures: 2 ranks match 1 fake GPU at twice the batch."""
     need_mpi()
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
     p = subprocess.run([mpiexec(), "-n", "2", sys.executable, str(ROOT / "tests" / "dist_fake_nccl.py"), str(zero)],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr

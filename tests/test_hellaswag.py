@@ -269,12 +269,12 @@ def test_flags(files):
 
 
 def test_through_the_cuda_backends_plumbing(tmp_path):
-    """HellaSwag with the cuda backend's buffers (tests/fake_gpu.py: DevArrays, kernels replaced by
+    """HellaSwag with the cuda backend's buffers (tests/fake_runtime.py: DevArrays, kernels replaced by
     their references) scores exactly as the numpy backend: the GPU path's downloads and views."""
     from llmc.backend import CpuBackend
     from llmc.config import GPT2Config
     from llmc.model import GPT2
-    from tests.fake_gpu import FakeCudaBackend
+    from fake_runtime import FakeCudaBackend
     cfg = GPT2Config(max_seq_len=32, vocab_size=97, padded_vocab_size=100, num_layers=2, num_heads=2, channels=32)
     write_llmc_evalfile(tmp_path / "h.bin", random_examples(np.random.default_rng(4), 9, vocab=97))
     hs = HellaSwag(tmp_path / "h.bin", B=8, T=16, vocab_size=cfg.vocab_size)

@@ -3,6 +3,7 @@ PNG with a loss panel, plus a HellaSwag panel when eval lines are there.
 
     python -m pytest tests/test_plot_log.py -q      # needs matplotlib (requirements-test.txt)
 """
+import importlib.util
 import struct
 import subprocess
 import sys
@@ -11,8 +12,10 @@ import pytest
 
 from conftest import ROOT
 
-sys.path.insert(0, str(ROOT / "dev"))
-import plot_log  # noqa: E402
+# dev/plot_log.py is a script, not a package module: load it from its file
+_spec = importlib.util.spec_from_file_location("plot_log", ROOT / "dev" / "plot_log.py")
+plot_log = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(plot_log)
 
 LOG = """s:0 tel:10.8357
 s:1 trl:10.8411 lr:0.000300 norm:3.21

@@ -12,11 +12,8 @@ keeps the checkpoint's precision unless --dtype says otherwise, so by default no
 """
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere in the repo
-
-from llmc.errors import LLMCError  # noqa: E402
+from llmc.errors import LLMCError  # llmc installed (pip install -e .) or PYTHONPATH=. from the repo root
 
 
 def main(argv=None) -> int:
