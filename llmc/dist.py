@@ -34,6 +34,7 @@ How it works, as llm.c does it (docs/multi_gpu.md has more):
 """
 from __future__ import annotations
 
+import ctypes
 import os
 
 import numpy as np
@@ -269,14 +270,78 @@ class MpiComm:
         pass
 
 
-class _CudaArray:
-    """A DevArray (or view) seen through __cuda_array_interface__, which is how nccl4py takes
-    foreign device memory (1-D, contiguous, read-write)."""
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
 
-    def __init__(self, a):
-        self.__cuda_array_interface__ = {"shape": (a.size,), "strides": (a.dtype.itemsize,),
-                                         "data": (a.ptr, False), "typestr": a.dtype.str,
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32),
+                ("dtype", _DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
+                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
+
+
+class _DLManagedTensor(ctypes.Structure):
+    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p)]
+
+
+class _DLManagedTensorVersioned(ctypes.Structure):   # DLPack >= 1.0: version first, then flags
+    _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32), ("manager_ctx", ctypes.c_void_p),
+                ("deleter", ctypes.c_void_p), ("flags", ctypes.c_uint64), ("dl_tensor", _DLTensor)]
+
+
+_DL_CODES = {"i": 0, "u": 1, "f": 2}      # DLPack's kDLInt, kDLUInt, kDLFloat
+_DL_NAME = b"dltensor"                    # the capsule names: unversioned, and DLPack >= 1.0's
+_DL_NAME_V = b"dltensor_versioned"
+_LIVE: dict = {}   # address -> the ctypes structs of a handed-out tensor, until its consumer deletes it
+
+
+@ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+def _dl_deleter(addr):
+    _LIVE.pop(addr, None)
+
+
+_capsule_new = ctypes.pythonapi.PyCapsule_New
+_capsule_new.restype = ctypes.py_object
+_capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+
+
+class _CudaArray:
+    """A DevArray (or view) as nccl4py takes foreign device memory: 1-D, contiguous, read-write,
+    through DLPack (which names the device: kDLCUDA and this rank's GPU) and, for consumers that
+    only know it, __cuda_array_interface__ (which does not: nccl4py then guesses the device, and
+    guessed GPU 0 for rank 1 of 2 on the H200s). `device` is (DLPack device type, ordinal):
+    (2, gpu) for CUDA memory; the tests use (1, 0), host memory, to check the layout with numpy."""
+
+    def __init__(self, a, device=None):
+        self.ptr, self.size, self.dtype = int(a.ptr), int(a.size), np.dtype(a.dtype)
+        self.device = device or (2, int(getattr(getattr(a, "rt", None), "ordinal", 0)))
+        self.__cuda_array_interface__ = {"shape": (self.size,), "strides": (self.dtype.itemsize,),
+                                         "data": (self.ptr, False), "typestr": self.dtype.str,
                                          "stream": None, "version": 3}
+
+    def __dlpack_device__(self):
+        return self.device
+
+    def __dlpack__(self, stream=None, max_version=None, dl_device=None, copy=None):
+        # stream: the consumer's stream; our collectives are ordered by the caller's events, so
+        # there is nothing to wait for here. The structs stay alive (in _LIVE) until the consumer
+        # calls the deleter; the memory they describe is the model's and outlives them.
+        if copy:
+            raise BufferError("_CudaArray does not copy")
+        shape, strides = (ctypes.c_int64 * 1)(self.size), (ctypes.c_int64 * 1)(1)
+        t = _DLTensor(self.ptr, _DLDevice(*self.device), 1,
+                      _DLDataType(_DL_CODES[self.dtype.kind], 8 * self.dtype.itemsize, 1), shape, strides, 0)
+        deleter = ctypes.cast(_dl_deleter, ctypes.c_void_p)
+        if max_version is not None and tuple(max_version) >= (1, 0):   # the consumer reads 1.0
+            managed, name = _DLManagedTensorVersioned(1, 0, None, deleter, 0, t), _DL_NAME_V
+        else:
+            managed, name = _DLManagedTensor(t, None, deleter), _DL_NAME
+        _LIVE[ctypes.addressof(managed)] = (managed, shape, strides)
+        return _capsule_new(ctypes.addressof(managed), name, None)
 
 
 def _make_current(ordinal: int) -> None:

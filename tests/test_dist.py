@@ -386,3 +386,37 @@ def test_hellaswag_split_over_ranks_counts_every_example(tmp_path):
     assert len(line) == 1 and re.findall(r"^HellaSwag: \d+/7 = .*$", two.stdout, re.M) == line
     acc = float(line[0].split("= ")[1])
     assert (tmp_path / "out" / "main.log").read_text().splitlines() == [f"s:0 eval:{acc:.4f}"]
+
+
+def test_nccl_buffers_carry_their_device_through_dlpack():
+    """The collectives' buffer wrapper hands its memory over by DLPack, naming the device (nccl4py
+    guessed it wrong from __cuda_array_interface__ on the H200s). Checked with host memory, which
+    numpy consumes: the same structs with device (1, 0) instead of (2, rank's GPU)."""
+    from types import SimpleNamespace
+
+    from llmc.dist import _CudaArray
+    host = np.arange(10, dtype=np.float32) * 1.5
+    a = SimpleNamespace(ptr=host.ctypes.data, size=host.size, dtype=host.dtype)
+    view = _CudaArray(a, device=(1, 0))
+    got = np.from_dlpack(view)                          # numpy asks for DLPack 1.0: the versioned capsule
+    assert np.array_equal(got, host) and got.ctypes.data == host.ctypes.data   # the same memory
+
+    class Legacy:                                       # a consumer of the unversioned protocol
+        def __init__(self, v):
+            self.v = v
+
+        def __dlpack_device__(self):
+            return self.v.__dlpack_device__()
+
+        def __dlpack__(self, stream=None):
+            return self.v.__dlpack__(stream=stream)
+    old = np.from_dlpack(Legacy(view))
+    assert np.array_equal(old, host) and old.ctypes.data == host.ctypes.data
+    from llmc import dist
+    assert len(dist._LIVE) == 2
+    del got, old                                        # the consumers call the deleters
+    assert len(dist._LIVE) == 0
+    rt = SimpleNamespace(ordinal=1)
+    cuda = _CudaArray(SimpleNamespace(ptr=host.ctypes.data, size=4, dtype=np.dtype(np.int32), rt=rt))
+    assert cuda.__dlpack_device__() == (2, 1)
+    assert cuda.__cuda_array_interface__["typestr"] == "<i4"
