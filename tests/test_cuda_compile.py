@@ -56,3 +56,26 @@ def test_arch_specific_targets(monkeypatch):
     assert R.module_target("gemm", "sm_80") == "sm_80"
     assert R.arch_flags("sm_90a") == ["-gencode=arch=compute_90a,code=sm_90a"]
     assert R.arch_flags("sm_80") == ["-arch=sm_80"]
+
+
+@pytest.mark.gpu  # needs no GPU, but cuobjdump: the GPU machine has it, CI's doesn't
+def test_engine5_sass_has_hgmma_and_tma():
+    """Engine 5's kernels really run on Hopper's wgmma (HGMMA in the SASS, not HMMA/FFMA) with TMA
+    loads (UTMALDG), and none touches local memory (LDL/STL)."""
+    import shutil
+    import subprocess
+    if shutil.which("cuobjdump") is None:
+        pytest.skip("cuobjdump not installed")
+    cubin, _ = compile_cubin("gemm_wgmma", ARCH_SPECIFIC["gemm_wgmma"])
+    sass = subprocess.run(["cuobjdump", "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    funcs = {}
+    for block in sass.split("Function : ")[1:]:
+        name, body = block.split("\n", 1)
+        funcs[name.strip()] = body
+    engines = [f for f in funcs if f.startswith("gemm_wgmma_") and ("tf32" in f or "bf16" in f)]
+    assert len(engines) >= 9, sorted(funcs)
+    for f in engines:
+        body = funcs[f]
+        assert "HGMMA" in body and "UTMALDG" in body, f
+        assert " LDL" not in body and " STL" not in body, f"{f} uses local memory"
+        assert (".TF32" in body) == ("tf32" in f) and (".BF16" in body) == ("bf16" in f), f
