@@ -3,6 +3,7 @@ timed in one run: TFLOP/s and the ratio to cuBLAS at the same precision.
 
     python dev/bench_gemm.py                 # B=4 and B=16, T=1024; writes $OUT/bench_gemm.json if OUT is set
     python dev/bench_gemm.py --B 4 --reps 50
+    python dev/bench_gemm.py --plot docs/results/bench_gemm_h100_dweight.json docs/lab/gemm_wgmma.png   # chart, no GPU
 
 Shapes (row-major, N = B*T tokens): forward out(N,OC) = inp(N,C) @ W(OC,C)^T; dinp(N,C) = dout(N,OC) @ W;
 dweight(OC,C) = dout^T @ inp, for qkv, attproj, fc, fcproj and the lm head. Engine 5 (wgmma) takes only
@@ -19,12 +20,42 @@ import numpy as np
 LAYERS = {"qkv": (768, 2304), "attproj": (768, 768), "fc": (768, 3072), "fcproj": (3072, 768), "lmhead": (768, 50304)}
 
 
+def plot(json_path, png_path):
+    """A bar chart of TFLOP/s per GEMM (cuBLAS TF32, engine 4, engine 5), one panel per batch size,
+    engine 5's ratio to cuBLAS written over its bar."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = json.load(open(json_path))
+    Bs = sorted({r["B"] for r in rows})
+    fig, axes = plt.subplots(len(Bs), 1, figsize=(13, 4.2 * len(Bs)), squeeze=False)
+    for ax, B in zip(axes[:, 0], Bs):
+        rs = [r for r in rows if r["B"] == B]
+        x = np.arange(len(rs))
+        for i, (key, label) in enumerate([("cublas_tf32", "cuBLAS TF32 (torch)"), ("engine4", "engine 4 (mma.sync)"),
+                                          ("engine5_tf32", "engine 5 (wgmma + TMA)")]):
+            ax.bar(x + (i - 1) * 0.27, [r["tflops_" + key] for r in rs], 0.27, label=label)
+        for xi, r in zip(x, rs):
+            ax.text(xi + 0.27, r["tflops_engine5_tf32"] + 4, f"{r['cublas_tf32'] / r['engine5_tf32']:.2f}x",
+                    ha="center", fontsize=7)
+        ax.set_xticks(x, [f"{r['layer']}\n{r['gemm']}" for r in rs], fontsize=8)
+        ax.set_ylabel("TFLOP/s")
+        ax.set_title(f"GPT-2 d12 GEMMs, B={B}, T=1024, TF32 (H100; over engine 5's bar: its speed relative to cuBLAS)")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=110)
+    print(f"wrote {png_path}")
+
+
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--plot", nargs=2, metavar=("JSON", "PNG"), help="chart a saved run instead of measuring")
     ap.add_argument("--B", type=int, nargs="*", default=[4, 16])
     ap.add_argument("--T", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=30)
     args = ap.parse_args()
+    if args.plot:
+        return plot(*args.plot)
 
     import torch
     from llmc.runtime import Runtime
