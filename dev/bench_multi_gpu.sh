@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Data parallel on a multi-GPU machine, in one call; every log goes under $OUT (default gpu_out):
+# Data parallel on a multi-GPU machine, in one call. Logs are written under $WORK (default
+# /tmp/llmc_multi_gpu); what comes back goes to $OUT (default gpu_out): summary.txt, logs.tgz (every
+# log) and the two Chrome traces -- four files, under the GPU machine's limit of eight:
 #   1. agreement: d12 for 10 steps, 1 GPU at B=8 vs NP GPUs at B=8/NP (-z 0 and -z 1), same tokens:
 #      per-step and val losses side by side, the largest differences (TF32 noise expected)
 #   2. throughput at d12, B=16 per GPU, T=1024: 1 GPU, NP GPUs -z 0, NP GPUs -z 1; tokens/s (median
@@ -14,7 +16,8 @@
 # NCCL_NVLS_ENABLE stays 0 (NVLink multicast off; llmc/dist.py also sets it when unset).
 set -o pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
-OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
+RES=${OUT:-gpu_out}; mkdir -p "$RES"
+OUT=${WORK:-/tmp/llmc_multi_gpu}; rm -rf "$OUT"; mkdir -p "$OUT"   # (the logs' folder; $RES gets the results)
 [ -d .llmc_cache ] && export LLMC_CACHE=$PWD/.llmc_cache
 NP=${NP:-$(nvidia-smi -L | wc -l)}
 STEPS=${STEPS:-30}
@@ -154,3 +157,9 @@ bad)
 *) echo "unknown phase $phase" | tee -a "$S" ;;
 esac; done
 step "done"
+
+# what comes back: the summary, every log in one archive (no checkpoints), the traces
+cp "$S" "$RES/summary.txt"
+tar -czf "$RES/logs.tgz" -C "$OUT" --exclude='ck*' . 2>/dev/null
+cp "$OUT"/profile_z*.json "$RES/" 2>/dev/null
+exit 0
