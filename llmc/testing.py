@@ -45,3 +45,23 @@ def rel_err(got, ref) -> float:
     """||got - ref|| / ||ref|| in float64."""
     got = np.asarray(got, np.float64); ref = np.asarray(ref, np.float64)
     return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def tf32_close(got, ref, name: str = "out") -> None:
+    """TF32 tensor-core results: elementwise within 1% (of the value or of the output's rms), and
+    ||got - ref|| / ||ref|| < 2e-3 (TF32 rounds each input to 10 mantissa bits)."""
+    rms = float(np.sqrt(np.mean(np.square(ref)))) + 1e-30
+    assert_close(got, ref, atol=1e-2 * rms, rtol=1e-2, name=name)
+    assert rel_err(got, ref) < 2e-3, f"{name}: rel_err {rel_err(got, ref):.2e}"
+
+
+def check_matmul(got, ref, tf32: bool, name: str = "out", exact: bool = False) -> None:
+    """The GEMM and matmul tests' tolerance: exact (small-integer inputs), TF32, or fp32 (atol scaled
+    with the outputs' size: unscaled inputs give |out| ~ sqrt(K))."""
+    if exact:
+        assert_close(got, ref, atol=0, rtol=0, name=name)
+    elif tf32:
+        tf32_close(got, ref, name)
+    else:
+        rms = float(np.sqrt(np.mean(np.square(ref))))
+        assert_close(got, ref, atol=1e-4 * max(1.0, rms), rtol=1e-4, name=name)

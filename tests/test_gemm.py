@@ -145,22 +145,7 @@ def test_gemm_build_engine4(capsys):
 # GPU
 
 
-def tf32_close(got, ref, name):
-    from llmc.testing import assert_close, rel_err
-    rms = float(np.sqrt(np.mean(np.square(ref)))) + 1e-30
-    assert_close(got, ref, atol=1e-2 * rms, rtol=1e-2, name=name)
-    assert rel_err(got, ref) < 2e-3, f"{name}: rel_err {rel_err(got, ref):.2e}"
-
-
-def check(got, ref, tf32, name, exact=False):
-    from llmc.testing import assert_close
-    if exact:
-        assert_close(got, ref, atol=0, rtol=0, name=name)
-    elif tf32:
-        tf32_close(got, ref, name)
-    else:  # fp32: atol scales with the outputs' size (unscaled inputs give |out| ~ sqrt(K))
-        rms = float(np.sqrt(np.mean(np.square(ref))))
-        assert_close(got, ref, atol=1e-4 * max(1.0, rms), rtol=1e-4, name=name)
+from llmc.testing import check_matmul as check, tf32_close  # noqa: E402
 
 
 GEMM_CASES = [
