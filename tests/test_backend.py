@@ -95,20 +95,21 @@ def model_op_shapes(cfg, B, T):
 
 @pytest.mark.parametrize("cfg_name,B,T", [("d12", 4, 1024), ("L2C64H2", 3, 65), ("L1C80H5", 1, 1)])
 def test_every_variant_builds_or_refuses_cleanly(cfg_name, B, T):
-    """Every build function runs (grid, block, shared memory, scratch) for every variant at the
-    model's shapes, without a GPU: it builds when check() passes and raises VariantRefused when not."""
+    """Every build function runs (grid, block, shared memory, scratch) for every variant and every
+    element type it lists at the model's shapes, without a GPU: it builds when check() passes and raises VariantRefused when not."""
     shapes = model_op_shapes(config_from_name(cfg_name), B, T)
     assert {n for n, _ in shapes} == set(ops.registry())
     for name, shape in shapes:
         spec = ops.get(name)
         for num, v in spec.variants.items():
-            rt = FakeRuntime()
-            if spec.refuse_reason(num, **shape):
-                with pytest.raises(VariantRefused):
-                    spec.build(rt, num, **shape)
-            else:
-                launch = spec.build(rt, num, **shape)
-                assert callable(launch) and rt.built, (name, num, shape)
+            for dtype in v.dtypes:  # a bf16 build is covered the moment the variant lists it
+                rt = FakeRuntime()
+                if spec.refuse_reason(num, dtype, **shape):
+                    with pytest.raises(VariantRefused):
+                        spec.build(rt, num, dtype, **shape)
+                else:
+                    launch = spec.build(rt, num, dtype, **shape)
+                    assert callable(launch) and rt.built, (name, num, dtype, shape)
 
 
 def test_decoder_kernels_build_without_gpu():
