@@ -61,6 +61,7 @@ from pathlib import Path
 
 import numpy as np
 
+from llmc.bf16 import from_bf16, to_bf16
 from llmc.config import GPT2Config
 from llmc.errors import LLMCError
 
@@ -164,32 +165,6 @@ def _check_positive(path, kind: str, **fields) -> None:
 
 
 # -----------------------------------------------------------------------------
-# bf16 <-> fp32
-
-
-def fp32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
-    """fp32 -> bf16 bit patterns (uint16), round to nearest, ties to even. NaN stays a quiet NaN.
-
-    Add 0x7FFF plus the lowest kept bit, then drop the low 16 bits: below the halfway point this
-    truncates, above it carries into the kept bits, and exactly at halfway it carries only when
-    the kept part is odd. Overflow carries into the exponent and gives inf, as it should."""
-    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    rounded = bits + (np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))
-    out = (rounded >> np.uint32(16)).astype(np.uint16)
-    nan = np.isnan(bits.view(np.float32))
-    if nan.any():  # NaN + 0x7FFF could carry into the sign bit; keep sign, make it a quiet NaN
-        out[nan] = ((bits[nan] >> np.uint32(16)) | np.uint32(0x0040)).astype(np.uint16)
-    return out
-
-
-def bf16_bits_to_fp32(bits: np.ndarray) -> np.ndarray:
-    """bf16 bit patterns (uint16) -> fp32, exact: the 16 bits become the high half of the fp32."""
-    out = np.zeros(bits.size, dtype=np.uint32)
-    out.view(np.uint16)[1::2] = bits.reshape(-1)  # little-endian: the high half is the odd uint16
-    return out.view(np.float32)
-
-
-# -----------------------------------------------------------------------------
 # model checkpoint
 
 
@@ -215,7 +190,7 @@ def read_model(path) -> tuple[GPT2Config, np.ndarray]:
         params = np.fromfile(path, dtype="<f4", count=n, offset=HEADER_BYTES)
     else:
         check_size(path, kind, 2 * n, f"header ({shape}) says {n:,} bf16 params")
-        params = bf16_bits_to_fp32(np.fromfile(path, dtype="<u2", count=n, offset=HEADER_BYTES))
+        params = from_bf16(np.fromfile(path, dtype="<u2", count=n, offset=HEADER_BYTES))
     return cfg, params
 
 
@@ -238,7 +213,7 @@ def write_model(path, cfg: GPT2Config, params: np.ndarray, dtype: str = "fp32") 
             f.write(memoryview(params).cast("B"))
         else:  # convert in chunks so a big model doesn't need a second full-size temporary
             for i in range(0, n, _CHUNK):
-                f.write(fp32_to_bf16_bits(params[i:i + _CHUNK]).tobytes())
+                f.write(to_bf16(params[i:i + _CHUNK]).tobytes())
 
 
 # -----------------------------------------------------------------------------

@@ -41,7 +41,8 @@ from pathlib import Path
 
 import numpy as np
 
-from llmc.checkpoint import atomic_open, bf16_bits_to_fp32, fp32_to_bf16_bits, read_model
+from llmc.bf16 import from_bf16, to_bf16
+from llmc.checkpoint import atomic_open, read_model
 from llmc.config import GPT2Config, param_layout, param_shapes
 from llmc.errors import LLMCError
 
@@ -69,7 +70,7 @@ def write_safetensors(path, tensors, metadata: dict | None = None) -> None:
         f.write(blob)
         for _, arr, dt in tensors:
             a = np.ascontiguousarray(arr, dtype=np.float32)
-            f.write(fp32_to_bf16_bits(a).astype("<u2").tobytes() if dt == "BF16" else a.astype("<f4").tobytes())
+            f.write(to_bf16(a).astype("<u2").tobytes() if dt == "BF16" else a.astype("<f4").tobytes())
 
 
 def read_safetensors_header(path) -> tuple[dict, int]:
@@ -115,7 +116,7 @@ def read_tensor(path, entry: dict, data_start: int) -> np.ndarray:
     raw = np.fromfile(path, dtype="<u2" if dt != "F32" else "<f4",
                       count=(end - b) // SAFETENSORS_DTYPES[dt], offset=data_start + b)
     if dt == "BF16":
-        raw = bf16_bits_to_fp32(raw)
+        raw = from_bf16(raw)
     elif dt == "F16":
         raw = raw.view("<f2").astype(np.float32)
     return raw.reshape(shape).astype(np.float32, copy=False)

@@ -8,8 +8,8 @@ import os
 import numpy as np
 import pytest
 
-from llmc.checkpoint import (HEADER_BYTES, atomic_open, bf16_bits_to_fp32, fp32_to_bf16_bits,
-                             read_debug_state, read_model, read_state, write_debug_state,
+from llmc.bf16 import from_bf16, to_bf16
+from llmc.checkpoint import (HEADER_BYTES, atomic_open, read_debug_state, read_model, read_state, write_debug_state,
                              write_model, write_state)
 from llmc.config import GPT2Config
 from llmc.errors import LLMCError
@@ -39,23 +39,23 @@ def test_bf16_matches_torch_round_to_nearest_even(rng):
         np.array([0.0, -0.0, np.inf, -np.inf, 1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8),
                   np.finfo(np.float32).max, np.finfo(np.float32).tiny / 3, 3e38], dtype=np.float32),
     ]).astype(np.float32)
-    ours = fp32_to_bf16_bits(x).astype("<u2").tobytes()
+    ours = to_bf16(x).astype("<u2").tobytes()
     assert ours == bf16_bytes_torch(x)
     # the ties explicitly: 1 + 2^-8 is halfway between 1 and 1 + 2^-7 -> even (1.0);
     # 1 + 3*2^-8 is halfway between 1 + 2^-7 and 1 + 2^-6 -> even (1 + 2^-6)
-    back = bf16_bits_to_fp32(fp32_to_bf16_bits(np.array([1 + 2**-8, 1 + 3 * 2**-8], np.float32)))
+    back = from_bf16(to_bf16(np.array([1 + 2**-8, 1 + 3 * 2**-8], np.float32)))
     assert back.tolist() == [1.0, 1 + 2**-6]
 
 
 def test_bf16_nan_stays_nan():
     x = np.array([np.nan, -np.nan], dtype=np.float32)
     x.view(np.uint32)[1] = 0xFFFFFFFF  # the NaN whose +0x7FFF would wrap around
-    assert np.isnan(bf16_bits_to_fp32(fp32_to_bf16_bits(x))).all()
+    assert np.isnan(from_bf16(to_bf16(x))).all()
 
 
 def test_bf16_to_fp32_exact(rng):
     bits = rng.integers(0, 2**16, 5000).astype(np.uint16)
-    got = bf16_bits_to_fp32(bits).view(np.uint32)
+    got = from_bf16(bits).view(np.uint32)
     assert (got == bits.astype(np.uint32) << 16).all()
 
 
@@ -146,7 +146,7 @@ def test_write_model_is_atomic(tmp_path, rng, monkeypatch):
 
     def crash(x):
         raise KeyboardInterrupt  # e.g. Ctrl-C halfway through the write
-    monkeypatch.setattr(ckpt, "fp32_to_bf16_bits", crash)
+    monkeypatch.setattr(ckpt, "to_bf16", crash)
     with pytest.raises(KeyboardInterrupt):
         write_model(path, CFG, random_params(rng), dtype="bf16")
     assert path.read_bytes() == before
