@@ -99,7 +99,7 @@ speed)
 import re, statistics, sys
 base, n = sys.argv[1], int(sys.argv[2])
 t = open(base + ".txt").read()
-rows = re.findall(r"^step\s+(\d+)/\d+ \| loss [0-9.]+ .*\| ([0-9.]+) ms \| (\d+) tok/s", t, re.M)
+rows = re.findall(r"^step\s+(\d+)/\d+ \| loss [0-9.]+ .*?\| ([0-9.]+) ms \|.*?(\d+) tok/s", t, re.M)
 late = [(float(ms), int(tok)) for s, ms, tok in rows if int(s) > 5]
 if late:
     print(f"  {statistics.median(t for _, t in late):,.0f} tokens/s, {statistics.median(m for m, _ in late):.2f} ms/step "
