@@ -404,7 +404,7 @@ class NcclComm:
         if seen != mine:
             raise LLMCError(f"NCCL: nccl4py sees this rank's buffers on GPU {seen} but its communicator on "
                             f"GPU {mine} (rank {self.comm.rank}, PyCUDA device {getattr(rt, 'ordinal', '?')}); "
-                            "see docs/multi_gpu.md, 'Known problem'")
+                            "the buffers go to nccl4py through DLPack (llmc/dist.py: _CudaArray): is nccl4py older than 0.6?")
 
     def describe(self) -> str:
         try:
