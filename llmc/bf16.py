@@ -9,8 +9,8 @@
 On the GPU the same bits are __nv_bfloat16. A DevArray of a bf16 tensor has dtype BF16 (uint16), so
 uploads and downloads move the bits untouched: dev.set(to_bf16(x)), from_bf16(dev.get()).
 
-Precision of bf16: 8 significant bits, so one rounding is off by at most 2^-9 = 0.2% relative
-(BF16_EPS / 2); a sum or dot product accumulated in fp32 and rounded once at the end is off by
+Precision of bf16: 8 significant bits, so one rounding is off by at most half a unit in the last
+place, 2^-8 = 0.4% relative (BF16_EPS / 2); a sum or dot product accumulated in fp32 and rounded once at the end is off by
 about that much, which is what the bf16 tests' tolerances are built from.
 """
 from __future__ import annotations
