@@ -97,7 +97,6 @@ for dtype in DTYPES:
                 L.validate(f"{k}{sfx}", lambda: (reset(), fn()), outputs={"params": d_p}, refs=refs,
                            atol=1e-6, rtol=2.0 ** -7)
             L.time(f"{k}{sfx}", lambda: launch(*args, d_hp, *tail), block_size=bs, bytes=nbytes)
-    del d_g, d_m, d_v, d_p
 
 try:
     import torch
