@@ -4,6 +4,18 @@
 // version 1: one thread per element, scalar loads
 // version 2: float4 grid-stride loop with streaming loads/stores; any alignment (scalar head/tail, scalar fallback)
 //
+// bf16 builds (issue 13) of versions 1 and 2 (entry points <name>_bf16), llm.c's mixed precision:
+//   params(n) bf16 out, grads(n) bf16, m(n), v(n) fp32 in/out, norm2(1), hp(8) fp32, master(n) fp32
+//   in/out, seed(1) uint32 on the device (so a captured update replays with each step's seed).
+// The update above runs on the fp32 master (the same arithmetic as the fp32 kernels, weight decay on
+// the old master); then params = bf16(master): stochastic rounding when seed != 0, round to nearest
+// even when seed == 0. params is only written, never read.
+// Stochastic rounding: a 32-bit hash r of (seed, offset + i), the element's index in the whole
+// parameter buffer (offset: a build argument, the range's start), so the bits depend neither on
+// the launch configuration nor on how the buffer is cut into ranges (or ZeRO shards). The result is
+// the fp32 bits plus the low 16 bits of r, cut to the upper 16: it rounds away from zero with
+// probability (dropped bits) / 2^16, exactly the fractional position: unbiased.
+//
 //   params(n), grads(n), m(n), v(n) in/out (grads read only), norm2(1) read only, hp(8) read only:
 //   the hyperparameters lr, b1, b2, bc1, bc2, eps, wd, max_norm, read from the device so that a
 //   captured CUDA graph of the update replays with the current step's values (the model uploads
@@ -21,7 +33,9 @@
 //   torch.optim.AdamW(fused=True).step(): 1.480 ms (no clipping in it)
 // Both are at the DRAM floor; the float4 version wins by little because a thread per element already
 // has four independent loads in flight.
-#include "common.cuh"
+// bf16: read grads (2), m, v, master (12); write params (2), m, v, master (12): 28 bytes per
+// parameter, as in fp32 -> 1.17 ms at 124M params. Not yet measured.
+#include "elem.cuh"
 
 // the clip scale, computed by every thread from the one norm2 float (a broadcast load)
 __device__ __forceinline__ float clip_scale(const float* norm2, float max_norm) {
@@ -105,5 +119,114 @@ extern "C" __global__ void adamw_kernel2(float* params, const float* grads, floa
         adamw_update(p.z, g.z, mm.z, vv.z, a);
         adamw_update(p.w, g.w, mm.w, vv.w, a);
         __stcs(p4 + i, p); __stcs(m4 + i, mm); __stcs(v4 + i, vv);
+    }
+}
+
+// ----------------------------------------------------------------------------------------------
+// bf16 builds: the update on the fp32 master, params = bf16(master)
+
+// a 32-bit integer hash with full avalanche (xor-shift-multiply; a bijection of uint32). The hash
+// functions are __host__ too: tests/test_adamw.py compiles them into a host program and checks the
+// numpy copy (llmc/ops/adamw.py: sr_bits) against them bit for bit, without a GPU.
+__host__ __device__ __forceinline__ unsigned int mix32(unsigned int x) {
+    x ^= x >> 16; x *= 0x7FEB352Du;
+    x ^= x >> 15; x *= 0x846CA68Bu;
+    x ^= x >> 16;
+    return x;
+}
+
+// the random bits of element idx under seed (llmc/ops/adamw.py: sr_bits is the same function in numpy)
+struct SRKey {
+    unsigned int k0, k1;
+};
+__host__ __device__ __forceinline__ SRKey sr_key(unsigned int seed) {
+    return SRKey{mix32(seed), mix32(seed + 0x9E3779B9u)};
+}
+__host__ __device__ __forceinline__ unsigned int sr_bits(const SRKey& key, unsigned long long idx) {
+    return mix32(mix32((unsigned int)idx ^ key.k0) + ((unsigned int)(idx >> 32) ^ key.k1));
+}
+
+// fp32 -> bf16 bits: stochastic rounding with random bits r, or round to nearest even if !stochastic.
+// inf and NaN go through the plain conversion (adding to a NaN's bits could carry into the sign).
+__device__ __forceinline__ unsigned short round_param(float x, bool stochastic, unsigned int r) {
+    const unsigned int u = __float_as_uint(x);
+    if (!stochastic || (u & 0x7F800000u) == 0x7F800000u) return __bfloat16_as_ushort(__float2bfloat16_rn(x));
+    return (unsigned short)((u + (r & 0xFFFFu)) >> 16);  // a carry out of the low half rounds up
+}
+
+__device__ __forceinline__ void adamw_scalar_bf16(bf16* params, const bf16* grads, float* m, float* v, float* master,
+                                                  size_t i, const AdamWArgs& a, bool stochastic, const SRKey& key,
+                                                  unsigned long long offset) {
+    float p = master[i], mi = m[i], vi = v[i];
+    adamw_update(p, to_f32(grads[i]), mi, vi, a);
+    master[i] = p; m[i] = mi; v[i] = vi;
+    params[i] = __ushort_as_bfloat16(round_param(p, stochastic, stochastic ? sr_bits(key, offset + i) : 0u));
+}
+
+// version 1, bf16: one thread per element
+extern "C" __global__ void adamw_kernel1_bf16(bf16* params, const bf16* grads, float* m, float* v,
+                                              const float* norm2, const float* hp, float* master,
+                                              const unsigned int* seed, int n, long long offset) {
+    const size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    if (i >= (size_t)n) return;
+    const AdamWArgs a = adamw_args(hp, norm2);
+    const unsigned int s = __ldg(seed);
+    adamw_scalar_bf16(params, grads, m, v, master, i, a, s != 0u, sr_key(s), (unsigned long long)offset);
+}
+
+// version 2, bf16: groups of 4 elements (16-byte loads of m, v, master; 8-byte loads and stores of
+// grads, params) when the five arrays start at the same element offset modulo 4 (always so in the
+// model: views at the same offset into 256-byte aligned buffers), with a scalar head up to that
+// boundary and a scalar tail; otherwise the scalar grid-stride path (slower, never wrong).
+extern "C" __global__ void adamw_kernel2_bf16(bf16* params, const bf16* grads, float* m, float* v,
+                                              const float* norm2, const float* hp, float* master,
+                                              const unsigned int* seed, int n, long long offset) {
+    const AdamWArgs a = adamw_args(hp, norm2);
+    const unsigned int s = __ldg(seed);
+    const bool stochastic = s != 0u;
+    const SRKey key = sr_key(s);
+    const unsigned long long off = (unsigned long long)offset;
+    const size_t tid = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    const size_t stride = (size_t)gridDim.x * blockDim.x;
+    const unsigned mis = ((uintptr_t)master & 15u) >> 2;  // element offset mod 4 of each array
+    if ((((uintptr_t)m & 15u) >> 2) != mis || (((uintptr_t)v & 15u) >> 2) != mis ||
+        (((uintptr_t)params & 7u) >> 1) != mis || (((uintptr_t)grads & 7u) >> 1) != mis) {
+        for (size_t i = tid; i < (size_t)n; i += stride)
+            adamw_scalar_bf16(params, grads, m, v, master, i, a, stochastic, key, off);
+        return;
+    }
+    const int head = min(n, (int)((4u - mis) & 3u));  // elements up to the 16-byte boundary
+    const int n4 = (n - head) >> 2;
+    const int tail = head + 4 * n4;
+    if (tid < (size_t)head) adamw_scalar_bf16(params, grads, m, v, master, tid, a, stochastic, key, off);
+    if (tid < (size_t)(n - tail)) adamw_scalar_bf16(params, grads, m, v, master, tail + tid, a, stochastic, key, off);
+
+    float4* w4 = reinterpret_cast<float4*>(master + head);
+    float4* m4 = reinterpret_cast<float4*>(m + head);
+    float4* v4 = reinterpret_cast<float4*>(v + head);
+    const uint2* g4 = reinterpret_cast<const uint2*>(grads + head);
+    uint2* p4 = reinterpret_cast<uint2*>(params + head);
+    for (size_t i = tid; i < (size_t)n4; i += stride) {
+        // read once, written once: streaming hints keep 3.5 GB of traffic from churning L2
+        float4 p = __ldcs(w4 + i), mm = __ldcs(m4 + i), vv = __ldcs(v4 + i);
+        float g[4];
+        unpack_vec<bf16, 4>(__ldcs(g4 + i), g);
+        adamw_update(p.x, g[0], mm.x, vv.x, a);
+        adamw_update(p.y, g[1], mm.y, vv.y, a);
+        adamw_update(p.z, g[2], mm.z, vv.z, a);
+        adamw_update(p.w, g[3], mm.w, vv.w, a);
+        __stcs(w4 + i, p); __stcs(m4 + i, mm); __stcs(v4 + i, vv);
+        const unsigned long long idx = off + head + 4 * i;  // of p.x in the whole buffer
+        unsigned short b0, b1, b2, b3;
+        if (stochastic) {
+            b0 = round_param(p.x, true, sr_bits(key, idx));
+            b1 = round_param(p.y, true, sr_bits(key, idx + 1));
+            b2 = round_param(p.z, true, sr_bits(key, idx + 2));
+            b3 = round_param(p.w, true, sr_bits(key, idx + 3));
+        } else {
+            b0 = round_param(p.x, false, 0u); b1 = round_param(p.y, false, 0u);
+            b2 = round_param(p.z, false, 0u); b3 = round_param(p.w, false, 0u);
+        }
+        __stcs(p4 + i, make_uint2((unsigned)b0 | ((unsigned)b1 << 16), (unsigned)b2 | ((unsigned)b3 << 16)));
     }
 }

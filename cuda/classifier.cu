@@ -7,6 +7,12 @@
 // version 3: one block per row, the row copied once into shared memory with cp.async; both passes read shared memory
 // version 4: version 3 made persistent: a block walks rows and prefetches its next row into shared memory during the write pass
 //
+// bf16 builds (issue 13) of versions 1, 2 and 3: the same bodies instantiated for bf16 logits
+// (entry points <name>_bf16). The row is read as bf16 and widened exactly; max, sum of exp, the
+// loss and each gradient value are fp32 arithmetic; the gradient is rounded to bf16 once, on its
+// store. losses stay fp32. Chunks are 16 bytes (8 bf16) when Vp % 8 == 0, else 8 bytes (4 bf16:
+// the _vec4 instantiations), so a bf16 build takes every shape the fp32 one takes.
+//
 //   losses(N) =, logits(N, Vp) in/out, targets(N) int32, dloss, write_dlogits
 //   losses[i] = -log softmax(logits[i, :V])[targets[i]]
 //   if write_dlogits: logits[i, :V] = (softmax - onehot(targets[i])) * dloss, logits[i, V:Vp] = 0
@@ -27,7 +33,13 @@
 // 132 rows (26.5 MB) in flight, and pass 2 finds its row still in L2. At 512 threads (more rows in
 // flight) it drops to 2.36 TB/s, at 256 to 2.03. Version 4's prefetch did not pay: the block
 // switch between rows was not costing anything measurable, and the persistent loop is 5% slower.
-#include "common.cuh"
+//
+// bf16 (not yet measured): the floor halves, read N*Vp*2 + write N*Vp*2 = 0.82 GB -> 0.277 ms. A row
+// is 100.5 KB of shared memory in version 3, so two blocks fit on an SM (1024 threads each when the
+// kernel stays within 32 registers: __launch_bounds__(1024, 2)): one block's loads overlap the
+// other's reductions and stores, which matters more than in fp32 since each row's fixed cost
+// (two block reductions, the launch of a block) is spread over half the bytes.
+#include "elem.cuh"
 
 // 16-byte loads each thread issues before using the first (version 2)
 #define UNROLL 4
@@ -43,15 +55,27 @@ __device__ __forceinline__ void ms_merge(float& m, float& s, float m2, float s2)
     m = mn;
 }
 
-// fold four values into (m, s); lanes masked out are -INFINITY and add expf(-inf) = 0 exactly.
-// At least one lane is real whenever this is called, so m never stays at -FLT_MAX after it.
-__device__ __forceinline__ void ms_update4(float& m, float& s, float a0, float a1, float a2, float a3) {
-    const float cm = fmaxf(fmaxf(a0, a1), fmaxf(a2, a3));
+// fold one chunk of VEC values into (m, s); lanes masked out are -INFINITY and add expf(-inf) = 0
+// exactly. At least one lane is real whenever this is called, so m never stays at -FLT_MAX after it.
+// (VEC = 4: the max is fmaxf(fmaxf(a0, a1), fmaxf(a2, a3)), the sum ((e0 + e1) + e2) + e3.)
+template <int VEC>
+__device__ __forceinline__ void ms_update(float& m, float& s, const float (&a)[VEC]) {
+    float t[VEC];
+#pragma unroll
+    for (int k = 0; k < VEC; k++) t[k] = a[k];
+#pragma unroll
+    for (int w = 1; w < VEC; w *= 2)  // pairwise max tree
+#pragma unroll
+        for (int k = 0; k < VEC; k += 2 * w) t[k] = fmaxf(t[k], t[k + w]);
+    const float cm = t[0];
     if (cm > m) {  // rescale only when the max moves: rare after the first few chunks
         s *= expf(m - cm);
         m = cm;
     }
-    s += expf(a0 - m) + expf(a1 - m) + expf(a2 - m) + expf(a3 - m);
+    float e = expf(a[0] - m);
+#pragma unroll
+    for (int k = 1; k < VEC; k++) e += expf(a[k] - m);
+    s += e;
 }
 
 // block-wide merge of every thread's (m, s); every thread gets the result. Ends with a barrier,
@@ -85,86 +109,97 @@ __device__ __forceinline__ float dlogit(float x, int col, int V, int target, flo
     return (col < V) ? (p - (col == target ? 1.0f : 0.0f)) * dloss : 0.0f;
 }
 
-__device__ __forceinline__ float4 dlogit4(float4 x, int col, int V, int target, float m, float inv_s, float dloss) {
-    return make_float4(dlogit(x.x, col, V, target, m, inv_s, dloss),
-                       dlogit(x.y, col + 1, V, target, m, inv_s, dloss),
-                       dlogit(x.z, col + 2, V, target, m, inv_s, dloss),
-                       dlogit(x.w, col + 3, V, target, m, inv_s, dloss));
+// the gradient of the chunk at columns col..col+VEC-1, in place
+template <int VEC>
+__device__ __forceinline__ void dlogit_vec(float (&x)[VEC], int col, int V, int target, float m, float inv_s, float dloss) {
+#pragma unroll
+    for (int k = 0; k < VEC; k++) x[k] = dlogit(x[k], col + k, V, target, m, inv_s, dloss);
 }
 
-// the four values of chunk `col..col+3` with columns >= V masked to -inf
-__device__ __forceinline__ void mask4(float4 x, int col, int V, float& a0, float& a1, float& a2, float& a3) {
-    a0 = x.x; a1 = x.y; a2 = x.z; a3 = x.w;
-    if (col + 3 >= V) {  // only the chunk that straddles V takes this branch
-        if (col + 1 >= V) a1 = -INFINITY;
-        if (col + 2 >= V) a2 = -INFINITY;
-        a3 = -INFINITY;
+// the chunk at columns col..col+VEC-1 with columns >= V masked to -inf (the first is always real)
+template <int VEC>
+__device__ __forceinline__ void mask_vec(float (&a)[VEC], int col, int V) {
+    if (col + VEC - 1 >= V) {  // only the chunk that straddles V takes this branch
+#pragma unroll
+        for (int k = 1; k < VEC; k++)
+            if (col + k >= V) a[k] = -INFINITY;
     }
 }
 
 // ----------------------------------------------------------------------------------------------
 // version 1: three plain passes, one block per row, any V and Vp.
-// traffic per row: read V floats three times (max, sum, write), write Vp floats.
+// traffic per row: read V elements three times (max, sum, write), write Vp elements.
 
-extern "C" __global__ void classifier_kernel1(float* losses, float* logits, const int* targets,
-                                              float dloss, int write_dlogits, int N, int V, int Vp) {
+template <typename T>
+__device__ __forceinline__ void classifier1_row(float* losses, T* logits, const int* targets,
+                                                float dloss, int write_dlogits, int N, int V, int Vp) {
     __shared__ float shared[32];
     __shared__ float sh_xt;  // logits[row, target], read before anything overwrites it
     const int row = blockIdx.x;
-    float* x = logits + (size_t)row * Vp;  // (Vp,)
+    T* x = logits + (size_t)row * Vp;  // (Vp,)
     const int target = targets[row];
-    if (threadIdx.x == 0) sh_xt = x[target];
+    if (threadIdx.x == 0) sh_xt = to_f32(x[target]);
 
     float m = -FLT_MAX;
-    for (int j = threadIdx.x; j < V; j += blockDim.x) m = fmaxf(m, x[j]);
+    for (int j = threadIdx.x; j < V; j += blockDim.x) m = fmaxf(m, to_f32(x[j]));
     m = block_reduce_max(m, shared);  // its barriers also publish sh_xt
     float s = 0.0f;
-    for (int j = threadIdx.x; j < V; j += blockDim.x) s += expf(x[j] - m);
+    for (int j = threadIdx.x; j < V; j += blockDim.x) s += expf(to_f32(x[j]) - m);
     s = block_reduce_sum(s, shared);
 
     if (threadIdx.x == 0) losses[row] = logf(s) + m - sh_xt;  // -(x_t - m - log s)
     if (!write_dlogits) return;
     const float inv_s = 1.0f / s;
     for (int j = threadIdx.x; j < Vp; j += blockDim.x)
-        x[j] = dlogit(x[j], j, V, target, m, inv_s, dloss);
+        x[j] = from_f32<T>(dlogit(to_f32(x[j]), j, V, target, m, inv_s, dloss));
+}
+
+extern "C" __global__ void classifier_kernel1(float* losses, float* logits, const int* targets,
+                                              float dloss, int write_dlogits, int N, int V, int Vp) {
+    classifier1_row<float>(losses, logits, targets, dloss, write_dlogits, N, V, Vp);
+}
+extern "C" __global__ void classifier_kernel1_bf16(float* losses, bf16* logits, const int* targets,
+                                                   float dloss, int write_dlogits, int N, int V, int Vp) {
+    classifier1_row<bf16>(losses, logits, targets, dloss, write_dlogits, N, V, Vp);
 }
 
 // ----------------------------------------------------------------------------------------------
 // version 2: online softmax. Pass 1 reads the row once for both max and sum (plain loads, so the
 // row may still be in L2 for pass 2); pass 2 re-reads it with a last-use hint and writes the
-// gradient with a streaming store. Needs Vp % 4 == 0 and a 16-byte aligned logits pointer.
-// traffic per row: read ceil(V/4)*4 floats twice, write Vp floats.
+// gradient with a streaming store. Needs Vp % VEC == 0 and logits aligned to a chunk (VEC elements).
+// traffic per row: read ceil(V/VEC)*VEC elements twice, write Vp elements.
 
-extern "C" __global__ void classifier_kernel2(float* losses, float* logits, const int* targets,
-                                              float dloss, int write_dlogits, int N, int V, int Vp) {
+template <typename T, int VEC>
+__device__ __forceinline__ void classifier2_row(float* losses, T* logits, const int* targets,
+                                                float dloss, int write_dlogits, int N, int V, int Vp) {
     __shared__ float sh_m[32], sh_s[32];
     __shared__ float sh_xt;
     const int row = blockIdx.x;
-    float* x = logits + (size_t)row * Vp;  // (Vp,)
+    T* x = logits + (size_t)row * Vp;  // (Vp,)
     const int target = targets[row];
-    if (threadIdx.x == 0) sh_xt = x[target];
+    if (threadIdx.x == 0) sh_xt = to_f32(x[target]);
 
-    const int nv4 = ceil_div(V, 4);  // chunks holding at least one real column
+    const int nv = ceil_div(V, VEC);  // chunks holding at least one real column
     const int bs = blockDim.x;
     float m = -FLT_MAX, s = 0.0f;
     // UNROLL loads issued before the first is used: the online update branches, so the compiler
     // would otherwise leave one 16-byte load in flight per thread
     int i = threadIdx.x;
-    for (; i + (UNROLL - 1) * bs < nv4; i += UNROLL * bs) {
-        float4 v[UNROLL];
+    for (; i + (UNROLL - 1) * bs < nv; i += UNROLL * bs) {
+        float v[UNROLL][VEC];
 #pragma unroll
-        for (int k = 0; k < UNROLL; k++) v[k] = load4(x + 4 * (i + k * bs));
+        for (int k = 0; k < UNROLL; k++) load_vec<T, VEC>(x + VEC * (i + k * bs), v[k]);
 #pragma unroll
         for (int k = 0; k < UNROLL; k++) {
-            float a0, a1, a2, a3;
-            mask4(v[k], 4 * (i + k * bs), V, a0, a1, a2, a3);
-            ms_update4(m, s, a0, a1, a2, a3);
+            mask_vec<VEC>(v[k], VEC * (i + k * bs), V);
+            ms_update<VEC>(m, s, v[k]);
         }
     }
-    for (; i < nv4; i += bs) {
-        float a0, a1, a2, a3;
-        mask4(load4(x + 4 * i), 4 * i, V, a0, a1, a2, a3);
-        ms_update4(m, s, a0, a1, a2, a3);
+    for (; i < nv; i += bs) {
+        float v[VEC];
+        load_vec<T, VEC>(x + VEC * i, v);
+        mask_vec<VEC>(v, VEC * i, V);
+        ms_update<VEC>(m, s, v);
     }
     block_reduce_ms(m, s, sh_m, sh_s);  // its barriers also publish sh_xt
 
@@ -172,94 +207,144 @@ extern "C" __global__ void classifier_kernel2(float* losses, float* logits, cons
     if (!write_dlogits) return;
     const float inv_s = 1.0f / s;
     i = threadIdx.x;
-    for (; i + (UNROLL - 1) * bs < nv4; i += UNROLL * bs) {
-        float4 v[UNROLL];
+    for (; i + (UNROLL - 1) * bs < nv; i += UNROLL * bs) {
+        float v[UNROLL][VEC];
 #pragma unroll
-        for (int k = 0; k < UNROLL; k++) v[k] = load4_cs(x + 4 * (i + k * bs));
+        for (int k = 0; k < UNROLL; k++) load_vec<T, VEC, LD_CS>(x + VEC * (i + k * bs), v[k]);
 #pragma unroll
         for (int k = 0; k < UNROLL; k++) {
-            const int col = 4 * (i + k * bs);
-            store4_cs(x + col, dlogit4(v[k], col, V, target, m, inv_s, dloss));
+            const int col = VEC * (i + k * bs);
+            dlogit_vec<VEC>(v[k], col, V, target, m, inv_s, dloss);
+            store_vec<T, VEC, ST_CS>(x + col, v[k]);
         }
     }
-    for (; i < nv4; i += bs) store4_cs(x + 4 * i, dlogit4(load4_cs(x + 4 * i), 4 * i, V, target, m, inv_s, dloss));
-    for (i = nv4 + threadIdx.x; i < Vp / 4; i += bs)  // padded chunks: zeros, never read
-        store4_cs(x + 4 * i, make_float4(0.0f, 0.0f, 0.0f, 0.0f));
+    for (; i < nv; i += bs) {
+        float v[VEC];
+        load_vec<T, VEC, LD_CS>(x + VEC * i, v);
+        dlogit_vec<VEC>(v, VEC * i, V, target, m, inv_s, dloss);
+        store_vec<T, VEC, ST_CS>(x + VEC * i, v);
+    }
+    const float zero[VEC] = {};
+    for (i = nv + threadIdx.x; i < Vp / VEC; i += bs)  // padded chunks: zeros, never read
+        store_vec<T, VEC, ST_CS>(x + VEC * i, zero);
+}
+
+extern "C" __global__ void classifier_kernel2(float* losses, float* logits, const int* targets,
+                                              float dloss, int write_dlogits, int N, int V, int Vp) {
+    classifier2_row<float, 4>(losses, logits, targets, dloss, write_dlogits, N, V, Vp);
+}
+extern "C" __global__ void classifier_kernel2_bf16(float* losses, bf16* logits, const int* targets,
+                                                   float dloss, int write_dlogits, int N, int V, int Vp) {
+    classifier2_row<bf16, 8>(losses, logits, targets, dloss, write_dlogits, N, V, Vp);  // Vp % 8 == 0
+}
+extern "C" __global__ void classifier_kernel2_bf16_vec4(float* losses, bf16* logits, const int* targets,
+                                                        float dloss, int write_dlogits, int N, int V, int Vp) {
+    classifier2_row<bf16, 4>(losses, logits, targets, dloss, write_dlogits, N, V, Vp);  // Vp % 4 == 0
 }
 
 // ----------------------------------------------------------------------------------------------
 // versions 3 and 4: the row goes through shared memory, so DRAM sees each logit read once and
-// written once (the floor). A 50257-column row is 201 KB: one block per SM on an H100 (227 KB
-// opt-in), not possible on an A100 (163 KB): the launcher refuses there.
+// written once (the floor). A 50257-column fp32 row is 201 KB: one block per SM on an H100 (227 KB
+// opt-in), not possible on an A100 (163 KB): the launcher refuses there. A bf16 row is 100.5 KB.
 //
 // Each thread copies chunks i = tid, tid + blockDim, ... and later reads exactly those chunks back,
 // so a thread only needs its OWN cp.async to have landed (cp.async.wait_all), never a barrier.
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+extern __shared__ __align__(16) unsigned char cls_smem[];  // versions 3 (both types) and 4: the row
+
+// cp.async of one chunk: 16 bytes bypass L1 (.cg), 8 bytes must go through it (.ca: .cg is 16 only)
+template <int BYTES>
+__device__ __forceinline__ void cp_async(void* smem, const void* gmem) {
     const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(s), "l"(gmem) : "memory");
+    if constexpr (BYTES == 16)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(s), "l"(gmem) : "memory");
+    else
+        asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" :: "r"(s), "l"(gmem), "n"(BYTES) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
 // pass 1 over a row held in shared memory: this thread's chunks, online (m, s); the thread that
 // owns the target's chunk also picks up the target logit.
-__device__ __forceinline__ void smem_row_stats(const float4* srow, int nv4, int V, int target,
+template <typename T, int VEC>
+__device__ __forceinline__ void smem_row_stats(const T* srow, int nv, int V, int target,
                                                float& m, float& s, float& xt) {
     m = -FLT_MAX; s = 0.0f;
-    for (int i = threadIdx.x; i < nv4; i += blockDim.x) {
-        const float4 v = srow[i];
-        if ((target >> 2) == i) {  // selects, not (&v.x)[k]: a run-time index would put v in local memory
-            const int k = target & 3;
-            xt = (k == 0) ? v.x : (k == 1) ? v.y : (k == 2) ? v.z : v.w;
+    for (int i = threadIdx.x; i < nv; i += blockDim.x) {
+        float v[VEC];
+        load_vec<T, VEC>(srow + VEC * i, v);
+        if (target / VEC == i) {  // selects, not v[k]: a run-time index would put v in local memory
+            const int k = target % VEC;
+#pragma unroll
+            for (int j = 0; j < VEC; j++)
+                if (k == j) xt = v[j];
         }
-        float a0, a1, a2, a3;
-        mask4(v, 4 * i, V, a0, a1, a2, a3);
-        ms_update4(m, s, a0, a1, a2, a3);
+        mask_vec<VEC>(v, VEC * i, V);
+        ms_update<VEC>(m, s, v);
     }
 }
 
-// version 3: one block per row. Traffic per row: read ceil(V/4)*4 floats once, write Vp floats.
-extern "C" __global__ void classifier_kernel3(float* losses, float* logits, const int* targets,
-                                              float dloss, int write_dlogits, int N, int V, int Vp) {
-    extern __shared__ float4 srow[];  // (ceil(V/4),) this row's real columns
+// version 3: one block per row. Traffic per row: read ceil(V/VEC)*VEC elements once, write Vp.
+template <typename T, int VEC>
+__device__ __forceinline__ void classifier3_row(float* losses, T* logits, const int* targets,
+                                                float dloss, int write_dlogits, int N, int V, int Vp) {
+    T* srow = reinterpret_cast<T*>(cls_smem);  // (ceil(V/VEC)*VEC,) this row's real columns
     __shared__ float sh_m[32], sh_s[32];
     const int row = blockIdx.x;
-    float* x = logits + (size_t)row * Vp;  // (Vp,)
+    T* x = logits + (size_t)row * Vp;  // (Vp,)
     const int target = targets[row];
-    const int nv4 = ceil_div(V, 4);
+    const int nv = ceil_div(V, VEC);
 
-    // the whole row is requested at once: ~13 x 16 B per thread in flight at 1024 threads
-    for (int i = threadIdx.x; i < nv4; i += blockDim.x) cp_async16(&srow[i], x + 4 * i);
+    // the whole row is requested at once: ~6-13 chunks per thread in flight at 1024 threads
+    for (int i = threadIdx.x; i < nv; i += blockDim.x) cp_async<VEC * sizeof(T)>(srow + VEC * i, x + VEC * i);
     cp_async_commit();
     cp_async_wait_all();
 
     float m, s, xt = 0.0f;
-    smem_row_stats(srow, nv4, V, target, m, s, xt);
+    smem_row_stats<T, VEC>(srow, nv, V, target, m, s, xt);
     block_reduce_ms(m, s, sh_m, sh_s);
-    if ((target >> 2) % blockDim.x == threadIdx.x) losses[row] = logf(s) + m - xt;  // the target's owner
+    if ((target / VEC) % blockDim.x == threadIdx.x) losses[row] = logf(s) + m - xt;  // the target's owner
     if (!write_dlogits) return;
     const float inv_s = 1.0f / s;
-    for (int i = threadIdx.x; i < nv4; i += blockDim.x)
-        store4_cs(x + 4 * i, dlogit4(srow[i], 4 * i, V, target, m, inv_s, dloss));
-    for (int i = nv4 + threadIdx.x; i < Vp / 4; i += blockDim.x)  // padded chunks: zeros
-        store4_cs(x + 4 * i, make_float4(0.0f, 0.0f, 0.0f, 0.0f));
+    for (int i = threadIdx.x; i < nv; i += blockDim.x) {
+        float v[VEC];
+        load_vec<T, VEC>(srow + VEC * i, v);
+        dlogit_vec<VEC>(v, VEC * i, V, target, m, inv_s, dloss);
+        store_vec<T, VEC, ST_CS>(x + VEC * i, v);
+    }
+    const float zero[VEC] = {};
+    for (int i = nv + threadIdx.x; i < Vp / VEC; i += blockDim.x)  // padded chunks: zeros
+        store_vec<T, VEC, ST_CS>(x + VEC * i, zero);
 }
 
-// version 4: persistent. Block b handles rows b, b + gridDim, ...; right after a thread has written
-// the gradient of its chunk i it issues the cp.async of chunk i of its next row into the same slot
-// (the slot is its own, so no barrier), so the next row's reads overlap this row's writes instead
-// of an SM going quiet between rows. The loss is written by the target's owner (no shared slot
-// that the next row could overwrite early), and block_reduce_ms ends with a barrier.
+extern "C" __global__ void classifier_kernel3(float* losses, float* logits, const int* targets,
+                                              float dloss, int write_dlogits, int N, int V, int Vp) {
+    classifier3_row<float, 4>(losses, logits, targets, dloss, write_dlogits, N, V, Vp);
+}
+// two resident blocks of 1024 threads per SM need <= 32 registers per thread
+extern "C" __global__ void __launch_bounds__(1024, 2) classifier_kernel3_bf16(
+        float* losses, bf16* logits, const int* targets, float dloss, int write_dlogits, int N, int V, int Vp) {
+    classifier3_row<bf16, 8>(losses, logits, targets, dloss, write_dlogits, N, V, Vp);  // Vp % 8 == 0
+}
+extern "C" __global__ void __launch_bounds__(1024, 2) classifier_kernel3_bf16_vec4(
+        float* losses, bf16* logits, const int* targets, float dloss, int write_dlogits, int N, int V, int Vp) {
+    classifier3_row<bf16, 4>(losses, logits, targets, dloss, write_dlogits, N, V, Vp);  // Vp % 4 == 0
+}
+
+// version 4 (fp32 only): persistent. Block b handles rows b, b + gridDim, ...; right after a thread
+// has written the gradient of its chunk i it issues the cp.async of chunk i of its next row into the
+// same slot (the slot is its own, so no barrier), so the next row's reads overlap this row's writes
+// instead of an SM going quiet between rows. The loss is written by the target's owner (no shared
+// slot that the next row could overwrite early), and block_reduce_ms ends with a barrier.
 extern "C" __global__ void classifier_kernel4(float* losses, float* logits, const int* targets,
                                               float dloss, int write_dlogits, int N, int V, int Vp) {
-    extern __shared__ float4 srow[];  // (ceil(V/4),) the current row's real columns
+    float4* srow = reinterpret_cast<float4*>(cls_smem);  // (ceil(V/4),) the current row's real columns
     __shared__ float sh_m[32], sh_s[32];
     const int nv4 = ceil_div(V, 4);
     int row = blockIdx.x;
     if (row < N) {
         const float* x = logits + (size_t)row * Vp;
-        for (int i = threadIdx.x; i < nv4; i += blockDim.x) cp_async16(&srow[i], x + 4 * i);
+        for (int i = threadIdx.x; i < nv4; i += blockDim.x) cp_async<16>(&srow[i], x + 4 * i);
     }
     cp_async_commit();
     for (; row < N; row += gridDim.x) {
@@ -270,13 +355,18 @@ extern "C" __global__ void classifier_kernel4(float* losses, float* logits, cons
         cp_async_wait_all();
 
         float m, s, xt = 0.0f;
-        smem_row_stats(srow, nv4, V, target, m, s, xt);
+        smem_row_stats<float, 4>(reinterpret_cast<const float*>(srow), nv4, V, target, m, s, xt);
         block_reduce_ms(m, s, sh_m, sh_s);
         if ((target >> 2) % blockDim.x == threadIdx.x) losses[row] = logf(s) + m - xt;
         const float inv_s = 1.0f / s;
         for (int i = threadIdx.x; i < nv4; i += blockDim.x) {
-            if (write_dlogits) store4_cs(x + 4 * i, dlogit4(srow[i], 4 * i, V, target, m, inv_s, dloss));
-            if (next < N) cp_async16(&srow[i], xn + 4 * i);  // after the read of srow[i] above
+            if (write_dlogits) {
+                float v[4];
+                load_vec<float, 4>(reinterpret_cast<const float*>(srow + i), v);
+                dlogit_vec<4>(v, 4 * i, V, target, m, inv_s, dloss);
+                store_vec<float, 4, ST_CS>(x + 4 * i, v);
+            }
+            if (next < N) cp_async<16>(&srow[i], xn + 4 * i);  // after the read of srow[i] above
         }
         cp_async_commit();
         if (write_dlogits)

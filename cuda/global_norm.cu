@@ -5,6 +5,12 @@
 // version 2: deterministic two-pass: per-block partials (float4 loads) into a scratch buffer, then a one-block final sum
 // version 3: deterministic one launch: version 2's partials, the last block to finish sums them (threadfence + counter)
 //
+// bf16 builds (issue 13) of versions 2 and 3 (entry points <name>_bf16): bf16 grads, norm2 and the
+// partials stay fp32. The body is the same template: 16-byte loads of 8 bf16, widened exactly, and
+// their squares accumulated in fp32 (a bf16 value's square is exact in fp32: 8 x 8 significant
+// bits), so only the fp32 sums round, as in fp32. Floor: read 2n bytes (249 MB at 124M params ->
+// 0.084 ms at 2.98 TB/s); not yet measured.
+//
 //   norm2(1) =, grads(n)
 // Memory traffic: read 4n bytes (498 MB at GPT-2 124M's 124,475,904 params -> 0.167 ms at 2.98 TB/s),
 // plus a few KB of partials.
@@ -17,7 +23,7 @@
 // bits every run.
 // The float4 versions take any 4-byte aligned pointer: a scalar head up to the first 16-byte
 // boundary, float4 body, scalar tail (the model's ranges start at multiples of C).
-#include "common.cuh"
+#include "elem.cuh"
 
 // ----------------------------------------------------------------------------------------------
 // version 1
@@ -35,29 +41,38 @@ extern "C" __global__ void global_norm_kernel1(float* norm2, const float* grads,
 }
 
 // ----------------------------------------------------------------------------------------------
-// versions 2 and 3: this block's sum of squares, float4 body with a scalar head and tail
+// versions 2 and 3: this block's sum of squares, a vector body (16 bytes: 4 floats or 8 bf16) with
+// a scalar head up to the first 16-byte boundary and a scalar tail
 
-__device__ __forceinline__ float block_sum_squares4(const float* grads, int n, float* shared) {
-    const int head = min(n, (int)(((16u - ((uintptr_t)grads & 15u)) & 15u) >> 2));  // floats to the 16 B boundary
-    const int n4 = (n - head) >> 2;                                                 // float4s in the body
-    const int tail = head + 4 * n4;                                                 // first float of the tail
+template <typename T>
+__device__ __forceinline__ float block_sum_squares(const T* grads, int n, float* shared) {
+    constexpr int VEC = 16 / sizeof(T);
+    const int head = min(n, (int)(((16u - ((uintptr_t)grads & 15u)) & 15u) / sizeof(T)));  // elements to the 16 B boundary
+    const int nv = (n - head) / VEC;                                                         // vectors in the body
+    const int tail = head + VEC * nv;                                                        // first element of the tail
     const int tid = blockIdx.x * blockDim.x + threadIdx.x;
     const int stride = gridDim.x * blockDim.x;
-    float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;  // four chains: more ILP, less rounding
-    if (tid < head) { const float g = grads[tid]; a0 = g * g; }
-    if (tid < n - tail) { const float g = grads[tail + tid]; a1 = g * g; }
-    const float4* body = reinterpret_cast<const float4*>(grads + head);
+    float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // four chains: more ILP, less rounding; element k goes to chain k % 4
+    if (tid < head) { const float g = to_f32(grads[tid]); a[0] = g * g; }  // head, tail < VEC <= any block
+    if (tid < n - tail) { const float g = to_f32(grads[tail + tid]); a[1] = g * g; }
+    const T* body = grads + head;
     int i = tid;
-    for (; i + stride < n4; i += 2 * stride) {  // two 16-byte loads in flight per thread
-        const float4 u = __ldcs(body + i), w = __ldcs(body + i + stride);
-        a0 = fmaf(u.x, u.x, a0); a1 = fmaf(u.y, u.y, a1); a2 = fmaf(u.z, u.z, a2); a3 = fmaf(u.w, u.w, a3);
-        a0 = fmaf(w.x, w.x, a0); a1 = fmaf(w.y, w.y, a1); a2 = fmaf(w.z, w.z, a2); a3 = fmaf(w.w, w.w, a3);
+    for (; i + stride < nv; i += 2 * stride) {  // two 16-byte loads in flight per thread
+        float u[VEC], w[VEC];
+        load_vec<T, VEC, LD_CS>(body + VEC * i, u);
+        load_vec<T, VEC, LD_CS>(body + VEC * (i + stride), w);
+#pragma unroll
+        for (int k = 0; k < VEC; k++) a[k % 4] = fmaf(u[k], u[k], a[k % 4]);
+#pragma unroll
+        for (int k = 0; k < VEC; k++) a[k % 4] = fmaf(w[k], w[k], a[k % 4]);
     }
-    if (i < n4) {
-        const float4 u = __ldcs(body + i);
-        a0 = fmaf(u.x, u.x, a0); a1 = fmaf(u.y, u.y, a1); a2 = fmaf(u.z, u.z, a2); a3 = fmaf(u.w, u.w, a3);
+    if (i < nv) {
+        float u[VEC];
+        load_vec<T, VEC, LD_CS>(body + VEC * i, u);
+#pragma unroll
+        for (int k = 0; k < VEC; k++) a[k % 4] = fmaf(u[k], u[k], a[k % 4]);
     }
-    return block_reduce_sum((a0 + a1) + (a2 + a3), shared);
+    return block_reduce_sum((a[0] + a[1]) + (a[2] + a[3]), shared);
 }
 
 // the one-block sum over the partials, in a fixed order
@@ -68,13 +83,21 @@ __device__ __forceinline__ float sum_partials(const float* partials, int count, 
 }
 
 // version 2, pass 1: partials(gridDim.x) = per-block sums of squares
-extern "C" __global__ void global_norm_kernel2a(float* partials, const float* grads, int n) {
+template <typename T>
+__device__ __forceinline__ void global_norm2a(float* partials, const T* grads, int n) {
     __shared__ float shared[32];
-    const float acc = block_sum_squares4(grads, n, shared);
+    const float acc = block_sum_squares<T>(grads, n, shared);
     if (threadIdx.x == 0) partials[blockIdx.x] = acc;
 }
 
-// version 2, pass 2: one block, norm2 = sum of the partials
+extern "C" __global__ void global_norm_kernel2a(float* partials, const float* grads, int n) {
+    global_norm2a<float>(partials, grads, n);
+}
+extern "C" __global__ void global_norm_kernel2a_bf16(float* partials, const bf16* grads, int n) {
+    global_norm2a<bf16>(partials, grads, n);
+}
+
+// version 2, pass 2: one block, norm2 = sum of the partials (fp32 for both element types)
 extern "C" __global__ void global_norm_kernel2b(float* norm2, const float* partials, int count) {
     __shared__ float shared[32];
     const float acc = sum_partials(partials, count, shared);
@@ -84,11 +107,12 @@ extern "C" __global__ void global_norm_kernel2b(float* norm2, const float* parti
 // version 3: one launch. Every block publishes its partial then takes a ticket; the block that
 // draws the last ticket sums all partials (fixed order, so still deterministic) and resets the
 // counter for the next launch (zeroed once at build, so CUDA-graph replays work too).
-extern "C" __global__ void global_norm_kernel3(float* norm2, float* partials, unsigned int* counter,
-                                               const float* grads, int n) {
+template <typename T>
+__device__ __forceinline__ void global_norm3(float* norm2, float* partials, unsigned int* counter,
+                                             const T* grads, int n) {
     __shared__ float shared[32];
     __shared__ bool is_last;
-    const float acc = block_sum_squares4(grads, n, shared);
+    const float acc = block_sum_squares<T>(grads, n, shared);
     if (threadIdx.x == 0) {
         partials[blockIdx.x] = acc;
         __threadfence();  // the partial is visible device-wide before the ticket is taken
@@ -102,4 +126,13 @@ extern "C" __global__ void global_norm_kernel3(float* norm2, float* partials, un
         norm2[0] = total;
         *counter = 0u;
     }
+}
+
+extern "C" __global__ void global_norm_kernel3(float* norm2, float* partials, unsigned int* counter,
+                                               const float* grads, int n) {
+    global_norm3<float>(norm2, partials, counter, grads, n);
+}
+extern "C" __global__ void global_norm_kernel3_bf16(float* norm2, float* partials, unsigned int* counter,
+                                                    const bf16* grads, int n) {
+    global_norm3<bf16>(norm2, partials, counter, grads, n);
 }

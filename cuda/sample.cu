@@ -15,7 +15,12 @@
 // The row is first copied into shared memory (201 KB at GPT-2's vocabulary: one coalesced pass over
 // global memory, all later passes from shared memory) when it fits (`staged`); else every pass reads
 // global memory (L2). Launch: grid (B), block SAMPLE_THREADS, dynamic smem 4*V bytes if staged.
-#include "common.cuh"
+//
+// bf16 build (issue 13, sample_kernel1_bf16): bf16 logits, everything else unchanged. A staged row
+// is widened to fp32 on its way into shared memory (8-byte loads of 4 bf16; the same 4*V bytes, so
+// the same staging rule); an unstaged row is read as bf16 by every pass. bf16 -> fp32 is exact, so
+// the kernel samples from exactly the values the host sampler sees in from_bf16(logits).
+#include "elem.cuh"
 
 #define SAMPLE_THREADS 1024
 
@@ -29,7 +34,8 @@ __device__ __forceinline__ float key_float(unsigned int k) {
 }
 
 // the k-th largest of row[0..V) (k >= 1, counting repeated values), by radix select
-__device__ float kth_largest(const float* row, int V, int k, unsigned int* hist, int* bcast) {
+template <typename R>
+__device__ float kth_largest(const R* row, int V, int k, unsigned int* hist, int* bcast) {
     unsigned int prefix = 0, mask = 0;
     const int lane = threadIdx.x % WARP_SIZE;
     for (int shift = 24; shift >= 0; shift -= 8) {
@@ -38,7 +44,7 @@ __device__ float kth_largest(const float* row, int V, int k, unsigned int* hist,
         // every lane of the warp walks the loop the same number of times (for __match_any_sync)
         for (int base = threadIdx.x - lane; base < V; base += blockDim.x) {
             const int i = base + lane;
-            const unsigned int key = i < V ? float_key(row[i]) : 0u;
+            const unsigned int key = i < V ? float_key(to_f32(row[i])) : 0u;
             const bool in = i < V && (key & mask) == prefix;
             const unsigned int digit = in ? (key >> shift) & 255u : 256u;  // 256: not counted
             const unsigned int peers = __match_any_sync(0xFFFFFFFFu, digit);
@@ -79,35 +85,18 @@ __device__ float kth_largest(const float* row, int V, int k, unsigned int* hist,
     return key_float(prefix);
 }
 
-extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_kernel1(
-        int* tokens, const float* logits, const double* uniforms, int V, int Vp, int top_k, float inv_temp,
-        int staged) {
-    extern __shared__ float4 srow4[];  // (V) the row, when staged
-    __shared__ unsigned int hist[256];
-    __shared__ int bcast[2];
-    __shared__ float redf[WARP_SIZE];
-    __shared__ int redi[WARP_SIZE];
-    __shared__ double scan[SAMPLE_THREADS];
-    const float* grow = logits + (size_t)blockIdx.x * Vp;
+// everything after staging, over the row `row` (shared memory fp32 or global memory of either type)
+template <typename R>
+__device__ __forceinline__ void sample_row(int* tokens, const R* row, const double* uniforms, int V, int top_k,
+                                           float inv_temp, unsigned int* hist, int* bcast, float* redf, int* redi,
+                                           double* scan) {
     const int tid = threadIdx.x, lane = tid % WARP_SIZE, warp = tid / WARP_SIZE;
     const int nwarps = blockDim.x / WARP_SIZE;
-    const float* row = grow;
-    if (staged) {  // one coalesced pass; Vp % 4 == 0 and the rows are 16-byte aligned (float4)
-        float* srow = reinterpret_cast<float*>(srow4);
-        const float4* g4 = reinterpret_cast<const float4*>(grow);
-        const int V4 = V / 4;
-#pragma unroll 4
-        for (int i = tid; i < V4; i += blockDim.x) srow4[i] = __ldcs(g4 + i);
-        for (int i = 4 * V4 + tid; i < V; i += blockDim.x) srow[i] = grow[i];
-        __syncthreads();
-        row = srow;
-    }
-
     // the largest logit and its first index (greedy's answer; the softmax's shift otherwise)
     float best = -FLT_MAX;
     int besti = V;
     for (int i = tid; i < V; i += blockDim.x) {
-        const float z = row[i];
+        const float z = to_f32(row[i]);
         if (z > best) { best = z; besti = i; }  // i increases: the first index of this thread's max
     }
     for (int off = WARP_SIZE / 2; off > 0; off >>= 1) {
@@ -140,7 +129,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_kernel1(
     const int i0 = min(V, tid * chunk), i1 = min(V, i0 + chunk);
     double local = 0.0;
     for (int i = i0; i < i1; i++) {
-        const float z = row[i];
+        const float z = to_f32(row[i]);
         if (z >= kth) local += (double)expf((z - zmax) * inv_temp);
     }
     scan[tid] = local;
@@ -160,7 +149,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_kernel1(
         double acc = before;
         int pick = -1, last = -1;
         for (int i = i0; i < i1; i++) {
-            const float z = row[i];
+            const float z = to_f32(row[i]);
             if (z < kth) continue;
             const double w = (double)expf((z - zmax) * inv_temp);
             if (w == 0.0) continue;
@@ -174,7 +163,7 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_kernel1(
     if (bcast[0] < 0) {  // target >= total by rounding: the last token with a weight
         int last = -1;
         for (int i = i1 - 1; i >= i0; i--) {
-            const float z = row[i];
+            const float z = to_f32(row[i]);
             if (z >= kth && expf((z - zmax) * inv_temp) > 0.0f) { last = i; break; }
         }
         for (int off = WARP_SIZE / 2; off > 0; off >>= 1) last = max(last, __shfl_xor_sync(0xFFFFFFFFu, last, off));
@@ -188,4 +177,54 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_kernel1(
         __syncthreads();
     }
     if (tid == 0) tokens[blockIdx.x] = bcast[0];
+}
+
+// the kernel: stage the row when asked, then sample_row. T = float: one instantiation over either
+// pointer (as before the bf16 build); T = bf16: shared memory fp32 or global bf16.
+template <typename T>
+__device__ __forceinline__ void sample1(int* tokens, const T* logits, const double* uniforms, int V, int Vp,
+                                        int top_k, float inv_temp, int staged) {
+    extern __shared__ float4 srow4[];  // (V) the row, when staged, as fp32
+    __shared__ unsigned int hist[256];
+    __shared__ int bcast[2];
+    __shared__ float redf[WARP_SIZE];
+    __shared__ int redi[WARP_SIZE];
+    __shared__ double scan[SAMPLE_THREADS];
+    const T* grow = logits + (size_t)blockIdx.x * Vp;
+    const int tid = threadIdx.x;
+    float* srow = reinterpret_cast<float*>(srow4);
+    if (staged) {  // one coalesced pass; Vp % 4 == 0 and the rows are aligned to 4 elements
+        const int V4 = V / 4;
+        if constexpr (sizeof(T) == 4) {
+            const float4* g4 = reinterpret_cast<const float4*>(grow);
+#pragma unroll 4
+            for (int i = tid; i < V4; i += blockDim.x) srow4[i] = __ldcs(g4 + i);
+        } else {
+#pragma unroll 4
+            for (int i = tid; i < V4; i += blockDim.x) {
+                float f[4];
+                load_vec<T, 4, LD_CS>(grow + 4 * i, f);
+                srow4[i] = make_float4(f[0], f[1], f[2], f[3]);
+            }
+        }
+        for (int i = 4 * V4 + tid; i < V; i += blockDim.x) srow[i] = to_f32(grow[i]);
+        __syncthreads();
+    }
+    if constexpr (sizeof(T) == 4) {
+        sample_row<float>(tokens, staged ? srow : grow, uniforms, V, top_k, inv_temp, hist, bcast, redf, redi, scan);
+    } else {
+        if (staged) sample_row<float>(tokens, srow, uniforms, V, top_k, inv_temp, hist, bcast, redf, redi, scan);
+        else sample_row<T>(tokens, grow, uniforms, V, top_k, inv_temp, hist, bcast, redf, redi, scan);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_kernel1(
+        int* tokens, const float* logits, const double* uniforms, int V, int Vp, int top_k, float inv_temp,
+        int staged) {
+    sample1<float>(tokens, logits, uniforms, V, Vp, top_k, inv_temp, staged);
+}
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_kernel1_bf16(
+        int* tokens, const bf16* logits, const double* uniforms, int V, int Vp, int top_k, float inv_temp,
+        int staged) {
+    sample1<bf16>(tokens, logits, uniforms, V, Vp, top_k, inv_temp, staged);
 }

@@ -8,6 +8,7 @@ at odd sizes and misaligned offsets.
 import numpy as np
 import pytest
 
+from llmc.bf16 import BF16, bf16_neighbours, from_bf16, to_bf16
 from llmc.errors import LLMCError
 from llmc.ops import adamw as aw
 
@@ -136,3 +137,220 @@ def test_gpu_variant(rt, number, case):
                                                err_msg=f"v{number} n={n} offs={offs} bs={bs} t={t} {name}")
                 assert np.array_equal(views[1].get(), g), "grads must not be modified"
                 p, m, v = got
+
+
+# ----------------------------------------------------------------------------------------------
+# bf16 builds: the update on the fp32 master, params = bf16(master), stochastic rounding
+
+def _with_fraction(rng, n, frac):
+    """n float32 values whose bits lie `frac` of a bf16 ulp past a bf16 value, away from zero (both
+    signs): a stochastic rounding must round them away from zero with probability frac."""
+    b = to_bf16(rng.standard_normal(n) * 3)
+    u = (b.astype(np.uint32) << 16) + np.uint32(round(frac * 65536))
+    return u.view(np.float32)
+
+
+def _rounded_away(params_bits, master):
+    """True where the bf16 params are the neighbour of master away from zero."""
+    return (params_bits.astype(np.uint32) << 16) != (master.view(np.uint32) & np.uint32(0xFFFF0000))
+
+
+def test_round_params_seed0_is_round_to_nearest_even(rng):
+    x = rng.standard_normal(10000).astype(np.float32)
+    x[:4] = [np.inf, -np.inf, np.nan, 0.0]
+    assert np.array_equal(aw.round_params(x, 0), to_bf16(x))
+
+
+@pytest.mark.parametrize("frac", [1 / 16, 0.25, 0.5, 0.875])
+def test_round_params_is_unbiased(rng, frac):
+    """Over 2^18 values at a known fractional position the fraction rounded away from zero is frac
+    within 5 sigma (sigma = sqrt(frac (1 - frac) / n)), and each result is one of the two neighbours."""
+    n = 1 << 18
+    x = _with_fraction(rng, n, frac)
+    out = aw.round_params(x, 12345, offset=77)
+    lo, hi = bf16_neighbours(x)
+    got = from_bf16(out)
+    assert np.all((got == lo) | (got == hi))
+    p = _rounded_away(out, x).mean()
+    assert abs(p - frac) < 5 * np.sqrt(frac * (1 - frac) / n), (p, frac)
+
+
+def test_round_params_seeds_and_offsets(rng):
+    """The same seed gives the same bits, different seeds differ (about 2 f (1-f) of the elements at
+    fraction f); the bits of element i depend on offset + i only (a range at offset a rounds like
+    the same elements of the whole buffer); inf, NaN and bf16 values pass unchanged."""
+    x = _with_fraction(rng, 1 << 16, 0.5)
+    a = aw.round_params(x, 1)
+    assert np.array_equal(a, aw.round_params(x, 1))
+    assert 0.4 < (a != aw.round_params(x, 2)).mean() < 0.6
+    assert np.array_equal(aw.round_params(x[1000:], 1, offset=1000), a[1000:])
+    assert not np.array_equal(aw.round_params(x[1000:], 1), a[1000:])
+    special = np.array([np.inf, -np.inf, np.nan, 0.0, -0.0, 1.0, -3.5], np.float32)
+    assert np.array_equal(aw.round_params(special, 9), to_bf16(special))
+    assert np.array_equal(aw.sr_bits(5, [2 ** 32 + 3]), aw.sr_bits(5, np.array([2 ** 32 + 3], np.uint64)))
+    assert aw.sr_bits(5, [3])[0] != aw.sr_bits(5, [2 ** 32 + 3])[0]  # the index's high word counts
+
+
+@pytest.mark.skipif(__import__("llmc.runtime", fromlist=["nvcc_path"]).nvcc_path() is None, reason="nvcc not installed")
+def test_sr_bits_match_the_kernel_source(tmp_path):
+    """cuda/adamw.cu's hash (mix32, sr_key, sr_bits are __host__ __device__) compiled into a host
+    program: the numpy copy gives the same bits (no GPU needed)."""
+    import subprocess
+    from llmc.runtime import CUDA_DIR, nvcc_path
+    seeds = [1, 2, 12345, 0x9E3779B9, 0xFFFFFFFF]
+    idx = [0, 1, 7, 124_475_903, 2 ** 32 - 1, 2 ** 32, 12_345_678_901]
+    src = tmp_path / "sr.cu"
+    src.write_text('#include "adamw.cu"\n#include <cstdio>\nint main() {\n' + "".join(
+        f'    printf("%u\\n", sr_bits(sr_key({s}u), {i}ull));\n' for s in seeds for i in idx) + "}\n")
+    exe = tmp_path / "sr"
+    subprocess.run([nvcc_path(), "-std=c++17", "-arch=sm_80", f"-I{CUDA_DIR}", str(src), "-o", str(exe)],
+                   check=True, capture_output=True)
+    got = [int(x) for x in subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split()]
+    want = [int(aw.sr_bits(s, [i])[0]) for s in seeds for i in idx]
+    assert got == want
+
+
+@pytest.mark.parametrize("seed", [0, 99])
+def test_cpu_launcher_bf16(rng, seed):
+    """The bf16 build's eight arguments on numpy arrays: master, m, v as adamw_ref on the widened
+    grads (float32 tolerance), params exactly round_params(master)."""
+    n, off = (1 << 20) + 7, 1000
+    master, m, v = _state(rng, n, np.float32)
+    g = to_bf16(rng.standard_normal(n) * 0.01)
+    norm2 = np.array([aw_norm2(from_bf16(g))], np.float32)
+    hp = aw.hyperparams(HP["lr"], HP["b1"], HP["b2"], HP["eps"], 0.1, 7, 1.0)
+    want_p, *want = aw.adamw_ref_bf16(master, g, m, v, norm2, HP["lr"], HP["b1"], HP["b2"], HP["eps"], 0.1, 7, 1.0,
+                                      seed=seed, offset=off)
+    params = np.full(n, 0xFFFF, BF16)
+    aw.OPS[0].cpu(n=n, offset=off)(params, g, m, v, norm2, hp, master, np.array([seed], np.uint32))
+    for got, ref, name in zip((master, m, v), want, ("master", "m", "v")):
+        np.testing.assert_allclose(got, ref, atol=1e-6, rtol=1e-5, err_msg=name)
+    assert np.array_equal(params, aw.round_params(master, seed, off))
+    # against the float64 master's own rounding: equal but where float32 and float64 masters sit on
+    # two sides of a bf16 rounding boundary (seed 0), or where the random bits land between them
+    assert (params != want_p).mean() < 1e-3
+
+
+def test_bf16_builds():
+    """Variants 1 and 2 (the default) have bf16 builds; they pass offset to the kernel (int64)."""
+    from fake_runtime import FakeRuntime
+    spec = aw.OPS[0]
+    assert all(v.dtypes == ("fp32", "bf16") for v in spec.variants.values())
+    rt = FakeRuntime(check_ptx=False)
+    bufs = [rt.empty((100,), dt) for dt in (BF16, BF16, np.float32, np.float32, np.float32, np.float32,
+                                             np.float32, np.uint32)]
+    spec.build(rt, 2, "bf16", n=100, offset=3 * 2 ** 31)(*bufs)
+    assert rt.launches[-1].func == "adamw_kernel2_bf16" and rt.launches[-1].args[-1] == 3 * 2 ** 31
+    spec.build(rt, 2, "fp32", n=100, offset=5)(*bufs[2:6], bufs[4], bufs[5])  # fp32: offset taken, unused
+    assert "offset" in spec.variants[2].refuse_reason(n=10, offset=-1)
+
+
+# GPU: (n, offsets of params, grads, m, v, master in elements). Equal offsets exercise variant 2's
+# scalar head and tail; unequal ones (any one array) its scalar fallback
+GPU_CASES_BF16 = [(1, (0, 0, 0, 0, 0)), (3, (1, 1, 1, 1, 1)), (1023, (0, 0, 0, 0, 0)), (1023, (2, 2, 2, 2, 2)),
+                  (100003, (3, 3, 3, 3, 3)), (100003, (0, 1, 2, 3, 0)), (100003, (1, 1, 1, 1, 2)),
+                  (100003, (2, 1, 1, 1, 1)), (1 << 20, (0, 0, 0, 0, 0))]
+
+
+def _bf16_bufs(rt, n, offs):
+    bufs = [rt.empty((n + 4,), dt) for dt in (BF16, BF16, np.float32, np.float32, np.float32)]
+    return [b.view(o, (n,)) for b, o in zip(bufs, offs)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES_BF16, ids=lambda c: "n%d-off%s" % (c[0], "".join(map(str, c[1]))))
+@pytest.mark.parametrize("number", sorted(aw.VARIANTS))
+def test_gpu_bf16(rt, number, case):
+    """master, m, v as the float64 reference within the fp32 tolerance; params exactly
+    round_params(the kernel's own master) (bit for bit: seed 0 round to nearest even, else the
+    hash), and within one bf16 rounding of the float64 master; grads untouched."""
+    from llmc.testing import poison
+    n, offs = case
+    rng = np.random.default_rng(n + sum(offs))
+    spec = aw.OPS[0]
+    views = _bf16_bufs(rt, n, offs)
+    d_seed = rt.empty((1,), np.uint32)
+    for bs in (None, 128):
+        launch = spec.build(rt, number, "bf16", n=n, block_size=bs, offset=1000)
+        for max_norm, seed in ((0.0, 0), (1.0, 0), (1.0, 4242)):
+            master, m, v = (a.astype(np.float32) for a in _state(rng, n))
+            for t in (1, 2, 3):
+                g = to_bf16(rng.standard_normal(n) * 0.3)
+                norm2 = np.array([aw_norm2(from_bf16(g)) * 4.0], np.float32)  # as if g were a quarter of the norm
+                poison(views[0])
+                for view, host in zip(views[1:], (g, m, v, master)):
+                    view.set(host)
+                d_seed.set(np.array([seed], np.uint32))
+                d_hp = rt.to_device(aw.hyperparams(HP["lr"], HP["b1"], HP["b2"], HP["eps"], 0.1, t, max_norm))
+                launch(views[0], views[1], views[2], views[3], rt.to_device(norm2), d_hp, views[4], d_seed)
+                want_p, *want = aw.adamw_ref_bf16(master, g, m, v, norm2, HP["lr"], HP["b1"], HP["b2"], HP["eps"],
+                                                  0.1, t, max_norm, seed=seed, offset=1000)
+                params, m_, v_, master_ = (x.get() for x in (views[0], views[2], views[3], views[4]))
+                where = f"v{number} n={n} offs={offs} bs={bs} t={t} seed={seed}"
+                # fp32 element-wise update vs float64: a few ulp of |master| ~ 1 and of m, v
+                for gt, ref, name in zip((master_, m_, v_), want, ("master", "m", "v")):
+                    np.testing.assert_allclose(gt, ref, atol=1e-6, rtol=1e-5, err_msg=f"{where} {name}")
+                assert np.array_equal(params, aw.round_params(master_, seed, 1000)), f"{where}: params bits"
+                # vs the float64 master: a bf16 neighbour of a value within the master's fp32
+                # tolerance of it (near zero, where the update cancels, that is more than an ulp)
+                tol = 1e-6 + 1e-5 * np.abs(want[0])
+                lo = bf16_neighbours((want[0] - tol).astype(np.float32))[0]
+                hi = bf16_neighbours((want[0] + tol).astype(np.float32))[1]
+                pf = from_bf16(params)
+                assert np.all((pf >= lo) & (pf <= hi)), f"{where}: params off the float64 master's bf16 neighbours"
+                if seed == 0:  # the two masters on two sides of a rounding boundary: ~1e-4 of the elements
+                    assert (params != want_p).sum() <= 1 + n // 1000, f"{where}: round to nearest even"
+                assert np.array_equal(views[1].get(), g), "grads must not be modified"
+                master, m, v = master_, m_, v_
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("number", sorted(aw.VARIANTS))
+def test_gpu_bf16_stochastic_rounding(rt, number):
+    """With lr = 0 the master stays put (p - 0 * update = p), so params = the stochastic rounding of
+    values at a known fractional position f of a bf16 ulp: each is a neighbour, the fraction rounded
+    away from zero is f within 5 sigma; the same seed gives the same bits at any block size and
+    when the buffer is updated as two ranges (offset = the second range's start); seeds differ."""
+    n = 1 << 20
+    rng = np.random.default_rng(number)
+    spec = aw.OPS[0]
+    views = _bf16_bufs(rt, n, (0, 0, 0, 0, 0))
+    d_seed = rt.empty((1,), np.uint32)
+    d_norm2 = rt.to_device(np.array([1.0], np.float32))
+    d_hp = rt.to_device(aw.hyperparams(0.0, HP["b1"], HP["b2"], HP["eps"], 0.1, 3, 0.0))
+    _, m, v = (x.astype(np.float32) for x in _state(rng, n))
+    g = to_bf16(rng.standard_normal(n) * 0.3)
+
+    def run(launches, seed, master):
+        from llmc.testing import poison
+        poison(views[0])
+        for view, host in zip(views[1:], (g, m, v, master)):
+            view.set(host)
+        d_seed.set(np.array([seed], np.uint32))
+        for launch, lo, hi in launches:
+            sl = [x.view(lo, (hi - lo,)) for x in views]
+            launch(sl[0], sl[1], sl[2], sl[3], d_norm2, d_hp, sl[4], d_seed)
+        assert np.array_equal(views[4].get(), master), "lr = 0 moved the master"
+        return views[0].get()
+
+    whole = [(spec.build(rt, number, "bf16", n=n), 0, n)]
+    for frac in (1 / 16, 0.25, 0.5, 0.875):
+        master = _with_fraction(rng, n, frac)
+        out = run(whole, 7, master)
+        lo, hi = bf16_neighbours(master)
+        got = from_bf16(out)
+        assert np.all((got == lo) | (got == hi)), f"frac {frac}: not a neighbour"
+        p = _rounded_away(out, master).mean()
+        assert abs(p - frac) < 5 * np.sqrt(frac * (1 - frac) / n), f"frac {frac}: rounded away {p:.4f}"
+        assert np.array_equal(out, aw.round_params(master, 7)), f"frac {frac}: bits differ from round_params"
+    master = _with_fraction(rng, n, 0.5)
+    a = run(whole, 7, master)
+    assert np.array_equal(a, run(whole, 7, master)), "same seed, different bits"
+    assert np.array_equal(a, run([(spec.build(rt, number, "bf16", n=n, block_size=128), 0, n)], 7, master)), \
+        "the bits depend on the block size"
+    cut = 333_333
+    split = [(spec.build(rt, number, "bf16", n=cut), 0, cut),
+             (spec.build(rt, number, "bf16", n=n - cut, offset=cut), cut, n)]
+    assert np.array_equal(a, run(split, 7, master)), "the bits depend on how the buffer is cut into ranges"
+    assert 0.4 < (a != run(whole, 8, master)).mean() < 0.6, "seeds 7 and 8 give (nearly) the same bits"
+    assert np.array_equal(run(whole, 0, master), to_bf16(master)), "seed 0: round to nearest even"

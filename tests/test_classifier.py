@@ -10,11 +10,25 @@ import time
 import numpy as np
 import pytest
 
+from llmc.bf16 import BF16, from_bf16, to_bf16
 from llmc.errors import LLMCError, VariantRefused
 from llmc.ops import classifier as cls
 from llmc.testing import assert_close
 
 GPT2 = (50257, 50304)  # V, Vp
+
+
+def assert_bf16_rounded(got, ref, name, rtol=1e-5, atol=1e-10):
+    """got (bf16 values, widened) is ref rounded once to bf16, after an fp32 computation good to
+    rtol: |got - ref| <= half a bf16 ulp of ref (2^-8 of the power of two below |ref|, so at most
+    2^-8 relative) + rtol*|ref| + atol. A value one whole ulp off fails."""
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    _, e = np.frexp(np.abs(ref))                   # |ref| = f * 2^e, f in [0.5, 1): the ulp is 2^(e-8)
+    half_ulp = np.ldexp(1.0, e - 9)
+    bad = ~np.isfinite(got) | (np.abs(got - ref) > half_ulp + rtol * np.abs(ref) + atol)
+    assert not bad.any(), (f"{name}: {int(bad.sum())} of {bad.size} elements off by more than half a bf16 ulp; "
+                           f"first at {np.flatnonzero(bad)[:3]}: got {got.reshape(-1)[bad.reshape(-1)][:3]} "
+                           f"want {ref.reshape(-1)[bad.reshape(-1)][:3]}")
 
 
 def make_inputs(rng, N, V, Vp, scale=2.0, pad=50.0):
@@ -111,6 +125,26 @@ def test_cpu_padding_is_ignored(rng):
     assert (logits[:, V:] == 0).all()
 
 
+@pytest.mark.parametrize("N,V,Vp", [(7, 100, 128), (5, 97, 100), (64, 50257, 50304)])
+def test_cpu_launcher_bf16(rng, N, V, Vp):
+    """bf16 logits (uint16 bits): the loss of the widened values in float32 arithmetic, the gradient
+    rounded to bf16 once (within half a bf16 ulp plus float32's ~1e-6), the padding 0."""
+    logits, targets = make_inputs(rng, N, V, Vp)
+    bits = to_bf16(logits)
+    losses_ref, probs = cls.classifier_forward_ref(from_bf16(bits).astype(np.float64), targets, V)
+    dlogits_ref = cls.classifier_backward_ref(probs, targets, 0.37, Vp)
+    launch = cls.OPS[0].cpu(N=N, V=V, Vp=Vp)
+    x, losses = bits.copy(), np.full(N, np.nan, np.float32)
+    launch(losses, x, targets, 0.37, 0)
+    assert np.array_equal(x, bits)  # forward only: the logits' bits untouched
+    assert_close(losses, losses_ref, 1e-5, 1e-5, "losses")
+    launch(losses, x, targets, 0.37, 1)
+    assert x.dtype == BF16
+    assert_close(losses, losses_ref, 1e-5, 1e-5, "losses")
+    assert_bf16_rounded(from_bf16(x), dlogits_ref, "dlogits")
+    assert (x[:, V:] == 0).all()
+
+
 # ----------------------------------------------------------------------------------------------
 # variant shape checks (no GPU)
 
@@ -133,49 +167,91 @@ def test_variant_checks():
         spec.variant(9)
 
 
+def test_bf16_builds():
+    """Variants 1-3 have bf16 builds (the default, 3, among them) and take every shape their fp32 build
+    takes: 16-byte chunks of 8 bf16 when Vp % 8 == 0, else the 8-byte _vec4 kernels; version 3's row
+    needs half the shared memory of fp32 (GPT-2: 100,528 bytes, so two blocks per H100 SM)."""
+    from fake_runtime import FakeRuntime
+    spec = cls.OPS[0]
+    assert {n for n, v in spec.variants.items() if "bf16" in v.dtypes} == {1, 2, 3}
+    assert "bf16" in spec.variants[spec.default].dtypes
+    for Vp, suffix in ((GPT2[1], "_bf16"), (100, "_bf16_vec4"), (1000, "_bf16")):
+        rt = FakeRuntime(check_ptx=False)
+        V = min(GPT2[0], Vp - 3)
+        for num in (1, 2, 3):
+            spec.build(rt, num, "bf16", N=4, V=V, Vp=Vp)
+        assert rt.built == ["classifier_kernel1_bf16", f"classifier_kernel2{suffix}", f"classifier_kernel3{suffix}"]
+    assert cls._smem_bytes_bf16(*GPT2) == 100_528 and cls._smem_bytes(GPT2[0]) == 201_040
+    rt = FakeRuntime(check_ptx=False)
+    losses, targets = rt.empty((4,)), rt.empty((4,), np.int32)
+    logits = rt.empty((4 * GPT2[1] + 8,), BF16)
+    launch = spec.build(rt, 3, "bf16", N=4, V=GPT2[0], Vp=GPT2[1])
+    launch(losses, logits, targets, 1.0, 1)
+    assert rt.launches[-1].smem == 100_528 and rt.launches[-1].block == (1024, 1, 1)
+    with pytest.raises(LLMCError, match="16-byte aligned"):  # a view that breaks the 16-byte loads
+        launch(losses, logits.view(4, (4 * GPT2[1],)), targets, 1.0, 1)
+
+
 # ----------------------------------------------------------------------------------------------
 # GPU: every variant against the float64 reference
 
 GPU_SHAPES = [(4096, *GPT2), (65, *GPT2), (1, *GPT2), (7, 100, 128), (5, 97, 100), (33, 1000, 1000)]
+# (5, 97, 100): Vp % 8 != 0, the bf16 builds' 8-byte (_vec4) kernels; the others take 16-byte chunks
+GPU_CASES = [(s, n, dt) for s in GPU_SHAPES for n in sorted(cls.VARIANTS) for dt in cls.VARIANTS[n].dtypes]
 
 
 @functools.lru_cache(maxsize=2)
-def _case(N, V, Vp):
+def _case(N, V, Vp, dtype):
     rng = np.random.default_rng(N * 7919 + V)
     logits, targets = make_inputs(rng, N, V, Vp)
     logits[:, V:] = np.nan  # the padding must be neither read for the loss nor left unwritten
-    losses, probs = cls.classifier_forward_ref(logits.astype(np.float64), targets, V)
+    if dtype == "bf16":  # the reference sees what the kernel sees: the bf16 values, exactly
+        logits = to_bf16(logits)
+        values = from_bf16(logits)
+    else:
+        values = logits
+    losses, probs = cls.classifier_forward_ref(values.astype(np.float64), targets, V)
     dlogits = cls.classifier_backward_ref(probs, targets, 0.37, Vp)
     return logits, targets, losses, dlogits
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape,number", [(s, n) for s in GPU_SHAPES for n in sorted(cls.VARIANTS)],
-                         ids=lambda x: "N%d-V%d-Vp%d" % x if isinstance(x, tuple) else "v%d" % x)
-def test_gpu_variant(rt, shape, number):  # shape-major order: each big reference is built once
+@pytest.mark.parametrize("shape,number,dtype", GPU_CASES,
+                         ids=lambda x: "N%d-V%d-Vp%d" % x if isinstance(x, tuple) else
+                         ("v%d" % x if isinstance(x, int) else x))
+def test_gpu_variant(rt, shape, number, dtype):  # shape-major order: each big reference is built once
     from llmc.testing import poison
     N, V, Vp = shape
     spec = cls.OPS[0]
     reason = spec.variants[number].refuse_reason(N=N, V=V, Vp=Vp)
     if reason:
         with pytest.raises(VariantRefused):
-            spec.build(rt, number, N=N, V=V, Vp=Vp)
+            spec.build(rt, number, dtype, N=N, V=V, Vp=Vp)
         pytest.skip(f"refused as it should: {reason}")
-    logits, targets, losses_ref, dlogits_ref = _case(N, V, Vp)
+    logits, targets, losses_ref, dlogits_ref = _case(N, V, Vp, dtype)
     d_logits, d_targets = rt.to_device(logits), rt.to_device(targets)
     d_losses = rt.empty((N,))
+    # fp32 tolerances: the loss is log(sum) - x: ~1e-6 absolute at V=50257; dlogits are p*dloss with
+    # p ~ 1e-5, so atol must sit far below that: relative 1e-5, atol 1e-10. bf16: the loss is the
+    # same fp32 arithmetic on exact inputs (same tolerance); each gradient value is that fp32 value
+    # rounded once to bf16: within half a bf16 ulp of the reference (at most 2^-8 relative) plus the
+    # fp32 error (1e-5 relative); a value a whole ulp off fails (assert_bf16_rounded)
     # the block sizes: the default, and a small one (many chunks per thread) on the smaller shapes
     for bs in (None,) if N * Vp > 1 << 26 else (None, 128):
-        launch = spec.build(rt, number, N=N, V=V, Vp=Vp, block_size=bs)
-        # fp32 tolerances: the loss is log(sum) - x: ~1e-6 absolute at V=50257; dlogits are
-        # p*dloss with p ~ 1e-5, so atol must sit far below that: relative 1e-5, atol 1e-10
+        launch = spec.build(rt, number, dtype, N=N, V=V, Vp=Vp, block_size=bs)
         d_logits.set(logits); poison(d_losses)
         launch(d_losses, d_logits, d_targets, 0.37, 0)  # forward only: logits untouched
         got = d_logits.get()
-        assert np.array_equal(got, logits, equal_nan=True), "write_dlogits=0 modified the logits"
-        assert_close(d_losses.get(), losses_ref, 2e-5, 1e-5, f"losses v{number} bs={bs}")
+        assert got.dtype == logits.dtype
+        assert np.array_equal(got.view(np.uint8), logits.view(np.uint8)), "write_dlogits=0 modified the logits"
+        assert_close(d_losses.get(), losses_ref, 2e-5, 1e-5, f"losses v{number} {dtype} bs={bs}")
 
         d_logits.set(logits); poison(d_losses)
         launch(d_losses, d_logits, d_targets, 0.37, 1)
-        assert_close(d_losses.get(), losses_ref, 2e-5, 1e-5, f"losses v{number} bs={bs}")
-        assert_close(d_logits.get(), dlogits_ref, 1e-10, 1e-5, f"dlogits v{number} bs={bs}")
+        assert_close(d_losses.get(), losses_ref, 2e-5, 1e-5, f"losses v{number} {dtype} bs={bs}")
+        got = d_logits.get()
+        if dtype == "fp32":
+            assert_close(got, dlogits_ref, 1e-10, 1e-5, f"dlogits v{number} bs={bs}")
+        else:
+            assert_bf16_rounded(from_bf16(got), dlogits_ref, f"dlogits v{number} bf16 bs={bs}")
+        assert not got[:, V:].any(), "padded columns not zeroed"  # the bits: +0.0 only

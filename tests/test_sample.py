@@ -116,6 +116,23 @@ def test_sampling_distribution(V, k):
     assert np.all(counts[p == 0] == 0)
 
 
+def test_sample_ref_and_cpu_launcher_take_bf16_bits():
+    """bf16 logits (uint16 bits) sample exactly like their widened values, and the bf16 build exists."""
+    from llmc import ops
+    from llmc.bf16 import from_bf16, to_bf16
+    from llmc.ops.sample import sample_ref
+    rng = np.random.default_rng(3)
+    bits = to_bf16(rng.standard_normal((4, 104)) * 3)
+    u = rng.random(4)
+    for temperature, k in ((0.0, None), (1.0, 10), (0.8, None)):
+        want = sample_ref(from_bf16(bits).reshape(4, 104), u, 100, temperature, k)
+        assert np.array_equal(sample_ref(bits, u, 100, temperature, k), want)
+        tokens = np.full(4, -1, np.int32)
+        ops.get("sample").cpu(B=4, V=100, Vp=104)(tokens, bits, u, temperature, k)
+        assert np.array_equal(tokens, want)
+    assert ops.get("sample").variants[1].dtypes == ("fp32", "bf16")
+
+
 def test_greedy_is_argmax():
     logits = np.array([0.1, 3.0, -2.0, 2.9])
     assert sample_token(logits, 0.0, None, np.random.default_rng(0)) == 1
@@ -217,21 +234,29 @@ def _rows(rng, R, V, Vp, k):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("V,Vp", [(50257, 50304), (97, 128), (1, 4), (97, 99)])  # 99: rows not 16-byte aligned: not staged
 @pytest.mark.parametrize("temperature,top_k", [(0.0, None), (1.0, None), (0.8, 40), (1.5, 1), (0.7, 2000),
                                                (1.0, 10 ** 6)])
-def test_sample_kernel_matches_host(rt, V, Vp, temperature, top_k):
+def test_sample_kernel_matches_host(rt, V, Vp, temperature, top_k, dtype):
+    """Every draw is the host sampler's on the same values; bf16 logits are widened exactly, so the
+    host samples from_bf16 of the very bits the kernel reads (same rule, same tolerance)."""
     from llmc import ops
+    from llmc.bf16 import round_bf16, to_bf16
     from llmc.ops.sample import sample_ref
     from llmc.testing import poison
     rng = np.random.default_rng(V + int(10 * temperature) + (top_k or 0))
     R, draws = 8, 16
     z = np.repeat(_rows(rng, R, V, Vp, top_k), draws, axis=0)   # each row with `draws` uniforms
+    dev_z = z
+    if dtype == "bf16":  # ties planted at the max and the k-th value stay ties after rounding
+        dev_z, z = to_bf16(z), round_bf16(z)
     u = rng.random(R * draws)
     u[:2] = [0.0, np.nextafter(1.0, 0.0)]                         # the two ends of [0, 1)
     tokens = rt.empty((R * draws,), np.int32)
     poison(tokens)
-    ops.get("sample").build(rt, 1, B=R * draws, V=V, Vp=Vp)(tokens, rt.to_device(z), rt.to_device(u), temperature, top_k)
+    ops.get("sample").build(rt, 1, dtype, B=R * draws, V=V, Vp=Vp)(tokens, rt.to_device(dev_z), rt.to_device(u),
+                                                                   temperature, top_k)
     got = tokens.get()
     want = sample_ref(z, u, V, temperature, top_k)
     assert np.all((got >= 0) & (got < V)), "unwritten or out-of-range tokens"

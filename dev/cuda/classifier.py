@@ -3,23 +3,44 @@
     python dev/cuda/classifier.py            # validate + time every variant over block sizes
     python dev/cuda/classifier.py 2 4        # only variants 2 and 4
     python dev/cuda/classifier.py --quick    # default block size, 10 repeats
+    python dev/cuda/classifier.py 3 --dtype bf16   # the bf16 build of variant 3 only
 
 Shape: GPT-2 124M at B=4, T=1024: N=4096 rows, V=50257 real columns padded to Vp=50304.
 Bytes counted (the floor): read the logits once and write the gradient once, N*Vp*4 each, plus
 targets read and losses written: 1.65 GB, 0.55 ms at 2.98 TB/s. The "loss only" lines
 (write_dlogits=0, the eval path) count N*Vp*4 read + N*8.
 Reference line: torch's F.cross_entropy forward + backward on a (N, V) fp32 tensor (no padding).
+
+bf16 (the rows "<n> bf16", variants with a bf16 build: 1, 2, 3): bf16 logits and gradient, fp32
+losses; the floor halves: N*Vp*2 read + written = 0.82 GB, 0.277 ms at 2.98 TB/s (target: >= 85% of
+the copy ceiling). Validated against the float64 reference on the bf16 values: the gradient within
+rtol 2^-8 (one bf16 rounding). Reference line: torch F.cross_entropy on a bf16 tensor (fwd+bwd).
+Both dtypes run by default; --dtype fp32 or --dtype bf16 runs one.
 """
+
+import sys
 
 import numpy as np
 
 import lab
+from llmc.bf16 import from_bf16, to_bf16
 from llmc.ops import classifier as op_module
 from llmc.ops.classifier import classifier_backward_ref, classifier_forward_ref
 
 N, V, Vp = 4 * 1024, 50257, 50304
 DLOSS = 1.0 / N  # the trainer's mean-loss gradient scale
 BLOCK_SIZES = {1: (1024, 512, 256), 2: (1024, 512, 256), 3: (1024, 512), 4: (1024, 512)}
+BLOCK_SIZES_BF16 = {1: (1024, 512, 256), 2: (1024, 512, 256), 3: (1024, 512, 256)}  # the default first
+
+# --dtype is ours; lab.Lab parses the rest
+DTYPES = ("fp32", "bf16")
+if "--dtype" in sys.argv:
+    i = sys.argv.index("--dtype")
+    if i + 1 >= len(sys.argv) or sys.argv[i + 1] not in DTYPES:
+        print("dev/cuda/classifier.py: --dtype takes fp32 or bf16")
+        sys.exit(2)
+    DTYPES = (sys.argv[i + 1],)
+    del sys.argv[i:i + 2]
 
 L = lab.Lab("classifier")
 rt = L.rt
@@ -29,41 +50,61 @@ rng = np.random.default_rng(0)
 logits = lab.rand(rng, (N, Vp), scale=2.0)
 logits[:, V:] = np.nan  # padding is never read for the loss; the gradient writes zeros there
 targets = rng.integers(0, V, size=N).astype(np.int32)
-print("computing the float64 reference ...")
-losses_ref, probs = classifier_forward_ref(logits.astype(np.float64), targets, V)
-dlogits_ref = classifier_backward_ref(probs, targets, DLOSS, Vp)
-del probs
+d_targets, d_losses = rt.to_device(targets), rt.empty((N,))
 
-d_logits, d_targets, d_losses = rt.to_device(logits), rt.to_device(targets), rt.empty((N,))
-bytes_fused = 2 * N * Vp * 4 + 2 * N * 4
-bytes_loss = N * Vp * 4 + 2 * N * 4
-
-for n in L.selected(spec):
-    for bs in L.block_sizes(BLOCK_SIZES[n]):
-        launch = spec.build(rt, n, N=N, V=V, Vp=Vp, block_size=bs).launch  # the bare closure: no Python call in between
-        fused = lambda: launch(d_losses, d_logits, d_targets, DLOSS, 1)  # noqa: E731
-        # fp32 vs float64: loss to ~1e-6 absolute, gradient p*dloss (~1e-10 here) to 1e-5 relative
-        if bs == BLOCK_SIZES[n][0]:
-            L.validate(n, fused, outputs={"losses": d_losses, "logits": d_logits},
-                       refs={"losses": losses_ref, "logits": dlogits_ref}, atol=1e-14, rtol=1e-5,
-                       init={"logits": logits})
-        # timed on whatever the logits hold by now (the gradient of the last run): same work
-        L.time(n, fused, block_size=bs, bytes=bytes_fused)
-    launch = spec.build(rt, n, N=N, V=V, Vp=Vp).launch  # the bare closure: no Python call in between
-    L.time(f"{n} loss only", lambda: launch(d_losses, d_logits, d_targets, DLOSS, 0), bytes=bytes_loss)
+for dtype in DTYPES:
+    L.section(dtype)
+    print(f"\n## {dtype}")
+    # the reference sees what the kernel sees: in bf16, the bf16 values of the same logits
+    host = logits if dtype == "fp32" else to_bf16(logits)
+    values = logits if dtype == "fp32" else from_bf16(host)
+    print("computing the float64 reference ...")
+    losses_ref, probs = classifier_forward_ref(values.astype(np.float64), targets, V)
+    dlogits_ref = classifier_backward_ref(probs, targets, DLOSS, Vp)
+    del probs
+    esize = 4 if dtype == "fp32" else 2
+    d_logits = rt.to_device(host)
+    bytes_fused = 2 * N * Vp * esize + 2 * N * 4
+    bytes_loss = N * Vp * esize + 2 * N * 4
+    # fp32 vs float64: loss to ~1e-6 absolute, gradient p*dloss (~1e-10 here) to 1e-5 relative;
+    # bf16: the same loss, the gradient rounded once to bf16 (half an ulp: <= 2^-8 relative)
+    rtol = 1e-5 if dtype == "fp32" else 2.0 ** -8
+    sizes = BLOCK_SIZES if dtype == "fp32" else BLOCK_SIZES_BF16
+    sfx = "" if dtype == "fp32" else " bf16"
+    for n in L.selected(spec):
+        if dtype not in spec.variants[n].dtypes:
+            print(f"  variant {n}: no {dtype} build")
+            continue
+        for bs in L.block_sizes(sizes[n]):
+            launch = spec.build(rt, n, dtype, N=N, V=V, Vp=Vp, block_size=bs).launch  # the bare closure
+            fused = lambda: launch(d_losses, d_logits, d_targets, DLOSS, 1)  # noqa: E731
+            if bs == sizes[n][0]:
+                L.validate(f"{n}{sfx}", fused, outputs={"losses": d_losses, "logits": d_logits},
+                           refs={"losses": losses_ref, "logits": dlogits_ref}, atol=1e-14, rtol=rtol,
+                           init={"logits": host})
+            # timed on whatever the logits hold by now (the gradient of the last run): same work
+            L.time(f"{n}{sfx}", fused, block_size=bs, bytes=bytes_fused)
+        launch = spec.build(rt, n, dtype, N=N, V=V, Vp=Vp).launch  # the bare closure: no Python call in between
+        L.time(f"{n}{sfx} loss only", lambda: launch(d_losses, d_logits, d_targets, DLOSS, 0), bytes=bytes_loss)
+    del dlogits_ref  # host memory: 1.6 GB of float64
 
 try:
     import torch
     if not torch.cuda.is_available():
         raise ImportError("no CUDA in this torch")
     import torch.nn.functional as F
-    x = torch.tensor(logits[:, :V], device="cuda", requires_grad=True)
     t = torch.tensor(targets, device="cuda", dtype=torch.long)
+    for dtype in DTYPES:
+        L.section(dtype)
+        tdt = torch.float32 if dtype == "fp32" else torch.bfloat16
+        x = torch.tensor(logits[:, :V], device="cuda").to(tdt).requires_grad_(True)
 
-    def torch_fused():
-        loss = F.cross_entropy(x, t)
-        torch.autograd.grad(loss, x)
-    L.reference("torch F.cross_entropy fwd+bwd", torch_fused, bytes=2 * N * V * 4 + 2 * N * 4)
+        def torch_fused(x=x):
+            loss = F.cross_entropy(x, t)
+            torch.autograd.grad(loss, x)
+        esize = 4 if dtype == "fp32" else 2
+        L.reference(f"torch F.cross_entropy fwd+bwd {dtype}", torch_fused, bytes=2 * N * V * esize + 2 * N * 4)
+        del x
 except ImportError as e:
     print(f"WARNING: no torch reference line ({e})")
 

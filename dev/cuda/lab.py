@@ -11,8 +11,9 @@ A lab script (dev/cuda/<op>.py) reads top to bottom the same way every time:
         L.time(n, lambda: launch(...), bytes=..., ceiling="dram")
     L.finish()
 
-Validation poisons every output (0xFF bytes: fp32 NaN), runs once and compares against the float64
-reference (|got - ref| <= atol + rtol*|ref|; NaN = unwritten fails). Timing: warm-up, then CUDA
+Validation poisons every output (0xFF bytes: fp32 NaN, bf16 NaN), runs once and compares against the
+float64 reference (|got - ref| <= atol + rtol*|ref|; NaN = unwritten fails; bf16 outputs, uint16
+DevArrays, are compared as the values they hold). Timing: warm-up, then CUDA
 events around each repeat with the L2 cache flushed before it (a 2x-L2 memset), median reported
 with GB/s or TFLOP/s and the fraction of the ceiling measured on the H100 (CEILINGS below).
 """
@@ -25,6 +26,7 @@ import sys
 
 import numpy as np
 
+from llmc.bf16 import BF16, from_bf16
 from llmc.testing import compare
 
 # Ceilings measured on the lent H100 80GB HBM3 (the project's anchor runs, 2026-11-22)
@@ -90,7 +92,10 @@ class Lab:
         self.rt.synchronize()
         ok = True
         for name, dev in outputs.items():
-            msg = compare(dev.get(), refs[name], atol, rtol, name)
+            got = dev.get()
+            if got.dtype == BF16:  # bf16 outputs: compared as the values their bits hold
+                got = from_bf16(got)
+            msg = compare(got, refs[name], atol, rtol, name)
             if msg:
                 ok = False
                 print(f"  variant {variant}: MISMATCH\n{msg}")

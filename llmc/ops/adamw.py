@@ -15,6 +15,15 @@ clipped gradient. grads and norm2 are only read. The hyperparameters come from m
 launch arguments, so that a captured CUDA graph of the update replays with each step's lr and t. The model calls it once per run of tensors that
 share a weight-decay flag; any offset works: variant 2 handles a pointer that is not 16-byte
 aligned (scalar head and tail; scalar throughout if the four arrays are misaligned differently).
+
+bf16 builds (variants 1 and 2), llm.c's mixed precision, for launch(params, grads, m, v, norm2, hp,
+master, seed): params (n) bf16, written only; grads (n) bf16; m, v, master (n) fp32 in/out; norm2
+(1), hp (8) fp32; seed (1) uint32 on the device. The update above runs on the fp32 master (same
+arithmetic), then params = bf16(master): round to nearest even when seed == 0, else stochastic
+rounding from sr_bits(seed, offset + i), a hash of the element's index in the whole parameter
+buffer (`offset`, a build argument: the range's start), so the bits depend neither on the launch
+configuration nor on how the buffer is cut into ranges. adamw_ref_bf16 is the reference (bit-exact
+rounding given the master); the cpu launcher takes the same eight arguments.
 """
 from __future__ import annotations
 
@@ -22,6 +31,7 @@ import math
 
 import numpy as np
 
+from llmc.bf16 import BF16, from_bf16, to_bf16
 from llmc.errors import LLMCError
 from llmc.ops import OpSpec, Variant, check_block_size
 
@@ -67,10 +77,71 @@ def adamw_ref(params, grads, m, v, norm2, lr, b1, b2, eps, wd, t, max_norm):
     return p, m, v
 
 
-def adamw_cpu(n, **_):
+# ----------------------------------------------------------------------------------------------
+# bf16 parameters: stochastic rounding of the fp32 master (the kernels' hash, bit for bit)
+
+
+def _mix32(x):
+    """cuda/adamw.cu's mix32 on a uint32 array (products wrap modulo 2^32, as on the GPU)."""
+    x = x ^ (x >> np.uint32(16))
+    x = (x.astype(np.uint64) * 0x7FEB352D & 0xFFFFFFFF).astype(np.uint32)
+    x = x ^ (x >> np.uint32(15))
+    x = (x.astype(np.uint64) * 0x846CA68B & 0xFFFFFFFF).astype(np.uint32)
+    return x ^ (x >> np.uint32(16))
+
+
+def sr_bits(seed, idx) -> np.ndarray:
+    """The 32 random bits the bf16 AdamW kernels use for element idx (its index in the whole
+    parameter buffer) under `seed`: a counter-based hash, so no state and no launch configuration."""
+    idx = np.asarray(idx, np.uint64)
+    s = np.array([int(seed) & 0xFFFFFFFF], np.uint32)
+    k0 = _mix32(s)[0]
+    k1 = _mix32(np.array([(int(seed) + 0x9E3779B9) & 0xFFFFFFFF], np.uint32))[0]
+    lo = (idx & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+    hi = (idx >> np.uint64(32)).astype(np.uint32)
+    a = _mix32(lo ^ k0).astype(np.uint64) + (hi ^ k1).astype(np.uint64)
+    return _mix32((a & np.uint64(0xFFFFFFFF)).astype(np.uint32))
+
+
+def round_params(master, seed, offset=0) -> np.ndarray:
+    """bf16 bits of the fp32 master: round to nearest even if seed == 0, else stochastic rounding:
+    add the low 16 random bits of sr_bits(seed, offset + i) to the fp32 bits and cut, so element i
+    rounds away from zero with probability (its dropped 16 bits) / 2^16 (unbiased); inf and NaN are
+    converted as by round to nearest. What the bf16 AdamW kernels write, bit for bit."""
+    f = np.ascontiguousarray(master, np.float32).reshape(-1)
+    if int(seed) == 0:
+        return to_bf16(f)
+    u = f.view(np.uint32).astype(np.uint64)
+    r = sr_bits(seed, np.arange(f.size, dtype=np.uint64) + np.uint64(offset)).astype(np.uint64)
+    out = ((u + (r & np.uint64(0xFFFF))) >> np.uint64(16)).astype(np.uint16)
+    special = ~np.isfinite(f)
+    out[special] = to_bf16(f[special])
+    return out
+
+
+def adamw_ref_bf16(master, grads, m, v, norm2, lr, b1, b2, eps, wd, t, max_norm, seed=0, offset=0):
+    """One bf16-build AdamW step: adamw_ref (float64) on the master with the bf16 grads (uint16
+    bits) widened, then params = round_params(float32(master), seed, offset). Returns (params bf16
+    bits, master, m, v) (master, m, v in float64; the inputs are not modified). Against a kernel,
+    round its own fp32 master with round_params for a bit-exact check: the float64 master may sit
+    on the other side of a bf16 rounding boundary than the kernel's fp32 one."""
+    g = from_bf16(grads) if np.asarray(grads).dtype == BF16 else grads
+    p, m, v = adamw_ref(master, g, m, v, norm2, lr, b1, b2, eps, wd, t, max_norm)
+    return round_params(p.astype(np.float32), seed, offset), p, m, v
+
+
+def adamw_cpu(n, offset=0, **_):
     """The numpy backend: launch(...) updates params, m, v in place in their own dtype (float32 for
-    training, float64 for tests), a chunk at a time so temporaries stay small at 124M params."""
-    def launch(params, grads, m, v, norm2, hp):
+    training, float64 for tests), a chunk at a time so temporaries stay small at 124M params.
+    With bf16 params (the bf16 build's launch(params, grads, m, v, norm2, hp, master, seed)): the
+    update runs on master (grads widened from bf16), then params = round_params(master, seed)."""
+    def launch(params, grads, m, v, norm2, hp, master=None, seed=None):
+        if master is not None:
+            G = from_bf16(grads.reshape(-1)) if grads.dtype == BF16 else grads
+            launch(master, G, m, v, norm2, hp)
+            s0 = int(np.asarray(seed).reshape(-1)[0])
+            params.reshape(-1)[:n] = round_params(master.reshape(-1)[:n], s0, offset)
+            return
         lr, beta1, beta2, bc1, bc2, eps, weight_decay, max_norm = (float(x) for x in np.asarray(hp).reshape(-1)[:8])
         s = clip_scale(norm2, max_norm)
         P, G, M, Vv = (a.reshape(-1) for a in (params, grads, m, v))
@@ -93,9 +164,11 @@ def adamw_cpu(n, **_):
 ARGTYPES = "PPPPPPi"  # params, grads, m, v, norm2, hp, n
 
 
-def _check(n, block_size=None, **_):
+def _check(n, block_size=None, offset=0, **_):
     if n < 1:
         return f"need n >= 1, got {n}"
+    if offset < 0:
+        return f"offset={offset}: the range's start must be >= 0"
     if n >= 2**31:
         return f"n={n} does not fit the kernels' int32 count"
     return check_block_size(block_size)
@@ -109,28 +182,58 @@ def _make_launch(k, grid, block, n):
     return launch
 
 
-def adamw1(rt, n, block_size=None):
+# `offset` (every build): the range's first element in the whole parameter buffer. The fp32 kernels
+# don't need it; the bf16 ones hash (seed, offset + i) for the stochastic rounding.
+
+def adamw1(rt, n, block_size=None, offset=0):
     bs = block_size or 256  # H100: 1.264 ms at 256, 1.296 at 512, 1.334 at 1024
     k = rt.kernel(MODULE, "adamw_kernel1", ARGTYPES, label=f"{OP} 1")
     return _make_launch(k, (-(-n // bs), 1, 1), (bs, 1, 1), n)
 
 
-def adamw2(rt, n, block_size=None):
+def _grid2(rt, k, n, bs):
+    """grid-stride over n/4 groups of 4: enough blocks to fill the chip, fewer for small ranges"""
+    return max(1, min(rt.sm_count * k.resident_blocks(bs), -(-max(n // 4, 1) // bs)))
+
+
+def adamw2(rt, n, block_size=None, offset=0):
     bs = block_size or 1024  # H100: 1.243 ms at 1024, 1.27-1.28 at 128..512
     k = rt.kernel(MODULE, "adamw_kernel2", ARGTYPES, label=f"{OP} 2")
-    # grid-stride over n/4 float4s: enough blocks to fill the chip, fewer for small ranges
-    grid = max(1, min(rt.sm_count * k.resident_blocks(bs), -(-max(n // 4, 1) // bs)))
-    return _make_launch(k, (grid, 1, 1), (bs, 1, 1), n)
+    return _make_launch(k, (_grid2(rt, k, n, bs), 1, 1), (bs, 1, 1), n)
+
+
+ARGTYPES_BF16 = "PPPPPPPPiq"  # params, grads, m, v, norm2, hp, master, seed, n, offset (int64)
+
+
+def _make_launch_bf16(k, grid, block, n, offset):
+    n32, off64 = np.int32(n), np.int64(offset)
+
+    def launch(params, grads, m, v, norm2, hp, master, seed):
+        k(grid, block, params.ptr, grads.ptr, m.ptr, v.ptr, norm2.ptr, hp.ptr, master.ptr, seed.ptr, n32, off64)
+    return launch
+
+
+def adamw1_bf16(rt, n, block_size=None, offset=0):
+    bs = block_size or 256
+    k = rt.kernel(MODULE, "adamw_kernel1_bf16", ARGTYPES_BF16, label=f"{OP} 1 (bf16)")
+    return _make_launch_bf16(k, (-(-n // bs), 1, 1), (bs, 1, 1), n, offset)
+
+
+def adamw2_bf16(rt, n, block_size=None, offset=0):
+    bs = block_size or 1024  # as fp32 (the same 28 bytes per parameter); not yet measured
+    k = rt.kernel(MODULE, "adamw_kernel2_bf16", ARGTYPES_BF16, label=f"{OP} 2 (bf16)")
+    return _make_launch_bf16(k, (_grid2(rt, k, n, bs), 1, 1), (bs, 1, 1), n, offset)
 
 
 VARIANTS = {
-    1: Variant(1, "one thread per element, scalar loads", adamw1, _check),
-    2: Variant(2, "float4 grid-stride, streaming hints; any alignment (scalar head/tail)", adamw2, _check),
+    1: Variant(1, "one thread per element, scalar loads", {"fp32": adamw1, "bf16": adamw1_bf16}, _check),
+    2: Variant(2, "float4 grid-stride, streaming hints; any alignment (scalar head/tail)",
+               {"fp32": adamw2, "bf16": adamw2_bf16}, _check),
 }
 
 OPS = [
     OpSpec("adamw", cpu=adamw_cpu, variants=VARIANTS, default=2, flag="--adamw-kernel",
-           cost=lambda n, **_: (0, 28 * n),  # read params, grads, m, v; write params, m, v
+           cost=lambda n, **_: (0, 28 * n),  # read params, grads, m, v; write params, m, v (bf16: the same 28)
            doc="params(n), grads(n), m(n), v(n) in/out, norm2(1), hp(8) = hyperparams(lr, beta1, beta2, eps, "
                "weight_decay, t, max_norm): AdamW on the clipped gradient, clip scale computed on the device"),
 ]

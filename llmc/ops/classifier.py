@@ -12,11 +12,18 @@ Semantics (docs/ops.md), for launch(losses, logits, targets, dloss, write_dlogit
     targets(N) int32 in [0, V)
 The padded columns never affect the loss or the gradient (they may hold anything, NaN included).
 Shapes may carry extra leading dims ((B, T, Vp) logits, (B, T) losses/targets): N = B*T rows.
+
+bf16 builds (variants 1, 2, 3; `build(rt, n, "bf16", ...)`): logits (and the gradient written over
+them) are bf16, losses stay fp32. The softmax statistics, the loss and each gradient value are fp32
+arithmetic on the exactly widened bf16 logits; the gradient is rounded to bf16 once, on its store.
+The cpu launcher takes bf16 logits too (uint16 bits, llmc/bf16.py): it computes in float32 and
+rounds the gradient the same way.
 """
 from __future__ import annotations
 
 import numpy as np
 
+from llmc.bf16 import BF16, from_bf16, to_bf16
 from llmc.errors import LLMCError
 from llmc.ops import OpSpec, Variant, refuse, check_block_size
 
@@ -59,8 +66,16 @@ def classifier_backward_ref(probs, targets, dloss, Vp):
 def classifier_cpu(N, V, Vp, **_):
     """The numpy backend: launch(losses, logits, targets, dloss, write_dlogits) in place, with the
     GPU variants' semantics. Works in the arrays' dtype (float32 for training, float64 for tests);
-    one exp over the (N, V) block and no Python loop, so N=256 x V=50257 takes well under a second."""
+    one exp over the (N, V) block and no Python loop, so N=256 x V=50257 takes well under a second.
+    bf16 logits (uint16 bits): float32 arithmetic on the widened values, the gradient rounded to
+    bf16 once (what the bf16 kernels do)."""
     def launch(losses, logits, targets, dloss, write_dlogits):
+        if logits.dtype == BF16:
+            x = from_bf16(logits).reshape(logits.shape)
+            launch(losses, x, targets, dloss, write_dlogits)
+            if write_dlogits:
+                logits[...] = to_bf16(x).reshape(logits.shape)
+            return
         L = logits.reshape(N, Vp)  # views: the arrays are contiguous
         t = np.asarray(targets).reshape(N)
         x = L[:, :V]
@@ -108,26 +123,30 @@ def _check_smem(N, V, Vp, block_size=None, **_):
         f"{SMEM_LIMIT_SM90:,}" if _smem_bytes(V) > SMEM_LIMIT_SM90 else None)
 
 
-def _aligned(logits, number):
-    if logits.ptr % 16:
-        raise LLMCError(f"{OP} variant {number}: the logits pointer must be 16-byte aligned (float4 loads)")
+def _aligned(logits, number, nbytes=16):
+    if logits.ptr % nbytes:
+        raise LLMCError(f"{OP} variant {number}: the logits pointer must be {nbytes}-byte aligned "
+                        f"({nbytes}-byte vector loads)")
 
 
-def _build_row_kernel(rt, number, N, V, Vp, block_size, default_bs, smem=0, float4=False):
-    """The launch of a one-block-per-row kernel (versions 1-3)."""
+def _build_row_kernel(rt, number, N, V, Vp, block_size, default_bs, smem=0, vec_bytes=0, func=None):
+    """The launch of a one-block-per-row kernel (versions 1-3; vec_bytes: the width of its vector
+    loads, whose alignment the logits pointer must have)."""
     bs = block_size or default_bs
-    k = rt.kernel(MODULE, f"classifier_kernel{number}", ARGTYPES, label=f"{OP} {number}")
+    func = func or f"classifier_kernel{number}"
+    dt = " (bf16)" if "bf16" in func else ""
+    k = rt.kernel(MODULE, func, ARGTYPES, label=f"{OP} {number}{dt}")
     if smem > 48 * 1024:
         if smem > rt.max_smem_optin:
-            refuse(OP, number, f"a row of V={V} floats needs {smem:,} bytes of shared memory; "
+            refuse(OP, number, f"a row of V={V}{dt} needs {smem:,} bytes of shared memory; "
                                f"this GPU allows {rt.max_smem_optin:,} per block")
         k.set_max_dynamic_smem(smem)
     grid, block = (N, 1, 1), (bs, 1, 1)
     n32, V32, Vp32 = np.int32(N), np.int32(V), np.int32(Vp)
 
     def launch(losses, logits, targets, dloss, write_dlogits):
-        if float4:
-            _aligned(logits, number)
+        if vec_bytes:
+            _aligned(logits, number, vec_bytes)
         k(grid, block, losses.ptr, logits.ptr, targets.ptr, np.float32(dloss), np.int32(write_dlogits),
           n32, V32, Vp32, smem=smem)
     return launch
@@ -138,11 +157,43 @@ def classifier1(rt, N, V, Vp, block_size=None):
 
 
 def classifier2(rt, N, V, Vp, block_size=None):
-    return _build_row_kernel(rt, 2, N, V, Vp, block_size, 1024, float4=True)
+    return _build_row_kernel(rt, 2, N, V, Vp, block_size, 1024, vec_bytes=16)
 
 
 def classifier3(rt, N, V, Vp, block_size=None):
-    return _build_row_kernel(rt, 3, N, V, Vp, block_size, 1024, smem=_smem_bytes(V), float4=True)
+    return _build_row_kernel(rt, 3, N, V, Vp, block_size, 1024, smem=_smem_bytes(V), vec_bytes=16)
+
+
+# bf16 builds: the same kernels instantiated for bf16 logits. A chunk is 8 bf16 (16-byte loads) when
+# Vp % 8 == 0 (GPT-2's 50304), else 4 (8-byte loads, the _vec4 entry points): so the bf16 builds
+# take exactly the shapes the fp32 ones take (the checks above know no dtype).
+
+def _bf16_vec(Vp):
+    """(elements per chunk, entry point suffix) of the bf16 vector kernels for this Vp."""
+    return (8, "_bf16") if Vp % 8 == 0 else (4, "_bf16_vec4")
+
+
+def _smem_bytes_bf16(V, Vp):
+    vec, _ = _bf16_vec(Vp)
+    return -(-V // vec) * vec * 2  # the row's real columns, in whole chunks of bf16
+
+
+def classifier1_bf16(rt, N, V, Vp, block_size=None):
+    return _build_row_kernel(rt, 1, N, V, Vp, block_size, 1024, func="classifier_kernel1_bf16")
+
+
+def classifier2_bf16(rt, N, V, Vp, block_size=None):
+    vec, suffix = _bf16_vec(Vp)
+    return _build_row_kernel(rt, 2, N, V, Vp, block_size, 1024, vec_bytes=2 * vec,
+                             func=f"classifier_kernel2{suffix}")
+
+
+def classifier3_bf16(rt, N, V, Vp, block_size=None):
+    # 1024 threads: with a 100.5 KB row and 32 registers, two blocks share an SM (the kernel's
+    # __launch_bounds__(1024, 2)), so one row's loads overlap the other's reductions and stores
+    vec, suffix = _bf16_vec(Vp)
+    return _build_row_kernel(rt, 3, N, V, Vp, block_size, 1024, smem=_smem_bytes_bf16(V, Vp),
+                             vec_bytes=2 * vec, func=f"classifier_kernel3{suffix}")
 
 
 def classifier4(rt, N, V, Vp, block_size=None):
@@ -169,11 +220,11 @@ def classifier4(rt, N, V, Vp, block_size=None):
 
 VARIANTS = {
     1: Variant(1, "one block per row, three passes over global memory (max, sum, write), scalar loads",
-               classifier1, _check_common),
+               {"fp32": classifier1, "bf16": classifier1_bf16}, _check_common),
     2: Variant(2, "one block per row, online softmax: one read pass for max+sum, one write pass; float4, streaming hints",
-               classifier2, _check_float4),
+               {"fp32": classifier2, "bf16": classifier2_bf16}, _check_float4),
     3: Variant(3, "one block per row held in shared memory (cp.async): logits read from DRAM once, written once",
-               classifier3, _check_smem),
+               {"fp32": classifier3, "bf16": classifier3_bf16}, _check_smem),
     4: Variant(4, "version 3 persistent: each block prefetches its next row while writing this row's gradient",
                classifier4, _check_smem),
 }
@@ -181,9 +232,10 @@ VARIANTS = {
 # default 3: fastest on the H100 (0.565 ms at N=4096, Vp=50304: 98% of the copy ceiling). It needs
 # ceil(V/4)*16 bytes of shared memory per block (201 KB at GPT-2's vocab): an A100 (163 KB) refuses
 # it at build, and version 2 (0.575 ms on the H100, no shared-memory limit) is the one to fall back to.
+# In bf16 the row needs half that (100.5 KB), so version 3 fits on an A100 too.
 OPS = [
     OpSpec("classifier", cpu=classifier_cpu, variants=VARIANTS, default=3, flag="--classifier-kernel",
-           cost=lambda N, V, Vp, **_: (0, 4 * 2 * N * Vp),  # logits read once, dlogits written once
+           cost=lambda N, V, Vp, **_: (0, 4 * 2 * N * Vp),  # logits read once, dlogits written once (fp32)
            doc="losses(N)=, logits(N,Vp) in/out, targets(N) int32, dloss, write_dlogits: fused softmax "
                "+ cross-entropy; the logit gradient overwrites the logits, padded columns zeroed"),
 ]

@@ -10,11 +10,17 @@ with the row's uniform draw, so a seed gives the same tokens as host sampling ex
 lands within rounding of a boundary between two tokens. cuda/sample.cu has the kernel; sample_cpu
 is the numpy backend's launcher (it is the host sampler itself). One variant so far; only the
 decoder runs it (--sample-kernel).
+
+bf16 build (`build(rt, 1, "bf16", ...)`, for a bf16 model): logits bf16 (B, Vp), everything else
+unchanged (uniforms float64, tokens int32). The kernel widens each bf16 logit exactly, so it
+samples from from_bf16(logits), the values the host sampler (and sample_cpu, which takes bf16 bits
+too) sees.
 """
 from __future__ import annotations
 
 import numpy as np
 
+from llmc.bf16 import BF16, from_bf16
 from llmc.ops import Built, OpSpec, Variant
 from llmc.sample import sample_with_uniform  # the host sampler's rule, which the kernel follows
 
@@ -23,7 +29,9 @@ THREADS = 1024      # SAMPLE_THREADS
 
 
 def sample_ref(logits, uniforms, V, temperature, top_k):
-    """tokens (B,) from logits (B, >=V) with one uniform per row."""
+    """tokens (B,) from logits (B, >=V) with one uniform per row (bf16 logits: uint16 bits)."""
+    if np.asarray(logits).dtype == BF16:
+        logits = from_bf16(logits).reshape(np.shape(logits))
     return np.array([sample_with_uniform(row[:V], temperature, top_k, float(u))
                      for row, u in zip(logits, uniforms)], np.int32)
 
@@ -40,10 +48,11 @@ def _check(B, V, Vp, **_):
     return None
 
 
-def sample1(rt, B, V, Vp):
-    k = rt.kernel(MODULE, "sample_kernel1", "PPPiiifi", label="sample 1")
+def sample1(rt, B, V, Vp, func="sample_kernel1"):
+    k = rt.kernel(MODULE, func, "PPPiiifi", label="sample 1" + (" (bf16)" if "bf16" in func else ""))
     grid, block = (B, 1, 1), (THREADS, 1, 1)
-    # the row in shared memory when it fits next to the kernel's static ~9.4 KB (GPT-2: 201 KB)
+    # the row in shared memory when it fits next to the kernel's static ~9.4 KB (GPT-2: 201 KB); a
+    # bf16 row is widened to fp32 there, so the same rule (and the same vector loads' Vp % 4 == 0)
     static = k.attributes()["static_smem"]
     staged = Vp % 4 == 0 and 4 * V + static <= rt.max_smem_optin
     smem = 4 * V if staged else 0
@@ -58,10 +67,15 @@ def sample1(rt, B, V, Vp):
     return Built(launch, info={"staged": staged})
 
 
+def sample1_bf16(rt, B, V, Vp):
+    return sample1(rt, B, V, Vp, func="sample_kernel1_bf16")
+
+
 OPS = [
     OpSpec("sample", sample_cpu, {
         1: Variant(1, "a block per row: max, top-k threshold by a radix select over the row, the inverse "
-                      "CDF by a block scan; the row staged in shared memory when it fits", sample1, _check),
+                      "CDF by a block scan; the row staged in shared memory when it fits",
+                   {"fp32": sample1, "bf16": sample1_bf16}, _check),
     }, default=1, flag="--sample-kernel", cost=lambda B, V, Vp, **_: (0, 4 * B * V),
         doc="tokens(B,) int32=, logits(B,Vp), uniforms(B,) float64, temperature, top_k; build(B, V, Vp)"),
 ]
