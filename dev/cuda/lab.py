@@ -90,7 +90,11 @@ class Lab:
         self.rt.synchronize()
         ok = True
         for name, dev in outputs.items():
-            msg = compare(dev.get(), refs[name], atol, rtol, name)
+            got = dev.get()
+            if got.dtype == np.uint16:  # a bf16 output (llmc.bf16: uint16 bits on the host); 0xFFFF poison is NaN
+                from llmc.bf16 import from_bf16
+                got = from_bf16(got)
+            msg = compare(got, refs[name], atol, rtol, name)
             if msg:
                 ok = False
                 print(f"  variant {variant}: MISMATCH\n{msg}")
