@@ -1,6 +1,8 @@
 """GEMM engine 5 (wgmma + TMA, sm_90a): against a float64 reference on odd shapes, with poisoned
 outputs, every tile width, split-K, bias, beta and the transposed store; plus the transpose and bf16
 helpers. GPU tests need a Hopper GPU (they skip elsewhere); the planner's checks run on the CPU."""
+import collections
+
 import numpy as np
 import pytest
 
@@ -364,3 +366,33 @@ def test_bf16_out_is_deterministic(hopper, rng, layout):
         g(C, A, B)
         outs.append(C.get())
     assert np.array_equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("osize", [4, 2])  # fp32, bf16 output
+@pytest.mark.parametrize("bn", gw.TS_WIDTHS)
+def test_tma_store_staging_layout(osize, bn):
+    """The `_ts` epilogue's staging addresses (cuda/gemm_wgmma.cu, epilogue_tma: box = c >> LOG_EPB,
+    chunk (c % EPB) / EPC xor (r % 8), fp32 or bf16) against the TMA's own 128-byte swizzle (byte
+    address bits 4-6 xor bits 7-9 of the unswizzled box layout, 1024-aligned): every (row, column pair)
+    of a warpgroup's 64 x BN tile lands where the TMA store reads it, once, and each warp store (8 rows
+    x 4 lanes of a pair: 32 bf16x2 or 32 float2) takes the fewest shared-memory wavefronts (its words
+    spread evenly over the 32 banks: 1 for bf16, 2 for fp32)."""
+    epb, epc = 128 // osize, 16 // osize
+    seen = {}
+    for warp in range(4):
+        for j in range(bn // 8):
+            for h in range(2):
+                words = set()
+                for lane in range(32):
+                    r, c = warp * 16 + (lane >> 2) + 8 * h, 8 * j + 2 * (lane & 3)
+                    box, ch = c // epb, (c % epb) // epc
+                    kernel = box * 64 * 128 + r * 128 + ((ch ^ (r & 7)) << 4) + (c % epc) * osize
+                    plain = box * 64 * 128 + r * 128 + (c % epb) * osize      # the box, row-major
+                    tma = plain ^ (((plain >> 7) & 7) << 4)                   # SWIZZLE_128B
+                    assert kernel == tma, (r, c)
+                    assert kernel not in seen, (r, c, seen.get(kernel))
+                    seen[kernel] = (r, c)
+                    words |= {kernel // 4 + i for i in range(2 * osize // 4)}
+                per_bank = collections.Counter(w % 32 for w in words)
+                assert max(per_bank.values()) == len(words) // 32, (warp, j, h)
+    assert len(seen) == 64 * bn // 2  # every pair of the tile, once
