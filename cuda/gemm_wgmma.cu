@@ -2,6 +2,12 @@
 //
 //   C(M,N) = alpha * A(M,K) @ B(N,K)^T  (+ bias(N)) (+ beta * C)        both operands K-major
 //
+// Instances: tf32 or bf16 inputs, fp32 accumulation; fp32 output, or (bf16 inputs) bf16 output rounded
+// once in the epilogue (bias and beta * C added in fp32 first). bf16 operands may also be M-/N-major
+// in global memory (A^T or B^T stored, as the backward pass has them): the TMA brings them in as
+// 64-wide MN boxes and the wgmma reads them transposed (see "MN-major tiles" below). TF32 has no
+// transpose bit; its M-major A goes through registers (the _am instances).
+//
 // Build: nvcc -gencode=arch=compute_90a,code=sm_90a (llmc/runtime.py does this for this file).
 // Lab:   python dev/cuda/matmul_forward.py 9      tests: pytest -m gpu tests/test_gemm_wgmma.py
 //
@@ -31,6 +37,16 @@
 // TF32 note: the tensor cores read the top 19 bits of each fp32 operand (truncation), where engines
 // 2-4 round with cvt.rna first. The TMA copies bits, so this engine truncates, like cuBLAS's TF32.
 // Out-of-range rows/columns of a tile (M, N, K not multiples of the tile) are zero-filled by the TMA.
+//
+// MN-major tiles (bf16 only: the _bt / _at_bt instances). An operand stored K rows of MN elements
+// (dout for dweight = dout^T @ inp, weight for dinp = dout @ weight) is loaded as boxes of 64 MN
+// elements (128 bytes) x BK = 64 k rows, 8 KB each, 128-byte swizzled by k row: box b holds MN
+// 64b..64b+63, its k row r at byte 128 r. That is the wgmma's canonical MN-major SW128 layout (PTX
+// ISA "shared memory matrix layout"; imm-trans = 1): 8 k rows of 128 bytes form one 1024-byte
+// swizzle atom, the stride byte offset (SBO) is the step between atoms along K (1024 bytes), the
+// leading byte offset (LBO) the step between 64-wide MN blocks (one box: 8192 bytes). One k16 step is
+// two atoms: +2048 bytes on the start address (atom-aligned, so the swizzle phase is unchanged).
+// A consumer warpgroup's 64 rows of A are exactly one box.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <stdint.h>
@@ -119,6 +135,15 @@ __device__ __forceinline__ uint64_t smem_desc(const void* p) {
     return ((addr & 0x3FFFF) >> 4) | (uint64_t(16 >> 4) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
 }
 
+// The same for an MN-major tile (bf16, 64-wide MN boxes of BK_T k rows, 128-byte swizzled): LBO =
+// the next 64 MN elements (the next box, 64 k rows x 128 bytes), SBO = the next 8 k rows (1024).
+constexpr int BK_T = 64;  // k rows per MN-major box (= bf16's BK)
+__device__ __forceinline__ uint64_t smem_desc_mn(const void* p) {
+    const uint64_t addr = smem_u32(p);
+    return ((addr & 0x3FFFF) >> 4) | (uint64_t((BK_T * ROW_BYTES) >> 4) << 16) | (uint64_t(1024 >> 4) << 32) |
+           (uint64_t(1) << 62);
+}
+
 // the k-th tile of the persistent sequence: tile rows go in groups of GROUP_M, column-major inside a
 // group, so the CTAs running at one time share a few B tiles and GROUP_M A tiles in L2
 __device__ __forceinline__ void tile_coords(int t, int tiles_m, int tiles_n, int& tm, int& tn) {
@@ -137,15 +162,16 @@ __device__ __forceinline__ void keep_in_regs(float (&d)[NREG]) {
     for (int i = 0; i < NREG; i++) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-template <typename T, int BN> struct Wgmma;
+// TA / TB: A M-major / B N-major in shared memory (the transpose immediates; bf16 only)
+template <typename T, int BN, int TA = 0, int TB = 0> struct Wgmma;
 template <> struct Wgmma<float, 64> { static __device__ __forceinline__ void run(float (&d)[32], uint64_t a, uint64_t b, int s) { wgmma_tf32_n64(d, a, b, s); } };
 template <> struct Wgmma<float, 128> { static __device__ __forceinline__ void run(float (&d)[64], uint64_t a, uint64_t b, int s) { wgmma_tf32_n128(d, a, b, s); } };
 template <> struct Wgmma<float, 192> { static __device__ __forceinline__ void run(float (&d)[96], uint64_t a, uint64_t b, int s) { wgmma_tf32_n192(d, a, b, s); } };
 template <> struct Wgmma<float, 256> { static __device__ __forceinline__ void run(float (&d)[128], uint64_t a, uint64_t b, int s) { wgmma_tf32_n256(d, a, b, s); } };
-template <> struct Wgmma<__nv_bfloat16, 64> { static __device__ __forceinline__ void run(float (&d)[32], uint64_t a, uint64_t b, int s) { wgmma_bf16_n64(d, a, b, s); } };
-template <> struct Wgmma<__nv_bfloat16, 128> { static __device__ __forceinline__ void run(float (&d)[64], uint64_t a, uint64_t b, int s) { wgmma_bf16_n128(d, a, b, s); } };
-template <> struct Wgmma<__nv_bfloat16, 192> { static __device__ __forceinline__ void run(float (&d)[96], uint64_t a, uint64_t b, int s) { wgmma_bf16_n192(d, a, b, s); } };
-template <> struct Wgmma<__nv_bfloat16, 256> { static __device__ __forceinline__ void run(float (&d)[128], uint64_t a, uint64_t b, int s) { wgmma_bf16_n256(d, a, b, s); } };
+template <int TA, int TB> struct Wgmma<__nv_bfloat16, 64, TA, TB> { static __device__ __forceinline__ void run(float (&d)[32], uint64_t a, uint64_t b, int s) { wgmma_bf16_n64<TA, TB>(d, a, b, s); } };
+template <int TA, int TB> struct Wgmma<__nv_bfloat16, 128, TA, TB> { static __device__ __forceinline__ void run(float (&d)[64], uint64_t a, uint64_t b, int s) { wgmma_bf16_n128<TA, TB>(d, a, b, s); } };
+template <int TA, int TB> struct Wgmma<__nv_bfloat16, 192, TA, TB> { static __device__ __forceinline__ void run(float (&d)[96], uint64_t a, uint64_t b, int s) { wgmma_bf16_n192<TA, TB>(d, a, b, s); } };
+template <int TA, int TB> struct Wgmma<__nv_bfloat16, 256, TA, TB> { static __device__ __forceinline__ void run(float (&d)[128], uint64_t a, uint64_t b, int s) { wgmma_bf16_n256<TA, TB>(d, a, b, s); } };
 
 template <int BN> struct WgmmaRS;
 template <> struct WgmmaRS<128> { static __device__ __forceinline__ void run(float (&d)[64], const uint32_t (&a)[4], uint64_t b, int s) { wgmma_tf32_rs_n128(d, a, b, s); } };
@@ -172,9 +198,30 @@ __device__ __forceinline__ void load_a_mn(uint32_t (&a)[4], const unsigned char*
 // ------------------------------------------------------------------------------------------------
 // the kernel body
 
+// Loads and stores of the output type, in fp32 registers: bf16 is read exactly and rounded once on
+// the store (to nearest even); a pair is two adjacent columns (float2 / __nv_bfloat162)
+template <typename OUT> struct Out;
+template <> struct Out<float> {
+    static __device__ __forceinline__ float get(const float* p) { return *p; }
+    static __device__ __forceinline__ float2 get2(const float* p) { return *reinterpret_cast<const float2*>(p); }
+    static __device__ __forceinline__ void put(float* p, float v) { *p = v; }
+    static __device__ __forceinline__ void put2(float* p, float v0, float v1) { *reinterpret_cast<float2*>(p) = make_float2(v0, v1); }
+};
+template <> struct Out<__nv_bfloat16> {
+    static __device__ __forceinline__ float get(const __nv_bfloat16* p) { return __bfloat162float(*p); }
+    static __device__ __forceinline__ float2 get2(const __nv_bfloat16* p) {
+        return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p));
+    }
+    static __device__ __forceinline__ void put(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
+    static __device__ __forceinline__ void put2(__nv_bfloat16* p, float v0, float v1) {
+        *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(v0, v1);  // .x (v0) at the lower address
+    }
+};
+
+template <typename OUT>
 struct GemmArgs {
-    float* C;            // (M, ldc) row-major, or (N, ldc) when trans_c (C^T is stored)
-    const float* bias;   // (N) or nullptr
+    OUT* C;              // (M, ldc) row-major, or (N, ldc) when trans_c (C^T is stored)
+    const OUT* bias;     // (N) or nullptr
     float* W;            // split-K workspace (splits, M, ldw), used when splits > 1
     int M, N, K, ldc, ldw, splits, kb_per_split;
     float alpha, beta;
@@ -183,8 +230,8 @@ struct GemmArgs {
 
 // One consumer thread's share of the epilogue. Accumulator d[4j + 2h + c] of warp w, lane l holds
 // C at row 16w + l/4 + 8h (of the warpgroup's 64), column 8j + 2(l%4) + c.
-template <int BN>
-__device__ __forceinline__ void epilogue(float (&d)[BN / 2], const GemmArgs& a, int m0, int n0, int split) {
+template <typename OUT, int BN>
+__device__ __forceinline__ void epilogue(float (&d)[BN / 2], const GemmArgs<OUT>& a, int m0, int n0, int split) {
     const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
     const int r0 = m0 + warp * 16 + (lane >> 2), c0 = n0 + 2 * (lane & 3);
     if (a.splits > 1) {  // raw partial sums; gemm_wgmma_splitk_reduce applies alpha, beta, bias
@@ -200,7 +247,8 @@ __device__ __forceinline__ void epilogue(float (&d)[BN / 2], const GemmArgs& a, 
             }
         return;
     }
-    const bool pair = !a.trans_c && (a.ldc % 2 == 0) && ((reinterpret_cast<uintptr_t>(a.C) & 7) == 0);
+    using O = Out<OUT>;
+    const bool pair = !a.trans_c && (a.ldc % 2 == 0) && ((reinterpret_cast<uintptr_t>(a.C) & (2 * sizeof(OUT) - 1)) == 0);
     // In chunks of JC column groups: with beta != 0 all of a chunk's old C values are loaded before
     // any of its stores (a load after a store to C may alias it, so the compiler would otherwise wait
     // out each load's latency in turn: 64-128 round trips per thread, measured 2x on a K=4096 GEMM).
@@ -216,14 +264,14 @@ __device__ __forceinline__ void epilogue(float (&d)[BN / 2], const GemmArgs& a, 
                 old[j][h][0] = old[j][h][1] = 0.0f;
                 if (a.beta == 0.0f || r >= a.M || c >= a.N) continue;
                 if (a.trans_c) {
-                    old[j][h][0] = a.C[(ll)c * a.ldc + r];
-                    if (c + 1 < a.N) old[j][h][1] = a.C[(ll)(c + 1) * a.ldc + r];
+                    old[j][h][0] = O::get(a.C + (ll)c * a.ldc + r);
+                    if (c + 1 < a.N) old[j][h][1] = O::get(a.C + (ll)(c + 1) * a.ldc + r);
                 } else if (pair && c + 1 < a.N) {
-                    const float2 o = *reinterpret_cast<const float2*>(a.C + (ll)r * a.ldc + c);
+                    const float2 o = O::get2(a.C + (ll)r * a.ldc + c);
                     old[j][h][0] = o.x; old[j][h][1] = o.y;
                 } else {
-                    old[j][h][0] = a.C[(ll)r * a.ldc + c];
-                    if (c + 1 < a.N) old[j][h][1] = a.C[(ll)r * a.ldc + c + 1];
+                    old[j][h][0] = O::get(a.C + (ll)r * a.ldc + c);
+                    if (c + 1 < a.N) old[j][h][1] = O::get(a.C + (ll)r * a.ldc + c + 1);
                 }
             }
 #pragma unroll
@@ -235,23 +283,30 @@ __device__ __forceinline__ void epilogue(float (&d)[BN / 2], const GemmArgs& a, 
                 const int i = 4 * (j0 + j) + 2 * h;
                 float v0 = a.alpha * d[i] + a.beta * old[j][h][0], v1 = a.alpha * d[i + 1] + a.beta * old[j][h][1];
                 const bool two = c + 1 < a.N;
-                if (a.bias) { v0 += a.bias[c]; if (two) v1 += a.bias[c + 1]; }
+                if (a.bias) { v0 += O::get(a.bias + c); if (two) v1 += O::get(a.bias + c + 1); }
                 if (a.trans_c) {
-                    a.C[(ll)c * a.ldc + r] = v0;
-                    if (two) a.C[(ll)(c + 1) * a.ldc + r] = v1;
+                    O::put(a.C + (ll)c * a.ldc + r, v0);
+                    if (two) O::put(a.C + (ll)(c + 1) * a.ldc + r, v1);
                 } else if (pair && two) {
-                    *reinterpret_cast<float2*>(a.C + (ll)r * a.ldc + c) = make_float2(v0, v1);
+                    O::put2(a.C + (ll)r * a.ldc + c, v0, v1);
                 } else {
-                    a.C[(ll)r * a.ldc + c] = v0;
-                    if (two) a.C[(ll)r * a.ldc + c + 1] = v1;
+                    O::put(a.C + (ll)r * a.ldc + c, v0);
+                    if (two) O::put(a.C + (ll)r * a.ldc + c + 1, v1);
                 }
             }
     }
 }
 
-template <int BN>
-__device__ __forceinline__ void epilogue_tma(float (&d)[BN / 2], const GemmArgs& a, const CUtensorMap* tmC,
+// The tile staged in shared memory as the TMA store reads it: boxes of 64 rows x 128 bytes of columns
+// (EPB = 32 fp32 / 64 bf16), 128-byte swizzled (16-byte chunk ch of row r at ch ^ (r % 8)). A quad of
+// lanes writes 4 adjacent pairs of one row, 8 rows per warp store: 32 distinct banks, conflict-free.
+template <typename OUT, int BN>
+__device__ __forceinline__ void epilogue_tma(float (&d)[BN / 2], const GemmArgs<OUT>& a, const CUtensorMap* tmC,
                                              unsigned char* stg, int m0, int n0, int wg) {
+    using O = Out<OUT>;
+    constexpr int EPB = ROW_BYTES / sizeof(OUT), EPC = 16 / sizeof(OUT);  // elements per box row / chunk
+    constexpr int LOG_EPB = sizeof(OUT) == 4 ? 5 : 6, LOG_EPC = sizeof(OUT) == 4 ? 2 : 3;
+    static_assert(EPB == 1 << LOG_EPB && EPC == 1 << LOG_EPC, "fp32 or 16-bit outputs");
     const int tid = threadIdx.x & 127, lane = threadIdx.x & 31, warp = tid >> 5;
     if (tid == 0) bulk_wait_read();
     wg_barrier(wg);
@@ -263,33 +318,39 @@ __device__ __forceinline__ void epilogue_tma(float (&d)[BN / 2], const GemmArgs&
             float v0 = a.alpha * d[4 * j + 2 * h], v1 = a.alpha * d[4 * j + 2 * h + 1];
             if (a.bias) {
                 const int gc = n0 + c;  // columns past N are clipped by the store; don't read past bias
-                v0 += gc < a.N ? a.bias[gc] : 0.0f;
-                v1 += gc + 1 < a.N ? a.bias[gc + 1] : 0.0f;
+                v0 += gc < a.N ? O::get(a.bias + gc) : 0.0f;
+                v1 += gc + 1 < a.N ? O::get(a.bias + gc + 1) : 0.0f;
             }
-            const int box = c >> 5, ch = (c & 31) >> 2;
-            float* p = reinterpret_cast<float*>(stg + box * (64 * ROW_BYTES) + r * ROW_BYTES + ((ch ^ (r & 7)) << 4)) + (c & 3);
-            *reinterpret_cast<float2*>(p) = make_float2(v0, v1);
+            const int box = c >> LOG_EPB, ch = (c & (EPB - 1)) >> LOG_EPC;
+            OUT* p = reinterpret_cast<OUT*>(stg + box * (64 * ROW_BYTES) + r * ROW_BYTES + ((ch ^ (r & 7)) << 4)) + (c & (EPC - 1));
+            O::put2(p, v0, v1);
         }
     fence_async_smem();
     wg_barrier(wg);
     if (tid == 0) {
 #pragma unroll
-        for (int b = 0; b < BN / 32; b++) tma_store_2d(tmC, stg + b * (64 * ROW_BYTES), n0 + 32 * b, m0);
+        for (int b = 0; b < BN / EPB; b++) tma_store_2d(tmC, stg + b * (64 * ROW_BYTES), n0 + EPB * b, m0);
         bulk_commit();
     }
 }
 
-template <typename T, int BN, int STAGES, bool TMA_STORE, bool A_MN = false>
+// T: input type; OUT: output type (fp32, or bf16 for bf16 inputs); A_MN: tf32 A M-major through
+// registers; A_T / B_T: bf16 A M-major / B N-major in shared memory (the wgmma's transpose bits)
+template <typename T, typename OUT, int BN, int STAGES, bool TMA_STORE, bool A_MN = false, bool A_T = false,
+          bool B_T = false>
 __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CUtensorMap* tmB, const CUtensorMap* tmC,
-                                                const GemmArgs& a) {
+                                                const GemmArgs<OUT>& a) {
     constexpr int BK = ROW_BYTES / sizeof(T);       // K per stage: 32 tf32 or 64 bf16
     constexpr int KSTEPS = ROW_BYTES / 32;           // wgmmas per stage (32 bytes of K each)
     constexpr int A_BYTES = BM * ROW_BYTES, B_BYTES = BN * ROW_BYTES, STAGE_BYTES = A_BYTES + B_BYTES;
+    static_assert(!(A_T || B_T) || (sizeof(T) == 2 && BK == BK_T && BN % 64 == 0),
+                  "MN-major tiles: 16-bit inputs, 64-wide boxes of BK_T k rows");
+    constexpr int BOX_T = BK_T * ROW_BYTES;          // one MN-major box: 64 MN x BK_T k rows (8 KB)
     extern __shared__ unsigned char smem_raw[];
     // stages need 1024-byte alignment for the swizzle; the launcher asks for 1 KB extra
     unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-    // with TMA_STORE, each consumer warpgroup's staging buffer (64 x BN fp32) follows the stages
-    constexpr int STG_BYTES = TMA_STORE ? 64 * BN * 4 : 0;
+    // with TMA_STORE, each consumer warpgroup's staging buffer (64 x BN outputs) follows the stages
+    constexpr int STG_BYTES = TMA_STORE ? 64 * BN * (int)sizeof(OUT) : 0;
     uint64_t* full = reinterpret_cast<uint64_t*>(smem + STAGES * STAGE_BYTES + 2 * STG_BYTES);
     uint64_t* empty = full + STAGES;
 
@@ -325,10 +386,19 @@ __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CU
                     if (A_MN) {  // A^T is stored (K rows of M): 4 boxes of 32 m x BK k
 #pragma unroll
                         for (int b = 0; b < 4; b++) tma_load_2d(sa + b * 4096, tmA, &full[stage], tm * BM + 32 * b, kb * BK);
+                    } else if (A_T) {  // A^T stored, bf16: 2 boxes of 64 m x BK k, one per consumer warpgroup
+#pragma unroll
+                        for (int b = 0; b < BM / 64; b++) tma_load_2d(sa + b * BOX_T, tmA, &full[stage], tm * BM + 64 * b, kb * BK);
                     } else {
                         tma_load_2d(sa, tmA, &full[stage], kb * BK, tm * BM);
                     }
-                    tma_load_2d(sa + A_BYTES, tmB, &full[stage], kb * BK, tn * BN);
+                    if (B_T) {  // B^T stored (K rows of N), bf16: BN / 64 boxes of 64 n x BK k
+#pragma unroll
+                        for (int b = 0; b < BN / 64; b++)
+                            tma_load_2d(sa + A_BYTES + b * BOX_T, tmB, &full[stage], tn * BN + 64 * b, kb * BK);
+                    } else {
+                        tma_load_2d(sa + A_BYTES, tmB, &full[stage], kb * BK, tn * BN);
+                    }
                     if (++stage == STAGES) { stage = 0; phase ^= 1; }
                 }
             }
@@ -357,6 +427,15 @@ __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CU
 #pragma unroll
                     for (int ks = 0; ks < KSTEPS; ks++)
                         WgmmaRS<BN>::run(d, af[ks], smem_desc(sb + 32 * ks), (kb > kb0 || ks > 0) ? 1 : 0);
+                } else if constexpr (A_T || B_T) {
+                    // an MN-major operand advances 16 k rows (two 1024-byte atoms) per k-step; this
+                    // warpgroup's 64 rows of an MN-major A are box wg - 1 (the same 8 KB offset as K-major)
+                    wgmma_fence();
+#pragma unroll
+                    for (int ks = 0; ks < KSTEPS; ks++)
+                        Wgmma<T, BN, A_T, B_T>::run(d, A_T ? smem_desc_mn(sa + ks * 16 * ROW_BYTES) : smem_desc(sa + 32 * ks),
+                                                    B_T ? smem_desc_mn(sb + ks * 16 * ROW_BYTES) : smem_desc(sb + 32 * ks),
+                                                    (kb > kb0 || ks > 0) ? 1 : 0);
                 } else {
                     wgmma_fence();
 #pragma unroll
@@ -387,10 +466,10 @@ __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CU
             }
             // the TMA store takes plain results (no split-K partials, no beta * C read, not transposed)
             if (TMA_STORE && tmC && a.splits == 1 && a.beta == 0.0f && !a.trans_c)
-                epilogue_tma<BN>(d, a, tmC, smem + STAGES * STAGE_BYTES + (wg - 1) * STG_BYTES, tm * BM + (wg - 1) * 64,
+                epilogue_tma<OUT, BN>(d, a, tmC, smem + STAGES * STAGE_BYTES + (wg - 1) * STG_BYTES, tm * BM + (wg - 1) * 64,
                                  tn * BN, wg);
             else
-                epilogue<BN>(d, a, tm * BM + (wg - 1) * 64, tn * BN, split);
+                epilogue<OUT, BN>(d, a, tm * BM + (wg - 1) * 64, tn * BN, split);
         }
         if (TMA_STORE && (threadIdx.x & 127) == 0) bulk_wait_all();  // C is written before the CTA ends
     }
@@ -398,50 +477,83 @@ __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CU
 
 // shared memory a (T, BN, STAGES) instance needs: the stages, 2 mbarriers each, 1 KB for alignment
 // tmC: the TMA map of C (or nullptr: direct stores); used only by the _ts instances
-#define GEMM_WGMMA_ENTRY(NAME, T, BN, STAGES, TMA_STORE, ...)                                             \
+// OUT: the type of C and bias (fp32; bf16 in the _bf16 instances, which take bf16 inputs)
+#define GEMM_WGMMA_ENTRY(NAME, T, OUT, BN, STAGES, TMA_STORE, ...)                                        \
     extern "C" __global__ void __launch_bounds__(THREADS, 1)                                             \
-    NAME(const CUtensorMap* tmA, const CUtensorMap* tmB, const CUtensorMap* tmC, float* C, const float* bias, \
+    NAME(const CUtensorMap* tmA, const CUtensorMap* tmB, const CUtensorMap* tmC, OUT* C, const OUT* bias, \
          float* W, int M, int N, int K, int ldc, int ldw, int splits, int kb_per_split, float alpha,     \
          float beta, int trans_c) {                                                                       \
-        const GemmArgs a{C, bias, W, M, N, K, ldc, ldw, splits, kb_per_split, alpha, beta, trans_c};     \
-        gemm_wgmma_body<T, BN, STAGES, TMA_STORE, ##__VA_ARGS__>(tmA, tmB, tmC, a);                      \
+        const GemmArgs<OUT> a{C, bias, W, M, N, K, ldc, ldw, splits, kb_per_split, alpha, beta, trans_c}; \
+        gemm_wgmma_body<T, OUT, BN, STAGES, TMA_STORE, ##__VA_ARGS__>(tmA, tmB, tmC, a);                 \
     }
 
 // stages: as many as fit in ~200 KB (A 16 KB + B BN*128 bytes each); the _ts (TMA store) instances
-// give 2 x 64 x BN x 4 bytes of that to the staging buffers
-GEMM_WGMMA_ENTRY(gemm_wgmma_tf32_n128, float, 128, 6, false)
-GEMM_WGMMA_ENTRY(gemm_wgmma_tf32_n192, float, 192, 5, false)
-GEMM_WGMMA_ENTRY(gemm_wgmma_tf32_n256, float, 256, 4, false)
-GEMM_WGMMA_ENTRY(gemm_wgmma_tf32_n128_ts, float, 128, 5, true)
-GEMM_WGMMA_ENTRY(gemm_wgmma_tf32_n192_ts, float, 192, 3, true)
+// give 2 x 64 x BN x sizeof(OUT) bytes of that to the staging buffers. llmc/ops/gemm_wgmma.py keeps the
+// same table (INSTANCES; tests/test_gemm_wgmma.py checks they agree).
+GEMM_WGMMA_ENTRY(gemm_wgmma_tf32_n128, float, float, 128, 6, false)
+GEMM_WGMMA_ENTRY(gemm_wgmma_tf32_n192, float, float, 192, 5, false)
+GEMM_WGMMA_ENTRY(gemm_wgmma_tf32_n256, float, float, 256, 4, false)
+GEMM_WGMMA_ENTRY(gemm_wgmma_tf32_n128_ts, float, float, 128, 5, true)
+GEMM_WGMMA_ENTRY(gemm_wgmma_tf32_n192_ts, float, float, 192, 3, true)
 // A M-major (A^T stored, as dout is for dweight = dout^T @ inp), tf32 only, through registers
-GEMM_WGMMA_ENTRY(gemm_wgmma_tf32_n128_am, float, 128, 6, false, true)
-GEMM_WGMMA_ENTRY(gemm_wgmma_tf32_n192_am, float, 192, 5, false, true)
-GEMM_WGMMA_ENTRY(gemm_wgmma_tf32_n256_am, float, 256, 4, false, true)
-GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n128, __nv_bfloat16, 128, 6, false)
-GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n192, __nv_bfloat16, 192, 5, false)
-GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n256, __nv_bfloat16, 256, 4, false)
-GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n128_ts, __nv_bfloat16, 128, 5, true)
-GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n192_ts, __nv_bfloat16, 192, 3, true)
+GEMM_WGMMA_ENTRY(gemm_wgmma_tf32_n128_am, float, float, 128, 6, false, true)
+GEMM_WGMMA_ENTRY(gemm_wgmma_tf32_n192_am, float, float, 192, 5, false, true)
+GEMM_WGMMA_ENTRY(gemm_wgmma_tf32_n256_am, float, float, 256, 4, false, true)
+// bf16 inputs, fp32 output (the lab's BF16 rows)
+GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n128, __nv_bfloat16, float, 128, 6, false)
+GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n192, __nv_bfloat16, float, 192, 5, false)
+GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n256, __nv_bfloat16, float, 256, 4, false)
+GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n128_ts, __nv_bfloat16, float, 128, 5, true)
+GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n192_ts, __nv_bfloat16, float, 192, 3, true)
+// bf16 in, bf16 out (the bf16 trainer). The staging buffer of a _ts instance is half the fp32 one's,
+// so one more stage fits (128: 6 x 32 KB + 32 KB; 192: 4 x 40 KB + 48 KB).
+// both K-major: the forward, out (N,OC) = inp (N,C) @ weight (OC,C)^T
+GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n128_bf16, __nv_bfloat16, __nv_bfloat16, 128, 6, false)
+GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n192_bf16, __nv_bfloat16, __nv_bfloat16, 192, 5, false)
+GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n256_bf16, __nv_bfloat16, __nv_bfloat16, 256, 4, false)
+GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n128_ts_bf16, __nv_bfloat16, __nv_bfloat16, 128, 6, true)
+GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n192_ts_bf16, __nv_bfloat16, __nv_bfloat16, 192, 4, true)
+// B N-major (B^T stored): dinp (N,C) = dout (N,OC) @ weight (OC,C), weight read as it lies
+GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n128_bt_bf16, __nv_bfloat16, __nv_bfloat16, 128, 6, false, false, false, true)
+GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n192_bt_bf16, __nv_bfloat16, __nv_bfloat16, 192, 5, false, false, false, true)
+GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n256_bt_bf16, __nv_bfloat16, __nv_bfloat16, 256, 4, false, false, false, true)
+GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n128_bt_ts_bf16, __nv_bfloat16, __nv_bfloat16, 128, 6, true, false, false, true)
+GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n192_bt_ts_bf16, __nv_bfloat16, __nv_bfloat16, 192, 4, true, false, false, true)
+// A M-major and B N-major (A^T and B^T stored): dweight (OC,C) += dout^T @ inp, both read as they lie
+GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n128_at_bt_bf16, __nv_bfloat16, __nv_bfloat16, 128, 6, false, false, true, true)
+GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n192_at_bt_bf16, __nv_bfloat16, __nv_bfloat16, 192, 5, false, false, true, true)
+GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n256_at_bt_bf16, __nv_bfloat16, __nv_bfloat16, 256, 4, false, false, true, true)
 
 // ------------------------------------------------------------------------------------------------
 // helpers the engine's launcher uses
 
 // C = alpha * sum_s W[s] (+ bias) (+ beta * C), the splits added in order (deterministic); with
-// trans_c, C^T is what is stored
-extern "C" __global__ void gemm_wgmma_splitk_reduce(float* C, const float* W, const float* bias, int M, int N,
-                                                    int ldc, int ldw, int splits, float alpha, float beta, int trans_c) {
+// trans_c, C^T is what is stored. The _bf16 instance: C and bias bf16, everything added in fp32, one
+// rounding on the store.
+template <typename OUT>
+__device__ __forceinline__ void splitk_reduce(OUT* C, const float* W, const OUT* bias, int M, int N, int ldc,
+                                              int ldw, int splits, float alpha, float beta, int trans_c) {
+    using O = Out<OUT>;
     const ll total = (ll)M * N;
     for (ll i = (ll)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (ll)gridDim.x * blockDim.x) {
         const int m = (int)(i / N), n = (int)(i % N);
         float s = 0.0f;
         for (int k = 0; k < splits; k++) s += W[((ll)k * M + m) * ldw + n];
         float x = alpha * s;
-        if (bias) x += bias[n];
-        float* p = trans_c ? C + (ll)n * ldc + m : C + (ll)m * ldc + n;
-        if (beta != 0.0f) x += beta * *p;
-        *p = x;
+        if (bias) x += O::get(bias + n);
+        OUT* p = trans_c ? C + (ll)n * ldc + m : C + (ll)m * ldc + n;
+        if (beta != 0.0f) x += beta * O::get(p);
+        O::put(p, x);
     }
+}
+extern "C" __global__ void gemm_wgmma_splitk_reduce(float* C, const float* W, const float* bias, int M, int N,
+                                                    int ldc, int ldw, int splits, float alpha, float beta, int trans_c) {
+    splitk_reduce<float>(C, W, bias, M, N, ldc, ldw, splits, alpha, beta, trans_c);
+}
+extern "C" __global__ void gemm_wgmma_splitk_reduce_bf16(__nv_bfloat16* C, const float* W, const __nv_bfloat16* bias,
+                                                         int M, int N, int ldc, int ldw, int splits, float alpha,
+                                                         float beta, int trans_c) {
+    splitk_reduce<__nv_bfloat16>(C, W, bias, M, N, ldc, ldw, splits, alpha, beta, trans_c);
 }
 
 // out(cols, ld_out) = in(rows, cols)^T: 32x32 tiles through padded shared memory (the padding

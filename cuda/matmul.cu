@@ -28,12 +28,17 @@
 //              default: 13.0 / 23.8 / 29.4 us at OC = 768 / 2304 / 3072, N = 4096, against version 3's
 //              14.9 / 26.3 / 31.4, docs/lab/matmul_backward.md)
 //
+// bf16 builds (--precision bf16; entry points end in _bf16): matmul_forward 8 (the GEMV, 8 bf16 per
+// 16-byte load) and matmul_backward_bias 4 (8 columns per lane), bf16 in and out, fp32 sums, one
+// rounding on the store. matmul_forward 9 / matmul_backward 5 in bf16 are engine 5 (cuda/gemm_wgmma.cu).
+//
 // Measured on the H100 (docs/matmul_notes.md; TFLOP/s at N=4096 for qkv / attproj / fc / fcproj / lm head):
 //   forward 1: 0.5, 2: 3.6, 3: 7.3, 4: 34 / 29 / 40 / 29 / 40, 5: 79 / 54 / 84 / 63 / 67,
 //   6: 139 / 109 / 158 / 128 / 173 (cuBLAS TF32: 309 / 176 / 229 / 252 / 361; mma.sync probe ceiling 320)
 //   backward 1: 17 / 14 / 20 / 19 / 22, 2: 129 / 105 / 128 / 140 / 149 (cuBLAS: 180 / 125 / 194 / 216 / 292)
 //   backward bias at OC=768 / 3072: 1: 147 / 161 us, 2: 15.2 / 34.0 us, 3: 15.1 / 30.9 us
 
+#include <cuda_bf16.h>
 #include "common.cuh"
 #include "mma.cuh"
 
@@ -131,6 +136,62 @@ __device__ __forceinline__ void gemv_rows(float* out, const float* inp, const fl
         gemv_rows<R, true>(out, inp, weight, bias, C, OC);                                             \
     }
 GEMV_ENTRY(1) GEMV_ENTRY(2) GEMV_ENTRY(3) GEMV_ENTRY(4) GEMV_ENTRY(5) GEMV_ENTRY(6) GEMV_ENTRY(7) GEMV_ENTRY(8)
+
+// the 8 bf16 of a 16-byte load as 4 float pairs (exact)
+__device__ __forceinline__ void bf16x8_to_float(const uint4& v, float2 (&f)[4]) {
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; i++) f[i] = __bfloat1622float2(h[i]);
+}
+
+// version 8, bf16 build: the same GEMV with 8 bf16 per 16-byte load (C % 8 == 0): half the bytes
+// per weight row, so twice the columns per byte of bandwidth. fp32 sums, bias and GELU in fp32, one
+// rounding on the store.
+template <int R, bool GELU>
+__device__ __forceinline__ void gemv_rows_bf16(__nv_bfloat16* out, const __nv_bfloat16* inp, const __nv_bfloat16* weight,
+                                               const __nv_bfloat16* bias, int C, int OC) {
+    constexpr int U = R <= 2 ? 4 : 2;
+    const int lane = threadIdx.x % 32;
+    const int oc = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    if (oc >= OC) return;
+    const int C8 = C / 8;
+    const uint4* w = reinterpret_cast<const uint4*>(weight + (ll)oc * C);
+    const uint4* x = reinterpret_cast<const uint4*>(inp);
+    float s[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) s[r] = 0.0f;
+#pragma unroll U
+    for (int c = lane; c < C8; c += 32) {
+        float2 wf[4];
+        bf16x8_to_float(__ldcs(w + c), wf);
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            float2 xf[4];
+            bf16x8_to_float(__ldg(x + (ll)r * C8 + c), xf);
+#pragma unroll
+            for (int i = 0; i < 4; i++) s[r] = fmaf(wf[i].x, xf[i].x, fmaf(wf[i].y, xf[i].y, s[r]));
+        }
+    }
+    const float b = bias ? __bfloat162float(bias[oc]) : 0.0f;
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        const float v = warp_reduce_sum(s[r]) + b;
+        if (lane == r) out[(ll)r * OC + oc] = __float2bfloat16_rn(GELU ? gelu_fwd(v) : v);
+    }
+}
+#define GEMV_ENTRY_BF16(R)                                                                              \
+    extern "C" __global__ void __launch_bounds__(256) matmul_forward_kernel8_rows##R##_bf16(           \
+            __nv_bfloat16* out, const __nv_bfloat16* inp, const __nv_bfloat16* weight,                 \
+            const __nv_bfloat16* bias, int N, int C, int OC) {                                          \
+        gemv_rows_bf16<R, false>(out, inp, weight, bias, C, OC);                                        \
+    }                                                                                                   \
+    extern "C" __global__ void __launch_bounds__(256) matmul_forward_kernel8_gelu_rows##R##_bf16(      \
+            __nv_bfloat16* out, const __nv_bfloat16* inp, const __nv_bfloat16* weight,                 \
+            const __nv_bfloat16* bias, int N, int C, int OC) {                                          \
+        gemv_rows_bf16<R, true>(out, inp, weight, bias, C, OC);                                         \
+    }
+GEMV_ENTRY_BF16(1) GEMV_ENTRY_BF16(2) GEMV_ENTRY_BF16(3) GEMV_ENTRY_BF16(4)
+GEMV_ENTRY_BF16(5) GEMV_ENTRY_BF16(6) GEMV_ENTRY_BF16(7) GEMV_ENTRY_BF16(8)
 
 // version 3: 32x32 output tile per block (32x32 threads), K in steps of 32 through shared memory.
 // Both tiles load coalesced along C; wt is padded to 33 so the column walk is conflict-free.
@@ -393,6 +454,63 @@ extern "C" __global__ void matmul_backward_bias_kernel4(float* dbias, float* par
         float4 d = load4(dbias + col);
         d.x += t.x; d.y += t.y; d.z += t.z; d.w += t.w;
         store4(dbias + col, d);
+    }
+    if (tx == 0 && ty == 0) counters[blockIdx.x] = 0u;
+}
+
+// version 4, bf16 build: dbias bf16 (OC) += column sums of dout bf16 (N,OC). Each lane owns 8 adjacent
+// columns (one 16-byte load per row, OC % 8 == 0), so a block covers 256 columns; sums, partials
+// (nchunks, OC) and the fixed-order finish in fp32 as in the fp32 build (deterministic), then dbias is
+// read, the total added in fp32, and rounded once on the store.
+extern "C" __global__ void matmul_backward_bias_kernel4_bf16(__nv_bfloat16* dbias, float* partial, unsigned int* counters,
+                                                             const __nv_bfloat16* dout, int N, int OC, int rows_per_chunk) {
+    __shared__ float4 sh[2][8][32];
+    __shared__ bool is_last;
+    const int tx = threadIdx.x, ty = threadIdx.y;
+    const int col = (blockIdx.x * 32 + tx) * 8;
+    const int r0 = blockIdx.y * rows_per_chunk, r1 = min(N, r0 + rows_per_chunk);
+    float4 s0 = make_float4(0.f, 0.f, 0.f, 0.f), s1 = s0;
+    if (col < OC) {
+#pragma unroll 4
+        for (int n = r0 + ty; n < r1; n += 8) {
+            float2 f[4];
+            bf16x8_to_float(*reinterpret_cast<const uint4*>(dout + (ll)n * OC + col), f);
+            s0.x += f[0].x; s0.y += f[0].y; s0.z += f[1].x; s0.w += f[1].y;
+            s1.x += f[2].x; s1.y += f[2].y; s1.z += f[3].x; s1.w += f[3].y;
+        }
+    }
+    s0 = bias_reduce_rows(s0, sh[0], tx, ty);
+    s1 = bias_reduce_rows(s1, sh[1], tx, ty);
+    if (ty == 0 && col < OC) {
+        store4(partial + (ll)blockIdx.y * OC + col, s0);
+        store4(partial + (ll)blockIdx.y * OC + col + 4, s1);
+    }
+    __threadfence();  // this block's partial is visible device-wide before its ticket is taken
+    __syncthreads();
+    if (tx == 0 && ty == 0) is_last = atomicAdd(&counters[blockIdx.x], 1u) == gridDim.y - 1;
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    float4 t0 = make_float4(0.f, 0.f, 0.f, 0.f), t1 = t0;
+    if (col < OC) {
+        for (int k = ty; k < (int)gridDim.y; k += 8) {
+            const float4 v0 = __ldcg(reinterpret_cast<const float4*>(partial + (ll)k * OC + col));
+            const float4 v1 = __ldcg(reinterpret_cast<const float4*>(partial + (ll)k * OC + col + 4));
+            t0.x += v0.x; t0.y += v0.y; t0.z += v0.z; t0.w += v0.w;
+            t1.x += v1.x; t1.y += v1.y; t1.z += v1.z; t1.w += v1.w;
+        }
+    }
+    t0 = bias_reduce_rows(t0, sh[0], tx, ty);
+    t1 = bias_reduce_rows(t1, sh[1], tx, ty);
+    if (ty == 0 && col < OC) {
+        uint4 raw = *reinterpret_cast<const uint4*>(dbias + col);
+        float2 d[4];
+        bf16x8_to_float(raw, d);
+        const float add[8] = {t0.x, t0.y, t0.z, t0.w, t1.x, t1.y, t1.z, t1.w};
+        __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&raw);
+#pragma unroll
+        for (int i = 0; i < 4; i++) h[i] = __floats2bfloat162_rn(d[i].x + add[2 * i], d[i].y + add[2 * i + 1]);
+        *reinterpret_cast<uint4*>(dbias + col) = raw;
     }
     if (tx == 0 && ty == 0) counters[blockIdx.x] = 0u;
 }

@@ -10,6 +10,12 @@ dweight(OC,C) = dout^T @ inp, for qkv, attproj, fc, fcproj and the lm head. Engi
 K-major operands in TF32, so its dinp row includes transposing W and its dweight row transposing dout
 and inp (the times of those transposes are also shown on their own).
 CUDA events around each call, median of --reps after warm-up; inputs random.
+
+BF16 (the bf16 trainer's GEMMs, issue 13): every GEMM also runs bf16 in and bf16 out on engine 5, as
+matmul_forward 9 / matmul_backward 5 build it (dinp and dweight read dout, W and inp as they lie: the
+bf16 wgmma transposes in shared memory), against cuBLAS BF16 through torch with preallocated bf16
+outputs (dweight: addmm_ into a bf16 gradient, the same += semantics). Issue 12's target: engine 5
+>= 0.9 of cuBLAS BF16 on every shape; the "bf16" line of each GEMM prints the ratio.
 """
 import argparse
 import json
@@ -93,8 +99,36 @@ def main():
             doutT, xT = dout.t().contiguous(), x.t().contiguous()
             P = lambda t: t.data_ptr()  # noqa: E731
             flops = 2.0 * Ntok * C * OC
+            yb16, dxb16 = torch.empty(Ntok, OC, device="cuda", dtype=torch.bfloat16), torch.empty(Ntok, C, device="cuda", dtype=torch.bfloat16)
+            dwb16 = (torch.randn(OC, C, device="cuda") * 0.01).bfloat16()
             for kind in ("fwd", "dinp", "dweight"):
                 r = {"B": B, "layer": name, "gemm": kind}
+                # bf16 in and out, as the bf16 trainer runs it (engine 5's bf16 epilogue)
+                if kind == "fwd":
+                    gb16 = gw.wgmma_build(rt, "bf16", Ntok, OC, C, out="bf16")
+                    r["bf16_cublas"] = tmed(lambda: torch.matmul(xb, wb.t(), out=yb16))
+                    r["bf16_engine5"] = med(lambda: gb16(P(yb16), P(xb), P(wb)))
+                    gb16(P(yb16), P(xb), P(wb)); torch.cuda.synchronize()
+                    ref16 = xb.double() @ wb.double().t()
+                    r["bf16_err"] = float((yb16.double() - ref16).norm() / ref16.norm())
+                elif kind == "dinp":
+                    gb16 = gw.wgmma_build(rt, "bf16", Ntok, C, OC, ldb=C, b_major="n", out="bf16")
+                    r["bf16_cublas"] = tmed(lambda: torch.matmul(doutb, wb, out=dxb16))
+                    r["bf16_engine5"] = med(lambda: gb16(P(dxb16), P(doutb), P(wb)))
+                    gb16(P(dxb16), P(doutb), P(wb)); torch.cuda.synchronize()
+                    ref16 = doutb.double() @ wb.double()
+                    r["bf16_err"] = float((dxb16.double() - ref16).norm() / ref16.norm())
+                else:
+                    gb16 = gw.wgmma_build(rt, "bf16", OC, C, Ntok, lda=OC, ldb=C, ldc=C, beta=1.0, a_major="m",
+                                          b_major="n", out="bf16")
+                    r["bf16_cublas"] = tmed(lambda: dwb16.addmm_(doutb.t(), xb))
+                    r["bf16_engine5"] = med(lambda: gb16(P(dwb16), P(doutb), P(xb)))
+                    dw0 = dwb16.double()
+                    gb16(P(dwb16), P(doutb), P(xb)); torch.cuda.synchronize()
+                    ref16 = dw0 + doutb.double().t() @ xb.double()
+                    r["bf16_err"] = float((dwb16.double() - ref16).norm() / ref16.norm())
+                r["bf16_plan"] = gb16.plan
+                del ref16  # (the lm head's float64 reference is 1.6-6.6 GB)
                 if kind == "fwd":
                     r["cublas_tf32"] = tmed(lambda: torch.matmul(x, w.t(), out=y))
                     r["cublas_bf16"] = tmed(lambda: torch.matmul(xb, wb.t()))
@@ -159,7 +193,7 @@ def main():
                         r["engine5_tf32"] = med(lambda: gm(P(dw), P(x), P(doutT))) + r["transpose_narrow"]
                     r["plan_tf32"] = gm.plan
                 for key in list(r):
-                    if key.startswith(("cublas", "engine")) and not key.endswith("_gemm"):
+                    if key.startswith(("cublas", "engine", "bf16_cublas", "bf16_engine")) and not key.endswith("_gemm"):
                         r["tflops_" + key] = flops / r[key] / 1e9
                 rows.append(r)
                 line = (f"B={B:2d} {name:8s} {kind:7s} cuBLAS tf32 {r['cublas_tf32']:.3f} ms "
@@ -177,11 +211,17 @@ def main():
                     line += (f" | both K-major (after both transposes) {r['engine5_tf32_gemm']:.3f} {r['plan_tf32_kk']}, "
                              f"narrow transpose {r['transpose_narrow']:.3f}")
                 print(line, flush=True)
-            del x, w, dout, y, dx, dw, xb, wb, doutb, wt, doutT, xT
+                print(f"B={B:2d} {name:8s} {kind:7s} bf16: cuBLAS BF16 {r['bf16_cublas']:.3f} ms | e5 bf16 "
+                      f"{r['bf16_engine5']:.3f} ms {r['tflops_bf16_engine5']:.0f} TFLOP/s = "
+                      f"{r['bf16_cublas'] / r['bf16_engine5']:.2f}x of cuBLAS (target >= 0.9) {r['bf16_plan']} "
+                      f"err {r['bf16_err']:.1e}", flush=True)
+            del x, w, dout, y, dx, dw, xb, wb, doutb, wt, doutT, xT, yb16, dxb16, dwb16
             torch.cuda.empty_cache()
     # totals per step (12 layers + lm head) for each engine
     for B in args.B:
-        for key in ("cublas_tf32", "engine4", "engine5_tf32", "cublas_bf16"):
+        worst = min((r["bf16_cublas"] / r["bf16_engine5"], r["layer"], r["gemm"]) for r in rows if r["B"] == B)
+        print(f"B={B} bf16: worst engine 5 / cuBLAS BF16 ratio {worst[0]:.2f} ({worst[1]} {worst[2]}; target >= 0.9)")
+        for key in ("cublas_tf32", "engine4", "engine5_tf32", "cublas_bf16", "bf16_cublas", "bf16_engine5"):
             tot = sum(r.get(key, 0.0) * (1 if r["layer"] == "lmhead" else 12) for r in rows if r["B"] == B)
             print(f"B={B} step total of matmuls, {key}: {tot:.2f} ms (cuBLAS bf16 has no dinp/dweight split rows: "
                   f"all three GEMM kinds timed)" if key == "cublas_bf16" else f"B={B} step total of matmuls, {key}: {tot:.2f} ms")

@@ -5,6 +5,8 @@
 One wrapper per (input type, N): wgmma.mma_async m64nNk{8,16} with fp32 accumulators, both
 operands from shared memory through matrix descriptors. A 64xN fp32 accumulator tile is N/2
 registers per thread of the warpgroup, so the operand lists are long: they are generated, not typed.
+The bf16 wrappers are templates on the two transpose immediates (imm-trans-a, imm-trans-b: 1 = the
+operand is M-/N-major in shared memory); 16-bit types have them, tf32 has not.
 """
 from pathlib import Path
 
@@ -16,14 +18,19 @@ def wrapper(ty, k, n):
     nreg = n // 2
     regs = ", ".join(f"%{i}" for i in range(nreg))
     outs = ", ".join(f'"+f"(d[{i}])' for i in range(nreg))
-    # tf32 has no transpose immediates: both operands must be K-major in shared memory
-    tail = "p, 1, 1;" if ty == "tf32" else "p, 1, 1, 0, 0;"
-    return (f"// D(64x{n}) {{+}}= A(64x{k}) * B({k}x{n}), {ty} in, fp32 accumulate; scale_d = 0 overwrites D\n"
-            f"__device__ __forceinline__ void wgmma_{ty}_n{n}(float (&d)[{nreg}], uint64_t desc_a, uint64_t desc_b, int scale_d) {{\n"
+    # tf32 has no transpose immediates: both operands must be K-major in shared memory. bf16 takes
+    # them as template arguments (TA, TB: 1 = M-major A / N-major B), passed as "n" immediates
+    tf32 = ty == "tf32"
+    tail = "p, 1, 1;" if tf32 else f"p, 1, 1, %{nreg + 3}, %{nreg + 4};"
+    tmpl = "" if tf32 else "template <int TA = 0, int TB = 0>\n"
+    imms = "" if tf32 else ', "n"(TA), "n"(TB)'
+    what = "" if tf32 else " (TA/TB = 1: A M-major / B N-major in shared memory)"
+    return (f"// D(64x{n}) {{+}}= A(64x{k}) * B({k}x{n}), {ty} in, fp32 accumulate; scale_d = 0 overwrites D{what}\n"
+            f"{tmpl}__device__ __forceinline__ void wgmma_{ty}_n{n}(float (&d)[{nreg}], uint64_t desc_a, uint64_t desc_b, int scale_d) {{\n"
             f"    asm volatile(\"{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{nreg + 2}, 0;\\n\"\n"
             f"        \"wgmma.mma_async.sync.aligned.m64n{n}k{k}.f32.{ty}.{ty} {{{regs}}}, %{nreg}, %{nreg + 1}, {tail}\\n}}\\n\"\n"
             f"        : {outs}\n"
-            f"        : \"l\"(desc_a), \"l\"(desc_b), \"r\"(scale_d));\n"
+            f"        : \"l\"(desc_a), \"l\"(desc_b), \"r\"(scale_d){imms});\n"
             f"}}\n")
 
 

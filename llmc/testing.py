@@ -65,3 +65,15 @@ def check_matmul(got, ref, tf32: bool, name: str = "out", exact: bool = False) -
     else:
         rms = float(np.sqrt(np.mean(np.square(ref))))
         assert_close(got, ref, atol=1e-4 * max(1.0, rms), rtol=1e-4, name=name)
+
+
+def bf16_close(got, ref, name: str = "out") -> None:
+    """bf16 outputs of fp32-accumulated products or sums, rounded once (the matmul family's bf16
+    builds): elementwise |got - ref| <= 2^-8 |ref| + 1e-3 rms(ref), and ||got - ref|| / ||ref|| < 4e-3.
+    One rounding to bf16 is at most 2^-9 relative; 2^-8 leaves room for an fp32 sum that lands beside
+    a rounding boundary. The absolute part covers the fp32 accumulation (~sqrt(K) 2^-24 rms(ref), under
+    1e-4 rms even at K = 50304) and outputs near 0; an indexing bug is O(rms) and always fails.
+    `got` is already float (llmc.bf16.from_bf16 of the kernel's bits); NaN (0xFFFF poison) fails."""
+    rms = float(np.sqrt(np.mean(np.square(np.asarray(ref, np.float64))))) + 1e-30
+    assert_close(got, ref, atol=1e-3 * rms, rtol=2.0 ** -8, name=name)
+    assert rel_err(got, ref) < 4e-3, f"{name}: rel_err {rel_err(got, ref):.2e}"

@@ -1,6 +1,8 @@
 """GEMM engine 5 (wgmma + TMA, sm_90a): against a float64 reference on odd shapes, with poisoned
 outputs, every tile width, split-K, bias, beta and the transposed store; plus the transpose and bf16
 helpers. GPU tests need a Hopper GPU (they skip elsewhere); the planner's checks run on the CPU."""
+import collections
+
 import numpy as np
 import pytest
 
@@ -192,3 +194,205 @@ def test_to_bf16_rounds_to_nearest_even(hopper, rng):
 def test_tf32_rounds_in_the_copy():
     # the trainer's TF32 is the TMA's TFLOAT32 type (rounds, like engines 2-4); truncation is the lab's
     assert gw.DTYPES["tf32"][2] == 11 and gw.DTYPES["tf32t"][2] == 7
+
+
+# ----------------------------------------------------------------------------------------------
+# bf16 in, bf16 out (the bf16 trainer's matmuls): layouts kk (forward), kn (dinp: B^T stored),
+# mn (dweight: A^T and B^T stored), read through the wgmma's transpose bits
+
+
+def test_instance_table_matches_the_kernels():
+    """INSTANCES (the launcher's stages, hence its shared memory) against the .cu's entry points:
+    same names, input/output types, stages, TMA store and layout flags; every one fits in 227 KB."""
+    import re
+    from llmc.runtime import CUDA_DIR
+    src = (CUDA_DIR / "gemm_wgmma.cu").read_text()
+    entries = {}
+    for m in re.finditer(r"^GEMM_WGMMA_ENTRY\((\w+), ([\w:]+), ([\w:]+), (\d+), (\d+), (true|false)(.*)\)$", src, re.M):
+        name, t, o, bn, stages, ts, rest = m.groups()
+        flags = tuple(f.strip() == "true" for f in rest.split(",")[1:])  # A_MN, A_T, B_T
+        flags = flags + (False,) * (3 - len(flags))
+        entries[name] = (t, o, int(bn), int(stages), ts == "true", flags)
+    want = {}
+    ctype = {"tf32": "float", "bf16": "__nv_bfloat16", "fp32": "float"}
+    lay_flags = {"kk": (False, False, False), "mk": (True, False, False), "kn": (False, False, True),
+                 "mn": (False, True, True)}
+    for (ty, out, layout, ts), widths in gw.INSTANCES.items():
+        for bn, stages in widths.items():
+            want[gw.instance_name(ty, out, layout, ts, bn)] = (ctype[ty], ctype[out], bn, stages, ts, lay_flags[layout])
+            assert gw.smem_bytes(bn, stages, ts, out) <= 227 * 1024, (ty, out, layout, ts, bn)
+    assert entries == want
+
+
+@pytest.mark.parametrize("kw,why", [(dict(dtype="tf32", out="bf16"), "no tf32 kernels with bf16 output"),
+                                    (dict(dtype="tf32", b_major="n"), "no tf32 kernels"),
+                                    (dict(dtype="bf16", a_major="m", out="bf16"), "no bf16 kernels"),
+                                    (dict(dtype="bf16", b_major="n"), "no bf16 kernels with fp32 output")])
+def test_unbuilt_layouts_refuse(kw, why):
+    from llmc.errors import LLMCError
+    from tests.fake_runtime import FakeRuntime
+    dtype = kw.pop("dtype")
+    with pytest.raises(LLMCError, match=why):
+        gw.wgmma_build(FakeRuntime(), dtype, 256, 256, 256, **kw)
+
+
+@pytest.mark.parametrize("a_major,b_major,beta,want", [("k", "k", 0.0, "_ts_bf16"), ("k", "n", 0.0, "_bt_ts_bf16"),
+                                                        ("m", "n", 1.0, "_at_bt_bf16"), ("k", "n", 1.0, "_bt_bf16")])
+def test_bf16_builds_pick_their_instance(a_major, b_major, beta, want):
+    """The launcher fetches the instance of the layout asked for (its argtypes checked against the PTX)."""
+    from tests.fake_runtime import FakeRuntime
+    rt = FakeRuntime()
+    g = gw.wgmma_build(rt, "bf16", 4096, 768, 768, beta=beta, a_major=a_major, b_major=b_major, out="bf16")
+    assert rt.built[0].endswith(want) and rt.built[0].startswith("gemm_wgmma_bf16_n"), rt.built
+    assert ("+ts" in g.plan[1]) == ("_ts" in want)
+
+
+def _bf16(x):
+    from llmc.bf16 import round_bf16, to_bf16
+    return to_bf16(x), round_bf16(x).astype(np.float64)
+
+
+def _stored(x, transposed, rng):
+    """x (rows, K) as the kernel reads it: x itself or x^T, rows padded to a multiple of 8 elements
+    (16-byte TMA strides) with large garbage that must not leak into the product."""
+    s = x.T if transposed else x
+    ld = -(-s.shape[1] // 8) * 8
+    out = np.full((s.shape[0], ld), 1000.0, np.float32)
+    out[:, :s.shape[1]] = s
+    return out, ld
+
+
+def _run_bf16(rt, rng, M, N, K, a_major="k", b_major="k", has_bias=False, beta=0.0, store="auto", splits=None,
+              bn=None):
+    from llmc.bf16 import BF16, from_bf16, to_bf16
+    from llmc.testing import poison
+    A = to_bf16(rng.standard_normal((M, K)))
+    B = to_bf16(rng.standard_normal((N, K)))
+    A64, B64 = from_bf16(A).astype(np.float64), from_bf16(B).astype(np.float64)
+    As, lda = _stored(from_bf16(A), a_major == "m", rng)
+    Bs, ldb = _stored(from_bf16(B), b_major == "n", rng)
+    bias = to_bf16(rng.standard_normal(N)) if has_bias else None
+    C0 = to_bf16(rng.standard_normal((M, N)))
+    dC = rt.empty((M, N), BF16)
+    if beta:
+        dC.set(C0)
+    else:
+        poison(dC)  # 0xFFFF is a bf16 NaN: every element must be written
+    g = gw.wgmma_build(rt, "bf16", M, N, K, lda=lda, ldb=ldb, beta=beta, has_bias=has_bias, store=store,
+                       splits=splits, bn=bn, a_major=a_major, b_major=b_major, out="bf16")
+    g(dC, rt.to_device(to_bf16(As)), rt.to_device(to_bf16(Bs)), rt.to_device(bias) if has_bias else None)
+    ref = A64 @ B64.T
+    if has_bias:
+        ref = ref + from_bf16(bias)
+    if beta:
+        ref = ref + beta * from_bf16(C0)
+    return from_bf16(dC.get()), ref, g
+
+
+BF16_SHAPES = [(1, 1, 16), (7, 5, 8), (65, 1, 16), (128, 192, 64), (129, 193, 72), (300, 770, 65),
+               (256, 256, 1000), (1024, 768, 768), (200, 136, 4096)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("store", ["auto", "direct", "tma"])
+@pytest.mark.parametrize("layout", ["kk", "kn"])
+@pytest.mark.parametrize("M,N,K", BF16_SHAPES)
+def test_bf16_out_forward_and_dinp_layouts(hopper, rng, M, N, K, layout, store):
+    """bf16 C = A @ B^T + bias, B K-major (the forward) or N-major (dinp), against float64 on
+    bf16-valued inputs; tolerance: llmc.testing.bf16_close (one rounding + fp32 accumulation)."""
+    from llmc.testing import bf16_close
+    if store == "tma" and N % 8:
+        pytest.skip("the TMA store needs 16-byte rows of C (N % 8 == 0 in bf16)")
+    out, ref, g = _run_bf16(hopper, rng, M, N, K, "k", layout[1], has_bias=True, store=store)
+    if store != "auto":
+        assert ("+ts" in g.plan[1]) == (store == "tma")
+    bf16_close(out, ref, f"bf16 {layout} {store} {M}x{N}x{K}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [None, 1, 3])
+@pytest.mark.parametrize("M,N,K", BF16_SHAPES)
+def test_bf16_out_dweight_layout_accumulates(hopper, rng, M, N, K, splits):
+    """dweight's layout (A^T and B^T stored, both read transposed by the wgmma) with C += (beta 1):
+    the old bf16 C is read, added in fp32 and rounded once; split-K partials reduced in order."""
+    from llmc.testing import bf16_close
+    out, ref, g = _run_bf16(hopper, rng, M, N, K, "m", "n", beta=1.0, splits=splits)
+    assert "+at+bt" in g.plan[1]
+    bf16_close(out, ref, f"bf16 mn splits={splits} {M}x{N}x{K}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bn", gw.BN_CHOICES)
+@pytest.mark.parametrize("layout", ["kk", "kn", "mn"])
+def test_bf16_out_every_tile_width(hopper, rng, bn, layout):
+    from llmc.testing import bf16_close
+    out, ref, g = _run_bf16(hopper, rng, 300, 517, 520, layout[0], layout[1], has_bias=layout != "mn",
+                            beta=1.0 if layout == "mn" else 0.0, bn=bn, store="direct")
+    assert g.plan[1].startswith(f"128x{bn}")
+    bf16_close(out, ref, f"bf16 {layout} bn={bn}")
+
+
+@pytest.mark.gpu
+def test_bf16_out_tma_store_misaligned_c_falls_back(hopper, rng):
+    """C 2 bytes off a 16-byte boundary: the TMA store can't take it, the direct bf16 stores must
+    (and they are single stores there: the bf16 pairs need 4-byte alignment)."""
+    from llmc.bf16 import BF16, from_bf16, to_bf16
+    from llmc.testing import bf16_close
+    M, N, K = 200, 200, 64
+    A, B = to_bf16(rng.standard_normal((M, K))), to_bf16(rng.standard_normal((N, K)))
+    base = hopper.empty((M * N + 1,), BF16)
+    dC = base.view(1, (M, N))
+    dC.fill_bytes(0xFF)
+    g = gw.wgmma_build(hopper, "bf16", M, N, K, store="tma", out="bf16")
+    g(dC, hopper.to_device(A), hopper.to_device(B))
+    ref = from_bf16(A).astype(np.float64) @ from_bf16(B).astype(np.float64).T
+    bf16_close(from_bf16(dC.get()), ref, "bf16 misaligned C")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["kk", "kn", "mn"])
+def test_bf16_out_is_deterministic(hopper, rng, layout):
+    from llmc.bf16 import BF16, to_bf16
+    M, N, K = 500, 304, 1024
+    A = hopper.to_device(to_bf16(rng.standard_normal((K, M) if layout[0] == "m" else (M, K))))
+    B = hopper.to_device(to_bf16(rng.standard_normal((K, N) if layout[1] == "n" else (N, K))))
+    C0 = to_bf16(rng.standard_normal((M, N)))
+    C = hopper.empty((M, N), BF16)
+    outs = []
+    for _ in range(2):
+        g = gw.wgmma_build(hopper, "bf16", M, N, K, splits=4, beta=1.0, a_major=layout[0], b_major=layout[1],
+                           out="bf16")
+        C.set(C0)
+        g(C, A, B)
+        outs.append(C.get())
+    assert np.array_equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("osize", [4, 2])  # fp32, bf16 output
+@pytest.mark.parametrize("bn", gw.TS_WIDTHS)
+def test_tma_store_staging_layout(osize, bn):
+    """The `_ts` epilogue's staging addresses (cuda/gemm_wgmma.cu, epilogue_tma: box = c >> LOG_EPB,
+    chunk (c % EPB) / EPC xor (r % 8), fp32 or bf16) against the TMA's own 128-byte swizzle (byte
+    address bits 4-6 xor bits 7-9 of the unswizzled box layout, 1024-aligned): every (row, column pair)
+    of a warpgroup's 64 x BN tile lands where the TMA store reads it, once, and each warp store (8 rows
+    x 4 lanes of a pair: 32 bf16x2 or 32 float2) takes the fewest shared-memory wavefronts (its words
+    spread evenly over the 32 banks: 1 for bf16, 2 for fp32)."""
+    epb, epc = 128 // osize, 16 // osize
+    seen = {}
+    for warp in range(4):
+        for j in range(bn // 8):
+            for h in range(2):
+                words = set()
+                for lane in range(32):
+                    r, c = warp * 16 + (lane >> 2) + 8 * h, 8 * j + 2 * (lane & 3)
+                    box, ch = c // epb, (c % epb) // epc
+                    kernel = box * 64 * 128 + r * 128 + ((ch ^ (r & 7)) << 4) + (c % epc) * osize
+                    plain = box * 64 * 128 + r * 128 + (c % epb) * osize      # the box, row-major
+                    tma = plain ^ (((plain >> 7) & 7) << 4)                   # SWIZZLE_128B
+                    assert kernel == tma, (r, c)
+                    assert kernel not in seen, (r, c, seen.get(kernel))
+                    seen[kernel] = (r, c)
+                    words |= {kernel // 4 + i for i in range(2 * osize // 4)}
+                per_bank = collections.Counter(w % 32 for w in words)
+                assert max(per_bank.values()) == len(words) // 32, (warp, j, h)
+    assert len(seen) == 64 * bn // 2  # every pair of the tile, once

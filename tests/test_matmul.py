@@ -270,3 +270,142 @@ def test_hopper_variants_refuse_other_gpus():
         assert v.refuse_reason("sm_90", **shape) is None
         assert "sm_90" in v.refuse_reason("sm_80", **shape)
     assert "OC % 4" in ops.get("matmul_backward").variant(4).refuse_reason("sm_90", N=8, C=64, OC=66)
+
+
+# ----------------------------------------------------------------------------------------------
+# bf16 builds (--precision bf16): every variant that lists "bf16", against float64 on bf16-valued
+# inputs, outputs poisoned (0xFFFF: a bf16 NaN), twice for bit-identical results. Tolerance:
+# llmc.testing.bf16_close: elementwise 2^-8 |ref| (one rounding of the output, <= 2^-9, with room for a
+# sum next to a rounding boundary) + 1e-3 rms(ref) (fp32 accumulation; outputs near 0), rel-norm < 4e-3.
+
+
+def bf16_values(rng, *shape, scale=1.0):
+    """(bf16 bits, their float64 values): the reference sees exactly what the kernel reads."""
+    from llmc.bf16 import from_bf16, to_bf16
+    bits = to_bf16(rng.standard_normal(shape) * scale)
+    return bits, from_bf16(bits).astype(np.float64)
+
+
+def bf16_variants(spec, rt, shape):
+    return [n for n, v in spec.variants.items()
+            if "bf16" in v.dtypes and not spec.refuse_reason(n, "bf16", rt.arch, **shape)]
+
+
+def test_bf16_builds_of_the_defaults():
+    """The defaults (and the decoder's GEMV) have bf16 builds, so a bf16 model needs no fallback; the
+    bf16 checks ask for 16-byte rows of 8 bf16 where the fp32 ones ask for 4 floats."""
+    for name in ("matmul_forward", "matmul_backward", "matmul_backward_bias"):
+        spec = ops.get(name)
+        assert "bf16" in spec.variant(spec.default).dtypes, name
+    fwd = ops.get("matmul_forward")
+    assert "bf16" in fwd.variant(8).dtypes
+    assert fwd.refuse_reason(9, "fp32", "sm_90", N=4, C=84, OC=8, has_bias=True) is None
+    assert "C % 8" in fwd.refuse_reason(9, "bf16", "sm_90", N=4, C=84, OC=8, has_bias=True)
+    assert "C % 8" in fwd.refuse_reason(8, "bf16", "sm_90", N=4, C=84, OC=8, has_bias=True, gelu=True)
+    assert "sm_90" in fwd.refuse_reason(9, "bf16", "sm_80", N=4, C=768, OC=768, has_bias=True)
+    bwd = ops.get("matmul_backward")
+    assert "OC % 8" in bwd.refuse_reason(5, "bf16", "sm_90", N=4, C=768, OC=20)
+    assert "sm_90" in bwd.refuse_reason(5, "bf16", "sm_80", N=4, C=768, OC=768)
+    assert "no bf16 kernels" in bwd.refuse_reason(4, "bf16", "sm_90", N=4, C=768, OC=768)
+    bias = ops.get("matmul_backward_bias")
+    assert "OC % 8" in bias.refuse_reason(4, "bf16", None, N=4, OC=20) and bias.refuse_reason(4, "fp32", None, N=4, OC=20) is None
+
+
+BF16_FWD_SHAPES = FWD_SHAPES + [dict(N=33, C=88, OC=30, has_bias=True), dict(N=5, C=16, OC=1, has_bias=True),
+                                dict(N=130, C=16, OC=7, has_bias=False), dict(N=3, C=88, OC=5, has_bias=True)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", BF16_FWD_SHAPES, ids=str)
+def test_matmul_forward_bf16_gpu(rt, rng, shape):
+    from llmc.bf16 import BF16, from_bf16
+    from llmc.testing import bf16_close, poison
+    N, C, OC, has_bias = shape["N"], shape["C"], shape["OC"], shape["has_bias"]
+    (inp, inp64), (w, w64), (b, b64) = bf16_values(rng, N, C), bf16_values(rng, OC, C, scale=C ** -0.5), bf16_values(rng, OC)
+    ref = mm.matmul_forward_ref(inp64, w64, b64 if has_bias else None)
+    d_inp, d_w, d_b = rt.to_device(inp), rt.to_device(w), rt.to_device(b)
+    d_out = rt.empty((N, OC), BF16)
+    spec = ops.get("matmul_forward")
+    for n in bf16_variants(spec, rt, shape):
+        launch = spec.build(rt, n, "bf16", **shape)
+        outs = []
+        for _ in range(2):
+            poison(d_out)
+            launch(d_out, d_inp, d_w, d_b if has_bias else None)
+            outs.append(d_out.get())
+        bf16_close(from_bf16(outs[0]), ref, f"matmul_forward {n} bf16 {shape}")
+        assert np.array_equal(outs[0], outs[1]), f"matmul_forward {n} bf16: two runs differ"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,C,OC", [(1, 768, 3072), (3, 96, 40), (8, 768, 3072), (4, 88, 7)])
+def test_gemv_gelu_bf16_gpu(rt, rng, N, C, OC):
+    """The decoder's fc + GELU in bf16: GELU of the fp32 sum, rounded once."""
+    from llmc.bf16 import BF16, from_bf16
+    from llmc.ops.gelu import gelu_forward_ref
+    from llmc.testing import bf16_close, poison
+    (inp, inp64), (w, w64), (b, b64) = bf16_values(rng, N, C), bf16_values(rng, OC, C, scale=C ** -0.5), bf16_values(rng, OC)
+    ref = gelu_forward_ref(mm.matmul_forward_ref(inp64, w64, b64))
+    d_out = rt.empty((N, OC), BF16)
+    poison(d_out)
+    ops.get("matmul_forward").build(rt, 8, "bf16", N=N, C=C, OC=OC, gelu=True)(
+        d_out, rt.to_device(inp), rt.to_device(w), rt.to_device(b))
+    bf16_close(from_bf16(d_out.get()), ref, f"gemv+gelu bf16 N={N}")
+
+
+BF16_BWD_SHAPES = BWD_SHAPES + [dict(N=7, C=8, OC=16), dict(N=4 * 1024, C=768, OC=768), dict(N=100, C=3072, OC=768),
+                                dict(N=1, C=8, OC=8)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", BF16_BWD_SHAPES, ids=str)
+def test_matmul_backward_bf16_gpu(rt, rng, shape):
+    """dinp overwritten (poisoned first), dweight += from a nonzero bf16 gradient (read, added in fp32,
+    rounded once), bit-identical over two runs."""
+    from llmc.bf16 import BF16, from_bf16
+    from llmc.testing import bf16_close, poison
+    N, C, OC = shape["N"], shape["C"], shape["OC"]
+    (dout, dout64), (inp, inp64), (w, w64), (dw0, dw064) = (bf16_values(rng, N, OC), bf16_values(rng, N, C),
+                                                              bf16_values(rng, OC, C), bf16_values(rng, OC, C))
+    dinp_ref, dw_ref, _ = mm.matmul_backward_ref(dout64, inp64, w64)
+    dw_ref = dw_ref + dw064
+    d_dout, d_inp, d_w = rt.to_device(dout), rt.to_device(inp), rt.to_device(w)
+    d_dinp, d_dw = rt.empty((N, C), BF16), rt.empty((OC, C), BF16)
+    spec = ops.get("matmul_backward")
+    for n in bf16_variants(spec, rt, shape):
+        launch = spec.build(rt, n, "bf16", **shape)
+        got = []
+        for _ in range(2):
+            poison(d_dinp)
+            d_dw.set(dw0)
+            launch(d_dinp, d_dw, d_dout, d_inp, d_w)
+            got.append((d_dinp.get(), d_dw.get()))
+        bf16_close(from_bf16(got[0][0]), dinp_ref, f"matmul_backward {n} bf16 dinp {shape}")
+        bf16_close(from_bf16(got[0][1]), dw_ref, f"matmul_backward {n} bf16 dweight {shape}")
+        assert all(np.array_equal(a, b) for a, b in zip(got[0], got[1])), f"matmul_backward {n} bf16: runs differ"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,OC", [(4 * 1024, 768), (1, 96), (4 * 65, 2304), (65, 1600), (7, 8), (4 * 1024, 3072)])
+def test_matmul_backward_bias_bf16_gpu(rt, rng, N, OC):
+    """dbias bf16 += column sums of dout bf16 from a nonzero start: fp32 sums, one rounding, and the
+    same bits twice (fixed-order reduction, no float atomics)."""
+    from llmc.bf16 import from_bf16
+    from llmc.testing import bf16_close
+    (dout, dout64), (db0, db064) = bf16_values(rng, N, OC), bf16_values(rng, OC)
+    ref = db064 + dout64.sum(0)
+    d_dout = rt.to_device(dout)
+    d_db = rt.to_device(db0)
+    spec = ops.get("matmul_backward_bias")
+    ran = 0
+    for n in bf16_variants(spec, rt, dict(N=N, OC=OC)):
+        launch = spec.build(rt, n, "bf16", N=N, OC=OC)
+        got = []
+        for _ in range(2):
+            d_db.set(db0)
+            launch(d_db, d_dout)
+            got.append(d_db.get())
+        bf16_close(from_bf16(got[0]), ref, f"matmul_backward_bias {n} bf16 N={N} OC={OC}")
+        assert np.array_equal(got[0], got[1])
+        ran += 1
+    assert ran

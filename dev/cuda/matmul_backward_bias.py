@@ -5,6 +5,8 @@
     python dev/cuda/matmul_backward_bias.py 4     # one variant
 
 Reads N*OC floats once (the bytes of the op's cost model): judged in GB/s against 2.98 TB/s.
+bf16 rows ("4 bf16 OC=..."): the bf16 build (dout and dbias bf16, fp32 sums, one rounding) reads N*OC
+bf16 = half the bytes; the target for bf16 memory-bound kernels is >= 85% of the copy ceiling.
 """
 import numpy as np
 
@@ -28,6 +30,27 @@ for OC in (C, 3 * C, 4 * C):
         fn = (lambda launch=launch: launch(d_db, d_dout))
         label = f"{n} OC={OC}"
         L.validate(label, fn, outputs={"dbias": d_db}, refs={"dbias": ref}, atol=1e-4 * np.sqrt(N), rtol=1e-5,
+                   init={"dbias": db0})
+        L.time(label, fn, bytes=nbytes, ceiling="dram")
+
+# bf16 builds: dbias bf16 += column sums of dout bf16
+from llmc.bf16 import from_bf16, to_bf16  # noqa: E402
+
+for OC in (C, 3 * C, 4 * C):
+    L.section(f"OC={OC} bf16")
+    dout, db0 = to_bf16(lab.rand(rng, (N, OC))), to_bf16(lab.rand(rng, (OC,)))
+    ref = from_bf16(db0).astype(np.float64) + from_bf16(dout).astype(np.float64).sum(0)
+    d_dout, d_db = rt.to_device(dout), rt.to_device(db0)
+    nbytes = 2 * N * OC
+    for n in L.selected(spec):
+        if "bf16" not in spec.variant(n).dtypes or spec.refuse_reason(n, "bf16", rt.arch, N=N, OC=OC):
+            continue
+        launch = spec.build(rt, n, "bf16", N=N, OC=OC).launch
+        fn = (lambda launch=launch: launch(d_db, d_dout))
+        label = f"{n} bf16 OC={OC}"
+        rms = float(np.sqrt(np.mean(np.square(ref))))
+        # one rounding of dbias (2^-8 relative) + fp32 sums over N rows (1e-3 of the rms)
+        L.validate(label, fn, outputs={"dbias": d_db}, refs={"dbias": ref}, atol=1e-3 * rms, rtol=2.0 ** -8,
                    init={"dbias": db0})
         L.time(label, fn, bytes=nbytes, ceiling="dram")
 L.finish()

@@ -18,6 +18,11 @@ First of all, a probe times mma.sync m16n8k8 TF32 with no memory traffic: the ce
 mma.sync kernel on this GPU (cuBLAS uses Hopper's wgmma instead).
 The rounding experiment ("truncate") builds engines 2 and 4 feeding raw fp32 bits to the tensor
 cores: what the one-IADD-per-register tf32 rounding costs (a third of engine 4's loop instructions).
+bf16 (--precision bf16): the variants with a bf16 build (9 on engine 5, 8 the GEMV) run bf16 in and
+out at the same shapes (and the decode shapes) beside cuBLAS BF16 through torch; the summary's "bf16"
+rows give their fraction of cuBLAS BF16 (issue 12's target: >= 0.9 on every shape).
+
+    python dev/cuda/matmul_forward.py 9 --quick   # engine 5, TF32 and bf16 rows, against cuBLAS
 """
 import collections  # noqa: E402
 import sys  # noqa: E402
@@ -215,6 +220,55 @@ for name, Cin, OC, has_bias in SHAPES:
     del d_inp, d_w, d_b, d_out
 
 # ----------------------------------------------------------------------------------------------
+# bf16 builds at the trainer's shapes: bf16 in and out, fp32 accumulation, one rounding per output
+
+from llmc.bf16 import BF16, from_bf16, to_bf16  # noqa: E402
+
+
+def bf16_tolerances(ref):
+    """One rounding of the output (<= 2^-9 relative; 2^-8 allows a sum beside a rounding boundary) plus
+    the fp32 accumulation and near-zero outputs (1e-3 of the rms): llmc.testing.bf16_close's rule."""
+    return 1e-3 * float(np.sqrt(np.mean(np.square(ref)))), 2.0 ** -8
+
+
+def torch_bf16(bits):
+    """A CUDA bf16 tensor holding these uint16 bf16 bit patterns."""
+    return torch.from_numpy(bits.view(np.int16)).cuda().view(torch.bfloat16)
+
+
+BF16_VARIANTS = [n for n in L.selected(spec) if "bf16" in spec.variant(n).dtypes]
+for name, Cin, OC, has_bias in SHAPES if BF16_VARIANTS else ():
+    L.section(f"{name} bf16")
+    print(f"\n## {name} bf16: ({N}, {Cin}) @ ({OC}, {Cin})^T" + (" + bias" if has_bias else ""))
+    inp, weight, bias = (to_bf16(lab.rand(rng, (N, Cin))), to_bf16(lab.rand(rng, (OC, Cin), scale=Cin ** -0.5)),
+                         to_bf16(lab.rand(rng, (OC,))))
+    ref = reference64(lambda x, w, b: x @ w.T + (b if has_bias else 0), from_bf16(inp), from_bf16(weight), from_bf16(bias))
+    d_inp, d_w, d_b, d_out = rt.to_device(inp), rt.to_device(weight), rt.to_device(bias), rt.empty((N, OC), BF16)
+    bias_arg = d_b if has_bias else None
+    flops = 2 * N * Cin * OC
+    for n in BF16_VARIANTS:
+        why = spec.refuse_reason(n, "bf16", rt.arch, N=N, C=Cin, OC=OC, has_bias=has_bias)
+        if why:
+            print(f"  variant {n} bf16: refuses this shape ({why})")
+            continue
+        built = spec.build(rt, n, "bf16", N=N, C=Cin, OC=OC, has_bias=has_bias)
+        launch, plan = built.launch, built.plan
+        fn = (lambda launch=launch: launch(d_out, d_inp, d_w, bias_arg))
+        label = f"{n} bf16 {name}"
+        atol, rtol = bf16_tolerances(ref)
+        L.validate(label, fn, outputs={"out": d_out}, refs={"out": ref}, atol=atol, rtol=rtol)
+        ms = L.time(label, fn, block_size=f"{plan[1]}/s{plan[2]}" if plan else None, flops=flops, ceiling=None)
+        summary.append((f"{name} bf16", f"{n}", ms, flops / ms / 1e9))
+    if HAVE_TORCH:
+        ti, tw, tb = torch_bf16(inp), torch_bf16(weight), torch_bf16(bias)
+        to = torch.empty((N, OC), device="cuda", dtype=torch.bfloat16)
+        fn = (lambda: torch.addmm(tb, ti, tw.t(), out=to)) if has_bias else (lambda: torch.mm(ti, tw.t(), out=to))
+        ms = L.reference(f"cuBLAS BF16 {name}", fn, flops=flops, ceiling=None)
+        summary.append((f"{name} bf16", "cuBLAS", ms, flops / ms / 1e9))
+        del ti, tw, tb, to
+    del d_inp, d_w, d_b, d_out
+
+# ----------------------------------------------------------------------------------------------
 # the KV-cache decoder's matmuls: N = batch rows (1, 4, 8), weight-bandwidth-bound, so GB/s of
 # weights read; the GEMV (variant 8) against the TF32 engines
 
@@ -244,6 +298,36 @@ for rows in (1, 4, 8):
             fn = (lambda: torch.addmm(tb, ti, tw.t(), out=to)) if has_bias else (lambda: torch.mm(ti, tw.t(), out=to))
             ms = L.reference(f"cuBLAS TF32 decode {name} N={rows}", fn, bytes=nbytes)
             summary.append((f"decode {name} N={rows}", "cuBLAS", ms, 2 * rows * Cin * OC / ms / 1e9))
+            del ti, tw, tb, to
+        del d_inp, d_w, d_b, d_out
+
+# the decoder's matmuls in bf16 (a bf16 model samples with them): half the weight bytes of fp32
+for rows in (1, 4, 8) if BF16_VARIANTS else ():
+    for name, Cin, OC, has_bias in SHAPES:
+        L.section(f"decode {name} N={rows} bf16")
+        inp, weight, bias = (to_bf16(lab.rand(rng, (rows, Cin))), to_bf16(lab.rand(rng, (OC, Cin), scale=Cin ** -0.5)),
+                             to_bf16(lab.rand(rng, (OC,))))
+        ref = reference64(lambda x, w, b: x @ w.T + (b if has_bias else 0), from_bf16(inp), from_bf16(weight),
+                          from_bf16(bias))
+        d_inp, d_w, d_b, d_out = rt.to_device(inp), rt.to_device(weight), rt.to_device(bias), rt.empty((rows, OC), BF16)
+        bias_arg = d_b if has_bias else None
+        nbytes = 2 * (OC * Cin + rows * Cin + rows * OC)
+        for n in BF16_VARIANTS:
+            if spec.refuse_reason(n, "bf16", rt.arch, N=rows, C=Cin, OC=OC, has_bias=has_bias):
+                continue
+            launch = spec.build(rt, n, "bf16", N=rows, C=Cin, OC=OC, has_bias=has_bias).launch
+            fn = (lambda launch=launch: launch(d_out, d_inp, d_w, bias_arg))
+            label = f"{n} bf16 decode {name} N={rows}"
+            atol, rtol = bf16_tolerances(ref)
+            L.validate(label, fn, outputs={"out": d_out}, refs={"out": ref}, atol=atol, rtol=rtol)
+            ms = L.time(label, fn, bytes=nbytes)
+            summary.append((f"decode {name} N={rows} bf16", f"{n}", ms, 2 * rows * Cin * OC / ms / 1e9))
+        if HAVE_TORCH:
+            ti, tw, tb = torch_bf16(inp), torch_bf16(weight), torch_bf16(bias)
+            to = torch.empty((rows, OC), device="cuda", dtype=torch.bfloat16)
+            fn = (lambda: torch.addmm(tb, ti, tw.t(), out=to)) if has_bias else (lambda: torch.mm(ti, tw.t(), out=to))
+            ms = L.reference(f"cuBLAS BF16 decode {name} N={rows}", fn, bytes=nbytes)
+            summary.append((f"decode {name} N={rows} bf16", "cuBLAS", ms, 2 * rows * Cin * OC / ms / 1e9))
             del ti, tw, tb, to
         del d_inp, d_w, d_b, d_out
 
@@ -288,7 +372,7 @@ for name, tA, tB, M_, N_, K_, ashape, bshape, alpha in ATT:
 
 
 def print_summary():
-    print("\n## summary: TFLOP/s (fraction of cuBLAS TF32 at the same shape)")
+    print("\n## summary: TFLOP/s (fraction of cuBLAS at the same shape: TF32; BF16 on the \"bf16\" rows)")
     shapes = list(dict.fromkeys(s for s, *_ in summary))
     for s in shapes:
         rows = [r for r in summary if r[0] == s]

@@ -78,7 +78,7 @@ class Variant:
     number: int
     description: str              # one line, shown by --list-kernels
     build: Callable | dict        # build(rt, **shape) -> launch or Built; or {dtype: build}
-    check: Callable | None = None  # check(**shape) -> None or a reason string (no GPU needed)
+    check: Callable | dict | None = None  # check(**shape) -> None or a reason (no GPU needed); or {dtype: check}
     options: tuple = ()           # the op's boolean options this variant takes (e.g. ("gelu",))
     uses: dict = field(default_factory=dict)   # {build kwarg: op}: built from those ops' chosen variants
     selected_by: tuple = ()       # ops whose flag, named alone, selects this variant (they run inside it)
@@ -100,11 +100,13 @@ class Variant:
     def dtypes(self) -> tuple:
         return tuple(self.builds)
 
-    def refuse_reason(self, arch: str | None = None, **shape) -> str | None:
-        """Why this variant can't take `shape` on a GPU of `arch` (None: unknown, not checked)."""
+    def refuse_reason(self, arch: str | None = None, *, dtype: str = "fp32", **shape) -> str | None:
+        """Why this variant can't take `shape` on a GPU of `arch` (None: unknown, not checked) in element
+        type `dtype` (a dict `check` holds one check per dtype: a bf16 build may need other alignments)."""
         if self.arch and arch and arch != self.arch:
             return f"needs an {self.arch} GPU (this one is {arch})"
-        return self.check(**shape) if self.check else None
+        check = self.check.get(dtype) if isinstance(self.check, dict) else self.check
+        return check(**shape) if check else None
 
 
 @dataclass
@@ -144,7 +146,7 @@ class OpSpec:
         for opt in self.options:
             if shape.get(opt) and opt not in v.options:
                 return f"has no {opt} option"
-        return v.refuse_reason(arch, **{k: s for k, s in shape.items() if k not in self.options or s})
+        return v.refuse_reason(arch, dtype=dtype, **{k: s for k, s in shape.items() if k not in self.options or s})
 
     def saved_shape(self, number: int | None, **shape) -> tuple | None:
         """What variant `number` (None: the numpy reference) keeps for backward, or needs from forward."""

@@ -1,13 +1,17 @@
-"""GEMM engine 5: wgmma + TMA on Hopper (cuda/gemm_wgmma.cu), TF32 and BF16 inputs, fp32 out.
+"""GEMM engine 5: wgmma + TMA on Hopper (cuda/gemm_wgmma.cu), TF32 and BF16 inputs, fp32 or bf16 out.
 
     from llmc.ops.gemm_wgmma import wgmma_build
     g = wgmma_build(rt, "tf32", M=4096, N=2304, K=768, has_bias=True)   # A (M,K), B (N,K): K-major
     g(C, A, B, bias)                          # C(M,N) = A @ B^T + bias
+    g = wgmma_build(rt, "bf16", M, N, K, out="bf16", a_major="m", b_major="n", beta=1.0)
+    g(C, At, Bt)                              # C(M,N) += At(K,M)^T @ Bt(K,N), bf16 in and out (dweight)
     python dev/cuda/matmul_forward.py 9       # lab: against cuBLAS TF32/BF16 through torch
     python -m pytest -m gpu tests/test_gemm_wgmma.py
 
-Both operands are K-major (each row holds K contiguous elements): the only layout wgmma takes for
-tf32 from shared memory. The launcher describes each operand to the TMA with a tensor map (the
+By default both operands are K-major (each row holds K contiguous elements): the only layout wgmma
+takes for tf32 from shared memory. bf16 operands may also be given transposed (a_major="m": A^T stored
+(K, lda); b_major="n": B^T stored (K, ldb)), read by the wgmma through its transpose bits; tf32's
+M-major A goes through registers instead (a_major="m", the _am instances). The launcher describes each operand to the TMA with a tensor map (the
 driver's cuTensorMapEncodeTiled, called through ctypes: PyCUDA does not wrap it), built once per
 operand pointer pair and copied to device memory; the kernel gets pointers to the maps. (The usual
 way, a 64-byte-aligned __grid_constant__ kernel parameter, arrived misplaced through PyCUDA's packed
@@ -133,32 +137,72 @@ def plan(sm_count: int, M: int, N: int, K: int, dtype: str = "tf32", allow_split
 
 TS_WIDTHS = (128, 192)          # tile widths built with the TMA-store epilogue (_ts); 256 has no room
 
+# The kernel instances of cuda/gemm_wgmma.cu: (input type, output type, layout, TMA store) -> {tile
+# width: stages}. Layout: "kk" both K-major, "mk" A M-major through registers (tf32), "kn" B N-major
+# (bf16, dinp), "mn" A M-major and B N-major (bf16, dweight). The stages fix the shared memory a
+# launch asks for; tests/test_gemm_wgmma.py checks this table against the .cu's entry points.
+_DIRECT = {128: 6, 192: 5, 256: 4}
+INSTANCES = {
+    ("tf32", "fp32", "kk", False): _DIRECT, ("tf32", "fp32", "kk", True): {128: 5, 192: 3},
+    ("tf32", "fp32", "mk", False): _DIRECT,
+    ("bf16", "fp32", "kk", False): _DIRECT, ("bf16", "fp32", "kk", True): {128: 5, 192: 3},
+    ("bf16", "bf16", "kk", False): _DIRECT, ("bf16", "bf16", "kk", True): {128: 6, 192: 4},
+    ("bf16", "bf16", "kn", False): _DIRECT, ("bf16", "bf16", "kn", True): {128: 6, 192: 4},
+    ("bf16", "bf16", "mn", False): _DIRECT,
+}
+LAYOUT_SUFFIX = {"kk": "", "mk": "_am", "kn": "_bt", "mn": "_at_bt"}
+OUT_BYTES = {"fp32": 4, "bf16": 2}
+
+
+def instance_name(ty: str, out: str, layout: str, ts: bool, bn: int) -> str:
+    """The entry point of one instance: gemm_wgmma_<in>_n<BN><layout>[_ts][_bf16 for bf16 output]."""
+    return f"gemm_wgmma_{ty}_n{bn}{LAYOUT_SUFFIX[layout]}{'_ts' if ts else ''}{'_bf16' if out == 'bf16' else ''}"
+
+
+def smem_bytes(bn: int, stages: int, ts: bool, out: str = "fp32") -> int:
+    """Dynamic shared memory of an instance: the stages, the two TMA-store staging buffers, the
+    mbarriers, 1 KB for the 1024-byte alignment."""
+    return stages * (BM + bn) * 128 + (2 * 64 * bn * OUT_BYTES[out] if ts else 0) + 2 * 8 * stages + 1024
+
 
 def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, ldb: int | None = None,
                 ldc: int | None = None, alpha: float = 1.0, beta: float = 0.0, has_bias: bool = False,
                 trans_c: bool = False, bn: int | None = None, splits: int | None = None, store: str = "auto",
-                a_major: str = "k"):
+                a_major: str = "k", b_major: str = "k", out: str = "fp32"):
     """C = alpha * A(M,K) @ B(N,K)^T (+ bias(N)) (+ beta*C); with trans_c, C^T is what is stored
     (C is (N, ldc)). Returns launch(C, A, B, bias=None) taking DevArrays or raw pointers.
     a_major="m": the A argument holds A^T, i.e. (K, lda >= M) row-major, as dout holds dout^T for the
-    dweight GEMM; tf32 only (A goes through registers: TF32 wgmma reads only K-major shared memory).
+    dweight GEMM: tf32 through registers (TF32 wgmma reads only K-major shared memory), bf16 through
+    the wgmma's transpose bit (with b_major="n" only: the dweight layout).
+    b_major="n" (bf16): the B argument holds B^T, (K, ldb >= N) row-major, as weight (OC,C) is for dinp.
+    out="bf16" (bf16 inputs): C and bias are bf16; the epilogue adds bias and beta*C in fp32 and
+    rounds once (split-K partials stay fp32 until the reduce).
     store: "tma" stages each tile in shared memory and writes it with the TMA, overlapping the next
     tile's products (plain outputs only: no beta, no split-K, not transposed); "direct" stores from
     registers; "auto" takes "tma" where it can and K <= TS_MAX_K (short K: the epilogue is a large part
     of a tile's time; long K wants the deeper pipeline of the direct-store instances)."""
-    if a_major not in ("k", "m") or (a_major == "m" and dtype == "bf16"):
-        raise LLMCError(f"gemm engine 5: a_major={a_major!r} with {dtype}; M-major A is built for tf32 only")
+    if a_major not in ("k", "m") or b_major not in ("k", "n") or out not in OUT_BYTES:
+        raise LLMCError(f"gemm engine 5: a_major={a_major!r} b_major={b_major!r} out={out!r}; expected k/m, k/n, fp32/bf16")
+    ty = "bf16" if dtype == "bf16" else "tf32"
+    layout = a_major + b_major  # "kk", "mk", "kn" or "mn": built for the combinations in INSTANCES
+    if (ty, out, layout, False) not in INSTANCES:
+        built = ", ".join(f"{t} in / {o} out / {lay}" for t, o, lay, ts in INSTANCES if not ts)
+        raise LLMCError(f"gemm engine 5: no {ty} kernels with {out} output and layout a_major={a_major!r} "
+                        f"b_major={b_major!r} (built: {built})")
     lda = (M if a_major == "m" else K) if lda is None else lda
-    ldb = K if ldb is None else ldb
+    ldb = (N if b_major == "n" else K) if ldb is None else ldb
     ldc = (M if trans_c else N) if ldc is None else ldc
     why = check(dtype, M, N, K, lda, ldb)
     if why:
         raise LLMCError(f"gemm engine 5 refuses M={M} N={N} K={K}: {why}")
-    ts_ok = beta == 0.0 and not trans_c and (ldc * 4) % 16 == 0 and a_major == "k"
+    obytes = OUT_BYTES[out]
+    has_ts = (ty, out, layout, True) in INSTANCES
+    ts_ok = beta == 0.0 and not trans_c and (ldc * obytes) % 16 == 0 and has_ts
     if store not in ("auto", "tma", "direct"):
         raise LLMCError(f"gemm engine 5: store={store!r}; expected auto, tma or direct")
     if store == "tma" and not ts_ok:
-        raise LLMCError("gemm engine 5: the TMA store takes plain outputs (beta = 0, not transposed, ldc % 4 == 0)")
+        raise LLMCError("gemm engine 5: the TMA store takes plain outputs (beta = 0, not transposed, 16-byte rows of C, "
+                        "K-major A)")
     use_ts = store == "tma" or (store == "auto" and ts_ok and K <= TS_MAX_K and (bn is None or bn in TS_WIDTHS))
     if use_ts:  # the TMA store needs the whole tile at once: no split-K
         pbn, psplits = plan(rt.sm_count, M, N, K, dtype, allow_split=False, widths=TS_WIDTHS)
@@ -177,18 +221,19 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
     splits = max(1, min(splits, kblocks))
     per = -(-kblocks // splits)
     splits = -(-kblocks // per)
-    stages = ({128: 5, 192: 3} if use_ts else {128: 6, 192: 5, 256: 4})[bn]
-    smem = stages * (BM + bn) * 128 + (2 * 64 * bn * 4 if use_ts else 0) + 2 * 8 * stages + 1024
-    ty = "bf16" if dtype == "bf16" else "tf32"
-    suffix = "_ts" if use_ts else "_am" if a_major == "m" else ""
-    k = rt.kernel(MODULE, f"gemm_wgmma_{ty}_n{bn}{suffix}", "PPPPPPiiiiiiiffi",
-                  label=f"gemm 5 ({ty}, 128x{bn}{', TMA store' if use_ts else ', A M-major' if a_major == 'm' else ''})")
+    stages = INSTANCES[(ty, out, layout, use_ts)][bn]
+    smem = smem_bytes(bn, stages, use_ts, out)
+    name = instance_name(ty, out, layout, use_ts, bn)
+    what = {"kk": "", "mk": ", A M-major", "kn": ", B N-major", "mn": ", A M-major, B N-major"}[layout]
+    k = rt.kernel(MODULE, name, "PPPPPPiiiiiiiffi",
+                  label=f"gemm 5 ({ty}{' -> bf16' if out == 'bf16' else ''}, 128x{bn}{', TMA store' if use_ts else ''}{what})")
     k.set_max_dynamic_smem(smem)
     units = -(-M // BM) * -(-N // bn) * splits
     grid, block = (min(units, rt.sm_count), 1, 1), (384, 1, 1)
     ldw = -(-N // 4) * 4
     W = rt.empty((splits * M * ldw,), np.float32) if splits > 1 else None
-    red = rt.kernel(MODULE, "gemm_wgmma_splitk_reduce", "PPPiiiiiffi", label="gemm 5 split-K reduce") if splits > 1 else None
+    red = rt.kernel(MODULE, "gemm_wgmma_splitk_reduce" + ("_bf16" if out == "bf16" else ""), "PPPiiiiiffi",
+                    label="gemm 5 split-K reduce") if splits > 1 else None
     rgrid = (max(1, min(-(-(M * N) // 256), rt.sm_count * 8)), 1, 1)
     maps: dict = {}
 
@@ -202,11 +247,12 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
         ts = use_ts and not c & 15
         dm = maps.get((a, b, c if ts else 0))
         if dm is None:  # first launch with these operands: encode the maps, copy them to the device
-            ta = tensor_map(a, dtype, K, M, lda, 128 // DTYPES[dtype][1]) if a_major == "m" else \
-                tensor_map(a, dtype, M, K, lda, BM)   # M-major: boxes of 32 m x 32 k rows
-            blob = ta + tensor_map(b, dtype, N, K, ldb, bn)
-            if ts:
-                blob += tensor_map(c, "tf32t", M, N, ldc, 64)  # fp32 out: copied as is  # C: fp32, boxes of 64 rows x 32 columns
+            # an M-/N-major operand comes in boxes of 128 bytes of MN x BK k rows (tf32 32 x 32, bf16 64 x 64)
+            ta = tensor_map(a, dtype, K, M, lda, bk) if a_major == "m" else tensor_map(a, dtype, M, K, lda, BM)
+            tb = tensor_map(b, dtype, K, N, ldb, bk) if b_major == "n" else tensor_map(b, dtype, N, K, ldb, bn)
+            blob = ta + tb
+            if ts:  # C in boxes of 64 rows x 128 bytes (fp32 copied as is: the FLOAT32 type)
+                blob += tensor_map(c, "bf16" if out == "bf16" else "tf32t", M, N, ldc, 64)
             dm = maps[(a, b, c if ts else 0)] = rt.to_device(np.frombuffer(blob, np.uint8))
         tm = (dm.ptr, dm.ptr + 128, dm.ptr + 256 if ts else 0)
         if splits > 1:
@@ -219,7 +265,7 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
             k(grid, block, tm[0], tm[1], tm[2], c, bi if has_bias else 0, 0, np.int32(M), np.int32(N), np.int32(K),
               np.int32(ldc), np.int32(ldw), np.int32(1), np.int32(per), np.float32(alpha), np.float32(beta),
               np.int32(1 if trans_c else 0), smem=smem)
-    launch.plan = (5, f"128x{bn}{'+ts' if use_ts else '+am' if a_major == 'm' else ''}", splits)
+    launch.plan = (5, f"128x{bn}{'+ts' if use_ts else ''}{LAYOUT_SUFFIX[layout].replace('_', '+')}", splits)
     return launch
 
 

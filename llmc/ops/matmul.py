@@ -13,6 +13,12 @@ Semantics (docs/ops.md):
 Versions 6 and 7 of matmul_forward and every matmul_backward version run on the GEMM engines
 (llmc/ops/gemm.py, cuda/gemm.cu); each declares its engine (Variant.engine), which the composite
 attention follows. The op's own kernels (versions 1-5 and 8, the bias backward) are cuda/matmul.cu.
+
+bf16 builds (--precision bf16; every tensor bf16, fp32 accumulation, one rounding per output element,
+dweight and dbias read, added to in fp32 and rounded once): matmul_forward 9 and matmul_backward 5 on
+engine 5 (wgmma, Hopper), where the backward GEMMs read dout, weight and inp as they lie (the bf16
+wgmma's transpose bits: no transposes, no scratch); matmul_forward 8 (the decoder's GEMV, with gelu);
+matmul_backward_bias 4. bf16 rows need 16-byte strides in the TMA: C % 8 (and OC % 8 for backward).
 """
 from __future__ import annotations
 
@@ -81,6 +87,26 @@ def matmul_forward8(rt, N, C, OC, has_bias=True, block_size=None, gelu=False):
     return launch
 
 
+def matmul_forward8_bf16(rt, N, C, OC, has_bias=True, block_size=None, gelu=False):
+    # the bf16 GEMV: 8 bf16 per 16-byte load (C % 8 == 0), fp32 sums, one rounding on the store
+    name = f"matmul_forward_kernel8{'_gelu' if gelu else ''}_rows{N}_bf16"
+    k = rt.kernel(MODULE, name, "PPPPiii", label=f"matmul_forward 8 bf16{' + gelu' if gelu else ''} (rows={N})")
+    bs = block_size or 256
+    grid, args = (-(-OC // (bs // 32)), 1, 1), (np.int32(N), np.int32(C), np.int32(OC))
+
+    def launch(out, inp, weight, bias=None):
+        k(grid, (bs, 1, 1), out.ptr, inp.ptr, weight.ptr, _ptr(bias), *args)
+    return launch
+
+
+def _gemv_check_bf16(N, C, OC, block_size=None, **_):
+    if N > 8:
+        return f"N={N} rows > 8 (a GEMV for decoding: each warp keeps all N row sums in registers)"
+    if C % 8:
+        return f"16-byte loads of 8 bf16 need C % 8 == 0 (C={C})"
+    return check_block_size(block_size)
+
+
 def _gemv_check(N, C, OC, block_size=None, **_):
     if N > 8:
         return f"N={N} rows > 8 (a GEMV for decoding: each warp keeps all N row sums in registers)"
@@ -118,6 +144,18 @@ def matmul_forward9(rt, N, C, OC, has_bias=True, block_size=None):
     from llmc.ops.gemm_wgmma import wgmma_build
     gemm = wgmma_build(rt, "tf32", N, OC, C, has_bias=has_bias)  # inp (N,C) and weight (OC,C): both K-major
     return Built(gemm, plan=gemm.plan)
+
+
+def matmul_forward9_bf16(rt, N, C, OC, has_bias=True, block_size=None):
+    """out bf16 (N,OC) = inp bf16 (N,C) @ weight bf16 (OC,C)^T + bias bf16: engine 5's bf16 GEMM with
+    fp32 accumulation and the bf16 epilogue (bias added in fp32, one rounding on the store)."""
+    from llmc.ops.gemm_wgmma import wgmma_build
+    gemm = wgmma_build(rt, "bf16", N, OC, C, has_bias=has_bias, out="bf16")
+    return Built(gemm, plan=gemm.plan)
+
+
+def _need_c8_in(N, C, OC, **_):
+    return f"the TMA needs 16-byte rows: C % 8 == 0 for bf16 (C={C})" if C % 8 else None
 
 
 def forward_engine_check(engine: int):
@@ -220,6 +258,29 @@ def matmul_backward5(rt, N, C, OC, block_size=None):
     return Built(launch, plan=(g_dinp.plan, g_dw.plan))
 
 
+def matmul_backward5_bf16(rt, N, C, OC, block_size=None):
+    """bf16 dinp and dweight on engine 5, every operand read as it lies: bf16 wgmma takes M- and
+    N-major tiles from shared memory (its transpose bits), so unlike TF32 nothing is transposed first.
+    dinp (N,C) = dout (N,OC) @ weight (OC,C): A = dout (K-major, K = OC), B = weight as B^T (N-major).
+    dweight (OC,C) += dout^T @ inp: A = dout as A^T (M-major), B = inp as B^T (N-major), K = N rows;
+    split-K (fp32 partials, reduced in order) where the 128-wide tiles don't fill the GPU. Both round
+    once: dinp on the store, dweight after adding the old bf16 gradient in fp32."""
+    from llmc.ops.gemm_wgmma import wgmma_build
+    g_dinp = wgmma_build(rt, "bf16", N, C, OC, ldb=C, b_major="n", out="bf16")
+    g_dw = wgmma_build(rt, "bf16", OC, C, N, lda=OC, ldb=C, ldc=C, beta=1.0, a_major="m", b_major="n", out="bf16")
+
+    def launch(dinp, dweight, dout, inp, weight):
+        g_dinp(dinp, dout, weight)
+        g_dw(dweight, dout, inp)
+    return Built(launch, plan=(g_dinp.plan, g_dw.plan))
+
+
+def _bwd_wgmma5_check_bf16(N, C, OC, **_):
+    if OC % 8 or C % 8:
+        return f"the TMA needs 16-byte row strides: C % 8 == 0 and OC % 8 == 0 for bf16 (C={C}, OC={OC})"
+    return None
+
+
 def _bwd_wgmma_check(N, C, OC, **_):
     if OC % 4:
         return f"the TMA needs 16-byte row strides: OC % 4 == 0 (OC={OC})"
@@ -304,6 +365,23 @@ def matmul_backward_bias4(rt, N, OC, block_size=None):
     return launch
 
 
+def matmul_backward_bias4_bf16(rt, N, OC, block_size=None):
+    # version 4 with 8 bf16 columns per lane (256 per block); partials fp32, dbias rounded once
+    k = rt.kernel(MODULE, "matmul_backward_bias_kernel4_bf16", "PPPPiii", label="matmul_backward_bias 4 bf16")
+    col_blocks, nchunks, rows = _bias_chunks(rt, N, OC, 256, 32)
+    partial = rt.empty((nchunks, OC), np.float32)
+    counters = rt.zeros((col_blocks,), np.uint32)  # each finishing block resets its own
+    args = (np.int32(N), np.int32(OC), np.int32(rows))
+
+    def launch(dbias, dout):
+        k((col_blocks, nchunks, 1), (32, 8, 1), dbias.ptr, partial.ptr, counters.ptr, dout.ptr, *args)
+    return launch
+
+
+def _bias_c8(N, OC, **_):
+    return f"16-byte loads of 8 bf16 need OC % 8 == 0 (OC={OC})" if OC % 8 else None
+
+
 def _bias_c4(N, OC, **_):
     return f"float4 loads need OC % 4 == 0 (OC={OC})" if OC % 4 else None
 
@@ -345,11 +423,12 @@ OPS = [
         7: Variant(7, "TF32 GEMM engine 4: engine 2 with ldmatrix fragments and a leaner loader "
                       "(fewer instructions per mma)", matmul_forward7, forward_engine_check(4), engine=4),
         8: Variant(8, "GEMV for decoding (N <= 8 rows): a warp per output column, float4 weight stream "
-                      "read once, row sums in registers", matmul_forward8, _gemv_check,
-                   engine=1, options=("gelu",)),
+                      "read once, row sums in registers", {"fp32": matmul_forward8, "bf16": matmul_forward8_bf16},
+                   {"fp32": _gemv_check, "bf16": _gemv_check_bf16}, engine=1, options=("gelu",)),
         9: Variant(9, "TF32 GEMM engine 5 (Hopper): wgmma from TMA-loaded 128B-swizzled smem, 3-6 stage "
                       "mbarrier pipeline, producer + 2 consumer warpgroups, persistent, fused bias, TMA "
-                      "stores for short K", matmul_forward9, _need_c4_in, arch="sm_90", engine=4),
+                      "stores for short K", {"fp32": matmul_forward9, "bf16": matmul_forward9_bf16},
+                   {"fp32": _need_c4_in, "bf16": _need_c8_in}, arch="sm_90", engine=4),
     }, default=9, flag="--matmul-kernel", options=("gelu",), cost=cost_forward,
         doc="out(N,OC)= ; inp(N,C), weight(OC,C), bias(OC) or None; gelu=True: out = gelu(...) (variant 8)"),
     OpSpec("matmul_backward", matmul_backward_cpu, {
@@ -361,8 +440,9 @@ OPS = [
         4: Variant(4, "TF32: dinp on GEMM engine 5 (wgmma, Hopper; weight transposed first), dweight on "
                       "engine 4", matmul_backward4, _bwd_wgmma_check, arch="sm_90", engine=4),
         5: Variant(5, "TF32: dinp and dweight on GEMM engine 5; dweight's wider operand M-major through "
-                      "registers, the narrower one transposed", matmul_backward5, _bwd_wgmma5_check,
-                   arch="sm_90", engine=4),
+                      "registers, the narrower one transposed (bf16: every operand as it lies, transposed "
+                      "in the wgmma)", {"fp32": matmul_backward5, "bf16": matmul_backward5_bf16},
+                   {"fp32": _bwd_wgmma5_check, "bf16": _bwd_wgmma5_check_bf16}, arch="sm_90", engine=4),
     }, default=5, flag="--matmul-backward-kernel", cost=cost_backward,
         doc="dinp(N,C)= ; dweight(OC,C)+= ; dout(N,OC), inp(N,C), weight(OC,C)"),
     OpSpec("matmul_backward_bias", matmul_backward_bias_cpu, {
@@ -372,6 +452,7 @@ OPS = [
         3: Variant(3, "version 2 with float4 columns (128 per block), 4 rows in flight per thread",
                    matmul_backward_bias3, _bias_c4),
         4: Variant(4, "version 3 in one launch: the last block of each column block sums the partials in "
-                      "order (deterministic)", matmul_backward_bias4, _bias_c4),
+                      "order (deterministic)", {"fp32": matmul_backward_bias4, "bf16": matmul_backward_bias4_bf16},
+                   {"fp32": _bias_c4, "bf16": _bias_c8}),
     }, default=4, flag="--matmul-backward-bias-kernel", cost=cost_backward_bias, doc="dbias(OC)+= ; dout(N,OC)"),
 ]
