@@ -11,8 +11,8 @@ A lab script (dev/cuda/<op>.py) reads top to bottom the same way every time:
         L.time(n, lambda: launch(...), bytes=..., ceiling="dram")
     L.finish()
 
-Validation poisons every output (0xFF bytes: fp32 NaN), runs once and compares against the float64
-reference (|got - ref| <= atol + rtol*|ref|; NaN = unwritten fails). Timing: warm-up, then CUDA
+Validation poisons every output (0xFF bytes: fp32 NaN, bf16 NaN too), runs once and compares
+(bf16 outputs as their values) against the float64 reference (|got - ref| <= atol + rtol*|ref|; NaN = unwritten fails). Timing: warm-up, then CUDA
 events around each repeat with the L2 cache flushed before it (a 2x-L2 memset), median reported
 with GB/s or TFLOP/s and the fraction of the ceiling measured on the H100 (CEILINGS below).
 """
@@ -25,6 +25,7 @@ import sys
 
 import numpy as np
 
+from llmc.bf16 import BF16, from_bf16
 from llmc.testing import compare
 
 # Ceilings measured on the lent H100 80GB HBM3 (the project's anchor runs, 2026-11-22)
@@ -44,6 +45,9 @@ class Lab:
         p.add_argument("--md", help="append the results table (markdown) to this file")
         p.add_argument("--png", help="write a bar chart of the results to this PNG")
         p.add_argument("--no-l2-flush", action="store_true", help="time with a warm L2 (llm.c's way)")
+        p.add_argument("--dtype", choices=("fp32", "bf16", "both"), default="both",
+                       help="element type of the builds to run (scripts that have bf16 rows)")
+        p.add_argument("--batch", type=int, help="batch size B (scripts that take it; default theirs)")
         self.args = p.parse_args(argv)
         if self.args.quick:
             self.args.repeat = min(self.args.repeat, 10)
@@ -71,6 +75,11 @@ class Lab:
             sys.exit(2)
         return [v for v in have if v in self.args.variants]
 
+    def dtypes(self, variant) -> list[str]:
+        """The element types to run for this Variant: those it has builds for, less --dtype's filter."""
+        want = ("fp32", "bf16") if self.args.dtype == "both" else (self.args.dtype,)
+        return [d for d in variant.dtypes if d in want]
+
     def block_sizes(self, sizes):
         """The block sizes to sweep (just the first with --quick)."""
         return list(sizes)[:1] if self.args.quick else list(sizes)
@@ -90,7 +99,10 @@ class Lab:
         self.rt.synchronize()
         ok = True
         for name, dev in outputs.items():
-            msg = compare(dev.get(), refs[name], atol, rtol, name)
+            got = dev.get()
+            if got.dtype == BF16:  # bf16 bits (uint16): compare their values
+                got = from_bf16(got)
+            msg = compare(got, refs[name], atol, rtol, name)
             if msg:
                 ok = False
                 print(f"  variant {variant}: MISMATCH\n{msg}")
