@@ -25,3 +25,22 @@ __device__ __forceinline__ void ln_row_stats(const float4 (&v)[NV], float sum, i
     }
     s = rsqrtf(warp_reduce_sum(var) / C + LN_EPS);
 }
+
+// The same for the kernels templated on the element type (cuda/vec16.cuh): lane l holds the V
+// elements of 16-byte vector number l + 32*i, channels c = V*(l + 32*i) + k, as fp32 in v[i][k].
+// Elements at c >= C (past the row, or never loaded) are left out by the guard.
+template <int NV, int V>
+__device__ __forceinline__ void ln_row_stats_v(const float (&v)[NV][V], float sum, int lane, int C,
+                                               float& m, float& s) {
+    m = warp_reduce_sum(sum) / C;
+    float var = 0.0f;
+#pragma unroll
+    for (int i = 0; i < NV; i++) {
+        const int c0 = V * (lane + i * WARP_SIZE);
+#pragma unroll
+        for (int k = 0; k < V; k++) {
+            if (c0 + k < C) { float d = v[i][k] - m; var += d * d; }
+        }
+    }
+    s = rsqrtf(warp_reduce_sum(var) / C + LN_EPS);
+}
