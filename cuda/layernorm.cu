@@ -47,8 +47,7 @@
 //     5 keeps its rows of dout, inp and dinp packed (4 registers per 8 values) and unpacks on use.
 //   At N = 4096, C = 768 the bytes halve: forward 12.6 MB (4.2 us), backward 25.2 MB (8.4 us); the
 //   backward's fp32 scratch (~3 MB written, then read, mostly in L2) does not shrink.
-#include "layernorm.cuh"  // LN_EPS, hsum4, ln_row_stats (includes common.cuh)
-#include "vec16.cuh"
+#include "layernorm.cuh"  // LN_EPS, hsum4, ln_row_stats, the templated row helpers (common.cuh, vec16.cuh)
 
 // the register-resident variants hold NV float4 per lane: NV * 128 channels, NV <= LN_MAX_NV
 #define LN_MAX_NV 16
@@ -447,20 +446,7 @@ __device__ __forceinline__ void layernorm_forward4_t(T* out, float* mean, float*
     }
     float m, s;
     ln_row_stats_v<NV, V>(v, sum, lane, C, m, s);
-    T* o = out + (size_t)row * C;
-#pragma unroll
-    for (int i = 0; i < NV; i++) {
-        const int c0 = V * (lane + i * WARP_SIZE);
-        if (c0 < C) {
-            float w[V], b[V], r[V];
-            load_vec<T>(w, weight + c0, vec, C - c0);
-            load_vec<T>(b, bias + c0, vec, C - c0);
-#pragma unroll
-            for (int k = 0; k < V; k++) r[k] = (v[i][k] - m) * s * w[k] + b[k];
-            if (vec && STREAM) Vec16<T>::st_cs(o + c0, Vec16<T>::pack(r));
-            else store_vec<T>(o + c0, r, vec, C - c0);
-        }
-    }
+    ln_row_normalize_store<T, NV, STREAM>(out + (size_t)row * C, v, m, s, weight, bias, lane, C, vec);
     if (lane == 0) { mean[row] = m; rstd[row] = s; }
 }
 
@@ -549,14 +535,6 @@ __device__ __forceinline__ void layernorm_backward5_t(T* dinp, float* scratch,
             }
         }
     }
-    // 16 bytes of a row as raw bits: one load, or (!vec) up to V scalar loads packed (exact: the
-    // values are already of type T), zeros past C
-    auto ld_raw = [&](const T* row, int c0) -> raw {
-        if (vec) return Vec16<T>::ld(row + c0);
-        float f[V];
-        load_vec<T>(f, row + c0, false, C - c0);
-        return Vec16<T>::pack(f);
-    };
     const int row_end = min(N, (blockIdx.x + 1) * R);
     for (int row = blockIdx.x * R + warp; row < row_end; row += nwarps) {
         const T* dr = dout + (size_t)row * C;
@@ -566,7 +544,11 @@ __device__ __forceinline__ void layernorm_backward5_t(T* dinp, float* scratch,
 #pragma unroll
         for (int i = 0; i < NV; i++) {
             const int c0 = V * (lane + i * WARP_SIZE);
-            if (c0 < C) { d[i] = ld_raw(dr, c0); x[i] = ld_raw(xr, c0); g[i] = ld_raw(gr, c0); }
+            if (c0 < C) {  // (!vec: guarded scalar loads packed into the same bits, zeros past C)
+                d[i] = load_raw<T>(dr + c0, vec, C - c0);
+                x[i] = load_raw<T>(xr + c0, vec, C - c0);
+                g[i] = load_raw<T>(gr + c0, vec, C - c0);
+            }
         }
         const float m = mean[row], s = rstd[row];
         float a = 0.0f, b = 0.0f;  // sum(dnorm), sum(dnorm * norm) over the row

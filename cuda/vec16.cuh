@@ -77,3 +77,20 @@ __device__ __forceinline__ void store_vec(T* p, const float (&f)[Vec16<T>::N], b
         for (int k = 0; k < Vec16<T>::N; k++) if (k < n) p[k] = from_f32<T>(f[k]);
     }
 }
+
+// f rounded to T's precision in place (what storing it as T and loading it back gives)
+template <typename T, int N>
+__device__ __forceinline__ void round_to(float (&f)[N]) {
+#pragma unroll
+    for (int k = 0; k < N; k++) f[k] = to_f32(from_f32<T>(f[k]));
+}
+
+// 16 bytes of T as raw bits: one load, or (vec == false) up to N guarded scalar loads packed into
+// the same bits (exact: the values are already of type T), zeros past n
+template <typename T>
+__device__ __forceinline__ typename Vec16<T>::raw load_raw(const T* p, bool vec, int n) {
+    if (vec) return Vec16<T>::ld(p);
+    float f[Vec16<T>::N];
+    load_vec<T>(f, p, false, n);
+    return Vec16<T>::pack(f);
+}
