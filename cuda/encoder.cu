@@ -364,15 +364,39 @@ __device__ __forceinline__ void encoder_decode1(T* out, const int* inp, const T*
 // dynamic shared memory (C floats), so each dwte element is rounded once however many rows of its
 // token there are. Channel groups: W = V channels (vec: 16-byte accesses, needs C % V == 0) or 1;
 // thread tid owns groups tid, tid + bs, ... in every phase (dwpe, the adds, the final store), so
-// no thread reads another's accumulator and no barrier is needed around them.
+// no thread reads another's accumulator and no barrier is needed around them. A group's V
+// accumulators are read and written as float4s (a thread's 32 bytes: 2-way bank conflicts, where
+// V scalar accesses at a 32-byte stride would be 8-way).
 template <typename T>
 __device__ __forceinline__ void encoder_backward_owner_t(T* dwte, T* dwpe, const T* dout,
         const int* inp, int B, int TT, int C, bool vec) {
-    extern __shared__ float s_acc[];  // (C): the owned dwte row in fp32
+    extern __shared__ float4 s_acc4[];  // (C/4 float4 = C floats): the owned dwte row in fp32
+    float* s_acc = reinterpret_cast<float*>(s_acc4);
     constexpr int V = Vec16<T>::N;
+    static_assert(V % 4 == 0, "groups of whole float4s");
     const int p = blockIdx.x, tid = threadIdx.x, bs = blockDim.x;
     const int tok = inp[p];
     const int W = vec ? V : 1, G = C / W;
+    auto acc_load = [&](float (&a)[V], int g) {
+        if (vec) {
+#pragma unroll
+            for (int k = 0; k < V; k += 4) {
+                float4 t = load4(s_acc + g * V + k);
+                a[k] = t.x; a[k + 1] = t.y; a[k + 2] = t.z; a[k + 3] = t.w;
+            }
+        } else {
+#pragma unroll
+            for (int k = 0; k < V; k++) a[k] = k == 0 ? s_acc[g] : 0.0f;
+        }
+    };
+    auto acc_store = [&](const float (&a)[V], int g) {
+        if (vec) {
+#pragma unroll
+            for (int k = 0; k < V; k += 4) store4(s_acc + g * V + k, make_float4(a[k], a[k + 1], a[k + 2], a[k + 3]));
+        } else {
+            s_acc[g] = a[0];
+        }
+    };
 
     // dwpe row t = p: the B rows summed in order b = 0..B-1 in fp32, added to the row, rounded once
     if (p < TT) {
@@ -399,28 +423,22 @@ __device__ __forceinline__ void encoder_backward_owner_t(T* dwte, T* dwpe, const
     bool owner = encoder_owner_walk(inp, B * TT, p, tok, [&](const int* list, int n) {
         for (int g = tid; g < G; g += bs) {
             float a[V], d[V];
-            if (started) {
-#pragma unroll
-                for (int k = 0; k < V; k++) a[k] = k < W ? s_acc[g * W + k] : 0.0f;
-            } else {
-                load_vec<T>(a, wrow + g * W, vec, W);
-            }
+            if (started) acc_load(a, g);
+            else load_vec<T>(a, wrow + g * W, vec, W);  // the first sub-chunk starts from dwte's row
 #pragma unroll 4
             for (int j = 0; j < n; j++) {
                 load_vec<T>(d, dout + (size_t)list[j] * C + g * W, vec, W);
 #pragma unroll
                 for (int k = 0; k < V; k++) a[k] += d[k];
             }
-#pragma unroll
-            for (int k = 0; k < V; k++) if (k < W) s_acc[g * W + k] = a[k];
+            acc_store(a, g);
         }
         started = true;
     });
     if (owner) {
         for (int g = tid; g < G; g += bs) {
             float a[V];
-#pragma unroll
-            for (int k = 0; k < V; k++) a[k] = k < W ? s_acc[g * W + k] : 0.0f;
+            acc_load(a, g);
             store_vec<T>(wrow + g * W, a, vec, W);
         }
     }
