@@ -35,7 +35,20 @@
 //             default bs 256 36.2 / 58.0 us   4: 24.0 / 22.8 us   5: 21.6 / 19.8 us (1.99 TB/s)
 //   The owner variants pay for the id scans and, on text-like ids, for one block summing all rows
 //   of a frequent token; they are here for bit-reproducible runs (--encoder-backward-kernel 3).
+//
+// bf16 builds (<name>_bf16; wte, wpe, out, dwte, dwpe, dout bf16; ids int32; sums in fp32, each
+// output element rounded once):
+//   encoder_forward 1 (scalar, any C) and 3 (warp per row, 16-byte loads of 8 bf16 when C % 8 == 0,
+//   else scalar loads in the same layout); encoder_decode 1.
+//   encoder_backward 2 and 3, the deterministic owner variants: bf16 has no atomics here (a bf16
+//   atomic add rounds every addition, in an order that changes from run to run). The owner keeps
+//   its dwte row in fp32 in shared memory (C floats) while it adds the rows of its token, and
+//   rounds it once at the end; dwpe rows are summed over b in fp32 and rounded once. Variant 3's
+//   bf16 kernel moves 16 bytes per access when C % 8 == 0, else scalar. The atomic variants (1, 4,
+//   5, the fp32 default) have no bf16 build, so a bf16 model falls back to 3.
+//   At B=4, T=1024, C=768 the bytes halve: forward ~14 MB (4.7 us), backward ~19 MB (6.3 us).
 #include "common.cuh"
+#include "vec16.cuh"
 
 // ----------------------------------------------------------------------------------------------
 // encoder_forward: out (B,T,C) =, inp (B,T) int32, wte (Vp,C), wpe (maxT,C)
@@ -151,13 +164,65 @@ __device__ __forceinline__ void rows_add(float* dst, const float* dout, const in
 // from L1/L2, small next to the 3 KB dout row it moves but not free. On text, the most frequent
 // token owns a few percent of all positions, and its one block adds them all: that block's
 // serial chain of row loads is the tail of the kernel (the lab times Zipf-distributed ids too).
+
+// The owner test and walk, shared by the fp32 and bf16 owner kernels. Returns false (in every
+// thread) when a position before p holds tok: that position's block owns the row. Otherwise calls
+// add(list, n) in every thread for each sub-chunk of positions q >= p holding tok, in ascending
+// order (list: n positions in shared memory), and returns true. p itself is the first match, so
+// an owner calls add at least once.
+template <class Add>
+__device__ __forceinline__ bool encoder_owner_walk(const int* inp, int N, int p, int tok, Add add) {
+    __shared__ int s_count[32];    // matches per warp in the current sub-chunk
+    __shared__ int s_list[1024];   // the sub-chunk's matching positions, ascending
+    const int tid = threadIdx.x, bs = blockDim.x;
+    const int lane = tid % WARP_SIZE, warp = tid / WARP_SIZE, nwarps = bs / WARP_SIZE;
+
+    // Is there an earlier occurrence of tok? Then that position's block owns the row: leave.
+    int found = 0;
+    for (int q0 = 0; q0 < p; q0 += 4 * bs) {
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            int q = q0 + j * bs + tid;
+            if (q < p && inp[q] == tok) found = 1;
+        }
+    }
+    if (__syncthreads_or(found)) return false;
+
+    // The owner: positions q >= p in ascending order, 4*bs at a time; the (rare) sub-chunks with a
+    // match are compacted in order with warp ballots and a prefix over the warps' counts.
+    for (int q0 = p; q0 < N; q0 += 4 * bs) {
+        int m[4], any = 0;
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            int q = q0 + j * bs + tid;
+            m[j] = q < N && inp[q] == tok;
+            any |= m[j];
+        }
+        if (!__syncthreads_or(any)) continue;
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            unsigned ballot = __ballot_sync(0xffffffffu, m[j]);
+            if (lane == 0) s_count[warp] = __popc(ballot);
+            __syncthreads();
+            int offset = 0, total = 0;
+            for (int w = 0; w < nwarps; w++) {
+                int cnt = s_count[w];
+                offset += (w < warp) ? cnt : 0;
+                total += cnt;
+            }
+            if (m[j]) s_list[offset + __popc(ballot & ((1u << lane) - 1u))] = q0 + j * bs + tid;
+            __syncthreads();
+            if (total > 0) add(s_list, total);
+            __syncthreads();  // s_count and s_list are reused
+        }
+    }
+    return true;
+}
+
 template <bool VEC>
 __device__ __forceinline__ void encoder_backward_owner(float* dwte, float* dwpe, const float* dout,
         const int* inp, int B, int T, int C) {
-    __shared__ int s_count[32];    // matches per warp in the current sub-chunk
-    __shared__ int s_list[1024];   // the sub-chunk's matching positions, ascending
-    const int N = B * T, p = blockIdx.x, tid = threadIdx.x, bs = blockDim.x;
-    const int lane = tid % WARP_SIZE, warp = tid / WARP_SIZE, nwarps = bs / WARP_SIZE;
+    const int p = blockIdx.x, tid = threadIdx.x, bs = blockDim.x;
     const int tok = inp[p];
 
     // dwpe row t = p: sum the B rows in order b = 0..B-1 (no other block touches this row)
@@ -181,46 +246,9 @@ __device__ __forceinline__ void encoder_backward_owner(float* dwte, float* dwpe,
         }
     }
 
-    // Is there an earlier occurrence of tok? Then that position's block owns the row: leave.
-    int found = 0;
-    for (int q0 = 0; q0 < p; q0 += 4 * bs) {
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            int q = q0 + j * bs + tid;
-            if (q < p && inp[q] == tok) found = 1;
-        }
-    }
-    if (__syncthreads_or(found)) return;
-
-    // The owner: positions q >= p in ascending order, 4*bs at a time; the (rare) sub-chunks with a
-    // match are compacted in order with warp ballots and a prefix over the warps' counts.
+    // the dwte row of tok, if this block owns it: each sub-chunk's rows added straight into it
     float* wrow = dwte + (size_t)tok * C;
-    for (int q0 = p; q0 < N; q0 += 4 * bs) {
-        int m[4], any = 0;
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            int q = q0 + j * bs + tid;
-            m[j] = q < N && inp[q] == tok;
-            any |= m[j];
-        }
-        if (!__syncthreads_or(any)) continue;
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            unsigned ballot = __ballot_sync(0xffffffffu, m[j]);
-            if (lane == 0) s_count[warp] = __popc(ballot);
-            __syncthreads();
-            int offset = 0, total = 0;
-            for (int w = 0; w < nwarps; w++) {
-                int cnt = s_count[w];
-                offset += (w < warp) ? cnt : 0;
-                total += cnt;
-            }
-            if (m[j]) s_list[offset + __popc(ballot & ((1u << lane) - 1u))] = q0 + j * bs + tid;
-            __syncthreads();
-            if (total > 0) rows_add<VEC>(wrow, dout, s_list, total, C);
-            __syncthreads();  // s_count and s_list are reused
-        }
-    }
+    encoder_owner_walk(inp, B * T, p, tok, [&](const int* list, int n) { rows_add<VEC>(wrow, dout, list, n, C); });
 }
 
 extern "C" __global__ void encoder_backward_kernel2(float* dwte, float* dwpe, const float* dout,
@@ -267,4 +295,172 @@ extern "C" __global__ void encoder_decode_kernel1(float* out, const int* inp, co
     if (idx >= B * C) return;
     int b = idx / C, c = idx % C, pos = inp[B];
     out[idx] = wte[(size_t)inp[b] * C + c] + wpe[(size_t)pos * C + c];
+}
+
+// ----------------------------------------------------------------------------------------------
+// bf16 builds, templated on the element type T (only the bf16 instantiations have entry points).
+// TT is the sequence length (T names the element type here).
+
+template <typename T>
+__device__ __forceinline__ void encoder_forward1(T* out, const int* inp, const T* wte, const T* wpe,
+        int B, int TT, int C) {
+    int idx = blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= B * TT * C) return;
+    int bt = idx / C, c = idx % C, t = bt % TT;
+    out[idx] = from_f32<T>(to_f32(wte[(size_t)inp[bt] * C + c]) + to_f32(wpe[(size_t)t * C + c]));
+}
+
+// Variant 3: one warp per (b,t) row, lanes over the row's 16-byte vectors (V elements), 4 vectors
+// of each of wte and wpe in flight per lane before the first store, held packed (4 registers per
+// vector: 32, where the unpacked floats would take 64 and halve the resident warps). When C % V != 0
+// the rows are not 16-byte aligned: one lane per element instead, scalar (the fallback).
+template <typename T>
+__device__ __forceinline__ void encoder_forward3(T* __restrict__ out, const int* __restrict__ inp,
+        const T* __restrict__ wte, const T* __restrict__ wpe, int B, int TT, int C) {
+    constexpr int V = Vec16<T>::N;
+    typedef typename Vec16<T>::raw raw;
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int bt = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
+    if (bt >= B * TT) return;
+    const T* w = wte + (size_t)inp[bt] * C;
+    const T* p = wpe + (size_t)(bt % TT) * C;
+    T* o = out + (size_t)bt * C;
+    if (C % V) {
+        for (int c = lane; c < C; c += WARP_SIZE) o[c] = from_f32<T>(to_f32(w[c]) + to_f32(p[c]));
+        return;
+    }
+    const int CV = C / V;  // 16-byte vectors per row
+    for (int base = 0; base < CV; base += 4 * WARP_SIZE) {
+        raw a[4], b[4];
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            int cv = base + j * WARP_SIZE + lane;
+            if (cv < CV) { a[j] = Vec16<T>::ld(w + cv * V); b[j] = Vec16<T>::ld(p + cv * V); }
+        }
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            int cv = base + j * WARP_SIZE + lane;
+            if (cv < CV) {
+                float x[V], y[V];
+                Vec16<T>::unpack(x, a[j]);
+                Vec16<T>::unpack(y, b[j]);
+#pragma unroll
+                for (int k = 0; k < V; k++) x[k] += y[k];
+                Vec16<T>::st(o + cv * V, Vec16<T>::pack(x));
+            }
+        }
+    }
+}
+
+template <typename T>
+__device__ __forceinline__ void encoder_decode1(T* out, const int* inp, const T* wte, const T* wpe, int B, int C) {
+    int idx = blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= B * C) return;
+    int b = idx / C, c = idx % C, pos = inp[B];
+    out[idx] = from_f32<T>(to_f32(wte[(size_t)inp[b] * C + c]) + to_f32(wpe[(size_t)pos * C + c]));
+}
+
+// The owner variants for any element type, with an fp32 accumulator for the owned dwte row in
+// dynamic shared memory (C floats), so each dwte element is rounded once however many rows of its
+// token there are. Channel groups: W = V channels (vec: 16-byte accesses, needs C % V == 0) or 1;
+// thread tid owns groups tid, tid + bs, ... in every phase (dwpe, the adds, the final store), so
+// no thread reads another's accumulator and no barrier is needed around them. A group's V
+// accumulators are read and written as float4s (a thread's 32 bytes: 2-way bank conflicts, where
+// V scalar accesses at a 32-byte stride would be 8-way).
+template <typename T>
+__device__ __forceinline__ void encoder_backward_owner_t(T* dwte, T* dwpe, const T* dout,
+        const int* inp, int B, int TT, int C, bool vec) {
+    extern __shared__ float4 s_acc4[];  // (C/4 float4 = C floats): the owned dwte row in fp32
+    float* s_acc = reinterpret_cast<float*>(s_acc4);
+    constexpr int V = Vec16<T>::N;
+    static_assert(V % 4 == 0, "groups of whole float4s");
+    const int p = blockIdx.x, tid = threadIdx.x, bs = blockDim.x;
+    const int tok = inp[p];
+    const int W = vec ? V : 1, G = C / W;
+    auto acc_load = [&](float (&a)[V], int g) {
+        if (vec) {
+#pragma unroll
+            for (int k = 0; k < V; k += 4) {
+                float4 t = load4(s_acc + g * V + k);
+                a[k] = t.x; a[k + 1] = t.y; a[k + 2] = t.z; a[k + 3] = t.w;
+            }
+        } else {
+#pragma unroll
+            for (int k = 0; k < V; k++) a[k] = k == 0 ? s_acc[g] : 0.0f;
+        }
+    };
+    auto acc_store = [&](const float (&a)[V], int g) {
+        if (vec) {
+#pragma unroll
+            for (int k = 0; k < V; k += 4) store4(s_acc + g * V + k, make_float4(a[k], a[k + 1], a[k + 2], a[k + 3]));
+        } else {
+            s_acc[g] = a[0];
+        }
+    };
+
+    // dwpe row t = p: the B rows summed in order b = 0..B-1 in fp32, added to the row, rounded once
+    if (p < TT) {
+        for (int g = tid; g < G; g += bs) {
+            float s[V], d[V];
+#pragma unroll
+            for (int k = 0; k < V; k++) s[k] = 0.0f;
+            for (int b = 0; b < B; b++) {
+                load_vec<T>(d, dout + ((size_t)b * TT + p) * C + g * W, vec, W);
+#pragma unroll
+                for (int k = 0; k < V; k++) s[k] += d[k];
+            }
+            T* prow = dwpe + (size_t)p * C + g * W;
+            load_vec<T>(d, prow, vec, W);
+#pragma unroll
+            for (int k = 0; k < V; k++) d[k] += s[k];
+            store_vec<T>(prow, d, vec, W);
+        }
+    }
+
+    // dwte row of tok: ((row + d_0) + d_1) + ... in fp32, the order np.add.at adds them in
+    T* wrow = dwte + (size_t)tok * C;
+    bool started = false;  // the same in every thread: add runs in all of them
+    bool owner = encoder_owner_walk(inp, B * TT, p, tok, [&](const int* list, int n) {
+        for (int g = tid; g < G; g += bs) {
+            float a[V], d[V];
+            if (started) acc_load(a, g);
+            else load_vec<T>(a, wrow + g * W, vec, W);  // the first sub-chunk starts from dwte's row
+#pragma unroll 4
+            for (int j = 0; j < n; j++) {
+                load_vec<T>(d, dout + (size_t)list[j] * C + g * W, vec, W);
+#pragma unroll
+                for (int k = 0; k < V; k++) a[k] += d[k];
+            }
+            acc_store(a, g);
+        }
+        started = true;
+    });
+    if (owner) {
+        for (int g = tid; g < G; g += bs) {
+            float a[V];
+            acc_load(a, g);
+            store_vec<T>(wrow + g * W, a, vec, W);
+        }
+    }
+}
+
+extern "C" __global__ void encoder_forward_kernel1_bf16(bf16* out, const int* inp, const bf16* wte,
+        const bf16* wpe, int B, int T, int C) {
+    encoder_forward1<bf16>(out, inp, wte, wpe, B, T, C);
+}
+extern "C" __global__ void encoder_forward_kernel3_bf16(bf16* __restrict__ out, const int* __restrict__ inp,
+        const bf16* __restrict__ wte, const bf16* __restrict__ wpe, int B, int T, int C) {
+    encoder_forward3<bf16>(out, inp, wte, wpe, B, T, C);
+}
+extern "C" __global__ void encoder_backward_kernel2_bf16(bf16* dwte, bf16* dwpe, const bf16* dout,
+        const int* inp, int B, int T, int C) {
+    encoder_backward_owner_t<bf16>(dwte, dwpe, dout, inp, B, T, C, false);
+}
+extern "C" __global__ void encoder_backward_kernel3_bf16(bf16* dwte, bf16* dwpe, const bf16* dout,
+        const int* inp, int B, int T, int C) {
+    encoder_backward_owner_t<bf16>(dwte, dwpe, dout, inp, B, T, C, C % Vec16<bf16>::N == 0);
+}
+extern "C" __global__ void encoder_decode_kernel1_bf16(bf16* out, const int* inp, const bf16* wte,
+        const bf16* wpe, int B, int C) {
+    encoder_decode1<bf16>(out, inp, wte, wpe, B, C);
 }

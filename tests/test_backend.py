@@ -223,8 +223,9 @@ def test_every_variant_declares_its_dtypes_and_refuses_others():
             if "bf16" not in v.dtypes:  # an fp32-only variant refuses a bf16 build, naming why
                 assert "no bf16 kernels" in spec.refuse_reason(num, dtype="bf16", N=4, C=64, OC=64, B=1, T=4, NH=1,
                                                                 BNH=1, scale=1.0, n=64, V=64, Vp=64, maxT=8)
-    with pytest.raises(VariantRefused, match=r"layernorm_forward variant 5 .*no bf16 kernels \(has fp32\)"):
-        ops.get("layernorm_forward").build(FakeRuntime(), 5, dtype="bf16", N=4, C=64)
+    # the softmax ops run only inside the composite attention, which stays fp32
+    with pytest.raises(VariantRefused, match=r"softmax_forward variant 6 .*no bf16 kernels \(has fp32\)"):
+        ops.get("softmax_forward").build(FakeRuntime(), 6, dtype="bf16", BNH=1, T=4, scale=1.0)
 
 
 def test_a_bf16_build_sits_beside_the_fp32_one():

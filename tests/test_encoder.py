@@ -9,12 +9,14 @@ import numpy as np
 import pytest
 
 from llmc import ops
+from llmc.bf16 import BF16, from_bf16, to_bf16
 from llmc.errors import LLMCError, VariantRefused
-from llmc.ops.encoder import encoder_backward_ref, encoder_forward_ref
+from llmc.ops.encoder import encoder_backward_ref, encoder_decode_ref, encoder_forward_ref
 from llmc.testing import assert_close, poison
 
 FWD = ops.get("encoder_forward")
 BWD = ops.get("encoder_backward")
+DEC = ops.get("encoder_decode")
 DETERMINISTIC = (2, 3)
 
 
@@ -98,6 +100,17 @@ def test_variants_table():
         assert "non-deterministic" not in BWD.variants[n].description
 
 
+def test_bf16_builds():
+    """bf16: the forward default, the decoder's kernel and the deterministic backward variants have
+    builds; the atomic backward variants don't (bf16 atomics would round in a varying order), so a
+    bf16 model's backward falls back from the default to the highest deterministic one."""
+    assert "bf16" in FWD.variants[FWD.default].dtypes and "bf16" in DEC.variants[DEC.default].dtypes
+    assert "bf16" in FWD.variants[1].dtypes  # any C
+    have = {n for n, v in BWD.variants.items() if "bf16" in v.dtypes}
+    assert have == set(DETERMINISTIC)
+    assert "no bf16 kernels" in BWD.refuse_reason(BWD.default, "bf16", B=4, T=64, C=768)
+
+
 # ----------------------------------------------------------------------------------------------
 # GPU
 
@@ -169,5 +182,118 @@ def test_backward_deterministic_bit_identical(rt, rng, number):
         dwte, dwpe = rt.to_device(dwte0), rt.to_device(dwpe0)
         launch(dwte, dwpe, d_dout, d_inp)
         runs.append((dwte.get().view(np.uint32), dwpe.get().view(np.uint32)))
+    np.testing.assert_array_equal(runs[0][0], runs[1][0])
+    np.testing.assert_array_equal(runs[0][1], runs[1][1])
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU, bf16 builds. Inputs are bf16 values; the references are float64 on them.
+# forward/decode: one fp32 add of two bf16 values, rounded once to nearest even; numpy does the same
+# operations (a float32 add, to_bf16), so the bits must match. backward: every dwte/dwpe element is
+# (initial + the fp32 sum of its dout terms), rounded once: within half a bf16 ulp of the float64
+# sum, plus the fp32 sum's own error (k terms of size ~1 at 2^-24 each: far under 1e-5 of the rms).
+# So rtol 2^-8 (twice the one rounding) and atol 1e-5 * rms.
+
+BF16_RTOL = 2.0 ** -8
+SHAPES_BF16 = SHAPES + [(2, 9, 100)]  # C % 8 == 4: variant 3's bf16 kernel takes its scalar path
+
+
+def _bf16_variants(spec):
+    return [n for n, v in sorted(spec.variants.items()) if "bf16" in v.dtypes]
+
+
+def _bf16_inputs(rng, B, T, C, Vp, maxT, vocab=None):
+    inp, wte, wpe, dout = inputs(rng, B, T, C, Vp, maxT, vocab=vocab, dtype=np.float32)
+    return inp, to_bf16(wte), to_bf16(wpe), to_bf16(dout)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,T,C", SHAPES_BF16)
+@pytest.mark.parametrize("number", _bf16_variants(FWD))
+def test_forward_gpu_bf16_bit_exact(rt, rng, number, B, T, C):
+    if _refused(FWD, number, B, T, C):
+        return
+    inp, wte, wpe, _ = _bf16_inputs(rng, B, T, C, VP, T + 3)
+    launch = FWD.build(rt, number, "bf16", B=B, T=T, C=C)
+    out = rt.empty((B, T, C), BF16)
+    poison(out)
+    launch(out, rt.to_device(inp), rt.to_device(wte), rt.to_device(wpe))
+    want = to_bf16(encoder_forward_ref(inp, from_bf16(wte), from_bf16(wpe)))  # float32 add, RNE
+    np.testing.assert_array_equal(out.get(), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("B,C", [(1, 80), (3, 100), (5, 768)])
+def test_decode_gpu(rt, rng, dtype, B, C):
+    """B tokens at the position stored after them; both read from the device."""
+    maxT = 37
+    tokens = np.append(rng.integers(0, VP, B), 29).astype(np.int32)  # the position last
+    wte, wpe = rng.standard_normal((VP, C)).astype(np.float32), rng.standard_normal((maxT, C)).astype(np.float32)
+    if dtype == "bf16":
+        wte, wpe = to_bf16(wte), to_bf16(wpe)
+    launch = DEC.build(rt, DEC.default, dtype, B=B, C=C)
+    out = rt.empty((B, C), BF16 if dtype == "bf16" else np.float32)
+    poison(out)
+    launch(out, rt.to_device(tokens), rt.to_device(wte), rt.to_device(wpe))
+    if dtype == "bf16":
+        want = to_bf16(encoder_decode_ref(tokens, from_bf16(wte), from_bf16(wpe)))
+    else:
+        want = encoder_decode_ref(tokens, wte, wpe)
+    np.testing.assert_array_equal(out.get(), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,T,C", SHAPES_BF16)
+@pytest.mark.parametrize("number", _bf16_variants(BWD))
+def test_backward_gpu_bf16_accumulates(rt, rng, number, B, T, C):
+    if _refused(BWD, number, B, T, C):
+        return
+    maxT = T + 3
+    inp, _, _, dout = _bf16_inputs(rng, B, T, C, VP, maxT)
+    dwte0 = to_bf16(rng.standard_normal((VP, C)))  # "+=" outputs pre-filled
+    dwpe0 = to_bf16(rng.standard_normal((maxT, C)))
+    launch = BWD.build(rt, number, "bf16", B=B, T=T, C=C)
+    dwte, dwpe = rt.to_device(dwte0), rt.to_device(dwpe0)
+    launch(dwte, dwpe, rt.to_device(dout), rt.to_device(inp))
+    want_wte, want_wpe = encoder_backward_ref(from_bf16(dwte0).astype(np.float64), from_bf16(dwpe0).astype(np.float64),
+                                              from_bf16(dout).astype(np.float64), inp)
+    got_wte, got_wpe = dwte.get(), dwpe.get()
+    for name, got, want in (("dwte", got_wte, want_wte), ("dwpe", got_wpe, want_wpe)):
+        rms = float(np.sqrt(np.mean(np.square(want))))
+        assert_close(from_bf16(got), want, 1e-5 * rms, BF16_RTOL, name)
+    unused = np.setdiff1d(np.arange(VP), inp)
+    np.testing.assert_array_equal(got_wte[unused], dwte0[unused])  # rows not used: untouched bits
+    np.testing.assert_array_equal(got_wpe[T:], dwpe0[T:])
+
+
+@pytest.mark.gpu
+def test_backward_bf16_rounds_each_row_once(rt):
+    """One token at every position, dout = 2^-9 everywhere: adding it to dwte = 1.0 with a rounding
+    after each add would leave 1.0 every time (a quarter of bf16's ulp at 1.0 rounds away); the fp32
+    accumulator adds all B*T of them first and rounds once: 1 + B*T * 2^-9 = 1.25."""
+    B, T, C = 2, 64, 768
+    inp = np.full((B, T), 3, np.int32)
+    dout = to_bf16(np.full((B, T, C), 2.0 ** -9, np.float32))
+    dwte0 = to_bf16(np.ones((VP, C), np.float32))
+    dwte, dwpe = rt.to_device(dwte0), rt.zeros((T, C), BF16)
+    BWD.build(rt, 3, "bf16", B=B, T=T, C=C)(dwte, dwpe, rt.to_device(dout), rt.to_device(inp))
+    np.testing.assert_array_equal(from_bf16(dwte.get()[3]), np.full(C, 1.0 + B * T * 2.0 ** -9, np.float32))
+    np.testing.assert_array_equal(from_bf16(dwpe.get()), np.full((T, C), B * 2.0 ** -9, np.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("number", _bf16_variants(BWD))
+def test_backward_bf16_deterministic_bit_identical(rt, rng, number):
+    B, T, C = 4, 1024, 768
+    inp, _, _, dout = _bf16_inputs(rng, B, T, C, VP, T, vocab=8)
+    dwte0, dwpe0 = to_bf16(rng.standard_normal((VP, C))), to_bf16(rng.standard_normal((T, C)))
+    d_dout, d_inp = rt.to_device(dout), rt.to_device(inp)
+    launch = BWD.build(rt, number, "bf16", B=B, T=T, C=C)
+    runs = []
+    for _ in range(2):
+        dwte, dwpe = rt.to_device(dwte0), rt.to_device(dwpe0)
+        launch(dwte, dwpe, d_dout, d_inp)
+        runs.append((dwte.get(), dwpe.get()))
     np.testing.assert_array_equal(runs[0][0], runs[1][0])
     np.testing.assert_array_equal(runs[0][1], runs[1][1])

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from llmc import ops
+from llmc.bf16 import BF16, from_bf16, round_bf16, to_bf16
 from llmc.errors import LLMCError, VariantRefused
 from llmc.ops.layernorm import layernorm_backward_ref, layernorm_forward_ref
 from llmc.testing import assert_close, poison
@@ -97,6 +98,29 @@ def test_variants_table():
             spec.variant(99)
 
 
+def test_bf16_builds_and_declared_scratch():
+    """The defaults and the any-C fallback (3) have bf16 builds; the deterministic backward variants
+    allocate exactly the fp32 scratch they declare (Variant.scratch_bytes: the model's memory
+    estimate), in both dtypes, and use no more blocks than it holds."""
+    from tests.fake_runtime import FakeRuntime
+    for spec in (FWD, BWD):
+        assert {"fp32", "bf16"} <= set(spec.variants[spec.default].dtypes)
+        assert "bf16" in spec.variants[3].dtypes
+    for N, C in [(1, 768), (65, 80), (4096, 768), (16384, 768), (64, 1600), (9, 100)]:
+        for num, v in BWD.variants.items():
+            if v.scratch_bytes is None:
+                continue
+            for dtype in v.dtypes:
+                if BWD.refuse_reason(num, dtype, N=N, C=C):
+                    continue
+                rt = FakeRuntime()
+                built = BWD.build(rt, num, dtype, N=N, C=C)
+                assert rt.allocated_bytes == v.scratch_bytes(N=N, C=C), (num, dtype, N, C)
+                built(*[rt.empty(8) for _ in range(8)])  # (fake launches: recorded, not run)
+                grid = rt.launches[0].grid[0]  # blocks, each writing one (2, C) row of partials
+                assert grid * 2 * C * 4 <= rt.allocated_bytes and grid <= N, (num, dtype, N, C, grid)
+
+
 # ----------------------------------------------------------------------------------------------
 # GPU: every variant against the float64 reference
 
@@ -169,3 +193,79 @@ def test_backward_deterministic_variants_are_bitwise_repeatable(rt, rng, number)
         results.append([o.get().view(np.uint32) for o in outs])
     for a, b_ in zip(*results):
         np.testing.assert_array_equal(a, b_)
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU, bf16 builds: inputs are bf16 values (the reference sees what the kernel sees), mean and rstd
+# fp32. The kernels compute in fp32 and round each output element once (<= 2^-9 relative), so:
+#   bf16 outputs: rtol 2^-8 (twice the one rounding), plus the fp32 test's absolute budget for the
+#     fp32 math before the rounding (1e-5 for out and dinp; 1e-4 for dweight/dbias, N-row sums);
+#   mean, rstd (fp32, from the same bf16 values): the fp32 test's 1e-5 abs + 1e-5 rel.
+
+BF16_RTOL = 2.0 ** -8
+SHAPES_BF16 = SHAPES + [(9, 100), (33, 36)]  # C % 8 == 4: the vector kernels' scalar path
+
+
+def _bf16_variants(spec):
+    return [n for n, v in sorted(spec.variants.items()) if "bf16" in v.dtypes]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,C", SHAPES_BF16)
+@pytest.mark.parametrize("number", _bf16_variants(FWD))
+def test_forward_gpu_bf16(rt, rng, number, N, C):
+    if _expect_refusal(FWD, number, N, C):
+        return
+    x, w, b = (to_bf16(a) for a in inputs(rng, N, C)[:3])
+    launch = FWD.build(rt, number, "bf16", N=N, C=C)
+    out, mean, rstd = rt.empty((N, C), BF16), rt.empty(N), rt.empty(N)
+    poison(out, mean, rstd)
+    launch(out, mean, rstd, *(rt.to_device(a) for a in (x, w, b)))
+    ro, rm, rs = layernorm_forward_ref(*(from_bf16(a).astype(np.float64) for a in (x, w, b)))
+    assert_close(from_bf16(out.get()), ro, 1e-5, BF16_RTOL, "out")
+    assert_close(mean.get(), rm, 1e-5, 1e-5, "mean")
+    assert_close(rstd.get(), rs, 1e-5, 1e-5, "rstd")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,C", SHAPES_BF16)
+@pytest.mark.parametrize("number", _bf16_variants(BWD))
+def test_backward_gpu_bf16_accumulates(rt, rng, number, N, C):
+    if _expect_refusal(BWD, number, N, C):
+        return
+    x, w, b, dout = (round_bf16(a) for a in inputs(rng, N, C))
+    _, mean, rstd = layernorm_forward_ref(x.astype(np.float64), w.astype(np.float64), b.astype(np.float64))
+    mean, rstd = mean.astype(np.float32), rstd.astype(np.float32)
+    init = [round_bf16(rng.standard_normal(s)) for s in ((N, C), C, C)]  # "+=" outputs pre-filled
+    launch = BWD.build(rt, number, "bf16", N=N, C=C)
+    dinp, dweight, dbias = (rt.to_device(to_bf16(a)) for a in init)
+    launch(dinp, dweight, dbias, *(rt.to_device(to_bf16(a)) for a in (dout, x, w)), rt.to_device(mean), rt.to_device(rstd))
+    gi, gw, gb = layernorm_backward_ref(*(a.astype(np.float64) for a in (dout, x, w, mean, rstd)))
+    assert_close(from_bf16(dinp.get()), init[0] + gi, 1e-5, BF16_RTOL, "dinp")
+    assert_close(from_bf16(dweight.get()), init[1] + gw, 1e-4, BF16_RTOL, "dweight")
+    assert_close(from_bf16(dbias.get()), init[2] + gb, 1e-4, BF16_RTOL, "dbias")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("number", _bf16_variants(BWD))
+def test_backward_bf16_deterministic_and_rounds_once(rt, rng, number):
+    """Bit-identical across runs; and dbias is rounded once: N rows of dout = 2^-9 added to
+    dbias = 1.0 one bf16 rounding at a time would stay 1.0; summed in fp32 first, 1 + N * 2^-9."""
+    N, C = 1031, 768
+    x, w, b, dout = (round_bf16(a) for a in inputs(rng, N, C))
+    _, mean, rstd = (a.astype(np.float32) for a in layernorm_forward_ref(x, w, b))
+    ins = [rt.to_device(to_bf16(a)) for a in (dout, x, w)] + [rt.to_device(mean), rt.to_device(rstd)]
+    launch = BWD.build(rt, number, "bf16", N=N, C=C)
+    results = []
+    for _ in range(2):
+        outs = [rt.zeros(s, BF16) for s in ((N, C), C, C)]
+        launch(*outs, *ins)
+        results.append([o.get() for o in outs])
+    for a, b_ in zip(*results):
+        np.testing.assert_array_equal(a, b_)
+    N = 512
+    ins = [rt.to_device(to_bf16(np.full((N, C), v, np.float32))) for v in (2.0 ** -9, 1.0)]  # dout, inp
+    ins += [rt.to_device(to_bf16(np.ones(C, np.float32))), rt.zeros(N), rt.to_device(np.ones(N, np.float32))]
+    dbias = rt.to_device(to_bf16(np.ones(C, np.float32)))
+    BWD.build(rt, number, "bf16", N=N, C=C)(rt.zeros((N, C), BF16), rt.zeros(C, BF16), dbias, *ins)
+    np.testing.assert_array_equal(from_bf16(dbias.get()), np.full(C, 1.0 + N * 2.0 ** -9, np.float32))

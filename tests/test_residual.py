@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from llmc import ops
+from llmc.bf16 import BF16, from_bf16, to_bf16
 from llmc.errors import LLMCError, VariantRefused
 from llmc.ops.residual import residual_forward_ref
 from llmc.testing import assert_close, poison
@@ -62,3 +63,31 @@ def test_forward_gpu(rt, rng, number, N, alias):
         poison(out)
     launch(out, d_a, d_b)
     assert_close(out.get(), a.astype(np.float64) + b, 0.0, 1e-7, "out")  # one fp32 add: half an ulp
+
+
+# bf16 builds: the kernel adds the two bf16 values in fp32 and rounds once to nearest even. numpy
+# does the very same operations (float32 add of the widened values, to_bf16's round-to-nearest-even),
+# so the result must be the same bits: no tolerance needed.
+@pytest.mark.gpu
+@pytest.mark.parametrize("alias", [None, "inp1", "inp2"])
+@pytest.mark.parametrize("N", SIZES + [8 * 41 + 4])
+@pytest.mark.parametrize("number", [n for n, v in sorted(SPEC.variants.items()) if "bf16" in v.dtypes])
+def test_forward_gpu_bf16_bit_exact(rt, rng, number, N, alias):
+    if SPEC.variants[number].refuse_reason(N=N):
+        assert N % 4 and number == 2
+        return
+    a, b = (to_bf16(rng.standard_normal(N) * s) for s in (1.0, 0.3))
+    launch = SPEC.build(rt, number, "bf16", N=N)
+    d_a, d_b = rt.to_device(a), rt.to_device(b)
+    out = {"inp1": d_a, "inp2": d_b}.get(alias)
+    if out is None:
+        out = rt.empty(N + 8, BF16)  # 8 guard elements after the tensor must keep their poison
+        poison(out)
+        launch(out.view(0, (N,)), d_a, d_b)
+        assert (out.get()[N:] == 0xFFFF).all(), "wrote past N"
+        got = out.get()[:N]
+    else:
+        launch(out, d_a, d_b)
+        got = out.get()
+    want = to_bf16(from_bf16(a) + from_bf16(b))  # float32 add, then round to nearest even
+    np.testing.assert_array_equal(got, want)

@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 from llmc import ops
+from llmc.bf16 import BF16, from_bf16, to_bf16
 from llmc.errors import VariantRefused
+from llmc.ops.layernorm import layernorm_forward_ref
 from llmc.ops.residual_layernorm import residual_layernorm_forward_ref
 from llmc.testing import assert_close, poison
 
@@ -55,6 +57,10 @@ def test_float4_variant_refuses_odd_C():
     assert SPEC.default in SPEC.variants and len(SPEC.variants) >= 2
 
 
+def test_bf16_builds():
+    assert "bf16" in SPEC.variants[SPEC.default].dtypes and "bf16" in SPEC.variants[2].dtypes  # 2: any C
+
+
 SHAPES = [(1, 768), (65, 80), (130, 96), (257, 768), (64, 1600), (33, 66)]
 
 
@@ -74,3 +80,27 @@ def test_forward_gpu(rt, rng, number, N, C):
     # residual is one fp32 add (exact to half an ulp); the layernorm outputs as in test_layernorm
     for name, got, ref, tol in zip(("residual", "out", "mean", "rstd"), outs, refs, (1e-6, 1e-5, 1e-5, 1e-5)):
         assert_close(got.get(), ref, tol, tol, name)
+
+
+# bf16 builds. Inputs are bf16 values. residual = bf16(fp32 add), rounded to nearest even: numpy's
+# float32 add + to_bf16 is the same operations, so residual must match bit for bit. out, mean and
+# rstd are the layernorm of that rounded residual (the float64 reference on it): out one bf16
+# rounding (rtol 2^-8) over the fp32 math (the fp32 test's 1e-5); mean, rstd fp32 (1e-5, 1e-5).
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,C", SHAPES + [(9, 100), (33, 36)])  # C % 8 == 4: 3's scalar path
+@pytest.mark.parametrize("number", [n for n, v in sorted(SPEC.variants.items()) if "bf16" in v.dtypes])
+def test_forward_gpu_bf16(rt, rng, number, N, C):
+    if SPEC.variants[number].refuse_reason(N=N, C=C):
+        assert C % 4 and number == 3
+        return
+    a, b, w, bias = (to_bf16(x) for x in inputs(rng, N, C))
+    launch = SPEC.build(rt, number, "bf16", N=N, C=C)
+    outs = [rt.empty((N, C), BF16), rt.empty((N, C), BF16), rt.empty(N), rt.empty(N)]
+    poison(*outs)
+    launch(*outs, *(rt.to_device(x) for x in (a, b, w, bias)))
+    resid = to_bf16(from_bf16(a) + from_bf16(b))
+    np.testing.assert_array_equal(outs[0].get(), resid)
+    ro, rm, rs = layernorm_forward_ref(*(from_bf16(x).astype(np.float64) for x in (resid, w, bias)))
+    assert_close(from_bf16(outs[1].get()), ro, 1e-5, 2.0 ** -8, "out")
+    assert_close(outs[2].get(), rm, 1e-5, 1e-5, "mean")
+    assert_close(outs[3].get(), rs, 1e-5, 1e-5, "rstd")

@@ -46,6 +46,9 @@ class Lab:
         p.add_argument("--md", help="append the results table (markdown) to this file")
         p.add_argument("--png", help="write a bar chart of the results to this PNG")
         p.add_argument("--no-l2-flush", action="store_true", help="time with a warm L2 (llm.c's way)")
+        p.add_argument("--dtype", choices=("fp32", "bf16", "both"), default="both",
+                       help="element type of the builds to run (scripts that have bf16 rows)")
+        p.add_argument("--batch", type=int, help="batch size B (scripts that take it; default theirs)")
         self.args = p.parse_args(argv)
         if self.args.quick:
             self.args.repeat = min(self.args.repeat, 10)
@@ -72,6 +75,11 @@ class Lab:
             print(f"{self.op}: no variant {missing}; have {have}")
             sys.exit(2)
         return [v for v in have if v in self.args.variants]
+
+    def dtypes(self, variant) -> list[str]:
+        """The element types to run for this Variant: those it has builds for, less --dtype's filter."""
+        want = ("fp32", "bf16") if self.args.dtype == "both" else (self.args.dtype,)
+        return [d for d in variant.dtypes if d in want]
 
     def block_sizes(self, sizes):
         """The block sizes to sweep (just the first with --quick)."""

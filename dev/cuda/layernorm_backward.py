@@ -1,10 +1,14 @@
-"""Kernel lab: layernorm_backward at the trainer's shape (N=4096 rows, C=768).
+"""Kernel lab: layernorm_backward at the trainer's shape (N=4096 rows, C=768), fp32 and bf16.
 
-    python dev/cuda/layernorm_backward.py           # every variant, block-size sweep, table
+    python dev/cuda/layernorm_backward.py           # every variant and dtype, block-size sweep, table
     python dev/cuda/layernorm_backward.py 3 4
+    python dev/cuda/layernorm_backward.py 5 --dtype bf16 --batch 16
 
 Bytes counted: dout, inp read once; dinp (+=) read and written once; weight, mean, rstd read once;
-dweight, dbias (+=) read and written once. The deterministic variants' scratch is not counted.
+dweight, dbias (+=) read and written once (4 bytes an element in fp32; in bf16 2, except mean/rstd,
+fp32 in both). The deterministic variants' fp32 scratch is not counted. bf16 rows ("5 bf16") run on
+bf16 copies of the inputs (and of the "+=" outputs' initial values) against the float64 reference on
+those values: each output element rounded once, rtol 2^-8 over the fp32 tolerances below.
 Timed repeats keep accumulating into the outputs (the values don't matter to the time).
 """
 
@@ -12,45 +16,54 @@ import numpy as np
 
 import lab
 from llmc import ops
+from llmc.bf16 import BF16, round_bf16, to_bf16
 from llmc.errors import VariantRefused
 from llmc.ops.layernorm import layernorm_backward_ref, layernorm_forward_ref
 
-B, T, C = 4, 1024, 768
+L = lab.Lab("layernorm_backward")
+B, T, C = L.args.batch or 4, 1024, 768
 N = B * T
 BLOCK_SIZES = [None, 32, 64, 128, 256, 512, 1024]
 
-L = lab.Lab("layernorm_backward")
 rt, rng = L.rt, np.random.default_rng(0)
 x = lab.rand(rng, (N, C)) + lab.rand(rng, (N, 1))
 w = 1.0 + lab.rand(rng, C, scale=0.2)
 b = lab.rand(rng, C, scale=0.2)
 dout = lab.rand(rng, (N, C))
-_, mean, rstd = (a.astype(np.float32) for a in layernorm_forward_ref(x, w, b))
-init = {"dinp": lab.rand(rng, (N, C)), "dweight": lab.rand(rng, C), "dbias": lab.rand(rng, C)}
-gi, gw, gb = layernorm_backward_ref(*(a.astype(np.float64) for a in (dout, x, w, mean, rstd)))
-refs = {"dinp": init["dinp"] + gi, "dweight": init["dweight"] + gw, "dbias": init["dbias"] + gb}
-ins = [rt.to_device(a) for a in (dout, x, w, mean, rstd)]
-outs = {k: rt.empty(v.shape) for k, v in init.items()}
-nbytes = 4 * (4 * N * C + 2 * N + 5 * C)
+init32 = {"dinp": lab.rand(rng, (N, C)), "dweight": lab.rand(rng, C), "dbias": lab.rand(rng, C)}
+data = {}  # dtype: (inputs on the device, outputs, initial values, references, bytes)
+for dt in ("fp32", "bf16"):
+    val, up, dty, size = (lambda a: a, lambda a: a, np.float32, 4) if dt == "fp32" else (round_bf16, to_bf16, BF16, 2)
+    xv, wv, bv, dv = (val(a) for a in (x, w, b, dout))
+    _, mean, rstd = (a.astype(np.float32) for a in layernorm_forward_ref(xv, wv, bv))
+    gi, gw, gb = layernorm_backward_ref(*(a.astype(np.float64) for a in (dv, xv, wv, mean, rstd)))
+    init = {k: val(v) for k, v in init32.items()}
+    refs = {"dinp": init["dinp"] + gi, "dweight": init["dweight"] + gw, "dbias": init["dbias"] + gb}
+    ins = [rt.to_device(up(a)) for a in (dout, x, w)] + [rt.to_device(mean), rt.to_device(rstd)]
+    outs = {k: rt.empty(v.shape, dty) for k, v in init32.items()}
+    data[dt] = (ins, outs, {k: up(v) for k, v in init32.items()}, refs, size * (4 * N * C + 5 * C) + 4 * 2 * N)
 
 spec = ops.get("layernorm_backward")
 for n in L.selected(spec):
-    sizes = L.block_sizes(BLOCK_SIZES)
-    for bs in sizes:
-        try:
-            launch = spec.build(rt, n, N=N, C=C, block_size=bs).launch  # the bare closure: no Python call in between
-        except VariantRefused as e:
-            print(f"  {e}")
-            continue
-        fn = lambda: launch(outs["dinp"], outs["dweight"], outs["dbias"], *ins)  # noqa: E731
-        # dweight/dbias sum 4096 rows in fp32 onto partial sums of up to ~60: sequential (variant 1's
-        # atomics) that rounds to ~1e-4 typically, a few e-4 at worst (one element of variant 1 was
-        # 1.7e-4 off in one run), so 1e-3 absolute here; dinp stays at 1e-4
-        # (two validations, each from the initial values: the second re-runs the kernel)
-        L.validate(n, fn, outputs={"dinp": outs["dinp"]}, refs=refs, atol=1e-4, rtol=1e-4, init=init)
-        L.validate(n, fn, outputs={"dweight": outs["dweight"], "dbias": outs["dbias"]}, refs=refs,
-                   atol=1e-3, rtol=1e-4, init=init)
-        L.time(n, fn, block_size=bs or "default", bytes=nbytes, ceiling="dram")
-        if n == 1:
-            break  # the contended-atomics baseline is slow at every block size; one is enough
+    for dt in L.dtypes(spec.variants[n]):
+        ins, outs, init, refs, nbytes = data[dt]
+        label = n if dt == "fp32" else f"{n} {dt}"
+        rtol = 1e-4 if dt == "fp32" else 2.0 ** -8
+        for bs in L.block_sizes(BLOCK_SIZES):
+            try:
+                launch = spec.build(rt, n, dt, N=N, C=C, block_size=bs).launch  # the bare closure
+            except VariantRefused as e:
+                print(f"  {e}")
+                continue
+            fn = lambda: launch(outs["dinp"], outs["dweight"], outs["dbias"], *ins)  # noqa: E731
+            # dweight/dbias sum 4096 rows in fp32 onto partial sums of up to ~60: sequential (variant 1's
+            # atomics) that rounds to ~1e-4 typically, a few e-4 at worst (one element of variant 1 was
+            # 1.7e-4 off in one run), so 1e-3 absolute here; dinp stays at 1e-4
+            # (two validations, each from the initial values: the second re-runs the kernel)
+            L.validate(label, fn, outputs={"dinp": outs["dinp"]}, refs=refs, atol=1e-4, rtol=rtol, init=init)
+            L.validate(label, fn, outputs={"dweight": outs["dweight"], "dbias": outs["dbias"]}, refs=refs,
+                       atol=1e-3, rtol=rtol, init=init)
+            L.time(label, fn, block_size=bs or "default", bytes=nbytes, ceiling="dram")
+            if n == 1:
+                break  # the contended-atomics baseline is slow at every block size; one is enough
 L.finish()

@@ -15,6 +15,12 @@ Variants 2 and 3 of encoder_backward are deterministic without atomics (same inp
 every run, and in the same order as np.add.at); 1, 4 and 5 use atomics and are not. The default is
 the fastest (5, 21.6 us on the H100 at the trainer's shape); --encoder-backward-kernel 3 (36 us,
 58 us on Zipf-distributed ids) makes runs bit-reproducible.
+
+bf16 builds (entry points <kernel>_bf16): wte, wpe, out, dout, dwte, dwpe bf16; the ids int32. Sums
+in fp32, each output element rounded once. encoder_forward 1 and 3, encoder_decode 1, and the two
+deterministic encoder_backward variants 2 and 3 (no bf16 atomics: their order would change the
+rounding from run to run); a bf16 model's encoder_backward falls back from the atomic default 5 to 3.
+The owner block keeps its dwte row in fp32 in shared memory (C floats, no scratch in device memory).
 """
 from __future__ import annotations
 
@@ -93,11 +99,15 @@ def _fits(op, number, kernel, block_size):
         refuse(op, number, f"block_size={block_size} > {limit} threads (register use of {kernel.label})")
 
 
-def _elementwise(op, number, per_thread, default_bs):
+def _sfx(dtype):
+    return "" if dtype == "fp32" else f"_{dtype}"  # entry point suffix: encoder_forward_kernel3_bf16
+
+
+def _elementwise(op, number, per_thread, default_bs, dtype="fp32"):
     """One thread per element (per_thread=1) or per float4 (per_thread=4) of the (B,T,C) tensor."""
     def build(rt, B, T, C, block_size=None):
         bs = block_size or default_bs
-        k = rt.kernel(MODULE, f"{op}_kernel{number}", ARGS, label=f"{op} {number}")
+        k = rt.kernel(MODULE, f"{op}_kernel{number}{_sfx(dtype)}", ARGS, label=f"{op} {number} {dtype}")
         _fits(op, number, k, bs)
         grid = (ceil_div(B * T * C // per_thread, bs), 1, 1)
         b_, t_, c_ = np.int32(B), np.int32(T), np.int32(C)
@@ -108,11 +118,12 @@ def _elementwise(op, number, per_thread, default_bs):
     return build
 
 
-def _warp_per_row(number, default_bs):
+def _warp_per_row(number, default_bs, dtype="fp32"):
     """Forward variant 3: one warp per (b, t) row."""
     def build(rt, B, T, C, block_size=None):
         bs = block_size or default_bs
-        k = rt.kernel(MODULE, f"encoder_forward_kernel{number}", ARGS, label=f"encoder_forward {number}")
+        k = rt.kernel(MODULE, f"encoder_forward_kernel{number}{_sfx(dtype)}", ARGS,
+                      label=f"encoder_forward {number} {dtype}")
         _fits("encoder_forward", number, k, bs)
         grid = (ceil_div(B * T, bs // 32), 1, 1)
         b_, t_, c_ = np.int32(B), np.int32(T), np.int32(C)
@@ -136,17 +147,24 @@ def encoder_backward5(rt, B, T, C, block_size=None):
     return launch
 
 
-def _owner(number, default_bs):
-    """Deterministic backward: one block per position, the first occurrence of a token owns its row."""
+def _owner(number, default_bs, dtype="fp32"):
+    """Deterministic backward: one block per position, the first occurrence of a token owns its row.
+    The bf16 kernels keep the owned row in fp32 in dynamic shared memory (C floats)."""
     def build(rt, B, T, C, block_size=None):
         bs = block_size or default_bs
-        k = rt.kernel(MODULE, f"encoder_backward_kernel{number}", ARGS, label=f"encoder_backward {number}")
+        k = rt.kernel(MODULE, f"encoder_backward_kernel{number}{_sfx(dtype)}", ARGS,
+                      label=f"encoder_backward {number} {dtype}")
         _fits("encoder_backward", number, k, bs)
+        smem = 0 if dtype == "fp32" else 4 * C
+        if smem + 8192 > rt.max_smem_optin:  # beside the kernel's 4 KB of static shared memory
+            refuse("encoder_backward", number, f"C={C}: the fp32 row accumulator (4*C bytes) exceeds shared memory")
+        if smem > 48 * 1024:
+            k.set_max_dynamic_smem(smem)
         grid = (B * T, 1, 1)
         b_, t_, c_ = np.int32(B), np.int32(T), np.int32(C)
 
         def launch(dwte, dwpe, dout, inp):
-            k(grid, (bs, 1, 1), dwte.ptr, dwpe.ptr, dout.ptr, inp.ptr, b_, t_, c_)
+            k(grid, (bs, 1, 1), dwte.ptr, dwpe.ptr, dout.ptr, inp.ptr, b_, t_, c_, smem=smem)
         return launch
     return build
 
@@ -158,6 +176,10 @@ encoder_backward1 = _elementwise("encoder_backward", 1, 1, 256)
 encoder_backward2 = _owner(2, 256)
 encoder_backward3 = _owner(3, 256)
 encoder_backward4 = _elementwise("encoder_backward", 4, 4, 256)
+encoder_forward1_bf16 = _elementwise("encoder_forward", 1, 1, 256, "bf16")
+encoder_forward3_bf16 = _warp_per_row(3, 256, "bf16")
+encoder_backward2_bf16 = _owner(2, 256, "bf16")
+encoder_backward3_bf16 = _owner(3, 256, "bf16")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -176,16 +198,22 @@ def encoder_decode_cpu(B, C, **_):
     return launch
 
 
-def encoder_decode1(rt, B, C, block_size=None):
-    """launch(out (B,C), inp (B+1,) int32 tokens then position, wte (Vp,C), wpe (maxT,C))."""
-    block_size = block_size or 256
-    k = rt.kernel(MODULE, "encoder_decode_kernel1", "PPPPii", label="encoder_decode 1")
-    grid, block = (ceil_div(B * C, block_size), 1, 1), (block_size, 1, 1)
-    b_, c_ = np.int32(B), np.int32(C)
+def _decode(dtype):
+    def encoder_decode1(rt, B, C, block_size=None):
+        """launch(out (B,C), inp (B+1,) int32 tokens then position, wte (Vp,C), wpe (maxT,C))."""
+        block_size = block_size or 256
+        k = rt.kernel(MODULE, f"encoder_decode_kernel1{_sfx(dtype)}", "PPPPii", label=f"encoder_decode 1 {dtype}")
+        grid, block = (ceil_div(B * C, block_size), 1, 1), (block_size, 1, 1)
+        b_, c_ = np.int32(B), np.int32(C)
 
-    def launch(out, inp, wte, wpe):
-        k(grid, block, out.ptr, inp.ptr, wte.ptr, wpe.ptr, b_, c_)
-    return launch
+        def launch(out, inp, wte, wpe):
+            k(grid, block, out.ptr, inp.ptr, wte.ptr, wpe.ptr, b_, c_)
+        return launch
+    return encoder_decode1
+
+
+encoder_decode1 = _decode("fp32")
+encoder_decode1_bf16 = _decode("bf16")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -198,10 +226,11 @@ OPS = [
         cpu=encoder_forward_cpu,
         doc="out(B,T,C)=, inp(B,T) int32, wte(Vp,C), wpe(maxT,C); out[b,t] = wte[inp[b,t]] + wpe[t]",
         variants={
-            1: Variant(1, "one thread per output element", encoder_forward1, check_any),
+            1: Variant(1, "one thread per output element", {"fp32": encoder_forward1, "bf16": encoder_forward1_bf16},
+                       check_any),
             2: Variant(2, "one thread per 4 channels, float4 (C%4==0)", encoder_forward2, check_float4),
-            3: Variant(3, "one warp per (b,t) row, float4, 8 loads in flight per lane (C%4==0)",
-                       encoder_forward3, check_float4),
+            3: Variant(3, "one warp per (b,t) row, 16-byte loads (float4 / 8 bf16), 8 in flight per lane (C%4==0)",
+                       {"fp32": encoder_forward3, "bf16": encoder_forward3_bf16}, check_float4),
         }),
     OpSpec(
         name="encoder_backward", flag="--encoder-backward-kernel", default=5,
@@ -211,8 +240,9 @@ OPS = [
         variants={
             1: Variant(1, "one thread per element, atomicAdd scatter (non-deterministic)", encoder_backward1, check_any),
             2: Variant(2, "deterministic, no atomics: first occurrence of each token owns its row, block per position",
-                       encoder_backward2, check_any),
-            3: Variant(3, "2 with float4 over the channels (C%4==0), deterministic", encoder_backward3, check_float4),
+                       {"fp32": encoder_backward2, "bf16": encoder_backward2_bf16}, check_any),
+            3: Variant(3, "2 with 16-byte accesses over the channels (float4 / 8 bf16; C%4==0), deterministic",
+                       {"fp32": encoder_backward3, "bf16": encoder_backward3_bf16}, check_float4),
             4: Variant(4, "1 with float4 vector atomics (sm_90 RED.F32x4; C%4==0), non-deterministic",
                        encoder_backward4, check_float4),
             5: Variant(5, "thread per (t, 4 channels): dwpe summed in registers, dwte by float4 atomics (C%4==0), "
@@ -225,6 +255,7 @@ OPS = [
         cost=lambda B, C, **_: (0, 4 * 3 * B * C),
         variants={
             1: Variant(1, "one thread per output element; tokens and position read from the device",
-                       encoder_decode1, lambda B, C, block_size=None: _check_block(block_size)),
+                       {"fp32": encoder_decode1, "bf16": encoder_decode1_bf16},
+                       lambda B, C, block_size=None: _check_block(block_size)),
         }),
 ]

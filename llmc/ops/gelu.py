@@ -7,6 +7,10 @@
 Semantics (docs/ops.md):
     gelu_forward:  out(N)=, inp(N)          out = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
     gelu_backward: dinp(N)=, inp(N), dout(N) dinp = gelu'(inp) * dout; dinp may alias dout (in place)
+
+bf16 builds (variants 1 and 2, entry points <kernel>_bf16): every tensor bf16, fp32 math, one
+rounding on the store; variant 2's bf16 kernel moves 8 elements per 16-byte access and takes any N
+(a scalar tail), though its check still asks N % 4 == 0 like the fp32 kernel's.
 """
 from __future__ import annotations
 
@@ -71,11 +75,16 @@ def check_float4(N, block_size=None):
     return _check_block(block_size)
 
 
-def _variant(op, number, per_thread, default_bs, nptr):
+def _variant(op, number, per_thread, default_bs, nptr, dtype="fp32"):
+    """per_thread elements per thread: 1, 4 (fp32 float4) or 8 (bf16, 16 bytes; the bf16 kernel
+    takes the N % 8 left over in its last thread, so the grid rounds up)."""
+    suffix = "" if dtype == "fp32" else f"_{dtype}"
+
     def build(rt, N, block_size=None):
         bs = block_size or default_bs
-        k = rt.kernel(MODULE, f"{op}_kernel{number}", "P" * nptr + "i", label=f"{op} {number}")
-        grid, n_ = (max(1, ceil_div(N // per_thread, bs)), 1, 1), np.int32(N)
+        k = rt.kernel(MODULE, f"{op}_kernel{number}{suffix}", "P" * nptr + "i", label=f"{op} {number} {dtype}")
+        per = N // per_thread if dtype == "fp32" else ceil_div(N, per_thread)
+        grid, n_ = (max(1, ceil_div(per, bs)), 1, 1), np.int32(N)
         if nptr == 2:
             def launch(out, inp):
                 k(grid, (bs, 1, 1), out.ptr, inp.ptr, n_)
@@ -90,6 +99,10 @@ gelu_forward1 = _variant("gelu_forward", 1, 1, 256, 2)
 gelu_forward2 = _variant("gelu_forward", 2, 4, 256, 2)
 gelu_backward1 = _variant("gelu_backward", 1, 1, 256, 3)
 gelu_backward2 = _variant("gelu_backward", 2, 4, 256, 3)
+gelu_forward1_bf16 = _variant("gelu_forward", 1, 1, 256, 2, "bf16")
+gelu_forward2_bf16 = _variant("gelu_forward", 2, 8, 256, 2, "bf16")
+gelu_backward1_bf16 = _variant("gelu_backward", 1, 1, 256, 3, "bf16")
+gelu_backward2_bf16 = _variant("gelu_backward", 2, 8, 256, 3, "bf16")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -98,20 +111,24 @@ gelu_backward2 = _variant("gelu_backward", 2, 4, 256, 3)
 OPS = [
     OpSpec(
         name="gelu_forward", flag="--gelu-kernel", default=2,
-        cost=lambda N, **_: (0, 4 * 2 * N),  # read inp, write out
+        cost=lambda N, **_: (0, 4 * 2 * N),  # read inp, write out (fp32 bytes; a bf16 build moves half)
         cpu=gelu_forward_cpu,
         doc="out(N)=, inp(N); GPT-2 tanh form",
         variants={
-            1: Variant(1, "one thread per element", gelu_forward1, check_any),
-            2: Variant(2, "one thread per 4 elements, float4 (N%4==0)", gelu_forward2, check_float4),
+            1: Variant(1, "one thread per element", {"fp32": gelu_forward1, "bf16": gelu_forward1_bf16},
+                       check_any),
+            2: Variant(2, "one thread per 16 bytes: float4, or 8 bf16 (N%4==0)",
+                       {"fp32": gelu_forward2, "bf16": gelu_forward2_bf16}, check_float4),
         }),
     OpSpec(
         name="gelu_backward", flag="--gelu-backward-kernel", default=2,
-        cost=lambda N, **_: (0, 4 * 3 * N),  # read inp, dout; write dinp
+        cost=lambda N, **_: (0, 4 * 3 * N),  # read inp, dout; write dinp (fp32 bytes)
         cpu=gelu_backward_cpu,
         doc="dinp(N)=, inp(N), dout(N); dinp may alias dout",
         variants={
-            1: Variant(1, "one thread per element (in place allowed)", gelu_backward1, check_any),
-            2: Variant(2, "one thread per 4 elements, float4 (N%4==0; in place allowed)", gelu_backward2, check_float4),
+            1: Variant(1, "one thread per element (in place allowed)",
+                       {"fp32": gelu_backward1, "bf16": gelu_backward1_bf16}, check_any),
+            2: Variant(2, "one thread per 16 bytes: float4, or 8 bf16 (N%4==0; in place allowed)",
+                       {"fp32": gelu_backward2, "bf16": gelu_backward2_bf16}, check_float4),
         }),
 ]

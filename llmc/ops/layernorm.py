@@ -12,6 +12,12 @@ Semantics (docs/ops.md):
     layernorm_backward: dinp(N,C)+=, dweight(C)+=, dbias(C)+=, dout(N,C), inp(N,C), weight(C),
                         mean(N), rstd(N)
 
+bf16 builds (entry points <kernel>_bf16[_nvN]): forward 3, 4, 5 and backward 3, 5. Every tensor is
+bf16 except mean(N) and rstd(N), which stay fp32 in both directions; the math is fp32 and each output
+element is rounded once (the "+=" outputs: read, add in fp32, round). The vector kernels move 16
+bytes (8 bf16) per access and take C % 8 != 0 through guarded scalar accesses. Backward's per-block
+dweight/dbias partial sums are fp32 scratch, (min(N, MAX_BLOCKS), 2, C), declared by scratch_bytes.
+
 This module is the pattern the other op modules follow: numpy references, the cpu launchers that
 wrap them, one small build function per GPU variant (kernels resolved, grid/block/shared memory and
 scratch fixed at build; the returned closure only launches), then the OPS table.
@@ -26,6 +32,8 @@ from llmc.runtime import ceil_div
 MODULE = "layernorm"  # cuda/layernorm.cu
 EPS = 1e-5
 MAX_NV = 16           # register-resident variants hold C/4 float4 over 32 lanes: C <= 16*128
+                      # (bf16: C/8 vectors of 8, so NV <= 8 for the same C <= 2048)
+MAX_BLOCKS = 1024     # deterministic backward: at most this many blocks, so scratch is known from the shape
 SMEM_OPTIN = 227 * 1024  # H100's per-block shared-memory limit (opt-in); build re-reads the device's
 
 
@@ -111,6 +119,22 @@ def _nv(C):
     return max(1, ceil_div(C // 4, 128 // 4))
 
 
+def _nv_bf16(C):
+    return max(1, ceil_div(C, 256))  # 16-byte vectors of 8 bf16 over 32 lanes
+
+
+def _sfx(dtype):
+    return "" if dtype == "fp32" else f"_{dtype}"  # entry point suffix: layernorm_forward_kernel3_bf16
+
+
+def _entry(op, number, dtype, C, per_nv):
+    """Entry point name: <op>_kernel<n>[_bf16][_nvN] (per_nv: the register-resident kernels)."""
+    name = f"{op}_kernel{number}{_sfx(dtype)}"
+    if per_nv:
+        name += f"_nv{_nv(C) if dtype == 'fp32' else _nv_bf16(C)}"
+    return name
+
+
 def _fits(op, number, kernel, block_size):
     """Refuse a block size the kernel can't launch with (its registers cap threads per block)."""
     limit = kernel.attributes()["max_threads"]
@@ -128,7 +152,7 @@ def _i32(*xs):
 FWD_ARGS = "PPPPPPii"  # out, mean, rstd, inp, weight, bias, N, C
 
 
-def _forward_rows_per_thread(number, default_bs):
+def _forward_rows_per_thread(number, default_bs):  # (fp32 only)
     """Variant 1: one thread per row."""
     def build(rt, N, C, block_size=None):
         bs = block_size or default_bs
@@ -154,12 +178,12 @@ def layernorm_forward2(rt, N, C, block_size=None):
     return launch
 
 
-def _forward_warp_per_row(number, default_bs, func):
+def _forward_warp_per_row(number, default_bs, per_nv, dtype="fp32"):
     """Variants 3, 4, 5: one warp per row, block_size/32 rows per block."""
     def build(rt, N, C, block_size=None):
         bs = block_size or default_bs
-        name = func(C)
-        k = rt.kernel(MODULE, name, FWD_ARGS, label=f"layernorm_forward {number}")
+        name = _entry("layernorm_forward", number, dtype, C, per_nv)
+        k = rt.kernel(MODULE, name, FWD_ARGS, label=f"layernorm_forward {number} {dtype}")
         _fits("layernorm_forward", number, k, bs)
         grid, n_, c_ = (ceil_div(N, bs // 32), 1, 1), *_i32(N, C)
 
@@ -170,9 +194,12 @@ def _forward_warp_per_row(number, default_bs, func):
 
 
 layernorm_forward1 = _forward_rows_per_thread(1, 128)
-layernorm_forward3 = _forward_warp_per_row(3, 256, lambda C: "layernorm_forward_kernel3")
-layernorm_forward4 = _forward_warp_per_row(4, 256, lambda C: f"layernorm_forward_kernel4_nv{_nv(C)}")
-layernorm_forward5 = _forward_warp_per_row(5, 256, lambda C: f"layernorm_forward_kernel5_nv{_nv(C)}")
+layernorm_forward3 = _forward_warp_per_row(3, 256, False)
+layernorm_forward4 = _forward_warp_per_row(4, 256, True)
+layernorm_forward5 = _forward_warp_per_row(5, 256, True)
+layernorm_forward3_bf16 = _forward_warp_per_row(3, 256, False, "bf16")
+layernorm_forward4_bf16 = _forward_warp_per_row(4, 256, True, "bf16")
+layernorm_forward5_bf16 = _forward_warp_per_row(5, 256, True, "bf16")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -221,27 +248,42 @@ def layernorm_backward2(rt, N, C, block_size=None):
     return launch
 
 
-def _backward_deterministic(number, default_bs, func):
-    """Variants 3 and 4: per-warp accumulators, per-block partials in scratch (G, 2, C) allocated
-    here, then the fixed-order reduce kernel. Same inputs -> same bits, every run."""
+def _backward_smem_per_warp(number, C, dtype):
+    """Bytes of per-warp dweight|dbias accumulators: 2*C floats; the bf16 kernel 5's rows are
+    padded to a whole 16-byte vector (C rounded up to 8)."""
+    return 2 * 4 * (ceil_div(C, 8) * 8 if dtype == "bf16" and number == 5 else C)
+
+
+def scratch_bytes_backward(N, C, **_):
+    """The deterministic variants' fp32 partials, (min(N, MAX_BLOCKS), 2, C), in either dtype."""
+    return 4 * 2 * C * min(N, MAX_BLOCKS)
+
+
+def _backward_deterministic(number, default_bs, per_nv, dtype="fp32"):
+    """Variants 3, 4, 5: per-warp accumulators, per-block partials in scratch (G, 2, C) allocated
+    here (fp32 in both dtypes, G <= MAX_BLOCKS), then the fixed-order reduce kernel. Same inputs ->
+    same bits, every run."""
     def build(rt, N, C, block_size=None):
         bs = block_size or default_bs
-        label = f"layernorm_backward {number}"
-        k = rt.kernel(MODULE, func(C), "PPPPPPPiii", label=label)
-        kr = rt.kernel(MODULE, "layernorm_backward_reduce_kernel", "PPPii", label=label + " (reduce)")
+        label = f"layernorm_backward {number} {dtype}"
+        k = rt.kernel(MODULE, _entry("layernorm_backward", number, dtype, C, per_nv), "PPPPPPPiii", label=label)
+        kr = rt.kernel(MODULE, f"layernorm_backward_reduce_kernel{_sfx(dtype)}", "PPPii", label=label + " (reduce)")
         _fits("layernorm_backward", number, k, bs)
-        # each warp needs 2*C floats of shared memory: use fewer warps per block if C is large
-        nwarps = min(bs // 32, rt.max_smem_optin // (8 * C))
+        # each warp needs its accumulators in shared memory: use fewer warps per block if C is large
+        per_warp = _backward_smem_per_warp(number, C, dtype)
+        nwarps = min(bs // 32, rt.max_smem_optin // per_warp)
         if nwarps == 0:
-            refuse("layernorm_backward", number, f"C={C}: 8*C bytes of accumulators exceed shared memory")
+            refuse("layernorm_backward", number, f"C={C}: {per_warp} bytes of accumulators per warp exceed shared memory")
         bs = nwarps * 32
-        smem = nwarps * 2 * C * 4
+        smem = nwarps * per_warp
         k.set_max_dynamic_smem(smem)
-        # enough blocks for one full wave; rows per block R a multiple of the warps so they share evenly
-        G0 = rt.sm_count * _blocks_per_sm(rt, k, bs, smem)
+        # enough blocks for one full wave (at most MAX_BLOCKS); rows per block R a multiple of the
+        # warps so they share evenly
+        G0 = min(rt.sm_count * _blocks_per_sm(rt, k, bs, smem), MAX_BLOCKS)
         R = nwarps * ceil_div(N, G0 * nwarps)
         G = ceil_div(N, R)
-        scratch = rt.empty((G, 2, C), np.float32)  # per-block dweight | dbias partials
+        assert G <= min(N, MAX_BLOCKS)
+        scratch = rt.empty((min(N, MAX_BLOCKS), 2, C), np.float32)  # per-block dweight | dbias partials
         n_, c_, r_, g_ = _i32(N, C, R, G)
         grid_r = (ceil_div(C, 32), 1, 1)
 
@@ -253,9 +295,11 @@ def _backward_deterministic(number, default_bs, func):
     return build
 
 
-layernorm_backward3 = _backward_deterministic(3, 256, lambda C: "layernorm_backward_kernel3")
-layernorm_backward4 = _backward_deterministic(4, 256, lambda C: f"layernorm_backward_kernel4_nv{_nv(C)}")
-layernorm_backward5 = _backward_deterministic(5, 256, lambda C: f"layernorm_backward_kernel5_nv{_nv(C)}")
+layernorm_backward3 = _backward_deterministic(3, 256, False)
+layernorm_backward4 = _backward_deterministic(4, 256, True)
+layernorm_backward5 = _backward_deterministic(5, 256, True)
+layernorm_backward3_bf16 = _backward_deterministic(3, 256, False, "bf16")
+layernorm_backward5_bf16 = _backward_deterministic(5, 256, True, "bf16")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -270,11 +314,13 @@ OPS = [
         variants={
             1: Variant(1, "one thread per row, three serial passes (uncoalesced)", layernorm_forward1, check_any),
             2: Variant(2, "one block per row, shared-memory block reductions", layernorm_forward2, check_any),
-            3: Variant(3, "one warp per row, shuffle reductions, three coalesced passes", layernorm_forward3, check_any),
-            4: Variant(4, "one warp per row, float4, row in registers, one DRAM read (C%4==0, C<=2048)",
-                       layernorm_forward4, check_float4),
+            3: Variant(3, "one warp per row, shuffle reductions, three coalesced passes",
+                       {"fp32": layernorm_forward3, "bf16": layernorm_forward3_bf16}, check_any),
+            4: Variant(4, "one warp per row, 16-byte loads (float4 / 8 bf16), row in registers, one DRAM read "
+                          "(C%4==0, C<=2048)", {"fp32": layernorm_forward4, "bf16": layernorm_forward4_bf16},
+                       check_float4),
             5: Variant(5, "4 + streaming cache hints on the row in/out (C%4==0, C<=2048)",
-                       layernorm_forward5, check_float4),
+                       {"fp32": layernorm_forward5, "bf16": layernorm_forward5_bf16}, check_float4),
         }),
     OpSpec(
         name="layernorm_backward", flag="--layernorm-backward-kernel", default=5,
@@ -286,10 +332,13 @@ OPS = [
             2: Variant(2, "one warp per row, shared-memory atomics per block, then global atomics (non-deterministic)",
                        layernorm_backward2, check_smem),
             3: Variant(3, "deterministic: warp per row, per-warp smem sums, per-block scratch + fixed-order reduce",
-                       layernorm_backward3, check_smem),
+                       {"fp32": layernorm_backward3, "bf16": layernorm_backward3_bf16}, check_smem,
+                       scratch_bytes=scratch_bytes_backward),
             4: Variant(4, "3 with float4 and the rows in registers (C%4==0, C<=2048), deterministic",
-                       layernorm_backward4, check_float4_smem),
-            5: Variant(5, "4 with dinp loaded together with dout and inp (C<=1024; above, as 4), deterministic",
-                       layernorm_backward5, check_float4_smem),
+                       layernorm_backward4, check_float4_smem, scratch_bytes=scratch_bytes_backward),
+            5: Variant(5, "4 with dinp loaded together with dout and inp (fp32: C<=1024, above as 4; bf16: 16-byte "
+                          "loads, kept packed), deterministic",
+                       {"fp32": layernorm_backward5, "bf16": layernorm_backward5_bf16}, check_float4_smem,
+                       scratch_bytes=scratch_bytes_backward),
         }),
 ]

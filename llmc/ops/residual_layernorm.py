@@ -8,6 +8,12 @@ Semantics (docs/ops.md):
                                 inp1(N,C), inp2(N,C), weight(C), bias(C)
     eps = 1e-5, biased variance, as layernorm_forward. Backward needs nothing new: the model runs
     layernorm_backward and adds the result into both branches' gradient.
+
+bf16 builds (variants 2 and 3, entry points <kernel>_bf16[_nvN]): every tensor bf16 except mean(N)
+and rstd(N) (fp32). residual = bf16(inp1 + inp2) is rounded first and out, mean, rstd are the
+layernorm of that stored residual (what layernorm_backward reads back); fp32 math, one rounding per
+output element. Variant 3's bf16 kernel moves 16 bytes (8 bf16) per access, with guarded scalar
+accesses when C % 8 != 0.
 """
 from __future__ import annotations
 
@@ -58,10 +64,10 @@ def residual_layernorm_forward1(rt, N, C, block_size=None):
     return launch
 
 
-def _fused(number, default_bs, func):
+def _fused(number, default_bs, func, dtype="fp32"):
     def build(rt, N, C, block_size=None):
         bs = block_size or default_bs
-        k = rt.kernel(MODULE, func(C), "PPPPPPPPii", label=f"residual_layernorm_forward {number}")
+        k = rt.kernel(MODULE, func(C), "PPPPPPPPii", label=f"residual_layernorm_forward {number} {dtype}")
         ln._fits("residual_layernorm_forward", number, k, bs)
         grid, n_, c_ = (ceil_div(N, bs // 32), 1, 1), np.int32(N), np.int32(C)
 
@@ -74,6 +80,9 @@ def _fused(number, default_bs, func):
 
 residual_layernorm_forward2 = _fused(2, 256, lambda C: "residual_layernorm_forward_kernel2")
 residual_layernorm_forward3 = _fused(3, 256, lambda C: f"residual_layernorm_forward_kernel3_nv{ln._nv(C)}")
+residual_layernorm_forward2_bf16 = _fused(2, 256, lambda C: "residual_layernorm_forward_kernel2_bf16", "bf16")
+residual_layernorm_forward3_bf16 = _fused(3, 256, lambda C: f"residual_layernorm_forward_kernel3_bf16_nv{ln._nv_bf16(C)}",
+                                          "bf16")
 
 OPS = [
     OpSpec(
@@ -84,8 +93,9 @@ OPS = [
         variants={
             1: Variant(1, "baseline: residual_forward + layernorm_forward, two launches", residual_layernorm_forward1,
                        ln.check_any),
-            2: Variant(2, "fused, one warp per row, scalar loads", residual_layernorm_forward2, ln.check_any),
-            3: Variant(3, "fused, one warp per row, float4, row in registers (C%4==0, C<=2048)",
-                       residual_layernorm_forward3, ln.check_float4),
+            2: Variant(2, "fused, one warp per row, scalar loads",
+                       {"fp32": residual_layernorm_forward2, "bf16": residual_layernorm_forward2_bf16}, ln.check_any),
+            3: Variant(3, "fused, one warp per row, 16-byte loads (float4 / 8 bf16), row in registers (C%4==0, C<=2048)",
+                       {"fp32": residual_layernorm_forward3, "bf16": residual_layernorm_forward3_bf16}, ln.check_float4),
         }),
 ]
