@@ -169,7 +169,10 @@ def build_parser() -> argparse.ArgumentParser:
     # device
     a("--device", default="auto", choices=("auto", "cuda", "cpu"),
       help="auto = the GPU when usable, else the numpy backend (saying why)")
-    a("--precision", default="fp32", choices=("fp32",), help="parameter precision (fp32 only so far)")
+    a("--precision", default="fp32", choices=("fp32", "bf16"),
+      help="fp32, or bf16 (GPU): bf16 weights, activations and gradients, fp32 master weights and AdamW state")
+    a("--stochastic-rounding", type=bit, default=1,
+      help="with --precision bf16: 1 = round the updated bf16 weights stochastically (as llm.c), 0 = to nearest even")
     a("--deterministic", action="store_true", help="only kernel variants without float atomics: "
       "the same bits on every run, and a resumed run equals an uninterrupted one")
     a("--list-kernels", action="store_true", help="print every op's kernel variants and exit")
@@ -285,13 +288,23 @@ def save_checkpoint(out_dir, step, model, loader, rng, detectors, hparams, sr_rn
              "detectors": [d.state() for d in detectors]}
     if dp is not None:
         m, v = dp.optimizer_state()
+        master = dp.master_state()
         extra.update(dp.state_extra())
         rank, world = dp.rank, dp.world
     else:
         m, v = model.be.download(model.m).reshape(-1), model.be.download(model.v).reshape(-1)
+        master = None if model.master is None else model.be.download(model.master).reshape(-1)
         rank, world = 0, 1
-    return save(out_dir, step, model.cfg, model.get_params() if rank == 0 else None, m, v, loader.state(),
-                extra, rank=rank, world=world, barrier=barrier, sr_rng=sr_rng)
+    # bf16: the model file is llm.c's version 5 holding the bf16 weights as they are, the state
+    # file the fp32 master weights (llm.c's layout has the flag and the section) and the rounding
+    # RNG: together they resume exactly
+    if model.bf16:
+        weights, sr_rng = model.to_host(model.params).reshape(-1), model.sr_state
+    else:
+        weights = model.get_params()
+    return save(out_dir, step, model.cfg, weights if rank == 0 else None, m, v, loader.state(),
+                extra, rank=rank, world=world, barrier=barrier, sr_rng=sr_rng, master=master,
+                model_dtype="bf16" if model.bf16 else "fp32")
 
 
 def llmc_loader_state(loader, shard: int, sample: int) -> dict:
@@ -367,7 +380,7 @@ def main(argv=None, group=None) -> int:
             import nccl.core  # noqa: F401  (the communicator itself is made once every rank is ready)
         except ImportError as e:
             raise LLMCError(f"multi-GPU needs NCCL's Python bindings (pip install nccl4py): {e}") from None
-    be = make_backend(args.device, kernels, gpu=group.local_rank)
+    be = make_backend(args.device, kernels, gpu=group.local_rank, precision=args.precision)
     # a diverging run is caught by the finite checks below, in one line: no numpy overflow warnings
     np.seterr(over="ignore", invalid="ignore", divide="ignore")
 
@@ -448,10 +461,14 @@ def main(argv=None, group=None) -> int:
     from llmc.model import GPT2
     model = GPT2(cfg, be, B, T, optimizer=zero == 0)  # ZeRO-1: the rank's shard of m, v lives in dp
     model.grad_accum_steps = accum
+    model.stochastic_rounding = bool(args.stochastic_rounding)
     if params is not None:
-        model.load_params(params)
+        # a bf16 run resuming its own checkpoint: the fp32 masters from the state, the bf16 weights
+        # from the v5 model file (stochastically rounded: not what rounding the masters would give)
+        resumed_bf16 = ck is not None and model.bf16 and ck["model_version"] == 5
+        model.load_params(params, ck["file_params"] if resumed_bf16 else None)
     else:
-        model.init_params(args.seed)  # the same seed on every rank: the same weights
+        params = model.init_params(args.seed)  # the same seed on every rank: the same weights
     rng = np.random.default_rng(args.seed)
     from llmc.runfiles import OutlierDetector
     loss_z, grad_z = OutlierDetector(), OutlierDetector()
@@ -471,6 +488,7 @@ def main(argv=None, group=None) -> int:
             with group.guarded("NCCL's start-up (ncclCommInitRank)"):
                 comm = NcclComm(group, be.rt)
     dp = DataParallel(group, model, zero, comm)
+    dp.load_master(params)  # bf16 ZeRO-1: this rank's pieces of the fp32 weights
 
     start_step = 0
     if ck is not None:
@@ -497,9 +515,14 @@ def main(argv=None, group=None) -> int:
             sr_rng = ck["sr_rng"]
             note(f"note: {ck['state_path']} is llm.c's: continuing at its loader position (shard "
                  f"{ck['shard_index']}, batch {ck['sample_index']}); the sampling RNG starts from --seed")
+        if model.bf16:  # the stochastic-rounding RNG continues where it stopped
+            model.sr_state = ck["sr_rng"]
         start_step = ck["step"]
         if start_step >= max_steps:
             note(f"note: the checkpoint is at step {start_step}, -x/--max-steps is {max_steps}: nothing to train")
+    if model.bf16 and world > 1 and zero == 0:
+        # -z 0: every rank updates every weight, so every rank must round with the same seeds
+        model.sr_state = group.allgather(model.sr_state)[0]
     group.agree(None, "resume")
     group.phase = "train"  # from here on an error on one rank alone aborts the job
 
