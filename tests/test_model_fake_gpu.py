@@ -285,3 +285,25 @@ def test_bf16_without_the_cuda_backend_is_one_line():
         lines = [l for l in p.stderr.splitlines() if l.strip()]
         assert p.returncode == 1 and len(lines) == 1 and "Traceback" not in p.stderr, p.stderr
         assert "--precision bf16 needs the CUDA backend" in lines[0], lines[0]
+
+
+def test_bf16_decoder_matches_fp32():
+    """The KV-cache decoder in bf16 on the fake GPU (bf16 weights, cache and logits; prefill through
+    the bf16 forward model, then decode steps) gives the fp32 numpy decoder's logits within bf16's
+    error: |d logits| < 0.05 + 2% of the logits' spread, where a wrong cache layout or a missed
+    conversion is off by the whole spread."""
+    from llmc.decode import Decoder
+    host = GPT2(CFG, CpuBackend(np.float32), 1, 4).init_params(2)
+    prompt = np.array([[5, 17, 3, 44, 90, 1]], np.int32)
+    outs = []
+    for be in (CpuBackend(np.float32), FakeCudaBackend(precision="bf16")):
+        dec = Decoder(CFG, be, 1, params=host)
+        rows = [dec.prefill(prompt)[0].copy()]
+        for pos, tok in enumerate([7, 8, 9], start=prompt.shape[1]):
+            rows.append(np.array(dec.step(np.array([tok]), pos)[0], copy=True))
+        outs.append(np.stack(rows))
+        if be.name != "cpu":
+            assert dec.kcache.dtype == BF16 and dec.a["logits"].dtype == BF16 and dec.a["mean"].dtype == np.float32
+    ref, got = outs
+    spread = float(ref.max() - ref.min())
+    assert np.isfinite(got).all() and np.abs(got - ref).max() < 0.05 + 0.02 * spread, np.abs(got - ref).max()
