@@ -17,6 +17,9 @@ attproj / fcproj matmul outputs are not kept: one scratch buffer each, and GELU 
 backward (one extra cheap pass per layer saves 600 MB). With the composite attention
 (--attention-kernel 1), att (B,NH,T,T) per layer is half of the activation memory; the fused
 attention (2 and 3; the default) keeps only a (B,NH,T) log-sum-exp per layer instead.
+`recompute` (the trainer's -r, as llm.c's): 0 keeps each layer's GELU output instead of recomputing
+it; 1 (the default) recomputes GELU in backward; 2 also recomputes the two layernorm outputs (ln1,
+ln2: one scratch buffer each) in backward from the saved residuals and statistics.
 
 Precision (be.precision): fp32, or bf16 as llm.c's main trainer does it: parameters, gradients and
 activations are bf16 (uint16 bits on the host: llmc/bf16.py); what the bf16 conventions keep in
@@ -67,12 +70,15 @@ def next_seed(state: int) -> tuple[int, int]:
 
 class GPT2:
     def __init__(self, cfg: GPT2Config, backend, B: int, T: int, training: bool = True, params_buf=None,
-                 optimizer: bool = True):
+                 optimizer: bool = True, recompute: int = 1):
         if T > cfg.max_seq_len:
             raise LLMCError(f"-t/--seq-len {T}: longer than the model's max sequence length {cfg.max_seq_len}")
         if B < 1 or T < 1:
             raise LLMCError(f"batch {B} x seq len {T}: both must be positive")
         self.cfg, self.be, self.B, self.T, self.training = cfg, backend, B, T, training
+        if recompute not in (0, 1, 2):
+            raise LLMCError(f"-r/--recompute {recompute}: expected 0 (none), 1 (GELU) or 2 (GELU and layernorm)")
+        self.recompute = recompute
         L, C, NH, Vp, V = cfg.num_layers, cfg.channels, cfg.num_heads, cfg.padded_vocab_size, cfg.vocab_size
         N = B * T
         Np = -(-N // 4) * 4
@@ -176,6 +182,10 @@ class GPT2:
         for name, shape, dt in spec:
             self.a[name] = be.view(self.acts_bufs[dt], offs[dt], shape)
             offs[dt] += _align(_size(shape))
+        # per-layer activations that -r may turn into one-layer scratch: lay[name][l] is layer l's
+        # view either way (the same scratch view for every l when recomputed)
+        self.lay = {name: [self.a[name][l] if len(self.a[name].shape) == 4 else self.a[name] for l in range(L)]
+                    for name in ("ln1", "ln2", "fch_gelu")}
         self.a["losses_N"] = be.view(self.a["losses"], 0, (N,))  # what the classifier writes
         self.inputs = be.zeros((B, T), np.int32)
         self.targets = be.zeros((B, T), np.int32)
@@ -217,26 +227,32 @@ class GPT2:
         cfg, B, T, training = self.cfg, self.B, self.T, self.training
         L, C, Vp = cfg.num_layers, cfg.channels, cfg.padded_vocab_size
         Np = -(-(B * T) // 4) * 4
+        r = self.recompute if training else 1
+        per_layer_ln = (L,) if r < 2 else ()     # -r 2: ln1, ln2 recomputed in backward
+        per_layer_gelu = (L,) if r == 0 else ()  # -r 0: GELU output kept per layer
         spec = [
             ("encoded", (B, T, C)),
-            ("ln1", (L, B, T, C)), ("ln1_mean", (L, B, T), "f32"), ("ln1_rstd", (L, B, T), "f32"),
+            ("ln1", (*per_layer_ln, B, T, C)), ("ln1_mean", (L, B, T), "f32"), ("ln1_rstd", (L, B, T), "f32"),
             ("qkvr", (L, B, T, 3 * C)),      # permuted q | k | v, each (B, NH, T, hs)
             ("att", (L, *att_saved), "f32"),  # what attention backward needs: the softmax probabilities
                                              # (B,NH,T,T) (variant 1) or their log-sum-exp (B,NH,T) (2)
             ("atty", (L, B, T, C)),          # attention output, pre-projection
             ("residual2", (L, B, T, C)),
-            ("ln2", (L, B, T, C)), ("ln2_mean", (L, B, T), "f32"), ("ln2_rstd", (L, B, T), "f32"),
+            ("ln2", (*per_layer_ln, B, T, C)), ("ln2_mean", (L, B, T), "f32"), ("ln2_rstd", (L, B, T), "f32"),
             ("fch", (L, B, T, 4 * C)),       # fc output, pre-GELU
             ("residual3", (L, B, T, C)),
             ("lnf", (B, T, C)), ("lnf_mean", (B, T), "f32"), ("lnf_rstd", (B, T), "f32"),
             ("losses", (Np,), "f32"), ("loss_acc", (Np,), "f32"),  # N rounded up to 4; the tail stays unused
             ("logits", (B, T, Vp)),          # overwritten by dlogits when training
             # one-layer scratch (not needed by backward, or recomputed there)
-            ("qkv", (B, T, 3 * C)), ("attproj", (B, T, C)), ("fch_gelu", (B, T, 4 * C)), ("fcproj", (B, T, C)),
+            ("qkv", (B, T, 3 * C)), ("attproj", (B, T, C)), ("fch_gelu", (*per_layer_gelu, B, T, 4 * C)),
+            ("fcproj", (B, T, C)),
         ]
         if training:  # gradient scratch, reused by every layer
             spec += [("dresidual", (B, T, C)), ("dbtc", (B, T, C)), ("dqkv", (B, T, 3 * C)),
                      ("dfch", (B, T, 4 * C))]
+        if training and r == 2:  # the recomputed layernorm's statistics (backward keeps the saved ones)
+            spec += [("rc_mean", (B, T), "f32"), ("rc_rstd", (B, T), "f32")]
         return [(e[0], e[1], self.f32 if len(e) > 2 else np.dtype(self.be.dtype)) for e in spec]
 
     def activation_bytes(self) -> int:
@@ -349,24 +365,25 @@ class GPT2:
     def _launch_forward(self, with_targets: bool, write_dlogits: bool) -> None:
         """The forward's launches (no host work: capturable)."""
         cfg, a, p, k = self.cfg, self.a, self.p, self.k
+        ln1, ln2, fch_gelu = self.lay["ln1"], self.lay["ln2"], self.lay["fch_gelu"]
         L = cfg.num_layers
 
         k["encoder_forward"](a["encoded"], self.inputs, p["wte"], p["wpe"])                  # (B,T,C)
-        k["layernorm_forward"](a["ln1"][0], a["ln1_mean"][0], a["ln1_rstd"][0],
+        k["layernorm_forward"](ln1[0], a["ln1_mean"][0], a["ln1_rstd"][0],
                                a["encoded"], p["ln1w"][0], p["ln1b"][0])
         for l in range(L):
             residual = a["encoded"] if l == 0 else a["residual3"][l - 1]                       # (B,T,C)
-            k["mm_qkv"](a["qkv"], a["ln1"][l], p["qkvw"][l], p["qkvb"][l])                   # (B,T,3C)
+            k["mm_qkv"](a["qkv"], ln1[l], p["qkvw"][l], p["qkvb"][l])                        # (B,T,3C)
             k["attention_forward"](a["atty"][l], a["qkvr"][l], a["att"][l], a["qkv"])        # (B,T,C)
             k["mm_attproj"](a["attproj"], a["atty"][l], p["attprojw"][l], p["attprojb"][l])  # (B,T,C)
-            k["residual_layernorm"](a["residual2"][l], a["ln2"][l], a["ln2_mean"][l], a["ln2_rstd"][l],
+            k["residual_layernorm"](a["residual2"][l], ln2[l], a["ln2_mean"][l], a["ln2_rstd"][l],
                                     residual, a["attproj"], p["ln2w"][l], p["ln2b"][l])
-            k["mm_fc"](a["fch"][l], a["ln2"][l], p["fcw"][l], p["fcb"][l])                   # (B,T,4C)
-            k["gelu_forward"](a["fch_gelu"], a["fch"][l])                                     # (B,T,4C)
-            k["mm_fcproj"](a["fcproj"], a["fch_gelu"], p["fcprojw"][l], p["fcprojb"][l])     # (B,T,C)
+            k["mm_fc"](a["fch"][l], ln2[l], p["fcw"][l], p["fcb"][l])                        # (B,T,4C)
+            k["gelu_forward"](fch_gelu[l], a["fch"][l])                                       # (B,T,4C)
+            k["mm_fcproj"](a["fcproj"], fch_gelu[l], p["fcprojw"][l], p["fcprojb"][l])       # (B,T,C)
             # residual3 = residual2 + fcproj, normalised for the next layer (or the final layernorm)
             if l + 1 < L:
-                ln, mean, rstd, w, b = (a["ln1"][l + 1], a["ln1_mean"][l + 1], a["ln1_rstd"][l + 1],
+                ln, mean, rstd, w, b = (ln1[l + 1], a["ln1_mean"][l + 1], a["ln1_rstd"][l + 1],
                                         p["ln1w"][l + 1], p["ln1b"][l + 1])
             else:
                 ln, mean, rstd, w, b = a["lnf"], a["lnf_mean"], a["lnf_rstd"], p["lnfw"], p["lnfb"]
@@ -412,6 +429,7 @@ class GPT2:
         called as soon as layer l's gradients are launched (l = L-1 .. 0), then once with None when
         the rest (wte, wpe, lnfw, lnfb) are: data parallel starts reducing them there."""
         cfg, a, p, g, k = self.cfg, self.a, self.p, self.g, self.k
+        ln1, ln2, fch_gelu = self.lay["ln1"], self.lay["ln2"], self.lay["fch_gelu"]
         L = cfg.num_layers
         dres, dbtc, dqkv, dfch = a["dresidual"], a["dbtc"], a["dqkv"], a["dfch"]
         # running loss sum for logging: loss_acc += losses (the residual op, elementwise)
@@ -424,11 +442,15 @@ class GPT2:
         for l in reversed(range(L)):
             residual = a["encoded"] if l == 0 else a["residual3"][l - 1]
             # MLP: residual3 = residual2 + fcproj(gelu(fc(ln2)))
-            k["gelu_forward"](a["fch_gelu"], a["fch"][l])                          # recompute (B,T,4C)
-            k["mmb_fcproj"](dfch, g["fcprojw"][l], dres, a["fch_gelu"], p["fcprojw"][l])  # d fch_gelu
+            if self.recompute >= 1:
+                k["gelu_forward"](fch_gelu[l], a["fch"][l])                        # recompute (B,T,4C)
+            k["mmb_fcproj"](dfch, g["fcprojw"][l], dres, fch_gelu[l], p["fcprojw"][l])  # d fch_gelu
             k["bias_C"](g["fcprojb"][l], dres)
             k["gelu_backward"](dfch, a["fch"][l], dfch)                             # in place: d fch
-            k["mmb_fc"](dbtc, g["fcw"][l], dfch, a["ln2"][l], p["fcw"][l])          # d ln2 (B,T,C)
+            if self.recompute == 2:                                                 # recompute ln2 (B,T,C)
+                k["layernorm_forward"](ln2[l], a["rc_mean"], a["rc_rstd"], a["residual2"][l],
+                                       p["ln2w"][l], p["ln2b"][l])
+            k["mmb_fc"](dbtc, g["fcw"][l], dfch, ln2[l], p["fcw"][l])               # d ln2 (B,T,C)
             k["bias_4C"](g["fcb"][l], dfch)
             k["layernorm_backward"](dres, g["ln2w"][l], g["ln2b"][l], dbtc, a["residual2"][l],
                                     p["ln2w"][l], a["ln2_mean"][l], a["ln2_rstd"][l])  # dres = d residual2
@@ -436,7 +458,9 @@ class GPT2:
             k["mmb_attproj"](dbtc, g["attprojw"][l], dres, a["atty"][l], p["attprojw"][l])  # d atty
             k["bias_C"](g["attprojb"][l], dres)
             k["attention_backward"](dqkv, dbtc, a["qkvr"][l], a["att"][l], a["atty"][l])  # d qkv (B,T,3C)
-            k["mmb_qkv"](dbtc, g["qkvw"][l], dqkv, a["ln1"][l], p["qkvw"][l])      # d ln1 (B,T,C)
+            if self.recompute == 2:                                                 # recompute ln1 (B,T,C)
+                k["layernorm_forward"](ln1[l], a["rc_mean"], a["rc_rstd"], residual, p["ln1w"][l], p["ln1b"][l])
+            k["mmb_qkv"](dbtc, g["qkvw"][l], dqkv, ln1[l], p["qkvw"][l])           # d ln1 (B,T,C)
             k["bias_3C"](g["qkvb"][l], dqkv)
             k["layernorm_backward"](dres, g["ln1w"][l], g["ln1b"][l], dbtc, residual,
                                     p["ln1w"][l], a["ln1_mean"][l], a["ln1_rstd"][l])  # dres = d residual

@@ -11,7 +11,7 @@ validation, samples, checkpoints, resume.
     mpirun -np 2 python train_gpt2.py -e d12 -b 16 -z 1            # data parallel (docs/multi_gpu.md)
 
 Long flags are readable; llm.c's one-letter flags are aliases (-i -j -e -o -n -nk -nm -y -b -t -d
--x -l -u -k -q -c -sl -sg -v -m -s -g -h -a -z). As in llm.c, -h 1 turns HellaSwag on; --help is the
+-x -l -u -k -q -c -sl -sg -v -m -s -g -h -a -z -r). As in llm.c, -h 1 turns HellaSwag on; --help is the
 help. The run directory (-o) is llm.c's: model_%08d.bin, state_%08d_%05d.bin, DONE_%08d and main.log
 (llmc/runfiles.py), so a run started by llm.c resumes here and the reverse. Under mpirun every
 rank writes its own state file; rank 0 alone prints, writes main.log, the model and DONE.
@@ -171,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
       help="auto = the GPU when usable, else the numpy backend (saying why)")
     a("--precision", default="fp32", choices=("fp32", "bf16"),
       help="fp32, or bf16 (GPU): bf16 weights, activations and gradients, fp32 master weights and AdamW state")
+    a("-r", "--recompute", type=number(int, 0, 2, what="0, 1 or 2"), default=1,
+      help="activation recompute in backward, as llm.c: 0 = none (keep every layer's GELU output), "
+           "1 = GELU, 2 = GELU and layernorm (less memory, a little more time)")
     a("--stochastic-rounding", type=bit, default=1,
       help="with --precision bf16: 1 = round the updated bf16 weights stochastically (as llm.c), 0 = to nearest even")
     a("--deterministic", action="store_true", help="only kernel variants without float atomics: "
@@ -459,7 +462,8 @@ def main(argv=None, group=None) -> int:
                "grad_clip": args.grad_clip, "seed": args.seed}
 
     from llmc.model import GPT2
-    model = GPT2(cfg, be, B, T, optimizer=zero == 0)  # ZeRO-1: the rank's shard of m, v lives in dp
+    model = GPT2(cfg, be, B, T, optimizer=zero == 0,  # ZeRO-1: the rank's shard of m, v lives in dp
+                 recompute=args.recompute)
     model.grad_accum_steps = accum
     model.stochastic_rounding = bool(args.stochastic_rounding)
     if params is not None:
@@ -533,7 +537,8 @@ def main(argv=None, group=None) -> int:
     if be.name == "cuda":
         print("kernels: " + ", ".join(f"{k}={v}" for k, v in sorted(be.kernels.items())))
         free, total_mem = be.rt.mem_info()
-        print(f"GPU memory: {be.rt.allocated_bytes / 2**30:.2f} GiB allocated by the model, "
+        print(f"GPU memory: {be.rt.allocated_bytes / 2**30:.2f} GiB allocated by the model "
+              f"({args.precision}; activations {model.activation_bytes() / 2**30:.2f} GiB at -r {args.recompute}), "
               f"{(total_mem - free) / 2**30:.2f} of {total_mem / 2**30:.1f} GiB in use on the device")
         peak = peak_flops(be.rt.name, args.precision)
     flops_step = flops_per_token(cfg, T) * total / world  # one GPU's share (MFU is per GPU)

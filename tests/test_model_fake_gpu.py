@@ -307,3 +307,53 @@ def test_bf16_decoder_matches_fp32():
     ref, got = outs
     spread = float(ref.max() - ref.min())
     assert np.isfinite(got).all() and np.abs(got - ref).max() < 0.05 + 0.02 * spread, np.abs(got - ref).max()
+
+
+@pytest.mark.parametrize("make", [lambda: CpuBackend(np.float32), lambda: FakeCudaBackend()], ids=["cpu", "fake-gpu"])
+def test_recompute_levels_train_identically_in_less_memory(make):
+    """-r 0 (keep GELU outputs), 1 (recompute GELU) and 2 (also ln1/ln2): the same losses, norms and
+    weights bit for bit in fp32 (the recomputation is the forward's own arithmetic), in less
+    activation memory at each level: exactly L-1 layers' GELU outputs, then 2(L-1) layers' ln."""
+    B, T = 2, 16
+    C, L = CFG.channels, CFG.num_layers
+    rng = np.random.default_rng(4)
+    batches = [(rng.integers(0, CFG.vocab_size, (B, T)).astype(np.int32),
+                rng.integers(0, CFG.vocab_size, (B, T)).astype(np.int32)) for _ in range(3)]
+    runs, sizes = [], []
+    for r in (0, 1, 2):
+        m = GPT2(CFG, make(), B, T, recompute=r)
+        m.init_params(9)
+        out = []
+        for step, (x, y) in enumerate(batches, start=1):
+            m.zero_grad()
+            m.train_micro_step(x, y)
+            m.update(lr=1e-3, step=step, weight_decay=0.1)
+            out.append((m.step_loss(), m.grad_norm()))
+        out.append(m.get_params())
+        runs.append(out)
+        sizes.append(m.activation_bytes())
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            np.testing.assert_array_equal(a, b)
+    assert sizes[0] - sizes[1] == (L - 1) * B * T * 4 * C * 4
+    assert sizes[1] - sizes[2] == 2 * (L - 1) * B * T * C * 4 - 2 * 64 * 4  # (+ the recomputed stats, 64-aligned)
+
+
+def test_recompute_in_bf16_tracks_r1():
+    """-r 2 in bf16 recomputes ln from the bf16-stored residual (the forward normalised the fp32 sum
+    before storing it), so it is not bit-identical to -r 1: within bf16 noise."""
+    B, T = 2, 16
+    x = np.arange(B * T, dtype=np.int32).reshape(B, T) % CFG.vocab_size
+    losses = []
+    for r in (1, 2):
+        m = GPT2(CFG, FakeCudaBackend(precision="bf16"), B, T, recompute=r)
+        m.init_params(9)
+        m.stochastic_rounding = False
+        out = []
+        for step in range(1, 4):
+            m.zero_grad()
+            m.train_micro_step(x, x)
+            m.update(lr=1e-3, step=step)
+            out.append(m.step_loss())
+        losses.append(out)
+    assert np.abs(np.array(losses[0]) - np.array(losses[1])).max() < 0.01, losses
