@@ -208,10 +208,11 @@ def list_kernels() -> str:
 NONDETERMINISTIC = {"encoder_backward": {1, 4, 5}, "layernorm_backward": {1, 2}, "global_norm": {1}}
 
 
-def deterministic_kernels(kernels: dict) -> dict:
+def deterministic_kernels(kernels: dict, precision: str = "fp32") -> dict:
     """--deterministic: each op in NONDETERMINISTIC runs its highest-numbered deterministic variant
-    unless one was named; naming a nondeterministic one is an error. The chosen variants count as
-    named, so a shape they cannot take is refused loudly instead of falling back to an atomic one."""
+    that has kernels for `precision` unless one was named; naming a nondeterministic one is an
+    error. The chosen variants count as named, so a shape they cannot take is refused loudly instead
+    of falling back to an atomic one."""
     from llmc import ops
     out = dict(kernels)
     for name, bad in NONDETERMINISTIC.items():
@@ -220,7 +221,12 @@ def deterministic_kernels(kernels: dict) -> dict:
             raise LLMCError(f"{spec.flag} {out[name]}: uses atomics (not deterministic); --deterministic "
                             f"allows {', '.join(str(k) for k in sorted(set(spec.variants) - bad))}")
         if out.get(name) is None:
-            out[name] = max(set(spec.variants) - bad)
+            ok = set(spec.variants) - bad
+            have = {n for n in ok if precision in spec.variants[n].dtypes}
+            if not have:
+                raise LLMCError(f"--deterministic --precision {precision}: {name} has no deterministic variant "
+                                f"with {precision} kernels (deterministic: {', '.join(str(k) for k in sorted(ok))})")
+            out[name] = max(have)
     return out
 
 
@@ -369,7 +375,7 @@ def main(argv=None, group=None) -> int:
         _QUIET_RANK = True
     kernels = {k[len("kernel_"):]: v for k, v in vars(args).items() if k.startswith("kernel_") and v is not None}
     if args.deterministic:
-        kernels = deterministic_kernels(kernels)
+        kernels = deterministic_kernels(kernels, args.precision)
 
     from llmc.backend import make_backend
     if world > 1 and args.device != "cpu":

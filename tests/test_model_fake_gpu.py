@@ -357,3 +357,26 @@ def test_recompute_in_bf16_tracks_r1():
             out.append(m.step_loss())
         losses.append(out)
     assert np.abs(np.array(losses[0]) - np.array(losses[1])).max() < 0.01, losses
+
+
+def test_deterministic_choice_follows_the_precision(monkeypatch):
+    """--deterministic --precision bf16 takes the highest-numbered deterministic variant that has
+    bf16 kernels; with none, one line naming the op."""
+    from llmc import ops
+    from llmc.errors import LLMCError
+    from llmc.train import NONDETERMINISTIC, deterministic_kernels
+    for name in NONDETERMINISTIC:  # a bf16 build on every deterministic variant but the highest
+        spec = ops.get(name)
+        ok = sorted(set(spec.variants) - NONDETERMINISTIC[name])
+        for n in ok[:-1] if len(ok) > 1 else ok:
+            v = spec.variants[n]
+            monkeypatch.setattr(v, "builds", {**v.builds, "bf16": v.builds["fp32"]})
+    got = deterministic_kernels({}, "bf16")
+    for name, bad in NONDETERMINISTIC.items():
+        ok = sorted(set(ops.get(name).variants) - bad)
+        assert got[name] == (ok[-2] if len(ok) > 1 else ok[-1]), (name, got)
+    v = ops.get("global_norm").variants
+    for n in v:
+        monkeypatch.setattr(v[n], "builds", {"fp32": v[n].builds["fp32"]})
+    with pytest.raises(LLMCError, match="global_norm has no deterministic variant with bf16 kernels"):
+        deterministic_kernels({}, "bf16")
