@@ -266,7 +266,8 @@ def flops_per_token(cfg, T: int) -> int:
 HPARAMS = [("-l/--learning-rate", "learning_rate"), ("-k/--lr-schedule", "lr_schedule"),
            ("-q/--final-lr-frac", "final_lr_frac"), ("-u/--warmup-steps", "warmup_steps"),
            ("-c/--weight-decay", "weight_decay"), ("-d/--total-batch-size", "total_batch_size"),
-           ("-x/--max-steps", "max_steps"), ("--grad-clip", "grad_clip"), ("--seed", "seed")]
+           ("-x/--max-steps", "max_steps"), ("--grad-clip", "grad_clip"), ("--seed", "seed"),
+           ("--precision", "precision")]
 
 
 def prepare_output_dir(out_dir: str) -> None:
@@ -465,7 +466,7 @@ def main(argv=None, group=None) -> int:
     hparams = {"learning_rate": args.learning_rate, "lr_schedule": args.lr_schedule,
                "final_lr_frac": args.final_lr_frac, "warmup_steps": args.warmup_steps,
                "weight_decay": args.weight_decay, "total_batch_size": total, "max_steps": max_steps,
-               "grad_clip": args.grad_clip, "seed": args.seed}
+               "grad_clip": args.grad_clip, "seed": args.seed, "precision": args.precision}
 
     from llmc.model import GPT2
     model = GPT2(cfg, be, B, T, optimizer=zero == 0,  # ZeRO-1: the rank's shard of m, v lives in dp

@@ -209,8 +209,9 @@ def _train(argv, monkeypatch, capsys):
         return made[-1]
     monkeypatch.setattr(llmc.backend, "make_backend", fake_backend)
     assert train.main(argv) == 0
-    out = capsys.readouterr().out
-    return [float(v) for v in re.findall(r"^step\s+\d+/\d+ \| loss ([0-9.]+)", out, re.M)], made[-1]
+    captured = capsys.readouterr()
+    _train.stderr = captured.err
+    return [float(v) for v in re.findall(r"^step\s+\d+/\d+ \| loss ([0-9.]+)", captured.out, re.M)], made[-1]
 
 
 def test_bf16_trainer_writes_v5_and_resumes_exactly(tmp_path, monkeypatch, capsys):
@@ -266,6 +267,7 @@ def test_bf16_trainer_writes_v5_and_resumes_exactly(tmp_path, monkeypatch, capsy
     _train([a for a in common if a not in ("--precision", "bf16")] + ["-o", str(tmp_path / "cross"), "-y", "1"],
            monkeypatch, capsys)
     assert (tmp_path / "cross" / "DONE_00000004").exists()
+    assert "--precision is fp32 now, bf16 in the run that wrote" in _train.stderr, _train.stderr
     assert np.fromfile(tmp_path / "cross" / "model_00000004.bin", np.int32, HEADER_INTS)[1] == 3
 
 
