@@ -185,3 +185,38 @@ def test_bf16_sampling_runs(tmp_path):
     # bf16 rounding differs between the decode kernels and the training forward, so a near tie may
     # flip; most tokens must agree
     assert agree >= 10, (toks, agree)
+
+
+# ----------------------------------------------------------------------------------------------
+# CUDA graphs of the bf16 step
+
+
+def test_bf16_graphs_equal_eager():
+    """Four bf16 steps of two micro-steps (stochastic rounding on, the lr changing every step): the
+    CUDA-graph replays of the micro-step and the update (seeds and hyperparameters read from device
+    memory) give bit-identical losses, norms and weights to launching kernel by kernel. The
+    deterministic variants, so that any difference is the graphs'."""
+    from llmc.runtime import Graph
+    from llmc.train import deterministic_kernels
+    cfg = config_from_name("L2C128H2")
+    B, T, accum = 2, 64, 2
+    rng = np.random.default_rng(0)
+    batches = [(rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32),
+                rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32)) for _ in range(4 * accum)]
+    runs = []
+    for graphs in (True, False):
+        m = GPT2(cfg, CudaBackend(deterministic_kernels({}, "bf16"), precision="bf16"), B, T)
+        m.init_params(1)
+        m.grad_accum_steps, m.use_graphs = accum, graphs
+        out = []
+        for step in range(1, 5):
+            m.zero_grad()
+            for x, y in batches[(step - 1) * accum:step * accum]:
+                m.train_micro_step(x, y)
+            m.update(lr=1e-3 * step, step=step, weight_decay=0.1)
+            out.append((m.step_loss(), m.grad_norm()))
+        out += [m.get_params(), m.be.download(m.params)]
+        assert isinstance(m._graph_update, Graph) == graphs
+        runs.append(out)
+    for a, b in zip(*runs):
+        np.testing.assert_array_equal(a, b)
