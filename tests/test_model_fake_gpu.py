@@ -382,3 +382,24 @@ def test_deterministic_choice_follows_the_precision(monkeypatch):
         monkeypatch.setattr(v[n], "builds", {"fp32": v[n].builds["fp32"]})
     with pytest.raises(LLMCError, match="global_norm has no deterministic variant with bf16 kernels"):
         deterministic_kernels({}, "bf16")
+
+
+def test_an_op_without_bf16_kernels_refuses_the_bf16_build_in_one_line(monkeypatch):
+    """The real CudaBackend (over the fake runtime): building an op none of whose variants has bf16
+    kernels says so in one line, naming the op and --precision fp32; the fp32 build of the same op
+    (what the bf16 model asks for its loss sum) is unaffected."""
+    from llmc import ops
+    from llmc.backend import CudaBackend
+    from llmc.errors import LLMCError
+    from tests.fake_runtime import FakeRuntime
+    v = ops.get("residual_forward").variants
+    for n in v:
+        monkeypatch.setattr(v[n], "builds", {"fp32": v[n].builds["fp32"]})
+    be = CudaBackend(rt=FakeRuntime(check_ptx=False), precision="bf16", quiet=True)
+    assert be.dtype == BF16 and be.acc_dtype == np.float32
+    with pytest.raises(LLMCError, match=r"^--precision bf16: residual_forward has no bf16 kernels yet .*"
+                                        r"use --precision fp32$"):
+        be.build("residual_forward", N=64)
+    assert be.build("residual_forward", N=64, precision="fp32").dtype == "fp32"
+    with pytest.raises(LLMCError, match="--precision fp16: expected one of fp32, bf16"):
+        CudaBackend(rt=FakeRuntime(check_ptx=False), precision="fp16")
