@@ -22,6 +22,11 @@ How it works, as llm.c does it (docs/multi_gpu.md has more):
   shard norm (an all-reduce of one float); AdamW runs on the rank's pieces only, with m and v of
   num_parameters/N floats each (N times less optimizer memory); then an all-gather of each tensor's
   updated pieces gives every rank the whole new weights.
+- --precision bf16: the gradients are bf16 and are reduced as bf16 (ncclBfloat16, through nccl4py's
+  low-level bindings: NcclComm._bf16), as llm.c reduces them; the all-gather moves bf16 weights.
+  With -z 1 each rank also keeps its pieces of the fp32 master weights (its state file holds them,
+  llm.c's layout), and AdamW writes the rank's bf16 pieces from them before the all-gather. Every
+  rank draws the same stochastic-rounding seeds (-z 0: every rank rounds every weight the same way).
 - On the GPU the collectives are NCCL's (nccl4py) on our own device pointers and streams; on the
   numpy backend they are MPI's (mpi4py) on the numpy buffers, the same code path otherwise: that
   is what CI runs (tests/test_dist.py).
