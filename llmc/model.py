@@ -38,12 +38,11 @@ import math
 import numpy as np
 
 from llmc.bf16 import BF16, from_bf16, to_bf16
+from llmc.checkpoint import LLMC_RNG_INIT as SR_RNG_INIT  # llm.c's initial stochastic-rounding RNG state
 from llmc.config import DECAYED, GPT2Config, param_layout, param_shapes
 from llmc import ops
 from llmc.errors import LLMCError
 from llmc.ops.adamw import hyperparams
-
-SR_RNG_INIT = 13371337  # llm.c's initial stochastic-rounding RNG state (its state file's header[20:22])
 
 
 def _size(shape) -> int:
