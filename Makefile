@@ -3,6 +3,8 @@ PY ?= python3
 # where make train keeps main.log and its checkpoints (then: python sample_gpt2.py -o out)
 OUT ?= out
 PIP ?= $(PY) -m pip
+# make bench PRECISION=bf16: our bf16 step and torch.compile's bf16-autocast step
+PRECISION ?= fp32
 
 .PHONY: setup setup-test data train sample test gpu-test lab bench profile clean
 
@@ -34,10 +36,10 @@ gpu-test:         ## on a GPU machine: every kernel variant, the model on cuda v
 lab:              ## on a GPU machine: the whole kernel lab -> docs/lab/
 	$(PY) dev/cuda/run_all.py
 
-bench:            ## on a GPU machine: d12 training step at B=4 and B=16, T=1024, with torch.compile's beside it
-	$(PY) dev/bench_step.py -b 4
-	$(PY) dev/bench_step.py -b 16
-	$(PY) dev/bench_torch.py -b 4 16
+bench:            ## on a GPU machine: d12 training step at B=4 and B=16, T=1024, with torch.compile's beside it (PRECISION=fp32|bf16)
+	$(PY) dev/bench_step.py -b 4 --precision $(PRECISION)
+	$(PY) dev/bench_step.py -b 16 --precision $(PRECISION)
+	$(PY) dev/bench_torch.py -b 4 16 --precision $(PRECISION)
 
 profile:          ## on a GPU machine: per-kernel profile of one d12 training step
 	$(PY) dev/profile_step.py

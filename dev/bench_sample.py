@@ -2,6 +2,7 @@
 
     python dev/bench_sample.py                      # batch 1 and 8, 64-token prompt, 256 new tokens
     python dev/bench_sample.py -e gpt2_124M.bin --device cuda --matmul-kernel 2
+    python dev/bench_sample.py --device cuda --precision bf16   # the bf16 decoder
 
 Tokens/s counts generated tokens (batch x new tokens) over the wall time of the whole generation,
 prompt processing and top-k 40 sampling on the host included, after one warm-up generation. On the
@@ -89,6 +90,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-e", "--model", default="d12", help="checkpoint or descriptor (random init)")
     p.add_argument("--device", default="auto")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new", type=int, default=256)
     p.add_argument("--batches", default="1,8")
@@ -99,7 +101,7 @@ def main():
         p.add_argument(flag, type=int, default=None, dest=f"kernel_{name}", help=h)
     args = p.parse_args()
     kernels = {k[7:]: v for k, v in vars(args).items() if k.startswith("kernel_") and v is not None}
-    be = make_backend(args.device, kernels)
+    be = make_backend(args.device, kernels, precision=args.precision)
     if Path(args.model).exists():
         from llmc.checkpoint import read_model
         cfg, params = read_model(args.model)

@@ -1,6 +1,7 @@
 """Benchmark: one training step of GPT-2 124M (d12) at B=4, T=1024 on the GPU.
 
     python dev/bench_step.py                       # default kernel variants
+    python dev/bench_step.py --precision bf16 -b 16 # bf16 weights/activations/grads, fp32 master + AdamW
     python dev/bench_step.py --softmax-kernel 5 --matmul-kernel 5
     python dev/bench_step.py -b 1 -t 128            # a small step, where launching from Python costs
     LLMC_GRAPHS=0 python dev/bench_step.py          # kernel by kernel instead of CUDA graph replays
@@ -30,12 +31,13 @@ def main():
     p.add_argument("-t", "--seq-len", type=int, default=1024)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     for flag, name, h in kernel_flags():
         p.add_argument(flag, type=int, default=None, dest=f"kernel_{name}", help=h)
     args = p.parse_args()
     kernels = {k[7:]: v for k, v in vars(args).items() if k.startswith("kernel_") and v is not None}
 
-    be = CudaBackend(kernels)
+    be = CudaBackend(kernels, precision=args.precision)
     rt = be.rt
     free0, total = rt.mem_info()
     cfg = config_from_name(args.model)
@@ -68,14 +70,15 @@ def main():
         times.append(e.time_since(s))
     free1, _ = rt.mem_info()
     ms = statistics.median(times)
-    print(f"device: {rt.name} | model {cfg.describe()} | B={B} T={T} | build {build_s:.1f} s")
+    print(f"device: {rt.name} | model {cfg.describe()} | B={B} T={T} | {args.precision} | build {build_s:.1f} s")
     print("kernels: " + ", ".join(f"{k}={v}" for k, v in sorted(be.kernels.items())))
     from llmc.runtime import Graph
     print("CUDA graphs: " + ("yes" if isinstance(model._graph_micro, Graph) else
                              f"no ({rt.graphs_available() or 'not captured'})"))
     print(f"step: median {ms:.2f} ms (GPU events), {statistics.median(walls):.2f} ms wall | "
           f"{B * T / (ms / 1000):,.0f} tokens/s | last loss {loss:.4f}")
-    print(f"memory: {rt.allocated_bytes / 2**30:.2f} GiB allocated by the model | "
+    print(f"memory: {rt.allocated_bytes / 2**30:.2f} GiB allocated by the model "
+          f"({model.activation_bytes() / 2**30:.2f} GiB activations) | "
           f"{(total - free1) / 2**30:.2f} GiB used on the device (context included; "
           f"{(total - free0) / 2**30:.2f} GiB before the model)")
 

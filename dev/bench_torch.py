@@ -3,6 +3,7 @@ timed the same way as dev/bench_step.py (CUDA events around each whole step, med
 
     python dev/bench_torch.py                     # fp32 weights, TF32 matmuls, B=4 and B=16, T=1024
     python dev/bench_torch.py --precision bf16    # bf16 autocast (fp32 master weights)
+    python dev/bench_torch.py --precision both    # the TF32 line and the bf16-autocast line, one run
     python dev/bench_torch.py --no-compile -b 4   # eager
 
 The model is GPT-2 124M (L=12, C=768, NH=12, Vp=50304) written here from the architecture:
@@ -95,19 +96,20 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-b", "--batch-size", type=int, nargs="*", default=[4, 16])
     ap.add_argument("-t", "--seq-len", type=int, default=1024)
-    ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    ap.add_argument("--precision", choices=["fp32", "bf16", "both"], default="fp32")
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
-    name = ("torch.compile" if not args.no_compile else "torch eager") + (
-        " TF32" if args.precision == "fp32" else " bf16 autocast")
-    for B in args.batch_size:
-        ms, mem = bench(B, args.seq_len, args.precision, not args.no_compile, args.steps, args.warmup)
-        print(f"{name}: B={B} T={args.seq_len}: median {ms:.2f} ms/step (GPU events) | "
-              f"{B * args.seq_len / ms * 1e3:,.0f} tokens/s | peak {mem:.2f} GiB", flush=True)
+    for precision in (("fp32", "bf16") if args.precision == "both" else (args.precision,)):
+        name = ("torch.compile" if not args.no_compile else "torch eager") + (
+            " TF32" if precision == "fp32" else " bf16 autocast")
+        for B in args.batch_size:
+            ms, mem = bench(B, args.seq_len, precision, not args.no_compile, args.steps, args.warmup)
+            print(f"{name}: B={B} T={args.seq_len}: median {ms:.2f} ms/step (GPU events) | "
+                  f"{B * args.seq_len / ms * 1e3:,.0f} tokens/s | peak {mem:.2f} GiB", flush=True)
 
 
 if __name__ == "__main__":

@@ -3,12 +3,15 @@
     python dev/profile_step.py                                  # default variants
     python dev/profile_step.py --softmax-kernel 3               # what softmax 3 costs inside a real step
     python dev/profile_step.py --md docs/profile.md
+    python dev/profile_step.py --precision bf16                 # the bf16 step (GB/s column: see below)
 
 One step of GPT-2 124M at B=4, T=1024 (no sampling, no validation), after warm-up. Every launch
 of the model's plan is bracketed by a pair of events; the table (sorted by time) shows the op, the
 variant, calls, total ms, % of the step and the achieved TFLOP/s (matmuls, attention) or GB/s
 (everything else, counting each input read once and each output written once): the cost model each
-op declares (OpSpec.cost, llmc/ops/<family>.py), at the shape the model built it for.
+op declares (OpSpec.cost, llmc/ops/<family>.py), at the shape the model built it for. Those cost
+models count 4 bytes per element: with --precision bf16 the GB/s of an op whose tensors are bf16 is
+about twice what it really moves.
 """
 import argparse
 from collections import defaultdict
@@ -30,11 +33,12 @@ def main():
     p.add_argument("-b", "--batch-size", type=int, default=4)
     p.add_argument("-t", "--seq-len", type=int, default=1024)
     p.add_argument("--md", help="write the table (markdown) to this file")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     for flag, name, h in kernel_flags():
         p.add_argument(flag, type=int, default=None, dest=f"kernel_{name}", help=h)
     args = p.parse_args()
     kernels = {k[7:]: v for k, v in vars(args).items() if k.startswith("kernel_") and v is not None}
-    be = CudaBackend(kernels)
+    be = CudaBackend(kernels, precision=args.precision)
     rt = be.rt
     cfg = config_from_name(args.model)
     B, T = args.batch_size, args.seq_len

@@ -16,6 +16,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from llmc import ops
+from llmc.bf16 import BF16
 from llmc.errors import LLMCError
 
 
@@ -23,16 +24,17 @@ from llmc.errors import LLMCError
 class Backend(Protocol):
     """What the model and the decoder need from a backend."""
     name: str
-    dtype: np.dtype          # the host/numpy dtype of activations and parameters
-    precision: str           # the element type the op builds are asked for ("fp32")
+    dtype: np.dtype          # the host/numpy dtype of activations and parameters (BF16 bits in bf16 mode)
+    acc_dtype: np.dtype      # the dtype of what stays fp32 in bf16 mode: statistics, losses, AdamW state
+    precision: str           # the element type the op builds are asked for ("fp32" or "bf16")
     kernels: dict            # {op name: variant number}, defaults overridden by the user's choices
 
     def empty(self, shape, dtype=None): ...
     def zeros(self, shape, dtype=None): ...
     def view(self, buf, offset, shape): ...
-    def build(self, name, prefer=None, **shape) -> ops.Built: ...   # one op at one shape
+    def build(self, name, prefer=None, precision=None, **shape) -> ops.Built: ...  # one op at one shape
     def op(self, name, prefer=None, **shape): ...                   # build(...).launch
-    def choose(self, name, prefer=None, **shape) -> int: ...         # the variant build() would take
+    def choose(self, name, prefer=None, precision=None, **shape) -> int: ...  # the variant build() would take
     def named(self, name) -> bool: ...                              # the user chose this op's variant
     def memset0(self, buf): ...
     def upload(self, buf, host): ...
@@ -93,16 +95,19 @@ class _Choosing:
     def _arch(self):
         return None
 
-    def choose(self, name, prefer=None, **shape) -> int:
+    def choose(self, name, prefer=None, precision=None, **shape) -> int:
         """The variant of op `name` at `shape`: the one named on the command line (even if it
         refuses: build says why, loudly), else `prefer` if given and it fits (a caller's better
         choice for its shapes, e.g. the decoder's GEMV), else the default, else (one note) the
-        highest-numbered variant that fits; if none fits, the default (whose build then refuses)."""
+        highest-numbered variant that fits; if none fits, the default (whose build then refuses).
+        precision: the element type to build for, when not the backend's (the bf16 model's fp32
+        loss accumulator)."""
         spec = ops.get(name)
         num = self.kernels[name]
         if name in self.chosen:
             return num
-        fits = lambda n: spec.refuse_reason(n, self.precision, self._arch(), **shape) is None  # noqa: E731
+        dt = precision or self.precision
+        fits = lambda n: spec.refuse_reason(n, dt, self._arch(), **shape) is None  # noqa: E731
         if prefer is not None and fits(prefer):
             return prefer
         if fits(num):
@@ -110,7 +115,7 @@ class _Choosing:
         for alt in sorted(spec.variants, reverse=True):
             if fits(alt):
                 if (name, num, alt) not in self._noted and not self.quiet:
-                    reason = spec.refuse_reason(num, self.precision, self._arch(), **shape)
+                    reason = spec.refuse_reason(num, dt, self._arch(), **shape)
                     print(f"note: {name} variant {num} (default) refuses {shape}: {reason}; using variant {alt}")
                 self._noted.add((name, num, alt))
                 return alt
@@ -120,16 +125,26 @@ class _Choosing:
         """Build kwargs naming the variants chosen for the ops variant `number` is built from."""
         return {kw: self.kernels[op] for kw, op in ops.get(name).variant(number).uses.items()}
 
-    def op(self, name, prefer=None, **shape):
+    def op(self, name, prefer=None, precision=None, **shape):
         """The launch closure of op `name` at `shape` (see build)."""
-        return self.build(name, prefer, **shape).launch
+        return self.build(name, prefer, precision, **shape).launch
+
+    def _no_kernels(self, name, precision) -> None:
+        """One line when no variant of op `name` has kernels for `precision` (a bf16 run with an op
+        that has only fp32 kernels), instead of the default variant's refusal."""
+        spec = ops.get(name)
+        if spec.variants and not any(precision in v.builds for v in spec.variants.values()):
+            raise LLMCError(f"--precision {precision}: {name} has no {precision} kernels yet (its variants "
+                            f"{', '.join(str(k) for k in sorted(spec.variants))} are "
+                            f"{'/'.join(sorted({d for v in spec.variants.values() for d in v.dtypes}))} only); "
+                            f"use --precision fp32")
 
 
 class CpuBackend(_Choosing):
     name = "cpu"
 
     def __init__(self, dtype=np.float32, kernels: dict | None = None, quiet: bool = False):
-        self.dtype = np.dtype(dtype)
+        self.dtype = self.acc_dtype = np.dtype(dtype)
         self.precision = "fp32"
         # validated like the GPU's (an unknown variant is a user error either way), then ignored:
         # the numpy backend has one way per op
@@ -145,11 +160,11 @@ class CpuBackend(_Choosing):
         n = int(np.prod(shape))
         return buf.reshape(-1)[offset:offset + n].reshape(shape)
 
-    def choose(self, name, prefer=None, **shape) -> int:
+    def choose(self, name, prefer=None, precision=None, **shape) -> int:
         return 0  # the numpy reference
 
-    def build(self, name, prefer=None, **shape) -> ops.Built:
-        return ops.get(name).build_cpu(**shape)
+    def build(self, name, prefer=None, precision=None, **shape) -> ops.Built:
+        return ops.get(name).build_cpu(**shape)  # (one dtype: self.dtype)
 
     def memset0(self, buf):
         buf[...] = 0
@@ -187,13 +202,20 @@ class CpuBackend(_Choosing):
 class CudaBackend(_Choosing):
     name = "cuda"
 
-    def __init__(self, kernels: dict | None = None, quiet: bool = False, rt=None, gpu: int = 0):
+    def __init__(self, kernels: dict | None = None, quiet: bool = False, rt=None, gpu: int = 0,
+                 precision: str = "fp32"):
+        if precision not in ops.DTYPES:
+            raise LLMCError(f"--precision {precision}: expected one of {', '.join(ops.DTYPES)}")
         if rt is None:
             from llmc.runtime import Runtime
             rt = Runtime(gpu)  # gpu: the device index (data parallel: the process's local rank)
         self.rt = rt  # a Runtime (tests pass their fake, tests/fake_runtime.py)
-        self.dtype = np.dtype(np.float32)
-        self.precision = "fp32"
+        # bf16: parameters, activations and gradients are bf16 (uint16 bits on the host, llmc/bf16.py);
+        # what the conventions keep in fp32 (statistics, losses, AdamW state, master weights) asks
+        # for acc_dtype explicitly
+        self.precision = precision
+        self.dtype = np.dtype(BF16) if precision == "bf16" else np.dtype(np.float32)
+        self.acc_dtype = np.dtype(np.float32)
         self._setup(kernels, quiet)
 
     def _arch(self):
@@ -208,11 +230,13 @@ class CudaBackend(_Choosing):
     def view(self, buf, offset, shape):
         return buf.view(offset, shape)
 
-    def build(self, name, prefer=None, **shape) -> ops.Built:
+    def build(self, name, prefer=None, precision=None, **shape) -> ops.Built:
         """Op `name` built at `shape` with the variant choose() picks (a variant the user named
-        refuses loudly if it can't take the shape)."""
-        num = self.choose(name, prefer, **shape)
-        return ops.get(name).build(self.rt, num, self.precision, **shape, **self._uses(name, num))
+        refuses loudly if it can't take the shape), for the backend's precision or `precision`."""
+        dt = precision or self.precision
+        self._no_kernels(name, dt)
+        num = self.choose(name, prefer, dt, **shape)
+        return ops.get(name).build(self.rt, num, dt, **shape, **self._uses(name, num))
 
     def memset0(self, buf):
         buf.zero()
@@ -251,25 +275,34 @@ class CudaBackend(_Choosing):
         self.rt.require_free(nbytes, what)
 
     def describe(self) -> str:
-        return f"cuda ({self.rt.name}, {self.rt.arch})"
+        return f"cuda ({self.rt.name}, {self.rt.arch}, {self.precision})"
 
 
-def make_backend(device: str, kernels: dict | None = None, dtype=np.float32, gpu: int = 0):
+def make_backend(device: str, kernels: dict | None = None, dtype=np.float32, gpu: int = 0,
+                 precision: str = "fp32"):
     """device: cpu | cuda | auto (cuda when usable, else cpu with a warning on stderr naming the
-    reason: llmc.gpu_check); gpu: which GPU the cuda backend runs on (data parallel: the local rank)."""
+    reason: llmc.gpu_check); gpu: which GPU the cuda backend runs on (data parallel: the local rank);
+    precision: fp32 | bf16 (bf16 runs only on the cuda backend: one line saying so otherwise)."""
     import sys
     from llmc.gpu_check import why_no_gpu
+    if precision not in ops.DTYPES:
+        raise LLMCError(f"--precision {precision}: expected one of {', '.join(ops.DTYPES)}")
+    needs_gpu = f"--precision {precision} needs the CUDA backend (a GPU); the numpy backend is fp32 only"
     if device == "cpu":
+        if precision != "fp32":
+            raise LLMCError(f"{needs_gpu}: drop --device cpu, or use --precision fp32")
         return CpuBackend(dtype, kernels)
     if device in ("cuda", "auto"):
         why = why_no_gpu()
         if why is None:
             try:
-                return CudaBackend(kernels, gpu=gpu)
+                return CudaBackend(kernels, gpu=gpu, precision=precision)
             except LLMCError as e:
                 if device == "cuda":
                     raise
                 why = str(e)
+        if precision != "fp32":
+            raise LLMCError(f"{needs_gpu} ({why})")
         if device == "cuda":
             raise LLMCError(f"--device cuda: {why} (--device cpu runs the numpy backend)")
         print(f"WARNING: no GPU backend: {why}; using the numpy backend (--device cpu)", file=sys.stderr)

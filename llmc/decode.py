@@ -19,6 +19,10 @@ logits, instead of ~125 launches from Python.
 
 When the context reaches maxT the window slides: the cache is rebuilt from the last maxT/2 tokens
 (recomputed), and we say so once.
+
+In bf16 (a backend with precision "bf16"), the weights, activations, KV cache and logits are bf16
+and every op is its bf16 build; layernorm's mean and rstd stay fp32 (the bf16 conventions). An op
+with no bf16 kernels refuses the build in one line (llmc.backend).
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ import sys
 
 import numpy as np
 
+from llmc.bf16 import BF16, from_bf16, to_bf16
 from llmc.config import GPT2Config, param_layout, param_shapes
 from llmc.errors import LLMCError
 from llmc.sample import EOT, sample_token
@@ -44,9 +49,13 @@ class Decoder:
         L, C, NH, Vp, maxT = cfg.num_layers, cfg.channels, cfg.num_heads, cfg.padded_vocab_size, cfg.max_seq_len
         hs = C // NH
         be = backend
+        f32 = np.dtype(getattr(be, "acc_dtype", be.dtype))  # what stays fp32 in bf16
         if params_buf is None:
             params_buf = be.empty((cfg.num_parameters,))
-            be.upload(params_buf, np.asarray(params, dtype=be.dtype))
+            if be.dtype == BF16:
+                be.upload(params_buf, to_bf16(np.asarray(params, np.float32)))
+            else:
+                be.upload(params_buf, np.asarray(params, dtype=be.dtype))
         self.params = params_buf
         self.p = {name: be.view(params_buf, off, shape)
                   for (name, shape), (_, off, _) in zip(param_shapes(cfg), param_layout(cfg))}
@@ -54,7 +63,7 @@ class Decoder:
         for name, shape in [("x", (B, C)), ("x2", (B, C)), ("ln", (B, C)), ("mean", (B,)), ("rstd", (B,)),
                             ("qkv", (B, 3 * C)), ("atty", (B, C)), ("proj", (B, C)),
                             ("fch", (B, 4 * C)), ("fch_gelu", (B, 4 * C)), ("logits", (B, Vp))]:
-            a[name] = be.empty(shape)
+            a[name] = be.empty(shape, f32 if name in ("mean", "rstd") else None)
         self.a = a
         self.kcache = be.zeros((L, B, NH, maxT, hs))
         self.vcache = be.zeros((L, B, NH, maxT, hs))
@@ -101,7 +110,8 @@ class Decoder:
         """Feed B tokens at position pos; returns the next-token logits (B, V) on the host (a view
         of a buffer the next step overwrites)."""
         self._run_step(tokens, pos)
-        return self.be.download_into(self._logits_host, self.a["logits"])[:, :self.cfg.vocab_size]
+        logits = self.be.download_into(self._logits_host, self.a["logits"])[:, :self.cfg.vocab_size]
+        return from_bf16(logits) if logits.dtype == BF16 else logits
 
     def step_sample(self, tokens: np.ndarray, pos: int, temperature: float, top_k: int | None,
                     rng: np.random.Generator) -> list[int]:

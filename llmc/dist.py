@@ -22,6 +22,11 @@ How it works, as llm.c does it (docs/multi_gpu.md has more):
   shard norm (an all-reduce of one float); AdamW runs on the rank's pieces only, with m and v of
   num_parameters/N floats each (N times less optimizer memory); then an all-gather of each tensor's
   updated pieces gives every rank the whole new weights.
+- --precision bf16: the gradients are bf16 and are reduced as bf16 (ncclBfloat16, through nccl4py's
+  low-level bindings: NcclComm._bf16), as llm.c reduces them; the all-gather moves bf16 weights.
+  With -z 1 each rank also keeps its pieces of the fp32 master weights (its state file holds them,
+  llm.c's layout), and AdamW writes the rank's bf16 pieces from them before the all-gather. Every
+  rank draws the same stochastic-rounding seeds (-z 0: every rank rounds every weight the same way).
 - On the GPU the collectives are NCCL's (nccl4py) on our own device pointers and streams; on the
   numpy backend they are MPI's (mpi4py) on the numpy buffers, the same code path otherwise: that
   is what CI runs (tests/test_dist.py).
@@ -39,6 +44,7 @@ import os
 
 import numpy as np
 
+from llmc.bf16 import BF16
 from llmc.config import DECAYED, param_layout, param_shapes
 from llmc.errors import LLMCError
 
@@ -415,10 +421,28 @@ class NcclComm:
     def _h(self, stream) -> int:
         return int((stream or self.rt.stream).handle)
 
+    def _bf16(self, kind, send, recv, op, h) -> None:
+        """A collective on bf16 buffers (BF16: uint16 bits on our side), as ncclBfloat16, through
+        nccl4py's low-level bindings: its buffer resolution would see uint16 (which NCCL has not)
+        and names bfloat16 only through the optional ml_dtypes package. NCCL reduces in bf16, as
+        llm.c's bf16 gradient reductions do."""
+        from nccl.bindings import nccl as raw
+        comm = getattr(self.comm, "_comm", None) or raw.Comm(int(self.comm.ptr))
+        dt = int(self.nccl.NcclDataType.BFLOAT16)
+        if kind == "allreduce":
+            raw.all_reduce(send.ptr, recv.ptr, send.size, dt, int(op), comm, h)
+        elif kind == "reduce_scatter":
+            raw.reduce_scatter(send.ptr, recv.ptr, recv.size, dt, int(op), comm, h)
+        else:
+            raw.all_gather(send.ptr, recv.ptr, send.size, dt, comm, h)
+
     def all_reduce_avg(self, bufs, stream=None) -> None:
         h = self._h(stream)
         with self.nccl.group():
             for b in bufs:
+                if b.dtype == BF16:
+                    self._bf16("allreduce", b, b, self.nccl.AVG, h)
+                    continue
                 a = _CudaArray(b)
                 self.comm.allreduce(a, a, self.nccl.AVG, stream=h)
 
@@ -426,6 +450,9 @@ class NcclComm:
         h = self._h(stream)
         with self.nccl.group():
             for send, recv in pairs:
+                if send.dtype == BF16:
+                    self._bf16("reduce_scatter", send, recv, self.nccl.AVG, h)
+                    continue
                 self.comm.reduce_scatter(_CudaArray(send), _CudaArray(recv), self.nccl.AVG, stream=h)
 
     def all_reduce_sum(self, buf, stream=None) -> None:
@@ -436,6 +463,9 @@ class NcclComm:
         h = self._h(stream)
         with self.nccl.group():
             for send, recv in pairs:  # send = recv + rank * count: in place
+                if send.dtype == BF16:
+                    self._bf16("all_gather", send, recv, None, h)
+                    continue
                 self.comm.allgather(_CudaArray(send), _CudaArray(recv), stream=h)
 
     def new_stream(self):
@@ -525,24 +555,36 @@ class DataParallel:
                                 f"that divides it)")
             S = P // N  # this rank's shard: piece `rank` of every chunk, in the buffer's order
             self.shard_size = S
+            f32 = model.f32  # bf16: the gradients are reduce-scattered in bf16, the rest stays fp32
             self.gshard = be.zeros((S,))   # reduced gradient pieces
-            self.m = be.zeros((S,))
-            self.v = be.zeros((S,))
-            self.norm2 = be.zeros((1,))
+            self.m = be.zeros((S,), f32)
+            self.v = be.zeros((S,), f32)
+            self.norm2 = be.zeros((1,), f32)
             self.k_norm = be.op("global_norm", n=S)
-            self.hp = be.zeros((2, 8), be.dtype)            # row 0 no decay, row 1 decay
-            self._pinned_hp = be.pinned((2, 8), be.dtype)
+            self.hp = be.zeros((2, 8), f32)            # row 0 no decay, row 1 decay
+            self._pinned_hp = be.pinned((2, 8), f32)
             self.hps = [be.view(self.hp, 8 * i, (8,)) for i in range(2)]
+            # bf16: this rank's pieces of the fp32 master weights (as llm.c's bf16 ZeRO-1 keeps them),
+            # and one stochastic-rounding seed per chunk
+            self.master = be.zeros((S,), f32) if model.bf16 else None
+            chunks = self._all_chunks()
+            if model.bf16:
+                self.seeds = be.zeros((len(chunks),), np.uint32)
+                self._pinned_seeds = be.pinned((len(chunks),), np.uint32)
             adamw = {}
-            self.plan = []  # per chunk: launcher, decay, param piece, grad piece, m piece, v piece
-            for off, n, decay in self._all_chunks():
+            self.plan = []  # per chunk: launcher, decay, param piece, grad piece, m, v (, master, seed) pieces
+            for i, (off, n, decay) in enumerate(chunks):
                 s = n // N
                 if s not in adamw:
                     adamw[s] = be.op("adamw", n=s)
                 so = off // N  # the shard buffers hold the chunks' pieces in order
                 self.plan.append((adamw[s], int(decay), be.view(model.params, off + self.rank * s, (s,)),
                                   be.view(self.gshard, so, (s,)), be.view(self.m, so, (s,)),
-                                  be.view(self.v, so, (s,))))
+                                  be.view(self.v, so, (s,)))
+                                 + ((be.view(self.master, so, (s,)), be.view(self.seeds, i, (1,)))
+                                    if model.bf16 else ()))
+            if model.bf16:  # until load_master gives the exact fp32 weights: the bf16 ones
+                self.load_master(model.to_host(model.params))
 
     def _all_chunks(self):
         return [c for l in range(self.model.cfg.num_layers) for c in self.per_layer[l]] + self.rest
@@ -602,10 +644,13 @@ class DataParallel:
         comm.all_reduce_sum(self.norm2)
         for decay in (0, 1):
             self._pinned_hp[decay] = hyperparams(lr, beta1, beta2, eps, weight_decay if decay else 0.0,
-                                                 step, max_norm, be.dtype)
+                                                 step, max_norm, model.f32)
         be.upload_async(self.hp, self._pinned_hp)
-        for adamw, decay, p, g, m, v in self.plan:
-            adamw(p, g, m, v, self.norm2, self.hps[decay])
+        if self.master is not None:
+            self._pinned_seeds[:] = model.draw_seeds(len(self.plan))
+            be.upload_async(self.seeds, self._pinned_seeds)
+        for adamw, decay, p, g, m, v, *master_seed in self.plan:
+            adamw(p, g, m, v, self.norm2, self.hps[decay], *master_seed)
         self._span("norm + sharded AdamW", "compute", t0, None)
         # every rank gets every tensor's updated pieces (on the compute stream: the next forward
         # reads the weights)
@@ -647,6 +692,25 @@ class DataParallel:
         src = self if self.zero == 1 else self.model
         return (self.be.download(src.m).reshape(-1), self.be.download(src.v).reshape(-1))
 
+    def master_state(self) -> np.ndarray | None:
+        """The fp32 master weights this rank checkpoints (bf16 runs): its ZeRO-1 pieces, or the
+        whole model's; None in fp32."""
+        if self.zero == 1:
+            return None if self.master is None else self.be.download(self.master).reshape(-1)
+        return None if self.model.master is None else self.be.download(self.model.master).reshape(-1)
+
+    def load_master(self, full: np.ndarray) -> None:
+        """bf16 ZeRO-1: this rank's pieces of the whole model's fp32 weights `full` into its master
+        shard (-z 0 and one rank: the model's load_params does this)."""
+        if self.zero != 1 or self.master is None:
+            return
+        N, full = self.world, np.asarray(full, np.float32).reshape(-1)
+        host = np.empty(self.shard_size, np.float32)
+        for off, n, _ in self._all_chunks():
+            s = n // N
+            host[off // N:off // N + s] = full[off + self.rank * s:off + (self.rank + 1) * s]
+        self.be.upload(self.master, host)
+
     def optimizer_numel(self) -> int:
         return self.shard_size if self.zero == 1 else self.model.num_params
 
@@ -663,6 +727,11 @@ class DataParallel:
             raise LLMCError(f"master weights of {master.size:,} values: expected this rank's ZeRO-1 "
                             f"shard of {self.optimizer_numel():,} (resume with the -z of the run that wrote them)")
         be, model, N = self.be, self.model, self.world
+        if self.master is not None:
+            # a bf16 run: the bf16 weights came from the model file (written from these masters by
+            # the same rounding): only the master pieces are this rank's to restore
+            be.upload(self.master, np.asarray(master, np.float32))
+            return
         for off, n, _ in self._all_chunks():
             s = n // N
             be.upload(be.view(model.params, off + self.rank * s, (s,)), master[off // N:off // N + s])

@@ -17,6 +17,19 @@ attproj / fcproj matmul outputs are not kept: one scratch buffer each, and GELU 
 backward (one extra cheap pass per layer saves 600 MB). With the composite attention
 (--attention-kernel 1), att (B,NH,T,T) per layer is half of the activation memory; the fused
 attention (2 and 3; the default) keeps only a (B,NH,T) log-sum-exp per layer instead.
+`recompute` (the trainer's -r, as llm.c's): 0 keeps each layer's GELU output instead of recomputing
+it; 1 (the default) recomputes GELU in backward; 2 also recomputes the two layernorm outputs (ln1,
+ln2: one scratch buffer each) in backward from the saved residuals and statistics.
+
+Precision (be.precision): fp32, or bf16 as llm.c's main trainer does it: parameters, gradients and
+activations are bf16 (uint16 bits on the host: llmc/bf16.py); what the bf16 conventions keep in
+fp32 stays fp32 (be.acc_dtype): the layernorm means and rstds, attention's saved log-sum-exp, the
+per-token losses and their running sum, the squared grad norm, AdamW's m, v and hyperparameters,
+and the fp32 master copy of the weights, which AdamW updates; each update then writes the bf16
+weights from the master with stochastic rounding (a uint32 seed per AdamW launch, on the device,
+drawn each step from the run's rounding RNG `sr_state`: llm.c's xorshift, whose state the
+checkpoint's state file holds, so a resumed run draws the same seeds). stochastic_rounding = False
+writes seed 0: round to nearest even (the tests).
 """
 from __future__ import annotations
 
@@ -24,6 +37,8 @@ import math
 
 import numpy as np
 
+from llmc.bf16 import BF16, from_bf16, to_bf16
+from llmc.checkpoint import LLMC_RNG_INIT as SR_RNG_INIT  # llm.c's initial stochastic-rounding RNG state
 from llmc.config import DECAYED, GPT2Config, param_layout, param_shapes
 from llmc import ops
 from llmc.errors import LLMCError
@@ -34,21 +49,47 @@ def _size(shape) -> int:
     return int(np.prod(shape))
 
 
+def _align(n: int) -> int:
+    """Elements rounded up to 64: every activation view starts on a 256-byte boundary in fp32 (128
+    in bf16), so the vectorised kernels can take any of them."""
+    return -(-n // 64) * 64
+
+
+def next_seed(state: int) -> tuple[int, int]:
+    """One step of llm.c's stochastic-rounding RNG (xorshift64*): (new state, uint32 seed). A seed
+    of 0 means "round to nearest" to the AdamW kernel, so 0 is drawn again."""
+    while True:
+        state ^= state >> 12
+        state ^= (state << 25) & 0xFFFFFFFFFFFFFFFF
+        state ^= state >> 27
+        seed = ((state * 0x2545F4914F6CDD1D) & 0xFFFFFFFFFFFFFFFF) >> 32
+        if seed:
+            return state, seed
+
+
 class GPT2:
     def __init__(self, cfg: GPT2Config, backend, B: int, T: int, training: bool = True, params_buf=None,
-                 optimizer: bool = True):
+                 optimizer: bool = True, recompute: int = 1):
         if T > cfg.max_seq_len:
             raise LLMCError(f"-t/--seq-len {T}: longer than the model's max sequence length {cfg.max_seq_len}")
         if B < 1 or T < 1:
             raise LLMCError(f"batch {B} x seq len {T}: both must be positive")
         self.cfg, self.be, self.B, self.T, self.training = cfg, backend, B, T, training
+        if recompute not in (0, 1, 2):
+            raise LLMCError(f"-r/--recompute {recompute}: expected 0 (none), 1 (GELU) or 2 (GELU and layernorm)")
+        self.recompute = recompute
         L, C, NH, Vp, V = cfg.num_layers, cfg.channels, cfg.num_heads, cfg.padded_vocab_size, cfg.vocab_size
         N = B * T
         Np = -(-N // 4) * 4
         be = backend
+        # bf16: params, grads, activations in be.dtype (BF16); the fp32 tensors in f32 (be.acc_dtype)
+        self.bf16 = getattr(be, "precision", "fp32") == "bf16"
+        f32 = self.f32 = np.dtype(getattr(be, "acc_dtype", be.dtype))
         # optimizer=False: no AdamW state here; whoever updates the weights owns it (ZeRO-1 in
-        # llmc/dist.py keeps only this rank's shard of m and v)
+        # llmc/dist.py keeps only this rank's shard of m and v, and in bf16 of the master weights)
         self.has_optimizer = training and optimizer
+        self.stochastic_rounding = True  # bf16 update: stochastic rounding of the new weights
+        self.sr_state = SR_RNG_INIT      # the rounding RNG (llm.c's; in the state file's header)
         self._check_memory()
 
         # -- parameters (and their gradients, AdamW state): one flat buffer each, views per tensor
@@ -59,12 +100,15 @@ class GPT2:
         self.params = params_buf if params_buf is not None else be.zeros((self.num_params,))
         self.p = self._views(self.params)
         if training:
-            self.grads = be.zeros((self.num_params,))
+            self.grads = be.zeros((self.num_params,))              # bf16 in bf16 mode, as llm.c
             self.g = self._views(self.grads)
-            self.norm2 = be.zeros((1,))
+            self.norm2 = be.zeros((1,), f32)
+        self.master = None  # the fp32 master weights (bf16 with an optimizer): what AdamW updates
         if self.has_optimizer:
-            self.m = be.zeros((self.num_params,))
-            self.v = be.zeros((self.num_params,))
+            self.m = be.zeros((self.num_params,), f32)
+            self.v = be.zeros((self.num_params,), f32)
+            if self.bf16:
+                self.master = be.zeros((self.num_params,), f32)
 
         # -- the launch plan: every op built once for its shape (variants fixed here), before the
         # activations: what attention forward keeps for backward depends on its variant
@@ -81,7 +125,8 @@ class GPT2:
             "mm_fcproj": op("matmul_forward", N=N, C=4 * C, OC=C, has_bias=True),
             "mm_lmhead": op("matmul_forward", N=N, C=C, OC=Vp, has_bias=False),
             "classifier": op("classifier", N=N, V=V, Vp=Vp),
-            "loss_acc": op("residual_forward", N=Np),
+            # the running loss sum stays fp32 in bf16 mode: the fp32 build of the residual add
+            "loss_acc": op("residual_forward", N=Np, precision="fp32"),
         }
         if training:
             self.built.update({
@@ -102,14 +147,21 @@ class GPT2:
         if self.has_optimizer:
             # AdamW runs over contiguous ranges of the flat buffer with one weight-decay flag each
             self.update_ranges = self._decay_ranges()
-            self.adamw_plan = [(be.op("adamw", n=n), decay,
-                                *(be.view(buf, off, (n,)) for buf in (self.params, self.grads, self.m, self.v)))
+            # per range: launcher, decay, params, grads, m, v views, and (bf16) the master's view
+            bufs = (self.params, self.grads, self.m, self.v) + ((self.master,) if self.bf16 else ())
+            self.adamw_plan = [(be.op("adamw", n=n), decay, *(be.view(buf, off, (n,)) for buf in bufs))
                                for off, n, decay in self.update_ranges]
             # AdamW's hyperparameters (lr, bias corrections, ...) per range, on the device: uploaded
-            # before each update, so that a captured update replays with the step's values
-            self.hp = be.zeros((len(self.adamw_plan), 8), be.dtype)
-            self._pinned_hp = be.pinned((len(self.adamw_plan), 8), be.dtype)
-            self.hps = [be.view(self.hp, 8 * i, (8,)) for i in range(len(self.adamw_plan))]
+            # before each update, so that a captured update replays with the step's values; in bf16
+            # also a stochastic-rounding seed per range (uint32), uploaded the same way
+            R = len(self.adamw_plan)
+            self.hp = be.zeros((R, 8), f32)
+            self._pinned_hp = be.pinned((R, 8), f32)
+            self.hps = [be.view(self.hp, 8 * i, (8,)) for i in range(R)]
+            if self.bf16:
+                self.seeds = be.zeros((R,), np.uint32)
+                self._pinned_seeds = be.pinned((R,), np.uint32)
+                self.seed_views = [be.view(self.seeds, i, (1,)) for i in range(R)]
         # the launch closures themselves (the Built records stay for the profile: op, variant, shape)
         self.k = {key: b.launch for key, b in self.built.items()}
         att_saved = self.built["attention_forward"].saved_shape
@@ -119,35 +171,20 @@ class GPT2:
                 raise LLMCError(f"attention: forward keeps {att_saved} for backward but backward needs {need}: "
                                 "give --attention-kernel and --attention-backward-kernel the same number")
 
-        # -- activations: one flat buffer, views (shape comments are per view)
-        spec = [
-            ("encoded", (B, T, C)),
-            ("ln1", (L, B, T, C)), ("ln1_mean", (L, B, T)), ("ln1_rstd", (L, B, T)),
-            ("qkvr", (L, B, T, 3 * C)),      # permuted q | k | v, each (B, NH, T, hs)
-            ("att", (L, *att_saved)),        # what attention backward needs: the softmax probabilities
-                                             # (B,NH,T,T) (variant 1) or their log-sum-exp (B,NH,T) (2)
-            ("atty", (L, B, T, C)),          # attention output, pre-projection
-            ("residual2", (L, B, T, C)),
-            ("ln2", (L, B, T, C)), ("ln2_mean", (L, B, T)), ("ln2_rstd", (L, B, T)),
-            ("fch", (L, B, T, 4 * C)),       # fc output, pre-GELU
-            ("residual3", (L, B, T, C)),
-            ("lnf", (B, T, C)), ("lnf_mean", (B, T)), ("lnf_rstd", (B, T)),
-            ("losses", (Np,)), ("loss_acc", (Np,)),  # N rounded up to 4; the tail stays unused
-            ("logits", (B, T, Vp)),          # overwritten by dlogits when training
-            # one-layer scratch (not needed by backward, or recomputed there)
-            ("qkv", (B, T, 3 * C)), ("attproj", (B, T, C)), ("fch_gelu", (B, T, 4 * C)), ("fcproj", (B, T, C)),
-        ]
-        if training:  # gradient scratch, reused by every layer
-            spec += [("dresidual", (B, T, C)), ("dbtc", (B, T, C)), ("dqkv", (B, T, 3 * C)),
-                     ("dfch", (B, T, 4 * C))]
-        # every view starts on a 256-byte boundary, so float4 kernels can take any of them
-        align = lambda n: -(-n // 64) * 64  # noqa: E731
-        self.acts_buf = be.empty((sum(align(_size(s)) for _, s in spec),))
+        # -- activations: one flat buffer per dtype (bf16 mode: the bf16 one and the fp32 one; fp32
+        # mode: one), views into them (shape comments are per view, in _activation_spec)
+        spec = self._activation_spec(att_saved)
+        self.acts_bufs = {dt: be.empty((sum(_align(_size(s)) for _, s, d in spec if d == dt),), dt)
+                          for dt in dict.fromkeys(d for _, _, d in spec)}
         self.a = {}
-        off = 0
-        for name, shape in spec:
-            self.a[name] = be.view(self.acts_buf, off, shape)
-            off += align(_size(shape))
+        offs = dict.fromkeys(self.acts_bufs, 0)
+        for name, shape, dt in spec:
+            self.a[name] = be.view(self.acts_bufs[dt], offs[dt], shape)
+            offs[dt] += _align(_size(shape))
+        # per-layer activations that -r may turn into one-layer scratch: lay[name][l] is layer l's
+        # view either way (the same scratch view for every l when recomputed)
+        self.lay = {name: [self.a[name][l] if len(self.a[name].shape) == 4 else self.a[name] for l in range(L)]
+                    for name in ("ln1", "ln2", "fch_gelu")}
         self.a["losses_N"] = be.view(self.a["losses"], 0, (N,))  # what the classifier writes
         self.inputs = be.zeros((B, T), np.int32)
         self.targets = be.zeros((B, T), np.int32)
@@ -181,26 +218,68 @@ class GPT2:
                 runs.append((off, size, decay))
         return runs
 
+    def _activation_spec(self, att_saved) -> list[tuple[str, tuple, np.dtype]]:
+        """[(name, shape, dtype)] of every activation view, in order. dtype is be.dtype (bf16 in bf16
+        mode) except what the bf16 conventions keep in fp32 (self.f32): layernorm statistics,
+        attention's saved log-sum-exp (the composite attention's probabilities are fp32-only anyway),
+        the losses and their running sum."""
+        cfg, B, T, training = self.cfg, self.B, self.T, self.training
+        L, C, Vp = cfg.num_layers, cfg.channels, cfg.padded_vocab_size
+        Np = -(-(B * T) // 4) * 4
+        r = self.recompute if training else 1
+        per_layer_ln = (L,) if r < 2 else ()     # -r 2: ln1, ln2 recomputed in backward
+        per_layer_gelu = (L,) if r == 0 else ()  # -r 0: GELU output kept per layer
+        spec = [
+            ("encoded", (B, T, C)),
+            ("ln1", (*per_layer_ln, B, T, C)), ("ln1_mean", (L, B, T), "f32"), ("ln1_rstd", (L, B, T), "f32"),
+            ("qkvr", (L, B, T, 3 * C)),      # permuted q | k | v, each (B, NH, T, hs)
+            ("att", (L, *att_saved), "f32"),  # what attention backward needs: the softmax probabilities
+                                             # (B,NH,T,T) (variant 1) or their log-sum-exp (B,NH,T) (2)
+            ("atty", (L, B, T, C)),          # attention output, pre-projection
+            ("residual2", (L, B, T, C)),
+            ("ln2", (*per_layer_ln, B, T, C)), ("ln2_mean", (L, B, T), "f32"), ("ln2_rstd", (L, B, T), "f32"),
+            ("fch", (L, B, T, 4 * C)),       # fc output, pre-GELU
+            ("residual3", (L, B, T, C)),
+            ("lnf", (B, T, C)), ("lnf_mean", (B, T), "f32"), ("lnf_rstd", (B, T), "f32"),
+            ("losses", (Np,), "f32"), ("loss_acc", (Np,), "f32"),  # N rounded up to 4; the tail stays unused
+            ("logits", (B, T, Vp)),          # overwritten by dlogits when training
+            # one-layer scratch (not needed by backward, or recomputed there)
+            ("qkv", (B, T, 3 * C)), ("attproj", (B, T, C)), ("fch_gelu", (*per_layer_gelu, B, T, 4 * C)),
+            ("fcproj", (B, T, C)),
+        ]
+        if training:  # gradient scratch, reused by every layer
+            spec += [("dresidual", (B, T, C)), ("dbtc", (B, T, C)), ("dqkv", (B, T, 3 * C)),
+                     ("dfch", (B, T, 4 * C))]
+        if training and r == 2:  # the recomputed layernorm's statistics (backward keeps the saved ones)
+            spec += [("rc_mean", (B, T), "f32"), ("rc_rstd", (B, T), "f32")]
+        return [(e[0], e[1], self.f32 if len(e) > 2 else np.dtype(self.be.dtype)) for e in spec]
+
     def activation_bytes(self) -> int:
-        return self.acts_buf.size * 4
+        return sum(buf.size * buf.dtype.itemsize for buf in self.acts_bufs.values())
 
     def _check_memory(self):
         """Fail early, in one line, when the GPU can't hold the model (before allocating anything).
-        What attention keeps per layer and the scratch its builds allocate are declared by the
-        variants that will run (Variant.saves, Variant.scratch_bytes)."""
+        Bytes are counted per dtype (bf16 mode: 2 per parameter, gradient and most activations; 4
+        per AdamW moment, master weight and fp32 activation). What attention keeps per layer and the
+        scratch its builds allocate are declared by the variants that will run (Variant.saves,
+        Variant.scratch_bytes)."""
         cfg, B, T = self.cfg, self.B, self.T
-        L, C, NH, Vp = cfg.num_layers, cfg.channels, cfg.num_heads, cfg.padded_vocab_size
-        floats = cfg.num_parameters * ((4 if self.has_optimizer else 2) if self.training else 1)  # (overcounts a shared params_buf)
-        floats += B * T * (C * (1 + 9 * L + 2 + 10) + 6 * L + Vp + 8)
+        L, C, NH = cfg.num_layers, cfg.channels, cfg.num_heads
+        P, el, f4 = cfg.num_parameters, np.dtype(self.be.dtype).itemsize, self.f32.itemsize
+        nbytes = P * el * (2 if self.training else 1)  # params, grads (overcounts a shared params_buf)
+        if self.has_optimizer:
+            nbytes += P * f4 * (3 if self.bf16 else 2)  # m, v (and the master weights)
         shape = dict(B=B, T=T, C=C, NH=NH)
         fwd = self.be.choose("attention_forward", **shape)
-        floats += L * int(np.prod(ops.get("attention_forward").saved_shape(fwd or None, **shape)))
+        att_saved = ops.get("attention_forward").saved_shape(fwd or None, **shape)
+        nbytes += sum(_align(_size(s)) * d.itemsize for _, s, d in self._activation_spec(att_saved))
         scratch = 0
         for name in ("attention_forward", "attention_backward") if self.training else ("attention_forward",):
             num = self.be.choose(name, **shape)
             v = ops.get(name).variants.get(num)
             scratch += v.scratch_bytes(**shape) if v is not None and v.scratch_bytes else 0
-        self.be.require_free(floats * 4 + scratch, what=f"model ({cfg.describe()}, B={B}, T={T})")
+        self.be.require_free(nbytes + scratch, what=f"model ({cfg.describe()}, B={B}, T={T}, "
+                                                    f"{getattr(self.be, 'precision', 'fp32')})")
 
     def init_params(self, seed: int = 1337) -> np.ndarray:
         """GPT-2 initialisation: N(0, 0.02) weights, residual projections scaled by 1/sqrt(2L),
@@ -221,17 +300,33 @@ class GPT2:
         self.load_params(host)
         return host
 
-    def load_params(self, host: np.ndarray) -> None:
-        host = np.asarray(host, dtype=self.be.dtype).reshape(-1)
+    def load_params(self, host: np.ndarray, bf16_weights: np.ndarray | None = None) -> None:
+        """host: the weights as floats (fp32), llm.c's layout. In bf16 mode they become the fp32
+        master weights (exactly) and the bf16 weights: rounded to nearest even, or bf16_weights
+        (floats that are bf16 values: a v5 model file's) when given, which is how a resumed run
+        gets back the stochastically rounded weights it had beside the same masters."""
+        host = np.asarray(host, dtype=np.float32 if self.bf16 else self.be.dtype).reshape(-1)
         if host.size != self.num_params:
             raise LLMCError(f"parameters: got {host.size:,} values, model needs {self.num_params:,}")
+        if self.bf16:
+            if self.master is not None:
+                self.be.upload(self.master, host)
+            host = to_bf16(host if bf16_weights is None else np.asarray(bf16_weights, np.float32).reshape(-1))
         self.be.upload(self.params, host)
 
+    def to_host(self, buf) -> np.ndarray:
+        """A device buffer's contents on the host as floats: bf16 tensors come back as fp32 (exactly)."""
+        h = self.be.download(buf)
+        return from_bf16(h) if h.dtype == BF16 else h
+
     def get_params(self) -> np.ndarray:
-        return self.be.download(self.params).reshape(-1).astype(np.float32)
+        """The weights as fp32, llm.c's layout: the master weights when there are (bf16 training),
+        else the weights themselves (bf16 ones upcast exactly)."""
+        src = self.master if self.master is not None else self.params
+        return self.to_host(src).reshape(-1).astype(np.float32)
 
     def get_grads(self) -> np.ndarray:
-        return self.be.download(self.grads).reshape(-1)
+        return self.to_host(self.grads).reshape(-1)
 
     def set_batch(self, x: np.ndarray, y: np.ndarray | None = None) -> None:
         """Copy a batch in: through pinned memory with an async copy on the GPU."""
@@ -269,24 +364,25 @@ class GPT2:
     def _launch_forward(self, with_targets: bool, write_dlogits: bool) -> None:
         """The forward's launches (no host work: capturable)."""
         cfg, a, p, k = self.cfg, self.a, self.p, self.k
+        ln1, ln2, fch_gelu = self.lay["ln1"], self.lay["ln2"], self.lay["fch_gelu"]
         L = cfg.num_layers
 
         k["encoder_forward"](a["encoded"], self.inputs, p["wte"], p["wpe"])                  # (B,T,C)
-        k["layernorm_forward"](a["ln1"][0], a["ln1_mean"][0], a["ln1_rstd"][0],
+        k["layernorm_forward"](ln1[0], a["ln1_mean"][0], a["ln1_rstd"][0],
                                a["encoded"], p["ln1w"][0], p["ln1b"][0])
         for l in range(L):
             residual = a["encoded"] if l == 0 else a["residual3"][l - 1]                       # (B,T,C)
-            k["mm_qkv"](a["qkv"], a["ln1"][l], p["qkvw"][l], p["qkvb"][l])                   # (B,T,3C)
+            k["mm_qkv"](a["qkv"], ln1[l], p["qkvw"][l], p["qkvb"][l])                        # (B,T,3C)
             k["attention_forward"](a["atty"][l], a["qkvr"][l], a["att"][l], a["qkv"])        # (B,T,C)
             k["mm_attproj"](a["attproj"], a["atty"][l], p["attprojw"][l], p["attprojb"][l])  # (B,T,C)
-            k["residual_layernorm"](a["residual2"][l], a["ln2"][l], a["ln2_mean"][l], a["ln2_rstd"][l],
+            k["residual_layernorm"](a["residual2"][l], ln2[l], a["ln2_mean"][l], a["ln2_rstd"][l],
                                     residual, a["attproj"], p["ln2w"][l], p["ln2b"][l])
-            k["mm_fc"](a["fch"][l], a["ln2"][l], p["fcw"][l], p["fcb"][l])                   # (B,T,4C)
-            k["gelu_forward"](a["fch_gelu"], a["fch"][l])                                     # (B,T,4C)
-            k["mm_fcproj"](a["fcproj"], a["fch_gelu"], p["fcprojw"][l], p["fcprojb"][l])     # (B,T,C)
+            k["mm_fc"](a["fch"][l], ln2[l], p["fcw"][l], p["fcb"][l])                        # (B,T,4C)
+            k["gelu_forward"](fch_gelu[l], a["fch"][l])                                       # (B,T,4C)
+            k["mm_fcproj"](a["fcproj"], fch_gelu[l], p["fcprojw"][l], p["fcprojb"][l])       # (B,T,C)
             # residual3 = residual2 + fcproj, normalised for the next layer (or the final layernorm)
             if l + 1 < L:
-                ln, mean, rstd, w, b = (a["ln1"][l + 1], a["ln1_mean"][l + 1], a["ln1_rstd"][l + 1],
+                ln, mean, rstd, w, b = (ln1[l + 1], a["ln1_mean"][l + 1], a["ln1_rstd"][l + 1],
                                         p["ln1w"][l + 1], p["ln1b"][l + 1])
             else:
                 ln, mean, rstd, w, b = a["lnf"], a["lnf_mean"], a["lnf_rstd"], p["lnfw"], p["lnfb"]
@@ -302,13 +398,13 @@ class GPT2:
 
     def logits(self) -> np.ndarray:
         """Host copy of the logits (B, T, V) of the last forward without targets."""
-        return self.be.download(self.a["logits"])[..., :self.cfg.vocab_size]
+        return self.to_host(self.a["logits"])[..., :self.cfg.vocab_size]
 
     def logits_row(self, b: int, t: int) -> np.ndarray:
         """Host copy of one row of logits (V,): copies V floats, not the whole (B, T, Vp) buffer."""
         Vp = self.cfg.padded_vocab_size
         row = self.be.view(self.a["logits"], (b * self.T + t) * Vp, (Vp,))
-        return self.be.download(row)[:self.cfg.vocab_size]
+        return self.to_host(row)[:self.cfg.vocab_size]
 
     # ------------------------------------------------------------------------------------------
     # backward and update
@@ -332,6 +428,7 @@ class GPT2:
         called as soon as layer l's gradients are launched (l = L-1 .. 0), then once with None when
         the rest (wte, wpe, lnfw, lnfb) are: data parallel starts reducing them there."""
         cfg, a, p, g, k = self.cfg, self.a, self.p, self.g, self.k
+        ln1, ln2, fch_gelu = self.lay["ln1"], self.lay["ln2"], self.lay["fch_gelu"]
         L = cfg.num_layers
         dres, dbtc, dqkv, dfch = a["dresidual"], a["dbtc"], a["dqkv"], a["dfch"]
         # running loss sum for logging: loss_acc += losses (the residual op, elementwise)
@@ -344,11 +441,15 @@ class GPT2:
         for l in reversed(range(L)):
             residual = a["encoded"] if l == 0 else a["residual3"][l - 1]
             # MLP: residual3 = residual2 + fcproj(gelu(fc(ln2)))
-            k["gelu_forward"](a["fch_gelu"], a["fch"][l])                          # recompute (B,T,4C)
-            k["mmb_fcproj"](dfch, g["fcprojw"][l], dres, a["fch_gelu"], p["fcprojw"][l])  # d fch_gelu
+            if self.recompute >= 1:
+                k["gelu_forward"](fch_gelu[l], a["fch"][l])                        # recompute (B,T,4C)
+            k["mmb_fcproj"](dfch, g["fcprojw"][l], dres, fch_gelu[l], p["fcprojw"][l])  # d fch_gelu
             k["bias_C"](g["fcprojb"][l], dres)
             k["gelu_backward"](dfch, a["fch"][l], dfch)                             # in place: d fch
-            k["mmb_fc"](dbtc, g["fcw"][l], dfch, a["ln2"][l], p["fcw"][l])          # d ln2 (B,T,C)
+            if self.recompute == 2:                                                 # recompute ln2 (B,T,C)
+                k["layernorm_forward"](ln2[l], a["rc_mean"], a["rc_rstd"], a["residual2"][l],
+                                       p["ln2w"][l], p["ln2b"][l])
+            k["mmb_fc"](dbtc, g["fcw"][l], dfch, ln2[l], p["fcw"][l])               # d ln2 (B,T,C)
             k["bias_4C"](g["fcb"][l], dfch)
             k["layernorm_backward"](dres, g["ln2w"][l], g["ln2b"][l], dbtc, a["residual2"][l],
                                     p["ln2w"][l], a["ln2_mean"][l], a["ln2_rstd"][l])  # dres = d residual2
@@ -356,7 +457,9 @@ class GPT2:
             k["mmb_attproj"](dbtc, g["attprojw"][l], dres, a["atty"][l], p["attprojw"][l])  # d atty
             k["bias_C"](g["attprojb"][l], dres)
             k["attention_backward"](dqkv, dbtc, a["qkvr"][l], a["att"][l], a["atty"][l])  # d qkv (B,T,3C)
-            k["mmb_qkv"](dbtc, g["qkvw"][l], dqkv, a["ln1"][l], p["qkvw"][l])      # d ln1 (B,T,C)
+            if self.recompute == 2:                                                 # recompute ln1 (B,T,C)
+                k["layernorm_forward"](ln1[l], a["rc_mean"], a["rc_rstd"], residual, p["ln1w"][l], p["ln1b"][l])
+            k["mmb_qkv"](dbtc, g["qkvw"][l], dqkv, ln1[l], p["qkvw"][l])           # d ln1 (B,T,C)
             k["bias_3C"](g["qkvb"][l], dqkv)
             k["layernorm_backward"](dres, g["ln1w"][l], g["ln1b"][l], dbtc, residual,
                                     p["ln1w"][l], a["ln1_mean"][l], a["ln1_rstd"][l])  # dres = d residual
@@ -410,14 +513,31 @@ class GPT2:
             raise RuntimeError("update(): this model was built with optimizer=False")
         for i, (_, decay, *_) in enumerate(self.adamw_plan):
             self._pinned_hp[i] = hyperparams(lr, beta1, beta2, eps, weight_decay if decay else 0.0, step,
-                                             max_norm, self.be.dtype)
+                                             max_norm, self.f32)
         self.be.upload_async(self.hp, self._pinned_hp)
+        if self.bf16:
+            self._pinned_seeds[:] = self.draw_seeds(len(self.adamw_plan))
+            self.be.upload_async(self.seeds, self._pinned_seeds)
         self._run_captured("_graph_update", self._launch_update)
+
+    def draw_seeds(self, n: int) -> list[int]:
+        """n stochastic-rounding seeds for this step's bf16 AdamW launches, from the run's rounding
+        RNG (0s, i.e. round to nearest even, with stochastic_rounding off: the RNG does not move)."""
+        if not self.stochastic_rounding:
+            return [0] * n
+        seeds = []
+        for _ in range(n):
+            self.sr_state, seed = next_seed(self.sr_state)
+            seeds.append(seed)
+        return seeds
 
     def _launch_update(self) -> None:
         self.k["global_norm"](self.norm2, self.grads)
-        for (adamw, _, params, grads, m, v), hp in zip(self.adamw_plan, self.hps):
-            adamw(params, grads, m, v, self.norm2, hp)
+        for i, ((adamw, _, params, grads, m, v, *master), hp) in enumerate(zip(self.adamw_plan, self.hps)):
+            if master:  # bf16: the update runs on the fp32 master, then writes the bf16 weights
+                adamw(params, grads, m, v, self.norm2, hp, master[0], self.seed_views[i])
+            else:
+                adamw(params, grads, m, v, self.norm2, hp)
 
     def grad_norm(self) -> float:
         """The global gradient norm computed by the last update() (a host read: a sync)."""

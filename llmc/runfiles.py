@@ -95,10 +95,13 @@ def _alive(pid: int) -> bool:
 
 
 def save_checkpoint(out_dir, step: int, cfg, params, m, v, loader_state: dict, extra: dict | None = None,
-                    *, rank: int = 0, world: int = 1, barrier=None, master=None, sr_rng=None) -> str:
+                    *, rank: int = 0, world: int = 1, barrier=None, master=None, sr_rng=None,
+                    model_dtype: str = "fp32") -> str:
     """Write the checkpoint of `step`: the model (rank 0), this rank's state file, then (after
     `barrier(error)`, when several processes write) the DONE marker (rank 0). params are the full
-    model's fp32 weights (rank 0; None elsewhere); m, v (and master) this rank's optimizer state.
+    model's weights as floats (rank 0; None elsewhere), written as llm.c's version 3 (model_dtype
+    "fp32") or 5 ("bf16": a bf16 run's weights, which round to themselves); m, v (and the fp32
+    master weights of a bf16 run) this rank's optimizer state.
 
     barrier(error) is called on every rank with None or this rank's error message, whether or not
     its own writes worked, so that no rank waits for one that failed; it must raise on every rank
@@ -111,7 +114,7 @@ def save_checkpoint(out_dir, step: int, cfg, params, m, v, loader_state: dict, e
     mpath = model_path(out_dir, step)
     err = None
     try:
-        for name, a in (("weights", params), ("AdamW m", m), ("AdamW v", v)):
+        for name, a in (("weights", params), ("AdamW m", m), ("AdamW v", v), ("master weights", master)):
             if a is not None and not np.isfinite(a).all():
                 raise LLMCError(f"step {step}: the {name} hold NaN/inf; not writing a checkpoint "
                                 f"({_intact(out_dir)})")
@@ -120,7 +123,7 @@ def save_checkpoint(out_dir, step: int, cfg, params, m, v, loader_state: dict, e
                 # a marker from an older run at this step must not vouch for the files we now replace
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(done_path(out_dir, step))
-                write_model(mpath, cfg, params, dtype="fp32")
+                write_model(mpath, cfg, params, dtype=model_dtype)
             write_state(state_path(out_dir, step, rank), step, m, v, loader_state, extra,
                         master=master, rank=rank, world=world, sr_rng=sr_rng)
         except OSError as e:
@@ -154,17 +157,23 @@ def load_checkpoint(out_dir, step: int, rank: int = 0, world: int = 1, num_param
     """Read the model and this rank's state of checkpoint `step` (ours or llm.c's). num_parameters:
     the size of this rank's optimizer state (default: the whole model's / shards, i.e. a ZeRO-1
     shard when shards = the number of ranks). Returns read_state's dict plus cfg, params (fp32: the
-    master weights when the state holds all of them, which is what llm.c's bf16 runs train) and
-    model_path, state_path."""
+    master weights when the state holds all of them, which is what llm.c's bf16 runs train),
+    file_params (the model file's weights as floats: a bf16 run resumes its bf16 weights from them),
+    model_version (3 or 5) and model_path, state_path."""
     from llmc.checkpoint import read_model, read_state
     mpath, spath = model_path(out_dir, step), state_path(out_dir, step, rank)
     cfg, params = read_model(mpath)
+    file_params = params
     st = read_state(spath, num_parameters or cfg.num_parameters // shards, rank=rank, world=world)
     if st["step"] != step:
         raise LLMCError(f"state file {spath}: says step {st['step']}, its name says {step}")
     if st["master"] is not None and st["master"].size == params.size:
         params = st["master"]
-    st.update(cfg=cfg, params=params, model_path=mpath, state_path=spath)
+    from llmc.checkpoint import MODEL_MAGIC, MODEL_VERSION_FP32, MODEL_VERSION_BF16, read_header
+    version = int(read_header(mpath, "model file", MODEL_MAGIC, (MODEL_VERSION_FP32, MODEL_VERSION_BF16),
+                              "an llm.c model checkpoint")[1])
+    st.update(cfg=cfg, params=params, file_params=file_params, model_version=version,
+              model_path=mpath, state_path=spath)
     return st
 
 

@@ -7,6 +7,7 @@ The body of sample_gpt2.py and of the llmc-sample command (same flags).
     python sample_gpt2.py -e gpt2_124M.bin --prompt-file prompt.txt --num-samples 4 --stop-at-eot
     echo "The meaning of life is" | python sample_gpt2.py -e gpt2_124M.bin --prompt-file -
     python sample_gpt2.py -e gpt2_124M.bin --temperature 0      # greedy
+    python sample_gpt2.py -e gpt2_124M.bin --precision bf16     # decode with the bf16 kernels (GPU)
     python sample_gpt2.py -e hf_dir --prompt "Hello"          # a Hugging Face GPT-2 directory
 
 Text streams to stdout as it is generated (one sample), or each sample is printed when the batch
@@ -49,6 +50,8 @@ def build_parser():
     a("--num-samples", type=number(int, 1), default=1, help="samples generated together as one batch")
     a("--stop-at-eot", action="store_true", help="stop a sample at <|endoftext|>")
     a("--device", default="auto", choices=("auto", "cuda", "cpu"), help="auto = the GPU when usable")
+    a("--precision", default="fp32", choices=("fp32", "bf16"),
+      help="bf16: weights, activations and KV cache in bf16, decoded by the bf16 kernels (GPU only)")
     a("--no-kv-cache", action="store_true", help="full recomputation per token (baseline)")
     a("--quiet", action="store_true", help="no timing line on stderr")
     return p
@@ -149,7 +152,7 @@ def main(argv=None) -> int:
     # everything the build prints (fallback notes, the compile message) is a diagnostic: stderr
     with contextlib.redirect_stdout(sys.stderr):
         from llmc.backend import make_backend
-        be = make_backend(args.device)
+        be = make_backend(args.device, precision=args.precision)
     rng = np.random.default_rng(args.seed)
     top_k = args.top_k or None
     B = args.num_samples

@@ -11,7 +11,7 @@ validation, samples, checkpoints, resume.
     mpirun -np 2 python train_gpt2.py -e d12 -b 16 -z 1            # data parallel (docs/multi_gpu.md)
 
 Long flags are readable; llm.c's one-letter flags are aliases (-i -j -e -o -n -nk -nm -y -b -t -d
--x -l -u -k -q -c -sl -sg -v -m -s -g -h -a -z). As in llm.c, -h 1 turns HellaSwag on; --help is the
+-x -l -u -k -q -c -sl -sg -v -m -s -g -h -a -z -r). As in llm.c, -h 1 turns HellaSwag on; --help is the
 help. The run directory (-o) is llm.c's: model_%08d.bin, state_%08d_%05d.bin, DONE_%08d and main.log
 (llmc/runfiles.py), so a run started by llm.c resumes here and the reverse. Under mpirun every
 rank writes its own state file; rank 0 alone prints, writes main.log, the model and DONE.
@@ -169,7 +169,13 @@ def build_parser() -> argparse.ArgumentParser:
     # device
     a("--device", default="auto", choices=("auto", "cuda", "cpu"),
       help="auto = the GPU when usable, else the numpy backend (saying why)")
-    a("--precision", default="fp32", choices=("fp32",), help="parameter precision (fp32 only so far)")
+    a("--precision", default="fp32", choices=("fp32", "bf16"),
+      help="fp32, or bf16 (GPU): bf16 weights, activations and gradients, fp32 master weights and AdamW state")
+    a("-r", "--recompute", type=number(int, 0, 2, what="0, 1 or 2"), default=1,
+      help="activation recompute in backward, as llm.c: 0 = none (keep every layer's GELU output), "
+           "1 = GELU, 2 = GELU and layernorm (less memory, a little more time)")
+    a("--stochastic-rounding", type=bit, default=1,
+      help="with --precision bf16: 1 = round the updated bf16 weights stochastically (as llm.c), 0 = to nearest even")
     a("--deterministic", action="store_true", help="only kernel variants without float atomics: "
       "the same bits on every run, and a resumed run equals an uninterrupted one")
     a("--list-kernels", action="store_true", help="print every op's kernel variants and exit")
@@ -202,10 +208,11 @@ def list_kernels() -> str:
 NONDETERMINISTIC = {"encoder_backward": {1, 4, 5}, "layernorm_backward": {1, 2}, "global_norm": {1}}
 
 
-def deterministic_kernels(kernels: dict) -> dict:
+def deterministic_kernels(kernels: dict, precision: str = "fp32") -> dict:
     """--deterministic: each op in NONDETERMINISTIC runs its highest-numbered deterministic variant
-    unless one was named; naming a nondeterministic one is an error. The chosen variants count as
-    named, so a shape they cannot take is refused loudly instead of falling back to an atomic one."""
+    that has kernels for `precision` unless one was named; naming a nondeterministic one is an
+    error. The chosen variants count as named, so a shape they cannot take is refused loudly instead
+    of falling back to an atomic one."""
     from llmc import ops
     out = dict(kernels)
     for name, bad in NONDETERMINISTIC.items():
@@ -214,7 +221,12 @@ def deterministic_kernels(kernels: dict) -> dict:
             raise LLMCError(f"{spec.flag} {out[name]}: uses atomics (not deterministic); --deterministic "
                             f"allows {', '.join(str(k) for k in sorted(set(spec.variants) - bad))}")
         if out.get(name) is None:
-            out[name] = max(set(spec.variants) - bad)
+            ok = set(spec.variants) - bad
+            have = {n for n in ok if precision in spec.variants[n].dtypes}
+            if not have:
+                raise LLMCError(f"--deterministic --precision {precision}: {name} has no deterministic variant "
+                                f"with {precision} kernels (deterministic: {', '.join(str(k) for k in sorted(ok))})")
+            out[name] = max(have)
     return out
 
 
@@ -254,7 +266,8 @@ def flops_per_token(cfg, T: int) -> int:
 HPARAMS = [("-l/--learning-rate", "learning_rate"), ("-k/--lr-schedule", "lr_schedule"),
            ("-q/--final-lr-frac", "final_lr_frac"), ("-u/--warmup-steps", "warmup_steps"),
            ("-c/--weight-decay", "weight_decay"), ("-d/--total-batch-size", "total_batch_size"),
-           ("-x/--max-steps", "max_steps"), ("--grad-clip", "grad_clip"), ("--seed", "seed")]
+           ("-x/--max-steps", "max_steps"), ("--grad-clip", "grad_clip"), ("--seed", "seed"),
+           ("--precision", "precision")]
 
 
 def prepare_output_dir(out_dir: str) -> None:
@@ -285,13 +298,23 @@ def save_checkpoint(out_dir, step, model, loader, rng, detectors, hparams, sr_rn
              "detectors": [d.state() for d in detectors]}
     if dp is not None:
         m, v = dp.optimizer_state()
+        master = dp.master_state()
         extra.update(dp.state_extra())
         rank, world = dp.rank, dp.world
     else:
         m, v = model.be.download(model.m).reshape(-1), model.be.download(model.v).reshape(-1)
+        master = None if model.master is None else model.be.download(model.master).reshape(-1)
         rank, world = 0, 1
-    return save(out_dir, step, model.cfg, model.get_params() if rank == 0 else None, m, v, loader.state(),
-                extra, rank=rank, world=world, barrier=barrier, sr_rng=sr_rng)
+    # bf16: the model file is llm.c's version 5 holding the bf16 weights as they are, the state
+    # file the fp32 master weights (llm.c's layout has the flag and the section) and the rounding
+    # RNG: together they resume exactly
+    if model.bf16:
+        weights, sr_rng = model.to_host(model.params).reshape(-1), model.sr_state
+    else:
+        weights = model.get_params()
+    return save(out_dir, step, model.cfg, weights if rank == 0 else None, m, v, loader.state(),
+                extra, rank=rank, world=world, barrier=barrier, sr_rng=sr_rng, master=master,
+                model_dtype="bf16" if model.bf16 else "fp32")
 
 
 def llmc_loader_state(loader, shard: int, sample: int) -> dict:
@@ -353,7 +376,7 @@ def main(argv=None, group=None) -> int:
         _QUIET_RANK = True
     kernels = {k[len("kernel_"):]: v for k, v in vars(args).items() if k.startswith("kernel_") and v is not None}
     if args.deterministic:
-        kernels = deterministic_kernels(kernels)
+        kernels = deterministic_kernels(kernels, args.precision)
 
     from llmc.backend import make_backend
     if world > 1 and args.device != "cpu":
@@ -367,7 +390,7 @@ def main(argv=None, group=None) -> int:
             import nccl.core  # noqa: F401  (the communicator itself is made once every rank is ready)
         except ImportError as e:
             raise LLMCError(f"multi-GPU needs NCCL's Python bindings (pip install nccl4py): {e}") from None
-    be = make_backend(args.device, kernels, gpu=group.local_rank)
+    be = make_backend(args.device, kernels, gpu=group.local_rank, precision=args.precision)
     # a diverging run is caught by the finite checks below, in one line: no numpy overflow warnings
     np.seterr(over="ignore", invalid="ignore", divide="ignore")
 
@@ -443,15 +466,20 @@ def main(argv=None, group=None) -> int:
     hparams = {"learning_rate": args.learning_rate, "lr_schedule": args.lr_schedule,
                "final_lr_frac": args.final_lr_frac, "warmup_steps": args.warmup_steps,
                "weight_decay": args.weight_decay, "total_batch_size": total, "max_steps": max_steps,
-               "grad_clip": args.grad_clip, "seed": args.seed}
+               "grad_clip": args.grad_clip, "seed": args.seed, "precision": args.precision}
 
     from llmc.model import GPT2
-    model = GPT2(cfg, be, B, T, optimizer=zero == 0)  # ZeRO-1: the rank's shard of m, v lives in dp
+    model = GPT2(cfg, be, B, T, optimizer=zero == 0,  # ZeRO-1: the rank's shard of m, v lives in dp
+                 recompute=args.recompute)
     model.grad_accum_steps = accum
+    model.stochastic_rounding = bool(args.stochastic_rounding)
     if params is not None:
-        model.load_params(params)
+        # a bf16 run resuming its own checkpoint: the fp32 masters from the state, the bf16 weights
+        # from the v5 model file (stochastically rounded: not what rounding the masters would give)
+        resumed_bf16 = ck is not None and model.bf16 and ck["model_version"] == 5
+        model.load_params(params, ck["file_params"] if resumed_bf16 else None)
     else:
-        model.init_params(args.seed)  # the same seed on every rank: the same weights
+        params = model.init_params(args.seed)  # the same seed on every rank: the same weights
     rng = np.random.default_rng(args.seed)
     from llmc.runfiles import OutlierDetector
     loss_z, grad_z = OutlierDetector(), OutlierDetector()
@@ -471,6 +499,7 @@ def main(argv=None, group=None) -> int:
             with group.guarded("NCCL's start-up (ncclCommInitRank)"):
                 comm = NcclComm(group, be.rt)
     dp = DataParallel(group, model, zero, comm)
+    dp.load_master(params)  # bf16 ZeRO-1: this rank's pieces of the fp32 weights
 
     start_step = 0
     if ck is not None:
@@ -497,9 +526,14 @@ def main(argv=None, group=None) -> int:
             sr_rng = ck["sr_rng"]
             note(f"note: {ck['state_path']} is llm.c's: continuing at its loader position (shard "
                  f"{ck['shard_index']}, batch {ck['sample_index']}); the sampling RNG starts from --seed")
+        if model.bf16:  # the stochastic-rounding RNG continues where it stopped
+            model.sr_state = ck["sr_rng"]
         start_step = ck["step"]
         if start_step >= max_steps:
             note(f"note: the checkpoint is at step {start_step}, -x/--max-steps is {max_steps}: nothing to train")
+    if model.bf16 and world > 1 and zero == 0:
+        # -z 0: every rank updates every weight, so every rank must round with the same seeds
+        model.sr_state = group.allgather(model.sr_state)[0]
     group.agree(None, "resume")
     group.phase = "train"  # from here on an error on one rank alone aborts the job
 
@@ -510,7 +544,8 @@ def main(argv=None, group=None) -> int:
     if be.name == "cuda":
         print("kernels: " + ", ".join(f"{k}={v}" for k, v in sorted(be.kernels.items())))
         free, total_mem = be.rt.mem_info()
-        print(f"GPU memory: {be.rt.allocated_bytes / 2**30:.2f} GiB allocated by the model, "
+        print(f"GPU memory: {be.rt.allocated_bytes / 2**30:.2f} GiB allocated by the model "
+              f"({args.precision}; activations {model.activation_bytes() / 2**30:.2f} GiB at -r {args.recompute}), "
               f"{(total_mem - free) / 2**30:.2f} of {total_mem / 2**30:.1f} GiB in use on the device")
         peak = peak_flops(be.rt.name, args.precision)
     flops_step = flops_per_token(cfg, T) * total / world  # one GPU's share (MFU is per GPU)

@@ -5,8 +5,13 @@ with MPI on the heap memory the __cuda_array_interface__ pointers name. Started 
 
     PYTHONPATH=.:tests mpiexec -n 2 python tests/dist_fake_nccl.py 0      # -z 0; one line of losses on rank 0
     PYTHONPATH=.:tests mpiexec -n 2 python tests/dist_fake_nccl.py 1      # -z 1
+    PYTHONPATH=.:tests mpiexec -n 2 python tests/dist_fake_nccl.py 1 bf16 # --precision bf16
 
 Rank 0 also trains the same model on one fake GPU at twice the batch and prints both loss lists.
+In bf16 the gradients are reduced as bf16 through nccl4py's low-level bindings (llmc.dist.NcclComm
+._bf16), which the stand-in provides too (nccl.bindings.nccl: pointers, counts, ncclBfloat16); the
+two ranks first train two steps with stochastic rounding on and must hold identical weights (-z 0:
+every rank rounds with the same seeds), then the comparison with one GPU runs with it off.
 """
 import sys
 import types
@@ -14,6 +19,8 @@ import types
 import numpy as np
 from fake_runtime import BASE, FakeCudaBackend
 
+from llmc.backend import CpuBackend
+from llmc.bf16 import BF16, from_bf16, to_bf16
 from llmc.config import config_from_name
 from llmc.dist import DataParallel, Group, NcclComm
 from llmc.model import GPT2
@@ -38,7 +45,8 @@ def fake_nccl(group):
     from mpi4py import MPI
     comm, N = group.comm, group.world
     m = types.ModuleType("nccl.core")
-    m.SUM, m.AVG = "sum", "avg"
+    m.SUM, m.AVG = 0, 4  # ncclSum, ncclAvg
+    m.NcclDataType = types.SimpleNamespace(BFLOAT16=9)
     m.calls = []
 
     class UniqueId:
@@ -53,6 +61,8 @@ def fake_nccl(group):
             return UniqueId(b)
 
     class Communicator:
+        ptr = 0x5000  # the ncclComm_t handle
+
         @classmethod
         def init(cls, nranks, rank, uid):
             assert (nranks, rank) == (N, group.rank) and len(bytes(uid)) == 128
@@ -98,9 +108,53 @@ def fake_nccl(group):
         def __exit__(self, *a):
             return False
     m.group = group_ctx
+
+    # nccl.bindings.nccl: the raw calls (device pointers, element counts, the NCCL data type), used
+    # for bf16 buffers; bf16 is reduced here in fp32 and rounded once (NCCL rounds per addition)
+    raw = types.ModuleType("nccl.bindings.nccl")
+
+    class Comm:
+        def __init__(self, handle=0):
+            assert handle == Communicator.ptr
+    raw.Comm = Comm
+
+    def bf16_at(ptr, count):
+        rt = HEAPS["rt"]
+        off = int(ptr) - BASE
+        assert 0 <= off and off + 2 * count <= rt.top, "pointer outside the fake heap"
+        return rt.heap[off:off + 2 * count].view(BF16)
+
+    def check(dt, comm, stream):
+        assert dt == 9 and isinstance(comm, Comm) and isinstance(stream, int) and stream != 0
+
+    def all_reduce(s, r, count, dt, op, comm, stream):
+        check(dt, comm, stream)
+        tmp = from_bf16(bf16_at(s, count)).copy()
+        MPIcomm.Allreduce(MPI.IN_PLACE, tmp, op=MPI.SUM)
+        bf16_at(r, count)[...] = to_bf16(tmp / N if op == m.AVG else tmp)
+        m.calls.append(("allreduce", stream))
+
+    def reduce_scatter(s, r, recvcount, dt, op, comm, stream):
+        check(dt, comm, stream)
+        out = np.empty(recvcount, np.float32)
+        MPIcomm.Reduce_scatter_block(from_bf16(bf16_at(s, recvcount * N)).copy(), out, op=MPI.SUM)
+        bf16_at(r, recvcount)[...] = to_bf16(out / N if op == m.AVG else out)
+        m.calls.append(("reduce_scatter", stream))
+
+    def all_gather(s, r, sendcount, dt, comm, stream):
+        check(dt, comm, stream)
+        out = np.empty(sendcount * N, BF16)
+        MPIcomm.Allgather(bf16_at(s, sendcount).copy(), out)
+        bf16_at(r, sendcount * N)[...] = out
+        m.calls.append(("allgather", stream))
+    MPIcomm = comm
+    raw.all_reduce, raw.reduce_scatter, raw.all_gather = all_reduce, reduce_scatter, all_gather
+    bindings = types.ModuleType("nccl.bindings")
+    bindings.nccl = raw
+
     pkg = types.ModuleType("nccl")
-    pkg.core = m
-    sys.modules["nccl"], sys.modules["nccl.core"] = pkg, m
+    pkg.core, pkg.bindings = m, bindings
+    sys.modules.update({"nccl": pkg, "nccl.core": m, "nccl.bindings": bindings, "nccl.bindings.nccl": raw})
     return m
 
 
@@ -126,8 +180,8 @@ class FakeEvent:
         self.recorded = stream
 
 
-def fake_gpu(B, T, cfg, zero):
-    be = FakeCudaBackend(nbytes=1 << 27)
+def fake_gpu(B, T, cfg, zero, precision="fp32"):
+    be = FakeCudaBackend(nbytes=1 << 27, precision=precision)
     rt = be.rt
     rt.stream = FakeStream()
     rt.drv = types.SimpleNamespace(Stream=FakeStream, Event=FakeEvent,
@@ -135,11 +189,13 @@ def fake_gpu(B, T, cfg, zero):
     HEAPS["rt"] = rt
     model = GPT2(cfg, be, B, T, optimizer=zero == 0)
     model.init_params(7)
+    model.stochastic_rounding = False  # (the rank-agreement check below turns it on)
     return be, model
 
 
 def main():
     zero = int(sys.argv[1])
+    precision = sys.argv[2] if len(sys.argv) > 2 else "fp32"
     group = Group.start()
     assert group.world == 2
     nccl = fake_nccl(group)
@@ -148,8 +204,27 @@ def main():
     rng = np.random.default_rng(0)
     batches = [rng.integers(0, 500, (2 * B, T + 1)).astype(np.int32) for _ in range(steps)]
 
-    be, model = fake_gpu(B, T, cfg, zero)
+    if precision == "bf16":
+        # stochastic rounding on: after two steps every rank holds the same bf16 weights
+        be, model = fake_gpu(B, T, cfg, zero, precision)
+        model.stochastic_rounding = True
+        dp = DataParallel(group, model, zero, NcclComm(group, be.rt))
+        dp.load_master(model.get_params() if zero == 0 else from_bf16(be.download(model.params)))
+        for i, xy in enumerate(batches[:2]):
+            mine = xy[group.rank * B:(group.rank + 1) * B]
+            model.zero_grad()
+            dp.train_micro_step(mine[:, :-1], mine[:, 1:], last=True)
+            dp.update(1e-3, i + 1, weight_decay=0.1, max_norm=0.5)
+        w = be.download(model.params)
+        assert w.dtype == BF16 and model.sr_state != 13371337
+        allw = group.comm.allgather(w)
+        assert all(np.array_equal(allw[0], x) for x in allw), "the ranks' bf16 weights differ"
+        if zero == 1:
+            assert dp.master is not None and dp.master_state().size == model.num_params // 2
+    be, model = fake_gpu(B, T, cfg, zero, precision)
     dp = DataParallel(group, model, zero, NcclComm(group, be.rt))
+    host = GPT2(cfg, CpuBackend(np.float32), 1, 1, training=False).init_params(7)
+    dp.load_master(host)  # (bf16 ZeRO-1: the exact fp32 weights, as the trainer does)
     losses = []
     for i, xy in enumerate(batches):
         mine = xy[group.rank * B:(group.rank + 1) * B]
@@ -166,10 +241,12 @@ def main():
     assert len(be.rt.stream.waited) == steps
     if zero == 1:
         assert {k for k, h in nccl.calls if h == compute_h} == {"allreduce", "allgather"}
+    if precision == "bf16":  # (the low-level bf16 calls check their data type themselves)
+        assert model.grads.dtype == BF16 and model.params.dtype == BF16
     final = model.get_params()
     group.comm.Barrier()
     if group.rank == 0:
-        be1, one = fake_gpu(2 * B, T, cfg, 0)
+        be1, one = fake_gpu(2 * B, T, cfg, 0, precision)
         ref = []
         for i, xy in enumerate(batches):
             one.zero_grad()

@@ -11,6 +11,16 @@ kernel (rt.emulate[prefix] = fn(rt, *args)), runs it on the heap.
 FakeCudaBackend is the real CudaBackend over a FakeRuntime, with each op run by its numpy
 reference on the heap memory the DevArrays name: the model's GPU-side plumbing (views, per-layer
 indexing, offsets, argument order, graphs) runs in CI exactly as on the GPU.
+
+With precision="bf16" it is the bf16 model's stand-in: each op, built for bf16, runs the fp32
+reference on fp32 copies (from_bf16) of its bf16 arguments and writes back, rounded to nearest even
+(to_bf16), the bf16 arguments the reference changed; fp32 and int arguments (layernorm statistics,
+losses, AdamW's m and v, ...) are the heap memory itself. What it emulates is the bf16 conventions
+(load bf16, compute in fp32, round once on the store), not any kernel: it does not need the bf16
+builds to exist, and when they do, their launch signatures are the fp32 ones, so the same wrapper
+runs them. AdamW's bf16 launch (params, grads, m, v, norm2, hp, master, seed) runs the reference on
+the fp32 master, then writes params from it: to nearest even when seed == 0, else stochastically
+(one of the two bf16 neighbours, drawn by a generator seeded with `seed`).
 """
 from __future__ import annotations
 
@@ -21,6 +31,7 @@ import numpy as np
 
 from llmc import ops
 from llmc.backend import CudaBackend
+from llmc.bf16 import BF16, bf16_neighbours, from_bf16, to_bf16
 from llmc.runtime import DevArray, argtypes_mismatch, compile_ptx, nvcc_path, ptx_signatures
 
 BASE = 0x7F0000000000  # fake device addresses start here
@@ -172,27 +183,77 @@ class FakeCudaBackend(CudaBackend):
     heap memory its DevArray arguments name. Variant choice, fallbacks and notes are CudaBackend's."""
     name = "fake-cuda"
 
-    def __init__(self, kernels=None, nbytes=1 << 26, quiet=False):
-        super().__init__(kernels, quiet, rt=FakeRuntime(nbytes))
+    def __init__(self, kernels=None, nbytes=1 << 26, quiet=False, precision="fp32"):
+        super().__init__(kernels, quiet, rt=FakeRuntime(nbytes), precision=precision)
         self.launches = []  # op names, in launch order
         self.graphs = 0
 
-    def build(self, name, prefer=None, **shape):
-        num = self.choose(name, prefer, **shape)  # resolved as on the GPU (notes included)
+    def build(self, name, prefer=None, precision=None, **shape):
+        dt = precision or self.precision
+        num = self.choose(name, prefer, dt, **shape)  # resolved as on the GPU (notes included)
         spec = ops.get(name)
-        reason = spec.refuse_reason(num, self.precision, self.rt.arch, **shape)
+        reason = spec.refuse_reason(num, dt, self.rt.arch, **shape)
         if reason and self.named(name):
-            spec.build(self.rt, num, self.precision, **shape)  # raises the same refusal as the GPU
+            spec.build(self.rt, num, dt, **shape)  # raises the same refusal as the GPU
         cpu = spec.build_cpu(**shape)
         conv, run = self.rt.np, cpu.launch
+        if dt == "bf16":
+            run = self._bf16_adamw(run) if name == "adamw" else self._bf16(run)
+        else:
+            ref = run
+            run = lambda *args: ref(*[conv(x) if isinstance(x, DevArray) else x for x in args])  # noqa: E731
 
         def launch(*args):
             for x in args:  # a DevArray argument must be a DevArray, never a numpy array
                 assert not isinstance(x, np.ndarray), f"{name}: got a host array"
             self.launches.append(name)
-            run(*[conv(x) if isinstance(x, DevArray) else x for x in args])
-        cpu.launch, cpu.number = launch, num  # (saved_shape stays the reference's: it runs the reference)
+            run(*args)
+        cpu.launch, cpu.number, cpu.dtype = launch, num, dt  # (saved_shape stays the reference's)
         return cpu
+
+    def _bf16(self, ref):
+        """The fp32 reference `ref` as a bf16 build: bf16 DevArrays in as fp32 copies, the ones it
+        changed back as bf16 (one rounding on the store). The same DevArray passed twice (an
+        in-place op: gelu_backward(dfch, fch, dfch)) is one copy."""
+        np_ = self.rt.np
+
+        def run(*args):
+            copies, call = {}, []
+            for x in args:
+                if isinstance(x, DevArray) and x.dtype == BF16:
+                    key = (x.ptr, x.shape)
+                    if key not in copies:
+                        f = from_bf16(np_(x)).reshape(x.shape)
+                        copies[key] = (x, f, f.copy())
+                    call.append(copies[key][1])
+                else:
+                    call.append(np_(x) if isinstance(x, DevArray) else x)
+            ref(*call)
+            for x, f, before in copies.values():
+                if not np.array_equal(f, before, equal_nan=True):
+                    np_(x)[...] = to_bf16(f)
+        return run
+
+    def _bf16_adamw(self, ref):
+        """AdamW's bf16 build: the fp32 reference on the master weights, then the bf16 weights from
+        them (round to nearest even for seed 0, else stochastic rounding)."""
+        np_ = self.rt.np
+
+        def run(params, grads, m, v, norm2, hp, master, seed):
+            assert params.dtype == BF16 and grads.dtype == BF16 and master.dtype == np.float32
+            assert seed.dtype == np.uint32 and seed.size == 1
+            w = np_(master)
+            ref(w, from_bf16(np_(grads)), np_(m), np_(v), np_(norm2), np_(hp))
+            s = int(np_(seed)[0])
+            if s == 0:
+                np_(params)[...] = to_bf16(w)
+                return
+            lo, hi = bf16_neighbours(w)
+            gap = (hi - lo).astype(np.float64)
+            frac = np.divide(w - lo, gap, out=np.zeros_like(gap), where=gap > 0)
+            u = np.random.default_rng(s).random(w.shape)
+            np_(params)[...] = to_bf16(np.where(u < frac, hi, lo))
+        return run
 
     def memset0(self, buf):
         self.rt.np(buf)[...] = 0

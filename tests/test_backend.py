@@ -81,7 +81,8 @@ def model_op_shapes(cfg, B, T):
     be = cuda_backend()
     seen = []
     real = be.build
-    be.build = lambda name, prefer=None, **shape: (seen.append((name, shape)), real(name, prefer, **shape))[1]
+    be.build = lambda name, prefer=None, precision=None, **shape: (seen.append((name, shape)),
+                                                                   real(name, prefer, precision, **shape))[1]
     GPT2(cfg, be, B, T)
     dec = Decoder(cfg, be, B, params_buf=be.empty((cfg.num_parameters,)))
     if T <= cfg.max_seq_len:

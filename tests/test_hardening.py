@@ -54,7 +54,8 @@ def one_line(capsys, argv, *needles):
     ("-d", "0", "--total-batch-size"), ("--seed", "-1", "--seed"), ("-nk", "-1", "--checkpoints-keep"),
     ("-nm", "x", "--major-checkpoint-every"), ("-n", "-3", "--checkpoint-every"), ("-v", "-1", "--val-every"),
     ("-g", "0", "--gen-tokens"), ("-u", "-1", "--warmup-steps"), ("--device", "gpu", "--device"),
-    ("--precision", "bf16", "--precision"), ("--softmax-kernel", "0", "--softmax-kernel"),
+    ("--precision", "fp16", "--precision"), ("--stochastic-rounding", "2", "--stochastic-rounding"),
+    ("--softmax-kernel", "0", "--softmax-kernel"),
 ])
 def test_flag_ranges(flag, value, name, capsys):
     with pytest.raises(SystemExit) as e:
