@@ -219,7 +219,9 @@ def test_argtypes_are_checked_against_the_ptx():
 def test_every_variant_declares_its_dtypes_and_refuses_others():
     for name, spec in ops.registry().items():
         for num, v in spec.variants.items():
-            assert v.dtypes == ("fp32",), (name, num)  # bf16 kernels come next (same numbers)
+            assert v.dtypes in (("fp32",), ("fp32", "bf16")), (name, num)  # fp32 always; bf16 beside it
+            if "bf16" in v.dtypes:
+                continue  # built at the model's shapes by test_every_variant_builds_or_refuses_cleanly
             assert "no bf16 kernels" in spec.refuse_reason(num, dtype="bf16", N=4, C=64, OC=64, B=1, T=4, NH=1,
                                                             BNH=1, scale=1.0, n=64, V=64, Vp=64, maxT=8)
     with pytest.raises(VariantRefused, match=r"layernorm_forward variant 5 .*no bf16 kernels \(has fp32\)"):
