@@ -17,6 +17,24 @@
 //   attention_kv_fill_kernel1    after the prompt's forward pass: k, v of positions 0..T-1 from the
 //                                forward's qkvr (q|k|v, each (B,NH,T,hs)) into the caches
 #include "common.cuh"
+#include <cuda_bf16.h>
+
+typedef __nv_bfloat16 bf16;
+// element <-> fp32 for the kernels templated on the storage type (float or bf16): loads widen
+// exactly, stores round to nearest even
+__device__ __forceinline__ float to_f(float x) { return x; }
+__device__ __forceinline__ float to_f(bf16 x) { return __bfloat162float(x); }
+template <typename E> __device__ __forceinline__ E from_f(float x);
+template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
+template <> __device__ __forceinline__ bf16 from_f<bf16>(float x) { return __float2bfloat16_rn(x); }
+// 4 consecutive elements (16 bytes of fp32, 8 of bf16; p aligned to that) as a float4
+__device__ __forceinline__ float4 load4f(const float* p) { return *reinterpret_cast<const float4*>(p); }
+__device__ __forceinline__ float4 load4f(const bf16* p) {
+    const uint2 u = *reinterpret_cast<const uint2*>(p);
+    const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
+    const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
+    return make_float4(lo.x, lo.y, hi.x, hi.y);
+}
 
 // ----------------------------------------------------------------------------------------------
 // permutes between (B, T, S, NH, hs) and (S, B, NH, T, hs); S = 3 for q|k|v, 1 for y.
@@ -66,9 +84,12 @@ extern "C" __global__ void unpermute_kernel2(float* dst, const float* src, int B
 // kcache/vcache (B, NH, maxT, hs) hold positions 0..pos-1. The new k, v are read from qkv for
 // position pos and written into the caches at pos by the one block (or chunk) that covers pos;
 // nothing else reads the caches at pos during the launch.
+// Every decode kernel is templated on the element type E of out, qkv and the caches (float, or bf16
+// for the _bf16 entry points); scores, softmax and sums are fp32 either way.
 // Version 1: one block per (b, h). Dynamic smem: hs (q) + maxT (scores) + blockDim.x floats.
-extern "C" __global__ void attention_decode_kernel1(float* out, const float* qkv, float* kcache, float* vcache,
-                                                    const int* posp, int B, int NH, int hs, int maxT, float scale) {
+template <typename E>
+__device__ __forceinline__ void attention_decode1(E* out, const E* qkv, E* kcache, E* vcache, const int* posp,
+                                                  int B, int NH, int hs, int maxT, float scale) {
     extern __shared__ float sm[];
     int pos = *posp;
     float* sq = sm;             // (hs)
@@ -77,20 +98,20 @@ extern "C" __global__ void attention_decode_kernel1(float* out, const float* qkv
     __shared__ float red[WARP_SIZE];
     int bh = blockIdx.x, b = bh / NH, h = bh % NH, C = NH * hs;
     int tid = threadIdx.x, lane = tid % WARP_SIZE, warp = tid / WARP_SIZE, nwarps = blockDim.x / WARP_SIZE;
-    const float* k = kcache + (size_t)bh * maxT * hs;
-    const float* v = vcache + (size_t)bh * maxT * hs;
-    const float* row = qkv + (size_t)b * 3 * C + h * hs;  // q; + C: the new k; + 2C: the new v
+    const E* k = kcache + (size_t)bh * maxT * hs;
+    const E* v = vcache + (size_t)bh * maxT * hs;
+    const E* row = qkv + (size_t)b * 3 * C + h * hs;  // q; + C: the new k; + 2C: the new v
     for (int d = tid; d < hs; d += blockDim.x) {
-        sq[d] = row[d] * scale;
+        sq[d] = to_f(row[d]) * scale;
         kcache[((size_t)bh * maxT + pos) * hs + d] = row[C + d];      // append (read from qkv below)
         vcache[((size_t)bh * maxT + pos) * hs + d] = row[2 * C + d];
     }
     __syncthreads();
     // scores: one warp per cached key, lanes across hs
     for (int s = warp; s <= pos; s += nwarps) {
-        const float* kr = s == pos ? row + C : k + (size_t)s * hs;
+        const E* kr = s == pos ? row + C : k + (size_t)s * hs;
         float dot = 0.0f;
-        for (int d = lane; d < hs; d += WARP_SIZE) dot += sq[d] * kr[d];
+        for (int d = lane; d < hs; d += WARP_SIZE) dot += sq[d] * to_f(kr[d]);
         dot = warp_reduce_sum(dot);
         if (lane == 0) sp[s] = dot;
     }
@@ -108,15 +129,23 @@ extern "C" __global__ void attention_decode_kernel1(float* out, const float* qkv
     for (int i = tid; i < G * hs; i += blockDim.x) {
         int g = i / hs, d = i % hs;
         float acc = 0.0f;
-        for (int s = g; s <= pos; s += G) acc += sp[s] * (s == pos ? row[2 * C + d] : v[(size_t)s * hs + d]);
+        for (int s = g; s <= pos; s += G) acc += sp[s] * to_f(s == pos ? row[2 * C + d] : v[(size_t)s * hs + d]);
         part[i] = acc;
     }
     __syncthreads();
     for (int d = tid; d < hs; d += blockDim.x) {
         float acc = 0.0f;
         for (int g = 0; g < G; g++) acc += part[g * hs + d];
-        out[(size_t)b * C + h * hs + d] = acc * inv;
+        out[(size_t)b * C + h * hs + d] = from_f<E>(acc * inv);
     }
+}
+extern "C" __global__ void attention_decode_kernel1(float* out, const float* qkv, float* kcache, float* vcache,
+                                                    const int* posp, int B, int NH, int hs, int maxT, float scale) {
+    attention_decode1<float>(out, qkv, kcache, vcache, posp, B, NH, hs, maxT, scale);
+}
+extern "C" __global__ void attention_decode_kernel1_bf16(bf16* out, const bf16* qkv, bf16* kcache, bf16* vcache,
+                                                         const int* posp, int B, int NH, int hs, int maxT, float scale) {
+    attention_decode1<bf16>(out, qkv, kcache, vcache, posp, B, NH, hs, maxT, scale);
 }
 
 // version 2, split over the keys ("flash decoding"): kernel 1 runs one block per (b, h), a dozen
@@ -128,8 +157,10 @@ extern "C" __global__ void attention_decode_kernel1(float* out, const float* qkv
 // exp(score - m)). attention_decode_combine_kernel2 rescales the chunks to the global max and
 // normalises. Block: 128 threads (2 groups of hs for p @ v when hs = 64). hs % 4 == 0.
 #define DECODE_CHUNK 64
-extern "C" __global__ void __launch_bounds__(128) attention_decode_kernel2(float* part, const float* qkv,
-        float* kcache, float* vcache, const int* posp, int B, int NH, int hs, int maxT, float scale) {
+// part is fp32 in both builds.
+template <typename E>
+__device__ __forceinline__ void attention_decode2(float* part, const E* qkv, E* kcache, E* vcache, const int* posp,
+                                                  int B, int NH, int hs, int maxT, float scale) {
     extern __shared__ float4 sm4[];
     float* sq = reinterpret_cast<float*>(sm4);  // (hs) the scaled query
     float* sp = sq + hs;                        // (DECODE_CHUNK) scores, then exp(score - m)
@@ -139,12 +170,12 @@ extern "C" __global__ void __launch_bounds__(128) attention_decode_kernel2(float
     float* dst = part + ((size_t)bh * gridDim.y + chunk) * (hs + 2);
     const int n = min(pos + 1 - s0, DECODE_CHUNK);
     const int b = bh / NH, h = bh % NH, C = NH * hs, tid = threadIdx.x, hs4 = hs / 4;
-    const float* k = kcache + ((size_t)bh * maxT + s0) * hs;
-    const float* v = vcache + ((size_t)bh * maxT + s0) * hs;
-    const float* row = qkv + (size_t)b * 3 * C + h * hs;  // q; + C: the new k; + 2C: the new v
-    const int last = pos - s0;                            // the new token's index here, if < n
+    const E* k = kcache + ((size_t)bh * maxT + s0) * hs;
+    const E* v = vcache + ((size_t)bh * maxT + s0) * hs;
+    const E* row = qkv + (size_t)b * 3 * C + h * hs;  // q; + C: the new k; + 2C: the new v
+    const int last = pos - s0;                        // the new token's index here, if < n
     for (int d = tid; d < hs; d += blockDim.x) {
-        sq[d] = row[d] * scale;
+        sq[d] = to_f(row[d]) * scale;
         if (last < n) {                                   // this chunk covers pos: append
             kcache[((size_t)bh * maxT + pos) * hs + d] = row[C + d];
             vcache[((size_t)bh * maxT + pos) * hs + d] = row[2 * C + d];
@@ -153,11 +184,11 @@ extern "C" __global__ void __launch_bounds__(128) attention_decode_kernel2(float
     __syncthreads();
     const float4* sq4 = reinterpret_cast<const float4*>(sq);
     for (int s = tid; s < n; s += blockDim.x) {
-        const float4* kr = reinterpret_cast<const float4*>(s == last ? row + C : k + (size_t)s * hs);
+        const E* kr = s == last ? row + C : k + (size_t)s * hs;
         float dot = 0.0f;
 #pragma unroll 8
         for (int i = 0; i < hs4; i++) {
-            const float4 kv = kr[i], qv = sq4[i];
+            const float4 kv = load4f(kr + 4 * i), qv = sq4[i];
             dot = fmaf(qv.x, kv.x, fmaf(qv.y, kv.y, fmaf(qv.z, kv.z, fmaf(qv.w, kv.w, dot))));
         }
         sp[s] = dot;
@@ -177,7 +208,7 @@ extern "C" __global__ void __launch_bounds__(128) attention_decode_kernel2(float
     for (int i = tid; i < G * hs; i += blockDim.x) {
         const int g = i / hs, d = i % hs;
         float a = 0.0f;
-        for (int s = g; s < n; s += G) a = fmaf(sp[s], s == last ? row[2 * C + d] : v[(size_t)s * hs + d], a);
+        for (int s = g; s < n; s += G) a = fmaf(sp[s], to_f(s == last ? row[2 * C + d] : v[(size_t)s * hs + d]), a);
         acc[i] = a;
     }
     __syncthreads();
@@ -187,11 +218,20 @@ extern "C" __global__ void __launch_bounds__(128) attention_decode_kernel2(float
         dst[d] = a;
     }
 }
+extern "C" __global__ void __launch_bounds__(128) attention_decode_kernel2(float* part, const float* qkv,
+        float* kcache, float* vcache, const int* posp, int B, int NH, int hs, int maxT, float scale) {
+    attention_decode2<float>(part, qkv, kcache, vcache, posp, B, NH, hs, maxT, scale);
+}
+extern "C" __global__ void __launch_bounds__(128) attention_decode_kernel2_bf16(float* part, const bf16* qkv,
+        bf16* kcache, bf16* vcache, const int* posp, int B, int NH, int hs, int maxT, float scale) {
+    attention_decode2<bf16>(part, qkv, kcache, vcache, posp, B, NH, hs, maxT, scale);
+}
 
 // Merge the chunks 0..pos/64 of each (b, h): out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) l_c,
 // M the largest m_c. One block per (b, h), a thread per channel of the head.
-extern "C" __global__ void attention_decode_combine_kernel2(float* out, const float* part, const int* posp,
-                                                            int NH, int hs, int chunks) {
+template <typename E>
+__device__ __forceinline__ void attention_decode_combine2(E* out, const float* part, const int* posp, int NH, int hs,
+                                                          int chunks) {
     const int bh = blockIdx.x, b = bh / NH, h = bh % NH, used = *posp / DECODE_CHUNK + 1;
     const float* p = part + (size_t)bh * chunks * (hs + 2);
     float M = -FLT_MAX;
@@ -204,14 +244,23 @@ extern "C" __global__ void attention_decode_combine_kernel2(float* out, const fl
             L = fmaf(w, pc[hs + 1], L);
             a = fmaf(w, pc[d], a);
         }
-        out[(size_t)b * NH * hs + h * hs + d] = a / L;
+        out[(size_t)b * NH * hs + h * hs + d] = from_f<E>(a / L);
     }
+}
+extern "C" __global__ void attention_decode_combine_kernel2(float* out, const float* part, const int* posp,
+                                                            int NH, int hs, int chunks) {
+    attention_decode_combine2<float>(out, part, posp, NH, hs, chunks);
+}
+extern "C" __global__ void attention_decode_combine_kernel2_bf16(bf16* out, const float* part, const int* posp,
+                                                                 int NH, int hs, int chunks) {
+    attention_decode_combine2<bf16>(out, part, posp, NH, hs, chunks);
 }
 
 // qkvr holds q | k | v, each (B, NH, T, hs) (what attention_forward saves); copy k and v into
 // positions 0..T-1 of the caches (B, NH, maxT, hs). One thread per element of k.
-extern "C" __global__ void attention_kv_fill_kernel1(float* kcache, float* vcache, const float* qkvr,
-                                                     int B, int NH, int T, int hs, int maxT) {
+template <typename E>
+__device__ __forceinline__ void attention_kv_fill1(E* kcache, E* vcache, const E* qkvr, int B, int NH, int T, int hs,
+                                                   int maxT) {
     size_t n = (size_t)B * NH * T * hs;
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
@@ -219,6 +268,14 @@ extern "C" __global__ void attention_kv_fill_kernel1(float* kcache, float* vcach
     size_t dst = (bh * maxT + t) * hs + d;
     kcache[dst] = qkvr[n + i];
     vcache[dst] = qkvr[2 * n + i];
+}
+extern "C" __global__ void attention_kv_fill_kernel1(float* kcache, float* vcache, const float* qkvr,
+                                                     int B, int NH, int T, int hs, int maxT) {
+    attention_kv_fill1<float>(kcache, vcache, qkvr, B, NH, T, hs, maxT);
+}
+extern "C" __global__ void attention_kv_fill_kernel1_bf16(bf16* kcache, bf16* vcache, const bf16* qkvr,
+                                                          int B, int NH, int T, int hs, int maxT) {
+    attention_kv_fill1<bf16>(kcache, vcache, qkvr, B, NH, T, hs, maxT);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -722,9 +779,6 @@ FLASH_ENTRIES(3, true)
 //    l points at position 16j + (l & 7) + 8 ((l >> 3) & 1), dim 16np + 8 (l >> 4) (the A pattern):
 //    d0, d1 = b0, b1 of n-tile 2np; d2, d3 of n-tile 2np+1.
 //  A contracting over positions (p, ds) is the previous product's accumulators, packed: see mma.cuh.
-#include <cuda_bf16.h>
-
-typedef __nv_bfloat16 bf16;
 #define FB_LD 72                             // shared row stride in bf16
 #define FB_TILE_ELEMS (FA_TILE * FB_LD)      // bf16 per staged 64 x 64 tile
 #define FB_TILE_BYTES (FB_TILE_ELEMS * 2)    // 9216

@@ -657,3 +657,59 @@ def test_bf16_flash_staging_covers_tiles():
     assert A._flash_smem("dq", 3, "bf16") == 4 * tile + 4 * 64
     assert A._flash_smem("dkdv", 3, "bf16") == 6 * tile + 4 * 4 * 64
     assert A._flash_smem("dkdv", 2, "fp32") == 4 * (4 * 64 * 68 + 2 * 64)  # the fp32 sizes unchanged
+
+
+# The bf16 decode builds: qkv, caches and out bf16 (values made bf16 first), scores, softmax and
+# sums fp32. Each output element is rounded once (<= 2^-9 relative, allowed 2^-8); the fp32 sums
+# over <= 1024 keys add ~1e-6 of max|v| (allowed 2^-12 max|v|, absolute: out averages v and can
+# cancel to near 0). The append and the kv fill are copies: exact.
+@pytest.mark.gpu
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("B,T,C,NH,maxT", [(2, 65, 96, 2, 128), (1, 1, 64, 1, 16), (4, 1024, 768, 12, 1024),
+                                           (3, 300, 768, 12, 1024), (1, 64, 768, 12, 1024), (8, 65, 768, 12, 1024)])
+def test_attention_decode_bf16_gpu(rt, B, T, C, NH, maxT, version):
+    from llmc.bf16 import BF16, from_bf16, round_bf16, to_bf16
+    rng = np.random.default_rng(T + 5)
+    inp = round_bf16(rng.standard_normal((B, T, 3 * C)))
+    out64, qkvr64, _ = A.attention_forward_ref(inp.astype(np.float64), NH)
+    q, kc, vc = _decode_inputs(inp, qkvr64.astype(np.float32), B, T, C, NH, maxT, rng)
+    kc, vc = round_bf16(kc), round_bf16(vc)  # the garbage past pos too
+    pos = T - 1
+    qkv = np.ascontiguousarray(inp[:, pos])
+    want_k, want_v = kc[:, :, pos].copy(), vc[:, :, pos].copy()
+    kc[:, :, pos], vc[:, :, pos] = 1e4, -1e4   # bf16 values: must be overwritten by the append
+    d_kc, d_vc = rt.to_device(to_bf16(kc)), rt.to_device(to_bf16(vc))
+    d_out = rt.empty((B, C), BF16)
+    launch = ops.get("attention_decode").build(rt, version, "bf16", B=B, C=C, NH=NH, maxT=maxT)
+    poison(d_out, *launch.scratch.values())
+    launch(d_out, rt.to_device(to_bf16(qkv)), d_kc, d_vc, rt.to_device(np.array([pos], np.int32)))
+    got = from_bf16(d_out.get())
+    assert np.isfinite(got).all(), "decode out: unwritten (NaN) elements"
+    vmax = np.abs(inp[..., 2 * C:]).max()
+    assert_close(got, out64[:, pos], atol=2.0 ** -12 * vmax, rtol=2.0 ** -8, name="decode out bf16")
+    got_k, got_v = from_bf16(d_kc.get()), from_bf16(d_vc.get())
+    kc[:, :, pos], vc[:, :, pos] = want_k, want_v
+    assert np.array_equal(got_k, kc) and np.array_equal(got_v, vc), "append / cache written outside pos"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,T,C,NH,maxT", [(2, 65, 96, 2, 128), (1, 1, 64, 1, 16), (3, 300, 768, 12, 1024)])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_attention_kv_fill_gpu(rt, B, T, C, NH, maxT, dtype):
+    """kv fill copies k, v of a forward's qkvr into positions 0..T-1 of the caches, exactly, and
+    writes nothing past T-1 (poisoned caches keep their poison there)."""
+    from llmc.bf16 import BF16, from_bf16, to_bf16
+    rng = np.random.default_rng(T)
+    hs = C // NH
+    qkvr = rng.standard_normal((B, T, 3 * C)).astype(np.float32)
+    dev = (lambda x: rt.to_device(to_bf16(x))) if dtype == "bf16" else rt.to_device  # noqa: E731
+    host = from_bf16 if dtype == "bf16" else (lambda x: x)  # noqa: E731
+    d_kc = rt.empty((B, NH, maxT, hs), BF16 if dtype == "bf16" else np.float32)
+    d_vc = rt.empty((B, NH, maxT, hs), BF16 if dtype == "bf16" else np.float32)
+    poison(d_kc, d_vc)
+    ops.get("attention_kv_fill").build(rt, 1, dtype, B=B, C=C, NH=NH, maxT=maxT, T=T)(d_kc, d_vc, dev(qkvr))
+    want = host(to_bf16(qkvr)) if dtype == "bf16" else qkvr
+    _, k, v = want.reshape(3, B, NH, T, hs)
+    got_k, got_v = host(d_kc.get()), host(d_vc.get())
+    assert np.array_equal(got_k[:, :, :T], k) and np.array_equal(got_v[:, :, :T], v)
+    assert np.isnan(got_k[:, :, T:]).all() and np.isnan(got_v[:, :, T:]).all()

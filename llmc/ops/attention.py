@@ -499,10 +499,16 @@ def _check_decode2(B, C, NH, maxT, **shape):
     return f"head size {C // NH} needs {smem} bytes of shared memory (> 227 KB)" if smem > 227 * 1024 else None
 
 
-def attention_decode1(rt, B, C, NH, maxT, block_size=None):
-    """One block per (b, h)."""
+def _sfx(dtype):
+    """The entry-point suffix of a dtype's instantiation (cuda/attention.cu: <name>_bf16)."""
+    return "_bf16" if dtype == "bf16" else ""
+
+
+def attention_decode1(rt, B, C, NH, maxT, block_size=None, dtype="fp32"):
+    """One block per (b, h). dtype "bf16": out, qkv and the caches bf16 (fp32 math)."""
     hs, block_size = C // NH, block_size or 128
-    k = rt.kernel(MODULE, "attention_decode_kernel1", "PPPPPiiiif", label="attention_decode 1")
+    k = rt.kernel(MODULE, "attention_decode_kernel1" + _sfx(dtype), "PPPPPiiiif",
+                  label="attention_decode 1" + _sfx(dtype))
     smem = _decode1_smem(C, NH, maxT, block_size)
     k.set_max_dynamic_smem(smem)
     grid, block = (B * NH, 1, 1), (block_size, 1, 1)
@@ -513,14 +519,17 @@ def attention_decode1(rt, B, C, NH, maxT, block_size=None):
     return launch
 
 
-def attention_decode2(rt, B, C, NH, maxT, block_size=None):
+def attention_decode2(rt, B, C, NH, maxT, block_size=None, dtype="fp32"):
     """Split over chunks of 64 keys, then a combine kernel (block_size is fixed at 128: a thread per key
-    and the chunk's partial state)."""
+    and the chunk's partial state). dtype "bf16": out, qkv and the caches bf16; the chunks' partial
+    states (scratch) stay fp32."""
     hs = C // NH
     chunks = -(-maxT // DECODE_CHUNK)
-    part = rt.empty((B * NH, chunks, hs + 2))
-    k = rt.kernel(MODULE, "attention_decode_kernel2", "PPPPPiiiif", label="attention_decode 2")
-    comb = rt.kernel(MODULE, "attention_decode_combine_kernel2", "PPPiii", label="attention_decode 2 combine")
+    part = rt.empty((B * NH, chunks, hs + 2))  # fp32 in both builds
+    k = rt.kernel(MODULE, "attention_decode_kernel2" + _sfx(dtype), "PPPPPiiiif",
+                  label="attention_decode 2" + _sfx(dtype))
+    comb = rt.kernel(MODULE, "attention_decode_combine_kernel2" + _sfx(dtype), "PPPiii",
+                     label="attention_decode 2 combine" + _sfx(dtype))
     bs = 128
     smem = _decode2_smem(C, NH, bs)
     k.set_max_dynamic_smem(smem)
@@ -543,16 +552,23 @@ def _check_kv_fill(B, C, NH, maxT, T, block_size=None, **_):
     return check_block_size(block_size)
 
 
-def attention_kv_fill1(rt, B, C, NH, maxT, T, block_size=None):
-    """launch(kcache (B,NH,maxT,hs), vcache, qkvr (B,T,3C) as saved by attention_forward)."""
+def attention_kv_fill1(rt, B, C, NH, maxT, T, block_size=None, dtype="fp32"):
+    """launch(kcache (B,NH,maxT,hs), vcache, qkvr (B,T,3C) as saved by attention_forward); all of
+    one dtype (a copy)."""
     hs, block_size = C // NH, block_size or 256
-    k = rt.kernel(MODULE, "attention_kv_fill_kernel1", "PPPiiiii", label="attention_kv_fill 1")
+    k = rt.kernel(MODULE, "attention_kv_fill_kernel1" + _sfx(dtype), "PPPiiiii",
+                  label="attention_kv_fill 1" + _sfx(dtype))
     grid, block = (-(-B * NH * T * hs // block_size), 1, 1), (block_size, 1, 1)
     args = (np.int32(B), np.int32(NH), np.int32(T), np.int32(hs), np.int32(maxT))
 
     def launch(kcache, vcache, qkvr):
         k(grid, block, _ptr(kcache), _ptr(vcache), _ptr(qkvr), *args)
     return launch
+
+
+def _dtypes(build):
+    """{"fp32": build, "bf16": build with dtype="bf16"}: a variant whose one build function takes dtype."""
+    return {"fp32": build, "bf16": lambda rt, **shape: build(rt, dtype="bf16", **shape)}
 
 
 def _flash(direction, version, dtype="fp32"):
@@ -633,15 +649,15 @@ ATTENTION_BACKWARD_VARIANTS = {
 }
 ATTENTION_DECODE_VARIANTS = {
     1: Variant(1, "one block per (b, h): scores in shared memory, block softmax, att @ v; appends k, v",
-               attention_decode1, _check_decode1, scratch_bytes=lambda **_: 0),
+               _dtypes(attention_decode1), _check_decode1, scratch_bytes=lambda **_: 0),
     2: Variant(2, "split keys: chunks of 64 keys across blocks (a thread per key), then a combine kernel "
                   "merging the chunks' softmax states; appends k, v (head size % 4 == 0)",
-               attention_decode2, _check_decode2,
+               _dtypes(attention_decode2), _check_decode2,
                scratch_bytes=lambda B, C, NH, maxT, **_: 4 * B * NH * -(-maxT // DECODE_CHUNK) * (C // NH + 2)),
 }
 ATTENTION_KV_FILL_VARIANTS = {
     1: Variant(1, "one thread per cached element: k, v of positions 0..T-1 from a forward's qkvr",
-               attention_kv_fill1, _check_kv_fill),
+               _dtypes(attention_kv_fill1), _check_kv_fill),
 }
 
 
