@@ -17,6 +17,7 @@ import numpy as np
 
 import lab
 import llmc.ops
+from llmc.bf16 import BF16, from_bf16, round_bf16, to_bf16
 from llmc.ops import attention as A
 from llmc.testing import rel_err
 
@@ -75,8 +76,6 @@ for version in (2, 3):
 # bf16 values, out and lse the exact forward's (out rounded to bf16): the check isolates backward.
 # p and ds are rounded to bf16 before the position products: each part of dinp is checked
 # norm-wise (< 2^-8 of the larger of its norm and a tenth of dinp's, tests/test_attention.py says why)
-from llmc.bf16 import BF16, from_bf16, round_bf16, to_bf16
-
 inp_b = round_bf16(inp)
 outb64, qkvrb64, attb64 = A.attention_forward_ref(inp_b.astype(np.float64), NH)
 dout_b = round_bf16(dout)

@@ -18,6 +18,7 @@ import numpy as np
 
 import lab
 import llmc.ops
+from llmc.bf16 import BF16, from_bf16, round_bf16, to_bf16
 from llmc.ops import attention as A
 from llmc.testing import compare, rel_err
 
@@ -72,8 +73,6 @@ for version in (2, 3):
 # the bf16 builds of 2 and 3: inp, qkvr, out bf16, lse fp32. Inputs rounded to bf16 first, so the
 # float64 reference sees what the kernel sees; p is rounded to bf16 before p v: error <= 2^-9 max|v|
 # per element, plus the rounding of out (tests/test_attention.py derives the bounds used here)
-from llmc.bf16 import BF16, from_bf16, round_bf16, to_bf16
-
 inp_b = round_bf16(inp)
 outb64, qkvrb64, _ = A.attention_forward_ref(inp_b.astype(np.float64), NH)
 lseb64 = A.attention_lse_ref(inp_b.astype(np.float64), NH)
