@@ -864,13 +864,67 @@ __device__ __forceinline__ void fb_mma_pos(float (&acc)[8][4], const float (&S)[
 __device__ __forceinline__ void fb_store2(bf16* dst, float x, float y) {
     *reinterpret_cast<uint32_t*>(dst) = pack_bf16x2(x, y);
 }
+// fb_mma_dim and fb_mma_pos for a warp owning MT m-tiles of 16 rows (the forward's _rows128
+// instantiation has MT = 2): every B fragment read from shared memory feeds MT m-tiles, so the
+// ldmatrix traffic per FLOP is 1/MT of the one-m-tile versions. Same order of operations per row.
+template <int MT>
+__device__ __forceinline__ void fb_mma_dim_m(float (&S)[MT][8][4], const uint32_t (&a)[MT][4][4], const bf16* tile,
+                                             int lb) {
+    const uint32_t base = smem_u32(tile) + 2 * lb;
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int j = 0; j < 8; j++) S[mt][j][0] = S[mt][j][1] = S[mt][j][2] = S[mt][j][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++)
+#pragma unroll
+        for (int jp = 0; jp < 4; jp++) {
+            uint32_t b[4];
+            ldsm_x4(b, base + 2 * (16 * jp * FB_LD + 16 * kk));
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                mma_bf16_16816(S[mt][2 * jp], a[mt][kk], b);
+                mma_bf16_16816(S[mt][2 * jp + 1], a[mt][kk], b + 2);
+            }
+        }
+}
+template <int MT>
+__device__ __forceinline__ void fb_mma_pos_m(float (&acc)[MT][8][4], const float (&S)[MT][8][4], const bf16* tile,
+                                             int la) {
+    const uint32_t base = smem_u32(tile) + 2 * la;
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        uint32_t a[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) {
+            a[mt][0] = pack_bf16x2(S[mt][2 * j][0], S[mt][2 * j][1]);
+            a[mt][1] = pack_bf16x2(S[mt][2 * j][2], S[mt][2 * j][3]);
+            a[mt][2] = pack_bf16x2(S[mt][2 * j + 1][0], S[mt][2 * j + 1][1]);
+            a[mt][3] = pack_bf16x2(S[mt][2 * j + 1][2], S[mt][2 * j + 1][3]);
+        }
+#pragma unroll
+        for (int np = 0; np < 4; np++) {
+            uint32_t b[4];
+            ldsm_x4_trans(b, base + 2 * (16 * j * FB_LD + 16 * np));
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                mma_bf16_16816(acc[mt][2 * np], a[mt], b);
+                mma_bf16_16816(acc[mt][2 * np + 1], a[mt], b + 2);
+            }
+        }
+    }
+}
 
 // Dynamic shared memory (llmc/ops/attention.py, _flash_smem with bf16): as the TF32 kernels' in
 // tiles of FB_TILE_BYTES: forward 2 tiles (4 with PIPE), dq 2 (4) + 64 floats of D, dkdv 4 (6)
 // + 2 (4) x 64 floats of lse and D.
 extern __shared__ __align__(16) unsigned char fb_smem[];
 
-template <bool PIPE>
+// The forward, MT = 1: blocks of 64 query rows like the TF32 kernel; MT = 2 (entry points
+// _rows128): blocks of 128 query rows, a warp owning 32 (two m-tiles), each k, v tile read from
+// shared memory once for both (half the ldmatrix and global traffic per FLOP; the key tiles next to
+// the diagonal do up to 64 rows of fully masked work: exact no-ops, p = 0, corr = 1).
+template <bool PIPE, int MT>
 __device__ __forceinline__ void flash_forward_bf16(bf16* out, float* lse, const bf16* qkvr, int B, int NH, int T,
                                                    float scale) {
     bf16* kv = reinterpret_cast<bf16*>(fb_smem);  // stage i: k at kv + 2i*TILE, v at kv + (2i+1)*TILE
@@ -879,73 +933,89 @@ __device__ __forceinline__ void flash_forward_bf16(bf16* out, float* lse, const 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int la = fb_lane_a(lane), lb = fb_lane_b(lane);
     const bf16 *q = fb_head(qkvr, 0, B, NH, T), *k = fb_head(qkvr, 1, B, NH, T), *v = fb_head(qkvr, 2, B, NH, T);
-    const int q0 = qt * FA_TILE, w0 = warp * 16;
-    const int row[2] = {q0 + w0 + g, q0 + w0 + g + 8};  // this lane's two query positions
-    const float c2 = scale * FA_LOG2E;                  // scores -> log2 units
+    const int q0 = qt * FA_TILE * MT, w0 = warp * 16 * MT;
+    const int nkt = min(MT * (qt + 1), (T + FA_TILE - 1) / FA_TILE);  // key tiles 0..nkt-1 (causal)
+    const int kdiag = MT * qt;  // key tiles from here on can hold keys > some row of the block: masked
+    const float c2 = scale * FA_LOG2E;                                // scores -> log2 units
     auto load = [&](int kt, int buf) { fb_load_kv<PIPE>(kv + 2 * buf * FB_TILE_ELEMS, k, v, kt * FA_TILE, T); };
     if (PIPE) { load(0, 0); cp_async_commit(); }
-    // q goes into registers once, through the last tile buffer (not buffer 0 of a PIPE sweep); the
-    // sweep's first barrier orders these reads before any refill of it
-    bf16* qs = kv + (PIPE ? 3 : 0) * FB_TILE_ELEMS;
-    fb_stage(qs, q, q0, T, FA_D);
+    // q goes into registers once, through the last MT tile buffers (not buffer 0 of a PIPE sweep);
+    // the sweep's first barrier orders these reads before any refill of them
+    bf16* qs = kv + (PIPE ? 4 - MT : 0) * FB_TILE_ELEMS;
+#pragma unroll
+    for (int i = 0; i < MT; i++) fb_stage(qs + i * FB_TILE_ELEMS, q, q0 + i * FA_TILE, T, FA_D);
     __syncthreads();
-    uint32_t qa[4][4];
-    fb_frags_a(qa, qs, w0, la);
+    uint32_t qa[MT][4][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) fb_frags_a(qa[mt], qs, w0 + 16 * mt, la);
 
-    float o[8][4], s[8][4];
+    float o[MT][8][4], s[MT][8][4];
+    float m[MT][2], l[MT][2];  // running max (log2 units), partial sum
 #pragma unroll
-    for (int n = 0; n < 8; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // running max (log2 units), partial sum
+    for (int mt = 0; mt < MT; mt++) {
+#pragma unroll
+        for (int n = 0; n < 8; n++) o[mt][n][0] = o[mt][n][1] = o[mt][n][2] = o[mt][n][3] = 0.f;
+        m[mt][0] = m[mt][1] = -INFINITY;
+        l[mt][0] = l[mt][1] = 0.f;
+    }
     int kt = 0;
-    fa_sweep<PIPE>(qt + 1, load, [&](int buf) {
+    fa_sweep<PIPE>(nkt, load, [&](int buf) {
         const bf16* ks = kv + 2 * buf * FB_TILE_ELEMS;
-        fb_mma_dim(s, qa, ks, lb);  // s = q k^T (16 x 64 per warp)
-        float mx[2] = {m[0], m[1]};
+        fb_mma_dim_m<MT>(s, qa, ks, lb);  // s = q k^T (16 MT x 64 per warp)
 #pragma unroll
-        for (int j = 0; j < 8; j++)
+        for (int mt = 0; mt < MT; mt++) {
+            const int row0 = q0 + w0 + 16 * mt + g;  // this lane's rows: row0, row0 + 8
+            float mx[2] = {m[mt][0], m[mt][1]};
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                float x = s[j][e] * c2;
-                if (kt == qt && kt * FA_TILE + 8 * j + 2 * t + (e & 1) > row[e >> 1]) x = -INFINITY;
-                s[j][e] = x;
-                mx[e >> 1] = fmaxf(mx[e >> 1], x);
-            }
-        float corr[2];
+            for (int j = 0; j < 8; j++)
 #pragma unroll
-        for (int r = 0; r < 2; r++) {  // the 4 lanes of a row hold its 64 columns
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-            corr[r] = fa_exp2(m[r] - mx[r]);  // 0 on the first tile (m = -inf; key 0 is never masked)
-            m[r] = mx[r];
-            l[r] *= corr[r];
-        }
+                for (int e = 0; e < 4; e++) {
+                    float x = s[mt][j][e] * c2;
+                    if (kt >= kdiag && kt * FA_TILE + 8 * j + 2 * t + (e & 1) > row0 + 8 * (e >> 1)) x = -INFINITY;
+                    s[mt][j][e] = x;
+                    mx[e >> 1] = fmaxf(mx[e >> 1], x);
+                }
+            float corr[2];
 #pragma unroll
-        for (int j = 0; j < 8; j++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                float p = fa_exp2(s[j][e] - m[e >> 1]);
-                s[j][e] = p;
-                l[e >> 1] += p;  // the fp32 p: lse stays fp32-accurate (p v uses p rounded to bf16)
+            for (int r = 0; r < 2; r++) {  // the 4 lanes of a row hold its 64 columns
+                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+                corr[r] = fa_exp2(m[mt][r] - mx[r]);  // 0 on the first tile (m = -inf; key 0 is never masked)
+                m[mt][r] = mx[r];
+                l[mt][r] *= corr[r];
             }
 #pragma unroll
-        for (int n = 0; n < 8; n++) {
-            o[n][0] *= corr[0]; o[n][1] *= corr[0];
-            o[n][2] *= corr[1]; o[n][3] *= corr[1];
+            for (int j = 0; j < 8; j++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    float p = fa_exp2(s[mt][j][e] - m[mt][e >> 1]);
+                    s[mt][j][e] = p;
+                    l[mt][e >> 1] += p;  // the fp32 p: lse stays fp32-accurate (p v uses p rounded to bf16)
+                }
+#pragma unroll
+            for (int n = 0; n < 8; n++) {
+                o[mt][n][0] *= corr[0]; o[mt][n][1] *= corr[0];
+                o[mt][n][2] *= corr[1]; o[mt][n][3] *= corr[1];
+            }
         }
-        fb_mma_pos(o, s, ks + FB_TILE_ELEMS, la);  // o += p v
+        fb_mma_pos_m<MT>(o, s, ks + FB_TILE_ELEMS, la);  // o += p v
         kt++;
     });
 #pragma unroll
-    for (int r = 0; r < 2; r++) {
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-        if (row[r] >= T) continue;
-        const float inv = 1.0f / l[r];
-        bf16* dst = out + ((size_t)b * T + row[r]) * C + h * FA_D + 2 * t;
+    for (int mt = 0; mt < MT; mt++)
 #pragma unroll
-        for (int n = 0; n < 8; n++) fb_store2(dst + 8 * n, o[n][2 * r] * inv, o[n][2 * r + 1] * inv);
-        if (t == 0) lse[(size_t)bh * T + row[r]] = (m[r] + __log2f(l[r])) * FA_LN2;
-    }
+        for (int r = 0; r < 2; r++) {
+            const int row = q0 + w0 + 16 * mt + g + 8 * r;
+            float lr = l[mt][r];
+            lr += __shfl_xor_sync(0xffffffffu, lr, 1);
+            lr += __shfl_xor_sync(0xffffffffu, lr, 2);
+            if (row >= T) continue;
+            const float inv = 1.0f / lr;
+            bf16* dst = out + ((size_t)b * T + row) * C + h * FA_D + 2 * t;
+#pragma unroll
+            for (int n = 0; n < 8; n++) fb_store2(dst + 8 * n, o[mt][n][2 * r] * inv, o[mt][n][2 * r + 1] * inv);
+            if (t == 0) lse[(size_t)bh * T + row] = (m[mt][r] + __log2f(lr)) * FA_LN2;
+        }
 }
 
 // Backward, part 1 (bf16): per query tile, D = rowsum(dout * out) (fp32, written for part 2) and
@@ -1134,7 +1204,7 @@ __device__ __forceinline__ void flash_backward_dkdv_bf16(bf16* dinp, const bf16*
 #define FLASH_ENTRIES_BF16(N, PIPE)                                                                          \
     extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_attention_forward_kernel##N##_bf16(       \
         bf16* out, float* lse, const bf16* qkvr, int B, int NH, int T, float scale) {                        \
-        flash_forward_bf16<PIPE>(out, lse, qkvr, B, NH, T, scale);                                           \
+        flash_forward_bf16<PIPE, 1>(out, lse, qkvr, B, NH, T, scale);                                        \
     }                                                                                                        \
     extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_attention_backward_dq_kernel##N##_bf16(   \
         bf16* dinp, float* Dbuf, const bf16* dout, const bf16* out, const bf16* qkvr, const float* lse,      \
@@ -1148,6 +1218,15 @@ __device__ __forceinline__ void flash_backward_dkdv_bf16(bf16* dinp, const bf16*
     }
 FLASH_ENTRIES_BF16(2, false)
 FLASH_ENTRIES_BF16(3, true)
+// the forward with 128-row blocks (MT = 2), for the lab to measure against the 64-row one
+extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_attention_forward_kernel2_bf16_rows128(
+    bf16* out, float* lse, const bf16* qkvr, int B, int NH, int T, float scale) {
+    flash_forward_bf16<false, 2>(out, lse, qkvr, B, NH, T, scale);
+}
+extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_attention_forward_kernel3_bf16_rows128(
+    bf16* out, float* lse, const bf16* qkvr, int B, int NH, int T, float scale) {
+    flash_forward_bf16<true, 2>(out, lse, qkvr, B, NH, T, scale);
+}
 
 // the permute into qkvr for the bf16 builds: 16-byte moves of 8 bf16 (hs % 8 == 0)
 extern "C" __global__ void permute_kernel2_bf16(bf16* dst, const bf16* src, int B, int T, int S, int NH, int hs) {

@@ -487,6 +487,14 @@ def test_flash_attention_bf16_gpu(rt, B, T, C, NH, version):
     poison(d_out, d_lse)
     fwd(d_out, d_qkvr, d_lse, d_inp)
     assert np.array_equal(from_bf16(d_out.get()), out) and np.array_equal(d_lse.get(), lse)
+    # the 128-row-block forward does, per row, the same operations in the same order plus fully
+    # masked tiles (p = 0, corr = 1: exact no-ops): the same bits
+    fwd128 = A.build_flash_attention_forward(rt, B=B, T=T, C=C, NH=NH, version=version, dtype="bf16", rows=128)
+    poison(d_out, d_lse)
+    fwd128(d_out, d_qkvr, d_lse, d_inp)
+    assert np.array_equal(from_bf16(d_out.get()), out), "rows=128: out differs from the 64-row forward"
+    assert np.array_equal(d_lse.get(), lse), "rows=128: lse differs from the 64-row forward"
+    fwd(d_out, d_qkvr, d_lse, d_inp)  # backward below reads the default build's out and lse
 
     bwd(d_dinp, d_dout, d_qkvr, d_lse, d_out)
     dinp = from_bf16(d_dinp.get())
@@ -639,6 +647,21 @@ def test_bf16_flash_fragment_mapping(rng):
             for n in range(8):
                 for e in range(4):
                     assert acc[n][lane][e] == want_o[g + 8 * (e >> 1), 8 * n + 2 * t + (e & 1)]
+
+
+def test_bf16_forward_rows128_builds():
+    """The 128-row-block bf16 forward (a lab option of variants 2, 3) builds on the fake runtime
+    (entry points and argtypes against the PTX), with half the blocks; fp32 and other row counts refuse."""
+    from tests.fake_runtime import FakeRuntime
+    for version in (2, 3):
+        rt = FakeRuntime()
+        launch = A.build_flash_attention_forward(rt, B=2, T=200, C=128, NH=2, version=version, dtype="bf16", rows=128)
+        launch(*(0x1000,) * 4)
+        assert rt.built[-1] == f"flash_attention_forward_kernel{version}_bf16_rows128"
+        assert rt.launches[-1].grid == (2, 4, 1)  # ceil(200 / 128) query blocks x B*NH
+    for dtype, rows in (("fp32", 128), ("bf16", 96)):
+        with pytest.raises(LLMCError, match="rows="):
+            A.build_flash_attention_forward(FakeRuntime(), B=1, T=8, C=64, NH=1, dtype=dtype, rows=rows)
 
 
 def test_bf16_flash_staging_covers_tiles():

@@ -79,10 +79,12 @@ lseb64 = A.attention_lse_ref(inp_b.astype(np.float64), NH)
 d_inp_b = rt.to_device(to_bf16(inp_b))
 d_out_b, d_qkvr_b = rt.empty((B, T, C), BF16), rt.empty((B, T, 3 * C), BF16)
 vmax = float(np.abs(inp_b[..., 2 * C:]).max())
-for version in (2, 3):
-    flash = A.build_flash_attention_forward(rt, B=B, T=T, C=C, NH=NH, version=version, dtype="bf16")
+# rows: query rows per block, 64 (the default build) or 128 (a warp owns two m-tiles, so each k, v
+# fragment read from shared memory serves both: half the ldmatrix traffic per FLOP)
+for version, rows in ((2, 64), (3, 64), (2, 128), (3, 128)):
+    flash = A.build_flash_attention_forward(rt, B=B, T=T, C=C, NH=NH, version=version, dtype="bf16", rows=rows)
     fn = lambda: flash(d_out_b, d_qkvr_b, d_lse, d_inp_b)  # noqa: E731
-    label = f"attention_forward {version} bf16 (flash m16n8k16{', cp.async' if version == 3 else ''})"
+    label = f"attention_forward {version} bf16 (flash m16n8k16{', cp.async' if version == 3 else ''}, {rows} rows)"
     for d in (d_out_b, d_qkvr_b, d_lse):
         d.fill_bytes(0xFF)  # poisoned: 0xFFFF is a bf16 NaN
     fn()

@@ -370,9 +370,11 @@ def _flash_smem(kind, version, dtype="fp32"):
     return tiles * tile_bytes + 4 * rows * FLASH_TILE
 
 
-def _flash_kernel(rt, name, argtypes, kind, version, label, defines=None, dtype="fp32"):
-    suffix = "_bf16" if dtype == "bf16" else ""
-    k = rt.kernel(MODULE, f"{name}{version}{suffix}", argtypes, label=label + (" bf16" if suffix else ""),
+def _flash_kernel(rt, name, argtypes, kind, version, label, defines=None, dtype="fp32", suffix=""):
+    """The kernel <name><version>[_bf16]<suffix> (suffix: an instantiation, e.g. _rows128) and its
+    dynamic shared memory, opted in."""
+    dt = "_bf16" if dtype == "bf16" else ""
+    k = rt.kernel(MODULE, f"{name}{version}{dt}{suffix}", argtypes, label=label + (" bf16" if dt else "") + suffix,
                   defines=defines)
     smem = _flash_smem(kind, version, dtype)
     if smem > rt.max_smem_optin:
@@ -381,16 +383,21 @@ def _flash_kernel(rt, name, argtypes, kind, version, label, defines=None, dtype=
     return k, smem
 
 
-def build_flash_attention_forward(rt, B, T, C, NH, version=2, defines=None, dtype="fp32", **_):
+def build_flash_attention_forward(rt, B, T, C, NH, version=2, defines=None, dtype="fp32", rows=64, **_):
     """launch(out (B,T,C), qkvr (B,T,3C), lse (B,NH,T), inp (B,T,3C)): the permute into qkvr, then
     one fused kernel writing out and the per-row log-sum-exp (saved for backward) for backward.
     version 2: tiles staged by the threads; 3: cp.async double-buffered. dtype "bf16": out, qkvr,
-    inp bf16, lse fp32; bf16 tensor cores (m16n8k16), fp32 softmax."""
+    inp bf16, lse fp32; bf16 tensor cores (m16n8k16), fp32 softmax. rows: query rows per block, 64,
+    or 128 for bf16 (a warp owns two m-tiles: each k, v fragment read once for both; the lab
+    measures it against 64, the default)."""
     _check_attention(B, T, C, NH)
+    if rows not in (64, 128) or (rows == 128 and dtype != "bf16"):
+        raise LLMCError(f"attention_forward {version} (flash): rows={rows}: have 64, and 128 for bf16")
     permute = _build_permute(rt, "permute", B, T, 3, NH, FLASH_HS, dtype)
     k, smem = _flash_kernel(rt, "flash_attention_forward_kernel", "PPPiiif", "fwd", version,
-                            f"attention_forward {version} (flash)", defines, dtype)
-    grid, block = (ceil_div(T, FLASH_TILE), B * NH, 1), (128, 1, 1)
+                            f"attention_forward {version} (flash)", defines, dtype,
+                            suffix="_rows128" if rows == 128 else "")
+    grid, block = (ceil_div(T, rows), B * NH, 1), (128, 1, 1)
     args = (np.int32(B), np.int32(NH), np.int32(T), np.float32(1.0 / math.sqrt(FLASH_HS)))
 
     def launch(out, qkvr, lse, inp):
