@@ -980,7 +980,9 @@ __device__ __forceinline__ void flash_forward_bf16(bf16* out, float* lse, const 
             for (int r = 0; r < 2; r++) {  // the 4 lanes of a row hold its 64 columns
                 mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
                 mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-                corr[r] = fa_exp2(m[mt][r] - mx[r]);  // 0 on the first tile (m = -inf; key 0 is never masked)
+                // 0 on the first tile (m = -inf; key 0 is never masked); exactly 1 when the max
+                // holds (a fully masked tile of a 128-row block is then an exact no-op)
+                corr[r] = mx[r] == m[mt][r] ? 1.f : fa_exp2(m[mt][r] - mx[r]);
                 m[mt][r] = mx[r];
                 l[mt][r] *= corr[r];
             }
