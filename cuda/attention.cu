@@ -16,6 +16,9 @@
 //    used for position pos and written into the caches there, so no separate append launch)
 //   attention_kv_fill_kernel1    after the prompt's forward pass: k, v of positions 0..T-1 from the
 //                                forward's qkvr (q|k|v, each (B,NH,T,hs)) into the caches
+// bf16 (--precision bf16): <name>_bf16 entry points of the fused variants 2, 3 (section at the end;
+// bf16 mma.sync m16n8k16, lse fp32), of the decode kernels and the kv fill (templated on the element
+// type, fp32 math), and permute_kernel2_bf16 (16-byte moves) for the fused forward's qkvr.
 #include "common.cuh"
 #include <cuda_bf16.h>
 
