@@ -40,6 +40,10 @@ softmax kernels mask s > t with selects).
 Variants 2 and 3, fused (head size 64): one kernel computes q k^T, the online softmax and p v tile
 by tile on TF32 tensor cores and keeps only each row's log-sum-exp; backward recomputes the
 probabilities in a dq kernel and a dk/dv kernel (cuda/attention.cu says more).
+
+bf16 builds (--precision bf16): variants 2 and 3 of both directions (bf16 tensor cores, mma.sync
+m16n8k16 with ldmatrix; fp32 softmax; the saved lse (B,NH,T) and the backward's D stay fp32),
+attention_decode 1, 2 and attention_kv_fill 1 (bf16 caches, fp32 math). The composite is fp32 only.
 """
 from __future__ import annotations
 
