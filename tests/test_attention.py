@@ -442,19 +442,47 @@ def test_flash_attention_gpu(rt, B, T, C, NH, version):
 
 
 # bf16 builds of the fused variants. Inputs are bf16 values (round_bf16), so the float64 reference
-# sees exactly what the kernels see, and the error budget is the kernels' own roundings:
+# sees exactly what the kernels see, and the error budget is the kernels' own roundings (one bf16
+# rounding to nearest is off by at most u = 2^-8 relative, half an ulp of 8 significant bits):
 #  - out: the scores are exact bf16 products summed in fp32 (~1e-7 relative); p is rounded to bf16
-#    (<= 2^-9 relative each) before p v, so |error| <= 2^-9 sum_s p_s |v_s| / l <= 2^-9 max|v|, then
-#    the store rounds out once (<= 2^-9 |out|). Allowed, elementwise: 2^-8 max|v| + 2^-8 |ref|
-#    (twice the worst case; averages of v cancel, so the error is set by |v|, not |out|).
+#    (<= u relative each) before p v, so |error| <= u sum_s p_s |v_s| / l <= u max|v|, then the store
+#    rounds out once (<= u |out|). Allowed, elementwise: 2^-7 max|v| + 2^-7 |ref|, twice that worst
+#    case (averages of v cancel, so the error is set by |v|, not |out|; a plain float64 version with
+#    the same roundings measures ~2.3e-3 max|v| at most).
 #  - lse: fp32 all the way (exact products, fp32 sums, ex2/lg2.approx): atol 1e-4 + rtol 1e-5.
 #  - dinp: p and ds = p (dp - D) are rounded to bf16 before the position products, D comes from the
-#    bf16 out, and each gradient is rounded once on the store: a few 2^-9-sized roundings per
-#    term, which add incoherently. dq, dk cancel in (dp - D) (T=1 makes them 0), so each part is
-#    measured norm-wise against the larger of its own norm and a tenth of the whole gradient's, as
-#    the TF32 test does: allowed 2^-8 (half the bf16 ulp at 1, about 2.5x the expected ~1.5e-3).
-BF16_OUT = 2.0 ** -8
-BF16_GRAD_REL = 2.0 ** -8
+#    bf16 out, and each gradient is rounded once on the store: roundings of ~1.6e-3 rms each that
+#    add incoherently, ~2-3e-3 in all. dq, dk cancel in (dp - D) (T=1 makes them 0), so each part
+#    is measured norm-wise against the larger of its own norm and a tenth of the whole gradient's,
+#    as the TF32 test does. The bound is flash-attention's rule: within 2x (+1e-4) of what a plain
+#    float64 implementation with the same bf16 roundings gets (_bf16_backward_plain), and under
+#    2^-6 whatever that gets.
+BF16_OUT = 2.0 ** -7
+
+
+def _bf16_backward_plain(dout, qkvr, att, out, NH):
+    """The backward in float64 with the kernels' bf16 roundings: p rounded before p^T dout, ds =
+    scale p (dp - D) rounded before ds k and ds^T q, D from the bf16 out, dinp rounded on the store."""
+    from llmc.bf16 import round_bf16
+    B, T, C = dout.shape
+    hs = C // NH
+    r = lambda x: round_bf16(x).astype(np.float64)  # noqa: E731
+    q, k, v = qkvr.reshape(3, B, NH, T, hs)
+    dy = dout.reshape(B, T, NH, hs).transpose(0, 2, 1, 3)
+    o = out.reshape(B, T, NH, hs).transpose(0, 2, 1, 3)
+    D = (dy * r(o)).sum(-1, keepdims=True)
+    ds = r(att * (dy @ v.swapaxes(-1, -2) - D) / math.sqrt(hs))
+    dq, dk, dv = r(ds @ k), r(ds.swapaxes(-1, -2) @ q), r(r(att).swapaxes(-1, -2) @ dy)
+    return np.stack([dq, dk, dv]).transpose(1, 3, 0, 2, 4).reshape(B, T, 3 * C)
+
+
+def _part_errors(got, ref, C):
+    """Per part (dq, dk, dv): ||got - ref|| over the larger of ||ref part|| and 0.1 ||ref||."""
+    errs = []
+    for i in range(3):
+        g, w = got[..., i * C:(i + 1) * C], ref[..., i * C:(i + 1) * C]
+        errs.append(np.linalg.norm(g - w) / max(np.linalg.norm(w), 0.1 * np.linalg.norm(ref)))
+    return errs
 
 
 @pytest.mark.gpu
@@ -500,10 +528,9 @@ def test_flash_attention_bf16_gpu(rt, B, T, C, NH, version):
     dinp = from_bf16(d_dinp.get())
     ref = A.attention_backward_ref(dout.astype(np.float64), qkvr64, att64, NH)
     assert np.isfinite(dinp).all(), "dinp: unwritten (NaN) elements"
-    for i, part in enumerate(("dq", "dk", "dv")):
-        got, want = dinp[..., i * C:(i + 1) * C], ref[..., i * C:(i + 1) * C]
-        err = np.linalg.norm(got - want) / max(np.linalg.norm(want), 0.1 * np.linalg.norm(ref))
-        assert err < BF16_GRAD_REL, f"{part}: relative error {err:.2e}"
+    plain = _bf16_backward_plain(dout.astype(np.float64), qkvr64, att64, out64, NH)
+    for part, err, base in zip(("dq", "dk", "dv"), _part_errors(dinp, ref, C), _part_errors(plain, ref, C)):
+        assert err <= 2 * base + 1e-4 and err < 2.0 ** -6, f"{part}: relative error {err:.2e} (plain bf16: {base:.2e})"
     poison(d_dinp)
     bwd(d_dinp, d_dout, d_qkvr, d_lse, d_out)
     assert np.array_equal(from_bf16(d_dinp.get()), dinp), "bf16 flash backward is not deterministic"
@@ -684,7 +711,7 @@ def test_bf16_flash_staging_covers_tiles():
 
 
 # The bf16 decode builds: qkv, caches and out bf16 (values made bf16 first), scores, softmax and
-# sums fp32. Each output element is rounded once (<= 2^-9 relative, allowed 2^-8); the fp32 sums
+# sums fp32. Each output element is rounded once (<= 2^-8 relative, allowed 2^-7); the fp32 sums
 # over <= 1024 keys add ~1e-6 of max|v| (allowed 2^-12 max|v|, absolute: out averages v and can
 # cancel to near 0). The append and the kv fill are copies: exact.
 @pytest.mark.gpu
@@ -710,7 +737,7 @@ def test_attention_decode_bf16_gpu(rt, B, T, C, NH, maxT, version):
     got = from_bf16(d_out.get())
     assert np.isfinite(got).all(), "decode out: unwritten (NaN) elements"
     vmax = np.abs(inp[..., 2 * C:]).max()
-    assert_close(got, out64[:, pos], atol=2.0 ** -12 * vmax, rtol=2.0 ** -8, name="decode out bf16")
+    assert_close(got, out64[:, pos], atol=2.0 ** -12 * vmax, rtol=2.0 ** -7, name="decode out bf16")
     got_k, got_v = from_bf16(d_kc.get()), from_bf16(d_vc.get())
     kc[:, :, pos], vc[:, :, pos] = want_k, want_v
     assert np.array_equal(got_k, kc) and np.array_equal(got_v, vc), "append / cache written outside pos"

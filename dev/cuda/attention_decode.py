@@ -43,7 +43,7 @@ for B in (1, 8):
             L.validate(label, fn, outputs={"out": d_out}, refs={"out": ref}, atol=1e-5, rtol=1e-4)
             L.time(label, fn, bytes=nbytes, ceiling="dram")
         # the bf16 builds: caches, qkv, out bf16 (half the bytes), fp32 math; inputs made bf16 values
-        # first, so the reference sees them; out is rounded once (2^-9 relative, 2^-8 allowed)
+        # first, so the reference sees them; out is rounded once (2^-8 relative, 2^-7 allowed)
         kcb, vcb, qb = round_bf16(kc), round_bf16(vc), round_bf16(q)
         refb = attention_decode_ref(qb.astype(np.float64), kcb.astype(np.float64), vcb.astype(np.float64), pos)
         qkvb = np.concatenate([qb, kcb[:, :, pos].reshape(B, C), vcb[:, :, pos].reshape(B, C)], axis=1)
@@ -56,7 +56,7 @@ for B in (1, 8):
             d_outb.fill_bytes(0xFF)
             fn()
             rt.synchronize()
-            msg = compare(from_bf16(d_outb.get()), refb, 2.0 ** -12 * float(np.abs(vcb).max()), 2.0 ** -8, "out")
+            msg = compare(from_bf16(d_outb.get()), refb, 2.0 ** -12 * float(np.abs(vcb).max()), 2.0 ** -7, "out")
             print(f"  variant {label}: " + (f"MISMATCH\n{msg}" if msg else "matches the reference (out)"))
             if msg:
                 L.failed.append(label)

@@ -71,8 +71,8 @@ for version in (2, 3):
     L.time(label, fn, flops=2 * 2 * B * NH * (nt * (nt + 1) // 2) * 64 * 64 * hs, ceiling="tf32")
 
 # the bf16 builds of 2 and 3: inp, qkvr, out bf16, lse fp32. Inputs rounded to bf16 first, so the
-# float64 reference sees what the kernel sees; p is rounded to bf16 before p v: error <= 2^-9 max|v|
-# per element, plus the rounding of out (tests/test_attention.py derives the bounds used here)
+# float64 reference sees what the kernel sees; p is rounded to bf16 before p v: error <= 2^-8 max|v|
+# per element, plus the rounding of out (2^-8 |out|); allowed twice that (tests/test_attention.py)
 inp_b = round_bf16(inp)
 outb64, qkvrb64, _ = A.attention_forward_ref(inp_b.astype(np.float64), NH)
 lseb64 = A.attention_lse_ref(inp_b.astype(np.float64), NH)
@@ -89,7 +89,7 @@ for version, rows in ((2, 64), (3, 64), (2, 128), (3, 128)):
         d.fill_bytes(0xFF)  # poisoned: 0xFFFF is a bf16 NaN
     fn()
     rt.synchronize()
-    bad = [m for m in (compare(from_bf16(d_out_b.get()), outb64, 2 ** -8 * vmax, 2 ** -8, "out"),
+    bad = [m for m in (compare(from_bf16(d_out_b.get()), outb64, 2 ** -7 * vmax, 2 ** -7, "out"),
                        compare(from_bf16(d_qkvr_b.get()), qkvrb64, 0, 0, "qkvr"),
                        compare(d_lse.get(), lseb64, 1e-4, 1e-5, "lse")) if m]
     print(f"  {label}: " + ("MISMATCH\n" + "\n".join(bad) if bad else "all outputs match the reference (out, qkvr, lse)"))
