@@ -637,6 +637,18 @@ def test_bf16_flash_fragment_mapping(rng):
     exactly (small integers), with every ldmatrix conflict-free."""
     LD, la, lb = _fb_source()
     assert LD % 8 == 0 and LD >= 64
+    # the offsets and the packing modelled below are the kernels' (every helper and the dkdv loop)
+    from llmc.runtime import CUDA_DIR
+    src = " ".join((CUDA_DIR / "attention.cu").read_text().split())
+    for line in ("ldsm_x4(a[kk], base + 2 * 16 * kk);",
+                 "ldsm_x4(b, base + 2 * (16 * jp * FB_LD + 16 * kk));",
+                 "ldsm_x4_trans(b, base + 2 * (16 * j * FB_LD + 16 * np));",
+                 "ldsm_x4(bq, qb + 2 * (16 * jp * FB_LD + 16 * kk));",
+                 "ldsm_x4(ka, ka_base + 2 * 16 * kk);",
+                 "pack_bf16x2(S[2 * j][0], S[2 * j][1]), pack_bf16x2(S[2 * j][2], S[2 * j][3]), "
+                 "pack_bf16x2(S[2 * j + 1][0], S[2 * j + 1][1]), pack_bf16x2(S[2 * j + 1][2], S[2 * j + 1][3])",
+                 "a[mt][2] = pack_bf16x2(S[mt][2 * j + 1][0], S[mt][2 * j + 1][1]);"):
+        assert line in src, f"cuda/attention.cu no longer has: {line}"
     tile = lambda: rng.integers(-8, 9, (64, 64)).astype(np.float64)  # noqa: E731
     Q, K, V = tile(), tile(), tile()
     flat = lambda X: np.pad(X, ((0, 0), (0, LD - 64))).reshape(-1)  # noqa: E731  a staged tile, row stride LD
