@@ -1144,9 +1144,12 @@ __device__ __forceinline__ void flash_backward_dkdv_bf16(bf16* dinp, const bf16*
         }
     };
     if (PIPE) { load(0, 0); cp_async_commit(); }
-    fb_stage(ks, k, k0, T, FA_D);  // read by ldmatrix after the sweep's first barrier
+    fb_stage(ks, k, k0, T, FA_D);
     fb_stage(vs, v, k0, T, FA_D);
-    const uint32_t ka_base = smem_u32(ks) + 2 * (la + w0 * FB_LD), va_base = smem_u32(vs) + 2 * (la + w0 * FB_LD);
+    __syncthreads();
+    uint32_t ka[4][4], va[4][4];  // this warp's 16 keys and values as A fragments, for the whole sweep
+    fb_frags_a(ka, ks, w0, la);
+    fb_frags_a(va, vs, w0, la);
     float dk[8][4], dv[8][4], s[8][4], dp[8][4];
 #pragma unroll
     for (int n = 0; n < 8; n++)
@@ -1166,18 +1169,15 @@ __device__ __forceinline__ void flash_backward_dkdv_bf16(bf16* dinp, const bf16*
             for (int e = 0; e < 4; e++) s[j][e] = dp[j][e] = 0.f;
 #pragma unroll
         for (int kk = 0; kk < 4; kk++) {  // s = k q^T, dp = v dout^T (16 keys x 64 queries per warp)
-            uint32_t ka[4], va[4];
-            ldsm_x4(ka, ka_base + 2 * 16 * kk);
-            ldsm_x4(va, va_base + 2 * 16 * kk);
 #pragma unroll
             for (int jp = 0; jp < 4; jp++) {
                 uint32_t bq[4], bd[4];
                 ldsm_x4(bq, qb + 2 * (16 * jp * FB_LD + 16 * kk));
                 ldsm_x4(bd, db + 2 * (16 * jp * FB_LD + 16 * kk));
-                mma_bf16_16816(s[2 * jp], ka, bq);
-                mma_bf16_16816(s[2 * jp + 1], ka, bq + 2);
-                mma_bf16_16816(dp[2 * jp], va, bd);
-                mma_bf16_16816(dp[2 * jp + 1], va, bd + 2);
+                mma_bf16_16816(s[2 * jp], ka[kk], bq);
+                mma_bf16_16816(s[2 * jp + 1], ka[kk], bq + 2);
+                mma_bf16_16816(dp[2 * jp], va[kk], bd);
+                mma_bf16_16816(dp[2 * jp + 1], va[kk], bd + 2);
             }
         }
 #pragma unroll
