@@ -16,7 +16,28 @@
 //    used for position pos and written into the caches there, so no separate append launch)
 //   attention_kv_fill_kernel1    after the prompt's forward pass: k, v of positions 0..T-1 from the
 //                                forward's qkvr (q|k|v, each (B,NH,T,hs)) into the caches
+// bf16 (--precision bf16): <name>_bf16 entry points of the fused variants 2, 3 (section at the end;
+// bf16 mma.sync m16n8k16, lse fp32), of the decode kernels and the kv fill (templated on the element
+// type, fp32 math), and permute_kernel2_bf16 (16-byte moves) for the fused forward's qkvr.
 #include "common.cuh"
+#include <cuda_bf16.h>
+
+typedef __nv_bfloat16 bf16;
+// element <-> fp32 for the kernels templated on the storage type (float or bf16): loads widen
+// exactly, stores round to nearest even
+__device__ __forceinline__ float to_f(float x) { return x; }
+__device__ __forceinline__ float to_f(bf16 x) { return __bfloat162float(x); }
+template <typename E> __device__ __forceinline__ E from_f(float x);
+template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
+template <> __device__ __forceinline__ bf16 from_f<bf16>(float x) { return __float2bfloat16_rn(x); }
+// 4 consecutive elements (16 bytes of fp32, 8 of bf16; p aligned to that) as a float4
+__device__ __forceinline__ float4 load4f(const float* p) { return *reinterpret_cast<const float4*>(p); }
+__device__ __forceinline__ float4 load4f(const bf16* p) {
+    const uint2 u = *reinterpret_cast<const uint2*>(p);
+    const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
+    const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
+    return make_float4(lo.x, lo.y, hi.x, hi.y);
+}
 
 // ----------------------------------------------------------------------------------------------
 // permutes between (B, T, S, NH, hs) and (S, B, NH, T, hs); S = 3 for q|k|v, 1 for y.
@@ -66,9 +87,12 @@ extern "C" __global__ void unpermute_kernel2(float* dst, const float* src, int B
 // kcache/vcache (B, NH, maxT, hs) hold positions 0..pos-1. The new k, v are read from qkv for
 // position pos and written into the caches at pos by the one block (or chunk) that covers pos;
 // nothing else reads the caches at pos during the launch.
+// Every decode kernel is templated on the element type E of out, qkv and the caches (float, or bf16
+// for the _bf16 entry points); scores, softmax and sums are fp32 either way.
 // Version 1: one block per (b, h). Dynamic smem: hs (q) + maxT (scores) + blockDim.x floats.
-extern "C" __global__ void attention_decode_kernel1(float* out, const float* qkv, float* kcache, float* vcache,
-                                                    const int* posp, int B, int NH, int hs, int maxT, float scale) {
+template <typename E>
+__device__ __forceinline__ void attention_decode1(E* out, const E* qkv, E* kcache, E* vcache, const int* posp,
+                                                  int B, int NH, int hs, int maxT, float scale) {
     extern __shared__ float sm[];
     int pos = *posp;
     float* sq = sm;             // (hs)
@@ -77,20 +101,20 @@ extern "C" __global__ void attention_decode_kernel1(float* out, const float* qkv
     __shared__ float red[WARP_SIZE];
     int bh = blockIdx.x, b = bh / NH, h = bh % NH, C = NH * hs;
     int tid = threadIdx.x, lane = tid % WARP_SIZE, warp = tid / WARP_SIZE, nwarps = blockDim.x / WARP_SIZE;
-    const float* k = kcache + (size_t)bh * maxT * hs;
-    const float* v = vcache + (size_t)bh * maxT * hs;
-    const float* row = qkv + (size_t)b * 3 * C + h * hs;  // q; + C: the new k; + 2C: the new v
+    const E* k = kcache + (size_t)bh * maxT * hs;
+    const E* v = vcache + (size_t)bh * maxT * hs;
+    const E* row = qkv + (size_t)b * 3 * C + h * hs;  // q; + C: the new k; + 2C: the new v
     for (int d = tid; d < hs; d += blockDim.x) {
-        sq[d] = row[d] * scale;
+        sq[d] = to_f(row[d]) * scale;
         kcache[((size_t)bh * maxT + pos) * hs + d] = row[C + d];      // append (read from qkv below)
         vcache[((size_t)bh * maxT + pos) * hs + d] = row[2 * C + d];
     }
     __syncthreads();
     // scores: one warp per cached key, lanes across hs
     for (int s = warp; s <= pos; s += nwarps) {
-        const float* kr = s == pos ? row + C : k + (size_t)s * hs;
+        const E* kr = s == pos ? row + C : k + (size_t)s * hs;
         float dot = 0.0f;
-        for (int d = lane; d < hs; d += WARP_SIZE) dot += sq[d] * kr[d];
+        for (int d = lane; d < hs; d += WARP_SIZE) dot += sq[d] * to_f(kr[d]);
         dot = warp_reduce_sum(dot);
         if (lane == 0) sp[s] = dot;
     }
@@ -108,15 +132,23 @@ extern "C" __global__ void attention_decode_kernel1(float* out, const float* qkv
     for (int i = tid; i < G * hs; i += blockDim.x) {
         int g = i / hs, d = i % hs;
         float acc = 0.0f;
-        for (int s = g; s <= pos; s += G) acc += sp[s] * (s == pos ? row[2 * C + d] : v[(size_t)s * hs + d]);
+        for (int s = g; s <= pos; s += G) acc += sp[s] * to_f(s == pos ? row[2 * C + d] : v[(size_t)s * hs + d]);
         part[i] = acc;
     }
     __syncthreads();
     for (int d = tid; d < hs; d += blockDim.x) {
         float acc = 0.0f;
         for (int g = 0; g < G; g++) acc += part[g * hs + d];
-        out[(size_t)b * C + h * hs + d] = acc * inv;
+        out[(size_t)b * C + h * hs + d] = from_f<E>(acc * inv);
     }
+}
+extern "C" __global__ void attention_decode_kernel1(float* out, const float* qkv, float* kcache, float* vcache,
+                                                    const int* posp, int B, int NH, int hs, int maxT, float scale) {
+    attention_decode1<float>(out, qkv, kcache, vcache, posp, B, NH, hs, maxT, scale);
+}
+extern "C" __global__ void attention_decode_kernel1_bf16(bf16* out, const bf16* qkv, bf16* kcache, bf16* vcache,
+                                                         const int* posp, int B, int NH, int hs, int maxT, float scale) {
+    attention_decode1<bf16>(out, qkv, kcache, vcache, posp, B, NH, hs, maxT, scale);
 }
 
 // version 2, split over the keys ("flash decoding"): kernel 1 runs one block per (b, h), a dozen
@@ -128,8 +160,10 @@ extern "C" __global__ void attention_decode_kernel1(float* out, const float* qkv
 // exp(score - m)). attention_decode_combine_kernel2 rescales the chunks to the global max and
 // normalises. Block: 128 threads (2 groups of hs for p @ v when hs = 64). hs % 4 == 0.
 #define DECODE_CHUNK 64
-extern "C" __global__ void __launch_bounds__(128) attention_decode_kernel2(float* part, const float* qkv,
-        float* kcache, float* vcache, const int* posp, int B, int NH, int hs, int maxT, float scale) {
+// part is fp32 in both builds.
+template <typename E>
+__device__ __forceinline__ void attention_decode2(float* part, const E* qkv, E* kcache, E* vcache, const int* posp,
+                                                  int B, int NH, int hs, int maxT, float scale) {
     extern __shared__ float4 sm4[];
     float* sq = reinterpret_cast<float*>(sm4);  // (hs) the scaled query
     float* sp = sq + hs;                        // (DECODE_CHUNK) scores, then exp(score - m)
@@ -139,12 +173,12 @@ extern "C" __global__ void __launch_bounds__(128) attention_decode_kernel2(float
     float* dst = part + ((size_t)bh * gridDim.y + chunk) * (hs + 2);
     const int n = min(pos + 1 - s0, DECODE_CHUNK);
     const int b = bh / NH, h = bh % NH, C = NH * hs, tid = threadIdx.x, hs4 = hs / 4;
-    const float* k = kcache + ((size_t)bh * maxT + s0) * hs;
-    const float* v = vcache + ((size_t)bh * maxT + s0) * hs;
-    const float* row = qkv + (size_t)b * 3 * C + h * hs;  // q; + C: the new k; + 2C: the new v
-    const int last = pos - s0;                            // the new token's index here, if < n
+    const E* k = kcache + ((size_t)bh * maxT + s0) * hs;
+    const E* v = vcache + ((size_t)bh * maxT + s0) * hs;
+    const E* row = qkv + (size_t)b * 3 * C + h * hs;  // q; + C: the new k; + 2C: the new v
+    const int last = pos - s0;                        // the new token's index here, if < n
     for (int d = tid; d < hs; d += blockDim.x) {
-        sq[d] = row[d] * scale;
+        sq[d] = to_f(row[d]) * scale;
         if (last < n) {                                   // this chunk covers pos: append
             kcache[((size_t)bh * maxT + pos) * hs + d] = row[C + d];
             vcache[((size_t)bh * maxT + pos) * hs + d] = row[2 * C + d];
@@ -153,11 +187,11 @@ extern "C" __global__ void __launch_bounds__(128) attention_decode_kernel2(float
     __syncthreads();
     const float4* sq4 = reinterpret_cast<const float4*>(sq);
     for (int s = tid; s < n; s += blockDim.x) {
-        const float4* kr = reinterpret_cast<const float4*>(s == last ? row + C : k + (size_t)s * hs);
+        const E* kr = s == last ? row + C : k + (size_t)s * hs;
         float dot = 0.0f;
 #pragma unroll 8
         for (int i = 0; i < hs4; i++) {
-            const float4 kv = kr[i], qv = sq4[i];
+            const float4 kv = load4f(kr + 4 * i), qv = sq4[i];
             dot = fmaf(qv.x, kv.x, fmaf(qv.y, kv.y, fmaf(qv.z, kv.z, fmaf(qv.w, kv.w, dot))));
         }
         sp[s] = dot;
@@ -177,7 +211,7 @@ extern "C" __global__ void __launch_bounds__(128) attention_decode_kernel2(float
     for (int i = tid; i < G * hs; i += blockDim.x) {
         const int g = i / hs, d = i % hs;
         float a = 0.0f;
-        for (int s = g; s < n; s += G) a = fmaf(sp[s], s == last ? row[2 * C + d] : v[(size_t)s * hs + d], a);
+        for (int s = g; s < n; s += G) a = fmaf(sp[s], to_f(s == last ? row[2 * C + d] : v[(size_t)s * hs + d]), a);
         acc[i] = a;
     }
     __syncthreads();
@@ -187,11 +221,20 @@ extern "C" __global__ void __launch_bounds__(128) attention_decode_kernel2(float
         dst[d] = a;
     }
 }
+extern "C" __global__ void __launch_bounds__(128) attention_decode_kernel2(float* part, const float* qkv,
+        float* kcache, float* vcache, const int* posp, int B, int NH, int hs, int maxT, float scale) {
+    attention_decode2<float>(part, qkv, kcache, vcache, posp, B, NH, hs, maxT, scale);
+}
+extern "C" __global__ void __launch_bounds__(128) attention_decode_kernel2_bf16(float* part, const bf16* qkv,
+        bf16* kcache, bf16* vcache, const int* posp, int B, int NH, int hs, int maxT, float scale) {
+    attention_decode2<bf16>(part, qkv, kcache, vcache, posp, B, NH, hs, maxT, scale);
+}
 
 // Merge the chunks 0..pos/64 of each (b, h): out = sum_c e^(m_c - M) o_c / sum_c e^(m_c - M) l_c,
 // M the largest m_c. One block per (b, h), a thread per channel of the head.
-extern "C" __global__ void attention_decode_combine_kernel2(float* out, const float* part, const int* posp,
-                                                            int NH, int hs, int chunks) {
+template <typename E>
+__device__ __forceinline__ void attention_decode_combine2(E* out, const float* part, const int* posp, int NH, int hs,
+                                                          int chunks) {
     const int bh = blockIdx.x, b = bh / NH, h = bh % NH, used = *posp / DECODE_CHUNK + 1;
     const float* p = part + (size_t)bh * chunks * (hs + 2);
     float M = -FLT_MAX;
@@ -204,14 +247,23 @@ extern "C" __global__ void attention_decode_combine_kernel2(float* out, const fl
             L = fmaf(w, pc[hs + 1], L);
             a = fmaf(w, pc[d], a);
         }
-        out[(size_t)b * NH * hs + h * hs + d] = a / L;
+        out[(size_t)b * NH * hs + h * hs + d] = from_f<E>(a / L);
     }
+}
+extern "C" __global__ void attention_decode_combine_kernel2(float* out, const float* part, const int* posp,
+                                                            int NH, int hs, int chunks) {
+    attention_decode_combine2<float>(out, part, posp, NH, hs, chunks);
+}
+extern "C" __global__ void attention_decode_combine_kernel2_bf16(bf16* out, const float* part, const int* posp,
+                                                                 int NH, int hs, int chunks) {
+    attention_decode_combine2<bf16>(out, part, posp, NH, hs, chunks);
 }
 
 // qkvr holds q | k | v, each (B, NH, T, hs) (what attention_forward saves); copy k and v into
 // positions 0..T-1 of the caches (B, NH, maxT, hs). One thread per element of k.
-extern "C" __global__ void attention_kv_fill_kernel1(float* kcache, float* vcache, const float* qkvr,
-                                                     int B, int NH, int T, int hs, int maxT) {
+template <typename E>
+__device__ __forceinline__ void attention_kv_fill1(E* kcache, E* vcache, const E* qkvr, int B, int NH, int T, int hs,
+                                                   int maxT) {
     size_t n = (size_t)B * NH * T * hs;
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
@@ -219,6 +271,14 @@ extern "C" __global__ void attention_kv_fill_kernel1(float* kcache, float* vcach
     size_t dst = (bh * maxT + t) * hs + d;
     kcache[dst] = qkvr[n + i];
     vcache[dst] = qkvr[2 * n + i];
+}
+extern "C" __global__ void attention_kv_fill_kernel1(float* kcache, float* vcache, const float* qkvr,
+                                                     int B, int NH, int T, int hs, int maxT) {
+    attention_kv_fill1<float>(kcache, vcache, qkvr, B, NH, T, hs, maxT);
+}
+extern "C" __global__ void attention_kv_fill_kernel1_bf16(bf16* kcache, bf16* vcache, const bf16* qkvr,
+                                                          int B, int NH, int T, int hs, int maxT) {
+    attention_kv_fill1<bf16>(kcache, vcache, qkvr, B, NH, T, hs, maxT);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -696,3 +756,484 @@ __device__ __forceinline__ void flash_backward_dkdv(float* dinp, const float* do
     }
 FLASH_ENTRIES(2, false)
 FLASH_ENTRIES(3, true)
+
+// ----------------------------------------------------------------------------------------------
+// Fused causal attention in bf16: the bf16 builds of attention variants 2 and 3 (entry points
+// <name><N>_bf16). The same algorithm, blocks, tiles, sweeps, causal skipping and pipelining (N = 2
+// staged by the threads, N = 3 cp.async double-buffered) as the TF32 kernels above; q, k, v (qkvr),
+// out, dout and dinp are bf16, the log-sum-exp lse and D = rowsum(dout * out) stay fp32 (B,NH,T).
+// Every product runs on mma.sync m16n8k16 bf16 with fp32 accumulators: q k^T and dout v^T (scores,
+// dp), then p v, ds k, p^T dout and ds^T q with p and ds rounded to bf16 as the A operand (what
+// FlashAttention does in fp16/bf16). The online softmax, lse, D and every sum stay fp32; the
+// outputs are rounded once, on the store.
+//
+// Shared tiles are 64 rows of FB_LD = 72 bf16 (144 bytes: rows are 16-byte aligned for cp.async
+// and ldmatrix, and the 8 row addresses of one 8x8 ldmatrix matrix, 36 words apart, land in 8
+// distinct groups of 4 banks: conflict-free). Every operand is read from shared memory with
+// ldmatrix (layouts at mma_bf16_16816 / ldsm_x4_trans in mma.cuh; g = lane/4, t = lane%4):
+//  A, rows x head dims (q, dout; k, v in dkdv), k-step kk = dims 16kk..16kk+15: ldsm_x4 with lane l
+//    pointing at row (l & 7) + 8 ((l >> 3) & 1), dim 16kk + 8 (l >> 4): matrices 0..3 are rows 0-7 /
+//    8-15 x dims +0, then +8, so d0..d3 = a0..a3.
+//  B contracting over the head dim (k in q k^T, v in dout v^T; q, dout in dkdv): tile rows are B's
+//    n, dims its k. ldsm_x4 of positions 16jp..16jp+15: lane l points at position 16jp + (l & 7)
+//    + 8 (l >> 4), dim 16kk + 8 ((l >> 3) & 1): d0, d1 = b0, b1 of n-tile 2jp; d2, d3 of n-tile 2jp+1.
+//  B contracting over positions (v in p v, k in ds k; dout, q in dkdv): tile rows are B's k, dims
+//    its n: the transposing load. ldsm_x4_trans of positions 16j..16j+15 x dims 16np..16np+15: lane
+//    l points at position 16j + (l & 7) + 8 ((l >> 3) & 1), dim 16np + 8 (l >> 4) (the A pattern):
+//    d0, d1 = b0, b1 of n-tile 2np; d2, d3 of n-tile 2np+1.
+//  A contracting over positions (p, ds) is the previous product's accumulators, packed: see mma.cuh.
+#define FB_LD 72                             // shared row stride in bf16
+#define FB_TILE_ELEMS (FA_TILE * FB_LD)      // bf16 per staged 64 x 64 tile
+#define FB_TILE_BYTES (FB_TILE_ELEMS * 2)    // 9216
+
+// rows r0..r0+63 (row stride ld elements) of g into the shared tile s, by the threads; rows >= T are 0
+__device__ __forceinline__ void fb_stage(bf16* s, const bf16* g, int r0, int T, int ld) {
+#pragma unroll
+    for (int i = 0; i < FA_TILE * FA_D / 8 / FA_THREADS; i++) {
+        int idx = threadIdx.x + i * FA_THREADS;
+        int r = idx >> 3, c = (idx & 7) * 8;  // 8 chunks of 16 bytes per row
+        uint4 v = make_uint4(0u, 0u, 0u, 0u);
+        if (r0 + r < T) v = *reinterpret_cast<const uint4*>(g + (size_t)(r0 + r) * ld + c);
+        *reinterpret_cast<uint4*>(s + r * FB_LD + c) = v;
+    }
+}
+// the same rows with cp.async (not waited for); rows >= T are zero-filled
+__device__ __forceinline__ void fb_stage_async(bf16* s, const bf16* g, int r0, int T, int ld) {
+#pragma unroll
+    for (int i = 0; i < FA_TILE * FA_D / 8 / FA_THREADS; i++) {
+        int idx = threadIdx.x + i * FA_THREADS;
+        int r = idx >> 3, c = (idx & 7) * 8;
+        bool ok = r0 + r < T;
+        const bf16* src = g + (size_t)(ok ? r0 + r : 0) * ld + c;
+        cp_async16(smem_u32(s + r * FB_LD + c), src, ok ? 16 : 0);
+    }
+}
+__device__ __forceinline__ const bf16* fb_head(const bf16* qkvr, int which, int B, int NH, int T) {
+    return qkvr + ((size_t)which * B * NH + blockIdx.y) * T * FA_D;
+}
+template <bool PIPE>
+__device__ __forceinline__ void fb_load_kv(bf16* s, const bf16* k, const bf16* v, int r0, int T) {
+    if (PIPE) {
+        fb_stage_async(s, k, r0, T, FA_D);
+        fb_stage_async(s + FB_TILE_ELEMS, v, r0, T, FA_D);
+    } else {
+        fb_stage(s, k, r0, T, FA_D);
+        fb_stage(s + FB_TILE_ELEMS, v, r0, T, FA_D);
+    }
+}
+// this lane's ldmatrix offset (elements) in the A / transposed-B pattern and in the B pattern
+__device__ __forceinline__ int fb_lane_a(int lane) { return ((lane & 7) + 8 * ((lane >> 3) & 1)) * FB_LD + 8 * (lane >> 4); }
+__device__ __forceinline__ int fb_lane_b(int lane) { return ((lane & 7) + 8 * (lane >> 4)) * FB_LD + 8 * ((lane >> 3) & 1); }
+
+// the A fragments (4 k-steps over the head dim) of rows row0..row0+15 of a staged tile
+__device__ __forceinline__ void fb_frags_a(uint32_t (&a)[4][4], const bf16* s, int row0, int la) {
+    const uint32_t base = smem_u32(s) + 2 * (la + row0 * FB_LD);
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) ldsm_x4(a[kk], base + 2 * 16 * kk);
+}
+// S (16 x 64) = A-rows (16 x 64 head dims, fragments a) @ tile^T (the tile's 64 rows are S's columns)
+__device__ __forceinline__ void fb_mma_dim(float (&S)[8][4], const uint32_t (&a)[4][4], const bf16* tile, int lb) {
+    const uint32_t base = smem_u32(tile) + 2 * lb;
+#pragma unroll
+    for (int j = 0; j < 8; j++) S[j][0] = S[j][1] = S[j][2] = S[j][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++)
+#pragma unroll
+        for (int jp = 0; jp < 4; jp++) {  // 8 independent accumulators per k-step
+            uint32_t b[4];
+            ldsm_x4(b, base + 2 * (16 * jp * FB_LD + 16 * kk));
+            mma_bf16_16816(S[2 * jp], a[kk], b);
+            mma_bf16_16816(S[2 * jp + 1], a[kk], b + 2);
+        }
+}
+// acc (16 x 64 head dims) += S (16 x 64 positions, accumulator layout, rounded to bf16) @ tile (64 x 64)
+__device__ __forceinline__ void fb_mma_pos(float (&acc)[8][4], const float (&S)[8][4], const bf16* tile, int la) {
+    const uint32_t base = smem_u32(tile) + 2 * la;
+#pragma unroll
+    for (int j = 0; j < 4; j++) {  // k-step j: positions 16j..16j+15 = accumulator n-tiles 2j, 2j+1
+        const uint32_t a[4] = {pack_bf16x2(S[2 * j][0], S[2 * j][1]), pack_bf16x2(S[2 * j][2], S[2 * j][3]),
+                               pack_bf16x2(S[2 * j + 1][0], S[2 * j + 1][1]),
+                               pack_bf16x2(S[2 * j + 1][2], S[2 * j + 1][3])};
+#pragma unroll
+        for (int np = 0; np < 4; np++) {
+            uint32_t b[4];
+            ldsm_x4_trans(b, base + 2 * (16 * j * FB_LD + 16 * np));
+            mma_bf16_16816(acc[2 * np], a, b);
+            mma_bf16_16816(acc[2 * np + 1], a, b + 2);
+        }
+    }
+}
+// a row's two adjacent accumulator values, rounded to bf16, as one 4-byte store
+__device__ __forceinline__ void fb_store2(bf16* dst, float x, float y) {
+    *reinterpret_cast<uint32_t*>(dst) = pack_bf16x2(x, y);
+}
+// fb_mma_dim and fb_mma_pos for a warp owning MT m-tiles of 16 rows (the forward's _rows128
+// instantiation has MT = 2): every B fragment read from shared memory feeds MT m-tiles, so the
+// ldmatrix traffic per FLOP is 1/MT of the one-m-tile versions. Same order of operations per row.
+template <int MT>
+__device__ __forceinline__ void fb_mma_dim_m(float (&S)[MT][8][4], const uint32_t (&a)[MT][4][4], const bf16* tile,
+                                             int lb) {
+    const uint32_t base = smem_u32(tile) + 2 * lb;
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int j = 0; j < 8; j++) S[mt][j][0] = S[mt][j][1] = S[mt][j][2] = S[mt][j][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++)
+#pragma unroll
+        for (int jp = 0; jp < 4; jp++) {
+            uint32_t b[4];
+            ldsm_x4(b, base + 2 * (16 * jp * FB_LD + 16 * kk));
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                mma_bf16_16816(S[mt][2 * jp], a[mt][kk], b);
+                mma_bf16_16816(S[mt][2 * jp + 1], a[mt][kk], b + 2);
+            }
+        }
+}
+template <int MT>
+__device__ __forceinline__ void fb_mma_pos_m(float (&acc)[MT][8][4], const float (&S)[MT][8][4], const bf16* tile,
+                                             int la) {
+    const uint32_t base = smem_u32(tile) + 2 * la;
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        uint32_t a[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) {
+            a[mt][0] = pack_bf16x2(S[mt][2 * j][0], S[mt][2 * j][1]);
+            a[mt][1] = pack_bf16x2(S[mt][2 * j][2], S[mt][2 * j][3]);
+            a[mt][2] = pack_bf16x2(S[mt][2 * j + 1][0], S[mt][2 * j + 1][1]);
+            a[mt][3] = pack_bf16x2(S[mt][2 * j + 1][2], S[mt][2 * j + 1][3]);
+        }
+#pragma unroll
+        for (int np = 0; np < 4; np++) {
+            uint32_t b[4];
+            ldsm_x4_trans(b, base + 2 * (16 * j * FB_LD + 16 * np));
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                mma_bf16_16816(acc[mt][2 * np], a[mt], b);
+                mma_bf16_16816(acc[mt][2 * np + 1], a[mt], b + 2);
+            }
+        }
+    }
+}
+
+// Dynamic shared memory (llmc/ops/attention.py, _flash_smem with bf16): as the TF32 kernels' in
+// tiles of FB_TILE_BYTES: forward 2 tiles (4 with PIPE), dq 2 (4) + 64 floats of D, dkdv 4 (6)
+// + 2 (4) x 64 floats of lse and D.
+extern __shared__ __align__(16) unsigned char fb_smem[];
+
+// The forward, MT = 1: blocks of 64 query rows like the TF32 kernel; MT = 2 (entry points
+// _rows128): blocks of 128 query rows, a warp owning 32 (two m-tiles), each k, v tile read from
+// shared memory once for both (half the ldmatrix and global traffic per FLOP; the key tiles next to
+// the diagonal do up to 64 rows of fully masked work: exact no-ops, p = 0, corr = 1).
+template <bool PIPE, int MT>
+__device__ __forceinline__ void flash_forward_bf16(bf16* out, float* lse, const bf16* qkvr, int B, int NH, int T,
+                                                   float scale) {
+    bf16* kv = reinterpret_cast<bf16*>(fb_smem);  // stage i: k at kv + 2i*TILE, v at kv + (2i+1)*TILE
+    const int qt = gridDim.x - 1 - blockIdx.x;    // the query tiles with the most key tiles first
+    const int bh = blockIdx.y, b = bh / NH, h = bh % NH, C = NH * FA_D;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int la = fb_lane_a(lane), lb = fb_lane_b(lane);
+    const bf16 *q = fb_head(qkvr, 0, B, NH, T), *k = fb_head(qkvr, 1, B, NH, T), *v = fb_head(qkvr, 2, B, NH, T);
+    const int q0 = qt * FA_TILE * MT, w0 = warp * 16 * MT;
+    const int nkt = min(MT * (qt + 1), (T + FA_TILE - 1) / FA_TILE);  // key tiles 0..nkt-1 (causal)
+    const int kdiag = MT * qt;  // key tiles from here on can hold keys > some row of the block: masked
+    const float c2 = scale * FA_LOG2E;                                // scores -> log2 units
+    auto load = [&](int kt, int buf) { fb_load_kv<PIPE>(kv + 2 * buf * FB_TILE_ELEMS, k, v, kt * FA_TILE, T); };
+    if (PIPE) { load(0, 0); cp_async_commit(); }
+    // q goes into registers once, through the last MT tile buffers (not buffer 0 of a PIPE sweep);
+    // the sweep's first barrier orders these reads before any refill of them
+    bf16* qs = kv + (PIPE ? 4 - MT : 0) * FB_TILE_ELEMS;
+#pragma unroll
+    for (int i = 0; i < MT; i++) fb_stage(qs + i * FB_TILE_ELEMS, q, q0 + i * FA_TILE, T, FA_D);
+    __syncthreads();
+    uint32_t qa[MT][4][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) fb_frags_a(qa[mt], qs, w0 + 16 * mt, la);
+
+    float o[MT][8][4], s[MT][8][4];
+    float m[MT][2], l[MT][2];  // running max (log2 units), partial sum
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+#pragma unroll
+        for (int n = 0; n < 8; n++) o[mt][n][0] = o[mt][n][1] = o[mt][n][2] = o[mt][n][3] = 0.f;
+        m[mt][0] = m[mt][1] = -INFINITY;
+        l[mt][0] = l[mt][1] = 0.f;
+    }
+    int kt = 0;
+    fa_sweep<PIPE>(nkt, load, [&](int buf) {
+        const bf16* ks = kv + 2 * buf * FB_TILE_ELEMS;
+        fb_mma_dim_m<MT>(s, qa, ks, lb);  // s = q k^T (16 MT x 64 per warp)
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) {
+            const int row0 = q0 + w0 + 16 * mt + g;  // this lane's rows: row0, row0 + 8
+            float mx[2] = {m[mt][0], m[mt][1]};
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    float x = s[mt][j][e] * c2;
+                    if (kt >= kdiag && kt * FA_TILE + 8 * j + 2 * t + (e & 1) > row0 + 8 * (e >> 1)) x = -INFINITY;
+                    s[mt][j][e] = x;
+                    mx[e >> 1] = fmaxf(mx[e >> 1], x);
+                }
+            float corr[2];
+#pragma unroll
+            for (int r = 0; r < 2; r++) {  // the 4 lanes of a row hold its 64 columns
+                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+                // 0 on the first tile (m = -inf; key 0 is never masked); exactly 1 when the max
+                // holds (a fully masked tile of a 128-row block is then an exact no-op)
+                corr[r] = mx[r] == m[mt][r] ? 1.f : fa_exp2(m[mt][r] - mx[r]);
+                m[mt][r] = mx[r];
+                l[mt][r] *= corr[r];
+            }
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    float p = fa_exp2(s[mt][j][e] - m[mt][e >> 1]);
+                    s[mt][j][e] = p;
+                    l[mt][e >> 1] += p;  // the fp32 p: lse stays fp32-accurate (p v uses p rounded to bf16)
+                }
+#pragma unroll
+            for (int n = 0; n < 8; n++) {
+                o[mt][n][0] *= corr[0]; o[mt][n][1] *= corr[0];
+                o[mt][n][2] *= corr[1]; o[mt][n][3] *= corr[1];
+            }
+        }
+        fb_mma_pos_m<MT>(o, s, ks + FB_TILE_ELEMS, la);  // o += p v
+        kt++;
+    });
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            const int row = q0 + w0 + 16 * mt + g + 8 * r;
+            float lr = l[mt][r];
+            lr += __shfl_xor_sync(0xffffffffu, lr, 1);
+            lr += __shfl_xor_sync(0xffffffffu, lr, 2);
+            if (row >= T) continue;
+            const float inv = 1.0f / lr;
+            bf16* dst = out + ((size_t)b * T + row) * C + h * FA_D + 2 * t;
+#pragma unroll
+            for (int n = 0; n < 8; n++) fb_store2(dst + 8 * n, o[mt][n][2 * r] * inv, o[mt][n][2 * r + 1] * inv);
+            if (t == 0) lse[(size_t)bh * T + row] = (m[mt][r] + __log2f(lr)) * FA_LN2;
+        }
+}
+
+// Backward, part 1 (bf16): per query tile, D = rowsum(dout * out) (fp32, written for part 2) and
+// dq = scale * sum over key tiles of (p * (dp - D)) k, with p = exp(scale q k^T - lse), dp = dout v^T.
+template <bool PIPE>
+__device__ __forceinline__ void flash_backward_dq_bf16(bf16* dinp, float* Dbuf, const bf16* dout, const bf16* out,
+                                                       const bf16* qkvr, const float* lse, int B, int NH, int T,
+                                                       float scale) {
+    bf16* kv = reinterpret_cast<bf16*>(fb_smem);
+    float* dsm = reinterpret_cast<float*>(fb_smem + (PIPE ? 4 : 2) * FB_TILE_BYTES);
+    const int qt = gridDim.x - 1 - blockIdx.x;
+    const int bh = blockIdx.y, b = bh / NH, h = bh % NH, C = NH * FA_D;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int la = fb_lane_a(lane), lb = fb_lane_b(lane);
+    const bf16 *q = fb_head(qkvr, 0, B, NH, T), *k = fb_head(qkvr, 1, B, NH, T), *v = fb_head(qkvr, 2, B, NH, T);
+    const int q0 = qt * FA_TILE, w0 = warp * 16;
+    const int row[2] = {q0 + w0 + g, q0 + w0 + g + 8};
+    const float c2 = scale * FA_LOG2E;
+    const size_t rowbase = (size_t)b * T * C + h * FA_D;  // + t * C: row t of this head in out / dout
+    auto load = [&](int kt, int buf) { fb_load_kv<PIPE>(kv + 2 * buf * FB_TILE_ELEMS, k, v, kt * FA_TILE, T); };
+    if (PIPE) { load(0, 0); cp_async_commit(); }
+
+    // D for the warp's 16 rows: a lane per pair of columns, fp32 products, warp sum
+    for (int i = 0; i < 16; i++) {
+        int r = q0 + w0 + i;
+        float d = 0.f;
+        if (r < T) {
+            float2 x = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(dout + rowbase + (size_t)r * C + 2 * lane));
+            float2 y = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(out + rowbase + (size_t)r * C + 2 * lane));
+            d = x.x * y.x + x.y * y.y;
+        }
+        d = warp_reduce_sum(d);
+        if (lane == 0) {
+            dsm[w0 + i] = d;
+            if (r < T) Dbuf[(size_t)bh * T + r] = d;
+        }
+    }
+    // q and dout into registers once, through the buffers a PIPE sweep fills last
+    bf16* qs = kv + (PIPE ? 2 : 0) * FB_TILE_ELEMS;
+    fb_stage(qs, q, q0, T, FA_D);
+    fb_stage(qs + FB_TILE_ELEMS, dout + rowbase, q0, T, C);
+    __syncthreads();
+    uint32_t qa[4][4], da[4][4];
+    fb_frags_a(qa, qs, w0, la);
+    fb_frags_a(da, qs + FB_TILE_ELEMS, w0, la);
+    float lr[2], Dr[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        lr[r] = row[r] < T ? lse[(size_t)bh * T + row[r]] * FA_LOG2E : 0.f;
+        Dr[r] = dsm[w0 + g + 8 * r];
+    }
+
+    float dq[8][4], s[8][4], dp[8][4];
+#pragma unroll
+    for (int n = 0; n < 8; n++) dq[n][0] = dq[n][1] = dq[n][2] = dq[n][3] = 0.f;
+    int kt = 0;
+    fa_sweep<PIPE>(qt + 1, load, [&](int buf) {
+        const bf16* ks = kv + 2 * buf * FB_TILE_ELEMS;
+        fb_mma_dim(s, qa, ks, lb);                   // q k^T
+        fb_mma_dim(dp, da, ks + FB_TILE_ELEMS, lb);  // dout v^T
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int r = e >> 1;
+                float p = fa_exp2(s[j][e] * c2 - lr[r]);
+                if (kt == qt && kt * FA_TILE + 8 * j + 2 * t + (e & 1) > row[r]) p = 0.f;
+                s[j][e] = scale * p * (dp[j][e] - Dr[r]);  // d preatt
+            }
+        fb_mma_pos(dq, s, ks, la);  // dq += dpreatt k
+        kt++;
+    });
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        if (row[r] >= T) continue;
+        bf16* dst = dinp + ((size_t)b * T + row[r]) * 3 * C + h * FA_D + 2 * t;
+#pragma unroll
+        for (int n = 0; n < 8; n++) fb_store2(dst + 8 * n, dq[n][2 * r], dq[n][2 * r + 1]);
+    }
+}
+
+// Backward, part 2 (bf16): per key tile, over the query tiles at and below the diagonal,
+// dv = sum p^T dout and dk = sum (p * (dp - D))^T q * scale, computed transposed (keys as rows):
+// p^T = exp(scale k q^T - lse), dp^T = v dout^T.
+template <bool PIPE>
+__device__ __forceinline__ void flash_backward_dkdv_bf16(bf16* dinp, const bf16* dout, const bf16* qkvr,
+                                                         const float* lse, const float* Dbuf, int B, int NH, int T,
+                                                         float scale) {
+    bf16* ks = reinterpret_cast<bf16*>(fb_smem);  // this block's keys (all of the loop)
+    bf16* vs = ks + FB_TILE_ELEMS;                // and values
+    bf16* qd = vs + FB_TILE_ELEMS;                // stage i: q tile at qd + 2i*TILE, dout rows after it
+    float* rows = reinterpret_cast<float*>(qd + (PIPE ? 4 : 2) * FB_TILE_ELEMS);  // stage i: lse at rows + 2i*64, D after
+    const int kt = blockIdx.x, nqt = gridDim.x;   // the key tiles with the most query tiles first
+    const int bh = blockIdx.y, b = bh / NH, h = bh % NH, C = NH * FA_D;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int la = fb_lane_a(lane), lb = fb_lane_b(lane);
+    const bf16 *q = fb_head(qkvr, 0, B, NH, T), *k = fb_head(qkvr, 1, B, NH, T), *v = fb_head(qkvr, 2, B, NH, T);
+    const bf16* dO = dout + (size_t)b * T * C + h * FA_D;
+    const float* lseh = lse + (size_t)bh * T;
+    const float* Dh = Dbuf + (size_t)bh * T;
+    const int k0 = kt * FA_TILE, w0 = warp * 16;
+    const int key[2] = {k0 + w0 + g, k0 + w0 + g + 8};  // this lane's two key positions
+    const float c2 = scale * FA_LOG2E;
+    auto load = [&](int it, int buf) {
+        const int q0 = (kt + it) * FA_TILE;
+        bf16* s = qd + 2 * buf * FB_TILE_ELEMS;
+        float* r = rows + 2 * buf * FA_TILE;
+        if (PIPE) {
+            fb_stage_async(s, q, q0, T, FA_D);
+            fb_stage_async(s + FB_TILE_ELEMS, dO, q0, T, C);
+            fa_rows_async(r, lseh, q0, T, 0);
+            fa_rows_async(r + FA_TILE, Dh, q0, T, FA_TILE);
+        } else {
+            fb_stage(s, q, q0, T, FA_D);
+            fb_stage(s + FB_TILE_ELEMS, dO, q0, T, C);
+            if (threadIdx.x < FA_TILE) {
+                int i = threadIdx.x;
+                r[i] = q0 + i < T ? lseh[q0 + i] : 0.f;
+                r[FA_TILE + i] = q0 + i < T ? Dh[q0 + i] : 0.f;
+            }
+        }
+    };
+    if (PIPE) { load(0, 0); cp_async_commit(); }
+    fb_stage(ks, k, k0, T, FA_D);
+    fb_stage(vs, v, k0, T, FA_D);
+    __syncthreads();
+    uint32_t ka[4][4], va[4][4];  // this warp's 16 keys and values as A fragments, for the whole sweep
+    fb_frags_a(ka, ks, w0, la);
+    fb_frags_a(va, vs, w0, la);
+    float dk[8][4], dv[8][4], s[8][4], dp[8][4];
+#pragma unroll
+    for (int n = 0; n < 8; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) dk[n][e] = dv[n][e] = 0.f;
+    int qt = kt;
+    fa_sweep<PIPE>(nqt - kt, load, [&](int buf) {
+        const bf16* qs = qd + 2 * buf * FB_TILE_ELEMS;
+        const bf16* dos = qs + FB_TILE_ELEMS;
+        const float* lsm = rows + 2 * buf * FA_TILE;
+        const float* dsm = lsm + FA_TILE;
+        const int q0 = qt * FA_TILE;
+        const uint32_t qb = smem_u32(qs) + 2 * lb, db = smem_u32(dos) + 2 * lb;
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) s[j][e] = dp[j][e] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) {  // s = k q^T, dp = v dout^T (16 keys x 64 queries per warp)
+#pragma unroll
+            for (int jp = 0; jp < 4; jp++) {
+                uint32_t bq[4], bd[4];
+                ldsm_x4(bq, qb + 2 * (16 * jp * FB_LD + 16 * kk));
+                ldsm_x4(bd, db + 2 * (16 * jp * FB_LD + 16 * kk));
+                mma_bf16_16816(s[2 * jp], ka[kk], bq);
+                mma_bf16_16816(s[2 * jp + 1], ka[kk], bq + 2);
+                mma_bf16_16816(dp[2 * jp], va[kk], bd);
+                mma_bf16_16816(dp[2 * jp + 1], va[kk], bd + 2);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int c = 8 * j + 2 * t + (e & 1), qpos = q0 + c;
+                float p = fa_exp2(s[j][e] * c2 - lsm[c] * FA_LOG2E);
+                if (qpos < key[e >> 1] || qpos >= T) p = 0.f;
+                s[j][e] = p;                                 // p^T
+                dp[j][e] = scale * p * (dp[j][e] - dsm[c]);  // d preatt^T
+            }
+        fb_mma_pos(dv, s, dos, la);  // dv += p^T dout
+        fb_mma_pos(dk, dp, qs, la);  // dk += dpreatt^T q
+        qt++;
+    });
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        if (key[r] >= T) continue;
+        bf16* dst = dinp + ((size_t)b * T + key[r]) * 3 * C + h * FA_D + 2 * t;
+#pragma unroll
+        for (int n = 0; n < 8; n++) {
+            fb_store2(dst + C + 8 * n, dk[n][2 * r], dk[n][2 * r + 1]);
+            fb_store2(dst + 2 * C + 8 * n, dv[n][2 * r], dv[n][2 * r + 1]);
+        }
+    }
+}
+
+#define FLASH_ENTRIES_BF16(N, PIPE)                                                                          \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_attention_forward_kernel##N##_bf16(       \
+        bf16* out, float* lse, const bf16* qkvr, int B, int NH, int T, float scale) {                        \
+        flash_forward_bf16<PIPE, 1>(out, lse, qkvr, B, NH, T, scale);                                        \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_attention_backward_dq_kernel##N##_bf16(   \
+        bf16* dinp, float* Dbuf, const bf16* dout, const bf16* out, const bf16* qkvr, const float* lse,      \
+        int B, int NH, int T, float scale) {                                                                 \
+        flash_backward_dq_bf16<PIPE>(dinp, Dbuf, dout, out, qkvr, lse, B, NH, T, scale);                     \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS, 2) flash_attention_backward_dkdv_kernel##N##_bf16( \
+        bf16* dinp, const bf16* dout, const bf16* qkvr, const float* lse, const float* Dbuf, int B, int NH,  \
+        int T, float scale) {                                                                                \
+        flash_backward_dkdv_bf16<PIPE>(dinp, dout, qkvr, lse, Dbuf, B, NH, T, scale);                        \
+    }
+FLASH_ENTRIES_BF16(2, false)
+FLASH_ENTRIES_BF16(3, true)
+// the forward with 128-row blocks (MT = 2), for the lab to measure against the 64-row one
+extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_attention_forward_kernel2_bf16_rows128(
+    bf16* out, float* lse, const bf16* qkvr, int B, int NH, int T, float scale) {
+    flash_forward_bf16<false, 2>(out, lse, qkvr, B, NH, T, scale);
+}
+extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_attention_forward_kernel3_bf16_rows128(
+    bf16* out, float* lse, const bf16* qkvr, int B, int NH, int T, float scale) {
+    flash_forward_bf16<true, 2>(out, lse, qkvr, B, NH, T, scale);
+}
+
+// the permute into qkvr for the bf16 builds: 16-byte moves of 8 bf16 (hs % 8 == 0)
+extern "C" __global__ void permute_kernel2_bf16(bf16* dst, const bf16* src, int B, int T, int S, int NH, int hs) {
+    permute_impl<uint4>(reinterpret_cast<uint4*>(dst), reinterpret_cast<const uint4*>(src), B, T, S, NH, hs / 8);
+}

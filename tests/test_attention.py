@@ -189,11 +189,12 @@ def test_declared_scratch_is_what_the_builds_allocate(B, T, C, NH, monkeypatch):
     for name, shape in shapes.items():
         spec = ops.get(name)
         for num, v in spec.variants.items():
-            if spec.refuse_reason(num, **shape):
-                continue
-            rt = FakeRuntime()
-            spec.build(rt, num, **shape)
-            assert rt.allocated_bytes == v.scratch_bytes(**shape), (name, num, shape)
+            for dtype in v.dtypes:  # the bf16 builds' scratch (D, decode's chunk states) is fp32 too
+                if spec.refuse_reason(num, dtype, **shape):
+                    continue
+                rt = FakeRuntime()
+                spec.build(rt, num, dtype, **shape)
+                assert rt.allocated_bytes == v.scratch_bytes(**shape), (name, num, dtype, shape)
 
 
 def test_decode_cpu_launchers(rng):
@@ -440,6 +441,101 @@ def test_flash_attention_gpu(rt, B, T, C, NH, version):
     assert np.array_equal(d_dinp.get(), dinp), "flash backward is not deterministic"
 
 
+# bf16 builds of the fused variants. Inputs are bf16 values (round_bf16), so the float64 reference
+# sees exactly what the kernels see, and the error budget is the kernels' own roundings (one bf16
+# rounding to nearest is off by at most u = 2^-8 relative, half an ulp of 8 significant bits):
+#  - out: the scores are exact bf16 products summed in fp32 (~1e-7 relative); p is rounded to bf16
+#    (<= u relative each) before p v, so |error| <= u sum_s p_s |v_s| / l <= u max|v|, then the store
+#    rounds out once (<= u |out|). Allowed, elementwise: 2^-7 max|v| + 2^-7 |ref|, twice that worst
+#    case (averages of v cancel, so the error is set by |v|, not |out|; a plain float64 version with
+#    the same roundings measures ~2.3e-3 max|v| at most).
+#  - lse: fp32 all the way (exact products, fp32 sums, ex2/lg2.approx): atol 1e-4 + rtol 1e-5.
+#  - dinp: p and ds = p (dp - D) are rounded to bf16 before the position products, D comes from the
+#    bf16 out, and each gradient is rounded once on the store: roundings of ~1.6e-3 rms each that
+#    add incoherently, ~2-3e-3 in all. dq, dk cancel in (dp - D) (T=1 makes them 0), so each part
+#    is measured norm-wise against the larger of its own norm and a tenth of the whole gradient's,
+#    as the TF32 test does. The bound is flash-attention's rule: within 2x (+1e-4) of what a plain
+#    float64 implementation with the same bf16 roundings gets (_bf16_backward_plain), and under
+#    2^-6 whatever that gets.
+BF16_OUT = 2.0 ** -7
+
+
+def _bf16_backward_plain(dout, qkvr, att, out, NH):
+    """The backward in float64 with the kernels' bf16 roundings: p rounded before p^T dout, ds =
+    scale p (dp - D) rounded before ds k and ds^T q, D from the bf16 out, dinp rounded on the store."""
+    from llmc.bf16 import round_bf16
+    B, T, C = dout.shape
+    hs = C // NH
+    r = lambda x: round_bf16(x).astype(np.float64)  # noqa: E731
+    q, k, v = qkvr.reshape(3, B, NH, T, hs)
+    dy = dout.reshape(B, T, NH, hs).transpose(0, 2, 1, 3)
+    o = out.reshape(B, T, NH, hs).transpose(0, 2, 1, 3)
+    D = (dy * r(o)).sum(-1, keepdims=True)
+    ds = r(att * (dy @ v.swapaxes(-1, -2) - D) / math.sqrt(hs))
+    dq, dk, dv = r(ds @ k), r(ds.swapaxes(-1, -2) @ q), r(r(att).swapaxes(-1, -2) @ dy)
+    return np.stack([dq, dk, dv]).transpose(1, 3, 0, 2, 4).reshape(B, T, 3 * C)
+
+
+def _part_errors(got, ref, C):
+    """Per part (dq, dk, dv): ||got - ref|| over the larger of ||ref part|| and 0.1 ||ref||."""
+    errs = []
+    for i in range(3):
+        g, w = got[..., i * C:(i + 1) * C], ref[..., i * C:(i + 1) * C]
+        errs.append(np.linalg.norm(g - w) / max(np.linalg.norm(w), 0.1 * np.linalg.norm(ref)))
+    return errs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("version", [2, 3])
+@pytest.mark.parametrize("B,T,C,NH", FLASH_SHAPES)
+def test_flash_attention_bf16_gpu(rt, B, T, C, NH, version):
+    from llmc.bf16 import BF16, from_bf16, round_bf16, to_bf16
+    rng = np.random.default_rng(B * 1000 + T + 11)
+    fwd = ops.get("attention_forward").build(rt, version, "bf16", B=B, T=T, C=C, NH=NH)
+    bwd = ops.get("attention_backward").build(rt, version, "bf16", B=B, T=T, C=C, NH=NH)
+    assert fwd.dtype == bwd.dtype == "bf16"
+    inp = round_bf16(rng.standard_normal((B, T, 3 * C)))
+    dout = round_bf16(rng.standard_normal((B, T, C)))
+    inp64 = inp.astype(np.float64)
+    out64, qkvr64, att64 = A.attention_forward_ref(inp64, NH)
+    lse64 = A.attention_lse_ref(inp64, NH)
+    d_inp, d_dout = rt.to_device(to_bf16(inp)), rt.to_device(to_bf16(dout))
+    d_out, d_qkvr = rt.empty((B, T, C), BF16), rt.empty((B, T, 3 * C), BF16)
+    d_lse, d_dinp = rt.empty(fwd.saved_shape), rt.empty((B, T, 3 * C), BF16)  # lse stays fp32
+    assert fwd.saved_shape == bwd.saved_shape == (B, NH, T)
+    poison(d_out, d_qkvr, d_lse, d_dinp, *bwd.scratch.values())
+    fwd(d_out, d_qkvr, d_lse, d_inp)
+    out, qkvr, lse = from_bf16(d_out.get()), from_bf16(d_qkvr.get()), d_lse.get()
+    assert_close(qkvr, qkvr64, 0, 0, "qkvr")  # a permute of bf16 values: exact
+    assert np.isfinite(out).all() and np.isfinite(lse).all(), "out / lse: unwritten (NaN) elements"
+    vmax = np.abs(inp[..., 2 * C:]).max()
+    assert_close(out, out64, atol=BF16_OUT * vmax, rtol=BF16_OUT, name="out")
+    assert_close(lse, lse64, atol=1e-4, rtol=1e-5, name="lse")
+    # forward is deterministic too (no atomics, fixed order)
+    poison(d_out, d_lse)
+    fwd(d_out, d_qkvr, d_lse, d_inp)
+    assert np.array_equal(from_bf16(d_out.get()), out) and np.array_equal(d_lse.get(), lse)
+    # the 128-row-block forward does, per row, the same operations in the same order plus fully
+    # masked tiles (p = 0, corr = 1: exact no-ops): the same bits
+    fwd128 = A.build_flash_attention_forward(rt, B=B, T=T, C=C, NH=NH, version=version, dtype="bf16", rows=128)
+    poison(d_out, d_lse)
+    fwd128(d_out, d_qkvr, d_lse, d_inp)
+    assert np.array_equal(from_bf16(d_out.get()), out), "rows=128: out differs from the 64-row forward"
+    assert np.array_equal(d_lse.get(), lse), "rows=128: lse differs from the 64-row forward"
+    fwd(d_out, d_qkvr, d_lse, d_inp)  # backward below reads the default build's out and lse
+
+    bwd(d_dinp, d_dout, d_qkvr, d_lse, d_out)
+    dinp = from_bf16(d_dinp.get())
+    ref = A.attention_backward_ref(dout.astype(np.float64), qkvr64, att64, NH)
+    assert np.isfinite(dinp).all(), "dinp: unwritten (NaN) elements"
+    plain = _bf16_backward_plain(dout.astype(np.float64), qkvr64, att64, out64, NH)
+    for part, err, base in zip(("dq", "dk", "dv"), _part_errors(dinp, ref, C), _part_errors(plain, ref, C)):
+        assert err <= 2 * base + 1e-4 and err < 2.0 ** -6, f"{part}: relative error {err:.2e} (plain bf16: {base:.2e})"
+    poison(d_dinp)
+    bwd(d_dinp, d_dout, d_qkvr, d_lse, d_out)
+    assert np.array_equal(from_bf16(d_dinp.get()), dinp), "bf16 flash backward is not deterministic"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("version", [1, 2])
 @pytest.mark.parametrize("B,T,C,NH,maxT", [(2, 65, 96, 2, 128), (1, 1, 64, 1, 16), (4, 1024, 768, 12, 1024),
@@ -471,3 +567,213 @@ def test_attention_decode_gpu(rt, B, T, C, NH, maxT, version):
     assert np.array_equal(got_k[:, :, pos], want_k) and np.array_equal(got_v[:, :, pos], want_v), "append"
     kc[:, :, pos], vc[:, :, pos] = want_k, want_v
     assert np.array_equal(got_k, kc) and np.array_equal(got_v, vc), "cache written outside position pos"
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU: the bf16 fused kernels' fragment mapping (cuda/attention.cu, fb_*), checked on a model of
+# what the hardware does, before the kernels ever ran. Facts from the PTX ISA (lane l, g = l // 4,
+# t = l % 4; two bf16 per 32-bit register, the lower index in the low half):
+#   mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32
+#     A (16x16): a0 (g, 2t..2t+1)  a1 (g+8, 2t..)  a2 (g, 2t+8..)  a3 (g+8, 2t+8..)      (row, k)
+#     B (16x8):  b0 (2t..2t+1, g)  b1 (2t+8.., g)                                        (k, col)
+#     C (16x8):  c0 (g, 2t) c1 (g, 2t+1) c2 (g+8, 2t) c3 (g+8, 2t+1)                     (row, col)
+#   ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16: lanes 8q..8q+7 give the addresses of rows
+#     0..7 of matrix q (8 bf16 each); register q of lane l holds (row g, cols 2t, 2t+1) of matrix q,
+#     with .trans (rows 2t, 2t+1, col g). A phase (one matrix) is conflict-free when its 8 rows
+#     fall in 8 distinct 16-byte bank groups.
+# The lane offsets are read from the .cu (fb_lane_a, fb_lane_b are plain C expressions); the loops
+# below are the kernels' fb_frags_a, fb_mma_dim and fb_mma_pos, line for line.
+
+
+def _fb_source():
+    import re
+    from llmc.runtime import CUDA_DIR
+    src = (CUDA_DIR / "attention.cu").read_text()
+    ld = int(re.search(r"#define FB_LD (\d+)", src).group(1))
+    lanes = {}
+    for name in ("fb_lane_a", "fb_lane_b"):
+        expr = re.search(name + r"\(int lane\) \{ return (.*?); \}", src).group(1)
+        lanes[name] = [eval(expr, {"FB_LD": ld, "lane": lane}) for lane in range(32)]  # C ints = Python ints here
+    return ld, lanes["fb_lane_a"], lanes["fb_lane_b"]
+
+
+def _ldsm(smem, offsets, trans=False):
+    """ldmatrix x4 on a flat bf16 array: offsets[lane] is the element address lane gives. Returns
+    regs[lane][q] = (lo, hi), and checks each phase is conflict-free."""
+    rows = [[smem[o:o + 8] for o in offsets[8 * q:8 * q + 8]] for q in range(4)]  # matrix q, row r
+    for q in range(4):
+        groups = {(2 * o // 16) % 8 for o in offsets[8 * q:8 * q + 8]}
+        assert len(groups) == 8, f"bank conflict in matrix {q}: {offsets[8 * q:8 * q + 8]}"
+        assert all(2 * o % 16 == 0 for o in offsets[8 * q:8 * q + 8]), "ldmatrix rows must be 16-byte aligned"
+    regs = []
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        if trans:
+            regs.append([(rows[q][2 * t][g], rows[q][2 * t + 1][g]) for q in range(4)])
+        else:
+            regs.append([(rows[q][g][2 * t], rows[q][g][2 * t + 1]) for q in range(4)])
+    return regs
+
+
+def _mma16816(acc, a, b):
+    """acc[lane] (4 floats) += A @ B, with A, B gathered from the lanes' fragments by the ISA table."""
+    A, Bm = np.full((16, 16), np.nan), np.full((16, 8), np.nan)
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        for i, (r, k) in enumerate(((g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8))):
+            A[r, k], A[r, k + 1] = a[lane][i]
+        for i, k in enumerate((2 * t, 2 * t + 8)):
+            Bm[k, g], Bm[k + 1, g] = b[lane][i]
+    assert not np.isnan(A).any() and not np.isnan(Bm).any()
+    D = A @ Bm
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        acc[lane] += [D[g, 2 * t], D[g, 2 * t + 1], D[g + 8, 2 * t], D[g + 8, 2 * t + 1]]
+
+
+def test_bf16_flash_fragment_mapping(rng):
+    """One warp's q k^T (fb_mma_dim from fb_frags_a fragments) and p v (fb_mma_pos: the accumulators
+    packed as A, v through the transposing ldmatrix) on the hardware model equal the matrix products,
+    exactly (small integers), with every ldmatrix conflict-free."""
+    LD, la, lb = _fb_source()
+    assert LD % 8 == 0 and LD >= 64
+    # the offsets and the packing modelled below are the kernels' (every helper and the dkdv loop)
+    from llmc.runtime import CUDA_DIR
+    src = " ".join((CUDA_DIR / "attention.cu").read_text().split())
+    for line in ("ldsm_x4(a[kk], base + 2 * 16 * kk);",
+                 "ldsm_x4(b, base + 2 * (16 * jp * FB_LD + 16 * kk));",
+                 "ldsm_x4_trans(b, base + 2 * (16 * j * FB_LD + 16 * np));",
+                 "ldsm_x4(bq, qb + 2 * (16 * jp * FB_LD + 16 * kk));",
+                 "fb_frags_a(ka, ks, w0, la);",
+                 "mma_bf16_16816(s[2 * jp + 1], ka[kk], bq + 2);",
+                 "pack_bf16x2(S[2 * j][0], S[2 * j][1]), pack_bf16x2(S[2 * j][2], S[2 * j][3]), "
+                 "pack_bf16x2(S[2 * j + 1][0], S[2 * j + 1][1]), pack_bf16x2(S[2 * j + 1][2], S[2 * j + 1][3])",
+                 "a[mt][2] = pack_bf16x2(S[mt][2 * j + 1][0], S[mt][2 * j + 1][1]);"):
+        assert line in src, f"cuda/attention.cu no longer has: {line}"
+    tile = lambda: rng.integers(-8, 9, (64, 64)).astype(np.float64)  # noqa: E731
+    Q, K, V = tile(), tile(), tile()
+    flat = lambda X: np.pad(X, ((0, 0), (0, LD - 64))).reshape(-1)  # noqa: E731  a staged tile, row stride LD
+    qs, ks, vs = flat(Q), flat(K), flat(V)
+    for w0 in (0, 16, 32, 48):  # each warp's 16 rows
+        # fb_frags_a: qa[kk] = ldsm_x4(base + 16 kk), base = la + row0 * FB_LD
+        qa = [_ldsm(qs, [la[l] + w0 * LD + 16 * kk for l in range(32)]) for kk in range(4)]
+        # fb_mma_dim: S[2jp], S[2jp+1] += qa[kk] * ldsm_x4(lb + 16 jp FB_LD + 16 kk) halves
+        S = [np.zeros((32, 4)) for _ in range(8)]
+        for kk in range(4):
+            for jp in range(4):
+                b = _ldsm(ks, [lb[l] + 16 * jp * LD + 16 * kk for l in range(32)])
+                _mma16816(S[2 * jp], qa[kk], [r[0:2] for r in b])
+                _mma16816(S[2 * jp + 1], qa[kk], [r[2:4] for r in b])
+        want = Q[w0:w0 + 16] @ K.T  # (16, 64)
+        for lane in range(32):
+            g, t = lane // 4, lane % 4
+            for j in range(8):  # the kernels' reading of accumulators: row g + 8 (e >> 1), col 8j + 2t + (e & 1)
+                for e in range(4):
+                    assert S[j][lane][e] == want[g + 8 * (e >> 1), 8 * j + 2 * t + (e & 1)]
+        # fb_mma_pos: a = packed S[2j], S[2j+1]; acc[2np], acc[2np+1] += a * ldsm_x4_trans(la + 16 j FB_LD + 16 np)
+        P = [s / 64 for s in S]  # any values: exact in float64
+        acc = [np.zeros((32, 4)) for _ in range(8)]
+        for j in range(4):
+            a = [[(P[2 * j][l][0], P[2 * j][l][1]), (P[2 * j][l][2], P[2 * j][l][3]),
+                  (P[2 * j + 1][l][0], P[2 * j + 1][l][1]), (P[2 * j + 1][l][2], P[2 * j + 1][l][3])]
+                 for l in range(32)]
+            for np_ in range(4):
+                b = _ldsm(vs, [la[l] + 16 * j * LD + 16 * np_ for l in range(32)], trans=True)
+                _mma16816(acc[2 * np_], a, [r[0:2] for r in b])
+                _mma16816(acc[2 * np_ + 1], a, [r[2:4] for r in b])
+        want_o = (want / 64) @ V
+        for lane in range(32):
+            g, t = lane // 4, lane % 4
+            for n in range(8):
+                for e in range(4):
+                    assert acc[n][lane][e] == want_o[g + 8 * (e >> 1), 8 * n + 2 * t + (e & 1)]
+
+
+def test_bf16_forward_rows128_builds():
+    """The 128-row-block bf16 forward (a lab option of variants 2, 3) builds on the fake runtime
+    (entry points and argtypes against the PTX), with half the blocks; fp32 and other row counts refuse."""
+    from tests.fake_runtime import FakeRuntime
+    for version in (2, 3):
+        rt = FakeRuntime()
+        launch = A.build_flash_attention_forward(rt, B=2, T=200, C=128, NH=2, version=version, dtype="bf16", rows=128)
+        launch(*(0x1000,) * 4)
+        assert rt.built[-1] == f"flash_attention_forward_kernel{version}_bf16_rows128"
+        assert rt.launches[-1].grid == (2, 4, 1)  # ceil(200 / 128) query blocks x B*NH
+    for dtype, rows in (("fp32", 128), ("bf16", 96)):
+        with pytest.raises(LLMCError, match="rows="):
+            A.build_flash_attention_forward(FakeRuntime(), B=1, T=8, C=64, NH=1, dtype=dtype, rows=rows)
+
+
+def test_bf16_flash_staging_covers_tiles():
+    """fb_stage / fb_stage_async: 128 threads x 4 chunks of 8 bf16 cover the 64 x 64 tile exactly once,
+    16-byte aligned in shared memory; the kernels' shared-memory sizes are what the builds request."""
+    LD, _, _ = _fb_source()
+    seen = set()
+    for tid in range(128):
+        for i in range(64 * 64 // 8 // 128):
+            idx = tid + i * 128
+            r, c = idx >> 3, (idx & 7) * 8
+            assert (2 * (r * LD + c)) % 16 == 0
+            seen.add((r, c))
+    assert seen == {(r, c) for r in range(64) for c in range(0, 64, 8)}
+    tile = 64 * LD * 2
+    assert A._flash_smem("fwd", 3, "bf16") == 4 * tile and A._flash_smem("fwd", 2, "bf16") == 2 * tile
+    assert A._flash_smem("dq", 3, "bf16") == 4 * tile + 4 * 64
+    assert A._flash_smem("dkdv", 3, "bf16") == 6 * tile + 4 * 4 * 64
+    assert A._flash_smem("dkdv", 2, "fp32") == 4 * (4 * 64 * 68 + 2 * 64)  # the fp32 sizes unchanged
+
+
+# The bf16 decode builds: qkv, caches and out bf16 (values made bf16 first), scores, softmax and
+# sums fp32. Each output element is rounded once (<= 2^-8 relative, allowed 2^-7); the fp32 sums
+# over <= 1024 keys add ~1e-6 of max|v| (allowed 2^-12 max|v|, absolute: out averages v and can
+# cancel to near 0). The append and the kv fill are copies: exact.
+@pytest.mark.gpu
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("B,T,C,NH,maxT", [(2, 65, 96, 2, 128), (1, 1, 64, 1, 16), (4, 1024, 768, 12, 1024),
+                                           (3, 300, 768, 12, 1024), (1, 64, 768, 12, 1024), (8, 65, 768, 12, 1024)])
+def test_attention_decode_bf16_gpu(rt, B, T, C, NH, maxT, version):
+    from llmc.bf16 import BF16, from_bf16, round_bf16, to_bf16
+    rng = np.random.default_rng(T + 5)
+    inp = round_bf16(rng.standard_normal((B, T, 3 * C)))
+    out64, qkvr64, _ = A.attention_forward_ref(inp.astype(np.float64), NH)
+    q, kc, vc = _decode_inputs(inp, qkvr64.astype(np.float32), B, T, C, NH, maxT, rng)
+    kc, vc = round_bf16(kc), round_bf16(vc)  # the garbage past pos too
+    pos = T - 1
+    qkv = np.ascontiguousarray(inp[:, pos])
+    want_k, want_v = kc[:, :, pos].copy(), vc[:, :, pos].copy()
+    kc[:, :, pos], vc[:, :, pos] = 1e4, -1e4   # bf16 values: must be overwritten by the append
+    d_kc, d_vc = rt.to_device(to_bf16(kc)), rt.to_device(to_bf16(vc))
+    d_out = rt.empty((B, C), BF16)
+    launch = ops.get("attention_decode").build(rt, version, "bf16", B=B, C=C, NH=NH, maxT=maxT)
+    poison(d_out, *launch.scratch.values())
+    launch(d_out, rt.to_device(to_bf16(qkv)), d_kc, d_vc, rt.to_device(np.array([pos], np.int32)))
+    got = from_bf16(d_out.get())
+    assert np.isfinite(got).all(), "decode out: unwritten (NaN) elements"
+    vmax = np.abs(inp[..., 2 * C:]).max()
+    assert_close(got, out64[:, pos], atol=2.0 ** -12 * vmax, rtol=2.0 ** -7, name="decode out bf16")
+    got_k, got_v = from_bf16(d_kc.get()), from_bf16(d_vc.get())
+    kc[:, :, pos], vc[:, :, pos] = want_k, want_v
+    assert np.array_equal(got_k, kc) and np.array_equal(got_v, vc), "append / cache written outside pos"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,T,C,NH,maxT", [(2, 65, 96, 2, 128), (1, 1, 64, 1, 16), (3, 300, 768, 12, 1024)])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_attention_kv_fill_gpu(rt, B, T, C, NH, maxT, dtype):
+    """kv fill copies k, v of a forward's qkvr into positions 0..T-1 of the caches, exactly, and
+    writes nothing past T-1 (poisoned caches keep their poison there)."""
+    from llmc.bf16 import BF16, from_bf16, to_bf16
+    rng = np.random.default_rng(T)
+    hs = C // NH
+    qkvr = rng.standard_normal((B, T, 3 * C)).astype(np.float32)
+    dev = (lambda x: rt.to_device(to_bf16(x))) if dtype == "bf16" else rt.to_device  # noqa: E731
+    host = from_bf16 if dtype == "bf16" else (lambda x: x)  # noqa: E731
+    d_kc = rt.empty((B, NH, maxT, hs), BF16 if dtype == "bf16" else np.float32)
+    d_vc = rt.empty((B, NH, maxT, hs), BF16 if dtype == "bf16" else np.float32)
+    poison(d_kc, d_vc)
+    ops.get("attention_kv_fill").build(rt, 1, dtype, B=B, C=C, NH=NH, maxT=maxT, T=T)(d_kc, d_vc, dev(qkvr))
+    want = host(to_bf16(qkvr)) if dtype == "bf16" else qkvr
+    _, k, v = want.reshape(3, B, NH, T, hs)
+    got_k, got_v = host(d_kc.get()), host(d_vc.get())
+    assert np.array_equal(got_k[:, :, :T], k) and np.array_equal(got_v[:, :, :T], v)
+    assert np.isnan(got_k[:, :, T:]).all() and np.isnan(got_v[:, :, T:]).all()

@@ -1,6 +1,8 @@
 """Kernel lab: attention backward at B=4, T=1024, C=768, NH=12: variant 1, the composite
 (unpermute-backward, dv = att^T dy, datt = dy v^T, softmax backward, dq = dpreatt k, dk = dpreatt^T q,
-permute-backward), and variant 2, the fused (flash) kernels that recompute att from the log-sum-exp.
+permute-backward), and variants 2, 3, the fused (flash) kernels that recompute att from the log-sum-exp,
+in TF32 and in their bf16 builds (bf16 mma.sync m16n8k16; lse and D fp32), with torch SDPA's
+backward (fp32 and bf16 flash) as reference lines.
 
     python dev/cuda/attention_backward.py         # default softmax_backward variant at several causal_chunks
                                                   # (wide, narrow), plus softmax_backward 5; torch lines
@@ -15,6 +17,7 @@ import numpy as np
 
 import lab
 import llmc.ops
+from llmc.bf16 import BF16, from_bf16, round_bf16, to_bf16
 from llmc.ops import attention as A
 from llmc.testing import rel_err
 
@@ -69,6 +72,40 @@ for version in (2, 3):
     print(f"    rel_err dinp {rel_err(d_dinp.get(), ref):.2e}")
     L.time(label, fn, flops=7 * 2 * B * NH * (nt * (nt + 1) // 2) * 64 * 64 * hs, ceiling="tf32")
 
+# the bf16 builds of 2 and 3: dinp, dout, qkvr, out bf16; lse and the scratch D fp32. Inputs are
+# bf16 values, out and lse the exact forward's (out rounded to bf16): the check isolates backward.
+# p and ds are rounded to bf16 before the position products: each part of dinp is checked
+# norm-wise against the larger of its norm and a tenth of dinp's: a plain float64 backward with the
+# same bf16 roundings measures ~2.5e-3 there; allowed 2^-7 (tests/test_attention.py says more)
+inp_b = round_bf16(inp)
+outb64, qkvrb64, attb64 = A.attention_forward_ref(inp_b.astype(np.float64), NH)
+dout_b = round_bf16(dout)
+refb = A.attention_backward_ref(dout_b.astype(np.float64), qkvrb64, attb64, NH)
+d_lse_b = rt.to_device(A.attention_lse_ref(inp_b.astype(np.float64), NH).astype(np.float32))
+d_dout_b, d_qkvr_b, d_out_b = (rt.to_device(to_bf16(x)) for x in (dout_b, qkvrb64, outb64))
+d_dinp_b = rt.empty((B, T, 3 * C), BF16)
+for version in (2, 3):
+    built = A.build_flash_attention_backward(rt, B=B, T=T, C=C, NH=NH, version=version, dtype="bf16")
+    flash_b = built.launch
+    fn = lambda: flash_b(d_dinp_b, d_dout_b, d_qkvr_b, d_lse_b, d_out_b)  # noqa: E731
+    label = f"attention_backward {version} bf16 (flash m16n8k16{', cp.async' if version == 3 else ''})"
+    d_dinp_b.fill_bytes(0xFF)
+    for x in built.scratch.values():
+        x.fill_bytes(0xFF)
+    fn()
+    rt.synchronize()
+    got = from_bf16(d_dinp_b.get())
+    errs = []
+    for i, part in enumerate(("dq", "dk", "dv")):
+        g_, w_ = got[..., i * C:(i + 1) * C], refb[..., i * C:(i + 1) * C]
+        errs.append(np.linalg.norm(g_ - w_) / max(np.linalg.norm(w_), 0.1 * np.linalg.norm(refb)))
+    ok = np.isfinite(got).all() and max(errs) < 2 ** -7
+    print(f"  {label}: {'OK' if ok else 'MISMATCH'}  rel err dq {errs[0]:.2e} dk {errs[1]:.2e} dv {errs[2]:.2e}"
+          f"{'' if np.isfinite(got).all() else ' (unwritten NaN elements)'}")
+    if not ok:
+        L.failed.append(label)
+    L.time(label, fn, flops=7 * 2 * B * NH * (nt * (nt + 1) // 2) * 64 * 64 * hs, ceiling=None)
+
 try:
     import torch
     import torch.nn.functional as Fn
@@ -79,6 +116,14 @@ try:
     g = torch.from_numpy(np.ascontiguousarray(dout.reshape(B, T, NH, hs).transpose(0, 2, 1, 3))).cuda()
     L.reference("torch SDPA causal backward (fp32, TF32 allowed)",
                 lambda: torch.autograd.grad(o, (q, k, v), g, retain_graph=True))
+    qb, kb, vb = (x.detach().to(torch.bfloat16).requires_grad_() for x in (q, k, v))
+    ob = Fn.scaled_dot_product_attention(qb, kb, vb, is_causal=True)
+    gb = g.to(torch.bfloat16)
+    # FLOPs counted as ours (the 5 products FlashAttention-2 does, plus our 2 recomputed ones: q k^T
+    # and dout v^T run in both of our kernels), so the TFLOP/s columns compare times directly
+    L.reference("torch SDPA causal backward bf16 (flash)",
+                lambda: torch.autograd.grad(ob, (qb, kb, vb), gb, retain_graph=True),
+                flops=7 * 2 * B * NH * (nt * (nt + 1) // 2) * 64 * 64 * hs, ceiling=None)
 except Exception as e:
     print(f"WARNING: no torch reference ({e})")
 L.finish()

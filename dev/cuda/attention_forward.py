@@ -1,5 +1,7 @@
 """Kernel lab: attention forward at the trainer's shape, B=4, T=1024, C=768, NH=12: variant 1, the
-composite (permute, q k^T, causal softmax, att v, unpermute), and variant 2, the fused (flash) kernel.
+composite (permute, q k^T, causal softmax, att v, unpermute), and variants 2, 3, the fused (flash)
+kernels, in TF32 and in their bf16 builds (bf16 mma.sync m16n8k16; inp/qkvr/out bf16, lse fp32),
+with torch SDPA (fp32 and bf16 flash) as reference lines.
 
     python dev/cuda/attention_forward.py          # default softmax variant at several causal_chunks
                                                   # (wide, narrow),
@@ -16,8 +18,9 @@ import numpy as np
 
 import lab
 import llmc.ops
+from llmc.bf16 import BF16, from_bf16, round_bf16, to_bf16
 from llmc.ops import attention as A
-from llmc.testing import rel_err
+from llmc.testing import compare, rel_err
 
 B, T, C, NH = 4, 1024, 768, 12
 hs = C // NH
@@ -67,6 +70,35 @@ for version in (2, 3):
     nt = -(-T // 64)
     L.time(label, fn, flops=2 * 2 * B * NH * (nt * (nt + 1) // 2) * 64 * 64 * hs, ceiling="tf32")
 
+# the bf16 builds of 2 and 3: inp, qkvr, out bf16, lse fp32. Inputs rounded to bf16 first, so the
+# float64 reference sees what the kernel sees; p is rounded to bf16 before p v: error <= 2^-8 max|v|
+# per element, plus the rounding of out (2^-8 |out|); allowed twice that (tests/test_attention.py)
+inp_b = round_bf16(inp)
+outb64, qkvrb64, _ = A.attention_forward_ref(inp_b.astype(np.float64), NH)
+lseb64 = A.attention_lse_ref(inp_b.astype(np.float64), NH)
+d_inp_b = rt.to_device(to_bf16(inp_b))
+d_out_b, d_qkvr_b = rt.empty((B, T, C), BF16), rt.empty((B, T, 3 * C), BF16)
+vmax = float(np.abs(inp_b[..., 2 * C:]).max())
+# rows: query rows per block, 64 (the default build) or 128 (a warp owns two m-tiles, so each k, v
+# fragment read from shared memory serves both: half the ldmatrix traffic per FLOP)
+for version, rows in ((2, 64), (3, 64), (2, 128), (3, 128)):
+    flash = A.build_flash_attention_forward(rt, B=B, T=T, C=C, NH=NH, version=version, dtype="bf16", rows=rows)
+    fn = lambda: flash(d_out_b, d_qkvr_b, d_lse, d_inp_b)  # noqa: E731
+    label = f"attention_forward {version} bf16 (flash m16n8k16{', cp.async' if version == 3 else ''}, {rows} rows)"
+    for d in (d_out_b, d_qkvr_b, d_lse):
+        d.fill_bytes(0xFF)  # poisoned: 0xFFFF is a bf16 NaN
+    fn()
+    rt.synchronize()
+    bad = [m for m in (compare(from_bf16(d_out_b.get()), outb64, 2 ** -7 * vmax, 2 ** -7, "out"),
+                       compare(from_bf16(d_qkvr_b.get()), qkvrb64, 0, 0, "qkvr"),
+                       compare(d_lse.get(), lseb64, 1e-4, 1e-5, "lse")) if m]
+    print(f"  {label}: " + ("MISMATCH\n" + "\n".join(bad) if bad else "all outputs match the reference (out, qkvr, lse)"))
+    if bad:
+        L.failed.append(label)
+    print(f"    rel_err out {rel_err(from_bf16(d_out_b.get()), outb64):.2e}  lse {rel_err(d_lse.get(), lseb64):.2e}")
+    nt = -(-T // 64)
+    L.time(label, fn, flops=2 * 2 * B * NH * (nt * (nt + 1) // 2) * 64 * 64 * hs, ceiling=None)
+
 # the composite's data-movement pieces on their own (GB/s: bytes read + written)
 perm = A._build_permute(rt, "permute", B, T, 3, NH, hs)
 L.time("  permute inp -> qkvr", lambda: perm(d_qkvr, d_inp), bytes=2 * 4 * 3 * B * T * C)
@@ -86,6 +118,10 @@ try:
         a = (q @ k.transpose(-2, -1)) * (1.0 / hs ** 0.5)
         return torch.softmax(a.masked_fill(~mask, float("-inf")), dim=-1) @ v
     L.reference("torch math: q k^T, masked softmax, att v", torch_math)
+    qb, kb, vb = (x.to(torch.bfloat16) for x in (q, k, v))
+    # the same FLOP count as ours (only the causal half), so the TFLOP/s columns compare
+    L.reference("torch SDPA causal bf16 (flash)", lambda: Fn.scaled_dot_product_attention(qb, kb, vb, is_causal=True),
+                flops=2 * 2 * B * NH * (nt * (nt + 1) // 2) * 64 * 64 * hs, ceiling=None)
 except Exception as e:
     print(f"WARNING: no torch reference ({e})")
 L.finish()

@@ -40,6 +40,10 @@ softmax kernels mask s > t with selects).
 Variants 2 and 3, fused (head size 64): one kernel computes q k^T, the online softmax and p v tile
 by tile on TF32 tensor cores and keeps only each row's log-sum-exp; backward recomputes the
 probabilities in a dq kernel and a dk/dv kernel (cuda/attention.cu says more).
+
+bf16 builds (--precision bf16): variants 2 and 3 of both directions (bf16 tensor cores, mma.sync
+m16n8k16 with ldmatrix; fp32 softmax; the saved lse (B,NH,T) and the backward's D stay fp32),
+attention_decode 1, 2 and attention_kv_fill 1 (bf16 caches, fp32 math). The composite is fp32 only.
 """
 from __future__ import annotations
 
@@ -156,11 +160,17 @@ def att_from_lse(qkvr, lse, NH):
 
 
 
-def _build_permute(rt, kind, B, T, S, NH, hs):
+def _build_permute(rt, kind, B, T, S, NH, hs, dtype="fp32"):
     """kind 'permute': dst (S,B,NH,T,hs) <- src (B,T,S,NH,hs); 'unpermute': the inverse.
-    launch(dst, src) with DevArrays or raw pointers."""
-    vec = 4 if hs % 4 == 0 else 1
-    k = rt.kernel(MODULE, f"{kind}_kernel{2 if vec == 4 else 1}", "PPiiiii", label=f"attention {kind}")
+    launch(dst, src) with DevArrays or raw pointers. dtype "bf16": the permute only (what the fused
+    bf16 builds need), 16-byte moves of 8 bf16 (hs % 8 == 0)."""
+    if dtype == "bf16":
+        assert kind == "permute" and hs % 8 == 0, (kind, hs)
+        vec = 8
+        k = rt.kernel(MODULE, "permute_kernel2_bf16", "PPiiiii", label=f"attention {kind} bf16")
+    else:
+        vec = 4 if hs % 4 == 0 else 1
+        k = rt.kernel(MODULE, f"{kind}_kernel{2 if vec == 4 else 1}", "PPiiiii", label=f"attention {kind}")
     n = S * B * NH * T * hs // vec
     bs = 256
     grid = (ceil_div(n, bs), 1, 1)
@@ -354,33 +364,44 @@ def _check_flash(B, T, C, NH, **_):
     return None
 
 
-def _flash_smem(kind, version):
-    """Dynamic shared memory in bytes of a flash kernel (the layout is described in cuda/attention.cu)."""
-    tile, pipe = FLASH_TILE * 68, version == 3
-    floats = {"fwd": (4 if pipe else 2) * tile,
-              "dq": (4 if pipe else 2) * tile + FLASH_TILE,
-              "dkdv": (6 if pipe else 4) * tile + (4 if pipe else 2) * FLASH_TILE}[kind]
-    return 4 * floats
+def _flash_smem(kind, version, dtype="fp32"):
+    """Dynamic shared memory in bytes of a flash kernel (the layout is described in cuda/attention.cu):
+    tiles of 64 rows, 68 floats (fp32) or 72 bf16 (bf16) each, plus fp32 rows of lse / D."""
+    tile_bytes, pipe = (FLASH_TILE * 68 * 4) if dtype == "fp32" else (FLASH_TILE * 72 * 2), version == 3
+    tiles, rows = {"fwd": (4 if pipe else 2, 0),
+                   "dq": (4 if pipe else 2, 1),
+                   "dkdv": (6 if pipe else 4, 4 if pipe else 2)}[kind]
+    return tiles * tile_bytes + 4 * rows * FLASH_TILE
 
 
-def _flash_kernel(rt, name, argtypes, kind, version, label, defines=None):
-    k = rt.kernel(MODULE, f"{name}{version}", argtypes, label=label, defines=defines)
-    smem = _flash_smem(kind, version)
+def _flash_kernel(rt, name, argtypes, kind, version, label, defines=None, dtype="fp32", suffix=""):
+    """The kernel <name><version>[_bf16]<suffix> (suffix: an instantiation, e.g. _rows128) and its
+    dynamic shared memory, opted in."""
+    dt = "_bf16" if dtype == "bf16" else ""
+    k = rt.kernel(MODULE, f"{name}{version}{dt}{suffix}", argtypes, label=label + (" bf16" if dt else "") + suffix,
+                  defines=defines)
+    smem = _flash_smem(kind, version, dtype)
     if smem > rt.max_smem_optin:
         refuse(label.split()[0], version, f"needs {smem} bytes of shared memory, the device allows {rt.max_smem_optin}")
     k.set_max_dynamic_smem(smem)
     return k, smem
 
 
-def build_flash_attention_forward(rt, B, T, C, NH, version=2, defines=None, **_):
+def build_flash_attention_forward(rt, B, T, C, NH, version=2, defines=None, dtype="fp32", rows=64, **_):
     """launch(out (B,T,C), qkvr (B,T,3C), lse (B,NH,T), inp (B,T,3C)): the permute into qkvr, then
     one fused kernel writing out and the per-row log-sum-exp (saved for backward) for backward.
-    version 2: tiles staged by the threads; 3: cp.async double-buffered."""
+    version 2: tiles staged by the threads; 3: cp.async double-buffered. dtype "bf16": out, qkvr,
+    inp bf16, lse fp32; bf16 tensor cores (m16n8k16), fp32 softmax. rows: query rows per block, 64,
+    or 128 for bf16 (a warp owns two m-tiles: each k, v fragment read once for both; the lab
+    measures it against 64, the default)."""
     _check_attention(B, T, C, NH)
-    permute = _build_permute(rt, "permute", B, T, 3, NH, FLASH_HS)
+    if rows not in (64, 128) or (rows == 128 and dtype != "bf16"):
+        raise LLMCError(f"attention_forward {version} (flash): rows={rows}: have 64, and 128 for bf16")
+    permute = _build_permute(rt, "permute", B, T, 3, NH, FLASH_HS, dtype)
     k, smem = _flash_kernel(rt, "flash_attention_forward_kernel", "PPPiiif", "fwd", version,
-                            f"attention_forward {version} (flash)", defines)
-    grid, block = (ceil_div(T, FLASH_TILE), B * NH, 1), (128, 1, 1)
+                            f"attention_forward {version} (flash)", defines, dtype,
+                            suffix="_rows128" if rows == 128 else "")
+    grid, block = (ceil_div(T, rows), B * NH, 1), (128, 1, 1)
     args = (np.int32(B), np.int32(NH), np.int32(T), np.float32(1.0 / math.sqrt(FLASH_HS)))
 
     def launch(out, qkvr, lse, inp):
@@ -389,16 +410,18 @@ def build_flash_attention_forward(rt, B, T, C, NH, version=2, defines=None, **_)
     return launch
 
 
-def build_flash_attention_backward(rt, B, T, C, NH, version=2, defines=None, **_):
+def build_flash_attention_backward(rt, B, T, C, NH, version=2, defines=None, dtype="fp32", **_):
     """launch(dinp (B,T,3C), dout (B,T,C), qkvr (B,T,3C), lse (B,NH,T), out (B,T,C)): two kernels,
-    dq (also writing D = rowsum(dout * out)) then dk, dv; dinp overwritten, no atomics."""
+    dq (also writing D = rowsum(dout * out)) then dk, dv; dinp overwritten, no atomics. dtype
+    "bf16": dinp, dout, qkvr, out bf16; lse and the scratch D fp32; dq, dk, dv accumulate in fp32
+    registers and are rounded once on the store."""
     _check_attention(B, T, C, NH)
-    D = rt.empty((B, NH, T))
+    D = rt.empty((B, NH, T))  # fp32 in both builds
     label = f"attention_backward {version} (flash)"
     kq, smq = _flash_kernel(rt, "flash_attention_backward_dq_kernel", "PPPPPPiiif", "dq", version, label + " dq",
-                            defines)
+                            defines, dtype)
     kkv, smkv = _flash_kernel(rt, "flash_attention_backward_dkdv_kernel", "PPPPPiiif", "dkdv", version,
-                              label + " dk dv", defines)
+                              label + " dk dv", defines, dtype)
     grid, block = (ceil_div(T, FLASH_TILE), B * NH, 1), (128, 1, 1)
     args = (np.int32(B), np.int32(NH), np.int32(T), np.float32(1.0 / math.sqrt(FLASH_HS)))
 
@@ -487,10 +510,16 @@ def _check_decode2(B, C, NH, maxT, **shape):
     return f"head size {C // NH} needs {smem} bytes of shared memory (> 227 KB)" if smem > 227 * 1024 else None
 
 
-def attention_decode1(rt, B, C, NH, maxT, block_size=None):
-    """One block per (b, h)."""
+def _sfx(dtype):
+    """The entry-point suffix of a dtype's instantiation (cuda/attention.cu: <name>_bf16)."""
+    return "_bf16" if dtype == "bf16" else ""
+
+
+def attention_decode1(rt, B, C, NH, maxT, block_size=None, dtype="fp32"):
+    """One block per (b, h). dtype "bf16": out, qkv and the caches bf16 (fp32 math)."""
     hs, block_size = C // NH, block_size or 128
-    k = rt.kernel(MODULE, "attention_decode_kernel1", "PPPPPiiiif", label="attention_decode 1")
+    k = rt.kernel(MODULE, "attention_decode_kernel1" + _sfx(dtype), "PPPPPiiiif",
+                  label="attention_decode 1" + _sfx(dtype))
     smem = _decode1_smem(C, NH, maxT, block_size)
     k.set_max_dynamic_smem(smem)
     grid, block = (B * NH, 1, 1), (block_size, 1, 1)
@@ -501,14 +530,17 @@ def attention_decode1(rt, B, C, NH, maxT, block_size=None):
     return launch
 
 
-def attention_decode2(rt, B, C, NH, maxT, block_size=None):
+def attention_decode2(rt, B, C, NH, maxT, block_size=None, dtype="fp32"):
     """Split over chunks of 64 keys, then a combine kernel (block_size is fixed at 128: a thread per key
-    and the chunk's partial state)."""
+    and the chunk's partial state). dtype "bf16": out, qkv and the caches bf16; the chunks' partial
+    states (scratch) stay fp32."""
     hs = C // NH
     chunks = -(-maxT // DECODE_CHUNK)
-    part = rt.empty((B * NH, chunks, hs + 2))
-    k = rt.kernel(MODULE, "attention_decode_kernel2", "PPPPPiiiif", label="attention_decode 2")
-    comb = rt.kernel(MODULE, "attention_decode_combine_kernel2", "PPPiii", label="attention_decode 2 combine")
+    part = rt.empty((B * NH, chunks, hs + 2))  # fp32 in both builds
+    k = rt.kernel(MODULE, "attention_decode_kernel2" + _sfx(dtype), "PPPPPiiiif",
+                  label="attention_decode 2" + _sfx(dtype))
+    comb = rt.kernel(MODULE, "attention_decode_combine_kernel2" + _sfx(dtype), "PPPiii",
+                     label="attention_decode 2 combine" + _sfx(dtype))
     bs = 128
     smem = _decode2_smem(C, NH, bs)
     k.set_max_dynamic_smem(smem)
@@ -531,10 +563,12 @@ def _check_kv_fill(B, C, NH, maxT, T, block_size=None, **_):
     return check_block_size(block_size)
 
 
-def attention_kv_fill1(rt, B, C, NH, maxT, T, block_size=None):
-    """launch(kcache (B,NH,maxT,hs), vcache, qkvr (B,T,3C) as saved by attention_forward)."""
+def attention_kv_fill1(rt, B, C, NH, maxT, T, block_size=None, dtype="fp32"):
+    """launch(kcache (B,NH,maxT,hs), vcache, qkvr (B,T,3C) as saved by attention_forward); all of
+    one dtype (a copy)."""
     hs, block_size = C // NH, block_size or 256
-    k = rt.kernel(MODULE, "attention_kv_fill_kernel1", "PPPiiiii", label="attention_kv_fill 1")
+    k = rt.kernel(MODULE, "attention_kv_fill_kernel1" + _sfx(dtype), "PPPiiiii",
+                  label="attention_kv_fill 1" + _sfx(dtype))
     grid, block = (-(-B * NH * T * hs // block_size), 1, 1), (block_size, 1, 1)
     args = (np.int32(B), np.int32(NH), np.int32(T), np.int32(hs), np.int32(maxT))
 
@@ -543,9 +577,19 @@ def attention_kv_fill1(rt, B, C, NH, maxT, T, block_size=None):
     return launch
 
 
-def _flash(direction, version):
+def _dtypes(build):
+    """{"fp32": build, "bf16": build with dtype="bf16"}: a variant whose one build function takes dtype."""
+    return {"fp32": build, "bf16": lambda rt, **shape: build(rt, dtype="bf16", **shape)}
+
+
+def _flash(direction, version, dtype="fp32"):
     f = build_flash_attention_forward if direction == "forward" else build_flash_attention_backward
-    return lambda rt, **shape: f(rt, version=version, **shape)
+    return lambda rt, **shape: f(rt, version=version, dtype=dtype, **shape)
+
+
+def _flash_builds(direction, version):
+    """The fused variant's builds: TF32 on fp32 data, and bf16 (cuda/attention.cu, *_bf16)."""
+    return {"fp32": _flash(direction, version), "bf16": _flash(direction, version, "bf16")}
 
 
 def _composite(direction):
@@ -595,12 +639,12 @@ ATTENTION_FORWARD_VARIANTS = {
                   "(--softmax-kernel), unpermute; keeps att (B,NH,T,T) for backward",
                _composite("forward"), _check_composite, uses={"softmax": "softmax_forward", "matmul": "matmul_forward"},
                scratch_bytes=_scratch_composite_forward, **_COMPOSITE),
-    2: Variant(2, "fused flash attention, TF32 mma.sync, online softmax in registers; keeps only the "
-                  "log-sum-exp (B,NH,T); k, v tiles staged by the threads (head size 64)",
-               _flash("forward", 2), scratch_bytes=lambda **_: 0, **_FUSED),
+    2: Variant(2, "fused flash attention, TF32 mma.sync (bf16: m16n8k16), online softmax in fp32 registers; "
+                  "keeps only the log-sum-exp (B,NH,T); k, v tiles staged by the threads (head size 64)",
+               _flash_builds("forward", 2), scratch_bytes=lambda **_: 0, **_FUSED),
     3: Variant(3, "2 with the k, v tiles double-buffered through cp.async: the next tile loads while "
                   "the tensor cores work (head size 64; measured slower than 2: not load-bound)",
-               _flash("forward", 3), scratch_bytes=lambda **_: 0, **_FUSED),
+               _flash_builds("forward", 3), scratch_bytes=lambda **_: 0, **_FUSED),
 }
 ATTENTION_BACKWARD_VARIANTS = {
     1: Variant(1, "composite: dv, datt in the batched GEMM (--matmul-backward-kernel), softmax backward "
@@ -608,23 +652,23 @@ ATTENTION_BACKWARD_VARIANTS = {
                _composite("backward"), _check_composite,
                uses={"softmax": "softmax_backward", "matmul": "matmul_backward"},
                scratch_bytes=_scratch_composite_backward, **_COMPOSITE),
-    2: Variant(2, "fused flash attention backward, TF32 mma.sync: a dq kernel and a dk/dv kernel "
+    2: Variant(2, "fused flash attention backward, TF32 mma.sync (bf16: m16n8k16): a dq kernel and a dk/dv kernel "
                   "recompute att from the log-sum-exp, no atomics; needs attention_forward 2 or 3 (head size 64)",
-               _flash("backward", 2), scratch_bytes=_scratch_flash_backward, **_FUSED),
+               _flash_builds("backward", 2), scratch_bytes=_scratch_flash_backward, **_FUSED),
     3: Variant(3, "2 with the swept tiles double-buffered through cp.async (head size 64)",
-               _flash("backward", 3), scratch_bytes=_scratch_flash_backward, **_FUSED),
+               _flash_builds("backward", 3), scratch_bytes=_scratch_flash_backward, **_FUSED),
 }
 ATTENTION_DECODE_VARIANTS = {
     1: Variant(1, "one block per (b, h): scores in shared memory, block softmax, att @ v; appends k, v",
-               attention_decode1, _check_decode1, scratch_bytes=lambda **_: 0),
+               _dtypes(attention_decode1), _check_decode1, scratch_bytes=lambda **_: 0),
     2: Variant(2, "split keys: chunks of 64 keys across blocks (a thread per key), then a combine kernel "
                   "merging the chunks' softmax states; appends k, v (head size % 4 == 0)",
-               attention_decode2, _check_decode2,
+               _dtypes(attention_decode2), _check_decode2,
                scratch_bytes=lambda B, C, NH, maxT, **_: 4 * B * NH * -(-maxT // DECODE_CHUNK) * (C // NH + 2)),
 }
 ATTENTION_KV_FILL_VARIANTS = {
     1: Variant(1, "one thread per cached element: k, v of positions 0..T-1 from a forward's qkvr",
-               attention_kv_fill1, _check_kv_fill),
+               _dtypes(attention_kv_fill1), _check_kv_fill),
 }
 
 
