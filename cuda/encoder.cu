@@ -48,7 +48,7 @@
 //   5, the fp32 default) have no bf16 build, so a bf16 model falls back to 3.
 //   At B=4, T=1024, C=768 the bytes halve: forward ~14 MB (4.7 us), backward ~19 MB (6.3 us).
 #include "common.cuh"
-#include "vec16.cuh"
+#include "elem.cuh"
 
 // ----------------------------------------------------------------------------------------------
 // encoder_forward: out (B,T,C) =, inp (B,T) int32, wte (Vp,C), wpe (maxT,C)

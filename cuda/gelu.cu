@@ -27,7 +27,7 @@
 // divide, ~2^-21 relative error, far under bf16's 2^-9 rounding. The gradient in the same terms:
 //   gelu'(x) = s + 2 x s (1 - s) k (1 + 3*0.044715 x^2),  s = sigmoid(2u)   (1 - tanh^2 = 4 s (1 - s))
 #include "common.cuh"
-#include "vec16.cuh"
+#include "elem.cuh"
 
 // gelu_fwd, GELU_K and GELU_C live in common.cuh (the decode GEMV applies gelu_fwd in its epilogue)
 

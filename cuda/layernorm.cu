@@ -47,7 +47,7 @@
 //     5 keeps its rows of dout, inp and dinp packed (4 registers per 8 values) and unpacks on use.
 //   At N = 4096, C = 768 the bytes halve: forward 12.6 MB (4.2 us), backward 25.2 MB (8.4 us); the
 //   backward's fp32 scratch (~3 MB written, then read, mostly in L2) does not shrink.
-#include "layernorm.cuh"  // LN_EPS, hsum4, ln_row_stats, the templated row helpers (common.cuh, vec16.cuh)
+#include "layernorm.cuh"  // LN_EPS, hsum4, ln_row_stats, the templated row helpers (common.cuh, elem.cuh)
 
 // the register-resident variants hold NV float4 per lane: NV * 128 channels, NV <= LN_MAX_NV
 #define LN_MAX_NV 16

@@ -4,7 +4,7 @@
 // on the element type (fp32 or bf16, 16-byte vectors of V elements). Header-only.
 #pragma once
 #include "common.cuh"
-#include "vec16.cuh"
+#include "elem.cuh"
 
 #define LN_EPS 1e-5f
 
@@ -28,7 +28,7 @@ __device__ __forceinline__ void ln_row_stats(const float4 (&v)[NV], float sum, i
     s = rsqrtf(warp_reduce_sum(var) / C + LN_EPS);
 }
 
-// The same for the kernels templated on the element type (cuda/vec16.cuh): lane l holds the V
+// The same for the kernels templated on the element type (cuda/elem.cuh): lane l holds the V
 // elements of 16-byte vector number l + 32*i, channels c = V*(l + 32*i) + k, as fp32 in v[i][k].
 // Elements at c >= C (past the row, or never loaded) are left out by the guard.
 template <int NV, int V>

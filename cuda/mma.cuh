@@ -3,6 +3,7 @@
 // mma.sync m16n8k8, ldmatrix, cp.async copies and 128-bit shared loads. Header-only, sm_80+.
 #pragma once
 #include <stdint.h>
+#include "elem.cuh"  // bf16, pack_bf16x2
 
 // fp32 -> tf32, round to nearest (ties away from zero) by adding 0x1000 to the bit pattern: the tensor
 // core ignores the low 13 bits (cvt.rna.tf32.f32 in one integer add; see the note in cuda/gemm.cu)
@@ -79,10 +80,4 @@ __device__ __forceinline__ void ldsm_x4_trans(uint32_t (&d)[4], uint32_t addr) {
                  : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
                  : "r"(addr));
 }
-// two floats -> two bf16 in one register (lo in the low half), each rounded to nearest even.
-// cvt.rn.bf16x2.f32 d, a, b puts a in the upper half and b in the lower.
-__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
-    uint32_t r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
+// (two floats -> two bf16 in one register: pack_bf16x2, in elem.cuh)

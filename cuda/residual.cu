@@ -16,7 +16,7 @@
 // thread per element; variant 2 one thread per 16 bytes (8 bf16), a scalar tail, any N. 18.9 MB at
 // the size above (6.3 us at 2.98 TB/s): here the ~5 us of launch and tail weigh as much as the bytes.
 #include "common.cuh"
-#include "vec16.cuh"
+#include "elem.cuh"
 
 // out (N), inp1 (N), inp2 (N)
 extern "C" __global__ void residual_forward_kernel1(float* out, const float* inp1, const float* inp2, int N) {

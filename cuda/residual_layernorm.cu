@@ -21,7 +21,7 @@
 // layernorm_backward later reads back with these mean and rstd. Variant 2 scalar (any C); variant 3
 // 16-byte vectors of 8 bf16, NV = ceil(C/256) <= 8 per lane, guarded scalar accesses when
 // C % 8 != 0. 25.2 MB at N = 4096, C = 768 (8.4 us at 2.98 TB/s).
-#include "layernorm.cuh"  // LN_EPS, hsum4, ln_row_stats, the templated row helpers (common.cuh, vec16.cuh)
+#include "layernorm.cuh"  // LN_EPS, hsum4, ln_row_stats, the templated row helpers (common.cuh, elem.cuh)
 
 // residual (N,C) =, out (N,C) =, mean (N) =, rstd (N) =, inp1 (N,C), inp2 (N,C), weight (C), bias (C)
 extern "C" __global__ void residual_layernorm_forward_kernel2(float* residual, float* out, float* mean,

@@ -31,8 +31,8 @@ def test_cache_key_covers_only_the_headers_a_module_includes(tmp_path):
     cubin (cuda/gemm.cu) where it is."""
     import shutil
     from llmc.runtime import CUDA_DIR, _cache_key, module_headers
-    assert module_headers("gemm") == ["common.cuh", "mma.cuh"]
-    assert module_headers("layernorm") == ["common.cuh", "layernorm.cuh", "vec16.cuh"]  # through layernorm.cuh
+    assert module_headers("gemm") == ["common.cuh", "elem.cuh", "mma.cuh"]  # elem.cuh through mma.cuh
+    assert module_headers("layernorm") == ["common.cuh", "elem.cuh", "layernorm.cuh"]  # through layernorm.cuh
     assert "mma.cuh" not in module_headers("softmax")
     d = tmp_path / "cuda"
     shutil.copytree(CUDA_DIR, d)
