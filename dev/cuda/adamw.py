@@ -18,7 +18,6 @@ by less than an ulp). Reference line: torch AdamW fused on a bf16 parameter (no 
 round to nearest). Both dtypes by default; --dtype fp32 or --dtype bf16 runs one.
 """
 
-import sys
 
 import numpy as np
 
@@ -27,20 +26,13 @@ from llmc.bf16 import BF16, from_bf16, to_bf16
 from llmc.ops import adamw as op_module
 from llmc.ops.adamw import adamw_ref, hyperparams
 
-DTYPES = ("fp32", "bf16")  # --dtype is ours; lab.Lab parses the rest
-if "--dtype" in sys.argv:
-    i = sys.argv.index("--dtype")
-    if i + 1 >= len(sys.argv) or sys.argv[i + 1] not in DTYPES:
-        print("dev/cuda/adamw.py: --dtype takes fp32 or bf16")
-        sys.exit(2)
-    DTYPES = (sys.argv[i + 1],)
-    del sys.argv[i:i + 2]
 
 n = 124_475_904
 LR, B1, B2, EPS, WD, T, MAX_NORM = 6e-4, 0.9, 0.95, 1e-8, 0.1, 7, 1.0
 BLOCK_SIZES = {1: (256, 512, 1024), 2: (1024, 128, 256, 512)}  # the default first
 
 L = lab.Lab("adamw")
+DTYPES = ("fp32", "bf16") if L.args.dtype == "both" else (L.args.dtype,)  # lab.py's --dtype
 rt = L.rt
 spec = op_module.OPS[0]  # the module itself: a half-written sibling op can't break this lab
 

@@ -18,7 +18,6 @@ rtol 2^-8 (one bf16 rounding). Reference line: torch F.cross_entropy on a bf16 t
 Both dtypes run by default; --dtype fp32 or --dtype bf16 runs one.
 """
 
-import sys
 
 import numpy as np
 
@@ -32,17 +31,9 @@ DLOSS = 1.0 / N  # the trainer's mean-loss gradient scale
 BLOCK_SIZES = {1: (1024, 512, 256), 2: (1024, 512, 256), 3: (1024, 512), 4: (1024, 512)}
 BLOCK_SIZES_BF16 = {1: (1024, 512, 256), 2: (1024, 512, 256), 3: (1024, 512, 256)}  # the default first
 
-# --dtype is ours; lab.Lab parses the rest
-DTYPES = ("fp32", "bf16")
-if "--dtype" in sys.argv:
-    i = sys.argv.index("--dtype")
-    if i + 1 >= len(sys.argv) or sys.argv[i + 1] not in DTYPES:
-        print("dev/cuda/classifier.py: --dtype takes fp32 or bf16")
-        sys.exit(2)
-    DTYPES = (sys.argv[i + 1],)
-    del sys.argv[i:i + 2]
 
 L = lab.Lab("classifier")
+DTYPES = ("fp32", "bf16") if L.args.dtype == "both" else (L.args.dtype,)  # lab.py's --dtype
 rt = L.rt
 spec = op_module.OPS[0]  # the module itself: a half-written sibling op can't break this lab
 

@@ -13,7 +13,6 @@ bf16 (rows "<n> bf16", variants 2 and 3): bf16 grads, fp32 norm2 and sums; read 
 a bf16 tensor. Both dtypes by default; --dtype fp32 or --dtype bf16 runs one.
 """
 
-import sys
 
 import numpy as np
 
@@ -25,16 +24,9 @@ from llmc.ops.global_norm import global_norm_ref
 n = 124_475_904
 BLOCK_SIZES = {1: (512, 256, 1024), 2: (1024, 256, 512), 3: (1024, 256, 512)}  # the default first
 
-DTYPES = ("fp32", "bf16")  # --dtype is ours; lab.Lab parses the rest
-if "--dtype" in sys.argv:
-    i = sys.argv.index("--dtype")
-    if i + 1 >= len(sys.argv) or sys.argv[i + 1] not in DTYPES:
-        print("dev/cuda/global_norm.py: --dtype takes fp32 or bf16")
-        sys.exit(2)
-    DTYPES = (sys.argv[i + 1],)
-    del sys.argv[i:i + 2]
 
 L = lab.Lab("global_norm")
+DTYPES = ("fp32", "bf16") if L.args.dtype == "both" else (L.args.dtype,)  # lab.py's --dtype
 rt = L.rt
 spec = op_module.OPS[0]  # the module itself: a half-written sibling op can't break this lab
 

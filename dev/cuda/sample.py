@@ -15,7 +15,6 @@ for token against the host sampler on the same bf16 values; bytes 2*B*V. Both dt
 --dtype fp32 or --dtype bf16 runs one.
 """
 
-import sys
 
 import numpy as np
 
@@ -26,16 +25,9 @@ from llmc.ops.sample import sample_ref
 
 V, Vp = 50257, 50304
 
-DTYPES = ("fp32", "bf16")  # --dtype is ours; lab.Lab parses the rest
-if "--dtype" in sys.argv:
-    i = sys.argv.index("--dtype")
-    if i + 1 >= len(sys.argv) or sys.argv[i + 1] not in DTYPES:
-        print("dev/cuda/sample.py: --dtype takes fp32 or bf16")
-        sys.exit(2)
-    DTYPES = (sys.argv[i + 1],)
-    del sys.argv[i:i + 2]
 
 L = lab.Lab("sample")
+DTYPES = ("fp32", "bf16") if L.args.dtype == "both" else (L.args.dtype,)  # lab.py's --dtype
 rt, rng = L.rt, np.random.default_rng(0)
 for dtype, B in ((dt, b) for dt in DTYPES for b in (1, 8)):
     logits = (rng.standard_normal((B, Vp)) * 3).astype(np.float32)
