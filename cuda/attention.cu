@@ -20,16 +20,7 @@
 // bf16 mma.sync m16n8k16, lse fp32), of the decode kernels and the kv fill (templated on the element
 // type, fp32 math), and permute_kernel2_bf16 (16-byte moves) for the fused forward's qkvr.
 #include "common.cuh"
-#include <cuda_bf16.h>
-
-typedef __nv_bfloat16 bf16;
-// element <-> fp32 for the kernels templated on the storage type (float or bf16): loads widen
-// exactly, stores round to nearest even
-__device__ __forceinline__ float to_f(float x) { return x; }
-__device__ __forceinline__ float to_f(bf16 x) { return __bfloat162float(x); }
-template <typename E> __device__ __forceinline__ E from_f(float x);
-template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
-template <> __device__ __forceinline__ bf16 from_f<bf16>(float x) { return __float2bfloat16_rn(x); }
+#include "elem.cuh"  // bf16; to_f32 (loads widen exactly), from_f32<E> (stores round to nearest even)
 // 4 consecutive elements (16 bytes of fp32, 8 of bf16; p aligned to that) as a float4
 __device__ __forceinline__ float4 load4f(const float* p) { return *reinterpret_cast<const float4*>(p); }
 __device__ __forceinline__ float4 load4f(const bf16* p) {
@@ -105,7 +96,7 @@ __device__ __forceinline__ void attention_decode1(E* out, const E* qkv, E* kcach
     const E* v = vcache + (size_t)bh * maxT * hs;
     const E* row = qkv + (size_t)b * 3 * C + h * hs;  // q; + C: the new k; + 2C: the new v
     for (int d = tid; d < hs; d += blockDim.x) {
-        sq[d] = to_f(row[d]) * scale;
+        sq[d] = to_f32(row[d]) * scale;
         kcache[((size_t)bh * maxT + pos) * hs + d] = row[C + d];      // append (read from qkv below)
         vcache[((size_t)bh * maxT + pos) * hs + d] = row[2 * C + d];
     }
@@ -114,7 +105,7 @@ __device__ __forceinline__ void attention_decode1(E* out, const E* qkv, E* kcach
     for (int s = warp; s <= pos; s += nwarps) {
         const E* kr = s == pos ? row + C : k + (size_t)s * hs;
         float dot = 0.0f;
-        for (int d = lane; d < hs; d += WARP_SIZE) dot += sq[d] * to_f(kr[d]);
+        for (int d = lane; d < hs; d += WARP_SIZE) dot += sq[d] * to_f32(kr[d]);
         dot = warp_reduce_sum(dot);
         if (lane == 0) sp[s] = dot;
     }
@@ -132,14 +123,14 @@ __device__ __forceinline__ void attention_decode1(E* out, const E* qkv, E* kcach
     for (int i = tid; i < G * hs; i += blockDim.x) {
         int g = i / hs, d = i % hs;
         float acc = 0.0f;
-        for (int s = g; s <= pos; s += G) acc += sp[s] * to_f(s == pos ? row[2 * C + d] : v[(size_t)s * hs + d]);
+        for (int s = g; s <= pos; s += G) acc += sp[s] * to_f32(s == pos ? row[2 * C + d] : v[(size_t)s * hs + d]);
         part[i] = acc;
     }
     __syncthreads();
     for (int d = tid; d < hs; d += blockDim.x) {
         float acc = 0.0f;
         for (int g = 0; g < G; g++) acc += part[g * hs + d];
-        out[(size_t)b * C + h * hs + d] = from_f<E>(acc * inv);
+        out[(size_t)b * C + h * hs + d] = from_f32<E>(acc * inv);
     }
 }
 extern "C" __global__ void attention_decode_kernel1(float* out, const float* qkv, float* kcache, float* vcache,
@@ -178,7 +169,7 @@ __device__ __forceinline__ void attention_decode2(float* part, const E* qkv, E* 
     const E* row = qkv + (size_t)b * 3 * C + h * hs;  // q; + C: the new k; + 2C: the new v
     const int last = pos - s0;                        // the new token's index here, if < n
     for (int d = tid; d < hs; d += blockDim.x) {
-        sq[d] = to_f(row[d]) * scale;
+        sq[d] = to_f32(row[d]) * scale;
         if (last < n) {                                   // this chunk covers pos: append
             kcache[((size_t)bh * maxT + pos) * hs + d] = row[C + d];
             vcache[((size_t)bh * maxT + pos) * hs + d] = row[2 * C + d];
@@ -211,7 +202,7 @@ __device__ __forceinline__ void attention_decode2(float* part, const E* qkv, E* 
     for (int i = tid; i < G * hs; i += blockDim.x) {
         const int g = i / hs, d = i % hs;
         float a = 0.0f;
-        for (int s = g; s < n; s += G) a = fmaf(sp[s], to_f(s == last ? row[2 * C + d] : v[(size_t)s * hs + d]), a);
+        for (int s = g; s < n; s += G) a = fmaf(sp[s], to_f32(s == last ? row[2 * C + d] : v[(size_t)s * hs + d]), a);
         acc[i] = a;
     }
     __syncthreads();
@@ -247,7 +238,7 @@ __device__ __forceinline__ void attention_decode_combine2(E* out, const float* p
             L = fmaf(w, pc[hs + 1], L);
             a = fmaf(w, pc[d], a);
         }
-        out[(size_t)b * NH * hs + h * hs + d] = from_f<E>(a / L);
+        out[(size_t)b * NH * hs + h * hs + d] = from_f32<E>(a / L);
     }
 }
 extern "C" __global__ void attention_decode_combine_kernel2(float* out, const float* part, const int* posp,
