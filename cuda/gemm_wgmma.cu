@@ -223,7 +223,8 @@ struct GemmArgs {
     OUT* C;              // (M, ldc) row-major, or (N, ldc) when trans_c (C^T is stored)
     const OUT* bias;     // (N) or nullptr
     float* W;            // split-K workspace (splits, M, ldw), used when splits > 1
-    int* sched;          // 2 ints, zero between launches: the next dynamic work unit, CTAs finished
+    int* sched;          // dynamic schedule: 2 ints, zero between launches (the next work unit, CTAs
+                         // finished); nullptr: the fixed stride (one GPU: nothing else competes for SMs)
     int M, N, K, ldc, ldw, splits, kb_per_split;
     float alpha, beta;
     int trans_c;
@@ -378,11 +379,12 @@ __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CU
             tensormap_acquire(tmA);
             tensormap_acquire(tmB);
             int stage = 0, phase = 0;
-            // Dynamic schedule: a CTA's first unit is its block index, each further one the next
-            // from a global counter. A CTA that starts late (its SM busy with another kernel, such
-            // as NCCL's beside backward) then simply takes fewer units, where a fixed stride would
-            // leave its share to finish last. Which CTA computes a unit changes nothing in it.
-            for (int u = blockIdx.x; u < units; u = gridDim.x + atomicAdd(a.sched, 1)) {
+            // A CTA's first unit is its block index; each further one is the next from a global
+            // counter (a.sched: the dynamic schedule) or blockIdx + k * gridDim (the fixed stride).
+            // Dynamic: a CTA that starts late (its SM busy with another kernel, such as NCCL's
+            // beside backward) simply takes fewer units, where the fixed stride leaves its share to
+            // finish last. Which CTA computes a unit changes nothing in it.
+            for (int u = blockIdx.x; u < units; u = a.sched ? gridDim.x + atomicAdd(a.sched, 1) : u + gridDim.x) {
                 const int split = u % a.splits, t = u / a.splits;
                 int tm, tn;
                 tile_coords(t, tiles_m, tiles_n, tm, tn);
@@ -423,8 +425,8 @@ __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CU
             mbar_wait(&empty[stage], phase ^ 1);
             unit_of[stage] = units;
             mbar_arrive(&full[stage]);
-            __threadfence();
-            if (atomicAdd(a.sched + 1, 1) == (int)gridDim.x - 1) {
+            if (a.sched) __threadfence();
+            if (a.sched && atomicAdd(a.sched + 1, 1) == (int)gridDim.x - 1) {
                 atomicExch(a.sched, 0);
                 atomicExch(a.sched + 1, 0);
             }
