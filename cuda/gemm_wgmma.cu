@@ -223,8 +223,6 @@ struct GemmArgs {
     OUT* C;              // (M, ldc) row-major, or (N, ldc) when trans_c (C^T is stored)
     const OUT* bias;     // (N) or nullptr
     float* W;            // split-K workspace (splits, M, ldw), used when splits > 1
-    int* sched;          // dynamic schedule: 2 ints, zero between launches (the next work unit, CTAs
-                         // finished); nullptr: the fixed stride (one GPU: nothing else competes for SMs)
     int M, N, K, ldc, ldw, splits, kb_per_split;
     float alpha, beta;
     int trans_c;
@@ -355,9 +353,6 @@ __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CU
     constexpr int STG_BYTES = TMA_STORE ? 64 * BN * (int)sizeof(OUT) : 0;
     uint64_t* full = reinterpret_cast<uint64_t*>(smem + STAGES * STAGE_BYTES + 2 * STG_BYTES);
     uint64_t* empty = full + STAGES;
-    // the work unit whose first k-block a stage holds (the producer writes it before its arrival on
-    // full[stage], so a consumer's wait on that barrier makes it visible), or `units`: no more work
-    int* unit_of = reinterpret_cast<int*>(empty + STAGES);
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; s++) {
@@ -379,25 +374,13 @@ __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CU
             tensormap_acquire(tmA);
             tensormap_acquire(tmB);
             int stage = 0, phase = 0;
-            // A CTA's first unit is its block index; each further one is the next from a global
-            // counter (a.sched: the dynamic schedule) or blockIdx + k * gridDim (the fixed stride).
-            // Dynamic: a CTA that starts late (its SM busy with another kernel, such as NCCL's
-            // beside backward) simply takes fewer units, where the fixed stride leaves its share to
-            // finish last. Which CTA computes a unit changes nothing in it.
-            for (int u = blockIdx.x; u < units; u = a.sched ? gridDim.x + atomicAdd(a.sched, 1) : u + gridDim.x) {
+            for (int u = blockIdx.x; u < units; u += gridDim.x) {
                 const int split = u % a.splits, t = u / a.splits;
                 int tm, tn;
                 tile_coords(t, tiles_m, tiles_n, tm, tn);
                 const int kb0 = split * a.kb_per_split, kb1 = min(kblocks_total, kb0 + a.kb_per_split);
-                if (kb1 <= kb0) {  // an empty K range (never planned; kept correct): a stage without loads
-                    mbar_wait(&empty[stage], phase ^ 1);
-                    unit_of[stage] = u;
-                    mbar_arrive(&full[stage]);
-                    if (++stage == STAGES) { stage = 0; phase ^= 1; }
-                }
                 for (int kb = kb0; kb < kb1; kb++) {
                     mbar_wait(&empty[stage], phase ^ 1);
-                    if (kb == kb0) unit_of[stage] = u;
                     mbar_expect_tx(&full[stage], STAGE_BYTES);
                     unsigned char* sa = smem + stage * STAGE_BYTES;
                     if (A_MN) {  // A^T is stored (K rows of M): 4 boxes of 32 m x BK k
@@ -419,36 +402,18 @@ __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CU
                     if (++stage == STAGES) { stage = 0; phase ^= 1; }
                 }
             }
-            // no more work: tell the consumers through one more stage, then count this CTA out; the
-            // last one out zeroes the counter for the next launch (every CTA's last fetch came
-            // before its count, so nobody reads the counter after the reset)
-            mbar_wait(&empty[stage], phase ^ 1);
-            unit_of[stage] = units;
-            mbar_arrive(&full[stage]);
-            if (a.sched) __threadfence();
-            if (a.sched && atomicAdd(a.sched + 1, 1) == (int)gridDim.x - 1) {
-                atomicExch(a.sched, 0);
-                atomicExch(a.sched + 1, 0);
-            }
         }
     } else {
         asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
         float d[BN / 2];
         const int lane = threadIdx.x & 31;
         int stage = 0, phase = 0;
-        for (;;) {
-            mbar_wait(&full[stage], phase);  // the next unit's first stage (the loop below waits on it again)
-            const int u = unit_of[stage];
-            if (u >= units) break;
+        for (int u = blockIdx.x; u < units; u += gridDim.x) {
             const int split = u % a.splits, t = u / a.splits;
             int tm, tn;
             tile_coords(t, tiles_m, tiles_n, tm, tn);
             const int kb0 = split * a.kb_per_split, kb1 = min(kblocks_total, kb0 + a.kb_per_split);
             int prev = -1;
-            if (kb1 <= kb0) {  // the producer's load-free stage for an empty K range
-                if (lane == 0) mbar_arrive(&empty[stage]);
-                if (++stage == STAGES) { stage = 0; phase ^= 1; }
-            }
             for (int kb = kb0; kb < kb1; kb++) {
                 mbar_wait(&full[stage], phase);
                 const unsigned char* sa = smem + stage * STAGE_BYTES + (wg - 1) * 64 * ROW_BYTES;
@@ -516,10 +481,9 @@ __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CU
 #define GEMM_WGMMA_ENTRY(NAME, T, OUT, BN, STAGES, TMA_STORE, ...)                                        \
     extern "C" __global__ void __launch_bounds__(THREADS, 1)                                             \
     NAME(const CUtensorMap* tmA, const CUtensorMap* tmB, const CUtensorMap* tmC, OUT* C, const OUT* bias, \
-         float* W, int* sched, int M, int N, int K, int ldc, int ldw, int splits, int kb_per_split,      \
-         float alpha, float beta, int trans_c) {                                                          \
-        const GemmArgs<OUT> a{C, bias, W, sched, M, N, K, ldc, ldw, splits, kb_per_split, alpha, beta,    \
-                              trans_c};                                                                   \
+         float* W, int M, int N, int K, int ldc, int ldw, int splits, int kb_per_split, float alpha,     \
+         float beta, int trans_c) {                                                                       \
+        const GemmArgs<OUT> a{C, bias, W, M, N, K, ldc, ldw, splits, kb_per_split, alpha, beta, trans_c}; \
         gemm_wgmma_body<T, OUT, BN, STAGES, TMA_STORE, ##__VA_ARGS__>(tmA, tmB, tmC, a);                 \
     }
 

@@ -43,7 +43,6 @@ def main():
     rank, world = group.rank, group.world
     B, T, zero = args.batch_size, args.seq_len, args.zero_stage if group.world > 1 else 0
     be = make_backend("cuda", gpu=group.local_rank)
-    be.rt.dynamic_tiles = group.world > 1  # as the trainer does (llmc/train.py)
     rt = be.rt
     cfg = config_from_name(args.model)
     model = GPT2(cfg, be, B, T, optimizer=zero == 0)

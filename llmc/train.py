@@ -391,10 +391,6 @@ def main(argv=None, group=None) -> int:
         except ImportError as e:
             raise LLMCError(f"multi-GPU needs NCCL's Python bindings (pip install nccl4py): {e}") from None
     be = make_backend(args.device, kernels, gpu=group.local_rank, precision=args.precision)
-    if group.world > 1 and be.name != "cpu":
-        # NCCL's kernels will run beside backward: engine 5 hands out its tiles dynamically
-        # (llmc/ops/gemm_wgmma.py: scheduler), so CTAs that start late on a busy SM take fewer
-        be.rt.dynamic_tiles = True
     # a diverging run is caught by the finite checks below, in one line: no numpy overflow warnings
     np.seterr(over="ignore", invalid="ignore", divide="ignore")
 

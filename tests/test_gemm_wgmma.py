@@ -396,35 +396,3 @@ def test_tma_store_staging_layout(osize, bn):
                 per_bank = collections.Counter(w % 32 for w in words)
                 assert max(per_bank.values()) == len(words) // 32, (warp, j, h)
     assert len(seen) == 64 * bn // 2  # every pair of the tile, once
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype,layout", [("tf32", "kk"), ("tf32", "mk"), ("bf16", "kk"), ("bf16", "mn")])
-@pytest.mark.parametrize("splits", [1, 3])
-def test_dynamic_tiles_equal_the_fixed_stride(hopper, rng, dtype, layout, splits):
-    """rt.dynamic_tiles (the data-parallel trainer's setting): tiles handed out by a global counter
-    give the same bits as the fixed stride (a tile's result does not depend on which CTA computes
-    it), launch after launch (the last CTA zeroes the counter for the next one)."""
-    from llmc.bf16 import BF16, from_bf16, to_bf16
-    from llmc.testing import poison
-    M, N, K = 1000, 904, 1536  # more tiles than SMs: every CTA takes several
-    host = (lambda x: to_bf16(x)) if dtype == "bf16" else (lambda x: x.astype(np.float32))
-    A = hopper.to_device(host(rng.standard_normal((K, M) if layout[0] == "m" else (M, K))))
-    B = hopper.to_device(host(rng.standard_normal((K, N) if layout[1] == "n" else (N, K))))
-    out = "bf16" if layout == "mn" else "fp32"  # (the M-/N-major bf16 kernels write bf16)
-    C = hopper.empty((M, N), BF16 if out == "bf16" else np.float32)
-    outs = []
-    for dynamic in (False, True, True, True):
-        hopper.dynamic_tiles = dynamic
-        try:
-            g = gw.wgmma_build(hopper, dtype, M, N, K, splits=splits, a_major=layout[0], b_major=layout[1],
-                               out=out)
-        finally:
-            hopper.dynamic_tiles = False
-        poison(C)
-        g(C, A, B)
-        outs.append(from_bf16(C.get()) if out == "bf16" else C.get())
-    assert np.isfinite(outs[0]).all()
-    for o in outs[1:]:
-        assert np.array_equal(o, outs[0])
-    assert not hopper._wgmma_sched.get().any()  # zeroed by the last CTA of each launch

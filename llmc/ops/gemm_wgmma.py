@@ -161,24 +161,8 @@ def instance_name(ty: str, out: str, layout: str, ts: bool, bn: int) -> str:
 
 def smem_bytes(bn: int, stages: int, ts: bool, out: str = "fp32") -> int:
     """Dynamic shared memory of an instance: the stages, the two TMA-store staging buffers, the
-    mbarriers (two per stage) and each stage's work-unit number, 1 KB for the 1024-byte alignment."""
-    return stages * (BM + bn) * 128 + (2 * 64 * bn * OUT_BYTES[out] if ts else 0) + 2 * 8 * stages + 8 * stages + 1024
-
-
-def scheduler(rt) -> int:
-    """The dynamic tile scheduler's two counters (next work unit, CTAs finished), one pair per runtime,
-    as a device pointer; 0 (the fixed stride) unless rt.dynamic_tiles is set, which the data-parallel
-    trainer does (llmc/dist.py): there NCCL's kernels run beside backward and hold SMs, and a fixed
-    stride would leave the tiles of the CTAs that start late to finish last (on 2 H200s the step grew
-    by 6% for 0.5 ms of exposed communication). On one GPU the fixed stride is 1-2% faster. Every
-    launch starts with the counters at zero and its last CTA zeroes them again, so the launches of one
-    stream (and the graphs that replay them) share the pair. Read at build time."""
-    if not getattr(rt, "dynamic_tiles", False):
-        return 0
-    sched = getattr(rt, "_wgmma_sched", None)
-    if sched is None:
-        sched = rt._wgmma_sched = rt.zeros((2,), np.int32)
-    return sched.ptr
+    mbarriers, 1 KB for the 1024-byte alignment."""
+    return stages * (BM + bn) * 128 + (2 * 64 * bn * OUT_BYTES[out] if ts else 0) + 2 * 8 * stages + 1024
 
 
 def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, ldb: int | None = None,
@@ -241,11 +225,10 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
     smem = smem_bytes(bn, stages, use_ts, out)
     name = instance_name(ty, out, layout, use_ts, bn)
     what = {"kk": "", "mk": ", A M-major", "kn": ", B N-major", "mn": ", A M-major, B N-major"}[layout]
-    k = rt.kernel(MODULE, name, "PPPPPPPiiiiiiiffi",
+    k = rt.kernel(MODULE, name, "PPPPPPiiiiiiiffi",
                   label=f"gemm 5 ({ty}{' -> bf16' if out == 'bf16' else ''}, 128x{bn}{', TMA store' if use_ts else ''}{what})")
     k.set_max_dynamic_smem(smem)
     units = -(-M // BM) * -(-N // bn) * splits
-    sched = scheduler(rt)
     grid, block = (min(units, rt.sm_count), 1, 1), (384, 1, 1)
     ldw = -(-N // 4) * 4
     W = rt.empty((splits * M * ldw,), np.float32) if splits > 1 else None
@@ -273,13 +256,13 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
             dm = maps[(a, b, c if ts else 0)] = rt.to_device(np.frombuffer(blob, np.uint8))
         tm = (dm.ptr, dm.ptr + 128, dm.ptr + 256 if ts else 0)
         if splits > 1:
-            k(grid, block, tm[0], tm[1], 0, c, 0, W.ptr, sched, np.int32(M), np.int32(N), np.int32(K), np.int32(ldc),
+            k(grid, block, tm[0], tm[1], 0, c, 0, W.ptr, np.int32(M), np.int32(N), np.int32(K), np.int32(ldc),
               np.int32(ldw), np.int32(splits), np.int32(per), np.float32(1.0), np.float32(0.0), np.int32(0),
               smem=smem)
             red(rgrid, (256, 1, 1), c, W.ptr, bi if has_bias else 0, np.int32(M), np.int32(N), np.int32(ldc),
                 np.int32(ldw), np.int32(splits), np.float32(alpha), np.float32(beta), np.int32(1 if trans_c else 0))
         else:
-            k(grid, block, tm[0], tm[1], tm[2], c, bi if has_bias else 0, 0, sched, np.int32(M), np.int32(N), np.int32(K),
+            k(grid, block, tm[0], tm[1], tm[2], c, bi if has_bias else 0, 0, np.int32(M), np.int32(N), np.int32(K),
               np.int32(ldc), np.int32(ldw), np.int32(1), np.int32(per), np.float32(alpha), np.float32(beta),
               np.int32(1 if trans_c else 0), smem=smem)
     launch.plan = (5, f"128x{bn}{'+ts' if use_ts else ''}{LAYOUT_SUFFIX[layout].replace('_', '+')}", splits)
