@@ -6,6 +6,7 @@ import collections
 import numpy as np
 import pytest
 
+from llmc.bf16 import from_bf16, to_bf16
 from llmc.ops import gemm_wgmma as gw
 
 # ----------------------------------------------------------------------------------------------
@@ -43,9 +44,9 @@ def hopper(rt):
 
 
 def _bf16_round(x):
-    b = np.ascontiguousarray(x, np.float32).view(np.uint32).astype(np.uint64)
-    b = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
-    return b, (b.astype(np.uint32) << 16).view(np.float32)
+    """(bf16 bits, their values as float32) of x rounded to nearest even (llmc/bf16.py)."""
+    b = to_bf16(x)
+    return b, from_bf16(b)
 
 
 def _run(rt, dtype, M, N, K, rng, has_bias=False, beta=0.0, trans_c=False, bn=None, splits=None, alpha=1.0,
