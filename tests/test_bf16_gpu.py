@@ -1,6 +1,6 @@
 """--precision bf16 on the GPU (pytest -m gpu): the model against the fp32 numpy backend within llm.c's
-bf16 thresholds, 50 steps of tiny shakespeare tracking the fp32 run, bit-exact resume with
---deterministic, and sampling.
+bf16 thresholds, 50 steps of tiny shakespeare tracking the fp32 run, and sampling (bit-exact resume
+with --deterministic in bf16 is tests/test_train_gpu.py's resume test, run in both precisions).
 
     python prepro_tinyshakespeare.py                        # the shards test (b) trains on
     python -m pytest -m gpu tests/test_bf16_gpu.py -q -s    # -s prints the tables and the two curves
@@ -121,40 +121,8 @@ def test_fifty_steps_of_tiny_shakespeare_track_fp32():
 
 
 # ----------------------------------------------------------------------------------------------
-# (c) resume in bf16 is bit-exact with --deterministic
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    from llmc.data import write_shard
-    d = tmp_path_factory.mktemp("data")
-    base = np.random.default_rng(0).integers(0, 5000, 257)
-    write_shard(str(d / "train_000.bin"), np.tile(base, 20).astype(np.uint16))
-    return d
-
-
-def test_bf16_deterministic_resume_is_bit_exact(shards, tmp_path):
-    """With stochastic rounding on: two uninterrupted runs are byte-identical, and a run stopped at
-    step 3 and resumed writes step 6's v5 model and state (fp32 masters, rounding RNG) byte for
-    byte as the uninterrupted one."""
-    from llmc.checkpoint import HEADER_INTS
-    common = ["--device", "cuda", "-e", "L2C128H2", "-b", "2", "-t", "64", "-s", "0", "-v", "0", "-l", "1e-3",
-              "-u", "2", "-i", shards / "train_*.bin", "-j", "", "-x", "6", "-n", "3", "--deterministic",
-              "--precision", "bf16"]
-    train(*common, "-o", tmp_path / "full")
-    train(*common, "-o", tmp_path / "again")
-    full = (tmp_path / "full" / "model_00000006.bin").read_bytes()
-    assert np.frombuffer(full[:4 * HEADER_INTS], np.int32)[1] == 5
-    assert (tmp_path / "again" / "model_00000006.bin").read_bytes() == full, "two uninterrupted runs differ"
-    part = tmp_path / "part"
-    train(*common, "-o", part)
-    for f in part.glob("*_00000006*"):
-        f.unlink()
-    p = train(*common, "-o", part, "-y", "1")
-    assert "(step 3)" in p.stdout
-    assert (part / "model_00000006.bin").read_bytes() == full, "the resumed run's weights differ"
-    assert ((part / "state_00000006_00000.bin").read_bytes()
-            == (tmp_path / "full" / "state_00000006_00000.bin").read_bytes())
+# (c) resume in bf16 is bit-exact with --deterministic: tests/test_train_gpu.py's resume test, which
+# runs in both precisions
 
 
 # ----------------------------------------------------------------------------------------------
