@@ -53,6 +53,19 @@ def plot(json_path, png_path):
     print(f"wrote {png_path}")
 
 
+def torch_median_ms(fn, reps: int, warmup: int = 5) -> float:
+    """Median ms of fn() (torch work on torch's stream) over reps, by CUDA events, after warm-up."""
+    import torch
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record(); fn(); e.record(); e.synchronize()
+        ts.append(s.elapsed_time(e))
+    return float(np.median(ts))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--plot", nargs=2, metavar=("JSON", "PNG"), help="chart a saved run instead of measuring")
@@ -75,14 +88,7 @@ def main():
         return float(np.median(rt.time_ms(fn, warmup=5, repeat=args.reps)))
 
     def tmed(fn):
-        for _ in range(5):
-            fn()
-        ts = []
-        for _ in range(args.reps):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record(); fn(); e.record(); e.synchronize()
-            ts.append(s.elapsed_time(e))
-        return float(np.median(ts))
+        return torch_median_ms(fn, args.reps)
 
     rows = []
     for B in args.B:

@@ -14,6 +14,8 @@ import argparse
 
 import numpy as np
 
+from bench_gemm import torch_median_ms  # (dev/ is the script's folder: on sys.path)
+
 LAYERS = {"qkv": (768, 2304), "attproj": (768, 768), "fc": (768, 3072), "fcproj": (3072, 768),
           "lmhead": (768, 50304)}  # name: (C, OC) of the matmul's weight (OC, C)
 
@@ -37,14 +39,7 @@ def main():
         return float(np.median(rt.time_ms(fn, warmup=3, repeat=args.reps)))
 
     def tmed(fn):
-        for _ in range(3):
-            fn()
-        ts = []
-        for _ in range(args.reps):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record(); fn(); e.record(); e.synchronize()
-            ts.append(s.elapsed_time(e))
-        return float(np.median(ts))
+        return torch_median_ms(fn, args.reps, warmup=3)
 
     for B in args.B:
         N = B * args.T
