@@ -14,7 +14,7 @@ import argparse
 
 import numpy as np
 
-from bench_gemm import torch_median_ms  # (dev/ is the script's folder: on sys.path)
+from bench_gemm import torch_median_ms  # (dev/, the folder of the script, is importable)
 
 LAYERS = {"qkv": (768, 2304), "attproj": (768, 768), "fc": (768, 3072), "fcproj": (3072, 768),
           "lmhead": (768, 50304)}  # name: (C, OC) of the matmul's weight (OC, C)
