@@ -12,7 +12,8 @@
 #
 #   on a machine with 2+ GPUs, mpirun, mpi4py, nccl4py and PyCUDA (dev/data carried along if wanted):
 #       bash dev/bench_multi_gpu.sh
-# Knobs: NP (default: every GPU), STEPS (throughput steps, 30), PHASES ("agree speed profile bad").
+# Knobs: NP (default: every GPU), STEPS (throughput steps, 30), PHASES ("agree speed profile bad"),
+# EXTRA (more train_gpt2.py flags for the speed runs, e.g. "--precision bf16").
 # NCCL_NVLS_ENABLE stays 0 (NVLink multicast off; llmc/dist.py also sets it when unset).
 set -o pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
@@ -89,9 +90,9 @@ speed)
     nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 500 > "$OUT/$name.mem.csv" &
     smi=$!
     if [ "$n" = 1 ]; then
-      timeout 400 python3 train_gpt2.py -e d12 -b 16 -t 1024 -x "$STEPS" -v 0 -s 0 "${D[@]}" > "$OUT/$name.txt" 2>&1
+      timeout 400 python3 train_gpt2.py -e d12 -b 16 -t 1024 -x "$STEPS" -v 0 -s 0 "${D[@]}" ${EXTRA:-} > "$OUT/$name.txt" 2>&1
     else
-      mpi "$n" python3 train_gpt2.py -e d12 -b 16 -t 1024 -x "$STEPS" -v 0 -s 0 -z "$z" "${D[@]}" > "$OUT/$name.txt" 2>&1
+      mpi "$n" python3 train_gpt2.py -e d12 -b 16 -t 1024 -x "$STEPS" -v 0 -s 0 -z "$z" "${D[@]}" ${EXTRA:-} > "$OUT/$name.txt" 2>&1
     fi
     echo "rc=$?" | tee -a "$S"
     kill $smi 2>/dev/null; wait $smi 2>/dev/null

@@ -87,6 +87,8 @@ def main():
         model.adamw_plan = [(wrap("adamw", pl[0]), *pl[1:]) for pl in model.adamw_plan]
     else:
         dp.plan = [(wrap("adamw", pl[0]), *pl[1:]) for pl in dp.plan]
+        if dp.adamw_all is not None:
+            dp.adamw_all = wrap("adamw", dp.adamw_all)
     model.use_graphs = False
     dp.trace = records
     start = rt.event()

@@ -138,7 +138,8 @@ class FakeRuntime:
     def to_device(self, host) -> DevArray:
         host = np.ascontiguousarray(host)
         a = self.empty(host.shape, host.dtype)
-        self.np(a)[...] = host
+        if self.heap is not None:  # (no heap: the allocation alone, for builds that only build)
+            self.np(a)[...] = host
         return a
 
     def np(self, a: DevArray) -> "numpy.ndarray":
@@ -197,7 +198,9 @@ class FakeCudaBackend(CudaBackend):
             spec.build(self.rt, num, dt, **shape)  # raises the same refusal as the GPU
         cpu = spec.build_cpu(**shape)
         conv, run = self.rt.np, cpu.launch
-        if dt == "bf16":
+        if dt == "bf16" and name == "adamw" and shape.get("chunks"):
+            run = self._bf16_adamw_chunks(shape["chunks"])
+        elif dt == "bf16":
             run = self._bf16_adamw(run) if name == "adamw" else self._bf16(run)
         else:
             ref = run
@@ -253,6 +256,19 @@ class FakeCudaBackend(CudaBackend):
             frac = np.divide(w - lo, gap, out=np.zeros_like(gap), where=gap > 0)
             u = np.random.default_rng(s).random(w.shape)
             np_(params)[...] = to_bf16(np.where(u < frac, hi, lo))
+        return run
+
+    def _bf16_adamw_chunks(self, chunks):
+        """AdamW variant 3's bf16 build over a list of ranges: each range as the one-range build,
+        on views (params at poff, the shard buffers at soff, hp row `row`, seed c)."""
+        from llmc.ops.adamw import adamw_cpu
+        parts = [(self._bf16_adamw(adamw_cpu(nc)), poff, soff, nc, row) for poff, soff, nc, row in chunks]
+
+        def run(params, grads, m, v, norm2, hp, master, seeds):
+            assert seeds.dtype == np.uint32 and seeds.size == len(parts)
+            for c, (one, poff, soff, nc, row) in enumerate(parts):
+                one(params.view(poff, (nc,)), grads.view(soff, (nc,)), m.view(soff, (nc,)), v.view(soff, (nc,)),
+                    norm2, hp.view(8 * row, (8,)), master.view(soff, (nc,)), seeds.view(c, (1,)))
         return run
 
     def memset0(self, buf):

@@ -354,3 +354,90 @@ def test_gpu_bf16_stochastic_rounding(rt, number):
     assert np.array_equal(a, run(split, 7, master)), "the bits depend on how the buffer is cut into ranges"
     assert 0.4 < (a != run(whole, 8, master)).mean() < 0.6, "seeds 7 and 8 give (nearly) the same bits"
     assert np.array_equal(run(whole, 0, master), to_bf16(master)), "seed 0: round to nearest even"
+
+
+# ----------------------------------------------------------------------------------------------
+# variant 3 over a list of ranges (ZeRO-1's shard pieces)
+
+def _chunks(rng, P):
+    """Ranges of odd sizes (1, a tile and one, ...) at scattered places of a P-value parameter
+    buffer, their shard pieces back to back in a shuffled order (as llmc/dist.py lays them out), rows
+    0 and 1: ((poff, soff, n, row), ...), the shard size."""
+    sizes = [1, 3, 384, aw.ADAMW_TILE, aw.ADAMW_TILE + 1, 3 * aw.ADAMW_TILE - 5, 1000]
+    poffs = np.cumsum([0] + [s + 7 for s in sizes])[:-1]  # gaps of 7 values that must stay untouched
+    order = rng.permutation(len(sizes))
+    soffs = np.zeros(len(sizes), np.int64)
+    soffs[order] = np.cumsum([0] + [sizes[i] for i in order])[:-1]
+    assert poffs[-1] + sizes[-1] <= P
+    return tuple((int(p), int(s), n, i % 2) for i, (p, s, n) in enumerate(zip(poffs, soffs, sizes))), sum(sizes)
+
+
+def _hp2(t, max_norm, dtype=np.float32):
+    return np.stack([aw.hyperparams(HP["lr"], HP["b1"], HP["b2"], HP["eps"], wd, t, max_norm, dtype) for wd in (0.0, 0.1)])
+
+
+def test_chunks_cpu_is_each_range_as_a_plain_call(rng):
+    """The numpy launcher of the chunked op = the plain op on each range with its hp row; the values
+    between ranges are untouched."""
+    P = 30000
+    chunks, S = _chunks(rng, P)
+    params, m, v = _state(rng, P)[0], *_state(rng, S)[1:]
+    g = rng.standard_normal(S) * 0.3
+    norm2, hp = np.array([4.0]), _hp2(2, 1.0, np.float64)
+    want_p, want_m, want_v = params.copy(), m.copy(), v.copy()
+    for poff, soff, n, row in chunks:
+        sl, pl = slice(soff, soff + n), slice(poff, poff + n)
+        aw.adamw_cpu(n)(want_p[pl], g[sl], want_m[sl], want_v[sl], norm2, hp[row])
+    aw.adamw_cpu(S, chunks=chunks)(params, g, m, v, norm2, hp)
+    assert np.array_equal(params, want_p) and np.array_equal(m, want_m) and np.array_equal(v, want_v)
+
+
+def test_chunks_check():
+    spec = aw.OPS[0]
+    assert spec.refuse_reason(3, n=10, chunks=((0, 0, 5, 0), (100, 5, 5, 1))) is None
+    assert "soff" in spec.refuse_reason(3, n=10, chunks=((0, 6, 5, 0),))
+    assert "row" in spec.refuse_reason(3, n=10, chunks=((0, 0, 5, 2),))
+    assert "chunks" in spec.refuse_reason(2, n=10, chunks=((0, 0, 5, 0),))  # only variant 3 takes a list
+    ch, tiles = aw.chunk_tables(10, chunks=((50, 0, 5, 1), (0, 5, aw.ADAMW_TILE + 1, 0)))
+    assert ch.tolist() == [[50, 0, 5, 1, 0], [0, 5, aw.ADAMW_TILE + 1, 0, 0]]
+    assert tiles.tolist() == [[0, 0], [1, 0], [1, aw.ADAMW_TILE]]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_gpu_chunks(rt, dtype):
+    """Variant 3 over a list of ranges = the reference on each range (fp32 tolerance; bf16 params
+    bit-exact from the kernel's own master with each range's seed, hash index = the value's index
+    in its range); the parameter values between ranges keep their bits."""
+    rng = np.random.default_rng(3)
+    P = 30000
+    chunks, S = _chunks(rng, P)
+    launch = aw.OPS[0].build(rt, 3, dtype, n=S, chunks=chunks)
+    bf = dtype == "bf16"
+    params = rng.standard_normal(P).astype(np.float32)
+    host_p = to_bf16(params) if bf else params
+    d_p = rt.to_device(host_p)
+    master, m, v = (x.astype(np.float32) for x in _state(rng, S))
+    g = rng.standard_normal(S) * 0.3
+    g = to_bf16(g) if bf else g.astype(np.float32)
+    gf = from_bf16(g) if bf else g
+    norm2 = np.array([aw_norm2(gf) * 4.0], np.float32)
+    d_g, d_m, d_v, d_master = (rt.to_device(x) for x in (g, m, v, master))
+    seeds = np.arange(1, len(chunks) + 1, dtype=np.uint32) * 7919
+    launch(d_p, d_g, d_m, d_v, rt.to_device(norm2), rt.to_device(_hp2(2, 1.0)),
+           *((d_master, rt.to_device(seeds)) if bf else ()))
+    got_p, got_m, got_v, got_w = d_p.get(), d_m.get(), d_v.get(), d_master.get()
+    touched = np.zeros(P, bool)
+    for c, (poff, soff, n, row) in enumerate(chunks):
+        sl, pl = slice(soff, soff + n), slice(poff, poff + n)
+        touched[pl] = True
+        wd = 0.1 if row else 0.0
+        start = master[sl] if bf else params[pl]
+        want = aw.adamw_ref(start, gf[sl], m[sl], v[sl], norm2, HP["lr"], HP["b1"], HP["b2"], HP["eps"], wd, 2, 1.0)
+        new_p = got_w[sl] if bf else got_p[pl]
+        for gt, ref, name in zip((new_p, got_m[sl], got_v[sl]), want, ("params", "m", "v")):
+            np.testing.assert_allclose(gt, ref, atol=1e-6, rtol=1e-5, err_msg=f"{dtype} chunk {c} {name}")
+        if bf:
+            assert np.array_equal(got_p[pl], aw.round_params(got_w[sl], seeds[c], 0)), f"chunk {c}: params bits"
+    assert np.array_equal(got_p[~touched], host_p[~touched]), "values between the ranges must keep their bits"
+    assert np.array_equal(d_g.get(), g), "grads must not be modified"

@@ -130,11 +130,22 @@ def adamw_ref_bf16(master, grads, m, v, norm2, lr, b1, b2, eps, wd, t, max_norm,
     return round_params(p.astype(np.float32), seed, offset), p, m, v
 
 
-def adamw_cpu(n, offset=0, **_):
+def adamw_cpu(n, offset=0, chunks=None, **_):
     """The numpy backend: launch(...) updates params, m, v in place in their own dtype (float32 for
     training, float64 for tests), a chunk at a time so temporaries stay small at 124M params.
     With bf16 params (the bf16 build's launch(params, grads, m, v, norm2, hp, master, seed)): the
     update runs on master (grads widened from bf16), then params = round_params(master, seed)."""
+    if chunks:  # variant 3's list of ranges (see chunk_tables): each range as a plain call
+        parts = [(adamw_cpu(nc), poff, soff, nc, row) for poff, soff, nc, row, _ in _chunk_list(n, 0, chunks)]
+
+        def launch_chunks(params, grads, m, v, norm2, hp, master=None, seed=None):
+            P, H = params.reshape(-1), np.asarray(hp).reshape(-1, 8)
+            for c, (one, poff, soff, nc, row) in enumerate(parts):
+                sl = slice(soff, soff + nc)
+                one(P[poff:poff + nc], grads.reshape(-1)[sl], m.reshape(-1)[sl], v.reshape(-1)[sl], norm2, H[row],
+                    *(() if master is None else (master.reshape(-1)[sl], np.asarray(seed).reshape(-1)[c:c + 1])))
+        return launch_chunks
+
     def launch(params, grads, m, v, norm2, hp, master=None, seed=None):
         if master is not None:
             G = from_bf16(grads.reshape(-1)) if grads.dtype == BF16 else grads
@@ -225,14 +236,74 @@ def adamw2_bf16(rt, n, block_size=None, offset=0):
     return _make_launch_bf16(k, (_grid2(rt, k, n, bs), 1, 1), (bs, 1, 1), n, offset)
 
 
+# version 3: one launch over a list of ranges. `chunks` = ((poff, soff, n, row), ...): range c is
+# params[poff : poff + n] and grads, m, v (and master) [soff : soff + n] (a ZeRO-1 shard holds the
+# pieces); it takes hp row `row` (hp (2, 8): row 0 without weight decay, row 1 with) and, in
+# bf16, seed[c] with the hash index j of its value j (as a plain build with offset 0 would). Without
+# `chunks`, one range of n values at offset `offset`: the plain op, like versions 1 and 2.
+ADAMW_TILE = 4096  # values per block (cuda/adamw.cu: ADAMW_TILE)
+
+
+def _chunk_list(n, offset, chunks):
+    """[(poff, soff, n, row, hash offset)] for version 3's table."""
+    if not chunks:
+        return [(0, 0, n, 0, offset)]
+    return [(int(poff), int(soff), int(nc), int(row), 0) for poff, soff, nc, row in chunks]
+
+
+def chunk_tables(n, offset=0, chunks=None):
+    """(ch (C, 5) int64: poff, soff, n, row, hash offset; tiles (blocks, 2) int32: chunk, first value)"""
+    ch = np.array(_chunk_list(n, offset, chunks), np.int64).reshape(-1, 5)
+    tiles = np.array([(c, j) for c, (_, _, nc, _, _) in enumerate(ch.tolist()) for j in range(0, nc, ADAMW_TILE)],
+                     np.int32).reshape(-1, 2)
+    return ch, tiles
+
+
+def _check3(n, block_size=None, offset=0, chunks=None, **_):
+    why = _check(n, block_size, offset)
+    if why or not chunks:
+        return why
+    if any(nc < 1 or poff < 0 or soff < 0 or soff + nc > n or row not in (0, 1) for poff, soff, nc, row in chunks):
+        return f"chunks: every range needs n >= 1, poff >= 0, 0 <= soff <= soff + n <= {n:,} and row 0 or 1"
+    return None
+
+
+def _tables3(rt, n, offset, chunks):
+    ch, tiles = chunk_tables(n, offset, chunks)
+    return rt.to_device(ch), rt.to_device(tiles), (len(tiles), 1, 1)
+
+
+def adamw3(rt, n, block_size=None, offset=0, chunks=None):
+    bs = block_size or 256
+    k = rt.kernel(MODULE, "adamw_kernel3", "PPPPPPPP", label=f"{OP} 3")
+    ch, tiles, grid = _tables3(rt, n, offset, chunks)
+
+    def launch(params, grads, m, v, norm2, hp):
+        k(grid, (bs, 1, 1), params.ptr, grads.ptr, m.ptr, v.ptr, norm2.ptr, hp.ptr, ch.ptr, tiles.ptr)
+    return launch
+
+
+def adamw3_bf16(rt, n, block_size=None, offset=0, chunks=None):
+    bs = block_size or 256
+    k = rt.kernel(MODULE, "adamw_kernel3_bf16", "PPPPPPPPPP", label=f"{OP} 3 (bf16)")
+    ch, tiles, grid = _tables3(rt, n, offset, chunks)
+
+    def launch(params, grads, m, v, norm2, hp, master, seed):
+        k(grid, (bs, 1, 1), params.ptr, grads.ptr, m.ptr, v.ptr, norm2.ptr, hp.ptr, master.ptr, seed.ptr,
+          ch.ptr, tiles.ptr)
+    return launch
+
+
 VARIANTS = {
     1: Variant(1, "one thread per element, scalar loads", {"fp32": adamw1, "bf16": adamw1_bf16}, _check),
     2: Variant(2, "float4 grid-stride, streaming hints; any alignment (scalar head/tail)",
                {"fp32": adamw2, "bf16": adamw2_bf16}, _check),
+    3: Variant(3, "one launch over a list of ranges (ZeRO-1's shard pieces), 4096 values per block",
+               {"fp32": adamw3, "bf16": adamw3_bf16}, _check3, options=("chunks",)),
 }
 
 OPS = [
-    OpSpec("adamw", cpu=adamw_cpu, variants=VARIANTS, default=2, flag="--adamw-kernel",
+    OpSpec("adamw", cpu=adamw_cpu, variants=VARIANTS, default=2, flag="--adamw-kernel", options=("chunks",),
            cost=lambda n, **_: (0, 28 * n),  # read params, grads, m, v; write params, m, v (bf16: the same 28)
            doc="params(n), grads(n), m(n), v(n) in/out, norm2(1), hp(8) = hyperparams(lr, beta1, beta2, eps, "
                "weight_decay, t, max_norm): AdamW on the clipped gradient, clip scale computed on the device"),
