@@ -423,10 +423,13 @@ class GPT2:
         self.micro_steps += 1
         self.dlogits_ready = False
 
-    def _launch_backward(self, on_layer_grads=None) -> None:
+    def _launch_backward(self, on_layer_grads=None, before_attention=None) -> None:
         """The backward's launches (no host work: capturable). on_layer_grads(l), if given, is
         called as soon as layer l's gradients are launched (l = L-1 .. 0), then once with None when
-        the rest (wte, wpe, lnfw, lnfb) are: data parallel starts reducing them there."""
+        the rest (wte, wpe, lnfw, lnfb) are: data parallel starts reducing them there.
+        before_attention(l), if given, is called just before layer l's attention backward is
+        launched: data parallel may start the previous layer's reduction there instead, beside the
+        longest kernel of the layer rather than beside the persistent GEMM that opens it."""
         cfg, a, p, g, k = self.cfg, self.a, self.p, self.g, self.k
         ln1, ln2, fch_gelu = self.lay["ln1"], self.lay["ln2"], self.lay["fch_gelu"]
         L = cfg.num_layers
@@ -456,6 +459,8 @@ class GPT2:
             # attention: residual2 = residual + attproj(attention(qkv(ln1)))
             k["mmb_attproj"](dbtc, g["attprojw"][l], dres, a["atty"][l], p["attprojw"][l])  # d atty
             k["bias_C"](g["attprojb"][l], dres)
+            if before_attention is not None:
+                before_attention(l)
             k["attention_backward"](dqkv, dbtc, a["qkvr"][l], a["att"][l], a["atty"][l])  # d qkv (B,T,3C)
             if self.recompute == 2:                                                 # recompute ln1 (B,T,C)
                 k["layernorm_forward"](ln1[l], a["rc_mean"], a["rc_rstd"], residual, p["ln1w"][l], p["ln1b"][l])
@@ -469,7 +474,7 @@ class GPT2:
         if on_layer_grads is not None:
             on_layer_grads(None)
 
-    def train_micro_step(self, x: np.ndarray, y: np.ndarray, on_layer_grads=None) -> None:
+    def train_micro_step(self, x: np.ndarray, y: np.ndarray, on_layer_grads=None, before_attention=None) -> None:
         """forward(x, y) without reading the loss, then backward(): one micro-step of training.
         On the cuda backend the first call launches kernel by kernel and captures the launches into
         a CUDA graph; later calls upload the batch and replay it (one launch instead of ~400).
@@ -482,7 +487,7 @@ class GPT2:
             self._graph_micro, self._graph_accum = None, self.grad_accum_steps
         if on_layer_grads is not None:
             self._launch_forward(True, True)
-            self._launch_backward(on_layer_grads)
+            self._launch_backward(on_layer_grads, before_attention)
         else:
             self._run_captured("_graph_micro", self._launch_micro)
         self.has_targets_loaded = self.has_loss = True
