@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from llmc.ops import OpSpec, Variant, refuse, check_block_size, as_view
+from llmc.ops import OpSpec, Variant, refuse, check_block_size, as_view, esize
 from llmc.runtime import ceil_div
 
 MODULE = "encoder"  # cuda/encoder.cu
@@ -222,7 +222,8 @@ encoder_decode1_bf16 = _decode("bf16")
 OPS = [
     OpSpec(
         name="encoder_forward", flag="--encoder-kernel", default=3,
-        cost=lambda B, T, C, **_: (0, 4 * 3 * B * T * C),  # wte rows, wpe rows read; out written
+        # wte rows, wpe rows read, out written (elements of the build's dtype); the int32 ids
+        cost=lambda B, T, C, dtype="fp32", **_: (0, esize(dtype) * 3 * B * T * C + 4 * B * T),
         cpu=encoder_forward_cpu,
         doc="out(B,T,C)=, inp(B,T) int32, wte(Vp,C), wpe(maxT,C); out[b,t] = wte[inp[b,t]] + wpe[t]",
         variants={
@@ -234,7 +235,8 @@ OPS = [
         }),
     OpSpec(
         name="encoder_backward", flag="--encoder-backward-kernel", default=5,
-        cost=lambda B, T, C, **_: (0, 4 * 2 * B * T * C),
+        # dout read, dwte/dwpe rows read and written (counted as one (B,T,C) pass); the int32 ids
+        cost=lambda B, T, C, dtype="fp32", **_: (0, esize(dtype) * 2 * B * T * C + 4 * B * T),
         cpu=encoder_backward_cpu,
         doc="dwte(Vp,C)+=, dwpe(maxT,C)+=, dout(B,T,C), inp(B,T) int32; scatter-add",
         variants={
@@ -252,7 +254,7 @@ OPS = [
         name="encoder_decode", flag="--encoder-decode-kernel", default=1,
         cpu=encoder_decode_cpu,
         doc="out(B,C)=, inp(B+1,) int32 (B tokens, then their position), wte(Vp,C), wpe(maxT,C)",
-        cost=lambda B, C, **_: (0, 4 * 3 * B * C),
+        cost=lambda B, C, dtype="fp32", **_: (0, esize(dtype) * 3 * B * C + 4 * (B + 1)),
         variants={
             1: Variant(1, "one thread per output element; tokens and position read from the device",
                        {"fp32": encoder_decode1, "bf16": encoder_decode1_bf16},

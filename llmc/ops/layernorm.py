@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from llmc.ops import Built, OpSpec, Variant, refuse, check_block_size, as_view
+from llmc.ops import Built, OpSpec, Variant, refuse, check_block_size, as_view, esize
 from llmc.runtime import ceil_div
 
 MODULE = "layernorm"  # cuda/layernorm.cu
@@ -303,12 +303,27 @@ layernorm_backward5_bf16 = _backward_deterministic(5, 256, True, "bf16")
 
 
 # ----------------------------------------------------------------------------------------------
+# cost models: the fewest bytes one call must move, each input read once, each output written once
+# (the same counts as the labs'): elements of the build's dtype, mean/rstd fp32 in both
+
+def cost_forward(N, C, dtype="fp32", **_):
+    # read inp (N,C), weight, bias (C); write out (N,C), mean, rstd (N)
+    return 0, esize(dtype) * (2 * N * C + 2 * C) + 4 * 2 * N
+
+
+def cost_backward(N, C, dtype="fp32", **_):
+    # read dout, inp (N,C); dinp (N,C) +=: read and written; read weight (C), dweight, dbias (C) +=:
+    # read and written; read mean, rstd (N). (The deterministic variants' fp32 scratch is extra.)
+    return 0, esize(dtype) * (4 * N * C + 5 * C) + 4 * 2 * N
+
+
+# ----------------------------------------------------------------------------------------------
 # the table
 
 OPS = [
     OpSpec(
         name="layernorm_forward", flag="--layernorm-kernel", default=5,
-        cost=lambda N, C, **_: (0, 4 * 2 * N * C),  # read inp, write out (weights, stats: small)
+        cost=cost_forward,
         cpu=layernorm_forward_cpu,
         doc="out(N,C)=, mean(N)=, rstd(N)=, inp(N,C), weight(C), bias(C); eps 1e-5, biased variance",
         variants={
@@ -324,7 +339,7 @@ OPS = [
         }),
     OpSpec(
         name="layernorm_backward", flag="--layernorm-backward-kernel", default=5,
-        cost=lambda N, C, **_: (0, 4 * 4 * N * C),  # read dout, inp; read-modify-write dinp
+        cost=cost_backward,
         cpu=layernorm_backward_cpu,
         doc="dinp(N,C)+=, dweight(C)+=, dbias(C)+=, dout(N,C), inp(N,C), weight(C), mean(N), rstd(N)",
         variants={
