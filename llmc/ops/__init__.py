@@ -120,6 +120,8 @@ class OpSpec:
     pair: str | None = None        # the other direction whose variant number must match (attention)
     saves: Callable | None = None  # saves(**shape) -> what forward keeps for backward (the cpu's; variants may differ)
     options: tuple = ()            # boolean shape keys that only some variants take (Variant.options)
+    defaults: dict = field(default_factory=dict)  # {dtype: variant}: a dtype whose default differs
+                                   # (encoder_backward in bf16: no atomic build, a deterministic default)
     cost: Callable | None = None   # cost(dtype="fp32", **shape) -> (flops, bytes) of one call in that
                                    # element type (esize(dtype) bytes an element; fp32-only tensors 4)
 
@@ -130,6 +132,10 @@ class OpSpec:
             if self.name.endswith(suffix):
                 return self.name[:-len(suffix)]
         return self.name
+
+    def default_for(self, dtype: str = "fp32") -> int:
+        """The variant used for a build in `dtype` unless the user names one."""
+        return self.defaults.get(dtype, self.default)
 
     def variant(self, number: int) -> Variant:
         v = self.variants.get(number)
