@@ -20,6 +20,9 @@
 //      older GPUs (C % 4 == 0; not deterministic)
 //   5  one thread per (t, 4 channels): dwpe summed over b in registers and written once (no atomics,
 //      no B-way conflicts), dwte by float4 vector atomics as in 4 (C % 4 == 0; dwte not deterministic)
+//   6  deterministic, no atomics, no id scans: the ids sorted per 2048-position chunk, each token's
+//      runs linked across chunks, the chain's head block sums them as 3 does (any C; fp32 and bf16;
+//      the bf16 default). See "encoder_backward 6" below.
 // encoder_decode (sampling with a KV cache, not a training variant):
 //   1  out[b,:] = wte[inp[b],:] + wpe[inp[B],:]: B new tokens at the position stored after them in
 //      inp (B+1 ints), so that a captured CUDA graph reads the position from the device each step

@@ -14,6 +14,8 @@
 //      variance taken as E[(x-mean)^2] in registers (C % 4 == 0, C <= 2048)
 //   5  4 with streaming cache hints: x loaded with ld.global.cs and out stored with st.global.cs
 //      (each is touched once; keep L2 for weight/bias and whoever reads out next)
+//   6  persistent warps over R consecutive rows each, the next row loaded while this one is
+//      computed; 16-byte vectors only (C % V == 0); see "Variant 6" at the end of the file
 // layernorm_backward (--layernorm-backward-kernel N):
 //   1  one thread per row, a global atomicAdd for every dweight/dbias element (N-way contended)
 //   2  one warp per row, dweight/dbias summed per block in shared memory (shared atomics), then one
@@ -24,6 +26,8 @@
 //   4  3 with float4 loads and the rows of dout and inp held in registers (C % 4 == 0, C <= 2048)
 //   5  4 with the row of dinp loaded together with dout and inp (one memory round trip per row
 //      instead of two; for C <= 1024, where the three rows fit in registers; above that it is 4)
+//   6  deterministic, persistent warps, next row prefetched, dweight/dbias in registers per lane,
+//      one shared-memory pass per block, then the reduce kernel (see "Variant 6" at the end)
 //
 // Memory traffic at the trainer's shape (N = 4096, C = 768, fp32; one row = 3 KB):
 //   forward  reads x (12.6 MB) and writes out (12.6 MB): 25.2 MB, 8.5 us at 2.98 TB/s
