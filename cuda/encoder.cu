@@ -20,6 +20,9 @@
 //      older GPUs (C % 4 == 0; not deterministic)
 //   5  one thread per (t, 4 channels): dwpe summed over b in registers and written once (no atomics,
 //      no B-way conflicts), dwte by float4 vector atomics as in 4 (C % 4 == 0; dwte not deterministic)
+//   6  deterministic, no atomics, no id scans: the ids sorted per 2048-position chunk, each token's
+//      runs linked across chunks, the chain's head block sums them as 3 does (any C; fp32 and bf16;
+//      the bf16 default). See "encoder_backward 6" below.
 // encoder_decode (sampling with a KV cache, not a training variant):
 //   1  out[b,:] = wte[inp[b],:] + wpe[inp[B],:]: B new tokens at the position stored after them in
 //      inp (B+1 ints), so that a captured CUDA graph reads the position from the device each step
@@ -367,15 +370,40 @@ __device__ __forceinline__ void encoder_decode1(T* out, const int* inp, const T*
 // no thread reads another's accumulator and no barrier is needed around them. A group's V
 // accumulators are read and written as float4s (a thread's 32 bytes: 2-way bank conflicts, where
 // V scalar accesses at a 32-byte stride would be 8-way).
+
+// dwpe row t = p: the B rows summed in order b = 0..B-1 in fp32, added to the row, rounded once
 template <typename T>
-__device__ __forceinline__ void encoder_backward_owner_t(T* dwte, T* dwpe, const T* dout,
-        const int* inp, int B, int TT, int C, bool vec) {
+__device__ __forceinline__ void encoder_dwpe_row_t(T* dwpe, const T* dout, int B, int TT, int C, int p, bool vec) {
+    constexpr int V = Vec16<T>::N;
+    const int W = vec ? V : 1, G = C / W;
+    for (int g = threadIdx.x; g < G; g += blockDim.x) {
+        float s[V], d[V];
+#pragma unroll
+        for (int k = 0; k < V; k++) s[k] = 0.0f;
+        for (int b = 0; b < B; b++) {
+            load_vec<T>(d, dout + ((size_t)b * TT + p) * C + g * W, vec, W);
+#pragma unroll
+            for (int k = 0; k < V; k++) s[k] += d[k];
+        }
+        T* prow = dwpe + (size_t)p * C + g * W;
+        load_vec<T>(d, prow, vec, W);
+#pragma unroll
+        for (int k = 0; k < V; k++) d[k] += s[k];
+        store_vec<T>(prow, d, vec, W);
+    }
+}
+
+// dwte row of tok: ((row + d_0) + d_1) + ... in fp32, the order np.add.at adds them in. walk(add)
+// is the ownership test and walk (encoder_owner_walk or encoder_sorted_walk): false (in every
+// thread) when this block does not own tok's row, else add(list, n) for each sub-list of the
+// positions holding tok, ascending, and true.
+template <typename T, class Walk>
+__device__ __forceinline__ void encoder_dwte_owner_t(T* dwte, const T* dout, int C, int tok, bool vec, Walk walk) {
     extern __shared__ float4 s_acc4[];  // (C/4 float4 = C floats): the owned dwte row in fp32
     float* s_acc = reinterpret_cast<float*>(s_acc4);
     constexpr int V = Vec16<T>::N;
     static_assert(V % 4 == 0, "groups of whole float4s");
-    const int p = blockIdx.x, tid = threadIdx.x, bs = blockDim.x;
-    const int tok = inp[p];
+    const int tid = threadIdx.x, bs = blockDim.x;
     const int W = vec ? V : 1, G = C / W;
     auto acc_load = [&](float (&a)[V], int g) {
         if (vec) {
@@ -397,34 +425,13 @@ __device__ __forceinline__ void encoder_backward_owner_t(T* dwte, T* dwpe, const
             s_acc[g] = a[0];
         }
     };
-
-    // dwpe row t = p: the B rows summed in order b = 0..B-1 in fp32, added to the row, rounded once
-    if (p < TT) {
-        for (int g = tid; g < G; g += bs) {
-            float s[V], d[V];
-#pragma unroll
-            for (int k = 0; k < V; k++) s[k] = 0.0f;
-            for (int b = 0; b < B; b++) {
-                load_vec<T>(d, dout + ((size_t)b * TT + p) * C + g * W, vec, W);
-#pragma unroll
-                for (int k = 0; k < V; k++) s[k] += d[k];
-            }
-            T* prow = dwpe + (size_t)p * C + g * W;
-            load_vec<T>(d, prow, vec, W);
-#pragma unroll
-            for (int k = 0; k < V; k++) d[k] += s[k];
-            store_vec<T>(prow, d, vec, W);
-        }
-    }
-
-    // dwte row of tok: ((row + d_0) + d_1) + ... in fp32, the order np.add.at adds them in
     T* wrow = dwte + (size_t)tok * C;
     bool started = false;  // the same in every thread: add runs in all of them
-    bool owner = encoder_owner_walk(inp, B * TT, p, tok, [&](const int* list, int n) {
+    bool owner = walk([&](const int* list, int n) {
         for (int g = tid; g < G; g += bs) {
             float a[V], d[V];
             if (started) acc_load(a, g);
-            else load_vec<T>(a, wrow + g * W, vec, W);  // the first sub-chunk starts from dwte's row
+            else load_vec<T>(a, wrow + g * W, vec, W);  // the first sub-list starts from dwte's row
 #pragma unroll 4
             for (int j = 0; j < n; j++) {
                 load_vec<T>(d, dout + (size_t)list[j] * C + g * W, vec, W);
@@ -442,6 +449,134 @@ __device__ __forceinline__ void encoder_backward_owner_t(T* dwte, T* dwpe, const
             store_vec<T>(wrow + g * W, a, vec, W);
         }
     }
+}
+
+template <typename T>
+__device__ __forceinline__ void encoder_backward_owner_t(T* dwte, T* dwpe, const T* dout,
+        const int* inp, int B, int TT, int C, bool vec) {
+    const int p = blockIdx.x, tok = inp[p];
+    if (p < TT) encoder_dwpe_row_t<T>(dwpe, dout, B, TT, C, p, vec);
+    encoder_dwte_owner_t<T>(dwte, dout, C, tok, vec, [&](auto add) { return encoder_owner_walk(inp, B * TT, p, tok, add); });
+}
+
+// ----------------------------------------------------------------------------------------------
+// encoder_backward 6: the owner scheme without the id scans. Variants 2 and 3 find out whether a
+// position owns its token, and which later positions hold it, by scanning the ids: ~N ids per block,
+// N^2 in all (at B=16, T=1024: 16384 blocks x ~8K ids). Here three launches replace the scans:
+//   a. sort:  the ids in chunks of ENC_S = 2048 positions, one block (1024 threads) per chunk, keys
+//             (token << 32 | position in chunk) bitonic-sorted in shared memory (16 KB): within a
+//             chunk the positions of a token form a run, in ascending order. Each run's first slot
+//             gets its length (runlen) and owner = 1; keys (G, ENC_S) to scratch (G = ceil(N/ENC_S)).
+//   b. link:  one thread per run head: a binary search of each later chunk (11 steps, keys in L1/L2)
+//             finds the token's next run; next[head] = its slot (or -1), and that run's owner = 0.
+//             So each token's runs form a chain from its first chunk, and only the chain's head owns.
+//   c. sum:   one block per slot (and per position t < T for dwpe): an owning slot walks its chain,
+//             chunk by chunk, each run's positions ascending: every occurrence of the token in
+//             position order, np.add.at's order, as in 2 and 3 (same fp32 sums, same bits).
+// Every step has a fixed result whatever order the GPU runs blocks in (the sort is a sort; each
+// owner/next entry is written by one thread): deterministic, and no atomics at all.
+// Bytes: dout read once (U owners' rows plus the dwpe pass, which re-reads it through L2: 2 x N rows
+// at most), U dwte rows read and written, T dwpe rows read and written; the scratch is 20 bytes a
+// position (keys 8, runlen, owner, next 4 each).
+#define ENC_S 2048
+
+extern "C" __global__ void encoder_backward_sort_kernel6(unsigned long long* keys, int* runlen, int* owner,
+        const int* inp, int N) {
+    __shared__ unsigned long long s[ENC_S];
+    const int base = blockIdx.x * ENC_S;
+    for (int i = threadIdx.x; i < ENC_S; i += blockDim.x) {
+        const int p = base + i;  // past N: the largest key, sorted to the end, never a run
+        s[i] = p < N ? ((unsigned long long)(unsigned)inp[p] << 32) | (unsigned)i : ~0ull;
+    }
+    __syncthreads();
+    for (int k = 2; k <= ENC_S; k <<= 1) {
+        for (int j = k >> 1; j > 0; j >>= 1) {
+            for (int i = threadIdx.x; i < ENC_S; i += blockDim.x) {
+                const int l = i ^ j;
+                if (l > i) {
+                    const unsigned long long a = s[i], b = s[l];
+                    if ((a > b) == ((i & k) == 0)) { s[i] = b; s[l] = a; }
+                }
+            }
+            __syncthreads();
+        }
+    }
+    for (int i = threadIdx.x; i < ENC_S; i += blockDim.x) {
+        const unsigned long long key = s[i];
+        const unsigned tok = (unsigned)(key >> 32);
+        const bool head = key != ~0ull && (i == 0 || (unsigned)(s[i - 1] >> 32) != tok);
+        int len = 0;
+        if (head) {  // (a run of a frequent token is walked by one thread: a few hundred smem reads)
+            int e = i + 1;
+            while (e < ENC_S && (unsigned)(s[e] >> 32) == tok) e++;
+            len = e - i;
+        }
+        keys[base + i] = key;
+        runlen[base + i] = len;
+        owner[base + i] = head;
+    }
+}
+
+extern "C" __global__ void encoder_backward_link_kernel6(int* next, int* owner, const unsigned long long* keys,
+        const int* runlen, int G) {
+    const int s = blockIdx.x * blockDim.x + threadIdx.x;
+    if (s >= G * ENC_S) return;
+    int nx = -1;
+    if (runlen[s] > 0) {
+        const unsigned long long lo = keys[s] & 0xFFFFFFFF00000000ull;  // the token's smallest key
+        for (int j = s / ENC_S + 1; j < G && nx < 0; j++) {
+            const unsigned long long* kj = keys + (size_t)j * ENC_S;
+            int a = 0, b = ENC_S;  // lower bound of lo in chunk j
+            while (a < b) {
+                const int m = (a + b) >> 1;
+                if (kj[m] < lo) a = m + 1; else b = m;
+            }
+            if (a < ENC_S && (kj[a] >> 32) == (lo >> 32)) {
+                nx = j * ENC_S + a;
+                owner[nx] = 0;  // a later run of this token: the chain's head owns it
+            }
+        }
+    }
+    next[s] = nx;
+}
+
+// The walk of variant 6 (contract as encoder_owner_walk): slot s owns its token's row if it heads
+// the token's chain; the runs' positions go through shared memory, one run per add.
+template <class Add>
+__device__ __forceinline__ bool encoder_sorted_walk(const unsigned long long* keys, const int* runlen,
+        const int* owner, const int* next, int s, Add add) {
+    __shared__ int s_list[ENC_S];  // one run's positions, ascending
+    if (!owner[s]) return false;   // (the same in every thread)
+    for (int r = s; r >= 0; r = next[r]) {
+        const int n = runlen[r], base = (r / ENC_S) * ENC_S;
+        for (int i = threadIdx.x; i < n; i += blockDim.x) s_list[i] = base + (int)(unsigned)keys[r + i];
+        __syncthreads();
+        add(s_list, n);
+        __syncthreads();  // s_list is reused
+    }
+    return true;
+}
+
+template <typename T>
+__device__ __forceinline__ void encoder_backward6_t(T* dwte, T* dwpe, const T* dout,
+        const unsigned long long* keys, const int* runlen, const int* owner, const int* next,
+        int B, int TT, int C) {
+    const int s = blockIdx.x;
+    const bool vec = C % Vec16<T>::N == 0;
+    if (s < TT) encoder_dwpe_row_t<T>(dwpe, dout, B, TT, C, s, vec);
+    if (s >= B * TT) return;  // (a padding slot of the last chunk: never an owner; whole block)
+    const int tok = (int)(keys[s] >> 32);
+    encoder_dwte_owner_t<T>(dwte, dout, C, tok, vec,
+                            [&](auto add) { return encoder_sorted_walk(keys, runlen, owner, next, s, add); });
+}
+
+extern "C" __global__ void encoder_backward_kernel6(float* dwte, float* dwpe, const float* dout,
+        const unsigned long long* keys, const int* runlen, const int* owner, const int* next, int B, int T, int C) {
+    encoder_backward6_t<float>(dwte, dwpe, dout, keys, runlen, owner, next, B, T, C);
+}
+extern "C" __global__ void encoder_backward_kernel6_bf16(bf16* dwte, bf16* dwpe, const bf16* dout,
+        const unsigned long long* keys, const int* runlen, const int* owner, const int* next, int B, int T, int C) {
+    encoder_backward6_t<bf16>(dwte, dwpe, dout, keys, runlen, owner, next, B, T, C);
 }
 
 extern "C" __global__ void encoder_forward_kernel1_bf16(bf16* out, const int* inp, const bf16* wte,

@@ -14,6 +14,8 @@
 //      variance taken as E[(x-mean)^2] in registers (C % 4 == 0, C <= 2048)
 //   5  4 with streaming cache hints: x loaded with ld.global.cs and out stored with st.global.cs
 //      (each is touched once; keep L2 for weight/bias and whoever reads out next)
+//   6  persistent warps over R consecutive rows each, the next row loaded while this one is
+//      computed; 16-byte vectors only (C % V == 0); see "Variant 6" at the end of the file
 // layernorm_backward (--layernorm-backward-kernel N):
 //   1  one thread per row, a global atomicAdd for every dweight/dbias element (N-way contended)
 //   2  one warp per row, dweight/dbias summed per block in shared memory (shared atomics), then one
@@ -24,6 +26,8 @@
 //   4  3 with float4 loads and the rows of dout and inp held in registers (C % 4 == 0, C <= 2048)
 //   5  4 with the row of dinp loaded together with dout and inp (one memory round trip per row
 //      instead of two; for C <= 1024, where the three rows fit in registers; above that it is 4)
+//   6  deterministic, persistent warps, next row prefetched, dweight/dbias in registers per lane,
+//      one shared-memory pass per block, then the reduce kernel (see "Variant 6" at the end)
 //
 // Memory traffic at the trainer's shape (N = 4096, C = 768, fp32; one row = 3 KB):
 //   forward  reads x (12.6 MB) and writes out (12.6 MB): 25.2 MB, 8.5 us at 2.98 TB/s
@@ -654,3 +658,196 @@ extern "C" __global__ void layernorm_backward_reduce_kernel_bf16(bf16* dweight, 
         const float* scratch, int G, int C) {
     layernorm_backward_reduce_t<bf16>(dweight, dbias, scratch, G, C);
 }
+
+// ----------------------------------------------------------------------------------------------
+// Variant 6, forward and backward (fp32 and bf16 builds of one template; 16-byte vectors only:
+// C % V == 0, V = 4 fp32 / 8 bf16). Written for the copy ceiling at GPT-2's shapes (N = B*T =
+// 4096..16384 rows, C = 768), where 4 and 5 reach 75% (forward) and 63% (backward, bf16):
+//   * persistent warps: the launcher sizes the grid to what is resident on the GPU at once (from
+//     the kernel's registers) and gives each warp R consecutive rows (R = ceil(N / warps), warps =
+//     ceil(N / R): every warp has R rows or, the last, fewer), so there is no second partial wave
+//     (16384 rows of 8 per block were 1.9 waves of 5's blocks) and the per-warp startup is paid once;
+//   * the next row's loads are issued before this row's reductions and stores (double-buffered in
+//     registers, raw 16-byte words), so each warp always has a row in flight while it computes;
+//   * forward: x read once with ld.global.cs, out written once with st.global.cs; the statistics
+//     two-pass in registers (ln_row_stats_v), as 4 and 5;
+//   * backward: lane l owns the same channels in every row, so its dweight/dbias partial sums live
+//     in registers (fp32) for all R rows; at the end the block's warps add theirs in warp order in
+//     shared memory (fp32, (nwarps, 2, C), once per block, not per row) and write one (2, C) row of
+//     partials to scratch; the reduce kernel (shared with 3-5) sums the G <= 1024 rows in a fixed
+//     order. With G ~ 2 blocks per SM that is ~2 MB of fp32 partials at C = 768, read from L2.
+//     dinp (+=) is loaded at the start of its row (its latency under the reductions), not prefetched:
+//     the registers go to the double buffer of dout and inp instead.
+// Bytes each must move (the labs' and the cost model's counts; the lab's % is against these):
+//   forward:  read x (N*C), weight, bias (C); write out (N*C) in T; write mean, rstd (N) fp32.
+//             bf16, N = 16384, C = 768: 50.4 MB (15.7 us at 3.2 TB/s)
+//   backward: read dout, x (N*C), dinp (N*C), weight (C), mean, rstd (N); write dinp (N*C); dweight,
+//             dbias (C) read + written. bf16, N = 16384: 100.8 MB. Plus scratch 2 * G * 2C * 4 bytes
+//             (~5 MB at G = 264 blocks, in L2) and the reduce launch.
+// Register budget: forward NV <= 8 (bf16 C <= 2048, fp32 C <= 1024); backward NV <= 4 (bf16
+// C <= 1024, fp32 C <= 512: two rows of dout and inp, dinp and 2 * NV * V accumulators per lane).
+
+template <typename T, int NV>
+__device__ __forceinline__ void ln_load_row_raw(typename Vec16<T>::raw (&r)[NV], const T* p, int lane, int C) {
+    constexpr int V = Vec16<T>::N;
+#pragma unroll
+    for (int i = 0; i < NV; i++) {
+        const int c0 = V * (lane + i * WARP_SIZE);
+        if (c0 < C) r[i] = Vec16<T>::ld_cs(p + c0);
+    }
+}
+
+template <typename T, int NV>
+__device__ __forceinline__ void layernorm_forward6_t(T* __restrict__ out, float* __restrict__ mean,
+        float* __restrict__ rstd, const T* __restrict__ inp, const T* __restrict__ weight,
+        const T* __restrict__ bias, int N, int C, int R) {
+    constexpr int V = Vec16<T>::N;
+    typedef typename Vec16<T>::raw raw;
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int gw = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
+    const int row0 = gw * R, row_end = min(N, row0 + R);
+    if (row0 >= N) return;  // (whole warp; no block-wide barrier below)
+    raw cur[NV], nxt[NV];
+    ln_load_row_raw<T, NV>(cur, inp + (size_t)row0 * C, lane, C);
+    for (int row = row0; row < row_end; row++) {
+        if (row + 1 < row_end) ln_load_row_raw<T, NV>(nxt, inp + (size_t)(row + 1) * C, lane, C);
+        float v[NV][V];
+        float sum = 0.0f;
+#pragma unroll
+        for (int i = 0; i < NV; i++) {
+            const int c0 = V * (lane + i * WARP_SIZE);
+            if (c0 < C) {
+                Vec16<T>::unpack(v[i], cur[i]);
+#pragma unroll
+                for (int k = 0; k < V; k++) sum += v[i][k];
+            }
+        }
+        float m, s;
+        ln_row_stats_v<NV, V>(v, sum, lane, C, m, s);
+        ln_row_normalize_store<T, NV, true>(out + (size_t)row * C, v, m, s, weight, bias, lane, C, true);
+        if (lane == 0) { mean[row] = m; rstd[row] = s; }
+#pragma unroll
+        for (int i = 0; i < NV; i++) cur[i] = nxt[i];
+    }
+}
+
+// dynamic shared memory: (nwarps, 2, C) floats, the warps' dweight | dbias sums, once at the end
+template <typename T, int NV>
+__device__ __forceinline__ void layernorm_backward6_t(T* __restrict__ dinp, float* __restrict__ scratch,
+        const T* __restrict__ dout, const T* __restrict__ inp, const T* __restrict__ weight,
+        const float* __restrict__ mean, const float* __restrict__ rstd, int N, int C, int R) {
+    constexpr int V = Vec16<T>::N;
+    typedef typename Vec16<T>::raw raw;
+    extern __shared__ float4 acc6[];
+    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    const int nwarps = blockDim.x / WARP_SIZE;
+    const int gw = blockIdx.x * nwarps + warp;
+    const int row0 = gw * R, row_end = min(N, row0 + R);  // (row0 >= N: no rows, zeros below)
+    float aw[NV][V], ab[NV][V];  // this lane's dweight, dbias partial sums over the warp's rows
+#pragma unroll
+    for (int i = 0; i < NV; i++) {
+#pragma unroll
+        for (int k = 0; k < V; k++) { aw[i][k] = 0.0f; ab[i][k] = 0.0f; }
+    }
+    raw dc[NV], xc[NV], dn[NV], xn[NV];
+    float mc = 0.0f, sc = 0.0f, mn = 0.0f, sn = 0.0f;
+    if (row0 < row_end) {
+        ln_load_row_raw<T, NV>(dc, dout + (size_t)row0 * C, lane, C);
+        ln_load_row_raw<T, NV>(xc, inp + (size_t)row0 * C, lane, C);
+        mc = mean[row0];
+        sc = rstd[row0];
+    }
+    for (int row = row0; row < row_end; row++) {
+        T* gr = dinp + (size_t)row * C;
+        raw g[NV];
+#pragma unroll
+        for (int i = 0; i < NV; i++) {
+            const int c0 = V * (lane + i * WARP_SIZE);
+            if (c0 < C) g[i] = Vec16<T>::ld(gr + c0);
+        }
+        if (row + 1 < row_end) {
+            ln_load_row_raw<T, NV>(dn, dout + (size_t)(row + 1) * C, lane, C);
+            ln_load_row_raw<T, NV>(xn, inp + (size_t)(row + 1) * C, lane, C);
+            mn = mean[row + 1];
+            sn = rstd[row + 1];
+        }
+        float a = 0.0f, b = 0.0f;  // sum(dnorm), sum(dnorm * norm) over the row
+#pragma unroll
+        for (int i = 0; i < NV; i++) {
+            const int c0 = V * (lane + i * WARP_SIZE);
+            if (c0 < C) {
+                float dv[V], xv[V], w[V];
+                Vec16<T>::unpack(dv, dc[i]);
+                Vec16<T>::unpack(xv, xc[i]);
+                Vec16<T>::unpack(w, Vec16<T>::ld(weight + c0));
+#pragma unroll
+                for (int k = 0; k < V; k++) {
+                    const float nrm = (xv[k] - mc) * sc, dnrm = dv[k] * w[k];
+                    a += dnrm;
+                    b += dnrm * nrm;
+                }
+            }
+        }
+        a = warp_reduce_sum(a) / C;
+        b = warp_reduce_sum(b) / C;
+#pragma unroll
+        for (int i = 0; i < NV; i++) {
+            const int c0 = V * (lane + i * WARP_SIZE);
+            if (c0 < C) {
+                float dv[V], xv[V], gv[V], w[V];
+                Vec16<T>::unpack(dv, dc[i]);
+                Vec16<T>::unpack(xv, xc[i]);
+                Vec16<T>::unpack(gv, g[i]);
+                Vec16<T>::unpack(w, Vec16<T>::ld(weight + c0));
+#pragma unroll
+                for (int k = 0; k < V; k++) {
+                    const float nrm = (xv[k] - mc) * sc;
+                    gv[k] += sc * (dv[k] * w[k] - a - nrm * b);
+                    aw[i][k] += nrm * dv[k];
+                    ab[i][k] += dv[k];
+                }
+                Vec16<T>::st(gr + c0, Vec16<T>::pack(gv));
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < NV; i++) { dc[i] = dn[i]; xc[i] = xn[i]; }
+        mc = mn;
+        sc = sn;
+    }
+    // the warps' sums to shared memory (warp w: acc[w][0][c] dweight, acc[w][1][c] dbias), then
+    // added in warp order into this block's scratch row: the same order on every run
+    float* acc = reinterpret_cast<float*>(acc6);
+    float* accw = acc + (size_t)warp * 2 * C;
+#pragma unroll
+    for (int i = 0; i < NV; i++) {
+        const int c0 = V * (lane + i * WARP_SIZE);
+        if (c0 < C) {
+#pragma unroll
+            for (int k = 0; k < V; k += 4) {
+                store4(accw + c0 + k, make_float4(aw[i][k], aw[i][k + 1], aw[i][k + 2], aw[i][k + 3]));
+                store4(accw + C + c0 + k, make_float4(ab[i][k], ab[i][k + 1], ab[i][k + 2], ab[i][k + 3]));
+            }
+        }
+    }
+    __syncthreads();
+    ln_block_partials_to_scratch(scratch, acc, C);
+}
+
+// entry points per NV = ceil(C / (32 V)): forward NV <= 8, backward NV <= 4
+#define LN6_FWD(T, SFX, NV)                                                                           \
+    extern "C" __global__ void layernorm_forward_kernel6##SFX##_nv##NV(T* out, float* mean,           \
+            float* rstd, const T* inp, const T* weight, const T* bias, int N, int C, int R) {         \
+        layernorm_forward6_t<T, NV>(out, mean, rstd, inp, weight, bias, N, C, R);                     \
+    }
+#define LN6_BWD(T, SFX, NV)                                                                           \
+    extern "C" __global__ void layernorm_backward_kernel6##SFX##_nv##NV(T* dinp, float* scratch,     \
+            const T* dout, const T* inp, const T* weight, const float* mean, const float* rstd,       \
+            int N, int C, int R) {                                                                    \
+        layernorm_backward6_t<T, NV>(dinp, scratch, dout, inp, weight, mean, rstd, N, C, R);          \
+    }
+LN6_FWD(float, , 1) LN6_FWD(float, , 2) LN6_FWD(float, , 3) LN6_FWD(float, , 4)
+LN6_FWD(float, , 5) LN6_FWD(float, , 6) LN6_FWD(float, , 7) LN6_FWD(float, , 8)
+LN6_FWD(bf16, _bf16, 1) LN6_FWD(bf16, _bf16, 2) LN6_FWD(bf16, _bf16, 3) LN6_FWD(bf16, _bf16, 4)
+LN6_FWD(bf16, _bf16, 5) LN6_FWD(bf16, _bf16, 6) LN6_FWD(bf16, _bf16, 7) LN6_FWD(bf16, _bf16, 8)
+LN6_BWD(float, , 1) LN6_BWD(float, , 2) LN6_BWD(float, , 3) LN6_BWD(float, , 4)
+LN6_BWD(bf16, _bf16, 1) LN6_BWD(bf16, _bf16, 2) LN6_BWD(bf16, _bf16, 3) LN6_BWD(bf16, _bf16, 4)

@@ -9,9 +9,9 @@ One step of GPT-2 124M at B=4, T=1024 (no sampling, no validation), after warm-u
 of the model's plan is bracketed by a pair of events; the table (sorted by time) shows the op, the
 variant, calls, total ms, % of the step and the achieved TFLOP/s (matmuls, attention) or GB/s
 (everything else, counting each input read once and each output written once): the cost model each
-op declares (OpSpec.cost, llmc/ops/<family>.py), at the shape the model built it for. Those cost
-models count 4 bytes per element: with --precision bf16 the GB/s of an op whose tensors are bf16 is
-about twice what it really moves.
+op declares (OpSpec.cost, llmc/ops/<family>.py), at the shape and in the element type the model
+built it for: 2 bytes an element of a bf16 build's tensors, 4 for those that stay fp32 (layernorm
+statistics, losses, AdamW state). (The matmul and attention rows report TFLOP/s.)
 """
 import argparse
 from collections import defaultdict
@@ -90,11 +90,11 @@ def main():
             elif opname.startswith("attention"):
                 variant = f"{variant} (fused)"
         row = agg[(opname, key if key.startswith(("mm", "bias")) else opname, variant)]
-        flops, nbytes = spec.cost(**shape) if shape is not None else (0, 0)
+        flops, nbytes = spec.cost(**shape, dtype=built.dtype) if shape is not None else (0, 0)
         row[0] += 1; row[1] += ms; row[2] += flops; row[3] += nbytes
     for k, v in agg.items():  # AdamW over all ranges
         if k[0] == "adamw":
-            v[3] = ops.get("adamw").cost(n=cfg.num_parameters)[1]
+            v[3] = ops.get("adamw").cost(n=cfg.num_parameters, dtype=be.precision)[1]
     total_ops = sum(v[1] for v in agg.values())
     lines = [f"One training step of {args.model} ({cfg.describe()}), B={B}, T={T} on {rt.name}: "
              f"{step_ms:.2f} ms (events around the whole step; ops sum to {total_ops:.2f} ms)", "",

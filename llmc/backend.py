@@ -107,6 +107,8 @@ class _Choosing:
         if name in self.chosen:
             return num
         dt = precision or self.precision
+        if num == spec.default:
+            num = spec.default_for(dt)  # an op whose default differs in this element type
         fits = lambda n: spec.refuse_reason(n, dt, self._arch(), **shape) is None  # noqa: E731
         if prefer is not None and fits(prefer):
             return prefer

@@ -17,7 +17,7 @@ from llmc.testing import assert_close, poison
 FWD = ops.get("encoder_forward")
 BWD = ops.get("encoder_backward")
 DEC = ops.get("encoder_decode")
-DETERMINISTIC = (2, 3)
+DETERMINISTIC = (2, 3, 6)
 
 
 def inputs(rng, B, T, C, Vp, maxT, vocab=None, dtype=np.float64):
@@ -103,12 +103,38 @@ def test_variants_table():
 def test_bf16_builds():
     """bf16: the forward default, the decoder's kernel and the deterministic backward variants have
     builds; the atomic backward variants don't (bf16 atomics would round in a varying order), so a
-    bf16 model's backward falls back from the default to the highest deterministic one."""
+    bf16 build has its own default, the deterministic 6 (OpSpec.defaults), chosen without a note."""
     assert "bf16" in FWD.variants[FWD.default].dtypes and "bf16" in DEC.variants[DEC.default].dtypes
     assert "bf16" in FWD.variants[1].dtypes  # any C
     have = {n for n, v in BWD.variants.items() if "bf16" in v.dtypes}
     assert have == set(DETERMINISTIC)
     assert "no bf16 kernels" in BWD.refuse_reason(BWD.default, "bf16", B=4, T=64, C=768)
+    assert BWD.default_for("fp32") == BWD.default == 5 and BWD.default_for("bf16") == 6
+
+
+def test_bf16_model_takes_the_bf16_default_without_a_note(capsys):
+    """The real CudaBackend over the fake runtime: a bf16 build of encoder_backward selects 6 and
+    prints nothing (before, it fell back from the atomic 5 to 3 with a note on every bf16 run); fp32
+    keeps 5; a variant the user names is still taken as named."""
+    from llmc.backend import CudaBackend
+    from tests.fake_runtime import FakeRuntime
+    shape = dict(B=4, T=1024, C=768)
+    b16 = CudaBackend(precision="bf16", rt=FakeRuntime(free=80 << 30))
+    assert b16.build("encoder_backward", **shape).number == 6
+    assert b16.build("encoder_backward", **shape).dtype == "bf16"
+    assert CudaBackend(rt=FakeRuntime(free=80 << 30)).build("encoder_backward", **shape).number == 5
+    named = CudaBackend({"encoder_backward": 3}, precision="bf16", rt=FakeRuntime(free=80 << 30))
+    assert named.build("encoder_backward", **shape).number == 3
+    assert "note" not in capsys.readouterr().out
+
+
+def test_variant6_scratch_is_declared():
+    """Variant 6's build allocates what scratch_bytes says (keys, runlen, owner, next per sorted slot)."""
+    from tests.fake_runtime import FakeRuntime
+    for B, T in ((4, 1024), (5, 1024), (1, 1)):
+        built = BWD.build(FakeRuntime(free=80 << 30), 6, "bf16", B=B, T=T, C=768)
+        got = sum(a.nbytes for a in built.scratch.values())
+        assert got == BWD.variants[6].scratch_bytes(B=B, T=T, C=768) == 20 * 2048 * -(-B * T // 2048)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -165,6 +191,42 @@ def test_backward_gpu_accumulates(rt, rng, number, B, T, C):
     unused = np.setdiff1d(np.arange(VP), inp)
     np.testing.assert_array_equal(got_wte[unused], dwte0[unused])  # rows not used: untouched
     np.testing.assert_array_equal(got_wpe[T:], dwpe0[T:])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("B,T,C,vocab", [(5, 1024, 768, 40), (3, 1000, 100, 5000), (16, 1024, 768, 50257),
+                                         (1, 2049, 96, 3)])
+def test_backward6_equals_3_across_sort_chunks(rt, rng, dtype, B, T, C, vocab):
+    """Variant 6 sorts the ids in chunks of 2048 positions and links each token's runs across chunks:
+    at N = B*T > 2048 (3, 2, 8 and 2 chunks, partial last chunks; Zipf-like ids, so frequent tokens
+    have runs in every chunk, and a C with the scalar path) it must add exactly the rows variant 3
+    adds, in the same order: the same bits, and within the fp32/bf16 tolerance of the float64 sums."""
+    maxT = T
+    zipf = 1.0 / np.arange(1, vocab + 1)
+    inp = rng.choice(vocab, (B, T), p=zipf / zipf.sum()).astype(np.int32)
+    dout = rng.standard_normal((B, T, C)).astype(np.float32)
+    dwte0 = rng.standard_normal((vocab, C)).astype(np.float32)
+    dwpe0 = rng.standard_normal((maxT, C)).astype(np.float32)
+    conv = (lambda a: a) if dtype == "fp32" else to_bf16
+    back = (lambda a: a) if dtype == "fp32" else from_bf16
+    res = {}
+    for number in (3, 6):
+        if BWD.refuse_reason(number, dtype, B=B, T=T, C=C):
+            continue  # (3 in fp32 needs C % 4 == 0)
+        dwte, dwpe = rt.to_device(conv(dwte0)), rt.to_device(conv(dwpe0))
+        BWD.build(rt, number, dtype, B=B, T=T, C=C)(dwte, dwpe, rt.to_device(conv(dout)), rt.to_device(inp))
+        res[number] = dwte.get(), dwpe.get()
+    want_wte, want_wpe = encoder_backward_ref(back(conv(dwte0)).astype(np.float64), back(conv(dwpe0)).astype(np.float64),
+                                              back(conv(dout)).astype(np.float64), inp)
+    for name, got, want in (("dwte", res[6][0], want_wte), ("dwpe", res[6][1], want_wpe)):
+        rms = float(np.sqrt(np.mean(np.square(want))))
+        # fp32: up to ~B*T/2 terms summed in fp32 (~1e-6 relative); bf16: one rounding (2^-8)
+        assert_close(back(got).astype(np.float64), want, 1e-5 * rms if dtype == "bf16" else 1e-4,
+                     BF16_RTOL if dtype == "bf16" else 1e-5, name)
+    if 3 in res:
+        np.testing.assert_array_equal(res[6][0], res[3][0])
+        np.testing.assert_array_equal(res[6][1], res[3][1])
 
 
 @pytest.mark.gpu

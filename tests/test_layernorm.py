@@ -87,6 +87,18 @@ def test_float4_variants_refuse_odd_C(spec, number):
     assert spec.variants[number].refuse_reason(N=8, C=768) is None
 
 
+def test_variant6_refuses_in_one_line():
+    """Variant 6 moves 16-byte vectors only and holds rows in registers: it names the constraint."""
+    assert "multiple of 8" in FWD.refuse_reason(6, "bf16", N=8, C=100)
+    assert FWD.refuse_reason(6, "fp32", N=8, C=100) is None  # fp32: 4 a vector
+    assert "C=2056 > 2048" in FWD.refuse_reason(6, "bf16", N=8, C=2056)
+    assert "C=1032 > 1024" in BWD.refuse_reason(6, "bf16", N=8, C=1032)
+    assert "C=768 > 512" in BWD.refuse_reason(6, "fp32", N=8, C=768)
+    for spec in (FWD, BWD):
+        assert spec.refuse_reason(6, "bf16", N=16384, C=768) is None
+        assert spec.default == 5  # the defaults are chosen after timing on the GPU
+
+
 def test_variants_table():
     for spec in (FWD, BWD):
         assert spec.default in spec.variants and len(spec.variants) >= (5 if spec is FWD else 4)
@@ -129,12 +141,14 @@ def test_bf16_builds_and_declared_scratch():
 SHAPES = [(1, 768), (65, 80), (130, 96), (257, 768), (64, 1600), (33, 66)]
 
 
-def _expect_refusal(spec, number, N, C):
-    reason = spec.variants[number].refuse_reason(N=N, C=C)
-    if reason:  # only the float4 variants may refuse these shapes, and only for C % 4 != 0
-        assert C % 4 and number in (4, 5), reason
-        with pytest.raises(VariantRefused):
-            spec.build(None, number, N=N, C=C)
+def _expect_refusal(spec, number, N, C, dtype="fp32"):
+    reason = spec.refuse_reason(number, dtype, N=N, C=C)
+    if reason:  # only the float4 variants may refuse these shapes, and only for C % 4 != 0; variant 6
+        # (16-byte vectors only, rows in registers) also for C % 8 != 0 in bf16 and a C past its budget
+        v = 8 if dtype == "bf16" else 4
+        assert (C % 4 and number in (4, 5)) or (number == 6 and (C % v or f"C={C} >" in reason)), reason
+        with pytest.raises(VariantRefused, match=spec.flag):
+            spec.build(None, number, dtype, N=N, C=C)
     return reason
 
 
@@ -214,7 +228,7 @@ def _bf16_variants(spec):
 @pytest.mark.parametrize("N,C", SHAPES_BF16)
 @pytest.mark.parametrize("number", _bf16_variants(FWD))
 def test_forward_gpu_bf16(rt, rng, number, N, C):
-    if _expect_refusal(FWD, number, N, C):
+    if _expect_refusal(FWD, number, N, C, "bf16"):
         return
     x, w, b = (to_bf16(a) for a in inputs(rng, N, C)[:3])
     launch = FWD.build(rt, number, "bf16", N=N, C=C)
@@ -231,7 +245,7 @@ def test_forward_gpu_bf16(rt, rng, number, N, C):
 @pytest.mark.parametrize("N,C", SHAPES_BF16)
 @pytest.mark.parametrize("number", _bf16_variants(BWD))
 def test_backward_gpu_bf16_accumulates(rt, rng, number, N, C):
-    if _expect_refusal(BWD, number, N, C):
+    if _expect_refusal(BWD, number, N, C, "bf16"):
         return
     x, w, b, dout = (round_bf16(a) for a in inputs(rng, N, C))
     _, mean, rstd = layernorm_forward_ref(x.astype(np.float64), w.astype(np.float64), b.astype(np.float64))
@@ -244,6 +258,41 @@ def test_backward_gpu_bf16_accumulates(rt, rng, number, N, C):
     assert_close(from_bf16(dinp.get()), init[0] + gi, 1e-5, BF16_RTOL, "dinp")
     assert_close(from_bf16(dweight.get()), init[1] + gw, 1e-4, BF16_RTOL, "dweight")
     assert_close(from_bf16(dbias.get()), init[2] + gb, 1e-4, BF16_RTOL, "dbias")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("N,C", [(16391, 768), (50001, 200), (20000, 1024), (4099, 96)])
+def test_variant6_many_rows_per_warp(rt, rng, dtype, N, C):
+    """Variant 6 gives each resident warp R = ceil(N / warps) consecutive rows and prefetches the next
+    one: the small SHAPES above have R = 1 on an H100, these have R >= 2 (and N not a multiple of R,
+    C = 200: a partial last vector column per lane, C = 96 in fp32 where V = 4). Forward outputs
+    poisoned; backward "+=" onto random values; float64 references on the same inputs."""
+    bf = dtype == "bf16"
+    conv, back = (to_bf16, from_bf16) if bf else ((lambda a: a.astype(np.float32)), (lambda a: a))
+    dty = BF16 if bf else np.float32
+    x, w, b, dout = (back(conv(a)).astype(np.float32) for a in inputs(rng, N, C))
+    if not FWD.refuse_reason(6, dtype, N=N, C=C):
+        out, mean, rstd = rt.empty((N, C), dty), rt.empty(N), rt.empty(N)
+        poison(out, mean, rstd)
+        FWD.build(rt, 6, dtype, N=N, C=C)(out, mean, rstd, *(rt.to_device(conv(a)) for a in (x, w, b)))
+        ro, rm, rs = layernorm_forward_ref(*(a.astype(np.float64) for a in (x, w, b)))
+        assert_close(back(out.get()).astype(np.float64), ro, 1e-5, BF16_RTOL if bf else 1e-5, "out")
+        assert_close(mean.get(), rm, 1e-5, 1e-5, "mean")
+        assert_close(rstd.get(), rs, 1e-5, 1e-5, "rstd")
+    if not BWD.refuse_reason(6, dtype, N=N, C=C):
+        _, mean, rstd = (a.astype(np.float32) for a in layernorm_forward_ref(*(a.astype(np.float64) for a in (x, w, b))))
+        init = [back(conv(rng.standard_normal(s))).astype(np.float32) for s in ((N, C), C, C)]
+        dinp, dweight, dbias = (rt.to_device(conv(a)) for a in init)
+        BWD.build(rt, 6, dtype, N=N, C=C)(dinp, dweight, dbias, *(rt.to_device(conv(a)) for a in (dout, x, w)),
+                                          rt.to_device(mean), rt.to_device(rstd))
+        gi, gw, gb = layernorm_backward_ref(*(a.astype(np.float64) for a in (dout, x, w, mean, rstd)))
+        rms = lambda a: float(np.sqrt(np.mean(np.square(a))))  # noqa: E731
+        assert_close(back(dinp.get()).astype(np.float64), init[0] + gi, 1e-5, BF16_RTOL if bf else 1e-5, "dinp")
+        # dweight/dbias: N (up to 50001) rows summed in fp32 per lane, per block and over blocks: the
+        # fp32 sum's error grows ~sqrt(N) * 2^-24 * |sum|, so 1e-5 of the sums' rms (plus one bf16 rounding)
+        for name, got, want in (("dweight", dweight, init[1] + gw), ("dbias", dbias, init[2] + gb)):
+            assert_close(back(got.get()).astype(np.float64), want, 1e-5 * rms(want), BF16_RTOL if bf else 1e-5, name)
 
 
 @pytest.mark.gpu

@@ -1,17 +1,18 @@
 """Kernel lab: encoder_backward at the trainer's shape (B=4, T=1024, C=768, Vp=50304), fp32 and bf16.
 
     python dev/cuda/encoder_backward.py           # every variant and dtype, block-size sweep, table
-    python dev/cuda/encoder_backward.py 2 3       # the deterministic ones
-    python dev/cuda/encoder_backward.py 3 --dtype bf16 --batch 16
+    python dev/cuda/encoder_backward.py 2 3 6     # the deterministic ones
+    python dev/cuda/encoder_backward.py 3 6 --dtype bf16 --batch 16 --quick
 
 Two id distributions: uniform over the vocab (almost every token distinct) and Zipf over the vocab
 (p(k) ~ 1/k: the most frequent token at ~9% of positions, somewhat more skewed than GPT-2 text, where
 the top tokens are at 3-5%), which is where the owner variants (2, 3) pay for summing one token's
 rows in one block. Rows labelled "z" use the Zipf ids. Only the deterministic owner variants have
-bf16 builds (rows "3 bf16", "3 bf16 z"): inputs are bf16 copies, the reference float64 on them, and
+bf16 builds (rows "3 bf16", "6 bf16 z", ...; 6 is the bf16 default): inputs are bf16 copies, the reference float64 on them, and
 each output element is rounded once (rtol 2^-8, atol 1e-5 of the output's rms for the fp32 sums).
 Bytes counted: dout and the ids read once; each used dwte row and the T dwpe rows read and written
-once ("+="), 4 bytes an element in fp32, 2 in bf16. Timed repeats keep accumulating into dwte/dwpe
+once ("+="), 4 bytes an element in fp32, 2 in bf16 (variant 6's 20 bytes of scratch a position, in
+L2, not counted). Timed repeats keep accumulating into dwte/dwpe
 (the values don't matter to the time).
 """
 

@@ -3,6 +3,7 @@
     python dev/cuda/layernorm_backward.py           # every variant and dtype, block-size sweep, table
     python dev/cuda/layernorm_backward.py 3 4
     python dev/cuda/layernorm_backward.py 5 --dtype bf16 --batch 16
+    python dev/cuda/layernorm_backward.py 5 6 --dtype bf16 --batch 16 --quick  # 6: persistent warps
 
 Bytes counted: dout, inp read once; dinp (+=) read and written once; weight, mean, rstd read once;
 dweight, dbias (+=) read and written once (4 bytes an element in fp32; in bf16 2, except mean/rstd,

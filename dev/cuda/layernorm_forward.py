@@ -5,6 +5,7 @@ fp32 and bf16.
     python dev/cuda/layernorm_forward.py 4 5        # just variants 4 and 5
     python dev/cuda/layernorm_forward.py 5 --dtype bf16 --batch 16
     python dev/cuda/layernorm_forward.py --quick    # default block size only
+    python dev/cuda/layernorm_forward.py 5 6 --dtype bf16 --batch 16 --quick   # 6: persistent warps
 
 Bytes counted: x read once, out written once, weight/bias read once, mean/rstd written once (4 bytes
 an element in fp32; in bf16 2, except mean/rstd, which stay fp32). bf16 rows ("5 bf16") run on bf16

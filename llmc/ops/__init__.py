@@ -19,7 +19,7 @@ docs/architecture.md walks through adding a variant. The contract every op modul
     - the op's rules, declared here and resolved generically by the backends, the model, the lab
       and the profiler: `pair` (forward/backward ops whose numbers go together), `saves` (what a
       forward keeps for its backward), `options` (boolean shape keys only some variants take, like
-      matmul_forward's gelu epilogue), `cost` (FLOPs and bytes of one call, for the lab and the profile).
+      matmul_forward's gelu epilogue), `cost` (FLOPs and bytes of one call in a build's element type, for the lab and the profile).
 * A Variant declares its own: the shape check (`check`, no GPU needed), the element types it has
   kernels for (`dtypes`; a build for another dtype refuses), the ops it is built from (`uses`: the
   composite attention takes the softmax and matmul variants chosen for those ops), the ops whose
@@ -120,7 +120,10 @@ class OpSpec:
     pair: str | None = None        # the other direction whose variant number must match (attention)
     saves: Callable | None = None  # saves(**shape) -> what forward keeps for backward (the cpu's; variants may differ)
     options: tuple = ()            # boolean shape keys that only some variants take (Variant.options)
-    cost: Callable | None = None   # cost(**shape) -> (flops, bytes) of one call
+    defaults: dict = field(default_factory=dict)  # {dtype: variant}: a dtype whose default differs
+                                   # (encoder_backward in bf16: no atomic build, a deterministic default)
+    cost: Callable | None = None   # cost(dtype="fp32", **shape) -> (flops, bytes) of one call in that
+                                   # element type (esize(dtype) bytes an element; fp32-only tensors 4)
 
     @property
     def family(self) -> str:
@@ -129,6 +132,10 @@ class OpSpec:
             if self.name.endswith(suffix):
                 return self.name[:-len(suffix)]
         return self.name
+
+    def default_for(self, dtype: str = "fp32") -> int:
+        """The variant used for a build in `dtype` unless the user names one."""
+        return self.defaults.get(dtype, self.default)
 
     def variant(self, number: int) -> Variant:
         v = self.variants.get(number)
@@ -194,6 +201,16 @@ def ptr(x) -> int:
 
 def nbytes(shape, itemsize: int = 4) -> int:
     return int(math.prod(shape)) * itemsize
+
+
+def esize(dtype: str = "fp32") -> int:
+    """Bytes of one element of a build's element type: what a cost model counts per element of the
+    tensors that follow the build's dtype (bf16: 2). The tensors that stay fp32 in a bf16 build
+    (BF16_CONVENTIONS: layernorm mean/rstd, attention lse, classifier losses, global_norm norm2, AdamW
+    m, v, master weights) count 4 in both."""
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; have {', '.join(DTYPES)}")
+    return 2 if dtype == "bf16" else 4
 
 
 _NOTED: set[str] = set()

@@ -33,7 +33,7 @@ import numpy as np
 
 from llmc.bf16 import BF16, from_bf16, to_bf16
 from llmc.errors import LLMCError
-from llmc.ops import OpSpec, Variant, check_block_size
+from llmc.ops import OpSpec, Variant, check_block_size, esize
 
 MODULE = "adamw"  # cuda/adamw.cu
 OP = "adamw"
@@ -302,9 +302,19 @@ VARIANTS = {
                {"fp32": adamw3, "bf16": adamw3_bf16}, _check3, options=("chunks",)),
 }
 
+
+def cost_adamw(n, dtype="fp32", **_):
+    """fp32: read params, grads, m, v and write params, m, v (7 x 4 bytes an element). bf16: read
+    grads (2), m, v and the fp32 master (12), write m, v, master (12) and the bf16 params (2): also
+    28, by coincidence; the elementwise split differs."""
+    if esize(dtype) == 4:
+        return 0, 4 * 7 * n
+    return 0, 2 * n + 4 * 3 * n + 4 * 3 * n + 2 * n
+
+
 OPS = [
     OpSpec("adamw", cpu=adamw_cpu, variants=VARIANTS, default=2, flag="--adamw-kernel", options=("chunks",),
-           cost=lambda n, **_: (0, 28 * n),  # read params, grads, m, v; write params, m, v (bf16: the same 28)
+           cost=cost_adamw,
            doc="params(n), grads(n), m(n), v(n) in/out, norm2(1), hp(8) = hyperparams(lr, beta1, beta2, eps, "
                "weight_decay, t, max_norm): AdamW on the clipped gradient, clip scale computed on the device"),
 ]

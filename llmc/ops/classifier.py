@@ -25,7 +25,7 @@ import numpy as np
 
 from llmc.bf16 import BF16, from_bf16, to_bf16
 from llmc.errors import LLMCError
-from llmc.ops import OpSpec, Variant, refuse, check_block_size
+from llmc.ops import OpSpec, Variant, refuse, check_block_size, esize
 
 MODULE = "classifier"  # cuda/classifier.cu
 OP = "classifier"
@@ -235,7 +235,9 @@ VARIANTS = {
 # In bf16 the row needs half that (100.5 KB), so version 3 fits on an A100 too.
 OPS = [
     OpSpec("classifier", cpu=classifier_cpu, variants=VARIANTS, default=3, flag="--classifier-kernel",
-           cost=lambda N, V, Vp, **_: (0, 4 * 2 * N * Vp),  # logits read once, dlogits written once (fp32)
+           # logits read once, dlogits written once (the build's dtype); targets int32 read, losses
+           # fp32 written (fp32 in both)
+           cost=lambda N, V, Vp, dtype="fp32", **_: (0, esize(dtype) * 2 * N * Vp + 4 * 2 * N),
            doc="losses(N)=, logits(N,Vp) in/out, targets(N) int32, dloss, write_dlogits: fused softmax "
                "+ cross-entropy; the logit gradient overwrites the logits, padded columns zeroed"),
 ]

@@ -11,22 +11,23 @@ Semantics (docs/ops.md):
                       dwte[inp[b,t]] += dout[b,t]; dwpe[t] += sum_b dout[b,t]; only the rows of
                       dwte whose tokens occur (and the first T rows of dwpe) are touched
 
-Variants 2 and 3 of encoder_backward are deterministic without atomics (same inputs, same bits on
-every run, and in the same order as np.add.at); 1, 4 and 5 use atomics and are not. The default is
-the fastest (5, 21.6 us on the H100 at the trainer's shape); --encoder-backward-kernel 3 (36 us,
-58 us on Zipf-distributed ids) makes runs bit-reproducible.
+Variants 2, 3 and 6 of encoder_backward are deterministic without atomics (same inputs, same bits
+on every run, and in the same order as np.add.at); 1, 4 and 5 use atomics and are not. The fp32
+default is the fastest (5, 21.6 us on the H100 at the trainer's shape); --encoder-backward-kernel 3
+(36 us, 58 us on Zipf-distributed ids) or 6 makes runs bit-reproducible. 6 replaces 2/3's id scans
+(N^2 id reads in all) by a per-chunk sort and a link pass; it is the bf16 default.
 
 bf16 builds (entry points <kernel>_bf16): wte, wpe, out, dout, dwte, dwpe bf16; the ids int32. Sums
 in fp32, each output element rounded once. encoder_forward 1 and 3, encoder_decode 1, and the two
-deterministic encoder_backward variants 2 and 3 (no bf16 atomics: their order would change the
-rounding from run to run); a bf16 model's encoder_backward falls back from the atomic default 5 to 3.
+deterministic encoder_backward variants 2, 3 and 6 (no bf16 atomics: their order would change the
+rounding from run to run); a bf16 model's encoder_backward defaults to 6 (OpSpec.defaults).
 The owner block keeps its dwte row in fp32 in shared memory (C floats, no scratch in device memory).
 """
 from __future__ import annotations
 
 import numpy as np
 
-from llmc.ops import OpSpec, Variant, refuse, check_block_size, as_view
+from llmc.ops import Built, OpSpec, Variant, refuse, check_block_size, as_view, esize
 from llmc.runtime import ceil_div
 
 MODULE = "encoder"  # cuda/encoder.cu
@@ -169,6 +170,46 @@ def _owner(number, default_bs, dtype="fp32"):
     return build
 
 
+SORT_CHUNK = 2048  # ENC_S in cuda/encoder.cu: positions per shared-memory sort of variant 6
+
+
+def scratch_bytes6(B, T, C, **_):
+    """Variant 6's scratch: per slot of the sorted chunks a key (8 bytes), runlen, owner, next (4 each)."""
+    return 20 * ceil_div(B * T, SORT_CHUNK) * SORT_CHUNK
+
+
+def _sorted_owner(dtype):
+    """Variant 6: sort the ids per chunk, link each token's runs across chunks, then one block per
+    slot sums its token's rows if it heads the chain (cuda/encoder.cu). Three launches, no id scans,
+    no atomics: deterministic, the same sums (and bits) as 2 and 3."""
+    def build(rt, B, T, C, block_size=None):
+        bs = block_size or 128
+        N = B * T
+        G = ceil_div(N, SORT_CHUNK)
+        label = f"encoder_backward 6 {dtype}"
+        ks = rt.kernel(MODULE, "encoder_backward_sort_kernel6", "PPPPi", label=label + " (sort)")
+        kl = rt.kernel(MODULE, "encoder_backward_link_kernel6", "PPPPi", label=label + " (link)")
+        k = rt.kernel(MODULE, f"encoder_backward_kernel6{_sfx(dtype)}", "PPPPPPPiii", label=label)
+        _fits("encoder_backward", 6, k, bs)
+        smem = 4 * C  # the owned dwte row in fp32 (dynamic), beside the 8 KB run list (static)
+        if smem + 8192 > rt.max_smem_optin:
+            refuse("encoder_backward", 6, f"C={C}: the fp32 row accumulator (4*C bytes) exceeds shared memory")
+        if smem > 48 * 1024 - 8192:
+            k.set_max_dynamic_smem(smem)
+        S = G * SORT_CHUNK
+        keys = rt.empty((S,), np.uint64)
+        runlen, owner, nxt = (rt.empty((S,), np.int32) for _ in range(3))
+        n_, g_, b_, t_, c_ = (np.int32(x) for x in (N, G, B, T, C))
+
+        def launch(dwte, dwpe, dout, inp):
+            ks((G, 1, 1), (1024, 1, 1), keys.ptr, runlen.ptr, owner.ptr, inp.ptr, n_)
+            kl((ceil_div(S, 256), 1, 1), (256, 1, 1), nxt.ptr, owner.ptr, keys.ptr, runlen.ptr, g_)
+            k((S, 1, 1), (bs, 1, 1), dwte.ptr, dwpe.ptr, dout.ptr, keys.ptr, runlen.ptr, owner.ptr, nxt.ptr,
+              b_, t_, c_, smem=smem)
+        return Built(launch, scratch={"keys": keys, "runlen": runlen, "owner": owner, "next": nxt})
+    return build
+
+
 encoder_forward1 = _elementwise("encoder_forward", 1, 1, 256)
 encoder_forward2 = _elementwise("encoder_forward", 2, 4, 256)
 encoder_forward3 = _warp_per_row(3, 256)
@@ -180,6 +221,8 @@ encoder_forward1_bf16 = _elementwise("encoder_forward", 1, 1, 256, "bf16")
 encoder_forward3_bf16 = _warp_per_row(3, 256, "bf16")
 encoder_backward2_bf16 = _owner(2, 256, "bf16")
 encoder_backward3_bf16 = _owner(3, 256, "bf16")
+encoder_backward6 = _sorted_owner("fp32")
+encoder_backward6_bf16 = _sorted_owner("bf16")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -222,7 +265,8 @@ encoder_decode1_bf16 = _decode("bf16")
 OPS = [
     OpSpec(
         name="encoder_forward", flag="--encoder-kernel", default=3,
-        cost=lambda B, T, C, **_: (0, 4 * 3 * B * T * C),  # wte rows, wpe rows read; out written
+        # wte rows, wpe rows read, out written (elements of the build's dtype); the int32 ids
+        cost=lambda B, T, C, dtype="fp32", **_: (0, esize(dtype) * 3 * B * T * C + 4 * B * T),
         cpu=encoder_forward_cpu,
         doc="out(B,T,C)=, inp(B,T) int32, wte(Vp,C), wpe(maxT,C); out[b,t] = wte[inp[b,t]] + wpe[t]",
         variants={
@@ -233,8 +277,11 @@ OPS = [
                        {"fp32": encoder_forward3, "bf16": encoder_forward3_bf16}, check_float4),
         }),
     OpSpec(
-        name="encoder_backward", flag="--encoder-backward-kernel", default=5,
-        cost=lambda B, T, C, **_: (0, 4 * 2 * B * T * C),
+        # fp32: the atomic 5 is fastest; bf16 has no atomics (their order would change the rounding),
+        # so its default is the fastest deterministic one
+        name="encoder_backward", flag="--encoder-backward-kernel", default=5, defaults={"bf16": 6},
+        # dout read, dwte/dwpe rows read and written (counted as one (B,T,C) pass); the int32 ids
+        cost=lambda B, T, C, dtype="fp32", **_: (0, esize(dtype) * 2 * B * T * C + 4 * B * T),
         cpu=encoder_backward_cpu,
         doc="dwte(Vp,C)+=, dwpe(maxT,C)+=, dout(B,T,C), inp(B,T) int32; scatter-add",
         variants={
@@ -247,12 +294,16 @@ OPS = [
                        encoder_backward4, check_float4),
             5: Variant(5, "thread per (t, 4 channels): dwpe summed in registers, dwte by float4 atomics (C%4==0), "
                           "non-deterministic", encoder_backward5, check_float4),
+            6: Variant(6, "deterministic, no atomics, no id scans: ids sorted per 2048-position chunk, each token's "
+                          "runs linked across chunks, the chain's head block sums them in order (any C)",
+                       {"fp32": encoder_backward6, "bf16": encoder_backward6_bf16}, check_any,
+                       scratch_bytes=scratch_bytes6),
         }),
     OpSpec(
         name="encoder_decode", flag="--encoder-decode-kernel", default=1,
         cpu=encoder_decode_cpu,
         doc="out(B,C)=, inp(B+1,) int32 (B tokens, then their position), wte(Vp,C), wpe(maxT,C)",
-        cost=lambda B, C, **_: (0, 4 * 3 * B * C),
+        cost=lambda B, C, dtype="fp32", **_: (0, esize(dtype) * 3 * B * C + 4 * (B + 1)),
         variants={
             1: Variant(1, "one thread per output element; tokens and position read from the device",
                        {"fp32": encoder_decode1, "bf16": encoder_decode1_bf16},

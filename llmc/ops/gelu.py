@@ -18,7 +18,7 @@ import math
 
 import numpy as np
 
-from llmc.ops import OpSpec, Variant, check_block_size, as_view
+from llmc.ops import OpSpec, Variant, check_block_size, as_view, esize
 from llmc.runtime import ceil_div
 
 MODULE = "gelu"  # cuda/gelu.cu
@@ -111,7 +111,7 @@ gelu_backward2_bf16 = _variant("gelu_backward", 2, 8, 256, 3, "bf16")
 OPS = [
     OpSpec(
         name="gelu_forward", flag="--gelu-kernel", default=2,
-        cost=lambda N, **_: (0, 4 * 2 * N),  # read inp, write out (fp32 bytes; a bf16 build moves half)
+        cost=lambda N, dtype="fp32", **_: (0, esize(dtype) * 2 * N),  # read inp, write out
         cpu=gelu_forward_cpu,
         doc="out(N)=, inp(N); GPT-2 tanh form",
         variants={
@@ -122,7 +122,7 @@ OPS = [
         }),
     OpSpec(
         name="gelu_backward", flag="--gelu-backward-kernel", default=2,
-        cost=lambda N, **_: (0, 4 * 3 * N),  # read inp, dout; write dinp (fp32 bytes)
+        cost=lambda N, dtype="fp32", **_: (0, esize(dtype) * 3 * N),  # read inp, dout; write dinp
         cpu=gelu_backward_cpu,
         doc="dinp(N)=, inp(N), dout(N); dinp may alias dout",
         variants={

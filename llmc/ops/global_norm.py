@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from llmc.bf16 import BF16, from_bf16
-from llmc.ops import OpSpec, Variant, check_block_size
+from llmc.ops import OpSpec, Variant, check_block_size, esize
 
 MODULE = "global_norm"  # cuda/global_norm.cu
 OP = "global_norm"
@@ -140,6 +140,6 @@ VARIANTS = {
 
 OPS = [
     OpSpec("global_norm", cpu=global_norm_cpu, variants=VARIANTS, default=3, flag="--global-norm-kernel",
-           cost=lambda n, **_: (0, 4 * n),  # fp32 grads (bf16: 2n)
+           cost=lambda n, dtype="fp32", **_: (0, esize(dtype) * n),  # grads read once (norm2: fp32, 4 bytes)
            doc="norm2(1)=, grads(n): norm2 = sum of squares of grads"),
 ]

@@ -12,7 +12,11 @@ Semantics (docs/ops.md):
     layernorm_backward: dinp(N,C)+=, dweight(C)+=, dbias(C)+=, dout(N,C), inp(N,C), weight(C),
                         mean(N), rstd(N)
 
-bf16 builds (entry points <kernel>_bf16[_nvN]): forward 3, 4, 5 and backward 3, 5. Every tensor is
+bf16 builds (entry points <kernel>_bf16[_nvN]): forward 3, 4, 5, 6 and backward 3, 5, 6. Variant 6
+(both directions, both dtypes) is written for the copy ceiling at GPT-2's shapes: persistent warps
+over consecutive rows with the next row in flight, 16-byte vectors only (it refuses C % 8 != 0 in
+bf16, C % 4 != 0 in fp32, and C past its register budget, in one line; the defaults stay 5 until it
+is timed). Every tensor is
 bf16 except mean(N) and rstd(N), which stay fp32 in both directions; the math is fp32 and each output
 element is rounded once (the "+=" outputs: read, add in fp32, round). The vector kernels move 16
 bytes (8 bf16) per access and take C % 8 != 0 through guarded scalar accesses. Backward's per-block
@@ -26,7 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from llmc.ops import Built, OpSpec, Variant, refuse, check_block_size, as_view
+from llmc.ops import Built, OpSpec, Variant, refuse, check_block_size, as_view, esize
 from llmc.runtime import ceil_div
 
 MODULE = "layernorm"  # cuda/layernorm.cu
@@ -303,12 +307,99 @@ layernorm_backward5_bf16 = _backward_deterministic(5, 256, True, "bf16")
 
 
 # ----------------------------------------------------------------------------------------------
+# variant 6 (forward and backward): persistent warps, R consecutive rows each, the next row's loads
+# in flight while this one is computed (cuda/layernorm.cu). 16-byte vectors only.
+
+V16 = {"fp32": 4, "bf16": 8}          # elements per 16-byte vector
+NV6 = {"forward": 8, "backward": 4}   # the register-resident rows' vectors per lane, at most
+
+
+def _check6(direction, dtype):
+    def check(N, C, block_size=None):
+        v = V16[dtype]
+        if C % v:
+            return f"C={C} is not a multiple of {v} (16-byte vectors of {v} {dtype}; variant 6 has no scalar path)"
+        if C > NV6[direction] * 32 * v:
+            return f"C={C} > {NV6[direction] * 32 * v} ({dtype}: the rows are held in registers, {NV6[direction]} vectors per lane)"
+        return _check_block(block_size)
+    return check
+
+
+def _persistent_rows(rt, k, bs, smem, N, max_warps=None):
+    """Rows per warp R and warps W for a grid of persistent warps: as many warps as are resident on the
+    GPU at once (capped by max_warps), each taking R = ceil(N / W) consecutive rows."""
+    resident = rt.sm_count * _blocks_per_sm(rt, k, bs, smem) * (bs // 32)
+    W = max(1, min(N, resident, max_warps or N))
+    R = ceil_div(N, W)
+    return R, ceil_div(N, R)
+
+
+def _forward6(dtype):
+    def build(rt, N, C, block_size=None):
+        bs = block_size or 256
+        nv = ceil_div(C, 32 * V16[dtype])
+        k = rt.kernel(MODULE, f"layernorm_forward_kernel6{_sfx(dtype)}_nv{nv}", FWD_ARGS + "i",
+                      label=f"layernorm_forward 6 {dtype}")
+        _fits("layernorm_forward", 6, k, bs)
+        R, W = _persistent_rows(rt, k, bs, 0, N)
+        grid, n_, c_, r_ = (ceil_div(W, bs // 32), 1, 1), *_i32(N, C, R)
+
+        def launch(out, mean, rstd, inp, weight, bias):
+            k(grid, (bs, 1, 1), out.ptr, mean.ptr, rstd.ptr, inp.ptr, weight.ptr, bias.ptr, n_, c_, r_)
+        return launch
+    return build
+
+
+def _backward6(dtype):
+    def build(rt, N, C, block_size=None):
+        bs = block_size or 128
+        nv = ceil_div(C, 32 * V16[dtype])
+        label = f"layernorm_backward 6 {dtype}"
+        k = rt.kernel(MODULE, f"layernorm_backward_kernel6{_sfx(dtype)}_nv{nv}", "PPPPPPPiii", label=label)
+        kr = rt.kernel(MODULE, f"layernorm_backward_reduce_kernel{_sfx(dtype)}", "PPPii", label=label + " (reduce)")
+        _fits("layernorm_backward", 6, k, bs)
+        smem = (bs // 32) * 2 * C * 4  # the warps' dweight | dbias sums, added in order at the end
+        if smem > rt.max_smem_optin:
+            refuse("layernorm_backward", 6, f"C={C}, block_size={bs}: {smem} bytes of per-warp sums exceed shared memory")
+        k.set_max_dynamic_smem(smem)
+        # at most MAX_BLOCKS blocks (the scratch rows), so at most MAX_BLOCKS * warps per block warps
+        R, W = _persistent_rows(rt, k, bs, smem, N, max_warps=MAX_BLOCKS * (bs // 32))
+        G = ceil_div(W, bs // 32)
+        assert G <= min(N, MAX_BLOCKS)
+        scratch = rt.empty((min(N, MAX_BLOCKS), 2, C), np.float32)  # per-block dweight | dbias partials
+        n_, c_, r_, g_ = _i32(N, C, R, G)
+        grid_r = (ceil_div(C, 32), 1, 1)
+
+        def launch(dinp, dweight, dbias, dout, inp, weight, mean, rstd):
+            k((G, 1, 1), (bs, 1, 1), dinp.ptr, scratch.ptr, dout.ptr, inp.ptr, weight.ptr,
+              mean.ptr, rstd.ptr, n_, c_, r_, smem=smem)
+            kr(grid_r, (32, 32, 1), dweight.ptr, dbias.ptr, scratch.ptr, g_, c_)
+        return Built(launch, scratch={"partials": scratch})
+    return build
+
+
+# ----------------------------------------------------------------------------------------------
+# cost models: the fewest bytes one call must move, each input read once, each output written once
+# (the same counts as the labs'): elements of the build's dtype, mean/rstd fp32 in both
+
+def cost_forward(N, C, dtype="fp32", **_):
+    # read inp (N,C), weight, bias (C); write out (N,C), mean, rstd (N)
+    return 0, esize(dtype) * (2 * N * C + 2 * C) + 4 * 2 * N
+
+
+def cost_backward(N, C, dtype="fp32", **_):
+    # read dout, inp (N,C); dinp (N,C) +=: read and written; read weight (C), dweight, dbias (C) +=:
+    # read and written; read mean, rstd (N). (The deterministic variants' fp32 scratch is extra.)
+    return 0, esize(dtype) * (4 * N * C + 5 * C) + 4 * 2 * N
+
+
+# ----------------------------------------------------------------------------------------------
 # the table
 
 OPS = [
     OpSpec(
         name="layernorm_forward", flag="--layernorm-kernel", default=5,
-        cost=lambda N, C, **_: (0, 4 * 2 * N * C),  # read inp, write out (weights, stats: small)
+        cost=cost_forward,
         cpu=layernorm_forward_cpu,
         doc="out(N,C)=, mean(N)=, rstd(N)=, inp(N,C), weight(C), bias(C); eps 1e-5, biased variance",
         variants={
@@ -321,10 +412,14 @@ OPS = [
                        check_float4),
             5: Variant(5, "4 + streaming cache hints on the row in/out (C%4==0, C<=2048)",
                        {"fp32": layernorm_forward5, "bf16": layernorm_forward5_bf16}, check_float4),
+            6: Variant(6, "persistent warps over consecutive rows, the next row loaded during this one, 16-byte "
+                          "vectors only (fp32 C%4==0, C<=1024; bf16 C%8==0, C<=2048)",
+                       {"fp32": _forward6("fp32"), "bf16": _forward6("bf16")},
+                       {"fp32": _check6("forward", "fp32"), "bf16": _check6("forward", "bf16")}),
         }),
     OpSpec(
         name="layernorm_backward", flag="--layernorm-backward-kernel", default=5,
-        cost=lambda N, C, **_: (0, 4 * 4 * N * C),  # read dout, inp; read-modify-write dinp
+        cost=cost_backward,
         cpu=layernorm_backward_cpu,
         doc="dinp(N,C)+=, dweight(C)+=, dbias(C)+=, dout(N,C), inp(N,C), weight(C), mean(N), rstd(N)",
         variants={
@@ -339,6 +434,12 @@ OPS = [
             5: Variant(5, "4 with dinp loaded together with dout and inp (fp32: C<=1024, above as 4; bf16: 16-byte "
                           "loads, kept packed), deterministic",
                        {"fp32": layernorm_backward5, "bf16": layernorm_backward5_bf16}, check_float4_smem,
+                       scratch_bytes=scratch_bytes_backward),
+            6: Variant(6, "deterministic: persistent warps over consecutive rows, next row prefetched, dweight/dbias "
+                          "in registers, per-block partials + fixed-order reduce (fp32 C%4==0, C<=512; bf16 C%8==0, "
+                          "C<=1024)",
+                       {"fp32": _backward6("fp32"), "bf16": _backward6("bf16")},
+                       {"fp32": _check6("backward", "fp32"), "bf16": _check6("backward", "bf16")},
                        scratch_bytes=scratch_bytes_backward),
         }),
 ]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from llmc.ops import OpSpec, Variant, check_block_size, as_view
+from llmc.ops import OpSpec, Variant, check_block_size, as_view, esize
 from llmc.runtime import ceil_div
 
 MODULE = "residual"  # cuda/residual.cu
@@ -80,7 +80,7 @@ residual_forward2_bf16 = _variant(2, 8, 256, "bf16")
 OPS = [
     OpSpec(
         name="residual_forward", flag="--residual-kernel", default=2,
-        cost=lambda N, **_: (0, 4 * 3 * N),
+        cost=lambda N, dtype="fp32", **_: (0, esize(dtype) * 3 * N),  # read inp1, inp2; write out
         cpu=residual_forward_cpu,
         doc="out(N)=, inp1(N), inp2(N); out = inp1 + inp2 (out may alias an input)",
         variants={

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from llmc.ops import OpSpec, Variant
+from llmc.ops import OpSpec, Variant, esize
 from llmc.ops import layernorm as ln
 from llmc.ops import residual as res
 from llmc.runtime import ceil_div
@@ -87,7 +87,9 @@ residual_layernorm_forward3_bf16 = _fused(3, 256, lambda C: f"residual_layernorm
 OPS = [
     OpSpec(
         name="residual_layernorm_forward", flag="--residual-layernorm-kernel", default=3,
-        cost=lambda N, C, **_: (0, 4 * 5 * N * C),  # read inp1, inp2 (and residual back); write residual, out
+        # read inp1, inp2, weight, bias; write residual, out (the fused op's fewest bytes; the unfused
+        # variant reads residual back on top) and mean, rstd (fp32 in both)
+        cost=lambda N, C, dtype="fp32", **_: (0, esize(dtype) * (4 * N * C + 2 * C) + 4 * 2 * N),
         cpu=residual_layernorm_forward_cpu,
         doc="residual(N,C)=, out(N,C)=, mean(N)=, rstd(N)=, inp1(N,C), inp2(N,C), weight(C), bias(C)",
         variants={

@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from llmc.bf16 import BF16, from_bf16
-from llmc.ops import Built, OpSpec, Variant
+from llmc.ops import Built, OpSpec, Variant, esize
 from llmc.sample import sample_with_uniform  # the host sampler's rule, which the kernel follows
 
 MODULE = "sample"  # cuda/sample.cu
@@ -76,6 +76,6 @@ OPS = [
         1: Variant(1, "a block per row: max, top-k threshold by a radix select over the row, the inverse "
                       "CDF by a block scan; the row staged in shared memory when it fits",
                    {"fp32": sample1, "bf16": sample1_bf16}, _check),
-    }, default=1, flag="--sample-kernel", cost=lambda B, V, Vp, **_: (0, 4 * B * V),
+    }, default=1, flag="--sample-kernel", cost=lambda B, V, Vp, dtype="fp32", **_: (0, esize(dtype) * B * V),
         doc="tokens(B,) int32=, logits(B,Vp), uniforms(B,) float64, temperature, top_k; build(B, V, Vp)"),
 ]
