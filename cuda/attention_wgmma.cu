@@ -27,7 +27,10 @@
 // Grid (B*NH, ceil(T/128)): blockIdx.y counts down from the last query block, so the blocks with the
 // most key tiles start first (the CUDA scheduler hands out blocks x-fastest, y-slowest).
 // The two consumer warpgroups share the tensor cores: while one does its softmax the other's
-// products run (no explicit ping-pong yet: a measured next step).
+// products run (no explicit ping-pong barriers between them yet). The _overlap entry point also
+// overlaps inside a warpgroup: tile i+1's q k^T is issued before tile i's p v, and tile i+1's softmax
+// runs while p v is on the tensor cores (the same bits; the lab times both, the faster one should
+// become the variant's only kernel).
 //
 // Layouts (g = lane/4, t = lane%4, w = warp within the warpgroup):
 // * Global: q, k, v come from qkvr (3, B, NH, T, 64), written by the bf16 permute just before. The TMA
@@ -168,11 +171,84 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {  // lo in th
 }
 
 // ------------------------------------------------------------------------------------------------
+// the consumers' pieces
+
+// S (64 x 128) = q k^T over the 64 dims: 4 k-steps of 16 (32 bytes of each swizzled row)
+__device__ __forceinline__ void issue_s(float (&sc)[64], const unsigned char* sqw, const unsigned char* sk) {
+#pragma unroll
+    for (int ks = 0; ks < HS / 16; ks++) wgmma_bf16_n128<0, 0>(sc, desc_k(sqw + 32 * ks), desc_k(sk + 32 * ks), ks > 0);
+}
+
+// O (64 x 64) += P (64 x 128 keys) V (128 keys x 64): 8 k-steps of 16 keys, two atoms each
+__device__ __forceinline__ void issue_pv(float (&o)[32], const uint32_t (&pa)[8][4], const unsigned char* sv) {
+#pragma unroll
+    for (int kk = 0; kk < BKV / 16; kk++) wgmma_bf16_rs_n64<1>(o, pa[kk], desc_mn(sv + kk * 2048), 1);
+}
+
+// Online softmax of one tile of scores, in place: sc <- p = 2^(scale log2e s - m) in fp32, the running
+// max m (log2 units) and sum l updated, corr = the factor O must be rescaled by. Only the diagonal
+// tile (the last) has keys > some row of the block; it also holds every key >= T (zero-filled),
+// and those are > every row < T: masked too. key0: the tile's first key; row0: this thread's first row.
+__device__ __forceinline__ void softmax_tile(float (&sc)[64], float (&m)[2], float (&l)[2], float (&corr)[2],
+                                             bool diag, int key0, int row0, int t, float c2) {
+    float mx[2] = {m[0], m[1]};
+#pragma unroll
+    for (int j = 0; j < 16; j++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int hh = e >> 1;
+            float x = sc[4 * j + e] * c2;
+            if (diag && key0 + 8 * j + 2 * t + (e & 1) > row0 + 8 * hh) x = -INFINITY;
+            sc[4 * j + e] = x;
+            mx[hh] = fmaxf(mx[hh], x);
+        }
+#pragma unroll
+    for (int hh = 0; hh < 2; hh++) {  // the 4 lanes of a quad hold a row's 128 columns
+        mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 1));
+        mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 2));
+        // 0 on the first tile (m = -inf; key 0 is never masked), exactly 1 when the max holds
+        corr[hh] = mx[hh] == m[hh] ? 1.0f : ex2(m[hh] - mx[hh]);
+        m[hh] = mx[hh];
+        l[hh] *= corr[hh];
+    }
+    // p in fp32; l sums the fp32 p (lse stays fp32-accurate; p v uses p rounded to bf16)
+#pragma unroll
+    for (int kk = 0; kk < 8; kk++)
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            const int hh = r & 1;
+            const float p0 = ex2(sc[8 * kk + 2 * r] - m[hh]), p1 = ex2(sc[8 * kk + 2 * r + 1] - m[hh]);
+            sc[8 * kk + 2 * r] = p0;
+            sc[8 * kk + 2 * r + 1] = p1;
+            l[hh] += p0 + p1;
+        }
+}
+
+__device__ __forceinline__ void rescale_o(float (&o)[32], const float (&corr)[2]) {
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        o[4 * j + 0] *= corr[0]; o[4 * j + 1] *= corr[0];
+        o[4 * j + 2] *= corr[1]; o[4 * j + 3] *= corr[1];
+    }
+}
+
+// p (in sc) packed to bf16 as the A fragments of the 8 k-steps of P V: k-step kk, register r is sc
+// 8kk + 2r, 8kk + 2r + 1 (see Layouts)
+__device__ __forceinline__ void pack_p(uint32_t (&pa)[8][4], const float (&sc)[64]) {
+#pragma unroll
+    for (int kk = 0; kk < 8; kk++)
+#pragma unroll
+        for (int r = 0; r < 4; r++) pa[kk][r] = pack_bf16(sc[8 * kk + 2 * r], sc[8 * kk + 2 * r + 1]);
+}
+
+// ------------------------------------------------------------------------------------------------
 // the forward
 
-// tm: the 3D tensor map of qkvr (see Layouts), in global memory
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
-flash_attention_forward_kernel4_bf16(bf16* out, float* lse, const CUtensorMap* tm, int B, int NH, int T, float scale) {
+// tm: the 3D tensor map of qkvr (see Layouts), in global memory. OVERLAP: the scores of the next tile
+// are issued before p v of this one (FlashAttention-3's intra-warpgroup overlap; see the loop).
+template <bool OVERLAP>
+__device__ __forceinline__ void flash_forward_wgmma(bf16* out, float* lse, const CUtensorMap* tm, int B, int NH, int T,
+                                                    float scale) {
     extern __shared__ unsigned char smem_raw[];
     // tiles need 1024-byte alignment for the swizzle; the launcher asks for 1 KB extra
     unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -230,73 +306,69 @@ flash_attention_forward_kernel4_bf16(bf16* out, float* lse, const CUtensorMap* t
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};  // running max (log2 units), partial sum
 
     mbar_wait(q_full, 0);
-    for (int i = 0; i < nkt; i++) {
-        const int s = i % STAGES, use = i / STAGES;
-        mbar_wait(&full[s], use & 1);
-        const unsigned char* sk = skv + s * STAGE_BYTES;
-        const unsigned char* sv = sk + KV_BYTES;
-
-        // S (64 x 128) = q k^T over the 64 dims: 4 k-steps of 16 (32 bytes of each swizzled row)
-        float sc[64];
+    auto stage_k = [&](int i) { return skv + (i % STAGES) * STAGE_BYTES; };
+    auto stage_v = [&](int i) { return skv + (i % STAGES) * STAGE_BYTES + KV_BYTES; };
+    auto wait_full = [&](int i) { mbar_wait(&full[i % STAGES], (i / STAGES) & 1); };
+    // both products have read tile i's stage: release it to the producer (one arrival per warp)
+    auto release = [&](int i) { __syncwarp(); if (lane == 0) mbar_arrive(&empty[i % STAGES]); };
+    float sc[64];
+    uint32_t pa[8][4];
+    float corr[2];
+    if constexpr (!OVERLAP) {
+        for (int i = 0; i < nkt; i++) {
+            wait_full(i);
+            wgmma_fence();
+            issue_s(sc, sqw, stage_k(i));
+            wgmma_commit();
+            wgmma_wait<0>();
+            keep_in_regs(sc);
+            softmax_tile(sc, m, l, corr, i == nkt - 1, i * BKV, row0, t, c2);
+            rescale_o(o, corr);
+            pack_p(pa, sc);
+            wgmma_fence();
+            issue_pv(o, pa, stage_v(i));
+            wgmma_commit();
+            wgmma_wait<0>();  // also: the P registers may be reused only after this
+            keep_in_regs(o);
+            release(i);
+        }
+    } else {
+        // The scores of tile i + 1 are issued before p v of tile i, so the softmax of tile i + 1 runs
+        // on the CUDA cores while the tensor cores do p v of tile i (wait_group 1: the older group,
+        // S, is done; p v may still run). O is rescaled by tile i + 1's correction only once p v of
+        // tile i has landed, and P i + 1 is packed only then (P i's registers are p v's operand).
+        // Per row the same operations in the same order as !OVERLAP: the same bits.
+        wait_full(0);
         wgmma_fence();
-#pragma unroll
-        for (int ks = 0; ks < HS / 16; ks++) wgmma_bf16_n128<0, 0>(sc, desc_k(sqw + 32 * ks), desc_k(sk + 32 * ks), ks > 0);
+        issue_s(sc, sqw, stage_k(0));
         wgmma_commit();
         wgmma_wait<0>();
         keep_in_regs(sc);
-
-        // online softmax. Only the last tile (the diagonal) has keys > some row of the block; it also
-        // holds every key >= T (zero-filled), and those are > every row < T: masked too.
-        const bool diag = i == nkt - 1;
-        float mx[2] = {m[0], m[1]};
-#pragma unroll
-        for (int j = 0; j < 16; j++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int hh = e >> 1;
-                float x = sc[4 * j + e] * c2;
-                if (diag && i * BKV + 8 * j + 2 * t + (e & 1) > row0 + 8 * hh) x = -INFINITY;
-                sc[4 * j + e] = x;
-                mx[hh] = fmaxf(mx[hh], x);
-            }
-        float corr[2];
-#pragma unroll
-        for (int hh = 0; hh < 2; hh++) {  // the 4 lanes of a quad hold a row's 128 columns
-            mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 1));
-            mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 2));
-            // 0 on the first tile (m = -inf; key 0 is never masked), exactly 1 when the max holds
-            corr[hh] = mx[hh] == m[hh] ? 1.0f : ex2(m[hh] - mx[hh]);
-            m[hh] = mx[hh];
-            l[hh] *= corr[hh];
+        softmax_tile(sc, m, l, corr, nkt == 1, 0, row0, t, c2);
+        rescale_o(o, corr);
+        pack_p(pa, sc);
+        for (int i = 0; i + 1 < nkt; i++) {
+            wait_full(i + 1);
+            wgmma_fence();
+            issue_s(sc, sqw, stage_k(i + 1));
+            wgmma_commit();
+            issue_pv(o, pa, stage_v(i));
+            wgmma_commit();
+            wgmma_wait<1>();
+            keep_in_regs(sc);
+            softmax_tile(sc, m, l, corr, i + 1 == nkt - 1, (i + 1) * BKV, row0, t, c2);
+            wgmma_wait<0>();
+            keep_in_regs(o);
+            release(i);
+            rescale_o(o, corr);
+            pack_p(pa, sc);
         }
-        // p = 2^(x - m) in fp32 (l sums the fp32 p: lse stays fp32-accurate), packed to bf16 as the
-        // A fragments of the 8 k-steps of P V
-        uint32_t pa[8][4];
-#pragma unroll
-        for (int kk = 0; kk < 8; kk++)
-#pragma unroll
-            for (int r = 0; r < 4; r++) {
-                const int hh = r & 1;
-                const float p0 = ex2(sc[8 * kk + 2 * r] - m[hh]), p1 = ex2(sc[8 * kk + 2 * r + 1] - m[hh]);
-                l[hh] += p0 + p1;
-                pa[kk][r] = pack_bf16(p0, p1);
-            }
-#pragma unroll
-        for (int j = 0; j < 8; j++) {
-            o[4 * j + 0] *= corr[0]; o[4 * j + 1] *= corr[0];
-            o[4 * j + 2] *= corr[1]; o[4 * j + 3] *= corr[1];
-        }
-
-        // O (64 x 64) += P (64 x 128 keys) V (128 keys x 64): 8 k-steps of 16 keys, two atoms each
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < BKV / 16; kk++) wgmma_bf16_rs_n64<1>(o, pa[kk], desc_mn(sv + kk * 2048), 1);
+        wgmma_fence();  // the last tile's p v
+        issue_pv(o, pa, stage_v(nkt - 1));
         wgmma_commit();
-        wgmma_wait<0>();  // also: the P registers may be reused only after this
+        wgmma_wait<0>();
         keep_in_regs(o);
-        // both products have read this stage: release it to the producer
-        __syncwarp();
-        if (lane == 0) mbar_arrive(&empty[s]);
+        release(nkt - 1);
     }
 
     // out = O / l (bf16, one rounding), lse = (m + log2 l) ln 2
@@ -315,4 +387,15 @@ flash_attention_forward_kernel4_bf16(bf16* out, float* lse, const CUtensorMap* t
             *reinterpret_cast<uint32_t*>(dst + 8 * j) = pack_bf16(o[4 * j + 2 * hh] * inv, o[4 * j + 2 * hh + 1] * inv);
         if (t == 0) lse[(size_t)bh * T + row] = (m[hh] + __log2f(lr)) * LN2;
     }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+flash_attention_forward_kernel4_bf16(bf16* out, float* lse, const CUtensorMap* tm, int B, int NH, int T, float scale) {
+    flash_forward_wgmma<false>(out, lse, tm, B, NH, T, scale);
+}
+// the lab's overlap=True build (llmc/ops/attention.py); the same bits as the plain one
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+flash_attention_forward_kernel4_bf16_overlap(bf16* out, float* lse, const CUtensorMap* tm, int B, int NH, int T,
+                                             float scale) {
+    flash_forward_wgmma<true>(out, lse, tm, B, NH, T, scale);
 }

@@ -566,6 +566,13 @@ def test_flash_attention_wgmma_gpu(rt, B, T, C, NH):
     vmax = np.abs(inp[..., 2 * C:]).max()
     assert_close(out, out64, atol=BF16_OUT * vmax, rtol=BF16_OUT, name="out (wgmma)")
     assert_close(lse, lse64, atol=1e-4, rtol=1e-5, name="lse (wgmma)")
+    # the overlapped kernel (next tile's q k^T issued before this tile's p v) does the same operations
+    # per row in the same order: the same bits
+    over = A.build_flash_attention_forward_wgmma(rt, B=B, T=T, C=C, NH=NH, overlap=True)
+    poison(d_out, d_lse)
+    over(d_out, d_qkvr, d_lse, d_inp)
+    assert np.array_equal(from_bf16(d_out.get()), out), "overlap: out differs from the plain wgmma forward"
+    assert np.array_equal(d_lse.get(), lse), "overlap: lse differs from the plain wgmma forward"
     # deterministic (fixed order, no atomics), and a captured graph replays the same launches (the
     # tensor map was encoded at the first launch above) with the same bits
     poison(d_out, d_lse)
@@ -786,6 +793,8 @@ def test_wgmma_forward_builds(monkeypatch):
     assert len(k) == 3 and k[0].grid == (4, 2, 1) and k[0].block == (384, 1, 1) and k[0].smem == A.WGMMA_FWD_SMEM
     with pytest.raises(LLMCError, match="16-byte aligned"):
         launch(0x1000, 0x30008, 0x3000, 0x4000)
+    A.build_flash_attention_forward_wgmma(rt, B=2, T=200, C=128, NH=2, overlap=True)  # the lab's other build
+    assert rt.built[-1] == "flash_attention_forward_kernel4_bf16_overlap"
 
 
 def test_wgmma_p_fragment_is_the_score_accumulator():
@@ -796,9 +805,9 @@ def test_wgmma_p_fragment_is_the_score_accumulator():
     src = " ".join((CUDA_DIR / "attention_wgmma.cu").read_text().split())
     for line in ("const int hh = r & 1;",
                  "const float p0 = ex2(sc[8 * kk + 2 * r] - m[hh]), p1 = ex2(sc[8 * kk + 2 * r + 1] - m[hh]);",
-                 "pa[kk][r] = pack_bf16(p0, p1);",
+                 "for (int r = 0; r < 4; r++) pa[kk][r] = pack_bf16(sc[8 * kk + 2 * r], sc[8 * kk + 2 * r + 1]);",
                  "wgmma_bf16_rs_n64<1>(o, pa[kk], desc_mn(sv + kk * 2048), 1);",
-                 "if (diag && i * BKV + 8 * j + 2 * t + (e & 1) > row0 + 8 * hh) x = -INFINITY;",
+                 "if (diag && key0 + 8 * j + 2 * t + (e & 1) > row0 + 8 * hh) x = -INFINITY;",
                  "const int row0 = q0 + 64 * cw + 16 * warp + g;"):
         assert line in src, f"cuda/attention_wgmma.cu no longer has: {line}"
     for w in range(4):

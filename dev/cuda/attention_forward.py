@@ -88,14 +88,15 @@ vmax = float(np.abs(inp_b[..., 2 * C:]).max())
 # rows: query rows per block, 64 (the default build) or 128 (a warp owns two m-tiles, so each k, v
 # fragment read from shared memory serves both: half the ldmatrix traffic per FLOP)
 # version 4: the wgmma + TMA kernel (Hopper only: skipped with a note elsewhere)
-bf16_rows = [(2, 64), (3, 64), (2, 128), (3, 128), (4, 128)] if "bf16" in DTYPES else []
+# (rows "overlap": its build that issues the next tile's q k^T before this tile's p v)
+bf16_rows = [(2, 64), (3, 64), (2, 128), (3, 128), (4, 128), (4, "overlap")] if "bf16" in DTYPES else []
 if bf16_rows and rt.arch != "sm_90":
     print(f"note: attention_forward 4 (wgmma) needs an sm_90 GPU (this one is {rt.arch}); skipped")
-    bf16_rows.pop()
+    bf16_rows = bf16_rows[:-2]
 for version, rows in bf16_rows:
     if version == 4:
-        flash = llmc.ops.get("attention_forward").build(rt, 4, "bf16", B=B, T=T, C=C, NH=NH)
-        label = "attention_forward 4 bf16 (flash wgmma + TMA, 128 rows)"
+        flash = A.build_flash_attention_forward_wgmma(rt, B=B, T=T, C=C, NH=NH, overlap=rows == "overlap")
+        label = f"attention_forward 4 bf16 (flash wgmma + TMA, 128 rows{', overlap' if rows == 'overlap' else ''})"
     else:
         flash = A.build_flash_attention_forward(rt, B=B, T=T, C=C, NH=NH, version=version, dtype="bf16", rows=rows)
         label = f"attention_forward {version} bf16 (flash m16n8k16{', cp.async' if version == 3 else ''}, {rows} rows)"

@@ -464,16 +464,19 @@ def qkvr_tensor_map(ptr: int, B: int, NH: int, T: int) -> bytes:
     return ctypes.string_at(addr, 128)
 
 
-def build_flash_attention_forward_wgmma(rt, B, T, C, NH, **_):
+def build_flash_attention_forward_wgmma(rt, B, T, C, NH, overlap=False, **_):
     """Variant 4, bf16 only: launch(out (B,T,C), qkvr (B,T,3C), lse (B,NH,T), inp (B,T,3C)) like the
     bf16 builds of 2, 3 (out, qkvr, inp bf16; lse fp32, read by attention_backward 2/3): the bf16
     permute into qkvr, then one wgmma kernel per (b, h, 128 query rows). The TMA reads qkvr through
     a tensor map that holds its address: one map per qkvr pointer (each layer has its own), encoded
-    and copied to the device at its first launch, so a captured graph replays the same maps."""
+    and copied to the device at its first launch, so a captured graph replays the same maps.
+    overlap: the kernel that issues the next tile's q k^T before this tile's p v, so the softmax
+    overlaps the tensor cores within a warpgroup (FlashAttention-3's intra-warpgroup overlap; the
+    same bits; the lab times both)."""
     _check_attention(B, T, C, NH)
     permute = _build_permute(rt, "permute", B, T, 3, NH, FLASH_HS, "bf16")
-    k = rt.kernel(WGMMA_MODULE, "flash_attention_forward_kernel4_bf16", "PPPiiif",
-                  label="attention_forward 4 (flash, wgmma) bf16")
+    k = rt.kernel(WGMMA_MODULE, "flash_attention_forward_kernel4_bf16" + ("_overlap" if overlap else ""), "PPPiiif",
+                  label="attention_forward 4 (flash, wgmma) bf16" + (" overlap" if overlap else ""))
     if WGMMA_FWD_SMEM > rt.max_smem_optin:
         refuse("attention_forward", 4, f"needs {WGMMA_FWD_SMEM} bytes of shared memory, the device allows "
                                        f"{rt.max_smem_optin}")
