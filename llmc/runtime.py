@@ -59,8 +59,9 @@ CACHE_DIR = Path(os.environ.get("LLMC_CACHE", Path.home() / ".cache" / "llmc"))
 NVCC_FLAGS = ["-O3", "-std=c++17", "-lineinfo", "-Xptxas=-v"]
 
 # Modules built for an architecture-specific target instead of the device's plain one: wgmma and
-# setmaxnreg exist only on sm_90a (Hopper), so cuda/gemm_wgmma.cu is built for it and refused elsewhere.
-ARCH_SPECIFIC = {"gemm_wgmma": "sm_90a"}
+# setmaxnreg exist only on sm_90a (Hopper), so cuda/gemm_wgmma.cu and cuda/attention_wgmma.cu are built
+# for it and refused elsewhere.
+ARCH_SPECIFIC = {"gemm_wgmma": "sm_90a", "attention_wgmma": "sm_90a"}
 
 
 def arch_flags(arch: str) -> list[str]:

@@ -109,7 +109,7 @@ def _decode_inputs(inp, qkvr, B, T, C, NH, maxT, rng):
 def test_attention_variants_and_pairing():
     from llmc.backend import kernel_choices
     fwd, bwd = ops.get("attention_forward"), ops.get("attention_backward")
-    assert set(fwd.variants) == set(bwd.variants) == {1, 2, 3}
+    assert set(bwd.variants) == {1, 2, 3} and set(fwd.variants) == {1, 2, 3, 4}  # 4: wgmma, forward only
     assert fwd.flag == "--attention-kernel" and bwd.flag == "--attention-backward-kernel"
     assert fwd.default in (2, 3) and bwd.default in (2, 3)  # both keep the log-sum-exp
     for spec in (fwd, bwd):
@@ -536,6 +536,68 @@ def test_flash_attention_bf16_gpu(rt, B, T, C, NH, version):
     assert np.array_equal(from_bf16(d_dinp.get()), dinp), "bf16 flash backward is not deterministic"
 
 
+# attention_forward 4 (wgmma + TMA, bf16, Hopper only): the same bounds as the bf16 builds of 2, 3
+# above (the same roundings: exact bf16 products summed in fp32, p rounded to bf16 before p v, out
+# rounded once; lse fp32 all the way). Extra shapes: T = 128 and 129 (one full block; a second with
+# one row), T = 384 (three full blocks, two full tiles below each diagonal).
+WGMMA_SHAPES = FLASH_SHAPES + [(2, 128, 128, 2), (1, 129, 64, 1), (2, 384, 192, 3)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,T,C,NH", WGMMA_SHAPES)
+def test_flash_attention_wgmma_gpu(rt, B, T, C, NH):
+    from llmc.bf16 import BF16, from_bf16, round_bf16, to_bf16
+    if rt.arch != "sm_90":
+        pytest.skip(f"attention_forward 4 needs an sm_90 GPU (this one is {rt.arch})")
+    rng = np.random.default_rng(B * 1000 + T + 13)
+    fwd = ops.get("attention_forward").build(rt, 4, "bf16", B=B, T=T, C=C, NH=NH)
+    inp = round_bf16(rng.standard_normal((B, T, 3 * C)))
+    inp64 = inp.astype(np.float64)
+    out64, qkvr64, att64 = A.attention_forward_ref(inp64, NH)
+    lse64 = A.attention_lse_ref(inp64, NH)
+    d_inp = rt.to_device(to_bf16(inp))
+    d_out, d_qkvr, d_lse = rt.empty((B, T, C), BF16), rt.empty((B, T, 3 * C), BF16), rt.empty(fwd.saved_shape)
+    assert fwd.saved_shape == (B, NH, T)
+    poison(d_out, d_qkvr, d_lse)
+    fwd(d_out, d_qkvr, d_lse, d_inp)
+    out, qkvr, lse = from_bf16(d_out.get()), from_bf16(d_qkvr.get()), d_lse.get()
+    assert_close(qkvr, qkvr64, 0, 0, "qkvr")
+    assert np.isfinite(out).all() and np.isfinite(lse).all(), "out / lse: unwritten (NaN) elements"
+    vmax = np.abs(inp[..., 2 * C:]).max()
+    assert_close(out, out64, atol=BF16_OUT * vmax, rtol=BF16_OUT, name="out (wgmma)")
+    assert_close(lse, lse64, atol=1e-4, rtol=1e-5, name="lse (wgmma)")
+    # the overlapped kernel (next tile's q k^T issued before this tile's p v) does the same operations
+    # per row in the same order: the same bits
+    over = A.build_flash_attention_forward_wgmma(rt, B=B, T=T, C=C, NH=NH, overlap=True)
+    poison(d_out, d_lse)
+    over(d_out, d_qkvr, d_lse, d_inp)
+    assert np.array_equal(from_bf16(d_out.get()), out), "overlap: out differs from the plain wgmma forward"
+    assert np.array_equal(d_lse.get(), lse), "overlap: lse differs from the plain wgmma forward"
+    # deterministic (fixed order, no atomics), and a captured graph replays the same launches (the
+    # tensor map was encoded at the first launch above) with the same bits
+    poison(d_out, d_lse)
+    fwd(d_out, d_qkvr, d_lse, d_inp)
+    assert np.array_equal(from_bf16(d_out.get()), out) and np.array_equal(d_lse.get(), lse), "not deterministic"
+    if rt.graphs_available() is None:
+        graph = rt.capture(lambda: fwd(d_out, d_qkvr, d_lse, d_inp))
+        poison(d_out, d_lse)
+        graph()
+        rt.synchronize()
+        assert np.array_equal(from_bf16(d_out.get()), out) and np.array_equal(d_lse.get(), lse), "graph replay differs"
+    # the fused backward (3) consumes variant 4's lse: dinp as in test_flash_attention_bf16_gpu
+    bwd = ops.get("attention_backward").build(rt, 3, "bf16", B=B, T=T, C=C, NH=NH)
+    dout = round_bf16(rng.standard_normal((B, T, C)))
+    d_dinp = rt.empty((B, T, 3 * C), BF16)
+    poison(d_dinp, *bwd.scratch.values())
+    bwd(d_dinp, rt.to_device(to_bf16(dout)), d_qkvr, d_lse, d_out)
+    dinp = from_bf16(d_dinp.get())
+    assert np.isfinite(dinp).all(), "dinp: unwritten (NaN) elements"
+    ref = A.attention_backward_ref(dout.astype(np.float64), qkvr64, att64, NH)
+    plain = _bf16_backward_plain(dout.astype(np.float64), qkvr64, att64, out64, NH)
+    for part, err, base in zip(("dq", "dk", "dv"), _part_errors(dinp, ref, C), _part_errors(plain, ref, C)):
+        assert err <= 2 * base + 1e-4 and err < 2.0 ** -6, f"{part}: relative error {err:.2e} (plain bf16: {base:.2e})"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("version", [1, 2])
 @pytest.mark.parametrize("B,T,C,NH,maxT", [(2, 65, 96, 2, 128), (1, 1, 64, 1, 16), (4, 1024, 768, 12, 1024),
@@ -687,6 +749,109 @@ def test_bf16_flash_fragment_mapping(rng):
             for n in range(8):
                 for e in range(4):
                     assert acc[n][lane][e] == want_o[g + 8 * (e >> 1), 8 * n + 2 * t + (e & 1)]
+
+
+# ----------------------------------------------------------------------------------------------
+# attention_forward 4: Hopper wgmma + TMA, bf16 only (cuda/attention_wgmma.cu)
+
+
+def test_wgmma_forward_variant_declares_bf16_sm90_only():
+    v = ops.get("attention_forward").variants[4]
+    assert v.dtypes == ("bf16",) and v.arch == "sm_90"
+    spec = ops.get("attention_forward")
+    assert spec.refuse_reason(4, "bf16", "sm_90", B=4, T=1024, C=768, NH=12) is None
+    assert spec.refuse_reason(4, "bf16", "sm_90", B=1, T=1, C=64, NH=1) is None
+    assert "no fp32 kernels" in spec.refuse_reason(4, "fp32", "sm_90", B=1, T=8, C=64, NH=1)
+    assert "sm_90" in spec.refuse_reason(4, "bf16", "sm_80", B=1, T=8, C=64, NH=1)
+    assert "head size" in spec.refuse_reason(4, "bf16", "sm_90", B=2, T=65, C=96, NH=3)
+    # it keeps what backward 2/3 read (the log-sum-exp), so they can run on its output
+    shape = dict(B=2, T=65, C=128, NH=2)
+    assert spec.saved_shape(4, **shape) == ops.get("attention_backward").saved_shape(3, **shape) == (2, 2, 65)
+
+
+def test_wgmma_forward_builds(monkeypatch):
+    """Variant 4 builds on the fake runtime (entry points and argtypes against the PTX), with the shared
+    memory the .cu computes, a grid of (B*NH, ceil(T/128)), and one tensor map per qkvr pointer,
+    encoded at its first launch only (a captured graph replays the same maps)."""
+    import re
+    from llmc.runtime import CUDA_DIR
+    from tests.fake_runtime import FakeRuntime
+    src = (CUDA_DIR / "attention_wgmma.cu").read_text()
+    const = {k: int(re.search(rf"constexpr int {k} = (\d+);", src).group(1)) for k in ("BQ", "BKV", "STAGES")}
+    assert const == {"BQ": A.WGMMA_BQ, "BKV": A.WGMMA_BQ, "STAGES": A.WGMMA_STAGES}
+    assert "constexpr int FWD_SMEM = 1024 + Q_BYTES + STAGES * STAGE_BYTES + 8 * (1 + 2 * STAGES);" in src
+    assert A.WGMMA_FWD_SMEM == 1024 + 128 * 128 + const["STAGES"] * 2 * 128 * 128 + 8 * (1 + 2 * const["STAGES"])
+    encoded = []
+    monkeypatch.setattr(A, "qkvr_tensor_map", lambda ptr, B, NH, T: encoded.append((ptr, B, NH, T)) or bytes(128))
+    rt = FakeRuntime(heap_bytes=1 << 16)  # the maps are copied to the fake device
+    launch = ops.get("attention_forward").build(rt, 4, "bf16", B=2, T=200, C=128, NH=2)
+    assert rt.built == ["permute_kernel2_bf16", "flash_attention_forward_kernel4_bf16"]
+    for qkvr in (0x10000, 0x10000, 0x20000):
+        launch(0x1000, qkvr, 0x3000, 0x4000)
+    assert encoded == [(0x10000, 2, 2, 200), (0x20000, 2, 2, 200)]
+    k = [x for x in rt.launches if x.func == "flash_attention_forward_kernel4_bf16"]
+    assert len(k) == 3 and k[0].grid == (4, 2, 1) and k[0].block == (384, 1, 1) and k[0].smem == A.WGMMA_FWD_SMEM
+    with pytest.raises(LLMCError, match="16-byte aligned"):
+        launch(0x1000, 0x30008, 0x3000, 0x4000)
+    A.build_flash_attention_forward_wgmma(rt, B=2, T=200, C=128, NH=2, overlap=True)  # the lab's other build
+    assert rt.built[-1] == "flash_attention_forward_kernel4_bf16_overlap"
+
+
+def test_wgmma_p_fragment_is_the_score_accumulator():
+    """The register-A fragment of P V's k-step kk (wgmma m64nNk16 bf16: per warp, mma.sync m16n8k16's
+    A layout) holds exactly the score accumulators 8kk + 2r, 8kk + 2r + 1 (m64n128 layout: register
+    4j + 2h + c at row 16w + g + 8h, column 8j + 2t + c), and the kernel packs it that way."""
+    from llmc.runtime import CUDA_DIR
+    src = " ".join((CUDA_DIR / "attention_wgmma.cu").read_text().split())
+    for line in ("const int hh = r & 1;",
+                 "const float p0 = ex2(sc[8 * kk + 2 * r] - m[hh]), p1 = ex2(sc[8 * kk + 2 * r + 1] - m[hh]);",
+                 "for (int r = 0; r < 4; r++) pa[kk][r] = pack_bf16(sc[8 * kk + 2 * r], sc[8 * kk + 2 * r + 1]);",
+                 "wgmma_bf16_rs_n64<1>(o, pa[kk], desc_mn(sv + kk * 2048), 1);",
+                 "if (diag && key0 + 8 * j + 2 * t + (e & 1) > row0 + 8 * hh) x = -INFINITY;",
+                 "const int row0 = q0 + 64 * cw + 16 * warp + g;"):
+        assert line in src, f"cuda/attention_wgmma.cu no longer has: {line}"
+    for w in range(4):
+        for lane in range(32):
+            g, t = lane // 4, lane % 4
+            acc = {4 * j + 2 * h + c: (16 * w + g + 8 * h, 8 * j + 2 * t + c)
+                   for j in range(16) for h in range(2) for c in range(2)}
+            for kk in range(8):
+                # A of m16n8k16 (rows of this warp): register r holds (row, col), (row, col + 1)
+                a = {0: (g, 2 * t), 1: (g + 8, 2 * t), 2: (g, 2 * t + 8), 3: (g + 8, 2 * t + 8)}
+                for r in range(4):
+                    row, col = 16 * w + a[r][0], 16 * kk + a[r][1]
+                    assert acc[8 * kk + 2 * r] == (row, col) and acc[8 * kk + 2 * r + 1] == (row, col + 1)
+                    assert (r & 1) == (row - 16 * w - g) // 8  # hh: the row half the kernel uses for m
+
+
+def test_wgmma_tiles_cover_the_causal_triangle():
+    """The kernel's tile walk (block qb takes key tiles 0..qb, masks only tile qb) in numpy, float64:
+    online softmax over 128-key tiles, the diagonal masked by key > row, gives the reference out and
+    lse at T not a multiple of 128 (rows past T computed on zero-filled k, v and dropped)."""
+    rng = np.random.default_rng(4)
+    for T in (1, 65, 130, 300):
+        inp = rng.standard_normal((1, T, 3 * 64))
+        out64, _, _ = A.attention_forward_ref(inp, 1)
+        lse64 = A.attention_lse_ref(inp, 1)
+        q, k, v = (x[0, 0] for x in A._split_heads(inp, 1))  # (T, 64)
+        nqb = -(-T // 128)
+        pad = lambda x: np.pad(x, ((0, nqb * 128 - T), (0, 0)))  # noqa: E731  the TMA's zero fill
+        q, k, v = pad(q), pad(k), pad(v)
+        for qb in range(nqb):
+            rows = np.arange(qb * 128, qb * 128 + 128)
+            m, l, o = np.full(128, -np.inf), np.zeros(128), np.zeros((128, 64))
+            for i in range(qb + 1):
+                keys = np.arange(i * 128, i * 128 + 128)
+                x = q[rows] @ k[keys].T / 8.0
+                if i == qb:
+                    x = np.where(keys[None, :] > rows[:, None], -np.inf, x)
+                mx = np.maximum(m, x.max(1))
+                corr = np.exp(m - mx)
+                p = np.exp(x - mx[:, None])
+                l, o, m = l * corr + p.sum(1), o * corr[:, None] + p @ v[keys], mx
+            ok = rows < T
+            np.testing.assert_allclose(o[ok] / l[ok, None], out64[0, rows[ok]], rtol=1e-12, atol=1e-12)
+            np.testing.assert_allclose(m[ok] + np.log(l[ok]), lse64[0, 0, rows[ok]], rtol=1e-12, atol=1e-12)
 
 
 def test_bf16_forward_rows128_builds():

@@ -1,12 +1,14 @@
 """Kernel lab: attention forward at the trainer's shape, B=4, T=1024, C=768, NH=12: variant 1, the
 composite (permute, q k^T, causal softmax, att v, unpermute), and variants 2, 3, the fused (flash)
 kernels, in TF32 and in their bf16 builds (bf16 mma.sync m16n8k16; inp/qkvr/out bf16, lse fp32),
-with torch SDPA (fp32 and bf16 flash) as reference lines.
+and variant 4, the Hopper wgmma + TMA kernel (bf16 only, sm_90a), with torch SDPA (fp32 and bf16
+flash) as reference lines.
 
     python dev/cuda/attention_forward.py          # default softmax variant at several causal_chunks
                                                   # (wide, narrow),
                                                   # plus softmax 4; torch lines for comparison
     python dev/cuda/attention_forward.py 5 6      # these softmax variants at the default chunking
+    python dev/cuda/attention_forward.py --dtype bf16 --batch 16 --quick   # bf16 rows only (2, 3, 4), B=16
 
 Time per call (one layer). The GEMMs run in the engine that goes with the default --matmul-kernel.
 causal_chunks (wide, narrow) splits the T rows into blocks so that the GEMMs skip most of the upper
@@ -22,11 +24,15 @@ from llmc.bf16 import BF16, from_bf16, round_bf16, to_bf16
 from llmc.ops import attention as A
 from llmc.testing import compare, rel_err
 
-B, T, C, NH = 4, 1024, 768, 12
-hs = C // NH
-
 L = lab.Lab("attention_forward")
 rt = L.rt
+B, T, C, NH = L.args.batch or 4, 1024, 768, 12  # --batch
+hs = C // NH
+DTYPES = ("fp32", "bf16") if L.args.dtype == "both" else (L.args.dtype,)  # lab.py's --dtype
+nt = -(-T // 64)
+# FLOPs of the fused rows: q k^T and p v over the 64 x 64 tiles at and below the diagonal (the
+# useful causal work; variant 4's 128 x 128 tiles compute ~6% more, masked, not counted)
+FUSED_FLOPS = 2 * 2 * B * NH * (nt * (nt + 1) // 2) * 64 * 64 * hs
 sm_spec = llmc.ops.get("softmax_forward")
 try:
     mm = llmc.ops.get("matmul_forward").default
@@ -40,7 +46,9 @@ out64, qkvr64, att64 = A.attention_forward_ref(inp.astype(np.float64), NH)
 d_inp = rt.to_device(inp)
 d_out, d_qkvr, d_att = rt.empty((B, T, C)), rt.empty((B, T, 3 * C)), rt.empty((B, NH, T, T))
 
-if L.args.variants:
+if "fp32" not in DTYPES:
+    configs = []
+elif L.args.variants:
     configs = [(n, A.DEFAULT_CAUSAL_CHUNKS) for n in L.selected(sm_spec)]
 else:
     configs = [(sm_spec.default, c) for c in ((1, 1), (2, 2), (4, 2), (8, 2))] + [(4, A.DEFAULT_CAUSAL_CHUNKS)]
@@ -59,16 +67,14 @@ for sm, chunks in configs:
 # attention_forward 2 and 3: the fused kernel (plus the permute into qkvr), keeping only the log-sum-exp
 lse64 = A.attention_lse_ref(inp.astype(np.float64), NH)
 d_lse = rt.empty((B, NH, T))
-for version in (2, 3):
+for version in (2, 3) if "fp32" in DTYPES else ():
     flash = A.build_flash_attention_forward(rt, B=B, T=T, C=C, NH=NH, version=version)
     fn = lambda: flash(d_out, d_qkvr, d_lse, d_inp)  # noqa: E731
     label = f"attention_forward {version} (flash{', cp.async' if version == 3 else ''})"
     L.validate(label, fn, outputs={"out": d_out, "qkvr": d_qkvr, "lse": d_lse},
                refs={"out": out64, "qkvr": qkvr64, "lse": lse64}, atol=5e-3, rtol=2e-2)
     print(f"    rel_err out {rel_err(d_out.get(), out64):.2e}  lse {rel_err(d_lse.get(), lse64):.2e}")
-    # FLOPs actually done: q k^T and p v over the 64 x 64 tiles at and below the diagonal
-    nt = -(-T // 64)
-    L.time(label, fn, flops=2 * 2 * B * NH * (nt * (nt + 1) // 2) * 64 * 64 * hs, ceiling="tf32")
+    L.time(label, fn, flops=FUSED_FLOPS, ceiling="tf32")
 
 # the bf16 builds of 2 and 3: inp, qkvr, out bf16, lse fp32. Inputs rounded to bf16 first, so the
 # float64 reference sees what the kernel sees; p is rounded to bf16 before p v: error <= 2^-8 max|v|
@@ -81,10 +87,20 @@ d_out_b, d_qkvr_b = rt.empty((B, T, C), BF16), rt.empty((B, T, 3 * C), BF16)
 vmax = float(np.abs(inp_b[..., 2 * C:]).max())
 # rows: query rows per block, 64 (the default build) or 128 (a warp owns two m-tiles, so each k, v
 # fragment read from shared memory serves both: half the ldmatrix traffic per FLOP)
-for version, rows in ((2, 64), (3, 64), (2, 128), (3, 128)):
-    flash = A.build_flash_attention_forward(rt, B=B, T=T, C=C, NH=NH, version=version, dtype="bf16", rows=rows)
+# version 4: the wgmma + TMA kernel (Hopper only: skipped with a note elsewhere)
+# (rows "overlap": its build that issues the next tile's q k^T before this tile's p v)
+bf16_rows = [(2, 64), (3, 64), (2, 128), (3, 128), (4, 128), (4, "overlap")] if "bf16" in DTYPES else []
+if bf16_rows and rt.arch != "sm_90":
+    print(f"note: attention_forward 4 (wgmma) needs an sm_90 GPU (this one is {rt.arch}); skipped")
+    bf16_rows = bf16_rows[:-2]
+for version, rows in bf16_rows:
+    if version == 4:
+        flash = A.build_flash_attention_forward_wgmma(rt, B=B, T=T, C=C, NH=NH, overlap=rows == "overlap")
+        label = f"attention_forward 4 bf16 (flash wgmma + TMA, 128 rows{', overlap' if rows == 'overlap' else ''})"
+    else:
+        flash = A.build_flash_attention_forward(rt, B=B, T=T, C=C, NH=NH, version=version, dtype="bf16", rows=rows)
+        label = f"attention_forward {version} bf16 (flash m16n8k16{', cp.async' if version == 3 else ''}, {rows} rows)"
     fn = lambda: flash(d_out_b, d_qkvr_b, d_lse, d_inp_b)  # noqa: E731
-    label = f"attention_forward {version} bf16 (flash m16n8k16{', cp.async' if version == 3 else ''}, {rows} rows)"
     for d in (d_out_b, d_qkvr_b, d_lse):
         d.fill_bytes(0xFF)  # poisoned: 0xFFFF is a bf16 NaN
     fn()
@@ -96,8 +112,7 @@ for version, rows in ((2, 64), (3, 64), (2, 128), (3, 128)):
     if bad:
         L.failed.append(label)
     print(f"    rel_err out {rel_err(from_bf16(d_out_b.get()), outb64):.2e}  lse {rel_err(d_lse.get(), lseb64):.2e}")
-    nt = -(-T // 64)
-    L.time(label, fn, flops=2 * 2 * B * NH * (nt * (nt + 1) // 2) * 64 * 64 * hs, ceiling=None)
+    L.time(label, fn, flops=FUSED_FLOPS, ceiling=None)
 
 # the composite's data-movement pieces on their own (GB/s: bytes read + written)
 perm = A._build_permute(rt, "permute", B, T, 3, NH, hs)
@@ -121,7 +136,7 @@ try:
     qb, kb, vb = (x.to(torch.bfloat16) for x in (q, k, v))
     # the same FLOP count as ours (only the causal half), so the TFLOP/s columns compare
     L.reference("torch SDPA causal bf16 (flash)", lambda: Fn.scaled_dot_product_attention(qb, kb, vb, is_causal=True),
-                flops=2 * 2 * B * NH * (nt * (nt + 1) // 2) * 64 * 64 * hs, ceiling=None)
+                flops=FUSED_FLOPS, ceiling=None)
 except Exception as e:
     print(f"WARNING: no torch reference ({e})")
 L.finish()

@@ -433,6 +433,71 @@ def build_flash_attention_backward(rt, B, T, C, NH, version=2, defines=None, dty
 
 
 # ----------------------------------------------------------------------------------------------
+# GPU: fused attention on Hopper wgmma + TMA, bf16 (cuda/attention_wgmma.cu, sm_90a)
+
+
+WGMMA_MODULE = "attention_wgmma"
+WGMMA_BQ = 128                  # query rows per CTA (2 consumer warpgroups x 64) = keys per k/v tile
+WGMMA_STAGES = 2                # k/v ring depth
+# dynamic shared memory of flash_attention_forward_kernel4_bf16 (FWD_SMEM in the .cu): 1 KB of
+# alignment slack, q (128 x 128 bytes), STAGES x (k + v tiles), 1 + 2 STAGES mbarriers
+WGMMA_FWD_SMEM = 1024 + WGMMA_BQ * 128 + WGMMA_STAGES * 2 * WGMMA_BQ * 128 + 8 * (1 + 2 * WGMMA_STAGES)
+
+
+def qkvr_tensor_map(ptr: int, B: int, NH: int, T: int) -> bytes:
+    """The TMA's 128-byte CUtensorMap of qkvr (3, B, NH, T, 64) bf16 seen as a 3D tensor (64 dims,
+    T rows, 3*B*NH slabs), read in boxes of (64, 128, 1), 128-byte swizzled; rows past T of a slab
+    are zero-filled (never the next head's rows)."""
+    import ctypes
+    from llmc.ops.gemm_wgmma import L2_PROMOTION_256B, SWIZZLE_128B, _driver
+    buf = ctypes.create_string_buffer(128 + 64)
+    addr = (ctypes.addressof(buf) + 63) & ~63          # CUtensorMap is 64-byte aligned
+    dims = (ctypes.c_uint64 * 3)(FLASH_HS, T, 3 * B * NH)
+    strides = (ctypes.c_uint64 * 2)(FLASH_HS * 2, T * FLASH_HS * 2)  # bytes: next row, next slab
+    box = (ctypes.c_uint32 * 3)(FLASH_HS, WGMMA_BQ, 1)
+    estr = (ctypes.c_uint32 * 3)(1, 1, 1)
+    err = _driver().cuTensorMapEncodeTiled(addr, 9, 3, ctypes.c_void_p(ptr), dims, strides, box, estr,  # 9: BFLOAT16
+                                           0, SWIZZLE_128B, L2_PROMOTION_256B, 0)      # 0: OOB filled with 0
+    if err != 0:
+        raise LLMCError(f"attention_forward 4: cuTensorMapEncodeTiled failed (CUresult {err}) for qkvr at 0x{ptr:x} "
+                        f"(B={B} NH={NH} T={T})")
+    return ctypes.string_at(addr, 128)
+
+
+def build_flash_attention_forward_wgmma(rt, B, T, C, NH, overlap=False, **_):
+    """Variant 4, bf16 only: launch(out (B,T,C), qkvr (B,T,3C), lse (B,NH,T), inp (B,T,3C)) like the
+    bf16 builds of 2, 3 (out, qkvr, inp bf16; lse fp32, read by attention_backward 2/3): the bf16
+    permute into qkvr, then one wgmma kernel per (b, h, 128 query rows). The TMA reads qkvr through
+    a tensor map that holds its address: one map per qkvr pointer (each layer has its own), encoded
+    and copied to the device at its first launch, so a captured graph replays the same maps.
+    overlap: the kernel that issues the next tile's q k^T before this tile's p v, so the softmax
+    overlaps the tensor cores within a warpgroup (FlashAttention-3's intra-warpgroup overlap; the
+    same bits; the lab times both)."""
+    _check_attention(B, T, C, NH)
+    permute = _build_permute(rt, "permute", B, T, 3, NH, FLASH_HS, "bf16")
+    k = rt.kernel(WGMMA_MODULE, "flash_attention_forward_kernel4_bf16" + ("_overlap" if overlap else ""), "PPPiiif",
+                  label="attention_forward 4 (flash, wgmma) bf16" + (" overlap" if overlap else ""))
+    if WGMMA_FWD_SMEM > rt.max_smem_optin:
+        refuse("attention_forward", 4, f"needs {WGMMA_FWD_SMEM} bytes of shared memory, the device allows "
+                                       f"{rt.max_smem_optin}")
+    k.set_max_dynamic_smem(WGMMA_FWD_SMEM)
+    grid, block = (B * NH, ceil_div(T, WGMMA_BQ), 1), (384, 1, 1)
+    args = (np.int32(B), np.int32(NH), np.int32(T), np.float32(1.0 / math.sqrt(FLASH_HS)))
+    maps: dict = {}
+
+    def launch(out, qkvr, lse, inp):
+        permute(qkvr, inp)
+        qp = _ptr(qkvr)
+        dm = maps.get(qp)
+        if dm is None:  # first launch on this qkvr: encode its map, copy it to the device
+            if qp & 15:
+                raise LLMCError(f"attention_forward 4: qkvr must be 16-byte aligned for the TMA (0x{qp:x})")
+            dm = maps[qp] = rt.to_device(np.frombuffer(qkvr_tensor_map(qp, B, NH, T), np.uint8))
+        k(grid, block, _ptr(out), _ptr(lse), dm.ptr, *args, smem=WGMMA_FWD_SMEM)
+    return launch
+
+
+# ----------------------------------------------------------------------------------------------
 # GPU: decode with a KV cache (sampling)
 
 
@@ -645,6 +710,10 @@ ATTENTION_FORWARD_VARIANTS = {
     3: Variant(3, "2 with the k, v tiles double-buffered through cp.async: the next tile loads while "
                   "the tensor cores work (head size 64; measured slower than 2: not load-bound)",
                _flash_builds("forward", 3), scratch_bytes=lambda **_: 0, **_FUSED),
+    4: Variant(4, "fused flash attention on Hopper wgmma (bf16 only, sm_90a): k, v tiles by TMA on an mbarrier "
+                  "ring fed by a producer warpgroup, 2 consumer warpgroups x 64 query rows, p v with p from "
+                  "registers; keeps the log-sum-exp for backward 2/3 (head size 64)",
+               {"bf16": build_flash_attention_forward_wgmma}, scratch_bytes=lambda **_: 0, arch="sm_90", **_FUSED),
 }
 ATTENTION_BACKWARD_VARIANTS = {
     1: Variant(1, "composite: dv, datt in the batched GEMM (--matmul-backward-kernel), softmax backward "
