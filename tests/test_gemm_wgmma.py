@@ -209,20 +209,28 @@ def test_instance_table_matches_the_kernels():
     from llmc.runtime import CUDA_DIR
     src = (CUDA_DIR / "gemm_wgmma.cu").read_text()
     entries = {}
-    for m in re.finditer(r"^GEMM_WGMMA_ENTRY\((\w+), ([\w:]+), ([\w:]+), (\d+), (\d+), (true|false)(.*)\)$", src, re.M):
-        name, t, o, bn, stages, ts, rest = m.groups()
-        flags = tuple(f.strip() == "true" for f in rest.split(",")[1:])  # A_MN, A_T, B_T
+    for m in re.finditer(r"^GEMM_WGMMA_ENTRY(_EPI)?\((\w+), ([\w:]+), ([\w:]+), (\d+), (\d+), (true|false)(.*)\)$",
+                         src, re.M):
+        epi_macro, name, t, o, bn, stages, ts, rest = m.groups()
+        rest = [f.strip() for f in rest.split(",")[1:]]
+        epi = {"EPI_GELU": "gelu", "EPI_DGELU": "dgelu"}[rest.pop(0)] if epi_macro else ""
+        flags = tuple(f == "true" for f in rest)  # A_MN, A_T, B_T
         flags = flags + (False,) * (3 - len(flags))
-        entries[name] = (t, o, int(bn), int(stages), ts == "true", flags)
+        entries[name] = (t, o, int(bn), int(stages), ts == "true", flags, epi)
     want = {}
     ctype = {"tf32": "float", "bf16": "__nv_bfloat16", "fp32": "float"}
     lay_flags = {"kk": (False, False, False), "mk": (True, False, False), "kn": (False, False, True),
                  "mn": (False, True, True)}
-    for (ty, out, layout, ts), widths in gw.INSTANCES.items():
+    for (ty, out, layout, ts, epi), widths in gw.INSTANCES.items():
         for bn, stages in widths.items():
-            want[gw.instance_name(ty, out, layout, ts, bn)] = (ctype[ty], ctype[out], bn, stages, ts, lay_flags[layout])
+            want[gw.instance_name(ty, out, layout, ts, bn, epi)] = (ctype[ty], ctype[out], bn, stages, ts,
+                                                                     lay_flags[layout], epi)
             assert gw.smem_bytes(bn, stages, ts, out) <= 227 * 1024, (ty, out, layout, ts, bn)
     assert entries == want
+    # a fused-GELU instance has its plain twin's stages (the epilogue takes no extra shared memory)
+    for (ty, out, layout, ts, epi), widths in gw.INSTANCES.items():
+        if epi:
+            assert all(gw.INSTANCES[(ty, out, layout, ts, "")][bn] == st for bn, st in widths.items())
 
 
 @pytest.mark.parametrize("kw,why", [(dict(dtype="tf32", out="bf16"), "no tf32 kernels with bf16 output"),
