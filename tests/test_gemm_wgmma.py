@@ -563,3 +563,33 @@ def test_gelu_epilogue_builds_refuse_what_they_lack():
         plain(C, A, B, None, C)
     gd = gw.wgmma_build(rt, "tf32", 4096, 3072, 768, splits=2, epilogue="dgelu")
     assert "gemm_wgmma_splitk_reduce_dgelu" in rt.built and gd.plan[2] == 2
+
+
+@pytest.mark.parametrize("dtype,epi", [("tf32", "gelu"), ("tf32", "dgelu"), ("bf16", "gelu"), ("bf16", "dgelu")])
+@pytest.mark.parametrize("store,splits", [("tma", None), ("direct", 1), ("direct", 3)])
+def test_gelu_epilogue_launches_on_the_fake_runtime(monkeypatch, dtype, epi, store, splits):
+    """The launch passes aux where the instance (and the split-K reduce) has it: every argument
+    count against the PTX-checked argtypes (the fake runtime asserts it), tensor maps stubbed (the
+    driver's encoder needs a GPU): the gelu epilogue's TMA store sends C's map and then aux's."""
+    from tests.fake_runtime import FakeRuntime
+    monkeypatch.setattr(gw, "tensor_map", lambda ptr, *a, **k: int(ptr).to_bytes(8, "little") * 16)
+    rt = FakeRuntime(heap_bytes=32 << 20)
+    bf = dtype == "bf16"
+    et = np.uint16 if bf else np.float32
+    M, N, K = 300, 776, 640
+    b_major = "n" if bf and epi == "dgelu" else "k"
+    g = gw.wgmma_build(rt, dtype, M, N, K, has_bias=epi == "gelu", store=store, splits=splits, b_major=b_major,
+                       out="bf16" if bf else "fp32", epilogue=epi)
+    C, aux = rt.empty((M, N), et), rt.empty((M, N), et)
+    A, B = rt.empty((M, K), et), rt.empty((K, N) if b_major == "n" else (N, K), et)
+    g(C, A, B, rt.empty((N,), et) if epi == "gelu" else None, aux)
+    names = [l.func for l in rt.launches]
+    assert names[0].endswith(f"_{epi}{'_bf16' if bf else ''}") and ("_ts_" in names[0]) == (store == "tma")
+    split = (splits or 1) > 1
+    assert names[1:] == ([f"gemm_wgmma_splitk_reduce_{epi}{'_bf16' if bf else ''}"] if split else [])
+    assert rt.launches[0].args[5] == aux.ptr and (not split or rt.launches[1].args[-1] == aux.ptr)
+    if store == "tma":  # the maps on the device (each stub holds its pointer): C's, then gelu's aux (tmC + 1)
+        from tests.fake_runtime import BASE
+        tmc = int(rt.launches[0].args[2]) - BASE
+        ptrs = [int(rt.heap[tmc + 128 * i:tmc + 128 * i + 8].view(np.uint64)[0]) for i in (0, 1)]
+        assert ptrs[0] == C.ptr and (ptrs[1] == aux.ptr) == (epi == "gelu")
