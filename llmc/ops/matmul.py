@@ -454,8 +454,8 @@ OPS = [
                       "read once, row sums in registers", {"fp32": matmul_forward8, "bf16": matmul_forward8_bf16},
                    {"fp32": _gemv_check, "bf16": _gemv_check_bf16}, engine=1, options=("gelu",)),
         9: Variant(9, "TF32 GEMM engine 5 (Hopper): wgmma from TMA-loaded 128B-swizzled smem, 3-6 stage "
-                      "mbarrier pipeline, producer + 2 consumer warpgroups, persistent, fused bias, TMA "
-                      "stores for short K", {"fp32": matmul_forward9, "bf16": matmul_forward9_bf16},
+                      "mbarrier pipeline, producer + 2 consumer warpgroups, persistent, fused bias (and the MLP's "
+                      "GELU: gelu_out), TMA stores for short K", {"fp32": matmul_forward9, "bf16": matmul_forward9_bf16},
                    {"fp32": _need_c4_in, "bf16": _need_c8_in}, arch="sm_90", engine=4, options=("gelu_out",)),
     }, default=9, flag="--matmul-kernel", options=("gelu", "gelu_out"), cost=cost_forward,
         doc="out(N,OC)= ; inp(N,C), weight(OC,C), bias(OC) or None; gelu=True: out = gelu(...) (variant 8); "
@@ -470,7 +470,7 @@ OPS = [
                       "engine 4", matmul_backward4, _bwd_wgmma_check, arch="sm_90", engine=4),
         5: Variant(5, "TF32: dinp and dweight on GEMM engine 5; dweight's wider operand M-major through "
                       "registers, the narrower one transposed (bf16: every operand as it lies, transposed "
-                      "in the wgmma)", {"fp32": matmul_backward5, "bf16": matmul_backward5_bf16},
+                      "in the wgmma); gelu_grad: dinp * gelu'(pre) in the epilogue", {"fp32": matmul_backward5, "bf16": matmul_backward5_bf16},
                    {"fp32": _bwd_wgmma5_check, "bf16": _bwd_wgmma5_check_bf16}, arch="sm_90", engine=4,
                    options=("gelu_grad",)),
     }, default=5, flag="--matmul-backward-kernel", options=("gelu_grad",), cost=cost_backward,
