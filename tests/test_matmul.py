@@ -409,3 +409,108 @@ def test_matmul_backward_bias_bf16_gpu(rt, rng, N, OC):
         assert np.array_equal(got[0], got[1])
         ran += 1
     assert ran
+
+
+# ----------------------------------------------------------------------------------------------
+# the MLP's GELU in engine 5's epilogues: matmul_forward gelu_out, matmul_backward gelu_grad
+
+
+def test_gelu_options_on_the_numpy_backend(rng):
+    """The cpu launchers with the options compute exactly what the plain op then the gelu op compute."""
+    from llmc.ops.gelu import gelu_backward_ref, gelu_forward_ref
+    N, C, OC = 5, 12, 8
+    inp, w, b = rnd(rng, N, C), rnd(rng, OC, C), rnd(rng, OC)
+    out, g = np.empty((N, OC), np.float32), np.empty((N, OC), np.float32)
+    ops.get("matmul_forward").build_cpu(N=N, C=C, OC=OC, has_bias=True, gelu_out=True).launch(out, g, inp, w, b)
+    assert np.array_equal(out, inp @ w.T + b) and np.array_equal(g, gelu_forward_ref(out))
+    dout, pre = rnd(rng, N, OC), rnd(rng, N, C)
+    dinp, dw = np.empty((N, C), np.float32), np.zeros((OC, C), np.float32)
+    ops.get("matmul_backward").build_cpu(N=N, C=C, OC=OC, gelu_grad=True).launch(dinp, dw, dout, inp, w, pre)
+    assert np.array_equal(dinp, gelu_backward_ref(pre, dout @ w)) and np.array_equal(dw, dout.T @ inp)
+
+
+def test_gelu_options_only_on_engine_5():
+    """Only matmul_forward 9 and matmul_backward 5 take the options; the others refuse them (so the
+    model runs the separate gelu kernels with them), and 8's decoder gelu is another option."""
+    fwd, bwd = ops.get("matmul_forward"), ops.get("matmul_backward")
+    shape = dict(N=64, C=768, OC=3072, has_bias=True)
+    for n in fwd.variants:
+        why = fwd.refuse_reason(n, "fp32", "sm_90", gelu_out=True, **shape)
+        assert (why is None) == (n == 9) and (n == 9 or "gelu_out" in why), (n, why)
+    for n in bwd.variants:
+        why = bwd.refuse_reason(n, "fp32", "sm_90", gelu_grad=True, N=64, C=3072, OC=768)
+        assert (why is None) == (n == 5), (n, why)
+    assert "gelu_out" in fwd.refuse_reason(8, "fp32", "sm_90", N=4, C=768, OC=3072, has_bias=True, gelu_out=True)
+    f0, b0 = fwd.cost(**shape), fwd.cost(**shape, gelu_out=True)
+    assert b0[1] - f0[1] == 4 * 64 * 3072 and b0[0] == f0[0]  # the second output counted in the profile
+
+
+GELU_FWD_SHAPES = [dict(N=4 * 65, C=768, OC=3072), dict(N=1, C=80, OC=96), dict(N=33, C=88, OC=30),
+                   dict(N=300, C=64, OC=776)]
+GELU_BWD_SHAPES = [dict(N=4 * 65, C=3072, OC=768), dict(N=1, C=96, OC=80), dict(N=33, C=88, OC=32),
+                   dict(N=300, C=776, OC=64)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("shape", GELU_FWD_SHAPES, ids=str)
+def test_matmul_forward_gelu_out_gpu(rt, rng, shape, dtype):
+    """matmul_forward 9 with gelu_out: out (poisoned) against float64, out_gelu (poisoned) against the
+    float64 GELU of the out the kernel stored (fp32 tanhf: 1e-5; bf16: one rounding)."""
+    from llmc.bf16 import BF16, from_bf16
+    from llmc.ops.gelu import gelu_forward_ref
+    from llmc.testing import assert_close, bf16_close, poison, tf32_close
+    spec = ops.get("matmul_forward")
+    if spec.refuse_reason(9, dtype, rt.arch, gelu_out=True, has_bias=True, **shape):
+        pytest.skip(spec.refuse_reason(9, dtype, rt.arch, gelu_out=True, has_bias=True, **shape))
+    N, C, OC = shape["N"], shape["C"], shape["OC"]
+    if dtype == "bf16":
+        (inp, inp64), (w, w64), (b, b64) = bf16_values(rng, N, C), bf16_values(rng, OC, C, scale=2 * C ** -0.5), bf16_values(rng, OC)
+        et, val = BF16, (lambda d: from_bf16(d.get()).astype(np.float64))
+    else:
+        inp, w, b = rnd(rng, N, C), rnd(rng, OC, C, scale=2 * C ** -0.5), rnd(rng, OC)
+        inp64, w64, b64 = (x.astype(np.float64) for x in (inp, w, b))
+        et, val = np.float32, (lambda d: d.get().astype(np.float64))
+    out, g = rt.empty((N, OC), et), rt.empty((N, OC), et)
+    poison(out, g)
+    spec.build(rt, 9, dtype, gelu_out=True, has_bias=True, **shape)(out, g, rt.to_device(inp), rt.to_device(w),
+                                                                     rt.to_device(b))
+    ref, o = mm.matmul_forward_ref(inp64, w64, b64), val(out)
+    if dtype == "bf16":
+        bf16_close(o, ref, f"{shape} out")
+        bf16_close(val(g), gelu_forward_ref(o), f"{shape} gelu")
+    else:
+        tf32_close(o, ref, f"{shape} out")
+        gref = gelu_forward_ref(o)
+        assert_close(val(g), gref, atol=1e-6 * float(np.sqrt(np.mean(gref ** 2))), rtol=1e-5, name=f"{shape} gelu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("shape", GELU_BWD_SHAPES, ids=str)
+def test_matmul_backward_gelu_grad_gpu(rt, rng, shape, dtype):
+    """matmul_backward 5 with gelu_grad: dinp (poisoned) = (dout @ weight) * gelu'(pre) against
+    float64; dweight += unchanged."""
+    from llmc.bf16 import BF16, from_bf16
+    from llmc.ops.gelu import gelu_backward_ref
+    from llmc.testing import bf16_close, poison, tf32_close
+    spec = ops.get("matmul_backward")
+    if spec.refuse_reason(5, dtype, rt.arch, gelu_grad=True, **shape):
+        pytest.skip(spec.refuse_reason(5, dtype, rt.arch, gelu_grad=True, **shape))
+    N, C, OC = shape["N"], shape["C"], shape["OC"]
+    if dtype == "bf16":
+        vals = [bf16_values(rng, *s, scale=sc) for s, sc in [((N, OC), 1.0), ((N, C), 1.0), ((OC, C), 1.0),
+                                                              ((OC, C), 1.0), ((N, C), 2.0)]]
+        et, val, close = BF16, (lambda d: from_bf16(d.get()).astype(np.float64)), bf16_close
+    else:
+        vals = [(x, x.astype(np.float64)) for x in (rnd(rng, N, OC), rnd(rng, N, C), rnd(rng, OC, C), rnd(rng, OC, C),
+                                                     rnd(rng, N, C, scale=2.0))]
+        et, val, close = np.float32, (lambda d: d.get().astype(np.float64)), tf32_close
+    (dout, dout64), (inp, inp64), (w, w64), (dw0, dw064), (pre, pre64) = vals
+    dinp_ref, dw_ref, _ = mm.matmul_backward_ref(dout64, inp64, w64)
+    d_dinp, d_dw = rt.empty((N, C), et), rt.to_device(dw0)
+    poison(d_dinp)
+    spec.build(rt, 5, dtype, gelu_grad=True, **shape)(d_dinp, d_dw, rt.to_device(dout), rt.to_device(inp),
+                                                      rt.to_device(w), rt.to_device(pre))
+    close(val(d_dinp), gelu_backward_ref(pre64, dinp_ref), f"{shape} dinp")
+    close(val(d_dw), dw_ref + dw064, f"{shape} dweight")

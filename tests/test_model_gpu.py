@@ -144,3 +144,42 @@ def test_training_step_graphs_equal_eager():
         runs.append(out)
     for a, b in zip(*runs):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("recompute", [0, 1])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_fused_gelu_matches_unfused(precision, recompute, monkeypatch):
+    """The MLP's GELU in engine 5's epilogues (mm_fc_gelu, mmb_fcproj_gelu; Hopper) against the same
+    model with the separate gelu kernels: the same loss and gradients. fp32: the same values go into
+    the same formulas (the GELU may differ by an FMA contraction), so a tight 1e-5 relative norm per
+    gradient tensor. bf16: the forward writes the same bits up to that; the fused dinp rounds once where
+    the unfused rounds twice, one bf16 rounding (2^-9) per dfch element, which the backward carries:
+    2e-2 relative norm per tensor (bf16 noise; a wrong epilogue is O(1))."""
+    import llmc.model as model_mod
+    be = CudaBackend(precision=precision)
+    if be.rt.arch != "sm_90":
+        pytest.skip("the fused GELU epilogues are engine 5's (sm_90a)")
+    cfg, B, T = SMALL, 2, 64
+    x, y = batch(cfg, B, T)
+    params = GPT2(cfg, CpuBackend(np.float32), B, T).init_params(1)
+    out = []
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(model_mod, "_takes", lambda *a, **k: False)
+        m = GPT2(cfg, CudaBackend(precision=precision), B, T, recompute=recompute)
+        assert m.fused_gelu == m.fused_dgelu == fused
+        assert ("mm_fc_gelu" in m.k and "mmb_fcproj_gelu" in m.k) == fused
+        m.load_params(params)
+        m.zero_grad()
+        loss = m.forward(x, y)
+        m.backward()
+        out.append((loss, m.get_grads().astype(np.float64)))
+    (lf, gf), (lu, gu) = out
+    tol = 1e-5 if precision == "fp32" else 2e-2
+    print(f"\n{precision} -r {recompute}: loss fused {lf:.6f} unfused {lu:.6f}")
+    assert abs(lf - lu) < (1e-5 if precision == "fp32" else 5e-3) * max(1.0, abs(lu))
+    for name, off, size in param_layout(cfg):
+        a, b = gf[off:off + size], gu[off:off + size]
+        e = np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+        print(f"  {name:9s} rel norm diff {e:.2e}")
+        assert np.isfinite(a).all() and e < tol, f"{precision} gradient of {name}: fused vs unfused {e:.2e}"
