@@ -24,8 +24,7 @@
 //   warpgroups 1, 2  the consumers, rows 0-63 and 64-127 of the 128 x BN tile. Per k-block: wait on
 //                    `full`, issue BK*size/32 wgmmas (k=8 for tf32, k=16 for bf16: 32 bytes of K
 //                    each), commit; wait for the previous k-block's group and free its stage. Then
-//                    the epilogue from registers: alpha, bias, beta*C, or raw partials for split-K;
-//                    optionally the MLP's GELU (EPI below: gelu(C) to a second output, or C *= gelu'(pre)).
+//                    the epilogue from registers: alpha, bias, beta*C, or raw partials for split-K.
 //   STAGES deep ring of stages: the TMA runs up to STAGES k-blocks ahead, across tile boundaries,
 //   so the next tile's loads overlap this tile's epilogue.
 //
@@ -54,17 +53,6 @@
 #include "wgmma.cuh"
 
 typedef long long ll;
-
-// Fused GELU epilogues (the MLP: fch = ln2 @ fcw^T + fcb, fch_gelu = gelu(fch); in backward
-// dfch = (dres @ fcprojw) * gelu'(fch)). A template parameter of the kernel, so EPI_NONE instances
-// compile to exactly the plain epilogue:
-//   EPI_GELU   C = alpha * A @ B^T + bias as usual, and aux = gelu(C) (same shape and ldc)
-//   EPI_DGELU  C = alpha * (A @ B^T) * gelu'(aux), aux the pre-activation (same shape and ldc)
-// The GELU is cuda/gelu.cu's, per element type: fp32 the tanhf form (common.cuh's gelu_fwd, the same
-// gelu_grad), bf16 the sigmoid form of its bf16 builds. In bf16, gelu is taken of the pre-activation as
-// stored (rounded to bf16): what the separate gelu_forward reads and what backward's gelu' and the -r
-// recompute read, so the fused forward writes exactly what the unfused one does.
-enum { EPI_NONE = 0, EPI_GELU = 1, EPI_DGELU = 2 };
 
 constexpr int BM = 128;            // rows of C per tile: two consumer warpgroups x 64
 constexpr int ROW_BYTES = 128;     // bytes of K per shared-memory row (one swizzle span)
@@ -230,38 +218,6 @@ template <> struct Out<__nv_bfloat16> {
     }
 };
 
-// GPT-2's GELU as cuda/gelu.cu computes it for each element type (see EPI above):
-//   gelu(x) = 0.5 x (1 + tanh(u)), u = k (x + 0.044715 x^3), k = sqrt(2/pi)
-//   gelu'(x) = 0.5 (1 + tanh(u)) + 0.5 x (1 - tanh(u)^2) k (1 + 3 * 0.044715 x^2)
-// stored(v): the value a store of v leaves in memory (bf16: rounded to nearest even)
-constexpr float GELU_K = 0.7978845608028654f;  // sqrt(2/pi)
-constexpr float GELU_C = 0.044715f;
-template <typename OUT> struct Gelu;
-template <> struct Gelu<float> {  // gelu.cu's fp32 kernels: tanhf (not tanh.approx: ~1e-3 error)
-    static __device__ __forceinline__ float stored(float v) { return v; }
-    static __device__ __forceinline__ float fwd(float x) {
-        const float u = GELU_K * (x + GELU_C * x * x * x);
-        return 0.5f * x * (1.0f + tanhf(u));
-    }
-    static __device__ __forceinline__ float grad(float x) {
-        const float u = GELU_K * (x + GELU_C * x * x * x);
-        const float t = tanhf(u);
-        return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * GELU_K * (1.0f + 3.0f * GELU_C * x * x);
-    }
-};
-template <> struct Gelu<__nv_bfloat16> {  // gelu.cu's bf16 builds: 0.5 (1 + tanh(u)) = sigmoid(2u)
-    static __device__ __forceinline__ float stored(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
-    static __device__ __forceinline__ float fwd(float x) {
-        const float u = GELU_K * (x + GELU_C * x * x * x);
-        return __fdividef(x, 1.0f + __expf(-2.0f * u));
-    }
-    static __device__ __forceinline__ float grad(float x) {  // 1 - tanh^2 = 4 s (1 - s), as s - s*s
-        const float u = GELU_K * (x + GELU_C * x * x * x);
-        const float s = __fdividef(1.0f, 1.0f + __expf(-2.0f * u));
-        return s + 2.0f * x * (s - s * s) * GELU_K * (1.0f + 3.0f * GELU_C * x * x);
-    }
-};
-
 template <typename OUT>
 struct GemmArgs {
     OUT* C;              // (M, ldc) row-major, or (N, ldc) when trans_c (C^T is stored)
@@ -270,18 +226,15 @@ struct GemmArgs {
     int M, N, K, ldc, ldw, splits, kb_per_split;
     float alpha, beta;
     int trans_c;
-    OUT* aux = nullptr;  // EPI_GELU: gelu(C) written here; EPI_DGELU: the pre-activation read; (M, ldc)
 };
 
 // One consumer thread's share of the epilogue. Accumulator d[4j + 2h + c] of warp w, lane l holds
 // C at row 16w + l/4 + 8h (of the warpgroup's 64), column 8j + 2(l%4) + c.
-// EPI_GELU / EPI_DGELU take beta == 0 and no trans_c (the launcher refuses the rest); EPI_DGELU reads
-// the pre-activation where the beta path reads the old C, chunk by chunk before the stores.
-template <typename OUT, int BN, int EPI = EPI_NONE>
+template <typename OUT, int BN>
 __device__ __forceinline__ void epilogue(float (&d)[BN / 2], const GemmArgs<OUT>& a, int m0, int n0, int split) {
     const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
     const int r0 = m0 + warp * 16 + (lane >> 2), c0 = n0 + 2 * (lane & 3);
-    if (a.splits > 1) {  // raw partial sums; gemm_wgmma_splitk_reduce applies alpha, beta, bias (and EPI)
+    if (a.splits > 1) {  // raw partial sums; gemm_wgmma_splitk_reduce applies alpha, beta, bias
         float* W = a.W + (ll)split * a.M * a.ldw;
 #pragma unroll
         for (int j = 0; j < BN / 8; j++)
@@ -295,13 +248,7 @@ __device__ __forceinline__ void epilogue(float (&d)[BN / 2], const GemmArgs<OUT>
         return;
     }
     using O = Out<OUT>;
-    using G = Gelu<OUT>;
-    constexpr uintptr_t PAIR_ALIGN = 2 * sizeof(OUT) - 1;
-    const bool pair = !a.trans_c && (a.ldc % 2 == 0) && ((reinterpret_cast<uintptr_t>(a.C) & PAIR_ALIGN) == 0) &&
-                      (EPI == EPI_NONE || (reinterpret_cast<uintptr_t>(a.aux) & PAIR_ALIGN) == 0);
-    // what the chunk loads read: the old C (beta != 0), or the pre-activation (EPI_DGELU)
-    const OUT* src = EPI == EPI_DGELU ? a.aux : a.C;
-    const bool load = EPI == EPI_DGELU || a.beta != 0.0f;
+    const bool pair = !a.trans_c && (a.ldc % 2 == 0) && ((reinterpret_cast<uintptr_t>(a.C) & (2 * sizeof(OUT) - 1)) == 0);
     // In chunks of JC column groups: with beta != 0 all of a chunk's old C values are loaded before
     // any of its stores (a load after a store to C may alias it, so the compiler would otherwise wait
     // out each load's latency in turn: 64-128 round trips per thread, measured 2x on a K=4096 GEMM).
@@ -315,16 +262,16 @@ __device__ __forceinline__ void epilogue(float (&d)[BN / 2], const GemmArgs<OUT>
             for (int h = 0; h < 2; h++) {
                 const int r = r0 + 8 * h, c = c0 + 8 * (j0 + j);
                 old[j][h][0] = old[j][h][1] = 0.0f;
-                if (!load || r >= a.M || c >= a.N) continue;
+                if (a.beta == 0.0f || r >= a.M || c >= a.N) continue;
                 if (a.trans_c) {
-                    old[j][h][0] = O::get(src + (ll)c * a.ldc + r);
-                    if (c + 1 < a.N) old[j][h][1] = O::get(src + (ll)(c + 1) * a.ldc + r);
+                    old[j][h][0] = O::get(a.C + (ll)c * a.ldc + r);
+                    if (c + 1 < a.N) old[j][h][1] = O::get(a.C + (ll)(c + 1) * a.ldc + r);
                 } else if (pair && c + 1 < a.N) {
-                    const float2 o = O::get2(src + (ll)r * a.ldc + c);
+                    const float2 o = O::get2(a.C + (ll)r * a.ldc + c);
                     old[j][h][0] = o.x; old[j][h][1] = o.y;
                 } else {
-                    old[j][h][0] = O::get(src + (ll)r * a.ldc + c);
-                    if (c + 1 < a.N) old[j][h][1] = O::get(src + (ll)r * a.ldc + c + 1);
+                    old[j][h][0] = O::get(a.C + (ll)r * a.ldc + c);
+                    if (c + 1 < a.N) old[j][h][1] = O::get(a.C + (ll)r * a.ldc + c + 1);
                 }
             }
 #pragma unroll
@@ -334,14 +281,7 @@ __device__ __forceinline__ void epilogue(float (&d)[BN / 2], const GemmArgs<OUT>
                 const int r = r0 + 8 * h, c = c0 + 8 * (j0 + j);
                 if (r >= a.M || c >= a.N) continue;
                 const int i = 4 * (j0 + j) + 2 * h;
-                float v0, v1;
-                if constexpr (EPI == EPI_DGELU) {
-                    v0 = a.alpha * d[i] * G::grad(old[j][h][0]);
-                    v1 = a.alpha * d[i + 1] * G::grad(old[j][h][1]);
-                } else {
-                    v0 = a.alpha * d[i] + a.beta * old[j][h][0];
-                    v1 = a.alpha * d[i + 1] + a.beta * old[j][h][1];
-                }
+                float v0 = a.alpha * d[i] + a.beta * old[j][h][0], v1 = a.alpha * d[i + 1] + a.beta * old[j][h][1];
                 const bool two = c + 1 < a.N;
                 if (a.bias) { v0 += O::get(a.bias + c); if (two) v1 += O::get(a.bias + c + 1); }
                 if (a.trans_c) {
@@ -353,15 +293,6 @@ __device__ __forceinline__ void epilogue(float (&d)[BN / 2], const GemmArgs<OUT>
                     O::put(a.C + (ll)r * a.ldc + c, v0);
                     if (two) O::put(a.C + (ll)r * a.ldc + c + 1, v1);
                 }
-                if constexpr (EPI == EPI_GELU) {  // not transposed (the launcher sees to it)
-                    const float g0 = G::fwd(G::stored(v0)), g1 = G::fwd(G::stored(v1));
-                    if (pair && two) {
-                        O::put2(a.aux + (ll)r * a.ldc + c, g0, g1);
-                    } else {
-                        O::put(a.aux + (ll)r * a.ldc + c, g0);
-                        if (two) O::put(a.aux + (ll)r * a.ldc + c + 1, g1);
-                    }
-                }
             }
     }
 }
@@ -369,85 +300,44 @@ __device__ __forceinline__ void epilogue(float (&d)[BN / 2], const GemmArgs<OUT>
 // The tile staged in shared memory as the TMA store reads it: boxes of 64 rows x 128 bytes of columns
 // (EPB = 32 fp32 / 64 bf16), 128-byte swizzled (16-byte chunk ch of row r at ch ^ (r % 8)). A quad of
 // lanes writes 4 adjacent pairs of one row, 8 rows per warp store: 32 distinct banks, conflict-free.
-//
-// EPI_GELU has two outputs and one staging buffer: C's tile is staged and stored, then, once the TMA
-// has read it out of shared memory (the accumulators are still in registers), gelu(C)'s tile through
-// the same buffer to the map that follows C's (tmC + 1). A second buffer would cost a pipeline stage.
-// EPI_DGELU reads the pre-activation from global memory, JC column groups at a time before their
-// staging stores (as the direct epilogue does), and rows/columns past M/N read nothing.
-template <typename OUT, int BN, int EPI = EPI_NONE>
+template <typename OUT, int BN>
 __device__ __forceinline__ void epilogue_tma(float (&d)[BN / 2], const GemmArgs<OUT>& a, const CUtensorMap* tmC,
                                              unsigned char* stg, int m0, int n0, int wg) {
     using O = Out<OUT>;
-    using G = Gelu<OUT>;
     constexpr int EPB = ROW_BYTES / sizeof(OUT), EPC = 16 / sizeof(OUT);  // elements per box row / chunk
     constexpr int LOG_EPB = sizeof(OUT) == 4 ? 5 : 6, LOG_EPC = sizeof(OUT) == 4 ? 2 : 3;
     static_assert(EPB == 1 << LOG_EPB && EPC == 1 << LOG_EPC, "fp32 or 16-bit outputs");
-    constexpr int PASSES = EPI == EPI_GELU ? 2 : 1;  // pass 1: gelu(C) through the same buffer
-    constexpr int JC = EPI == EPI_DGELU ? 8 : BN / 8;
     const int tid = threadIdx.x & 127, lane = threadIdx.x & 31, warp = tid >> 5;
+    if (tid == 0) bulk_wait_read();
+    wg_barrier(wg);
 #pragma unroll
-    for (int pass = 0; pass < PASSES; pass++) {
-        if (tid == 0) bulk_wait_read();  // the previous stores (last tile's; pass 1: C's) have read stg
-        wg_barrier(wg);
+    for (int j = 0; j < BN / 8; j++)
 #pragma unroll
-        for (int j0 = 0; j0 < BN / 8; j0 += JC) {
-            float pre[JC][2][2];
-            if constexpr (EPI == EPI_DGELU) {  // ldc and aux are 16-byte aligned (the TMA store's C is)
-#pragma unroll
-                for (int j = 0; j < JC; j++)
-#pragma unroll
-                    for (int h = 0; h < 2; h++) {
-                        const int gr = m0 + warp * 16 + (lane >> 2) + 8 * h, gc = n0 + 8 * (j0 + j) + 2 * (lane & 3);
-                        pre[j][h][0] = pre[j][h][1] = 0.0f;
-                        if (gr >= a.M || gc >= a.N) continue;
-                        const OUT* p = a.aux + (ll)gr * a.ldc + gc;
-                        if (gc + 1 < a.N) {
-                            const float2 o = O::get2(p);
-                            pre[j][h][0] = o.x; pre[j][h][1] = o.y;
-                        } else {
-                            pre[j][h][0] = O::get(p);
-                        }
-                    }
+        for (int h = 0; h < 2; h++) {
+            const int r = warp * 16 + (lane >> 2) + 8 * h, c = 8 * j + 2 * (lane & 3);
+            float v0 = a.alpha * d[4 * j + 2 * h], v1 = a.alpha * d[4 * j + 2 * h + 1];
+            if (a.bias) {
+                const int gc = n0 + c;  // columns past N are clipped by the store; don't read past bias
+                v0 += gc < a.N ? O::get(a.bias + gc) : 0.0f;
+                v1 += gc + 1 < a.N ? O::get(a.bias + gc + 1) : 0.0f;
             }
-#pragma unroll
-            for (int j = j0; j < j0 + JC; j++)
-#pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    const int r = warp * 16 + (lane >> 2) + 8 * h, c = 8 * j + 2 * (lane & 3);
-                    float v0 = a.alpha * d[4 * j + 2 * h], v1 = a.alpha * d[4 * j + 2 * h + 1];
-                    if constexpr (EPI == EPI_DGELU) {
-                        v0 *= G::grad(pre[j - j0][h][0]);
-                        v1 *= G::grad(pre[j - j0][h][1]);
-                    }
-                    if (a.bias) {
-                        const int gc = n0 + c;  // columns past N are clipped by the store; don't read past bias
-                        v0 += gc < a.N ? O::get(a.bias + gc) : 0.0f;
-                        v1 += gc + 1 < a.N ? O::get(a.bias + gc + 1) : 0.0f;
-                    }
-                    if (EPI == EPI_GELU && pass == 1) {
-                        v0 = G::fwd(G::stored(v0));
-                        v1 = G::fwd(G::stored(v1));
-                    }
-                    const int box = c >> LOG_EPB, ch = (c & (EPB - 1)) >> LOG_EPC;
-                    OUT* p = reinterpret_cast<OUT*>(stg + box * (64 * ROW_BYTES) + r * ROW_BYTES + ((ch ^ (r & 7)) << 4)) + (c & (EPC - 1));
-                    O::put2(p, v0, v1);
-                }
+            const int box = c >> LOG_EPB, ch = (c & (EPB - 1)) >> LOG_EPC;
+            OUT* p = reinterpret_cast<OUT*>(stg + box * (64 * ROW_BYTES) + r * ROW_BYTES + ((ch ^ (r & 7)) << 4)) + (c & (EPC - 1));
+            O::put2(p, v0, v1);
         }
-        fence_async_smem();
-        wg_barrier(wg);
-        if (tid == 0) {
+    fence_async_smem();
+    wg_barrier(wg);
+    if (tid == 0) {
 #pragma unroll
-            for (int b = 0; b < BN / EPB; b++) tma_store_2d(tmC + pass, stg + b * (64 * ROW_BYTES), n0 + EPB * b, m0);
-            bulk_commit();
-        }
+        for (int b = 0; b < BN / EPB; b++) tma_store_2d(tmC, stg + b * (64 * ROW_BYTES), n0 + EPB * b, m0);
+        bulk_commit();
     }
 }
 
 // T: input type; OUT: output type (fp32, or bf16 for bf16 inputs); A_MN: tf32 A M-major through
 // registers; A_T / B_T: bf16 A M-major / B N-major in shared memory (the wgmma's transpose bits)
 template <typename T, typename OUT, int BN, int STAGES, bool TMA_STORE, bool A_MN = false, bool A_T = false,
-          bool B_T = false, int EPI = EPI_NONE>
+          bool B_T = false>
 __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CUtensorMap* tmB, const CUtensorMap* tmC,
                                                 const GemmArgs<OUT>& a) {
     constexpr int BK = ROW_BYTES / sizeof(T);       // K per stage: 32 tf32 or 64 bf16
@@ -576,10 +466,10 @@ __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CU
             }
             // the TMA store takes plain results (no split-K partials, no beta * C read, not transposed)
             if (TMA_STORE && tmC && a.splits == 1 && a.beta == 0.0f && !a.trans_c)
-                epilogue_tma<OUT, BN, EPI>(d, a, tmC, smem + STAGES * STAGE_BYTES + (wg - 1) * STG_BYTES, tm * BM + (wg - 1) * 64,
+                epilogue_tma<OUT, BN>(d, a, tmC, smem + STAGES * STAGE_BYTES + (wg - 1) * STG_BYTES, tm * BM + (wg - 1) * 64,
                                  tn * BN, wg);
             else
-                epilogue<OUT, BN, EPI>(d, a, tm * BM + (wg - 1) * 64, tn * BN, split);
+                epilogue<OUT, BN>(d, a, tm * BM + (wg - 1) * 64, tn * BN, split);
         }
         if (TMA_STORE && (threadIdx.x & 127) == 0) bulk_wait_all();  // C is written before the CTA ends
     }
@@ -595,16 +485,6 @@ __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CU
          float beta, int trans_c) {                                                                       \
         const GemmArgs<OUT> a{C, bias, W, M, N, K, ldc, ldw, splits, kb_per_split, alpha, beta, trans_c}; \
         gemm_wgmma_body<T, OUT, BN, STAGES, TMA_STORE, ##__VA_ARGS__>(tmA, tmB, tmC, a);                 \
-    }
-
-// The fused-GELU instances (EPI_GELU / EPI_DGELU): one more pointer, aux, after bias
-#define GEMM_WGMMA_ENTRY_EPI(NAME, T, OUT, BN, STAGES, TMA_STORE, EPI, ...)                                \
-    extern "C" __global__ void __launch_bounds__(THREADS, 1)                                             \
-    NAME(const CUtensorMap* tmA, const CUtensorMap* tmB, const CUtensorMap* tmC, OUT* C, const OUT* bias, \
-         OUT* aux, float* W, int M, int N, int K, int ldc, int ldw, int splits, int kb_per_split,        \
-         float alpha, float beta, int trans_c) {                                                          \
-        const GemmArgs<OUT> a{C, bias, W, M, N, K, ldc, ldw, splits, kb_per_split, alpha, beta, trans_c, aux}; \
-        gemm_wgmma_body<T, OUT, BN, STAGES, TMA_STORE, ##__VA_ARGS__, EPI>(tmA, tmB, tmC, a);            \
     }
 
 // stages: as many as fit in ~200 KB (A 16 KB + B BN*128 bytes each); the _ts (TMA store) instances
@@ -644,53 +524,26 @@ GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n128_at_bt_bf16, __nv_bfloat16, __nv_bfloat16, 
 GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n192_at_bt_bf16, __nv_bfloat16, __nv_bfloat16, 192, 5, false, false, true, true)
 GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n256_at_bt_bf16, __nv_bfloat16, __nv_bfloat16, 256, 4, false, false, true, true)
 
-// The MLP's fused GELU (the model's fc forward and fcproj dinp; 128 and 192 wide: the planner's GELU
-// widths, the TMA store's). The same stages as the plain instances: the epilogue needs no more shared
-// memory. Forward, both K-major: fch = ln2 @ fcw^T + fcb and fch_gelu = gelu(fch)
-GEMM_WGMMA_ENTRY_EPI(gemm_wgmma_tf32_n128_gelu, float, float, 128, 6, false, EPI_GELU, false, false, false)
-GEMM_WGMMA_ENTRY_EPI(gemm_wgmma_tf32_n192_gelu, float, float, 192, 5, false, EPI_GELU, false, false, false)
-GEMM_WGMMA_ENTRY_EPI(gemm_wgmma_tf32_n128_ts_gelu, float, float, 128, 5, true, EPI_GELU, false, false, false)
-GEMM_WGMMA_ENTRY_EPI(gemm_wgmma_tf32_n192_ts_gelu, float, float, 192, 3, true, EPI_GELU, false, false, false)
-GEMM_WGMMA_ENTRY_EPI(gemm_wgmma_bf16_n128_gelu_bf16, __nv_bfloat16, __nv_bfloat16, 128, 6, false, EPI_GELU, false, false, false)
-GEMM_WGMMA_ENTRY_EPI(gemm_wgmma_bf16_n192_gelu_bf16, __nv_bfloat16, __nv_bfloat16, 192, 5, false, EPI_GELU, false, false, false)
-GEMM_WGMMA_ENTRY_EPI(gemm_wgmma_bf16_n128_ts_gelu_bf16, __nv_bfloat16, __nv_bfloat16, 128, 6, true, EPI_GELU, false, false, false)
-GEMM_WGMMA_ENTRY_EPI(gemm_wgmma_bf16_n192_ts_gelu_bf16, __nv_bfloat16, __nv_bfloat16, 192, 4, true, EPI_GELU, false, false, false)
-// dinp with gelu': dfch = (dres @ fcprojw) * gelu'(fch). tf32: weight^T written first (both K-major);
-// bf16: weight read as it lies (B N-major)
-GEMM_WGMMA_ENTRY_EPI(gemm_wgmma_tf32_n128_dgelu, float, float, 128, 6, false, EPI_DGELU, false, false, false)
-GEMM_WGMMA_ENTRY_EPI(gemm_wgmma_tf32_n192_dgelu, float, float, 192, 5, false, EPI_DGELU, false, false, false)
-GEMM_WGMMA_ENTRY_EPI(gemm_wgmma_tf32_n128_ts_dgelu, float, float, 128, 5, true, EPI_DGELU, false, false, false)
-GEMM_WGMMA_ENTRY_EPI(gemm_wgmma_tf32_n192_ts_dgelu, float, float, 192, 3, true, EPI_DGELU, false, false, false)
-GEMM_WGMMA_ENTRY_EPI(gemm_wgmma_bf16_n128_bt_dgelu_bf16, __nv_bfloat16, __nv_bfloat16, 128, 6, false, EPI_DGELU, false, false, true)
-GEMM_WGMMA_ENTRY_EPI(gemm_wgmma_bf16_n192_bt_dgelu_bf16, __nv_bfloat16, __nv_bfloat16, 192, 5, false, EPI_DGELU, false, false, true)
-GEMM_WGMMA_ENTRY_EPI(gemm_wgmma_bf16_n128_bt_ts_dgelu_bf16, __nv_bfloat16, __nv_bfloat16, 128, 6, true, EPI_DGELU, false, false, true)
-GEMM_WGMMA_ENTRY_EPI(gemm_wgmma_bf16_n192_bt_ts_dgelu_bf16, __nv_bfloat16, __nv_bfloat16, 192, 4, true, EPI_DGELU, false, false, true)
-
 // ------------------------------------------------------------------------------------------------
 // helpers the engine's launcher uses
 
 // C = alpha * sum_s W[s] (+ bias) (+ beta * C), the splits added in order (deterministic); with
 // trans_c, C^T is what is stored. The _bf16 instance: C and bias bf16, everything added in fp32, one
-// rounding on the store. EPI as the GEMM's (beta 0, not transposed): _gelu also writes aux = gelu(C),
-// _dgelu multiplies by gelu'(aux).
-template <typename OUT, int EPI = EPI_NONE>
+// rounding on the store.
+template <typename OUT>
 __device__ __forceinline__ void splitk_reduce(OUT* C, const float* W, const OUT* bias, int M, int N, int ldc,
-                                              int ldw, int splits, float alpha, float beta, int trans_c,
-                                              OUT* aux = nullptr) {
+                                              int ldw, int splits, float alpha, float beta, int trans_c) {
     using O = Out<OUT>;
-    using G = Gelu<OUT>;
     const ll total = (ll)M * N;
     for (ll i = (ll)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (ll)gridDim.x * blockDim.x) {
         const int m = (int)(i / N), n = (int)(i % N);
         float s = 0.0f;
         for (int k = 0; k < splits; k++) s += W[((ll)k * M + m) * ldw + n];
         float x = alpha * s;
-        if (EPI == EPI_DGELU) x *= G::grad(O::get(aux + (ll)m * ldc + n));
         if (bias) x += O::get(bias + n);
         OUT* p = trans_c ? C + (ll)n * ldc + m : C + (ll)m * ldc + n;
         if (beta != 0.0f) x += beta * O::get(p);
         O::put(p, x);
-        if (EPI == EPI_GELU) O::put(aux + (ll)m * ldc + n, G::fwd(G::stored(x)));
     }
 }
 extern "C" __global__ void gemm_wgmma_splitk_reduce(float* C, const float* W, const float* bias, int M, int N,
@@ -702,16 +555,6 @@ extern "C" __global__ void gemm_wgmma_splitk_reduce_bf16(__nv_bfloat16* C, const
                                                          float beta, int trans_c) {
     splitk_reduce<__nv_bfloat16>(C, W, bias, M, N, ldc, ldw, splits, alpha, beta, trans_c);
 }
-// the fused-GELU reduces: the same arguments and aux last
-#define SPLITK_REDUCE_EPI(NAME, OUT, EPI)                                                                   \
-    extern "C" __global__ void NAME(OUT* C, const float* W, const OUT* bias, int M, int N, int ldc, int ldw, \
-                                    int splits, float alpha, float beta, int trans_c, OUT* aux) {            \
-        splitk_reduce<OUT, EPI>(C, W, bias, M, N, ldc, ldw, splits, alpha, beta, trans_c, aux);              \
-    }
-SPLITK_REDUCE_EPI(gemm_wgmma_splitk_reduce_gelu, float, EPI_GELU)
-SPLITK_REDUCE_EPI(gemm_wgmma_splitk_reduce_dgelu, float, EPI_DGELU)
-SPLITK_REDUCE_EPI(gemm_wgmma_splitk_reduce_gelu_bf16, __nv_bfloat16, EPI_GELU)
-SPLITK_REDUCE_EPI(gemm_wgmma_splitk_reduce_dgelu_bf16, __nv_bfloat16, EPI_DGELU)
 
 // out(cols, ld_out) = in(rows, cols)^T: 32x32 tiles through padded shared memory (the padding
 // column keeps the transposed reads off a single bank). Both global sides coalesced.

@@ -45,14 +45,6 @@ from llmc.errors import LLMCError
 from llmc.ops.adamw import hyperparams
 
 
-def _takes(be, op: str, option: str, shape: dict) -> bool:
-    """Whether the variant the backend picks for `op` at `shape` takes the boolean `option` (a fused
-    epilogue): then the model builds that call with it. The numpy backend (variant 0) never does."""
-    spec = ops.get(op)
-    n = be.choose(op, **shape)
-    return n in spec.variants and option in spec.variants[n].options
-
-
 def _size(shape) -> int:
     return int(np.prod(shape))
 
@@ -121,12 +113,6 @@ class GPT2:
         # -- the launch plan: every op built once for its shape (variants fixed here), before the
         # activations: what attention forward keeps for backward depends on its variant
         op = be.build
-        # the MLP's GELU in the matmuls' epilogues where the chosen variant has them (engine 5: the fc
-        # forward writes fch and gelu(fch); fcproj's dinp comes out multiplied by gelu'(fch)); any other
-        # variant (or the numpy backend) runs the separate gelu kernels
-        fc, fcproj_b = dict(N=N, C=C, OC=4 * C, has_bias=True), dict(N=N, C=4 * C, OC=C)
-        self.fused_gelu = _takes(be, "matmul_forward", "gelu_out", fc)
-        self.fused_dgelu = training and _takes(be, "matmul_backward", "gelu_grad", fcproj_b)
         self.built = {
             "encoder_forward": op("encoder_forward", B=B, T=T, C=C),
             "layernorm_forward": op("layernorm_forward", N=N, C=C),
@@ -134,8 +120,7 @@ class GPT2:
             "attention_forward": op("attention_forward", B=B, T=T, C=C, NH=NH),
             "mm_attproj": op("matmul_forward", N=N, C=C, OC=C, has_bias=True),
             "residual_layernorm": op("residual_layernorm_forward", N=N, C=C),
-            **({"mm_fc_gelu": op("matmul_forward", **fc, gelu_out=True)} if self.fused_gelu else
-               {"mm_fc": op("matmul_forward", **fc)}),
+            "mm_fc": op("matmul_forward", N=N, C=C, OC=4 * C, has_bias=True),
             "gelu_forward": op("gelu_forward", N=N * 4 * C),
             "mm_fcproj": op("matmul_forward", N=N, C=4 * C, OC=C, has_bias=True),
             "mm_lmhead": op("matmul_forward", N=N, C=C, OC=Vp, has_bias=False),
@@ -147,15 +132,14 @@ class GPT2:
             self.built.update({
                 "mmb_lmhead": op("matmul_backward", N=N, C=C, OC=Vp),
                 "layernorm_backward": op("layernorm_backward", N=N, C=C),
-                **({"mmb_fcproj_gelu": op("matmul_backward", **fcproj_b, gelu_grad=True)} if self.fused_dgelu else
-                   {"mmb_fcproj": op("matmul_backward", **fcproj_b)}),
+                "mmb_fcproj": op("matmul_backward", N=N, C=4 * C, OC=C),
                 "mmb_fc": op("matmul_backward", N=N, C=C, OC=4 * C),
                 "mmb_attproj": op("matmul_backward", N=N, C=C, OC=C),
                 "mmb_qkv": op("matmul_backward", N=N, C=C, OC=3 * C),
                 "bias_C": op("matmul_backward_bias", N=N, OC=C),
                 "bias_3C": op("matmul_backward_bias", N=N, OC=3 * C),
                 "bias_4C": op("matmul_backward_bias", N=N, OC=4 * C),
-                "gelu_backward": op("gelu_backward", N=N * 4 * C),  # (unused with fused_dgelu)
+                "gelu_backward": op("gelu_backward", N=N * 4 * C),
                 "attention_backward": op("attention_backward", B=B, T=T, C=C, NH=NH),
                 "encoder_backward": op("encoder_backward", B=B, T=T, C=C),
                 "global_norm": op("global_norm", n=self.num_params),
@@ -393,11 +377,8 @@ class GPT2:
             k["mm_attproj"](a["attproj"], a["atty"][l], p["attprojw"][l], p["attprojb"][l])  # (B,T,C)
             k["residual_layernorm"](a["residual2"][l], ln2[l], a["ln2_mean"][l], a["ln2_rstd"][l],
                                     residual, a["attproj"], p["ln2w"][l], p["ln2b"][l])
-            if self.fused_gelu:                                                   # fch, gelu(fch) (B,T,4C)
-                k["mm_fc_gelu"](a["fch"][l], fch_gelu[l], ln2[l], p["fcw"][l], p["fcb"][l])
-            else:
-                k["mm_fc"](a["fch"][l], ln2[l], p["fcw"][l], p["fcb"][l])                    # (B,T,4C)
-                k["gelu_forward"](fch_gelu[l], a["fch"][l])                                   # (B,T,4C)
+            k["mm_fc"](a["fch"][l], ln2[l], p["fcw"][l], p["fcb"][l])                        # (B,T,4C)
+            k["gelu_forward"](fch_gelu[l], a["fch"][l])                                       # (B,T,4C)
             k["mm_fcproj"](a["fcproj"], fch_gelu[l], p["fcprojw"][l], p["fcprojb"][l])       # (B,T,C)
             # residual3 = residual2 + fcproj, normalised for the next layer (or the final layernorm)
             if l + 1 < L:
@@ -465,14 +446,9 @@ class GPT2:
             # MLP: residual3 = residual2 + fcproj(gelu(fc(ln2)))
             if self.recompute >= 1:
                 k["gelu_forward"](fch_gelu[l], a["fch"][l])                        # recompute (B,T,4C)
-            # (the recompute stays with the fused backward: the fcproj dweight reads gelu(fch))
-            if self.fused_dgelu:                                                    # d fch (B,T,4C)
-                k["mmb_fcproj_gelu"](dfch, g["fcprojw"][l], dres, fch_gelu[l], p["fcprojw"][l], a["fch"][l])
-                k["bias_C"](g["fcprojb"][l], dres)
-            else:
-                k["mmb_fcproj"](dfch, g["fcprojw"][l], dres, fch_gelu[l], p["fcprojw"][l])  # d fch_gelu
-                k["bias_C"](g["fcprojb"][l], dres)
-                k["gelu_backward"](dfch, a["fch"][l], dfch)                         # in place: d fch
+            k["mmb_fcproj"](dfch, g["fcprojw"][l], dres, fch_gelu[l], p["fcprojw"][l])  # d fch_gelu
+            k["bias_C"](g["fcprojb"][l], dres)
+            k["gelu_backward"](dfch, a["fch"][l], dfch)                             # in place: d fch
             if self.recompute == 2:                                                 # recompute ln2 (B,T,C)
                 k["layernorm_forward"](ln2[l], a["rc_mean"], a["rc_rstd"], a["residual2"][l],
                                        p["ln2w"][l], p["ln2b"][l])

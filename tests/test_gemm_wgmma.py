@@ -209,28 +209,20 @@ def test_instance_table_matches_the_kernels():
     from llmc.runtime import CUDA_DIR
     src = (CUDA_DIR / "gemm_wgmma.cu").read_text()
     entries = {}
-    for m in re.finditer(r"^GEMM_WGMMA_ENTRY(_EPI)?\((\w+), ([\w:]+), ([\w:]+), (\d+), (\d+), (true|false)(.*)\)$",
-                         src, re.M):
-        epi_macro, name, t, o, bn, stages, ts, rest = m.groups()
-        rest = [f.strip() for f in rest.split(",")[1:]]
-        epi = {"EPI_GELU": "gelu", "EPI_DGELU": "dgelu"}[rest.pop(0)] if epi_macro else ""
-        flags = tuple(f == "true" for f in rest)  # A_MN, A_T, B_T
+    for m in re.finditer(r"^GEMM_WGMMA_ENTRY\((\w+), ([\w:]+), ([\w:]+), (\d+), (\d+), (true|false)(.*)\)$", src, re.M):
+        name, t, o, bn, stages, ts, rest = m.groups()
+        flags = tuple(f.strip() == "true" for f in rest.split(",")[1:])  # A_MN, A_T, B_T
         flags = flags + (False,) * (3 - len(flags))
-        entries[name] = (t, o, int(bn), int(stages), ts == "true", flags, epi)
+        entries[name] = (t, o, int(bn), int(stages), ts == "true", flags)
     want = {}
     ctype = {"tf32": "float", "bf16": "__nv_bfloat16", "fp32": "float"}
     lay_flags = {"kk": (False, False, False), "mk": (True, False, False), "kn": (False, False, True),
                  "mn": (False, True, True)}
-    for (ty, out, layout, ts, epi), widths in gw.INSTANCES.items():
+    for (ty, out, layout, ts), widths in gw.INSTANCES.items():
         for bn, stages in widths.items():
-            want[gw.instance_name(ty, out, layout, ts, bn, epi)] = (ctype[ty], ctype[out], bn, stages, ts,
-                                                                     lay_flags[layout], epi)
+            want[gw.instance_name(ty, out, layout, ts, bn)] = (ctype[ty], ctype[out], bn, stages, ts, lay_flags[layout])
             assert gw.smem_bytes(bn, stages, ts, out) <= 227 * 1024, (ty, out, layout, ts, bn)
     assert entries == want
-    # a fused-GELU instance has its plain twin's stages (the epilogue takes no extra shared memory)
-    for (ty, out, layout, ts, epi), widths in gw.INSTANCES.items():
-        if epi:
-            assert all(gw.INSTANCES[(ty, out, layout, ts, "")][bn] == st for bn, st in widths.items())
 
 
 @pytest.mark.parametrize("kw,why", [(dict(dtype="tf32", out="bf16"), "no tf32 kernels with bf16 output"),
@@ -405,191 +397,3 @@ def test_tma_store_staging_layout(osize, bn):
                 per_bank = collections.Counter(w % 32 for w in words)
                 assert max(per_bank.values()) == len(words) // 32, (warp, j, h)
     assert len(seen) == 64 * bn // 2  # every pair of the tile, once
-
-
-# ----------------------------------------------------------------------------------------------
-# the fused GELU epilogues (the MLP): "gelu" writes C = A @ B^T + bias and aux = gelu(C); "dgelu"
-# writes C = (A @ B^T) * gelu'(aux). tf32 both K-major; bf16 gelu K-major (the fc forward), bf16 dgelu
-# B N-major (the fcproj dinp, weight read as it lies)
-
-EPI_SHAPES = [(1, 1, 8), (65, 24, 16), (129, 193, 72), (300, 770, 64), (256, 264, 1000), (1024, 768, 768)]
-
-
-def _run_epi(rt, rng, dtype, epi, M, N, K, store="auto", splits=None, bn=None):
-    """(C, aux, float64 references of both, the build): inputs made exact in the kernel's type first;
-    pre-activations of rms ~2, so the GELU's curved part and its tails are exercised."""
-    from llmc.bf16 import BF16, round_bf16
-    from llmc.ops.gelu import gelu_backward_ref
-    from llmc.testing import poison
-    bf = dtype == "bf16"
-    exact = (lambda x: round_bf16(x).astype(np.float32)) if bf else (lambda x: np.asarray(x, np.float32))
-    dev = (lambda x: rt.to_device(to_bf16(x))) if bf else (lambda x: rt.to_device(np.ascontiguousarray(x)))
-    get = (lambda d: from_bf16(d.get()).astype(np.float64)) if bf else (lambda d: d.get().astype(np.float64))
-    A = exact(rng.standard_normal((M, K)) * (2.0 / np.sqrt(K)))
-    B = exact(rng.standard_normal((N, K)))
-    bias = exact(rng.standard_normal(N)) if epi == "gelu" else None
-    b_major = "n" if bf and epi == "dgelu" else "k"
-    Bs, ldb = _stored(B, True, rng) if b_major == "n" else (B, K)
-    C = rt.empty((M, N), BF16 if bf else np.float32)
-    poison(C)  # NaN: every element must be written
-    if epi == "gelu":
-        aux = rt.empty((M, N), BF16 if bf else np.float32)
-        poison(aux)
-    else:
-        pre = exact(rng.standard_normal((M, N)) * 2.0)
-        aux = dev(pre)
-    g = gw.wgmma_build(rt, dtype, M, N, K, ldb=ldb, has_bias=bias is not None, store=store, splits=splits, bn=bn,
-                       b_major=b_major, out="bf16" if bf else "fp32", epilogue=epi)
-    g(C, dev(A), dev(Bs), dev(bias) if bias is not None else None, aux)
-    prod = A.astype(np.float64) @ B.astype(np.float64).T
-    if epi == "gelu":
-        return get(C), get(aux), prod + bias, g
-    return get(C), None, gelu_backward_ref(pre.astype(np.float64), prod), g
-
-
-def _close(dtype, got, ref, name):
-    from llmc.testing import bf16_close, tf32_close
-    (bf16_close if dtype == "bf16" else tf32_close)(got, ref, name)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("store", ["auto", "direct", "tma"])
-@pytest.mark.parametrize("epi", ["gelu", "dgelu"])
-@pytest.mark.parametrize("dtype", ["tf32", "bf16"])
-@pytest.mark.parametrize("M,N,K", EPI_SHAPES)
-def test_gelu_epilogues_match_float64(hopper, rng, M, N, K, dtype, epi, store):
-    """Both outputs of "gelu" (the pre-activation against float64; gelu(C) against float64 GELU of the
-    C the kernel stored: gelu.cu's own formula, fp32 tanhf or bf16 sigmoid, one rounding) and the
-    "dgelu" product, poisoned first, at shapes that clip at the tile's M/N edges. Tolerances: tf32_close
-    / bf16_close (the GEMM's); the GELU of a given input: fp32 ~1e-6 relative (tanhf and the cubic in
-    fp32; absolute near the tails, where 1 + tanh cancels), bf16 one rounding."""
-    from llmc.ops.gelu import gelu_forward_ref
-    from llmc.testing import assert_close, bf16_close
-    if store == "tma" and N % (8 if dtype == "bf16" else 4):
-        pytest.skip("the TMA store needs 16-byte rows of C")
-    out, aux, ref, g = _run_epi(hopper, rng, dtype, epi, M, N, K, store=store)
-    assert f"+{epi}" in g.plan[1]
-    if store != "auto":
-        assert ("+ts" in g.plan[1]) == (store == "tma")
-    name = f"{dtype} {epi} {store} {M}x{N}x{K}"
-    _close(dtype, out, ref, name)
-    if epi == "gelu":
-        gref = gelu_forward_ref(out)  # of the pre-activation as stored (what gelu_forward would read)
-        if dtype == "bf16":
-            bf16_close(aux, gref, name + " gelu")
-        else:
-            rms = float(np.sqrt(np.mean(gref ** 2))) + 1e-30
-            assert_close(aux, gref, atol=1e-6 * rms, rtol=1e-5, name=name + " gelu")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("bn", gw.EPI_WIDTHS)
-@pytest.mark.parametrize("splits", [1, 3])
-@pytest.mark.parametrize("epi", ["gelu", "dgelu"])
-@pytest.mark.parametrize("dtype", ["tf32", "bf16"])
-def test_gelu_epilogues_widths_and_splits(hopper, rng, dtype, epi, splits, bn):
-    """Each tile width, and split-K (the reduce kernel's GELU epilogues), direct stores."""
-    from llmc.ops.gelu import gelu_forward_ref
-    out, aux, ref, g = _run_epi(hopper, rng, dtype, epi, 300, 520, 640, store="direct", splits=splits, bn=bn)
-    assert g.plan[1].startswith(f"128x{bn}") and g.plan[2] == splits
-    name = f"{dtype} {epi} bn={bn} splits={splits}"
-    _close(dtype, out, ref, name)
-    if epi == "gelu":
-        _close(dtype, aux, gelu_forward_ref(out), name + " gelu")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("epi", ["gelu", "dgelu"])
-@pytest.mark.parametrize("dtype", ["tf32", "bf16"])
-def test_gelu_epilogues_are_what_the_gelu_kernels_give(hopper, rng, dtype, epi):
-    """The fused epilogue against the unfused path on the same GPU: the plain GEMM, then the gelu
-    op's default kernel. The pre-activation is bit-identical (the same epilogue code); the GELU is the
-    same formula on the same stored value, so it may differ only where the compiler contracted the
-    cubic into FMAs differently in the two modules: fp32 within a few ulp, bf16 within one bf16 ulp;
-    bf16 dgelu rounds once where the unfused path rounds twice: within one bf16 ulp too."""
-    from llmc.bf16 import BF16
-    from llmc.ops.gelu import OPS as GELU_OPS
-    M, N, K = 300, 776, 256
-    bf = dtype == "bf16"
-    et, prec = (BF16, "bf16") if bf else (np.float32, "fp32")
-    mk = (lambda x: hopper.to_device(to_bf16(x))) if bf else (lambda x: hopper.to_device(x.astype(np.float32)))
-    A, B = mk(rng.standard_normal((M, K)) * (2 / np.sqrt(K))), rng.standard_normal((N, K))
-    b_major = "n" if bf and epi == "dgelu" else "k"
-    Bd = mk(np.ascontiguousarray(B.T) if b_major == "n" else B)
-    kw = dict(ldb=N if b_major == "n" else K, b_major=b_major, out=prec if bf else "fp32")
-    bias = mk(rng.standard_normal(N)) if epi == "gelu" else None
-    pre = mk(rng.standard_normal((M, N)) * 2)
-    fused, fused_aux, plain, g_out = (hopper.empty((M, N), et) for _ in range(4))
-    gw.wgmma_build(hopper, dtype, M, N, K, has_bias=bias is not None, epilogue=epi, **kw)(
-        fused, A, Bd, bias, fused_aux if epi == "gelu" else pre)
-    gw.wgmma_build(hopper, dtype, M, N, K, has_bias=bias is not None, **kw)(plain, A, Bd, bias)
-    spec = {s.name: s for s in GELU_OPS}["gelu_forward" if epi == "gelu" else "gelu_backward"]
-    k = spec.build(hopper, spec.default, prec, N=M * N)
-    val = (lambda d: from_bf16(d.get()).astype(np.float64)) if bf else (lambda d: d.get().astype(np.float64))
-    if epi == "gelu":
-        k(g_out, plain)
-        assert np.array_equal(fused.get(), plain.get())
-        got = val(fused_aux)
-    else:
-        k(g_out, pre, plain)
-        got = val(fused)
-    want = val(g_out)
-    assert np.isfinite(got).all()
-    rms = float(np.sqrt(np.mean(want ** 2)))
-    tol = 2.0 ** -7 * np.abs(want) + 1e-30 if bf else 5e-7 * np.abs(want) + 1e-6 * rms
-    assert np.all(np.abs(got - want) <= tol), f"{dtype} {epi}: fused and unfused differ by more than the rounding"
-
-
-def test_gelu_epilogue_builds_refuse_what_they_lack():
-    """On the CPU (fake runtime): the GELU epilogue takes plain outputs and its built widths; its
-    launch takes aux (and a plain build refuses one)."""
-    from llmc.errors import LLMCError
-    from tests.fake_runtime import FakeRuntime
-    rt = FakeRuntime()
-    for kw, why in [(dict(beta=1.0), "plain outputs"), (dict(trans_c=True), "plain outputs"),
-                    (dict(bn=256), "tile widths"), (dict(epilogue="relu"), "expected one of gelu")]:
-        with pytest.raises(LLMCError, match=why):
-            gw.wgmma_build(rt, "tf32", 256, 256, 256, **{"epilogue": "gelu", **kw})
-    with pytest.raises(LLMCError, match="no bf16 kernels with bf16 output, dgelu epilogue"):
-        gw.wgmma_build(rt, "bf16", 256, 256, 256, out="bf16", epilogue="dgelu")  # dinp's layout only: B N-major
-    g = gw.wgmma_build(rt, "bf16", 4096, 3072, 768, has_bias=True, out="bf16", epilogue="gelu")
-    assert rt.built[-1] == "gemm_wgmma_bf16_n192_ts_gelu_bf16" or rt.built[-1] == "gemm_wgmma_bf16_n128_ts_gelu_bf16"
-    assert g.plan[1].endswith("+gelu")
-    A, B, C = rt.empty((4096, 768), np.uint16), rt.empty((3072, 768), np.uint16), rt.empty((4096, 3072), np.uint16)
-    with pytest.raises(LLMCError, match="aux is the gelu epilogue's second tensor"):
-        g(C, A, B, rt.empty((3072,), np.uint16))
-    plain = gw.wgmma_build(rt, "bf16", 4096, 3072, 768, out="bf16")
-    with pytest.raises(LLMCError, match="aux given to a build without"):
-        plain(C, A, B, None, C)
-    gd = gw.wgmma_build(rt, "tf32", 4096, 3072, 768, splits=2, epilogue="dgelu")
-    assert "gemm_wgmma_splitk_reduce_dgelu" in rt.built and gd.plan[2] == 2
-
-
-@pytest.mark.parametrize("dtype,epi", [("tf32", "gelu"), ("tf32", "dgelu"), ("bf16", "gelu"), ("bf16", "dgelu")])
-@pytest.mark.parametrize("store,splits", [("tma", None), ("direct", 1), ("direct", 3)])
-def test_gelu_epilogue_launches_on_the_fake_runtime(monkeypatch, dtype, epi, store, splits):
-    """The launch passes aux where the instance (and the split-K reduce) has it: every argument
-    count against the PTX-checked argtypes (the fake runtime asserts it), tensor maps stubbed (the
-    driver's encoder needs a GPU): the gelu epilogue's TMA store sends C's map and then aux's."""
-    from tests.fake_runtime import FakeRuntime
-    monkeypatch.setattr(gw, "tensor_map", lambda ptr, *a, **k: int(ptr).to_bytes(8, "little") * 16)
-    rt = FakeRuntime(heap_bytes=32 << 20)
-    bf = dtype == "bf16"
-    et = np.uint16 if bf else np.float32
-    M, N, K = 300, 776, 640
-    b_major = "n" if bf and epi == "dgelu" else "k"
-    g = gw.wgmma_build(rt, dtype, M, N, K, has_bias=epi == "gelu", store=store, splits=splits, b_major=b_major,
-                       out="bf16" if bf else "fp32", epilogue=epi)
-    C, aux = rt.empty((M, N), et), rt.empty((M, N), et)
-    A, B = rt.empty((M, K), et), rt.empty((K, N) if b_major == "n" else (N, K), et)
-    g(C, A, B, rt.empty((N,), et) if epi == "gelu" else None, aux)
-    names = [l.func for l in rt.launches]
-    assert names[0].endswith(f"_{epi}{'_bf16' if bf else ''}") and ("_ts_" in names[0]) == (store == "tma")
-    split = (splits or 1) > 1
-    assert names[1:] == ([f"gemm_wgmma_splitk_reduce_{epi}{'_bf16' if bf else ''}"] if split else [])
-    assert rt.launches[0].args[5] == aux.ptr and (not split or rt.launches[1].args[-1] == aux.ptr)
-    if store == "tma":  # the maps on the device (each stub holds its pointer): C's, then gelu's aux (tmC + 1)
-        from tests.fake_runtime import BASE
-        tmc = int(rt.launches[0].args[2]) - BASE
-        ptrs = [int(rt.heap[tmc + 128 * i:tmc + 128 * i + 8].view(np.uint64)[0]) for i in (0, 1)]
-        assert ptrs[0] == C.ptr and (ptrs[1] == aux.ptr) == (epi == "gelu")

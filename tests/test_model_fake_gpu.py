@@ -405,39 +405,3 @@ def test_an_op_without_bf16_kernels_refuses_the_bf16_build_in_one_line(monkeypat
     assert be.build("residual_forward", N=64, precision="fp32").dtype == "fp32"
     with pytest.raises(LLMCError, match="--precision fp16: expected one of fp32, bf16"):
         CudaBackend(rt=FakeRuntime(check_ptx=False), precision="fp16")
-
-
-@pytest.mark.parametrize("recompute", [0, 1])
-def test_mlp_gelu_fused_where_the_matmul_variant_has_it(recompute):
-    """The defaults (matmul_forward 9, matmul_backward 5: engine 5) take the GELU epilogues, so the
-    step launches no gelu_forward in forward and no gelu_backward at all (-r 1 still recomputes
-    gelu(fch) in backward for fcproj's dweight); older variants named on the command line run the
-    gelu kernels as before. Both give the numpy backend's results bit for bit (fp32: the fused cpu
-    launchers compute what the separate ops do, in the same order)."""
-    B, T = 2, 8
-    rng = np.random.default_rng(4)
-    x = rng.integers(0, CFG.vocab_size, (B, T)).astype(np.int32)
-    y = rng.integers(0, CFG.vocab_size, (B, T)).astype(np.int32)
-    L = CFG.num_layers
-    results = []
-    for be, fused in ((CpuBackend(np.float32), False), (FakeCudaBackend(), True),
-                      (FakeCudaBackend({"matmul_forward": 7, "matmul_backward": 3}), False)):
-        m = GPT2(CFG, be, B, T, recompute=recompute)
-        assert m.fused_gelu == m.fused_dgelu == fused
-        m.init_params(3)
-        m.zero_grad()
-        if isinstance(be, FakeCudaBackend):
-            be.launches.clear()
-        loss = m.forward(x, y)
-        if isinstance(be, FakeCudaBackend):
-            fwd = list(be.launches)
-            assert fwd.count("gelu_forward") == (0 if fused else L)
-        m.backward()
-        if isinstance(be, FakeCudaBackend):
-            bwd = be.launches[len(fwd):]
-            assert bwd.count("gelu_forward") == (L if recompute else 0)
-            assert bwd.count("gelu_backward") == (0 if fused else L)
-        results.append((loss, m.get_grads()))
-    for loss, grads in results[1:]:
-        assert loss == results[0][0]
-        np.testing.assert_array_equal(grads, results[0][1])

@@ -22,12 +22,6 @@ The planner picks the tile width BN (128, 192 or 256; the tile is 128 x BN) and 
 wave-quantised cost model: GPT-2's N = 768 is exactly 4 tiles of 192, which fills 128 of the H100's
 132 SMs at M = 4096. Split-K partial sums go to a workspace and a second pass adds them in order
 (deterministic).
-
-Fused GELU (the MLP; epilogue="gelu" / "dgelu", launch(C, A, B, bias, aux)): "gelu" writes C = A @ B^T
-+ bias as usual and aux = gelu(C); "dgelu" writes C = (A @ B^T) * gelu'(aux), aux the pre-activation.
-aux has C's shape and ldc. The GELU is cuda/gelu.cu's for the element type (bf16: of the pre-activation
-as stored), so the fused forward writes what gemm + gelu_forward write. Built 128 and 192 wide, with
-the TMA store (C's tile, then gelu(C)'s, through one staging buffer), direct stores, and split-K.
 """
 from __future__ import annotations
 
@@ -147,33 +141,22 @@ TS_WIDTHS = (128, 192)          # tile widths built with the TMA-store epilogue 
 # width: stages}. Layout: "kk" both K-major, "mk" A M-major through registers (tf32), "kn" B N-major
 # (bf16, dinp), "mn" A M-major and B N-major (bf16, dweight). The stages fix the shared memory a
 # launch asks for; tests/test_gemm_wgmma.py checks this table against the .cu's entry points.
-# Epilogue: "" plain, "gelu" / "dgelu" the fused GELU (the forward's fc and the fcproj dinp layouts only,
-# 128 and 192 wide: EPI_WIDTHS).
 _DIRECT = {128: 6, 192: 5, 256: 4}
-_EPI_DIRECT = {128: 6, 192: 5}
 INSTANCES = {
-    ("tf32", "fp32", "kk", False, ""): _DIRECT, ("tf32", "fp32", "kk", True, ""): {128: 5, 192: 3},
-    ("tf32", "fp32", "mk", False, ""): _DIRECT,
-    ("bf16", "fp32", "kk", False, ""): _DIRECT, ("bf16", "fp32", "kk", True, ""): {128: 5, 192: 3},
-    ("bf16", "bf16", "kk", False, ""): _DIRECT, ("bf16", "bf16", "kk", True, ""): {128: 6, 192: 4},
-    ("bf16", "bf16", "kn", False, ""): _DIRECT, ("bf16", "bf16", "kn", True, ""): {128: 6, 192: 4},
-    ("bf16", "bf16", "mn", False, ""): _DIRECT,
-    # fused GELU: the forward (fc) and dinp (fcproj; tf32 after weight^T is written, bf16 B N-major)
-    ("tf32", "fp32", "kk", False, "gelu"): _EPI_DIRECT, ("tf32", "fp32", "kk", True, "gelu"): {128: 5, 192: 3},
-    ("bf16", "bf16", "kk", False, "gelu"): _EPI_DIRECT, ("bf16", "bf16", "kk", True, "gelu"): {128: 6, 192: 4},
-    ("tf32", "fp32", "kk", False, "dgelu"): _EPI_DIRECT, ("tf32", "fp32", "kk", True, "dgelu"): {128: 5, 192: 3},
-    ("bf16", "bf16", "kn", False, "dgelu"): _EPI_DIRECT, ("bf16", "bf16", "kn", True, "dgelu"): {128: 6, 192: 4},
+    ("tf32", "fp32", "kk", False): _DIRECT, ("tf32", "fp32", "kk", True): {128: 5, 192: 3},
+    ("tf32", "fp32", "mk", False): _DIRECT,
+    ("bf16", "fp32", "kk", False): _DIRECT, ("bf16", "fp32", "kk", True): {128: 5, 192: 3},
+    ("bf16", "bf16", "kk", False): _DIRECT, ("bf16", "bf16", "kk", True): {128: 6, 192: 4},
+    ("bf16", "bf16", "kn", False): _DIRECT, ("bf16", "bf16", "kn", True): {128: 6, 192: 4},
+    ("bf16", "bf16", "mn", False): _DIRECT,
 }
-EPILOGUES = ("", "gelu", "dgelu")
-EPI_WIDTHS = (128, 192)
 LAYOUT_SUFFIX = {"kk": "", "mk": "_am", "kn": "_bt", "mn": "_at_bt"}
 OUT_BYTES = {"fp32": 4, "bf16": 2}
 
 
-def instance_name(ty: str, out: str, layout: str, ts: bool, bn: int, epi: str = "") -> str:
-    """The entry point of one instance: gemm_wgmma_<in>_n<BN><layout>[_ts][_gelu|_dgelu][_bf16 for bf16 output]."""
-    return (f"gemm_wgmma_{ty}_n{bn}{LAYOUT_SUFFIX[layout]}{'_ts' if ts else ''}{'_' + epi if epi else ''}"
-            f"{'_bf16' if out == 'bf16' else ''}")
+def instance_name(ty: str, out: str, layout: str, ts: bool, bn: int) -> str:
+    """The entry point of one instance: gemm_wgmma_<in>_n<BN><layout>[_ts][_bf16 for bf16 output]."""
+    return f"gemm_wgmma_{ty}_n{bn}{LAYOUT_SUFFIX[layout]}{'_ts' if ts else ''}{'_bf16' if out == 'bf16' else ''}"
 
 
 def smem_bytes(bn: int, stages: int, ts: bool, out: str = "fp32") -> int:
@@ -185,7 +168,7 @@ def smem_bytes(bn: int, stages: int, ts: bool, out: str = "fp32") -> int:
 def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, ldb: int | None = None,
                 ldc: int | None = None, alpha: float = 1.0, beta: float = 0.0, has_bias: bool = False,
                 trans_c: bool = False, bn: int | None = None, splits: int | None = None, store: str = "auto",
-                a_major: str = "k", b_major: str = "k", out: str = "fp32", epilogue: str = ""):
+                a_major: str = "k", b_major: str = "k", out: str = "fp32"):
     """C = alpha * A(M,K) @ B(N,K)^T (+ bias(N)) (+ beta*C); with trans_c, C^T is what is stored
     (C is (N, ldc)). Returns launch(C, A, B, bias=None) taking DevArrays or raw pointers.
     a_major="m": the A argument holds A^T, i.e. (K, lda >= M) row-major, as dout holds dout^T for the
@@ -197,24 +180,15 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
     store: "tma" stages each tile in shared memory and writes it with the TMA, overlapping the next
     tile's products (plain outputs only: no beta, no split-K, not transposed); "direct" stores from
     registers; "auto" takes "tma" where it can and K <= TS_MAX_K (short K: the epilogue is a large part
-    of a tile's time; long K wants the deeper pipeline of the direct-store instances).
-    epilogue="gelu" / "dgelu": the fused GELU (module docstring); launch(C, A, B, bias, aux), aux
-    (M, ldc) like C; beta = 0, not transposed, tile widths EPI_WIDTHS."""
+    of a tile's time; long K wants the deeper pipeline of the direct-store instances)."""
     if a_major not in ("k", "m") or b_major not in ("k", "n") or out not in OUT_BYTES:
         raise LLMCError(f"gemm engine 5: a_major={a_major!r} b_major={b_major!r} out={out!r}; expected k/m, k/n, fp32/bf16")
     ty = "bf16" if dtype == "bf16" else "tf32"
     layout = a_major + b_major  # "kk", "mk", "kn" or "mn": built for the combinations in INSTANCES
-    epi = epilogue or ""
-    if epi not in EPILOGUES:
-        raise LLMCError(f"gemm engine 5: epilogue={epilogue!r}; expected one of gelu, dgelu (or none)")
-    if (ty, out, layout, False, epi) not in INSTANCES:
-        built = ", ".join(f"{t} in / {o} out / {lay}" for t, o, lay, ts, e in INSTANCES if not ts and e == epi)
-        raise LLMCError(f"gemm engine 5: no {ty} kernels with {out} output{', ' + epi + ' epilogue' if epi else ''} "
-                        f"and layout a_major={a_major!r} b_major={b_major!r} (built: {built})")
-    if epi and (beta != 0.0 or trans_c):
-        raise LLMCError(f"gemm engine 5: the {epi} epilogue takes plain outputs (beta = 0, not transposed)")
-    if epi and bn is not None and bn not in EPI_WIDTHS:
-        raise LLMCError(f"gemm engine 5: the {epi} epilogue is built for tile widths {EPI_WIDTHS}")
+    if (ty, out, layout, False) not in INSTANCES:
+        built = ", ".join(f"{t} in / {o} out / {lay}" for t, o, lay, ts in INSTANCES if not ts)
+        raise LLMCError(f"gemm engine 5: no {ty} kernels with {out} output and layout a_major={a_major!r} "
+                        f"b_major={b_major!r} (built: {built})")
     lda = (M if a_major == "m" else K) if lda is None else lda
     ldb = (N if b_major == "n" else K) if ldb is None else ldb
     ldc = (M if trans_c else N) if ldc is None else ldc
@@ -222,7 +196,7 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
     if why:
         raise LLMCError(f"gemm engine 5 refuses M={M} N={N} K={K}: {why}")
     obytes = OUT_BYTES[out]
-    has_ts = (ty, out, layout, True, epi) in INSTANCES
+    has_ts = (ty, out, layout, True) in INSTANCES
     ts_ok = beta == 0.0 and not trans_c and (ldc * obytes) % 16 == 0 and has_ts
     if store not in ("auto", "tma", "direct"):
         raise LLMCError(f"gemm engine 5: store={store!r}; expected auto, tma or direct")
@@ -236,7 +210,7 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
         if splits > 1 and store == "auto":
             use_ts = False
     if not use_ts:
-            pbn, psplits = plan(rt.sm_count, M, N, K, dtype, widths=EPI_WIDTHS if epi else BN_CHOICES)
+            pbn, psplits = plan(rt.sm_count, M, N, K, dtype)
     bn, splits = bn or pbn, splits or psplits
     if use_ts and (bn not in TS_WIDTHS or splits > 1):
         raise LLMCError(f"gemm engine 5: the TMA store is built for tile widths {TS_WIDTHS} without split-K")
@@ -247,35 +221,31 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
     splits = max(1, min(splits, kblocks))
     per = -(-kblocks // splits)
     splits = -(-kblocks // per)
-    stages = INSTANCES[(ty, out, layout, use_ts, epi)][bn]
+    stages = INSTANCES[(ty, out, layout, use_ts)][bn]
     smem = smem_bytes(bn, stages, use_ts, out)
-    name = instance_name(ty, out, layout, use_ts, bn, epi)
+    name = instance_name(ty, out, layout, use_ts, bn)
     what = {"kk": "", "mk": ", A M-major", "kn": ", B N-major", "mn": ", A M-major, B N-major"}[layout]
-    what += {"": "", "gelu": ", + gelu", "dgelu": ", * gelu'"}[epi]
-    k = rt.kernel(MODULE, name, "PPPPPPPiiiiiiiffi" if epi else "PPPPPPiiiiiiiffi",
+    k = rt.kernel(MODULE, name, "PPPPPPiiiiiiiffi",
                   label=f"gemm 5 ({ty}{' -> bf16' if out == 'bf16' else ''}, 128x{bn}{', TMA store' if use_ts else ''}{what})")
     k.set_max_dynamic_smem(smem)
     units = -(-M // BM) * -(-N // bn) * splits
     grid, block = (min(units, rt.sm_count), 1, 1), (384, 1, 1)
     ldw = -(-N // 4) * 4
     W = rt.empty((splits * M * ldw,), np.float32) if splits > 1 else None
-    red = rt.kernel(MODULE, f"gemm_wgmma_splitk_reduce{'_' + epi if epi else ''}{'_bf16' if out == 'bf16' else ''}",
-                    "PPPiiiiiffiP" if epi else "PPPiiiiiffi", label="gemm 5 split-K reduce") if splits > 1 else None
+    red = rt.kernel(MODULE, "gemm_wgmma_splitk_reduce" + ("_bf16" if out == "bf16" else ""), "PPPiiiiiffi",
+                    label="gemm 5 split-K reduce") if splits > 1 else None
     rgrid = (max(1, min(-(-(M * N) // 256), rt.sm_count * 8)), 1, 1)
     maps: dict = {}
 
     def _p(x):
         return 0 if x is None else int(x if isinstance(x, (int, np.integer)) else x.ptr)
 
-    def launch(C, A, B, bias=None, aux=None):
-        a, b, c, bi, x = _p(A), _p(B), _p(C), _p(bias), _p(aux)
+    def launch(C, A, B, bias=None):
+        a, b, c, bi = _p(A), _p(B), _p(C), _p(bias)
         if (a | b) & 15:
             raise LLMCError(f"gemm engine 5: operands must be 16-byte aligned (A=0x{a:x}, B=0x{b:x})")
-        if bool(epi) != bool(x):
-            raise LLMCError(f"gemm engine 5: aux is the {epi} epilogue's second tensor" if epi else
-                            "gemm engine 5: aux given to a build without a GELU epilogue")
-        ts = use_ts and not (c | x) & 15   # (the gelu epilogue's aux is TMA-stored too; dgelu's read in pairs)
-        dm = maps.get((a, b, c if ts else 0, x if ts and epi == "gelu" else 0))
+        ts = use_ts and not c & 15
+        dm = maps.get((a, b, c if ts else 0))
         if dm is None:  # first launch with these operands: encode the maps, copy them to the device
             # an M-/N-major operand comes in boxes of 128 bytes of MN x BK k rows (tf32 32 x 32, bf16 64 x 64)
             ta = tensor_map(a, dtype, K, M, lda, bk) if a_major == "m" else tensor_map(a, dtype, M, K, lda, BM)
@@ -283,24 +253,19 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
             blob = ta + tb
             if ts:  # C in boxes of 64 rows x 128 bytes (fp32 copied as is: the FLOAT32 type)
                 blob += tensor_map(c, "bf16" if out == "bf16" else "tf32t", M, N, ldc, 64)
-                if epi == "gelu":  # gelu(C)'s map follows C's: the kernel's tmC + 1
-                    blob += tensor_map(x, "bf16" if out == "bf16" else "tf32t", M, N, ldc, 64)
-            dm = maps[(a, b, c if ts else 0, x if ts and epi == "gelu" else 0)] = rt.to_device(np.frombuffer(blob, np.uint8))
+            dm = maps[(a, b, c if ts else 0)] = rt.to_device(np.frombuffer(blob, np.uint8))
         tm = (dm.ptr, dm.ptr + 128, dm.ptr + 256 if ts else 0)
-        xk = (x,) if epi else ()   # the kernel's aux argument (after bias), only in the GELU instances
-        if splits > 1:  # the partials (the epilogue's raw path); the reduce applies alpha, bias and EPI
-            k(grid, block, tm[0], tm[1], 0, c, 0, *xk, W.ptr, np.int32(M), np.int32(N), np.int32(K), np.int32(ldc),
+        if splits > 1:
+            k(grid, block, tm[0], tm[1], 0, c, 0, W.ptr, np.int32(M), np.int32(N), np.int32(K), np.int32(ldc),
               np.int32(ldw), np.int32(splits), np.int32(per), np.float32(1.0), np.float32(0.0), np.int32(0),
               smem=smem)
             red(rgrid, (256, 1, 1), c, W.ptr, bi if has_bias else 0, np.int32(M), np.int32(N), np.int32(ldc),
-                np.int32(ldw), np.int32(splits), np.float32(alpha), np.float32(beta), np.int32(1 if trans_c else 0),
-                *xk)
+                np.int32(ldw), np.int32(splits), np.float32(alpha), np.float32(beta), np.int32(1 if trans_c else 0))
         else:
-            k(grid, block, tm[0], tm[1], tm[2], c, bi if has_bias else 0, *xk, 0, np.int32(M), np.int32(N),
-              np.int32(K), np.int32(ldc), np.int32(ldw), np.int32(1), np.int32(per), np.float32(alpha),
-              np.float32(beta), np.int32(1 if trans_c else 0), smem=smem)
-    launch.plan = (5, f"128x{bn}{'+ts' if use_ts else ''}{LAYOUT_SUFFIX[layout].replace('_', '+')}{'+' + epi if epi else ''}",
-                   splits)
+            k(grid, block, tm[0], tm[1], tm[2], c, bi if has_bias else 0, 0, np.int32(M), np.int32(N), np.int32(K),
+              np.int32(ldc), np.int32(ldw), np.int32(1), np.int32(per), np.float32(alpha), np.float32(beta),
+              np.int32(1 if trans_c else 0), smem=smem)
+    launch.plan = (5, f"128x{bn}{'+ts' if use_ts else ''}{LAYOUT_SUFFIX[layout].replace('_', '+')}", splits)
     return launch
 
 

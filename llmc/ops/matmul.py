@@ -19,13 +19,6 @@ dweight and dbias read, added to in fp32 and rounded once): matmul_forward 9 and
 engine 5 (wgmma, Hopper), where the backward GEMMs read dout, weight and inp as they lie (the bf16
 wgmma's transpose bits: no transposes, no scratch); matmul_forward 8 (the decoder's GEMV, with gelu);
 matmul_backward_bias 4. bf16 rows need 16-byte strides in the TMA: C % 8 (and OC % 8 for backward).
-
-The MLP's GELU, fused into engine 5's epilogues (options; every other variant refuses them, and the
-model then runs the separate gelu kernels):
-    matmul_forward gelu_out=True:    launch(out, out_gelu, inp, weight, bias): out as usual (the
-                                     pre-activation, kept for backward) and out_gelu = gelu(out)
-    matmul_backward gelu_grad=True:  launch(dinp, dweight, dout, inp, weight, pre):
-                                     dinp = (dout @ weight) * gelu'(pre) (pre (N,C) like dinp)
 """
 from __future__ import annotations
 
@@ -147,25 +140,18 @@ def forward_on_engine(engine: int):
     return build
 
 
-def _forward9(dtype):
-    """out (N,OC) = inp (N,C) @ weight (OC,C)^T + bias, both operands K-major. bf16: fp32 accumulation,
-    bias added in fp32, one rounding on the store. gelu_out: the epilogue also writes out_gelu =
-    gelu(out) (engine 5's "gelu" epilogue), so the MLP's separate gelu_forward pass goes."""
-    def build(rt, N, C, OC, has_bias=True, block_size=None, gelu_out=False):
-        from llmc.ops.gemm_wgmma import wgmma_build
-        gemm = wgmma_build(rt, dtype, N, OC, C, has_bias=has_bias, out="bf16" if dtype == "bf16" else "fp32",
-                           epilogue="gelu" if gelu_out else "")
-        if not gelu_out:
-            return Built(gemm, plan=gemm.plan)
-
-        def launch(out, out_gelu, inp, weight, bias=None):
-            gemm(out, inp, weight, bias, out_gelu)
-        return Built(launch, plan=gemm.plan)
-    return build
+def matmul_forward9(rt, N, C, OC, has_bias=True, block_size=None):
+    from llmc.ops.gemm_wgmma import wgmma_build
+    gemm = wgmma_build(rt, "tf32", N, OC, C, has_bias=has_bias)  # inp (N,C) and weight (OC,C): both K-major
+    return Built(gemm, plan=gemm.plan)
 
 
-matmul_forward9 = _forward9("tf32")
-matmul_forward9_bf16 = _forward9("bf16")
+def matmul_forward9_bf16(rt, N, C, OC, has_bias=True, block_size=None):
+    """out bf16 (N,OC) = inp bf16 (N,C) @ weight bf16 (OC,C)^T + bias bf16: engine 5's bf16 GEMM with
+    fp32 accumulation and the bf16 epilogue (bias added in fp32, one rounding on the store)."""
+    from llmc.ops.gemm_wgmma import wgmma_build
+    gemm = wgmma_build(rt, "bf16", N, OC, C, has_bias=has_bias, out="bf16")
+    return Built(gemm, plan=gemm.plan)
 
 
 def _need_c8_in(N, C, OC, **_):
@@ -192,14 +178,8 @@ def _need_c4_in(N, C, OC, **_):
     return f"float4 loads need C % 4 == 0 (C={C})" if C % 4 else None
 
 
-def matmul_forward_cpu(N, C, OC, has_bias=True, gelu=False, gelu_out=False, **_):
+def matmul_forward_cpu(N, C, OC, has_bias=True, gelu=False, **_):
     from llmc.ops.gelu import gelu_forward_ref
-
-    if gelu_out:  # out = the pre-activation, out_gelu = gelu(out) (what gelu_forward would make of out)
-        def launch_gelu_out(out, out_gelu, inp, weight, bias=None):
-            out[...] = matmul_forward_ref(inp, weight, bias if has_bias else None).reshape(out.shape)
-            out_gelu[...] = gelu_forward_ref(out)
-        return launch_gelu_out
 
     def launch(out, inp, weight, bias=None):
         y = matmul_forward_ref(inp, weight, bias if has_bias else None)
@@ -245,18 +225,18 @@ def matmul_backward4(rt, N, C, OC, block_size=None):
     return Built(launch, plan=(g_dinp.plan, g_dw.plan))
 
 
-def matmul_backward5(rt, N, C, OC, block_size=None, gelu_grad=False):
+def matmul_backward5(rt, N, C, OC, block_size=None):
     """dinp and dweight on engine 5. dinp as in variant 4 (weight^T written first). dweight =
     dout^T @ inp reduces over the N rows, which is the slow dimension of both operands; TF32 wgmma
     wants K-major tiles in shared memory, so: the wider of dout (N,OC) and inp (N,C) is the A operand,
     M-major straight from its rows into registers (engine 5's `_am` kernels), and the narrower one is
     transposed (N x min(C, OC) floats: one pass, 0.013 ms at N = 4096, C = 768 on the H100) into a
     K-major B. When inp is the wider (fcproj: C = 3072 > OC = 768) the GEMM computes dweight^T and
-    stores it transposed. gelu_grad: dinp's epilogue multiplies by gelu'(pre) (engine 5's "dgelu")."""
+    stores it transposed."""
     from llmc.ops.gemm_wgmma import transpose_build, wgmma_build
     wt = rt.empty((C, OC), np.float32)                       # weight^T
     tr_w = transpose_build(rt, OC, C)
-    g_dinp = wgmma_build(rt, "tf32", N, C, OC, epilogue="dgelu" if gelu_grad else "")
+    g_dinp = wgmma_build(rt, "tf32", N, C, OC)
     Np = -(-N // 4) * 4                                       # 16-byte rows for the TMA
     narrow = min(C, OC)
     t_buf = rt.empty((narrow, Np), np.float32)                # the narrow operand, transposed
@@ -266,9 +246,9 @@ def matmul_backward5(rt, N, C, OC, block_size=None, gelu_grad=False):
     else:         # dweight^T(C,OC) += inp^T(C,N) @ dout(N,OC): A = inp (M-major), B = dout^T
         g_dw = wgmma_build(rt, "tf32", C, OC, N, lda=C, ldb=Np, ldc=C, beta=1.0, a_major="m", trans_c=True)
 
-    def launch(dinp, dweight, dout, inp, weight, pre=None):
+    def launch(dinp, dweight, dout, inp, weight):
         tr_w(wt, weight)
-        g_dinp(dinp, dout, wt, None, pre)
+        g_dinp(dinp, dout, wt)
         if OC >= C:
             tr_x(t_buf, inp)
             g_dw(dweight, dout, t_buf)
@@ -278,20 +258,19 @@ def matmul_backward5(rt, N, C, OC, block_size=None, gelu_grad=False):
     return Built(launch, plan=(g_dinp.plan, g_dw.plan))
 
 
-def matmul_backward5_bf16(rt, N, C, OC, block_size=None, gelu_grad=False):
+def matmul_backward5_bf16(rt, N, C, OC, block_size=None):
     """bf16 dinp and dweight on engine 5, every operand read as it lies: bf16 wgmma takes M- and
     N-major tiles from shared memory (its transpose bits), so unlike TF32 nothing is transposed first.
     dinp (N,C) = dout (N,OC) @ weight (OC,C): A = dout (K-major, K = OC), B = weight as B^T (N-major).
     dweight (OC,C) += dout^T @ inp: A = dout as A^T (M-major), B = inp as B^T (N-major), K = N rows;
     split-K (fp32 partials, reduced in order) where the 128-wide tiles don't fill the GPU. Both round
-    once: dinp on the store, dweight after adding the old bf16 gradient in fp32. gelu_grad: dinp =
-    (dout @ weight) * gelu'(pre) in fp32, rounded once (the unfused path rounds dout @ weight first)."""
+    once: dinp on the store, dweight after adding the old bf16 gradient in fp32."""
     from llmc.ops.gemm_wgmma import wgmma_build
-    g_dinp = wgmma_build(rt, "bf16", N, C, OC, ldb=C, b_major="n", out="bf16", epilogue="dgelu" if gelu_grad else "")
+    g_dinp = wgmma_build(rt, "bf16", N, C, OC, ldb=C, b_major="n", out="bf16")
     g_dw = wgmma_build(rt, "bf16", OC, C, N, lda=OC, ldb=C, ldc=C, beta=1.0, a_major="m", b_major="n", out="bf16")
 
-    def launch(dinp, dweight, dout, inp, weight, pre=None):
-        g_dinp(dinp, dout, weight, None, pre)
+    def launch(dinp, dweight, dout, inp, weight):
+        g_dinp(dinp, dout, weight)
         g_dw(dweight, dout, inp)
     return Built(launch, plan=(g_dinp.plan, g_dw.plan))
 
@@ -321,16 +300,11 @@ def backward_engine_check(engine: int):
     return check
 
 
-def matmul_backward_cpu(N, C, OC, gelu_grad=False, **_):
-    from llmc.ops.gelu import gelu_backward_ref
-
-    def launch(dinp, dweight, dout, inp, weight, pre=None):
+def matmul_backward_cpu(N, C, OC, **_):
+    def launch(dinp, dweight, dout, inp, weight):
         # the model passes (B,T,.) views: work on them as (N, .) rows
         dout2, inp2 = dout.reshape(N, OC), inp.reshape(N, C)
-        d = dout2 @ weight
-        if gelu_grad:  # what gelu_backward(dinp, pre, dinp) would make of d
-            d = gelu_backward_ref(pre.reshape(N, C), d)
-        dinp[...] = d.reshape(dinp.shape)
+        dinp[...] = (dout2 @ weight).reshape(dinp.shape)
         dweight += dout2.T @ inp2
     return launch
 
@@ -422,14 +396,12 @@ def matmul_backward_bias_cpu(N, OC, **_):
 # cost models (FLOPs, bytes) of one call, for the lab and the profile: each input read once, each
 # output written once (the dweight accumulation reads and writes it)
 
-def cost_forward(N, C, OC, has_bias=True, gelu_out=False, **_):
-    # gelu_out writes a second (N,OC) output
-    return 2 * N * C * OC, 4 * (N * C + OC * C + N * OC * (2 if gelu_out else 1) + (OC if has_bias else 0))
+def cost_forward(N, C, OC, has_bias=True, **_):
+    return 2 * N * C * OC, 4 * (N * C + OC * C + N * OC + (OC if has_bias else 0))
 
 
-def cost_backward(N, C, OC, gelu_grad=False, **_):
-    # gelu_grad reads the (N,C) pre-activation
-    return 4 * N * C * OC, 4 * (N * OC + N * C + 2 * OC * C + N * C * (2 if gelu_grad else 1))
+def cost_backward(N, C, OC, **_):
+    return 4 * N * C * OC, 4 * (N * OC + N * C + 2 * OC * C + N * C)
 
 
 def cost_backward_bias(N, OC, **_):
@@ -454,12 +426,11 @@ OPS = [
                       "read once, row sums in registers", {"fp32": matmul_forward8, "bf16": matmul_forward8_bf16},
                    {"fp32": _gemv_check, "bf16": _gemv_check_bf16}, engine=1, options=("gelu",)),
         9: Variant(9, "TF32 GEMM engine 5 (Hopper): wgmma from TMA-loaded 128B-swizzled smem, 3-6 stage "
-                      "mbarrier pipeline, producer + 2 consumer warpgroups, persistent, fused bias (and the MLP's "
-                      "GELU: gelu_out), TMA stores for short K", {"fp32": matmul_forward9, "bf16": matmul_forward9_bf16},
-                   {"fp32": _need_c4_in, "bf16": _need_c8_in}, arch="sm_90", engine=4, options=("gelu_out",)),
-    }, default=9, flag="--matmul-kernel", options=("gelu", "gelu_out"), cost=cost_forward,
-        doc="out(N,OC)= ; inp(N,C), weight(OC,C), bias(OC) or None; gelu=True: out = gelu(...) (variant 8); "
-            "gelu_out=True: (out, out_gelu(N,OC)=, inp, weight, bias), out_gelu = gelu(out) (variant 9)"),
+                      "mbarrier pipeline, producer + 2 consumer warpgroups, persistent, fused bias, TMA "
+                      "stores for short K", {"fp32": matmul_forward9, "bf16": matmul_forward9_bf16},
+                   {"fp32": _need_c4_in, "bf16": _need_c8_in}, arch="sm_90", engine=4),
+    }, default=9, flag="--matmul-kernel", options=("gelu",), cost=cost_forward,
+        doc="out(N,OC)= ; inp(N,C), weight(OC,C), bias(OC) or None; gelu=True: out = gelu(...) (variant 8)"),
     OpSpec("matmul_backward", matmul_backward_cpu, {
         1: Variant(1, "SIMT: dinp and dweight on GEMM engine 1 (64x64 tiles)", backward_on_engine(1), engine=1),
         2: Variant(2, "TF32: dinp and dweight on GEMM engine 2 (split-K for the K=N reduction)",
@@ -470,12 +441,10 @@ OPS = [
                       "engine 4", matmul_backward4, _bwd_wgmma_check, arch="sm_90", engine=4),
         5: Variant(5, "TF32: dinp and dweight on GEMM engine 5; dweight's wider operand M-major through "
                       "registers, the narrower one transposed (bf16: every operand as it lies, transposed "
-                      "in the wgmma); gelu_grad: dinp * gelu'(pre) in the epilogue", {"fp32": matmul_backward5, "bf16": matmul_backward5_bf16},
-                   {"fp32": _bwd_wgmma5_check, "bf16": _bwd_wgmma5_check_bf16}, arch="sm_90", engine=4,
-                   options=("gelu_grad",)),
-    }, default=5, flag="--matmul-backward-kernel", options=("gelu_grad",), cost=cost_backward,
-        doc="dinp(N,C)= ; dweight(OC,C)+= ; dout(N,OC), inp(N,C), weight(OC,C); gelu_grad=True: then pre(N,C), "
-            "dinp = (dout @ weight) * gelu'(pre) (variant 5)"),
+                      "in the wgmma)", {"fp32": matmul_backward5, "bf16": matmul_backward5_bf16},
+                   {"fp32": _bwd_wgmma5_check, "bf16": _bwd_wgmma5_check_bf16}, arch="sm_90", engine=4),
+    }, default=5, flag="--matmul-backward-kernel", cost=cost_backward,
+        doc="dinp(N,C)= ; dweight(OC,C)+= ; dout(N,OC), inp(N,C), weight(OC,C)"),
     OpSpec("matmul_backward_bias", matmul_backward_bias_cpu, {
         1: Variant(1, "one thread per column over all rows", matmul_backward_bias1),
         2: Variant(2, "(32x8)-thread blocks over row chunks -> partials, fixed-order second pass "
