@@ -63,7 +63,9 @@ def kernel_choices(overrides: dict | None = None) -> dict[str, int]:
         reg[name].variant(int(num))  # raises with the flag name if unknown
         choice[name] = int(num)
     for name, spec in reg.items():
-        if spec.pair and name in overrides and spec.pair not in overrides:
+        # the other direction follows the number named, if it has that variant (attention forward 4,
+        # bf16 on wgmma, keeps what backward 3 reads: its backward stays the default)
+        if spec.pair and name in overrides and spec.pair not in overrides and choice[name] in reg[spec.pair].variants:
             choice[spec.pair] = choice[name]
     for name, spec in reg.items():
         group = {name, spec.pair} - {None}
