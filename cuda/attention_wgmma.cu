@@ -64,6 +64,7 @@
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <stdint.h>
+#include "hopper.cuh"
 #include "wgmma.cuh"
 
 typedef __nv_bfloat16 bf16;
@@ -88,43 +89,8 @@ static_assert(FWD_SMEM <= 227 * 1024, "fits one SM's shared memory");
 #define LN2 0.6931471805599453f
 
 // ------------------------------------------------------------------------------------------------
-// PTX helpers (the same as cuda/gemm_wgmma.cu's, which are tested on the H100; the 3D TMA load is new)
+// PTX helpers: cuda/hopper.cuh has the shared ones; the 3D TMA load is this kernel's
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void mbar_init(uint64_t* bar, unsigned count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
-}
-
-// the producer's arrival: one arrive, and the barrier also waits for `bytes` of TMA traffic
-__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, unsigned bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes)
-                 : "memory");
-}
-
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
-}
-
-// wait until the phase with this parity has completed
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {
-    const uint32_t addr = smem_u32(bar);
-    uint32_t done;
-    do {
-        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-                     "selp.u32 %0, 1, 0, p;\n}\n"
-                     : "=r"(done) : "r"(addr), "r"(parity) : "memory");
-    } while (!done);
-}
-
-// The tensor map lives in global memory (written by the host before the launch; a __grid_constant__
-// parameter arrived misplaced through PyCUDA's packed arguments, see cuda/gemm_wgmma.cu): make the
-// tensor-map proxy see what the generic proxy wrote.
-__device__ __forceinline__ void tensormap_acquire(const CUtensorMap* map) {
-    asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
-}
 
 // 3D box at coordinates (c0 = dim, c1 = row, c2 = slab), completing on `bar`
 __device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1, int c2) {
@@ -133,17 +99,7 @@ __device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, u
                  : "memory");
 }
 
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
 
-// the accumulators are written by the async wgmma: stop the compiler moving reads above the wait
-template <int NREG>
-__device__ __forceinline__ void keep_in_regs(float (&d)[NREG]) {
-#pragma unroll
-    for (int i = 0; i < NREG; i++) asm volatile("" : "+f"(d[i])::"memory");
-}
 
 // Descriptor of a K-major 128-byte-swizzled tile (q, k): start address, LBO 16 (unused), SBO 1024
 // (next 8 rows), layout type 1 (SW128) in bits 62-63.

@@ -50,6 +50,7 @@
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <stdint.h>
+#include "hopper.cuh"
 #include "wgmma.cuh"
 
 typedef long long ll;
@@ -63,43 +64,6 @@ constexpr int GROUP_M = 8;         // tile rows walked together, for L2 reuse of
 // ------------------------------------------------------------------------------------------------
 // PTX helpers: shared-memory addresses, mbarriers, TMA, wgmma bookkeeping
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void mbar_init(uint64_t* bar, unsigned count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
-}
-
-// the producer's arrival: one arrive, and the barrier also waits for `bytes` of TMA traffic
-__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, unsigned bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes)
-                 : "memory");
-}
-
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
-}
-
-// wait until the phase with this parity has completed (a fresh barrier counts phase "-1", parity 1,
-// as completed: that is how the producer's first pass over the empty stages goes straight through)
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {
-    const uint32_t addr = smem_u32(bar);
-    uint32_t done;
-    do {
-        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-                     "selp.u32 %0, 1, 0, p;\n}\n"
-                     : "=r"(done) : "r"(addr), "r"(parity) : "memory");
-    } while (!done);
-}
-
-// The tensor maps live in global memory (written by the host before the launch), not in kernel
-// parameters: a 64-byte-aligned __grid_constant__ parameter arrived misplaced through PyCUDA's packed
-// argument buffer (seen on the H100: every parameter after it read garbage). This fence makes the
-// tensor-map proxy see what the generic proxy (the host's copy) wrote there.
-__device__ __forceinline__ void tensormap_acquire(const CUtensorMap* map) {
-    asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
-}
 
 // 2D tile load: box at coordinates (c0 = K offset, c1 = row offset), completing on `bar`
 __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1) {
@@ -122,10 +86,6 @@ __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.a
 // barrier over one warpgroup's 128 threads (ids 1, 2; 0 is __syncthreads)
 __device__ __forceinline__ void wg_barrier(int id) { asm volatile("bar.sync %0, 128;" ::"r"(id) : "memory"); }
 
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
 
 // Shared-memory matrix descriptor of a K-major tile with the 128-byte swizzle: start address,
 // leading byte offset (unused by swizzled K-major layouts; 16), stride byte offset 1024 (the next
@@ -155,12 +115,6 @@ __device__ __forceinline__ void tile_coords(int t, int tiles_m, int tiles_n, int
     tn = r / rows;
 }
 
-template <int NREG>
-__device__ __forceinline__ void keep_in_regs(float (&d)[NREG]) {
-    // the accumulators are written by the async wgmma: stop the compiler moving reads above the wait
-#pragma unroll
-    for (int i = 0; i < NREG; i++) asm volatile("" : "+f"(d[i])::"memory");
-}
 
 // TA / TB: A M-major / B N-major in shared memory (the transpose immediates; bf16 only)
 template <typename T, int BN, int TA = 0, int TB = 0> struct Wgmma;

@@ -1,0 +1,55 @@
+// Hopper (sm_90a) helpers shared by cuda/gemm_wgmma.cu and cuda/attention_wgmma.cu: shared-memory
+// addresses, mbarriers, the tensor-map fence, wgmma group bookkeeping.
+#pragma once
+#include <cuda.h>
+#include <stdint.h>
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+
+// the producer's arrival: one arrive, and the barrier also waits for `bytes` of TMA traffic
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes)
+                 : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
+}
+
+// wait until the phase with this parity has completed (a fresh barrier counts phase "-1", parity 1,
+// as completed: that is how the producer's first pass over the empty stages goes straight through)
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {
+    const uint32_t addr = smem_u32(bar);
+    uint32_t done;
+    do {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                     "selp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done) : "r"(addr), "r"(parity) : "memory");
+    } while (!done);
+}
+
+// The tensor maps live in global memory (written by the host before the launch), not in kernel
+// parameters: a 64-byte-aligned __grid_constant__ parameter arrived misplaced through PyCUDA's packed
+// argument buffer (seen on the H100: every parameter after it read garbage). This fence makes the
+// tensor-map proxy see what the generic proxy (the host's copy) wrote there.
+__device__ __forceinline__ void tensormap_acquire(const CUtensorMap* map) {
+    asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
+
+// the accumulators are written by the async wgmma: stop the compiler moving reads above the wait
+template <int NREG>
+__device__ __forceinline__ void keep_in_regs(float (&d)[NREG]) {
+#pragma unroll
+    for (int i = 0; i < NREG; i++) asm volatile("" : "+f"(d[i])::"memory");
+}
