@@ -361,13 +361,19 @@ class GPT2:
             return float(self.be.download(self.a["losses"])[:self.B * self.T].astype(np.float64).mean())
         return None
 
-    def _launch_forward(self, with_targets: bool, write_dlogits: bool) -> None:
-        """The forward's launches (no host work: capturable)."""
+    def _launch_forward(self, with_targets: bool, write_dlogits: bool, before_layer=None) -> None:
+        """The forward's launches (no host work: capturable). before_layer(l), if given, is called
+        just before the first launch that reads layer l's weights, and before_layer(None) before
+        the encoder (wte, wpe; lnfw, lnfb go with them): ZeRO-1 waits there for that layer's
+        all-gather, which runs beside the layers before it."""
         cfg, a, p, k = self.cfg, self.a, self.p, self.k
         ln1, ln2, fch_gelu = self.lay["ln1"], self.lay["ln2"], self.lay["fch_gelu"]
         L = cfg.num_layers
+        wait = before_layer or (lambda _l: None)
 
+        wait(None)
         k["encoder_forward"](a["encoded"], self.inputs, p["wte"], p["wpe"])                  # (B,T,C)
+        wait(0)
         k["layernorm_forward"](ln1[0], a["ln1_mean"][0], a["ln1_rstd"][0],
                                a["encoded"], p["ln1w"][0], p["ln1b"][0])
         for l in range(L):
@@ -382,6 +388,7 @@ class GPT2:
             k["mm_fcproj"](a["fcproj"], fch_gelu[l], p["fcprojw"][l], p["fcprojb"][l])       # (B,T,C)
             # residual3 = residual2 + fcproj, normalised for the next layer (or the final layernorm)
             if l + 1 < L:
+                wait(l + 1)  # (layer l+1's ln1 weights)
                 ln, mean, rstd, w, b = (ln1[l + 1], a["ln1_mean"][l + 1], a["ln1_rstd"][l + 1],
                                         p["ln1w"][l + 1], p["ln1b"][l + 1])
             else:
@@ -474,19 +481,21 @@ class GPT2:
         if on_layer_grads is not None:
             on_layer_grads(None)
 
-    def train_micro_step(self, x: np.ndarray, y: np.ndarray, on_layer_grads=None, before_attention=None) -> None:
+    def train_micro_step(self, x: np.ndarray, y: np.ndarray, on_layer_grads=None, before_attention=None,
+                         before_layer=None) -> None:
         """forward(x, y) without reading the loss, then backward(): one micro-step of training.
         On the cuda backend the first call launches kernel by kernel and captures the launches into
         a CUDA graph; later calls upload the batch and replay it (one launch instead of ~400).
-        With on_layer_grads (see _launch_backward) it launches kernel by kernel, never captured."""
+        With on_layer_grads or before_layer (see _launch_backward, _launch_forward) it launches
+        kernel by kernel, never captured."""
         if not self.training:
             raise RuntimeError("train_micro_step() needs a model built with training=True")
         self.set_batch(x, y)
         if self._graph_accum != self.grad_accum_steps:
             # the loss scale 1/(B*T*accum) is a launch argument of the captured classifier: recapture
             self._graph_micro, self._graph_accum = None, self.grad_accum_steps
-        if on_layer_grads is not None:
-            self._launch_forward(True, True)
+        if on_layer_grads is not None or before_layer is not None:
+            self._launch_forward(True, True, before_layer)
             self._launch_backward(on_layer_grads, before_attention)
         else:
             self._run_captured("_graph_micro", self._launch_micro)

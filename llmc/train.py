@@ -581,6 +581,7 @@ def main(argv=None, group=None) -> int:
         again = ck is not None and step == start_step
         # validation
         if val_loader is not None and not again and (step % args.val_every == 0 or last_step):
+            dp.params_ready()  # (-z 1: the last update's all-gather may still be running)
             val_loader.reset()
             most = max(val_loader.batches_per_epoch, 1)
             nb = most if args.val_batches < 0 else min(args.val_batches, most)
@@ -595,6 +596,7 @@ def main(argv=None, group=None) -> int:
                 log.val(step, vl)
         # HellaSwag, at llm.c's cadence: every val step after the first, and the last step
         if hellaswag is not None and not again and (last_step or (args.val_every > 0 and step > 0 and step % args.val_every == 0)):
+            dp.params_ready()
             acc = hellaswag.run(model, group)  # the examples split over the ranks, as llm.c does
             if log:
                 log.eval(step, acc)
@@ -603,6 +605,7 @@ def main(argv=None, group=None) -> int:
                 and group.is_main):
             from llmc.decode import Decoder
             from llmc.decode import sample_during_training
+            dp.params_ready()
             if decoder is None:
                 decoder = Decoder(cfg, be, 1, params_buf=model.params)
             text = sample_during_training(decoder, min(args.gen_tokens, cfg.max_seq_len - 1), rng, tokenizer)
@@ -611,6 +614,7 @@ def main(argv=None, group=None) -> int:
         if out and step > start_step and (last_step or (args.checkpoint_every > 0 and step % args.checkpoint_every == 0)):
             # every rank writes its state; rank 0 the model, and DONE once all have written
             barrier = (lambda err: group.agree(err, "checkpoint")) if world > 1 else None
+            dp.params_ready()
             path = save_checkpoint(out, step, model, train_loader, rng, (loss_z, grad_z), hparams, sr_rng,
                                    dp=dp, barrier=barrier)
             print(f"wrote {path}")
@@ -658,6 +662,8 @@ def main(argv=None, group=None) -> int:
               f"{ms:.2f} ms{mfu} | {total / (ms / 1000):.0f} tok/s")
         if log:
             log.train(step, loss, lr, norm)
+    dp.params_ready()  # nothing may still be writing the weights when the run ends
+    be.synchronize()
     if step_ms:
         print(f"total average iteration time: {sum(step_ms) / len(step_ms):.3f} ms "
               f"(mean of {len(step_ms)} steps, the first excluded)")

@@ -232,15 +232,19 @@ def main():
         dp.train_micro_step(mine[:, :-1], mine[:, 1:], last=True)
         dp.update(1e-3, i + 1, weight_decay=0.1, max_norm=0.5)
         losses.append(dp.step_loss())
+    dp.params_ready()  # (-z 1: the last all-gather)
     # the reductions ran on the second stream, which waited for backward's events; the update's
-    # collectives on the compute stream, after it waited for the last reduction
+    # norm on the compute stream, after it waited for the last reduction; -z 1's all-gathers on the
+    # second stream (after it waited for AdamW), one per layer + the rest, each waited for by the
+    # next forward (none before the first step; the last one by params_ready)
     comm_h, compute_h = dp.comm_stream.handle, be.rt.stream.handle
+    L = cfg.num_layers
     kinds = {k for k, h in nccl.calls if h == comm_h}
-    assert kinds == ({"allreduce"} if zero == 0 else {"reduce_scatter"}), kinds
-    assert len(dp.comm_stream.waited) == steps * (cfg.num_layers + 1)
-    assert len(be.rt.stream.waited) == steps
+    assert kinds == ({"allreduce"} if zero == 0 else {"reduce_scatter", "allgather"}), kinds
+    assert len(dp.comm_stream.waited) == steps * (L + 1) + (steps if zero == 1 else 0)
+    assert len(be.rt.stream.waited) == steps + ((steps - 1) * (L + 1) + 1 if zero == 1 else 0)
     if zero == 1:
-        assert {k for k, h in nccl.calls if h == compute_h} == {"allreduce", "allgather"}
+        assert {k for k, h in nccl.calls if h == compute_h} == {"allreduce"}
     if precision == "bf16":  # (the low-level bf16 calls check their data type themselves)
         assert model.grads.dtype == BF16 and model.params.dtype == BF16
     final = model.get_params()

@@ -426,3 +426,110 @@ def test_nccl_buffers_carry_their_device_through_dlpack():
     cuda = _CudaArray(SimpleNamespace(ptr=host.ctypes.data, size=4, dtype=np.dtype(np.int32), rt=rt))
     assert cuda.__dlpack_device__() == (2, 1)
     assert cuda.__cuda_array_interface__["typestr"] == "<i4"
+
+
+# ----------------------------------------------------------------------------------------------
+# stream order of ZeRO-1's all-gather (no MPI: a recording stand-in for the communicator)
+
+
+class _RecordingComm:
+    """Two ranks' collectives as this rank (0) sees them, logged in launch order with the stream
+    they go on ("compute" or "comm"); an event is the log position of the last collective on its
+    stream when it was recorded. Kernels are logged by the test's wrappers."""
+
+    def __init__(self, world=2):
+        self.world, self.log = world, []
+
+    def _op(self, what, stream, bufs):
+        self.log.append((what, stream or "compute", bufs))
+
+    def all_reduce_avg(self, bufs, stream=None):
+        self._op("all_reduce", stream, list(bufs))
+
+    def reduce_scatter_avg(self, pairs, stream=None):
+        for send, recv in pairs:  # rank 0's piece of the "sum of both ranks / 2" = its own piece
+            recv[...] = send[:recv.size]
+        self._op("reduce_scatter", stream, [r for _, r in pairs])
+
+    def all_reduce_sum(self, buf, stream=None):
+        self._op("all_reduce_sum", stream, [buf])
+
+    def all_gather(self, pairs, stream=None):
+        self._op("all_gather", stream, [recv for _, recv in pairs])
+
+    def new_stream(self):
+        return "comm"
+
+    def record(self, stream):
+        s = stream or "compute"
+        return max((i for i, e in enumerate(self.log) if e[1] == s), default=-1)
+
+    def wait(self, stream, event):
+        self.log.append(("wait", stream or "compute", event))
+
+
+def _span(a):
+    p = a.__array_interface__["data"][0]
+    return p, p + a.nbytes
+
+
+@pytest.mark.parametrize("gather", ["forward", "update"])
+def test_zero1_forward_reads_no_weight_before_its_all_gather(monkeypatch, gather):
+    """-z 1 all-gathers the updated weights on the second stream, layer by layer, while the next
+    forward runs (LLMC_DP_GATHER=forward, the default), or at the end of the update on the compute
+    stream (=update). Either way no kernel on the compute stream may read a weight before the
+    all-gather that writes it has finished: every such read must come after a compute-stream wait
+    on an event recorded after that all-gather. Checked over a whole update + the next micro-step
+    + a validation forward, from a log of every launch and collective (numpy backend)."""
+    from llmc.backend import make_backend
+    from llmc.dist import DataParallel
+    from llmc.model import GPT2
+
+    class Group:
+        world, rank, local_rank, local_world, is_main, num_hosts = 2, 0, 0, 1, True, 1
+
+    monkeypatch.setenv("LLMC_DP_GATHER", gather)
+    cfg = config_from_name("L3C32H2")
+    be = make_backend("cpu")
+    model = GPT2(cfg, be, 2, 16, optimizer=False)
+    model.init_params(1)
+    comm = _RecordingComm()
+    dp = DataParallel(Group(), model, 1, comm)
+    for name, fn in list(model.k.items()):
+        def logged(*args, _fn=fn, _name=name):
+            comm.log.append(("kernel " + _name, "compute", [a for a in args if isinstance(a, np.ndarray)]))
+            return _fn(*args)
+        model.k[name] = logged
+    rng = np.random.default_rng(0)
+    x, y = (rng.integers(0, cfg.vocab_size, (2, 16)).astype(np.int32) for _ in range(2))
+    for step in range(2):
+        model.zero_grad()
+        dp.train_micro_step(x, y, last=True)
+        dp.update(1e-3, step + 1)
+    dp.params_ready()
+    model.forward(x, y, grad=False)
+
+    params = _span(model.params)
+    waited = {"compute": -1, "comm": -1}  # the latest event each stream has waited for
+    gathers = []                          # (log position, stream, written byte ranges)
+    reads = 0
+    for i, (what, stream, bufs) in enumerate(comm.log):
+        if what == "wait":
+            waited[stream] = max(waited[stream], bufs)
+            continue
+        spans = [_span(b) for b in bufs]
+        if what == "all_gather":
+            gathers.append((i, stream, spans))
+            assert stream == ("comm" if gather == "forward" else "compute")
+            continue
+        if not what.startswith("kernel"):
+            continue
+        for lo, hi in spans:
+            if hi <= params[0] or lo >= params[1]:
+                continue  # not the weights
+            reads += 1
+            for g, gstream, gspans in gathers:
+                if any(lo < ghi and glo < hi for glo, ghi in gspans):
+                    assert gstream == stream or waited[stream] >= g, \
+                        f"{what} (launch {i}) reads weights that the all-gather at {g} is still writing"
+    assert reads > 50 and len(gathers) >= (2 * (cfg.num_layers + 1) if gather == "forward" else 2)
