@@ -13,7 +13,9 @@ How it works, as llm.c does it (docs/multi_gpu.md has more):
 - Backward calls a hook as soon as a layer's gradients are launched (model.train_micro_step's
   on_layer_grads). The hook records an event on the compute stream; a second stream waits for it
   and reduces that layer's 12 gradient tensors (one NCCL group) while backward goes on with the
-  layers below. The update waits for the last reduction with another event: no host sync anywhere.
+  layers below. The micro-step ends with the compute stream waiting for the last reduction (another
+  event): no host sync anywhere. On the GPU that whole micro-step, NCCL calls and events included,
+  is captured once into a CUDA graph and replayed, as the single-GPU step is.
 - -z 0: the reductions are all-reduces (average) in place; every rank then runs the same clip +
   AdamW on the whole model (model.update), holding all of m and v.
 - -z 1 (ZeRO-1): every gradient tensor (per layer) is cut into N equal pieces; the reductions are
@@ -547,10 +549,17 @@ class DataParallel:
         # -z 1: where the updated weights are all-gathered: "forward" (on the second stream, layer by
         # layer, each waited for just before the next forward reads it) or "update" (at the end of
         # the update, on the compute stream); LLMC_DP_GATHER overrides
-        gather = os.environ.get("LLMC_DP_GATHER", "forward")
+        gather = os.environ.get("LLMC_DP_GATHER", "update")
         if gather not in ("forward", "update"):
             raise LLMCError(f"LLMC_DP_GATHER={gather!r}: expected 'forward' or 'update'")
         self.gather_in_forward, self._gathered = gather == "forward", {}
+        # the reducing micro-step as a CUDA graph of its own (forward, backward, the NCCL calls on the
+        # second stream and the events between them), like the single-GPU step; LLMC_DP_GRAPH=0
+        # launches it kernel by kernel (measured on 2 H200s, bf16 d12 B=16: ~0.75 ms a step of Python
+        # launches that the GPU waits for). The forward's waits for ZeRO-1's all-gathers in flight
+        # (LLMC_DP_GATHER=forward) wait on events of the previous step: those steps launch directly.
+        self.graph = os.environ.get("LLMC_DP_GRAPH", "1") != "0" and not self.gather_in_forward
+        self._reduced = None
         if self.world == 1:
             return
         if model.has_optimizer == (self.zero == 1):
@@ -627,11 +636,29 @@ class DataParallel:
             self.params_ready()  # (a graph replay: it waits for the whole all-gather first)
             self.model.train_micro_step(x, y)
             return
+        if self.graph:
+            self.model.train_micro_step(x, y, custom=self._launch_reducing)
+            return
         self._pending = None
         self.model.train_micro_step(x, y, on_layer_grads=self._layer_done,
                                     before_attention=self._launch_pending if self.delay else None,
                                     before_layer=self._wait_gathered if self._gathered else None)
         self.params_ready()  # (a no-op: the forward waited for every piece)
+        self._join()
+
+    def _launch_reducing(self) -> None:
+        """The last micro-step's launches, capturable: forward, backward with each layer's reduction
+        on the second stream, and the compute stream's wait for the last one (a graph must end
+        with every stream it forked joined back)."""
+        self._pending = None
+        self.model._launch_forward(True, True)
+        self.model._launch_backward(self._layer_done, self._launch_pending if self.delay else None)
+        self._join()
+
+    def _join(self) -> None:
+        """The compute stream waits for the last reduction: the update and the norm read them."""
+        self.comm.wait(None, self._reduced)
+        self._reduced = None
 
     def _wait_gathered(self, layer) -> None:
         """Called by the forward just before it first reads layer `layer`'s weights (None: wte, wpe
@@ -682,7 +709,7 @@ class DataParallel:
             comm.reduce_scatter_avg([(be.view(self.model.grads, off, (n,)),
                                       be.view(self.gshard, off // N, (n // N,))) for off, n, _ in chunks], cs)
         self._span(("all-reduce " if self.zero == 0 else "reduce-scatter ") + label, "comm", t0, cs)
-        if layer is None:  # the last reduction: the update waits for this event
+        if layer is None:  # the last reduction: the compute stream waits for this event (_join)
             self._reduced = comm.record(cs)
 
     def update(self, lr: float, step: int, weight_decay: float = 0.0, max_norm: float = 1.0,
@@ -691,7 +718,7 @@ class DataParallel:
         if self.world == 1:
             model.update(lr, step, weight_decay=weight_decay, max_norm=max_norm)
             return
-        self.comm.wait(None, self._reduced)  # the compute stream waits for every reduction
+        # (the compute stream waited for every reduction at the end of the micro-step: _join)
         if self.zero == 0:
             t0 = self._mark(None)
             model.update(lr, step, weight_decay=weight_decay, max_norm=max_norm)
@@ -744,10 +771,9 @@ class DataParallel:
 
     def grad_norm_before_update(self) -> float:
         """The global norm of the reduced gradients before any update (llm.c's -sg guard): the
-        same value on every rank. Waits for the reductions (the update would, too)."""
+        same value on every rank. (The micro-step ended with the compute stream waiting for the
+        reductions.)"""
         model = self.model
-        if self.world > 1:
-            self.comm.wait(None, self._reduced)
         if self.zero == 0:
             model.k["global_norm"](model.norm2, model.grads)
             return model.grad_norm()

@@ -196,7 +196,7 @@ class GPT2:
         # CUDA graphs of the training step (cuda backend, cuda-python; LLMC_GRAPHS=0 turns them off):
         # the first micro-step and update run kernel by kernel, then each is captured and replayed
         self.use_graphs = training
-        self._graph_micro = self._graph_update = None
+        self._graph_micro = self._graph_update = self._graph_custom = None
         self._graph_accum = None  # grad_accum_steps when _graph_micro was captured
 
     # ------------------------------------------------------------------------------------------
@@ -482,19 +482,24 @@ class GPT2:
             on_layer_grads(None)
 
     def train_micro_step(self, x: np.ndarray, y: np.ndarray, on_layer_grads=None, before_attention=None,
-                         before_layer=None) -> None:
+                         before_layer=None, custom=None) -> None:
         """forward(x, y) without reading the loss, then backward(): one micro-step of training.
         On the cuda backend the first call launches kernel by kernel and captures the launches into
         a CUDA graph; later calls upload the batch and replay it (one launch instead of ~400).
         With on_layer_grads or before_layer (see _launch_backward, _launch_forward) it launches
-        kernel by kernel, never captured."""
+        kernel by kernel, never captured. custom: a launch function of the caller's own (data
+        parallel's forward + backward with its reductions), run, captured and replayed in the same
+        way, as a graph of its own."""
         if not self.training:
             raise RuntimeError("train_micro_step() needs a model built with training=True")
         self.set_batch(x, y)
         if self._graph_accum != self.grad_accum_steps:
             # the loss scale 1/(B*T*accum) is a launch argument of the captured classifier: recapture
-            self._graph_micro, self._graph_accum = None, self.grad_accum_steps
-        if on_layer_grads is not None or before_layer is not None:
+            self._graph_micro = self._graph_custom = None
+            self._graph_accum = self.grad_accum_steps
+        if custom is not None:
+            self._run_captured("_graph_custom", custom)
+        elif on_layer_grads is not None or before_layer is not None:
             self._launch_forward(True, True, before_layer)
             self._launch_backward(on_layer_grads, before_attention)
         else:

@@ -232,19 +232,22 @@ def main():
         dp.train_micro_step(mine[:, :-1], mine[:, 1:], last=True)
         dp.update(1e-3, i + 1, weight_decay=0.1, max_norm=0.5)
         losses.append(dp.step_loss())
-    dp.params_ready()  # (-z 1: the last all-gather)
-    # the reductions ran on the second stream, which waited for backward's events; the update's
-    # norm on the compute stream, after it waited for the last reduction; -z 1's all-gathers on the
-    # second stream (after it waited for AdamW), one per layer + the rest, each waited for by the
-    # next forward (none before the first step; the last one by params_ready)
+    dp.params_ready()  # (-z 1 with LLMC_DP_GATHER=forward: the last all-gather)
+    # the reductions ran on the second stream, which waited for backward's events; the compute
+    # stream waited for the last reduction at the end of each micro-step, then ran the update's
+    # norm. -z 1's all-gathers: on the compute stream at the end of the update (the default), or
+    # (LLMC_DP_GATHER=forward) on the second stream after it waited for AdamW, one per layer + the
+    # rest, each waited for by the next forward (none before the first step; the last one by
+    # params_ready). The reducing micro-step is a graph of its own unless it waits on gathers.
     comm_h, compute_h = dp.comm_stream.handle, be.rt.stream.handle
-    L = cfg.num_layers
+    L, fwd = cfg.num_layers, zero == 1 and dp.gather_in_forward
     kinds = {k for k, h in nccl.calls if h == comm_h}
-    assert kinds == ({"allreduce"} if zero == 0 else {"reduce_scatter", "allgather"}), kinds
-    assert len(dp.comm_stream.waited) == steps * (L + 1) + (steps if zero == 1 else 0)
-    assert len(be.rt.stream.waited) == steps + ((steps - 1) * (L + 1) + 1 if zero == 1 else 0)
+    assert kinds == ({"allreduce"} if zero == 0 else {"reduce_scatter"} | ({"allgather"} if fwd else set())), kinds
+    assert len(dp.comm_stream.waited) == steps * (L + 1) + (steps if fwd else 0)
+    assert len(be.rt.stream.waited) == steps + ((steps - 1) * (L + 1) + 1 if fwd else 0)
     if zero == 1:
-        assert {k for k, h in nccl.calls if h == compute_h} == {"allreduce"}
+        assert {k for k, h in nccl.calls if h == compute_h} == ({"allreduce"} if fwd else {"allreduce", "allgather"})
+    assert (model._graph_custom is not None) == (not fwd) == dp.graph
     if precision == "bf16":  # (the low-level bf16 calls check their data type themselves)
         assert model.grads.dtype == BF16 and model.params.dtype == BF16
     final = model.get_params()

@@ -282,9 +282,9 @@ def test_rank_that_never_starts_times_out(shards):
     assert "did not finish within 3 s" in p.stderr and "did a rank fail to start?" in p.stderr, p.stderr
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-@pytest.mark.parametrize("zero", [0, 1])
-def test_gpu_code_path_on_a_fake_gpu_and_fake_nccl(zero, precision):
+@pytest.mark.parametrize("precision,zero,gather", [("fp32", 0, "update"), ("fp32", 1, "update"), ("bf16", 0, "update"),
+                                                   ("bf16", 1, "update"), ("fp32", 1, "forward")])
+def test_gpu_code_path_on_a_fake_gpu_and_fake_nccl(zero, precision, gather):
     """NcclComm and DataParallel's GPU side (CUDA-array views of our DevArrays, the second stream
     waiting on backward's events, ZeRO-1's piece pointers) on tests/fake_runtime.py's heap, with a
     stand-in nccl.core that checks nccl4py's signatures: 2 ranks match 1 fake GPU at twice the batch.
@@ -293,7 +293,7 @@ def test_gpu_code_path_on_a_fake_gpu_and_fake_nccl(zero, precision):
     the losses agree to 5e-3 and the weights to 2e-2 (a few bf16 ulps of a weight near 1: the two
     ranks' bf16 gradient sum rounds differently from one rank's)."""
     need_mpi()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]), LLMC_DP_GATHER=gather)
     p = subprocess.run([mpiexec(), "-n", "2", sys.executable, str(ROOT / "tests" / "dist_fake_nccl.py"), str(zero),
                         precision], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
