@@ -37,7 +37,6 @@ class Backend(Protocol):
     def choose(self, name, prefer=None, precision=None, **shape) -> int: ...  # the variant build() would take
     def named(self, name) -> bool: ...                              # the user chose this op's variant
     def memset0(self, buf): ...
-    def copy2d(self, dst, dst_pitch, src, src_pitch, width, height, stream=None): ...  # rows of elements
     def upload(self, buf, host): ...
     def upload_async(self, buf, host): ...
     def download(self, buf): ...
@@ -174,12 +173,6 @@ class CpuBackend(_Choosing):
     def memset0(self, buf):
         buf[...] = 0
 
-    def copy2d(self, dst, dst_pitch, src, src_pitch, width, height, stream=None):
-        """height rows of width elements: row h from src[h * src_pitch:] to dst[h * dst_pitch:]."""
-        d, s = dst.reshape(-1), src.reshape(-1)
-        for h in range(height):
-            d[h * dst_pitch:h * dst_pitch + width] = s[h * src_pitch:h * src_pitch + width]
-
     def upload(self, buf, host):
         buf[...] = np.asarray(host).reshape(buf.shape)
 
@@ -251,20 +244,6 @@ class CudaBackend(_Choosing):
 
     def memset0(self, buf):
         buf.zero()
-
-    def copy2d(self, dst, dst_pitch, src, src_pitch, width, height, stream=None):
-        """height rows of width elements, device to device, on `stream` (default: the compute
-        stream): one cuMemcpy2DAsync. Pitches in elements of src's dtype (dst's is the same)."""
-        import pycuda.driver as drv
-        es = src.dtype.itemsize
-        assert dst.dtype.itemsize == es and (height == 1 or width <= min(dst_pitch, src_pitch))
-        assert (height - 1) * src_pitch + width <= src.size and (height - 1) * dst_pitch + width <= dst.size
-        c = drv.Memcpy2D()
-        c.set_src_device(src.ptr)
-        c.set_dst_device(dst.ptr)
-        c.src_pitch, c.dst_pitch = src_pitch * es, dst_pitch * es
-        c.width_in_bytes, c.height = width * es, height
-        c(stream or self.rt.stream)
 
     def upload(self, buf, host):
         buf.set(host)

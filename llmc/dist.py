@@ -559,11 +559,6 @@ class DataParallel:
         # launches that the GPU waits for). The forward's waits for ZeRO-1's all-gathers in flight
         # (LLMC_DP_GATHER=forward) wait on events of the previous step: those steps launch directly.
         self.graph = os.environ.get("LLMC_DP_GRAPH", "1") != "0" and not self.gather_in_forward
-        # -z 1 at the end of the update: one all-gather of the whole model through a staging buffer,
-        # instead of one per tensor piece (~150 at d12, most of them a few KB: ~1 ms on 2 H200s);
-        # LLMC_DP_PACK=0 gathers piece by piece
-        self.pack = os.environ.get("LLMC_DP_PACK", "1") != "0" and not self.gather_in_forward
-        self._stage = None
         self._reduced = None
         if self.world == 1:
             return
@@ -583,10 +578,6 @@ class DataParallel:
                                 f"that divides it)")
             S = P // N  # this rank's shard: piece `rank` of every chunk, in the buffer's order
             self.shard_size = S
-            # per parameter tensor: (offset, values per layer, layers) (the rest: one "layer")
-            L = model.cfg.num_layers
-            self.tensors = [(off, size, 1) if name in ("wte", "wpe", "lnfw", "lnfb") else (off, size // L, L)
-                            for name, off, size in param_layout(model.cfg)]
             f32 = model.f32  # bf16: the gradients are reduce-scattered in bf16, the rest stays fp32
             self.gshard = be.zeros((S,))   # reduced gradient pieces
             self.m = be.zeros((S,), f32)
@@ -756,10 +747,7 @@ class DataParallel:
         # every rank gets every tensor's updated pieces
         if not self.gather_in_forward:  # on the compute stream, all at once
             t1 = self._mark(None)
-            if self.pack:
-                self._all_gather_packed()
-            else:
-                comm.all_gather(self._gather_pairs(self._all_chunks()))
+            comm.all_gather(self._gather_pairs(self._all_chunks()))
             self._span("all-gather params", "compute", t1, None)
             return
         # on the second stream, in the order the next forward reads them: wte, wpe and lnf first (the
@@ -774,43 +762,6 @@ class DataParallel:
             comm.all_gather(self._gather_pairs(self.rest if layer is None else self.per_layer[layer]), cs)
             self._span("all-gather " + ("rest" if layer is None else f"layer {layer}"), "comm", t1, cs)
             self._gathered[layer] = comm.record(cs)
-
-    def _all_gather_packed(self) -> None:
-        """Every rank's updated pieces to every rank with one all-gather. The staging buffer holds
-        N segments of S values, each laid out as a rank's shard (piece r of every chunk, in the
-        buffer's order): this rank copies its pieces into segment r, the all-gather fills the
-        others in place, and each other segment is copied back to where its pieces live in the
-        weights. A tensor's pieces over the L layers are one strided copy each way (rows of
-        s = n/N values, n apart in the weights, s apart in a segment): 16 copies + 16 per other rank
-        (cuMemcpy2DAsync), on the compute stream."""
-        be, N, r, S, params = self.be, self.world, self.rank, self.shard_size, self.model.params
-        stage = self._staging()
-        for off, n, count in self.tensors:  # this rank's pieces -> its segment
-            s = n // N
-            be.copy2d(be.view(stage, r * S + off // N, (count * s,)), s,
-                      be.view(params, off + r * s, ((count - 1) * n + s,)), n, s, count)
-        self.comm.all_gather([(be.view(stage, r * S, (S,)), be.view(stage, 0, (N * S,)))])
-        for q in range(N):  # the other ranks' segments -> their pieces of the weights
-            if q == r:
-                continue
-            for off, n, count in self.tensors:
-                s = n // N
-                be.copy2d(be.view(params, off + q * s, ((count - 1) * n + s,)), n,
-                          be.view(stage, q * S + off // N, (count * s,)), s, s, count)
-
-    def _staging(self):
-        """N*S = num_params values of the weights' type. The logits buffer is dead between the
-        backward that consumed dlogits and the next forward: the staging borrows it when it is
-        big enough (B*T*Vp values; at d12 B=16 T=1024 that is 6.6x the weights), else its own."""
-        if self._stage is None:
-            P, dt = self.model.num_params, np.dtype(self.model.params.dtype)
-            logits = self.model.a.get("logits")
-            if logits is not None and logits.nbytes >= P * dt.itemsize:
-                self._stage = (logits.reshape(-1).view(np.uint8)[:P * dt.itemsize].view(dt)
-                               if isinstance(logits, np.ndarray) else logits.view(0, (P,), dt))
-            else:
-                self._stage = self.be.zeros((P,), dt)
-        return self._stage
 
     def _gather_pairs(self, chunks):
         """(this rank's piece, the whole tensor) of each chunk: the all-gather is in place."""

@@ -274,12 +274,6 @@ class FakeCudaBackend(CudaBackend):
     def memset0(self, buf):
         self.rt.np(buf)[...] = 0
 
-    def copy2d(self, dst, dst_pitch, src, src_pitch, width, height, stream=None):
-        d, s = self.rt.np(dst).reshape(-1), self.rt.np(src).reshape(-1)
-        assert dst.dtype.itemsize == src.dtype.itemsize
-        for h in range(height):
-            d[h * dst_pitch:h * dst_pitch + width] = s[h * src_pitch:h * src_pitch + width]
-
     def upload(self, buf, host):
         self.rt.np(buf)[...] = np.asarray(host, dtype=buf.dtype).reshape(buf.shape)
 

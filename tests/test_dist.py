@@ -533,27 +533,3 @@ def test_zero1_forward_reads_no_weight_before_its_all_gather(monkeypatch, gather
                     assert gstream == stream or waited[stream] >= g, \
                         f"{what} (launch {i}) reads weights that the all-gather at {g} is still writing"
     assert reads > 50 and len(gathers) >= (2 * (cfg.num_layers + 1) if gather == "forward" else 2)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_copy2d_on_the_gpu_matches_numpy(dtype):
-    """backend.copy2d (cuMemcpy2DAsync), which ZeRO-1's packed all-gather uses both ways: strided
-    rows into contiguous ones and back, at odd widths and pitches, every other value untouched."""
-    from llmc.backend import make_backend
-    from llmc.bf16 import BF16
-    be = make_backend("cuda", precision=dtype)
-    dt = np.float32 if dtype == "fp32" else BF16
-    rng = np.random.default_rng(0)
-    for width, height, sp, dp in [(5, 7, 13, 5), (1, 1, 1, 1), (300, 3, 301, 999), (64, 12, 64 * 5, 64)]:
-        src_h = rng.integers(1, 1 << 14, 4 + (height - 1) * sp + width + 3).astype(dt)
-        dst_h = rng.integers(1, 1 << 14, 2 + (height - 1) * dp + width + 5).astype(dt)
-        src, dst = be.zeros(src_h.shape, dt), be.zeros(dst_h.shape, dt)
-        be.upload(src, src_h)
-        be.upload(dst, dst_h)
-        be.copy2d(be.view(dst, 2, ((height - 1) * dp + width,)), dp, be.view(src, 4, ((height - 1) * sp + width,)),
-                  sp, width, height)
-        want = dst_h.copy()
-        for h in range(height):
-            want[2 + h * dp:2 + h * dp + width] = src_h[4 + h * sp:4 + h * sp + width]
-        np.testing.assert_array_equal(be.download(dst), want)
