@@ -38,15 +38,15 @@ step "machine"
   python3 -c "import mpi4py, nccl.core as n; print('mpi4py', mpi4py.__version__, '| nccl4py', n.__version__, '| NCCL', n.get_version())"
 } 2>&1 | tee -a "$S"
 
-# data: tiny shakespeare if it was carried along, else a synthetic stream (a repeated random text,
-# so the loss falls)
+# data: tiny shakespeare if it was carried along, else a synthetic stream (a random text of 128K
+# tokens, repeated: the ranks' slices differ, so the agreement checks the reductions; the loss falls)
 TRAIN=dev/data/tinyshakespeare/tiny_shakespeare_train.bin VAL=dev/data/tinyshakespeare/tiny_shakespeare_val.bin
 if [ ! -f "$TRAIN" ]; then
   TRAIN=/tmp/llmc_synth/train.bin VAL=/tmp/llmc_synth/val.bin
   python3 -c "
 import numpy as np; from llmc.data import write_shard
-r = np.random.default_rng(0); base = r.integers(0, 50257, 4096)
-write_shard('$TRAIN', np.tile(base, 80)); write_shard('$VAL', np.tile(base, 10))" || exit 1
+r = np.random.default_rng(0); base = r.integers(0, 50257, 1 << 17)
+write_shard('$TRAIN', np.tile(base, 3)); write_shard('$VAL', base[:40960])" || exit 1
   echo "data: synthetic ($TRAIN)" | tee -a "$S"
 fi
 D=(-i "$TRAIN" -j "$VAL")
