@@ -30,10 +30,16 @@ weights from the master with stochastic rounding (a uint32 seed per AdamW launch
 drawn each step from the run's rounding RNG `sr_state`: llm.c's xorshift, whose state the
 checkpoint's state file holds, so a resumed run draws the same seeds). stochastic_rounding = False
 writes seed 0: round to nearest even (the tests).
+
+Bias gradients: fcproj's, attproj's and fc's are column sums of dres and dfch, which a layernorm
+backward and GELU backward write just before; where the chosen variants have the fused form
+(colsum=True: layernorm_backward 5, gelu_backward 2) those kernels add the sums as they write, and
+no matmul_backward_bias runs for them (fuse_bias=False or LLMC_FUSED_BIAS=0: the separate passes).
 """
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 
@@ -69,7 +75,7 @@ def next_seed(state: int) -> tuple[int, int]:
 
 class GPT2:
     def __init__(self, cfg: GPT2Config, backend, B: int, T: int, training: bool = True, params_buf=None,
-                 optimizer: bool = True, recompute: int = 1):
+                 optimizer: bool = True, recompute: int = 1, fuse_bias: bool | None = None):
         if T > cfg.max_seq_len:
             raise LLMCError(f"-t/--seq-len {T}: longer than the model's max sequence length {cfg.max_seq_len}")
         if B < 1 or T < 1:
@@ -146,8 +152,12 @@ class GPT2:
             # kernel just before them writes: dres (a layernorm backward's dinp) and dfch (GELU
             # backward's dinp). Where the chosen variant has the op's fused form (colsum=True), it sums
             # them as it writes them; otherwise matmul_backward_bias re-reads them (docs/ops.md).
-            ln_fused = be.fuses("layernorm_backward", dict(colsum=True), N=N, C=C)
-            gelu_fused = be.fuses("gelu_backward", dict(colsum=True, OC=4 * C), N=N * 4 * C)
+            # fuse_bias=False (or LLMC_FUSED_BIAS=0) launches the bias passes with the same variants:
+            # the A/B of the fusion alone (dev/bench_step.py)
+            if fuse_bias is None:
+                fuse_bias = os.environ.get("LLMC_FUSED_BIAS", "1") != "0"
+            ln_fused = be.fuses("layernorm_backward", dict(colsum=True), N=N, C=C) if fuse_bias else None
+            gelu_fused = be.fuses("gelu_backward", dict(colsum=True, OC=4 * C), N=N * 4 * C) if fuse_bias else None
             self.fused_bias = {"layernorm_backward": ln_fused is not None, "gelu_backward": gelu_fused is not None}
             if ln_fused is not None:
                 self.built["layernorm_backward_colsum"] = op("layernorm_backward", prefer=ln_fused, N=N, C=C, colsum=True)

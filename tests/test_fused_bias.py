@@ -102,3 +102,73 @@ def test_fused_builds_are_the_chosen_variant():
     assert be.fuses("gelu_backward", dict(colsum=True, OC=4 * C), N=32 * 4 * C) == 2
     assert be.fuses("layernorm_backward", dict(colsum=True), N=32, C=30) is None  # 5 refuses C % 4
     assert CpuBackend().fuses("layernorm_backward", dict(colsum=True), N=32, C=30) == 0  # numpy: every form
+
+
+def test_fuse_bias_false_keeps_the_variants_and_launches_the_bias_passes(monkeypatch):
+    """fuse_bias=False (LLMC_FUSED_BIAS=0): the same variants, the bias passes launched (the A/B of
+    the fusion alone); the gradients are the same bits on both backends."""
+    be = FakeCudaBackend(quiet=True)
+    m = GPT2(CFG, be, 2, 16, fuse_bias=False)
+    assert m.fused_bias == {"layernorm_backward": False, "gelu_backward": False}
+    assert m.built["layernorm_backward"].number == 5 and m.built["gelu_backward"].number == 2
+    monkeypatch.setenv("LLMC_FUSED_BIAS", "0")
+    _, grads = _train(FakeCudaBackend(quiet=True))
+    _, cpu = _train(CpuBackend(np.float32))
+    monkeypatch.delenv("LLMC_FUSED_BIAS")
+    _, fused = _train(CpuBackend(np.float32))
+    for g, c, f in zip(grads, cpu, fused):
+        np.testing.assert_array_equal(g, c)
+        np.testing.assert_array_equal(c, f)
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: the fused model against the unfused one (same variants) and against itself on graph replays
+
+# hs = 64 (the fused attention, which has bf16 builds), C % 8 == 0 and Vp % 8 == 0 (bf16 matmuls)
+GPU_CFG = GPT2Config(max_seq_len=128, vocab_size=97, padded_vocab_size=128, num_layers=2, num_heads=2, channels=128)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_gpu_fused_matches_unfused_and_replays_bit_exactly(rt, precision):
+    """On the GPU: two steps of 2 micro-steps (the second and later micro-steps are CUDA graph
+    replays) with the fused bias gradients, twice from the same init: bit-identical gradients (the
+    fused sums have a fixed order); and within a summation-order tolerance of the unfused model
+    (fuse_bias=False: the same variants plus matmul_backward_bias, whose sums run in another order).
+    Tolerance per gradient tensor: fp32 1e-5 of its rms elementwise plus 1e-5 relative (sums of B*T
+    rows in another fp32 order, carried through one update); bf16: both forms sum the same stored
+    bf16 values and round the total once, so a bias element may differ by a rounding per micro-step
+    (2^-7 relative) and the second step's gradients by what that does to the update (1e-2 of the rms)."""
+    from llmc.backend import CudaBackend
+    from llmc.bf16 import from_bf16
+    from llmc.config import param_layout
+    B, T = 4, 64
+    runs = []
+    for fuse in (True, True, False):
+        m = GPT2(GPU_CFG, CudaBackend(quiet=True, precision=precision), B, T, fuse_bias=fuse)
+        assert m.fused_bias == {"layernorm_backward": fuse, "gelu_backward": fuse}
+        m.stochastic_rounding = False
+        m.init_params(3)
+        rng = np.random.default_rng(5)
+        out = []
+        for step in range(1, 3):
+            m.zero_grad()
+            for _ in range(2):
+                x = rng.integers(0, GPU_CFG.vocab_size, (B, T)).astype(np.int32)
+                m.train_micro_step(x, np.roll(x, -1, axis=1))
+            g = m.get_grads()
+            out.append(from_bf16(g) if precision == "bf16" else g.copy())
+            m.update(lr=1e-3, step=step)
+        runs.append(out)
+    for a, b in zip(runs[0], runs[1]):
+        np.testing.assert_array_equal(a, b)
+    for step, (a, b) in enumerate(zip(runs[0], runs[2])):
+        for name, off, size in param_layout(GPU_CFG):
+            ga, gb = a[off:off + size].astype(np.float64), b[off:off + size].astype(np.float64)
+            rms = float(np.sqrt(np.mean(gb ** 2))) + 1e-30
+            if precision == "fp32":
+                atol, rtol = 1e-5 * rms, 1e-5
+            else:
+                atol, rtol = 1e-2 * rms, 2.0 ** -7
+            err = np.abs(ga - gb) - (atol + rtol * np.abs(gb))
+            assert np.all(err <= 0), (precision, step, name, float(np.max(np.abs(ga - gb))), rms)
