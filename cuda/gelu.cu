@@ -173,6 +173,7 @@ template <typename T>
 __device__ __forceinline__ void gelu_backward_colsum_t(T* dinp, T* colsum, float* partial, unsigned int* counters,
         const T* inp, const T* dout, int rows, int OC, int rows_per_chunk) {
     constexpr int V = Vec16<T>::N;
+    typedef typename Vec16<T>::raw raw;
     __shared__ float sh[8][32][V + 1];  // (+1: lanes V+1 floats apart, fewer bank conflicts)
     __shared__ bool is_last;
     const int tx = threadIdx.x, ty = threadIdx.y;
@@ -185,25 +186,29 @@ __device__ __forceinline__ void gelu_backward_colsum_t(T* dinp, T* colsum, float
     for (int k = 0; k < V; k++) s[k] = 0.0f;
     if (ncol > 0) {
         for (int n = r0 + ty; n < r1; n += 8 * GELU_CS_UNROLL) {
-            float x[GELU_CS_UNROLL][V], d[GELU_CS_UNROLL][V];
+            // the group's rows held as raw 16-byte words (bf16: 4 registers for 8 values), unpacked on use
+            raw xr[GELU_CS_UNROLL], dr[GELU_CS_UNROLL];
 #pragma unroll
             for (int u = 0; u < GELU_CS_UNROLL; u++) {  // every load of the group before any store
                 const int r = n + 8 * u;
-                if (r < r1) {
-                    load_vec<T>(x[u], inp + (size_t)r * OC + col, vec, ncol);
-                    load_vec<T>(d[u], dout + (size_t)r * OC + col, vec, ncol);
+                if (r < r1) {  // (!vec: guarded scalar loads packed into the same bits, zeros past OC)
+                    xr[u] = load_raw<T>(inp + (size_t)r * OC + col, vec, ncol);
+                    dr[u] = load_raw<T>(dout + (size_t)r * OC + col, vec, ncol);
                 }
             }
 #pragma unroll
             for (int u = 0; u < GELU_CS_UNROLL; u++) {
                 const int r = n + 8 * u;
                 if (r < r1) {
+                    float x[V], d[V];
+                    Vec16<T>::unpack(x, xr[u]);
+                    Vec16<T>::unpack(d, dr[u]);
 #pragma unroll
-                    for (int k = 0; k < V; k++) x[u][k] = gelu_grad_t<T>(x[u][k]) * d[u][k];
-                    round_to<T, V>(x[u]);
+                    for (int k = 0; k < V; k++) x[k] = gelu_grad_t<T>(x[k]) * d[k];
+                    round_to<T, V>(x);
 #pragma unroll
-                    for (int k = 0; k < V; k++) s[k] += x[u][k];  // (past OC: zeros, never stored)
-                    store_vec<T>(dinp + (size_t)r * OC + col, x[u], vec, ncol);
+                    for (int k = 0; k < V; k++) s[k] += x[k];  // (past OC: 0 * gelu'(0) = 0, never stored)
+                    store_vec<T>(dinp + (size_t)r * OC + col, x, vec, ncol);
                 }
             }
         }
@@ -258,7 +263,9 @@ extern "C" __global__ void gelu_backward_kernel2_colsum(float* dinp, float* cols
         unsigned int* counters, const float* inp, const float* dout, int rows, int OC, int rows_per_chunk) {
     gelu_backward_colsum_t<float>(dinp, colsum, partial, counters, inp, dout, rows, OC, rows_per_chunk);
 }
-extern "C" __global__ void gelu_backward_kernel2_colsum_bf16(bf16* dinp, bf16* colsum, float* partial,
+// (256, 4): 64 registers, 4 blocks (32 warps) an SM, each warp with 4 rows of 2 x 512 bytes in flight;
+// unbounded it took 72 (3 blocks); the fp32 build is at 64 by itself
+extern "C" __global__ void __launch_bounds__(256, 4) gelu_backward_kernel2_colsum_bf16(bf16* dinp, bf16* colsum, float* partial,
         unsigned int* counters, const bf16* inp, const bf16* dout, int rows, int OC, int rows_per_chunk) {
     gelu_backward_colsum_t<bf16>(dinp, colsum, partial, counters, inp, dout, rows, OC, rows_per_chunk);
 }
