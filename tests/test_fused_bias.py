@@ -121,6 +121,18 @@ def test_fuse_bias_false_keeps_the_variants_and_launches_the_bias_passes(monkeyp
         np.testing.assert_array_equal(c, f)
 
 
+def test_fused_forms_cost_the_plain_bytes_plus_colsum():
+    """The cost model (profile, labs) of a fused form: the plain op's bytes plus colsum read and
+    written, in the build's element type; the bias pass's read of the (rows, OC) tensor is gone."""
+    from llmc import ops
+    N, C = 4096, 768
+    for dtype, e in (("fp32", 4), ("bf16", 2)):
+        ln, ge = ops.get("layernorm_backward"), ops.get("gelu_backward")
+        assert ln.cost(N=N, C=C, dtype=dtype, colsum=True)[1] == ln.cost(N=N, C=C, dtype=dtype)[1] + 2 * C * e
+        assert (ge.cost(N=N * 4 * C, OC=4 * C, dtype=dtype, colsum=True)[1]
+                == ge.cost(N=N * 4 * C, dtype=dtype)[1] + 2 * 4 * C * e)
+
+
 # ----------------------------------------------------------------------------------------------
 # GPU: the fused model against the unfused one (same variants) and against itself on graph replays
 
