@@ -237,7 +237,8 @@ __device__ __forceinline__ void gelu_backward_colsum_t(T* dinp, T* colsum, float
 #pragma unroll
     for (int k = 0; k < V; k++) s[k] = 0.0f;
     if (ncol > 0) {
-        for (int c = ty; c < (int)gridDim.y; c += 8) {
+#pragma unroll 4
+        for (int c = ty; c < (int)gridDim.y; c += 8) {  // (unrolled: several chunks' loads in flight)
             const float* p = partial + (size_t)c * OC + col;
 #pragma unroll
             for (int k = 0; k < V; k++) if (k < ncol) s[k] += __ldcg(p + k);
