@@ -8,6 +8,8 @@
 // gelu_backward (--gelu-backward-kernel N): dinp = gelu'(inp) * dout (overwrites dinp)
 //   1  one thread per element (any N)
 //   2  one thread per 4 elements, float4 loads/stores (N % 4 == 0)
+//   2 colsum: 2's fused form over (rows, OC), also colsum (OC) += column sums of dinp (fc's bias
+//      gradient, instead of a matmul_backward_bias pass; see "colsum" at the end)
 //
 // gelu_backward may run in place (dinp == dout): each thread reads its own elements of dout before
 // writing the same elements of dinp, and nothing else touches them; no __restrict__ on that pair.

@@ -28,6 +28,8 @@
 //      instead of two; for C <= 1024, where the three rows fit in registers; above that it is 4)
 //   6  deterministic, persistent warps, next row prefetched, dweight/dbias in registers per lane,
 //      one shared-memory pass per block, then the reduce kernel (see "Variant 6" at the end)
+//   5 colsum: 5's fused form, also colsum (C) += column sums of the dinp it writes (the next linear
+//      layer's bias gradient, instead of a matmul_backward_bias pass; see "colsum" below)
 //
 // Memory traffic at the trainer's shape (N = 4096, C = 768, fp32; one row = 3 KB):
 //   forward  reads x (12.6 MB) and writes out (12.6 MB): 25.2 MB, 8.5 us at 2.98 TB/s
