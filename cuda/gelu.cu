@@ -8,6 +8,8 @@
 // gelu_backward (--gelu-backward-kernel N): dinp = gelu'(inp) * dout (overwrites dinp)
 //   1  one thread per element (any N)
 //   2  one thread per 4 elements, float4 loads/stores (N % 4 == 0)
+//   2 colsum: 2's fused form over (rows, OC), also colsum (OC) += column sums of dinp (fc's bias
+//      gradient, instead of a matmul_backward_bias pass; see "colsum" at the end)
 //
 // gelu_backward may run in place (dinp == dout): each thread reads its own elements of dout before
 // writing the same elements of dinp, and nothing else touches them; no __restrict__ on that pair.
@@ -142,4 +144,131 @@ extern "C" __global__ void gelu_backward_kernel1_bf16(bf16* dinp, const bf16* in
 }
 extern "C" __global__ void gelu_backward_kernel2_bf16(bf16* dinp, const bf16* inp, const bf16* dout, int N) {
     gelu_backward2<bf16>(dinp, inp, dout, N);
+}
+
+// ----------------------------------------------------------------------------------------------
+// colsum: gelu_backward 2's fused form (gelu_backward with colsum=True; llmc/ops/gelu.py). In the
+// model dinp is d fch (B*T, 4C), and the next thing read from it is fc's bias gradient, its column
+// sums: matmul_backward_bias re-reads the whole (rows, OC) tensor this kernel has just written. Here
+// the kernel sums it while it writes it:
+//   dinp (rows, OC) = gelu'(inp) * dout, colsum (OC) += sum over rows of dinp (as stored: in bf16
+//   the rounded values, what a bias kernel would read back)
+// Layout (matmul_backward_bias 4's): block (32, 8) owns 32*V columns (lane tx: the V adjacent
+// columns of one 16-byte vector) of one chunk of rows; row-lane ty takes rows ty, ty+8, ... of the
+// chunk, four at a time with all eight loads issued before the first store (dinp may be dout, so the
+// compiler may not hoist a later row's loads above a store: the source order does it). Its V column
+// sums stay in registers (fp32); the block adds its 8 row-lanes in order into one partial row
+// (chunks, OC) fp32; the last block of each column block (an integer ticket, as bias 4) adds the
+// chunks' partials in chunk order and does colsum "+=" (read, add in fp32, round once). Every sum
+// has a fixed order: the same bits on every run, and graph replays (the counters are reset by the
+// block that finishes). OC % V != 0: rows are not 16-byte aligned; guarded scalar accesses.
+// Bytes over gelu_backward 2: the partials (chunks * OC floats, written then read from L2; ~1 MB at
+// d12, B=16) and nothing over (rows, OC): the bias pass's N*OC read is gone.
+
+template <typename T> __device__ __forceinline__ float gelu_grad_t(float x);
+template <> __device__ __forceinline__ float gelu_grad_t<float>(float x) { return gelu_grad(x); }  // = kernel 2
+template <> __device__ __forceinline__ float gelu_grad_t<bf16>(float x) { return gelu_grad_sigmoid(x); }
+
+#define GELU_CS_UNROLL 4
+
+template <typename T>
+__device__ __forceinline__ void gelu_backward_colsum_t(T* dinp, T* colsum, float* partial, unsigned int* counters,
+        const T* inp, const T* dout, int rows, int OC, int rows_per_chunk) {
+    constexpr int V = Vec16<T>::N;
+    typedef typename Vec16<T>::raw raw;
+    __shared__ float sh[8][32][V + 1];  // (+1: lanes V+1 floats apart, fewer bank conflicts)
+    __shared__ bool is_last;
+    const int tx = threadIdx.x, ty = threadIdx.y;
+    const int col = V * (blockIdx.x * 32 + tx);
+    const int ncol = min(V, OC - col);  // <= 0: this lane is past the row
+    const bool vec = OC % V == 0;
+    const int r0 = blockIdx.y * rows_per_chunk, r1 = min(rows, r0 + rows_per_chunk);
+    float s[V];
+#pragma unroll
+    for (int k = 0; k < V; k++) s[k] = 0.0f;
+    if (ncol > 0) {
+        for (int n = r0 + ty; n < r1; n += 8 * GELU_CS_UNROLL) {
+            // the group's rows held as raw 16-byte words (bf16: 4 registers for 8 values), unpacked on use
+            raw xr[GELU_CS_UNROLL], dr[GELU_CS_UNROLL];
+#pragma unroll
+            for (int u = 0; u < GELU_CS_UNROLL; u++) {  // every load of the group before any store
+                const int r = n + 8 * u;
+                if (r < r1) {  // (!vec: guarded scalar loads packed into the same bits, zeros past OC)
+                    xr[u] = load_raw<T>(inp + (size_t)r * OC + col, vec, ncol);
+                    dr[u] = load_raw<T>(dout + (size_t)r * OC + col, vec, ncol);
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < GELU_CS_UNROLL; u++) {
+                const int r = n + 8 * u;
+                if (r < r1) {
+                    float x[V], d[V];
+                    Vec16<T>::unpack(x, xr[u]);
+                    Vec16<T>::unpack(d, dr[u]);
+#pragma unroll
+                    for (int k = 0; k < V; k++) x[k] = gelu_grad_t<T>(x[k]) * d[k];
+                    round_to<T, V>(x);
+#pragma unroll
+                    for (int k = 0; k < V; k++) s[k] += x[k];  // (past OC: 0 * gelu'(0) = 0, never stored)
+                    store_vec<T>(dinp + (size_t)r * OC + col, x, vec, ncol);
+                }
+            }
+        }
+    }
+    // the 8 row-lanes in order into this chunk's partial row
+#pragma unroll
+    for (int k = 0; k < V; k++) sh[ty][tx][k] = s[k];
+    __syncthreads();
+    if (ty == 0 && ncol > 0) {
+#pragma unroll
+        for (int y = 1; y < 8; y++) {
+#pragma unroll
+            for (int k = 0; k < V; k++) s[k] += sh[y][tx][k];
+        }
+        float* p = partial + (size_t)blockIdx.y * OC + col;
+#pragma unroll
+        for (int k = 0; k < V; k++) if (k < ncol) p[k] = s[k];
+    }
+    __threadfence();  // this block's partial is visible device-wide before its ticket is taken
+    __syncthreads();
+    if (tx == 0 && ty == 0) is_last = atomicAdd(&counters[blockIdx.x], 1u) == gridDim.y - 1;
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    // the last block of this column block: chunks ty, ty+8, ... then the row-lanes in order
+#pragma unroll
+    for (int k = 0; k < V; k++) s[k] = 0.0f;
+    if (ncol > 0) {
+#pragma unroll 4
+        for (int c = ty; c < (int)gridDim.y; c += 8) {  // (unrolled: several chunks' loads in flight)
+            const float* p = partial + (size_t)c * OC + col;
+#pragma unroll
+            for (int k = 0; k < V; k++) if (k < ncol) s[k] += __ldcg(p + k);
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < V; k++) sh[ty][tx][k] = s[k];
+    __syncthreads();
+    if (ty == 0 && ncol > 0) {
+#pragma unroll
+        for (int y = 1; y < 8; y++) {
+#pragma unroll
+            for (int k = 0; k < V; k++) s[k] += sh[y][tx][k];
+        }
+#pragma unroll
+        for (int k = 0; k < V; k++)
+            if (k < ncol) colsum[col + k] = from_f32<T>(to_f32(colsum[col + k]) + s[k]);
+    }
+    if (tx == 0 && ty == 0) counters[blockIdx.x] = 0u;
+}
+
+extern "C" __global__ void gelu_backward_kernel2_colsum(float* dinp, float* colsum, float* partial,
+        unsigned int* counters, const float* inp, const float* dout, int rows, int OC, int rows_per_chunk) {
+    gelu_backward_colsum_t<float>(dinp, colsum, partial, counters, inp, dout, rows, OC, rows_per_chunk);
+}
+// (256, 4): 64 registers, 4 blocks (32 warps) an SM, each warp with 4 rows of 2 x 512 bytes in flight;
+// unbounded it took 72 (3 blocks); the fp32 build is at 64 by itself
+extern "C" __global__ void __launch_bounds__(256, 4) gelu_backward_kernel2_colsum_bf16(bf16* dinp, bf16* colsum, float* partial,
+        unsigned int* counters, const bf16* inp, const bf16* dout, int rows, int OC, int rows_per_chunk) {
+    gelu_backward_colsum_t<bf16>(dinp, colsum, partial, counters, inp, dout, rows, OC, rows_per_chunk);
 }

@@ -28,6 +28,8 @@
 //      instead of two; for C <= 1024, where the three rows fit in registers; above that it is 4)
 //   6  deterministic, persistent warps, next row prefetched, dweight/dbias in registers per lane,
 //      one shared-memory pass per block, then the reduce kernel (see "Variant 6" at the end)
+//   5 colsum: 5's fused form, also colsum (C) += column sums of the dinp it writes (the next linear
+//      layer's bias gradient, instead of a matmul_backward_bias pass; see "colsum" below)
 //
 // Memory traffic at the trainer's shape (N = 4096, C = 768, fp32; one row = 3 KB):
 //   forward  reads x (12.6 MB) and writes out (12.6 MB): 25.2 MB, 8.5 us at 2.98 TB/s
@@ -242,13 +244,14 @@ extern "C" __global__ void layernorm_backward_kernel2(float* dinp, float* dweigh
 // and lane l only ever touches its own channels, so no two threads write one address. At the end the
 // block sums its warps in order into scratch (G, 2, C); the reduce kernel then sums the G blocks.
 
-// sum the per-warp accumulators (nwarps, 2, C) in warp order into scratch row blockIdx.x
-__device__ __forceinline__ void ln_block_partials_to_scratch(float* scratch, const float* acc, int C) {
+// sum the per-warp accumulators (nwarps, K, C) in warp order into scratch row blockIdx.x (K = 2:
+// dweight | dbias; K = 3 with the colsum of the fused form, see "colsum" below)
+__device__ __forceinline__ void ln_block_partials_to_scratch(float* scratch, const float* acc, int C, int K = 2) {
     const int nwarps = blockDim.x / WARP_SIZE;
-    float* out = scratch + (size_t)blockIdx.x * 2 * C;
-    for (int c = threadIdx.x; c < 2 * C; c += blockDim.x) {
+    float* out = scratch + (size_t)blockIdx.x * K * C;
+    for (int c = threadIdx.x; c < K * C; c += blockDim.x) {
         float sum = 0.0f;
-        for (int w = 0; w < nwarps; w++) sum += acc[w * 2 * C + c];
+        for (int w = 0; w < nwarps; w++) sum += acc[w * K * C + c];
         out[c] = sum;
     }
 }
@@ -288,21 +291,29 @@ extern "C" __global__ void layernorm_backward_kernel3(float* dinp, float* scratc
     ln_block_partials_to_scratch(scratch, acc, C);
 }
 
-template <int NV, bool PREFETCH>
+// COLSUM (the fused form, "colsum" below): a third per-warp accumulator row, the column sums of
+// the dinp rows this warp stores (after the +=), so scratch is (G, 3, C)
+template <int NV, bool PREFETCH, bool COLSUM = false>
 __device__ __forceinline__ void layernorm_backward4(float* dinp, float* scratch,
         const float* dout, const float* inp, const float* weight, const float* mean, const float* rstd,
         int N, int C, int R) {
-    extern __shared__ float acc[];  // (nwarps, 2, C)
+    constexpr int K = COLSUM ? 3 : 2;
+    extern __shared__ float acc[];  // (nwarps, K, C)
     const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
     const int nwarps = blockDim.x / WARP_SIZE;
     const int C4 = C / 4;
-    float4* acc_w = reinterpret_cast<float4*>(acc + warp * 2 * C);  // C % 4 == 0: 16-byte aligned
+    float4* acc_w = reinterpret_cast<float4*>(acc + warp * K * C);  // C % 4 == 0: 16-byte aligned
     float4* acc_b = acc_w + C4;
+    float4* acc_s = acc_b + C4;  // (COLSUM only)
     const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
     for (int i = 0; i < NV; i++) {
         int c4 = lane + i * WARP_SIZE;
-        if (c4 < C4) { acc_w[c4] = zero; acc_b[c4] = zero; }
+        if (c4 < C4) {
+            acc_w[c4] = zero;
+            acc_b[c4] = zero;
+            if (COLSUM) acc_s[c4] = zero;
+        }
     }
     const int row_end = min(N, (blockIdx.x + 1) * R);
     for (int row = blockIdx.x * R + warp; row < row_end; row += nwarps) {
@@ -352,11 +363,16 @@ __device__ __forceinline__ void layernorm_backward4(float* dinp, float* scratch,
                 ab.x += d[i].x; ab.y += d[i].y; ab.z += d[i].z; ab.w += d[i].w;
                 acc_w[c4] = aw;
                 acc_b[c4] = ab;
+                if (COLSUM) {
+                    float4 as = acc_s[c4];
+                    as.x += g.x; as.y += g.y; as.z += g.z; as.w += g.w;
+                    acc_s[c4] = as;
+                }
             }
         }
     }
     __syncthreads();
-    ln_block_partials_to_scratch(scratch, acc, C);
+    ln_block_partials_to_scratch(scratch, acc, C, K);
 }
 
 #define LN_BWD_ENTRY(NV)                                                                             \
@@ -373,6 +389,18 @@ __device__ __forceinline__ void layernorm_backward4(float* dinp, float* scratch,
 LN_BWD_ENTRY(1) LN_BWD_ENTRY(2) LN_BWD_ENTRY(3) LN_BWD_ENTRY(4) LN_BWD_ENTRY(5) LN_BWD_ENTRY(6)
 LN_BWD_ENTRY(7) LN_BWD_ENTRY(8) LN_BWD_ENTRY(9) LN_BWD_ENTRY(10) LN_BWD_ENTRY(11) LN_BWD_ENTRY(12)
 LN_BWD_ENTRY(13) LN_BWD_ENTRY(14) LN_BWD_ENTRY(15) LN_BWD_ENTRY(16)
+
+// variant 5's fused form (colsum): scratch (G, 3, C), finished by layernorm_backward_reduce_colsum_kernel
+#define LN_BWD_COLSUM_ENTRY(NV)                                                                      \
+    extern "C" __global__ void layernorm_backward_kernel5_colsum_nv##NV(float* dinp, float* scratch, \
+            const float* dout, const float* inp, const float* weight, const float* mean,              \
+            const float* rstd, int N, int C, int R) {                                                 \
+        layernorm_backward4<NV, (NV <= 8), true>(dinp, scratch, dout, inp, weight, mean, rstd, N, C, R); \
+    }
+LN_BWD_COLSUM_ENTRY(1) LN_BWD_COLSUM_ENTRY(2) LN_BWD_COLSUM_ENTRY(3) LN_BWD_COLSUM_ENTRY(4)
+LN_BWD_COLSUM_ENTRY(5) LN_BWD_COLSUM_ENTRY(6) LN_BWD_COLSUM_ENTRY(7) LN_BWD_COLSUM_ENTRY(8)
+LN_BWD_COLSUM_ENTRY(9) LN_BWD_COLSUM_ENTRY(10) LN_BWD_COLSUM_ENTRY(11) LN_BWD_COLSUM_ENTRY(12)
+LN_BWD_COLSUM_ENTRY(13) LN_BWD_COLSUM_ENTRY(14) LN_BWD_COLSUM_ENTRY(15) LN_BWD_COLSUM_ENTRY(16)
 
 // dweight (C) +=, dbias (C) +=, scratch (G, 2, C). Block (32, 32): threadIdx.x picks the channel,
 // the 32 rows of threads sum blocks g = y, y+32, ... then thread row 0 adds the 32 sums in order.
@@ -515,19 +543,23 @@ __device__ __forceinline__ void layernorm_backward3_t(T* dinp, float* scratch,
 // accumulators are in channel order with a row stride Cp = C rounded up to V (the last vector of a
 // row may reach past C when C % V != 0; those lanes add zeros there), so a lane's V accumulators are
 // two (bf16) 16-byte shared accesses. vec == false: guarded scalar loads and stores, same layout.
-template <typename T, int NV>
+// COLSUM (the fused form, "colsum" below): a third accumulator row per warp, the column sums of the
+// dinp values it stores (as stored: rounded to T first), so scratch is (G, 3, C).
+template <typename T, int NV, bool COLSUM = false>
 __device__ __forceinline__ void layernorm_backward5_t(T* dinp, float* scratch,
         const T* dout, const T* inp, const T* weight, const float* mean, const float* rstd,
         int N, int C, int R) {
     constexpr int V = Vec16<T>::N;
+    constexpr int K = COLSUM ? 3 : 2;
     typedef typename Vec16<T>::raw raw;
-    extern __shared__ float acc_t[];  // (nwarps, 2, Cp)
+    extern __shared__ float acc_t[];  // (nwarps, K, Cp)
     const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
     const int nwarps = blockDim.x / WARP_SIZE;
     const int Cp = ceil_div(C, V) * V;
     const bool vec = C % V == 0;
-    float* acc_w = acc_t + warp * 2 * Cp;
+    float* acc_w = acc_t + warp * K * Cp;
     float* acc_b = acc_w + Cp;
+    float* acc_s = acc_b + Cp;  // (COLSUM only)
 #pragma unroll
     for (int i = 0; i < NV; i++) {
         const int c0 = V * (lane + i * WARP_SIZE);
@@ -536,6 +568,7 @@ __device__ __forceinline__ void layernorm_backward5_t(T* dinp, float* scratch,
             for (int k = 0; k < V; k += 4) {
                 store4(acc_w + c0 + k, make_float4(0.0f, 0.0f, 0.0f, 0.0f));
                 store4(acc_b + c0 + k, make_float4(0.0f, 0.0f, 0.0f, 0.0f));
+                if (COLSUM) store4(acc_s + c0 + k, make_float4(0.0f, 0.0f, 0.0f, 0.0f));
             }
         }
     }
@@ -597,20 +630,83 @@ __device__ __forceinline__ void layernorm_backward5_t(T* dinp, float* scratch,
                     store4(acc_w + c0 + k, aw);
                     store4(acc_b + c0 + k, ab);
                 }
+                if (COLSUM) {  // the column sums of dinp as stored (what a bias kernel would read back)
+                    round_to<T, V>(gv);
+#pragma unroll
+                    for (int k = 0; k < V; k += 4) {  // (past C, when !vec: padding columns, never read)
+                        float4 as = load4(acc_s + c0 + k);
+                        as.x += gv[k]; as.y += gv[k + 1]; as.z += gv[k + 2]; as.w += gv[k + 3];
+                        store4(acc_s + c0 + k, as);
+                    }
+                }
                 store_vec<T>(gr + c0, gv, vec, C - c0);
             }
         }
     }
     __syncthreads();
-    // the block's warps summed in order into scratch row blockIdx.x, in channel order
+    // the block's warps summed in order into scratch row blockIdx.x (K rows of C), in channel order
     const float* accs = acc_t;
-    float* out = scratch + (size_t)blockIdx.x * 2 * C;
+    float* out = scratch + (size_t)blockIdx.x * K * C;
     for (int c = threadIdx.x; c < C; c += blockDim.x) {
-        float sw = 0.0f, sb = 0.0f;
-        for (int w = 0; w < nwarps; w++) { sw += accs[w * 2 * Cp + c]; sb += accs[w * 2 * Cp + Cp + c]; }
-        out[c] = sw;
-        out[C + c] = sb;
+#pragma unroll
+        for (int r = 0; r < K; r++) {
+            float sum = 0.0f;
+            for (int w = 0; w < nwarps; w++) sum += accs[(w * K + r) * Cp + c];
+            out[r * C + c] = sum;
+        }
     }
+}
+
+// ----------------------------------------------------------------------------------------------
+// colsum: variant 5's fused form (layernorm_backward with colsum=True; llmc/ops/layernorm.py). The
+// model's linear layers feed the residual stream, so the bias gradient of the linear layer whose
+// output a layernorm's input is (fcproj after lnf and after the next layer's ln1, attproj after ln2)
+// is the column sum of exactly the dinp this kernel writes. Instead of a matmul_backward_bias pass
+// re-reading that (N, C) tensor, each warp adds the dinp values it stores into a third per-warp
+// accumulator row in shared memory (lane l owns its channels: no atomics), the block sums its warps
+// in order into scratch (G, 3, C), and the reduce below finishes all three in one fixed order:
+//   colsum (C) += sum over rows of dinp (the whole dinp after the +=; bf16: the stored bf16 values)
+// Extra cost over variant 5: the shared-memory row (K = 3: a third more per-warp smem, which at
+// C = 768 still leaves the kernels register-bound: 3 blocks of 256 per SM in bf16, 2 in fp32),
+// G * C more floats of scratch, and one more output in the reduce: no extra pass over (N, C).
+
+// the fixed-order reduce of the (G, 3, C) partials: dweight, dbias, colsum "+=" (read, add the fp32
+// total, round once to T); the same order as layernorm_backward_reduce_kernel
+template <typename T>
+__device__ __forceinline__ void layernorm_backward_reduce_colsum_t(T* dweight, T* dbias, T* colsum,
+        const float* scratch, int G, int C) {
+    __shared__ float sh[3][32][33];
+    const int c = blockIdx.x * 32 + threadIdx.x;
+    float acc[3] = {0.0f, 0.0f, 0.0f};
+    if (c < C) {
+        for (int g = threadIdx.y; g < G; g += 32) {
+#pragma unroll
+            for (int r = 0; r < 3; r++) acc[r] += scratch[((size_t)g * 3 + r) * C + c];
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 3; r++) sh[r][threadIdx.y][threadIdx.x] = acc[r];
+    __syncthreads();
+    if (threadIdx.y == 0 && c < C) {
+        float t[3] = {0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int y = 0; y < 32; y++) {
+#pragma unroll
+            for (int r = 0; r < 3; r++) t[r] += sh[r][y][threadIdx.x];
+        }
+        dweight[c] = from_f32<T>(to_f32(dweight[c]) + t[0]);
+        dbias[c] = from_f32<T>(to_f32(dbias[c]) + t[1]);
+        colsum[c] = from_f32<T>(to_f32(colsum[c]) + t[2]);
+    }
+}
+
+extern "C" __global__ void layernorm_backward_reduce_colsum_kernel(float* dweight, float* dbias, float* colsum,
+        const float* scratch, int G, int C) {
+    layernorm_backward_reduce_colsum_t<float>(dweight, dbias, colsum, scratch, G, C);
+}
+extern "C" __global__ void layernorm_backward_reduce_colsum_kernel_bf16(bf16* dweight, bf16* dbias, bf16* colsum,
+        const float* scratch, int G, int C) {
+    layernorm_backward_reduce_colsum_t<bf16>(dweight, dbias, colsum, scratch, G, C);
 }
 
 // the fixed-order reduce of the (G, 2, C) partials for any element type: as the fp32 kernel, then
@@ -653,6 +749,16 @@ extern "C" __global__ void layernorm_backward_kernel3_bf16(bf16* dinp, float* sc
     }
 LN_BWD_ENTRY_BF16(1) LN_BWD_ENTRY_BF16(2) LN_BWD_ENTRY_BF16(3) LN_BWD_ENTRY_BF16(4)
 LN_BWD_ENTRY_BF16(5) LN_BWD_ENTRY_BF16(6) LN_BWD_ENTRY_BF16(7) LN_BWD_ENTRY_BF16(8)
+
+// variant 5's fused form in bf16 (colsum above): scratch (G, 3, C)
+#define LN_BWD_COLSUM_ENTRY_BF16(NV)                                                                  \
+    extern "C" __global__ void layernorm_backward_kernel5_colsum_bf16_nv##NV(bf16* dinp,             \
+            float* scratch, const bf16* dout, const bf16* inp, const bf16* weight, const float* mean, \
+            const float* rstd, int N, int C, int R) {                                                 \
+        layernorm_backward5_t<bf16, NV, true>(dinp, scratch, dout, inp, weight, mean, rstd, N, C, R); \
+    }
+LN_BWD_COLSUM_ENTRY_BF16(1) LN_BWD_COLSUM_ENTRY_BF16(2) LN_BWD_COLSUM_ENTRY_BF16(3) LN_BWD_COLSUM_ENTRY_BF16(4)
+LN_BWD_COLSUM_ENTRY_BF16(5) LN_BWD_COLSUM_ENTRY_BF16(6) LN_BWD_COLSUM_ENTRY_BF16(7) LN_BWD_COLSUM_ENTRY_BF16(8)
 
 extern "C" __global__ void layernorm_backward_reduce_kernel_bf16(bf16* dweight, bf16* dbias,
         const float* scratch, int G, int C) {

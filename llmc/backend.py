@@ -35,6 +35,7 @@ class Backend(Protocol):
     def build(self, name, prefer=None, precision=None, **shape) -> ops.Built: ...  # one op at one shape
     def op(self, name, prefer=None, **shape): ...                   # build(...).launch
     def choose(self, name, prefer=None, precision=None, **shape) -> int: ...  # the variant build() would take
+    def fuses(self, name, form, **shape) -> int | None: ...        # the chosen variant, if it takes the fused form
     def named(self, name) -> bool: ...                              # the user chose this op's variant
     def memset0(self, buf): ...
     def upload(self, buf, host): ...
@@ -125,6 +126,15 @@ class _Choosing:
                 return alt
         return num
 
+    def fuses(self, name, form: dict, precision=None, **shape) -> int | None:
+        """The variant choose() picks for op `name` at `shape` if it also takes the op's fused form
+        `form` at that shape (an option and the shape keys that come with it: {"colsum": True, "OC":
+        3072}), else None. The caller then builds the fused form with prefer= that number (the
+        same variant, not a fallback that happens to have the option) or launches the parts."""
+        dt = precision or self.precision
+        num = self.choose(name, None, dt, **shape)
+        return num if ops.get(name).refuse_reason(num, dt, self._arch(), **shape, **form) is None else None
+
     def _uses(self, name, number) -> dict:
         """Build kwargs naming the variants chosen for the ops variant `number` is built from."""
         return {kw: self.kernels[op] for kw, op in ops.get(name).variant(number).uses.items()}
@@ -166,6 +176,9 @@ class CpuBackend(_Choosing):
 
     def choose(self, name, prefer=None, precision=None, **shape) -> int:
         return 0  # the numpy reference
+
+    def fuses(self, name, form, precision=None, **shape) -> int | None:
+        return 0  # the numpy launchers implement every form of their op
 
     def build(self, name, prefer=None, precision=None, **shape) -> ops.Built:
         return ops.get(name).build_cpu(**shape)  # (one dtype: self.dtype)

@@ -30,10 +30,16 @@ weights from the master with stochastic rounding (a uint32 seed per AdamW launch
 drawn each step from the run's rounding RNG `sr_state`: llm.c's xorshift, whose state the
 checkpoint's state file holds, so a resumed run draws the same seeds). stochastic_rounding = False
 writes seed 0: round to nearest even (the tests).
+
+Bias gradients: fcproj's, attproj's and fc's are column sums of dres and dfch, which a layernorm
+backward and GELU backward write just before; where the chosen variants have the fused form
+(colsum=True: layernorm_backward 5, gelu_backward 2) those kernels add the sums as they write, and
+no matmul_backward_bias runs for them (fuse_bias=False or LLMC_FUSED_BIAS=0: the separate passes).
 """
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 
@@ -69,7 +75,7 @@ def next_seed(state: int) -> tuple[int, int]:
 
 class GPT2:
     def __init__(self, cfg: GPT2Config, backend, B: int, T: int, training: bool = True, params_buf=None,
-                 optimizer: bool = True, recompute: int = 1):
+                 optimizer: bool = True, recompute: int = 1, fuse_bias: bool | None = None):
         if T > cfg.max_seq_len:
             raise LLMCError(f"-t/--seq-len {T}: longer than the model's max sequence length {cfg.max_seq_len}")
         if B < 1 or T < 1:
@@ -136,14 +142,32 @@ class GPT2:
                 "mmb_fc": op("matmul_backward", N=N, C=C, OC=4 * C),
                 "mmb_attproj": op("matmul_backward", N=N, C=C, OC=C),
                 "mmb_qkv": op("matmul_backward", N=N, C=C, OC=3 * C),
-                "bias_C": op("matmul_backward_bias", N=N, OC=C),
                 "bias_3C": op("matmul_backward_bias", N=N, OC=3 * C),
-                "bias_4C": op("matmul_backward_bias", N=N, OC=4 * C),
                 "gelu_backward": op("gelu_backward", N=N * 4 * C),
                 "attention_backward": op("attention_backward", B=B, T=T, C=C, NH=NH),
                 "encoder_backward": op("encoder_backward", B=B, T=T, C=C),
                 "global_norm": op("global_norm", n=self.num_params),
             })
+            # The bias gradients of fcproj, attproj (C) and fc (4C) are column sums of tensors that the
+            # kernel just before them writes: dres (a layernorm backward's dinp) and dfch (GELU
+            # backward's dinp). Where the chosen variant has the op's fused form (colsum=True), it sums
+            # them as it writes them; otherwise matmul_backward_bias re-reads them (docs/ops.md).
+            # fuse_bias=False (or LLMC_FUSED_BIAS=0) launches the bias passes with the same variants:
+            # the A/B of the fusion alone (dev/bench_step.py)
+            if fuse_bias is None:
+                fuse_bias = os.environ.get("LLMC_FUSED_BIAS", "1") != "0"
+            ln_fused = be.fuses("layernorm_backward", dict(colsum=True), N=N, C=C) if fuse_bias else None
+            gelu_fused = be.fuses("gelu_backward", dict(colsum=True, OC=4 * C), N=N * 4 * C) if fuse_bias else None
+            self.fused_bias = {"layernorm_backward": ln_fused is not None, "gelu_backward": gelu_fused is not None}
+            if ln_fused is not None:
+                self.built["layernorm_backward_colsum"] = op("layernorm_backward", prefer=ln_fused, N=N, C=C, colsum=True)
+            else:
+                self.built["bias_C"] = op("matmul_backward_bias", N=N, OC=C)
+            if gelu_fused is not None:
+                self.built["gelu_backward_colsum"] = op("gelu_backward", prefer=gelu_fused, N=N * 4 * C, OC=4 * C,
+                                                        colsum=True)
+            else:
+                self.built["bias_4C"] = op("matmul_backward_bias", N=N, OC=4 * C)
         if self.has_optimizer:
             # AdamW runs over contiguous ranges of the flat buffer with one weight-decay flag each
             self.update_ranges = self._decay_ranges()
@@ -446,26 +470,33 @@ class GPT2:
 
         k["mmb_lmhead"](dbtc, g["wte"], a["logits"], a["lnf"], p["wte"])       # dlnf (B,T,C); dwte +=
         self.be.memset0(dres)
-        k["layernorm_backward"](dres, g["lnfw"], g["lnfb"], dbtc, a["residual3"][L - 1],
-                                p["lnfw"], a["lnf_mean"], a["lnf_rstd"])          # dres = d residual3[L-1]
+        # dres = d residual3[L-1]; its column sums are fcprojb's gradient of the last layer
+        self._ln_backward(g["fcprojb"][L - 1], dres, g["lnfw"], g["lnfb"], dbtc, a["residual3"][L - 1],
+                          p["lnfw"], a["lnf_mean"], a["lnf_rstd"])
         for l in reversed(range(L)):
             residual = a["encoded"] if l == 0 else a["residual3"][l - 1]
             # MLP: residual3 = residual2 + fcproj(gelu(fc(ln2)))
             if self.recompute >= 1:
                 k["gelu_forward"](fch_gelu[l], a["fch"][l])                        # recompute (B,T,4C)
             k["mmb_fcproj"](dfch, g["fcprojw"][l], dres, fch_gelu[l], p["fcprojw"][l])  # d fch_gelu
-            k["bias_C"](g["fcprojb"][l], dres)
-            k["gelu_backward"](dfch, a["fch"][l], dfch)                             # in place: d fch
+            if not self.fused_bias["layernorm_backward"]:
+                k["bias_C"](g["fcprojb"][l], dres)
+            if self.fused_bias["gelu_backward"]:                                    # in place: d fch;
+                k["gelu_backward_colsum"](dfch, g["fcb"][l], a["fch"][l], dfch)    # fcb += its column sums
+            else:
+                k["gelu_backward"](dfch, a["fch"][l], dfch)                         # in place: d fch
             if self.recompute == 2:                                                 # recompute ln2 (B,T,C)
                 k["layernorm_forward"](ln2[l], a["rc_mean"], a["rc_rstd"], a["residual2"][l],
                                        p["ln2w"][l], p["ln2b"][l])
             k["mmb_fc"](dbtc, g["fcw"][l], dfch, ln2[l], p["fcw"][l])               # d ln2 (B,T,C)
-            k["bias_4C"](g["fcb"][l], dfch)
-            k["layernorm_backward"](dres, g["ln2w"][l], g["ln2b"][l], dbtc, a["residual2"][l],
-                                    p["ln2w"][l], a["ln2_mean"][l], a["ln2_rstd"][l])  # dres = d residual2
+            if not self.fused_bias["gelu_backward"]:
+                k["bias_4C"](g["fcb"][l], dfch)
+            self._ln_backward(g["attprojb"][l], dres, g["ln2w"][l], g["ln2b"][l], dbtc, a["residual2"][l],
+                              p["ln2w"][l], a["ln2_mean"][l], a["ln2_rstd"][l])    # dres = d residual2
             # attention: residual2 = residual + attproj(attention(qkv(ln1)))
             k["mmb_attproj"](dbtc, g["attprojw"][l], dres, a["atty"][l], p["attprojw"][l])  # d atty
-            k["bias_C"](g["attprojb"][l], dres)
+            if not self.fused_bias["layernorm_backward"]:
+                k["bias_C"](g["attprojb"][l], dres)
             if before_attention is not None:
                 before_attention(l)
             k["attention_backward"](dqkv, dbtc, a["qkvr"][l], a["att"][l], a["atty"][l])  # d qkv (B,T,3C)
@@ -473,13 +504,23 @@ class GPT2:
                 k["layernorm_forward"](ln1[l], a["rc_mean"], a["rc_rstd"], residual, p["ln1w"][l], p["ln1b"][l])
             k["mmb_qkv"](dbtc, g["qkvw"][l], dqkv, ln1[l], p["qkvw"][l])           # d ln1 (B,T,C)
             k["bias_3C"](g["qkvb"][l], dqkv)
-            k["layernorm_backward"](dres, g["ln1w"][l], g["ln1b"][l], dbtc, residual,
-                                    p["ln1w"][l], a["ln1_mean"][l], a["ln1_rstd"][l])  # dres = d residual
+            # dres = d residual; its column sums are fcprojb's gradient of the layer below (none at l = 0)
+            self._ln_backward(g["fcprojb"][l - 1] if l > 0 else None, dres, g["ln1w"][l], g["ln1b"][l], dbtc,
+                              residual, p["ln1w"][l], a["ln1_mean"][l], a["ln1_rstd"][l])
             if on_layer_grads is not None:
                 on_layer_grads(l)
         k["encoder_backward"](g["wte"], g["wpe"], dres, self.inputs)
         if on_layer_grads is not None:
             on_layer_grads(None)
+
+    def _ln_backward(self, next_dbias, dinp, dweight, dbias, dout, inp, weight, mean, rstd) -> None:
+        """layernorm_backward (dinp, dweight, dbias +=); with the fused form also next_dbias += the
+        column sums of dinp after it (the bias gradient of the linear layer whose output dinp is the
+        gradient of), else that is left to the caller's matmul_backward_bias."""
+        if next_dbias is not None and self.fused_bias["layernorm_backward"]:
+            self.k["layernorm_backward_colsum"](dinp, dweight, dbias, next_dbias, dout, inp, weight, mean, rstd)
+        else:
+            self.k["layernorm_backward"](dinp, dweight, dbias, dout, inp, weight, mean, rstd)
 
     def train_micro_step(self, x: np.ndarray, y: np.ndarray, on_layer_grads=None, before_attention=None,
                          before_layer=None, custom=None) -> None:

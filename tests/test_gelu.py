@@ -195,3 +195,121 @@ def test_bf16_vector_kernel_takes_a_tail(rt, rng):
     assert (got[N:] == 0xFFFF).all()
     ref = gelu_forward_ref(from_bf16(xb).astype(np.float64))
     assert_close(from_bf16(got[:N]), ref, 1e-5 * _rms(ref), BF16_RTOL, "out")
+
+
+# ----------------------------------------------------------------------------------------------
+# the fused form (colsum=True, with OC the row length): gelu_backward also adds the column sums of
+# dinp, viewed as (N/OC, OC), into colsum (fc's bias gradient), instead of a matmul_backward_bias pass
+
+def _colsum_variants():
+    return [(n, dt) for n, v in sorted(BWD.variants.items()) if "colsum" in v.options for dt in v.dtypes]
+
+
+def test_colsum_cpu_launcher_is_backward_then_bias(rng):
+    """In place, as the model runs it: the plain launch, then matmul_backward_bias's cpu sum, bit for bit."""
+    rows, OC = 6, 40
+    x, dout = inputs(rng, rows * OC, np.float32)
+    cs0 = rng.standard_normal(OC).astype(np.float32)
+    d, cs = dout.copy(), cs0.copy()
+    BWD.cpu(N=rows * OC, OC=OC, colsum=True)(d, cs, x, d)
+    d2, cs2 = dout.copy(), cs0.copy()
+    BWD.cpu(N=rows * OC)(d2, x, d2)
+    ops.get("matmul_backward_bias").cpu(N=rows, OC=OC)(cs2, d2)
+    np.testing.assert_array_equal(d, d2)
+    np.testing.assert_array_equal(cs, cs2)
+    assert not np.array_equal(cs, cs0)
+
+
+def test_colsum_only_where_declared(rng):
+    """Variant 2 (the default) has the fused form in both dtypes and takes any OC (rows that are
+    not 16-byte aligned go scalar); variant 1 refuses it; N must be whole rows; the build's grid
+    covers the columns in blocks of 32 vectors and fills one wave, its launch has the kernel's
+    argument count (the fake runtime checks it against the PTX)."""
+    from tests.fake_runtime import FakeRuntime
+    assert (2, "fp32") in _colsum_variants() and (2, "bf16") in _colsum_variants()
+    assert "has no colsum option" in BWD.refuse_reason(1, "fp32", N=4 * 3072, OC=3072, colsum=True)
+    assert "whole rows" in BWD.refuse_reason(2, "bf16", N=4 * 3072 + 1, OC=3072, colsum=True)
+    assert BWD.refuse_reason(2, "fp32", N=65 * 66, OC=66, colsum=True) is None
+    assert "fixed" in BWD.refuse_reason(2, "fp32", N=65 * 66, OC=66, colsum=True, block_size=128)
+    for rows, OC in [(1, 3072), (65, 80), (16384, 3072), (9, 100)]:
+        for dtype, V in (("fp32", 4), ("bf16", 8)):
+            rt = FakeRuntime()
+            built = BWD.build(rt, 2, dtype, N=rows * OC, OC=OC, colsum=True)
+            built(*[rt.empty(8) for _ in range(4)])
+            (launch,) = rt.launches
+            assert launch.grid[0] * 32 * V >= OC > (launch.grid[0] - 1) * 32 * V and launch.block == (32, 8, 1)
+            nchunks, rows_per_chunk = launch.grid[1], int(launch.args[-1])
+            assert rows_per_chunk % 8 == 0 and (nchunks - 1) * rows_per_chunk < rows <= nchunks * rows_per_chunk
+            assert built.scratch["partials"].shape == (nchunks, OC)
+
+
+# (rows, OC): one row, 65 rows, C not a power of two, OC % 8 == 4 and OC % 4 == 2 (scalar paths), GPT-2's
+# 4C at several row counts (many chunks a column block: the ticket and the fixed-order finish)
+COLSUM_SHAPES = [(1, 3072), (65, 3072), (65, 80), (130, 384), (9, 100), (33, 66), (257, 6400), (4099, 3072)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("rows,OC", COLSUM_SHAPES)
+@pytest.mark.parametrize("number,dtype", _colsum_variants())
+def test_backward_colsum_gpu(rt, rng, number, dtype, rows, OC, in_place):
+    """Against the float64 reference: dinp (poisoned first when not in place) as the plain test, and
+    bit-identical to the plain build's; colsum "+=" onto random values = the sum of the dinp the
+    kernel stored (bf16: its rounded values, what matmul_backward_bias would read). The partials are
+    poisoned before the launch: a chunk the kernel forgets to write is NaN in the sum."""
+    N = rows * OC
+    bf = dtype == "bf16"
+    up = (lambda a: rt.to_device(to_bf16(a))) if bf else (lambda a: rt.to_device(a.astype(np.float32)))
+    down = (lambda d: from_bf16(d.get()).astype(np.float64)) if bf else (lambda d: d.get().astype(np.float64))
+    x, dout = inputs(rng, N, np.float32)
+    if bf:
+        x, dout = from_bf16(to_bf16(x)), from_bf16(to_bf16(dout))
+    cs0 = rng.standard_normal(OC).astype(np.float32)
+    if bf:
+        cs0 = from_bf16(to_bf16(cs0))
+    fused = BWD.build(rt, number, dtype, N=N, OC=OC, colsum=True)
+    poison(fused.scratch["partials"])
+    d_x, d_dout, colsum = up(x), up(dout), up(cs0)
+    dinp = d_dout if in_place else rt.empty(N, BF16 if bf else np.float32)
+    if not in_place:
+        poison(dinp)
+    fused(dinp, colsum, d_x, d_dout)
+    if BWD.variants[number].refuse_reason(N=N) is None:  # (the plain fp32 form asks N % 4 == 0)
+        plain = rt.empty(N, BF16 if bf else np.float32)
+        BWD.build(rt, number, dtype, N=N)(plain, d_x, up(dout))
+        np.testing.assert_array_equal(dinp.get(), plain.get())
+    ref = gelu_backward_ref(x.astype(np.float64), dout.astype(np.float64))
+    got = down(dinp)
+    assert_close(got, ref, 1e-5 * _rms(ref), BF16_RTOL if bf else 1e-5, "dinp")
+    # colsum: `rows` values of O(1) summed in fp32 (per thread, over 8 row-lanes, over chunks) onto
+    # O(1): 1e-4 abs + rel, scaled by sqrt(rows / 257) past 257 rows; bf16 adds one rounding (2^-8)
+    tol = 1e-4 * max(1.0, np.sqrt(rows / 257))
+    assert_close(down(colsum), cs0 + got.reshape(rows, OC).sum(axis=0), tol, BF16_RTOL if bf else 1e-4, "colsum")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("number,dtype", _colsum_variants())
+def test_backward_colsum_deterministic_replays_and_rounds_once(rt, rng, number, dtype):
+    """One build launched three times (as a graph replays it: the finishing blocks must have reset
+    their tickets) gives the same bits each time; and colsum is rounded once: 512 rows of
+    dinp = 1 * 2^-9 (gelu'(10) = 1 in fp32) onto colsum = 1.0 give 2.0, where adding row by row in bf16
+    would stay at 1.0."""
+    bf = dtype == "bf16"
+    up = (lambda a: rt.to_device(to_bf16(a))) if bf else (lambda a: rt.to_device(a.astype(np.float32)))
+    rows, OC = 4099, 3072
+    x, dout = (up(a) for a in inputs(rng, rows * OC, np.float32))
+    launch = BWD.build(rt, number, dtype, N=rows * OC, OC=OC, colsum=True)
+    results = []
+    for _ in range(3):
+        dinp, colsum = rt.empty(rows * OC, BF16 if bf else np.float32), up(np.zeros(OC))
+        launch(dinp, colsum, x, dout)
+        results.append((dinp.get(), colsum.get()))
+    for r in results[1:]:
+        np.testing.assert_array_equal(r[0], results[0][0])
+        np.testing.assert_array_equal(r[1], results[0][1])
+    rows = 512
+    d = up(np.full(rows * OC, 2.0 ** -9))
+    colsum = up(np.ones(OC))
+    BWD.build(rt, number, dtype, N=rows * OC, OC=OC, colsum=True)(d, colsum, up(np.full(rows * OC, 10.0)), d)
+    got = from_bf16(colsum.get()) if bf else colsum.get()
+    np.testing.assert_array_equal(got, np.full(OC, 2.0, np.float32))

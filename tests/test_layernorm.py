@@ -318,3 +318,127 @@ def test_backward_bf16_deterministic_and_rounds_once(rt, rng, number):
     dbias = rt.to_device(to_bf16(np.ones(C, np.float32)))
     BWD.build(rt, number, "bf16", N=N, C=C)(rt.zeros((N, C), BF16), rt.zeros(C, BF16), dbias, *ins)
     np.testing.assert_array_equal(from_bf16(dbias.get()), np.full(C, 1.0 + N * 2.0 ** -9, np.float32))
+
+
+# ----------------------------------------------------------------------------------------------
+# the fused form (colsum=True): layernorm_backward also adds the column sums of the dinp it writes
+# into colsum (the next linear layer's bias gradient), instead of a matmul_backward_bias pass
+
+def _colsum_variants():
+    return [(n, dt) for n, v in sorted(BWD.variants.items()) if "colsum" in v.options for dt in v.dtypes]
+
+
+def test_colsum_cpu_launcher_is_backward_then_bias(rng):
+    """The cpu fused form = the plain launch, then matmul_backward_bias's cpu sum of the whole dinp
+    (after its +=): bit for bit, so the numpy model is the same with or without the fusion."""
+    N, C = 10, 24
+    x, w, b, dout = inputs(rng, N, C, np.float32)
+    _, mean, rstd = layernorm_forward_ref(x, w, b)
+    init = [rng.standard_normal(s).astype(np.float32) for s in ((N, C), C, C, C)]
+    fused = [a.copy() for a in init]
+    BWD.cpu(N=N, C=C, colsum=True)(*fused, dout, x, w, mean, rstd)
+    plain = [a.copy() for a in init]
+    BWD.cpu(N=N, C=C)(*plain[:3], dout, x, w, mean, rstd)
+    ops.get("matmul_backward_bias").cpu(N=N, OC=C)(plain[3], plain[0])
+    for f, p_ in zip(fused, plain):
+        np.testing.assert_array_equal(f, p_)
+    assert not np.array_equal(fused[3], init[3])
+
+
+def test_colsum_only_where_declared_and_scratch(rng):
+    """Variant 5 (the default) has the fused form in both dtypes; every other variant refuses it in
+    one line; the fused build allocates the (G, 3, C) partials it declares, launches its kernel and
+    the colsum reduce with one more pointer."""
+    from tests.fake_runtime import FakeRuntime
+    assert (5, "fp32") in _colsum_variants() and (5, "bf16") in _colsum_variants()
+    for num in BWD.variants:
+        if num != 5:
+            assert "has no colsum option" in BWD.refuse_reason(num, "fp32", N=64, C=768, colsum=True)
+    assert "multiple of 4" in BWD.refuse_reason(5, "fp32", N=64, C=66, colsum=True)
+    for N, C in [(1, 768), (65, 80), (16384, 768), (64, 1600), (9, 100)]:
+        for dtype in ("fp32", "bf16"):
+            if BWD.refuse_reason(5, dtype, N=N, C=C, colsum=True):
+                continue
+            rt = FakeRuntime()
+            built = BWD.build(rt, 5, dtype, N=N, C=C, colsum=True)
+            assert rt.allocated_bytes == BWD.variants[5].scratch_bytes(N=N, C=C, colsum=True)
+            assert rt.built[0].startswith("layernorm_backward_kernel5_colsum")
+            assert rt.built[1] == "layernorm_backward_reduce_colsum_kernel" + ("_bf16" if dtype == "bf16" else "")
+            built(*[rt.empty(8) for _ in range(9)])
+            grid = rt.launches[0].grid[0]
+            assert grid * 3 * C * 4 <= rt.allocated_bytes and grid <= N
+
+
+def _upload(rt, dtype, a):
+    return rt.to_device(to_bf16(a) if dtype == "bf16" else a.astype(np.float32))
+
+
+def _download(dtype, d):
+    return (from_bf16(d.get()) if dtype == "bf16" else d.get()).astype(np.float64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,C", SHAPES_BF16 + [(4099, 768)])
+@pytest.mark.parametrize("number,dtype", _colsum_variants())
+def test_backward_colsum_gpu(rt, rng, number, dtype, N, C):
+    """The fused form against the float64 reference, "+=" onto random values (colsum too), the
+    partials poisoned first (a block row the kernel forgets is NaN in the sum); dinp, dweight and
+    dbias are bit-identical to the plain build's (the fusion only adds a sum); colsum is the sum of
+    the dinp the kernel stored (bf16: its rounded values), which is what matmul_backward_bias reads."""
+    reason = BWD.refuse_reason(number, dtype, N=N, C=C, colsum=True)
+    if reason:  # variant 5 (either dtype) refuses only C % 4 != 0 of these shapes
+        assert C % 4 and "multiple of 4" in reason, reason
+        return
+    val = round_bf16 if dtype == "bf16" else (lambda a: a.astype(np.float32))
+    x, w, b, dout = (val(a) for a in inputs(rng, N, C))
+    _, mean, rstd = layernorm_forward_ref(x.astype(np.float64), w.astype(np.float64), b.astype(np.float64))
+    mean, rstd = mean.astype(np.float32), rstd.astype(np.float32)
+    init = [val(rng.standard_normal(s)) for s in ((N, C), C, C, C)]
+    ins = [_upload(rt, dtype, a) for a in (dout, x, w)] + [rt.to_device(mean), rt.to_device(rstd)]
+    fused = BWD.build(rt, number, dtype, N=N, C=C, colsum=True)
+    poison(fused.scratch["partials"])
+    outs = [_upload(rt, dtype, a) for a in init]
+    fused(*outs, *ins)
+    plain = [_upload(rt, dtype, a) for a in init[:3]]
+    BWD.build(rt, number, dtype, N=N, C=C)(*plain, *ins)
+    for name, f, p_ in zip(("dinp", "dweight", "dbias"), outs, plain):
+        np.testing.assert_array_equal(f.get(), p_.get(), err_msg=name)
+    gi, gw, gb = layernorm_backward_ref(*(a.astype(np.float64) for a in (dout, x, w, mean, rstd)))
+    rtol = BF16_RTOL if dtype == "bf16" else 1e-5
+    dinp = _download(dtype, outs[0])
+    assert_close(dinp, init[0] + gi, 1e-5, rtol, "dinp")
+    # colsum: N rows of O(1) values summed in fp32 (per warp, per block, over blocks) onto O(1): the
+    # fp32 dbias budget of the plain test, 1e-4 abs + rel, scaled by sqrt(N / 257) past its shapes;
+    # bf16 adds one rounding of the total (2^-8)
+    tol = 1e-4 * max(1.0, np.sqrt(N / 257))
+    assert_close(_download(dtype, outs[3]), init[3] + dinp.sum(axis=0), tol, max(rtol, 1e-4), "colsum")
+    if dtype == "fp32":  # (bf16: the stored dinp's roundings add up to ~sqrt(N) 2^-9 over the rows)
+        assert_close(outs[3].get(), init[3] + (init[0] + gi).sum(axis=0), tol, 1e-4, "colsum vs float64 dinp")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("number,dtype", _colsum_variants())
+def test_backward_colsum_deterministic_and_rounds_once(rt, rng, number, dtype):
+    """Two launches of one build (as a graph replays it) give the same bits, colsum included; and
+    colsum is rounded once: N rows of dinp = 2^-9 (dout = 0 adds nothing to it) onto colsum = 1.0
+    give 1 + N 2^-9 = 2.0, where adding row by row in bf16 would stay at 1.0."""
+    N, C = 1031, 768
+    val = round_bf16 if dtype == "bf16" else (lambda a: a.astype(np.float32))
+    x, w, b, dout = (val(a) for a in inputs(rng, N, C))
+    _, mean, rstd = (a.astype(np.float32) for a in layernorm_forward_ref(x, w, b))
+    ins = [_upload(rt, dtype, a) for a in (dout, x, w)] + [rt.to_device(mean), rt.to_device(rstd)]
+    launch = BWD.build(rt, number, dtype, N=N, C=C, colsum=True)
+    results = []
+    for _ in range(2):
+        outs = [_upload(rt, dtype, np.zeros(s)) for s in ((N, C), C, C, C)]
+        launch(*outs, *ins)
+        results.append([o.get() for o in outs])
+    for a, b_ in zip(*results):
+        np.testing.assert_array_equal(a, b_)
+    N = 512
+    ins = [_upload(rt, dtype, np.zeros((N, C))), _upload(rt, dtype, np.ones((N, C))), _upload(rt, dtype, np.ones(C)),
+           rt.zeros(N), rt.to_device(np.ones(N, np.float32))]
+    dinp, colsum = _upload(rt, dtype, np.full((N, C), 2.0 ** -9)), _upload(rt, dtype, np.ones(C))
+    BWD.build(rt, number, dtype, N=N, C=C, colsum=True)(dinp, _upload(rt, dtype, np.zeros(C)),
+                                                         _upload(rt, dtype, np.zeros(C)), colsum, *ins)
+    np.testing.assert_array_equal(_download(dtype, colsum), np.full(C, 2.0))

@@ -3,11 +3,18 @@ fp32 and bf16.
 
     python dev/cuda/gelu_backward.py            # every variant and dtype, block-size sweep, table
     python dev/cuda/gelu_backward.py 2 --quick --dtype bf16 --batch 16
+    python dev/cuda/gelu_backward.py 2 --quick --batch 16       # + the fused colsum rows (see below)
 
 Bytes counted: each input read once, the output written once (forward 2N elements, backward 3N; 4
 bytes each in fp32, 2 in bf16). bf16 rows ("2 bf16") run on bf16 copies of the inputs against the
 float64 reference on those values: one rounding of the output, rtol 2^-8; atol 1e-5 of the output's
 rms for the values near a zero of the function, where the fp32 math's absolute error is what's left.
+
+The fused form (colsum=True with OC = 4C; variants that have it): "<n> colsum" also sums dinp, as
+(B*T, 4C) rows, into colsum (4C) (fc's bias gradient), timed beside "<n> + bias", the plain variant
+then matmul_backward_bias (its default) over the same dinp: what the model launches without the
+fusion (once a layer). Both run in place, as the model does (dout is dinp); bytes counted for both
+rows: the plain op's 3N plus colsum read and written, so "+ bias" shows the bias pass's N more as time.
 """
 
 import numpy as np
@@ -48,4 +55,37 @@ for n in L.selected(spec):
             fn = lambda: launch(d_out, *ins)  # noqa: E731  (the model runs it in place; same bytes)
             L.validate(label, fn, outputs={"dinp": d_out}, refs={"dinp": ref}, atol=atol, rtol=rtol)
             L.time(label, fn, block_size=bs or "default", bytes=size * 3 * N, ceiling="dram")
+
+# -- the fused form beside the unfused pair it replaces (in place, as the model runs it)
+bias_spec = ops.get("matmul_backward_bias")
+OC, rows = 4 * C, B * T
+for n in L.selected(spec):
+    if "colsum" not in spec.variants[n].options:
+        continue
+    for dt in L.dtypes(spec.variants[n]):
+        L.section(f"colsum {dt}")
+        ins, d_out, ref, size, atol, rtol = data[dt]
+        val, up = (lambda a: a, lambda a: a) if dt == "fp32" else (round_bf16, to_bf16)
+        cs_init = lab.rand(rng, OC)
+        colsum = rt.empty(OC, np.float32 if dt == "fp32" else BF16)
+        # colsum's reference: the float64 dinp's column sums; in bf16 the kernel sums its rounded dinp
+        # (~sqrt(rows) 2^-9 of |dinp| over the rows): 2e-2 of the sums' rms; fp32 1e-3 (sums of ~4k rows)
+        cs_ref = val(cs_init).astype(np.float64) + ref.reshape(rows, OC).sum(axis=0)
+        rms = float(np.sqrt(np.mean(cs_ref ** 2)))
+        cs_atol = 1e-3 * max(1.0, np.sqrt(rows / 4096)) if dt == "fp32" else 2e-2 * rms
+        fused = spec.build(rt, n, dt, N=N, OC=OC, colsum=True)
+        plain = spec.build(rt, n, dt, N=N)
+        bias = bias_spec.build(rt, bias_spec.default_for(dt), dt, N=rows, OC=OC)
+        nbytes = spec.cost(N=N, OC=OC, dtype=dt, colsum=True)[1]
+        d_x, d_dout = ins
+        fn = lambda: fused(d_out, colsum, d_x, d_out)  # noqa: E731  (in place: d_out holds dout first)
+        fn_pair = lambda: (plain(d_out, d_x, d_out), bias(colsum, d_out))  # noqa: E731
+        for label, f in ((f"{n} colsum {dt}", fn), (f"{n} + bias {bias.number} {dt}", fn_pair)):
+            init = {"dinp": up(val(dout)), "colsum": up(cs_init)}  # d_out starts as dout (in place)
+            L.validate(label, f, outputs={"dinp": d_out}, refs={"dinp": ref}, atol=atol, rtol=rtol, init=init)
+            d_out.set(init["dinp"])  # (the launch above overwrote dout: start it over)
+            L.validate(label, f, outputs={"colsum": colsum}, refs={"colsum": cs_ref}, atol=cs_atol, rtol=rtol,
+                       init=init)
+            # (timed in place over whatever d_out holds: the time does not depend on the values)
+            L.time(label, f, bytes=nbytes, ceiling="dram")
 L.finish()

@@ -4,6 +4,7 @@
     python dev/cuda/layernorm_backward.py 3 4
     python dev/cuda/layernorm_backward.py 5 --dtype bf16 --batch 16
     python dev/cuda/layernorm_backward.py 5 6 --dtype bf16 --batch 16 --quick  # 6: persistent warps
+    python dev/cuda/layernorm_backward.py 5 --batch 16 --quick   # + the fused colsum rows (see below)
 
 Bytes counted: dout, inp read once; dinp (+=) read and written once; weight, mean, rstd read once;
 dweight, dbias (+=) read and written once (4 bytes an element in fp32; in bf16 2, except mean/rstd,
@@ -11,6 +12,13 @@ fp32 in both). The deterministic variants' fp32 scratch is not counted. bf16 row
 bf16 copies of the inputs (and of the "+=" outputs' initial values) against the float64 reference on
 those values: each output element rounded once, rtol 2^-8 over the fp32 tolerances below.
 Timed repeats keep accumulating into the outputs (the values don't matter to the time).
+
+The fused form (colsum=True; variants that have it): "<n> colsum" also sums the dinp it writes into
+colsum (C) (the next linear layer's bias gradient), timed beside "<n> + bias", the plain variant then
+matmul_backward_bias (its default) over the same dinp: what the model launches without the fusion.
+The difference is what the fusion saves per layernorm backward (3 of them a layer in the model, 2 of
+which replace a bias pass). Bytes counted for both rows: the plain op's plus colsum (C) read and
+written; "+ bias" moves N*C more (the bias pass's read of dinp) in the same time budget.
 """
 
 import numpy as np
@@ -67,4 +75,34 @@ for n in L.selected(spec):
             L.time(label, fn, block_size=bs or "default", bytes=nbytes, ceiling="dram")
             if n == 1:
                 break  # the contended-atomics baseline is slow at every block size; one is enough
+
+# -- the fused form beside the unfused pair it replaces
+bias_spec = ops.get("matmul_backward_bias")
+for n in L.selected(spec):
+    if "colsum" not in spec.variants[n].options:
+        continue
+    for dt in L.dtypes(spec.variants[n]):
+        L.section(f"colsum {dt}")
+        ins, outs, init, refs, _ = data[dt]
+        val, up, dty = (lambda a: a, lambda a: a, np.float32) if dt == "fp32" else (round_bf16, to_bf16, BF16)
+        cs_init = lab.rand(rng, C)
+        colsum = rt.empty(C, dty)
+        # colsum's reference: the float64 dinp's column sums (bf16: the kernel sums its rounded dinp, so
+        # ~sqrt(N) 2^-9 of a row's |dinp| over the rows; 2e-2 of the sums' rms covers it)
+        cs_ref = val(cs_init).astype(np.float64) + refs["dinp"].sum(axis=0)
+        rms = float(np.sqrt(np.mean(cs_ref ** 2)))
+        cs_atol = 1e-3 * max(1.0, np.sqrt(N / 4096)) if dt == "fp32" else 2e-2 * rms
+        rtol = 1e-4 if dt == "fp32" else 2.0 ** -8
+        fused = spec.build(rt, n, dt, N=N, C=C, colsum=True)
+        plain = spec.build(rt, n, dt, N=N, C=C)
+        bias = bias_spec.build(rt, bias_spec.default_for(dt), dt, N=N, OC=C)
+        nbytes = spec.cost(N=N, C=C, dtype=dt, colsum=True)[1]
+        fn = lambda: fused(outs["dinp"], outs["dweight"], outs["dbias"], colsum, *ins)  # noqa: E731
+        fn_pair = lambda: (plain(outs["dinp"], outs["dweight"], outs["dbias"], *ins), bias(colsum, outs["dinp"]))  # noqa: E731
+        for label, f in ((f"{n} colsum {dt}", fn), (f"{n} + bias {bias.number} {dt}", fn_pair)):
+            L.validate(label, f, outputs={"dinp": outs["dinp"]}, refs=refs, atol=1e-4, rtol=rtol, init=init)
+            outs["dinp"].set(init["dinp"])  # (colsum sums dinp after this launch's +=: start it over)
+            L.validate(label, f, outputs={"colsum": colsum}, refs={"colsum": cs_ref}, atol=cs_atol, rtol=rtol,
+                       init={"colsum": up(cs_init)})
+            L.time(label, f, bytes=nbytes, ceiling="dram")
 L.finish()

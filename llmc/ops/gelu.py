@@ -7,6 +7,10 @@
 Semantics (docs/ops.md):
     gelu_forward:  out(N)=, inp(N)          out = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
     gelu_backward: dinp(N)=, inp(N), dout(N) dinp = gelu'(inp) * dout; dinp may alias dout (in place)
+      with colsum=True and OC (the row length; variant 2, the fused form the model asks for when the
+      chosen variant has it): dinp(N)=, colsum(OC)+=, inp(N), dout(N)
+                   colsum += column sums of dinp viewed as (N/OC, OC): fc's bias gradient, so the
+                   model runs no matmul_backward_bias over d fch
 
 bf16 builds (variants 1 and 2, entry points <kernel>_bf16): every tensor bf16, fp32 math, one
 rounding on the store; variant 2's bf16 kernel moves 8 elements per 16-byte access and takes any N
@@ -18,7 +22,7 @@ import math
 
 import numpy as np
 
-from llmc.ops import OpSpec, Variant, check_block_size, as_view, esize
+from llmc.ops import Built, OpSpec, Variant, check_block_size, as_view, esize
 from llmc.runtime import ceil_div
 
 MODULE = "gelu"  # cuda/gelu.cu
@@ -53,10 +57,14 @@ def gelu_forward_cpu(N, block_size=None):
     return launch
 
 
-def gelu_backward_cpu(N, block_size=None):
+def gelu_backward_cpu(N, block_size=None, colsum=False, OC=None):
     def launch(dinp, inp, dout):  # the result is computed whole before it is written: dinp may be dout
         _flat(dinp, N)[...] = gelu_backward_ref(_flat(inp, N), _flat(dout, N))
-    return launch
+
+    def launch_colsum(dinp, colsum, inp, dout):
+        launch(dinp, inp, dout)
+        colsum += as_view(dinp, (N // OC, OC)).sum(axis=0)  # matmul_backward_bias's cpu sum, the same bits
+    return launch_colsum if colsum else launch
 
 
 # ----------------------------------------------------------------------------------------------
@@ -73,6 +81,19 @@ def check_float4(N, block_size=None):
     if N % 4:
         return f"N={N} is not a multiple of 4 (float4 loads)"
     return _check_block(block_size)
+
+
+def check_colsum(N, OC, block_size=None):
+    """The fused form (any OC: rows that are not 16-byte aligned go through guarded scalar accesses)."""
+    if not OC or OC < 1 or N % OC:
+        return f"colsum: N={N} must be whole rows of OC={OC} columns"
+    if block_size is not None:
+        return f"block_size={block_size}: the colsum form's block is fixed, (32, 8) threads"
+    return None
+
+
+def check2(N, block_size=None, colsum=False, OC=None):
+    return check_colsum(N, OC, block_size) if colsum else check_float4(N, block_size)
 
 
 def _variant(op, number, per_thread, default_bs, nptr, dtype="fp32"):
@@ -95,6 +116,39 @@ def _variant(op, number, per_thread, default_bs, nptr, dtype="fp32"):
     return build
 
 
+def _colsum_variant(number, dtype="fp32"):
+    """The fused form of variant `number` (cuda/gelu.cu, "colsum"): grid (column blocks of 32*V
+    columns, chunks of rows), block (32, 8); as many blocks as are resident at once (one wave), each
+    chunk a multiple of 8 rows; fp32 partials (chunks, OC) and a ticket counter per column block (zeroed
+    here; the finishing block resets its own, so graph replays work) allocated by the build."""
+    suffix = "" if dtype == "fp32" else f"_{dtype}"
+
+    def build(rt, N, OC, block_size=None):
+        rows = N // OC
+        k = rt.kernel(MODULE, f"gelu_backward_kernel{number}_colsum{suffix}", "PPPPPPiii",
+                      label=f"gelu_backward {number} {dtype} colsum")
+        V = 4 if dtype == "fp32" else 8
+        col_blocks = ceil_div(OC, 32 * V)
+        target = max(1, rt.sm_count * k.resident_blocks(256) // col_blocks)  # chunks for one full wave
+        rows_per_chunk = 8 * ceil_div(ceil_div(rows, target), 8)
+        nchunks = ceil_div(rows, rows_per_chunk)
+        partial = rt.empty((nchunks, OC), np.float32)
+        counters = rt.zeros((col_blocks,), np.uint32)
+        grid, args = (col_blocks, nchunks, 1), (np.int32(rows), np.int32(OC), np.int32(rows_per_chunk))
+
+        def launch(dinp, colsum, inp, dout):
+            k(grid, (32, 8, 1), dinp.ptr, colsum.ptr, partial.ptr, counters.ptr, inp.ptr, dout.ptr, *args)
+        return Built(launch, scratch={"partials": partial, "counters": counters}, keep=frozenset({"counters"}))
+    return build
+
+
+def _with_colsum(plain, fused):
+    """A variant's build that takes the op's colsum option: the fused build for colsum=True."""
+    def build(rt, N, block_size=None, colsum=False, OC=None):
+        return fused(rt, N, OC, block_size) if colsum else plain(rt, N, block_size)
+    return build
+
+
 gelu_forward1 = _variant("gelu_forward", 1, 1, 256, 2)
 gelu_forward2 = _variant("gelu_forward", 2, 4, 256, 2)
 gelu_backward1 = _variant("gelu_backward", 1, 1, 256, 3)
@@ -103,6 +157,8 @@ gelu_forward1_bf16 = _variant("gelu_forward", 1, 1, 256, 2, "bf16")
 gelu_forward2_bf16 = _variant("gelu_forward", 2, 8, 256, 2, "bf16")
 gelu_backward1_bf16 = _variant("gelu_backward", 1, 1, 256, 3, "bf16")
 gelu_backward2_bf16 = _variant("gelu_backward", 2, 8, 256, 3, "bf16")
+gelu_backward2_colsum = _colsum_variant(2)
+gelu_backward2_colsum_bf16 = _colsum_variant(2, "bf16")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -122,13 +178,19 @@ OPS = [
         }),
     OpSpec(
         name="gelu_backward", flag="--gelu-backward-kernel", default=2,
-        cost=lambda N, dtype="fp32", **_: (0, esize(dtype) * 3 * N),  # read inp, dout; write dinp
+        # read inp, dout; write dinp (colsum: + colsum (OC) read and written)
+        cost=lambda N, dtype="fp32", colsum=False, OC=0, **_: (0, esize(dtype) * (3 * N + (2 * OC if colsum else 0))),
         cpu=gelu_backward_cpu,
-        doc="dinp(N)=, inp(N), dout(N); dinp may alias dout",
+        options=("colsum",),
+        doc="dinp(N)=, inp(N), dout(N); dinp may alias dout; colsum=True (with OC): dinp(N)=, colsum(OC)+=, "
+            "inp(N), dout(N), colsum += column sums of dinp as (N/OC, OC)",
         variants={
             1: Variant(1, "one thread per element (in place allowed)",
                        {"fp32": gelu_backward1, "bf16": gelu_backward1_bf16}, check_any),
-            2: Variant(2, "one thread per 16 bytes: float4, or 8 bf16 (N%4==0; in place allowed)",
-                       {"fp32": gelu_backward2, "bf16": gelu_backward2_bf16}, check_float4),
+            2: Variant(2, "one thread per 16 bytes: float4, or 8 bf16 (N%4==0; in place allowed); fused colsum "
+                          "over rows of OC (the next bias grad): (32, 8) blocks own row chunks, fixed-order finish",
+                       {"fp32": _with_colsum(gelu_backward2, gelu_backward2_colsum),
+                        "bf16": _with_colsum(gelu_backward2_bf16, gelu_backward2_colsum_bf16)},
+                       check2, options=("colsum",)),
         }),
 ]

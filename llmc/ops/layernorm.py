@@ -11,6 +11,10 @@ Semantics (docs/ops.md):
                         eps = 1e-5, biased variance; mean and rstd are kept for backward
     layernorm_backward: dinp(N,C)+=, dweight(C)+=, dbias(C)+=, dout(N,C), inp(N,C), weight(C),
                         mean(N), rstd(N)
+      with colsum=True (variant 5, the fused form the model asks for when the chosen variant has it):
+                        dinp(N,C)+=, dweight(C)+=, dbias(C)+=, colsum(C)+=, dout, inp, weight, mean, rstd
+                        colsum += column sums of dinp after its += (the bias gradient of the linear
+                        layer that wrote the residual stream here: one matmul_backward_bias less)
 
 bf16 builds (entry points <kernel>_bf16[_nvN]): forward 3, 4, 5, 6 and backward 3, 5, 6. Variant 6
 (both directions, both dtypes) is written for the copy ceiling at GPT-2's shapes: persistent warps
@@ -81,14 +85,18 @@ def layernorm_forward_cpu(N, C, block_size=None):
     return launch
 
 
-def layernorm_backward_cpu(N, C, block_size=None):
+def layernorm_backward_cpu(N, C, block_size=None, colsum=False):
     def launch(dinp, dweight, dbias, dout, inp, weight, mean, rstd):
         gi, gw, gb = layernorm_backward_ref(_shaped(dout, (N, C)), _shaped(inp, (N, C)), weight,
                                             _shaped(mean, (N,)), _shaped(rstd, (N,)))
         _shaped(dinp, (N, C))[...] += gi
         dweight += gw
         dbias += gb
-    return launch
+
+    def launch_colsum(dinp, dweight, dbias, colsum, dout, inp, weight, mean, rstd):
+        launch(dinp, dweight, dbias, dout, inp, weight, mean, rstd)
+        colsum += _shaped(dinp, (N, C)).sum(axis=0)  # matmul_backward_bias's cpu sum, the same bits
+    return launch_colsum if colsum else launch
 
 
 # ----------------------------------------------------------------------------------------------
@@ -117,6 +125,13 @@ def check_smem(N, C, block_size=None):
 
 def check_float4_smem(N, C, block_size=None):
     return check_float4(N, C, block_size) or check_smem(N, C, block_size)
+
+
+def check_backward5(N, C, block_size=None, colsum=False):
+    """Variant 5, with or without its fused colsum (a third per-warp row: 12*C bytes a warp)."""
+    if colsum and 3 * C * 4 > SMEM_OPTIN:
+        return f"C={C}: the per-warp dweight/dbias/colsum accumulators (12*C bytes) exceed shared memory"
+    return check_float4_smem(N, C, block_size)
 
 
 def _nv(C):
@@ -252,29 +267,37 @@ def layernorm_backward2(rt, N, C, block_size=None):
     return launch
 
 
-def _backward_smem_per_warp(number, C, dtype):
-    """Bytes of per-warp dweight|dbias accumulators: 2*C floats; the bf16 kernel 5's rows are
-    padded to a whole 16-byte vector (C rounded up to 8)."""
-    return 2 * 4 * (ceil_div(C, 8) * 8 if dtype == "bf16" and number == 5 else C)
+def _backward_smem_per_warp(number, C, dtype, rows=2):
+    """Bytes of per-warp dweight|dbias (|colsum: rows=3) accumulators: rows*C floats; the bf16
+    kernel 5's rows are padded to a whole 16-byte vector (C rounded up to 8)."""
+    return rows * 4 * (ceil_div(C, 8) * 8 if dtype == "bf16" and number == 5 else C)
 
 
-def scratch_bytes_backward(N, C, **_):
-    """The deterministic variants' fp32 partials, (min(N, MAX_BLOCKS), 2, C), in either dtype."""
-    return 4 * 2 * C * min(N, MAX_BLOCKS)
+def scratch_bytes_backward(N, C, colsum=False, **_):
+    """The deterministic variants' fp32 partials, (min(N, MAX_BLOCKS), 2, C) (3 with colsum), in
+    either dtype."""
+    return 4 * (3 if colsum else 2) * C * min(N, MAX_BLOCKS)
 
 
 def _backward_deterministic(number, default_bs, per_nv, dtype="fp32"):
     """Variants 3, 4, 5: per-warp accumulators, per-block partials in scratch (G, 2, C) allocated
     here (fp32 in both dtypes, G <= MAX_BLOCKS), then the fixed-order reduce kernel. Same inputs ->
-    same bits, every run."""
-    def build(rt, N, C, block_size=None):
+    same bits, every run. colsum=True (variant 5 only: the table refuses it for 3 and 4): the fused
+    form, kernels <op>_kernel5_colsum[_bf16]_nvN with a third row of partials, scratch (G, 3, C),
+    finished by the colsum reduce (cuda/layernorm.cu, "colsum")."""
+    def build(rt, N, C, block_size=None, colsum=False):
         bs = block_size or default_bs
-        label = f"layernorm_backward {number} {dtype}"
-        k = rt.kernel(MODULE, _entry("layernorm_backward", number, dtype, C, per_nv), "PPPPPPPiii", label=label)
-        kr = rt.kernel(MODULE, f"layernorm_backward_reduce_kernel{_sfx(dtype)}", "PPPii", label=label + " (reduce)")
+        label = f"layernorm_backward {number} {dtype}" + (" colsum" if colsum else "")
+        name = _entry("layernorm_backward", number, dtype, C, per_nv)
+        if colsum:
+            name = name.replace(f"_kernel{number}", f"_kernel{number}_colsum")
+        k = rt.kernel(MODULE, name, "PPPPPPPiii", label=label)
+        reduce_name = "layernorm_backward_reduce_colsum_kernel" if colsum else "layernorm_backward_reduce_kernel"
+        kr = rt.kernel(MODULE, reduce_name + _sfx(dtype), "PPPPii" if colsum else "PPPii", label=label + " (reduce)")
         _fits("layernorm_backward", number, k, bs)
         # each warp needs its accumulators in shared memory: use fewer warps per block if C is large
-        per_warp = _backward_smem_per_warp(number, C, dtype)
+        K = 3 if colsum else 2  # rows of per-warp accumulators and of per-block partials
+        per_warp = _backward_smem_per_warp(number, C, dtype, K)
         nwarps = min(bs // 32, rt.max_smem_optin // per_warp)
         if nwarps == 0:
             refuse("layernorm_backward", number, f"C={C}: {per_warp} bytes of accumulators per warp exceed shared memory")
@@ -287,7 +310,7 @@ def _backward_deterministic(number, default_bs, per_nv, dtype="fp32"):
         R = nwarps * ceil_div(N, G0 * nwarps)
         G = ceil_div(N, R)
         assert G <= min(N, MAX_BLOCKS)
-        scratch = rt.empty((min(N, MAX_BLOCKS), 2, C), np.float32)  # per-block dweight | dbias partials
+        scratch = rt.empty((min(N, MAX_BLOCKS), K, C), np.float32)  # per-block dweight | dbias (| colsum) partials
         n_, c_, r_, g_ = _i32(N, C, R, G)
         grid_r = (ceil_div(C, 32), 1, 1)
 
@@ -295,7 +318,12 @@ def _backward_deterministic(number, default_bs, per_nv, dtype="fp32"):
             k((G, 1, 1), (bs, 1, 1), dinp.ptr, scratch.ptr, dout.ptr, inp.ptr, weight.ptr,
               mean.ptr, rstd.ptr, n_, c_, r_, smem=smem)
             kr(grid_r, (32, 32, 1), dweight.ptr, dbias.ptr, scratch.ptr, g_, c_)
-        return Built(launch, scratch={"partials": scratch})
+
+        def launch_colsum(dinp, dweight, dbias, colsum, dout, inp, weight, mean, rstd):
+            k((G, 1, 1), (bs, 1, 1), dinp.ptr, scratch.ptr, dout.ptr, inp.ptr, weight.ptr,
+              mean.ptr, rstd.ptr, n_, c_, r_, smem=smem)
+            kr(grid_r, (32, 32, 1), dweight.ptr, dbias.ptr, colsum.ptr, scratch.ptr, g_, c_)
+        return Built(launch_colsum if colsum else launch, scratch={"partials": scratch})
     return build
 
 
@@ -387,10 +415,11 @@ def cost_forward(N, C, dtype="fp32", **_):
     return 0, esize(dtype) * (2 * N * C + 2 * C) + 4 * 2 * N
 
 
-def cost_backward(N, C, dtype="fp32", **_):
+def cost_backward(N, C, dtype="fp32", colsum=False, **_):
     # read dout, inp (N,C); dinp (N,C) +=: read and written; read weight (C), dweight, dbias (C) +=:
-    # read and written; read mean, rstd (N). (The deterministic variants' fp32 scratch is extra.)
-    return 0, esize(dtype) * (4 * N * C + 5 * C) + 4 * 2 * N
+    # read and written; read mean, rstd (N); colsum (C) +=: read and written. (The deterministic
+    # variants' fp32 scratch is extra.)
+    return 0, esize(dtype) * (4 * N * C + (7 if colsum else 5) * C) + 4 * 2 * N
 
 
 # ----------------------------------------------------------------------------------------------
@@ -421,7 +450,9 @@ OPS = [
         name="layernorm_backward", flag="--layernorm-backward-kernel", default=5,
         cost=cost_backward,
         cpu=layernorm_backward_cpu,
-        doc="dinp(N,C)+=, dweight(C)+=, dbias(C)+=, dout(N,C), inp(N,C), weight(C), mean(N), rstd(N)",
+        options=("colsum",),
+        doc="dinp(N,C)+=, dweight(C)+=, dbias(C)+=, dout(N,C), inp(N,C), weight(C), mean(N), rstd(N); "
+            "colsum=True: colsum(C)+= (column sums of dinp after the +=) after dbias",
         variants={
             1: Variant(1, "one thread per row, global atomics for dweight/dbias (baseline)", layernorm_backward1, check_any),
             2: Variant(2, "one warp per row, shared-memory atomics per block, then global atomics (non-deterministic)",
@@ -432,9 +463,9 @@ OPS = [
             4: Variant(4, "3 with float4 and the rows in registers (C%4==0, C<=2048), deterministic",
                        layernorm_backward4, check_float4_smem, scratch_bytes=scratch_bytes_backward),
             5: Variant(5, "4 with dinp loaded together with dout and inp (fp32: C<=1024, above as 4; bf16: 16-byte "
-                          "loads, kept packed), deterministic",
-                       {"fp32": layernorm_backward5, "bf16": layernorm_backward5_bf16}, check_float4_smem,
-                       scratch_bytes=scratch_bytes_backward),
+                          "loads, kept packed), deterministic; fused colsum of dinp (the next bias grad)",
+                       {"fp32": layernorm_backward5, "bf16": layernorm_backward5_bf16}, check_backward5,
+                       options=("colsum",), scratch_bytes=scratch_bytes_backward),
             6: Variant(6, "deterministic: persistent warps over consecutive rows, next row prefetched, dweight/dbias "
                           "in registers, per-block partials + fixed-order reduce (fp32 C%4==0, C<=512; bf16 C%8==0, "
                           "C<=1024)",
