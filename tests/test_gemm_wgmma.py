@@ -492,6 +492,8 @@ def test_schedule_refusals_and_fallback(monkeypatch, capsys):
         gw.wgmma_build(rt, "bf16", 256, 256, 256, a_major="m", b_major="n", out="bf16", beta=1.0, schedule="pingpong")
     with pytest.raises(LLMCError, match="TMA store"):
         gw.wgmma_build(rt, "bf16", 256, 256, 256, store="tma", schedule="pingpong")
+    with pytest.raises(LLMCError, match="rm=64"):
+        gw.wgmma_build(rt, "bf16", 256, 256, 256, rm=64, schedule="coop")
     with pytest.raises(LLMCError, match="no ping-pong tile"):
         gw.wgmma_build(rt, "bf16", 256, 256, 256, rm=128, bn=192, schedule="pingpong")
     # forced for the whole run by the environment: a layout without instances stays cooperative, with a note
@@ -602,9 +604,9 @@ def test_pp_transposed_store(hopper, rng, beta):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,out,b_major", PP_KINDS)
 def test_pp_matches_coop_bitwise_and_is_deterministic(hopper, rng, dtype, out, b_major):
-    """The ping-pong and cooperative instances add the same products in the same order (k-blocks in
-    order, the same wgmma k-steps), so without split-K their outputs are bit-identical; and two runs
-    of the ping-pong instance are too."""
+    """The ping-pong (64 x 192) and cooperative (128 x 192) instances issue the same m64n192 wgmmas
+    over the same k-blocks in the same order, so without split-K their outputs are bit-identical; and
+    two runs of the ping-pong instance are too."""
     from llmc.bf16 import BF16
     M, N, K = 3000, 776, 768
     mk = (lambda s: to_bf16(rng.standard_normal(s))) if dtype == "bf16" else (lambda s: rng.standard_normal(s).astype(np.float32))
@@ -613,7 +615,9 @@ def test_pp_matches_coop_bitwise_and_is_deterministic(hopper, rng, dtype, out, b
     C = hopper.empty((M, N), BF16 if out == "bf16" else np.float32)
     outs = []
     for sched in ("pingpong", "pingpong", "coop"):
-        g = gw.wgmma_build(hopper, dtype, M, N, K, b_major=b_major, out=out, schedule=sched, store="direct", splits=1)
+        g = gw.wgmma_build(hopper, dtype, M, N, K, b_major=b_major, out=out, schedule=sched, store="direct", splits=1,
+                           bn=192, rm=64 if sched == "pingpong" else None)
+        assert g.plan[1].startswith("64x192+pp" if sched == "pingpong" else "128x192")
         C.fill_bytes(0xFF)
         g(C, A, B)
         outs.append(C.get())

@@ -260,6 +260,8 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
         raise LLMCError("gemm engine 5: the TMA store takes plain outputs (beta = 0, not transposed, 16-byte rows of C, "
                         "K-major A)")
     use_pp, tile_rows = _pick_schedule(rt, dtype, ty, out, layout, M, N, K, schedule, store, bn, rm, splits)
+    if rm is not None and not use_pp:
+        raise LLMCError(f"gemm engine 5: rm={rm} (a ping-pong tile's rows) but the cooperative schedule was chosen")
     if use_pp:  # ping-pong: direct stores, the consumer's tile (rows x BN) from its own plan
         use_ts = False
         shapes = [sh for sh in PP_INSTANCES[(ty, out, layout)] if (bn is None or sh[1] == bn) and
