@@ -144,6 +144,20 @@ def main():
                 r["pp_tf32"] = med(run_p) + extra
                 r["pp_bf16"] = med(run_pb)
                 r["plan_pp_tf32"], r["plan_pp_bf16"] = gp.plan, gpb.plan
+                # every tile shape, for the planner's constants (PP_EFF are assumptions until this runs)
+                for dt, key in (("tf32", "pp_shapes_tf32"), ("bf16", "pp_shapes_bf16")):
+                    r[key] = {}
+                    for rows_, bn_ in gw.PP_SHAPES:
+                        if kind == "fwd":
+                            gs = gw.wgmma_build(rt, dt, Ntok, OC, C, out="bf16" if dt == "bf16" else "fp32",
+                                                schedule="pingpong", rm=rows_, bn=bn_, splits=1)
+                            args_ = (P(yb16), P(xb), P(wb)) if dt == "bf16" else (P(y), P(x), P(w))
+                        else:
+                            gs = gw.wgmma_build(rt, dt, Ntok, C, OC, ldb=C if dt == "bf16" else None,
+                                                b_major="n" if dt == "bf16" else "k", out="bf16" if dt == "bf16" else "fp32",
+                                                schedule="pingpong", rm=rows_, bn=bn_, splits=1)
+                            args_ = (P(dxb16), P(doutb), P(wb)) if dt == "bf16" else (P(dx), P(dout), P(wt))
+                        r[key][f"{rows_}x{bn_}"] = med(lambda: gs(*args_))
                 r["pp_diff_tf32"] = diff(run_p, run_c, o)
                 r["pp_diff_bf16"] = diff(run_pb, run_cb, ob)
 
@@ -265,6 +279,9 @@ def main():
                           f"cooperative) {r['plan_pp_tf32']} | bf16 {r['pp_bf16']:.3f} ms ({r['bf16_cublas'] / r['pp_bf16']:.2f}x "
                           f"of cuBLAS BF16, {r['bf16_engine5'] / r['pp_bf16']:.2f}x of cooperative) {r['plan_pp_bf16']} | "
                           f"differs from cooperative by tf32 {r['pp_diff_tf32']:.1e} bf16 {r['pp_diff_bf16']:.1e}", flush=True)
+                    print(f"B={B:2d} {name:8s} {kind:7s} ping-pong tile shapes (GEMM only, ms): tf32 " +
+                          " ".join(f"{k} {v:.3f}" for k, v in r["pp_shapes_tf32"].items()) + " | bf16 " +
+                          " ".join(f"{k} {v:.3f}" for k, v in r["pp_shapes_bf16"].items()), flush=True)
                 print(f"B={B:2d} {name:8s} {kind:7s} bf16: cuBLAS BF16 {r['bf16_cublas']:.3f} ms | e5 bf16 "
                       f"{r['bf16_engine5']:.3f} ms {r['tflops_bf16_engine5']:.0f} TFLOP/s = "
                       f"{r['bf16_cublas'] / r['bf16_engine5']:.2f}x of cuBLAS (target >= 0.9) {r['bf16_plan']} "
