@@ -207,3 +207,25 @@ def test_the_kernel_and_the_model_agree_on_the_counts():
     assert "constexpr int MAIN_BAR = 3, EPI_BAR = 5;" in src
     assert 'bar.sync %0, 256;' in src and 'bar.arrive %0, 256;' in src
     assert gw.PP_INSTANCES  # the instances the protocol serves
+
+
+@pytest.mark.skipif(__import__("llmc.runtime", fromlist=["nvcc_path"]).nvcc_path() is None, reason="nvcc not installed")
+def test_pp_ptx_issues_the_tile_it_claims():
+    """In the PTX of every ping-pong instance: one stage's wgmmas (4 k-steps of 32 bytes, times 2 for
+    a 128-row tile) of shape m64 n<BN>, the input type, B's transpose bit set exactly for _bt; the two
+    turns' bar.arrive and bar.sync (plus __syncthreads' barrier 0); the setmaxnreg pair."""
+    import re
+    from llmc.runtime import compile_ptx
+    ptx = compile_ptx("gemm_wgmma", "sm_90")
+    chunks = re.split(r"(?=^\.visible \.entry )", ptx, flags=re.M)[1:]
+    bodies = {re.match(r"\.visible \.entry (\w+)", c).group(1): c for c in chunks}
+    for (ty, out, layout), shapes in gw.PP_INSTANCES.items():
+        for rm, bn in shapes:
+            name = gw.pp_instance_name(ty, out, layout, rm, bn)
+            body = bodies[name]
+            k = 8 if ty == "tf32" else 16
+            w = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)\.f32\.(\w+)\.\w+ [^;]*?, p, 1, 1(?:, (\d), (\d))?;", body)
+            assert len(w) == 4 * rm // 64, (name, len(w))
+            assert set(w) == {(f"m64n{bn}k{k}", ty, *(("0", "1" if layout == "kn" else "0") if ty == "bf16" else ("", "")))}, (name, set(w))
+            assert body.count("bar.arrive") == 2 and len(re.findall(r"\bbar\.sync\b", body)) == 3, name
+            assert body.count("setmaxnreg.inc") == 1 and body.count("setmaxnreg.dec") == 1, name
