@@ -479,6 +479,211 @@ GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n192_at_bt_bf16, __nv_bfloat16, __nv_bfloat16, 
 GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n256_at_bt_bf16, __nv_bfloat16, __nv_bfloat16, 256, 4, false, false, true, true)
 
 // ------------------------------------------------------------------------------------------------
+// Ping-pong consumers (the _pp instances): each consumer warpgroup owns whole tiles
+//
+// The instances above split one 128 x BN tile between the two consumer warpgroups, so both run the
+// mainloop together and then both run the epilogue together: during the epilogue and the start of
+// the next tile the tensor cores idle. At K = 768 that is what the short-K GEMMs lose (ncu: 63-68% of
+// the SM's peak against 95% for the long-K lm head). Here each consumer owns its own tile of RM x BN
+// (RM = 64: one m64 wgmma per k-step; RM = 128: two, sharing the B tile), the two consumers take
+// alternate tiles of the CTA's persistent sequence, and they take turns on the tensor cores: while
+// one runs its mainloop, the other runs its epilogue. The producer is the same as above, except that
+// its A box is RM rows: one thread loads the k-blocks of every tile of the sequence in order,
+// whichever consumer owns the tile. The epilogue is the direct-store one above (no TMA store: the
+// epilogue is hidden behind the other consumer's mainloop, which is the point).
+//
+// The protocol. The CTA's work units are j = 0, 1, 2, ... (u = blockIdx.x + j * gridDim.x);
+// consumer c = wg - 1 owns the units with j % 2 == c.
+//
+//   ring position  Every k-block of every unit takes the next position p of the stage ring, in unit
+//                  order: stage p % STAGES, lap p / STAGES, mbarrier parity lap & 1. The producer and
+//                  both consumers walk the whole unit sequence, so each knows p for every k-block; a
+//                  consumer steps over the positions of the other's units (ring_advance).
+//   full[s]        count 1: the producer's arrive.expect_tx plus the TMA's bytes. The owner of
+//                  position p waits on full[p % STAGES] for parity lap & 1.
+//   empty[s]       count 4: lane 0 of each warp of the consumer that owns position p arrives once the
+//                  wgmmas reading the stage have retired. The producer waits for parity (lap & 1) ^ 1
+//                  before it loads position p (that is the release of position p - STAGES; on the
+//                  first lap a fresh barrier's "phase -1" counts as complete).
+//   MAIN_BAR + c   named barrier, 256 threads: bar.sync by consumer c's 128, bar.arrive by the
+//                  other's 128. "Consumer c may start its mainloop." The owner of unit j > 0 syncs on
+//                  it before its first full wait; the owner of unit j arrives on the other consumer's
+//                  once it has issued unit j's last wgmma (before they retire), if unit j + 1 exists.
+//   EPI_BAR + c    the same for the epilogue: unit j's epilogue starts after unit j - 1's is done, so
+//                  the two consumers alternate mainloop / epilogue instead of drifting into step.
+//
+// Why the mainloop turn is needed for correctness, not only for the schedule: a parity wait cannot
+// tell lap L from lap L - 2. A consumer waiting on full[s] for lap L must know that lap L - 1 of
+// full[s] has completed, else the barrier still shows lap L - 2's parity and the wait passes on stale
+// data (without the turn, a consumer whose previous tile is done could run ahead while the other's
+// long tile still holds positions of lap L - 1). With the turn, the owner of unit j starts only after
+// unit j - 1's owner has passed its full waits for every position before unit j, so every position
+// before p has completed; and lap L + 1 of s can't complete before this consumer releases position p
+// (the producer waits on empty). The empty barriers see one consumer per lap: all arrivals for lap L
+// of s come from the owner of position p, and the next owner of s can't arrive before the producer
+// refilled s, which it does only after lap L's release; so the count of 4 never mixes consumers. The
+// producer's own empty waits are as in the instances above: it waited for lap L - 2's release itself.
+//
+// Named barriers count arrivals: an arrive with nobody waiting yet is remembered, but a second arrive
+// on the same barrier before the sync would complete it wrongly. The turns rule that out: c arrives on
+// the other's barrier after unit j and next after unit j + 2, and in between it syncs on its own,
+// which the other arrives on only after its own sync for unit j + 1. Every arrive has exactly one
+// matching sync (both are skipped at the ends of the sequence), so no barrier is left half-arrived
+// when the CTA exits. Ids 1 and 2 belong to wg_barrier (the TMA-store epilogue), 0 to __syncthreads.
+constexpr int MAIN_BAR = 3, EPI_BAR = 5;
+__device__ __forceinline__ void named_sync(int id) { asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory"); }
+__device__ __forceinline__ void named_arrive(int id) { asm volatile("bar.arrive %0, 256;" ::"r"(id) : "memory"); }
+
+// n more positions of the ring: the stage and the parity of its lap
+template <int STAGES>
+__device__ __forceinline__ void ring_advance(int& stage, int& phase, int n) {
+    const int s = stage + n;
+    phase ^= (s / STAGES) & 1;
+    stage = s % STAGES;
+}
+
+// T: input type; OUT: output type; RM: rows of a consumer's tile (64 or 128); B_T: bf16 B N-major
+template <typename T, typename OUT, int RM, int BN, int STAGES, bool B_T = false>
+__device__ __forceinline__ void gemm_wgmma_pp_body(const CUtensorMap* tmA, const CUtensorMap* tmB, const GemmArgs<OUT>& a) {
+    constexpr int BK = ROW_BYTES / sizeof(T);        // K per stage: 32 tf32 or 64 bf16
+    constexpr int KSTEPS = ROW_BYTES / 32;            // wgmma k-steps per stage (32 bytes of K each)
+    constexpr int SUB = RM / 64;                      // m64 wgmmas per k-step
+    constexpr int A_BYTES = RM * ROW_BYTES, B_BYTES = BN * ROW_BYTES, STAGE_BYTES = A_BYTES + B_BYTES;
+    static_assert(RM == 64 || RM == 128, "a consumer's tile is 64 or 128 rows");
+    static_assert(!B_T || (sizeof(T) == 2 && BK == BK_T && BN % 64 == 0), "MN-major B: 16-bit inputs, 64-wide boxes");
+    constexpr int BOX_T = BK_T * ROW_BYTES;
+    extern __shared__ unsigned char smem_raw[];
+    unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+    uint64_t* full = reinterpret_cast<uint64_t*>(smem + STAGES * STAGE_BYTES);
+    uint64_t* empty = full + STAGES;
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; s++) {
+            mbar_init(&full[s], 1);   // the producer's expect_tx arrival (+ the bytes)
+            mbar_init(&empty[s], 4);  // lane 0 of each warp of the one consumer that owns the position
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+
+    const int tiles_m = (a.M + RM - 1) / RM, tiles_n = (a.N + BN - 1) / BN;
+    const int units = tiles_m * tiles_n * a.splits;
+    const int kblocks_total = (a.K + BK - 1) / BK;
+    const int wg = threadIdx.x / 128;
+
+    if (wg == 0) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+        if (threadIdx.x == 0) {
+            tensormap_acquire(tmA);
+            tensormap_acquire(tmB);
+            int stage = 0, phase = 0;
+            for (int u = blockIdx.x; u < units; u += gridDim.x) {
+                const int split = u % a.splits, t = u / a.splits;
+                int tm, tn;
+                tile_coords(t, tiles_m, tiles_n, tm, tn);
+                const int kb0 = split * a.kb_per_split, kb1 = min(kblocks_total, kb0 + a.kb_per_split);
+                for (int kb = kb0; kb < kb1; kb++) {
+                    mbar_wait(&empty[stage], phase ^ 1);
+                    mbar_expect_tx(&full[stage], STAGE_BYTES);
+                    unsigned char* sa = smem + stage * STAGE_BYTES;
+                    tma_load_2d(sa, tmA, &full[stage], kb * BK, tm * RM);  // the A map's box is RM rows
+                    if (B_T) {  // B^T stored (K rows of N), bf16: BN / 64 boxes of 64 n x BK k
+#pragma unroll
+                        for (int b = 0; b < BN / 64; b++)
+                            tma_load_2d(sa + A_BYTES + b * BOX_T, tmB, &full[stage], tn * BN + 64 * b, kb * BK);
+                    } else {
+                        tma_load_2d(sa + A_BYTES, tmB, &full[stage], kb * BK, tn * BN);
+                    }
+                    if (++stage == STAGES) { stage = 0; phase ^= 1; }
+                }
+            }
+        }
+    } else {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+        float d[SUB][BN / 2];
+        const int c = wg - 1, lane = threadIdx.x & 31;
+        int stage = 0, phase = 0;
+        int j = 0;
+        for (int u = blockIdx.x; u < units; u += gridDim.x, j++) {
+            const int split = u % a.splits, t = u / a.splits;
+            const int kb0 = split * a.kb_per_split, kb1 = min(kblocks_total, kb0 + a.kb_per_split);
+            if ((j & 1) != c) {  // the other consumer's unit: step over its ring positions
+                ring_advance<STAGES>(stage, phase, max(kb1 - kb0, 0));
+                continue;
+            }
+            const bool more = u + gridDim.x < units;  // unit j + 1 exists (the other consumer's)
+            int tm, tn;
+            tile_coords(t, tiles_m, tiles_n, tm, tn);
+            if (j > 0) named_sync(MAIN_BAR + c);  // unit j - 1 has issued all its wgmmas
+            int prev = -1;
+            for (int kb = kb0; kb < kb1; kb++) {
+                mbar_wait(&full[stage], phase);
+                const unsigned char* sa = smem + stage * STAGE_BYTES;
+                const unsigned char* sb = sa + A_BYTES;
+                wgmma_fence();
+#pragma unroll
+                for (int ks = 0; ks < KSTEPS; ks++)
+#pragma unroll
+                    for (int s = 0; s < SUB; s++)
+                        Wgmma<T, BN, 0, B_T>::run(d[s], smem_desc(sa + s * 64 * ROW_BYTES + 32 * ks),
+                                                  B_T ? smem_desc_mn(sb + ks * 16 * ROW_BYTES) : smem_desc(sb + 32 * ks),
+                                                  (kb > kb0 || ks > 0) ? 1 : 0);
+                wgmma_commit();
+                wgmma_wait<1>();  // the previous k-block's products are done: its stage can be refilled
+                if (prev >= 0 && lane == 0) mbar_arrive(&empty[prev]);
+                prev = stage;
+                if (++stage == STAGES) { stage = 0; phase ^= 1; }
+            }
+            // the tensor cores are the other consumer's now: our last products drain while it starts
+            if (more) named_arrive(MAIN_BAR + (c ^ 1));
+            wgmma_wait<0>();
+            if (prev >= 0 && lane == 0) mbar_arrive(&empty[prev]);
+#pragma unroll
+            for (int s = 0; s < SUB; s++) keep_in_regs(d[s]);
+            if (kb1 <= kb0) {  // an empty K range (only if K splits outnumber k-blocks): contributes 0
+#pragma unroll
+                for (int s = 0; s < SUB; s++)
+#pragma unroll
+                    for (int i = 0; i < BN / 2; i++) d[s][i] = 0.0f;
+            }
+            if (j > 0) named_sync(EPI_BAR + c);  // unit j - 1's epilogue is done
+#pragma unroll
+            for (int s = 0; s < SUB; s++) epilogue<OUT, BN>(d[s], a, tm * RM + 64 * s, tn * BN, split);
+            if (more) named_arrive(EPI_BAR + (c ^ 1));
+        }
+    }
+}
+
+// the same parameters as GEMM_WGMMA_ENTRY (tmC is unused: the epilogue stores from registers), so the
+// launcher and its argument types are shared
+#define GEMM_WGMMA_PP_ENTRY(NAME, T, OUT, RM, BN, STAGES, B_T)                                            \
+    extern "C" __global__ void __launch_bounds__(THREADS, 1)                                             \
+    NAME(const CUtensorMap* tmA, const CUtensorMap* tmB, const CUtensorMap* tmC, OUT* C, const OUT* bias, \
+         float* W, int M, int N, int K, int ldc, int ldw, int splits, int kb_per_split, float alpha,     \
+         float beta, int trans_c) {                                                                       \
+        (void)tmC;                                                                                        \
+        const GemmArgs<OUT> a{C, bias, W, M, N, K, ldc, ldw, splits, kb_per_split, alpha, beta, trans_c}; \
+        gemm_wgmma_pp_body<T, OUT, RM, BN, STAGES, B_T>(tmA, tmB, a);                                     \
+    }
+
+// consumer tiles 64 x 192 / 64 x 256 (one wgmma per k-step) and 128 x 128 (two); stages: as many as
+// fit in 227 KB (64 x 192 and 128 x 128: 32 KB each, 7 stages; 64 x 256: 40 KB, 5). llmc/ops/gemm_wgmma.py
+// keeps the same table (PP_INSTANCES; a CPU test checks they agree).
+GEMM_WGMMA_PP_ENTRY(gemm_wgmma_tf32_n192_pp64, float, float, 64, 192, 7, false)
+GEMM_WGMMA_PP_ENTRY(gemm_wgmma_tf32_n256_pp64, float, float, 64, 256, 5, false)
+GEMM_WGMMA_PP_ENTRY(gemm_wgmma_tf32_n128_pp128, float, float, 128, 128, 7, false)
+GEMM_WGMMA_PP_ENTRY(gemm_wgmma_bf16_n192_pp64, __nv_bfloat16, float, 64, 192, 7, false)
+GEMM_WGMMA_PP_ENTRY(gemm_wgmma_bf16_n256_pp64, __nv_bfloat16, float, 64, 256, 5, false)
+GEMM_WGMMA_PP_ENTRY(gemm_wgmma_bf16_n128_pp128, __nv_bfloat16, float, 128, 128, 7, false)
+// bf16 in and out: the forward (both K-major) and dinp (B N-major: weight read as it lies)
+GEMM_WGMMA_PP_ENTRY(gemm_wgmma_bf16_n192_pp64_bf16, __nv_bfloat16, __nv_bfloat16, 64, 192, 7, false)
+GEMM_WGMMA_PP_ENTRY(gemm_wgmma_bf16_n256_pp64_bf16, __nv_bfloat16, __nv_bfloat16, 64, 256, 5, false)
+GEMM_WGMMA_PP_ENTRY(gemm_wgmma_bf16_n128_pp128_bf16, __nv_bfloat16, __nv_bfloat16, 128, 128, 7, false)
+GEMM_WGMMA_PP_ENTRY(gemm_wgmma_bf16_n192_bt_pp64_bf16, __nv_bfloat16, __nv_bfloat16, 64, 192, 7, true)
+GEMM_WGMMA_PP_ENTRY(gemm_wgmma_bf16_n256_bt_pp64_bf16, __nv_bfloat16, __nv_bfloat16, 64, 256, 5, true)
+GEMM_WGMMA_PP_ENTRY(gemm_wgmma_bf16_n128_bt_pp128_bf16, __nv_bfloat16, __nv_bfloat16, 128, 128, 7, true)
+
+// ------------------------------------------------------------------------------------------------
 // helpers the engine's launcher uses
 
 // C = alpha * sum_s W[s] (+ bias) (+ beta * C), the splits added in order (deterministic); with

@@ -3,6 +3,7 @@ timed in one run: TFLOP/s and the ratio to cuBLAS at the same precision.
 
     python dev/bench_gemm.py                 # B=4 and B=16, T=1024; writes $OUT/bench_gemm.json if OUT is set
     python dev/bench_gemm.py --B 4 --reps 50
+    python dev/bench_gemm.py --pingpong      # + the ping-pong instances (forward and dinp, TF32 and BF16)
     python dev/bench_gemm.py --plot docs/results/bench_gemm_h100_dweight.json docs/lab/gemm_wgmma.png   # chart, no GPU
 
 Shapes (row-major, N = B*T tokens): forward out(N,OC) = inp(N,C) @ W(OC,C)^T; dinp(N,C) = dout(N,OC) @ W;
@@ -16,6 +17,12 @@ matmul_forward 9 / matmul_backward 5 build it (dinp and dweight read dout, W and
 bf16 wgmma transposes in shared memory), against cuBLAS BF16 through torch with preallocated bf16
 outputs (dweight: addmm_ into a bf16 gradient, the same += semantics). Issue 12's target: engine 5
 >= 0.9 of cuBLAS BF16 on every shape; the "bf16" line of each GEMM prints the ratio.
+
+--pingpong: the forward and dinp GEMMs also run on the ping-pong instances (wgmma_build(...,
+schedule="pingpong"): each consumer warpgroup its own tile, one's epilogue under the other's
+mainloop), TF32 (dinp incl. the weight transpose, as the cooperative row) and BF16 in/out, printed on a
+"ping-pong" line beside cuBLAS and the cooperative instance of the same run, with the relative
+difference from the cooperative output (0 or ~1e-7: the same products in the same order).
 """
 import argparse
 import json
@@ -72,6 +79,7 @@ def main():
     ap.add_argument("--B", type=int, nargs="*", default=[4, 16])
     ap.add_argument("--T", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--pingpong", action="store_true", help="also time the ping-pong instances (forward, dinp)")
     args = ap.parse_args()
     if args.plot:
         return plot(*args.plot)
@@ -107,6 +115,52 @@ def main():
             flops = 2.0 * Ntok * C * OC
             yb16, dxb16 = torch.empty(Ntok, OC, device="cuda", dtype=torch.bfloat16), torch.empty(Ntok, C, device="cuda", dtype=torch.bfloat16)
             dwb16 = (torch.randn(OC, C, device="cuda") * 0.01).bfloat16()
+
+            def pingpong_rows(r, kind):
+                """r["pp_tf32"], r["pp_bf16"]: the ping-pong instances on this GEMM (the cooperative rows
+                are already in r), and their relative difference from the cooperative output."""
+                def diff(run_pp, run_co, out):
+                    run_pp(); torch.cuda.synchronize()
+                    a = out.float().clone()
+                    run_co(); torch.cuda.synchronize()
+                    b = out.float()
+                    return float((a - b).norm() / b.norm())
+                if kind == "fwd":
+                    gp = gw.wgmma_build(rt, "tf32", Ntok, OC, C, schedule="pingpong")
+                    gc = gw.wgmma_build(rt, "tf32", Ntok, OC, C)
+                    run_p, run_c, o = (lambda: gp(P(y), P(x), P(w))), (lambda: gc(P(y), P(x), P(w))), y
+                    gpb = gw.wgmma_build(rt, "bf16", Ntok, OC, C, out="bf16", schedule="pingpong")
+                    gcb = gw.wgmma_build(rt, "bf16", Ntok, OC, C, out="bf16")
+                    run_pb, run_cb, ob = (lambda: gpb(P(yb16), P(xb), P(wb))), (lambda: gcb(P(yb16), P(xb), P(wb))), yb16
+                    extra = 0.0
+                else:  # wt (the transposed weight) was written by the cooperative row's transpose
+                    gp = gw.wgmma_build(rt, "tf32", Ntok, C, OC, schedule="pingpong")
+                    gc = gw.wgmma_build(rt, "tf32", Ntok, C, OC)
+                    run_p, run_c, o = (lambda: gp(P(dx), P(dout), P(wt))), (lambda: gc(P(dx), P(dout), P(wt))), dx
+                    gpb = gw.wgmma_build(rt, "bf16", Ntok, C, OC, ldb=C, b_major="n", out="bf16", schedule="pingpong")
+                    gcb = gw.wgmma_build(rt, "bf16", Ntok, C, OC, ldb=C, b_major="n", out="bf16")
+                    run_pb, run_cb, ob = (lambda: gpb(P(dxb16), P(doutb), P(wb))), (lambda: gcb(P(dxb16), P(doutb), P(wb))), dxb16
+                    extra = r["transpose"]
+                r["pp_tf32"] = med(run_p) + extra
+                r["pp_bf16"] = med(run_pb)
+                r["plan_pp_tf32"], r["plan_pp_bf16"] = gp.plan, gpb.plan
+                # every tile shape, for the planner's constants (PP_EFF are assumptions until this runs)
+                for dt, key in (("tf32", "pp_shapes_tf32"), ("bf16", "pp_shapes_bf16")):
+                    r[key] = {}
+                    for rows_, bn_ in gw.PP_SHAPES:
+                        if kind == "fwd":
+                            gs = gw.wgmma_build(rt, dt, Ntok, OC, C, out="bf16" if dt == "bf16" else "fp32",
+                                                schedule="pingpong", rm=rows_, bn=bn_, splits=1)
+                            args_ = (P(yb16), P(xb), P(wb)) if dt == "bf16" else (P(y), P(x), P(w))
+                        else:
+                            gs = gw.wgmma_build(rt, dt, Ntok, C, OC, ldb=C if dt == "bf16" else None,
+                                                b_major="n" if dt == "bf16" else "k", out="bf16" if dt == "bf16" else "fp32",
+                                                schedule="pingpong", rm=rows_, bn=bn_, splits=1)
+                            args_ = (P(dxb16), P(doutb), P(wb)) if dt == "bf16" else (P(dx), P(dout), P(wt))
+                        r[key][f"{rows_}x{bn_}"] = med(lambda: gs(*args_))
+                r["pp_diff_tf32"] = diff(run_p, run_c, o)
+                r["pp_diff_bf16"] = diff(run_pb, run_cb, ob)
+
             for kind in ("fwd", "dinp", "dweight"):
                 r = {"B": B, "layer": name, "gemm": kind}
                 # bf16 in and out, as the bf16 trainer runs it (engine 5's bf16 epilogue)
@@ -198,8 +252,10 @@ def main():
                         r["transpose_narrow"] = med(lambda: t1(P(doutT), P(dout)))
                         r["engine5_tf32"] = med(lambda: gm(P(dw), P(x), P(doutT))) + r["transpose_narrow"]
                     r["plan_tf32"] = gm.plan
+                if args.pingpong and kind != "dweight":
+                    pingpong_rows(r, kind)
                 for key in list(r):
-                    if key.startswith(("cublas", "engine", "bf16_cublas", "bf16_engine")) and not key.endswith("_gemm"):
+                    if key.startswith(("cublas", "engine", "bf16_cublas", "bf16_engine", "pp_tf32", "pp_bf16")) and not key.endswith("_gemm"):
                         r["tflops_" + key] = flops / r[key] / 1e9
                 rows.append(r)
                 line = (f"B={B:2d} {name:8s} {kind:7s} cuBLAS tf32 {r['cublas_tf32']:.3f} ms "
@@ -217,6 +273,15 @@ def main():
                     line += (f" | both K-major (after both transposes) {r['engine5_tf32_gemm']:.3f} {r['plan_tf32_kk']}, "
                              f"narrow transpose {r['transpose_narrow']:.3f}")
                 print(line, flush=True)
+                if "pp_tf32" in r:
+                    print(f"B={B:2d} {name:8s} {kind:7s} ping-pong: tf32 {r['pp_tf32']:.3f} ms "
+                          f"({r['cublas_tf32'] / r['pp_tf32']:.2f}x of cuBLAS, {r['engine5_tf32'] / r['pp_tf32']:.2f}x of "
+                          f"cooperative) {r['plan_pp_tf32']} | bf16 {r['pp_bf16']:.3f} ms ({r['bf16_cublas'] / r['pp_bf16']:.2f}x "
+                          f"of cuBLAS BF16, {r['bf16_engine5'] / r['pp_bf16']:.2f}x of cooperative) {r['plan_pp_bf16']} | "
+                          f"differs from cooperative by tf32 {r['pp_diff_tf32']:.1e} bf16 {r['pp_diff_bf16']:.1e}", flush=True)
+                    print(f"B={B:2d} {name:8s} {kind:7s} ping-pong tile shapes (GEMM only, ms): tf32 " +
+                          " ".join(f"{k} {v:.3f}" for k, v in r["pp_shapes_tf32"].items()) + " | bf16 " +
+                          " ".join(f"{k} {v:.3f}" for k, v in r["pp_shapes_bf16"].items()), flush=True)
                 print(f"B={B:2d} {name:8s} {kind:7s} bf16: cuBLAS BF16 {r['bf16_cublas']:.3f} ms | e5 bf16 "
                       f"{r['bf16_engine5']:.3f} ms {r['tflops_bf16_engine5']:.0f} TFLOP/s = "
                       f"{r['bf16_cublas'] / r['bf16_engine5']:.2f}x of cuBLAS (target >= 0.9) {r['bf16_plan']} "
@@ -227,6 +292,10 @@ def main():
     for B in args.B:
         worst = min((r["bf16_cublas"] / r["bf16_engine5"], r["layer"], r["gemm"]) for r in rows if r["B"] == B)
         print(f"B={B} bf16: worst engine 5 / cuBLAS BF16 ratio {worst[0]:.2f} ({worst[1]} {worst[2]}; target >= 0.9)")
+        if args.pingpong:  # the step's matmuls with forward and dinp on ping-pong (dweight cooperative)
+            for pp, co in (("pp_tf32", "engine5_tf32"), ("pp_bf16", "bf16_engine5")):
+                tot = sum(r.get(pp, r[co]) * (1 if r["layer"] == "lmhead" else 12) for r in rows if r["B"] == B)
+                print(f"B={B} step total of matmuls, {pp} (forward and dinp ping-pong, dweight cooperative): {tot:.2f} ms")
         for key in ("cublas_tf32", "engine4", "engine5_tf32", "cublas_bf16", "bf16_cublas", "bf16_engine5"):
             tot = sum(r.get(key, 0.0) * (1 if r["layer"] == "lmhead" else 12) for r in rows if r["B"] == B)
             print(f"B={B} step total of matmuls, {key}: {tot:.2f} ms (cuBLAS bf16 has no dinp/dweight split rows: "

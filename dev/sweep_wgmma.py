@@ -4,9 +4,13 @@ one's output, then timed (CUDA events, median), with cuBLAS BF16 (torch) in the 
 
     python dev/sweep_wgmma.py                 # dweight and dinp, B=4 and 16, T=1024
     python dev/sweep_wgmma.py --B 4 --gemm dweight
+    python dev/sweep_wgmma.py --gemm fwd dinp --pingpong    # + every ping-pong tile shape and split
 
 dweight += dout^T @ inp runs as (M=OC, N=C) with dout M-major and inp N-major ("mn"), or swapped
-(M=C, N=OC, stored transposed: trans_c); dinp = dout @ weight as (M=B*T, N=C) with weight N-major.
+(M=C, N=OC, stored transposed: trans_c); dinp = dout @ weight as (M=B*T, N=C) with weight N-major;
+fwd = inp @ weight^T as (M=B*T, N=OC), both K-major. --pingpong adds the ping-pong instances
+(schedule="pingpong": each consumer warpgroup its own rows x BN tile) of fwd and dinp, every tile shape
+and split, plus the planner's ping-pong pick ("pp-plan"), beside the cooperative configurations.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ def main():
     ap.add_argument("--T", type=int, default=1024)
     ap.add_argument("--gemm", nargs="*", default=["dweight", "dinp"])
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--pingpong", action="store_true", help="add the ping-pong instances (fwd, dinp)")
     args = ap.parse_args()
 
     import torch
@@ -55,11 +60,18 @@ def main():
                     ref = (dw0.double() + dout.double().t() @ x.double())
                     configs = [("mn", bn, s) for bn in (128, 192, 256) for s in (1, 2, 4)] + \
                               [("swap", bn, s) for bn in (128, 192, 256) for s in (1, 2)]
-                else:
+                elif kind == "dinp":
                     out = torch.empty(N, C, device="cuda").bfloat16()
                     cublas = tmed(lambda: torch.matmul(dout, w, out=out))
                     ref = dout.double() @ w.double()
                     configs = [("kn", bn, s) for bn in (128, 192, 256) for s in (1, 2)]
+                else:
+                    out = torch.empty(N, OC, device="cuda").bfloat16()
+                    cublas = tmed(lambda: torch.matmul(x, w.t(), out=out))
+                    ref = x.double() @ w.double().t()
+                    configs = [("kk", bn, s) for bn in (128, 192, 256) for s in (1, 2)]
+                if args.pingpong and kind != "dweight":
+                    configs += [("pp-plan", None, None)] + [("pp", sh, s) for sh in gw.PP_SHAPES for s in (1, 2)]
                 planned = None
                 results = []
                 for lay, bn, splits in [("plan", None, None)] + configs:
@@ -73,9 +85,16 @@ def main():
                                                b_major="n", out="bf16", bn=bn, splits=splits, trans_c=True)
                             run = lambda g=g: (out.copy_(dw0), g(P(out), P(x), P(dout)))  # noqa: E731
                         else:
-                            g = gw.wgmma_build(rt, "bf16", N, C, OC, ldb=C, b_major="n", out="bf16", bn=bn,
-                                               splits=splits)
-                            run = lambda g=g: g(P(out), P(dout), P(w))  # noqa: E731
+                            # the planner's ping-pong pick, or one tile shape (rows, BN) of the ping-pong instances
+                            pp = dict(schedule="pingpong", rm=bn[0] if lay == "pp" else None) if lay.startswith("pp") else {}
+                            width = bn[1] if lay == "pp" else bn
+                            if kind == "dinp":
+                                g = gw.wgmma_build(rt, "bf16", N, C, OC, ldb=C, b_major="n", out="bf16", bn=width,
+                                                   splits=splits, **pp)
+                                run = lambda g=g: g(P(out), P(dout), P(w))  # noqa: E731
+                            else:
+                                g = gw.wgmma_build(rt, "bf16", N, OC, C, out="bf16", bn=width, splits=splits, **pp)
+                                run = lambda g=g: g(P(out), P(x), P(w))  # noqa: E731
                     except LLMCError as e:
                         results.append((lay, bn, splits, None, str(e)[:60]))
                         continue
@@ -90,7 +109,7 @@ def main():
                 best = min((r for r in results if r[3] is not None and r[0] != "plan"), key=lambda r: r[3])
                 for lay, bn, splits, ms, note in results[1:]:
                     mark = " <- best" if (lay, bn, splits) == best[:3] else ""
-                    print(f"    {lay:4s} bn={bn} splits={splits}: " + (f"{ms:.4f} ms ({cublas / ms:.2f}x) {note}{mark}"
+                    print(f"    {lay:7s} bn={bn} splits={splits}: " + (f"{ms:.4f} ms ({cublas / ms:.2f}x) {note}{mark}"
                                                                         if ms is not None else f"refused: {note}"))
 
 

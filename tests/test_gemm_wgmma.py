@@ -397,3 +397,229 @@ def test_tma_store_staging_layout(osize, bn):
                 per_bank = collections.Counter(w % 32 for w in words)
                 assert max(per_bank.values()) == len(words) // 32, (warp, j, h)
     assert len(seen) == 64 * bn // 2  # every pair of the tile, once
+
+
+# ----------------------------------------------------------------------------------------------
+# ping-pong consumers (the _pp instances: each consumer warpgroup owns whole rows x BN tiles and the
+# two take turns on the tensor cores); chosen by schedule= or LLMC_WGMMA_SCHEDULE, never by default
+
+
+def test_pp_instance_table_matches_the_kernels():
+    """PP_INSTANCES (stages, hence shared memory) against the .cu's GEMM_WGMMA_PP_ENTRY lines: same
+    names, types, tile rows and width, stages, B N-major flag; every one fits in 227 KB."""
+    import re
+    from llmc.runtime import CUDA_DIR
+    src = (CUDA_DIR / "gemm_wgmma.cu").read_text()
+    entries = {m.group(1): (m.group(2), m.group(3), int(m.group(4)), int(m.group(5)), int(m.group(6)), m.group(7) == "true")
+               for m in re.finditer(r"^GEMM_WGMMA_PP_ENTRY\((\w+), ([\w:]+), ([\w:]+), (\d+), (\d+), (\d+), (true|false)\)$",
+                                    src, re.M)}
+    ctype = {"tf32": "float", "bf16": "__nv_bfloat16", "fp32": "float"}
+    want = {}
+    for (ty, out, layout), shapes in gw.PP_INSTANCES.items():
+        assert layout in ("kk", "kn")
+        for (rm, bn), stages in shapes.items():
+            want[gw.pp_instance_name(ty, out, layout, rm, bn)] = (ctype[ty], ctype[out], rm, bn, stages, layout == "kn")
+            assert gw.pp_smem_bytes(rm, bn, stages) <= 227 * 1024, (ty, out, layout, rm, bn)
+            assert rm * bn // 128 <= 128, "accumulators of one consumer: at most 128 registers a thread"
+    assert entries == want and len(want) >= 12
+
+
+def test_plan_pingpong_counts_consumer_tiles():
+    # d12 attproj forward (4096 x 768 x 768): 64 x 192 tiles, 256 of them, two per SM
+    rm, bn, s = gw.plan_pingpong(132, 4096, 768, 768, "bf16")
+    assert (rm, bn) in gw.PP_SHAPES and s == 1
+    for M, N, K in [(4096, 2304, 768), (16384, 3072, 768), (768, 768, 4096), (1, 1, 8)]:
+        rm, bn, s = gw.plan_pingpong(132, M, N, K)
+        assert (rm, bn) in gw.PP_SHAPES and s >= 1
+    # the cooperative plan is what it was (the ping-pong model is a separate branch of the estimate)
+    assert gw.plan(132, 4096, 768, 768)[0] == 192
+
+
+@pytest.mark.parametrize("kw,env,want", [
+    (dict(), None, "_ts_bf16"),                                    # the default stays cooperative
+    (dict(schedule="coop"), "pingpong", "_ts_bf16"),               # the argument beats the environment
+    (dict(schedule="pingpong"), None, "_pp64_bf16"),
+    (dict(), "pingpong", "_pp"),
+    (dict(schedule="pingpong", bn=128), None, "_n128_pp128_bf16"),
+    (dict(schedule="pingpong", rm=64, bn=256), None, "_n256_pp64_bf16"),
+    (dict(schedule="pingpong", b_major="n"), None, "_bt_pp64_bf16"),
+    (dict(schedule="pingpong", beta=1.0, splits=2), None, "_pp64_bf16"),
+])
+def test_schedule_picks_the_pingpong_instance(monkeypatch, kw, env, want):
+    from tests.fake_runtime import FakeRuntime
+    if env is None:
+        monkeypatch.delenv(gw.SCHEDULE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(gw.SCHEDULE_ENV, env)
+    rt = FakeRuntime()
+    g = gw.wgmma_build(rt, "bf16", 4096, 768, 768, out="bf16", **kw)
+    assert want in rt.built[0], rt.built
+    assert ("+pp" in g.plan[1]) == ("_pp" in want)
+    if "_pp" in want:  # the launch asks for the instance's shared memory and one CTA per SM at most
+        maps = []   # (no driver here: record what the tensor maps would describe)
+        monkeypatch.setattr(gw, "tensor_map", lambda ptr, dtype, rows, cols, ld, box_rows:
+                            maps.append((rows, cols, box_rows)) or bytes(128))
+        g(rt.empty((4096, 768), np.uint16), rt.empty((4096, 768), np.uint16), rt.empty((768, 768), np.uint16))
+        L = [x for x in rt.launches if x.func == rt.built[0]][-1]   # (split-K: then the reduce)
+        assert L.block == (384, 1, 1) and L.grid[0] <= 132
+        rows, bn = (int(x) for x in g.plan[1].split("+")[0].split("x"))
+        assert maps[0] == (4096, 768, rows)   # A K-major, in boxes of the consumer tile's rows
+        assert L.smem == gw.pp_smem_bytes(rows, bn, gw.PP_INSTANCES[("bf16", "bf16", "kn" if "_bt" in want else "kk")][(rows, bn)])
+        if kw.get("splits"):
+            assert g.plan[2] == kw["splits"]
+
+
+def test_schedule_tf32_and_auto(monkeypatch):
+    from tests.fake_runtime import FakeRuntime
+    monkeypatch.delenv(gw.SCHEDULE_ENV, raising=False)
+    rt = FakeRuntime()
+    g = gw.wgmma_build(rt, "tf32", 4096, 2304, 768, has_bias=True, schedule="pingpong")
+    assert rt.built[-1].startswith("gemm_wgmma_tf32_n") and "_pp" in rt.built[-1] and "+pp" in g.plan[1]
+    g = gw.wgmma_build(rt, "tf32", 4096, 2304, 768, schedule="auto")   # either; the planner's estimate decides
+    assert ("+pp" in g.plan[1]) == ("_pp" in rt.built[-1])
+
+
+def test_schedule_refusals_and_fallback(monkeypatch, capsys):
+    from llmc.errors import LLMCError
+    from tests.fake_runtime import FakeRuntime
+    rt = FakeRuntime()
+    with pytest.raises(LLMCError, match="schedule='fast'"):
+        gw.wgmma_build(rt, "bf16", 256, 256, 256, schedule="fast")
+    monkeypatch.setenv(gw.SCHEDULE_ENV, "fast")
+    with pytest.raises(LLMCError, match=gw.SCHEDULE_ENV):
+        gw.wgmma_build(rt, "bf16", 256, 256, 256)
+    with pytest.raises(LLMCError, match="no ping-pong instances"):   # dweight's layout has none
+        gw.wgmma_build(rt, "bf16", 256, 256, 256, a_major="m", b_major="n", out="bf16", beta=1.0, schedule="pingpong")
+    with pytest.raises(LLMCError, match="TMA store"):
+        gw.wgmma_build(rt, "bf16", 256, 256, 256, store="tma", schedule="pingpong")
+    with pytest.raises(LLMCError, match="rm=64"):
+        gw.wgmma_build(rt, "bf16", 256, 256, 256, rm=64, schedule="coop")
+    with pytest.raises(LLMCError, match="no ping-pong tile"):
+        gw.wgmma_build(rt, "bf16", 256, 256, 256, rm=128, bn=192, schedule="pingpong")
+    # forced for the whole run by the environment: a layout without instances stays cooperative, with a note
+    monkeypatch.setenv(gw.SCHEDULE_ENV, "pingpong")
+    gw._noted.clear()
+    g = gw.wgmma_build(rt, "bf16", 256, 256, 256, a_major="m", b_major="n", out="bf16", beta=1.0)
+    assert "+pp" not in g.plan[1] and "+at+bt" in g.plan[1]
+    assert "using the cooperative instances" in capsys.readouterr().out
+
+
+def _run_pp(rt, rng, dtype, out, M, N, K, b_major="k", has_bias=False, beta=0.0, alpha=1.0, trans_c=False,
+            rm=None, bn=None, splits=None):
+    """C = alpha * A @ B^T (+ bias) (+ beta * C0) on a ping-pong instance, inputs exact in the input
+    type (tf32: bf16-valued inputs are exact in tf32 too, so the TMA's rounding changes nothing and
+    only the fp32 accumulation differs from float64). Returns (out as float64, reference, build)."""
+    from llmc.bf16 import BF16
+    from llmc.testing import poison
+    A64 = from_bf16(to_bf16(rng.standard_normal((M, K)))).astype(np.float64)
+    B64 = from_bf16(to_bf16(rng.standard_normal((N, K)))).astype(np.float64)
+    bias = from_bf16(to_bf16(rng.standard_normal(N))) if has_bias else None
+    cshape = (N, M) if trans_c else (M, N)
+    C0 = from_bf16(to_bf16(rng.standard_normal(cshape)))
+    dev = (lambda x: rt.to_device(to_bf16(x))) if dtype == "bf16" else (lambda x: rt.to_device(np.ascontiguousarray(x, np.float32)))
+    odev = (lambda x: rt.to_device(to_bf16(x))) if out == "bf16" else (lambda x: rt.to_device(x.astype(np.float32)))
+    if b_major == "n":  # B^T stored, rows padded to 16 bytes with garbage that must not leak in
+        ldb = -(-N // 8) * 8
+        Bs = np.full((K, ldb), 1000.0)
+        Bs[:, :N] = B64.T
+    else:
+        ldb, Bs = K, B64
+    if beta:
+        dC = odev(C0)
+    else:
+        dC = rt.empty(cshape, BF16 if out == "bf16" else np.float32)
+        poison(dC)  # NaN (0xFF bytes): every element must be written
+    g = gw.wgmma_build(rt, dtype, M, N, K, ldb=ldb, alpha=alpha, beta=beta, has_bias=has_bias, trans_c=trans_c,
+                       b_major=b_major, out=out, schedule="pingpong", rm=rm, bn=bn, splits=splits)
+    assert "+pp" in g.plan[1], g.plan
+    g(dC, dev(A64), dev(Bs), odev(bias) if has_bias else None)
+    ref = alpha * (A64 @ B64.T)
+    if has_bias:
+        ref = ref + bias
+    if trans_c:
+        ref = ref.T
+    if beta:
+        ref = ref + beta * C0
+    res = dC.get()
+    res = from_bf16(res) if out == "bf16" else res
+    return res.astype(np.float64), ref, g
+
+
+def _check_pp(res, ref, out, what):
+    from llmc.testing import bf16_close
+    assert np.isfinite(res).all(), f"{what}: unwritten (NaN-poisoned) or non-finite outputs"
+    if out == "bf16":
+        bf16_close(res, ref, what)  # one rounding of the output + fp32 accumulation
+    else:  # fp32 out of exact inputs: only the fp32 accumulation order differs from float64
+        assert _rel(res, ref) < 1e-5, what
+
+
+# (M, N, K): tiny and odd shapes, K = 8 and 16, N = 1, tile counts that don't divide by 2 (one
+# consumer gets a tile more) and M large enough that each consumer runs several tiles per CTA
+PP_SHAPES_TEST = [(1, 1, 8), (7, 5, 16), (65, 1, 16), (129, 193, 72), (300, 770, 68), (1000, 1000, 8),
+                  (4095, 257, 200), (4160, 768, 768), (8192, 392, 136)]
+PP_KINDS = [("tf32", "fp32", "k"), ("bf16", "fp32", "k"), ("bf16", "bf16", "k"), ("bf16", "bf16", "n")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,out,b_major", PP_KINDS)
+@pytest.mark.parametrize("M,N,K", PP_SHAPES_TEST)
+def test_pp_matches_float64(hopper, rng, dtype, out, b_major, M, N, K):
+    if (dtype == "tf32" and K % 4) or (dtype == "bf16" and K % 8):
+        pytest.skip("16-byte TMA rows")
+    res, ref, g = _run_pp(hopper, rng, dtype, out, M, N, K, b_major=b_major, has_bias=True)
+    _check_pp(res, ref, out, f"pp {dtype}->{out} b_major={b_major} {M}x{N}x{K} {g.plan}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,out,b_major", PP_KINDS)
+@pytest.mark.parametrize("rm,bn", gw.PP_SHAPES)
+def test_pp_every_tile_shape(hopper, rng, dtype, out, b_major, rm, bn):
+    """Every tile shape on a shape with an odd number of tiles per CTA: 133 x 3 tiles (64 rows) or 67 x
+    3 (128 rows) over 132 SMs, several per consumer, interleaved in the stage ring."""
+    M = 133 * 64 if rm == 64 else 67 * 128
+    N = 3 * bn - 5
+    res, ref, g = _run_pp(hopper, rng, dtype, out, M - 3, N, 264, b_major=b_major, has_bias=True, rm=rm, bn=bn, alpha=0.5)
+    assert g.plan[1].startswith(f"{rm}x{bn}+pp")
+    _check_pp(res, ref, out, f"pp {dtype}->{out} {rm}x{bn}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,out,b_major", PP_KINDS)
+@pytest.mark.parametrize("splits", [1, 3])
+def test_pp_beta_and_splits(hopper, rng, dtype, out, b_major, splits):
+    """C = A @ B^T + C (beta 1, the old C read back in the epilogue), with and without split-K."""
+    res, ref, g = _run_pp(hopper, rng, dtype, out, 2000, 520, 1000, b_major=b_major, beta=1.0, splits=splits)
+    assert g.plan[2] == splits
+    _check_pp(res, ref, out, f"pp {dtype}->{out} beta splits={splits}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("beta", [0.0, 1.0])
+def test_pp_transposed_store(hopper, rng, beta):
+    res, ref, _ = _run_pp(hopper, rng, "tf32", "fp32", 1031, 67, 96, beta=beta, trans_c=True)
+    _check_pp(res, ref, "fp32", f"pp tf32 trans_c beta={beta}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,out,b_major", PP_KINDS)
+def test_pp_matches_coop_bitwise_and_is_deterministic(hopper, rng, dtype, out, b_major):
+    """The ping-pong (64 x 192) and cooperative (128 x 192) instances issue the same m64n192 wgmmas
+    over the same k-blocks in the same order, so without split-K their outputs are bit-identical; and
+    two runs of the ping-pong instance are too."""
+    from llmc.bf16 import BF16
+    M, N, K = 3000, 776, 768
+    mk = (lambda s: to_bf16(rng.standard_normal(s))) if dtype == "bf16" else (lambda s: rng.standard_normal(s).astype(np.float32))
+    A = hopper.to_device(mk((M, K)))
+    B = hopper.to_device(mk((K, N) if b_major == "n" else (N, K)))
+    C = hopper.empty((M, N), BF16 if out == "bf16" else np.float32)
+    outs = []
+    for sched in ("pingpong", "pingpong", "coop"):
+        g = gw.wgmma_build(hopper, dtype, M, N, K, b_major=b_major, out=out, schedule=sched, store="direct", splits=1,
+                           bn=192, rm=64 if sched == "pingpong" else None)
+        assert g.plan[1].startswith("64x192+pp" if sched == "pingpong" else "128x192")
+        C.fill_bytes(0xFF)
+        g(C, A, B)
+        outs.append(C.get())
+    assert np.array_equal(outs[0], outs[1])
+    assert np.array_equal(outs[0], outs[2])

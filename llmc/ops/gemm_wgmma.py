@@ -26,6 +26,7 @@ wave-quantised cost model: GPT-2's N = 768 is exactly 4 tiles of 192, which fill
 from __future__ import annotations
 
 import ctypes
+import os
 
 import numpy as np
 
@@ -112,27 +113,50 @@ def check(dtype: str, M: int, N: int, K: int, lda: int, ldb: int) -> str | None:
     return None
 
 
-def plan(sm_count: int, M: int, N: int, K: int, dtype: str = "tf32", allow_split: bool = True,
-         widths=BN_CHOICES):
-    """(BN, splits) minimising a wave-quantised time estimate."""
+def _estimate(sm_count: int, M: int, N: int, K: int, dtype: str, allow_split: bool, shapes, pingpong: bool):
+    """(seconds, rows, BN, splits) of the best tile shape (rows, BN) in `shapes` and K split, by a
+    wave-quantised estimate. Cooperative: both consumer warpgroups on one 128-row tile, so every tile
+    pays the pipeline fill and the epilogue (TILE_OVERHEAD_KB) and the tiles go in waves of sm_count.
+    Ping-pong: each SM runs its tiles back to back on the tensor cores (one consumer's epilogue hides
+    behind the other's mainloop), so the fill and the last epilogue are paid once per SM and each tile
+    only a switch of consumers (PP_SWITCH_KB)."""
     bk = 128 // DTYPES[dtype][1]
     kblocks = -(-K // bk)
+    rate = SM_TF32_FLOPS * (4 / DTYPES[dtype][1])
     best = None
-    for bn in widths:
-        tiles = -(-M // BM) * -(-N // bn)
+    for rm, bn in shapes:
+        tiles = -(-M // rm) * -(-N // bn)
         for s in (1, 2, 3, 4, 6, 8) if allow_split else (1,):
-            if s > 1 and (kblocks // s < 4 or tiles * s > 2 * sm_count):
+            if s > 1 and (kblocks // s < 4 or tiles * s > (4 if pingpong else 2) * sm_count):
                 continue
             per = -(-kblocks // s)
             s = -(-kblocks // per)          # no empty splits
-            waves = -(-(tiles * s) // sm_count)
-            # seconds: waves x (k-blocks of one unit) x (flops of a k-block) / (the SM's rate)
-            t = waves * (per + TILE_OVERHEAD_KB) * 2 * BM * bn * bk / (SM_TF32_FLOPS * (4 / DTYPES[dtype][1]) * BN_EFF[bn])
+            # seconds: (k-blocks an SM runs) x (flops of a k-block) / (the SM's rate)
+            if pingpong:
+                per_sm = -(-(tiles * s) // sm_count)
+                t = (per_sm * (per + PP_SWITCH_KB) + TILE_OVERHEAD_KB) * 2 * rm * bn * bk / (rate * PP_EFF[(rm, bn)])
+            else:
+                waves = -(-(tiles * s) // sm_count)
+                t = waves * (per + TILE_OVERHEAD_KB) * 2 * rm * bn * bk / (rate * BN_EFF[bn])
             if s > 1:
                 t += (s + 2) * M * N * 4 / DRAM_BPS
             if best is None or t < best[0]:
-                best = (t, bn, s)
-    return best[1], best[2]
+                best = (t, rm, bn, s)
+    return best
+
+
+def plan(sm_count: int, M: int, N: int, K: int, dtype: str = "tf32", allow_split: bool = True,
+         widths=BN_CHOICES):
+    """(BN, splits) of the cooperative instances (128 x BN tiles) minimising a wave-quantised time estimate."""
+    _, _, bn, s = _estimate(sm_count, M, N, K, dtype, allow_split, [(BM, bn) for bn in widths], False)
+    return bn, s
+
+
+def plan_pingpong(sm_count: int, M: int, N: int, K: int, dtype: str = "tf32", allow_split: bool = True,
+                  shapes=None):
+    """(rows, BN, splits) of the ping-pong instances (a consumer's tile: rows x BN)."""
+    _, rm, bn, s = _estimate(sm_count, M, N, K, dtype, allow_split, shapes or PP_SHAPES, True)
+    return rm, bn, s
 
 
 TS_WIDTHS = (128, 192)          # tile widths built with the TMA-store epilogue (_ts); 256 has no room
@@ -151,12 +175,38 @@ INSTANCES = {
     ("bf16", "bf16", "mn", False): _DIRECT,
 }
 LAYOUT_SUFFIX = {"kk": "", "mk": "_am", "kn": "_bt", "mn": "_at_bt"}
+
+# The ping-pong instances (cuda/gemm_wgmma.cu, GEMM_WGMMA_PP_ENTRY): each consumer warpgroup owns a
+# whole (rows x BN) tile and the two take turns on the tensor cores, one's epilogue running during the
+# other's mainloop. (input, output, layout) -> {(rows, BN): stages}; direct stores only (no _ts).
+# Not the default: schedule="pingpong" / "auto" or LLMC_WGMMA_SCHEDULE picks them (see wgmma_build).
+PP_SHAPES = ((64, 192), (64, 256), (128, 128))
+_PP = {(64, 192): 7, (64, 256): 5, (128, 128): 7}
+PP_INSTANCES = {("tf32", "fp32", "kk"): _PP, ("bf16", "fp32", "kk"): _PP, ("bf16", "bf16", "kk"): _PP,
+                ("bf16", "bf16", "kn"): _PP}
+# relative rate of each ping-pong tile shape: NOT measured yet (assumed: one m64nBN wgmma per k-step
+# reads the same shared memory per flop as the cooperative tiles of that width; 128 x 128 as width 128)
+PP_EFF = {(64, 192): 1.0, (64, 256): 0.95, (128, 128): 0.85}
+PP_SWITCH_KB = 0.5              # handing the tensor cores to the other consumer, in k-blocks (assumed)
+SCHEDULES = ("coop", "pingpong", "auto")
+SCHEDULE_ENV = "LLMC_WGMMA_SCHEDULE"   # the default of wgmma_build's schedule (unset: coop)
+_noted: set = set()
 OUT_BYTES = {"fp32": 4, "bf16": 2}
 
 
 def instance_name(ty: str, out: str, layout: str, ts: bool, bn: int) -> str:
     """The entry point of one instance: gemm_wgmma_<in>_n<BN><layout>[_ts][_bf16 for bf16 output]."""
     return f"gemm_wgmma_{ty}_n{bn}{LAYOUT_SUFFIX[layout]}{'_ts' if ts else ''}{'_bf16' if out == 'bf16' else ''}"
+
+
+def pp_instance_name(ty: str, out: str, layout: str, rm: int, bn: int) -> str:
+    """A ping-pong entry point: gemm_wgmma_<in>_n<BN><layout>_pp<rows>[_bf16 for bf16 output]."""
+    return f"gemm_wgmma_{ty}_n{bn}{LAYOUT_SUFFIX[layout]}_pp{rm}{'_bf16' if out == 'bf16' else ''}"
+
+
+def pp_smem_bytes(rm: int, bn: int, stages: int) -> int:
+    """Dynamic shared memory of a ping-pong instance: the stages, their mbarriers, 1 KB for alignment."""
+    return stages * (rm + bn) * 128 + 2 * 8 * stages + 1024
 
 
 def smem_bytes(bn: int, stages: int, ts: bool, out: str = "fp32") -> int:
@@ -168,7 +218,8 @@ def smem_bytes(bn: int, stages: int, ts: bool, out: str = "fp32") -> int:
 def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, ldb: int | None = None,
                 ldc: int | None = None, alpha: float = 1.0, beta: float = 0.0, has_bias: bool = False,
                 trans_c: bool = False, bn: int | None = None, splits: int | None = None, store: str = "auto",
-                a_major: str = "k", b_major: str = "k", out: str = "fp32"):
+                a_major: str = "k", b_major: str = "k", out: str = "fp32", schedule: str | None = None,
+                rm: int | None = None):
     """C = alpha * A(M,K) @ B(N,K)^T (+ bias(N)) (+ beta*C); with trans_c, C^T is what is stored
     (C is (N, ldc)). Returns launch(C, A, B, bias=None) taking DevArrays or raw pointers.
     a_major="m": the A argument holds A^T, i.e. (K, lda >= M) row-major, as dout holds dout^T for the
@@ -180,7 +231,12 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
     store: "tma" stages each tile in shared memory and writes it with the TMA, overlapping the next
     tile's products (plain outputs only: no beta, no split-K, not transposed); "direct" stores from
     registers; "auto" takes "tma" where it can and K <= TS_MAX_K (short K: the epilogue is a large part
-    of a tile's time; long K wants the deeper pipeline of the direct-store instances)."""
+    of a tile's time; long K wants the deeper pipeline of the direct-store instances).
+    schedule: "coop" (both consumer warpgroups on one 128 x BN tile: the instances above), "pingpong"
+    (each consumer its own rm x BN tile, taking turns on the tensor cores: the _pp instances, built for
+    the kk and kn layouts; direct stores), or "auto" (whichever the planner's estimate prefers). None
+    reads LLMC_WGMMA_SCHEDULE, unset meaning "coop"; there a layout without ping-pong instances says so
+    once and stays cooperative. rm: the ping-pong tile's rows (64 or 128), else planned."""
     if a_major not in ("k", "m") or b_major not in ("k", "n") or out not in OUT_BYTES:
         raise LLMCError(f"gemm engine 5: a_major={a_major!r} b_major={b_major!r} out={out!r}; expected k/m, k/n, fp32/bf16")
     ty = "bf16" if dtype == "bf16" else "tf32"
@@ -203,13 +259,25 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
     if store == "tma" and not ts_ok:
         raise LLMCError("gemm engine 5: the TMA store takes plain outputs (beta = 0, not transposed, 16-byte rows of C, "
                         "K-major A)")
-    use_ts = store == "tma" or (store == "auto" and ts_ok and K <= TS_MAX_K and (bn is None or bn in TS_WIDTHS))
-    if use_ts:  # the TMA store needs the whole tile at once: no split-K
-        pbn, psplits = plan(rt.sm_count, M, N, K, dtype, allow_split=False, widths=TS_WIDTHS)
-        splits = 1 if splits is None else splits
-        if splits > 1 and store == "auto":
-            use_ts = False
-    if not use_ts:
+    use_pp, tile_rows = _pick_schedule(rt, dtype, ty, out, layout, M, N, K, schedule, store, bn, rm, splits)
+    if rm is not None and not use_pp:
+        raise LLMCError(f"gemm engine 5: rm={rm} (a ping-pong tile's rows) but the cooperative schedule was chosen")
+    if use_pp:  # ping-pong: direct stores, the consumer's tile (rows x BN) from its own plan
+        use_ts = False
+        shapes = [sh for sh in PP_INSTANCES[(ty, out, layout)] if (bn is None or sh[1] == bn) and
+                  (rm is None or sh[0] == rm)]
+        if not shapes:
+            have = ", ".join(f"{r}x{w}" for r, w in PP_INSTANCES[(ty, out, layout)])
+            raise LLMCError(f"gemm engine 5: no ping-pong tile rm={rm} bn={bn}; have {have}")
+        tile_rows, pbn, psplits = plan_pingpong(rt.sm_count, M, N, K, dtype, allow_split=splits is None, shapes=shapes)
+    else:
+        use_ts = store == "tma" or (store == "auto" and ts_ok and K <= TS_MAX_K and (bn is None or bn in TS_WIDTHS))
+        if use_ts:  # the TMA store needs the whole tile at once: no split-K
+            pbn, psplits = plan(rt.sm_count, M, N, K, dtype, allow_split=False, widths=TS_WIDTHS)
+            splits = 1 if splits is None else splits
+            if splits > 1 and store == "auto":
+                use_ts = False
+        if not use_ts:
             pbn, psplits = plan(rt.sm_count, M, N, K, dtype)
     bn, splits = bn or pbn, splits or psplits
     if use_ts and (bn not in TS_WIDTHS or splits > 1):
@@ -221,14 +289,20 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
     splits = max(1, min(splits, kblocks))
     per = -(-kblocks // splits)
     splits = -(-kblocks // per)
-    stages = INSTANCES[(ty, out, layout, use_ts)][bn]
-    smem = smem_bytes(bn, stages, use_ts, out)
-    name = instance_name(ty, out, layout, use_ts, bn)
     what = {"kk": "", "mk": ", A M-major", "kn": ", B N-major", "mn": ", A M-major, B N-major"}[layout]
-    k = rt.kernel(MODULE, name, "PPPPPPiiiiiiiffi",
-                  label=f"gemm 5 ({ty}{' -> bf16' if out == 'bf16' else ''}, 128x{bn}{', TMA store' if use_ts else ''}{what})")
+    if use_pp:
+        stages = PP_INSTANCES[(ty, out, layout)][(tile_rows, bn)]
+        smem = pp_smem_bytes(tile_rows, bn, stages)
+        name = pp_instance_name(ty, out, layout, tile_rows, bn)
+        label = f"gemm 5 ({ty}{' -> bf16' if out == 'bf16' else ''}, {tile_rows}x{bn} ping-pong{what})"
+    else:
+        stages = INSTANCES[(ty, out, layout, use_ts)][bn]
+        smem = smem_bytes(bn, stages, use_ts, out)
+        name = instance_name(ty, out, layout, use_ts, bn)
+        label = f"gemm 5 ({ty}{' -> bf16' if out == 'bf16' else ''}, 128x{bn}{', TMA store' if use_ts else ''}{what})"
+    k = rt.kernel(MODULE, name, "PPPPPPiiiiiiiffi", label=label)
     k.set_max_dynamic_smem(smem)
-    units = -(-M // BM) * -(-N // bn) * splits
+    units = -(-M // tile_rows) * -(-N // bn) * splits
     grid, block = (min(units, rt.sm_count), 1, 1), (384, 1, 1)
     ldw = -(-N // 4) * 4
     W = rt.empty((splits * M * ldw,), np.float32) if splits > 1 else None
@@ -248,7 +322,7 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
         dm = maps.get((a, b, c if ts else 0))
         if dm is None:  # first launch with these operands: encode the maps, copy them to the device
             # an M-/N-major operand comes in boxes of 128 bytes of MN x BK k rows (tf32 32 x 32, bf16 64 x 64)
-            ta = tensor_map(a, dtype, K, M, lda, bk) if a_major == "m" else tensor_map(a, dtype, M, K, lda, BM)
+            ta = tensor_map(a, dtype, K, M, lda, bk) if a_major == "m" else tensor_map(a, dtype, M, K, lda, tile_rows)
             tb = tensor_map(b, dtype, K, N, ldb, bk) if b_major == "n" else tensor_map(b, dtype, N, K, ldb, bn)
             blob = ta + tb
             if ts:  # C in boxes of 64 rows x 128 bytes (fp32 copied as is: the FLOAT32 type)
@@ -265,8 +339,39 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
             k(grid, block, tm[0], tm[1], tm[2], c, bi if has_bias else 0, 0, np.int32(M), np.int32(N), np.int32(K),
               np.int32(ldc), np.int32(ldw), np.int32(1), np.int32(per), np.float32(alpha), np.float32(beta),
               np.int32(1 if trans_c else 0), smem=smem)
-    launch.plan = (5, f"128x{bn}{'+ts' if use_ts else ''}{LAYOUT_SUFFIX[layout].replace('_', '+')}", splits)
+    launch.plan = (5, f"{tile_rows}x{bn}{'+ts' if use_ts else ''}{'+pp' if use_pp else ''}"
+                      f"{LAYOUT_SUFFIX[layout].replace('_', '+')}", splits)
     return launch
+
+
+def _pick_schedule(rt, dtype, ty, out, layout, M, N, K, schedule, store, bn, rm, splits):
+    """(ping-pong?, tile rows) for wgmma_build: the schedule asked for (argument, else the environment),
+    checked against the instances that exist; "auto" compares the planner's two estimates."""
+    asked = schedule if schedule is not None else os.environ.get(SCHEDULE_ENV, "coop")
+    if asked not in SCHEDULES:
+        where = "schedule" if schedule is not None else SCHEDULE_ENV
+        raise LLMCError(f"gemm engine 5: {where}={asked!r}; expected one of {', '.join(SCHEDULES)}")
+    have = (ty, out, layout) in PP_INSTANCES
+    if asked == "coop" or (asked == "auto" and (not have or store == "tma")):
+        return False, BM
+    if not have or store == "tma":
+        why = ("the TMA store is cooperative-only" if have else
+               f"no ping-pong instances for {ty} in / {out} out / layout {layout}")
+        if schedule is not None:
+            raise LLMCError(f"gemm engine 5: schedule='pingpong' refused: {why}")
+        if (ty, out, layout, store) not in _noted:  # forced for a whole run: say it once per kind of GEMM
+            _noted.add((ty, out, layout, store))
+            print(f"note: {SCHEDULE_ENV}=pingpong: {why}; using the cooperative instances there")
+        return False, BM
+    if asked == "pingpong" or rm is not None:
+        return True, None
+    pp = [sh for sh in PP_INSTANCES[(ty, out, layout)] if bn is None or sh[1] == bn]
+    co = [(BM, w) for w in BN_CHOICES if bn is None or w == bn]
+    if not pp or not co:
+        return bool(pp), None if pp else BM
+    t_pp = _estimate(rt.sm_count, M, N, K, dtype, splits is None, pp, True)[0]
+    t_co = _estimate(rt.sm_count, M, N, K, dtype, splits is None, co, False)[0]
+    return t_pp < t_co, None if t_pp < t_co else BM
 
 
 def transpose_build(rt, rows: int, cols: int, ld_in: int | None = None, ld_out: int | None = None):
