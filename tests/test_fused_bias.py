@@ -147,8 +147,11 @@ def test_gpu_fused_matches_unfused_and_replays_bit_exactly(rt, precision):
     replays) with the fused bias gradients, twice from the same init: bit-identical gradients (the
     fused sums have a fixed order); and within a summation-order tolerance of the unfused model
     (fuse_bias=False: the same variants plus matmul_backward_bias, whose sums run in another order).
-    Tolerance per gradient tensor: fp32 1e-5 of its rms elementwise plus 1e-5 relative (sums of B*T
-    rows in another fp32 order, carried through one update); bf16: both forms sum the same stored
+    Tolerance per gradient tensor: fp32 1e-5 of its rms elementwise plus 1e-5 relative on the first
+    step (sums of B*T rows in another fp32 order); 1e-2 on the second, after one AdamW update: its
+    first step moves each weight by about lr whatever the gradient's size, so a near-zero bias
+    gradient summed in another order can move a weight the other way (measured on the H100: wte's
+    gradient 3.8e-6 apart at an rms of 9.3e-3, qkvw 2.1e-6 at 1.0e-3); bf16: both forms sum the same stored
     bf16 values and round the total once, so a bias element may differ by a rounding per micro-step
     (2^-7 relative) and the second step's gradients by what that does to the update (1e-2 of the rms)."""
     from llmc.backend import CudaBackend
@@ -180,8 +183,8 @@ def test_gpu_fused_matches_unfused_and_replays_bit_exactly(rt, precision):
         for name, off, size in param_layout(GPU_CFG):
             ga, gb = a[off:off + size].astype(np.float64), b[off:off + size].astype(np.float64)
             rms = float(np.sqrt(np.mean(gb ** 2))) + 1e-30
-            if precision == "fp32":
-                atol, rtol = 1e-5 * rms, 1e-5
+            if precision == "fp32":  # (step 1 is after an AdamW update: see the docstring)
+                atol, rtol = (1e-5 * rms, 1e-5) if step == 0 else (1e-2 * rms, 1e-2)
             else:
                 atol, rtol = 1e-2 * rms, 2.0 ** -7
             err = np.abs(ga - gb) - (atol + rtol * np.abs(gb))
