@@ -171,6 +171,22 @@ template <> __device__ __forceinline__ float gelu_grad_t<bf16>(float x) { return
 
 #define GELU_CS_UNROLL 4
 
+// thread (tx, 0) ends with the sum of the 8 row-lanes' s, added in row-lane order (the same bits on
+// every run); every thread of the block must call it
+template <int V>
+__device__ __forceinline__ void sum_row_lanes(float (&s)[V], float (*sh)[32][V + 1], int tx, int ty) {
+#pragma unroll
+    for (int k = 0; k < V; k++) sh[ty][tx][k] = s[k];
+    __syncthreads();
+    if (ty == 0) {
+#pragma unroll
+        for (int y = 1; y < 8; y++) {
+#pragma unroll
+            for (int k = 0; k < V; k++) s[k] += sh[y][tx][k];
+        }
+    }
+}
+
 template <typename T>
 __device__ __forceinline__ void gelu_backward_colsum_t(T* dinp, T* colsum, float* partial, unsigned int* counters,
         const T* inp, const T* dout, int rows, int OC, int rows_per_chunk) {
@@ -216,15 +232,8 @@ __device__ __forceinline__ void gelu_backward_colsum_t(T* dinp, T* colsum, float
         }
     }
     // the 8 row-lanes in order into this chunk's partial row
-#pragma unroll
-    for (int k = 0; k < V; k++) sh[ty][tx][k] = s[k];
-    __syncthreads();
+    sum_row_lanes<V>(s, sh, tx, ty);
     if (ty == 0 && ncol > 0) {
-#pragma unroll
-        for (int y = 1; y < 8; y++) {
-#pragma unroll
-            for (int k = 0; k < V; k++) s[k] += sh[y][tx][k];
-        }
         float* p = partial + (size_t)blockIdx.y * OC + col;
 #pragma unroll
         for (int k = 0; k < V; k++) if (k < ncol) p[k] = s[k];
@@ -246,15 +255,8 @@ __device__ __forceinline__ void gelu_backward_colsum_t(T* dinp, T* colsum, float
             for (int k = 0; k < V; k++) if (k < ncol) s[k] += __ldcg(p + k);
         }
     }
-#pragma unroll
-    for (int k = 0; k < V; k++) sh[ty][tx][k] = s[k];
-    __syncthreads();
+    sum_row_lanes<V>(s, sh, tx, ty);
     if (ty == 0 && ncol > 0) {
-#pragma unroll
-        for (int y = 1; y < 8; y++) {
-#pragma unroll
-            for (int k = 0; k < V; k++) s[k] += sh[y][tx][k];
-        }
 #pragma unroll
         for (int k = 0; k < V; k++)
             if (k < ncol) colsum[col + k] = from_f32<T>(to_f32(colsum[col + k]) + s[k]);
