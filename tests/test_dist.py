@@ -438,7 +438,7 @@ class _RecordingComm:
     stream when it was recorded. Kernels are logged by the test's wrappers."""
 
     def __init__(self, world=2):
-        self.world, self.log = world, []
+        self.world, self.log, self.sends = world, [], {}
 
     def _op(self, what, stream, bufs):
         self.log.append((what, stream or "compute", bufs))
@@ -456,6 +456,7 @@ class _RecordingComm:
 
     def all_gather(self, pairs, stream=None):
         self._op("all_gather", stream, [recv for _, recv in pairs])
+        self.sends[len(self.log) - 1] = [send for send, _ in pairs]
 
     def new_stream(self):
         return "comm"
@@ -475,12 +476,14 @@ def _span(a):
 
 @pytest.mark.parametrize("gather", ["forward", "update"])
 def test_zero1_forward_reads_no_weight_before_its_all_gather(monkeypatch, gather):
-    """-z 1 all-gathers the updated weights on the second stream, layer by layer, while the next
-    forward runs (LLMC_DP_GATHER=forward, the default), or at the end of the update on the compute
-    stream (=update). Either way no kernel on the compute stream may read a weight before the
-    all-gather that writes it has finished: every such read must come after a compute-stream wait
-    on an event recorded after that all-gather. Checked over a whole update + the next micro-step
-    + a validation forward, from a log of every launch and collective (numpy backend)."""
+    """-z 1 all-gathers the updated weights at the end of the update on the compute stream
+    (LLMC_DP_GATHER=update, the default), or on the second stream, layer by layer, while the next
+    forward runs (=forward). Either way
+    no kernel on the compute stream may read a weight before the all-gather that writes it has
+    finished: every such read must come after a compute-stream wait on an event recorded after that
+    all-gather; and no all-gather on the second stream may send a piece before the AdamW launches
+    before it (which write the pieces) are waited for. Checked over a whole update + the next
+    micro-step + a validation forward, from a log of every launch and collective (numpy backend)."""
     from llmc.backend import make_backend
     from llmc.dist import DataParallel
     from llmc.model import GPT2
@@ -500,6 +503,16 @@ def test_zero1_forward_reads_no_weight_before_its_all_gather(monkeypatch, gather
             comm.log.append(("kernel " + _name, "compute", [a for a in args if isinstance(a, np.ndarray)]))
             return _fn(*args)
         model.k[name] = logged
+
+    def log_adamw(fn, lo, hi):  # logged with the weights it writes: this rank's pieces of chunks lo..hi-1
+        pieces = [send for send, _ in dp._gather_pairs(dp._all_chunks()[lo:hi])]
+
+        def logged(*args):
+            comm.log.append(("kernel adamw", "compute", pieces))
+            return fn(*args)
+        return logged
+    dp.adamw_all = log_adamw(dp.adamw_all, 0, len(dp.plan))
+    dp.plan = [(log_adamw(pl[0], i, i + 1), *pl[1:]) for i, pl in enumerate(dp.plan)]
     rng = np.random.default_rng(0)
     x, y = (rng.integers(0, cfg.vocab_size, (2, 16)).astype(np.int32) for _ in range(2))
     for step in range(2):
@@ -520,7 +533,13 @@ def test_zero1_forward_reads_no_weight_before_its_all_gather(monkeypatch, gather
         spans = [_span(b) for b in bufs]
         if what == "all_gather":
             gathers.append((i, stream, spans))
-            assert stream == ("comm" if gather == "forward" else "compute")
+            assert stream == ("compute" if gather == "update" else "comm")
+            sends = [_span(b) for b in comm.sends[i]]
+            for k, (kwhat, kstream, kbufs) in enumerate(comm.log[:i]):
+                if kwhat == "kernel adamw" and any(lo < hi2 and lo2 < hi for lo, hi in sends
+                                                   for lo2, hi2 in map(_span, kbufs)):
+                    assert kstream == stream or waited[stream] >= k, \
+                        f"the all-gather at {i} sends pieces that AdamW (launch {k}) may still be writing"
             continue
         if not what.startswith("kernel"):
             continue
@@ -532,4 +551,4 @@ def test_zero1_forward_reads_no_weight_before_its_all_gather(monkeypatch, gather
                 if any(lo < ghi and glo < hi for glo, ghi in gspans):
                     assert gstream == stream or waited[stream] >= g, \
                         f"{what} (launch {i}) reads weights that the all-gather at {g} is still writing"
-    assert reads > 50 and len(gathers) >= (2 * (cfg.num_layers + 1) if gather == "forward" else 2)
+    assert reads > 50 and len(gathers) >= (2 if gather == "update" else 2 * (cfg.num_layers + 1))
