@@ -23,12 +23,12 @@ from llmc.bf16 import BF16, from_bf16, round_bf16, to_bf16
 from llmc.ops import attention as A
 from llmc.testing import rel_err
 
-B, T, C, NH = L.args.batch or 4, 1024, 768, 12  # --batch
-DTYPES = ("fp32", "bf16") if L.args.dtype == "both" else (L.args.dtype,)  # lab.py's --dtype
-hs = C // NH
 
 L = lab.Lab("attention_backward")
 rt = L.rt
+B, T, C, NH = L.args.batch or 4, 1024, 768, 12  # --batch
+DTYPES = ("fp32", "bf16") if L.args.dtype == "both" else (L.args.dtype,)  # lab.py's --dtype
+hs = C // NH
 sm_spec = llmc.ops.get("softmax_backward")
 try:
     mm = llmc.ops.get("matmul_backward").default
