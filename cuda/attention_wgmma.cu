@@ -425,9 +425,13 @@ __device__ __forceinline__ void pack_a(uint32_t (&a)[8][4], const float (&x)[64]
 
 // Backward, part 1: per (b, h, 128 query rows), D = rowsum(dout * out) (written for part 2) and
 // dq = scale sum over key tiles 0..qb of (p (dp - D)) k. tm: tm[0] the qkvr map, tm[1] the dout map.
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
-flash_attention_backward_dq_kernel4_bf16(bf16* dinp, float* Dbuf, const bf16* dout, const bf16* out,
-                                         const CUtensorMap* tm, const float* lse, int B, int NH, int T, float scale) {
+// OVERLAP: tile i's dq product is left running while tile i + 1's S and dP are issued (one wait for
+// both instead of two), at the cost of keeping the packed dS (32 registers) live across that issue;
+// the same operations on each accumulator in the same order: the same bits (the lab times both).
+template <bool OVERLAP>
+__device__ __forceinline__ void flash_backward_dq_wgmma(bf16* dinp, float* Dbuf, const bf16* dout, const bf16* out,
+                                                        const CUtensorMap* tm, const float* lse, int B, int NH, int T,
+                                                        float scale) {
     extern __shared__ unsigned char smem_bwd[];
     unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_bwd) + 1023) & ~uintptr_t(1023));
     unsigned char* sq = smem;                    // q (128 x 64)
@@ -518,20 +522,21 @@ flash_attention_backward_dq_kernel4_bf16(bf16* dinp, float* Dbuf, const bf16* do
     for (int i = 0; i < 32; i++) dq[i] = 0.0f;
     float sc[64], dp[64];
     uint32_t da[8][4];
-    mbar_wait(qd_full, 0);
-    for (int i = 0; i < nkt; i++) {
-        const unsigned char* sk = skv + (i % BWD_STAGES) * STAGE_BYTES;
+    auto stage = [&](int i) { return skv + (i % BWD_STAGES) * STAGE_BYTES; };
+    // S = q k^T and dP = dout v^T of key tile i, issued as one group
+    auto issue_sdp = [&](int i) {
         mbar_wait(&full[i % BWD_STAGES], (i / BWD_STAGES) & 1);
         wgmma_fence();
-        issue_s(sc, sqw, sk);              // S = q k^T
-        issue_s(dp, sdow, sk + KV_BYTES);  // dP = dout v^T
+        issue_s(sc, sqw, stage(i));
+        issue_s(dp, sdow, stage(i) + KV_BYTES);
         wgmma_commit();
-        wgmma_wait<0>();
+    };
+    // dS = P (dP - D), P = 2^(c2 S - lse log2e), packed to bf16 as dq's A operand. On the diagonal
+    // tile (the last) keys > row are masked (so are keys >= T, zero-filled: > every row < T).
+    // Accumulator layout: register 4j + e at row row0 + 8 (e >> 1), key 8j + 2t + (e & 1) of the tile.
+    auto make_ds = [&](int i) {
         keep_in_regs(sc);
         keep_in_regs(dp);
-        // dS = P (dP - D), P = 2^(c2 S - lse log2e); on the diagonal tile (the last) keys > row are
-        // masked (so are keys >= T, zero-filled: > every row < T). Accumulator layout: register
-        // 4j + e at row row0 + 8 (e >> 1), key 8j + 2t + (e & 1) of the tile.
         const bool diag = i == nkt - 1;
         const int key0 = i * BKV;
 #pragma unroll
@@ -544,13 +549,36 @@ flash_attention_backward_dq_kernel4_bf16(bf16* dinp, float* Dbuf, const bf16* do
                 sc[4 * j + e] = p * (dp[4 * j + e] - Dr[hh]);
             }
         pack_a(da, sc);
-        wgmma_fence();
-        issue_o(dq, da, sk);  // dq += dS k (k as the MN-major B: keys x dims)
-        wgmma_commit();
+    };
+    // both products of tile i have read its stage: hand it back (one arrival per consumer warp)
+    auto release = [&](int i) { __syncwarp(); if (lane == 0) mbar_arrive(&empty[i % BWD_STAGES]); };
+    mbar_wait(qd_full, 0);
+    if constexpr (!OVERLAP) {
+        for (int i = 0; i < nkt; i++) {
+            issue_sdp(i);
+            wgmma_wait<0>();
+            make_ds(i);
+            wgmma_fence();
+            issue_o(dq, da, stage(i));  // dq += dS k (k as the MN-major B: keys x dims)
+            wgmma_commit();
+            wgmma_wait<0>();
+            keep_in_regs(dq);
+            release(i);
+        }
+    } else {
+        issue_sdp(0);
         wgmma_wait<0>();
-        keep_in_regs(dq);
-        __syncwarp();
-        if (lane == 0) mbar_arrive(&empty[i % BWD_STAGES]);  // both products have read the stage
+        make_ds(0);
+        for (int i = 0; i < nkt; i++) {
+            wgmma_fence();
+            issue_o(dq, da, stage(i));  // runs while the next tile's S, dP are issued
+            wgmma_commit();
+            if (i + 1 < nkt) issue_sdp(i + 1);
+            wgmma_wait<0>();  // dq of tile i and S, dP of tile i + 1
+            keep_in_regs(dq);
+            release(i);
+            if (i + 1 < nkt) make_ds(i + 1);
+        }
     }
 
     // dq * scale -> dinp[..., 0:C], one bf16 rounding (m64n64 layout: register 4j + 2h + c at row
@@ -566,11 +594,23 @@ flash_attention_backward_dq_kernel4_bf16(bf16* dinp, float* Dbuf, const bf16* do
     }
 }
 
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+flash_attention_backward_dq_kernel4_bf16(bf16* dinp, float* Dbuf, const bf16* dout, const bf16* out,
+                                         const CUtensorMap* tm, const float* lse, int B, int NH, int T, float scale) {
+    flash_backward_dq_wgmma<false>(dinp, Dbuf, dout, out, tm, lse, B, NH, T, scale);
+}
+// the lab's overlap=True build (llmc/ops/attention.py); the same bits as the plain one
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+flash_attention_backward_dq_kernel4_bf16_overlap(bf16* dinp, float* Dbuf, const bf16* dout, const bf16* out,
+                                                 const CUtensorMap* tm, const float* lse, int B, int NH, int T,
+                                                 float scale) {
+    flash_backward_dq_wgmma<true>(dinp, Dbuf, dout, out, tm, lse, B, NH, T, scale);
+}
+
 // Backward, part 2: per (b, h, 128 keys), over the query tiles kb..nqb-1, dv = sum p^T dout and
 // dk = scale sum (p (dp - D))^T q, transposed (keys as rows). Reads D from part 1.
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
-flash_attention_backward_dkdv_kernel4_bf16(bf16* dinp, const CUtensorMap* tm, const float* lse, const float* Dbuf,
-                                           int B, int NH, int T, float scale) {
+__device__ __forceinline__ void flash_backward_dkdv_wgmma(bf16* dinp, const CUtensorMap* tm, const float* lse,
+                                                          const float* Dbuf, int B, int NH, int T, float scale) {
     extern __shared__ unsigned char smem_bwd[];
     unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_bwd) + 1023) & ~uintptr_t(1023));
     unsigned char* sk = smem;                      // k (128 keys x 64)
@@ -705,4 +745,10 @@ flash_attention_backward_dkdv_kernel4_bf16(bf16* dinp, const CUtensorMap* tm, co
             *reinterpret_cast<uint32_t*>(dst + 2 * C + 8 * j) = pack_bf16(dv[4 * j + 2 * hh], dv[4 * j + 2 * hh + 1]);
         }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+flash_attention_backward_dkdv_kernel4_bf16(bf16* dinp, const CUtensorMap* tm, const float* lse, const float* Dbuf,
+                                           int B, int NH, int T, float scale) {
+    flash_backward_dkdv_wgmma(dinp, tm, lse, Dbuf, B, NH, T, scale);
 }

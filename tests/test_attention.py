@@ -654,6 +654,11 @@ def test_flash_attention_wgmma_backward_gpu(rt, B, T, C, NH):
     poison(d_dinp)
     bwd(d_dinp, d_dout, d_qkvr, d_lse, d_out)
     assert np.array_equal(from_bf16(d_dinp.get()), first), "attention_backward 4 is not deterministic"
+    # the overlapped dq kernel does the same operations on each accumulator in the same order: the same bits
+    over = A.build_flash_attention_backward_wgmma(rt, B=B, T=T, C=C, NH=NH, overlap=True)
+    poison(d_dinp, *over.scratch.values())
+    over(d_dinp, d_dout, d_qkvr, d_lse, d_out)
+    assert np.array_equal(from_bf16(d_dinp.get()), first), "overlap: dinp differs from the plain wgmma backward"
     if rt.graphs_available() is None:
         graph = rt.capture(lambda: bwd(d_dinp, d_dout, d_qkvr, d_lse, d_out))
         poison(d_dinp, *bwd.scratch.values())
@@ -978,6 +983,8 @@ def test_wgmma_backward_builds(monkeypatch):
     for bad in ((0x10008, 0x20000), (0x10000, 0x20008)):
         with pytest.raises(LLMCError, match="16-byte aligned"):
             built(0x1000, bad[1], bad[0], 0x5000, 0x6000)
+    A.build_flash_attention_backward_wgmma(rt, B=2, T=200, C=128, NH=2, overlap=True)  # the lab's other build
+    assert rt.built[-2:] == ["flash_attention_backward_dq_kernel4_bf16_overlap", "flash_attention_backward_dkdv_kernel4_bf16"]
 
 
 def _wg_acc_coords(n):
@@ -1044,7 +1051,7 @@ def _emulate_wgmma_backward(q, k, v, dout, out, lse, T):
                 if i == qb:  # diag: key0 + 8j + 2t + (e & 1) > row0 + 8 hh
                     p = np.where(i * 128 + cols > rowg, 0.0, p)
                 ds = p * (dp - Dr)
-                acc += (_wg_regs_to_a(ds) @ k[kt])[orow, ocol]  # issue_o(dq, da, sk): k as the MN-major B
+                acc += (_wg_regs_to_a(ds) @ k[kt])[orow, ocol]  # issue_o(dq, da, stage(i)): k as the MN-major B
             ok = r0 + orow < T  # the stored registers (row0 + 8h < T)
             dq[(r0 + orow)[ok], ocol[ok]] = acc[ok] * scale
     for kb in range(nb):  # dkdv kernel: blockIdx.y = kb, query tiles kb..nb-1
@@ -1091,7 +1098,7 @@ def test_wgmma_backward_tile_walk():
     for line in ("float p = ex2(fmaf(sc[4 * j + e], c2, -lr[hh]));",
                  "if (diag && key0 + 8 * j + 2 * t + (e & 1) > row0 + 8 * hh) p = 0.0f;",
                  "sc[4 * j + e] = p * (dp[4 * j + e] - Dr[hh]);",
-                 "issue_o(dq, da, sk);",
+                 "issue_o(dq, da, stage(i));",
                  "const float2 lq = *reinterpret_cast<const float2*>(r + 8 * j + 2 * t);",
                  "const float2 dd = *reinterpret_cast<const float2*>(r + BQ + 8 * j + 2 * t);",
                  "float p = ex2(fmaf(sc[4 * j + e], c2, -(c ? lq.y : lq.x)));",

@@ -116,12 +116,12 @@ for version in ((2, 3) if "bf16" in DTYPES else ()):
 # check. Its tiles are 128 x 128: FLOPs counted on the tiles it computes (7 products per tile pair at
 # and below the diagonal, the diagonal tiles whole), so its TFLOP/s is not on the 64-tile rows' basis:
 # compare the times (the 128-tile count is ~6% more work than the 64-tile one at T=1024).
-if "bf16" in DTYPES and rt.arch == "sm_90":
+for overlap in ((False, True) if "bf16" in DTYPES and rt.arch == "sm_90" else ()):
     nt4 = -(-T // 128)
-    built = A.build_flash_attention_backward_wgmma(rt, B=B, T=T, C=C, NH=NH)
+    built = A.build_flash_attention_backward_wgmma(rt, B=B, T=T, C=C, NH=NH, overlap=overlap)
     flash4 = built.launch
     fn = lambda: flash4(d_dinp_b, d_dout_b, d_qkvr_b, d_lse_b, d_out_b)  # noqa: E731
-    label = "attention_backward 4 bf16 (flash wgmma + TMA)"
+    label = f"attention_backward 4 bf16 (flash wgmma + TMA{', dq overlap' if overlap else ''})"
     d_dinp_b.fill_bytes(0xFF)
     for x in built.scratch.values():
         x.fill_bytes(0xFF)
@@ -141,7 +141,7 @@ if "bf16" in DTYPES and rt.arch == "sm_90":
     if not ok:
         L.failed.append(label)
     L.time(label, fn, flops=7 * 2 * B * NH * (nt4 * (nt4 + 1) // 2) * 128 * 128 * hs, ceiling=None)
-elif "bf16" in DTYPES:
+if "bf16" in DTYPES and rt.arch != "sm_90":
     print(f"attention_backward 4 skipped: it needs an sm_90 GPU (this one is {rt.arch})")
 
 try:

@@ -523,14 +523,16 @@ WGMMA_DQ_SMEM = 1024 + 2 * WGMMA_BQ * 128 + WGMMA_BWD_STAGES * 2 * WGMMA_BQ * 12
 WGMMA_DKDV_SMEM = WGMMA_DQ_SMEM + 2 * 2 * 2 * WGMMA_BQ * 4
 
 
-def build_flash_attention_backward_wgmma(rt, B, T, C, NH, **_):
+def build_flash_attention_backward_wgmma(rt, B, T, C, NH, overlap=False, **_):
     """Variant 4, bf16 only: launch(dinp (B,T,3C), dout (B,T,C), qkvr (B,T,3C), lse (B,NH,T), out (B,T,C))
     like the bf16 builds of 2, 3 (dinp, dout, qkvr, out bf16; lse and the scratch D fp32; the lse of
     attention_forward 2, 3 or 4): a dq kernel (also writing D = rowsum(dout * out)) then a dk/dv
     kernel, each a CTA per (b, h, 128 rows) of a producer warpgroup (TMA) and 2 wgmma consumer
     warpgroups; dinp overwritten, no atomics. The TMA reads qkvr and dout through two tensor maps
     (cuda/attention_wgmma.cu, backward Layouts) kept back to back on the device: one pair per (qkvr,
-    dout) pointer pair, encoded and copied at its first launch, so a captured graph replays them."""
+    dout) pointer pair, encoded and copied at its first launch, so a captured graph replays them.
+    overlap: the dq kernel that leaves tile i's dq product running while it issues tile i + 1's S and
+    dP (the same bits; the lab times both)."""
     _check_attention(B, T, C, NH)
     for name, smem in (("dq", WGMMA_DQ_SMEM), ("dk dv", WGMMA_DKDV_SMEM)):
         if smem > rt.max_smem_optin:
@@ -538,7 +540,8 @@ def build_flash_attention_backward_wgmma(rt, B, T, C, NH, **_):
                                             f"allows {rt.max_smem_optin}")
     D = rt.empty((B, NH, T))  # fp32
     label = "attention_backward 4 (flash, wgmma) bf16"
-    kq = rt.kernel(WGMMA_MODULE, "flash_attention_backward_dq_kernel4_bf16", "PPPPPPiiif", label=label + " dq")
+    kq = rt.kernel(WGMMA_MODULE, "flash_attention_backward_dq_kernel4_bf16" + ("_overlap" if overlap else ""),
+                   "PPPPPPiiif", label=label + " dq" + (" overlap" if overlap else ""))
     kkv = rt.kernel(WGMMA_MODULE, "flash_attention_backward_dkdv_kernel4_bf16", "PPPPiiif", label=label + " dk dv")
     kq.set_max_dynamic_smem(WGMMA_DQ_SMEM)
     kkv.set_max_dynamic_smem(WGMMA_DKDV_SMEM)
