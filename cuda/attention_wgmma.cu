@@ -2,10 +2,15 @@
 //
 //   flash_attention_forward_kernel4_bf16   attention_forward variant 4 (bf16 build only):
 //       out (B,T,C) = softmax(scale q k^T, causal) v, rounded to bf16 once;
-//       lse (B,NH,T) = log sum_{s<=t} exp(scale q_t.k_s), fp32 (what the fused backward 2/3 reads)
+//       lse (B,NH,T) = log sum_{s<=t} exp(scale q_t.k_s), fp32 (what the fused backward 2/3/4 reads)
+//   flash_attention_backward_dq_kernel4_bf16     attention_backward variant 4 (bf16 build only), part 1:
+//       D (B,NH,T) = rowsum(dout * out) fp32 scratch; dq -> dinp[..., 0:C]
+//   flash_attention_backward_dkdv_kernel4_bf16   part 2: dk, dv -> dinp[..., C:3C] (reads D)
+//   (the backward's design and layouts are at its section below)
 //
 // Build: nvcc -gencode=arch=compute_90a,code=sm_90a (llmc/runtime.py: ARCH_SPECIFIC).
 // Lab:   python dev/cuda/attention_forward.py 4 --dtype bf16
+//        python dev/cuda/attention_backward.py --dtype bf16 --batch 16
 // Tests: python -m pytest -m gpu tests/test_attention.py -k wgmma
 //
 // Why: variants 2/3 issue mma.sync m16n8k16, which on Hopper tops out near 60% of the tensor cores'
