@@ -980,9 +980,9 @@ def test_wgmma_backward_builds(monkeypatch):
     assert dq[0].args[:4] == (0x1000, D, 0x20000, 0x6000) and dq[0].args[5] == 0x5000
     assert kv[0].args[0] == 0x1000 and kv[0].args[1] == dq[0].args[4] and kv[0].args[2:4] == (0x5000, D)
     assert dq[1].args[4] == dq[0].args[4] != dq[2].args[4]
-    for bad in ((0x10008, 0x20000), (0x10000, 0x20008)):
+    for qkvr, dout, out in ((0x10008, 0x20000, 0x6000), (0x10000, 0x40008, 0x6000), (0x50000, 0x60000, 0x6004)):
         with pytest.raises(LLMCError, match="16-byte aligned"):
-            built(0x1000, bad[1], bad[0], 0x5000, 0x6000)
+            built(0x1000, dout, qkvr, 0x5000, out)
     A.build_flash_attention_backward_wgmma(rt, B=2, T=200, C=128, NH=2, overlap=True)  # the lab's other build
     assert rt.built[-2:] == ["flash_attention_backward_dq_kernel4_bf16_overlap", "flash_attention_backward_dkdv_kernel4_bf16"]
 

@@ -553,9 +553,9 @@ def build_flash_attention_backward_wgmma(rt, B, T, C, NH, overlap=False, **_):
         qp, dp = _ptr(qkvr), _ptr(dout)
         dm = maps.get((qp, dp))
         if dm is None:  # first launch on this (qkvr, dout): encode both maps, copy them to the device
-            for name, p in (("qkvr", qp), ("dout", dp)):
+            for name, p in (("qkvr", qp), ("dout", dp), ("out", _ptr(out))):  # out: the dq kernel's 16-byte loads
                 if p & 15:
-                    raise LLMCError(f"attention_backward 4: {name} must be 16-byte aligned for the TMA (0x{p:x})")
+                    raise LLMCError(f"attention_backward 4: {name} must be 16-byte aligned (0x{p:x})")
             two = qkvr_tensor_map(qp, B, NH, T) + btc_tensor_map(dp, B, T, NH)  # tm[0], tm[1]
             dm = maps[(qp, dp)] = rt.to_device(np.frombuffer(two, np.uint8))
         kq(grid, block, _ptr(dinp), _ptr(D), dp, _ptr(out), dm.ptr, _ptr(lse), *args, smem=WGMMA_DQ_SMEM)
