@@ -2,10 +2,15 @@
 //
 //   flash_attention_forward_kernel4_bf16   attention_forward variant 4 (bf16 build only):
 //       out (B,T,C) = softmax(scale q k^T, causal) v, rounded to bf16 once;
-//       lse (B,NH,T) = log sum_{s<=t} exp(scale q_t.k_s), fp32 (what the fused backward 2/3 reads)
+//       lse (B,NH,T) = log sum_{s<=t} exp(scale q_t.k_s), fp32 (what the fused backward 2/3/4 reads)
+//   flash_attention_backward_dq_kernel4_bf16     attention_backward variant 4 (bf16 build only), part 1:
+//       D (B,NH,T) = rowsum(dout * out) fp32 scratch; dq -> dinp[..., 0:C]
+//   flash_attention_backward_dkdv_kernel4_bf16   part 2: dk, dv -> dinp[..., C:3C] (reads D)
+//   (the backward's design and layouts are at its section below)
 //
 // Build: nvcc -gencode=arch=compute_90a,code=sm_90a (llmc/runtime.py: ARCH_SPECIFIC).
 // Lab:   python dev/cuda/attention_forward.py 4 --dtype bf16
+//        python dev/cuda/attention_backward.py --dtype bf16 --batch 16
 // Tests: python -m pytest -m gpu tests/test_attention.py -k wgmma
 //
 // Why: variants 2/3 issue mma.sync m16n8k16, which on Hopper tops out near 60% of the tensor cores'
@@ -89,8 +94,20 @@ static_assert(FWD_SMEM <= 227 * 1024, "fits one SM's shared memory");
 #define LN2 0.6931471805599453f
 
 // ------------------------------------------------------------------------------------------------
-// PTX helpers: cuda/hopper.cuh has the shared ones; the 3D TMA load is this kernel's
+// PTX helpers: cuda/hopper.cuh has the shared ones; the TMA loads and the warpgroup barrier are this file's
 
+
+// 4D box at coordinates (c0 = dim, c1 = head, c2 = row, c3 = batch): a head's rows of a (B,T,C) tensor
+__device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1, int c2,
+                                            int c3) {
+    asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], [%2];"
+                 ::"r"(smem_u32(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "r"(c2),
+                 "r"(c3)
+                 : "memory");
+}
+
+// barrier over one consumer warpgroup's 128 threads (ids 1, 2; 0 is __syncthreads)
+__device__ __forceinline__ void wg_barrier(int id) { asm volatile("bar.sync %0, 128;" ::"r"(id) : "memory"); }
 
 // 3D box at coordinates (c0 = dim, c1 = row, c2 = slab), completing on `bar`
 __device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1, int c2) {
@@ -101,19 +118,14 @@ __device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, u
 
 
 
-// Descriptor of a K-major 128-byte-swizzled tile (q, k): start address, LBO 16 (unused), SBO 1024
-// (next 8 rows), layout type 1 (SW128) in bits 62-63.
-__device__ __forceinline__ uint64_t desc_k(const void* p) {
-    const uint64_t addr = smem_u32(p);
-    return ((addr & 0x3FFFF) >> 4) | (uint64_t(16 >> 4) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
-}
+// Descriptors (cuda/hopper.cuh: wgmma_desc_sw128). K-major tile (q, k; dout, v in the backward's
+// dout v^T): SBO 1024 (next 8 rows), LBO unused (16).
+__device__ __forceinline__ uint64_t desc_k(const void* p) { return wgmma_desc_sw128(p, 16); }
 
-// Descriptor of the N-major v tile (keys x 64 dims, 128-byte swizzled by key row): SBO 1024 (next 8
-// keys), LBO = the next 64-wide block of n (there is none at N = 64; set to the tile size), SW128.
-__device__ __forceinline__ uint64_t desc_mn(const void* p) {
-    const uint64_t addr = smem_u32(p);
-    return ((addr & 0x3FFFF) >> 4) | (uint64_t(KV_BYTES >> 4) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
-}
+// MN-major tile (v in P V; k, q, dout as the B of the backward's position products: keys or queries
+// x 64 dims, 128-byte swizzled by row): SBO 1024 (next 8 rows), LBO = the next 64-wide block of n
+// (there is none at N = 64; set to the tile size).
+__device__ __forceinline__ uint64_t desc_mn(const void* p) { return wgmma_desc_sw128(p, KV_BYTES); }
 
 __device__ __forceinline__ float ex2(float x) {  // 2^x; ex2.approx(-inf) = +0
     float y;
@@ -354,4 +366,394 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_forward_kernel4_bf16_overlap(bf16* out, float* lse, const CUtensorMap* tm, int B, int NH, int T,
                                              float scale) {
     flash_forward_wgmma<true>(out, lse, tm, B, NH, T, scale);
+}
+
+// ------------------------------------------------------------------------------------------------
+// the backward (attention_backward variant 4): the two kernels of backward 3, on wgmma + TMA
+//
+// With p = exp(scale q k^T - lse) recomputed from the forward's lse, dp = dout v^T and D =
+// rowsum(dout * out): dv = p^T dout, ds = p (dp - D), dq = scale ds k, dk = scale ds^T q. Two
+// kernels, no atomics (deterministic): dq sums over key tiles inside its CTA, dk and dv over query
+// tiles inside another. Both have backward 3's launch contract and the forward's CTA shape (a
+// producer warpgroup, 2 consumer warpgroups x 64 rows, 128 x 128 tiles), so every tile move is a
+// 128-row TMA box and every product one of the forward's two shapes:
+//   "S-shape" (64 x 128 from two K-major tiles, contracting the 64 dims): issue_s
+//   "O-shape" (64 x 64 += register A (64 x 128 positions) x MN-major tile (128 positions x 64 dims)):
+//             the forward's P V, with the same A fragment mapping (an S-shape accumulator packed to
+//             bf16 in place: no shuffles) and the same desc_mn B.
+// dq kernel, CTA (bh, query block qb), key tiles 0..qb:
+//   S = q k^T, dP = dout v^T          two S-shapes into sc[64], dp[64]
+//   dS = P (dP - D)                    fp32 registers, P = 2^(c2 S - lse log2e), masked on tile qb
+//   dq += dS k                         O-shape: k is the MN-major B (keys x dims)
+// dkdv kernel, CTA (bh, key block kb), query tiles kb..nqb-1 (the diagonal first), transposed (keys
+// are the rows: what it sums over, the queries, is the contraction of its O-shapes):
+//   S^T = k q^T, dP^T = v dout^T       two S-shapes (k, v of the warpgroup's 64 keys as A)
+//   P^T, dS^T = P^T (dP^T - D)          per column (query): lse and D of the tile from shared memory
+//   dv += P^T dout, dk += dS^T q        two O-shapes: dout and q tiles as MN-major B
+// Registers: sc, dp 64 each + dq 32 (dq kernel), + dk, dv 32 each (dkdv: 192 live through the
+// exponentials, then the packed P^T, dS^T (32 + 32) replace sc, dp). 128-query tiles fit the
+// consumers' 240 (ptxas -v: no spills); 64-query tiles would halve sc, dp but double the
+// per-tile overhead (barriers, waits, lse/D staging) and make the S-shapes m64n64 (half the
+// tensor-core work per shared-memory byte of A).
+// Global tensors by TMA: q, k, v through the forward's 3D map of qkvr; dout through a 4D map of the
+// (B,T,C) tensor as (64 dims, NH heads, T rows, B), box (64, 1, 128, 1): a head's 128 rows, 128-byte
+// swizzled like q, rows past T zero-filled. The two maps sit back to back in global memory (tm[0]
+// qkvr, tm[1] dout). lse and D (fp32, (B,NH,T)) are not 16-byte aligned per tile at odd T: the dq
+// kernel reads its two rows' values into registers; the dkdv kernel's consumers stage each query
+// tile's 128 lse and D values in shared memory (a thread per query, loaded one tile ahead).
+// Zero-filled rows: a query row >= T has q = dout = 0 (dS = 0; its dq is not stored); a key >= T
+// only appears in the diagonal tile of the dq kernel (masked: key > every row < T), and a query >= T
+// only in the dkdv kernel's last tile (masked: p = 0 there; its lse, D are read as 0).
+constexpr int BWD_STAGES = 2;                 // ring depth of the swept tiles (k, v or q, dout)
+constexpr int ROWS_FLOATS = 2 * BQ;           // a query tile's lse (log2 units) then D, fp32
+// dynamic shared memory (llmc/ops/attention.py keeps the same numbers: WGMMA_DQ_SMEM, WGMMA_DKDV_SMEM):
+// 1 KB of alignment slack, the two resident tiles, the stages, [dkdv: 2 consumers x 2 buffers of
+// lse/D rows], the mbarriers (one for the resident tiles, full and empty per stage)
+constexpr int DQ_SMEM = 1024 + 2 * Q_BYTES + BWD_STAGES * STAGE_BYTES + 8 * (1 + 2 * BWD_STAGES);
+constexpr int DKDV_SMEM = 1024 + 2 * KV_BYTES + BWD_STAGES * STAGE_BYTES + 2 * 2 * ROWS_FLOATS * 4 +
+                          8 * (1 + 2 * BWD_STAGES);
+static_assert(DQ_SMEM <= 227 * 1024 && DKDV_SMEM <= 227 * 1024, "fits one SM's shared memory");
+
+// the O-shape: acc (64 x 64) += A (64 x 128 positions, bf16 registers) B (128 positions x 64, MN-major)
+__device__ __forceinline__ void issue_o(float (&acc)[32], const uint32_t (&a)[8][4], const unsigned char* sb) {
+#pragma unroll
+    for (int kk = 0; kk < 8; kk++) wgmma_bf16_rs_n64<1>(acc, a[kk], desc_mn(sb + kk * 2048), 1);
+}
+
+// an S-shape accumulator (fp32) packed to bf16 as the A fragments of an O-shape (as pack_p)
+__device__ __forceinline__ void pack_a(uint32_t (&a)[8][4], const float (&x)[64]) {
+#pragma unroll
+    for (int kk = 0; kk < 8; kk++)
+#pragma unroll
+        for (int r = 0; r < 4; r++) a[kk][r] = pack_bf16(x[8 * kk + 2 * r], x[8 * kk + 2 * r + 1]);
+}
+
+// Backward, part 1: per (b, h, 128 query rows), D = rowsum(dout * out) (written for part 2) and
+// dq = scale sum over key tiles 0..qb of (p (dp - D)) k. tm: tm[0] the qkvr map, tm[1] the dout map.
+// OVERLAP: tile i's dq product is left running while tile i + 1's S and dP are issued (one wait for
+// both instead of two), at the cost of keeping the packed dS (32 registers) live across that issue;
+// the same operations on each accumulator in the same order: the same bits (the lab times both).
+template <bool OVERLAP>
+__device__ __forceinline__ void flash_backward_dq_wgmma(bf16* dinp, float* Dbuf, const bf16* dout, const bf16* out,
+                                                        const CUtensorMap* tm, const float* lse, int B, int NH, int T,
+                                                        float scale) {
+    extern __shared__ unsigned char smem_bwd[];
+    unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_bwd) + 1023) & ~uintptr_t(1023));
+    unsigned char* sq = smem;                    // q (128 x 64)
+    unsigned char* sdo = smem + Q_BYTES;         // dout (128 x 64)
+    unsigned char* skv = smem + 2 * Q_BYTES;     // stage s: k at skv + s * STAGE_BYTES, v KV_BYTES after it
+    uint64_t* qd_full = reinterpret_cast<uint64_t*>(skv + BWD_STAGES * STAGE_BYTES);
+    uint64_t* full = qd_full + 1;
+    uint64_t* empty = full + BWD_STAGES;
+
+    const int BNH = B * NH, C = NH * HS;
+    const int bh = blockIdx.x, b = bh / NH, h = bh % NH;
+    const int qb = gridDim.y - 1 - blockIdx.y;  // the query blocks with the most key tiles first
+    const int q0 = qb * BQ;
+    const int nkt = qb + 1;                     // key tiles 0..qb; tile qb holds the diagonal
+
+    if (threadIdx.x == 0) {
+        mbar_init(qd_full, 1);
+        for (int s = 0; s < BWD_STAGES; s++) {
+            mbar_init(&full[s], 1);
+            mbar_init(&empty[s], CONSUMER_WARPS);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+
+    const int wg = threadIdx.x / 128;
+    if (wg == 0) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
+        if (threadIdx.x == 0) {
+            tensormap_acquire(tm);
+            tensormap_acquire(tm + 1);
+            mbar_expect_tx(qd_full, 2 * Q_BYTES);
+            tma_load_3d(sq, tm, qd_full, 0, q0, bh);           // q
+            tma_load_4d(sdo, tm + 1, qd_full, 0, h, q0, b);    // dout
+            for (int i = 0; i < nkt; i++) {
+                const int s = i % BWD_STAGES, use = i / BWD_STAGES;
+                mbar_wait(&empty[s], (use & 1) ^ 1);
+                mbar_expect_tx(&full[s], STAGE_BYTES);
+                unsigned char* sk = skv + s * STAGE_BYTES;
+                tma_load_3d(sk, tm, &full[s], 0, i * BKV, BNH + bh);                // k
+                tma_load_3d(sk + KV_BYTES, tm, &full[s], 0, i * BKV, 2 * BNH + bh);  // v
+            }
+        }
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
+
+    const int cw = wg - 1;  // consumer: query rows 64 cw .. 64 cw + 63 of the block
+    const int tid = threadIdx.x & 127, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int row0 = q0 + 64 * cw + 16 * warp + g;  // this thread's rows: row0 (h = 0), row0 + 8 (h = 1)
+    const float c2 = scale * LOG2E;
+    const unsigned char* sqw = sq + cw * 64 * ROW_BYTES;
+    const unsigned char* sdow = sdo + cw * 64 * ROW_BYTES;
+
+    // D and lse (log2 units) of this thread's two rows, while the TMA brings q and dout. D: the 4
+    // lanes of a quad share a row, lane t sums columns 16t..16t+15 (two 16-byte loads of each
+    // tensor), then the quad adds up; fp32 products of the bf16 values.
+    float Dr[2], lr[2];
+#pragma unroll
+    for (int hh = 0; hh < 2; hh++) {
+        const int row = row0 + 8 * hh;
+        float d = 0.0f;
+        if (row < T) {
+            const size_t off = ((size_t)b * T + row) * C + h * HS + 16 * t;
+#pragma unroll
+            for (int u = 0; u < 2; u++) {
+                const uint4 x = *reinterpret_cast<const uint4*>(dout + off + 8 * u);
+                const uint4 y = *reinterpret_cast<const uint4*>(out + off + 8 * u);
+                const __nv_bfloat162* xp = reinterpret_cast<const __nv_bfloat162*>(&x);
+                const __nv_bfloat162* yp = reinterpret_cast<const __nv_bfloat162*>(&y);
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const float2 xf = __bfloat1622float2(xp[e]), yf = __bfloat1622float2(yp[e]);
+                    d = fmaf(xf.x, yf.x, d);
+                    d = fmaf(xf.y, yf.y, d);
+                }
+            }
+        }
+        d += __shfl_xor_sync(0xffffffffu, d, 1);
+        d += __shfl_xor_sync(0xffffffffu, d, 2);
+        Dr[hh] = d;
+        lr[hh] = row < T ? lse[(size_t)bh * T + row] * LOG2E : 0.0f;
+        if (row < T && t == 0) Dbuf[(size_t)bh * T + row] = d;
+    }
+
+    float dq[32];
+#pragma unroll
+    for (int i = 0; i < 32; i++) dq[i] = 0.0f;
+    float sc[64], dp[64];
+    uint32_t da[8][4];
+    auto stage = [&](int i) { return skv + (i % BWD_STAGES) * STAGE_BYTES; };
+    // S = q k^T and dP = dout v^T of key tile i, issued as one group
+    auto issue_sdp = [&](int i) {
+        mbar_wait(&full[i % BWD_STAGES], (i / BWD_STAGES) & 1);
+        wgmma_fence();
+        issue_s(sc, sqw, stage(i));
+        issue_s(dp, sdow, stage(i) + KV_BYTES);
+        wgmma_commit();
+    };
+    // dS = P (dP - D), P = 2^(c2 S - lse log2e), packed to bf16 as dq's A operand. On the diagonal
+    // tile (the last) keys > row are masked (so are keys >= T, zero-filled: > every row < T).
+    // Accumulator layout: register 4j + e at row row0 + 8 (e >> 1), key 8j + 2t + (e & 1) of the tile.
+    auto make_ds = [&](int i) {
+        keep_in_regs(sc);
+        keep_in_regs(dp);
+        const bool diag = i == nkt - 1;
+        const int key0 = i * BKV;
+#pragma unroll
+        for (int j = 0; j < 16; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int hh = e >> 1;
+                float p = ex2(fmaf(sc[4 * j + e], c2, -lr[hh]));
+                if (diag && key0 + 8 * j + 2 * t + (e & 1) > row0 + 8 * hh) p = 0.0f;
+                sc[4 * j + e] = p * (dp[4 * j + e] - Dr[hh]);
+            }
+        pack_a(da, sc);
+    };
+    // both products of tile i have read its stage: hand it back (one arrival per consumer warp)
+    auto release = [&](int i) { __syncwarp(); if (lane == 0) mbar_arrive(&empty[i % BWD_STAGES]); };
+    mbar_wait(qd_full, 0);
+    if constexpr (!OVERLAP) {
+        for (int i = 0; i < nkt; i++) {
+            issue_sdp(i);
+            wgmma_wait<0>();
+            make_ds(i);
+            wgmma_fence();
+            issue_o(dq, da, stage(i));  // dq += dS k (k as the MN-major B: keys x dims)
+            wgmma_commit();
+            wgmma_wait<0>();
+            keep_in_regs(dq);
+            release(i);
+        }
+    } else {
+        issue_sdp(0);
+        wgmma_wait<0>();
+        make_ds(0);
+        for (int i = 0; i < nkt; i++) {
+            wgmma_fence();
+            issue_o(dq, da, stage(i));  // runs while the next tile's S, dP are issued
+            wgmma_commit();
+            if (i + 1 < nkt) issue_sdp(i + 1);
+            wgmma_wait<0>();  // dq of tile i and S, dP of tile i + 1
+            keep_in_regs(dq);
+            release(i);
+            if (i + 1 < nkt) make_ds(i + 1);
+        }
+    }
+
+    // dq * scale -> dinp[..., 0:C], one bf16 rounding (m64n64 layout: register 4j + 2h + c at row
+    // row0 + 8h, dim 8j + 2t + c)
+#pragma unroll
+    for (int hh = 0; hh < 2; hh++) {
+        const int row = row0 + 8 * hh;
+        if (row >= T) continue;
+        bf16* dst = dinp + ((size_t)b * T + row) * 3 * C + h * HS + 2 * t;
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+            *reinterpret_cast<uint32_t*>(dst + 8 * j) = pack_bf16(dq[4 * j + 2 * hh] * scale, dq[4 * j + 2 * hh + 1] * scale);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+flash_attention_backward_dq_kernel4_bf16(bf16* dinp, float* Dbuf, const bf16* dout, const bf16* out,
+                                         const CUtensorMap* tm, const float* lse, int B, int NH, int T, float scale) {
+    flash_backward_dq_wgmma<false>(dinp, Dbuf, dout, out, tm, lse, B, NH, T, scale);
+}
+// the lab's overlap=True build (llmc/ops/attention.py); the same bits as the plain one
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+flash_attention_backward_dq_kernel4_bf16_overlap(bf16* dinp, float* Dbuf, const bf16* dout, const bf16* out,
+                                                 const CUtensorMap* tm, const float* lse, int B, int NH, int T,
+                                                 float scale) {
+    flash_backward_dq_wgmma<true>(dinp, Dbuf, dout, out, tm, lse, B, NH, T, scale);
+}
+
+// Backward, part 2: per (b, h, 128 keys), over the query tiles kb..nqb-1, dv = sum p^T dout and
+// dk = scale sum (p (dp - D))^T q, transposed (keys as rows). Reads D from part 1.
+__device__ __forceinline__ void flash_backward_dkdv_wgmma(bf16* dinp, const CUtensorMap* tm, const float* lse,
+                                                          const float* Dbuf, int B, int NH, int T, float scale) {
+    extern __shared__ unsigned char smem_bwd[];
+    unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_bwd) + 1023) & ~uintptr_t(1023));
+    unsigned char* sk = smem;                      // k (128 keys x 64)
+    unsigned char* sv = smem + KV_BYTES;           // v (128 keys x 64)
+    unsigned char* sqd = smem + 2 * KV_BYTES;      // stage s: q at sqd + s * STAGE_BYTES, dout KV_BYTES after it
+    float* rows = reinterpret_cast<float*>(sqd + BWD_STAGES * STAGE_BYTES);  // [consumer][buffer][lse | D]
+    uint64_t* kv_full = reinterpret_cast<uint64_t*>(rows + 2 * 2 * ROWS_FLOATS);
+    uint64_t* full = kv_full + 1;
+    uint64_t* empty = full + BWD_STAGES;
+
+    const int BNH = B * NH, C = NH * HS;
+    const int bh = blockIdx.x, b = bh / NH, h = bh % NH;
+    const int kb = blockIdx.y;                  // key block 0 has the most query tiles: it starts first
+    const int k0 = kb * BKV;
+    const int nqb = gridDim.y, nt = nqb - kb;   // query tiles kb..nqb-1; tile kb holds the diagonal
+
+    if (threadIdx.x == 0) {
+        mbar_init(kv_full, 1);
+        for (int s = 0; s < BWD_STAGES; s++) {
+            mbar_init(&full[s], 1);
+            mbar_init(&empty[s], CONSUMER_WARPS);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+
+    const int wg = threadIdx.x / 128;
+    if (wg == 0) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
+        if (threadIdx.x == 0) {
+            tensormap_acquire(tm);
+            tensormap_acquire(tm + 1);
+            mbar_expect_tx(kv_full, 2 * KV_BYTES);
+            tma_load_3d(sk, tm, kv_full, 0, k0, BNH + bh);      // k
+            tma_load_3d(sv, tm, kv_full, 0, k0, 2 * BNH + bh);  // v
+            for (int i = 0; i < nt; i++) {
+                const int s = i % BWD_STAGES, use = i / BWD_STAGES, r0 = (kb + i) * BQ;
+                mbar_wait(&empty[s], (use & 1) ^ 1);
+                mbar_expect_tx(&full[s], STAGE_BYTES);
+                unsigned char* st = sqd + s * STAGE_BYTES;
+                tma_load_3d(st, tm, &full[s], 0, r0, bh);                 // q
+                tma_load_4d(st + KV_BYTES, tm + 1, &full[s], 0, h, r0, b);  // dout
+            }
+        }
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
+
+    const int cw = wg - 1;  // consumer: keys 64 cw .. 64 cw + 63 of the block
+    const int tid = threadIdx.x & 127, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int key0 = k0 + 64 * cw + 16 * warp + g;  // this thread's keys: key0 (h = 0), key0 + 8 (h = 1)
+    const float c2 = scale * LOG2E;
+    const unsigned char* skw = sk + cw * 64 * ROW_BYTES;
+    const unsigned char* svw = sv + cw * 64 * ROW_BYTES;
+    float* myrows = rows + cw * 2 * ROWS_FLOATS;  // this warpgroup's two buffers of a tile's lse, D
+    const float* lseh = lse + (size_t)bh * T;
+    const float* Dh = Dbuf + (size_t)bh * T;
+
+    // a thread per query of the tile: its lse (log2 units) and D, 0 past T; loaded a tile ahead
+    auto load_rows = [&](int i, float& l, float& d) {
+        const int qpos = (kb + i) * BQ + tid;
+        l = qpos < T ? lseh[qpos] * LOG2E : 0.0f;
+        d = qpos < T ? Dh[qpos] : 0.0f;
+    };
+    float l_next, d_next;
+    load_rows(0, l_next, d_next);
+
+    float dk[32], dv[32];
+#pragma unroll
+    for (int i = 0; i < 32; i++) dk[i] = dv[i] = 0.0f;
+    float sc[64], dp[64];
+    uint32_t pa[8][4], da[8][4];
+    mbar_wait(kv_full, 0);
+    for (int i = 0; i < nt; i++) {
+        // stage this tile's lse, D in buffer i & 1 (its last readers, tile i - 2, are all past the
+        // barrier of tile i - 1), then fetch the next tile's
+        float* r = myrows + (i & 1) * ROWS_FLOATS;
+        r[tid] = l_next;
+        r[BQ + tid] = d_next;
+        if (i + 1 < nt) load_rows(i + 1, l_next, d_next);
+        wg_barrier(1 + cw);
+
+        const unsigned char* sqt = sqd + (i % BWD_STAGES) * STAGE_BYTES;
+        mbar_wait(&full[i % BWD_STAGES], (i / BWD_STAGES) & 1);
+        wgmma_fence();
+        issue_s(sc, skw, sqt);             // S^T = k q^T
+        issue_s(dp, svw, sqt + KV_BYTES);  // dP^T = v dout^T
+        wgmma_commit();
+        wgmma_wait<0>();
+        keep_in_regs(sc);
+        keep_in_regs(dp);
+        // P^T = 2^(c2 S^T - lse log2e) per column (query), dS^T = P^T (dP^T - D). Masked: the diagonal
+        // tile (i = 0: queries < key) and the last (queries >= T, zero-filled). Register 4j + e: key
+        // key0 + 8 (e >> 1), query q0 + 8j + 2t + (e & 1); its lse, D pair is one float2 load.
+        const int q0 = (kb + i) * BQ;
+        const bool mask = i == 0 || i == nt - 1;
+#pragma unroll
+        for (int j = 0; j < 16; j++) {
+            const float2 lq = *reinterpret_cast<const float2*>(r + 8 * j + 2 * t);
+            const float2 dd = *reinterpret_cast<const float2*>(r + BQ + 8 * j + 2 * t);
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int c = e & 1, qpos = q0 + 8 * j + 2 * t + c;
+                float p = ex2(fmaf(sc[4 * j + e], c2, -(c ? lq.y : lq.x)));
+                if (mask && (qpos < key0 + 8 * (e >> 1) || qpos >= T)) p = 0.0f;
+                sc[4 * j + e] = p;
+                dp[4 * j + e] = p * (dp[4 * j + e] - (c ? dd.y : dd.x));
+            }
+        }
+        pack_a(pa, sc);
+        pack_a(da, dp);
+        wgmma_fence();
+        issue_o(dv, pa, sqt + KV_BYTES);  // dv += P^T dout
+        issue_o(dk, da, sqt);             // dk += dS^T q
+        wgmma_commit();
+        wgmma_wait<0>();
+        keep_in_regs(dv);
+        keep_in_regs(dk);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&empty[i % BWD_STAGES]);
+    }
+
+    // dk * scale -> dinp[..., C:2C], dv -> dinp[..., 2C:3C], one bf16 rounding each
+#pragma unroll
+    for (int hh = 0; hh < 2; hh++) {
+        const int key = key0 + 8 * hh;
+        if (key >= T) continue;
+        bf16* dst = dinp + ((size_t)b * T + key) * 3 * C + h * HS + 2 * t;
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            *reinterpret_cast<uint32_t*>(dst + C + 8 * j) = pack_bf16(dk[4 * j + 2 * hh] * scale, dk[4 * j + 2 * hh + 1] * scale);
+            *reinterpret_cast<uint32_t*>(dst + 2 * C + 8 * j) = pack_bf16(dv[4 * j + 2 * hh], dv[4 * j + 2 * hh + 1]);
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+flash_attention_backward_dkdv_kernel4_bf16(bf16* dinp, const CUtensorMap* tm, const float* lse, const float* Dbuf,
+                                           int B, int NH, int T, float scale) {
+    flash_backward_dkdv_wgmma(dinp, tm, lse, Dbuf, B, NH, T, scale);
 }

@@ -53,3 +53,19 @@ __device__ __forceinline__ void keep_in_regs(float (&d)[NREG]) {
 #pragma unroll
     for (int i = 0; i < NREG; i++) asm volatile("" : "+f"(d[i])::"memory");
 }
+
+// Shared-memory matrix descriptor of a wgmma operand tile laid out with the 128-byte swizzle (what
+// the TMA's CU_TENSOR_MAP_SWIZZLE_128B writes: rows of 128 bytes, 16-byte chunk c of row r stored at
+// chunk c ^ (r % 8), 1024-byte atoms of 8 rows): start address >> 4 in bits 0-13, leading byte offset
+// >> 4 in bits 16-29, stride byte offset >> 4 in bits 32-45, layout type 1 (SW128) in bits 62-63.
+//   K-major tile (k contiguous, 64 bf16 per row): lbo is unused by the swizzled layout (pass 16),
+//     sbo = 1024 (the next 8 rows); a k16 step is +32 bytes on the start address.
+//   MN-major tile (k rows of 64 mn elements, 128 bytes each): lbo = bytes to the next 64-wide block of
+//     mn (when N or M > 64), sbo = 1024 (the next 8 k rows); a k16 step is +2048 bytes (two atoms).
+// cuda/gemm_wgmma.cu's smem_desc(p) is wgmma_desc_sw128(p, 16) and its smem_desc_mn(p) is
+// wgmma_desc_sw128(p, BK_T * ROW_BYTES).
+__device__ __forceinline__ uint64_t wgmma_desc_sw128(const void* p, uint32_t lbo, uint32_t sbo = 1024) {
+    const uint64_t addr = smem_u32(p);
+    return ((addr & 0x3FFFF) >> 4) | (uint64_t((lbo & 0x3FFFF) >> 4) << 16) | (uint64_t((sbo & 0x3FFFF) >> 4) << 32) |
+           (uint64_t(1) << 62);
+}

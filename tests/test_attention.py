@@ -109,7 +109,7 @@ def _decode_inputs(inp, qkvr, B, T, C, NH, maxT, rng):
 def test_attention_variants_and_pairing():
     from llmc.backend import kernel_choices
     fwd, bwd = ops.get("attention_forward"), ops.get("attention_backward")
-    assert set(bwd.variants) == {1, 2, 3} and set(fwd.variants) == {1, 2, 3, 4}  # 4: wgmma, forward only
+    assert set(bwd.variants) == set(fwd.variants) == {1, 2, 3, 4}  # 4: wgmma, bf16 only
     assert fwd.flag == "--attention-kernel" and bwd.flag == "--attention-backward-kernel"
     assert fwd.default in (2, 3) and bwd.default in (2, 3)  # both keep the log-sum-exp
     for spec in (fwd, bwd):
@@ -123,6 +123,9 @@ def test_attention_variants_and_pairing():
     # a number named for one direction is used for both (they must agree on what forward keeps)
     assert kernel_choices({"attention_forward": 1})["attention_backward"] == 1
     assert kernel_choices({"attention_backward": 1})["attention_forward"] == 1
+    # --attention-kernel 4 pairs the two wgmma kernels (both keep / read the lse)
+    four = kernel_choices({"attention_forward": 4})
+    assert (four["attention_forward"], four["attention_backward"]) == (4, 4)
     both = kernel_choices({"attention_forward": 1, "attention_backward": 2})
     assert (both["attention_forward"], both["attention_backward"]) == (1, 2)  # the model refuses this pair
     # a softmax variant only runs in the composite: naming one selects it, unless attention is named
@@ -598,6 +601,72 @@ def test_flash_attention_wgmma_gpu(rt, B, T, C, NH):
         assert err <= 2 * base + 1e-4 and err < 2.0 ** -6, f"{part}: relative error {err:.2e} (plain bf16: {base:.2e})"
 
 
+# attention_backward 4 (wgmma + TMA, bf16, Hopper only): the bounds of the bf16 builds of 2, 3 (the
+# same roundings: p and ds rounded to bf16 before the position products, D from the bf16 out, each
+# gradient rounded once on the store), against the float64 reference. Shapes: every T class the
+# tiling has (T = 1; 65, 127 inside one 128 block; 128 exactly; 129 a second block of one row; 384
+# full blocks; 1000 and 1024 many blocks, 1000 with a ragged last one) and B*NH > 1.
+WGMMA_BWD_SHAPES = FLASH_SHAPES + [(2, 128, 128, 2), (1, 129, 64, 1), (2, 384, 192, 3), (1, 1000, 128, 2)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,T,C,NH", WGMMA_BWD_SHAPES)
+def test_flash_attention_wgmma_backward_gpu(rt, B, T, C, NH):
+    from llmc.bf16 import BF16, from_bf16, round_bf16, to_bf16
+    if rt.arch != "sm_90":
+        pytest.skip(f"attention_backward 4 needs an sm_90 GPU (this one is {rt.arch})")
+    rng = np.random.default_rng(B * 1000 + T + 17)
+    bwd = ops.get("attention_backward").build(rt, 4, "bf16", B=B, T=T, C=C, NH=NH)
+    assert bwd.dtype == "bf16" and bwd.saved_shape == (B, NH, T) and set(bwd.scratch) == {"D"}
+    inp = round_bf16(rng.standard_normal((B, T, 3 * C)))
+    dout = round_bf16(rng.standard_normal((B, T, C)))
+    inp64 = inp.astype(np.float64)
+    out64, qkvr64, att64 = A.attention_forward_ref(inp64, NH)
+    ref = A.attention_backward_ref(dout.astype(np.float64), qkvr64, att64, NH)
+    d_inp, d_dout = rt.to_device(to_bf16(inp)), rt.to_device(to_bf16(dout))
+    d_out, d_qkvr, d_lse = rt.empty((B, T, C), BF16), rt.empty((B, T, 3 * C), BF16), rt.empty((B, NH, T))
+    d_dinp = rt.empty((B, T, 3 * C), BF16)
+    # after each forward that keeps the lse (2, 3 bf16 and 4): its own out and lse, so the plain
+    # bf16 bound uses that forward's out (it differs from the exact one by a bf16 rounding)
+    first = None
+    for fv in (4, 2, 3):
+        fwd = ops.get("attention_forward").build(rt, fv, "bf16", B=B, T=T, C=C, NH=NH)
+        fwd(d_out, d_qkvr, d_lse, d_inp)
+        out = from_bf16(d_out.get())
+        poison(d_dinp, *bwd.scratch.values())  # every element of dinp (and D) must be written
+        bwd(d_dinp, d_dout, d_qkvr, d_lse, d_out)
+        dinp = from_bf16(d_dinp.get())
+        assert np.isfinite(dinp).all(), f"after forward {fv}: dinp has unwritten (NaN) elements"
+        plain = _bf16_backward_plain(dout.astype(np.float64), qkvr64, att64, out.astype(np.float64), NH)
+        for part, err, base in zip(("dq", "dk", "dv"), _part_errors(dinp, ref, C), _part_errors(plain, ref, C)):
+            assert err <= 2 * base + 1e-4 and err < 2.0 ** -6, \
+                f"after forward {fv}: {part} relative error {err:.2e} (plain bf16: {base:.2e})"
+        if first is None:
+            first = dinp
+            # D (scratch, fp32) is rowsum(dout * out) of the bf16 out: fp32 sums of exact products
+            # (64 terms: within 64 fp32 roundings of the sum of their magnitudes, 2^-18 of it allowed)
+            prod = (dout.astype(np.float64) * out).reshape(B, T, NH, C // NH).transpose(0, 2, 1, 3)
+            Dgot, Dref, Dabs = bwd.scratch["D"].get(), prod.sum(-1), np.abs(prod).sum(-1)
+            assert np.all(np.abs(Dgot - Dref) <= 2.0 ** -18 * Dabs + 1e-30), "D = rowsum(dout * out) is off"
+    # deterministic: forward 4 again, then the backward twice more and under graph replay, bit-identical
+    fwd = ops.get("attention_forward").build(rt, 4, "bf16", B=B, T=T, C=C, NH=NH)
+    fwd(d_out, d_qkvr, d_lse, d_inp)
+    poison(d_dinp)
+    bwd(d_dinp, d_dout, d_qkvr, d_lse, d_out)
+    assert np.array_equal(from_bf16(d_dinp.get()), first), "attention_backward 4 is not deterministic"
+    # the overlapped dq kernel does the same operations on each accumulator in the same order: the same bits
+    over = A.build_flash_attention_backward_wgmma(rt, B=B, T=T, C=C, NH=NH, overlap=True)
+    poison(d_dinp, *over.scratch.values())
+    over(d_dinp, d_dout, d_qkvr, d_lse, d_out)
+    assert np.array_equal(from_bf16(d_dinp.get()), first), "overlap: dinp differs from the plain wgmma backward"
+    if rt.graphs_available() is None:
+        graph = rt.capture(lambda: bwd(d_dinp, d_dout, d_qkvr, d_lse, d_out))
+        poison(d_dinp, *bwd.scratch.values())
+        graph()
+        rt.synchronize()
+        assert np.array_equal(from_bf16(d_dinp.get()), first), "attention_backward 4: graph replay differs"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("version", [1, 2])
 @pytest.mark.parametrize("B,T,C,NH,maxT", [(2, 65, 96, 2, 128), (1, 1, 64, 1, 16), (4, 1024, 768, 12, 1024),
@@ -852,6 +921,212 @@ def test_wgmma_tiles_cover_the_causal_triangle():
             ok = rows < T
             np.testing.assert_allclose(o[ok] / l[ok, None], out64[0, rows[ok]], rtol=1e-12, atol=1e-12)
             np.testing.assert_allclose(m[ok] + np.log(l[ok]), lse64[0, 0, rows[ok]], rtol=1e-12, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------------------------
+# attention_backward 4: Hopper wgmma + TMA, bf16 only (cuda/attention_wgmma.cu)
+
+
+def test_wgmma_backward_variant_declares_bf16_sm90_only():
+    spec = ops.get("attention_backward")
+    v = spec.variants[4]
+    assert v.dtypes == ("bf16",) and v.arch == "sm_90"
+    assert spec.refuse_reason(4, "bf16", "sm_90", B=4, T=1024, C=768, NH=12) is None
+    assert spec.refuse_reason(4, "bf16", "sm_90", B=1, T=1, C=64, NH=1) is None
+    assert "no fp32 kernels" in spec.refuse_reason(4, "fp32", "sm_90", B=1, T=8, C=64, NH=1)
+    assert "sm_90" in spec.refuse_reason(4, "bf16", "sm_80", B=1, T=8, C=64, NH=1)
+    assert "head size" in spec.refuse_reason(4, "bf16", "sm_90", B=2, T=65, C=96, NH=3)
+    # it reads what forward 2, 3, 4 keep (the log-sum-exp) and has backward 3's scratch (D)
+    shape = dict(B=2, T=65, C=128, NH=2)
+    fwd = ops.get("attention_forward")
+    assert all(spec.saved_shape(4, **shape) == fwd.saved_shape(n, **shape) == (2, 2, 65) for n in (2, 3, 4))
+    assert v.scratch_bytes(**shape) == spec.variants[3].scratch_bytes(**shape) == 4 * 2 * 2 * 65
+
+
+def test_wgmma_backward_builds(monkeypatch):
+    """Variant 4 builds on the fake runtime (entry points and argtypes against the PTX) with the shared
+    memory the .cu computes, grids of (B*NH, ceil(T/128)) x 384 threads, backward 3's launch
+    signature, and one pair of tensor maps (qkvr, dout) per pointer pair, encoded at its first launch."""
+    import re
+    from llmc.runtime import CUDA_DIR
+    from tests.fake_runtime import FakeRuntime
+    src = (CUDA_DIR / "attention_wgmma.cu").read_text()
+    assert int(re.search(r"constexpr int BWD_STAGES = (\d+);", src).group(1)) == A.WGMMA_BWD_STAGES
+    one = " ".join(src.split())
+    assert "constexpr int DQ_SMEM = 1024 + 2 * Q_BYTES + BWD_STAGES * STAGE_BYTES + 8 * (1 + 2 * BWD_STAGES);" in one
+    assert ("constexpr int DKDV_SMEM = 1024 + 2 * KV_BYTES + BWD_STAGES * STAGE_BYTES + 2 * 2 * ROWS_FLOATS * 4 + "
+            "8 * (1 + 2 * BWD_STAGES);") in one and "constexpr int ROWS_FLOATS = 2 * BQ;" in one
+    tiles = 2 * 128 * 128 + A.WGMMA_BWD_STAGES * 2 * 128 * 128
+    assert A.WGMMA_DQ_SMEM == 1024 + tiles + 8 * (1 + 2 * A.WGMMA_BWD_STAGES)
+    assert A.WGMMA_DKDV_SMEM == A.WGMMA_DQ_SMEM + 2 * 2 * 2 * 128 * 4
+    encoded = []
+    monkeypatch.setattr(A, "qkvr_tensor_map", lambda ptr, B, NH, T: encoded.append(("qkvr", ptr, B, NH, T)) or bytes(128))
+    monkeypatch.setattr(A, "btc_tensor_map", lambda ptr, B, T, NH: encoded.append(("dout", ptr, B, T, NH)) or bytes(128))
+    rt = FakeRuntime(heap_bytes=1 << 16)
+    built = ops.get("attention_backward").build(rt, 4, "bf16", B=2, T=200, C=128, NH=2)
+    assert rt.built == ["flash_attention_backward_dq_kernel4_bf16", "flash_attention_backward_dkdv_kernel4_bf16"]
+    assert set(built.scratch) == {"D"} and built.scratch["D"].shape == (2, 2, 200)
+    for qkvr, dout in ((0x10000, 0x20000), (0x10000, 0x20000), (0x10000, 0x30000)):
+        built(0x1000, dout, qkvr, 0x5000, 0x6000)  # dinp, dout, qkvr, lse, out
+    assert encoded == [("qkvr", 0x10000, 2, 2, 200), ("dout", 0x20000, 2, 200, 2),
+                       ("qkvr", 0x10000, 2, 2, 200), ("dout", 0x30000, 2, 200, 2)]
+    dq = [x for x in rt.launches if x.func == "flash_attention_backward_dq_kernel4_bf16"]
+    kv = [x for x in rt.launches if x.func == "flash_attention_backward_dkdv_kernel4_bf16"]
+    assert len(dq) == len(kv) == 3
+    assert dq[0].grid == kv[0].grid == (4, 2, 1) and dq[0].block == kv[0].block == (384, 1, 1)
+    assert dq[0].smem == A.WGMMA_DQ_SMEM and kv[0].smem == A.WGMMA_DKDV_SMEM
+    D = built.scratch["D"].ptr
+    # dq kernel: (dinp, D, dout, out, maps, lse, ...); dkdv: (dinp, maps, lse, D, ...); maps shared per pair
+    assert dq[0].args[:4] == (0x1000, D, 0x20000, 0x6000) and dq[0].args[5] == 0x5000
+    assert kv[0].args[0] == 0x1000 and kv[0].args[1] == dq[0].args[4] and kv[0].args[2:4] == (0x5000, D)
+    assert dq[1].args[4] == dq[0].args[4] != dq[2].args[4]
+    for qkvr, dout, out in ((0x10008, 0x20000, 0x6000), (0x10000, 0x40008, 0x6000), (0x50000, 0x60000, 0x6004)):
+        with pytest.raises(LLMCError, match="16-byte aligned"):
+            built(0x1000, dout, qkvr, 0x5000, out)
+    A.build_flash_attention_backward_wgmma(rt, B=2, T=200, C=128, NH=2, overlap=True)  # the lab's other build
+    assert rt.built[-2:] == ["flash_attention_backward_dq_kernel4_bf16_overlap", "flash_attention_backward_dkdv_kernel4_bf16"]
+
+
+def _wg_acc_coords(n):
+    """wgmma m64nN fp32 accumulators of a warpgroup: (row, col) of register 4j + 2h + c of thread
+    tid (warp w = tid / 32, g = lane / 4, t = lane % 4): (16w + g + 8h, 8j + 2t + c). Arrays (128, N/2)."""
+    tid = np.arange(128)[:, None]
+    w, g, t = tid // 32, tid % 32 // 4, tid % 4
+    reg = np.arange(n // 2)[None, :]
+    j, h, c = reg // 4, reg % 4 // 2, reg % 2
+    return 16 * w + g + 8 * h, 8 * j + 2 * t + c
+
+
+def _wg_regs_to_a(x):
+    """The kernel's pack_a (a[kk][r] = x[8kk + 2r], x[8kk + 2r + 1], low half first) read through wgmma's
+    register-A layout for m64nNk16 (per warp mma.sync m16n8k16's A: register r of k-step kk holds rows
+    16w + g (+8 for r = 1, 3), columns 16kk + 2t (+8 for r = 2, 3), and the next column): the (64, 128)
+    matrix the product sees. Every element comes from exactly one register."""
+    A_ = np.full((64, 128), np.nan)
+    tid = np.arange(128)
+    w, g, t = tid // 32, tid % 32 // 4, tid % 4
+    for kk in range(8):
+        for r in range(4):
+            row = 16 * w + g + 8 * (r & 1)
+            col = 16 * kk + 2 * t + 8 * (r >> 1)
+            for half in range(2):
+                assert np.isnan(A_[row, col + half]).all()
+                A_[row, col + half] = x[tid, 8 * kk + 2 * r + half]
+    assert not np.isnan(A_).any()
+    return A_
+
+
+def _emulate_wgmma_backward(q, k, v, dout, out, lse, T):
+    """Both kernels of attention_backward 4 on one head in float64, thread by thread through the
+    wgmma fragment layouts, with the kernels' tile walks, masks, zero-filled rows past T and per-
+    register formulas (the lines test_wgmma_backward_tile_walk checks are in the .cu). Returns dq, dk,
+    dv (T, 64) and the (query tile, key tile) pairs each kernel visited."""
+    nb = -(-T // 128)
+    pad = lambda x: np.pad(x, ((0, nb * 128 - T), (0, 0)))  # noqa: E731  the TMA's zero fill
+    q, k, v, dout, out = map(pad, (q, k, v, dout, out))
+    scale, LOG2E = 1.0 / 8.0, 1.0 / math.log(2)
+    c2 = scale * LOG2E
+    rows, cols = _wg_acc_coords(128)  # S-shape accumulators (64 x 128)
+    orow, ocol = _wg_acc_coords(64)   # O-shape accumulators (64 x 64)
+    cc = (np.arange(64) % 2)[None, :]  # e & 1
+    lse_p = np.concatenate([lse, np.zeros(nb * 128 - T)])
+    D = (dout * out).sum(1)  # the dq kernel's D (rows >= T: zero-filled dout, D = 0)
+    dq, dk, dv = (np.full((T, 64), np.nan) for _ in range(3))
+    seen_dq, seen_kv = [], []
+    for by in range(nb):  # dq kernel: blockIdx.y counts down from the last query block
+        qb = nb - 1 - by
+        for cw in range(2):
+            r0 = qb * 128 + 64 * cw  # the warpgroup's first row; row0 = r0 + 16 w + g = r0 + rows (h = 0)
+            rowg = r0 + rows          # the global row of each accumulator register
+            lr = np.where(rowg < T, lse_p[np.minimum(rowg, nb * 128 - 1)] * LOG2E, 0.0)
+            Dr = D[rowg]
+            acc = np.zeros((128, 32))
+            for i in range(qb + 1):
+                if cw == 0:
+                    seen_dq.append((qb, i))
+                kt = slice(i * 128, i * 128 + 128)
+                sc = (q[r0:r0 + 64] @ k[kt].T)[rows, cols]
+                dp = (dout[r0:r0 + 64] @ v[kt].T)[rows, cols]
+                p = np.exp2(sc * c2 - lr)
+                if i == qb:  # diag: key0 + 8j + 2t + (e & 1) > row0 + 8 hh
+                    p = np.where(i * 128 + cols > rowg, 0.0, p)
+                ds = p * (dp - Dr)
+                acc += (_wg_regs_to_a(ds) @ k[kt])[orow, ocol]  # issue_o(dq, da, stage(i)): k as the MN-major B
+            ok = r0 + orow < T  # the stored registers (row0 + 8h < T)
+            dq[(r0 + orow)[ok], ocol[ok]] = acc[ok] * scale
+    for kb in range(nb):  # dkdv kernel: blockIdx.y = kb, query tiles kb..nb-1
+        for cw in range(2):
+            k0 = kb * 128 + 64 * cw
+            keyg = k0 + rows
+            accv, acck = np.zeros((128, 32)), np.zeros((128, 32))
+            for i in range(nb - kb):
+                if cw == 0:
+                    seen_kv.append((kb + i, kb))
+                q0 = (kb + i) * 128
+                qt = slice(q0, q0 + 128)
+                # the staged rows: r[tid] = lse (log2 units), r[128 + tid] = D, 0 past T
+                qpos = q0 + np.arange(128)
+                r = np.concatenate([np.where(qpos < T, lse_p[qpos] * LOG2E, 0.0), np.where(qpos < T, D[qpos], 0.0)])
+                sc = (k[k0:k0 + 64] @ q[qt].T)[rows, cols]
+                dp = (v[k0:k0 + 64] @ dout[qt].T)[rows, cols]
+                tid = np.arange(128)[:, None]
+                t = tid % 4
+                j = np.arange(64)[None, :] // 4
+                lq = r[8 * j + 2 * t + cc]           # float2 at r + 8j + 2t, .x / .y by c
+                dd = r[128 + 8 * j + 2 * t + cc]
+                p = np.exp2(sc * c2 - lq)
+                if i == 0 or i == nb - kb - 1:
+                    qp = q0 + 8 * j + 2 * t + cc
+                    p = np.where((qp < keyg) | (qp >= T), 0.0, p)  # keyg: key0 + 8 (e >> 1)
+                dsT = p * (dp - dd)
+                accv += (_wg_regs_to_a(p) @ dout[qt])[orow, ocol]
+                acck += (_wg_regs_to_a(dsT) @ q[qt])[orow, ocol]
+            ok = k0 + orow < T
+            dk[(k0 + orow)[ok], ocol[ok]] = acck[ok] * scale
+            dv[(k0 + orow)[ok], ocol[ok]] = accv[ok]
+    return dq, dk, dv, seen_dq, seen_kv
+
+
+def test_wgmma_backward_tile_walk():
+    """attention_backward 4's two kernels modelled thread by thread in float64 (_emulate_wgmma_backward:
+    the S-shape accumulator layout, dS and P^T packed in place as the O-shape's register A, lse and D
+    per row (dq) or per staged column (dk dv), the diagonal and past-T masks, zero-filled rows) give
+    the reference gradients at T not a multiple of 128; each kernel visits every (query tile, key
+    tile) pair of the causal lower triangle exactly once."""
+    from llmc.runtime import CUDA_DIR
+    src = " ".join((CUDA_DIR / "attention_wgmma.cu").read_text().split())
+    for line in ("float p = ex2(fmaf(sc[4 * j + e], c2, -lr[hh]));",
+                 "if (diag && key0 + 8 * j + 2 * t + (e & 1) > row0 + 8 * hh) p = 0.0f;",
+                 "sc[4 * j + e] = p * (dp[4 * j + e] - Dr[hh]);",
+                 "issue_o(dq, da, stage(i));",
+                 "const float2 lq = *reinterpret_cast<const float2*>(r + 8 * j + 2 * t);",
+                 "const float2 dd = *reinterpret_cast<const float2*>(r + BQ + 8 * j + 2 * t);",
+                 "float p = ex2(fmaf(sc[4 * j + e], c2, -(c ? lq.y : lq.x)));",
+                 "const bool mask = i == 0 || i == nt - 1;",
+                 "if (mask && (qpos < key0 + 8 * (e >> 1) || qpos >= T)) p = 0.0f;",
+                 "dp[4 * j + e] = p * (dp[4 * j + e] - (c ? dd.y : dd.x));",
+                 "issue_o(dv, pa, sqt + KV_BYTES);", "issue_o(dk, da, sqt);",
+                 "for (int r = 0; r < 4; r++) a[kk][r] = pack_bf16(x[8 * kk + 2 * r], x[8 * kk + 2 * r + 1]);",
+                 "for (int kk = 0; kk < 8; kk++) wgmma_bf16_rs_n64<1>(acc, a[kk], desc_mn(sb + kk * 2048), 1);",
+                 "const int row0 = q0 + 64 * cw + 16 * warp + g;", "const int key0 = k0 + 64 * cw + 16 * warp + g;",
+                 "const int qb = gridDim.y - 1 - blockIdx.y;", "const int kb = blockIdx.y;",
+                 "r[tid] = l_next; r[BQ + tid] = d_next;"):
+        assert line in src, f"cuda/attention_wgmma.cu no longer has: {line}"
+    rng = np.random.default_rng(5)
+    for T in (1, 65, 130, 300):
+        inp = rng.standard_normal((1, T, 3 * 64))
+        dout = rng.standard_normal((1, T, 64))
+        out64, qkvr64, att64 = A.attention_forward_ref(inp, 1)
+        ref = A.attention_backward_ref(dout, qkvr64, att64, 1)[0]
+        lse = A.attention_lse_ref(inp, 1)[0, 0]
+        q, k, v = (x[0, 0] for x in A._split_heads(inp, 1))
+        dq, dk, dv, seen_dq, seen_kv = _emulate_wgmma_backward(q, k, v, dout[0], out64[0], lse, T)
+        for name, got, want in (("dq", dq, ref[:, :64]), ("dk", dk, ref[:, 64:128]), ("dv", dv, ref[:, 128:])):
+            np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-10, err_msg=f"{name} at T={T}")
+        nb = -(-T // 128)
+        lower = sorted((qt, kt) for qt in range(nb) for kt in range(qt + 1))
+        assert sorted(seen_dq) == lower and len(seen_dq) == len(lower), f"dq kernel's tiles at T={T}"
+        assert sorted(seen_kv) == lower and len(seen_kv) == len(lower), f"dk dv kernel's tiles at T={T}"
 
 
 def test_bf16_forward_rows128_builds():

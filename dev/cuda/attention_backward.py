@@ -1,12 +1,14 @@
 """Kernel lab: attention backward at B=4, T=1024, C=768, NH=12: variant 1, the composite
 (unpermute-backward, dv = att^T dy, datt = dy v^T, softmax backward, dq = dpreatt k, dk = dpreatt^T q,
 permute-backward), and variants 2, 3, the fused (flash) kernels that recompute att from the log-sum-exp,
-in TF32 and in their bf16 builds (bf16 mma.sync m16n8k16; lse and D fp32), with torch SDPA's
-backward (fp32 and bf16 flash) as reference lines.
+in TF32 and in their bf16 builds (bf16 mma.sync m16n8k16; lse and D fp32), variant 4 (bf16 only, the
+fused kernels on Hopper wgmma + TMA; sm_90 GPUs), with torch SDPA's backward (fp32 and bf16 flash) as
+reference lines.
 
     python dev/cuda/attention_backward.py         # default softmax_backward variant at several causal_chunks
                                                   # (wide, narrow), plus softmax_backward 5; torch lines
     python dev/cuda/attention_backward.py 3 6     # these softmax_backward variants, default chunking
+    python dev/cuda/attention_backward.py --dtype bf16 --batch 16   # bf16 rows only (2, 3, 4 and torch), B=16
 
 Time per call (one layer). Inputs qkvr and att come from the float64 reference forward (rounded
 to fp32), so the check isolates backward. The torch line is SDPA's backward (autograd.grad of a
@@ -21,11 +23,12 @@ from llmc.bf16 import BF16, from_bf16, round_bf16, to_bf16
 from llmc.ops import attention as A
 from llmc.testing import rel_err
 
-B, T, C, NH = 4, 1024, 768, 12
-hs = C // NH
 
 L = lab.Lab("attention_backward")
 rt = L.rt
+B, T, C, NH = L.args.batch or 4, 1024, 768, 12  # --batch
+DTYPES = ("fp32", "bf16") if L.args.dtype == "both" else (L.args.dtype,)  # lab.py's --dtype
+hs = C // NH
 sm_spec = llmc.ops.get("softmax_backward")
 try:
     mm = llmc.ops.get("matmul_backward").default
@@ -38,12 +41,15 @@ inp = lab.rand(rng, (B, T, 3 * C))
 out64, qkvr64, att64 = A.attention_forward_ref(inp.astype(np.float64), NH)
 qkvr, att = qkvr64.astype(np.float32), att64.astype(np.float32)
 dout = lab.rand(rng, (B, T, C))
-ref = A.attention_backward_ref(dout.astype(np.float64), qkvr.astype(np.float64), att.astype(np.float64), NH)
+ref = (A.attention_backward_ref(dout.astype(np.float64), qkvr.astype(np.float64), att.astype(np.float64), NH)
+       if "fp32" in DTYPES else None)
 d_dout, d_qkvr, d_att = rt.to_device(dout), rt.to_device(qkvr), rt.to_device(att)
 d_dinp = rt.empty((B, T, 3 * C))
 
 # (softmax_backward variant, causal_chunks, lower_only)
-if L.args.variants:
+if "fp32" not in DTYPES:
+    configs = []
+elif L.args.variants:
     configs = [(n, A.DEFAULT_CAUSAL_CHUNKS, True) for n in L.selected(sm_spec)]
 else:
     configs = ([(sm_spec.default, c, True) for c in ((1, 1), (2, 2), (4, 2), (4, 4), (8, 2))]
@@ -62,9 +68,9 @@ for sm, chunks, lower in configs:
 # attention_backward 2 and 3: the fused kernels (dq + D, then dk dv), from the log-sum-exp and out
 lse = A.attention_lse_ref(inp.astype(np.float64), NH).astype(np.float32)
 d_lse, d_outf = rt.to_device(lse), rt.to_device(out64.astype(np.float32))
-scale = float(np.abs(ref).max())
 nt = -(-T // 64)  # 7 tile products per (query tile, key tile) pair at and below the diagonal
-for version in (2, 3):
+for version in ((2, 3) if "fp32" in DTYPES else ()):
+    scale = float(np.abs(ref).max())
     flash = A.build_flash_attention_backward(rt, B=B, T=T, C=C, NH=NH, version=version).launch
     fn = lambda: flash(d_dinp, d_dout, d_qkvr, d_lse, d_outf)  # noqa: E731
     label = f"attention_backward {version} (flash{', cp.async' if version == 3 else ''})"
@@ -84,7 +90,7 @@ refb = A.attention_backward_ref(dout_b.astype(np.float64), qkvrb64, attb64, NH)
 d_lse_b = rt.to_device(A.attention_lse_ref(inp_b.astype(np.float64), NH).astype(np.float32))
 d_dout_b, d_qkvr_b, d_out_b = (rt.to_device(to_bf16(x)) for x in (dout_b, qkvrb64, outb64))
 d_dinp_b = rt.empty((B, T, 3 * C), BF16)
-for version in (2, 3):
+for version in ((2, 3) if "bf16" in DTYPES else ()):
     built = A.build_flash_attention_backward(rt, B=B, T=T, C=C, NH=NH, version=version, dtype="bf16")
     flash_b = built.launch
     fn = lambda: flash_b(d_dinp_b, d_dout_b, d_qkvr_b, d_lse_b, d_out_b)  # noqa: E731
@@ -106,6 +112,38 @@ for version in (2, 3):
         L.failed.append(label)
     L.time(label, fn, flops=7 * 2 * B * NH * (nt * (nt + 1) // 2) * 64 * 64 * hs, ceiling=None)
 
+# attention_backward 4: the same kernels on Hopper wgmma + TMA, bf16 only (sm_90a), the same inputs and
+# check. Its tiles are 128 x 128: FLOPs counted on the tiles it computes (7 products per tile pair at
+# and below the diagonal, the diagonal tiles whole), so its TFLOP/s is not on the 64-tile rows' basis:
+# compare the times (the 128-tile count is ~6% more work than the 64-tile one at T=1024).
+for overlap in ((False, True) if "bf16" in DTYPES and rt.arch == "sm_90" else ()):
+    nt4 = -(-T // 128)
+    built = A.build_flash_attention_backward_wgmma(rt, B=B, T=T, C=C, NH=NH, overlap=overlap)
+    flash4 = built.launch
+    fn = lambda: flash4(d_dinp_b, d_dout_b, d_qkvr_b, d_lse_b, d_out_b)  # noqa: E731
+    label = f"attention_backward 4 bf16 (flash wgmma + TMA{', dq overlap' if overlap else ''})"
+    d_dinp_b.fill_bytes(0xFF)
+    for x in built.scratch.values():
+        x.fill_bytes(0xFF)
+    fn()
+    rt.synchronize()
+    got = from_bf16(d_dinp_b.get())
+    errs = []
+    for i, part in enumerate(("dq", "dk", "dv")):
+        g_, w_ = got[..., i * C:(i + 1) * C], refb[..., i * C:(i + 1) * C]
+        errs.append(np.linalg.norm(g_ - w_) / max(np.linalg.norm(w_), 0.1 * np.linalg.norm(refb)))
+    fn()
+    rt.synchronize()
+    same = np.array_equal(from_bf16(d_dinp_b.get()), got)
+    ok = np.isfinite(got).all() and max(errs) < 2 ** -7 and same
+    print(f"  {label}: {'OK' if ok else 'MISMATCH'}  rel err dq {errs[0]:.2e} dk {errs[1]:.2e} dv {errs[2]:.2e}"
+          f"{'' if np.isfinite(got).all() else ' (unwritten NaN elements)'}{'' if same else ' (not deterministic)'}")
+    if not ok:
+        L.failed.append(label)
+    L.time(label, fn, flops=7 * 2 * B * NH * (nt4 * (nt4 + 1) // 2) * 128 * 128 * hs, ceiling=None)
+if "bf16" in DTYPES and rt.arch != "sm_90":
+    print(f"attention_backward 4 skipped: it needs an sm_90 GPU (this one is {rt.arch})")
+
 try:
     import torch
     import torch.nn.functional as Fn
@@ -114,8 +152,9 @@ try:
                for x in qkvr.reshape(3, B, NH, T, hs))
     o = Fn.scaled_dot_product_attention(q, k, v, is_causal=True)
     g = torch.from_numpy(np.ascontiguousarray(dout.reshape(B, T, NH, hs).transpose(0, 2, 1, 3))).cuda()
-    L.reference("torch SDPA causal backward (fp32, TF32 allowed)",
-                lambda: torch.autograd.grad(o, (q, k, v), g, retain_graph=True))
+    if "fp32" in DTYPES:
+        L.reference("torch SDPA causal backward (fp32, TF32 allowed)",
+                    lambda: torch.autograd.grad(o, (q, k, v), g, retain_graph=True))
     qb, kb, vb = (x.detach().to(torch.bfloat16).requires_grad_() for x in (q, k, v))
     ob = Fn.scaled_dot_product_attention(qb, kb, vb, is_causal=True)
     gb = g.to(torch.bfloat16)

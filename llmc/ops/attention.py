@@ -44,6 +44,10 @@ probabilities in a dq kernel and a dk/dv kernel (cuda/attention.cu says more).
 bf16 builds (--precision bf16): variants 2 and 3 of both directions (bf16 tensor cores, mma.sync
 m16n8k16 with ldmatrix; fp32 softmax; the saved lse (B,NH,T) and the backward's D stay fp32),
 attention_decode 1, 2 and attention_kv_fill 1 (bf16 caches, fp32 math). The composite is fp32 only.
+
+Variant 4 of both directions, bf16 only, Hopper (sm_90a, cuda/attention_wgmma.cu): the same fused
+math on wgmma, tiles brought by the TMA, 128 x 128 tiles; it keeps / reads the same lse as 2 and 3,
+so forward 4 pairs with backward 2, 3 or 4 and backward 4 runs after forward 2, 3 or 4.
 """
 from __future__ import annotations
 
@@ -444,24 +448,38 @@ WGMMA_STAGES = 2                # k/v ring depth
 WGMMA_FWD_SMEM = 1024 + WGMMA_BQ * 128 + WGMMA_STAGES * 2 * WGMMA_BQ * 128 + 8 * (1 + 2 * WGMMA_STAGES)
 
 
+def _bf16_tensor_map(ptr: int, dims, strides, box, what: str) -> bytes:
+    """A 128-byte CUtensorMap of a bf16 tensor (dims innermost first, strides in bytes of dims 1..),
+    read in boxes of `box`, 128-byte swizzled; out-of-bounds elements are zero-filled."""
+    import ctypes
+    from llmc.ops.gemm_wgmma import L2_PROMOTION_256B, SWIZZLE_128B, _driver
+    n = len(dims)
+    buf = ctypes.create_string_buffer(128 + 64)
+    addr = (ctypes.addressof(buf) + 63) & ~63          # CUtensorMap is 64-byte aligned
+    err = _driver().cuTensorMapEncodeTiled(addr, 9, n, ctypes.c_void_p(ptr), (ctypes.c_uint64 * n)(*dims),  # 9: BFLOAT16
+                                           (ctypes.c_uint64 * (n - 1))(*strides), (ctypes.c_uint32 * n)(*box),
+                                           (ctypes.c_uint32 * n)(*([1] * n)),
+                                           0, SWIZZLE_128B, L2_PROMOTION_256B, 0)      # 0: OOB filled with 0
+    if err != 0:
+        raise LLMCError(f"{what}: cuTensorMapEncodeTiled failed (CUresult {err}) at 0x{ptr:x}")
+    return ctypes.string_at(addr, 128)
+
+
 def qkvr_tensor_map(ptr: int, B: int, NH: int, T: int) -> bytes:
     """The TMA's 128-byte CUtensorMap of qkvr (3, B, NH, T, 64) bf16 seen as a 3D tensor (64 dims,
     T rows, 3*B*NH slabs), read in boxes of (64, 128, 1), 128-byte swizzled; rows past T of a slab
     are zero-filled (never the next head's rows)."""
-    import ctypes
-    from llmc.ops.gemm_wgmma import L2_PROMOTION_256B, SWIZZLE_128B, _driver
-    buf = ctypes.create_string_buffer(128 + 64)
-    addr = (ctypes.addressof(buf) + 63) & ~63          # CUtensorMap is 64-byte aligned
-    dims = (ctypes.c_uint64 * 3)(FLASH_HS, T, 3 * B * NH)
-    strides = (ctypes.c_uint64 * 2)(FLASH_HS * 2, T * FLASH_HS * 2)  # bytes: next row, next slab
-    box = (ctypes.c_uint32 * 3)(FLASH_HS, WGMMA_BQ, 1)
-    estr = (ctypes.c_uint32 * 3)(1, 1, 1)
-    err = _driver().cuTensorMapEncodeTiled(addr, 9, 3, ctypes.c_void_p(ptr), dims, strides, box, estr,  # 9: BFLOAT16
-                                           0, SWIZZLE_128B, L2_PROMOTION_256B, 0)      # 0: OOB filled with 0
-    if err != 0:
-        raise LLMCError(f"attention_forward 4: cuTensorMapEncodeTiled failed (CUresult {err}) for qkvr at 0x{ptr:x} "
-                        f"(B={B} NH={NH} T={T})")
-    return ctypes.string_at(addr, 128)
+    return _bf16_tensor_map(ptr, (FLASH_HS, T, 3 * B * NH), (FLASH_HS * 2, T * FLASH_HS * 2),  # bytes: next row, slab
+                            (FLASH_HS, WGMMA_BQ, 1), f"attention 4: qkvr (B={B} NH={NH} T={T})")
+
+
+def btc_tensor_map(ptr: int, B: int, T: int, NH: int) -> bytes:
+    """The CUtensorMap of a (B,T,C) bf16 tensor (dout for attention_backward 4) seen as 4D (64 dims, NH
+    heads, T rows, B), read in boxes of (64, 1, 128, 1): one head's 128 rows of 128 bytes, 128-byte
+    swizzled like a qkvr box; rows past T are zero-filled (never the next batch row's)."""
+    C = NH * FLASH_HS
+    return _bf16_tensor_map(ptr, (FLASH_HS, NH, T, B), (FLASH_HS * 2, C * 2, T * C * 2),  # bytes: head, row, batch
+                            (FLASH_HS, 1, WGMMA_BQ, 1), f"attention_backward 4: dout (B={B} T={T} C={C})")
 
 
 def build_flash_attention_forward_wgmma(rt, B, T, C, NH, overlap=False, **_):
@@ -495,6 +513,54 @@ def build_flash_attention_forward_wgmma(rt, B, T, C, NH, overlap=False, **_):
             dm = maps[qp] = rt.to_device(np.frombuffer(qkvr_tensor_map(qp, B, NH, T), np.uint8))
         k(grid, block, _ptr(out), _ptr(lse), dm.ptr, *args, smem=WGMMA_FWD_SMEM)
     return launch
+
+
+# dynamic shared memory of the backward's kernels (DQ_SMEM, DKDV_SMEM in the .cu): 1 KB of slack, two
+# resident 128-row tiles (q, dout / k, v), BWD_STAGES x two swept tiles, [dkdv: 2 consumers x 2
+# buffers of a tile's lse and D, fp32], 1 + 2 BWD_STAGES mbarriers
+WGMMA_BWD_STAGES = 2
+WGMMA_DQ_SMEM = 1024 + 2 * WGMMA_BQ * 128 + WGMMA_BWD_STAGES * 2 * WGMMA_BQ * 128 + 8 * (1 + 2 * WGMMA_BWD_STAGES)
+WGMMA_DKDV_SMEM = WGMMA_DQ_SMEM + 2 * 2 * 2 * WGMMA_BQ * 4
+
+
+def build_flash_attention_backward_wgmma(rt, B, T, C, NH, overlap=False, **_):
+    """Variant 4, bf16 only: launch(dinp (B,T,3C), dout (B,T,C), qkvr (B,T,3C), lse (B,NH,T), out (B,T,C))
+    like the bf16 builds of 2, 3 (dinp, dout, qkvr, out bf16; lse and the scratch D fp32; the lse of
+    attention_forward 2, 3 or 4): a dq kernel (also writing D = rowsum(dout * out)) then a dk/dv
+    kernel, each a CTA per (b, h, 128 rows) of a producer warpgroup (TMA) and 2 wgmma consumer
+    warpgroups; dinp overwritten, no atomics. The TMA reads qkvr and dout through two tensor maps
+    (cuda/attention_wgmma.cu, backward Layouts) kept back to back on the device: one pair per (qkvr,
+    dout) pointer pair, encoded and copied at its first launch, so a captured graph replays them.
+    overlap: the dq kernel that leaves tile i's dq product running while it issues tile i + 1's S and
+    dP (the same bits; the lab times both)."""
+    _check_attention(B, T, C, NH)
+    for name, smem in (("dq", WGMMA_DQ_SMEM), ("dk dv", WGMMA_DKDV_SMEM)):
+        if smem > rt.max_smem_optin:
+            refuse("attention_backward", 4, f"the {name} kernel needs {smem} bytes of shared memory, the device "
+                                            f"allows {rt.max_smem_optin}")
+    D = rt.empty((B, NH, T))  # fp32
+    label = "attention_backward 4 (flash, wgmma) bf16"
+    kq = rt.kernel(WGMMA_MODULE, "flash_attention_backward_dq_kernel4_bf16" + ("_overlap" if overlap else ""),
+                   "PPPPPPiiif", label=label + " dq" + (" overlap" if overlap else ""))
+    kkv = rt.kernel(WGMMA_MODULE, "flash_attention_backward_dkdv_kernel4_bf16", "PPPPiiif", label=label + " dk dv")
+    kq.set_max_dynamic_smem(WGMMA_DQ_SMEM)
+    kkv.set_max_dynamic_smem(WGMMA_DKDV_SMEM)
+    grid, block = (B * NH, ceil_div(T, WGMMA_BQ), 1), (384, 1, 1)
+    args = (np.int32(B), np.int32(NH), np.int32(T), np.float32(1.0 / math.sqrt(FLASH_HS)))
+    maps: dict = {}
+
+    def launch(dinp, dout, qkvr, lse, out):
+        qp, dp = _ptr(qkvr), _ptr(dout)
+        dm = maps.get((qp, dp))
+        if dm is None:  # first launch on this (qkvr, dout): encode both maps, copy them to the device
+            for name, p in (("qkvr", qp), ("dout", dp), ("out", _ptr(out))):  # out: the dq kernel's 16-byte loads
+                if p & 15:
+                    raise LLMCError(f"attention_backward 4: {name} must be 16-byte aligned (0x{p:x})")
+            two = qkvr_tensor_map(qp, B, NH, T) + btc_tensor_map(dp, B, T, NH)  # tm[0], tm[1]
+            dm = maps[(qp, dp)] = rt.to_device(np.frombuffer(two, np.uint8))
+        kq(grid, block, _ptr(dinp), _ptr(D), dp, _ptr(out), dm.ptr, _ptr(lse), *args, smem=WGMMA_DQ_SMEM)
+        kkv(grid, block, _ptr(dinp), dm.ptr, _ptr(lse), _ptr(D), *args, smem=WGMMA_DKDV_SMEM)
+    return Built(launch, scratch={"D": D})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -726,6 +792,11 @@ ATTENTION_BACKWARD_VARIANTS = {
                _flash_builds("backward", 2), scratch_bytes=_scratch_flash_backward, **_FUSED),
     3: Variant(3, "2 with the swept tiles double-buffered through cp.async (head size 64)",
                _flash_builds("backward", 3), scratch_bytes=_scratch_flash_backward, **_FUSED),
+    4: Variant(4, "fused flash attention backward on Hopper wgmma (bf16 only, sm_90a): the dq and dk/dv kernels "
+                  "of 3 with 128 x 128 tiles by TMA fed by a producer warpgroup, 2 consumer warpgroups, p and ds "
+                  "from registers; reads the lse of forward 2, 3 or 4 (head size 64)",
+               {"bf16": build_flash_attention_backward_wgmma}, scratch_bytes=_scratch_flash_backward, arch="sm_90",
+               **_FUSED),
 }
 ATTENTION_DECODE_VARIANTS = {
     1: Variant(1, "one block per (b, h): scores in shared memory, block softmax, att @ v; appends k, v",
