@@ -308,6 +308,12 @@ extern "C" __global__ void attention_kv_fill_kernel1_bf16(bf16* kcache, bf16* vc
 #define FA_LD 68       // shared-memory row stride in floats
 #define FA_THREADS 128
 #define FA_TILE_FLOATS (FA_TILE * FA_LD)
+// the bf16 kernels' tiles (section at the end): rows of FB_LD = 72 bf16 (144 bytes; see there why)
+#define FB_LD 72                             // shared row stride in bf16
+#define FB_TILE_ELEMS (FA_TILE * FB_LD)      // bf16 per staged 64 x 64 tile
+#define FB_TILE_BYTES (FB_TILE_ELEMS * 2)    // 9216
+// elements of one staged tile of element type E (the shared helpers below take either)
+template <typename E> constexpr int FA_TILE_ELEMS = sizeof(E) == 4 ? FA_TILE_FLOATS : FB_TILE_ELEMS;
 #define FA_LOG2E 1.4426950408889634f
 #define FA_LN2 0.6931471805599453f
 // FA_KK_OUTER (default 1; build with -DFA_KK_OUTER=0 to compare): the q k^T-type products loop
@@ -353,6 +359,29 @@ __device__ __forceinline__ void fa_stage_async(float* s, const float* g, int r0,
         cp_async16(smem_u32(s + r * FA_LD + c), src, ok ? 16 : 0);
     }
 }
+// bf16 tiles: the same rows into rows of FB_LD, as they are (bf16 is what the bf16 mma reads);
+// by the threads, rows >= T are 0
+__device__ __forceinline__ void fa_stage(bf16* s, const bf16* g, int r0, int T, int ld) {
+#pragma unroll
+    for (int i = 0; i < FA_TILE * FA_D / 8 / FA_THREADS; i++) {
+        int idx = threadIdx.x + i * FA_THREADS;
+        int r = idx >> 3, c = (idx & 7) * 8;  // 8 chunks of 16 bytes per row
+        uint4 v = make_uint4(0u, 0u, 0u, 0u);
+        if (r0 + r < T) v = *reinterpret_cast<const uint4*>(g + (size_t)(r0 + r) * ld + c);
+        *reinterpret_cast<uint4*>(s + r * FB_LD + c) = v;
+    }
+}
+// and with cp.async (not waited for); rows >= T are zero-filled
+__device__ __forceinline__ void fa_stage_async(bf16* s, const bf16* g, int r0, int T, int ld) {
+#pragma unroll
+    for (int i = 0; i < FA_TILE * FA_D / 8 / FA_THREADS; i++) {
+        int idx = threadIdx.x + i * FA_THREADS;
+        int r = idx >> 3, c = (idx & 7) * 8;
+        bool ok = r0 + r < T;
+        const bf16* src = g + (size_t)(ok ? r0 + r : 0) * ld + c;
+        cp_async16(smem_u32(s + r * FB_LD + c), src, ok ? 16 : 0);
+    }
+}
 // 64 per-row values (lse or D) from v[r0..] into s with cp.async, one per thread of `first`..+63; 0 past T
 __device__ __forceinline__ void fa_rows_async(float* s, const float* v, int r0, int T, int first) {
     int i = threadIdx.x - first;
@@ -363,18 +392,19 @@ __device__ __forceinline__ void fa_rows_async(float* s, const float* v, int r0, 
 }
 
 // q (which 0), k (1) or v (2) of this block's (batch, head) = blockIdx.y in qkvr (3, B, NH, T, 64)
-__device__ __forceinline__ const float* fa_head(const float* qkvr, int which, int B, int NH, int T) {
+template <typename E>
+__device__ __forceinline__ const E* fa_head(const E* qkvr, int which, int B, int NH, int T) {
     return qkvr + ((size_t)which * B * NH + blockIdx.y) * T * FA_D;
 }
 // the k and v tiles of positions r0.. into s and s + one tile: staged (PIPE false) or in flight (true)
-template <bool PIPE>
-__device__ __forceinline__ void fa_load_kv(float* s, const float* k, const float* v, int r0, int T) {
+template <bool PIPE, typename E>
+__device__ __forceinline__ void fa_load_kv(E* s, const E* k, const E* v, int r0, int T) {
     if (PIPE) {
         fa_stage_async(s, k, r0, T, FA_D);
-        fa_stage_async(s + FA_TILE_FLOATS, v, r0, T, FA_D);
+        fa_stage_async(s + FA_TILE_ELEMS<E>, v, r0, T, FA_D);
     } else {
         fa_stage(s, k, r0, T, FA_D);
-        fa_stage(s + FA_TILE_FLOATS, v, r0, T, FA_D);
+        fa_stage(s + FA_TILE_ELEMS<E>, v, r0, T, FA_D);
     }
 }
 // A fragment of rows row0..row0+15, head-dim k-step kk (from a staged, rounded tile)
@@ -467,6 +497,177 @@ __device__ __forceinline__ void fa_sweep(int n, Load load, Body body) {
     }
 }
 
+// ----------------------------------------------------------------------------------------------
+// The math between the products, shared by the TF32 and the bf16 kernels. Both keep their scores
+// and sums in mma accumulators of the same layout (m16n8k8 and m16n8k16 alike: n-tile j, element e
+// of lane (g, t) is row g + 8 (e >> 1), column 8j + 2t + (e & 1)), in fp32, so everything that is
+// not a product (masking, the online softmax, lse and D, the stores) is written once, here; only
+// the fragments and the products differ (fa_mma_* for TF32, fb_mma_* for bf16).
+
+// a row's two adjacent fp32 values as one store: float2, or bf16x2 rounded once (4 bytes)
+__device__ __forceinline__ void fa_store2(float* dst, float x, float y) {
+    *reinterpret_cast<float2*>(dst) = make_float2(x, y);
+}
+__device__ __forceinline__ void fa_store2(bf16* dst, float x, float y) {
+    *reinterpret_cast<uint32_t*>(dst) = pack_bf16x2(x, y);
+}
+// two adjacent elements as fp32 (bf16 widens exactly)
+__device__ __forceinline__ float2 fa_load2(const float* p) { return *reinterpret_cast<const float2*>(p); }
+__device__ __forceinline__ float2 fa_load2(const bf16* p) {
+    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p));
+}
+
+// The forward's online softmax over one key tile, for one m-tile of 16 query rows (this lane's rows
+// row0 and row0 + 8): s holds the tile's scores q k^T; they are scaled to log2 units (c2), masked
+// past the diagonal (diag: the tile holds keys > some row of the block; kt: the tile's number), the
+// running max m and sum l of each row move to the tile (the 4 lanes of a row hold its 64 columns),
+// o is rescaled to the new max, and s becomes p = 2^(s - m). KEEP1: the rescale is exactly 1 when
+// the max did not move (the bf16 forward: a fully masked tile of a 128-row block is then an exact
+// no-op); without it 2^(m - m) is computed as it is (the TF32 forward).
+template <bool KEEP1>
+__device__ __forceinline__ void fa_softmax_tile(float (&s)[8][4], float (&m)[2], float (&l)[2], float (&o)[8][4],
+                                                float c2, bool diag, int kt, int row0, int t) {
+    float mx[2] = {m[0], m[1]};
+#pragma unroll
+    for (int j = 0; j < 8; j++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            float x = s[j][e] * c2;
+            if (diag && kt * FA_TILE + 8 * j + 2 * t + (e & 1) > row0 + 8 * (e >> 1)) x = -INFINITY;
+            s[j][e] = x;
+            mx[e >> 1] = fmaxf(mx[e >> 1], x);
+        }
+    float corr[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {  // the 4 lanes of a row hold its 64 columns
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+        // 0 on the first tile (m = -inf; key 0 is never masked)
+        corr[r] = KEEP1 && mx[r] == m[r] ? 1.f : fa_exp2(m[r] - mx[r]);
+        m[r] = mx[r];
+        l[r] *= corr[r];
+    }
+#pragma unroll
+    for (int j = 0; j < 8; j++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            float p = fa_exp2(s[j][e] - m[e >> 1]);
+            s[j][e] = p;
+            l[e >> 1] += p;  // the fp32 p (bf16: lse stays fp32-accurate, p v uses p rounded to bf16)
+        }
+#pragma unroll
+    for (int n = 0; n < 8; n++) {
+        o[n][0] *= corr[0]; o[n][1] *= corr[0];
+        o[n][2] *= corr[1]; o[n][3] *= corr[1];
+    }
+}
+
+// The forward's end for one m-tile: each row's sum l over its 4 lanes, out = o / l (rounded once
+// to E) into the row's 64 columns of head h, and lse = ln(sum exp(scores)) in fp32
+template <typename E>
+__device__ __forceinline__ void fa_forward_store(E* out, float* lse, const float (&o)[8][4], const float (&m)[2],
+                                                 const float (&l)[2], int row0, int b, int h, int bh, int T, int C,
+                                                 int t) {
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int row = row0 + 8 * r;
+        float lr = l[r];
+        lr += __shfl_xor_sync(0xffffffffu, lr, 1);
+        lr += __shfl_xor_sync(0xffffffffu, lr, 2);
+        if (row >= T) continue;
+        const float inv = 1.0f / lr;
+        E* dst = out + ((size_t)b * T + row) * C + h * FA_D + 2 * t;
+#pragma unroll
+        for (int n = 0; n < 8; n++) fa_store2(dst + 8 * n, o[n][2 * r] * inv, o[n][2 * r + 1] * inv);
+        if (t == 0) lse[(size_t)bh * T + row] = (m[r] + __log2f(lr)) * FA_LN2;
+    }
+}
+
+// dq's D = rowsum(dout * out) for the warp's 16 rows w0.. of the block's q0..: a lane per pair of
+// columns, fp32 products, warp sum; into dsm (the block's 64 rows) and Dbuf (B,NH,T) for dkdv
+template <typename E>
+__device__ __forceinline__ void fa_rows_D(float* dsm, float* Dbuf, const E* dout, const E* out, size_t rowbase,
+                                          int q0, int w0, int T, int C, int bh, int lane) {
+    for (int i = 0; i < 16; i++) {
+        int r = q0 + w0 + i;
+        float d = 0.f;
+        if (r < T) {
+            float2 x = fa_load2(dout + rowbase + (size_t)r * C + 2 * lane);
+            float2 y = fa_load2(out + rowbase + (size_t)r * C + 2 * lane);
+            d = x.x * y.x + x.y * y.y;
+        }
+        d = warp_reduce_sum(d);
+        if (lane == 0) {
+            dsm[w0 + i] = d;
+            if (r < T) Dbuf[(size_t)bh * T + r] = d;
+        }
+    }
+}
+
+// dq's per-row constants of this lane's rows row[0], row[1]: lse in log2 units, D (from dsm)
+__device__ __forceinline__ void fa_rows_lse_D(float (&lr)[2], float (&Dr)[2], const float* lse, const float* dsm,
+                                              const int (&row)[2], int w0, int g, int bh, int T) {
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        lr[r] = row[r] < T ? lse[(size_t)bh * T + row[r]] * FA_LOG2E : 0.f;
+        Dr[r] = dsm[w0 + g + 8 * r];
+    }
+}
+
+// dq, one key tile: s (q k^T) becomes d preatt = scale * p * (dp - D), p = exp(scale s - lse),
+// masked past the diagonal (diag: the tile kt is the block's diagonal one); dp = dout v^T
+__device__ __forceinline__ void fa_dq_ds(float (&s)[8][4], const float (&dp)[8][4], const float (&lr)[2],
+                                         const float (&Dr)[2], const int (&row)[2], float c2, float scale, bool diag,
+                                         int kt, int t) {
+#pragma unroll
+    for (int j = 0; j < 8; j++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int r = e >> 1;
+            float p = fa_exp2(s[j][e] * c2 - lr[r]);
+            if (diag && kt * FA_TILE + 8 * j + 2 * t + (e & 1) > row[r]) p = 0.f;
+            s[j][e] = scale * p * (dp[j][e] - Dr[r]);  // d preatt
+        }
+}
+
+// dkdv, one query tile (keys as rows, queries q0.. as columns): s (k q^T) becomes p^T = exp(scale s
+// - lse), dp (v dout^T) becomes d preatt^T = scale * p^T * (dp - D); queries before the lane's keys
+// key[] or past T are masked. lsm, dsm: the tile's 64 lse and D.
+__device__ __forceinline__ void fa_dkdv_p_ds(float (&s)[8][4], float (&dp)[8][4], const float* lsm, const float* dsm,
+                                             const int (&key)[2], int q0, int T, float c2, float scale, int t) {
+#pragma unroll
+    for (int j = 0; j < 8; j++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int c = 8 * j + 2 * t + (e & 1), qpos = q0 + c;
+            float p = fa_exp2(s[j][e] * c2 - lsm[c] * FA_LOG2E);
+            if (qpos < key[e >> 1] || qpos >= T) p = 0.f;
+            s[j][e] = p;                                 // p^T
+            dp[j][e] = scale * p * (dp[j][e] - dsm[c]);  // d preatt^T
+        }
+}
+
+// dkdv's sweep load: the q and dout tiles of query positions q0.. into s and s + one tile, and their
+// 64 lse and D into r and r + 64 (0 past T); staged (PIPE false) or in flight (true)
+template <bool PIPE, typename E>
+__device__ __forceinline__ void fa_load_q_dout(E* s, float* r, const E* q, const E* dO, const float* lseh,
+                                               const float* Dh, int q0, int T, int C) {
+    if (PIPE) {
+        fa_stage_async(s, q, q0, T, FA_D);
+        fa_stage_async(s + FA_TILE_ELEMS<E>, dO, q0, T, C);
+        fa_rows_async(r, lseh, q0, T, 0);
+        fa_rows_async(r + FA_TILE, Dh, q0, T, FA_TILE);
+    } else {
+        fa_stage(s, q, q0, T, FA_D);
+        fa_stage(s + FA_TILE_ELEMS<E>, dO, q0, T, C);
+        if (threadIdx.x < FA_TILE) {
+            int i = threadIdx.x;
+            r[i] = q0 + i < T ? lseh[q0 + i] : 0.f;
+            r[FA_TILE + i] = q0 + i < T ? Dh[q0 + i] : 0.f;
+        }
+    }
+}
+
 // Dynamic shared memory (sized by llmc/ops/attention.py, _flash_smem): forward and dq hold (k, v)
 // tiles x stages (+ 64 floats of D for dq); dkdv holds its own k, v and (q, dout) tiles x stages
 // plus 64 lse and 64 D per stage. Stages: 1 without PIPE, 2 with it.
@@ -480,8 +681,8 @@ __device__ __forceinline__ void flash_forward(float* out, float* lse, const floa
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const float *q = fa_head(qkvr, 0, B, NH, T), *k = fa_head(qkvr, 1, B, NH, T), *v = fa_head(qkvr, 2, B, NH, T);
     const int q0 = qt * FA_TILE, w0 = warp * 16;
-    const int row[2] = {q0 + w0 + g, q0 + w0 + g + 8};  // this lane's two query positions
-    const float c2 = scale * FA_LOG2E;                  // scores -> log2 units
+    const int row0 = q0 + w0 + g;       // this lane's two query positions: row0, row0 + 8
+    const float c2 = scale * FA_LOG2E;  // scores -> log2 units
     auto load = [&](int kt, int buf) { fa_load_kv<PIPE>(kv + 2 * buf * FA_TILE_FLOATS, k, v, kt * FA_TILE, T); };
     if (PIPE) { load(0, 0); cp_async_commit(); }
     // q goes into registers once, through the last tile buffer (not buffer 0 of a PIPE sweep)
@@ -500,53 +701,11 @@ __device__ __forceinline__ void flash_forward(float* out, float* lse, const floa
     fa_sweep<PIPE>(qt + 1, load, [&](int buf) {
         const float* ks = kv + 2 * buf * FA_TILE_FLOATS;
         fa_mma_dim<PIPE>(s, qa, ks, g, t);  // s = q k^T (16 x 64 per warp)
-        float mx[2] = {m[0], m[1]};
-#pragma unroll
-        for (int j = 0; j < 8; j++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                float x = s[j][e] * c2;
-                if (kt == qt && kt * FA_TILE + 8 * j + 2 * t + (e & 1) > row[e >> 1]) x = -INFINITY;
-                s[j][e] = x;
-                mx[e >> 1] = fmaxf(mx[e >> 1], x);
-            }
-        float corr[2];
-#pragma unroll
-        for (int r = 0; r < 2; r++) {  // the 4 lanes of a row hold its 64 columns
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-            corr[r] = fa_exp2(m[r] - mx[r]);  // 0 on the first tile (m = -inf; key 0 is never masked)
-            m[r] = mx[r];
-            l[r] *= corr[r];
-        }
-#pragma unroll
-        for (int j = 0; j < 8; j++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                float p = fa_exp2(s[j][e] - m[e >> 1]);
-                s[j][e] = p;
-                l[e >> 1] += p;
-            }
-#pragma unroll
-        for (int n = 0; n < 8; n++) {
-            o[n][0] *= corr[0]; o[n][1] *= corr[0];
-            o[n][2] *= corr[1]; o[n][3] *= corr[1];
-        }
+        fa_softmax_tile<false>(s, m, l, o, c2, kt == qt, kt, row0, t);  // s = p
         fa_mma_pos<PIPE>(o, s, ks + FA_TILE_FLOATS, g, t);  // o += p v
         kt++;
     });
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-        if (row[r] >= T) continue;
-        const float inv = 1.0f / l[r];
-        float* dst = out + ((size_t)b * T + row[r]) * C + h * FA_D + 2 * t;
-#pragma unroll
-        for (int n = 0; n < 8; n++)
-            *reinterpret_cast<float2*>(dst + 8 * n) = make_float2(o[n][2 * r] * inv, o[n][2 * r + 1] * inv);
-        if (t == 0) lse[(size_t)bh * T + row[r]] = (m[r] + __log2f(l[r])) * FA_LN2;
-    }
+    fa_forward_store(out, lse, o, m, l, row0, b, h, bh, T, C, t);
 }
 
 // Backward, part 1: per query tile, D = rowsum(dout * out) (written for part 2) and
@@ -568,21 +727,7 @@ __device__ __forceinline__ void flash_backward_dq(float* dinp, float* Dbuf, cons
     auto load = [&](int kt, int buf) { fa_load_kv<PIPE>(kv + 2 * buf * FA_TILE_FLOATS, k, v, kt * FA_TILE, T); };
     if (PIPE) { load(0, 0); cp_async_commit(); }
 
-    // D for the warp's 16 rows: a lane per pair of columns, warp sum
-    for (int i = 0; i < 16; i++) {
-        int r = q0 + w0 + i;
-        float d = 0.f;
-        if (r < T) {
-            float2 x = *reinterpret_cast<const float2*>(dout + rowbase + (size_t)r * C + 2 * lane);
-            float2 y = *reinterpret_cast<const float2*>(out + rowbase + (size_t)r * C + 2 * lane);
-            d = x.x * y.x + x.y * y.y;
-        }
-        d = warp_reduce_sum(d);
-        if (lane == 0) {
-            dsm[w0 + i] = d;
-            if (r < T) Dbuf[(size_t)bh * T + r] = d;
-        }
-    }
+    fa_rows_D(dsm, Dbuf, dout, out, rowbase, q0, w0, T, C, bh, lane);  // D for the warp's 16 rows
     // q and dout into registers once, through the buffers a PIPE sweep fills last
     float* qs = kv + (PIPE ? 2 : 0) * FA_TILE_FLOATS;
     fa_stage(qs, q, q0, T, FA_D);
@@ -595,11 +740,7 @@ __device__ __forceinline__ void flash_backward_dq(float* dinp, float* Dbuf, cons
         fa_frag_a(da[kk], qs + FA_TILE_FLOATS, w0, kk, g, t);
     }
     float lr[2], Dr[2];
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        lr[r] = row[r] < T ? lse[(size_t)bh * T + row[r]] * FA_LOG2E : 0.f;
-        Dr[r] = dsm[w0 + g + 8 * r];
-    }
+    fa_rows_lse_D(lr, Dr, lse, dsm, row, w0, g, bh, T);
 
     float dq[8][4], s[8][4], dp[8][4];
 #pragma unroll
@@ -609,15 +750,7 @@ __device__ __forceinline__ void flash_backward_dq(float* dinp, float* Dbuf, cons
         const float* ks = kv + 2 * buf * FA_TILE_FLOATS;
         fa_mma_dim<PIPE>(s, qa, ks, g, t);                   // q k^T
         fa_mma_dim<PIPE>(dp, da, ks + FA_TILE_FLOATS, g, t);  // dout v^T
-#pragma unroll
-        for (int j = 0; j < 8; j++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int r = e >> 1;
-                float p = fa_exp2(s[j][e] * c2 - lr[r]);
-                if (kt == qt && kt * FA_TILE + 8 * j + 2 * t + (e & 1) > row[r]) p = 0.f;
-                s[j][e] = scale * p * (dp[j][e] - Dr[r]);  // d preatt
-            }
+        fa_dq_ds(s, dp, lr, Dr, row, c2, scale, kt == qt, kt, t);  // s = d preatt
         fa_mma_pos<PIPE>(dq, s, ks, g, t);  // dq += dpreatt k
         kt++;
     });
@@ -626,8 +759,7 @@ __device__ __forceinline__ void flash_backward_dq(float* dinp, float* Dbuf, cons
         if (row[r] >= T) continue;
         float* dst = dinp + ((size_t)b * T + row[r]) * 3 * C + h * FA_D + 2 * t;
 #pragma unroll
-        for (int n = 0; n < 8; n++)
-            *reinterpret_cast<float2*>(dst + 8 * n) = make_float2(dq[n][2 * r], dq[n][2 * r + 1]);
+        for (int n = 0; n < 8; n++) fa_store2(dst + 8 * n, dq[n][2 * r], dq[n][2 * r + 1]);
     }
 }
 
@@ -653,23 +785,7 @@ __device__ __forceinline__ void flash_backward_dkdv(float* dinp, const float* do
     const int key[2] = {k0 + w0 + g, k0 + w0 + g + 8};  // this lane's two key positions
     const float c2 = scale * FA_LOG2E;
     auto load = [&](int it, int buf) {
-        const int q0 = (kt + it) * FA_TILE;
-        float* s = qd + 2 * buf * FA_TILE_FLOATS;
-        float* r = rows + 2 * buf * FA_TILE;
-        if (PIPE) {
-            fa_stage_async(s, q, q0, T, FA_D);
-            fa_stage_async(s + FA_TILE_FLOATS, dO, q0, T, C);
-            fa_rows_async(r, lseh, q0, T, 0);
-            fa_rows_async(r + FA_TILE, Dh, q0, T, FA_TILE);
-        } else {
-            fa_stage(s, q, q0, T, FA_D);
-            fa_stage(s + FA_TILE_FLOATS, dO, q0, T, C);
-            if (threadIdx.x < FA_TILE) {
-                int i = threadIdx.x;
-                r[i] = q0 + i < T ? lseh[q0 + i] : 0.f;
-                r[FA_TILE + i] = q0 + i < T ? Dh[q0 + i] : 0.f;
-            }
-        }
+        fa_load_q_dout<PIPE>(qd + 2 * buf * FA_TILE_FLOATS, rows + 2 * buf * FA_TILE, q, dO, lseh, Dh, (kt + it) * FA_TILE, T, C);
     };
     if (PIPE) { load(0, 0); cp_async_commit(); }
     fa_stage(ks, k, k0, T, FA_D);
@@ -704,16 +820,7 @@ __device__ __forceinline__ void flash_backward_dkdv(float* dinp, const float* do
                 mma_tf32(dp[j], va, bd);
             }
         }
-#pragma unroll
-        for (int j = 0; j < 8; j++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int c = 8 * j + 2 * t + (e & 1), qpos = q0 + c;
-                float p = fa_exp2(s[j][e] * c2 - lsm[c] * FA_LOG2E);
-                if (qpos < key[e >> 1] || qpos >= T) p = 0.f;
-                s[j][e] = p;                                 // p^T
-                dp[j][e] = scale * p * (dp[j][e] - dsm[c]);  // d preatt^T
-            }
+        fa_dkdv_p_ds(s, dp, lsm, dsm, key, q0, T, c2, scale, t);  // s = p^T, dp = d preatt^T
         fa_mma_pos<PIPE>(dv, s, dos, g, t);  // dv += p^T dout
         fa_mma_pos<PIPE>(dk, dp, qs, g, t);  // dk += dpreatt^T q
         qt++;
@@ -724,8 +831,8 @@ __device__ __forceinline__ void flash_backward_dkdv(float* dinp, const float* do
         float* dst = dinp + ((size_t)b * T + key[r]) * 3 * C + h * FA_D + 2 * t;
 #pragma unroll
         for (int n = 0; n < 8; n++) {
-            *reinterpret_cast<float2*>(dst + C + 8 * n) = make_float2(dk[n][2 * r], dk[n][2 * r + 1]);
-            *reinterpret_cast<float2*>(dst + 2 * C + 8 * n) = make_float2(dv[n][2 * r], dv[n][2 * r + 1]);
+            fa_store2(dst + C + 8 * n, dk[n][2 * r], dk[n][2 * r + 1]);
+            fa_store2(dst + 2 * C + 8 * n, dv[n][2 * r], dv[n][2 * r + 1]);
         }
     }
 }
@@ -773,45 +880,9 @@ FLASH_ENTRIES(3, true)
 //    l points at position 16j + (l & 7) + 8 ((l >> 3) & 1), dim 16np + 8 (l >> 4) (the A pattern):
 //    d0, d1 = b0, b1 of n-tile 2np; d2, d3 of n-tile 2np+1.
 //  A contracting over positions (p, ds) is the previous product's accumulators, packed: see mma.cuh.
-#define FB_LD 72                             // shared row stride in bf16
-#define FB_TILE_ELEMS (FA_TILE * FB_LD)      // bf16 per staged 64 x 64 tile
-#define FB_TILE_BYTES (FB_TILE_ELEMS * 2)    // 9216
+// (FB_LD, FB_TILE_ELEMS and the staging of bf16 tiles, fa_stage / fa_stage_async, are with the
+// TF32 kernels' above: the kernels of both element types share them)
 
-// rows r0..r0+63 (row stride ld elements) of g into the shared tile s, by the threads; rows >= T are 0
-__device__ __forceinline__ void fb_stage(bf16* s, const bf16* g, int r0, int T, int ld) {
-#pragma unroll
-    for (int i = 0; i < FA_TILE * FA_D / 8 / FA_THREADS; i++) {
-        int idx = threadIdx.x + i * FA_THREADS;
-        int r = idx >> 3, c = (idx & 7) * 8;  // 8 chunks of 16 bytes per row
-        uint4 v = make_uint4(0u, 0u, 0u, 0u);
-        if (r0 + r < T) v = *reinterpret_cast<const uint4*>(g + (size_t)(r0 + r) * ld + c);
-        *reinterpret_cast<uint4*>(s + r * FB_LD + c) = v;
-    }
-}
-// the same rows with cp.async (not waited for); rows >= T are zero-filled
-__device__ __forceinline__ void fb_stage_async(bf16* s, const bf16* g, int r0, int T, int ld) {
-#pragma unroll
-    for (int i = 0; i < FA_TILE * FA_D / 8 / FA_THREADS; i++) {
-        int idx = threadIdx.x + i * FA_THREADS;
-        int r = idx >> 3, c = (idx & 7) * 8;
-        bool ok = r0 + r < T;
-        const bf16* src = g + (size_t)(ok ? r0 + r : 0) * ld + c;
-        cp_async16(smem_u32(s + r * FB_LD + c), src, ok ? 16 : 0);
-    }
-}
-__device__ __forceinline__ const bf16* fb_head(const bf16* qkvr, int which, int B, int NH, int T) {
-    return qkvr + ((size_t)which * B * NH + blockIdx.y) * T * FA_D;
-}
-template <bool PIPE>
-__device__ __forceinline__ void fb_load_kv(bf16* s, const bf16* k, const bf16* v, int r0, int T) {
-    if (PIPE) {
-        fb_stage_async(s, k, r0, T, FA_D);
-        fb_stage_async(s + FB_TILE_ELEMS, v, r0, T, FA_D);
-    } else {
-        fb_stage(s, k, r0, T, FA_D);
-        fb_stage(s + FB_TILE_ELEMS, v, r0, T, FA_D);
-    }
-}
 // this lane's ldmatrix offset (elements) in the A / transposed-B pattern and in the B pattern
 __device__ __forceinline__ int fb_lane_a(int lane) { return ((lane & 7) + 8 * ((lane >> 3) & 1)) * FB_LD + 8 * (lane >> 4); }
 __device__ __forceinline__ int fb_lane_b(int lane) { return ((lane & 7) + 8 * (lane >> 4)) * FB_LD + 8 * ((lane >> 3) & 1); }
@@ -853,10 +924,6 @@ __device__ __forceinline__ void fb_mma_pos(float (&acc)[8][4], const float (&S)[
             mma_bf16_16816(acc[2 * np + 1], a, b + 2);
         }
     }
-}
-// a row's two adjacent accumulator values, rounded to bf16, as one 4-byte store
-__device__ __forceinline__ void fb_store2(bf16* dst, float x, float y) {
-    *reinterpret_cast<uint32_t*>(dst) = pack_bf16x2(x, y);
 }
 // fb_mma_dim and fb_mma_pos for a warp owning MT m-tiles of 16 rows (the forward's _rows128
 // instantiation has MT = 2): every B fragment read from shared memory feeds MT m-tiles, so the
@@ -926,18 +993,18 @@ __device__ __forceinline__ void flash_forward_bf16(bf16* out, float* lse, const 
     const int bh = blockIdx.y, b = bh / NH, h = bh % NH, C = NH * FA_D;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int la = fb_lane_a(lane), lb = fb_lane_b(lane);
-    const bf16 *q = fb_head(qkvr, 0, B, NH, T), *k = fb_head(qkvr, 1, B, NH, T), *v = fb_head(qkvr, 2, B, NH, T);
+    const bf16 *q = fa_head(qkvr, 0, B, NH, T), *k = fa_head(qkvr, 1, B, NH, T), *v = fa_head(qkvr, 2, B, NH, T);
     const int q0 = qt * FA_TILE * MT, w0 = warp * 16 * MT;
     const int nkt = min(MT * (qt + 1), (T + FA_TILE - 1) / FA_TILE);  // key tiles 0..nkt-1 (causal)
     const int kdiag = MT * qt;  // key tiles from here on can hold keys > some row of the block: masked
     const float c2 = scale * FA_LOG2E;                                // scores -> log2 units
-    auto load = [&](int kt, int buf) { fb_load_kv<PIPE>(kv + 2 * buf * FB_TILE_ELEMS, k, v, kt * FA_TILE, T); };
+    auto load = [&](int kt, int buf) { fa_load_kv<PIPE>(kv + 2 * buf * FB_TILE_ELEMS, k, v, kt * FA_TILE, T); };
     if (PIPE) { load(0, 0); cp_async_commit(); }
     // q goes into registers once, through the last MT tile buffers (not buffer 0 of a PIPE sweep);
     // the sweep's first barrier orders these reads before any refill of them
     bf16* qs = kv + (PIPE ? 4 - MT : 0) * FB_TILE_ELEMS;
 #pragma unroll
-    for (int i = 0; i < MT; i++) fb_stage(qs + i * FB_TILE_ELEMS, q, q0 + i * FA_TILE, T, FA_D);
+    for (int i = 0; i < MT; i++) fa_stage(qs + i * FB_TILE_ELEMS, q, q0 + i * FA_TILE, T, FA_D);
     __syncthreads();
     uint32_t qa[MT][4][4];
 #pragma unroll
@@ -957,61 +1024,13 @@ __device__ __forceinline__ void flash_forward_bf16(bf16* out, float* lse, const 
         const bf16* ks = kv + 2 * buf * FB_TILE_ELEMS;
         fb_mma_dim_m<MT>(s, qa, ks, lb);  // s = q k^T (16 MT x 64 per warp)
 #pragma unroll
-        for (int mt = 0; mt < MT; mt++) {
-            const int row0 = q0 + w0 + 16 * mt + g;  // this lane's rows: row0, row0 + 8
-            float mx[2] = {m[mt][0], m[mt][1]};
-#pragma unroll
-            for (int j = 0; j < 8; j++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    float x = s[mt][j][e] * c2;
-                    if (kt >= kdiag && kt * FA_TILE + 8 * j + 2 * t + (e & 1) > row0 + 8 * (e >> 1)) x = -INFINITY;
-                    s[mt][j][e] = x;
-                    mx[e >> 1] = fmaxf(mx[e >> 1], x);
-                }
-            float corr[2];
-#pragma unroll
-            for (int r = 0; r < 2; r++) {  // the 4 lanes of a row hold its 64 columns
-                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-                // 0 on the first tile (m = -inf; key 0 is never masked); exactly 1 when the max
-                // holds (a fully masked tile of a 128-row block is then an exact no-op)
-                corr[r] = mx[r] == m[mt][r] ? 1.f : fa_exp2(m[mt][r] - mx[r]);
-                m[mt][r] = mx[r];
-                l[mt][r] *= corr[r];
-            }
-#pragma unroll
-            for (int j = 0; j < 8; j++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    float p = fa_exp2(s[mt][j][e] - m[mt][e >> 1]);
-                    s[mt][j][e] = p;
-                    l[mt][e >> 1] += p;  // the fp32 p: lse stays fp32-accurate (p v uses p rounded to bf16)
-                }
-#pragma unroll
-            for (int n = 0; n < 8; n++) {
-                o[mt][n][0] *= corr[0]; o[mt][n][1] *= corr[0];
-                o[mt][n][2] *= corr[1]; o[mt][n][3] *= corr[1];
-            }
-        }
+        for (int mt = 0; mt < MT; mt++)  // this lane's rows of m-tile mt: q0 + w0 + 16 mt + g (+ 8)
+            fa_softmax_tile<true>(s[mt], m[mt], l[mt], o[mt], c2, kt >= kdiag, kt, q0 + w0 + 16 * mt + g, t);
         fb_mma_pos_m<MT>(o, s, ks + FB_TILE_ELEMS, la);  // o += p v
         kt++;
     });
 #pragma unroll
-    for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-        for (int r = 0; r < 2; r++) {
-            const int row = q0 + w0 + 16 * mt + g + 8 * r;
-            float lr = l[mt][r];
-            lr += __shfl_xor_sync(0xffffffffu, lr, 1);
-            lr += __shfl_xor_sync(0xffffffffu, lr, 2);
-            if (row >= T) continue;
-            const float inv = 1.0f / lr;
-            bf16* dst = out + ((size_t)b * T + row) * C + h * FA_D + 2 * t;
-#pragma unroll
-            for (int n = 0; n < 8; n++) fb_store2(dst + 8 * n, o[mt][n][2 * r] * inv, o[mt][n][2 * r + 1] * inv);
-            if (t == 0) lse[(size_t)bh * T + row] = (m[mt][r] + __log2f(lr)) * FA_LN2;
-        }
+    for (int mt = 0; mt < MT; mt++) fa_forward_store(out, lse, o[mt], m[mt], l[mt], q0 + w0 + 16 * mt + g, b, h, bh, T, C, t);
 }
 
 // Backward, part 1 (bf16): per query tile, D = rowsum(dout * out) (fp32, written for part 2) and
@@ -1026,43 +1045,25 @@ __device__ __forceinline__ void flash_backward_dq_bf16(bf16* dinp, float* Dbuf, 
     const int bh = blockIdx.y, b = bh / NH, h = bh % NH, C = NH * FA_D;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int la = fb_lane_a(lane), lb = fb_lane_b(lane);
-    const bf16 *q = fb_head(qkvr, 0, B, NH, T), *k = fb_head(qkvr, 1, B, NH, T), *v = fb_head(qkvr, 2, B, NH, T);
+    const bf16 *q = fa_head(qkvr, 0, B, NH, T), *k = fa_head(qkvr, 1, B, NH, T), *v = fa_head(qkvr, 2, B, NH, T);
     const int q0 = qt * FA_TILE, w0 = warp * 16;
     const int row[2] = {q0 + w0 + g, q0 + w0 + g + 8};
     const float c2 = scale * FA_LOG2E;
     const size_t rowbase = (size_t)b * T * C + h * FA_D;  // + t * C: row t of this head in out / dout
-    auto load = [&](int kt, int buf) { fb_load_kv<PIPE>(kv + 2 * buf * FB_TILE_ELEMS, k, v, kt * FA_TILE, T); };
+    auto load = [&](int kt, int buf) { fa_load_kv<PIPE>(kv + 2 * buf * FB_TILE_ELEMS, k, v, kt * FA_TILE, T); };
     if (PIPE) { load(0, 0); cp_async_commit(); }
 
-    // D for the warp's 16 rows: a lane per pair of columns, fp32 products, warp sum
-    for (int i = 0; i < 16; i++) {
-        int r = q0 + w0 + i;
-        float d = 0.f;
-        if (r < T) {
-            float2 x = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(dout + rowbase + (size_t)r * C + 2 * lane));
-            float2 y = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(out + rowbase + (size_t)r * C + 2 * lane));
-            d = x.x * y.x + x.y * y.y;
-        }
-        d = warp_reduce_sum(d);
-        if (lane == 0) {
-            dsm[w0 + i] = d;
-            if (r < T) Dbuf[(size_t)bh * T + r] = d;
-        }
-    }
+    fa_rows_D(dsm, Dbuf, dout, out, rowbase, q0, w0, T, C, bh, lane);  // D for the warp's 16 rows
     // q and dout into registers once, through the buffers a PIPE sweep fills last
     bf16* qs = kv + (PIPE ? 2 : 0) * FB_TILE_ELEMS;
-    fb_stage(qs, q, q0, T, FA_D);
-    fb_stage(qs + FB_TILE_ELEMS, dout + rowbase, q0, T, C);
+    fa_stage(qs, q, q0, T, FA_D);
+    fa_stage(qs + FB_TILE_ELEMS, dout + rowbase, q0, T, C);
     __syncthreads();
     uint32_t qa[4][4], da[4][4];
     fb_frags_a(qa, qs, w0, la);
     fb_frags_a(da, qs + FB_TILE_ELEMS, w0, la);
     float lr[2], Dr[2];
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        lr[r] = row[r] < T ? lse[(size_t)bh * T + row[r]] * FA_LOG2E : 0.f;
-        Dr[r] = dsm[w0 + g + 8 * r];
-    }
+    fa_rows_lse_D(lr, Dr, lse, dsm, row, w0, g, bh, T);
 
     float dq[8][4], s[8][4], dp[8][4];
 #pragma unroll
@@ -1072,15 +1073,7 @@ __device__ __forceinline__ void flash_backward_dq_bf16(bf16* dinp, float* Dbuf, 
         const bf16* ks = kv + 2 * buf * FB_TILE_ELEMS;
         fb_mma_dim(s, qa, ks, lb);                   // q k^T
         fb_mma_dim(dp, da, ks + FB_TILE_ELEMS, lb);  // dout v^T
-#pragma unroll
-        for (int j = 0; j < 8; j++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int r = e >> 1;
-                float p = fa_exp2(s[j][e] * c2 - lr[r]);
-                if (kt == qt && kt * FA_TILE + 8 * j + 2 * t + (e & 1) > row[r]) p = 0.f;
-                s[j][e] = scale * p * (dp[j][e] - Dr[r]);  // d preatt
-            }
+        fa_dq_ds(s, dp, lr, Dr, row, c2, scale, kt == qt, kt, t);  // s = d preatt
         fb_mma_pos(dq, s, ks, la);  // dq += dpreatt k
         kt++;
     });
@@ -1089,7 +1082,7 @@ __device__ __forceinline__ void flash_backward_dq_bf16(bf16* dinp, float* Dbuf, 
         if (row[r] >= T) continue;
         bf16* dst = dinp + ((size_t)b * T + row[r]) * 3 * C + h * FA_D + 2 * t;
 #pragma unroll
-        for (int n = 0; n < 8; n++) fb_store2(dst + 8 * n, dq[n][2 * r], dq[n][2 * r + 1]);
+        for (int n = 0; n < 8; n++) fa_store2(dst + 8 * n, dq[n][2 * r], dq[n][2 * r + 1]);
     }
 }
 
@@ -1108,7 +1101,7 @@ __device__ __forceinline__ void flash_backward_dkdv_bf16(bf16* dinp, const bf16*
     const int bh = blockIdx.y, b = bh / NH, h = bh % NH, C = NH * FA_D;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int la = fb_lane_a(lane), lb = fb_lane_b(lane);
-    const bf16 *q = fb_head(qkvr, 0, B, NH, T), *k = fb_head(qkvr, 1, B, NH, T), *v = fb_head(qkvr, 2, B, NH, T);
+    const bf16 *q = fa_head(qkvr, 0, B, NH, T), *k = fa_head(qkvr, 1, B, NH, T), *v = fa_head(qkvr, 2, B, NH, T);
     const bf16* dO = dout + (size_t)b * T * C + h * FA_D;
     const float* lseh = lse + (size_t)bh * T;
     const float* Dh = Dbuf + (size_t)bh * T;
@@ -1116,27 +1109,11 @@ __device__ __forceinline__ void flash_backward_dkdv_bf16(bf16* dinp, const bf16*
     const int key[2] = {k0 + w0 + g, k0 + w0 + g + 8};  // this lane's two key positions
     const float c2 = scale * FA_LOG2E;
     auto load = [&](int it, int buf) {
-        const int q0 = (kt + it) * FA_TILE;
-        bf16* s = qd + 2 * buf * FB_TILE_ELEMS;
-        float* r = rows + 2 * buf * FA_TILE;
-        if (PIPE) {
-            fb_stage_async(s, q, q0, T, FA_D);
-            fb_stage_async(s + FB_TILE_ELEMS, dO, q0, T, C);
-            fa_rows_async(r, lseh, q0, T, 0);
-            fa_rows_async(r + FA_TILE, Dh, q0, T, FA_TILE);
-        } else {
-            fb_stage(s, q, q0, T, FA_D);
-            fb_stage(s + FB_TILE_ELEMS, dO, q0, T, C);
-            if (threadIdx.x < FA_TILE) {
-                int i = threadIdx.x;
-                r[i] = q0 + i < T ? lseh[q0 + i] : 0.f;
-                r[FA_TILE + i] = q0 + i < T ? Dh[q0 + i] : 0.f;
-            }
-        }
+        fa_load_q_dout<PIPE>(qd + 2 * buf * FB_TILE_ELEMS, rows + 2 * buf * FA_TILE, q, dO, lseh, Dh, (kt + it) * FA_TILE, T, C);
     };
     if (PIPE) { load(0, 0); cp_async_commit(); }
-    fb_stage(ks, k, k0, T, FA_D);
-    fb_stage(vs, v, k0, T, FA_D);
+    fa_stage(ks, k, k0, T, FA_D);
+    fa_stage(vs, v, k0, T, FA_D);
     __syncthreads();
     uint32_t ka[4][4], va[4][4];  // this warp's 16 keys and values as A fragments, for the whole sweep
     fb_frags_a(ka, ks, w0, la);
@@ -1171,16 +1148,7 @@ __device__ __forceinline__ void flash_backward_dkdv_bf16(bf16* dinp, const bf16*
                 mma_bf16_16816(dp[2 * jp + 1], va[kk], bd + 2);
             }
         }
-#pragma unroll
-        for (int j = 0; j < 8; j++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int c = 8 * j + 2 * t + (e & 1), qpos = q0 + c;
-                float p = fa_exp2(s[j][e] * c2 - lsm[c] * FA_LOG2E);
-                if (qpos < key[e >> 1] || qpos >= T) p = 0.f;
-                s[j][e] = p;                                 // p^T
-                dp[j][e] = scale * p * (dp[j][e] - dsm[c]);  // d preatt^T
-            }
+        fa_dkdv_p_ds(s, dp, lsm, dsm, key, q0, T, c2, scale, t);  // s = p^T, dp = d preatt^T
         fb_mma_pos(dv, s, dos, la);  // dv += p^T dout
         fb_mma_pos(dk, dp, qs, la);  // dk += dpreatt^T q
         qt++;
@@ -1191,8 +1159,8 @@ __device__ __forceinline__ void flash_backward_dkdv_bf16(bf16* dinp, const bf16*
         bf16* dst = dinp + ((size_t)b * T + key[r]) * 3 * C + h * FA_D + 2 * t;
 #pragma unroll
         for (int n = 0; n < 8; n++) {
-            fb_store2(dst + C + 8 * n, dk[n][2 * r], dk[n][2 * r + 1]);
-            fb_store2(dst + 2 * C + 8 * n, dv[n][2 * r], dv[n][2 * r + 1]);
+            fa_store2(dst + C + 8 * n, dk[n][2 * r], dk[n][2 * r + 1]);
+            fa_store2(dst + 2 * C + 8 * n, dv[n][2 * r], dv[n][2 * r + 1]);
         }
     }
 }

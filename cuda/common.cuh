@@ -53,6 +53,23 @@ __device__ __forceinline__ void store4(float* p, float4 v) { *reinterpret_cast<f
 __device__ __forceinline__ float4 load4_cs(const float* p) { return __ldcs(reinterpret_cast<const float4*>(p)); }
 __device__ __forceinline__ void store4_cs(float* p, float4 v) { __stcs(reinterpret_cast<float4*>(p), v); }
 
+// The ticket of a column reduction finished in the same launch (matmul_backward_bias 4, gelu_backward
+// 2's colsum): grid (column blocks, chunks of rows); each block has written its chunk's partial. The
+// ticket makes it visible device-wide (fence, then one atomicAdd per block on counters[blockIdx.x])
+// and answers, to every thread of the block, whether this block took the last ticket of its column
+// block: that block alone goes on to read the gridDim.y partials (the second fence orders those
+// reads after the ticket). is_last: a __shared__ bool of the caller's. Every thread of the block
+// calls it (it holds two barriers); the last block resets counters[blockIdx.x] when done.
+__device__ __forceinline__ bool last_block_ticket(unsigned int* counters, bool& is_last) {
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0 && threadIdx.y == 0) is_last = atomicAdd(&counters[blockIdx.x], 1u) == gridDim.y - 1;
+    __syncthreads();
+    if (!is_last) return false;
+    __threadfence();
+    return true;
+}
+
 // GPT-2's GELU (tanh form; tanhf, not tanh.approx, whose ~1e-3 error would show against fp64):
 // gelu(x) = 0.5 x (1 + tanh(k (x + 0.044715 x^3))), k = sqrt(2/pi). Used by cuda/gelu.cu and by the
 // decode GEMV's fused epilogue in cuda/matmul.cu.

@@ -238,12 +238,7 @@ __device__ __forceinline__ void gelu_backward_colsum_t(T* dinp, T* colsum, float
 #pragma unroll
         for (int k = 0; k < V; k++) if (k < ncol) p[k] = s[k];
     }
-    __threadfence();  // this block's partial is visible device-wide before its ticket is taken
-    __syncthreads();
-    if (tx == 0 && ty == 0) is_last = atomicAdd(&counters[blockIdx.x], 1u) == gridDim.y - 1;
-    __syncthreads();
-    if (!is_last) return;
-    __threadfence();
+    if (!last_block_ticket(counters, is_last)) return;
     // the last block of this column block: chunks ty, ty+8, ... then the row-lanes in order
 #pragma unroll
     for (int k = 0; k < V; k++) s[k] = 0.0f;

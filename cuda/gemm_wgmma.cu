@@ -288,6 +288,56 @@ __device__ __forceinline__ void epilogue_tma(float (&d)[BN / 2], const GemmArgs<
     }
 }
 
+// The producer warpgroup of both schedules (the cooperative one below and the ping-pong one further
+// down): it gives its registers away, and one thread walks the CTA's (tile, K split) units in order,
+// loading every k-block of each into the next stage of the ring once the stage is free. ROWS: the A
+// box's rows (BM for the cooperative schedule, a consumer's RM for ping-pong). A_MN, A_T, B_T: how
+// A and B lie in global memory (the instances' flags; ping-pong has only B_T).
+template <typename T, int ROWS, int BN, int STAGES, bool A_MN, bool A_T, bool B_T, typename OUT>
+__device__ __forceinline__ void producer(const CUtensorMap* tmA, const CUtensorMap* tmB, const GemmArgs<OUT>& a,
+                                         unsigned char* smem, uint64_t* full, uint64_t* empty, int tiles_m,
+                                         int tiles_n) {
+    constexpr int BK = ROW_BYTES / sizeof(T);
+    constexpr int A_BYTES = ROWS * ROW_BYTES, STAGE_BYTES = A_BYTES + BN * ROW_BYTES;
+    constexpr int BOX_T = BK_T * ROW_BYTES;  // one MN-major box: 64 MN x BK_T k rows (8 KB)
+    static_assert(!A_MN || ROWS == 4 * 32, "A M-major through registers: 4 boxes of 32 rows");
+    const int units = tiles_m * tiles_n * a.splits;
+    const int kblocks_total = (a.K + BK - 1) / BK;
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+    if (threadIdx.x != 0) return;
+    tensormap_acquire(tmA);
+    tensormap_acquire(tmB);
+    int stage = 0, phase = 0;
+    for (int u = blockIdx.x; u < units; u += gridDim.x) {
+        const int split = u % a.splits, t = u / a.splits;
+        int tm, tn;
+        tile_coords(t, tiles_m, tiles_n, tm, tn);
+        const int kb0 = split * a.kb_per_split, kb1 = min(kblocks_total, kb0 + a.kb_per_split);
+        for (int kb = kb0; kb < kb1; kb++) {
+            mbar_wait(&empty[stage], phase ^ 1);
+            mbar_expect_tx(&full[stage], STAGE_BYTES);
+            unsigned char* sa = smem + stage * STAGE_BYTES;
+            if (A_MN) {  // A^T is stored (K rows of M): 4 boxes of 32 m x BK k
+#pragma unroll
+                for (int b = 0; b < 4; b++) tma_load_2d(sa + b * 4096, tmA, &full[stage], tm * ROWS + 32 * b, kb * BK);
+            } else if (A_T) {  // A^T stored, bf16: ROWS / 64 boxes of 64 m x BK k, one per consumer warpgroup
+#pragma unroll
+                for (int b = 0; b < ROWS / 64; b++) tma_load_2d(sa + b * BOX_T, tmA, &full[stage], tm * ROWS + 64 * b, kb * BK);
+            } else {
+                tma_load_2d(sa, tmA, &full[stage], kb * BK, tm * ROWS);  // the A map's box is ROWS rows
+            }
+            if (B_T) {  // B^T stored (K rows of N), bf16: BN / 64 boxes of 64 n x BK k
+#pragma unroll
+                for (int b = 0; b < BN / 64; b++)
+                    tma_load_2d(sa + A_BYTES + b * BOX_T, tmB, &full[stage], tn * BN + 64 * b, kb * BK);
+            } else {
+                tma_load_2d(sa + A_BYTES, tmB, &full[stage], kb * BK, tn * BN);
+            }
+            if (++stage == STAGES) { stage = 0; phase ^= 1; }
+        }
+    }
+}
+
 // T: input type; OUT: output type (fp32, or bf16 for bf16 inputs); A_MN: tf32 A M-major through
 // registers; A_T / B_T: bf16 A M-major / B N-major in shared memory (the wgmma's transpose bits)
 template <typename T, typename OUT, int BN, int STAGES, bool TMA_STORE, bool A_MN = false, bool A_T = false,
@@ -299,7 +349,6 @@ __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CU
     constexpr int A_BYTES = BM * ROW_BYTES, B_BYTES = BN * ROW_BYTES, STAGE_BYTES = A_BYTES + B_BYTES;
     static_assert(!(A_T || B_T) || (sizeof(T) == 2 && BK == BK_T && BN % 64 == 0),
                   "MN-major tiles: 16-bit inputs, 64-wide boxes of BK_T k rows");
-    constexpr int BOX_T = BK_T * ROW_BYTES;          // one MN-major box: 64 MN x BK_T k rows (8 KB)
     extern __shared__ unsigned char smem_raw[];
     // stages need 1024-byte alignment for the swizzle; the launcher asks for 1 KB extra
     unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -323,40 +372,7 @@ __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CU
     const int wg = threadIdx.x / 128;
 
     if (wg == 0) {
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
-        if (threadIdx.x == 0) {
-            tensormap_acquire(tmA);
-            tensormap_acquire(tmB);
-            int stage = 0, phase = 0;
-            for (int u = blockIdx.x; u < units; u += gridDim.x) {
-                const int split = u % a.splits, t = u / a.splits;
-                int tm, tn;
-                tile_coords(t, tiles_m, tiles_n, tm, tn);
-                const int kb0 = split * a.kb_per_split, kb1 = min(kblocks_total, kb0 + a.kb_per_split);
-                for (int kb = kb0; kb < kb1; kb++) {
-                    mbar_wait(&empty[stage], phase ^ 1);
-                    mbar_expect_tx(&full[stage], STAGE_BYTES);
-                    unsigned char* sa = smem + stage * STAGE_BYTES;
-                    if (A_MN) {  // A^T is stored (K rows of M): 4 boxes of 32 m x BK k
-#pragma unroll
-                        for (int b = 0; b < 4; b++) tma_load_2d(sa + b * 4096, tmA, &full[stage], tm * BM + 32 * b, kb * BK);
-                    } else if (A_T) {  // A^T stored, bf16: 2 boxes of 64 m x BK k, one per consumer warpgroup
-#pragma unroll
-                        for (int b = 0; b < BM / 64; b++) tma_load_2d(sa + b * BOX_T, tmA, &full[stage], tm * BM + 64 * b, kb * BK);
-                    } else {
-                        tma_load_2d(sa, tmA, &full[stage], kb * BK, tm * BM);
-                    }
-                    if (B_T) {  // B^T stored (K rows of N), bf16: BN / 64 boxes of 64 n x BK k
-#pragma unroll
-                        for (int b = 0; b < BN / 64; b++)
-                            tma_load_2d(sa + A_BYTES + b * BOX_T, tmB, &full[stage], tn * BN + 64 * b, kb * BK);
-                    } else {
-                        tma_load_2d(sa + A_BYTES, tmB, &full[stage], kb * BK, tn * BN);
-                    }
-                    if (++stage == STAGES) { stage = 0; phase ^= 1; }
-                }
-            }
-        }
+        producer<T, BM, BN, STAGES, A_MN, A_T, B_T>(tmA, tmB, a, smem, full, empty, tiles_m, tiles_n);
     } else {
         asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
         float d[BN / 2];
@@ -487,8 +503,8 @@ GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n256_at_bt_bf16, __nv_bfloat16, __nv_bfloat16, 
 // the SM's peak against 95% for the long-K lm head). Here each consumer owns its own tile of RM x BN
 // (RM = 64: one m64 wgmma per k-step; RM = 128: two, sharing the B tile), the two consumers take
 // alternate tiles of the CTA's persistent sequence, and they take turns on the tensor cores: while
-// one runs its mainloop, the other runs its epilogue. The producer is the same as above, except that
-// its A box is RM rows: one thread loads the k-blocks of every tile of the sequence in order,
+// one runs its mainloop, the other runs its epilogue. The producer is the one above (producer<>),
+// with an A box of RM rows: one thread loads the k-blocks of every tile of the sequence in order,
 // whichever consumer owns the tile. The epilogue is the direct-store one above (no TMA store: the
 // epilogue is hidden behind the other consumer's mainloop, which is the point).
 //
@@ -551,7 +567,6 @@ __device__ __forceinline__ void gemm_wgmma_pp_body(const CUtensorMap* tmA, const
     constexpr int A_BYTES = RM * ROW_BYTES, B_BYTES = BN * ROW_BYTES, STAGE_BYTES = A_BYTES + B_BYTES;
     static_assert(RM == 64 || RM == 128, "a consumer's tile is 64 or 128 rows");
     static_assert(!B_T || (sizeof(T) == 2 && BK == BK_T && BN % 64 == 0), "MN-major B: 16-bit inputs, 64-wide boxes");
-    constexpr int BOX_T = BK_T * ROW_BYTES;
     extern __shared__ unsigned char smem_raw[];
     unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
     uint64_t* full = reinterpret_cast<uint64_t*>(smem + STAGES * STAGE_BYTES);
@@ -572,32 +587,7 @@ __device__ __forceinline__ void gemm_wgmma_pp_body(const CUtensorMap* tmA, const
     const int wg = threadIdx.x / 128;
 
     if (wg == 0) {
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
-        if (threadIdx.x == 0) {
-            tensormap_acquire(tmA);
-            tensormap_acquire(tmB);
-            int stage = 0, phase = 0;
-            for (int u = blockIdx.x; u < units; u += gridDim.x) {
-                const int split = u % a.splits, t = u / a.splits;
-                int tm, tn;
-                tile_coords(t, tiles_m, tiles_n, tm, tn);
-                const int kb0 = split * a.kb_per_split, kb1 = min(kblocks_total, kb0 + a.kb_per_split);
-                for (int kb = kb0; kb < kb1; kb++) {
-                    mbar_wait(&empty[stage], phase ^ 1);
-                    mbar_expect_tx(&full[stage], STAGE_BYTES);
-                    unsigned char* sa = smem + stage * STAGE_BYTES;
-                    tma_load_2d(sa, tmA, &full[stage], kb * BK, tm * RM);  // the A map's box is RM rows
-                    if (B_T) {  // B^T stored (K rows of N), bf16: BN / 64 boxes of 64 n x BK k
-#pragma unroll
-                        for (int b = 0; b < BN / 64; b++)
-                            tma_load_2d(sa + A_BYTES + b * BOX_T, tmB, &full[stage], tn * BN + 64 * b, kb * BK);
-                    } else {
-                        tma_load_2d(sa + A_BYTES, tmB, &full[stage], kb * BK, tn * BN);
-                    }
-                    if (++stage == STAGES) { stage = 0; phase ^= 1; }
-                }
-            }
-        }
+        producer<T, RM, BN, STAGES, false, false, B_T>(tmA, tmB, a, smem, full, empty, tiles_m, tiles_n);
     } else {
         asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
         float d[SUB][BN / 2];

@@ -98,24 +98,6 @@ extern "C" __global__ void layernorm_forward_kernel2(float* out, float* mean, fl
     if (threadIdx.x == 0) { mean[row] = m; rstd[row] = s; }
 }
 
-// one warp per row; the second and third passes mostly hit L1 (a row is C*4 bytes)
-extern "C" __global__ void layernorm_forward_kernel3(float* out, float* mean, float* rstd,
-        const float* inp, const float* weight, const float* bias, int N, int C) {
-    int lane = threadIdx.x % WARP_SIZE;
-    int row = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
-    if (row >= N) return;  // whole warp leaves together
-    const float* x = inp + (size_t)row * C;
-    float sum = 0.0f;
-    for (int c = lane; c < C; c += WARP_SIZE) sum += x[c];
-    float m = warp_reduce_sum(sum) / C;
-    float v = 0.0f;
-    for (int c = lane; c < C; c += WARP_SIZE) { float d = x[c] - m; v += d * d; }
-    float s = rsqrtf(warp_reduce_sum(v) / C + LN_EPS);
-    float* o = out + (size_t)row * C;
-    for (int c = lane; c < C; c += WARP_SIZE) o[c] = (x[c] - m) * s * weight[c] + bias[c];
-    if (lane == 0) { mean[row] = m; rstd[row] = s; }
-}
-
 // One warp per row, the row in registers: lane l holds float4 number l + 32*i for i < NV, so each
 // of the NV loads is one coalesced 512-byte transaction per warp and all NV are in flight before
 // the first add. Slots past C/4 are guarded (their index test is uniform per slot and lane).
@@ -256,41 +238,6 @@ __device__ __forceinline__ void ln_block_partials_to_scratch(float* scratch, con
     }
 }
 
-// scratch (G, 2, C): written whole by kernel 3 or 4
-extern "C" __global__ void layernorm_backward_kernel3(float* dinp, float* scratch,
-        const float* dout, const float* inp, const float* weight, const float* mean, const float* rstd,
-        int N, int C, int R) {
-    extern __shared__ float acc[];  // (nwarps, 2, C)
-    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
-    const int nwarps = blockDim.x / WARP_SIZE;
-    float* acc_w = acc + warp * 2 * C;
-    float* acc_b = acc_w + C;
-    for (int c = lane; c < C; c += WARP_SIZE) { acc_w[c] = 0.0f; acc_b[c] = 0.0f; }
-    const int row_end = min(N, (blockIdx.x + 1) * R);
-    for (int row = blockIdx.x * R + warp; row < row_end; row += nwarps) {
-        const float* d = dout + (size_t)row * C;
-        const float* x = inp + (size_t)row * C;
-        float* g = dinp + (size_t)row * C;
-        const float m = mean[row], s = rstd[row];
-        float a = 0.0f, b = 0.0f;
-        for (int c = lane; c < C; c += WARP_SIZE) {
-            float n = (x[c] - m) * s, dn = d[c] * weight[c];
-            a += dn;
-            b += dn * n;
-        }
-        a = warp_reduce_sum(a) / C;
-        b = warp_reduce_sum(b) / C;
-        for (int c = lane; c < C; c += WARP_SIZE) {
-            float dc = d[c], n = (x[c] - m) * s, dn = dc * weight[c];
-            acc_b[c] += dc;
-            acc_w[c] += n * dc;
-            g[c] += s * (dn - a - n * b);
-        }
-    }
-    __syncthreads();
-    ln_block_partials_to_scratch(scratch, acc, C);
-}
-
 // COLSUM (the fused form, "colsum" below): a third per-warp accumulator row, the column sums of
 // the dinp rows this warp stores (after the +=), so scratch is (G, 3, C)
 template <int NV, bool PREFETCH, bool COLSUM = false>
@@ -402,36 +349,12 @@ LN_BWD_COLSUM_ENTRY(5) LN_BWD_COLSUM_ENTRY(6) LN_BWD_COLSUM_ENTRY(7) LN_BWD_COLS
 LN_BWD_COLSUM_ENTRY(9) LN_BWD_COLSUM_ENTRY(10) LN_BWD_COLSUM_ENTRY(11) LN_BWD_COLSUM_ENTRY(12)
 LN_BWD_COLSUM_ENTRY(13) LN_BWD_COLSUM_ENTRY(14) LN_BWD_COLSUM_ENTRY(15) LN_BWD_COLSUM_ENTRY(16)
 
-// dweight (C) +=, dbias (C) +=, scratch (G, 2, C). Block (32, 32): threadIdx.x picks the channel,
-// the 32 rows of threads sum blocks g = y, y+32, ... then thread row 0 adds the 32 sums in order.
-// Every sum has a fixed order, so the result is the same bits on every run. (The first version had
-// 8 rows of threads: each thread then chained G/8 ~ 32 dependent L2 loads, a few us at this size.)
-extern "C" __global__ void layernorm_backward_reduce_kernel(float* dweight, float* dbias,
-        const float* scratch, int G, int C) {
-    __shared__ float sw[32][33], sb[32][33];
-    const int c = blockIdx.x * 32 + threadIdx.x;
-    float aw = 0.0f, ab = 0.0f;
-    if (c < C) {
-        for (int g = threadIdx.y; g < G; g += 32) {
-            aw += scratch[(size_t)g * 2 * C + c];
-            ab += scratch[(size_t)g * 2 * C + C + c];
-        }
-    }
-    sw[threadIdx.y][threadIdx.x] = aw;
-    sb[threadIdx.y][threadIdx.x] = ab;
-    __syncthreads();
-    if (threadIdx.y == 0 && c < C) {
-        float w = 0.0f, b = 0.0f;
-#pragma unroll
-        for (int y = 0; y < 32; y++) { w += sw[y][threadIdx.x]; b += sb[y][threadIdx.x]; }
-        dweight[c] += w;
-        dbias[c] += b;
-    }
-}
-
 // ----------------------------------------------------------------------------------------------
-// bf16 builds: kernels templated on the element type T (only the bf16 instantiations have entry
-// points; the fp32 entry points above are unchanged). V = 16 / sizeof(T) elements per vector.
+// Kernels templated on the element type T: the bf16 builds, and the fp32 entry points of forward 3,
+// backward 3 and the reduce (the same code; to_f32 / from_f32<float> are the identity). V = 16 /
+// sizeof(T) elements per vector. (fp32 forward 4/5 and backward 4/5 above keep their own float4
+// bodies: they sum a float4's lanes pairwise, hsum4, where the templates add element by element,
+// so the fp32 instantiations of the templates would not give the same bits.)
 
 // forward 3: one warp per row, scalar loads, three passes (the second and third hit L1)
 template <typename T>
@@ -482,6 +405,11 @@ __device__ __forceinline__ void layernorm_forward4_t(T* out, float* mean, float*
     if (lane == 0) { mean[row] = m; rstd[row] = s; }
 }
 
+// out (N,C), mean (N), rstd (N), inp (N,C), weight (C), bias (C)
+extern "C" __global__ void layernorm_forward_kernel3(float* out, float* mean, float* rstd,
+        const float* inp, const float* weight, const float* bias, int N, int C) {
+    layernorm_forward3_t<float>(out, mean, rstd, inp, weight, bias, N, C);
+}
 extern "C" __global__ void layernorm_forward_kernel3_bf16(bf16* out, float* mean, float* rstd,
         const bf16* inp, const bf16* weight, const bf16* bias, int N, int C) {
     layernorm_forward3_t<bf16>(out, mean, rstd, inp, weight, bias, N, C);
@@ -500,9 +428,9 @@ extern "C" __global__ void layernorm_forward_kernel3_bf16(bf16* out, float* mean
 LN_FWD_ENTRY_BF16(1) LN_FWD_ENTRY_BF16(2) LN_FWD_ENTRY_BF16(3) LN_FWD_ENTRY_BF16(4)
 LN_FWD_ENTRY_BF16(5) LN_FWD_ENTRY_BF16(6) LN_FWD_ENTRY_BF16(7) LN_FWD_ENTRY_BF16(8)
 
-// backward 3 for any element type: as layernorm_backward_kernel3 (per-warp fp32 accumulators in
-// dynamic shared memory, (nwarps, 2, C); per-block partials to scratch (G, 2, C)), with dinp's
-// "+=" read, added in fp32 and rounded once
+// backward 3, deterministic: one warp per row over a fixed chunk of R rows per block, per-warp fp32
+// accumulators in dynamic shared memory, (nwarps, 2, C); per-block partials to scratch (G, 2, C);
+// dinp's "+=" read, added in fp32 and rounded once to T
 template <typename T>
 __device__ __forceinline__ void layernorm_backward3_t(T* dinp, float* scratch,
         const T* dout, const T* inp, const T* weight, const float* mean, const float* rstd,
@@ -709,8 +637,11 @@ extern "C" __global__ void layernorm_backward_reduce_colsum_kernel_bf16(bf16* dw
     layernorm_backward_reduce_colsum_t<bf16>(dweight, dbias, colsum, scratch, G, C);
 }
 
-// the fixed-order reduce of the (G, 2, C) partials for any element type: as the fp32 kernel, then
-// dweight/dbias "+=" read, added in fp32, rounded once
+// dweight (C) +=, dbias (C) +=, scratch (G, 2, C). Block (32, 32): threadIdx.x picks the channel,
+// the 32 rows of threads sum blocks g = y, y+32, ... then thread row 0 adds the 32 sums in order.
+// Every sum has a fixed order, so the result is the same bits on every run. (The first version had
+// 8 rows of threads: each thread then chained G/8 ~ 32 dependent L2 loads, a few us at this size.)
+// dweight/dbias "+=": read, added in fp32, rounded once to T
 template <typename T>
 __device__ __forceinline__ void layernorm_backward_reduce_t(T* dweight, T* dbias, const float* scratch,
         int G, int C) {
@@ -735,6 +666,17 @@ __device__ __forceinline__ void layernorm_backward_reduce_t(T* dweight, T* dbias
     }
 }
 
+extern "C" __global__ void layernorm_backward_reduce_kernel(float* dweight, float* dbias,
+        const float* scratch, int G, int C) {
+    layernorm_backward_reduce_t<float>(dweight, dbias, scratch, G, C);
+}
+
+// scratch (G, 2, C): written whole by backward 3 or 4
+extern "C" __global__ void layernorm_backward_kernel3(float* dinp, float* scratch,
+        const float* dout, const float* inp, const float* weight, const float* mean, const float* rstd,
+        int N, int C, int R) {
+    layernorm_backward3_t<float>(dinp, scratch, dout, inp, weight, mean, rstd, N, C, R);
+}
 extern "C" __global__ void layernorm_backward_kernel3_bf16(bf16* dinp, float* scratch,
         const bf16* dout, const bf16* inp, const bf16* weight, const float* mean, const float* rstd,
         int N, int C, int R) {

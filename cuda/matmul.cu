@@ -436,12 +436,7 @@ extern "C" __global__ void matmul_backward_bias_kernel4(float* dbias, float* par
     const int tx = threadIdx.x, ty = threadIdx.y;
     const int col = (blockIdx.x * 32 + tx) * 4;
     bias_chunk_partial(partial, dout, N, OC, rows_per_chunk, sh);
-    __threadfence();  // this block's partial is visible device-wide before its ticket is taken
-    __syncthreads();
-    if (tx == 0 && ty == 0) is_last = atomicAdd(&counters[blockIdx.x], 1u) == gridDim.y - 1;
-    __syncthreads();
-    if (!is_last) return;
-    __threadfence();
+    if (!last_block_ticket(counters, is_last)) return;
     float4 t = make_float4(0.f, 0.f, 0.f, 0.f);
     if (col < OC) {
         for (int k = ty; k < (int)gridDim.y; k += 8) {
@@ -485,12 +480,7 @@ extern "C" __global__ void matmul_backward_bias_kernel4_bf16(__nv_bfloat16* dbia
         store4(partial + (ll)blockIdx.y * OC + col, s0);
         store4(partial + (ll)blockIdx.y * OC + col + 4, s1);
     }
-    __threadfence();  // this block's partial is visible device-wide before its ticket is taken
-    __syncthreads();
-    if (tx == 0 && ty == 0) is_last = atomicAdd(&counters[blockIdx.x], 1u) == gridDim.y - 1;
-    __syncthreads();
-    if (!is_last) return;
-    __threadfence();
+    if (!last_block_ticket(counters, is_last)) return;
     float4 t0 = make_float4(0.f, 0.f, 0.f, 0.f), t1 = t0;
     if (col < OC) {
         for (int k = ty; k < (int)gridDim.y; k += 8) {

@@ -1145,8 +1145,9 @@ def test_bf16_forward_rows128_builds():
 
 
 def test_bf16_flash_staging_covers_tiles():
-    """fb_stage / fb_stage_async: 128 threads x 4 chunks of 8 bf16 cover the 64 x 64 tile exactly once,
-    16-byte aligned in shared memory; the kernels' shared-memory sizes are what the builds request."""
+    """fa_stage / fa_stage_async of bf16 tiles: 128 threads x 4 chunks of 8 bf16 cover the 64 x 64
+    tile exactly once, 16-byte aligned in shared memory; the kernels' shared-memory sizes are what the
+    builds request."""
     LD, _, _ = _fb_source()
     seen = set()
     for tid in range(128):
