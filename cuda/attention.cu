@@ -526,14 +526,14 @@ __device__ __forceinline__ float2 fa_load2(const bf16* p) {
 // no-op); without it 2^(m - m) is computed as it is (the TF32 forward).
 template <bool KEEP1>
 __device__ __forceinline__ void fa_softmax_tile(float (&s)[8][4], float (&m)[2], float (&l)[2], float (&o)[8][4],
-                                                float c2, bool diag, int kt, int row0, int t) {
+                                                float c2, bool diag, int kt, int row0, int row1, int t) {
     float mx[2] = {m[0], m[1]};
 #pragma unroll
     for (int j = 0; j < 8; j++)
 #pragma unroll
         for (int e = 0; e < 4; e++) {
             float x = s[j][e] * c2;
-            if (diag && kt * FA_TILE + 8 * j + 2 * t + (e & 1) > row0 + 8 * (e >> 1)) x = -INFINITY;
+            if (diag && kt * FA_TILE + 8 * j + 2 * t + (e & 1) > ((e >> 1) ? row1 : row0)) x = -INFINITY;
             s[j][e] = x;
             mx[e >> 1] = fmaxf(mx[e >> 1], x);
         }
@@ -701,7 +701,7 @@ __device__ __forceinline__ void flash_forward(float* out, float* lse, const floa
     fa_sweep<PIPE>(qt + 1, load, [&](int buf) {
         const float* ks = kv + 2 * buf * FA_TILE_FLOATS;
         fa_mma_dim<PIPE>(s, qa, ks, g, t);  // s = q k^T (16 x 64 per warp)
-        fa_softmax_tile<false>(s, m, l, o, c2, kt == qt, kt, row0, t);  // s = p
+        fa_softmax_tile<false>(s, m, l, o, c2, kt == qt, kt, row0, row0 + 8, t);  // s = p
         fa_mma_pos<PIPE>(o, s, ks + FA_TILE_FLOATS, g, t);  // o += p v
         kt++;
     });
@@ -1025,7 +1025,8 @@ __device__ __forceinline__ void flash_forward_bf16(bf16* out, float* lse, const 
         fb_mma_dim_m<MT>(s, qa, ks, lb);  // s = q k^T (16 MT x 64 per warp)
 #pragma unroll
         for (int mt = 0; mt < MT; mt++)  // this lane's rows of m-tile mt: q0 + w0 + 16 mt + g (+ 8)
-            fa_softmax_tile<true>(s[mt], m[mt], l[mt], o[mt], c2, kt >= kdiag, kt, q0 + w0 + 16 * mt + g, t);
+            fa_softmax_tile<true>(s[mt], m[mt], l[mt], o[mt], c2, kt >= kdiag, kt, q0 + w0 + 16 * mt + g,
+                                  q0 + w0 + 16 * mt + g + 8, t);
         fb_mma_pos_m<MT>(o, s, ks + FB_TILE_ELEMS, la);  // o += p v
         kt++;
     });

@@ -87,22 +87,15 @@ __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.a
 __device__ __forceinline__ void wg_barrier(int id) { asm volatile("bar.sync %0, 128;" ::"r"(id) : "memory"); }
 
 
-// Shared-memory matrix descriptor of a K-major tile with the 128-byte swizzle: start address,
-// leading byte offset (unused by swizzled K-major layouts; 16), stride byte offset 1024 (the next
-// group of 8 rows), layout type 1 in bits 62-63.
-__device__ __forceinline__ uint64_t smem_desc(const void* p) {
-    const uint64_t addr = smem_u32(p);
-    return ((addr & 0x3FFFF) >> 4) | (uint64_t(16 >> 4) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
-}
+// Shared-memory matrix descriptor of a K-major tile with the 128-byte swizzle (hopper.cuh's
+// wgmma_desc_sw128): leading byte offset unused by swizzled K-major layouts (16), stride byte offset
+// 1024 (the next group of 8 rows).
+__device__ __forceinline__ uint64_t smem_desc(const void* p) { return wgmma_desc_sw128(p, 16); }
 
 // The same for an MN-major tile (bf16, 64-wide MN boxes of BK_T k rows, 128-byte swizzled): LBO =
 // the next 64 MN elements (the next box, 64 k rows x 128 bytes), SBO = the next 8 k rows (1024).
 constexpr int BK_T = 64;  // k rows per MN-major box (= bf16's BK)
-__device__ __forceinline__ uint64_t smem_desc_mn(const void* p) {
-    const uint64_t addr = smem_u32(p);
-    return ((addr & 0x3FFFF) >> 4) | (uint64_t((BK_T * ROW_BYTES) >> 4) << 16) | (uint64_t(1024 >> 4) << 32) |
-           (uint64_t(1) << 62);
-}
+__device__ __forceinline__ uint64_t smem_desc_mn(const void* p) { return wgmma_desc_sw128(p, BK_T * ROW_BYTES); }
 
 // the k-th tile of the persistent sequence: tile rows go in groups of GROUP_M, column-major inside a
 // group, so the CTAs running at one time share a few B tiles and GROUP_M A tiles in L2

@@ -62,7 +62,7 @@ __device__ __forceinline__ void keep_in_regs(float (&d)[NREG]) {
 //     sbo = 1024 (the next 8 rows); a k16 step is +32 bytes on the start address.
 //   MN-major tile (k rows of 64 mn elements, 128 bytes each): lbo = bytes to the next 64-wide block of
 //     mn (when N or M > 64), sbo = 1024 (the next 8 k rows); a k16 step is +2048 bytes (two atoms).
-// cuda/gemm_wgmma.cu's smem_desc(p) is wgmma_desc_sw128(p, 16) and its smem_desc_mn(p) is
+// cuda/gemm_wgmma.cu: smem_desc(p) = wgmma_desc_sw128(p, 16), smem_desc_mn(p) =
 // wgmma_desc_sw128(p, BK_T * ROW_BYTES).
 __device__ __forceinline__ uint64_t wgmma_desc_sw128(const void* p, uint32_t lbo, uint32_t sbo = 1024) {
     const uint64_t addr = smem_u32(p);
