@@ -232,14 +232,7 @@ __device__ __forceinline__ void flash_forward_wgmma(bf16* out, float* lse, const
     const int q0 = qb * BQ;
     const int nkt = qb + 1;                     // key tiles 0..qb; tile qb holds the diagonal
 
-    if (threadIdx.x == 0) {
-        mbar_init(q_full, 1);
-        for (int s = 0; s < STAGES; s++) {
-            mbar_init(&full[s], 1);                  // the producer's expect_tx arrival (+ the bytes)
-            mbar_init(&empty[s], CONSUMER_WARPS);    // lane 0 of every consumer warp
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
+    if (threadIdx.x == 0) mbar_init_pipeline(q_full, full, empty, STAGES, CONSUMER_WARPS);
     __syncthreads();
 
     const int wg = threadIdx.x / 128;
@@ -452,14 +445,7 @@ __device__ __forceinline__ void flash_backward_dq_wgmma(bf16* dinp, float* Dbuf,
     const int q0 = qb * BQ;
     const int nkt = qb + 1;                     // key tiles 0..qb; tile qb holds the diagonal
 
-    if (threadIdx.x == 0) {
-        mbar_init(qd_full, 1);
-        for (int s = 0; s < BWD_STAGES; s++) {
-            mbar_init(&full[s], 1);
-            mbar_init(&empty[s], CONSUMER_WARPS);
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
+    if (threadIdx.x == 0) mbar_init_pipeline(qd_full, full, empty, BWD_STAGES, CONSUMER_WARPS);
     __syncthreads();
 
     const int wg = threadIdx.x / 128;
@@ -632,14 +618,7 @@ __device__ __forceinline__ void flash_backward_dkdv_wgmma(bf16* dinp, const CUte
     const int k0 = kb * BKV;
     const int nqb = gridDim.y, nt = nqb - kb;   // query tiles kb..nqb-1; tile kb holds the diagonal
 
-    if (threadIdx.x == 0) {
-        mbar_init(kv_full, 1);
-        for (int s = 0; s < BWD_STAGES; s++) {
-            mbar_init(&full[s], 1);
-            mbar_init(&empty[s], CONSUMER_WARPS);
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
+    if (threadIdx.x == 0) mbar_init_pipeline(kv_full, full, empty, BWD_STAGES, CONSUMER_WARPS);
     __syncthreads();
 
     const int wg = threadIdx.x / 128;

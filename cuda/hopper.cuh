@@ -12,6 +12,20 @@ __device__ __forceinline__ void mbar_init(uint64_t* bar, unsigned count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
 }
 
+// A TMA pipeline's barriers, set up by one thread before a __syncthreads: `once` (one arrival: the
+// producer's expect_tx for what is loaded once per CTA), then per stage `full` (one arrival: the
+// producer's expect_tx, plus the bytes) and `empty` (`consumers` arrivals: lane 0 of every consumer
+// warp), and the fence that makes the initialised barriers visible to the TMA unit.
+__device__ __forceinline__ void mbar_init_pipeline(uint64_t* once, uint64_t* full, uint64_t* empty, int stages,
+                                                   unsigned consumers) {
+    mbar_init(once, 1);
+    for (int s = 0; s < stages; s++) {
+        mbar_init(&full[s], 1);
+        mbar_init(&empty[s], consumers);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
 // the producer's arrival: one arrive, and the barrier also waits for `bytes` of TMA traffic
 __device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, unsigned bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes)
