@@ -38,10 +38,15 @@
 // become the variant's only kernel).
 //
 // Layouts (g = lane/4, t = lane%4, w = warp within the warpgroup):
-// * Global: q, k, v come from qkvr (3, B, NH, T, 64), written by the bf16 permute just before. The TMA
-//   sees it as a 3D tensor (64 dims, T rows, 3*B*NH slabs): q of head bh is slab bh, k slab BNH+bh, v
-//   slab 2*BNH+bh. Boxes are (64, 128, 1); rows past T of a slab are zero-filled by the TMA (T not a
-//   multiple of 128, T = 1 included), never the next head's rows.
+// * Global: q, k, v are read through one of two tensor maps (the template flag BTC):
+//   BTC = true: straight from the qkv matmul's output (B, T, 3C) (no permute; the model's default in
+//     training with backward 4, which reads the same tensor): a 4D tensor (64 dims, 3*NH heads, T
+//     rows, B), q of head h is head h, k head NH + h, v head 2*NH + h; boxes (64, 1, 128, 1).
+//   BTC = false: from qkvr (3, B, NH, T, 64), the permuted copy that backward 2/3 read: a 3D tensor
+//     (64 dims, T rows, 3*B*NH slabs), q of head bh is slab bh, k slab BNH+bh, v slab 2*BNH+bh;
+//     boxes (64, 128, 1).
+//   Either way a box is one head's 128 rows of 128 bytes, and rows past T are zero-filled by the TMA
+//   (T not a multiple of 128, T = 1 included), never the next head's or batch row's.
 // * Shared: every tile row is 64 bf16 = 128 bytes = one 128-byte swizzle span; row r at byte 128 r,
 //   its 16-byte chunk c stored at chunk c ^ (r % 8) (CU_TENSOR_MAP_SWIZZLE_128B). Tiles are
 //   1024-byte aligned (the swizzle's period), so a tile's 8-row groups are atoms 1024 bytes apart.
@@ -117,6 +122,15 @@ __device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, u
 }
 
 
+
+// One head's 128 rows of q (which = 0), k (1) or v (2) from row `row`, completing on `bar`: through the
+// 4D map of the (B,T,3C) qkv tensor (BTC) or the 3D map of the permuted qkvr (see Layouts)
+template <bool BTC>
+__device__ __forceinline__ void tma_load_head(void* dst, const CUtensorMap* map, uint64_t* bar, int which, int row,
+                                              int B, int NH, int b, int h) {
+    if constexpr (BTC) tma_load_4d(dst, map, bar, 0, which * NH + h, row, b);
+    else tma_load_3d(dst, map, bar, 0, row, (which * B + b) * NH + h);
+}
 
 // Descriptors (cuda/hopper.cuh: wgmma_desc_sw128). K-major tile (q, k; dout, v in the backward's
 // dout v^T): SBO 1024 (next 8 rows), LBO unused (16).
@@ -226,8 +240,8 @@ __device__ __forceinline__ void flash_forward_wgmma(bf16* out, float* lse, const
     uint64_t* full = q_full + 1;
     uint64_t* empty = full + STAGES;
 
-    const int BNH = B * NH, C = NH * HS;
-    const int bh = blockIdx.x;
+    const int C = NH * HS;
+    const int bh = blockIdx.x, b = bh / NH, h = bh % NH;
     const int qb = gridDim.y - 1 - blockIdx.y;  // the query blocks with the most key tiles first
     const int q0 = qb * BQ;
     const int nkt = qb + 1;                     // key tiles 0..qb; tile qb holds the diagonal
@@ -241,14 +255,14 @@ __device__ __forceinline__ void flash_forward_wgmma(bf16* out, float* lse, const
         if (threadIdx.x == 0) {
             tensormap_acquire(tm);
             mbar_expect_tx(q_full, Q_BYTES);
-            tma_load_3d(sq, tm, q_full, 0, q0, bh);
+            tma_load_head<true>(sq, tm, q_full, 0, q0, B, NH, b, h);  // q
             for (int i = 0; i < nkt; i++) {
                 const int s = i % STAGES, use = i / STAGES;
                 mbar_wait(&empty[s], (use & 1) ^ 1);
                 mbar_expect_tx(&full[s], STAGE_BYTES);
                 unsigned char* sk = skv + s * STAGE_BYTES;
-                tma_load_3d(sk, tm, &full[s], 0, i * BKV, BNH + bh);                // k
-                tma_load_3d(sk + KV_BYTES, tm, &full[s], 0, i * BKV, 2 * BNH + bh);  // v
+                tma_load_head<true>(sk, tm, &full[s], 1, i * BKV, B, NH, b, h);             // k
+                tma_load_head<true>(sk + KV_BYTES, tm, &full[s], 2, i * BKV, B, NH, b, h);  // v
             }
         }
         return;
@@ -333,7 +347,6 @@ __device__ __forceinline__ void flash_forward_wgmma(bf16* out, float* lse, const
     }
 
     // out = O / l (bf16, one rounding), lse = (m + log2 l) ln 2
-    const int b = bh / NH, h = bh % NH;
 #pragma unroll
     for (int hh = 0; hh < 2; hh++) {
         const int row = row0 + 8 * hh;
@@ -350,6 +363,7 @@ __device__ __forceinline__ void flash_forward_wgmma(bf16* out, float* lse, const
     }
 }
 
+// tm: the 4D map of the (B,T,3C) qkv tensor the forward reads (see Layouts: BTC)
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_forward_kernel4_bf16(bf16* out, float* lse, const CUtensorMap* tm, int B, int NH, int T, float scale) {
     flash_forward_wgmma<false>(out, lse, tm, B, NH, T, scale);
@@ -422,11 +436,12 @@ __device__ __forceinline__ void pack_a(uint32_t (&a)[8][4], const float (&x)[64]
 }
 
 // Backward, part 1: per (b, h, 128 query rows), D = rowsum(dout * out) (written for part 2) and
-// dq = scale sum over key tiles 0..qb of (p (dp - D)) k. tm: tm[0] the qkvr map, tm[1] the dout map.
+// dq = scale sum over key tiles 0..qb of (p (dp - D)) k. tm: tm[0] the map of q, k, v (BTC: of the
+// (B,T,3C) qkv tensor, else of the permuted qkvr; see Layouts), tm[1] the dout map.
 // OVERLAP: tile i's dq product is left running while tile i + 1's S and dP are issued (one wait for
 // both instead of two), at the cost of keeping the packed dS (32 registers) live across that issue;
 // the same operations on each accumulator in the same order: the same bits (the lab times both).
-template <bool OVERLAP>
+template <bool OVERLAP, bool BTC>
 __device__ __forceinline__ void flash_backward_dq_wgmma(bf16* dinp, float* Dbuf, const bf16* dout, const bf16* out,
                                                         const CUtensorMap* tm, const float* lse, int B, int NH, int T,
                                                         float scale) {
@@ -439,7 +454,7 @@ __device__ __forceinline__ void flash_backward_dq_wgmma(bf16* dinp, float* Dbuf,
     uint64_t* full = qd_full + 1;
     uint64_t* empty = full + BWD_STAGES;
 
-    const int BNH = B * NH, C = NH * HS;
+    const int C = NH * HS;
     const int bh = blockIdx.x, b = bh / NH, h = bh % NH;
     const int qb = gridDim.y - 1 - blockIdx.y;  // the query blocks with the most key tiles first
     const int q0 = qb * BQ;
@@ -455,15 +470,15 @@ __device__ __forceinline__ void flash_backward_dq_wgmma(bf16* dinp, float* Dbuf,
             tensormap_acquire(tm);
             tensormap_acquire(tm + 1);
             mbar_expect_tx(qd_full, 2 * Q_BYTES);
-            tma_load_3d(sq, tm, qd_full, 0, q0, bh);           // q
+            tma_load_head<BTC>(sq, tm, qd_full, 0, q0, B, NH, b, h);  // q
             tma_load_4d(sdo, tm + 1, qd_full, 0, h, q0, b);    // dout
             for (int i = 0; i < nkt; i++) {
                 const int s = i % BWD_STAGES, use = i / BWD_STAGES;
                 mbar_wait(&empty[s], (use & 1) ^ 1);
                 mbar_expect_tx(&full[s], STAGE_BYTES);
                 unsigned char* sk = skv + s * STAGE_BYTES;
-                tma_load_3d(sk, tm, &full[s], 0, i * BKV, BNH + bh);                // k
-                tma_load_3d(sk + KV_BYTES, tm, &full[s], 0, i * BKV, 2 * BNH + bh);  // v
+                tma_load_head<BTC>(sk, tm, &full[s], 1, i * BKV, B, NH, b, h);             // k
+                tma_load_head<BTC>(sk + KV_BYTES, tm, &full[s], 2, i * BKV, B, NH, b, h);  // v
             }
         }
         return;
@@ -588,18 +603,26 @@ __device__ __forceinline__ void flash_backward_dq_wgmma(bf16* dinp, float* Dbuf,
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_backward_dq_kernel4_bf16(bf16* dinp, float* Dbuf, const bf16* dout, const bf16* out,
                                          const CUtensorMap* tm, const float* lse, int B, int NH, int T, float scale) {
-    flash_backward_dq_wgmma<false>(dinp, Dbuf, dout, out, tm, lse, B, NH, T, scale);
+    flash_backward_dq_wgmma<false, false>(dinp, Dbuf, dout, out, tm, lse, B, NH, T, scale);
+}
+// q, k, v from the (B,T,3C) qkv tensor itself (the build with qkv_in_place=True)
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+flash_attention_backward_dq_kernel4_bf16_btc(bf16* dinp, float* Dbuf, const bf16* dout, const bf16* out,
+                                             const CUtensorMap* tm, const float* lse, int B, int NH, int T,
+                                             float scale) {
+    flash_backward_dq_wgmma<false, true>(dinp, Dbuf, dout, out, tm, lse, B, NH, T, scale);
 }
 // the lab's overlap=True build (llmc/ops/attention.py); the same bits as the plain one
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_backward_dq_kernel4_bf16_overlap(bf16* dinp, float* Dbuf, const bf16* dout, const bf16* out,
                                                  const CUtensorMap* tm, const float* lse, int B, int NH, int T,
                                                  float scale) {
-    flash_backward_dq_wgmma<true>(dinp, Dbuf, dout, out, tm, lse, B, NH, T, scale);
+    flash_backward_dq_wgmma<true, false>(dinp, Dbuf, dout, out, tm, lse, B, NH, T, scale);
 }
 
 // Backward, part 2: per (b, h, 128 keys), over the query tiles kb..nqb-1, dv = sum p^T dout and
-// dk = scale sum (p (dp - D))^T q, transposed (keys as rows). Reads D from part 1.
+// dk = scale sum (p (dp - D))^T q, transposed (keys as rows). Reads D from part 1. tm, BTC: as part 1.
+template <bool BTC>
 __device__ __forceinline__ void flash_backward_dkdv_wgmma(bf16* dinp, const CUtensorMap* tm, const float* lse,
                                                           const float* Dbuf, int B, int NH, int T, float scale) {
     extern __shared__ unsigned char smem_bwd[];
@@ -612,7 +635,7 @@ __device__ __forceinline__ void flash_backward_dkdv_wgmma(bf16* dinp, const CUte
     uint64_t* full = kv_full + 1;
     uint64_t* empty = full + BWD_STAGES;
 
-    const int BNH = B * NH, C = NH * HS;
+    const int C = NH * HS;
     const int bh = blockIdx.x, b = bh / NH, h = bh % NH;
     const int kb = blockIdx.y;                  // key block 0 has the most query tiles: it starts first
     const int k0 = kb * BKV;
@@ -628,14 +651,14 @@ __device__ __forceinline__ void flash_backward_dkdv_wgmma(bf16* dinp, const CUte
             tensormap_acquire(tm);
             tensormap_acquire(tm + 1);
             mbar_expect_tx(kv_full, 2 * KV_BYTES);
-            tma_load_3d(sk, tm, kv_full, 0, k0, BNH + bh);      // k
-            tma_load_3d(sv, tm, kv_full, 0, k0, 2 * BNH + bh);  // v
+            tma_load_head<BTC>(sk, tm, kv_full, 1, k0, B, NH, b, h);  // k
+            tma_load_head<BTC>(sv, tm, kv_full, 2, k0, B, NH, b, h);  // v
             for (int i = 0; i < nt; i++) {
                 const int s = i % BWD_STAGES, use = i / BWD_STAGES, r0 = (kb + i) * BQ;
                 mbar_wait(&empty[s], (use & 1) ^ 1);
                 mbar_expect_tx(&full[s], STAGE_BYTES);
                 unsigned char* st = sqd + s * STAGE_BYTES;
-                tma_load_3d(st, tm, &full[s], 0, r0, bh);                 // q
+                tma_load_head<BTC>(st, tm, &full[s], 0, r0, B, NH, b, h);   // q
                 tma_load_4d(st + KV_BYTES, tm + 1, &full[s], 0, h, r0, b);  // dout
             }
         }
@@ -734,5 +757,10 @@ __device__ __forceinline__ void flash_backward_dkdv_wgmma(bf16* dinp, const CUte
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_backward_dkdv_kernel4_bf16(bf16* dinp, const CUtensorMap* tm, const float* lse, const float* Dbuf,
                                            int B, int NH, int T, float scale) {
-    flash_backward_dkdv_wgmma(dinp, tm, lse, Dbuf, B, NH, T, scale);
+    flash_backward_dkdv_wgmma<false>(dinp, tm, lse, Dbuf, B, NH, T, scale);
+}
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+flash_attention_backward_dkdv_kernel4_bf16_btc(bf16* dinp, const CUtensorMap* tm, const float* lse, const float* Dbuf,
+                                               int B, int NH, int T, float scale) {
+    flash_backward_dkdv_wgmma<true>(dinp, tm, lse, Dbuf, B, NH, T, scale);
 }

@@ -119,11 +119,23 @@ class GPT2:
         # -- the launch plan: every op built once for its shape (variants fixed here), before the
         # activations: what attention forward keeps for backward depends on its variant
         op = be.build
+        # q, k, v in place: when both attention directions take it (4 and 4, bf16 on Hopper; the numpy
+        # backend too), the qkv matmul writes each layer's (B,T,3C) output straight into qkvr[l] and
+        # attention reads it there, forward and backward: no permuted copy. Training only (the
+        # decoder's prefill fills its caches from a permuted qkvr). LLMC_QKV_IN_PLACE=0: the copy (A/B)
+        att_shape = dict(B=B, T=T, C=C, NH=NH)
+        in_place = {}
+        if training and os.environ.get("LLMC_QKV_IN_PLACE", "1") != "0":
+            in_place = {d: be.fuses(d, dict(qkv_in_place=True), **att_shape) for d in ("attention_forward",
+                                                                                      "attention_backward")}
+        self.qkv_in_place = bool(in_place) and None not in in_place.values()
+        att_kw = dict(qkv_in_place=True) if self.qkv_in_place else {}
         self.built = {
             "encoder_forward": op("encoder_forward", B=B, T=T, C=C),
             "layernorm_forward": op("layernorm_forward", N=N, C=C),
             "mm_qkv": op("matmul_forward", N=N, C=C, OC=3 * C, has_bias=True),
-            "attention_forward": op("attention_forward", B=B, T=T, C=C, NH=NH),
+            "attention_forward": op("attention_forward", prefer=in_place.get("attention_forward"), **att_shape,
+                                    **att_kw),
             "mm_attproj": op("matmul_forward", N=N, C=C, OC=C, has_bias=True),
             "residual_layernorm": op("residual_layernorm_forward", N=N, C=C),
             "mm_fc": op("matmul_forward", N=N, C=C, OC=4 * C, has_bias=True),
@@ -144,7 +156,8 @@ class GPT2:
                 "mmb_qkv": op("matmul_backward", N=N, C=C, OC=3 * C),
                 "bias_3C": op("matmul_backward_bias", N=N, OC=3 * C),
                 "gelu_backward": op("gelu_backward", N=N * 4 * C),
-                "attention_backward": op("attention_backward", B=B, T=T, C=C, NH=NH),
+                "attention_backward": op("attention_backward", prefer=in_place.get("attention_backward"),
+                                         **att_shape, **att_kw),
                 "encoder_backward": op("encoder_backward", B=B, T=T, C=C),
                 "global_norm": op("global_norm", n=self.num_params),
             })
@@ -256,7 +269,8 @@ class GPT2:
         spec = [
             ("encoded", (B, T, C)),
             ("ln1", (*per_layer_ln, B, T, C)), ("ln1_mean", (L, B, T), "f32"), ("ln1_rstd", (L, B, T), "f32"),
-            ("qkvr", (L, B, T, 3 * C)),      # permuted q | k | v, each (B, NH, T, hs)
+            ("qkvr", (L, B, T, 3 * C)),      # permuted q | k | v, each (B, NH, T, hs); or, q, k, v in
+                                             # place (self.qkv_in_place), the qkv matmul's output
             ("att", (L, *att_saved), "f32"),  # what attention backward needs: the softmax probabilities
                                              # (B,NH,T,T) (variant 1) or their log-sum-exp (B,NH,T) (2)
             ("atty", (L, B, T, C)),          # attention output, pre-projection
@@ -402,8 +416,9 @@ class GPT2:
                                a["encoded"], p["ln1w"][0], p["ln1b"][0])
         for l in range(L):
             residual = a["encoded"] if l == 0 else a["residual3"][l - 1]                       # (B,T,C)
-            k["mm_qkv"](a["qkv"], ln1[l], p["qkvw"][l], p["qkvb"][l])                        # (B,T,3C)
-            k["attention_forward"](a["atty"][l], a["qkvr"][l], a["att"][l], a["qkv"])        # (B,T,C)
+            qkv = a["qkvr"][l] if self.qkv_in_place else a["qkv"]  # in place: the layer's saved qkv itself
+            k["mm_qkv"](qkv, ln1[l], p["qkvw"][l], p["qkvb"][l])                             # (B,T,3C)
+            k["attention_forward"](a["atty"][l], a["qkvr"][l], a["att"][l], qkv)             # (B,T,C)
             k["mm_attproj"](a["attproj"], a["atty"][l], p["attprojw"][l], p["attprojb"][l])  # (B,T,C)
             k["residual_layernorm"](a["residual2"][l], ln2[l], a["ln2_mean"][l], a["ln2_rstd"][l],
                                     residual, a["attproj"], p["ln2w"][l], p["ln2b"][l])

@@ -581,6 +581,13 @@ def test_flash_attention_wgmma_gpu(rt, B, T, C, NH):
     poison(d_out, d_lse)
     fwd(d_out, d_qkvr, d_lse, d_inp)
     assert np.array_equal(from_bf16(d_out.get()), out) and np.array_equal(d_lse.get(), lse), "not deterministic"
+    # in place (the model's training form with backward 4): qkvr is inp itself, nothing is written to
+    # it; the same kernel on the same input: the same bits
+    inplace = ops.get("attention_forward").build(rt, 4, "bf16", B=B, T=T, C=C, NH=NH, qkv_in_place=True)
+    poison(d_out, d_lse)
+    inplace(d_out, d_inp, d_lse, d_inp)
+    assert np.array_equal(from_bf16(d_inp.get()), inp), "in place: inp was written"
+    assert np.array_equal(from_bf16(d_out.get()), out) and np.array_equal(d_lse.get(), lse), "in place: differs"
     if rt.graphs_available() is None:
         graph = rt.capture(lambda: fwd(d_out, d_qkvr, d_lse, d_inp))
         poison(d_out, d_lse)
@@ -654,6 +661,11 @@ def test_flash_attention_wgmma_backward_gpu(rt, B, T, C, NH):
     poison(d_dinp)
     bwd(d_dinp, d_dout, d_qkvr, d_lse, d_out)
     assert np.array_equal(from_bf16(d_dinp.get()), first), "attention_backward 4 is not deterministic"
+    # in place: q, k, v read from the (B,T,3C) inp itself (the _btc kernels): the same tiles, the same bits
+    inplace = ops.get("attention_backward").build(rt, 4, "bf16", B=B, T=T, C=C, NH=NH, qkv_in_place=True)
+    poison(d_dinp, *inplace.scratch.values())
+    inplace(d_dinp, d_dout, d_inp, d_lse, d_out)
+    assert np.array_equal(from_bf16(d_dinp.get()), first), "in place: dinp differs from the permuted-qkvr build"
     # the overlapped dq kernel does the same operations on each accumulator in the same order: the same bits
     over = A.build_flash_attention_backward_wgmma(rt, B=B, T=T, C=C, NH=NH, overlap=True)
     poison(d_dinp, *over.scratch.values())
@@ -851,19 +863,37 @@ def test_wgmma_forward_builds(monkeypatch):
     assert "constexpr int FWD_SMEM = 1024 + Q_BYTES + STAGES * STAGE_BYTES + 8 * (1 + 2 * STAGES);" in src
     assert A.WGMMA_FWD_SMEM == 1024 + 128 * 128 + const["STAGES"] * 2 * 128 * 128 + 8 * (1 + 2 * const["STAGES"])
     encoded = []
-    monkeypatch.setattr(A, "qkvr_tensor_map", lambda ptr, B, NH, T: encoded.append((ptr, B, NH, T)) or bytes(128))
+    # the kernel reads q, k, v from inp (the qkv matmul's (B,T,3C) output): one map per inp pointer
+    monkeypatch.setattr(A, "qkv_tensor_map", lambda ptr, B, T, NH: encoded.append((ptr, B, T, NH)) or bytes(128))
+    monkeypatch.setattr(A, "qkvr_tensor_map", lambda *a: pytest.fail("forward 4 reads inp, never qkvr"))
     rt = FakeRuntime(heap_bytes=1 << 16)  # the maps are copied to the fake device
     launch = ops.get("attention_forward").build(rt, 4, "bf16", B=2, T=200, C=128, NH=2)
     assert rt.built == ["permute_kernel2_bf16", "flash_attention_forward_kernel4_bf16"]
-    for qkvr in (0x10000, 0x10000, 0x20000):
-        launch(0x1000, qkvr, 0x3000, 0x4000)
-    assert encoded == [(0x10000, 2, 2, 200), (0x20000, 2, 2, 200)]
+    for inp in (0x10000, 0x10000, 0x20000):
+        launch(0x1000, 0x4000, 0x3000, inp)  # out, qkvr, lse, inp
+    assert encoded == [(0x10000, 2, 200, 2), (0x20000, 2, 200, 2)]
     k = [x for x in rt.launches if x.func == "flash_attention_forward_kernel4_bf16"]
     assert len(k) == 3 and k[0].grid == (4, 2, 1) and k[0].block == (384, 1, 1) and k[0].smem == A.WGMMA_FWD_SMEM
+    perm = [x for x in rt.launches if x.func == "permute_kernel2_bf16"]  # the permuted copy backward 2/3 read
+    assert len(perm) == 3 and perm[0].args[:2] == (0x4000, 0x10000)
     with pytest.raises(LLMCError, match="16-byte aligned"):
-        launch(0x1000, 0x30008, 0x3000, 0x4000)
+        launch(0x1000, 0x4000, 0x3000, 0x30008)
     A.build_flash_attention_forward_wgmma(rt, B=2, T=200, C=128, NH=2, overlap=True)  # the lab's other build
     assert rt.built[-1] == "flash_attention_forward_kernel4_bf16_overlap"
+    # qkv in place: no permute at all, and qkvr must be inp (the tensor backward 4 then reads)
+    rt = FakeRuntime(heap_bytes=1 << 16)
+    encoded.clear()
+    launch = ops.get("attention_forward").build(rt, 4, "bf16", B=2, T=200, C=128, NH=2, qkv_in_place=True)
+    assert rt.built == ["flash_attention_forward_kernel4_bf16"]
+    launch(0x1000, 0x10000, 0x3000, 0x10000)
+    assert encoded == [(0x10000, 2, 200, 2)] and [x.func for x in rt.launches] == ["flash_attention_forward_kernel4_bf16"]
+    with pytest.raises(LLMCError, match="qkvr must be inp"):
+        launch(0x1000, 0x20000, 0x3000, 0x10000)
+    # only variant 4 has the in-place form
+    spec = ops.get("attention_forward")
+    for n in (1, 2, 3):
+        assert "qkv_in_place" in spec.refuse_reason(n, "bf16" if n > 1 else "fp32", "sm_90", B=2, T=200, C=128, NH=2,
+                                                    qkv_in_place=True)
 
 
 def test_wgmma_p_fragment_is_the_score_accumulator():
@@ -961,7 +991,7 @@ def test_wgmma_backward_builds(monkeypatch):
     assert A.WGMMA_DKDV_SMEM == A.WGMMA_DQ_SMEM + 2 * 2 * 2 * 128 * 4
     encoded = []
     monkeypatch.setattr(A, "qkvr_tensor_map", lambda ptr, B, NH, T: encoded.append(("qkvr", ptr, B, NH, T)) or bytes(128))
-    monkeypatch.setattr(A, "btc_tensor_map", lambda ptr, B, T, NH: encoded.append(("dout", ptr, B, T, NH)) or bytes(128))
+    monkeypatch.setattr(A, "btc_tensor_map", lambda ptr, B, T, NH, what="": encoded.append(("dout", ptr, B, T, NH)) or bytes(128))
     rt = FakeRuntime(heap_bytes=1 << 16)
     built = ops.get("attention_backward").build(rt, 4, "bf16", B=2, T=200, C=128, NH=2)
     assert rt.built == ["flash_attention_backward_dq_kernel4_bf16", "flash_attention_backward_dkdv_kernel4_bf16"]
@@ -985,6 +1015,16 @@ def test_wgmma_backward_builds(monkeypatch):
             built(0x1000, dout, qkvr, 0x5000, out)
     A.build_flash_attention_backward_wgmma(rt, B=2, T=200, C=128, NH=2, overlap=True)  # the lab's other build
     assert rt.built[-2:] == ["flash_attention_backward_dq_kernel4_bf16_overlap", "flash_attention_backward_dkdv_kernel4_bf16"]
+    # qkv in place: the _btc kernels, and qkvr (the forward's inp, (B,T,3C)) through the 4D qkv map
+    monkeypatch.setattr(A, "qkv_tensor_map", lambda ptr, B, T, NH: encoded.append(("qkv", ptr, B, T, NH)) or bytes(128))
+    encoded.clear()
+    rt = FakeRuntime(heap_bytes=1 << 16)
+    built = ops.get("attention_backward").build(rt, 4, "bf16", B=2, T=200, C=128, NH=2, qkv_in_place=True)
+    assert rt.built == ["flash_attention_backward_dq_kernel4_bf16_btc", "flash_attention_backward_dkdv_kernel4_bf16_btc"]
+    built(0x1000, 0x20000, 0x10000, 0x5000, 0x6000)
+    assert encoded == [("qkv", 0x10000, 2, 200, 2), ("dout", 0x20000, 2, 200, 2)]
+    with pytest.raises(AssertionError):
+        A.build_flash_attention_backward_wgmma(rt, B=2, T=200, C=128, NH=2, overlap=True, qkv_in_place=True)
 
 
 def _wg_acc_coords(n):

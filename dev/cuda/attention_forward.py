@@ -89,24 +89,28 @@ vmax = float(np.abs(inp_b[..., 2 * C:]).max())
 # fragment read from shared memory serves both: half the ldmatrix traffic per FLOP)
 # version 4: the wgmma + TMA kernel (Hopper only: skipped with a note elsewhere)
 # (rows "overlap": its build that issues the next tile's q k^T before this tile's p v)
-bf16_rows = [(2, 64), (3, 64), (2, 128), (3, 128), (4, 128), (4, "overlap")] if "bf16" in DTYPES else []
+# (rows "in place": the build the model trains with beside backward 4: no permute, qkvr is inp itself)
+bf16_rows = [(2, 64), (3, 64), (2, 128), (3, 128), (4, 128), (4, "overlap"), (4, "in place")] if "bf16" in DTYPES else []
 if bf16_rows and rt.arch != "sm_90":
     print(f"note: attention_forward 4 (wgmma) needs an sm_90 GPU (this one is {rt.arch}); skipped")
-    bf16_rows = bf16_rows[:-2]
+    bf16_rows = bf16_rows[:-3]
 for version, rows in bf16_rows:
+    in_place = rows == "in place"
     if version == 4:
-        flash = A.build_flash_attention_forward_wgmma(rt, B=B, T=T, C=C, NH=NH, overlap=rows == "overlap")
-        label = f"attention_forward 4 bf16 (flash wgmma + TMA, 128 rows{', overlap' if rows == 'overlap' else ''})"
+        flash = A.build_flash_attention_forward_wgmma(rt, B=B, T=T, C=C, NH=NH, overlap=rows == "overlap",
+                                                      qkv_in_place=in_place)
+        label = f"attention_forward 4 bf16 (flash wgmma + TMA, 128 rows{'' if rows == 128 else ', ' + rows})"
     else:
         flash = A.build_flash_attention_forward(rt, B=B, T=T, C=C, NH=NH, version=version, dtype="bf16", rows=rows)
         label = f"attention_forward {version} bf16 (flash m16n8k16{', cp.async' if version == 3 else ''}, {rows} rows)"
-    fn = lambda: flash(d_out_b, d_qkvr_b, d_lse, d_inp_b)  # noqa: E731
-    for d in (d_out_b, d_qkvr_b, d_lse):
+    qkvr_b = d_inp_b if in_place else d_qkvr_b
+    fn = lambda: flash(d_out_b, qkvr_b, d_lse, d_inp_b)  # noqa: E731
+    for d in (d_out_b, d_lse) + (() if in_place else (d_qkvr_b,)):
         d.fill_bytes(0xFF)  # poisoned: 0xFFFF is a bf16 NaN
     fn()
     rt.synchronize()
     bad = [m for m in (compare(from_bf16(d_out_b.get()), outb64, 2 ** -7 * vmax, 2 ** -7, "out"),
-                       compare(from_bf16(d_qkvr_b.get()), qkvrb64, 0, 0, "qkvr"),
+                       compare(from_bf16(qkvr_b.get()), inp_b if in_place else qkvrb64, 0, 0, "qkvr"),
                        compare(d_lse.get(), lseb64, 1e-4, 1e-5, "lse")) if m]
     print(f"  {label}: " + ("MISMATCH\n" + "\n".join(bad) if bad else "all outputs match the reference (out, qkvr, lse)"))
     if bad:
@@ -115,8 +119,12 @@ for version, rows in bf16_rows:
     L.time(label, fn, flops=FUSED_FLOPS, ceiling=None)
 
 # the composite's data-movement pieces on their own (GB/s: bytes read + written)
-perm = A._build_permute(rt, "permute", B, T, 3, NH, hs)
-L.time("  permute inp -> qkvr", lambda: perm(d_qkvr, d_inp), bytes=2 * 4 * 3 * B * T * C)
+if "fp32" in DTYPES:
+    perm = A._build_permute(rt, "permute", B, T, 3, NH, hs)
+    L.time("  permute inp -> qkvr", lambda: perm(d_qkvr, d_inp), bytes=2 * 4 * 3 * B * T * C)
+if "bf16" in DTYPES:  # what the bf16 builds but 4's in-place one spend before the kernel
+    perm_b = A._build_permute(rt, "permute", B, T, 3, NH, hs, "bf16")
+    L.time("  permute inp -> qkvr bf16", lambda: perm_b(d_qkvr_b, d_inp_b), bytes=2 * 2 * 3 * B * T * C)
 unperm = A._build_permute(rt, "unpermute", B, T, 1, NH, hs)
 d_y = rt.to_device(lab.rand(rng, (B, NH, T, hs)))
 L.time("  unpermute y -> out", lambda: unperm(d_out, d_y), bytes=2 * 4 * B * T * C)

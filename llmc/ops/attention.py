@@ -121,19 +121,25 @@ def attention_decode_ref(q, kcache, vcache, pos):
 
 
 
-def attention_forward_cpu(B, T, C, NH, **_):
+def attention_forward_cpu(B, T, C, NH, qkv_in_place=False, **_):
+    """qkv_in_place (the form the model takes when both directions have it): qkvr is inp itself, kept
+    unpermuted for backward; nothing is written to it."""
     def launch(out, qkvr, att, inp):
         o, qk, a = attention_forward_ref(inp.reshape(B, T, 3 * C), NH)
         out[...] = o.reshape(out.shape)
-        qkvr[...] = qk.reshape(qkvr.shape)
+        if not qkv_in_place:
+            qkvr[...] = qk.reshape(qkvr.shape)
         att[...] = a.reshape(att.shape)
     return launch
 
 
-def attention_backward_cpu(B, T, C, NH, **_):
+def attention_backward_cpu(B, T, C, NH, qkv_in_place=False, **_):
+    """qkv_in_place: qkvr is the forward's inp (B,T,3C), unpermuted."""
     def launch(dinp, dout, qkvr, att, out=None):
-        dinp[...] = attention_backward_ref(dout.reshape(B, T, C), qkvr.reshape(B, T, 3 * C),
-                                           att.reshape(B, NH, T, T), NH).reshape(dinp.shape)
+        qk = qkvr.reshape(B, T, 3 * C)
+        if qkv_in_place:
+            qk = np.ascontiguousarray(_split_heads(qk, NH)).reshape(B, T, 3 * C)
+        dinp[...] = attention_backward_ref(dout.reshape(B, T, C), qk, att.reshape(B, NH, T, T), NH).reshape(dinp.shape)
     return launch
 
 
@@ -473,26 +479,36 @@ def qkvr_tensor_map(ptr: int, B: int, NH: int, T: int) -> bytes:
                             (FLASH_HS, WGMMA_BQ, 1), f"attention 4: qkvr (B={B} NH={NH} T={T})")
 
 
-def btc_tensor_map(ptr: int, B: int, T: int, NH: int) -> bytes:
+def btc_tensor_map(ptr: int, B: int, T: int, NH: int, what: str = "attention_backward 4: dout") -> bytes:
     """The CUtensorMap of a (B,T,C) bf16 tensor (dout for attention_backward 4) seen as 4D (64 dims, NH
     heads, T rows, B), read in boxes of (64, 1, 128, 1): one head's 128 rows of 128 bytes, 128-byte
     swizzled like a qkvr box; rows past T are zero-filled (never the next batch row's)."""
     C = NH * FLASH_HS
     return _bf16_tensor_map(ptr, (FLASH_HS, NH, T, B), (FLASH_HS * 2, C * 2, T * C * 2),  # bytes: head, row, batch
-                            (FLASH_HS, 1, WGMMA_BQ, 1), f"attention_backward 4: dout (B={B} T={T} C={C})")
+                            (FLASH_HS, 1, WGMMA_BQ, 1), f"{what} (B={B} T={T} C={C})")
 
 
-def build_flash_attention_forward_wgmma(rt, B, T, C, NH, overlap=False, **_):
+def qkv_tensor_map(ptr: int, B: int, T: int, NH: int) -> bytes:
+    """The CUtensorMap of the qkv matmul's output (B,T,3C) bf16, unpermuted: btc_tensor_map's 4D view with
+    3*NH heads (q of head h is head h, k head NH + h, v head 2*NH + h), boxes of one head's 128 rows."""
+    return btc_tensor_map(ptr, B, T, 3 * NH, "attention 4: qkv")
+
+
+def build_flash_attention_forward_wgmma(rt, B, T, C, NH, overlap=False, qkv_in_place=False, **_):
     """Variant 4, bf16 only: launch(out (B,T,C), qkvr (B,T,3C), lse (B,NH,T), inp (B,T,3C)) like the
-    bf16 builds of 2, 3 (out, qkvr, inp bf16; lse fp32, read by attention_backward 2/3): the bf16
-    permute into qkvr, then one wgmma kernel per (b, h, 128 query rows). The TMA reads qkvr through
-    a tensor map that holds its address: one map per qkvr pointer (each layer has its own), encoded
-    and copied to the device at its first launch, so a captured graph replays the same maps.
+    bf16 builds of 2, 3 (out, qkvr, inp bf16; lse fp32, read by attention_backward 2/3/4): one wgmma
+    kernel per (b, h, 128 query rows) that reads q, k, v straight from inp, the qkv matmul's output,
+    through a tensor map of it (4D: dims, 3*NH heads, T, B), and the bf16 permute of inp into qkvr
+    for backward 2, 3 (and 4's permuted build) to read. qkv_in_place: no permute; what backward
+    reads is inp itself (the caller passes the same tensor as qkvr and inp, and builds backward 4 with
+    qkv_in_place too): the model's form in training when both directions are 4. The map holds inp's
+    address: one map per inp pointer (each layer has its own in place), encoded and copied to the
+    device at its first launch, so a captured graph replays the same maps.
     overlap: the kernel that issues the next tile's q k^T before this tile's p v, so the softmax
     overlaps the tensor cores within a warpgroup (FlashAttention-3's intra-warpgroup overlap; the
     same bits; the lab times both)."""
     _check_attention(B, T, C, NH)
-    permute = _build_permute(rt, "permute", B, T, 3, NH, FLASH_HS, "bf16")
+    permute = None if qkv_in_place else _build_permute(rt, "permute", B, T, 3, NH, FLASH_HS, "bf16")
     k = rt.kernel(WGMMA_MODULE, "flash_attention_forward_kernel4_bf16" + ("_overlap" if overlap else ""), "PPPiiif",
                   label="attention_forward 4 (flash, wgmma) bf16" + (" overlap" if overlap else ""))
     if WGMMA_FWD_SMEM > rt.max_smem_optin:
@@ -504,13 +520,17 @@ def build_flash_attention_forward_wgmma(rt, B, T, C, NH, overlap=False, **_):
     maps: dict = {}
 
     def launch(out, qkvr, lse, inp):
-        permute(qkvr, inp)
-        qp = _ptr(qkvr)
-        dm = maps.get(qp)
-        if dm is None:  # first launch on this qkvr: encode its map, copy it to the device
-            if qp & 15:
-                raise LLMCError(f"attention_forward 4: qkvr must be 16-byte aligned for the TMA (0x{qp:x})")
-            dm = maps[qp] = rt.to_device(np.frombuffer(qkvr_tensor_map(qp, B, NH, T), np.uint8))
+        ip = _ptr(inp)
+        if permute is not None:
+            permute(qkvr, inp)
+        elif _ptr(qkvr) != ip:
+            raise LLMCError("attention_forward 4 (qkv in place): qkvr must be inp, the tensor backward 4 reads "
+                            f"(got 0x{_ptr(qkvr):x} and 0x{ip:x})")
+        dm = maps.get(ip)
+        if dm is None:  # first launch on this inp: encode its map, copy it to the device
+            if ip & 15:
+                raise LLMCError(f"attention_forward 4: inp must be 16-byte aligned for the TMA (0x{ip:x})")
+            dm = maps[ip] = rt.to_device(np.frombuffer(qkv_tensor_map(ip, B, T, NH), np.uint8))
         k(grid, block, _ptr(out), _ptr(lse), dm.ptr, *args, smem=WGMMA_FWD_SMEM)
     return launch
 
@@ -523,7 +543,7 @@ WGMMA_DQ_SMEM = 1024 + 2 * WGMMA_BQ * 128 + WGMMA_BWD_STAGES * 2 * WGMMA_BQ * 12
 WGMMA_DKDV_SMEM = WGMMA_DQ_SMEM + 2 * 2 * 2 * WGMMA_BQ * 4
 
 
-def build_flash_attention_backward_wgmma(rt, B, T, C, NH, overlap=False, **_):
+def build_flash_attention_backward_wgmma(rt, B, T, C, NH, overlap=False, qkv_in_place=False, **_):
     """Variant 4, bf16 only: launch(dinp (B,T,3C), dout (B,T,C), qkvr (B,T,3C), lse (B,NH,T), out (B,T,C))
     like the bf16 builds of 2, 3 (dinp, dout, qkvr, out bf16; lse and the scratch D fp32; the lse of
     attention_forward 2, 3 or 4): a dq kernel (also writing D = rowsum(dout * out)) then a dk/dv
@@ -531,18 +551,25 @@ def build_flash_attention_backward_wgmma(rt, B, T, C, NH, overlap=False, **_):
     warpgroups; dinp overwritten, no atomics. The TMA reads qkvr and dout through two tensor maps
     (cuda/attention_wgmma.cu, backward Layouts) kept back to back on the device: one pair per (qkvr,
     dout) pointer pair, encoded and copied at its first launch, so a captured graph replays them.
+    qkv_in_place: qkvr is the forward's inp itself, the (B,T,3C) qkv tensor unpermuted (attention_forward
+    4 built with qkv_in_place; the kernels' _btc entry points read it through qkv_tensor_map); else the
+    permuted qkvr that forwards 2, 3 and 4 write.
     overlap: the dq kernel that leaves tile i's dq product running while it issues tile i + 1's S and
-    dP (the same bits; the lab times both)."""
+    dP (the same bits; the lab times both; permuted qkvr only)."""
     _check_attention(B, T, C, NH)
+    assert not (overlap and qkv_in_place), "the overlap dq kernel reads the permuted qkvr only"
     for name, smem in (("dq", WGMMA_DQ_SMEM), ("dk dv", WGMMA_DKDV_SMEM)):
         if smem > rt.max_smem_optin:
             refuse("attention_backward", 4, f"the {name} kernel needs {smem} bytes of shared memory, the device "
                                             f"allows {rt.max_smem_optin}")
     D = rt.empty((B, NH, T))  # fp32
     label = "attention_backward 4 (flash, wgmma) bf16"
-    kq = rt.kernel(WGMMA_MODULE, "flash_attention_backward_dq_kernel4_bf16" + ("_overlap" if overlap else ""),
-                   "PPPPPPiiif", label=label + " dq" + (" overlap" if overlap else ""))
-    kkv = rt.kernel(WGMMA_MODULE, "flash_attention_backward_dkdv_kernel4_bf16", "PPPPiiif", label=label + " dk dv")
+    sfx = "_overlap" if overlap else "_btc" if qkv_in_place else ""
+    kq = rt.kernel(WGMMA_MODULE, "flash_attention_backward_dq_kernel4_bf16" + sfx, "PPPPPPiiif",
+                   label=label + " dq" + sfx.replace("_", " "))
+    kkv = rt.kernel(WGMMA_MODULE, "flash_attention_backward_dkdv_kernel4_bf16" + ("_btc" if qkv_in_place else ""),
+                    "PPPPiiif", label=label + " dk dv" + (" btc" if qkv_in_place else ""))
+    qkv_map = (lambda p: qkv_tensor_map(p, B, T, NH)) if qkv_in_place else (lambda p: qkvr_tensor_map(p, B, NH, T))
     kq.set_max_dynamic_smem(WGMMA_DQ_SMEM)
     kkv.set_max_dynamic_smem(WGMMA_DKDV_SMEM)
     grid, block = (B * NH, ceil_div(T, WGMMA_BQ), 1), (384, 1, 1)
@@ -556,7 +583,7 @@ def build_flash_attention_backward_wgmma(rt, B, T, C, NH, overlap=False, **_):
             for name, p in (("qkvr", qp), ("dout", dp), ("out", _ptr(out))):  # out: the dq kernel's 16-byte loads
                 if p & 15:
                     raise LLMCError(f"attention_backward 4: {name} must be 16-byte aligned (0x{p:x})")
-            two = qkvr_tensor_map(qp, B, NH, T) + btc_tensor_map(dp, B, T, NH)  # tm[0], tm[1]
+            two = qkv_map(qp) + btc_tensor_map(dp, B, T, NH)  # tm[0], tm[1]
             dm = maps[(qp, dp)] = rt.to_device(np.frombuffer(two, np.uint8))
         kq(grid, block, _ptr(dinp), _ptr(D), dp, _ptr(out), dm.ptr, _ptr(lse), *args, smem=WGMMA_DQ_SMEM)
         kkv(grid, block, _ptr(dinp), dm.ptr, _ptr(lse), _ptr(D), *args, smem=WGMMA_DKDV_SMEM)
@@ -779,7 +806,8 @@ ATTENTION_FORWARD_VARIANTS = {
     4: Variant(4, "fused flash attention on Hopper wgmma (bf16 only, sm_90a): k, v tiles by TMA on an mbarrier "
                   "ring fed by a producer warpgroup, 2 consumer warpgroups x 64 query rows, p v with p from "
                   "registers; keeps the log-sum-exp for backward 2/3 (head size 64)",
-               {"bf16": build_flash_attention_forward_wgmma}, scratch_bytes=lambda **_: 0, arch="sm_90", **_FUSED),
+               {"bf16": build_flash_attention_forward_wgmma}, scratch_bytes=lambda **_: 0, arch="sm_90",
+               options=("qkv_in_place",), **_FUSED),
 }
 ATTENTION_BACKWARD_VARIANTS = {
     1: Variant(1, "composite: dv, datt in the batched GEMM (--matmul-backward-kernel), softmax backward "
@@ -796,7 +824,7 @@ ATTENTION_BACKWARD_VARIANTS = {
                   "of 3 with 128 x 128 tiles by TMA fed by a producer warpgroup, 2 consumer warpgroups, p and ds "
                   "from registers; reads the lse of forward 2, 3 or 4 (head size 64)",
                {"bf16": build_flash_attention_backward_wgmma}, scratch_bytes=_scratch_flash_backward, arch="sm_90",
-               **_FUSED),
+               options=("qkv_in_place",), **_FUSED),
 }
 ATTENTION_DECODE_VARIANTS = {
     1: Variant(1, "one block per (b, h): scores in shared memory, block softmax, att @ v; appends k, v",
@@ -848,10 +876,12 @@ OPS = [
     # 38.76 with 2/3 and 38.25 with 4/3); another GPU refuses 4 and gets 3 with one note
     OpSpec("attention_forward", attention_forward_cpu, ATTENTION_FORWARD_VARIANTS, default=2, defaults={"bf16": 4},
            flag="--attention-kernel", pair="attention_backward", saves=_saves_att, cost=cost_forward,
+           options=("qkv_in_place",),
            doc="out(B,T,C)=, qkvr(B,T,3C)=, saved=, inp(B,T,3C); saved is att(B,NH,T,T) (1) or "
                "lse(B,NH,T) (2, 3): Built.saved_shape; build(B, T, C, NH)"),
     OpSpec("attention_backward", attention_backward_cpu, ATTENTION_BACKWARD_VARIANTS, default=3, defaults={"bf16": 4},
            flag="--attention-backward-kernel", pair="attention_forward", saves=_saves_att, cost=cost_backward,
+           options=("qkv_in_place",),
            doc="dinp(B,T,3C)=, dout(B,T,C), qkvr(B,T,3C), saved, out(B,T,C); build(B, T, C, NH)"),
     OpSpec("attention_decode", attention_decode_cpu, ATTENTION_DECODE_VARIANTS, default=2,
            flag="--attention-decode-kernel", cost=cost_decode,
