@@ -226,9 +226,31 @@ __device__ __forceinline__ void pack_p(uint32_t (&pa)[8][4], const float (&sc)[6
 // ------------------------------------------------------------------------------------------------
 // the forward
 
-// tm: the 3D tensor map of qkvr (see Layouts), in global memory. OVERLAP: the scores of the next tile
-// are issued before p v of this one (FlashAttention-3's intra-warpgroup overlap; see the loop).
-template <bool OVERLAP>
+// Ping-pong between the two consumer warpgroups (FlashAttention-3's inter-warpgroup schedule): they
+// would otherwise wait on the same `full` barrier and run in lockstep, both issuing their products at
+// once (the tensor cores serve them one after the other) and then both doing their softmax at once
+// (the tensor cores idle). With PINGPONG each warpgroup issues its products of a step (a "turn") only
+// after the other has issued its own, so one warpgroup's softmax runs beside the other's products.
+// Two named barriers of 256 threads, PP_BAR + cw: a warpgroup syncs on its own before its turn and
+// arrives on the other's after it. Consumer 1 arrives on consumer 0's once at the start (consumer 0
+// goes first) and skips its arrival after its last turn, so each barrier sees as many arrivals as
+// syncs (nkt + 1 turns each: S of tile 0, then S of tile i + 1 with p v of tile i, then the last p v).
+constexpr int PP_BAR = 3;  // 3 and 4 (0 is __syncthreads; 1, 2 wg_barrier)
+__device__ __forceinline__ void pp_sync(int cw) { asm volatile("bar.sync %0, 256;" ::"r"(PP_BAR + cw) : "memory"); }
+__device__ __forceinline__ void pp_arrive(int cw) { asm volatile("bar.arrive %0, 256;" ::"r"(PP_BAR + cw) : "memory"); }
+// The protocol for consumer cw (ON = false: no-ops). Both consumers must take the same number of turns.
+template <bool ON>
+struct PingPong {
+    int cw;
+    __device__ __forceinline__ void start() const { if (ON && cw == 1) pp_arrive(0); }  // consumer 0 goes first
+    __device__ __forceinline__ void begin() const { if (ON) pp_sync(cw); }
+    __device__ __forceinline__ void end(bool last) const { if (ON && !(last && cw == 1)) pp_arrive(1 - cw); }
+};
+
+// tm: the 4D tensor map of inp (see Layouts: BTC), in global memory. OVERLAP: the scores of the next
+// tile are issued before p v of this one (FlashAttention-3's intra-warpgroup overlap; see the loop);
+// PINGPONG (with OVERLAP): the two consumers take turns issuing (above).
+template <bool OVERLAP, bool PINGPONG = false>
 __device__ __forceinline__ void flash_forward_wgmma(bf16* out, float* lse, const CUtensorMap* tm, int B, int NH, int T,
                                                     float scale) {
     extern __shared__ unsigned char smem_raw[];
@@ -313,10 +335,15 @@ __device__ __forceinline__ void flash_forward_wgmma(bf16* out, float* lse, const
         // S, is done; p v may still run). O is rescaled by tile i + 1's correction only once p v of
         // tile i has landed, and P i + 1 is packed only then (P i's registers are p v's operand).
         // Per row the same operations in the same order as !OVERLAP: the same bits.
+        static_assert(OVERLAP || !PINGPONG, "ping-pong turns are the overlapped loop's issue batches");
+        const PingPong<PINGPONG> turn{cw};
+        turn.start();
         wait_full(0);
+        turn.begin();
         wgmma_fence();
         issue_s(sc, sqw, stage_k(0));
         wgmma_commit();
+        turn.end(false);
         wgmma_wait<0>();
         keep_in_regs(sc);
         softmax_tile(sc, m, l, corr, nkt == 1, 0, row0, t, c2);
@@ -324,11 +351,13 @@ __device__ __forceinline__ void flash_forward_wgmma(bf16* out, float* lse, const
         pack_p(pa, sc);
         for (int i = 0; i + 1 < nkt; i++) {
             wait_full(i + 1);
+            turn.begin();
             wgmma_fence();
             issue_s(sc, sqw, stage_k(i + 1));
             wgmma_commit();
             issue_pv(o, pa, stage_v(i));
             wgmma_commit();
+            turn.end(false);
             wgmma_wait<1>();
             keep_in_regs(sc);
             softmax_tile(sc, m, l, corr, i + 1 == nkt - 1, (i + 1) * BKV, row0, t, c2);
@@ -338,9 +367,11 @@ __device__ __forceinline__ void flash_forward_wgmma(bf16* out, float* lse, const
             rescale_o(o, corr);
             pack_p(pa, sc);
         }
+        turn.begin();
         wgmma_fence();  // the last tile's p v
         issue_pv(o, pa, stage_v(nkt - 1));
         wgmma_commit();
+        turn.end(true);
         wgmma_wait<0>();
         keep_in_regs(o);
         release(nkt - 1);
@@ -373,6 +404,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_forward_kernel4_bf16_overlap(bf16* out, float* lse, const CUtensorMap* tm, int B, int NH, int T,
                                              float scale) {
     flash_forward_wgmma<true>(out, lse, tm, B, NH, T, scale);
+}
+// the lab's pingpong=True build: overlap plus the two consumers taking turns; the same bits
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+flash_attention_forward_kernel4_bf16_pingpong(bf16* out, float* lse, const CUtensorMap* tm, int B, int NH, int T,
+                                              float scale) {
+    flash_forward_wgmma<true, true>(out, lse, tm, B, NH, T, scale);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -441,7 +478,9 @@ __device__ __forceinline__ void pack_a(uint32_t (&a)[8][4], const float (&x)[64]
 // OVERLAP: tile i's dq product is left running while tile i + 1's S and dP are issued (one wait for
 // both instead of two), at the cost of keeping the packed dS (32 registers) live across that issue;
 // the same operations on each accumulator in the same order: the same bits (the lab times both).
-template <bool OVERLAP, bool BTC>
+// PINGPONG (not with OVERLAP): the consumers take turns issuing (PingPong above): 2 nkt turns each,
+// S and dP of a tile, then its dq product; one's dS runs beside the other's products.
+template <bool OVERLAP, bool BTC, bool PINGPONG = false>
 __device__ __forceinline__ void flash_backward_dq_wgmma(bf16* dinp, float* Dbuf, const bf16* dout, const bf16* out,
                                                         const CUtensorMap* tm, const float* lse, int B, int NH, int T,
                                                         float scale) {
@@ -530,12 +569,16 @@ __device__ __forceinline__ void flash_backward_dq_wgmma(bf16* dinp, float* Dbuf,
     uint32_t da[8][4];
     auto stage = [&](int i) { return skv + (i % BWD_STAGES) * STAGE_BYTES; };
     // S = q k^T and dP = dout v^T of key tile i, issued as one group
+    static_assert(!(OVERLAP && PINGPONG), "ping-pong turns are the plain loop's issue batches");
+    const PingPong<PINGPONG> turn{cw};
     auto issue_sdp = [&](int i) {
         mbar_wait(&full[i % BWD_STAGES], (i / BWD_STAGES) & 1);
+        turn.begin();
         wgmma_fence();
         issue_s(sc, sqw, stage(i));
         issue_s(dp, sdow, stage(i) + KV_BYTES);
         wgmma_commit();
+        turn.end(false);
     };
     // dS = P (dP - D), P = 2^(c2 S - lse log2e), packed to bf16 as dq's A operand. On the diagonal
     // tile (the last) keys > row are masked (so are keys >= T, zero-filled: > every row < T).
@@ -560,13 +603,16 @@ __device__ __forceinline__ void flash_backward_dq_wgmma(bf16* dinp, float* Dbuf,
     auto release = [&](int i) { __syncwarp(); if (lane == 0) mbar_arrive(&empty[i % BWD_STAGES]); };
     mbar_wait(qd_full, 0);
     if constexpr (!OVERLAP) {
+        turn.start();
         for (int i = 0; i < nkt; i++) {
             issue_sdp(i);
             wgmma_wait<0>();
             make_ds(i);
+            turn.begin();
             wgmma_fence();
             issue_o(dq, da, stage(i));  // dq += dS k (k as the MN-major B: keys x dims)
             wgmma_commit();
+            turn.end(i == nkt - 1);
             wgmma_wait<0>();
             keep_in_regs(dq);
             release(i);
@@ -612,6 +658,13 @@ flash_attention_backward_dq_kernel4_bf16_btc(bf16* dinp, float* Dbuf, const bf16
                                              float scale) {
     flash_backward_dq_wgmma<false, true>(dinp, Dbuf, dout, out, tm, lse, B, NH, T, scale);
 }
+// the lab's in-place pingpong=True build (the consumers take turns issuing; the same bits)
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+flash_attention_backward_dq_kernel4_bf16_btc_pingpong(bf16* dinp, float* Dbuf, const bf16* dout, const bf16* out,
+                                                      const CUtensorMap* tm, const float* lse, int B, int NH, int T,
+                                                      float scale) {
+    flash_backward_dq_wgmma<false, true, true>(dinp, Dbuf, dout, out, tm, lse, B, NH, T, scale);
+}
 // the lab's overlap=True build (llmc/ops/attention.py); the same bits as the plain one
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_backward_dq_kernel4_bf16_overlap(bf16* dinp, float* Dbuf, const bf16* dout, const bf16* out,
@@ -622,7 +675,8 @@ flash_attention_backward_dq_kernel4_bf16_overlap(bf16* dinp, float* Dbuf, const 
 
 // Backward, part 2: per (b, h, 128 keys), over the query tiles kb..nqb-1, dv = sum p^T dout and
 // dk = scale sum (p (dp - D))^T q, transposed (keys as rows). Reads D from part 1. tm, BTC: as part 1.
-template <bool BTC>
+// PINGPONG: the consumers take turns issuing, 2 nt turns each (S^T and dP^T of a tile, then dv and dk).
+template <bool BTC, bool PINGPONG = false>
 __device__ __forceinline__ void flash_backward_dkdv_wgmma(bf16* dinp, const CUtensorMap* tm, const float* lse,
                                                           const float* Dbuf, int B, int NH, int T, float scale) {
     extern __shared__ unsigned char smem_bwd[];
@@ -691,6 +745,8 @@ __device__ __forceinline__ void flash_backward_dkdv_wgmma(bf16* dinp, const CUte
     float sc[64], dp[64];
     uint32_t pa[8][4], da[8][4];
     mbar_wait(kv_full, 0);
+    const PingPong<PINGPONG> turn{cw};
+    turn.start();
     for (int i = 0; i < nt; i++) {
         // stage this tile's lse, D in buffer i & 1 (its last readers, tile i - 2, are all past the
         // barrier of tile i - 1), then fetch the next tile's
@@ -702,10 +758,12 @@ __device__ __forceinline__ void flash_backward_dkdv_wgmma(bf16* dinp, const CUte
 
         const unsigned char* sqt = sqd + (i % BWD_STAGES) * STAGE_BYTES;
         mbar_wait(&full[i % BWD_STAGES], (i / BWD_STAGES) & 1);
+        turn.begin();
         wgmma_fence();
         issue_s(sc, skw, sqt);             // S^T = k q^T
         issue_s(dp, svw, sqt + KV_BYTES);  // dP^T = v dout^T
         wgmma_commit();
+        turn.end(false);
         wgmma_wait<0>();
         keep_in_regs(sc);
         keep_in_regs(dp);
@@ -729,10 +787,12 @@ __device__ __forceinline__ void flash_backward_dkdv_wgmma(bf16* dinp, const CUte
         }
         pack_a(pa, sc);
         pack_a(da, dp);
+        turn.begin();
         wgmma_fence();
         issue_o(dv, pa, sqt + KV_BYTES);  // dv += P^T dout
         issue_o(dk, da, sqt);             // dk += dS^T q
         wgmma_commit();
+        turn.end(i == nt - 1);
         wgmma_wait<0>();
         keep_in_regs(dv);
         keep_in_regs(dk);
@@ -763,4 +823,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_backward_dkdv_kernel4_bf16_btc(bf16* dinp, const CUtensorMap* tm, const float* lse, const float* Dbuf,
                                                int B, int NH, int T, float scale) {
     flash_backward_dkdv_wgmma<true>(dinp, tm, lse, Dbuf, B, NH, T, scale);
+}
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+flash_attention_backward_dkdv_kernel4_bf16_btc_pingpong(bf16* dinp, const CUtensorMap* tm, const float* lse,
+                                                        const float* Dbuf, int B, int NH, int T, float scale) {
+    flash_backward_dkdv_wgmma<true, true>(dinp, tm, lse, Dbuf, B, NH, T, scale);
 }

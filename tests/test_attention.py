@@ -576,6 +576,12 @@ def test_flash_attention_wgmma_gpu(rt, B, T, C, NH):
     over(d_out, d_qkvr, d_lse, d_inp)
     assert np.array_equal(from_bf16(d_out.get()), out), "overlap: out differs from the plain wgmma forward"
     assert np.array_equal(d_lse.get(), lse), "overlap: lse differs from the plain wgmma forward"
+    # the ping-pong kernel (overlap, consumers taking turns to issue) only reorders issues: the same bits
+    pp = A.build_flash_attention_forward_wgmma(rt, B=B, T=T, C=C, NH=NH, pingpong=True)
+    poison(d_out, d_lse)
+    pp(d_out, d_qkvr, d_lse, d_inp)
+    assert np.array_equal(from_bf16(d_out.get()), out), "pingpong: out differs from the plain wgmma forward"
+    assert np.array_equal(d_lse.get(), lse), "pingpong: lse differs from the plain wgmma forward"
     # deterministic (fixed order, no atomics), and a captured graph replays the same launches (the
     # tensor map was encoded at the first launch above) with the same bits
     poison(d_out, d_lse)
@@ -666,6 +672,10 @@ def test_flash_attention_wgmma_backward_gpu(rt, B, T, C, NH):
     poison(d_dinp, *inplace.scratch.values())
     inplace(d_dinp, d_dout, d_inp, d_lse, d_out)
     assert np.array_equal(from_bf16(d_dinp.get()), first), "in place: dinp differs from the permuted-qkvr build"
+    pp = A.build_flash_attention_backward_wgmma(rt, B=B, T=T, C=C, NH=NH, qkv_in_place=True, pingpong=True)
+    poison(d_dinp, *pp.scratch.values())
+    pp(d_dinp, d_dout, d_inp, d_lse, d_out)
+    assert np.array_equal(from_bf16(d_dinp.get()), first), "pingpong: dinp differs from the plain build"
     # the overlapped dq kernel does the same operations on each accumulator in the same order: the same bits
     over = A.build_flash_attention_backward_wgmma(rt, B=B, T=T, C=C, NH=NH, overlap=True)
     poison(d_dinp, *over.scratch.values())
@@ -878,8 +888,10 @@ def test_wgmma_forward_builds(monkeypatch):
     assert len(perm) == 3 and perm[0].args[:2] == (0x4000, 0x10000)
     with pytest.raises(LLMCError, match="16-byte aligned"):
         launch(0x1000, 0x4000, 0x3000, 0x30008)
-    A.build_flash_attention_forward_wgmma(rt, B=2, T=200, C=128, NH=2, overlap=True)  # the lab's other build
+    A.build_flash_attention_forward_wgmma(rt, B=2, T=200, C=128, NH=2, overlap=True)  # the lab's other builds
     assert rt.built[-1] == "flash_attention_forward_kernel4_bf16_overlap"
+    A.build_flash_attention_forward_wgmma(rt, B=2, T=200, C=128, NH=2, pingpong=True)
+    assert rt.built[-1] == "flash_attention_forward_kernel4_bf16_pingpong"
     # qkv in place: no permute at all, and qkvr must be inp (the tensor backward 4 then reads)
     rt = FakeRuntime(heap_bytes=1 << 16)
     encoded.clear()

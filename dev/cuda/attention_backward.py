@@ -119,11 +119,13 @@ for version in ((2, 3) if "bf16" in DTYPES else ()):
 # "in place": the build the model trains with (q, k, v read from the qkv matmul's (B,T,3C) output, the
 # forward's inp, through a 4D tensor map: the _btc kernels)
 d_inp_b = rt.to_device(to_bf16(inp_b))
-for form in (("plain", "dq overlap", "in place") if "bf16" in DTYPES and rt.arch == "sm_90" else ()):
+# ("in place, pingpong": both kernels' consumers taking turns issuing their products)
+for form in (("plain", "dq overlap", "in place", "in place, pingpong") if "bf16" in DTYPES and rt.arch == "sm_90"
+             else ()):
     nt4 = -(-T // 128)
     built = A.build_flash_attention_backward_wgmma(rt, B=B, T=T, C=C, NH=NH, overlap=form == "dq overlap",
-                                                   qkv_in_place=form == "in place")
-    flash4, qkv4 = built.launch, (d_inp_b if form == "in place" else d_qkvr_b)
+                                                   qkv_in_place="in place" in form, pingpong="pingpong" in form)
+    flash4, qkv4 = built.launch, (d_inp_b if "in place" in form else d_qkvr_b)
     fn = lambda: flash4(d_dinp_b, d_dout_b, qkv4, d_lse_b, d_out_b)  # noqa: E731
     label = f"attention_backward 4 bf16 (flash wgmma + TMA{'' if form == 'plain' else ', ' + form})"
     d_dinp_b.fill_bytes(0xFF)

@@ -494,7 +494,7 @@ def qkv_tensor_map(ptr: int, B: int, T: int, NH: int) -> bytes:
     return btc_tensor_map(ptr, B, T, 3 * NH, "attention 4: qkv")
 
 
-def build_flash_attention_forward_wgmma(rt, B, T, C, NH, overlap=False, qkv_in_place=False, **_):
+def build_flash_attention_forward_wgmma(rt, B, T, C, NH, overlap=False, qkv_in_place=False, pingpong=False, **_):
     """Variant 4, bf16 only: launch(out (B,T,C), qkvr (B,T,3C), lse (B,NH,T), inp (B,T,3C)) like the
     bf16 builds of 2, 3 (out, qkvr, inp bf16; lse fp32, read by attention_backward 2/3/4): one wgmma
     kernel per (b, h, 128 query rows) that reads q, k, v straight from inp, the qkv matmul's output,
@@ -506,11 +506,13 @@ def build_flash_attention_forward_wgmma(rt, B, T, C, NH, overlap=False, qkv_in_p
     device at its first launch, so a captured graph replays the same maps.
     overlap: the kernel that issues the next tile's q k^T before this tile's p v, so the softmax
     overlaps the tensor cores within a warpgroup (FlashAttention-3's intra-warpgroup overlap; the
-    same bits; the lab times both)."""
+    same bits; the lab times both). pingpong: overlap, and the two consumer warpgroups take turns
+    issuing their products (FlashAttention-3's inter-warpgroup schedule; the same bits)."""
     _check_attention(B, T, C, NH)
     permute = None if qkv_in_place else _build_permute(rt, "permute", B, T, 3, NH, FLASH_HS, "bf16")
-    k = rt.kernel(WGMMA_MODULE, "flash_attention_forward_kernel4_bf16" + ("_overlap" if overlap else ""), "PPPiiif",
-                  label="attention_forward 4 (flash, wgmma) bf16" + (" overlap" if overlap else ""))
+    sfx = "_pingpong" if pingpong else "_overlap" if overlap else ""
+    k = rt.kernel(WGMMA_MODULE, "flash_attention_forward_kernel4_bf16" + sfx, "PPPiiif",
+                  label="attention_forward 4 (flash, wgmma) bf16" + sfx.replace("_", " "))
     if WGMMA_FWD_SMEM > rt.max_smem_optin:
         refuse("attention_forward", 4, f"needs {WGMMA_FWD_SMEM} bytes of shared memory, the device allows "
                                        f"{rt.max_smem_optin}")
@@ -543,7 +545,7 @@ WGMMA_DQ_SMEM = 1024 + 2 * WGMMA_BQ * 128 + WGMMA_BWD_STAGES * 2 * WGMMA_BQ * 12
 WGMMA_DKDV_SMEM = WGMMA_DQ_SMEM + 2 * 2 * 2 * WGMMA_BQ * 4
 
 
-def build_flash_attention_backward_wgmma(rt, B, T, C, NH, overlap=False, qkv_in_place=False, **_):
+def build_flash_attention_backward_wgmma(rt, B, T, C, NH, overlap=False, qkv_in_place=False, pingpong=False, **_):
     """Variant 4, bf16 only: launch(dinp (B,T,3C), dout (B,T,C), qkvr (B,T,3C), lse (B,NH,T), out (B,T,C))
     like the bf16 builds of 2, 3 (dinp, dout, qkvr, out bf16; lse and the scratch D fp32; the lse of
     attention_forward 2, 3 or 4): a dq kernel (also writing D = rowsum(dout * out)) then a dk/dv
@@ -555,20 +557,24 @@ def build_flash_attention_backward_wgmma(rt, B, T, C, NH, overlap=False, qkv_in_
     4 built with qkv_in_place; the kernels' _btc entry points read it through qkv_tensor_map); else the
     permuted qkvr that forwards 2, 3 and 4 write.
     overlap: the dq kernel that leaves tile i's dq product running while it issues tile i + 1's S and
-    dP (the same bits; the lab times both; permuted qkvr only)."""
+    dP (the same bits; the lab times both; permuted qkvr only). pingpong (in place only): both kernels'
+    consumer warpgroups take turns issuing their products (the same bits; a lab row)."""
     _check_attention(B, T, C, NH)
     assert not (overlap and qkv_in_place), "the overlap dq kernel reads the permuted qkvr only"
+    assert not pingpong or qkv_in_place, "the ping-pong kernels are built for the in-place form only"
     for name, smem in (("dq", WGMMA_DQ_SMEM), ("dk dv", WGMMA_DKDV_SMEM)):
         if smem > rt.max_smem_optin:
             refuse("attention_backward", 4, f"the {name} kernel needs {smem} bytes of shared memory, the device "
                                             f"allows {rt.max_smem_optin}")
     D = rt.empty((B, NH, T))  # fp32
     label = "attention_backward 4 (flash, wgmma) bf16"
-    sfx = "_overlap" if overlap else "_btc" if qkv_in_place else ""
+    pp = "_pingpong" if pingpong else ""
+    sfx = "_overlap" if overlap else "_btc" + pp if qkv_in_place else ""
     kq = rt.kernel(WGMMA_MODULE, "flash_attention_backward_dq_kernel4_bf16" + sfx, "PPPPPPiiif",
                    label=label + " dq" + sfx.replace("_", " "))
-    kkv = rt.kernel(WGMMA_MODULE, "flash_attention_backward_dkdv_kernel4_bf16" + ("_btc" if qkv_in_place else ""),
-                    "PPPPiiif", label=label + " dk dv" + (" btc" if qkv_in_place else ""))
+    sfx = "_btc" + pp if qkv_in_place else ""
+    kkv = rt.kernel(WGMMA_MODULE, "flash_attention_backward_dkdv_kernel4_bf16" + sfx, "PPPPiiif",
+                    label=label + " dk dv" + sfx.replace("_", " "))
     qkv_map = (lambda p: qkv_tensor_map(p, B, T, NH)) if qkv_in_place else (lambda p: qkvr_tensor_map(p, B, NH, T))
     kq.set_max_dynamic_smem(WGMMA_DQ_SMEM)
     kkv.set_max_dynamic_smem(WGMMA_DKDV_SMEM)
