@@ -247,9 +247,69 @@ struct PingPong {
     __device__ __forceinline__ void end(bool last) const { if (ON && !(last && cw == 1)) pp_arrive(1 - cw); }
 };
 
+// One query block's key tiles 0..nkt-1 in the plain loop (q k^T, softmax, p v, one tile at a time; with
+// PINGPONG 2 nkt turns each: q k^T of a tile, then its p v): O, m, l accumulate. Tile i's stage is ring
+// slot u0 + i (the persistent kernel's ring runs on across blocks). Once the last q k^T has completed,
+// on_q_read() runs (the persistent kernel frees q's buffer there).
+template <bool PINGPONG, typename F>
+__device__ __forceinline__ void forward_block_plain(float (&o)[32], float (&m)[2], float (&l)[2], const unsigned char* sqw,
+                                                    unsigned char* skv, uint64_t* full, uint64_t* empty, int u0, int nkt,
+                                                    int row0, int t, int lane, float c2, const PingPong<PINGPONG>& turn,
+                                                    F on_q_read) {
+    float sc[64];
+    uint32_t pa[8][4];
+    float corr[2];
+    for (int i = 0; i < nkt; i++) {
+        const int u = u0 + i;
+        unsigned char* st = skv + (u % STAGES) * STAGE_BYTES;  // k, then v KV_BYTES after it
+        mbar_wait(&full[u % STAGES], (u / STAGES) & 1);
+        turn.begin();
+        wgmma_fence();
+        issue_s(sc, sqw, st);
+        wgmma_commit();
+        turn.end(false);
+        wgmma_wait<0>();
+        keep_in_regs(sc);
+        if (i == nkt - 1) on_q_read();
+        softmax_tile(sc, m, l, corr, i == nkt - 1, i * BKV, row0, t, c2);
+        rescale_o(o, corr);
+        pack_p(pa, sc);
+        turn.begin();
+        wgmma_fence();
+        issue_pv(o, pa, st + KV_BYTES);
+        wgmma_commit();
+        turn.end(i == nkt - 1);
+        wgmma_wait<0>();  // also: the P registers may be reused only after this
+        keep_in_regs(o);
+        // both products have read the stage: release it to the producer (one arrival per warp)
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&empty[u % STAGES]);
+    }
+}
+
+// out = O / l (bf16, one rounding), lse = (m + log2 l) ln 2, of this thread's two rows row0, row0 + 8
+__device__ __forceinline__ void forward_store(bf16* out, float* lse, const float (&o)[32], const float (&m)[2],
+                                              const float (&l)[2], int row0, int t, int b, int h, int NH, int T) {
+    const int C = NH * HS;
+#pragma unroll
+    for (int hh = 0; hh < 2; hh++) {
+        const int row = row0 + 8 * hh;
+        float lr = l[hh];
+        lr += __shfl_xor_sync(0xffffffffu, lr, 1);
+        lr += __shfl_xor_sync(0xffffffffu, lr, 2);
+        if (row >= T) continue;
+        const float inv = 1.0f / lr;
+        bf16* dst = out + ((size_t)b * T + row) * C + h * HS + 2 * t;
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+            *reinterpret_cast<uint32_t*>(dst + 8 * j) = pack_bf16(o[4 * j + 2 * hh] * inv, o[4 * j + 2 * hh + 1] * inv);
+        if (t == 0) lse[((size_t)b * NH + h) * T + row] = (m[hh] + __log2f(lr)) * LN2;
+    }
+}
+
 // tm: the 4D tensor map of inp (see Layouts: BTC), in global memory. OVERLAP: the scores of the next
 // tile are issued before p v of this one (FlashAttention-3's intra-warpgroup overlap; see the loop);
-// PINGPONG (with OVERLAP): the two consumers take turns issuing (above).
+// PINGPONG: the two consumers take turns issuing (above).
 template <bool OVERLAP, bool PINGPONG = false>
 __device__ __forceinline__ void flash_forward_wgmma(bf16* out, float* lse, const CUtensorMap* tm, int B, int NH, int T,
                                                     float scale) {
@@ -262,7 +322,6 @@ __device__ __forceinline__ void flash_forward_wgmma(bf16* out, float* lse, const
     uint64_t* full = q_full + 1;
     uint64_t* empty = full + STAGES;
 
-    const int C = NH * HS;
     const int bh = blockIdx.x, b = bh / NH, h = bh % NH;
     const int qb = gridDim.y - 1 - blockIdx.y;  // the query blocks with the most key tiles first
     const int q0 = qb * BQ;
@@ -303,41 +362,26 @@ __device__ __forceinline__ void flash_forward_wgmma(bf16* out, float* lse, const
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};  // running max (log2 units), partial sum
 
     mbar_wait(q_full, 0);
-    auto stage_k = [&](int i) { return skv + (i % STAGES) * STAGE_BYTES; };
-    auto stage_v = [&](int i) { return skv + (i % STAGES) * STAGE_BYTES + KV_BYTES; };
-    auto wait_full = [&](int i) { mbar_wait(&full[i % STAGES], (i / STAGES) & 1); };
-    // both products have read tile i's stage: release it to the producer (one arrival per warp)
-    auto release = [&](int i) { __syncwarp(); if (lane == 0) mbar_arrive(&empty[i % STAGES]); };
-    float sc[64];
-    uint32_t pa[8][4];
-    float corr[2];
+    const PingPong<PINGPONG> turn{cw};
+    turn.start();
     if constexpr (!OVERLAP) {
-        for (int i = 0; i < nkt; i++) {
-            wait_full(i);
-            wgmma_fence();
-            issue_s(sc, sqw, stage_k(i));
-            wgmma_commit();
-            wgmma_wait<0>();
-            keep_in_regs(sc);
-            softmax_tile(sc, m, l, corr, i == nkt - 1, i * BKV, row0, t, c2);
-            rescale_o(o, corr);
-            pack_p(pa, sc);
-            wgmma_fence();
-            issue_pv(o, pa, stage_v(i));
-            wgmma_commit();
-            wgmma_wait<0>();  // also: the P registers may be reused only after this
-            keep_in_regs(o);
-            release(i);
-        }
+        forward_block_plain(o, m, l, sqw, skv, full, empty, 0, nkt, row0, t, lane, c2, turn, [] {});
     } else {
+        auto stage_k = [&](int i) { return skv + (i % STAGES) * STAGE_BYTES; };
+        auto stage_v = [&](int i) { return skv + (i % STAGES) * STAGE_BYTES + KV_BYTES; };
+        auto wait_full = [&](int i) { mbar_wait(&full[i % STAGES], (i / STAGES) & 1); };
+        // both products have read tile i's stage: release it to the producer (one arrival per warp)
+        auto release = [&](int i) { __syncwarp(); if (lane == 0) mbar_arrive(&empty[i % STAGES]); };
+        float sc[64];
+        uint32_t pa[8][4];
+        float corr[2];
         // The scores of tile i + 1 are issued before p v of tile i, so the softmax of tile i + 1 runs
         // on the CUDA cores while the tensor cores do p v of tile i (wait_group 1: the older group,
         // S, is done; p v may still run). O is rescaled by tile i + 1's correction only once p v of
         // tile i has landed, and P i + 1 is packed only then (P i's registers are p v's operand).
         // Per row the same operations in the same order as !OVERLAP: the same bits.
-        static_assert(OVERLAP || !PINGPONG, "ping-pong turns are the overlapped loop's issue batches");
-        const PingPong<PINGPONG> turn{cw};
-        turn.start();
+        // with PINGPONG: nkt + 1 turns each, q k^T of tile 0, then q k^T of tile i + 1 with p v of tile
+        // i, then the last p v
         wait_full(0);
         turn.begin();
         wgmma_fence();
@@ -377,21 +421,7 @@ __device__ __forceinline__ void flash_forward_wgmma(bf16* out, float* lse, const
         release(nkt - 1);
     }
 
-    // out = O / l (bf16, one rounding), lse = (m + log2 l) ln 2
-#pragma unroll
-    for (int hh = 0; hh < 2; hh++) {
-        const int row = row0 + 8 * hh;
-        float lr = l[hh];
-        lr += __shfl_xor_sync(0xffffffffu, lr, 1);
-        lr += __shfl_xor_sync(0xffffffffu, lr, 2);
-        if (row >= T) continue;
-        const float inv = 1.0f / lr;
-        bf16* dst = out + ((size_t)b * T + row) * C + h * HS + 2 * t;
-#pragma unroll
-        for (int j = 0; j < 8; j++)
-            *reinterpret_cast<uint32_t*>(dst + 8 * j) = pack_bf16(o[4 * j + 2 * hh] * inv, o[4 * j + 2 * hh + 1] * inv);
-        if (t == 0) lse[(size_t)bh * T + row] = (m[hh] + __log2f(lr)) * LN2;
-    }
+    forward_store(out, lse, o, m, l, row0, t, b, h, NH, T);
 }
 
 // tm: the 4D map of the (B,T,3C) qkv tensor the forward reads (see Layouts: BTC)
@@ -405,11 +435,115 @@ flash_attention_forward_kernel4_bf16_overlap(bf16* out, float* lse, const CUtens
                                              float scale) {
     flash_forward_wgmma<true>(out, lse, tm, B, NH, T, scale);
 }
-// the lab's pingpong=True build: overlap plus the two consumers taking turns; the same bits
+// the lab's pingpong=True builds: the two consumers taking turns issuing, plain or with overlap; the
+// same bits (measured on the H100, B=16: overlap + ping-pong 0.151 ms against the plain kernel's 0.136)
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_forward_kernel4_bf16_pingpong(bf16* out, float* lse, const CUtensorMap* tm, int B, int NH, int T,
                                               float scale) {
+    flash_forward_wgmma<false, true>(out, lse, tm, B, NH, T, scale);
+}
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+flash_attention_forward_kernel4_bf16_overlap_pingpong(bf16* out, float* lse, const CUtensorMap* tm, int B, int NH,
+                                                      int T, float scale) {
     flash_forward_wgmma<true, true>(out, lse, tm, B, NH, T, scale);
+}
+
+// The persistent forward: one CTA per SM walking (b, h, query block) work items, so the producer
+// loads the next block's q and first k/v tiles while the consumers finish this one (no CTA start,
+// barrier set-up and pipeline fill per block). Item w is query block nqb - 1 - w / (B NH) of head
+// w % (B NH): the blocks with the most key tiles first; CTA c takes items in snake order (round r:
+// c or G - 1 - c of the r-th G items, G = gridDim.x) so that the long and short blocks even out. q is
+// double-buffered (q_full / q_empty per buffer, freed once a block's last q k^T has completed); the
+// k/v ring runs on across blocks. The consumers run forward_block_plain per block: the same bits.
+constexpr int FWD_P_SMEM = 1024 + 2 * Q_BYTES + STAGES * STAGE_BYTES + 8 * (4 + 2 * STAGES);
+static_assert(FWD_P_SMEM <= 227 * 1024, "fits one SM's shared memory");
+
+__device__ __forceinline__ int persistent_item(int r) {  // this CTA's r-th item (or >= items: done)
+    const int G = gridDim.x, c = (r & 1) ? G - 1 - blockIdx.x : blockIdx.x;
+    return r * G + c;
+}
+
+template <bool PINGPONG>
+__device__ __forceinline__ void flash_forward_wgmma_persistent(bf16* out, float* lse, const CUtensorMap* tm, int B,
+                                                               int NH, int T, float scale) {
+    extern __shared__ unsigned char smem_raw[];
+    unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+    unsigned char* sq = smem;                     // q buffers 0, 1 (128 x 64 each)
+    unsigned char* skv = smem + 2 * Q_BYTES;      // stage s: k at skv + s * STAGE_BYTES, v KV_BYTES after it
+    uint64_t* q_full = reinterpret_cast<uint64_t*>(skv + STAGES * STAGE_BYTES);  // [2]
+    uint64_t* q_empty = q_full + 2;                                               // [2]
+    uint64_t* full = q_empty + 2;
+    uint64_t* empty = full + STAGES;
+    const int BNH = B * NH, nqb = (T + BQ - 1) / BQ, items = BNH * nqb;
+
+    if (threadIdx.x == 0) {
+        // q_full[j]: the producer's expect_tx arrival; q_empty[j]: lane 0 of every consumer warp
+        mbar_init(&q_full[1], 1);
+        for (int j = 0; j < 2; j++) mbar_init(&q_empty[j], CONSUMER_WARPS);
+        mbar_init_pipeline(&q_full[0], full, empty, STAGES, CONSUMER_WARPS);  // q_full[0], the ring, the fence
+    }
+    __syncthreads();
+
+    const int wg = threadIdx.x / 128;
+    if (wg == 0) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
+        if (threadIdx.x == 0) {
+            tensormap_acquire(tm);
+            int u = 0;  // ring slot of the next k/v tile
+            for (int r = 0;; r++) {
+                const int w = persistent_item(r);
+                if (w >= items) break;
+                const int qb = nqb - 1 - w / BNH, bh = w % BNH, b = bh / NH, h = bh % NH, j = r & 1;
+                mbar_wait(&q_empty[j], ((r >> 1) & 1) ^ 1);
+                mbar_expect_tx(&q_full[j], Q_BYTES);
+                tma_load_head<true>(sq + j * Q_BYTES, tm, &q_full[j], 0, qb * BQ, B, NH, b, h);  // q
+                for (int i = 0; i <= qb; i++, u++) {
+                    const int s = u % STAGES;
+                    mbar_wait(&empty[s], ((u / STAGES) & 1) ^ 1);
+                    mbar_expect_tx(&full[s], STAGE_BYTES);
+                    unsigned char* sk = skv + s * STAGE_BYTES;
+                    tma_load_head<true>(sk, tm, &full[s], 1, i * BKV, B, NH, b, h);             // k
+                    tma_load_head<true>(sk + KV_BYTES, tm, &full[s], 2, i * BKV, B, NH, b, h);  // v
+                }
+            }
+        }
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
+
+    const int cw = wg - 1;  // consumer: query rows 64 cw .. 64 cw + 63 of each block
+    const int tid = threadIdx.x & 127, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const float c2 = scale * LOG2E;
+    const PingPong<PINGPONG> turn{cw};
+    int u = 0;
+    for (int r = 0;; r++) {
+        const int w = persistent_item(r);
+        if (w >= items) break;
+        const int qb = nqb - 1 - w / BNH, bh = w % BNH, b = bh / NH, h = bh % NH, j = r & 1;
+        const int row0 = qb * BQ + 64 * cw + 16 * warp + g;
+        float o[32];
+#pragma unroll
+        for (int i = 0; i < 32; i++) o[i] = 0.0f;
+        float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+        mbar_wait(&q_full[j], (r >> 1) & 1);
+        turn.start();
+        forward_block_plain(o, m, l, sq + j * Q_BYTES + cw * 64 * ROW_BYTES, skv, full, empty, u, qb + 1, row0, t, lane,
+                            c2, turn, [&] { __syncwarp(); if (lane == 0) mbar_arrive(&q_empty[j]); });
+        u += qb + 1;
+        forward_store(out, lse, o, m, l, row0, t, b, h, NH, T);
+    }
+}
+
+// the lab's persistent builds (grid: one CTA per SM; the same bits as the plain kernel)
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+flash_attention_forward_kernel4_bf16_persistent(bf16* out, float* lse, const CUtensorMap* tm, int B, int NH, int T,
+                                                float scale) {
+    flash_forward_wgmma_persistent<false>(out, lse, tm, B, NH, T, scale);
+}
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+flash_attention_forward_kernel4_bf16_persistent_pingpong(bf16* out, float* lse, const CUtensorMap* tm, int B, int NH,
+                                                         int T, float scale) {
+    flash_forward_wgmma_persistent<true>(out, lse, tm, B, NH, T, scale);
 }
 
 // ------------------------------------------------------------------------------------------------

@@ -577,11 +577,14 @@ def test_flash_attention_wgmma_gpu(rt, B, T, C, NH):
     assert np.array_equal(from_bf16(d_out.get()), out), "overlap: out differs from the plain wgmma forward"
     assert np.array_equal(d_lse.get(), lse), "overlap: lse differs from the plain wgmma forward"
     # the ping-pong kernel (overlap, consumers taking turns to issue) only reorders issues: the same bits
-    pp = A.build_flash_attention_forward_wgmma(rt, B=B, T=T, C=C, NH=NH, pingpong=True)
-    poison(d_out, d_lse)
-    pp(d_out, d_qkvr, d_lse, d_inp)
-    assert np.array_equal(from_bf16(d_out.get()), out), "pingpong: out differs from the plain wgmma forward"
-    assert np.array_equal(d_lse.get(), lse), "pingpong: lse differs from the plain wgmma forward"
+    # the other schedules (consumers taking turns; persistent CTAs walking the blocks) only reorder: the same bits
+    for kw in (dict(pingpong=True), dict(pingpong=True, overlap=True), dict(persistent=True),
+               dict(persistent=True, pingpong=True)):
+        pp = A.build_flash_attention_forward_wgmma(rt, B=B, T=T, C=C, NH=NH, **kw)
+        poison(d_out, d_lse)
+        pp(d_out, d_qkvr, d_lse, d_inp)
+        assert np.array_equal(from_bf16(d_out.get()), out), f"{kw}: out differs from the plain wgmma forward"
+        assert np.array_equal(d_lse.get(), lse), f"{kw}: lse differs from the plain wgmma forward"
     # deterministic (fixed order, no atomics), and a captured graph replays the same launches (the
     # tensor map was encoded at the first launch above) with the same bits
     poison(d_out, d_lse)
@@ -672,10 +675,10 @@ def test_flash_attention_wgmma_backward_gpu(rt, B, T, C, NH):
     poison(d_dinp, *inplace.scratch.values())
     inplace(d_dinp, d_dout, d_inp, d_lse, d_out)
     assert np.array_equal(from_bf16(d_dinp.get()), first), "in place: dinp differs from the permuted-qkvr build"
-    pp = A.build_flash_attention_backward_wgmma(rt, B=B, T=T, C=C, NH=NH, qkv_in_place=True, pingpong=True)
+    pp = A.build_flash_attention_backward_wgmma(rt, B=B, T=T, C=C, NH=NH, qkv_in_place=True, pingpong=False)
     poison(d_dinp, *pp.scratch.values())
     pp(d_dinp, d_dout, d_inp, d_lse, d_out)
-    assert np.array_equal(from_bf16(d_dinp.get()), first), "pingpong: dinp differs from the plain build"
+    assert np.array_equal(from_bf16(d_dinp.get()), first), "in place without ping-pong: dinp differs"
     # the overlapped dq kernel does the same operations on each accumulator in the same order: the same bits
     over = A.build_flash_attention_backward_wgmma(rt, B=B, T=T, C=C, NH=NH, overlap=True)
     poison(d_dinp, *over.scratch.values())
@@ -892,6 +895,18 @@ def test_wgmma_forward_builds(monkeypatch):
     assert rt.built[-1] == "flash_attention_forward_kernel4_bf16_overlap"
     A.build_flash_attention_forward_wgmma(rt, B=2, T=200, C=128, NH=2, pingpong=True)
     assert rt.built[-1] == "flash_attention_forward_kernel4_bf16_pingpong"
+    A.build_flash_attention_forward_wgmma(rt, B=2, T=200, C=128, NH=2, pingpong=True, overlap=True)
+    assert rt.built[-1] == "flash_attention_forward_kernel4_bf16_overlap_pingpong"
+    # persistent: one CTA per SM at most (here 2 * 2 heads x 2 blocks = 8 items), its own shared memory
+    assert "constexpr int FWD_P_SMEM = 1024 + 2 * Q_BYTES + STAGES * STAGE_BYTES + 8 * (4 + 2 * STAGES);" in src
+    assert A.WGMMA_FWD_P_SMEM == A.WGMMA_FWD_SMEM + 128 * 128 + 8 * 3
+    per = A.build_flash_attention_forward_wgmma(rt, B=2, T=200, C=128, NH=2, persistent=True, pingpong=True)
+    assert rt.built[-1] == "flash_attention_forward_kernel4_bf16_persistent_pingpong"
+    per(0x1000, 0x4000, 0x3000, 0x10000)
+    assert rt.launches[-1].grid == (8, 1, 1) and rt.launches[-1].smem == A.WGMMA_FWD_P_SMEM
+    per = A.build_flash_attention_forward_wgmma(rt, B=64, T=1024, C=128, NH=2, persistent=True)
+    per(0x1000, 0x4000, 0x3000, 0x10000)
+    assert rt.launches[-1].grid == (rt.sm_count, 1, 1)
     # qkv in place: no permute at all, and qkvr must be inp (the tensor backward 4 then reads)
     rt = FakeRuntime(heap_bytes=1 << 16)
     encoded.clear()
@@ -965,6 +980,32 @@ def test_wgmma_tiles_cover_the_causal_triangle():
             np.testing.assert_allclose(m[ok] + np.log(l[ok]), lse64[0, 0, rows[ok]], rtol=1e-12, atol=1e-12)
 
 
+def test_wgmma_persistent_walk_takes_every_block_once():
+    """The persistent forward's item walk (persistent_item, snake order over G = min(items, SMs) CTAs;
+    item w is query block nqb - 1 - w // (B NH) of head w % (B NH)): every (head, block) exactly once,
+    and the key tiles per CTA even out (the d12 shapes: within 1.3x of the mean on 132 SMs)."""
+    from llmc.runtime import CUDA_DIR
+    src = " ".join((CUDA_DIR / "attention_wgmma.cu").read_text().split())
+    for line in ("const int G = gridDim.x, c = (r & 1) ? G - 1 - blockIdx.x : blockIdx.x; return r * G + c;",
+                 "const int qb = nqb - 1 - w / BNH, bh = w % BNH, b = bh / NH, h = bh % NH, j = r & 1;"):
+        assert line in src, f"cuda/attention_wgmma.cu no longer has: {line}"
+    for BNH, T in ((48, 1024), (192, 1024), (2, 200), (1, 1), (7, 129)):
+        nqb = -(-T // 128)
+        items = BNH * nqb
+        G = min(items, 132)
+        seen, tiles = [], np.zeros(G)
+        for cta in range(G):
+            r = 0
+            while (w := r * G + (G - 1 - cta if r & 1 else cta)) < items:
+                qb, bh = nqb - 1 - w // BNH, w % BNH
+                seen.append((bh, qb))
+                tiles[cta] += qb + 1
+                r += 1
+        assert sorted(seen) == sorted((bh, qb) for bh in range(BNH) for qb in range(nqb)), (BNH, T)
+        if items >= 4 * G:
+            assert tiles.max() <= 1.3 * tiles.mean(), (BNH, T, tiles.max(), tiles.mean())
+
+
 # ----------------------------------------------------------------------------------------------
 # attention_backward 4: Hopper wgmma + TMA, bf16 only (cuda/attention_wgmma.cu)
 
@@ -1032,7 +1073,11 @@ def test_wgmma_backward_builds(monkeypatch):
     encoded.clear()
     rt = FakeRuntime(heap_bytes=1 << 16)
     built = ops.get("attention_backward").build(rt, 4, "bf16", B=2, T=200, C=128, NH=2, qkv_in_place=True)
-    assert rt.built == ["flash_attention_backward_dq_kernel4_bf16_btc", "flash_attention_backward_dkdv_kernel4_bf16_btc"]
+    # in place, the consumers take turns by default (measured faster); pingpong=False: the plain _btc kernels
+    assert rt.built == ["flash_attention_backward_dq_kernel4_bf16_btc_pingpong",
+                        "flash_attention_backward_dkdv_kernel4_bf16_btc_pingpong"]
+    A.build_flash_attention_backward_wgmma(rt, B=2, T=200, C=128, NH=2, qkv_in_place=True, pingpong=False)
+    assert rt.built[-2:] == ["flash_attention_backward_dq_kernel4_bf16_btc", "flash_attention_backward_dkdv_kernel4_bf16_btc"]
     built(0x1000, 0x20000, 0x10000, 0x5000, 0x6000)
     assert encoded == [("qkv", 0x10000, 2, 200, 2), ("dout", 0x20000, 2, 200, 2)]
     with pytest.raises(AssertionError):
