@@ -251,7 +251,7 @@ struct PingPong {
 // PINGPONG 2 nkt turns each: q k^T of a tile, then its p v): O, m, l accumulate. Tile i's stage is ring
 // slot u0 + i (the persistent kernel's ring runs on across blocks). Once the last q k^T has completed,
 // on_q_read() runs (the persistent kernel frees q's buffer there).
-template <bool PINGPONG, typename F>
+template <bool PINGPONG, int ST = STAGES, typename F>
 __device__ __forceinline__ void forward_block_plain(float (&o)[32], float (&m)[2], float (&l)[2], const unsigned char* sqw,
                                                     unsigned char* skv, uint64_t* full, uint64_t* empty, int u0, int nkt,
                                                     int row0, int t, int lane, float c2, const PingPong<PINGPONG>& turn,
@@ -261,8 +261,8 @@ __device__ __forceinline__ void forward_block_plain(float (&o)[32], float (&m)[2
     float corr[2];
     for (int i = 0; i < nkt; i++) {
         const int u = u0 + i;
-        unsigned char* st = skv + (u % STAGES) * STAGE_BYTES;  // k, then v KV_BYTES after it
-        mbar_wait(&full[u % STAGES], (u / STAGES) & 1);
+        unsigned char* st = skv + (u % ST) * STAGE_BYTES;  // k, then v KV_BYTES after it
+        mbar_wait(&full[u % ST], (u / ST) & 1);
         turn.begin();
         wgmma_fence();
         issue_s(sc, sqw, st);
@@ -283,7 +283,7 @@ __device__ __forceinline__ void forward_block_plain(float (&o)[32], float (&m)[2
         keep_in_regs(o);
         // both products have read the stage: release it to the producer (one arrival per warp)
         __syncwarp();
-        if (lane == 0) mbar_arrive(&empty[u % STAGES]);
+        if (lane == 0) mbar_arrive(&empty[u % ST]);
     }
 }
 
@@ -456,31 +456,32 @@ flash_attention_forward_kernel4_bf16_overlap_pingpong(bf16* out, float* lse, con
 // double-buffered (q_full / q_empty per buffer, freed once a block's last q k^T has completed); the
 // k/v ring runs on across blocks. The consumers run forward_block_plain per block: the same bits.
 constexpr int FWD_P_SMEM = 1024 + 2 * Q_BYTES + STAGES * STAGE_BYTES + 8 * (4 + 2 * STAGES);
-static_assert(FWD_P_SMEM <= 227 * 1024, "fits one SM's shared memory");
+constexpr int fwd_p_smem(int st) { return 1024 + 2 * Q_BYTES + st * STAGE_BYTES + 8 * (4 + 2 * st); }  // ST stages
+static_assert(FWD_P_SMEM == fwd_p_smem(STAGES) && fwd_p_smem(4) <= 227 * 1024, "fits one SM's shared memory");
 
 __device__ __forceinline__ int persistent_item(int r) {  // this CTA's r-th item (or >= items: done)
     const int G = gridDim.x, c = (r & 1) ? G - 1 - blockIdx.x : blockIdx.x;
     return r * G + c;
 }
 
-template <bool PINGPONG>
+template <bool PINGPONG, int ST = STAGES>
 __device__ __forceinline__ void flash_forward_wgmma_persistent(bf16* out, float* lse, const CUtensorMap* tm, int B,
                                                                int NH, int T, float scale) {
     extern __shared__ unsigned char smem_raw[];
     unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
     unsigned char* sq = smem;                     // q buffers 0, 1 (128 x 64 each)
     unsigned char* skv = smem + 2 * Q_BYTES;      // stage s: k at skv + s * STAGE_BYTES, v KV_BYTES after it
-    uint64_t* q_full = reinterpret_cast<uint64_t*>(skv + STAGES * STAGE_BYTES);  // [2]
+    uint64_t* q_full = reinterpret_cast<uint64_t*>(skv + ST * STAGE_BYTES);  // [2]
     uint64_t* q_empty = q_full + 2;                                               // [2]
     uint64_t* full = q_empty + 2;
-    uint64_t* empty = full + STAGES;
+    uint64_t* empty = full + ST;
     const int BNH = B * NH, nqb = (T + BQ - 1) / BQ, items = BNH * nqb;
 
     if (threadIdx.x == 0) {
         // q_full[j]: the producer's expect_tx arrival; q_empty[j]: lane 0 of every consumer warp
         mbar_init(&q_full[1], 1);
         for (int j = 0; j < 2; j++) mbar_init(&q_empty[j], CONSUMER_WARPS);
-        mbar_init_pipeline(&q_full[0], full, empty, STAGES, CONSUMER_WARPS);  // q_full[0], the ring, the fence
+        mbar_init_pipeline(&q_full[0], full, empty, ST, CONSUMER_WARPS);  // q_full[0], the ring, the fence
     }
     __syncthreads();
 
@@ -498,8 +499,8 @@ __device__ __forceinline__ void flash_forward_wgmma_persistent(bf16* out, float*
                 mbar_expect_tx(&q_full[j], Q_BYTES);
                 tma_load_head<true>(sq + j * Q_BYTES, tm, &q_full[j], 0, qb * BQ, B, NH, b, h);  // q
                 for (int i = 0; i <= qb; i++, u++) {
-                    const int s = u % STAGES;
-                    mbar_wait(&empty[s], ((u / STAGES) & 1) ^ 1);
+                    const int s = u % ST;
+                    mbar_wait(&empty[s], ((u / ST) & 1) ^ 1);
                     mbar_expect_tx(&full[s], STAGE_BYTES);
                     unsigned char* sk = skv + s * STAGE_BYTES;
                     tma_load_head<true>(sk, tm, &full[s], 1, i * BKV, B, NH, b, h);             // k
@@ -527,7 +528,7 @@ __device__ __forceinline__ void flash_forward_wgmma_persistent(bf16* out, float*
         float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
         mbar_wait(&q_full[j], (r >> 1) & 1);
         turn.start();
-        forward_block_plain(o, m, l, sq + j * Q_BYTES + cw * 64 * ROW_BYTES, skv, full, empty, u, qb + 1, row0, t, lane,
+        forward_block_plain<PINGPONG, ST>(o, m, l, sq + j * Q_BYTES + cw * 64 * ROW_BYTES, skv, full, empty, u, qb + 1, row0, t, lane,
                             c2, turn, [&] { __syncwarp(); if (lane == 0) mbar_arrive(&q_empty[j]); });
         u += qb + 1;
         forward_store(out, lse, o, m, l, row0, t, b, h, NH, T);
@@ -544,6 +545,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_forward_kernel4_bf16_persistent_pingpong(bf16* out, float* lse, const CUtensorMap* tm, int B, int NH,
                                                          int T, float scale) {
     flash_forward_wgmma_persistent<true>(out, lse, tm, B, NH, T, scale);
+}
+// (a deeper k/v ring: the lab's stages=4 row)
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+flash_attention_forward_kernel4_bf16_persistent_pingpong_s4(bf16* out, float* lse, const CUtensorMap* tm, int B,
+                                                            int NH, int T, float scale) {
+    flash_forward_wgmma_persistent<true, 4>(out, lse, tm, B, NH, T, scale);
 }
 
 // ------------------------------------------------------------------------------------------------

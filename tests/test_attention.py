@@ -578,13 +578,13 @@ def test_flash_attention_wgmma_gpu(rt, B, T, C, NH):
     assert np.array_equal(d_lse.get(), lse), "overlap: lse differs from the plain wgmma forward"
     # the ping-pong kernel (overlap, consumers taking turns to issue) only reorders issues: the same bits
     # the other schedules (consumers taking turns; persistent CTAs walking the blocks) only reorder: the same bits
-    for kw in (dict(pingpong=True), dict(pingpong=True, overlap=True), dict(persistent=True),
-               dict(persistent=True, pingpong=True)):
+    for kw in (dict(persistent=False, pingpong=False), dict(persistent=False, pingpong=True),
+               dict(pingpong=True, overlap=True), dict(persistent=True, pingpong=False), dict(stages=4)):
         pp = A.build_flash_attention_forward_wgmma(rt, B=B, T=T, C=C, NH=NH, **kw)
         poison(d_out, d_lse)
         pp(d_out, d_qkvr, d_lse, d_inp)
-        assert np.array_equal(from_bf16(d_out.get()), out), f"{kw}: out differs from the plain wgmma forward"
-        assert np.array_equal(d_lse.get(), lse), f"{kw}: lse differs from the plain wgmma forward"
+        assert np.array_equal(from_bf16(d_out.get()), out), f"{kw}: out differs from the default build"
+        assert np.array_equal(d_lse.get(), lse), f"{kw}: lse differs from the default build"
     # deterministic (fixed order, no atomics), and a captured graph replays the same launches (the
     # tensor map was encoded at the first launch above) with the same bits
     poison(d_out, d_lse)
@@ -865,8 +865,9 @@ def test_wgmma_forward_variant_declares_bf16_sm90_only():
 
 def test_wgmma_forward_builds(monkeypatch):
     """Variant 4 builds on the fake runtime (entry points and argtypes against the PTX), with the shared
-    memory the .cu computes, a grid of (B*NH, ceil(T/128)), and one tensor map per qkvr pointer,
-    encoded at its first launch only (a captured graph replays the same maps)."""
+    memory the .cu computes, the persistent ping-pong kernel by default (a grid of min(blocks, SMs)),
+    the one-CTA-per-block builds of the lab (a grid of (B*NH, ceil(T/128))), and one tensor map per inp
+    pointer, encoded at its first launch only (a captured graph replays the same maps)."""
     import re
     from llmc.runtime import CUDA_DIR
     from tests.fake_runtime import FakeRuntime
@@ -881,19 +882,24 @@ def test_wgmma_forward_builds(monkeypatch):
     monkeypatch.setattr(A, "qkvr_tensor_map", lambda *a: pytest.fail("forward 4 reads inp, never qkvr"))
     rt = FakeRuntime(heap_bytes=1 << 16)  # the maps are copied to the fake device
     launch = ops.get("attention_forward").build(rt, 4, "bf16", B=2, T=200, C=128, NH=2)
-    assert rt.built == ["permute_kernel2_bf16", "flash_attention_forward_kernel4_bf16"]
+    assert rt.built == ["permute_kernel2_bf16", "flash_attention_forward_kernel4_bf16_persistent_pingpong"]
     for inp in (0x10000, 0x10000, 0x20000):
         launch(0x1000, 0x4000, 0x3000, inp)  # out, qkvr, lse, inp
     assert encoded == [(0x10000, 2, 200, 2), (0x20000, 2, 200, 2)]
-    k = [x for x in rt.launches if x.func == "flash_attention_forward_kernel4_bf16"]
-    assert len(k) == 3 and k[0].grid == (4, 2, 1) and k[0].block == (384, 1, 1) and k[0].smem == A.WGMMA_FWD_SMEM
+    k = [x for x in rt.launches if x.func == "flash_attention_forward_kernel4_bf16_persistent_pingpong"]
+    # 2 * 2 heads x 2 blocks = 8 items: 8 CTAs (at most one per SM), the persistent kernel's shared memory
+    assert len(k) == 3 and k[0].grid == (8, 1, 1) and k[0].block == (384, 1, 1) and k[0].smem == A.WGMMA_FWD_P_SMEM
+    plain = A.build_flash_attention_forward_wgmma(rt, B=2, T=200, C=128, NH=2, persistent=False, pingpong=False)
+    assert rt.built[-1] == "flash_attention_forward_kernel4_bf16"
+    plain(0x1000, 0x4000, 0x3000, 0x10000)
+    assert rt.launches[-1].grid == (4, 2, 1) and rt.launches[-1].smem == A.WGMMA_FWD_SMEM
     perm = [x for x in rt.launches if x.func == "permute_kernel2_bf16"]  # the permuted copy backward 2/3 read
-    assert len(perm) == 3 and perm[0].args[:2] == (0x4000, 0x10000)
+    assert len(perm) == 4 and perm[0].args[:2] == (0x4000, 0x10000)
     with pytest.raises(LLMCError, match="16-byte aligned"):
         launch(0x1000, 0x4000, 0x3000, 0x30008)
     A.build_flash_attention_forward_wgmma(rt, B=2, T=200, C=128, NH=2, overlap=True)  # the lab's other builds
     assert rt.built[-1] == "flash_attention_forward_kernel4_bf16_overlap"
-    A.build_flash_attention_forward_wgmma(rt, B=2, T=200, C=128, NH=2, pingpong=True)
+    A.build_flash_attention_forward_wgmma(rt, B=2, T=200, C=128, NH=2, pingpong=True, persistent=False)
     assert rt.built[-1] == "flash_attention_forward_kernel4_bf16_pingpong"
     A.build_flash_attention_forward_wgmma(rt, B=2, T=200, C=128, NH=2, pingpong=True, overlap=True)
     assert rt.built[-1] == "flash_attention_forward_kernel4_bf16_overlap_pingpong"
@@ -907,13 +913,19 @@ def test_wgmma_forward_builds(monkeypatch):
     per = A.build_flash_attention_forward_wgmma(rt, B=64, T=1024, C=128, NH=2, persistent=True)
     per(0x1000, 0x4000, 0x3000, 0x10000)
     assert rt.launches[-1].grid == (rt.sm_count, 1, 1)
+    assert "constexpr int fwd_p_smem(int st) { return 1024 + 2 * Q_BYTES + st * STAGE_BYTES + 8 * (4 + 2 * st); }" in src
+    per = A.build_flash_attention_forward_wgmma(rt, B=2, T=200, C=128, NH=2, stages=4)  # the lab's deeper ring
+    per(0x1000, 0x4000, 0x3000, 0x10000)
+    assert rt.built[-1] == "flash_attention_forward_kernel4_bf16_persistent_pingpong_s4"
+    assert rt.launches[-1].smem == A.WGMMA_FWD_P_SMEM + 2 * 2 * 128 * 128 + 8 * 4
     # qkv in place: no permute at all, and qkvr must be inp (the tensor backward 4 then reads)
     rt = FakeRuntime(heap_bytes=1 << 16)
     encoded.clear()
     launch = ops.get("attention_forward").build(rt, 4, "bf16", B=2, T=200, C=128, NH=2, qkv_in_place=True)
-    assert rt.built == ["flash_attention_forward_kernel4_bf16"]
+    assert rt.built == ["flash_attention_forward_kernel4_bf16_persistent_pingpong"]
     launch(0x1000, 0x10000, 0x3000, 0x10000)
-    assert encoded == [(0x10000, 2, 200, 2)] and [x.func for x in rt.launches] == ["flash_attention_forward_kernel4_bf16"]
+    assert encoded == [(0x10000, 2, 200, 2)]
+    assert [x.func for x in rt.launches] == ["flash_attention_forward_kernel4_bf16_persistent_pingpong"]
     with pytest.raises(LLMCError, match="qkvr must be inp"):
         launch(0x1000, 0x20000, 0x3000, 0x10000)
     # only variant 4 has the in-place form

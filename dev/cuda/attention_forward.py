@@ -92,7 +92,7 @@ vmax = float(np.abs(inp_b[..., 2 * C:]).max())
 # (rows "in place": the build the model trains with beside backward 4: no permute, qkvr is inp itself)
 # (rows "pingpong": overlap plus the two consumers taking turns issuing)
 W4 = [(4, 128), (4, "in place"), (4, "in place, overlap"), (4, "in place, pingpong"), (4, "in place, overlap, pingpong"),
-      (4, "in place, persistent"), (4, "in place, persistent, pingpong")]
+      (4, "in place, persistent"), (4, "in place, persistent, pingpong"), (4, "in place, persistent, pingpong, 4 stages")]
 bf16_rows = [(2, 64), (3, 64), (2, 128), (3, 128)] + W4 if "bf16" in DTYPES else []
 if bf16_rows and rt.arch != "sm_90":
     print(f"note: attention_forward 4 (wgmma) needs an sm_90 GPU (this one is {rt.arch}); skipped")
@@ -102,7 +102,8 @@ for version, rows in bf16_rows:
     if version == 4:
         flash = A.build_flash_attention_forward_wgmma(rt, B=B, T=T, C=C, NH=NH, overlap="overlap" in str(rows),
                                                       qkv_in_place=in_place, pingpong="pingpong" in str(rows),
-                                                      persistent="persistent" in str(rows))
+                                                      persistent="persistent" in str(rows),  # plain: both off
+                                                      stages=4 if "4 stages" in str(rows) else A.WGMMA_STAGES)
         label = f"attention_forward 4 bf16 (flash wgmma + TMA, 128 rows{'' if rows == 128 else ', ' + rows})"
     else:
         flash = A.build_flash_attention_forward(rt, B=B, T=T, C=C, NH=NH, version=version, dtype="bf16", rows=rows)
