@@ -718,7 +718,10 @@ def _values(x):
     return (from_bf16(h) if h.dtype == np.uint16 else h).astype(np.float64)
 
 
-GELU_SHAPES = [(1, 8, 16), (200, 100, 16), (129, 193, 16), (65, 1, 16), (300, 776, 64), (257, 3072, 768)]
+# (the last two have more tiles than the H100 has SMs: a CTA's tile computes the previous tile's GELU
+# during its mainloop, the TMA-store path's overlap)
+GELU_SHAPES = [(1, 8, 16), (200, 100, 16), (129, 193, 16), (65, 1, 16), (300, 776, 64), (257, 3072, 768),
+               (2048, 3072, 64), (1100, 3000, 136)]
 
 
 @pytest.mark.gpu
@@ -756,14 +759,15 @@ def test_gelu_epilogue_matches_float64(hopper, rng, dtype, M, N, K, store):
 @pytest.mark.parametrize("store", ["tma", "direct", "split"])
 @pytest.mark.parametrize("bias_alpha", [(True, 1.0), (False, 1.0), (False, 0.5)])
 @pytest.mark.parametrize("dtype", ["tf32", "bf16"])
-def test_gelu_fused_equals_gemm_then_gelu_forward(hopper, rng, dtype, bias_alpha, store):
+@pytest.mark.parametrize("many_tiles", [False, True])
+def test_gelu_fused_equals_gemm_then_gelu_forward(hopper, rng, dtype, bias_alpha, store, many_tiles):
     """Bit for bit: the fused pre is the plain GEMM's C, and G is what gelu_forward (variants 1 and 2,
     the same precision) computes from C. Without bias the epilogue's value is a product (alpha * acc),
     the case where a contracted fma could have reached into the GELU (common.cuh)."""
     from llmc import ops
     from llmc.testing import poison
     has_bias, alpha = bias_alpha
-    M, N, K = (200, 136, 1024) if store == "split" else (200, 136, 64)
+    M, N, K = (1100 if many_tiles else 200, 3000 if many_tiles else 136, 1024 if store == "split" else 136)
     pre, G, C, _, plan, plain_plan = _gelu_case(hopper, rng, dtype, M, N, K, has_bias=has_bias, alpha=alpha,
                                                 store="direct" if store == "split" else store,
                                                 splits=3 if store == "split" else 1)

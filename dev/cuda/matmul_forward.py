@@ -200,8 +200,10 @@ def fc_gelu_rows():
             for label, fn in ((f"{n} {dt} fc+gelu fused", lambda: fused(d_out, d_pre, d_inp, d_w, d_b)),
                               (f"{n} {dt} fc + gelu_forward {gelu.number}",
                                lambda: (plain(d_pre, d_inp, d_w, d_b), gelu(d_out, d_pre)))):
-                L.validate(label, fn, outputs={"pre": d_pre, "out": d_out}, refs={"pre": ref, "out": gref},
-                           atol=atol, rtol=rtol)
+                L.validate(label, fn, outputs={"pre": d_pre}, refs={"pre": ref}, atol=atol, rtol=rtol)
+                # gelu(pre): in bf16 pre is rounded once, then its GELU once more (rtol 2^-7)
+                L.validate(label, fn, outputs={"out": d_out}, refs={"out": gref}, atol=atol,
+                           rtol=2.0 ** -7 if dt == "bf16" else rtol)
                 ms = L.time(label, fn, block_size=f"{fused.plan[1]}/s{fused.plan[2]}", flops=flops,
                             ceiling="tf32" if dt == "fp32" else None)
                 times.append(ms)
