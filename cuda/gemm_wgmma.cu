@@ -296,12 +296,17 @@ __device__ __forceinline__ void store_tile(const CUtensorMap* tm, unsigned char*
     bulk_commit();
 }
 
-// The TMA-store epilogue: the tile's values (alpha, bias) staged in this warpgroup's buffer and
-// stored through tmC. (The _gelu instances then turn the staged tile into gelu(C) in place during the
-// next tile's mainloop: StagedGelu below.)
-template <typename OUT, int BN>
+// The TMA-store epilogue: the tile's values (alpha, bias) staged and stored through tmC. GELU: then
+// gelu(C as stored) through tmG, out of the same staging buffer: the GELU is computed in registers
+// while the TMA is still reading C's tile, and the buffer is rewritten once that read is done.
+// (Tried and measured slower, 2026-11-26: leaving the staged C in the buffer and turning it into
+// gelu(C) in place during the next tile's mainloop, a few column groups after each k-block's wgmmas.
+// On the H100 at the d12 fc shape (B=16) the bf16 GEMM went from 0.200 ms (this form) to 0.237 ms,
+// slower than the GEMM + gelu_forward's 0.219: the consumers' shared-memory traffic competes with the
+// wgmmas' operand reads. fp32: 0.373 here, 0.395 there.)
+template <typename OUT, int BN, bool GELU = false>
 __device__ __forceinline__ void epilogue_tma(float (&d)[BN / 2], const GemmArgs<OUT>& a, const CUtensorMap* tmC,
-                                             unsigned char* stg, int m0, int n0, int wg) {
+                                             const CUtensorMap* tmG, unsigned char* stg, int m0, int n0, int wg) {
     using O = Out<OUT>;
     const int tid = threadIdx.x & 127, lane = threadIdx.x & 31;
 #pragma unroll
@@ -323,52 +328,17 @@ __device__ __forceinline__ void epilogue_tma(float (&d)[BN / 2], const GemmArgs<
     fence_async_smem();
     wg_barrier(wg);
     if (tid == 0) store_tile<OUT, BN>(tmC, stg, m0, n0);
-}
-
-// The GELU of the _gelu instances' TMA-store path, hidden behind the tensor cores. A first version
-// computed gelu(C) in the epilogue, between C's store and G's: on the d12 fc shape (B=16, bf16) that
-// added ~53 us to a 147 us GEMM (two MUFU ops and ~15 ALU ops per element while the tensor cores
-// idle), for 17 us saved against gelu_forward's 70. So the epilogue only stores C; the staged tile
-// stays in the buffer, and while the next tile's wgmmas run, each consumer thread turns its own staged
-// elements (the pairs it wrote: no other thread touches them) into gelu(C) in place, GJ column groups
-// after each k-block's wgmmas are issued; the buffer then goes out through tmG. The values read back
-// are C exactly as stored (bf16: rounded), so G has gelu_forward's bits. A tile whose K has fewer
-// k-blocks than needed finishes before its epilogue; the CTA's last tile after the loop.
-template <typename OUT, int BN>
-struct StagedGelu {
-    static constexpr int J = BN / 8, GJ = 2;  // column groups of 8 per tile; groups per k-block
-    int j = J, m0 = 0, n0 = 0;                // groups done (J: nothing pending) and the tile's origin
-
-    __device__ __forceinline__ void start(int m0_, int n0_) { j = 0; m0 = m0_; n0 = n0_; }
-
-    // up to `groups` more column groups of gelu in place; G's store once the tile is done
-    __device__ __forceinline__ void step(unsigned char* stg, const CUtensorMap* tmG, int wg, int groups) {
-        if (j >= J) return;
-        using O = Out<OUT>;
-        constexpr int EPB = ROW_BYTES / sizeof(OUT), EPC = 16 / sizeof(OUT);
-        constexpr int LOG_EPB = sizeof(OUT) == 4 ? 5 : 6, LOG_EPC = sizeof(OUT) == 4 ? 2 : 3;
-        const int tid = threadIdx.x & 127, lane = threadIdx.x & 31, warp = tid >> 5;
-        if (j == 0) {  // C's store has finished reading the buffer
-            if (tid == 0) bulk_wait_read();
-            wg_barrier(wg);
-        }
-        const int j1 = min(J, j + groups);
-        for (; j < j1; j++)
+    if constexpr (GELU) {
 #pragma unroll
-            for (int h = 0; h < 2; h++) {  // the addresses stage_tile wrote this thread's pair to
-                const int r = warp * 16 + (lane >> 2) + 8 * h, c = 8 * j + 2 * (lane & 3);
-                const int box = c >> LOG_EPB, ch = (c & (EPB - 1)) >> LOG_EPC;
-                OUT* p = reinterpret_cast<OUT*>(stg + box * (64 * ROW_BYTES) + r * ROW_BYTES + ((ch ^ (r & 7)) << 4)) + (c & (EPC - 1));
-                const float2 v = O::get2(p);
-                O::put2(p, gelu_fwd_as<OUT>(v.x), gelu_fwd_as<OUT>(v.y));
-            }
-        if (j == J) {
-            fence_async_smem();
-            wg_barrier(wg);
-            if (tid == 0) store_tile<OUT, BN>(tmG, stg, m0, n0);
-        }
+        for (int i = 0; i < BN / 2; i++) d[i] = gelu_fwd_as<OUT>(O::stored(d[i]));
+        if (tid == 0) bulk_wait_read();  // C's tile has been read out of the buffer
+        wg_barrier(wg);
+        stage_tile<OUT, BN>(d, stg);
+        fence_async_smem();
+        wg_barrier(wg);
+        if (tid == 0) store_tile<OUT, BN>(tmG, stg, m0, n0);
     }
-};
+}
 
 // The producer warpgroup of both schedules (the cooperative one below and the ping-pong one further
 // down): it gives its registers away, and one thread walks the CTA's (tile, K split) units in order,
@@ -453,8 +423,6 @@ __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CU
     const int units = tiles_m * tiles_n * a.splits;  // work units: (tile, K split)
     const int kblocks_total = (a.K + BK - 1) / BK;
     const int wg = threadIdx.x / 128;
-    // the TMA store takes plain results (no split-K partials, no beta * C read, not transposed)
-    const bool tma_store = TMA_STORE && tmC && (!GELU || tmG) && a.splits == 1 && a.beta == 0.0f && !a.trans_c;
 
     if (wg == 0) {
         producer<T, BM, BN, STAGES, A_MN, A_T, B_T>(tmA, tmB, a, smem, full, empty, tiles_m, tiles_n);
@@ -462,8 +430,6 @@ __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CU
         asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
         float d[BN / 2];
         const int lane = threadIdx.x & 31;
-        unsigned char* stg = smem + STAGES * STAGE_BYTES + (wg - 1) * STG_BYTES;  // (TMA_STORE)
-        StagedGelu<OUT, BN> gelu;  // (GELU with the TMA store: the previous tile's gelu, pending)
         int stage = 0, phase = 0;
         for (int u = blockIdx.x; u < units; u += gridDim.x) {
             const int split = u % a.splits, t = u / a.splits;
@@ -513,10 +479,7 @@ __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CU
                     prev = stage;
                 }
                 if (++stage == STAGES) { stage = 0; phase ^= 1; }
-                // the previous tile's gelu while this k-block's wgmmas run
-                if constexpr (GELU && TMA_STORE) gelu.step(stg, tmG, wg, gelu.GJ);
             }
-            if constexpr (GELU && TMA_STORE) gelu.step(stg, tmG, wg, gelu.J);  // (short K: the rest now)
             wgmma_wait<0>();
             if (prev >= 0 && lane == 0) mbar_arrive(&empty[prev]);
             keep_in_regs(d);
@@ -524,15 +487,14 @@ __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CU
 #pragma unroll
                 for (int i = 0; i < BN / 2; i++) d[i] = 0.0f;
             }
-            if (tma_store) {
-                epilogue_tma<OUT, BN>(d, a, tmC, stg, tm * BM + (wg - 1) * 64, tn * BN, wg);
-                if constexpr (GELU) gelu.start(tm * BM + (wg - 1) * 64, tn * BN);
-            } else {
+            // the TMA store takes plain results (no split-K partials, no beta * C read, not transposed)
+            if (TMA_STORE && tmC && (!GELU || tmG) && a.splits == 1 && a.beta == 0.0f && !a.trans_c)
+                epilogue_tma<OUT, BN, GELU>(d, a, tmC, tmG, smem + STAGES * STAGE_BYTES + (wg - 1) * STG_BYTES,
+                                            tm * BM + (wg - 1) * 64, tn * BN, wg);
+            else
                 epilogue<OUT, BN, GELU>(d, a, tm * BM + (wg - 1) * 64, tn * BN, split);
-            }
         }
-        if constexpr (GELU && TMA_STORE) gelu.step(stg, tmG, wg, gelu.J);  // the CTA's last tile
-        if (TMA_STORE && (threadIdx.x & 127) == 0) bulk_wait_all();  // C (and G) written before the CTA ends
+        if (TMA_STORE && (threadIdx.x & 127) == 0) bulk_wait_all();  // C is written before the CTA ends
     }
 }
 
