@@ -6,7 +6,7 @@
     python dev/bench_step.py -b 1 -t 128            # a small step, where launching from Python costs
     LLMC_GRAPHS=0 python dev/bench_step.py          # kernel by kernel instead of CUDA graph replays
     LLMC_FUSED_BIAS=0 python dev/bench_step.py      # bias grads by matmul_backward_bias, not fused (same variants)
-    LLMC_FUSED_GELU=0 python dev/bench_step.py      # the fc layer's GELU by gelu_forward, not in the GEMM's epilogue
+    LLMC_FUSED_GELU=1 python dev/bench_step.py      # the fc layer's GELU in its GEMM's epilogue (default: gelu_forward)
 
 Times forward + backward + clip + AdamW + the loss read, exactly the trainer's step (after the first
 step, the micro-step and the update are CUDA graph replays where cuda-python is installed), with CUDA

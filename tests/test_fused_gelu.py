@@ -1,5 +1,6 @@
-"""The fc layer's GELU fused into its GEMM (matmul_forward with gelu_pre=True; docs/ops.md): where the
-variant chosen for mm_fc has the fused form (9, engine 5) the model's forward launches it and no
+"""The fc layer's GELU fused into its GEMM (matmul_forward with gelu_pre=True; docs/ops.md): with
+fuse_gelu=True or LLMC_FUSED_GELU=1 (off by default: not faster in the H100 step), where the variant
+chosen for mm_fc has the fused form (9, engine 5), the model's forward launches it and no
 gelu_forward; otherwise (another variant named, a GPU without wgmma) mm_fc and gelu_forward. The
 fused form is defined as the plain op then gelu_forward on the stored pre-activation, so everything
 is the same bits either way: on the numpy backend (whose launcher is exactly that), on the fake GPU
@@ -20,8 +21,10 @@ CFG = GPT2Config(max_seq_len=32, vocab_size=97, padded_vocab_size=128, num_layer
 
 
 def _train(be, B=2, T=16, steps=2, **kw):
-    """(model, [(loss, grads, logits of a forward without targets)] per step)."""
+    """(model, [(loss, grads, logits of a forward without targets)] per step); fuse_gelu=True unless
+    the caller says otherwise (None: the environment's LLMC_FUSED_GELU, or the default)."""
     rng = np.random.default_rng(7)
+    kw.setdefault("fuse_gelu", True)
     m = GPT2(CFG, be, B, T, **kw)
     m.init_params(11)
     m.stochastic_rounding = False
@@ -47,11 +50,12 @@ def _same(a, b):
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_fused_by_default_and_the_same_bits_as_the_pair(monkeypatch, precision):
-    """The default variant (9) takes the fused form: mm_fc_gelu is built from it (prefer=) with
-    gelu_pre, and a training micro-step launches L gelu_forwards (backward's recompute) instead of 2L.
-    fuse_gelu=False and LLMC_FUSED_GELU=0 keep the pair with the same variants. Losses, gradients and
-    logits: the same bits all three ways (and the numpy backend's, in fp32)."""
+def test_fused_form_and_the_same_bits_as_the_pair(monkeypatch, precision):
+    """fuse_gelu=True: the default variant (9) takes the fused form, mm_fc_gelu is built from it
+    (prefer=) with gelu_pre, and a training micro-step launches L gelu_forwards (backward's recompute)
+    instead of 2L. fuse_gelu=False, and the default (LLMC_FUSED_GELU unset or 0), keep the pair with
+    the same variants; LLMC_FUSED_GELU=1 fuses. Losses, gradients and logits: the same bits every way
+    (and the numpy backend's, in fp32)."""
     L = CFG.num_layers
     be = FakeCudaBackend(quiet=True, precision=precision)
     m, fused = _train(be)
@@ -64,12 +68,17 @@ def test_fused_by_default_and_the_same_bits_as_the_pair(monkeypatch, precision):
     assert not m2.fused_gelu and "mm_fc_gelu" not in m2.built
     assert be2.launches.count("gelu_forward") == 2 * 3 * L
     _same(fused, unfused)
+    monkeypatch.delenv("LLMC_FUSED_GELU", raising=False)
+    m3, default = _train(FakeCudaBackend(quiet=True, precision=precision), fuse_gelu=None)
+    assert not m3.fused_gelu  # off by default
+    _same(fused, default)
+    monkeypatch.setenv("LLMC_FUSED_GELU", "1")
+    m5, env = _train(FakeCudaBackend(quiet=True, precision=precision), fuse_gelu=None)
+    assert m5.fused_gelu
     monkeypatch.setenv("LLMC_FUSED_GELU", "0")
-    m3, env = _train(FakeCudaBackend(quiet=True, precision=precision))
-    assert not m3.fused_gelu
+    assert not _train(FakeCudaBackend(quiet=True, precision=precision), fuse_gelu=None, steps=1)[0].fused_gelu
     _same(fused, env)
     if precision == "fp32":
-        monkeypatch.delenv("LLMC_FUSED_GELU")
         m4, cpu = _train(CpuBackend(np.float32))
         assert m4.fused_gelu  # the numpy launchers implement every form of their op
         _same(fused, cpu)
