@@ -70,13 +70,33 @@ __device__ __forceinline__ bool last_block_ticket(unsigned int* counters, bool& 
     return true;
 }
 
-// GPT-2's GELU (tanh form; tanhf, not tanh.approx, whose ~1e-3 error would show against fp64):
-// gelu(x) = 0.5 x (1 + tanh(k (x + 0.044715 x^3))), k = sqrt(2/pi). Used by cuda/gelu.cu and by the
-// decode GEMV's fused epilogue in cuda/matmul.cu.
+// GPT-2's GELU, gelu(x) = 0.5 x (1 + tanh(k (x + 0.044715 x^3))), k = sqrt(2/pi), in the two forms the
+// kernels use; each is the one definition of its form:
+//   gelu_fwd          the tanh form (tanhf, not tanh.approx, whose ~1e-3 error would show against
+//                     fp64): gelu_forward's fp32 kernels, the decode GEMV's epilogue (cuda/matmul.cu),
+//                     GEMM engine 5's fused fc epilogue in fp32 (cuda/gemm_wgmma.cu)
+//   gelu_fwd_sigmoid  the same function as x * sigmoid(2u) (0.5 (1 + tanh(u)) = 1 / (1 + e^(-2u))),
+//                     with __expf and a fast divide (~2^-21 relative error, far under bf16's 2^-9):
+//                     gelu_forward's bf16 kernels and engine 5's fused epilogue in bf16
+// The arithmetic around tanhf / __expf is written with explicit rounding (__fmul_rn, __fadd_rn,
+// __fmaf_rn), which the compiler never contracts into an fma: with plain * and + (nvcc's default
+// -fmad=true) an fma may also swallow the multiply that produced x when the caller's x is a product
+// (alpha * acc in a GEMM epilogue without bias), and the fused epilogue would then differ from
+// gelu_forward run on the stored value. Written this way, the bits depend on the value of x only.
 #define GELU_K 0.7978845608028654f  // sqrt(2/pi)
 #define GELU_C 0.044715f
 
+// u = k (x + 0.044715 x^3), as k * fma(0.044715 x x, x, x)
+__device__ __forceinline__ float gelu_u(float x) {
+    return __fmul_rn(GELU_K, __fmaf_rn(__fmul_rn(__fmul_rn(GELU_C, x), x), x, x));
+}
+
 __device__ __forceinline__ float gelu_fwd(float x) {
-    float u = GELU_K * (x + GELU_C * x * x * x);
-    return 0.5f * x * (1.0f + tanhf(u));
+    return __fmul_rn(__fmul_rn(0.5f, x), __fadd_rn(1.0f, tanhf(gelu_u(x))));
+}
+
+// x / (1 + e^(-2u)). For x << 0, e^(-2u) overflows to inf and __fdividef(x, inf) is -0, the right
+// limit; for x >> 0 it is x / 1.
+__device__ __forceinline__ float gelu_fwd_sigmoid(float x) {
+    return __fdividef(x, __fadd_rn(1.0f, __expf(__fmul_rn(-2.0f, gelu_u(x)))));
 }

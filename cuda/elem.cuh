@@ -27,6 +27,13 @@ template <typename T> __device__ __forceinline__ T from_f32(float x);
 template <> __device__ __forceinline__ float from_f32<float>(float x) { return x; }
 template <> __device__ __forceinline__ bf16 from_f32<bf16>(float x) { return __float2bfloat16_rn(x); }
 
+// The GELU that gelu_forward's build for element type T computes (common.cuh): the tanh form in fp32,
+// the sigmoid form in bf16. GEMM engine 5's fused fc epilogue calls it on the value it stored, so the
+// fused form and gemm + gelu_forward give the same bits.
+template <typename T> __device__ __forceinline__ float gelu_fwd_as(float x);
+template <> __device__ __forceinline__ float gelu_fwd_as<float>(float x) { return gelu_fwd(x); }
+template <> __device__ __forceinline__ float gelu_fwd_as<bf16>(float x) { return gelu_fwd_sigmoid(x); }
+
 // Two bf16 in one 32-bit word (little-endian: the lower address is the low half) <-> two floats.
 // The widening is a shift/mask (bf16 is the top half of an fp32), no conversion instruction.
 __device__ __forceinline__ float bf16_lo(unsigned w) { return __uint_as_float(w << 16); }

@@ -31,7 +31,8 @@
 #include "common.cuh"
 #include "elem.cuh"
 
-// gelu_fwd, GELU_K and GELU_C live in common.cuh (the decode GEMV applies gelu_fwd in its epilogue)
+// gelu_fwd, gelu_fwd_sigmoid, GELU_K and GELU_C live in common.cuh (the decode GEMV applies gelu_fwd in its
+// epilogue, GEMM engine 5's fused fc epilogue gelu_fwd_as<T>, elem.cuh)
 
 __device__ __forceinline__ float gelu_grad(float x) {
     float u = GELU_K * (x + GELU_C * x * x * x);
@@ -76,12 +77,8 @@ extern "C" __global__ void gelu_backward_kernel2(float* dinp, const float* inp, 
 // bf16 builds. Templated on the element type T; only the bf16 instantiations have entry points
 // (the fp32 kernels above keep their tanhf form and their measured numbers).
 
-// gelu(x) = x * sigmoid(2u): x / (1 + e^(-2u)). For x << 0, e^(-2u) overflows to inf and
-// __fdividef(x, inf) is -0, the right limit; for x >> 0 it is x / 1.
-__device__ __forceinline__ float gelu_fwd_sigmoid(float x) {
-    float u = GELU_K * (x + GELU_C * x * x * x);
-    return __fdividef(x, 1.0f + __expf(-2.0f * u));
-}
+// gelu_fwd_sigmoid (the forward's bf16 form) is in common.cuh, beside gelu_fwd: GEMM engine 5's fused fc
+// epilogue computes the same bits from the same function
 
 // s (1 - s) as s - s*s: s = 0 (e = inf) gives 0, not inf * 0
 __device__ __forceinline__ float gelu_grad_sigmoid(float x) {
@@ -93,7 +90,7 @@ __device__ __forceinline__ float gelu_grad_sigmoid(float x) {
 template <typename T>
 __device__ __forceinline__ void gelu_forward1(T* out, const T* inp, int N) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < N) out[i] = from_f32<T>(gelu_fwd_sigmoid(to_f32(inp[i])));
+    if (i < N) out[i] = from_f32<T>(gelu_fwd_as<T>(to_f32(inp[i])));
 }
 
 // one thread per 16 bytes: elements [V*i, V*i + V); the last thread takes the n < V left over
@@ -107,7 +104,7 @@ __device__ __forceinline__ void gelu_forward2(T* out, const T* inp, int N) {
     float x[V];
     load_vec<T>(x, inp + e, n == V, n);
 #pragma unroll
-    for (int k = 0; k < V; k++) x[k] = gelu_fwd_sigmoid(x[k]);
+    for (int k = 0; k < V; k++) x[k] = gelu_fwd_as<T>(x[k]);
     store_vec<T>(out + e, x, n == V, n);
 }
 

@@ -50,6 +50,7 @@
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <stdint.h>
+#include "elem.cuh"    // gelu_fwd_as: the GELU of the fused fc epilogue (the _gelu instances)
 #include "hopper.cuh"
 #include "wgmma.cuh"
 
@@ -149,12 +150,14 @@ __device__ __forceinline__ void load_a_mn(uint32_t (&a)[4], const unsigned char*
 // the store (to nearest even); a pair is two adjacent columns (float2 / __nv_bfloat162)
 template <typename OUT> struct Out;
 template <> struct Out<float> {
+    static __device__ __forceinline__ float stored(float v) { return v; }  // v as put() stores it
     static __device__ __forceinline__ float get(const float* p) { return *p; }
     static __device__ __forceinline__ float2 get2(const float* p) { return *reinterpret_cast<const float2*>(p); }
     static __device__ __forceinline__ void put(float* p, float v) { *p = v; }
     static __device__ __forceinline__ void put2(float* p, float v0, float v1) { *reinterpret_cast<float2*>(p) = make_float2(v0, v1); }
 };
 template <> struct Out<__nv_bfloat16> {
+    static __device__ __forceinline__ float stored(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
     static __device__ __forceinline__ float get(const __nv_bfloat16* p) { return __bfloat162float(*p); }
     static __device__ __forceinline__ float2 get2(const __nv_bfloat16* p) {
         return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p));
@@ -173,11 +176,37 @@ struct GemmArgs {
     int M, N, K, ldc, ldw, splits, kb_per_split;
     float alpha, beta;
     int trans_c;
+    OUT* G = nullptr;    // the _gelu instances: G = gelu(C) as C is stored, (M, ldc) like C
 };
+
+// One or two adjacent columns (c, c + 1) of row r into X (C or G): a pair store where `pair` says X's
+// rows allow it, else single stores; with trans_c X^T is stored
+template <typename OUT>
+__device__ __forceinline__ void put_cols(OUT* X, const GemmArgs<OUT>& a, bool pair, int r, int c, float v0, float v1) {
+    using O = Out<OUT>;
+    const bool two = c + 1 < a.N;
+    if (a.trans_c) {
+        O::put(X + (ll)c * a.ldc + r, v0);
+        if (two) O::put(X + (ll)(c + 1) * a.ldc + r, v1);
+    } else if (pair && two) {
+        O::put2(X + (ll)r * a.ldc + c, v0, v1);
+    } else {
+        O::put(X + (ll)r * a.ldc + c, v0);
+        if (two) O::put(X + (ll)r * a.ldc + c + 1, v1);
+    }
+}
+
+// Pair stores need untransposed rows of even length and a pair-aligned start
+template <typename OUT>
+__device__ __forceinline__ bool pairs_ok(const OUT* X, const GemmArgs<OUT>& a) {
+    return !a.trans_c && (a.ldc % 2 == 0) && ((reinterpret_cast<uintptr_t>(X) & (2 * sizeof(OUT) - 1)) == 0);
+}
 
 // One consumer thread's share of the epilogue. Accumulator d[4j + 2h + c] of warp w, lane l holds
 // C at row 16w + l/4 + 8h (of the warpgroup's 64), column 8j + 2(l%4) + c.
-template <typename OUT, int BN>
+// GELU (the fc layer's fused form): also G = gelu(C), computed from each C value as stored (bf16: the
+// rounded value) by gelu_forward's own function for OUT, so G has gemm + gelu_forward's bits.
+template <typename OUT, int BN, bool GELU = false>
 __device__ __forceinline__ void epilogue(float (&d)[BN / 2], const GemmArgs<OUT>& a, int m0, int n0, int split) {
     const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
     const int r0 = m0 + warp * 16 + (lane >> 2), c0 = n0 + 2 * (lane & 3);
@@ -195,7 +224,7 @@ __device__ __forceinline__ void epilogue(float (&d)[BN / 2], const GemmArgs<OUT>
         return;
     }
     using O = Out<OUT>;
-    const bool pair = !a.trans_c && (a.ldc % 2 == 0) && ((reinterpret_cast<uintptr_t>(a.C) & (2 * sizeof(OUT) - 1)) == 0);
+    const bool pair = pairs_ok(a.C, a), pair_g = GELU && pairs_ok(a.G, a);
     // In chunks of JC column groups: with beta != 0 all of a chunk's old C values are loaded before
     // any of its stores (a load after a store to C may alias it, so the compiler would otherwise wait
     // out each load's latency in turn: 64-128 round trips per thread, measured 2x on a K=4096 GEMM).
@@ -229,17 +258,10 @@ __device__ __forceinline__ void epilogue(float (&d)[BN / 2], const GemmArgs<OUT>
                 if (r >= a.M || c >= a.N) continue;
                 const int i = 4 * (j0 + j) + 2 * h;
                 float v0 = a.alpha * d[i] + a.beta * old[j][h][0], v1 = a.alpha * d[i + 1] + a.beta * old[j][h][1];
-                const bool two = c + 1 < a.N;
-                if (a.bias) { v0 += O::get(a.bias + c); if (two) v1 += O::get(a.bias + c + 1); }
-                if (a.trans_c) {
-                    O::put(a.C + (ll)c * a.ldc + r, v0);
-                    if (two) O::put(a.C + (ll)(c + 1) * a.ldc + r, v1);
-                } else if (pair && two) {
-                    O::put2(a.C + (ll)r * a.ldc + c, v0, v1);
-                } else {
-                    O::put(a.C + (ll)r * a.ldc + c, v0);
-                    if (two) O::put(a.C + (ll)r * a.ldc + c + 1, v1);
-                }
+                if (a.bias) { v0 += O::get(a.bias + c); if (c + 1 < a.N) v1 += O::get(a.bias + c + 1); }
+                put_cols(a.C, a, pair, r, c, v0, v1);
+                if constexpr (GELU)
+                    put_cols(a.G, a, pair_g, r, c, gelu_fwd_as<OUT>(O::stored(v0)), gelu_fwd_as<OUT>(O::stored(v1)));
             }
     }
 }
@@ -248,36 +270,73 @@ __device__ __forceinline__ void epilogue(float (&d)[BN / 2], const GemmArgs<OUT>
 // (EPB = 32 fp32 / 64 bf16), 128-byte swizzled (16-byte chunk ch of row r at ch ^ (r % 8)). A quad of
 // lanes writes 4 adjacent pairs of one row, 8 rows per warp store: 32 distinct banks, conflict-free.
 template <typename OUT, int BN>
-__device__ __forceinline__ void epilogue_tma(float (&d)[BN / 2], const GemmArgs<OUT>& a, const CUtensorMap* tmC,
-                                             unsigned char* stg, int m0, int n0, int wg) {
+__device__ __forceinline__ void stage_tile(const float (&v)[BN / 2], unsigned char* stg) {
     using O = Out<OUT>;
     constexpr int EPB = ROW_BYTES / sizeof(OUT), EPC = 16 / sizeof(OUT);  // elements per box row / chunk
     constexpr int LOG_EPB = sizeof(OUT) == 4 ? 5 : 6, LOG_EPC = sizeof(OUT) == 4 ? 2 : 3;
     static_assert(EPB == 1 << LOG_EPB && EPC == 1 << LOG_EPC, "fp32 or 16-bit outputs");
-    const int tid = threadIdx.x & 127, lane = threadIdx.x & 31, warp = tid >> 5;
-    if (tid == 0) bulk_wait_read();
-    wg_barrier(wg);
+    const int lane = threadIdx.x & 31, warp = (threadIdx.x & 127) >> 5;
 #pragma unroll
     for (int j = 0; j < BN / 8; j++)
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             const int r = warp * 16 + (lane >> 2) + 8 * h, c = 8 * j + 2 * (lane & 3);
-            float v0 = a.alpha * d[4 * j + 2 * h], v1 = a.alpha * d[4 * j + 2 * h + 1];
-            if (a.bias) {
-                const int gc = n0 + c;  // columns past N are clipped by the store; don't read past bias
+            const int box = c >> LOG_EPB, ch = (c & (EPB - 1)) >> LOG_EPC;
+            OUT* p = reinterpret_cast<OUT*>(stg + box * (64 * ROW_BYTES) + r * ROW_BYTES + ((ch ^ (r & 7)) << 4)) + (c & (EPC - 1));
+            O::put2(p, v[4 * j + 2 * h], v[4 * j + 2 * h + 1]);
+        }
+}
+
+// The staged tile out through the TMA (thread 0 of the warpgroup), one bulk group
+template <typename OUT, int BN>
+__device__ __forceinline__ void store_tile(const CUtensorMap* tm, unsigned char* stg, int m0, int n0) {
+    constexpr int EPB = ROW_BYTES / sizeof(OUT);
+#pragma unroll
+    for (int b = 0; b < BN / EPB; b++) tma_store_2d(tm, stg + b * (64 * ROW_BYTES), n0 + EPB * b, m0);
+    bulk_commit();
+}
+
+// The TMA-store epilogue: the tile's values (alpha, bias) staged and stored through tmC. GELU: then
+// gelu(C as stored) through tmG, out of the same staging buffer: the GELU is computed in registers
+// while the TMA is still reading C's tile, and the buffer is rewritten once that read is done.
+// (Tried and measured slower, 2026-11-26: leaving the staged C in the buffer and turning it into
+// gelu(C) in place during the next tile's mainloop, a few column groups after each k-block's wgmmas.
+// On the H100 at the d12 fc shape (B=16) the bf16 GEMM went from 0.200 ms (this form) to 0.237 ms,
+// slower than the GEMM + gelu_forward's 0.219: the consumers' shared-memory traffic competes with the
+// wgmmas' operand reads. fp32: 0.373 here, 0.395 there.)
+template <typename OUT, int BN, bool GELU = false>
+__device__ __forceinline__ void epilogue_tma(float (&d)[BN / 2], const GemmArgs<OUT>& a, const CUtensorMap* tmC,
+                                             const CUtensorMap* tmG, unsigned char* stg, int m0, int n0, int wg) {
+    using O = Out<OUT>;
+    const int tid = threadIdx.x & 127, lane = threadIdx.x & 31;
+#pragma unroll
+    for (int j = 0; j < BN / 8; j++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int i = 4 * j + 2 * h, gc = n0 + 8 * j + 2 * (lane & 3);
+            float v0 = a.alpha * d[i], v1 = a.alpha * d[i + 1];
+            if (a.bias) {  // columns past N are clipped by the store; don't read past bias
                 v0 += gc < a.N ? O::get(a.bias + gc) : 0.0f;
                 v1 += gc + 1 < a.N ? O::get(a.bias + gc + 1) : 0.0f;
             }
-            const int box = c >> LOG_EPB, ch = (c & (EPB - 1)) >> LOG_EPC;
-            OUT* p = reinterpret_cast<OUT*>(stg + box * (64 * ROW_BYTES) + r * ROW_BYTES + ((ch ^ (r & 7)) << 4)) + (c & (EPC - 1));
-            O::put2(p, v0, v1);
+            d[i] = v0;
+            d[i + 1] = v1;
         }
+    if (tid == 0) bulk_wait_read();  // the previous tile's stores have read the staging buffer
+    wg_barrier(wg);
+    stage_tile<OUT, BN>(d, stg);
     fence_async_smem();
     wg_barrier(wg);
-    if (tid == 0) {
+    if (tid == 0) store_tile<OUT, BN>(tmC, stg, m0, n0);
+    if constexpr (GELU) {
 #pragma unroll
-        for (int b = 0; b < BN / EPB; b++) tma_store_2d(tmC, stg + b * (64 * ROW_BYTES), n0 + EPB * b, m0);
-        bulk_commit();
+        for (int i = 0; i < BN / 2; i++) d[i] = gelu_fwd_as<OUT>(O::stored(d[i]));
+        if (tid == 0) bulk_wait_read();  // C's tile has been read out of the buffer
+        wg_barrier(wg);
+        stage_tile<OUT, BN>(d, stg);
+        fence_async_smem();
+        wg_barrier(wg);
+        if (tid == 0) store_tile<OUT, BN>(tmG, stg, m0, n0);
     }
 }
 
@@ -332,11 +391,12 @@ __device__ __forceinline__ void producer(const CUtensorMap* tmA, const CUtensorM
 }
 
 // T: input type; OUT: output type (fp32, or bf16 for bf16 inputs); A_MN: tf32 A M-major through
-// registers; A_T / B_T: bf16 A M-major / B N-major in shared memory (the wgmma's transpose bits)
+// registers; A_T / B_T: bf16 A M-major / B N-major in shared memory (the wgmma's transpose bits);
+// GELU: the epilogues also write a.G = gelu(C) (through tmG with the TMA store)
 template <typename T, typename OUT, int BN, int STAGES, bool TMA_STORE, bool A_MN = false, bool A_T = false,
-          bool B_T = false>
+          bool B_T = false, bool GELU = false>
 __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CUtensorMap* tmB, const CUtensorMap* tmC,
-                                                const GemmArgs<OUT>& a) {
+                                                const CUtensorMap* tmG, const GemmArgs<OUT>& a) {
     constexpr int BK = ROW_BYTES / sizeof(T);       // K per stage: 32 tf32 or 64 bf16
     constexpr int KSTEPS = ROW_BYTES / 32;           // wgmmas per stage (32 bytes of K each)
     constexpr int A_BYTES = BM * ROW_BYTES, B_BYTES = BN * ROW_BYTES, STAGE_BYTES = A_BYTES + B_BYTES;
@@ -428,11 +488,11 @@ __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CU
                 for (int i = 0; i < BN / 2; i++) d[i] = 0.0f;
             }
             // the TMA store takes plain results (no split-K partials, no beta * C read, not transposed)
-            if (TMA_STORE && tmC && a.splits == 1 && a.beta == 0.0f && !a.trans_c)
-                epilogue_tma<OUT, BN>(d, a, tmC, smem + STAGES * STAGE_BYTES + (wg - 1) * STG_BYTES, tm * BM + (wg - 1) * 64,
-                                 tn * BN, wg);
+            if (TMA_STORE && tmC && (!GELU || tmG) && a.splits == 1 && a.beta == 0.0f && !a.trans_c)
+                epilogue_tma<OUT, BN, GELU>(d, a, tmC, tmG, smem + STAGES * STAGE_BYTES + (wg - 1) * STG_BYTES,
+                                            tm * BM + (wg - 1) * 64, tn * BN, wg);
             else
-                epilogue<OUT, BN>(d, a, tm * BM + (wg - 1) * 64, tn * BN, split);
+                epilogue<OUT, BN, GELU>(d, a, tm * BM + (wg - 1) * 64, tn * BN, split);
         }
         if (TMA_STORE && (threadIdx.x & 127) == 0) bulk_wait_all();  // C is written before the CTA ends
     }
@@ -447,7 +507,7 @@ __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CU
          float* W, int M, int N, int K, int ldc, int ldw, int splits, int kb_per_split, float alpha,     \
          float beta, int trans_c) {                                                                       \
         const GemmArgs<OUT> a{C, bias, W, M, N, K, ldc, ldw, splits, kb_per_split, alpha, beta, trans_c}; \
-        gemm_wgmma_body<T, OUT, BN, STAGES, TMA_STORE, ##__VA_ARGS__>(tmA, tmB, tmC, a);                 \
+        gemm_wgmma_body<T, OUT, BN, STAGES, TMA_STORE, ##__VA_ARGS__>(tmA, tmB, tmC, nullptr, a);        \
     }
 
 // stages: as many as fit in ~200 KB (A 16 KB + B BN*128 bytes each); the _ts (TMA store) instances
@@ -486,6 +546,32 @@ GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n192_bt_ts_bf16, __nv_bfloat16, __nv_bfloat16, 
 GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n128_at_bt_bf16, __nv_bfloat16, __nv_bfloat16, 128, 6, false, false, true, true)
 GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n192_at_bt_bf16, __nv_bfloat16, __nv_bfloat16, 192, 5, false, false, true, true)
 GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n256_at_bt_bf16, __nv_bfloat16, __nv_bfloat16, 256, 4, false, false, true, true)
+
+// The fc layer's fused form (matmul_forward with gelu_pre=True): both K-major, C = the pre-activation
+// (fch, which gelu_backward reads) and G = gelu(C) (fch_gelu) from one epilogue, instead of a
+// gelu_forward launch re-reading C. The arguments of GEMM_WGMMA_ENTRY plus G's TMA map (tmG, used by
+// the _ts instances) and G. The stages are the plain instances': the TMA-store epilogue stages G in
+// C's buffer after C has left it. Split-K runs the plain instance and gemm_wgmma_splitk_reduce_gelu.
+#define GEMM_WGMMA_GELU_ENTRY(NAME, T, OUT, BN, STAGES, TMA_STORE)                                       \
+    extern "C" __global__ void __launch_bounds__(THREADS, 1)                                             \
+    NAME(const CUtensorMap* tmA, const CUtensorMap* tmB, const CUtensorMap* tmC, const CUtensorMap* tmG, \
+         OUT* C, OUT* G, const OUT* bias, float* W, int M, int N, int K, int ldc, int ldw, int splits,   \
+         int kb_per_split, float alpha, float beta, int trans_c) {                                        \
+        const GemmArgs<OUT> a{C, bias, W, M, N, K, ldc, ldw, splits, kb_per_split, alpha, beta, trans_c, G}; \
+        gemm_wgmma_body<T, OUT, BN, STAGES, TMA_STORE, false, false, false, true>(tmA, tmB, tmC, tmG, a); \
+    }
+
+// llmc/ops/gemm_wgmma.py: GELU_INSTANCES (a CPU test checks they agree)
+GEMM_WGMMA_GELU_ENTRY(gemm_wgmma_tf32_n128_gelu, float, float, 128, 6, false)
+GEMM_WGMMA_GELU_ENTRY(gemm_wgmma_tf32_n192_gelu, float, float, 192, 5, false)
+GEMM_WGMMA_GELU_ENTRY(gemm_wgmma_tf32_n256_gelu, float, float, 256, 4, false)
+GEMM_WGMMA_GELU_ENTRY(gemm_wgmma_tf32_n128_ts_gelu, float, float, 128, 5, true)
+GEMM_WGMMA_GELU_ENTRY(gemm_wgmma_tf32_n192_ts_gelu, float, float, 192, 3, true)
+GEMM_WGMMA_GELU_ENTRY(gemm_wgmma_bf16_n128_gelu_bf16, __nv_bfloat16, __nv_bfloat16, 128, 6, false)
+GEMM_WGMMA_GELU_ENTRY(gemm_wgmma_bf16_n192_gelu_bf16, __nv_bfloat16, __nv_bfloat16, 192, 5, false)
+GEMM_WGMMA_GELU_ENTRY(gemm_wgmma_bf16_n256_gelu_bf16, __nv_bfloat16, __nv_bfloat16, 256, 4, false)
+GEMM_WGMMA_GELU_ENTRY(gemm_wgmma_bf16_n128_ts_gelu_bf16, __nv_bfloat16, __nv_bfloat16, 128, 6, true)
+GEMM_WGMMA_GELU_ENTRY(gemm_wgmma_bf16_n192_ts_gelu_bf16, __nv_bfloat16, __nv_bfloat16, 192, 4, true)
 
 // ------------------------------------------------------------------------------------------------
 // Ping-pong consumers (the _pp instances): each consumer warpgroup owns whole tiles
@@ -671,9 +757,9 @@ GEMM_WGMMA_PP_ENTRY(gemm_wgmma_bf16_n128_bt_pp128_bf16, __nv_bfloat16, __nv_bflo
 
 // C = alpha * sum_s W[s] (+ bias) (+ beta * C), the splits added in order (deterministic); with
 // trans_c, C^T is what is stored. The _bf16 instance: C and bias bf16, everything added in fp32, one
-// rounding on the store.
-template <typename OUT>
-__device__ __forceinline__ void splitk_reduce(OUT* C, const float* W, const OUT* bias, int M, int N, int ldc,
+// rounding on the store. GELU (the _gelu instances, the fc layer's fused form): also G = gelu(C as stored).
+template <typename OUT, bool GELU = false>
+__device__ __forceinline__ void splitk_reduce(OUT* C, OUT* G, const float* W, const OUT* bias, int M, int N, int ldc,
                                               int ldw, int splits, float alpha, float beta, int trans_c) {
     using O = Out<OUT>;
     const ll total = (ll)M * N;
@@ -683,19 +769,30 @@ __device__ __forceinline__ void splitk_reduce(OUT* C, const float* W, const OUT*
         for (int k = 0; k < splits; k++) s += W[((ll)k * M + m) * ldw + n];
         float x = alpha * s;
         if (bias) x += O::get(bias + n);
-        OUT* p = trans_c ? C + (ll)n * ldc + m : C + (ll)m * ldc + n;
-        if (beta != 0.0f) x += beta * O::get(p);
-        O::put(p, x);
+        const ll off = trans_c ? (ll)n * ldc + m : (ll)m * ldc + n;
+        if (beta != 0.0f) x += beta * O::get(C + off);
+        O::put(C + off, x);
+        if constexpr (GELU) O::put(G + off, gelu_fwd_as<OUT>(O::stored(x)));
     }
 }
 extern "C" __global__ void gemm_wgmma_splitk_reduce(float* C, const float* W, const float* bias, int M, int N,
                                                     int ldc, int ldw, int splits, float alpha, float beta, int trans_c) {
-    splitk_reduce<float>(C, W, bias, M, N, ldc, ldw, splits, alpha, beta, trans_c);
+    splitk_reduce<float>(C, nullptr, W, bias, M, N, ldc, ldw, splits, alpha, beta, trans_c);
 }
 extern "C" __global__ void gemm_wgmma_splitk_reduce_bf16(__nv_bfloat16* C, const float* W, const __nv_bfloat16* bias,
                                                          int M, int N, int ldc, int ldw, int splits, float alpha,
                                                          float beta, int trans_c) {
-    splitk_reduce<__nv_bfloat16>(C, W, bias, M, N, ldc, ldw, splits, alpha, beta, trans_c);
+    splitk_reduce<__nv_bfloat16>(C, nullptr, W, bias, M, N, ldc, ldw, splits, alpha, beta, trans_c);
+}
+extern "C" __global__ void gemm_wgmma_splitk_reduce_gelu(float* C, float* G, const float* W, const float* bias, int M,
+                                                         int N, int ldc, int ldw, int splits, float alpha, float beta,
+                                                         int trans_c) {
+    splitk_reduce<float, true>(C, G, W, bias, M, N, ldc, ldw, splits, alpha, beta, trans_c);
+}
+extern "C" __global__ void gemm_wgmma_splitk_reduce_gelu_bf16(__nv_bfloat16* C, __nv_bfloat16* G, const float* W,
+                                                              const __nv_bfloat16* bias, int M, int N, int ldc, int ldw,
+                                                              int splits, float alpha, float beta, int trans_c) {
+    splitk_reduce<__nv_bfloat16, true>(C, G, W, bias, M, N, ldc, ldw, splits, alpha, beta, trans_c);
 }
 
 // out(cols, ld_out) = in(rows, cols)^T: 32x32 tiles through padded shared memory (the padding

@@ -6,6 +6,7 @@
     python dev/bench_step.py -b 1 -t 128            # a small step, where launching from Python costs
     LLMC_GRAPHS=0 python dev/bench_step.py          # kernel by kernel instead of CUDA graph replays
     LLMC_FUSED_BIAS=0 python dev/bench_step.py      # bias grads by matmul_backward_bias, not fused (same variants)
+    LLMC_FUSED_GELU=1 python dev/bench_step.py      # the fc layer's GELU in its GEMM's epilogue (default: gelu_forward)
 
 Times forward + backward + clip + AdamW + the loss read, exactly the trainer's step (after the first
 step, the micro-step and the update are CUDA graph replays where cuda-python is installed), with CUDA
@@ -74,6 +75,7 @@ def main():
     print(f"device: {rt.name} | model {cfg.describe()} | B={B} T={T} | {args.precision} | build {build_s:.1f} s")
     print("kernels: " + ", ".join(f"{k}={v}" for k, v in sorted(be.kernels.items())))
     print("bias grads fused into: " + (", ".join(k for k, v in model.fused_bias.items() if v) or "none (matmul_backward_bias)"))
+    print("fc GELU: " + ("fused into the fc GEMM's epilogue" if model.fused_gelu else "mm_fc + gelu_forward"))
     from llmc.runtime import Graph
     print("CUDA graphs: " + ("yes" if isinstance(model._graph_micro, Graph) else
                              f"no ({rt.graphs_available() or 'not captured'})"))

@@ -35,6 +35,9 @@ Bias gradients: fcproj's, attproj's and fc's are column sums of dres and dfch, w
 backward and GELU backward write just before; where the chosen variants have the fused form
 (colsum=True: layernorm_backward 5, gelu_backward 2) those kernels add the sums as they write, and
 no matmul_backward_bias runs for them (fuse_bias=False or LLMC_FUSED_BIAS=0: the separate passes).
+The fc layer's GELU can be fused likewise (fuse_gelu=True or LLMC_FUSED_GELU=1; off by default, not
+faster in the step): where the chosen matmul_forward variant has the fused form (gelu_pre=True: engine
+5 writes fch and gelu(fch) from one epilogue) no gelu_forward runs in the forward.
 """
 from __future__ import annotations
 
@@ -75,7 +78,8 @@ def next_seed(state: int) -> tuple[int, int]:
 
 class GPT2:
     def __init__(self, cfg: GPT2Config, backend, B: int, T: int, training: bool = True, params_buf=None,
-                 optimizer: bool = True, recompute: int = 1, fuse_bias: bool | None = None):
+                 optimizer: bool = True, recompute: int = 1, fuse_bias: bool | None = None,
+                 fuse_gelu: bool | None = None):
         if T > cfg.max_seq_len:
             raise LLMCError(f"-t/--seq-len {T}: longer than the model's max sequence length {cfg.max_seq_len}")
         if B < 1 or T < 1:
@@ -146,6 +150,19 @@ class GPT2:
             # the running loss sum stays fp32 in bf16 mode: the fp32 build of the residual add
             "loss_acc": op("residual_forward", N=Np, precision="fp32"),
         }
+        # The fc layer's GELU: where the variant chosen for mm_fc has the fused form (matmul_forward with
+        # gelu_pre=True: fch and gelu(fch) from one GEMM epilogue, the bits of mm_fc then gelu_forward),
+        # the forward can launch it instead of the pair, and gelu_forward no longer re-reads fch (backward
+        # still recomputes the GELU from fch with -r >= 1). Off unless fuse_gelu=True or LLMC_FUSED_GELU=1:
+        # on the H100 the fused GEMM is 16-33 us faster than the pair at B=16, but the d12 step is not
+        # (bf16 B=16 37.01 vs 37.02 ms, fp32 74.55 vs 74.33: docs/ops.md), so the default stays the pair
+        if fuse_gelu is None:
+            fuse_gelu = os.environ.get("LLMC_FUSED_GELU", "0") != "0"
+        fc = dict(N=N, C=C, OC=4 * C, has_bias=True)
+        fc_fused = be.fuses("matmul_forward", dict(gelu_pre=True), **fc) if fuse_gelu else None
+        self.fused_gelu = fc_fused is not None
+        if self.fused_gelu:
+            self.built["mm_fc_gelu"] = op("matmul_forward", prefer=fc_fused, **fc, gelu_pre=True)
         if training:
             self.built.update({
                 "mmb_lmhead": op("matmul_backward", N=N, C=C, OC=Vp),
@@ -422,8 +439,11 @@ class GPT2:
             k["mm_attproj"](a["attproj"], a["atty"][l], p["attprojw"][l], p["attprojb"][l])  # (B,T,C)
             k["residual_layernorm"](a["residual2"][l], ln2[l], a["ln2_mean"][l], a["ln2_rstd"][l],
                                     residual, a["attproj"], p["ln2w"][l], p["ln2b"][l])
-            k["mm_fc"](a["fch"][l], ln2[l], p["fcw"][l], p["fcb"][l])                        # (B,T,4C)
-            k["gelu_forward"](fch_gelu[l], a["fch"][l])                                       # (B,T,4C)
+            if self.fused_gelu:                                                                 # fch and
+                k["mm_fc_gelu"](fch_gelu[l], a["fch"][l], ln2[l], p["fcw"][l], p["fcb"][l])  # its GELU (B,T,4C)
+            else:
+                k["mm_fc"](a["fch"][l], ln2[l], p["fcw"][l], p["fcb"][l])                    # (B,T,4C)
+                k["gelu_forward"](fch_gelu[l], a["fch"][l])                                   # (B,T,4C)
             k["mm_fcproj"](a["fcproj"], fch_gelu[l], p["fcprojw"][l], p["fcprojb"][l])       # (B,T,C)
             # residual3 = residual2 + fcproj, normalised for the next layer (or the final layernorm)
             if l + 1 < L:

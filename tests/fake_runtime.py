@@ -200,6 +200,8 @@ class FakeCudaBackend(CudaBackend):
         conv, run = self.rt.np, cpu.launch
         if dt == "bf16" and name == "adamw" and shape.get("chunks"):
             run = self._bf16_adamw_chunks(shape["chunks"])
+        elif dt == "bf16" and name == "matmul_forward" and shape.get("gelu_pre"):
+            run = self._bf16_gelu_pre(shape)
         elif dt == "bf16":
             run = self._bf16_adamw(run) if name == "adamw" else self._bf16(run)
         else:
@@ -235,6 +237,18 @@ class FakeCudaBackend(CudaBackend):
             for x, f, before in copies.values():
                 if not np.array_equal(f, before, equal_nan=True):
                     np_(x)[...] = to_bf16(f)
+        return run
+
+    def _bf16_gelu_pre(self, shape):
+        """matmul_forward's fused fc form (gelu_pre=True) in bf16: the plain GEMM into pre, rounded on
+        the store, then the GELU of pre as stored, rounded again: what the fused epilogue computes, so
+        the same bits as the plain build followed by gelu_forward's."""
+        plain = self._bf16(ops.get("matmul_forward").build_cpu(**{k: v for k, v in shape.items() if k != "gelu_pre"}).launch)
+        gelu = self._bf16(ops.get("gelu_forward").build_cpu(N=shape["N"] * shape["OC"]).launch)
+
+        def run(out, pre, inp, weight, bias=None):
+            plain(pre, inp, weight, bias)
+            gelu(out, pre)
         return run
 
     def _bf16_adamw(self, ref):

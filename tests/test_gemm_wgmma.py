@@ -623,3 +623,159 @@ def test_pp_matches_coop_bitwise_and_is_deterministic(hopper, rng, dtype, out, b
         outs.append(C.get())
     assert np.array_equal(outs[0], outs[1])
     assert np.array_equal(outs[0], outs[2])
+
+
+# ----------------------------------------------------------------------------------------------
+# the fused GELU epilogue (the _gelu instances: the fc layer's matmul_forward with gelu_pre=True):
+# C = the pre-activation, G = gelu(C as stored), by the function gelu_forward uses in that precision
+
+
+def test_gelu_instance_table_matches_the_kernels():
+    """GELU_INSTANCES against the .cu's GEMM_WGMMA_GELU_ENTRY lines: names, types, stages (the plain
+    instances' own: G is staged in C's buffer after C), TMA store; every one fits in 227 KB."""
+    import re
+    from llmc.runtime import CUDA_DIR
+    src = (CUDA_DIR / "gemm_wgmma.cu").read_text()
+    entries = {m.group(1): (m.group(2), m.group(3), int(m.group(4)), int(m.group(5)), m.group(6) == "true")
+               for m in re.finditer(r"^GEMM_WGMMA_GELU_ENTRY\((\w+), ([\w:]+), ([\w:]+), (\d+), (\d+), (true|false)\)$",
+                                    src, re.M)}
+    ctype = {"tf32": "float", "bf16": "__nv_bfloat16", "fp32": "float"}
+    want = {}
+    for (ty, out, ts), widths in gw.GELU_INSTANCES.items():
+        assert widths == gw.INSTANCES[(ty, out, "kk", ts)]
+        for bn, stages in widths.items():
+            want[gw.instance_name(ty, out, "kk", ts, bn, True)] = (ctype[ty], ctype[out], bn, stages, ts)
+            assert gw.smem_bytes(bn, stages, ts, out) <= 227 * 1024
+    assert entries == want and len(want) == 10
+
+
+@pytest.mark.parametrize("dtype,out,kw,want", [
+    ("tf32", "fp32", dict(), ["gemm_wgmma_tf32_n192_ts_gelu"]),
+    ("tf32", "fp32", dict(store="direct"), ["gemm_wgmma_tf32_n192_gelu"]),
+    ("bf16", "bf16", dict(), ["gemm_wgmma_bf16_n192_ts_gelu_bf16"]),
+    ("bf16", "bf16", dict(store="direct", bn=256), ["gemm_wgmma_bf16_n256_gelu_bf16"]),
+    # split-K: the plain instance writes the partials, the reduce adds them and applies the GELU
+    ("tf32", "fp32", dict(splits=3), ["gemm_wgmma_tf32_n192", "gemm_wgmma_splitk_reduce_gelu"]),
+    ("bf16", "bf16", dict(splits=3), ["gemm_wgmma_bf16_n192_bf16", "gemm_wgmma_splitk_reduce_gelu_bf16"]),
+])
+def test_gelu_builds_pick_their_instance(monkeypatch, dtype, out, kw, want):
+    """The fc shape (B=16): the fused instance of the plain plan (same tile width, store and split), its
+    argtypes checked against the PTX by the fake runtime; the launch passes G (and G's tensor map)."""
+    from tests.fake_runtime import FakeRuntime
+    monkeypatch.setenv(gw.SCHEDULE_ENV, "pingpong")  # the fused form stays cooperative, silently
+    rt = FakeRuntime()
+    g = gw.wgmma_build(rt, dtype, 16384, 3072, 768, has_bias=True, out=out, gelu=True, **kw)
+    assert rt.built == want and "+gelu" in g.plan[1] and g.plan[2] == kw.get("splits", 1)
+    monkeypatch.setattr(gw, "tensor_map", lambda *a: bytes(128))
+    esz = 2 if out == "bf16" else 4
+    C, G = rt.empty((16384 * 3072 * esz // 4,)), rt.empty((16384 * 3072 * esz // 4,))
+    g(C, rt.empty((16384, 768)), rt.empty((3072, 768)), rt.empty((3072,)), G)
+    L = rt.launches[-1]   # the launch that writes the outputs (split-K: the reduce)
+    assert L.func == want[-1] and C.ptr in L.args and G.ptr in L.args
+    with pytest.raises(Exception, match="gelu=True"):
+        g(C, rt.empty((16384, 768)), rt.empty((3072, 768)), rt.empty((3072,)))
+
+
+@pytest.mark.parametrize("kw,why", [(dict(beta=1.0), "beta = 0"), (dict(trans_c=True), "not transposed"),
+                                    (dict(dtype="bf16", out="fp32"), "bf16 -> bf16"),
+                                    (dict(dtype="bf16", out="bf16", b_major="n"), "K-major"),
+                                    (dict(schedule="pingpong"), "cooperative instances only")])
+def test_gelu_refusals(kw, why):
+    from llmc.errors import LLMCError
+    from tests.fake_runtime import FakeRuntime
+    dtype = kw.pop("dtype", "tf32")
+    with pytest.raises(LLMCError, match=why):
+        gw.wgmma_build(FakeRuntime(), dtype, 256, 256, 256, gelu=True, **kw)
+
+
+def _gelu_case(rt, rng, dtype, M, N, K, has_bias=True, store="auto", splits=None, bn=None, alpha=1.0):
+    """The fused GEMM (pre, G) and the plain one (C) on the same operands, outputs poisoned first:
+    (pre, G, C as DevArrays, float64 reference of pre, the fused plan, the plain plan)."""
+    from llmc.bf16 import BF16
+    from llmc.testing import poison
+    bf = dtype == "bf16"
+    A = rng.standard_normal((M, K)).astype(np.float32)
+    B = (rng.standard_normal((N, K)) * K ** -0.5).astype(np.float32)  # pre ~ N(0, 1): GELU's curved part
+    bias = rng.standard_normal(N).astype(np.float32)
+    if bf:
+        (Ab, A), (Bb, B), (bb, bias) = _bf16_round(A), _bf16_round(B), _bf16_round(bias)
+    else:
+        Ab, Bb, bb = A, B, bias
+    dA, dB, dbias = rt.to_device(Ab), rt.to_device(Bb), rt.to_device(bb) if has_bias else None
+    pre, G, C = (rt.empty((M, N), BF16 if bf else np.float32) for _ in range(3))
+    poison(pre, G, C)
+    kw = dict(alpha=alpha, has_bias=has_bias, bn=bn, splits=splits, store=store, out="bf16" if bf else "fp32")
+    fused = gw.wgmma_build(rt, dtype, M, N, K, gelu=True, **kw)
+    fused(pre, dA, dB, dbias, G)
+    plain = gw.wgmma_build(rt, dtype, M, N, K, **kw)
+    plain(C, dA, dB, dbias)
+    ref = alpha * (A.astype(np.float64) @ B.astype(np.float64).T) + (bias if has_bias else 0.0)
+    return pre, G, C, ref, fused.plan, plain.plan
+
+
+def _values(x):
+    h = x.get()
+    return (from_bf16(h) if h.dtype == np.uint16 else h).astype(np.float64)
+
+
+# (the last two have more tiles than the H100 has SMs: a CTA's tile computes the previous tile's GELU
+# during its mainloop, the TMA-store path's overlap)
+GELU_SHAPES = [(1, 8, 16), (200, 100, 16), (129, 193, 16), (65, 1, 16), (300, 776, 64), (257, 3072, 768),
+               (2048, 3072, 64), (1100, 3000, 136)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("store", ["tma", "direct", "split"])
+@pytest.mark.parametrize("dtype", ["tf32", "bf16"])
+@pytest.mark.parametrize("M,N,K", GELU_SHAPES)
+def test_gelu_epilogue_matches_float64(hopper, rng, dtype, M, N, K, store):
+    """pre against float64 (the GEMM's own tolerance), G against the float64 GELU of pre as stored
+    (fp32: tanhf's few ulps; bf16: one rounding of the sigmoid form), every element of both written
+    (poisoned first). M, N off the tile, N % 8 != 0 where the store allows it, K = 16 (one k-block,
+    part zero-filled); "split": direct stores with 3 K splits and the GELU in the split-K reduce."""
+    from llmc.ops.gelu import gelu_forward_ref
+    from llmc.testing import assert_close, bf16_close
+    if store == "tma" and N % (8 if dtype == "bf16" else 4):
+        pytest.skip("the TMA store needs 16-byte rows of C and G")
+    if store == "split" and K < 3 * 128:
+        pytest.skip("3 K splits need K >= 3 k-blocks of 4")
+    splits = 3 if store == "split" else 1
+    pre, G, _, ref, plan, _ = _gelu_case(hopper, rng, dtype, M, N, K, store="direct" if store == "split" else store,
+                                         splits=splits)
+    assert ("+ts" in plan[1]) == (store == "tma") and plan[2] == splits and "+gelu" in plan[1]
+    p, g = _values(pre), _values(G)
+    assert np.isfinite(p).all() and np.isfinite(g).all(), "unwritten (NaN-poisoned) outputs"
+    gref = gelu_forward_ref(p)
+    if dtype == "bf16":
+        bf16_close(p, ref, f"pre {M}x{N}x{K}")
+        assert_close(g, gref, atol=1e-6, rtol=2.0 ** -8, name=f"gelu {M}x{N}x{K}")
+    else:
+        assert _rel(p, ref) < TOL["tf32"]
+        assert_close(g, gref, atol=1e-6, rtol=1e-5, name=f"gelu {M}x{N}x{K}")
+    assert _rel(g, gelu_forward_ref(ref)) < (1e-2 if dtype == "bf16" else TOL["tf32"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("store", ["tma", "direct", "split"])
+@pytest.mark.parametrize("bias_alpha", [(True, 1.0), (False, 1.0), (False, 0.5)])
+@pytest.mark.parametrize("dtype", ["tf32", "bf16"])
+@pytest.mark.parametrize("many_tiles", [False, True])
+def test_gelu_fused_equals_gemm_then_gelu_forward(hopper, rng, dtype, bias_alpha, store, many_tiles):
+    """Bit for bit: the fused pre is the plain GEMM's C, and G is what gelu_forward (variants 1 and 2,
+    the same precision) computes from C. Without bias the epilogue's value is a product (alpha * acc),
+    the case where a contracted fma could have reached into the GELU (common.cuh)."""
+    from llmc import ops
+    from llmc.testing import poison
+    has_bias, alpha = bias_alpha
+    M, N, K = (1100 if many_tiles else 200, 3000 if many_tiles else 136, 1024 if store == "split" else 136)
+    pre, G, C, _, plan, plain_plan = _gelu_case(hopper, rng, dtype, M, N, K, has_bias=has_bias, alpha=alpha,
+                                                store="direct" if store == "split" else store,
+                                                splits=3 if store == "split" else 1)
+    assert plan[1] == plain_plan[1] + "+gelu" and plan[2] == plain_plan[2]
+    assert np.array_equal(pre.get(), C.get())
+    spec = ops.get("gelu_forward")
+    for v in (1, 2):
+        G2 = hopper.empty(C.shape, C.dtype)
+        poison(G2)
+        spec.build(hopper, v, "bf16" if dtype == "bf16" else "fp32", N=M * N)(G2, C)
+        assert np.array_equal(G.get(), G2.get()), f"gelu_forward {v}"

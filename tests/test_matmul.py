@@ -409,3 +409,65 @@ def test_matmul_backward_bias_bf16_gpu(rt, rng, N, OC):
         assert np.array_equal(got[0], got[1])
         ran += 1
     assert ran
+
+
+# ----------------------------------------------------------------------------------------------
+# the fc layer's fused form (gelu_pre=True): out = gelu(pre), pre = inp @ weight^T + bias, both written
+
+
+def test_gelu_pre_only_variant_9_takes_it():
+    """Variant 9 (engine 5) offers gelu_pre in both precisions; every other variant refuses it, saying
+    so, so the model falls back to the plain op + gelu_forward (tests/test_fused_gelu.py)."""
+    spec = ops.get("matmul_forward")
+    shape = dict(N=64, C=64, OC=256, has_bias=True)
+    for dt in ("fp32", "bf16"):
+        assert spec.refuse_reason(9, dt, "sm_90", **shape, gelu_pre=True) is None
+        assert "sm_90" in spec.refuse_reason(9, dt, "sm_80", **shape, gelu_pre=True)
+    assert "C % 8" in spec.refuse_reason(9, "bf16", "sm_90", N=64, C=60, OC=256, has_bias=True, gelu_pre=True)
+    for n in set(spec.variants) - {9}:
+        assert "no gelu_pre option" in spec.refuse_reason(n, "fp32", "sm_90", **shape, gelu_pre=True)
+    assert "no gelu option" in spec.refuse_reason(9, "fp32", "sm_90", **shape, gelu=True)  # the GEMV's form
+
+
+def test_gelu_pre_on_the_numpy_backend(rng):
+    """The cpu form is the plain reference into pre, then gelu_forward's reference on pre: the unfused
+    pair's bits (float32), whatever views the model passes."""
+    from llmc.ops.gelu import gelu_forward_cpu
+    inp, weight, bias = rnd(rng, 2, 3, 8), rnd(rng, 12, 8), rnd(rng, 12)
+    out, pre = np.full((2, 3, 12), np.nan, np.float32), np.full((2, 3, 12), np.nan, np.float32)
+    ops.get("matmul_forward").cpu(N=6, C=8, OC=12, gelu_pre=True)(out, pre, inp, weight, bias)
+    pre2, out2 = np.empty_like(pre), np.empty_like(out)
+    ops.get("matmul_forward").cpu(N=6, C=8, OC=12)(pre2, inp, weight, bias)
+    gelu_forward_cpu(N=72)(out2, pre2)
+    assert np.array_equal(pre, pre2) and np.array_equal(out, out2)
+
+
+def test_gelu_pre_cost_counts_the_second_output():
+    spec = ops.get("matmul_forward")
+    f0, b0 = spec.cost(N=4096, C=768, OC=3072)
+    f1, b1 = spec.cost(N=4096, C=768, OC=3072, gelu_pre=True)
+    assert f1 == f0 and b1 == b0 + 4 * 4096 * 3072
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("N,C,OC", [(200, 72, 100), (4096, 768, 3072), (7, 16, 3072)])
+def test_gelu_pre_gpu_equals_the_plain_variant_and_gelu_forward(rt, rng, dtype, N, C, OC):
+    """matmul_forward 9 with gelu_pre: both outputs poisoned first, then bit for bit the plain build of
+    9 followed by gelu_forward's default build in the same precision."""
+    if rt.arch != "sm_90":
+        pytest.skip("variant 9 needs sm_90a")
+    from llmc.bf16 import BF16, to_bf16
+    from llmc.testing import poison
+    bf = dtype == "bf16"
+    up = to_bf16 if bf else (lambda a: a)
+    inp, weight, bias = (rt.to_device(up(rnd(rng, N, C))), rt.to_device(up(rnd(rng, OC, C, scale=C ** -0.5))),
+                         rt.to_device(up(rnd(rng, OC))))
+    out, pre, out2, pre2 = (rt.empty((N, OC), BF16 if bf else np.float32) for _ in range(4))
+    poison(out, pre, out2, pre2)
+    spec = ops.get("matmul_forward")
+    spec.build(rt, 9, dtype, N=N, C=C, OC=OC, has_bias=True, gelu_pre=True)(out, pre, inp, weight, bias)
+    spec.build(rt, 9, dtype, N=N, C=C, OC=OC, has_bias=True)(pre2, inp, weight, bias)
+    g = ops.get("gelu_forward")
+    g.build(rt, g.default_for(dtype), dtype, N=N * OC)(out2, pre2)
+    assert np.array_equal(pre.get(), pre2.get()) and np.array_equal(out.get(), out2.get())

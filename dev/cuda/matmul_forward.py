@@ -23,6 +23,12 @@ out at the same shapes (and the decode shapes) beside cuBLAS BF16 through torch;
 rows give their fraction of cuBLAS BF16 (issue 12's target: >= 0.9 on every shape).
 
     python dev/cuda/matmul_forward.py 9 --quick   # engine 5, TF32 and bf16 rows, against cuBLAS
+
+The fc layer's fused form (matmul_forward with gelu_pre=True, variant 9): "fc+gelu" rows time it
+against what the model launches without it, the plain variant then gelu_forward's default, at the fc
+shape (B from --batch, default 4; --dtype fp32, bf16 or both), both outputs validated (pre and gelu):
+
+    python dev/cuda/matmul_forward.py 9 --fc-gelu --quick --batch 16   # only those rows
 """
 import collections  # noqa: E402
 import sys  # noqa: E402
@@ -119,6 +125,9 @@ def sass_report():
 if "--sass" in sys.argv:
     sass_report()
     sys.exit(0)
+FC_GELU_ONLY = "--fc-gelu" in sys.argv  # (ours, not the lab's: taken out before it parses the rest)
+if FC_GELU_ONLY:
+    sys.argv.remove("--fc-gelu")
 
 import lab  # noqa: E402
 
@@ -152,6 +161,71 @@ def tolerances(tf32, ref):
 
 
 summary = []  # (shape, label, ms, tflops)
+
+
+def fc_gelu_rows():
+    """The fused fc + GELU (gelu_pre=True) beside the plain variant + gelu_forward (the default
+    variant of that precision), at (B*T, C) @ (4C, C)^T + bias: the outputs pre and out = gelu(pre)
+    poisoned and checked against float64 for both; timed the same way; the difference per layer."""
+    from llmc.bf16 import BF16, from_bf16, to_bf16
+    from llmc.ops.gelu import gelu_forward_ref
+    rows, Cin, OC = (L.args.batch or B) * T, C, 4 * C
+    gspec = llmc.ops.get("gelu_forward")
+    for dt in ("fp32", "bf16") if L.args.dtype == "both" else (L.args.dtype,):
+        variants = [n for n in L.selected(spec) if "gelu_pre" in spec.variant(n).options and dt in spec.variant(n).dtypes]
+        if not variants:
+            continue
+        L.section(f"fc+gelu {dt}")
+        print(f"\n## fc + GELU {dt}: ({rows}, {Cin}) @ ({OC}, {Cin})^T + bias, GELU fused into the epilogue "
+              f"vs the plain GEMM + gelu_forward")
+        up, val = (to_bf16, from_bf16) if dt == "bf16" else ((lambda a: a), (lambda a: a))
+        inp, weight, bias = (up(lab.rand(rng, (rows, Cin))), up(lab.rand(rng, (OC, Cin), scale=Cin ** -0.5)),
+                             up(lab.rand(rng, (OC,))))
+        ref = reference64(lambda x, w, b: x @ w.T + b, val(inp), val(weight), val(bias))
+        gref = gelu_forward_ref(ref)
+        dty = BF16 if dt == "bf16" else np.float32
+        d_inp, d_w, d_b = rt.to_device(inp), rt.to_device(weight), rt.to_device(bias)
+        d_pre, d_out = rt.empty((rows, OC), dty), rt.empty((rows, OC), dty)
+        flops = 2 * rows * Cin * OC
+        atol, rtol = bf16_tolerances(ref) if dt == "bf16" else tolerances(True, ref)
+        for n in variants:
+            why = spec.refuse_reason(n, dt, rt.arch, N=rows, C=Cin, OC=OC, has_bias=True, gelu_pre=True)
+            if why:
+                print(f"  variant {n} {dt}: refuses the fused form ({why})")
+                continue
+            fused = spec.build(rt, n, dt, N=rows, C=Cin, OC=OC, has_bias=True, gelu_pre=True)
+            plain = spec.build(rt, n, dt, N=rows, C=Cin, OC=OC, has_bias=True)
+            gelu = gspec.build(rt, gspec.default_for(dt), dt, N=rows * OC)
+            times = []
+            for label, fn in ((f"{n} {dt} fc+gelu fused", lambda: fused(d_out, d_pre, d_inp, d_w, d_b)),
+                              (f"{n} {dt} fc + gelu_forward {gelu.number}",
+                               lambda: (plain(d_pre, d_inp, d_w, d_b), gelu(d_out, d_pre)))):
+                L.validate(label, fn, outputs={"pre": d_pre}, refs={"pre": ref}, atol=atol, rtol=rtol)
+                # gelu(pre): in bf16 pre is rounded once, then its GELU once more (rtol 2^-7)
+                L.validate(label, fn, outputs={"out": d_out}, refs={"out": gref}, atol=atol,
+                           rtol=2.0 ** -7 if dt == "bf16" else rtol)
+                ms = L.time(label, fn, block_size=f"{fused.plan[1]}/s{fused.plan[2]}", flops=flops,
+                            ceiling="tf32" if dt == "fp32" else None)
+                times.append(ms)
+                summary.append((f"fc+gelu {dt}", label.split(f"{dt} ", 1)[1], ms, flops / ms / 1e9))
+            print(f"  fused / unfused: {times[0] / times[1]:.3f} ({1000 * (times[1] - times[0]):.1f} us a layer)")
+        del d_inp, d_w, d_b, d_pre, d_out
+
+
+def bf16_tolerances(ref):
+    """One rounding of the output (<= 2^-9 relative; 2^-8 allows a sum beside a rounding boundary) plus
+    the fp32 accumulation and near-zero outputs (1e-3 of the rms): llmc.testing.bf16_close's rule."""
+    return 1e-3 * float(np.sqrt(np.mean(np.square(ref)))), 2.0 ** -8
+
+
+if FC_GELU_ONLY:
+    try:
+        fc_gelu_rows()
+        L.finish()
+    finally:
+        for s_, lbl, ms_, tf in summary:
+            print(f"{s_:12s} {lbl}: {ms_:.4f} ms, {tf:.1f} TFLOP/s")
+    sys.exit(0)
 
 # ----------------------------------------------------------------------------------------------
 # the mma.sync ceiling: HMMA.1688.F32.TF32 back to back from registers, no memory traffic
@@ -223,12 +297,6 @@ for name, Cin, OC, has_bias in SHAPES:
 # bf16 builds at the trainer's shapes: bf16 in and out, fp32 accumulation, one rounding per output
 
 from llmc.bf16 import BF16, from_bf16, to_bf16  # noqa: E402
-
-
-def bf16_tolerances(ref):
-    """One rounding of the output (<= 2^-9 relative; 2^-8 allows a sum beside a rounding boundary) plus
-    the fp32 accumulation and near-zero outputs (1e-3 of the rms): llmc.testing.bf16_close's rule."""
-    return 1e-3 * float(np.sqrt(np.mean(np.square(ref)))), 2.0 ** -8
 
 
 def torch_bf16(bits):
@@ -369,6 +437,9 @@ for name, tA, tB, M_, N_, K_, ashape, bshape, alpha in ATT:
         fn = (lambda: torch.baddbmm(tc, opa, opb, beta=0.0, alpha=alpha, out=tc))
         ms = L.reference(f"cuBLAS TF32 {name}", fn, flops=flops, ceiling="tf32")
         summary.append((name, "cuBLAS", ms, flops / ms / 1e9))
+
+
+fc_gelu_rows()
 
 
 def print_summary():

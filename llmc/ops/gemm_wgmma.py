@@ -176,6 +176,15 @@ INSTANCES = {
 }
 LAYOUT_SUFFIX = {"kk": "", "mk": "_am", "kn": "_bt", "mn": "_at_bt"}
 
+# The fused GELU instances (GEMM_WGMMA_GELU_ENTRY; the fc layer's matmul_forward with gelu_pre=True):
+# both K-major, (input, output, TMA store) -> {tile width: stages}, the plain instances' stages (G is
+# staged in C's buffer after C). C = the pre-activation, G = gelu(C as stored). Split-K runs the plain
+# instance, then gemm_wgmma_splitk_reduce_gelu[_bf16].
+GELU_INSTANCES = {
+    ("tf32", "fp32", False): _DIRECT, ("tf32", "fp32", True): {128: 5, 192: 3},
+    ("bf16", "bf16", False): _DIRECT, ("bf16", "bf16", True): {128: 6, 192: 4},
+}
+
 # The ping-pong instances (cuda/gemm_wgmma.cu, GEMM_WGMMA_PP_ENTRY): each consumer warpgroup owns a
 # whole (rows x BN) tile and the two take turns on the tensor cores, one's epilogue running during the
 # other's mainloop. (input, output, layout) -> {(rows, BN): stages}; direct stores only (no _ts).
@@ -194,9 +203,10 @@ _noted: set = set()
 OUT_BYTES = {"fp32": 4, "bf16": 2}
 
 
-def instance_name(ty: str, out: str, layout: str, ts: bool, bn: int) -> str:
-    """The entry point of one instance: gemm_wgmma_<in>_n<BN><layout>[_ts][_bf16 for bf16 output]."""
-    return f"gemm_wgmma_{ty}_n{bn}{LAYOUT_SUFFIX[layout]}{'_ts' if ts else ''}{'_bf16' if out == 'bf16' else ''}"
+def instance_name(ty: str, out: str, layout: str, ts: bool, bn: int, gelu: bool = False) -> str:
+    """The entry point of one instance: gemm_wgmma_<in>_n<BN><layout>[_ts][_gelu][_bf16 for bf16 output]."""
+    return (f"gemm_wgmma_{ty}_n{bn}{LAYOUT_SUFFIX[layout]}{'_ts' if ts else ''}{'_gelu' if gelu else ''}"
+            f"{'_bf16' if out == 'bf16' else ''}")
 
 
 def pp_instance_name(ty: str, out: str, layout: str, rm: int, bn: int) -> str:
@@ -219,7 +229,7 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
                 ldc: int | None = None, alpha: float = 1.0, beta: float = 0.0, has_bias: bool = False,
                 trans_c: bool = False, bn: int | None = None, splits: int | None = None, store: str = "auto",
                 a_major: str = "k", b_major: str = "k", out: str = "fp32", schedule: str | None = None,
-                rm: int | None = None):
+                rm: int | None = None, gelu: bool = False):
     """C = alpha * A(M,K) @ B(N,K)^T (+ bias(N)) (+ beta*C); with trans_c, C^T is what is stored
     (C is (N, ldc)). Returns launch(C, A, B, bias=None) taking DevArrays or raw pointers.
     a_major="m": the A argument holds A^T, i.e. (K, lda >= M) row-major, as dout holds dout^T for the
@@ -236,7 +246,11 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
     (each consumer its own rm x BN tile, taking turns on the tensor cores: the _pp instances, built for
     the kk and kn layouts; direct stores), or "auto" (whichever the planner's estimate prefers). None
     reads LLMC_WGMMA_SCHEDULE, unset meaning "coop"; there a layout without ping-pong instances says so
-    once and stays cooperative. rm: the ping-pong tile's rows (64 or 128), else planned."""
+    once and stays cooperative. rm: the ping-pong tile's rows (64 or 128), else planned.
+    gelu=True (the fc layer's fused form; both K-major, tf32 -> fp32 or bf16 -> bf16, beta = 0, not
+    transposed; cooperative only): launch(C, A, B, bias, G) also writes G (M, ldc) = gelu(C), computed
+    from C as stored by the function gelu_forward uses for that element type (cuda/elem.cuh:
+    gelu_fwd_as), so C and G are the bits of this GEMM then gelu_forward."""
     if a_major not in ("k", "m") or b_major not in ("k", "n") or out not in OUT_BYTES:
         raise LLMCError(f"gemm engine 5: a_major={a_major!r} b_major={b_major!r} out={out!r}; expected k/m, k/n, fp32/bf16")
     ty = "bf16" if dtype == "bf16" else "tf32"
@@ -245,6 +259,13 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
         built = ", ".join(f"{t} in / {o} out / {lay}" for t, o, lay, ts in INSTANCES if not ts)
         raise LLMCError(f"gemm engine 5: no {ty} kernels with {out} output and layout a_major={a_major!r} "
                         f"b_major={b_major!r} (built: {built})")
+    if gelu:
+        if (ty, out, False) not in GELU_INSTANCES or layout != "kk" or beta != 0.0 or trans_c:
+            raise LLMCError(f"gemm engine 5: the fused GELU is built for K-major A and B, tf32 -> fp32 or bf16 -> "
+                            f"bf16, beta = 0, C not transposed (asked: {ty} -> {out}, a_major={a_major!r}, "
+                            f"b_major={b_major!r}, beta={beta}, trans_c={trans_c})")
+        if schedule == "pingpong" or rm is not None:
+            raise LLMCError("gemm engine 5: schedule='pingpong' refused: the fused GELU has cooperative instances only")
     lda = (M if a_major == "m" else K) if lda is None else lda
     ldb = (N if b_major == "n" else K) if ldb is None else ldb
     ldc = (M if trans_c else N) if ldc is None else ldc
@@ -259,7 +280,8 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
     if store == "tma" and not ts_ok:
         raise LLMCError("gemm engine 5: the TMA store takes plain outputs (beta = 0, not transposed, 16-byte rows of C, "
                         "K-major A)")
-    use_pp, tile_rows = _pick_schedule(rt, dtype, ty, out, layout, M, N, K, schedule, store, bn, rm, splits)
+    use_pp, tile_rows = (False, BM) if gelu else _pick_schedule(rt, dtype, ty, out, layout, M, N, K, schedule, store,
+                                                               bn, rm, splits)
     if rm is not None and not use_pp:
         raise LLMCError(f"gemm engine 5: rm={rm} (a ping-pong tile's rows) but the cooperative schedule was chosen")
     if use_pp:  # ping-pong: direct stores, the consumer's tile (rows x BN) from its own plan
@@ -290,57 +312,68 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
     per = -(-kblocks // splits)
     splits = -(-kblocks // per)
     what = {"kk": "", "mk": ", A M-major", "kn": ", B N-major", "mn": ", A M-major, B N-major"}[layout]
+    fused = gelu and splits == 1  # (split-K: the plain instance writes the partials; the reduce applies the GELU)
     if use_pp:
         stages = PP_INSTANCES[(ty, out, layout)][(tile_rows, bn)]
         smem = pp_smem_bytes(tile_rows, bn, stages)
         name = pp_instance_name(ty, out, layout, tile_rows, bn)
         label = f"gemm 5 ({ty}{' -> bf16' if out == 'bf16' else ''}, {tile_rows}x{bn} ping-pong{what})"
     else:
-        stages = INSTANCES[(ty, out, layout, use_ts)][bn]
+        stages = (GELU_INSTANCES[(ty, out, use_ts)] if fused else INSTANCES[(ty, out, layout, use_ts)])[bn]
         smem = smem_bytes(bn, stages, use_ts, out)
-        name = instance_name(ty, out, layout, use_ts, bn)
-        label = f"gemm 5 ({ty}{' -> bf16' if out == 'bf16' else ''}, 128x{bn}{', TMA store' if use_ts else ''}{what})"
-    k = rt.kernel(MODULE, name, "PPPPPPiiiiiiiffi", label=label)
+        name = instance_name(ty, out, layout, use_ts, bn, fused)
+        label = (f"gemm 5 ({ty}{' -> bf16' if out == 'bf16' else ''}, 128x{bn}{', TMA store' if use_ts else ''}{what}"
+                 f"{' + gelu' if gelu else ''})")
+    k = rt.kernel(MODULE, name, "PPPPPPPPiiiiiiiffi" if fused else "PPPPPPiiiiiiiffi", label=label)
     k.set_max_dynamic_smem(smem)
     units = -(-M // tile_rows) * -(-N // bn) * splits
     grid, block = (min(units, rt.sm_count), 1, 1), (384, 1, 1)
     ldw = -(-N // 4) * 4
     W = rt.empty((splits * M * ldw,), np.float32) if splits > 1 else None
-    red = rt.kernel(MODULE, "gemm_wgmma_splitk_reduce" + ("_bf16" if out == "bf16" else ""), "PPPiiiiiffi",
-                    label="gemm 5 split-K reduce") if splits > 1 else None
+    red = rt.kernel(MODULE, "gemm_wgmma_splitk_reduce" + ("_gelu" if gelu else "") + ("_bf16" if out == "bf16" else ""),
+                    "PPPPiiiiiffi" if gelu else "PPPiiiiiffi",
+                    label=f"gemm 5 split-K reduce{' + gelu' if gelu else ''}") if splits > 1 else None
     rgrid = (max(1, min(-(-(M * N) // 256), rt.sm_count * 8)), 1, 1)
     maps: dict = {}
 
     def _p(x):
         return 0 if x is None else int(x if isinstance(x, (int, np.integer)) else x.ptr)
 
-    def launch(C, A, B, bias=None):
-        a, b, c, bi = _p(A), _p(B), _p(C), _p(bias)
+    def launch(C, A, B, bias=None, G=None):
+        a, b, c, bi, gg = _p(A), _p(B), _p(C), _p(bias), _p(G)
         if (a | b) & 15:
             raise LLMCError(f"gemm engine 5: operands must be 16-byte aligned (A=0x{a:x}, B=0x{b:x})")
-        ts = use_ts and not c & 15
-        dm = maps.get((a, b, c if ts else 0))
+        if bool(gg) != gelu:
+            raise LLMCError(f"gemm engine 5: built with gelu={gelu}: launch(C, A, B, bias{', G' if gelu else ''})")
+        ts = use_ts and not (c | gg) & 15  # (G's own map: both 16-byte aligned, else both direct)
+        key = (a, b, c if ts else 0, gg if ts else 0)
+        dm = maps.get(key)
         if dm is None:  # first launch with these operands: encode the maps, copy them to the device
             # an M-/N-major operand comes in boxes of 128 bytes of MN x BK k rows (tf32 32 x 32, bf16 64 x 64)
             ta = tensor_map(a, dtype, K, M, lda, bk) if a_major == "m" else tensor_map(a, dtype, M, K, lda, tile_rows)
             tb = tensor_map(b, dtype, K, N, ldb, bk) if b_major == "n" else tensor_map(b, dtype, N, K, ldb, bn)
             blob = ta + tb
-            if ts:  # C in boxes of 64 rows x 128 bytes (fp32 copied as is: the FLOAT32 type)
+            if ts:  # C (and G) in boxes of 64 rows x 128 bytes (fp32 copied as is: the FLOAT32 type)
                 blob += tensor_map(c, "bf16" if out == "bf16" else "tf32t", M, N, ldc, 64)
-            dm = maps[(a, b, c if ts else 0)] = rt.to_device(np.frombuffer(blob, np.uint8))
+                if gelu:
+                    blob += tensor_map(gg, "bf16" if out == "bf16" else "tf32t", M, N, ldc, 64)
+            dm = maps[key] = rt.to_device(np.frombuffer(blob, np.uint8))
         tm = (dm.ptr, dm.ptr + 128, dm.ptr + 256 if ts else 0)
+        tmg = (dm.ptr + 384 if ts else 0,) if fused else ()
+        gp = (gg,) if fused else ()
         if splits > 1:
             k(grid, block, tm[0], tm[1], 0, c, 0, W.ptr, np.int32(M), np.int32(N), np.int32(K), np.int32(ldc),
               np.int32(ldw), np.int32(splits), np.int32(per), np.float32(1.0), np.float32(0.0), np.int32(0),
               smem=smem)
-            red(rgrid, (256, 1, 1), c, W.ptr, bi if has_bias else 0, np.int32(M), np.int32(N), np.int32(ldc),
-                np.int32(ldw), np.int32(splits), np.float32(alpha), np.float32(beta), np.int32(1 if trans_c else 0))
+            red(rgrid, (256, 1, 1), c, *((gg,) if gelu else ()), W.ptr, bi if has_bias else 0, np.int32(M),
+                np.int32(N), np.int32(ldc), np.int32(ldw), np.int32(splits), np.float32(alpha), np.float32(beta),
+                np.int32(1 if trans_c else 0))
         else:
-            k(grid, block, tm[0], tm[1], tm[2], c, bi if has_bias else 0, 0, np.int32(M), np.int32(N), np.int32(K),
-              np.int32(ldc), np.int32(ldw), np.int32(1), np.int32(per), np.float32(alpha), np.float32(beta),
-              np.int32(1 if trans_c else 0), smem=smem)
+            k(grid, block, tm[0], tm[1], tm[2], *tmg, c, *gp, bi if has_bias else 0, 0, np.int32(M), np.int32(N),
+              np.int32(K), np.int32(ldc), np.int32(ldw), np.int32(1), np.int32(per), np.float32(alpha),
+              np.float32(beta), np.int32(1 if trans_c else 0), smem=smem)
     launch.plan = (5, f"{tile_rows}x{bn}{'+ts' if use_ts else ''}{'+pp' if use_pp else ''}"
-                      f"{LAYOUT_SUFFIX[layout].replace('_', '+')}", splits)
+                      f"{LAYOUT_SUFFIX[layout].replace('_', '+')}{'+gelu' if gelu else ''}", splits)
     return launch
 
 

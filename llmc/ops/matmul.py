@@ -14,6 +14,12 @@ Versions 6 and 7 of matmul_forward and every matmul_backward version run on the 
 (llmc/ops/gemm.py, cuda/gemm.cu); each declares its engine (Variant.engine), which the composite
 attention follows. The op's own kernels (versions 1-5 and 8, the bias backward) are cuda/matmul.cu.
 
+The fc layer's fused form, gelu_pre=True (variant 9, both precisions; the model asks for it where the
+chosen variant has it, docs/ops.md): launch(out, pre, inp, weight, bias) writes pre = inp @ weight^T
++ bias (fch, which gelu_backward reads) and out = gelu(pre) (fch_gelu) from one GEMM epilogue, GELU
+computed from pre as stored (bf16: rounded) by gelu_forward's own function: the bits of the plain
+variant followed by gelu_forward, without gelu_forward re-reading pre.
+
 bf16 builds (--precision bf16; every tensor bf16, fp32 accumulation, one rounding per output element,
 dweight and dbias read, added to in fp32 and rounded once): matmul_forward 9 and matmul_backward 5 on
 engine 5 (wgmma, Hopper), where the backward GEMMs read dout, weight and inp as they lie (the bf16
@@ -140,18 +146,28 @@ def forward_on_engine(engine: int):
     return build
 
 
-def matmul_forward9(rt, N, C, OC, has_bias=True, block_size=None):
+def _wgmma_forward(gemm, gelu_pre):
+    """matmul_forward's launch over an engine-5 GEMM: launch(out, inp, weight, bias), or with
+    gelu_pre launch(out, pre, inp, weight, bias): the GEMM writes pre and, in its epilogue, out = gelu(pre)."""
+    if not gelu_pre:
+        return Built(gemm, plan=gemm.plan)
+
+    def launch(out, pre, inp, weight, bias=None):
+        gemm(pre, inp, weight, bias, out)
+    return Built(launch, plan=gemm.plan)
+
+
+def matmul_forward9(rt, N, C, OC, has_bias=True, block_size=None, gelu_pre=False):
     from llmc.ops.gemm_wgmma import wgmma_build
-    gemm = wgmma_build(rt, "tf32", N, OC, C, has_bias=has_bias)  # inp (N,C) and weight (OC,C): both K-major
-    return Built(gemm, plan=gemm.plan)
+    # inp (N,C) and weight (OC,C): both K-major
+    return _wgmma_forward(wgmma_build(rt, "tf32", N, OC, C, has_bias=has_bias, gelu=gelu_pre), gelu_pre)
 
 
-def matmul_forward9_bf16(rt, N, C, OC, has_bias=True, block_size=None):
+def matmul_forward9_bf16(rt, N, C, OC, has_bias=True, block_size=None, gelu_pre=False):
     """out bf16 (N,OC) = inp bf16 (N,C) @ weight bf16 (OC,C)^T + bias bf16: engine 5's bf16 GEMM with
     fp32 accumulation and the bf16 epilogue (bias added in fp32, one rounding on the store)."""
     from llmc.ops.gemm_wgmma import wgmma_build
-    gemm = wgmma_build(rt, "bf16", N, OC, C, has_bias=has_bias, out="bf16")
-    return Built(gemm, plan=gemm.plan)
+    return _wgmma_forward(wgmma_build(rt, "bf16", N, OC, C, has_bias=has_bias, out="bf16", gelu=gelu_pre), gelu_pre)
 
 
 def _need_c8_in(N, C, OC, **_):
@@ -178,13 +194,18 @@ def _need_c4_in(N, C, OC, **_):
     return f"float4 loads need C % 4 == 0 (C={C})" if C % 4 else None
 
 
-def matmul_forward_cpu(N, C, OC, has_bias=True, gelu=False, **_):
+def matmul_forward_cpu(N, C, OC, has_bias=True, gelu=False, gelu_pre=False, **_):
     from llmc.ops.gelu import gelu_forward_ref
 
     def launch(out, inp, weight, bias=None):
         y = matmul_forward_ref(inp, weight, bias if has_bias else None)
         out[...] = gelu_forward_ref(y).reshape(out.shape) if gelu else y
-    return launch
+
+    def launch_gelu_pre(out, pre, inp, weight, bias=None):
+        # the plain form into pre, then gelu_forward's reference on pre as stored: the unfused pair's bits
+        launch(pre, inp, weight, bias)
+        out[...] = gelu_forward_ref(pre).reshape(out.shape)
+    return launch_gelu_pre if gelu_pre else launch
 
 
 # ----------------------------------------------------------------------------------------------
@@ -396,8 +417,9 @@ def matmul_backward_bias_cpu(N, OC, **_):
 # cost models (FLOPs, bytes) of one call, for the lab and the profile: each input read once, each
 # output written once (the dweight accumulation reads and writes it)
 
-def cost_forward(N, C, OC, has_bias=True, **_):
-    return 2 * N * C * OC, 4 * (N * C + OC * C + N * OC + (OC if has_bias else 0))
+def cost_forward(N, C, OC, has_bias=True, gelu_pre=False, **_):
+    # gelu_pre: a second (N, OC) output, gelu(out)
+    return 2 * N * C * OC, 4 * (N * C + OC * C + N * OC * (2 if gelu_pre else 1) + (OC if has_bias else 0))
 
 
 def cost_backward(N, C, OC, **_):
@@ -427,10 +449,13 @@ OPS = [
                    {"fp32": _gemv_check, "bf16": _gemv_check_bf16}, engine=1, options=("gelu",)),
         9: Variant(9, "TF32 GEMM engine 5 (Hopper): wgmma from TMA-loaded 128B-swizzled smem, 3-6 stage "
                       "mbarrier pipeline, producer + 2 consumer warpgroups, persistent, fused bias, TMA "
-                      "stores for short K", {"fp32": matmul_forward9, "bf16": matmul_forward9_bf16},
-                   {"fp32": _need_c4_in, "bf16": _need_c8_in}, arch="sm_90", engine=4),
-    }, default=9, flag="--matmul-kernel", options=("gelu",), cost=cost_forward,
-        doc="out(N,OC)= ; inp(N,C), weight(OC,C), bias(OC) or None; gelu=True: out = gelu(...) (variant 8)"),
+                      "stores for short K; gelu_pre: the fc layer's GELU fused into the epilogue",
+                   {"fp32": matmul_forward9, "bf16": matmul_forward9_bf16},
+                   {"fp32": _need_c4_in, "bf16": _need_c8_in}, arch="sm_90", engine=4, options=("gelu_pre",)),
+    }, default=9, flag="--matmul-kernel", options=("gelu", "gelu_pre"), cost=cost_forward,
+        doc="out(N,OC)= ; inp(N,C), weight(OC,C), bias(OC) or None; gelu=True: out = gelu(...) (variant 8); "
+            "gelu_pre=True: out(N,OC)=, pre(N,OC)=, inp, weight, bias: pre = inp @ weight^T + bias, "
+            "out = gelu(pre as stored) (variant 9)"),
     OpSpec("matmul_backward", matmul_backward_cpu, {
         1: Variant(1, "SIMT: dinp and dweight on GEMM engine 1 (64x64 tiles)", backward_on_engine(1), engine=1),
         2: Variant(2, "TF32: dinp and dweight on GEMM engine 2 (split-K for the K=N reduction)",
