@@ -899,3 +899,293 @@ LN6_FWD(bf16, _bf16, 1) LN6_FWD(bf16, _bf16, 2) LN6_FWD(bf16, _bf16, 3) LN6_FWD(
 LN6_FWD(bf16, _bf16, 5) LN6_FWD(bf16, _bf16, 6) LN6_FWD(bf16, _bf16, 7) LN6_FWD(bf16, _bf16, 8)
 LN6_BWD(float, , 1) LN6_BWD(float, , 2) LN6_BWD(float, , 3) LN6_BWD(float, , 4)
 LN6_BWD(bf16, _bf16, 1) LN6_BWD(bf16, _bf16, 2) LN6_BWD(bf16, _bf16, 3) LN6_BWD(bf16, _bf16, 4)
+
+// ----------------------------------------------------------------------------------------------
+// Variant 7, forward and backward (fp32 and bf16 builds of one template; 16-byte vectors only, as
+// 6). Written for the copy ceiling in bf16 at B=16 (N = 16384, C = 768), where 5 reached 63% of the
+// measured copy bandwidth backward and 67% forward (6: 69% / 65%). What changed against 6:
+//   * plain loads and stores, no streaming hints: forward 5 (.cs) measured 67% where 4 (plain) took
+//     76% on the same bytes, and 6 used .cs on both sides;
+//   * the rows of a warp are strided over the grid by default (row = warp, warp + W, ... for W
+//     resident warps), so at any moment the resident warps work on one window of W consecutive rows,
+//     the order the one-row-per-warp kernels (residual_layernorm_forward 3: 87%) walk memory in; the
+//     consecutive-rows split of 6 stays as an option (LN7_CHUNKED) for the lab;
+//   * backward: all three rows of the next row (dout, inp and dinp) are loaded before this row is
+//     computed, so every warp always has 3 * C * sizeof(T) bytes in flight;
+//   * backward: no second launch. dweight | dbias (| colsum) partials go to scratch (G, K, C) per
+//     block as before, then each block takes a ticket (one integer atomicAdd); the last S blocks to
+//     arrive (S = min(G, K*C/32)) wait until all G have written theirs and each sums a slice of
+//     32 columns over the G blocks, in block order, onto the outputs (read, add, round once). The
+//     order of every sum is fixed (it does not depend on which block arrives when), so the result is
+//     the same bits on every run, and there are no float atomics (--deterministic allows it).
+//     Waiting is safe because the grid is persistent (no more blocks than are resident at once, so
+//     a waiting block never holds the slot a block it waits for needs); the last of the S resets the
+//     two counters for the next launch (graph replays included).
+// Bytes: the counts of 5/6 (the labs' and the cost model's). The scratch (G * K * C floats, G ~ 132-
+// 400 blocks) is written and read once, mostly in L2.
+
+#define LN7_CHUNKED 1  // flags: rows of a warp consecutive (6's split) instead of strided over the grid
+#define LN7_SPLIT 2    // flags: backward: leave the partials in scratch for the reduce kernel (no tickets)
+
+// the rows of global warp gw of W: [row, end) by step
+__device__ __forceinline__ void ln7_rows(int flags, int gw, int W, int N, int R, int& row, int& end, int& step) {
+    if (flags & LN7_CHUNKED) { row = gw * R; end = min(N, row + R); step = 1; }
+    else { row = gw; end = N; step = W; }
+}
+
+template <typename T, int NV>
+__device__ __forceinline__ void ln7_load_row(typename Vec16<T>::raw (&r)[NV], const T* p, int lane, int C) {
+    constexpr int V = Vec16<T>::N;
+#pragma unroll
+    for (int i = 0; i < NV; i++) {
+        const int c0 = V * (lane + i * WARP_SIZE);
+        if (c0 < C) r[i] = Vec16<T>::ld(p + c0);
+    }
+}
+
+template <typename T, int NV>
+__device__ __forceinline__ void layernorm_forward7_t(T* __restrict__ out, float* __restrict__ mean,
+        float* __restrict__ rstd, const T* __restrict__ inp, const T* __restrict__ weight,
+        const T* __restrict__ bias, int N, int C, int R, int flags) {
+    constexpr int V = Vec16<T>::N;
+    typedef typename Vec16<T>::raw raw;
+    const int lane = threadIdx.x % WARP_SIZE, nwarps = blockDim.x / WARP_SIZE;
+    int row, end, step;
+    ln7_rows(flags, blockIdx.x * nwarps + threadIdx.x / WARP_SIZE, gridDim.x * nwarps, N, R, row, end, step);
+    if (row >= end) return;  // (whole warp; no block-wide barrier below)
+    raw cur[NV], nxt[NV];
+    ln7_load_row<T, NV>(cur, inp + (size_t)row * C, lane, C);
+    for (; row < end; row += step) {
+        if (row + step < end) ln7_load_row<T, NV>(nxt, inp + (size_t)(row + step) * C, lane, C);
+        float v[NV][V];
+        float sum = 0.0f;
+#pragma unroll
+        for (int i = 0; i < NV; i++) {
+            const int c0 = V * (lane + i * WARP_SIZE);
+            if (c0 < C) {
+                Vec16<T>::unpack(v[i], cur[i]);
+#pragma unroll
+                for (int k = 0; k < V; k++) sum += v[i][k];
+            }
+        }
+        float m, s;
+        ln_row_stats_v<NV, V>(v, sum, lane, C, m, s);
+        ln_row_normalize_store<T, NV, false>(out + (size_t)row * C, v, m, s, weight, bias, lane, C, true);
+        if (lane == 0) { mean[row] = m; rstd[row] = s; }
+#pragma unroll
+        for (int i = 0; i < NV; i++) cur[i] = nxt[i];
+    }
+}
+
+// dynamic shared memory: (nwarps, K, C) floats (the warps' sums; reused by the final sums)
+template <typename T, int NV, bool COLSUM>
+__device__ __forceinline__ void layernorm_backward7_t(T* __restrict__ dinp, T* dweight, T* dbias, T* colsum,
+        float* __restrict__ scratch, unsigned* sync, const T* __restrict__ dout, const T* __restrict__ inp,
+        const T* __restrict__ weight, const float* __restrict__ mean, const float* __restrict__ rstd,
+        int N, int C, int R, int flags) {
+    constexpr int V = Vec16<T>::N;
+    constexpr int K = COLSUM ? 3 : 2;
+    typedef typename Vec16<T>::raw raw;
+    extern __shared__ float4 acc7[];
+    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    const int nwarps = blockDim.x / WARP_SIZE;
+    int row, end, step;
+    ln7_rows(flags, blockIdx.x * nwarps + warp, gridDim.x * nwarps, N, R, row, end, step);
+    float aw[NV][V], ab[NV][V];  // this lane's dweight, dbias sums over the warp's rows
+#pragma unroll
+    for (int i = 0; i < NV; i++) {
+#pragma unroll
+        for (int k = 0; k < V; k++) { aw[i][k] = 0.0f; ab[i][k] = 0.0f; }
+    }
+    // the colsum sums live in this warp's third row of shared memory from the start (lane l touches
+    // only its own channels): in registers they took the bf16 C = 768 build from 164 to 194
+    float* acc = reinterpret_cast<float*>(acc7);
+    float* accw = acc + (size_t)warp * K * C;
+    if (COLSUM) {
+#pragma unroll
+        for (int i = 0; i < NV; i++) {
+            const int c0 = V * (lane + i * WARP_SIZE);
+            if (c0 < C) {
+#pragma unroll
+                for (int k = 0; k < V; k += 4) store4(accw + 2 * C + c0 + k, make_float4(0.0f, 0.0f, 0.0f, 0.0f));
+            }
+        }
+    }
+    raw dc[NV], xc[NV], gc[NV], dn[NV], xn[NV], gn[NV];
+    float mc = 0.0f, sc = 0.0f, mn = 0.0f, sn = 0.0f;
+    if (row < end) {
+        ln7_load_row<T, NV>(dc, dout + (size_t)row * C, lane, C);
+        ln7_load_row<T, NV>(xc, inp + (size_t)row * C, lane, C);
+        ln7_load_row<T, NV>(gc, dinp + (size_t)row * C, lane, C);
+        mc = mean[row];
+        sc = rstd[row];
+    }
+    for (; row < end; row += step) {
+        const int next = row + step;
+        if (next < end) {  // the next row's three rows in flight while this one is computed and stored
+            ln7_load_row<T, NV>(dn, dout + (size_t)next * C, lane, C);
+            ln7_load_row<T, NV>(xn, inp + (size_t)next * C, lane, C);
+            ln7_load_row<T, NV>(gn, dinp + (size_t)next * C, lane, C);
+            mn = mean[next];
+            sn = rstd[next];
+        }
+        float a = 0.0f, b = 0.0f;  // sum(dnorm), sum(dnorm * norm) over the row
+#pragma unroll
+        for (int i = 0; i < NV; i++) {
+            const int c0 = V * (lane + i * WARP_SIZE);
+            if (c0 < C) {
+                float dv[V], xv[V], w[V];
+                Vec16<T>::unpack(dv, dc[i]);
+                Vec16<T>::unpack(xv, xc[i]);
+                Vec16<T>::unpack(w, Vec16<T>::ld(weight + c0));
+#pragma unroll
+                for (int k = 0; k < V; k++) {
+                    const float nrm = (xv[k] - mc) * sc, dnrm = dv[k] * w[k];
+                    a += dnrm;
+                    b += dnrm * nrm;
+                }
+            }
+        }
+        a = warp_reduce_sum(a) / C;
+        b = warp_reduce_sum(b) / C;
+        T* gr = dinp + (size_t)row * C;
+#pragma unroll
+        for (int i = 0; i < NV; i++) {
+            const int c0 = V * (lane + i * WARP_SIZE);
+            if (c0 < C) {
+                float dv[V], xv[V], gv[V], w[V];
+                Vec16<T>::unpack(dv, dc[i]);
+                Vec16<T>::unpack(xv, xc[i]);
+                Vec16<T>::unpack(gv, gc[i]);
+                Vec16<T>::unpack(w, Vec16<T>::ld(weight + c0));
+#pragma unroll
+                for (int k = 0; k < V; k++) {
+                    const float nrm = (xv[k] - mc) * sc;
+                    gv[k] += sc * (dv[k] * w[k] - a - nrm * b);
+                    aw[i][k] += nrm * dv[k];
+                    ab[i][k] += dv[k];
+                }
+                const raw packed = Vec16<T>::pack(gv);
+                Vec16<T>::st(gr + c0, packed);
+                if (COLSUM) {  // the column sums of dinp as stored (T's rounding), as 5's fused form
+                    Vec16<T>::unpack(gv, packed);
+#pragma unroll
+                    for (int k = 0; k < V; k += 4) {
+                        float4 t = load4(accw + 2 * C + c0 + k);
+                        t.x += gv[k]; t.y += gv[k + 1]; t.z += gv[k + 2]; t.w += gv[k + 3];
+                        store4(accw + 2 * C + c0 + k, t);
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < NV; i++) { dc[i] = dn[i]; xc[i] = xn[i]; gc[i] = gn[i]; }
+        mc = mn;
+        sc = sn;
+    }
+    // the warps' sums to shared memory (warp w: acc[w][r][c]), added in warp order into this block's
+    // scratch row (K, C): the same order on every run
+#pragma unroll
+    for (int i = 0; i < NV; i++) {
+        const int c0 = V * (lane + i * WARP_SIZE);
+        if (c0 < C) {
+#pragma unroll
+            for (int k = 0; k < V; k += 4) {
+                store4(accw + c0 + k, make_float4(aw[i][k], aw[i][k + 1], aw[i][k + 2], aw[i][k + 3]));
+                store4(accw + C + c0 + k, make_float4(ab[i][k], ab[i][k + 1], ab[i][k + 2], ab[i][k + 3]));
+            }
+        }
+    }
+    __syncthreads();
+    ln_block_partials_to_scratch(scratch, acc, C, K);
+    if (flags & LN7_SPLIT) return;
+    // the ticket: every thread's partials fenced, then one atomicAdd per block
+    __shared__ unsigned ticket7;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) ticket7 = atomicAdd(&sync[0], 1u);
+    __syncthreads();
+    const unsigned G = gridDim.x;
+    const int KC4 = K * C / 4;               // float4 columns of a scratch row (C % 4 == 0)
+    const int Q = ceil_div(KC4, 8);          // slices of 8 float4 = 32 columns
+    const unsigned S = min(G, (unsigned)Q);  // the blocks that sum the slices: the last S to arrive
+    if (ticket7 < G - S) return;
+    const int j0 = ticket7 - (G - S);
+    if (threadIdx.x == 0) {
+        while (*reinterpret_cast<volatile unsigned*>(&sync[0]) < G) __nanosleep(32);
+        __threadfence();
+    }
+    __syncthreads();
+    // slice q: lane l reads float4 column 8q + (l % 8) of blocks g = l/8 + 4*warp + 4*nwarps*t, ...
+    const float4* part = reinterpret_cast<const float4*>(scratch);
+    float4* sh = acc7;  // (nwarps, 8) float4: the warps' sums of one slice
+    for (int q = j0; q < Q; q += S) {
+        const int col4 = 8 * q + lane % 8;
+        float4 t = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (col4 < KC4) {
+#pragma unroll 4
+            for (int g = lane / 8 + 4 * warp; g < (int)G; g += 4 * nwarps) {
+                const float4 p = __ldcg(part + (size_t)g * KC4 + col4);
+                t.x += p.x; t.y += p.y; t.z += p.z; t.w += p.w;
+            }
+        }
+#pragma unroll
+        for (int off = 16; off >= 8; off /= 2) {  // the 4 lane groups, a fixed tree
+            t.x += __shfl_xor_sync(0xffffffffu, t.x, off);
+            t.y += __shfl_xor_sync(0xffffffffu, t.y, off);
+            t.z += __shfl_xor_sync(0xffffffffu, t.z, off);
+            t.w += __shfl_xor_sync(0xffffffffu, t.w, off);
+        }
+        __syncthreads();  // (sh may still be read for the previous slice, or hold the warps' sums)
+        if (lane < 8) sh[warp * 8 + lane] = t;
+        __syncthreads();
+        if (warp == 0 && lane < 8 && col4 < KC4) {
+            float4 tot = sh[lane];
+            for (int w = 1; w < nwarps; w++) {
+                const float4 p = sh[w * 8 + lane];
+                tot.x += p.x; tot.y += p.y; tot.z += p.z; tot.w += p.w;
+            }
+            const int r = (4 * col4) / C, c = 4 * col4 - r * C;  // (C % 4 == 0: one output row)
+            T* o = (r == 0 ? dweight : r == 1 ? dbias : colsum) + c;
+            o[0] = from_f32<T>(to_f32(o[0]) + tot.x);
+            o[1] = from_f32<T>(to_f32(o[1]) + tot.y);
+            o[2] = from_f32<T>(to_f32(o[2]) + tot.z);
+            o[3] = from_f32<T>(to_f32(o[3]) + tot.w);
+        }
+    }
+    // the last of the S resets both counters for the next launch
+    if (threadIdx.x == 0) {
+        __threadfence();
+        if (atomicAdd(&sync[1], 1u) == S - 1) {
+            sync[0] = 0u;
+            sync[1] = 0u;
+            __threadfence();
+        }
+    }
+}
+
+// entry points per NV = ceil(C / (32 V)): forward NV <= 8, backward NV <= 4
+#define LN7_FWD(T, SFX, NV)                                                                           \
+    extern "C" __global__ void layernorm_forward_kernel7##SFX##_nv##NV(T* out, float* mean,           \
+            float* rstd, const T* inp, const T* weight, const T* bias, int N, int C, int R, int flags) { \
+        layernorm_forward7_t<T, NV>(out, mean, rstd, inp, weight, bias, N, C, R, flags);              \
+    }
+#define LN7_BWD(T, SFX, NV)                                                                           \
+    extern "C" __global__ void layernorm_backward_kernel7##SFX##_nv##NV(T* dinp, T* dweight, T* dbias, \
+            float* scratch, unsigned* sync, const T* dout, const T* inp, const T* weight,             \
+            const float* mean, const float* rstd, int N, int C, int R, int flags) {                   \
+        layernorm_backward7_t<T, NV, false>(dinp, dweight, dbias, nullptr, scratch, sync, dout, inp,  \
+                                            weight, mean, rstd, N, C, R, flags);                      \
+    }                                                                                                 \
+    extern "C" __global__ void layernorm_backward_kernel7_colsum##SFX##_nv##NV(T* dinp, T* dweight,   \
+            T* dbias, T* colsum, float* scratch, unsigned* sync, const T* dout, const T* inp,         \
+            const T* weight, const float* mean, const float* rstd, int N, int C, int R, int flags) {  \
+        layernorm_backward7_t<T, NV, true>(dinp, dweight, dbias, colsum, scratch, sync, dout, inp,    \
+                                           weight, mean, rstd, N, C, R, flags);                       \
+    }
+LN7_FWD(float, , 1) LN7_FWD(float, , 2) LN7_FWD(float, , 3) LN7_FWD(float, , 4)
+LN7_FWD(float, , 5) LN7_FWD(float, , 6) LN7_FWD(float, , 7) LN7_FWD(float, , 8)
+LN7_FWD(bf16, _bf16, 1) LN7_FWD(bf16, _bf16, 2) LN7_FWD(bf16, _bf16, 3) LN7_FWD(bf16, _bf16, 4)
+LN7_FWD(bf16, _bf16, 5) LN7_FWD(bf16, _bf16, 6) LN7_FWD(bf16, _bf16, 7) LN7_FWD(bf16, _bf16, 8)
+LN7_BWD(float, , 1) LN7_BWD(float, , 2) LN7_BWD(float, , 3)
+LN7_BWD(bf16, _bf16, 1) LN7_BWD(bf16, _bf16, 2) LN7_BWD(bf16, _bf16, 3) LN7_BWD(bf16, _bf16, 4)

@@ -407,6 +407,93 @@ def _backward6(dtype):
 
 
 # ----------------------------------------------------------------------------------------------
+# variant 7 (forward and backward): 6's persistent warps without the streaming cache hints, rows
+# strided over the grid; backward loads all three rows of the next row ahead and sums the blocks'
+# partials in the same launch (the last blocks to finish, in a fixed order; cuda/layernorm.cu)
+
+LN7_CHUNKED, LN7_SPLIT = 1, 2  # kernel flags (the lab's comparisons): 6's consecutive rows; the reduce kernel
+NV7 = {"forward": 8, "backward": {"fp32": 3, "bf16": 4}}  # vectors per lane, at most (registers)
+
+
+def _check7(direction, dtype):
+    def check(N, C, block_size=None, colsum=False):
+        v = V16[dtype]
+        nv = NV7[direction] if direction == "forward" else NV7[direction][dtype]
+        if C % v:
+            return f"C={C} is not a multiple of {v} (16-byte vectors of {v} {dtype}; variant 7 has no scalar path)"
+        if C > nv * 32 * v:
+            return f"C={C} > {nv * 32 * v} ({dtype}: the rows are held in registers, {nv} vectors per lane)"
+        return _check_block(block_size)
+    return check
+
+
+def _forward7(dtype):
+    def build(rt, N, C, block_size=None, flags=0):
+        bs = block_size or 256
+        nv = ceil_div(C, 32 * V16[dtype])
+        k = rt.kernel(MODULE, f"layernorm_forward_kernel7{_sfx(dtype)}_nv{nv}", FWD_ARGS + "ii",
+                      label=f"layernorm_forward 7 {dtype}")
+        _fits("layernorm_forward", 7, k, bs)
+        R, W = _persistent_rows(rt, k, bs, 0, N)
+        grid, n_, c_, r_, f_ = (ceil_div(W, bs // 32), 1, 1), *_i32(N, C, R, flags)
+
+        def launch(out, mean, rstd, inp, weight, bias):
+            k(grid, (bs, 1, 1), out.ptr, mean.ptr, rstd.ptr, inp.ptr, weight.ptr, bias.ptr, n_, c_, r_, f_)
+        return launch
+    return build
+
+
+def scratch_bytes_backward7(N, C, colsum=False, **_):
+    """Variant 7: the (min(N, MAX_BLOCKS), K, C) fp32 partials of 3-6, and two uint32 tickets."""
+    return scratch_bytes_backward(N, C, colsum=colsum) + 8
+
+
+def _backward7(dtype):
+    """flags (the lab's comparisons only): LN7_CHUNKED, LN7_SPLIT (then the reduce kernel sums the
+    partials, as for 3-6)."""
+    def build(rt, N, C, block_size=None, colsum=False, flags=0):
+        bs = block_size or 128
+        nv = ceil_div(C, 32 * V16[dtype])
+        label = f"layernorm_backward 7 {dtype}" + (" colsum" if colsum else "")
+        K = 3 if colsum else 2
+        cs = "_colsum" if colsum else ""
+        k = rt.kernel(MODULE, f"layernorm_backward_kernel7{cs}{_sfx(dtype)}_nv{nv}",
+                      ("PPPPPP" if colsum else "PPPPP") + "PPPPPiiii", label=label)
+        _fits("layernorm_backward", 7, k, bs)
+        smem = (bs // 32) * K * C * 4  # the warps' sums (and colsum's running sums), added in order at the end
+        if smem > rt.max_smem_optin:
+            refuse("layernorm_backward", 7, f"C={C}, block_size={bs}: {smem} bytes of per-warp sums exceed shared memory")
+        k.set_max_dynamic_smem(smem)
+        # persistent: no more blocks than are resident at once (the last blocks wait for the others),
+        # at most MAX_BLOCKS (the scratch rows)
+        R, W = _persistent_rows(rt, k, bs, smem, N, max_warps=MAX_BLOCKS * (bs // 32))
+        G = ceil_div(W, bs // 32)
+        assert G <= min(N, MAX_BLOCKS)
+        scratch = rt.empty((min(N, MAX_BLOCKS), K, C), np.float32)  # per-block dweight | dbias (| colsum)
+        tickets = rt.zeros(2, np.uint32)  # arrivals, finished final sums; back to 0 after each launch
+        n_, c_, r_, f_, g_ = _i32(N, C, R, flags, G)
+        split = bool(flags & LN7_SPLIT)
+        if split:
+            reduce_name = "layernorm_backward_reduce_colsum_kernel" if colsum else "layernorm_backward_reduce_kernel"
+            kr = rt.kernel(MODULE, reduce_name + _sfx(dtype), "PPPPii" if colsum else "PPPii", label=label + " (reduce)")
+        grid_r = (ceil_div(C, 32), 1, 1)
+
+        def launch(dinp, dweight, dbias, dout, inp, weight, mean, rstd):
+            k((G, 1, 1), (bs, 1, 1), dinp.ptr, dweight.ptr, dbias.ptr, scratch.ptr, tickets.ptr, dout.ptr,
+              inp.ptr, weight.ptr, mean.ptr, rstd.ptr, n_, c_, r_, f_, smem=smem)
+            if split:
+                kr(grid_r, (32, 32, 1), dweight.ptr, dbias.ptr, scratch.ptr, g_, c_)
+
+        def launch_colsum(dinp, dweight, dbias, colsum, dout, inp, weight, mean, rstd):
+            k((G, 1, 1), (bs, 1, 1), dinp.ptr, dweight.ptr, dbias.ptr, colsum.ptr, scratch.ptr, tickets.ptr,
+              dout.ptr, inp.ptr, weight.ptr, mean.ptr, rstd.ptr, n_, c_, r_, f_, smem=smem)
+            if split:
+                kr(grid_r, (32, 32, 1), dweight.ptr, dbias.ptr, colsum.ptr, scratch.ptr, g_, c_)
+        return Built(launch_colsum if colsum else launch, scratch={"partials": scratch, "tickets": tickets})
+    return build
+
+
+# ----------------------------------------------------------------------------------------------
 # cost models: the fewest bytes one call must move, each input read once, each output written once
 # (the same counts as the labs'): elements of the build's dtype, mean/rstd fp32 in both
 
@@ -445,6 +532,10 @@ OPS = [
                           "vectors only (fp32 C%4==0, C<=1024; bf16 C%8==0, C<=2048)",
                        {"fp32": _forward6("fp32"), "bf16": _forward6("bf16")},
                        {"fp32": _check6("forward", "fp32"), "bf16": _check6("forward", "bf16")}),
+            7: Variant(7, "6 without streaming cache hints, the warps' rows strided over the grid (fp32 C%4==0, "
+                          "bf16 C%8==0; C<=2048)",
+                       {"fp32": _forward7("fp32"), "bf16": _forward7("bf16")},
+                       {"fp32": _check7("forward", "fp32"), "bf16": _check7("forward", "bf16")}),
         }),
     OpSpec(
         name="layernorm_backward", flag="--layernorm-backward-kernel", default=5,
@@ -472,5 +563,11 @@ OPS = [
                        {"fp32": _backward6("fp32"), "bf16": _backward6("bf16")},
                        {"fp32": _check6("backward", "fp32"), "bf16": _check6("backward", "bf16")},
                        scratch_bytes=scratch_bytes_backward),
+            7: Variant(7, "deterministic, one launch: persistent warps, rows strided over the grid, the next row's "
+                          "dout/inp/dinp in flight, blocks' partials summed in fixed order by the last blocks to "
+                          "finish (integer tickets); fused colsum (fp32 C%4==0, C<=384; bf16 C%8==0, C<=1024)",
+                       {"fp32": _backward7("fp32"), "bf16": _backward7("bf16")},
+                       {"fp32": _check7("backward", "fp32"), "bf16": _check7("backward", "bf16")},
+                       options=("colsum",), scratch_bytes=scratch_bytes_backward7),
         }),
 ]
