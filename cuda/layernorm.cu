@@ -53,6 +53,7 @@
 //     5 keeps its rows of dout, inp and dinp packed (4 registers per 8 values) and unpacks on use.
 //   At N = 4096, C = 768 the bytes halve: forward 12.6 MB (4.2 us), backward 25.2 MB (8.4 us); the
 //   backward's fp32 scratch (~3 MB written, then read, mostly in L2) does not shrink.
+#include "mma.cuh"        // cp.async and 128-bit shared loads (backward 7)
 #include "layernorm.cuh"  // LN_EPS, hsum4, ln_row_stats, the templated row helpers (common.cuh, elem.cuh)
 
 // the register-resident variants hold NV float4 per lane: NV * 128 channels, NV <= LN_MAX_NV
@@ -977,7 +978,34 @@ __device__ __forceinline__ void layernorm_forward7_t(T* __restrict__ out, float*
     }
 }
 
-// dynamic shared memory: (nwarps, K, C) floats (the warps' sums; reused by the final sums)
+// cp.async with a "memory" clobber on the wait: the stage reads below are ordinary asm loads, but
+// the end of the row loop reuses the stages for the warps' sums through C++ stores
+template <int N>
+__device__ __forceinline__ void ln7_cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+__device__ __forceinline__ void ln7_cp_wait_stages(int P) {  // all but the newest P - 1 groups done
+    switch (P) {
+        case 1: ln7_cp_wait<0>(); break;
+        case 2: ln7_cp_wait<1>(); break;
+        case 3: ln7_cp_wait<2>(); break;
+        case 4: ln7_cp_wait<3>(); break;
+        case 5: ln7_cp_wait<4>(); break;
+        default: ln7_cp_wait<5>(); break;
+    }
+}
+template <typename T>
+__device__ __forceinline__ typename Vec16<T>::raw ln7_lds(uint32_t addr) {
+    uint4 v = lds128(addr);
+    return *reinterpret_cast<typename Vec16<T>::raw*>(&v);
+}
+
+// Backward 7. The rows come through shared memory: each warp has a ring of P stages of (3, C) T
+// (dout | inp | dinp of one row) that cp.async fills P - 1 rows ahead, so P - 1 rows (3 C sizeof(T)
+// bytes each, 4.5 KB in bf16 at C = 768) are in flight per warp at all times, without the registers
+// that holding them took (6, and a first register-prefetch build of this variant: 162 registers, 12
+// warps an SM, 70% of the copy bandwidth). Lane l copies and later reads only its own 16-byte pieces,
+// so the warp needs no barrier between them. dweight | dbias (| colsum) sums in registers per lane.
+// Dynamic shared memory: nwarps * P * 3 * C * sizeof(T) bytes of stages (reused at the end for the
+// warps' (K, C) fp32 sums, and for the final sums' staging), then 16 bytes for the ticket.
 template <typename T, int NV, bool COLSUM>
 __device__ __forceinline__ void layernorm_backward7_t(T* __restrict__ dinp, T* dweight, T* dbias, T* colsum,
         float* __restrict__ scratch, unsigned* sync, const T* __restrict__ dout, const T* __restrict__ inp,
@@ -986,48 +1014,57 @@ __device__ __forceinline__ void layernorm_backward7_t(T* __restrict__ dinp, T* d
     constexpr int V = Vec16<T>::N;
     constexpr int K = COLSUM ? 3 : 2;
     typedef typename Vec16<T>::raw raw;
-    extern __shared__ float4 acc7[];
+    extern __shared__ float4 smem7[];
     const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
     const int nwarps = blockDim.x / WARP_SIZE;
+    const int P = flags >> 8;  // stages per warp (2..6)
     int row, end, step;
     ln7_rows(flags, blockIdx.x * nwarps + warp, gridDim.x * nwarps, N, R, row, end, step);
-    float aw[NV][V], ab[NV][V];  // this lane's dweight, dbias sums over the warp's rows
+    const int stage_bytes = 3 * C * (int)sizeof(T);  // (C % V == 0: every piece 16-byte aligned)
+    unsigned char* region = reinterpret_cast<unsigned char*>(smem7) + (size_t)warp * P * stage_bytes;
+    const uint32_t s0 = smem_u32(region);
+    float aw[NV][V], ab[NV][V], as[COLSUM ? NV : 1][V];  // this lane's dweight, dbias (, colsum) sums
 #pragma unroll
     for (int i = 0; i < NV; i++) {
 #pragma unroll
-        for (int k = 0; k < V; k++) { aw[i][k] = 0.0f; ab[i][k] = 0.0f; }
+        for (int k = 0; k < V; k++) { aw[i][k] = 0.0f; ab[i][k] = 0.0f; as[COLSUM ? i : 0][k] = 0.0f; }
     }
-    // the colsum sums live in this warp's third row of shared memory from the start (lane l touches
-    // only its own channels): in registers they took the bf16 C = 768 build from 164 to 194
-    float* acc = reinterpret_cast<float*>(acc7);
-    float* accw = acc + (size_t)warp * K * C;
-    if (COLSUM) {
+    // row r into stage p (nothing past the warp's last row); one commit group per row either way
+    auto issue = [&](int r, int p) {
+        if (r < end) {
+            const uint32_t s = s0 + p * stage_bytes;
+            const size_t off = (size_t)r * C;
+#pragma unroll
+            for (int i = 0; i < NV; i++) {
+                const int c0 = V * (lane + i * WARP_SIZE);
+                if (c0 < C) {
+                    cp_async16_full(s + c0 * sizeof(T), dout + off + c0);
+                    cp_async16_full(s + (C + c0) * sizeof(T), inp + off + c0);
+                    cp_async16_full(s + (2 * C + c0) * sizeof(T), dinp + off + c0);
+                }
+            }
+        }
+        cp_async_commit();
+    };
+    for (int p = 0; p < P - 1; p++) issue(row + p * step, p);
+    float mc = 0.0f, sc = 0.0f;
+    if (row < end) { mc = mean[row]; sc = rstd[row]; }
+    int p = 0;
+    for (; row < end; row += step) {
+        issue(row + (P - 1) * step, p == 0 ? P - 1 : p - 1);  // the stage the previous row used
+        const int next = row + step;
+        float mn = 0.0f, sn = 0.0f;
+        if (next < end) { mn = mean[next]; sn = rstd[next]; }
+        ln7_cp_wait_stages(P);  // this row's group (issued P - 1 rows ago) has landed
+        const uint32_t s = s0 + p * stage_bytes;
+        raw dc[NV], xc[NV];
 #pragma unroll
         for (int i = 0; i < NV; i++) {
             const int c0 = V * (lane + i * WARP_SIZE);
             if (c0 < C) {
-#pragma unroll
-                for (int k = 0; k < V; k += 4) store4(accw + 2 * C + c0 + k, make_float4(0.0f, 0.0f, 0.0f, 0.0f));
+                dc[i] = ln7_lds<T>(s + c0 * sizeof(T));
+                xc[i] = ln7_lds<T>(s + (C + c0) * sizeof(T));
             }
-        }
-    }
-    raw dc[NV], xc[NV], gc[NV], dn[NV], xn[NV], gn[NV];
-    float mc = 0.0f, sc = 0.0f, mn = 0.0f, sn = 0.0f;
-    if (row < end) {
-        ln7_load_row<T, NV>(dc, dout + (size_t)row * C, lane, C);
-        ln7_load_row<T, NV>(xc, inp + (size_t)row * C, lane, C);
-        ln7_load_row<T, NV>(gc, dinp + (size_t)row * C, lane, C);
-        mc = mean[row];
-        sc = rstd[row];
-    }
-    for (; row < end; row += step) {
-        const int next = row + step;
-        if (next < end) {  // the next row's three rows in flight while this one is computed and stored
-            ln7_load_row<T, NV>(dn, dout + (size_t)next * C, lane, C);
-            ln7_load_row<T, NV>(xn, inp + (size_t)next * C, lane, C);
-            ln7_load_row<T, NV>(gn, dinp + (size_t)next * C, lane, C);
-            mn = mean[next];
-            sn = rstd[next];
         }
         float a = 0.0f, b = 0.0f;  // sum(dnorm), sum(dnorm * norm) over the row
 #pragma unroll
@@ -1056,7 +1093,7 @@ __device__ __forceinline__ void layernorm_backward7_t(T* __restrict__ dinp, T* d
                 float dv[V], xv[V], gv[V], w[V];
                 Vec16<T>::unpack(dv, dc[i]);
                 Vec16<T>::unpack(xv, xc[i]);
-                Vec16<T>::unpack(gv, gc[i]);
+                Vec16<T>::unpack(gv, ln7_lds<T>(s + (2 * C + c0) * sizeof(T)));
                 Vec16<T>::unpack(w, Vec16<T>::ld(weight + c0));
 #pragma unroll
                 for (int k = 0; k < V; k++) {
@@ -1070,21 +1107,18 @@ __device__ __forceinline__ void layernorm_backward7_t(T* __restrict__ dinp, T* d
                 if (COLSUM) {  // the column sums of dinp as stored (T's rounding), as 5's fused form
                     Vec16<T>::unpack(gv, packed);
 #pragma unroll
-                    for (int k = 0; k < V; k += 4) {
-                        float4 t = load4(accw + 2 * C + c0 + k);
-                        t.x += gv[k]; t.y += gv[k + 1]; t.z += gv[k + 2]; t.w += gv[k + 3];
-                        store4(accw + 2 * C + c0 + k, t);
-                    }
+                    for (int k = 0; k < V; k++) as[COLSUM ? i : 0][k] += gv[k];
                 }
             }
         }
-#pragma unroll
-        for (int i = 0; i < NV; i++) { dc[i] = dn[i]; xc[i] = xn[i]; gc[i] = gn[i]; }
+        p = p + 1 == P ? 0 : p + 1;
         mc = mn;
         sc = sn;
     }
-    // the warps' sums to shared memory (warp w: acc[w][r][c]), added in warp order into this block's
-    // scratch row (K, C): the same order on every run
+    ln7_cp_wait<0>();  // (the empty groups past the last row)
+    // the warps' sums into their own stage region ((K, C) fp32 fits in P >= 2 stages of bf16, any P
+    // of fp32), then added in warp order into this block's scratch row: the same order on every run
+    float* accw = reinterpret_cast<float*>(region);
 #pragma unroll
     for (int i = 0; i < NV; i++) {
         const int c0 = V * (lane + i * WARP_SIZE);
@@ -1093,24 +1127,38 @@ __device__ __forceinline__ void layernorm_backward7_t(T* __restrict__ dinp, T* d
             for (int k = 0; k < V; k += 4) {
                 store4(accw + c0 + k, make_float4(aw[i][k], aw[i][k + 1], aw[i][k + 2], aw[i][k + 3]));
                 store4(accw + C + c0 + k, make_float4(ab[i][k], ab[i][k + 1], ab[i][k + 2], ab[i][k + 3]));
+                if (COLSUM) {
+                    const int j = COLSUM ? i : 0;
+                    store4(accw + 2 * C + c0 + k, make_float4(as[j][k], as[j][k + 1], as[j][k + 2], as[j][k + 3]));
+                }
             }
         }
     }
     __syncthreads();
-    ln_block_partials_to_scratch(scratch, acc, C, K);
+    {
+        const float* acc = reinterpret_cast<const float*>(smem7);
+        const int wstride = P * stage_bytes / 4;  // floats between two warps' regions
+        float* out = scratch + (size_t)blockIdx.x * K * C;
+        for (int c = threadIdx.x; c < K * C; c += blockDim.x) {
+            float sum = 0.0f;
+            for (int w = 0; w < nwarps; w++) sum += acc[w * wstride + c];
+            out[c] = sum;
+        }
+    }
     if (flags & LN7_SPLIT) return;
     // the ticket: every thread's partials fenced, then one atomicAdd per block
-    __shared__ unsigned ticket7;
+    unsigned* ticket7 = reinterpret_cast<unsigned*>(reinterpret_cast<unsigned char*>(smem7) + (size_t)nwarps * P * stage_bytes);
     __threadfence();
     __syncthreads();
-    if (threadIdx.x == 0) ticket7 = atomicAdd(&sync[0], 1u);
+    if (threadIdx.x == 0) *ticket7 = atomicAdd(&sync[0], 1u);
     __syncthreads();
     const unsigned G = gridDim.x;
     const int KC4 = K * C / 4;               // float4 columns of a scratch row (C % 4 == 0)
     const int Q = ceil_div(KC4, 8);          // slices of 8 float4 = 32 columns
     const unsigned S = min(G, (unsigned)Q);  // the blocks that sum the slices: the last S to arrive
-    if (ticket7 < G - S) return;
-    const int j0 = ticket7 - (G - S);
+    const unsigned ticket = *ticket7;
+    if (ticket < G - S) return;
+    const int j0 = ticket - (G - S);
     if (threadIdx.x == 0) {
         while (*reinterpret_cast<volatile unsigned*>(&sync[0]) < G) __nanosleep(32);
         __threadfence();
@@ -1118,15 +1166,15 @@ __device__ __forceinline__ void layernorm_backward7_t(T* __restrict__ dinp, T* d
     __syncthreads();
     // slice q: lane l reads float4 column 8q + (l % 8) of blocks g = l/8 + 4*warp + 4*nwarps*t, ...
     const float4* part = reinterpret_cast<const float4*>(scratch);
-    float4* sh = acc7;  // (nwarps, 8) float4: the warps' sums of one slice
+    float4* sh = smem7;  // (nwarps, 8) float4: the warps' sums of one slice
     for (int q = j0; q < Q; q += S) {
         const int col4 = 8 * q + lane % 8;
         float4 t = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         if (col4 < KC4) {
 #pragma unroll 4
             for (int g = lane / 8 + 4 * warp; g < (int)G; g += 4 * nwarps) {
-                const float4 p = __ldcg(part + (size_t)g * KC4 + col4);
-                t.x += p.x; t.y += p.y; t.z += p.z; t.w += p.w;
+                const float4 v = __ldcg(part + (size_t)g * KC4 + col4);
+                t.x += v.x; t.y += v.y; t.z += v.z; t.w += v.w;
             }
         }
 #pragma unroll
@@ -1136,14 +1184,14 @@ __device__ __forceinline__ void layernorm_backward7_t(T* __restrict__ dinp, T* d
             t.z += __shfl_xor_sync(0xffffffffu, t.z, off);
             t.w += __shfl_xor_sync(0xffffffffu, t.w, off);
         }
-        __syncthreads();  // (sh may still be read for the previous slice, or hold the warps' sums)
+        __syncthreads();  // (sh may still be read for the previous slice)
         if (lane < 8) sh[warp * 8 + lane] = t;
         __syncthreads();
         if (warp == 0 && lane < 8 && col4 < KC4) {
             float4 tot = sh[lane];
             for (int w = 1; w < nwarps; w++) {
-                const float4 p = sh[w * 8 + lane];
-                tot.x += p.x; tot.y += p.y; tot.z += p.z; tot.w += p.w;
+                const float4 v = sh[w * 8 + lane];
+                tot.x += v.x; tot.y += v.y; tot.z += v.z; tot.w += v.w;
             }
             const int r = (4 * col4) / C, c = 4 * col4 - r * C;  // (C % 4 == 0: one output row)
             T* o = (r == 0 ? dweight : r == 1 ? dbias : colsum) + c;

@@ -68,19 +68,21 @@ def flag_name(f):
 L.section("backward")
 for n in (5, 6):
     bwd_case(f"bwd {n}", BWD.build(rt, n, "bf16", N=N, C=C).launch, False)
-for bs in (128, 256, 384):
-    for f in (0, ln.LN7_CHUNKED, ln.LN7_SPLIT):
+for bs, P, flags in ((128, 4, (0,)), (256, 3, (0,)), (256, 4, (0, ln.LN7_CHUNKED, ln.LN7_SPLIT)), (256, 6, (0,)),
+                     (384, 3, (0, ln.LN7_SPLIT)), (384, 4, (0,)), (512, 3, (0, ln.LN7_SPLIT)), (512, 2, (0,))):
+    for f in flags:
         try:
-            bwd_case(f"bwd 7 bs{bs} {flag_name(f)}", ln._backward7("bf16")(rt, N, C, block_size=bs, flags=f).launch, False)
+            bwd_case(f"bwd 7 bs{bs} P{P} {flag_name(f)}",
+                     ln._backward7("bf16")(rt, N, C, block_size=bs, flags=f, stages=P).launch, False)
         except VariantRefused as e:
             print(f"  {e}")
 L.section("backward colsum")
 bwd_case("bwd 5 colsum", BWD.build(rt, 5, "bf16", N=N, C=C, colsum=True).launch, True)
-for bs in (128, 256, 384):
-    for f in (0, ln.LN7_SPLIT):
+for bs, P, flags in ((128, 4, (0,)), (256, 3, (0,)), (256, 4, (0, ln.LN7_SPLIT)), (384, 3, (0,)), (384, 4, (0,))):
+    for f in flags:
         try:
-            bwd_case(f"bwd 7 colsum bs{bs} {flag_name(f)}",
-                     ln._backward7("bf16")(rt, N, C, block_size=bs, colsum=True, flags=f).launch, True)
+            bwd_case(f"bwd 7 colsum bs{bs} P{P} {flag_name(f)}",
+                     ln._backward7("bf16")(rt, N, C, block_size=bs, colsum=True, flags=f, stages=P).launch, True)
         except VariantRefused as e:
             print(f"  {e}")
 L.section("forward")

@@ -450,9 +450,11 @@ def scratch_bytes_backward7(N, C, colsum=False, **_):
 
 def _backward7(dtype):
     """flags (the lab's comparisons only): LN7_CHUNKED, LN7_SPLIT (then the reduce kernel sums the
-    partials, as for 3-6)."""
-    def build(rt, N, C, block_size=None, colsum=False, flags=0):
-        bs = block_size or 128
+    partials, as for 3-6); stages: rows per warp in the shared-memory ring (stages - 1 in flight)."""
+    def build(rt, N, C, block_size=None, colsum=False, flags=0, stages=None):
+        bs = block_size or 256
+        P = stages or 4
+        assert 2 <= P <= 6
         nv = ceil_div(C, 32 * V16[dtype])
         label = f"layernorm_backward 7 {dtype}" + (" colsum" if colsum else "")
         K = 3 if colsum else 2
@@ -460,9 +462,9 @@ def _backward7(dtype):
         k = rt.kernel(MODULE, f"layernorm_backward_kernel7{cs}{_sfx(dtype)}_nv{nv}",
                       ("PPPPPP" if colsum else "PPPPP") + "PPPPPiiii", label=label)
         _fits("layernorm_backward", 7, k, bs)
-        smem = (bs // 32) * K * C * 4  # the warps' sums (and colsum's running sums), added in order at the end
+        smem = (bs // 32) * P * 3 * C * esize(dtype) + 16  # each warp's ring of P (dout|inp|dinp) rows; ticket
         if smem > rt.max_smem_optin:
-            refuse("layernorm_backward", 7, f"C={C}, block_size={bs}: {smem} bytes of per-warp sums exceed shared memory")
+            refuse("layernorm_backward", 7, f"C={C}, block_size={bs}: {smem} bytes of row stages exceed shared memory")
         k.set_max_dynamic_smem(smem)
         # persistent: no more blocks than are resident at once (the last blocks wait for the others),
         # at most MAX_BLOCKS (the scratch rows)
@@ -471,7 +473,7 @@ def _backward7(dtype):
         assert G <= min(N, MAX_BLOCKS)
         scratch = rt.empty((min(N, MAX_BLOCKS), K, C), np.float32)  # per-block dweight | dbias (| colsum)
         tickets = rt.zeros(2, np.uint32)  # arrivals, finished final sums; back to 0 after each launch
-        n_, c_, r_, f_, g_ = _i32(N, C, R, flags, G)
+        n_, c_, r_, f_, g_ = _i32(N, C, R, flags | (P << 8), G)
         split = bool(flags & LN7_SPLIT)
         if split:
             reduce_name = "layernorm_backward_reduce_colsum_kernel" if colsum else "layernorm_backward_reduce_kernel"
