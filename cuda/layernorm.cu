@@ -30,6 +30,10 @@
 //      one shared-memory pass per block, then the reduce kernel (see "Variant 6" at the end)
 //   5 colsum: 5's fused form, also colsum (C) += column sums of the dinp it writes (the next linear
 //      layer's bias gradient, instead of a matmul_backward_bias pass; see "colsum" below)
+//   7  deterministic, one launch: persistent warps, rows strided over the grid, each warp's next rows
+//      in a shared-memory ring filled by cp.async, dweight/dbias in registers, the blocks' partials
+//      summed in a fixed order by the last blocks to finish (integer tickets); colsum form too; the
+//      bf16 default (see "Backward variant 7" at the end)
 //
 // Memory traffic at the trainer's shape (N = 4096, C = 768, fp32; one row = 3 KB):
 //   forward  reads x (12.6 MB) and writes out (12.6 MB): 25.2 MB, 8.5 us at 2.98 TB/s
@@ -902,31 +906,39 @@ LN6_BWD(float, , 1) LN6_BWD(float, , 2) LN6_BWD(float, , 3) LN6_BWD(float, , 4)
 LN6_BWD(bf16, _bf16, 1) LN6_BWD(bf16, _bf16, 2) LN6_BWD(bf16, _bf16, 3) LN6_BWD(bf16, _bf16, 4)
 
 // ----------------------------------------------------------------------------------------------
-// Variant 7, forward and backward (fp32 and bf16 builds of one template; 16-byte vectors only, as
-// 6). Written for the copy ceiling in bf16 at B=16 (N = 16384, C = 768), where 5 reached 63% of the
-// measured copy bandwidth backward and 67% forward (6: 69% / 65%). What changed against 6:
-//   * plain loads and stores, no streaming hints: forward 5 (.cs) measured 67% where 4 (plain) took
-//     76% on the same bytes, and 6 used .cs on both sides;
-//   * the rows of a warp are strided over the grid by default (row = warp, warp + W, ... for W
-//     resident warps), so at any moment the resident warps work on one window of W consecutive rows,
-//     the order the one-row-per-warp kernels (residual_layernorm_forward 3: 87%) walk memory in; the
-//     consecutive-rows split of 6 stays as an option (LN7_CHUNKED) for the lab;
-//   * backward: all three rows of the next row (dout, inp and dinp) are loaded before this row is
-//     computed, so every warp always has 3 * C * sizeof(T) bytes in flight;
-//   * backward: no second launch. dweight | dbias (| colsum) partials go to scratch (G, K, C) per
-//     block as before, then each block takes a ticket (one integer atomicAdd); the last S blocks to
-//     arrive (S = min(G, K*C/32)) wait until all G have written theirs and each sums a slice of
-//     32 columns over the G blocks, in block order, onto the outputs (read, add, round once). The
-//     order of every sum is fixed (it does not depend on which block arrives when), so the result is
-//     the same bits on every run, and there are no float atomics (--deterministic allows it).
-//     Waiting is safe because the grid is persistent (no more blocks than are resident at once, so
-//     a waiting block never holds the slot a block it waits for needs); the last of the S resets the
-//     two counters for the next launch (graph replays included).
-// Bytes: the counts of 5/6 (the labs' and the cost model's). The scratch (G * K * C floats, G ~ 132-
-// 400 blocks) is written and read once, mostly in L2.
+// Backward variant 7 (fp32 and bf16 builds of one template; 16-byte vectors only, as 6), written for
+// the copy ceiling in bf16 at B=16 (N = 16384, C = 768), where 5 reached 63% of the measured copy
+// bandwidth (57% in its fused colsum form, which the model runs 24 times a step) and 6 69%:
+//   * one launch: the dweight | dbias (| colsum) partials go to scratch (G, K, C) per block as before,
+//     then each block takes a ticket (one integer atomicAdd); the last S blocks to arrive
+//     (S = min(G, K*C/32)) wait until all G have written theirs and each sums 32-column slices over
+//     the G blocks, in block order, onto the outputs (read, add, round once). The order of every sum
+//     is fixed (it does not depend on which block arrives when): the same bits on every run, and no
+//     float atomics (--deterministic allows it). Waiting cannot deadlock: when u blocks have not
+//     arrived, at most S - u wait, so S resident blocks are all it needs (the grid is sized to what is
+//     resident anyway); the last of the S resets the two counters for the next launch (graph
+//     replays included);
+//   * the rows come through a per-warp shared-memory ring of P rows (dout | inp | dinp) that cp.async
+//     fills P - 1 rows ahead, so the bytes in flight cost no registers; dweight/dbias/colsum sums in
+//     registers per lane (lane l owns its channels in every row), one block-wide pass at the end;
+//   * persistent warps, rows strided over the grid (row = warp, warp + W, ...): at any moment the
+//     resident warps work on one window of consecutive rows; no streaming cache hints.
+// Measured (H100, bf16, B=16, lab median of 30, L2 flushed; dev/cuda/layernorm_sweep7.py): 384
+// threads and P = 3 (one block an SM, 12 warps, 2 rows of 4.5 KB in flight each) 0.0493 ms, 69% (5:
+// 0.0537, 63%); colsum 0.0507 ms, 67% (5: 0.0594, 57%). What did not move it: P = 2..6 (65-69%),
+// 128-512 threads, consecutive rows per warp instead of strided (-1%), the reduce kernel instead of
+// the tickets (+-1%), and a first build that prefetched the next row into registers (162 registers,
+// 12 warps an SM: 60%, 65% with the reduce kernel). A forward built the same way (6 without the .cs
+// hints, rows strided) measured 56-66% against forward 4's 76%, so it was not kept. Where the rest
+// is, as far as these runs say: not the bytes in flight per SM (2..5 rows per warp gave the same)
+// nor the second launch; every persistent, statically split build stops near 69%, while the
+// one-row-per-warp kernels that the hardware schedules block by block reach 76-87%.
+// Bytes: the counts of 5/6 (the labs' and the cost model's). The scratch (G * K * C floats, G = 132
+// blocks at the default) is written and read once, in L2.
 
-#define LN7_CHUNKED 1  // flags: rows of a warp consecutive (6's split) instead of strided over the grid
-#define LN7_SPLIT 2    // flags: backward: leave the partials in scratch for the reduce kernel (no tickets)
+#define LN7_CHUNKED 1  // flags (the lab's comparisons): rows of a warp consecutive (6's split), not strided
+#define LN7_SPLIT 2    // flags: leave the partials in scratch for the reduce kernel (no tickets)
+                       // (flags >> 8: P, the stages of each warp's ring)
 
 // the rows of global warp gw of W: [row, end) by step
 __device__ __forceinline__ void ln7_rows(int flags, int gw, int W, int N, int R, int& row, int& end, int& step) {
@@ -941,40 +953,6 @@ __device__ __forceinline__ void ln7_load_row(typename Vec16<T>::raw (&r)[NV], co
     for (int i = 0; i < NV; i++) {
         const int c0 = V * (lane + i * WARP_SIZE);
         if (c0 < C) r[i] = Vec16<T>::ld(p + c0);
-    }
-}
-
-template <typename T, int NV>
-__device__ __forceinline__ void layernorm_forward7_t(T* __restrict__ out, float* __restrict__ mean,
-        float* __restrict__ rstd, const T* __restrict__ inp, const T* __restrict__ weight,
-        const T* __restrict__ bias, int N, int C, int R, int flags) {
-    constexpr int V = Vec16<T>::N;
-    typedef typename Vec16<T>::raw raw;
-    const int lane = threadIdx.x % WARP_SIZE, nwarps = blockDim.x / WARP_SIZE;
-    int row, end, step;
-    ln7_rows(flags, blockIdx.x * nwarps + threadIdx.x / WARP_SIZE, gridDim.x * nwarps, N, R, row, end, step);
-    if (row >= end) return;  // (whole warp; no block-wide barrier below)
-    raw cur[NV], nxt[NV];
-    ln7_load_row<T, NV>(cur, inp + (size_t)row * C, lane, C);
-    for (; row < end; row += step) {
-        if (row + step < end) ln7_load_row<T, NV>(nxt, inp + (size_t)(row + step) * C, lane, C);
-        float v[NV][V];
-        float sum = 0.0f;
-#pragma unroll
-        for (int i = 0; i < NV; i++) {
-            const int c0 = V * (lane + i * WARP_SIZE);
-            if (c0 < C) {
-                Vec16<T>::unpack(v[i], cur[i]);
-#pragma unroll
-                for (int k = 0; k < V; k++) sum += v[i][k];
-            }
-        }
-        float m, s;
-        ln_row_stats_v<NV, V>(v, sum, lane, C, m, s);
-        ln_row_normalize_store<T, NV, false>(out + (size_t)row * C, v, m, s, weight, bias, lane, C, true);
-        if (lane == 0) { mean[row] = m; rstd[row] = s; }
-#pragma unroll
-        for (int i = 0; i < NV; i++) cur[i] = nxt[i];
     }
 }
 
@@ -1212,12 +1190,7 @@ __device__ __forceinline__ void layernorm_backward7_t(T* __restrict__ dinp, T* d
     }
 }
 
-// entry points per NV = ceil(C / (32 V)): forward NV <= 8, backward NV <= 4
-#define LN7_FWD(T, SFX, NV)                                                                           \
-    extern "C" __global__ void layernorm_forward_kernel7##SFX##_nv##NV(T* out, float* mean,           \
-            float* rstd, const T* inp, const T* weight, const T* bias, int N, int C, int R, int flags) { \
-        layernorm_forward7_t<T, NV>(out, mean, rstd, inp, weight, bias, N, C, R, flags);              \
-    }
+// entry points per NV = ceil(C / (32 V)): bf16 NV <= 4, fp32 NV <= 3
 #define LN7_BWD(T, SFX, NV)                                                                           \
     extern "C" __global__ void layernorm_backward_kernel7##SFX##_nv##NV(T* dinp, T* dweight, T* dbias, \
             float* scratch, unsigned* sync, const T* dout, const T* inp, const T* weight,             \
@@ -1231,9 +1204,5 @@ __device__ __forceinline__ void layernorm_backward7_t(T* __restrict__ dinp, T* d
         layernorm_backward7_t<T, NV, true>(dinp, dweight, dbias, colsum, scratch, sync, dout, inp,    \
                                            weight, mean, rstd, N, C, R, flags);                       \
     }
-LN7_FWD(float, , 1) LN7_FWD(float, , 2) LN7_FWD(float, , 3) LN7_FWD(float, , 4)
-LN7_FWD(float, , 5) LN7_FWD(float, , 6) LN7_FWD(float, , 7) LN7_FWD(float, , 8)
-LN7_FWD(bf16, _bf16, 1) LN7_FWD(bf16, _bf16, 2) LN7_FWD(bf16, _bf16, 3) LN7_FWD(bf16, _bf16, 4)
-LN7_FWD(bf16, _bf16, 5) LN7_FWD(bf16, _bf16, 6) LN7_FWD(bf16, _bf16, 7) LN7_FWD(bf16, _bf16, 8)
 LN7_BWD(float, , 1) LN7_BWD(float, , 2) LN7_BWD(float, , 3)
 LN7_BWD(bf16, _bf16, 1) LN7_BWD(bf16, _bf16, 2) LN7_BWD(bf16, _bf16, 3) LN7_BWD(bf16, _bf16, 4)

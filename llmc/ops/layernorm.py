@@ -11,16 +11,18 @@ Semantics (docs/ops.md):
                         eps = 1e-5, biased variance; mean and rstd are kept for backward
     layernorm_backward: dinp(N,C)+=, dweight(C)+=, dbias(C)+=, dout(N,C), inp(N,C), weight(C),
                         mean(N), rstd(N)
-      with colsum=True (variant 5, the fused form the model asks for when the chosen variant has it):
+      with colsum=True (variants 5 and 7, the fused form the model asks for when the chosen variant has it):
                         dinp(N,C)+=, dweight(C)+=, dbias(C)+=, colsum(C)+=, dout, inp, weight, mean, rstd
                         colsum += column sums of dinp after its += (the bias gradient of the linear
                         layer that wrote the residual stream here: one matmul_backward_bias less)
 
-bf16 builds (entry points <kernel>_bf16[_nvN]): forward 3, 4, 5, 6 and backward 3, 5, 6. Variant 6
+bf16 builds (entry points <kernel>_bf16[_nvN]): forward 3, 4, 5, 6 and backward 3, 5, 6, 7. Variant 6
 (both directions, both dtypes) is written for the copy ceiling at GPT-2's shapes: persistent warps
 over consecutive rows with the next row in flight, 16-byte vectors only (it refuses C % 8 != 0 in
 bf16, C % 4 != 0 in fp32, and C past its register budget, in one line; the defaults stay 5 until it
-is timed). Every tensor is
+is timed). Backward 7 (both dtypes; fp32 only to C=384) runs in one launch with the colsum form too,
+and is the bf16 default (B=16, C=768 on the H100: 69% of the copy bandwidth against 5's 63%, colsum 67%
+against 57%); forward's bf16 default is 4 (76% against 5's 67%: 5's streaming hints cost it). Every tensor is
 bf16 except mean(N) and rstd(N), which stay fp32 in both directions; the math is fp32 and each output
 element is rounded once (the "+=" outputs: read, add in fp32, round). The vector kernels move 16
 bytes (8 bf16) per access and take C % 8 != 0 through guarded scalar accesses. Backward's per-block
@@ -407,18 +409,18 @@ def _backward6(dtype):
 
 
 # ----------------------------------------------------------------------------------------------
-# variant 7 (forward and backward): 6's persistent warps without the streaming cache hints, rows
-# strided over the grid; backward loads all three rows of the next row ahead and sums the blocks'
-# partials in the same launch (the last blocks to finish, in a fixed order; cuda/layernorm.cu)
+# backward variant 7: persistent warps, rows strided over the grid, each warp's next rows in a
+# shared-memory ring filled by cp.async, the blocks' partials summed in the same launch by the last
+# blocks to finish, in a fixed order (cuda/layernorm.cu, "Backward variant 7")
 
 LN7_CHUNKED, LN7_SPLIT = 1, 2  # kernel flags (the lab's comparisons): 6's consecutive rows; the reduce kernel
-NV7 = {"forward": 8, "backward": {"fp32": 3, "bf16": 4}}  # vectors per lane, at most (registers)
+NV7 = {"fp32": 3, "bf16": 4}   # vectors per lane, at most (the entry points; registers)
 
 
-def _check7(direction, dtype):
+def _check7(dtype):
     def check(N, C, block_size=None, colsum=False):
         v = V16[dtype]
-        nv = NV7[direction] if direction == "forward" else NV7[direction][dtype]
+        nv = NV7[dtype]
         if C % v:
             return f"C={C} is not a multiple of {v} (16-byte vectors of {v} {dtype}; variant 7 has no scalar path)"
         if C > nv * 32 * v:
@@ -427,33 +429,20 @@ def _check7(direction, dtype):
     return check
 
 
-def _forward7(dtype):
-    def build(rt, N, C, block_size=None, flags=0):
-        bs = block_size or 256
-        nv = ceil_div(C, 32 * V16[dtype])
-        k = rt.kernel(MODULE, f"layernorm_forward_kernel7{_sfx(dtype)}_nv{nv}", FWD_ARGS + "ii",
-                      label=f"layernorm_forward 7 {dtype}")
-        _fits("layernorm_forward", 7, k, bs)
-        R, W = _persistent_rows(rt, k, bs, 0, N)
-        grid, n_, c_, r_, f_ = (ceil_div(W, bs // 32), 1, 1), *_i32(N, C, R, flags)
-
-        def launch(out, mean, rstd, inp, weight, bias):
-            k(grid, (bs, 1, 1), out.ptr, mean.ptr, rstd.ptr, inp.ptr, weight.ptr, bias.ptr, n_, c_, r_, f_)
-        return launch
-    return build
-
-
 def scratch_bytes_backward7(N, C, colsum=False, **_):
     """Variant 7: the (min(N, MAX_BLOCKS), K, C) fp32 partials of 3-6, and two uint32 tickets."""
     return scratch_bytes_backward(N, C, colsum=colsum) + 8
 
 
 def _backward7(dtype):
-    """flags (the lab's comparisons only): LN7_CHUNKED, LN7_SPLIT (then the reduce kernel sums the
-    partials, as for 3-6); stages: rows per warp in the shared-memory ring (stages - 1 in flight)."""
-    def build(rt, N, C, block_size=None, colsum=False, flags=0, stages=None):
-        bs = block_size or 256
-        P = stages or 4
+    """384 threads (one block an SM at C = 768 bf16: 12 warps, 128 / 162 registers) and 3 stages a
+    warp: the fastest of the sweep (dev/cuda/layernorm_sweep7.py). The lab's comparisons only: flags
+    LN7_CHUNKED, LN7_SPLIT (the reduce kernel sums the partials, as for 3-6); stages: rows per warp in
+    the shared-memory ring (stages - 1 in flight); rows_per_warp: R consecutive rows per warp and as
+    many blocks as that takes (more than are resident: the hardware hands out the blocks)."""
+    def build(rt, N, C, block_size=None, colsum=False, flags=0, stages=None, rows_per_warp=None):
+        bs = block_size or 384
+        P = stages or 3
         assert 2 <= P <= 6
         nv = ceil_div(C, 32 * V16[dtype])
         label = f"layernorm_backward 7 {dtype}" + (" colsum" if colsum else "")
@@ -469,6 +458,9 @@ def _backward7(dtype):
         # persistent: no more blocks than are resident at once (the last blocks wait for the others),
         # at most MAX_BLOCKS (the scratch rows)
         R, W = _persistent_rows(rt, k, bs, smem, N, max_warps=MAX_BLOCKS * (bs // 32))
+        if rows_per_warp:
+            flags |= LN7_CHUNKED
+            R, W = rows_per_warp, ceil_div(N, rows_per_warp)
         G = ceil_div(W, bs // 32)
         assert G <= min(N, MAX_BLOCKS)
         scratch = rt.empty((min(N, MAX_BLOCKS), K, C), np.float32)  # per-block dweight | dbias (| colsum)
@@ -516,7 +508,7 @@ def cost_backward(N, C, dtype="fp32", colsum=False, **_):
 
 OPS = [
     OpSpec(
-        name="layernorm_forward", flag="--layernorm-kernel", default=5,
+        name="layernorm_forward", flag="--layernorm-kernel", default=5, defaults={"bf16": 4},
         cost=cost_forward,
         cpu=layernorm_forward_cpu,
         doc="out(N,C)=, mean(N)=, rstd(N)=, inp(N,C), weight(C), bias(C); eps 1e-5, biased variance",
@@ -534,13 +526,9 @@ OPS = [
                           "vectors only (fp32 C%4==0, C<=1024; bf16 C%8==0, C<=2048)",
                        {"fp32": _forward6("fp32"), "bf16": _forward6("bf16")},
                        {"fp32": _check6("forward", "fp32"), "bf16": _check6("forward", "bf16")}),
-            7: Variant(7, "6 without streaming cache hints, the warps' rows strided over the grid (fp32 C%4==0, "
-                          "bf16 C%8==0; C<=2048)",
-                       {"fp32": _forward7("fp32"), "bf16": _forward7("bf16")},
-                       {"fp32": _check7("forward", "fp32"), "bf16": _check7("forward", "bf16")}),
         }),
     OpSpec(
-        name="layernorm_backward", flag="--layernorm-backward-kernel", default=5,
+        name="layernorm_backward", flag="--layernorm-backward-kernel", default=5, defaults={"bf16": 7},
         cost=cost_backward,
         cpu=layernorm_backward_cpu,
         options=("colsum",),
@@ -565,11 +553,12 @@ OPS = [
                        {"fp32": _backward6("fp32"), "bf16": _backward6("bf16")},
                        {"fp32": _check6("backward", "fp32"), "bf16": _check6("backward", "bf16")},
                        scratch_bytes=scratch_bytes_backward),
-            7: Variant(7, "deterministic, one launch: persistent warps, rows strided over the grid, the next row's "
-                          "dout/inp/dinp in flight, blocks' partials summed in fixed order by the last blocks to "
-                          "finish (integer tickets); fused colsum (fp32 C%4==0, C<=384; bf16 C%8==0, C<=1024)",
+            7: Variant(7, "deterministic, one launch: persistent warps, rows strided over the grid, each warp's next "
+                          "rows in a shared-memory ring (cp.async), blocks' partials summed in fixed order by the last "
+                          "blocks to finish (integer tickets); fused colsum (fp32 C%4==0, C<=384; bf16 C%8==0, "
+                          "C<=1024)",
                        {"fp32": _backward7("fp32"), "bf16": _backward7("bf16")},
-                       {"fp32": _check7("backward", "fp32"), "bf16": _check7("backward", "bf16")},
+                       {"fp32": _check7("fp32"), "bf16": _check7("bf16")},
                        options=("colsum",), scratch_bytes=scratch_bytes_backward7),
         }),
 ]
