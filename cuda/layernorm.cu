@@ -929,10 +929,13 @@ LN6_BWD(bf16, _bf16, 1) LN6_BWD(bf16, _bf16, 2) LN6_BWD(bf16, _bf16, 3) LN6_BWD(
 // 128-512 threads, consecutive rows per warp instead of strided (-1%), the reduce kernel instead of
 // the tickets (+-1%), and a first build that prefetched the next row into registers (162 registers,
 // 12 warps an SM: 60%, 65% with the reduce kernel). A forward built the same way (6 without the .cs
-// hints, rows strided) measured 56-66% against forward 4's 76%, so it was not kept. Where the rest
-// is, as far as these runs say: not the bytes in flight per SM (2..5 rows per warp gave the same)
-// nor the second launch; every persistent, statically split build stops near 69%, while the
-// one-row-per-warp kernels that the hardware schedules block by block reach 76-87%.
+// hints, rows strided) measured 56-66% against forward 4's 76%, so it was not kept. More blocks than
+// are resident, R = 2..8 consecutive rows a warp (the hardware handing out the blocks), was worse:
+// 45-65% (colsum 38-59%; more partials, and a ring filled and drained every R rows). Where the rest
+// is, as far as these runs say: not the bytes in flight per SM (1..5 rows a warp ahead gave the
+// same), not the second launch, not the row order; next to look at: the instructions per row (two
+// passes of unpack, FMAs and shuffles per 8 values: by a rough count a quarter of the issue slots
+// at this rate, an estimate, not a measurement) with a profiler, which these runs did not have.
 // Bytes: the counts of 5/6 (the labs' and the cost model's). The scratch (G * K * C floats, G = 132
 // blocks at the default) is written and read once, in L2.
 
