@@ -57,7 +57,6 @@
 //     5 keeps its rows of dout, inp and dinp packed (4 registers per 8 values) and unpacks on use.
 //   At N = 4096, C = 768 the bytes halve: forward 12.6 MB (4.2 us), backward 25.2 MB (8.4 us); the
 //   backward's fp32 scratch (~3 MB written, then read, mostly in L2) does not shrink.
-#include "mma.cuh"        // cp.async and 128-bit shared loads (backward 7)
 #include "layernorm.cuh"  // LN_EPS, hsum4, ln_row_stats, the templated row helpers (common.cuh, elem.cuh)
 
 // the register-resident variants hold NV float4 per lane: NV * 128 channels, NV <= LN_MAX_NV
@@ -959,8 +958,21 @@ __device__ __forceinline__ void ln7_load_row(typename Vec16<T>::raw (&r)[NV], co
     }
 }
 
-// cp.async with a "memory" clobber on the wait: the stage reads below are ordinary asm loads, but
-// the end of the row loop reuses the stages for the warps' sums through C++ stores
+// cp.async (16-byte global -> shared copies, L2 only) and 128-bit shared loads, written out here
+// rather than taken from mma.cuh so that a GEMM header edit does not rebuild this module. The wait
+// has a "memory" clobber: the end of the row loop reuses the stages through C++ stores.
+__device__ __forceinline__ uint32_t ln7_smem_u32(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void ln7_cp16(uint32_t dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+}
+__device__ __forceinline__ void ln7_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ uint4 ln7_lds128(uint32_t addr) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+    return v;
+}
 template <int N>
 __device__ __forceinline__ void ln7_cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 __device__ __forceinline__ void ln7_cp_wait_stages(int P) {  // all but the newest P - 1 groups done
@@ -975,7 +987,7 @@ __device__ __forceinline__ void ln7_cp_wait_stages(int P) {  // all but the newe
 }
 template <typename T>
 __device__ __forceinline__ typename Vec16<T>::raw ln7_lds(uint32_t addr) {
-    uint4 v = lds128(addr);
+    uint4 v = ln7_lds128(addr);
     return *reinterpret_cast<typename Vec16<T>::raw*>(&v);
 }
 
@@ -1003,7 +1015,7 @@ __device__ __forceinline__ void layernorm_backward7_t(T* __restrict__ dinp, T* d
     ln7_rows(flags, blockIdx.x * nwarps + warp, gridDim.x * nwarps, N, R, row, end, step);
     const int stage_bytes = 3 * C * (int)sizeof(T);  // (C % V == 0: every piece 16-byte aligned)
     unsigned char* region = reinterpret_cast<unsigned char*>(smem7) + (size_t)warp * P * stage_bytes;
-    const uint32_t s0 = smem_u32(region);
+    const uint32_t s0 = ln7_smem_u32(region);
     float aw[NV][V], ab[NV][V], as[COLSUM ? NV : 1][V];  // this lane's dweight, dbias (, colsum) sums
 #pragma unroll
     for (int i = 0; i < NV; i++) {
@@ -1019,13 +1031,13 @@ __device__ __forceinline__ void layernorm_backward7_t(T* __restrict__ dinp, T* d
             for (int i = 0; i < NV; i++) {
                 const int c0 = V * (lane + i * WARP_SIZE);
                 if (c0 < C) {
-                    cp_async16_full(s + c0 * sizeof(T), dout + off + c0);
-                    cp_async16_full(s + (C + c0) * sizeof(T), inp + off + c0);
-                    cp_async16_full(s + (2 * C + c0) * sizeof(T), dinp + off + c0);
+                    ln7_cp16(s + c0 * sizeof(T), dout + off + c0);
+                    ln7_cp16(s + (C + c0) * sizeof(T), inp + off + c0);
+                    ln7_cp16(s + (2 * C + c0) * sizeof(T), dinp + off + c0);
                 }
             }
         }
-        cp_async_commit();
+        ln7_cp_commit();
     };
     for (int p = 0; p < P - 1; p++) issue(row + p * step, p);
     float mc = 0.0f, sc = 0.0f;
