@@ -30,6 +30,10 @@
 //      one shared-memory pass per block, then the reduce kernel (see "Variant 6" at the end)
 //   5 colsum: 5's fused form, also colsum (C) += column sums of the dinp it writes (the next linear
 //      layer's bias gradient, instead of a matmul_backward_bias pass; see "colsum" below)
+//   7  deterministic, one launch: persistent warps, rows strided over the grid, each warp's next rows
+//      in a shared-memory ring filled by cp.async, dweight/dbias in registers, the blocks' partials
+//      summed in a fixed order by the last blocks to finish (integer tickets); colsum form too; the
+//      bf16 default (see "Backward variant 7" at the end)
 //
 // Memory traffic at the trainer's shape (N = 4096, C = 768, fp32; one row = 3 KB):
 //   forward  reads x (12.6 MB) and writes out (12.6 MB): 25.2 MB, 8.5 us at 2.98 TB/s
@@ -899,3 +903,321 @@ LN6_FWD(bf16, _bf16, 1) LN6_FWD(bf16, _bf16, 2) LN6_FWD(bf16, _bf16, 3) LN6_FWD(
 LN6_FWD(bf16, _bf16, 5) LN6_FWD(bf16, _bf16, 6) LN6_FWD(bf16, _bf16, 7) LN6_FWD(bf16, _bf16, 8)
 LN6_BWD(float, , 1) LN6_BWD(float, , 2) LN6_BWD(float, , 3) LN6_BWD(float, , 4)
 LN6_BWD(bf16, _bf16, 1) LN6_BWD(bf16, _bf16, 2) LN6_BWD(bf16, _bf16, 3) LN6_BWD(bf16, _bf16, 4)
+
+// ----------------------------------------------------------------------------------------------
+// Backward variant 7 (fp32 and bf16 builds of one template; 16-byte vectors only, as 6), written for
+// the copy ceiling in bf16 at B=16 (N = 16384, C = 768), where 5 reached 63% of the measured copy
+// bandwidth (57% in its fused colsum form, which the model runs 24 times a step) and 6 69%:
+//   * one launch: the dweight | dbias (| colsum) partials go to scratch (G, K, C) per block as before,
+//     then each block takes a ticket (one integer atomicAdd); the last S blocks to arrive
+//     (S = min(G, K*C/32)) wait until all G have written theirs and each sums 32-column slices over
+//     the G blocks, in block order, onto the outputs (read, add, round once). The order of every sum
+//     is fixed (it does not depend on which block arrives when): the same bits on every run, and no
+//     float atomics (--deterministic allows it). Waiting cannot deadlock: when u blocks have not
+//     arrived, at most S - u wait, so S resident blocks are all it needs (the grid is sized to what is
+//     resident anyway); the last of the S resets the two counters for the next launch (graph
+//     replays included);
+//   * the rows come through a per-warp shared-memory ring of P rows (dout | inp | dinp) that cp.async
+//     fills P - 1 rows ahead, so the bytes in flight cost no registers; dweight/dbias/colsum sums in
+//     registers per lane (lane l owns its channels in every row), one block-wide pass at the end;
+//   * persistent warps, rows strided over the grid (row = warp, warp + W, ...): at any moment the
+//     resident warps work on one window of consecutive rows; no streaming cache hints.
+// Measured (H100, bf16, B=16, lab median of 30, L2 flushed; dev/cuda/layernorm_sweep7.py): 384
+// threads and P = 3 (one block an SM, 12 warps, 2 rows of 4.5 KB in flight each) 0.0493 ms, 69% (5:
+// 0.0537, 63%); colsum 0.0507 ms, 67% (5: 0.0594, 57%). What did not move it: P = 2..6 (65-69%),
+// 128-512 threads, consecutive rows per warp instead of strided (-1%), the reduce kernel instead of
+// the tickets (+-1%), and a first build that prefetched the next row into registers (162 registers,
+// 12 warps an SM: 60%, 65% with the reduce kernel). A forward built the same way (6 without the .cs
+// hints, rows strided) measured 56-66% against forward 4's 76%, so it was not kept. More blocks than
+// are resident, R = 2..8 consecutive rows a warp (the hardware handing out the blocks), was worse:
+// 45-65% (colsum 38-59%; more partials, and a ring filled and drained every R rows). Where the rest
+// is, as far as these runs say: not the bytes in flight per SM (1..5 rows a warp ahead gave the
+// same), not the second launch, not the row order; next to look at: the instructions per row (two
+// passes of unpack, FMAs and shuffles per 8 values: by a rough count a quarter of the issue slots
+// at this rate, an estimate, not a measurement) with a profiler, which these runs did not have.
+// Bytes: the counts of 5/6 (the labs' and the cost model's). The scratch (G * K * C floats, G = 132
+// blocks at the default) is written and read once, in L2.
+
+#define LN7_CHUNKED 1  // flags (the lab's comparisons): rows of a warp consecutive (6's split), not strided
+#define LN7_SPLIT 2    // flags: leave the partials in scratch for the reduce kernel (no tickets)
+                       // (flags >> 8: P, the stages of each warp's ring)
+
+// the rows of global warp gw of W: [row, end) by step
+__device__ __forceinline__ void ln7_rows(int flags, int gw, int W, int N, int R, int& row, int& end, int& step) {
+    if (flags & LN7_CHUNKED) { row = gw * R; end = min(N, row + R); step = 1; }
+    else { row = gw; end = N; step = W; }
+}
+
+template <typename T, int NV>
+__device__ __forceinline__ void ln7_load_row(typename Vec16<T>::raw (&r)[NV], const T* p, int lane, int C) {
+    constexpr int V = Vec16<T>::N;
+#pragma unroll
+    for (int i = 0; i < NV; i++) {
+        const int c0 = V * (lane + i * WARP_SIZE);
+        if (c0 < C) r[i] = Vec16<T>::ld(p + c0);
+    }
+}
+
+// cp.async (16-byte global -> shared copies, L2 only) and 128-bit shared loads, written out here
+// rather than taken from mma.cuh so that a GEMM header edit does not rebuild this module. The wait
+// has a "memory" clobber: the end of the row loop reuses the stages through C++ stores.
+__device__ __forceinline__ uint32_t ln7_smem_u32(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void ln7_cp16(uint32_t dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+}
+__device__ __forceinline__ void ln7_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ uint4 ln7_lds128(uint32_t addr) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+    return v;
+}
+template <int N>
+__device__ __forceinline__ void ln7_cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+__device__ __forceinline__ void ln7_cp_wait_stages(int P) {  // all but the newest P - 1 groups done
+    switch (P) {
+        case 1: ln7_cp_wait<0>(); break;
+        case 2: ln7_cp_wait<1>(); break;
+        case 3: ln7_cp_wait<2>(); break;
+        case 4: ln7_cp_wait<3>(); break;
+        case 5: ln7_cp_wait<4>(); break;
+        default: ln7_cp_wait<5>(); break;
+    }
+}
+template <typename T>
+__device__ __forceinline__ typename Vec16<T>::raw ln7_lds(uint32_t addr) {
+    uint4 v = ln7_lds128(addr);
+    return *reinterpret_cast<typename Vec16<T>::raw*>(&v);
+}
+
+// Backward 7. The rows come through shared memory: each warp has a ring of P stages of (3, C) T
+// (dout | inp | dinp of one row) that cp.async fills P - 1 rows ahead, so P - 1 rows (3 C sizeof(T)
+// bytes each, 4.5 KB in bf16 at C = 768) are in flight per warp at all times, without the registers
+// that holding them took (6, and a first register-prefetch build of this variant: 162 registers, 12
+// warps an SM, 70% of the copy bandwidth). Lane l copies and later reads only its own 16-byte pieces,
+// so the warp needs no barrier between them. dweight | dbias (| colsum) sums in registers per lane.
+// Dynamic shared memory: nwarps * P * 3 * C * sizeof(T) bytes of stages (reused at the end for the
+// warps' (K, C) fp32 sums, and for the final sums' staging), then 16 bytes for the ticket.
+template <typename T, int NV, bool COLSUM>
+__device__ __forceinline__ void layernorm_backward7_t(T* __restrict__ dinp, T* dweight, T* dbias, T* colsum,
+        float* __restrict__ scratch, unsigned* sync, const T* __restrict__ dout, const T* __restrict__ inp,
+        const T* __restrict__ weight, const float* __restrict__ mean, const float* __restrict__ rstd,
+        int N, int C, int R, int flags) {
+    constexpr int V = Vec16<T>::N;
+    constexpr int K = COLSUM ? 3 : 2;
+    typedef typename Vec16<T>::raw raw;
+    extern __shared__ float4 smem7[];
+    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    const int nwarps = blockDim.x / WARP_SIZE;
+    const int P = flags >> 8;  // stages per warp (2..6)
+    int row, end, step;
+    ln7_rows(flags, blockIdx.x * nwarps + warp, gridDim.x * nwarps, N, R, row, end, step);
+    const int stage_bytes = 3 * C * (int)sizeof(T);  // (C % V == 0: every piece 16-byte aligned)
+    unsigned char* region = reinterpret_cast<unsigned char*>(smem7) + (size_t)warp * P * stage_bytes;
+    const uint32_t s0 = ln7_smem_u32(region);
+    float aw[NV][V], ab[NV][V], as[COLSUM ? NV : 1][V];  // this lane's dweight, dbias (, colsum) sums
+#pragma unroll
+    for (int i = 0; i < NV; i++) {
+#pragma unroll
+        for (int k = 0; k < V; k++) { aw[i][k] = 0.0f; ab[i][k] = 0.0f; as[COLSUM ? i : 0][k] = 0.0f; }
+    }
+    // row r into stage p (nothing past the warp's last row); one commit group per row either way
+    auto issue = [&](int r, int p) {
+        if (r < end) {
+            const uint32_t s = s0 + p * stage_bytes;
+            const size_t off = (size_t)r * C;
+#pragma unroll
+            for (int i = 0; i < NV; i++) {
+                const int c0 = V * (lane + i * WARP_SIZE);
+                if (c0 < C) {
+                    ln7_cp16(s + c0 * sizeof(T), dout + off + c0);
+                    ln7_cp16(s + (C + c0) * sizeof(T), inp + off + c0);
+                    ln7_cp16(s + (2 * C + c0) * sizeof(T), dinp + off + c0);
+                }
+            }
+        }
+        ln7_cp_commit();
+    };
+    for (int p = 0; p < P - 1; p++) issue(row + p * step, p);
+    float mc = 0.0f, sc = 0.0f;
+    if (row < end) { mc = mean[row]; sc = rstd[row]; }
+    int p = 0;
+    for (; row < end; row += step) {
+        issue(row + (P - 1) * step, p == 0 ? P - 1 : p - 1);  // the stage the previous row used
+        const int next = row + step;
+        float mn = 0.0f, sn = 0.0f;
+        if (next < end) { mn = mean[next]; sn = rstd[next]; }
+        ln7_cp_wait_stages(P);  // this row's group (issued P - 1 rows ago) has landed
+        const uint32_t s = s0 + p * stage_bytes;
+        raw dc[NV], xc[NV];
+#pragma unroll
+        for (int i = 0; i < NV; i++) {
+            const int c0 = V * (lane + i * WARP_SIZE);
+            if (c0 < C) {
+                dc[i] = ln7_lds<T>(s + c0 * sizeof(T));
+                xc[i] = ln7_lds<T>(s + (C + c0) * sizeof(T));
+            }
+        }
+        float a = 0.0f, b = 0.0f;  // sum(dnorm), sum(dnorm * norm) over the row
+#pragma unroll
+        for (int i = 0; i < NV; i++) {
+            const int c0 = V * (lane + i * WARP_SIZE);
+            if (c0 < C) {
+                float dv[V], xv[V], w[V];
+                Vec16<T>::unpack(dv, dc[i]);
+                Vec16<T>::unpack(xv, xc[i]);
+                Vec16<T>::unpack(w, Vec16<T>::ld(weight + c0));
+#pragma unroll
+                for (int k = 0; k < V; k++) {
+                    const float nrm = (xv[k] - mc) * sc, dnrm = dv[k] * w[k];
+                    a += dnrm;
+                    b += dnrm * nrm;
+                }
+            }
+        }
+        a = warp_reduce_sum(a) / C;
+        b = warp_reduce_sum(b) / C;
+        T* gr = dinp + (size_t)row * C;
+#pragma unroll
+        for (int i = 0; i < NV; i++) {
+            const int c0 = V * (lane + i * WARP_SIZE);
+            if (c0 < C) {
+                float dv[V], xv[V], gv[V], w[V];
+                Vec16<T>::unpack(dv, dc[i]);
+                Vec16<T>::unpack(xv, xc[i]);
+                Vec16<T>::unpack(gv, ln7_lds<T>(s + (2 * C + c0) * sizeof(T)));
+                Vec16<T>::unpack(w, Vec16<T>::ld(weight + c0));
+#pragma unroll
+                for (int k = 0; k < V; k++) {
+                    const float nrm = (xv[k] - mc) * sc;
+                    gv[k] += sc * (dv[k] * w[k] - a - nrm * b);
+                    aw[i][k] += nrm * dv[k];
+                    ab[i][k] += dv[k];
+                }
+                const raw packed = Vec16<T>::pack(gv);
+                Vec16<T>::st(gr + c0, packed);
+                if (COLSUM) {  // the column sums of dinp as stored (T's rounding), as 5's fused form
+                    Vec16<T>::unpack(gv, packed);
+#pragma unroll
+                    for (int k = 0; k < V; k++) as[COLSUM ? i : 0][k] += gv[k];
+                }
+            }
+        }
+        p = p + 1 == P ? 0 : p + 1;
+        mc = mn;
+        sc = sn;
+    }
+    ln7_cp_wait<0>();  // (the empty groups past the last row)
+    // the warps' sums into their own stage region ((K, C) fp32 fits in P >= 2 stages of bf16, any P
+    // of fp32), then added in warp order into this block's scratch row: the same order on every run
+    float* accw = reinterpret_cast<float*>(region);
+#pragma unroll
+    for (int i = 0; i < NV; i++) {
+        const int c0 = V * (lane + i * WARP_SIZE);
+        if (c0 < C) {
+#pragma unroll
+            for (int k = 0; k < V; k += 4) {
+                store4(accw + c0 + k, make_float4(aw[i][k], aw[i][k + 1], aw[i][k + 2], aw[i][k + 3]));
+                store4(accw + C + c0 + k, make_float4(ab[i][k], ab[i][k + 1], ab[i][k + 2], ab[i][k + 3]));
+                if (COLSUM) {
+                    const int j = COLSUM ? i : 0;
+                    store4(accw + 2 * C + c0 + k, make_float4(as[j][k], as[j][k + 1], as[j][k + 2], as[j][k + 3]));
+                }
+            }
+        }
+    }
+    __syncthreads();
+    {
+        const float* acc = reinterpret_cast<const float*>(smem7);
+        const int wstride = P * stage_bytes / 4;  // floats between two warps' regions
+        float* out = scratch + (size_t)blockIdx.x * K * C;
+        for (int c = threadIdx.x; c < K * C; c += blockDim.x) {
+            float sum = 0.0f;
+            for (int w = 0; w < nwarps; w++) sum += acc[w * wstride + c];
+            out[c] = sum;
+        }
+    }
+    if (flags & LN7_SPLIT) return;
+    // the ticket: every thread's partials fenced, then one atomicAdd per block
+    unsigned* ticket7 = reinterpret_cast<unsigned*>(reinterpret_cast<unsigned char*>(smem7) + (size_t)nwarps * P * stage_bytes);
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) *ticket7 = atomicAdd(&sync[0], 1u);
+    __syncthreads();
+    const unsigned G = gridDim.x;
+    const int KC4 = K * C / 4;               // float4 columns of a scratch row (C % 4 == 0)
+    const int Q = ceil_div(KC4, 8);          // slices of 8 float4 = 32 columns
+    const unsigned S = min(G, (unsigned)Q);  // the blocks that sum the slices: the last S to arrive
+    const unsigned ticket = *ticket7;
+    if (ticket < G - S) return;
+    const int j0 = ticket - (G - S);
+    if (threadIdx.x == 0) {
+        while (*reinterpret_cast<volatile unsigned*>(&sync[0]) < G) __nanosleep(32);
+        __threadfence();
+    }
+    __syncthreads();
+    // slice q: lane l reads float4 column 8q + (l % 8) of blocks g = l/8 + 4*warp + 4*nwarps*t, ...
+    const float4* part = reinterpret_cast<const float4*>(scratch);
+    float4* sh = smem7;  // (nwarps, 8) float4: the warps' sums of one slice
+    for (int q = j0; q < Q; q += S) {
+        const int col4 = 8 * q + lane % 8;
+        float4 t = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (col4 < KC4) {
+#pragma unroll 4
+            for (int g = lane / 8 + 4 * warp; g < (int)G; g += 4 * nwarps) {
+                const float4 v = __ldcg(part + (size_t)g * KC4 + col4);
+                t.x += v.x; t.y += v.y; t.z += v.z; t.w += v.w;
+            }
+        }
+#pragma unroll
+        for (int off = 16; off >= 8; off /= 2) {  // the 4 lane groups, a fixed tree
+            t.x += __shfl_xor_sync(0xffffffffu, t.x, off);
+            t.y += __shfl_xor_sync(0xffffffffu, t.y, off);
+            t.z += __shfl_xor_sync(0xffffffffu, t.z, off);
+            t.w += __shfl_xor_sync(0xffffffffu, t.w, off);
+        }
+        __syncthreads();  // (sh may still be read for the previous slice)
+        if (lane < 8) sh[warp * 8 + lane] = t;
+        __syncthreads();
+        if (warp == 0 && lane < 8 && col4 < KC4) {
+            float4 tot = sh[lane];
+            for (int w = 1; w < nwarps; w++) {
+                const float4 v = sh[w * 8 + lane];
+                tot.x += v.x; tot.y += v.y; tot.z += v.z; tot.w += v.w;
+            }
+            const int r = (4 * col4) / C, c = 4 * col4 - r * C;  // (C % 4 == 0: one output row)
+            T* o = (r == 0 ? dweight : r == 1 ? dbias : colsum) + c;
+            o[0] = from_f32<T>(to_f32(o[0]) + tot.x);
+            o[1] = from_f32<T>(to_f32(o[1]) + tot.y);
+            o[2] = from_f32<T>(to_f32(o[2]) + tot.z);
+            o[3] = from_f32<T>(to_f32(o[3]) + tot.w);
+        }
+    }
+    // the last of the S resets both counters for the next launch
+    if (threadIdx.x == 0) {
+        __threadfence();
+        if (atomicAdd(&sync[1], 1u) == S - 1) {
+            sync[0] = 0u;
+            sync[1] = 0u;
+            __threadfence();
+        }
+    }
+}
+
+// entry points per NV = ceil(C / (32 V)): bf16 NV <= 4, fp32 NV <= 3
+#define LN7_BWD(T, SFX, NV)                                                                           \
+    extern "C" __global__ void layernorm_backward_kernel7##SFX##_nv##NV(T* dinp, T* dweight, T* dbias, \
+            float* scratch, unsigned* sync, const T* dout, const T* inp, const T* weight,             \
+            const float* mean, const float* rstd, int N, int C, int R, int flags) {                   \
+        layernorm_backward7_t<T, NV, false>(dinp, dweight, dbias, nullptr, scratch, sync, dout, inp,  \
+                                            weight, mean, rstd, N, C, R, flags);                      \
+    }                                                                                                 \
+    extern "C" __global__ void layernorm_backward_kernel7_colsum##SFX##_nv##NV(T* dinp, T* dweight,   \
+            T* dbias, T* colsum, float* scratch, unsigned* sync, const T* dout, const T* inp,         \
+            const T* weight, const float* mean, const float* rstd, int N, int C, int R, int flags) {  \
+        layernorm_backward7_t<T, NV, true>(dinp, dweight, dbias, colsum, scratch, sync, dout, inp,    \
+                                           weight, mean, rstd, N, C, R, flags);                       \
+    }
+LN7_BWD(float, , 1) LN7_BWD(float, , 2) LN7_BWD(float, , 3)
+LN7_BWD(bf16, _bf16, 1) LN7_BWD(bf16, _bf16, 2) LN7_BWD(bf16, _bf16, 3) LN7_BWD(bf16, _bf16, 4)

@@ -215,8 +215,8 @@ DETERMINISTIC_CHOICE = {"encoder_backward": 3, "layernorm_backward": 5}
 
 
 def deterministic_kernels(kernels: dict, precision: str = "fp32") -> dict:
-    """--deterministic: each op in NONDETERMINISTIC runs its DETERMINISTIC_CHOICE, else its
-    highest-numbered deterministic variant, that has kernels for `precision`, unless one was named; naming a nondeterministic one is an
+    """--deterministic: each op in NONDETERMINISTIC runs the precision's default when that is
+    deterministic, else its DETERMINISTIC_CHOICE, else its highest-numbered deterministic variant, that has kernels for `precision`, unless one was named; naming a nondeterministic one is an
     error. The chosen variants count as named, so a shape they cannot take is refused loudly instead
     of falling back to an atomic one."""
     from llmc import ops
@@ -232,7 +232,9 @@ def deterministic_kernels(kernels: dict, precision: str = "fp32") -> dict:
             if not have:
                 raise LLMCError(f"--deterministic --precision {precision}: {name} has no deterministic variant "
                                 f"with {precision} kernels (deterministic: {', '.join(str(k) for k in sorted(ok))})")
-            out[name] = DETERMINISTIC_CHOICE[name] if DETERMINISTIC_CHOICE.get(name) in have else max(have)
+            default = spec.default_for(precision)  # (bf16's layernorm_backward 7 is deterministic)
+            out[name] = default if default in have else (
+                DETERMINISTIC_CHOICE[name] if DETERMINISTIC_CHOICE.get(name) in have else max(have))
     return out
 
 

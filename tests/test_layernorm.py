@@ -11,6 +11,7 @@ from llmc import ops
 from llmc.bf16 import BF16, from_bf16, round_bf16, to_bf16
 from llmc.errors import LLMCError, VariantRefused
 from llmc.ops.layernorm import layernorm_backward_ref, layernorm_forward_ref
+from llmc.runtime import ceil_div
 from llmc.testing import assert_close, poison
 
 FWD = ops.get("layernorm_forward")
@@ -96,7 +97,38 @@ def test_variant6_refuses_in_one_line():
     assert "C=768 > 512" in BWD.refuse_reason(6, "fp32", N=8, C=768)
     for spec in (FWD, BWD):
         assert spec.refuse_reason(6, "bf16", N=16384, C=768) is None
-        assert spec.default == 5  # the defaults are chosen after timing on the GPU
+        assert spec.default == 5  # the fp32 defaults (timed on the GPU; 6 and 7 do not take C=768 in fp32)
+
+
+def test_variant7_refuses_in_one_line_and_declares_its_scratch():
+    """Backward 7: 16-byte vectors only, rows in registers (bf16 C <= 1024, fp32 C <= 384);
+    it takes colsum; a build allocates exactly what it declares (the partials and two ticket words)
+    and launches one kernel, no reduce."""
+    from tests.fake_runtime import FakeRuntime
+    assert "multiple of 8" in BWD.refuse_reason(7, "bf16", N=8, C=100, colsum=True)
+    assert "C=1032 > 1024" in BWD.refuse_reason(7, "bf16", N=8, C=1032)
+    assert "C=768 > 384" in BWD.refuse_reason(7, "fp32", N=8, C=768)
+    for reason in (BWD.refuse_reason(7, "bf16", N=8, C=100), BWD.refuse_reason(7, "fp32", N=8, C=66)):
+        assert "\n" not in reason and "variant 7" in reason
+    with pytest.raises(VariantRefused, match="--layernorm-backward-kernel 7"):
+        BWD.build(None, 7, "bf16", N=8, C=100)
+    # the bf16 defaults (timed on the H100 at B=16): backward 7, forward 4; fp32 keeps 5 in both
+    assert BWD.default_for("bf16") == 7 and FWD.default_for("bf16") == 4
+    assert BWD.default_for("fp32") == FWD.default_for("fp32") == 5
+    assert BWD.refuse_reason(7, "bf16", N=16384, C=768, colsum=True) is None
+    assert (7, "bf16") in _colsum_variants() and (7, "fp32") in _colsum_variants()
+    for N, C in [(1, 768), (16384, 768), (65, 80), (9, 1024), (4099, 384)]:
+        for colsum in (False, True):
+            for d in ("fp32", "bf16"):
+                if BWD.refuse_reason(7, d, N=N, C=C, colsum=colsum):
+                    continue
+                rt = FakeRuntime()
+                built = BWD.build(rt, 7, d, N=N, C=C, colsum=colsum)
+                assert rt.allocated_bytes == BWD.variants[7].scratch_bytes(N=N, C=C, colsum=colsum)
+                built(*[rt.empty(8) for _ in range(9 if colsum else 8)])
+                assert len(rt.launches) == 1 and "kernel7" in rt.launches[0].func
+                grid = rt.launches[0].grid[0]
+                assert grid * (3 if colsum else 2) * C * 4 <= built.scratch["partials"].nbytes and grid <= N
 
 
 def test_variants_table():
@@ -146,7 +178,7 @@ def _expect_refusal(spec, number, N, C, dtype="fp32"):
     if reason:  # only the float4 variants may refuse these shapes, and only for C % 4 != 0; variant 6
         # (16-byte vectors only, rows in registers) also for C % 8 != 0 in bf16 and a C past its budget
         v = 8 if dtype == "bf16" else 4
-        assert (C % 4 and number in (4, 5)) or (number == 6 and (C % v or f"C={C} >" in reason)), reason
+        assert (C % 4 and number in (4, 5)) or (number in (6, 7) and (C % v or f"C={C} >" in reason)), reason
         with pytest.raises(VariantRefused, match=spec.flag):
             spec.build(None, number, dtype, N=N, C=C)
     return reason
@@ -261,30 +293,32 @@ def test_backward_gpu_bf16_accumulates(rt, rng, number, N, C):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("number", [6, 7])
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 @pytest.mark.parametrize("N,C", [(16391, 768), (50001, 200), (20000, 1024), (4099, 96)])
-def test_variant6_many_rows_per_warp(rt, rng, dtype, N, C):
-    """Variant 6 gives each resident warp R = ceil(N / warps) consecutive rows and prefetches the next
-    one: the small SHAPES above have R = 1 on an H100, these have R >= 2 (and N not a multiple of R,
-    C = 200: a partial last vector column per lane, C = 96 in fp32 where V = 4). Forward outputs
-    poisoned; backward "+=" onto random values; float64 references on the same inputs."""
+def test_variant6_many_rows_per_warp(rt, rng, number, dtype, N, C):
+    """Variants 6 and 7 (backward) give each resident warp R = ceil(N / warps) rows (6 consecutive, 7
+    strided over the grid) and load the next ones ahead: the small SHAPES above have R = 1 on an H100, these have R >= 2
+    (and N not a multiple of the warps, C = 200: a partial last vector column per lane, C = 96 in fp32
+    where V = 4). Forward outputs poisoned; backward "+=" onto random values; float64 references on
+    the same inputs."""
     bf = dtype == "bf16"
     conv, back = (to_bf16, from_bf16) if bf else ((lambda a: a.astype(np.float32)), (lambda a: a))
     dty = BF16 if bf else np.float32
     x, w, b, dout = (back(conv(a)).astype(np.float32) for a in inputs(rng, N, C))
-    if not FWD.refuse_reason(6, dtype, N=N, C=C):
+    if number in FWD.variants and not FWD.refuse_reason(number, dtype, N=N, C=C):  # (no forward 7)
         out, mean, rstd = rt.empty((N, C), dty), rt.empty(N), rt.empty(N)
         poison(out, mean, rstd)
-        FWD.build(rt, 6, dtype, N=N, C=C)(out, mean, rstd, *(rt.to_device(conv(a)) for a in (x, w, b)))
+        FWD.build(rt, number, dtype, N=N, C=C)(out, mean, rstd, *(rt.to_device(conv(a)) for a in (x, w, b)))
         ro, rm, rs = layernorm_forward_ref(*(a.astype(np.float64) for a in (x, w, b)))
         assert_close(back(out.get()).astype(np.float64), ro, 1e-5, BF16_RTOL if bf else 1e-5, "out")
         assert_close(mean.get(), rm, 1e-5, 1e-5, "mean")
         assert_close(rstd.get(), rs, 1e-5, 1e-5, "rstd")
-    if not BWD.refuse_reason(6, dtype, N=N, C=C):
+    if not BWD.refuse_reason(number, dtype, N=N, C=C):
         _, mean, rstd = (a.astype(np.float32) for a in layernorm_forward_ref(*(a.astype(np.float64) for a in (x, w, b))))
         init = [back(conv(rng.standard_normal(s))).astype(np.float32) for s in ((N, C), C, C)]
         dinp, dweight, dbias = (rt.to_device(conv(a)) for a in init)
-        BWD.build(rt, 6, dtype, N=N, C=C)(dinp, dweight, dbias, *(rt.to_device(conv(a)) for a in (dout, x, w)),
+        BWD.build(rt, number, dtype, N=N, C=C)(dinp, dweight, dbias, *(rt.to_device(conv(a)) for a in (dout, x, w)),
                                           rt.to_device(mean), rt.to_device(rstd))
         gi, gw, gb = layernorm_backward_ref(*(a.astype(np.float64) for a in (dout, x, w, mean, rstd)))
         rms = lambda a: float(np.sqrt(np.mean(np.square(a))))  # noqa: E731
@@ -293,6 +327,75 @@ def test_variant6_many_rows_per_warp(rt, rng, dtype, N, C):
         # fp32 sum's error grows ~sqrt(N) * 2^-24 * |sum|, so 1e-5 of the sums' rms (plus one bf16 rounding)
         for name, got, want in (("dweight", dweight, init[1] + gw), ("dbias", dbias, init[2] + gb)):
             assert_close(back(got.get()).astype(np.float64), want, 1e-5 * rms(want), BF16_RTOL if bf else 1e-5, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("colsum", [False, True])
+@pytest.mark.parametrize("dtype,N,C", [("bf16", 16391, 768), ("bf16", 4099, 1024), ("bf16", 1, 768),
+                                       ("bf16", 3, 64), ("fp32", 5001, 384)])
+def test_backward7_one_launch_repeats_and_replays(rt, rng, dtype, N, C, colsum):
+    """Variant 7 sums the blocks' partials in its own launch: the last blocks to take a ticket wait for
+    the rest, then sum 32-column slices in block order; the last of them resets the two counters. So:
+    against the float64 reference with the partials poisoned first; five launches of one build from the
+    same starting values give the same bits every time (a counter left set would skip the final sums
+    or let them read unwritten partials); a CUDA graph replay the same bits again; and the lab's two
+    alternatives (6's consecutive rows per warp; the separate reduce kernel) the same dinp bit for bit
+    (a row's dinp does not depend on which warp takes it) and the sums within their rounding."""
+    bf = dtype == "bf16"
+    val = round_bf16 if bf else (lambda a: a.astype(np.float32))
+    x, w, b, dout = (val(a) for a in inputs(rng, N, C))
+    _, mean, rstd = layernorm_forward_ref(x.astype(np.float64), w.astype(np.float64), b.astype(np.float64))
+    mean, rstd = mean.astype(np.float32), rstd.astype(np.float32)
+    init = [val(rng.standard_normal(s)) for s in ((N, C), C, C, C)][:4 if colsum else 3]
+    ins = [_upload(rt, dtype, a) for a in (dout, x, w)] + [rt.to_device(mean), rt.to_device(rstd)]
+    built = BWD.build(rt, 7, dtype, N=N, C=C, colsum=colsum)
+    poison(built.scratch["partials"])
+    outs = [_upload(rt, dtype, a) for a in init]
+
+    def run(launch):
+        for o, a in zip(outs, init):
+            o.set(to_bf16(a) if bf else a)
+        launch(*outs, *ins)
+        rt.synchronize()
+        return [o.get().copy() for o in outs]
+
+    first = run(built)
+    gi, gw, gb = layernorm_backward_ref(*(a.astype(np.float64) for a in (dout, x, w, mean, rstd)))
+    rtol = BF16_RTOL if bf else 1e-5
+    rms = lambda a: float(np.sqrt(np.mean(np.square(a))))  # noqa: E731
+    dinp = _download(dtype, outs[0])
+    assert_close(dinp, init[0] + gi, 1e-5, rtol, "dinp")
+    wants = [init[1] + gw, init[2] + gb] + ([init[3] + dinp.sum(axis=0)] if colsum else [])
+    for name, got, want in zip(("dweight", "dbias", "colsum"), outs[1:], wants):
+        # N rows summed in fp32 per lane, per block and over the blocks: ~sqrt(N) 2^-24 of the sum
+        assert_close(_download(dtype, got), want, 1e-4 + 1e-5 * rms(want), max(rtol, 1e-4), name)
+    for _ in range(4):
+        for a, b_ in zip(first, run(built)):
+            np.testing.assert_array_equal(a, b_)
+    if rt.graphs_available() is None:
+        graph = rt.capture(lambda: built(*outs, *ins))
+        for _ in range(2):
+            for o, a in zip(outs, init):
+                o.set(to_bf16(a) if bf else a)
+            graph()
+            rt.synchronize()
+            for a, o in zip(first, outs):
+                np.testing.assert_array_equal(a, o.get(), err_msg="graph replay")
+    from llmc.ops import layernorm as ln
+    # (and other ring depths: 2 stages, one row in flight; 6 in blocks of 4 warps; and more blocks than
+    # are resident, 2 or 4 consecutive rows a warp)
+    for flags, stages, bs, rpw in ((ln.LN7_CHUNKED, None, None, None), (ln.LN7_SPLIT, 2, None, None),
+                                   (ln.LN7_CHUNKED | ln.LN7_SPLIT, 6, 128, None), (0, 3, 256, 2), (0, 2, 256, 4)):
+        if rpw and ceil_div(N, rpw * 8) > 1024:
+            continue  # (at most MAX_BLOCKS blocks)
+        other = run(ln._backward7(dtype)(rt, N, C, block_size=bs, colsum=colsum, flags=flags, stages=stages,
+                                         rows_per_warp=rpw))
+        np.testing.assert_array_equal(other[0], first[0], err_msg=f"dinp, flags {flags}")
+        for name, a, b_ in zip(("dweight", "dbias", "colsum"), first[1:], other[1:]):
+            # another order of the fp32 sums: bf16 may round the two totals to neighbours (2^-7 apart)
+            conv = from_bf16 if bf else (lambda v: v)
+            assert_close(conv(b_), conv(a).astype(np.float64), 1e-4 + 1e-5 * rms(conv(a)), 2.0 ** -7 if bf else 1e-4,
+                         f"{name}, flags {flags}")
 
 
 @pytest.mark.gpu
@@ -346,13 +449,13 @@ def test_colsum_cpu_launcher_is_backward_then_bias(rng):
 
 
 def test_colsum_only_where_declared_and_scratch(rng):
-    """Variant 5 (the default) has the fused form in both dtypes; every other variant refuses it in
-    one line; the fused build allocates the (G, 3, C) partials it declares, launches its kernel and
+    """Variant 5 (the fp32 default) and 7 have the fused form in both dtypes; every other variant
+    refuses it in one line; the fused build allocates the (G, 3, C) partials it declares, launches its kernel and
     the colsum reduce with one more pointer."""
     from tests.fake_runtime import FakeRuntime
     assert (5, "fp32") in _colsum_variants() and (5, "bf16") in _colsum_variants()
     for num in BWD.variants:
-        if num != 5:
+        if num not in (5, 7):
             assert "has no colsum option" in BWD.refuse_reason(num, "fp32", N=64, C=768, colsum=True)
     assert "multiple of 4" in BWD.refuse_reason(5, "fp32", N=64, C=66, colsum=True)
     for N, C in [(1, 768), (65, 80), (16384, 768), (64, 1600), (9, 100)]:
@@ -386,8 +489,9 @@ def test_backward_colsum_gpu(rt, rng, number, dtype, N, C):
     dbias are bit-identical to the plain build's (the fusion only adds a sum); colsum is the sum of
     the dinp the kernel stored (bf16: its rounded values), which is what matmul_backward_bias reads."""
     reason = BWD.refuse_reason(number, dtype, N=N, C=C, colsum=True)
-    if reason:  # variant 5 (either dtype) refuses only C % 4 != 0 of these shapes
-        assert C % 4 and "multiple of 4" in reason, reason
+    if reason:  # variant 5 (either dtype) refuses only C % 4 != 0 of these shapes; 7 (16-byte vectors
+        # only, rows in registers) C % 8 != 0 in bf16 and a C past its register budget
+        assert (C % 4 and "multiple of 4" in reason) or (number == 7 and ("multiple of" in reason or f"C={C} >" in reason)), reason
         return
     val = round_bf16 if dtype == "bf16" else (lambda a: a.astype(np.float32))
     x, w, b, dout = (val(a) for a in inputs(rng, N, C))
@@ -422,7 +526,7 @@ def test_backward_colsum_deterministic_and_rounds_once(rt, rng, number, dtype):
     """Two launches of one build (as a graph replays it) give the same bits, colsum included; and
     colsum is rounded once: N rows of dinp = 2^-9 (dout = 0 adds nothing to it) onto colsum = 1.0
     give 1 + N 2^-9 = 2.0, where adding row by row in bf16 would stay at 1.0."""
-    N, C = 1031, 768
+    N, C = 1031, 768 if dtype == "bf16" or number != 7 else 384  # (fp32 7: C <= 384)
     val = round_bf16 if dtype == "bf16" else (lambda a: a.astype(np.float32))
     x, w, b, dout = (val(a) for a in inputs(rng, N, C))
     _, mean, rstd = (a.astype(np.float32) for a in layernorm_forward_ref(x, w, b))

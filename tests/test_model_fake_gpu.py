@@ -362,11 +362,12 @@ def test_recompute_in_bf16_tracks_r1():
 
 
 def test_deterministic_choice_follows_the_precision(monkeypatch):
-    """--deterministic --precision bf16 takes the highest-numbered deterministic variant that has
-    bf16 kernels; with none, one line naming the op."""
+    """--deterministic --precision bf16 takes the bf16 default when it is deterministic and has bf16
+    kernels, else the op's DETERMINISTIC_CHOICE, else the highest-numbered deterministic variant that
+    has bf16 kernels; with none, one line naming the op."""
     from llmc import ops
     from llmc.errors import LLMCError
-    from llmc.train import NONDETERMINISTIC, deterministic_kernels
+    from llmc.train import DETERMINISTIC_CHOICE, NONDETERMINISTIC, deterministic_kernels
     for name in NONDETERMINISTIC:  # a bf16 build on every deterministic variant but the highest
         spec = ops.get(name)
         ok = sorted(set(spec.variants) - NONDETERMINISTIC[name])
@@ -377,8 +378,11 @@ def test_deterministic_choice_follows_the_precision(monkeypatch):
                                 {**v.builds, "bf16": v.builds["fp32"]})
     got = deterministic_kernels({}, "bf16")
     for name, bad in NONDETERMINISTIC.items():
-        ok = sorted(set(ops.get(name).variants) - bad)
-        assert got[name] == (ok[-2] if len(ok) > 1 else ok[-1]), (name, got)
+        spec = ops.get(name)
+        ok = sorted(set(spec.variants) - bad)
+        have = [n for n in ok if "bf16" in spec.variants[n].dtypes]
+        want = next(n for n in (spec.default_for("bf16"), DETERMINISTIC_CHOICE.get(name), max(have)) if n in have)
+        assert got[name] == want, (name, got)
     v = ops.get("global_norm").variants
     for n in v:
         monkeypatch.setattr(v[n], "builds", {"fp32": v[n].builds["fp32"]})

@@ -11,16 +11,18 @@ Semantics (docs/ops.md):
                         eps = 1e-5, biased variance; mean and rstd are kept for backward
     layernorm_backward: dinp(N,C)+=, dweight(C)+=, dbias(C)+=, dout(N,C), inp(N,C), weight(C),
                         mean(N), rstd(N)
-      with colsum=True (variant 5, the fused form the model asks for when the chosen variant has it):
+      with colsum=True (variants 5 and 7, the fused form the model asks for when the chosen variant has it):
                         dinp(N,C)+=, dweight(C)+=, dbias(C)+=, colsum(C)+=, dout, inp, weight, mean, rstd
                         colsum += column sums of dinp after its += (the bias gradient of the linear
                         layer that wrote the residual stream here: one matmul_backward_bias less)
 
-bf16 builds (entry points <kernel>_bf16[_nvN]): forward 3, 4, 5, 6 and backward 3, 5, 6. Variant 6
+bf16 builds (entry points <kernel>_bf16[_nvN]): forward 3, 4, 5, 6 and backward 3, 5, 6, 7. Variant 6
 (both directions, both dtypes) is written for the copy ceiling at GPT-2's shapes: persistent warps
 over consecutive rows with the next row in flight, 16-byte vectors only (it refuses C % 8 != 0 in
 bf16, C % 4 != 0 in fp32, and C past its register budget, in one line; the defaults stay 5 until it
-is timed). Every tensor is
+is timed). Backward 7 (both dtypes; fp32 only to C=384) runs in one launch with the colsum form too,
+and is the bf16 default (B=16, C=768 on the H100: 69% of the copy bandwidth against 5's 63%, colsum 67%
+against 57%); forward's bf16 default is 4 (76% against 5's 67%: 5's streaming hints cost it). Every tensor is
 bf16 except mean(N) and rstd(N), which stay fp32 in both directions; the math is fp32 and each output
 element is rounded once (the "+=" outputs: read, add in fp32, round). The vector kernels move 16
 bytes (8 bf16) per access and take C % 8 != 0 through guarded scalar accesses. Backward's per-block
@@ -407,6 +409,85 @@ def _backward6(dtype):
 
 
 # ----------------------------------------------------------------------------------------------
+# backward variant 7: persistent warps, rows strided over the grid, each warp's next rows in a
+# shared-memory ring filled by cp.async, the blocks' partials summed in the same launch by the last
+# blocks to finish, in a fixed order (cuda/layernorm.cu, "Backward variant 7")
+
+LN7_CHUNKED, LN7_SPLIT = 1, 2  # kernel flags (the lab's comparisons): 6's consecutive rows; the reduce kernel
+NV7 = {"fp32": 3, "bf16": 4}   # vectors per lane, at most (the entry points; registers)
+
+
+def _check7(dtype):
+    def check(N, C, block_size=None, colsum=False):
+        v = V16[dtype]
+        nv = NV7[dtype]
+        if C % v:
+            return f"C={C} is not a multiple of {v} (16-byte vectors of {v} {dtype}; variant 7 has no scalar path)"
+        if C > nv * 32 * v:
+            return f"C={C} > {nv * 32 * v} ({dtype}: the rows are held in registers, {nv} vectors per lane)"
+        return _check_block(block_size)
+    return check
+
+
+def scratch_bytes_backward7(N, C, colsum=False, **_):
+    """Variant 7: the (min(N, MAX_BLOCKS), K, C) fp32 partials of 3-6, and two uint32 tickets."""
+    return scratch_bytes_backward(N, C, colsum=colsum) + 8
+
+
+def _backward7(dtype):
+    """384 threads (one block an SM at C = 768 bf16: 12 warps, 128 / 162 registers) and 3 stages a
+    warp: the fastest of the sweep (dev/cuda/layernorm_sweep7.py). The lab's comparisons only: flags
+    LN7_CHUNKED, LN7_SPLIT (the reduce kernel sums the partials, as for 3-6); stages: rows per warp in
+    the shared-memory ring (stages - 1 in flight); rows_per_warp: R consecutive rows per warp and as
+    many blocks as that takes (more than are resident: the hardware hands out the blocks)."""
+    def build(rt, N, C, block_size=None, colsum=False, flags=0, stages=None, rows_per_warp=None):
+        bs = block_size or 384
+        P = stages or 3
+        assert 2 <= P <= 6
+        nv = ceil_div(C, 32 * V16[dtype])
+        label = f"layernorm_backward 7 {dtype}" + (" colsum" if colsum else "")
+        K = 3 if colsum else 2
+        cs = "_colsum" if colsum else ""
+        k = rt.kernel(MODULE, f"layernorm_backward_kernel7{cs}{_sfx(dtype)}_nv{nv}",
+                      ("PPPPPP" if colsum else "PPPPP") + "PPPPPiiii", label=label)
+        _fits("layernorm_backward", 7, k, bs)
+        smem = (bs // 32) * P * 3 * C * esize(dtype) + 16  # each warp's ring of P (dout|inp|dinp) rows; ticket
+        if smem > rt.max_smem_optin:
+            refuse("layernorm_backward", 7, f"C={C}, block_size={bs}: {smem} bytes of row stages exceed shared memory")
+        k.set_max_dynamic_smem(smem)
+        # persistent: no more blocks than are resident at once (the last blocks wait for the others),
+        # at most MAX_BLOCKS (the scratch rows)
+        R, W = _persistent_rows(rt, k, bs, smem, N, max_warps=MAX_BLOCKS * (bs // 32))
+        if rows_per_warp:
+            flags |= LN7_CHUNKED
+            R, W = rows_per_warp, ceil_div(N, rows_per_warp)
+        G = ceil_div(W, bs // 32)
+        assert G <= min(N, MAX_BLOCKS)
+        scratch = rt.empty((min(N, MAX_BLOCKS), K, C), np.float32)  # per-block dweight | dbias (| colsum)
+        tickets = rt.zeros(2, np.uint32)  # arrivals, finished final sums; back to 0 after each launch
+        n_, c_, r_, f_, g_ = _i32(N, C, R, flags | (P << 8), G)
+        split = bool(flags & LN7_SPLIT)
+        if split:
+            reduce_name = "layernorm_backward_reduce_colsum_kernel" if colsum else "layernorm_backward_reduce_kernel"
+            kr = rt.kernel(MODULE, reduce_name + _sfx(dtype), "PPPPii" if colsum else "PPPii", label=label + " (reduce)")
+        grid_r = (ceil_div(C, 32), 1, 1)
+
+        def launch(dinp, dweight, dbias, dout, inp, weight, mean, rstd):
+            k((G, 1, 1), (bs, 1, 1), dinp.ptr, dweight.ptr, dbias.ptr, scratch.ptr, tickets.ptr, dout.ptr,
+              inp.ptr, weight.ptr, mean.ptr, rstd.ptr, n_, c_, r_, f_, smem=smem)
+            if split:
+                kr(grid_r, (32, 32, 1), dweight.ptr, dbias.ptr, scratch.ptr, g_, c_)
+
+        def launch_colsum(dinp, dweight, dbias, colsum, dout, inp, weight, mean, rstd):
+            k((G, 1, 1), (bs, 1, 1), dinp.ptr, dweight.ptr, dbias.ptr, colsum.ptr, scratch.ptr, tickets.ptr,
+              dout.ptr, inp.ptr, weight.ptr, mean.ptr, rstd.ptr, n_, c_, r_, f_, smem=smem)
+            if split:
+                kr(grid_r, (32, 32, 1), dweight.ptr, dbias.ptr, colsum.ptr, scratch.ptr, g_, c_)
+        return Built(launch_colsum if colsum else launch, scratch={"partials": scratch, "tickets": tickets})
+    return build
+
+
+# ----------------------------------------------------------------------------------------------
 # cost models: the fewest bytes one call must move, each input read once, each output written once
 # (the same counts as the labs'): elements of the build's dtype, mean/rstd fp32 in both
 
@@ -427,7 +508,7 @@ def cost_backward(N, C, dtype="fp32", colsum=False, **_):
 
 OPS = [
     OpSpec(
-        name="layernorm_forward", flag="--layernorm-kernel", default=5,
+        name="layernorm_forward", flag="--layernorm-kernel", default=5, defaults={"bf16": 4},
         cost=cost_forward,
         cpu=layernorm_forward_cpu,
         doc="out(N,C)=, mean(N)=, rstd(N)=, inp(N,C), weight(C), bias(C); eps 1e-5, biased variance",
@@ -447,7 +528,7 @@ OPS = [
                        {"fp32": _check6("forward", "fp32"), "bf16": _check6("forward", "bf16")}),
         }),
     OpSpec(
-        name="layernorm_backward", flag="--layernorm-backward-kernel", default=5,
+        name="layernorm_backward", flag="--layernorm-backward-kernel", default=5, defaults={"bf16": 7},
         cost=cost_backward,
         cpu=layernorm_backward_cpu,
         options=("colsum",),
@@ -472,5 +553,12 @@ OPS = [
                        {"fp32": _backward6("fp32"), "bf16": _backward6("bf16")},
                        {"fp32": _check6("backward", "fp32"), "bf16": _check6("backward", "bf16")},
                        scratch_bytes=scratch_bytes_backward),
+            7: Variant(7, "deterministic, one launch: persistent warps, rows strided over the grid, each warp's next "
+                          "rows in a shared-memory ring (cp.async), blocks' partials summed in fixed order by the last "
+                          "blocks to finish (integer tickets); fused colsum (fp32 C%4==0, C<=384; bf16 C%8==0, "
+                          "C<=1024)",
+                       {"fp32": _backward7("fp32"), "bf16": _backward7("bf16")},
+                       {"fp32": _check7("fp32"), "bf16": _check7("bf16")},
+                       options=("colsum",), scratch_bytes=scratch_bytes_backward7),
         }),
 ]
