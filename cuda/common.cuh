@@ -100,3 +100,23 @@ __device__ __forceinline__ float gelu_fwd(float x) {
 __device__ __forceinline__ float gelu_fwd_sigmoid(float x) {
     return __fdividef(x, __fadd_rn(1.0f, __expf(__fmul_rn(-2.0f, gelu_u(x)))));
 }
+
+// gelu'(x) in the same two forms, written the same way (explicit rounding: the bits depend on x only,
+// so gelu_backward and engine 5's fused dgelu epilogue, cuda/gemm_wgmma.cu, agree bit for bit):
+//   gelu_grad          0.5 (1 + t) + 0.5 x (1 - t^2) k (1 + 3c x^2), t = tanh(u): gelu_backward's fp32 kernels
+//   gelu_grad_sigmoid  s + 2 x (s - s^2) k (1 + 3c x^2), s = sigmoid(2u) (1 - t^2 = 4 s (1 - s); s - s^2,
+//                      not s (1 - s): s = 0 at e = inf gives 0, not inf * 0): gelu_backward's bf16 kernels
+__device__ __forceinline__ float gelu_dudx(float x) {  // k (1 + 3c x^2)
+    return __fmul_rn(GELU_K, __fmaf_rn(__fmul_rn(3.0f * GELU_C, x), x, 1.0f));
+}
+
+__device__ __forceinline__ float gelu_grad(float x) {
+    const float t = tanhf(gelu_u(x));
+    const float a = __fmul_rn(0.5f, __fadd_rn(1.0f, t));
+    return __fadd_rn(a, __fmul_rn(__fmul_rn(__fmul_rn(0.5f, x), __fsub_rn(1.0f, __fmul_rn(t, t))), gelu_dudx(x)));
+}
+
+__device__ __forceinline__ float gelu_grad_sigmoid(float x) {
+    const float s = __fdividef(1.0f, __fadd_rn(1.0f, __expf(__fmul_rn(-2.0f, gelu_u(x)))));
+    return __fadd_rn(s, __fmul_rn(__fmul_rn(__fmul_rn(2.0f, x), __fsub_rn(s, __fmul_rn(s, s))), gelu_dudx(x)));
+}

@@ -34,6 +34,16 @@ template <typename T> __device__ __forceinline__ float gelu_fwd_as(float x);
 template <> __device__ __forceinline__ float gelu_fwd_as<float>(float x) { return gelu_fwd(x); }
 template <> __device__ __forceinline__ float gelu_fwd_as<bf16>(float x) { return gelu_fwd_sigmoid(x); }
 
+// gelu_backward's product for element type T: gelu'(x) * dout, with gelu' in the form of T (common.cuh)
+// and a multiply the compiler cannot contract. GEMM engine 5's fused dgelu epilogue calls it on the
+// value it stored, so the fused form and gemm + gelu_backward give the same bits.
+template <typename T> __device__ __forceinline__ float gelu_grad_as(float x);
+template <> __device__ __forceinline__ float gelu_grad_as<float>(float x) { return gelu_grad(x); }
+template <> __device__ __forceinline__ float gelu_grad_as<bf16>(float x) { return gelu_grad_sigmoid(x); }
+template <typename T> __device__ __forceinline__ float gelu_bwd_as(float x, float dout) {
+    return __fmul_rn(gelu_grad_as<T>(x), dout);
+}
+
 // Two bf16 in one 32-bit word (little-endian: the lower address is the low half) <-> two floats.
 // The widening is a shift/mask (bf16 is the top half of an fp32), no conversion instruction.
 __device__ __forceinline__ float bf16_lo(unsigned w) { return __uint_as_float(w << 16); }

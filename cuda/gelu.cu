@@ -31,14 +31,9 @@
 #include "common.cuh"
 #include "elem.cuh"
 
-// gelu_fwd, gelu_fwd_sigmoid, GELU_K and GELU_C live in common.cuh (the decode GEMV applies gelu_fwd in its
-// epilogue, GEMM engine 5's fused fc epilogue gelu_fwd_as<T>, elem.cuh)
-
-__device__ __forceinline__ float gelu_grad(float x) {
-    float u = GELU_K * (x + GELU_C * x * x * x);
-    float t = tanhf(u);
-    return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * GELU_K * (1.0f + 3.0f * GELU_C * x * x);
-}
+// gelu_fwd, gelu_fwd_sigmoid, gelu_grad, gelu_grad_sigmoid, GELU_K and GELU_C live in common.cuh (the
+// decode GEMV applies gelu_fwd in its epilogue; GEMM engine 5's fused epilogues gelu_fwd_as<T> and
+// gelu_bwd_as<T>, elem.cuh): one definition of each form, written so that its bits depend on x only
 
 // ----------------------------------------------------------------------------------------------
 // gelu_forward: out (N), inp (N)
@@ -61,31 +56,21 @@ extern "C" __global__ void gelu_forward_kernel2(float* out, const float* inp, in
 
 extern "C" __global__ void gelu_backward_kernel1(float* dinp, const float* inp, const float* dout, int N) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < N) dinp[i] = gelu_grad(inp[i]) * dout[i];
+    if (i < N) dinp[i] = gelu_bwd_as<float>(inp[i], dout[i]);
 }
 
 extern "C" __global__ void gelu_backward_kernel2(float* dinp, const float* inp, const float* dout, int N) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < N / 4) {
         float4 x = load4(inp + 4 * i), d = load4(dout + 4 * i);
-        store4(dinp + 4 * i, make_float4(gelu_grad(x.x) * d.x, gelu_grad(x.y) * d.y,
-                                         gelu_grad(x.z) * d.z, gelu_grad(x.w) * d.w));
+        store4(dinp + 4 * i, make_float4(gelu_bwd_as<float>(x.x, d.x), gelu_bwd_as<float>(x.y, d.y),
+                                         gelu_bwd_as<float>(x.z, d.z), gelu_bwd_as<float>(x.w, d.w)));
     }
 }
 
 // ----------------------------------------------------------------------------------------------
 // bf16 builds. Templated on the element type T; only the bf16 instantiations have entry points
 // (the fp32 kernels above keep their tanhf form and their measured numbers).
-
-// gelu_fwd_sigmoid (the forward's bf16 form) is in common.cuh, beside gelu_fwd: GEMM engine 5's fused fc
-// epilogue computes the same bits from the same function
-
-// s (1 - s) as s - s*s: s = 0 (e = inf) gives 0, not inf * 0
-__device__ __forceinline__ float gelu_grad_sigmoid(float x) {
-    float u = GELU_K * (x + GELU_C * x * x * x);
-    float s = __fdividef(1.0f, 1.0f + __expf(-2.0f * u));
-    return s + 2.0f * x * (s - s * s) * GELU_K * (1.0f + 3.0f * GELU_C * x * x);
-}
 
 template <typename T>
 __device__ __forceinline__ void gelu_forward1(T* out, const T* inp, int N) {
@@ -111,7 +96,7 @@ __device__ __forceinline__ void gelu_forward2(T* out, const T* inp, int N) {
 template <typename T>
 __device__ __forceinline__ void gelu_backward1(T* dinp, const T* inp, const T* dout, int N) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < N) dinp[i] = from_f32<T>(gelu_grad_sigmoid(to_f32(inp[i])) * to_f32(dout[i]));
+    if (i < N) dinp[i] = from_f32<T>(gelu_bwd_as<T>(to_f32(inp[i]), to_f32(dout[i])));
 }
 
 // dinp may be dout: this thread loads its 16 bytes of both before it stores those of dinp
@@ -126,7 +111,7 @@ __device__ __forceinline__ void gelu_backward2(T* dinp, const T* inp, const T* d
     load_vec<T>(x, inp + e, n == V, n);
     load_vec<T>(d, dout + e, n == V, n);
 #pragma unroll
-    for (int k = 0; k < V; k++) x[k] = gelu_grad_sigmoid(x[k]) * d[k];
+    for (int k = 0; k < V; k++) x[k] = gelu_bwd_as<T>(x[k], d[k]);
     store_vec<T>(dinp + e, x, n == V, n);
 }
 
@@ -162,9 +147,6 @@ extern "C" __global__ void gelu_backward_kernel2_bf16(bf16* dinp, const bf16* in
 // Bytes over gelu_backward 2: the partials (chunks * OC floats, written then read from L2; ~1 MB at
 // d12, B=16) and nothing over (rows, OC): the bias pass's N*OC read is gone.
 
-template <typename T> __device__ __forceinline__ float gelu_grad_t(float x);
-template <> __device__ __forceinline__ float gelu_grad_t<float>(float x) { return gelu_grad(x); }  // = kernel 2
-template <> __device__ __forceinline__ float gelu_grad_t<bf16>(float x) { return gelu_grad_sigmoid(x); }
 
 #define GELU_CS_UNROLL 4
 
@@ -219,7 +201,7 @@ __device__ __forceinline__ void gelu_backward_colsum_t(T* dinp, T* colsum, float
                     Vec16<T>::unpack(x, xr[u]);
                     Vec16<T>::unpack(d, dr[u]);
 #pragma unroll
-                    for (int k = 0; k < V; k++) x[k] = gelu_grad_t<T>(x[k]) * d[k];
+                    for (int k = 0; k < V; k++) x[k] = gelu_bwd_as<T>(x[k], d[k]);
                     round_to<T, V>(x);
 #pragma unroll
                     for (int k = 0; k < V; k++) s[k] += x[k];  // (past OC: 0 * gelu'(0) = 0, never stored)

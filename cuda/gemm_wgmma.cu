@@ -177,6 +177,8 @@ struct GemmArgs {
     float alpha, beta;
     int trans_c;
     OUT* G = nullptr;    // the _gelu instances: G = gelu(C) as C is stored, (M, ldc) like C
+    float* S = nullptr;  // the _dgelu instances, or nullptr: column sums of C as stored, one row per
+                         // 64-row half tile ((M rounded up to 128) / 64, N), for gemm_wgmma_colsum_finish
 };
 
 // One or two adjacent columns (c, c + 1) of row r into X (C or G): a pair store where `pair` says X's
@@ -296,6 +298,60 @@ __device__ __forceinline__ void store_tile(const CUtensorMap* tm, unsigned char*
     bulk_commit();
 }
 
+// DGELU (the fcproj layer's fused form, matmul_backward with dgelu=True): C = gelu'(P) * (the GEMM's
+// value as stored), P the pre-activation (fch), what gelu_backward computes from the plain GEMM's C.
+// P's tile comes in by the TMA into this warpgroup's staging buffer, in the layout stage_tile writes
+// (the same box and swizzle as C's map), issued by thread 0 of the warpgroup early in the tile's
+// mainloop (load_pre), so the epilogue finds it there: each thread reads P at the positions of its
+// own values, and writes the results over them (each position has one owner: no barrier between).
+template <typename OUT, int BN>
+__device__ __forceinline__ void load_pre(const CUtensorMap* tmP, unsigned char* stg, uint64_t* bar, int m0, int n0) {
+    constexpr int EPB = ROW_BYTES / sizeof(OUT);
+    bulk_wait_read();  // the previous tile's stores have read the buffer
+    mbar_expect_tx(bar, 64 * BN * sizeof(OUT));
+#pragma unroll
+    for (int b = 0; b < BN / EPB; b++) tma_load_2d(stg + b * (64 * ROW_BYTES), tmP, bar, n0 + EPB * b, m0);
+}
+
+// the address in the staged tile of row r, column c (stage_tile's layout)
+template <typename OUT>
+__device__ __forceinline__ OUT* staged_at(unsigned char* stg, int r, int c) {
+    constexpr int EPB = ROW_BYTES / sizeof(OUT), EPC = 16 / sizeof(OUT);
+    const int box = c / EPB, ch = (c % EPB) / EPC;
+    return reinterpret_cast<OUT*>(stg + box * (64 * ROW_BYTES) + r * ROW_BYTES + ((ch ^ (r & 7)) << 4)) + (c % EPC);
+}
+
+template <typename OUT, int BN>
+__device__ __forceinline__ void dgelu_staged(const float (&v)[BN / 2], unsigned char* stg) {
+    using O = Out<OUT>;
+    const int lane = threadIdx.x & 31, warp = (threadIdx.x & 127) >> 5;
+#pragma unroll
+    for (int j = 0; j < BN / 8; j++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int r = warp * 16 + (lane >> 2) + 8 * h, c = 8 * j + 2 * (lane & 3);
+            OUT* p = staged_at<OUT>(stg, r, c);
+            const float p0 = O::get(p), p1 = O::get(p + 1);
+            O::put2(p, gelu_bwd_as<OUT>(p0, O::stored(v[4 * j + 2 * h])), gelu_bwd_as<OUT>(p1, O::stored(v[4 * j + 2 * h + 1])));
+        }
+}
+
+// The staged tile's column sums over its 64 rows, in row order, into row `srow` of a.S (columns
+// past N are left alone; rows past M hold 0: A's zero-filled rows give 0 products, gelu'(0) * 0).
+// Thread t sums columns t and t + 128 (a warp reads 32 adjacent columns of one row: no bank conflicts).
+template <typename OUT, int BN>
+__device__ __forceinline__ void colsum_staged(unsigned char* stg, const GemmArgs<OUT>& a, int srow, int n0) {
+    using O = Out<OUT>;
+    const int tid = threadIdx.x & 127;
+#pragma unroll
+    for (int c = tid; c < BN; c += 128) {
+        float s = 0.0f;
+#pragma unroll 8
+        for (int r = 0; r < 64; r++) s += O::get(staged_at<OUT>(stg, r, c));
+        if (n0 + c < a.N) a.S[(ll)srow * a.N + n0 + c] = s;
+    }
+}
+
 // The TMA-store epilogue: the tile's values (alpha, bias) staged and stored through tmC. GELU: then
 // gelu(C as stored) through tmG, out of the same staging buffer: the GELU is computed in registers
 // while the TMA is still reading C's tile, and the buffer is rewritten once that read is done.
@@ -304,9 +360,12 @@ __device__ __forceinline__ void store_tile(const CUtensorMap* tm, unsigned char*
 // On the H100 at the d12 fc shape (B=16) the bf16 GEMM went from 0.200 ms (this form) to 0.237 ms,
 // slower than the GEMM + gelu_forward's 0.219: the consumers' shared-memory traffic competes with the
 // wgmmas' operand reads. fp32: 0.373 here, 0.395 there.)
-template <typename OUT, int BN, bool GELU = false>
+// DGELU: P's tile is already on its way into the buffer (load_pre, on `pre_bar` with this parity); the
+// results replace it there, and with a.S the column sums go out before the store.
+template <typename OUT, int BN, bool GELU = false, bool DGELU = false>
 __device__ __forceinline__ void epilogue_tma(float (&d)[BN / 2], const GemmArgs<OUT>& a, const CUtensorMap* tmC,
-                                             const CUtensorMap* tmG, unsigned char* stg, int m0, int n0, int wg) {
+                                             const CUtensorMap* tmG, unsigned char* stg, int m0, int n0, int wg,
+                                             uint64_t* pre_bar = nullptr, int pre_parity = 0) {
     using O = Out<OUT>;
     const int tid = threadIdx.x & 127, lane = threadIdx.x & 31;
 #pragma unroll
@@ -322,9 +381,18 @@ __device__ __forceinline__ void epilogue_tma(float (&d)[BN / 2], const GemmArgs<
             d[i] = v0;
             d[i + 1] = v1;
         }
-    if (tid == 0) bulk_wait_read();  // the previous tile's stores have read the staging buffer
-    wg_barrier(wg);
-    stage_tile<OUT, BN>(d, stg);
+    if constexpr (DGELU) {
+        mbar_wait(pre_bar, pre_parity);  // P's tile has landed
+        dgelu_staged<OUT, BN>(d, stg);
+        if (a.S) {
+            wg_barrier(wg);  // every thread's results are in the buffer
+            colsum_staged<OUT, BN>(stg, a, m0 / 64, n0);
+        }
+    } else {
+        if (tid == 0) bulk_wait_read();  // the previous tile's stores have read the staging buffer
+        wg_barrier(wg);
+        stage_tile<OUT, BN>(d, stg);
+    }
     fence_async_smem();
     wg_barrier(wg);
     if (tid == 0) store_tile<OUT, BN>(tmC, stg, m0, n0);
@@ -393,10 +461,13 @@ __device__ __forceinline__ void producer(const CUtensorMap* tmA, const CUtensorM
 // T: input type; OUT: output type (fp32, or bf16 for bf16 inputs); A_MN: tf32 A M-major through
 // registers; A_T / B_T: bf16 A M-major / B N-major in shared memory (the wgmma's transpose bits);
 // GELU: the epilogues also write a.G = gelu(C) (through tmG with the TMA store)
+// DGELU: C = gelu'(P) * the product, P through tmG (loaded, not stored; TMA-store instances only, run
+// with one K split, beta = 0, C not transposed: the launcher's conditions for the TMA store)
 template <typename T, typename OUT, int BN, int STAGES, bool TMA_STORE, bool A_MN = false, bool A_T = false,
-          bool B_T = false, bool GELU = false>
+          bool B_T = false, bool GELU = false, bool DGELU = false>
 __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CUtensorMap* tmB, const CUtensorMap* tmC,
                                                 const CUtensorMap* tmG, const GemmArgs<OUT>& a) {
+    static_assert(!DGELU || (TMA_STORE && !GELU), "the dgelu epilogue stages P where the TMA store stages C");
     constexpr int BK = ROW_BYTES / sizeof(T);       // K per stage: 32 tf32 or 64 bf16
     constexpr int KSTEPS = ROW_BYTES / 32;           // wgmmas per stage (32 bytes of K each)
     constexpr int A_BYTES = BM * ROW_BYTES, B_BYTES = BN * ROW_BYTES, STAGE_BYTES = A_BYTES + B_BYTES;
@@ -409,12 +480,14 @@ __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CU
     constexpr int STG_BYTES = TMA_STORE ? 64 * BN * (int)sizeof(OUT) : 0;
     uint64_t* full = reinterpret_cast<uint64_t*>(smem + STAGES * STAGE_BYTES + 2 * STG_BYTES);
     uint64_t* empty = full + STAGES;
+    uint64_t* pre_bar = empty + STAGES;  // DGELU: P's tile in each consumer's staging buffer
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; s++) {
             mbar_init(&full[s], 1);                  // the producer's expect_tx arrival (+ the bytes)
             mbar_init(&empty[s], CONSUMER_WARPS);    // lane 0 of every consumer warp
         }
+        if (DGELU) { mbar_init(&pre_bar[0], 1); mbar_init(&pre_bar[1], 1); }  // thread 0 of the consumer's expect_tx
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
@@ -431,6 +504,9 @@ __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CU
         float d[BN / 2];
         const int lane = threadIdx.x & 31;
         int stage = 0, phase = 0;
+        int tiles_done = 0;  // DGELU: the parity of pre_bar
+        unsigned char* stg = smem + STAGES * STAGE_BYTES + (wg - 1) * STG_BYTES;
+        if (DGELU && (threadIdx.x & 127) == 0) tensormap_acquire(tmG);
         for (int u = blockIdx.x; u < units; u += gridDim.x) {
             const int split = u % a.splits, t = u / a.splits;
             int tm, tn;
@@ -466,6 +542,10 @@ __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CU
                         Wgmma<T, BN>::run(d, smem_desc(sa + 32 * ks), smem_desc(sb + 32 * ks), (kb > kb0 || ks > 0) ? 1 : 0);
                 }
                 wgmma_commit();
+                // DGELU: P's tile asked for once the first k-block's products are issued (by then the
+                // previous tile's stores have most likely read the staging buffer: load_pre waits for that)
+                if (DGELU && kb == kb0 && (threadIdx.x & 127) == 0)
+                    load_pre<OUT, BN>(tmG, stg, &pre_bar[wg - 1], tm * BM + (wg - 1) * 64, tn * BN);
                 if constexpr (A_MN) {
                     // A's fragments are registers that the wgmma reads while it runs, and the next
                     // k-block's loads would reuse them (the compiler sees them dead after the asm):
@@ -488,11 +568,14 @@ __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CU
                 for (int i = 0; i < BN / 2; i++) d[i] = 0.0f;
             }
             // the TMA store takes plain results (no split-K partials, no beta * C read, not transposed)
-            if (TMA_STORE && tmC && (!GELU || tmG) && a.splits == 1 && a.beta == 0.0f && !a.trans_c)
-                epilogue_tma<OUT, BN, GELU>(d, a, tmC, tmG, smem + STAGES * STAGE_BYTES + (wg - 1) * STG_BYTES,
-                                            tm * BM + (wg - 1) * 64, tn * BN, wg);
+            if (DGELU)  // (the launcher gives it one split, no beta, C not transposed, both maps)
+                epilogue_tma<OUT, BN, false, true>(d, a, tmC, nullptr, stg, tm * BM + (wg - 1) * 64, tn * BN, wg,
+                                                   &pre_bar[wg - 1], tiles_done & 1);
+            else if (TMA_STORE && tmC && (!GELU || tmG) && a.splits == 1 && a.beta == 0.0f && !a.trans_c)
+                epilogue_tma<OUT, BN, GELU>(d, a, tmC, tmG, stg, tm * BM + (wg - 1) * 64, tn * BN, wg);
             else
                 epilogue<OUT, BN, GELU>(d, a, tm * BM + (wg - 1) * 64, tn * BN, split);
+            tiles_done++;
         }
         if (TMA_STORE && (threadIdx.x & 127) == 0) bulk_wait_all();  // C is written before the CTA ends
     }
@@ -572,6 +655,26 @@ GEMM_WGMMA_GELU_ENTRY(gemm_wgmma_bf16_n192_gelu_bf16, __nv_bfloat16, __nv_bfloat
 GEMM_WGMMA_GELU_ENTRY(gemm_wgmma_bf16_n256_gelu_bf16, __nv_bfloat16, __nv_bfloat16, 256, 4, false)
 GEMM_WGMMA_GELU_ENTRY(gemm_wgmma_bf16_n128_ts_gelu_bf16, __nv_bfloat16, __nv_bfloat16, 128, 6, true)
 GEMM_WGMMA_GELU_ENTRY(gemm_wgmma_bf16_n192_ts_gelu_bf16, __nv_bfloat16, __nv_bfloat16, 192, 4, true)
+
+// The fcproj layer's fused backward (matmul_backward with dgelu=True): dinp's GEMM with gelu_backward
+// in its epilogue, C = gelu'(P) * (A @ B^T as stored), P = fch through tmP (loaded into the staging
+// buffer; see DGELU above), and with S the column sums of C (fc's bias gradient) as 64-row partials,
+// added up by gemm_wgmma_colsum_finish. TMA-store instances of dinp's layouts: tf32 K-major (dinp
+// after weight^T), bf16 B N-major (_bt). Shared memory: the plain instance's plus two mbarriers.
+#define GEMM_WGMMA_DGELU_ENTRY(NAME, T, OUT, BN, STAGES, B_T)                                             \
+    extern "C" __global__ void __launch_bounds__(THREADS, 1)                                             \
+    NAME(const CUtensorMap* tmA, const CUtensorMap* tmB, const CUtensorMap* tmC, const CUtensorMap* tmP, \
+         OUT* C, float* S, int M, int N, int K, int ldc, float alpha) {                                   \
+        const GemmArgs<OUT> a{C, nullptr, nullptr, M, N, K, ldc, 0, 1, (K + ROW_BYTES / (int)sizeof(T) - 1) / \
+                              (ROW_BYTES / (int)sizeof(T)), alpha, 0.0f, 0, nullptr, S};                  \
+        gemm_wgmma_body<T, OUT, BN, STAGES, true, false, false, B_T, false, true>(tmA, tmB, tmC, tmP, a);  \
+    }
+
+// llmc/ops/gemm_wgmma.py: DGELU_INSTANCES (a CPU test checks they agree)
+GEMM_WGMMA_DGELU_ENTRY(gemm_wgmma_tf32_n128_ts_dgelu, float, float, 128, 5, false)
+GEMM_WGMMA_DGELU_ENTRY(gemm_wgmma_tf32_n192_ts_dgelu, float, float, 192, 3, false)
+GEMM_WGMMA_DGELU_ENTRY(gemm_wgmma_bf16_n128_bt_ts_dgelu_bf16, __nv_bfloat16, __nv_bfloat16, 128, 6, true)
+GEMM_WGMMA_DGELU_ENTRY(gemm_wgmma_bf16_n192_bt_ts_dgelu_bf16, __nv_bfloat16, __nv_bfloat16, 192, 4, true)
 
 // ------------------------------------------------------------------------------------------------
 // Ping-pong consumers (the _pp instances): each consumer warpgroup owns whole tiles
@@ -793,6 +896,33 @@ extern "C" __global__ void gemm_wgmma_splitk_reduce_gelu_bf16(__nv_bfloat16* C, 
                                                               const __nv_bfloat16* bias, int M, int N, int ldc, int ldw,
                                                               int splits, float alpha, float beta, int trans_c) {
     splitk_reduce<__nv_bfloat16, true>(C, G, W, bias, M, N, ldc, ldw, splits, alpha, beta, trans_c);
+}
+
+// colsum (N) += the column sums of S (rows, N), the dgelu instances' 64-row partials: block (32, 8)
+// takes 32 columns; row-lane y adds rows y, y + 8, ... in order, then the 8 row-lanes are added in
+// order (fixed order: the same bits on every run), and colsum is read, added in fp32, rounded once.
+template <typename OUT>
+__device__ __forceinline__ void colsum_finish(OUT* colsum, const float* S, int rows, int N) {
+    using O = Out<OUT>;
+    __shared__ float sh[8][33];
+    const int c = blockIdx.x * 32 + threadIdx.x, y = threadIdx.y;
+    float s = 0.0f;
+    if (c < N)
+        for (int r = y; r < rows; r += 8) s += S[(ll)r * N + c];
+    sh[y][threadIdx.x] = s;
+    __syncthreads();
+    if (y == 0 && c < N) {
+        float t = sh[0][threadIdx.x];
+#pragma unroll
+        for (int i = 1; i < 8; i++) t += sh[i][threadIdx.x];
+        O::put(colsum + c, O::get(colsum + c) + t);
+    }
+}
+extern "C" __global__ void gemm_wgmma_colsum_finish(float* colsum, const float* S, int rows, int N) {
+    colsum_finish<float>(colsum, S, rows, N);
+}
+extern "C" __global__ void gemm_wgmma_colsum_finish_bf16(__nv_bfloat16* colsum, const float* S, int rows, int N) {
+    colsum_finish<__nv_bfloat16>(colsum, S, rows, N);
 }
 
 // out(cols, ld_out) = in(rows, cols)^T: 32x32 tiles through padded shared memory (the padding

@@ -79,7 +79,7 @@ def next_seed(state: int) -> tuple[int, int]:
 class GPT2:
     def __init__(self, cfg: GPT2Config, backend, B: int, T: int, training: bool = True, params_buf=None,
                  optimizer: bool = True, recompute: int = 1, fuse_bias: bool | None = None,
-                 fuse_gelu: bool | None = None):
+                 fuse_gelu: bool | None = None, fuse_dgelu: bool | None = None):
         if T > cfg.max_seq_len:
             raise LLMCError(f"-t/--seq-len {T}: longer than the model's max sequence length {cfg.max_seq_len}")
         if B < 1 or T < 1:
@@ -163,6 +163,16 @@ class GPT2:
         self.fused_gelu = fc_fused is not None
         if self.fused_gelu:
             self.built["mm_fc_gelu"] = op("matmul_forward", prefer=fc_fused, **fc, gelu_pre=True)
+        # The fcproj layer's backward with GELU's: where the variant chosen for mmb_fcproj has the fused
+        # form (matmul_backward with dgelu=True: d fch = gelu'(fch) * (dout @ fcprojw) from dinp's GEMM
+        # epilogue, and fc's bias gradient as its column sums), the backward launches it instead of
+        # mmb_fcproj + gelu_backward, and d fch is written once instead of written, read and rewritten.
+        # fuse_dgelu=False or LLMC_FUSED_DGELU=0: the pair (the A/B)
+        if fuse_dgelu is None:
+            fuse_dgelu = os.environ.get("LLMC_FUSED_DGELU", "1") != "0"
+        fcp = dict(N=N, C=4 * C, OC=C)
+        dg = be.fuses("matmul_backward", dict(dgelu=True), **fcp) if training and fuse_dgelu else None
+        self.fused_dgelu = dg is not None
         if training:
             self.built.update({
                 "mmb_lmhead": op("matmul_backward", N=N, C=C, OC=Vp),
@@ -187,8 +197,14 @@ class GPT2:
             if fuse_bias is None:
                 fuse_bias = os.environ.get("LLMC_FUSED_BIAS", "1") != "0"
             ln_fused = be.fuses("layernorm_backward", dict(colsum=True), N=N, C=C) if fuse_bias else None
-            gelu_fused = be.fuses("gelu_backward", dict(colsum=True, OC=4 * C), N=N * 4 * C) if fuse_bias else None
-            self.fused_bias = {"layernorm_backward": ln_fused is not None, "gelu_backward": gelu_fused is not None}
+            gelu_fused = (be.fuses("gelu_backward", dict(colsum=True, OC=4 * C), N=N * 4 * C)
+                          if fuse_bias and not self.fused_dgelu else None)
+            # "gelu_backward": fc's bias gradient is summed as d fch is written (by gelu_backward's fused
+            # form, or by the dgelu GEMM's epilogue when fused_dgelu)
+            self.fused_bias = {"layernorm_backward": ln_fused is not None,
+                               "gelu_backward": gelu_fused is not None or (self.fused_dgelu and fuse_bias)}
+            if self.fused_dgelu:
+                self.built["mmb_fcproj_dgelu"] = op("matmul_backward", prefer=dg, **fcp, dgelu=True)
             if ln_fused is not None:
                 self.built["layernorm_backward_colsum"] = op("layernorm_backward", prefer=ln_fused, N=N, C=C, colsum=True)
             else:
@@ -196,7 +212,7 @@ class GPT2:
             if gelu_fused is not None:
                 self.built["gelu_backward_colsum"] = op("gelu_backward", prefer=gelu_fused, N=N * 4 * C, OC=4 * C,
                                                         colsum=True)
-            else:
+            elif not self.fused_bias["gelu_backward"]:
                 self.built["bias_4C"] = op("matmul_backward_bias", N=N, OC=4 * C)
         if self.has_optimizer:
             # AdamW runs over contiguous ranges of the flat buffer with one weight-decay flag each
@@ -513,10 +529,16 @@ class GPT2:
             # MLP: residual3 = residual2 + fcproj(gelu(fc(ln2)))
             if self.recompute >= 1:
                 k["gelu_forward"](fch_gelu[l], a["fch"][l])                        # recompute (B,T,4C)
-            k["mmb_fcproj"](dfch, g["fcprojw"][l], dres, fch_gelu[l], p["fcprojw"][l])  # d fch_gelu
+            if self.fused_dgelu:  # d fch straight from the GEMM (fcb += its column sums with fused bias)
+                k["mmb_fcproj_dgelu"](dfch, g["fcprojw"][l], dres, fch_gelu[l], p["fcprojw"][l], a["fch"][l],
+                                      g["fcb"][l] if self.fused_bias["gelu_backward"] else None)
+            else:
+                k["mmb_fcproj"](dfch, g["fcprojw"][l], dres, fch_gelu[l], p["fcprojw"][l])  # d fch_gelu
             if not self.fused_bias["layernorm_backward"]:
                 k["bias_C"](g["fcprojb"][l], dres)
-            if self.fused_bias["gelu_backward"]:                                    # in place: d fch;
+            if self.fused_dgelu:
+                pass
+            elif self.fused_bias["gelu_backward"]:                                  # in place: d fch;
                 k["gelu_backward_colsum"](dfch, g["fcb"][l], a["fch"][l], dfch)    # fcb += its column sums
             else:
                 k["gelu_backward"](dfch, a["fch"][l], dfch)                         # in place: d fch

@@ -185,6 +185,14 @@ GELU_INSTANCES = {
     ("bf16", "bf16", False): _DIRECT, ("bf16", "bf16", True): {128: 6, 192: 4},
 }
 
+# The fused dgelu instances (GEMM_WGMMA_DGELU_ENTRY; the fcproj layer's matmul_backward with dgelu=True):
+# dinp's GEMM with gelu_backward in the epilogue, C = gelu'(P) * (A @ B^T as stored), and optionally the
+# column sums of C. TMA store only (P's tile is loaded into the staging buffer), one K split; dinp's
+# layouts: tf32 K-major (after weight^T), bf16 B N-major. (input, output, layout) -> {tile width: stages},
+# the plain TMA-store instances' stages (two more mbarriers: DGELU_SMEM_EXTRA bytes).
+DGELU_INSTANCES = {("tf32", "fp32", "kk"): {128: 5, 192: 3}, ("bf16", "bf16", "kn"): {128: 6, 192: 4}}
+DGELU_SMEM_EXTRA = 16
+
 # The ping-pong instances (cuda/gemm_wgmma.cu, GEMM_WGMMA_PP_ENTRY): each consumer warpgroup owns a
 # whole (rows x BN) tile and the two take turns on the tensor cores, one's epilogue running during the
 # other's mainloop. (input, output, layout) -> {(rows, BN): stages}; direct stores only (no _ts).
@@ -203,10 +211,10 @@ _noted: set = set()
 OUT_BYTES = {"fp32": 4, "bf16": 2}
 
 
-def instance_name(ty: str, out: str, layout: str, ts: bool, bn: int, gelu: bool = False) -> str:
-    """The entry point of one instance: gemm_wgmma_<in>_n<BN><layout>[_ts][_gelu][_bf16 for bf16 output]."""
+def instance_name(ty: str, out: str, layout: str, ts: bool, bn: int, gelu: bool = False, dgelu: bool = False) -> str:
+    """The entry point of one instance: gemm_wgmma_<in>_n<BN><layout>[_ts][_gelu|_dgelu][_bf16 for bf16 output]."""
     return (f"gemm_wgmma_{ty}_n{bn}{LAYOUT_SUFFIX[layout]}{'_ts' if ts else ''}{'_gelu' if gelu else ''}"
-            f"{'_bf16' if out == 'bf16' else ''}")
+            f"{'_dgelu' if dgelu else ''}{'_bf16' if out == 'bf16' else ''}")
 
 
 def pp_instance_name(ty: str, out: str, layout: str, rm: int, bn: int) -> str:
@@ -229,7 +237,7 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
                 ldc: int | None = None, alpha: float = 1.0, beta: float = 0.0, has_bias: bool = False,
                 trans_c: bool = False, bn: int | None = None, splits: int | None = None, store: str = "auto",
                 a_major: str = "k", b_major: str = "k", out: str = "fp32", schedule: str | None = None,
-                rm: int | None = None, gelu: bool = False):
+                rm: int | None = None, gelu: bool = False, dgelu: bool = False, colsum: bool = False):
     """C = alpha * A(M,K) @ B(N,K)^T (+ bias(N)) (+ beta*C); with trans_c, C^T is what is stored
     (C is (N, ldc)). Returns launch(C, A, B, bias=None) taking DevArrays or raw pointers.
     a_major="m": the A argument holds A^T, i.e. (K, lda >= M) row-major, as dout holds dout^T for the
@@ -250,7 +258,13 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
     gelu=True (the fc layer's fused form; both K-major, tf32 -> fp32 or bf16 -> bf16, beta = 0, not
     transposed; cooperative only): launch(C, A, B, bias, G) also writes G (M, ldc) = gelu(C), computed
     from C as stored by the function gelu_forward uses for that element type (cuda/elem.cuh:
-    gelu_fwd_as), so C and G are the bits of this GEMM then gelu_forward."""
+    gelu_fwd_as), so C and G are the bits of this GEMM then gelu_forward.
+    dgelu=True (the fcproj layer's fused backward: dinp's layouts, tf32 K-major or bf16 with b_major="n",
+    the TMA store, one K split, beta = 0, no bias): launch(C, A, B, P, colsum=None) writes
+    C = gelu'(P) * (A @ B^T as stored), P (M, ldc) the pre-activation, by gelu_backward's function for
+    the element type (gelu_bwd_as): the bits of this GEMM then gelu_backward. colsum=True (build) lets
+    the launch also add C's column sums (as stored) into colsum (N) when it is given: 64-row partials
+    from the epilogue, then gemm_wgmma_colsum_finish adds them in a fixed order."""
     if a_major not in ("k", "m") or b_major not in ("k", "n") or out not in OUT_BYTES:
         raise LLMCError(f"gemm engine 5: a_major={a_major!r} b_major={b_major!r} out={out!r}; expected k/m, k/n, fp32/bf16")
     ty = "bf16" if dtype == "bf16" else "tf32"
@@ -266,6 +280,16 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
                             f"b_major={b_major!r}, beta={beta}, trans_c={trans_c})")
         if schedule == "pingpong" or rm is not None:
             raise LLMCError("gemm engine 5: schedule='pingpong' refused: the fused GELU has cooperative instances only")
+    if colsum and not dgelu:
+        raise LLMCError("gemm engine 5: colsum=True comes with dgelu=True (the column sums of the dgelu epilogue)")
+    if dgelu:
+        if (ty, out, layout) not in DGELU_INSTANCES or gelu or beta != 0.0 or trans_c or has_bias:
+            raise LLMCError(f"gemm engine 5: the fused dgelu is built for dinp's layouts (tf32 -> fp32 K-major, bf16 -> "
+                            f"bf16 with b_major='n'), beta = 0, no bias, C not transposed (asked: {ty} -> {out}, "
+                            f"a_major={a_major!r}, b_major={b_major!r}, beta={beta}, bias={has_bias}, "
+                            f"trans_c={trans_c})")
+        if schedule == "pingpong" or rm is not None or store == "direct" or (splits or 1) > 1:
+            raise LLMCError("gemm engine 5: the fused dgelu runs on the cooperative TMA-store instances with one K split")
     lda = (M if a_major == "m" else K) if lda is None else lda
     ldb = (N if b_major == "n" else K) if ldb is None else ldb
     ldc = (M if trans_c else N) if ldc is None else ldc
@@ -277,10 +301,12 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
     ts_ok = beta == 0.0 and not trans_c and (ldc * obytes) % 16 == 0 and has_ts
     if store not in ("auto", "tma", "direct"):
         raise LLMCError(f"gemm engine 5: store={store!r}; expected auto, tma or direct")
+    if dgelu and not ts_ok:
+        raise LLMCError(f"gemm engine 5: the fused dgelu needs the TMA store: 16-byte rows of C (ldc={ldc})")
     if store == "tma" and not ts_ok:
         raise LLMCError("gemm engine 5: the TMA store takes plain outputs (beta = 0, not transposed, 16-byte rows of C, "
                         "K-major A)")
-    use_pp, tile_rows = (False, BM) if gelu else _pick_schedule(rt, dtype, ty, out, layout, M, N, K, schedule, store,
+    use_pp, tile_rows = (False, BM) if gelu or dgelu else _pick_schedule(rt, dtype, ty, out, layout, M, N, K, schedule, store,
                                                                bn, rm, splits)
     if rm is not None and not use_pp:
         raise LLMCError(f"gemm engine 5: rm={rm} (a ping-pong tile's rows) but the cooperative schedule was chosen")
@@ -293,7 +319,7 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
             raise LLMCError(f"gemm engine 5: no ping-pong tile rm={rm} bn={bn}; have {have}")
         tile_rows, pbn, psplits = plan_pingpong(rt.sm_count, M, N, K, dtype, allow_split=splits is None, shapes=shapes)
     else:
-        use_ts = store == "tma" or (store == "auto" and ts_ok and K <= TS_MAX_K and (bn is None or bn in TS_WIDTHS))
+        use_ts = dgelu or store == "tma" or (store == "auto" and ts_ok and K <= TS_MAX_K and (bn is None or bn in TS_WIDTHS))
         if use_ts:  # the TMA store needs the whole tile at once: no split-K
             pbn, psplits = plan(rt.sm_count, M, N, K, dtype, allow_split=False, widths=TS_WIDTHS)
             splits = 1 if splits is None else splits
@@ -313,6 +339,13 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
     splits = -(-kblocks // per)
     what = {"kk": "", "mk": ", A M-major", "kn": ", B N-major", "mn": ", A M-major, B N-major"}[layout]
     fused = gelu and splits == 1  # (split-K: the plain instance writes the partials; the reduce applies the GELU)
+    if dgelu:
+        stages = DGELU_INSTANCES[(ty, out, layout)][bn]
+        smem = smem_bytes(bn, stages, True, out) + DGELU_SMEM_EXTRA
+        name = instance_name(ty, out, layout, True, bn, dgelu=True)
+        label = f"gemm 5 ({ty}{' -> bf16' if out == 'bf16' else ''}, 128x{bn}, TMA store{what} + dgelu)"
+        return _dgelu_launch(rt, name, label, smem, dtype, out, M, N, K, lda, ldb, ldc, alpha, bn, b_major, colsum,
+                             (5, f"{BM}x{bn}+ts{LAYOUT_SUFFIX[layout].replace('_', '+')}+dgelu", 1))
     if use_pp:
         stages = PP_INSTANCES[(ty, out, layout)][(tile_rows, bn)]
         smem = pp_smem_bytes(tile_rows, bn, stages)
@@ -374,6 +407,46 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
               np.float32(beta), np.int32(1 if trans_c else 0), smem=smem)
     launch.plan = (5, f"{tile_rows}x{bn}{'+ts' if use_ts else ''}{'+pp' if use_pp else ''}"
                       f"{LAYOUT_SUFFIX[layout].replace('_', '+')}{'+gelu' if gelu else ''}", splits)
+    return launch
+
+
+def _dgelu_launch(rt, name, label, smem, dtype, out, M, N, K, lda, ldb, ldc, alpha, bn, b_major, colsum, plan_):
+    """wgmma_build's launch for the dgelu instances: launch(C, A, B, P, colsum=None)."""
+    k = rt.kernel(MODULE, name, "PPPPPPiiiif", label=label)
+    k.set_max_dynamic_smem(smem)
+    tiles_m = -(-M // BM)
+    grid, block = (min(tiles_m * -(-N // bn), rt.sm_count), 1, 1), (384, 1, 1)
+    srows = 2 * tiles_m  # one partial row per 64-row half tile
+    S = rt.empty((srows * N,), np.float32) if colsum else None
+    fin = rt.kernel(MODULE, "gemm_wgmma_colsum_finish" + ("_bf16" if out == "bf16" else ""), "PPii",
+                    label="gemm 5 dgelu column sums") if colsum else None
+    bk = 128 // DTYPES[dtype][1]
+    cdt = "bf16" if out == "bf16" else "tf32t"
+    maps: dict = {}
+
+    def _p(x):
+        return int(x if isinstance(x, (int, np.integer)) else x.ptr)
+
+    def launch(C, A, B, P, colsum_out=None):
+        a, b, c, pp = _p(A), _p(B), _p(C), _p(P)
+        if (a | b | c | pp) & 15:
+            raise LLMCError(f"gemm engine 5 (dgelu): A, B, C and P must be 16-byte aligned "
+                            f"(A=0x{a:x}, B=0x{b:x}, C=0x{c:x}, P=0x{pp:x})")
+        if colsum_out is not None and not colsum:
+            raise LLMCError("gemm engine 5: built with colsum=False: launch(C, A, B, P) (no column sums)")
+        key = (a, b, c, pp)
+        dm = maps.get(key)
+        if dm is None:
+            ta = tensor_map(a, dtype, M, K, lda, BM)
+            tb = tensor_map(b, dtype, K, N, ldb, bk) if b_major == "n" else tensor_map(b, dtype, N, K, ldb, bn)
+            blob = ta + tb + tensor_map(c, cdt, M, N, ldc, 64) + tensor_map(pp, cdt, M, N, ldc, 64)
+            dm = maps[key] = rt.to_device(np.frombuffer(blob, np.uint8))
+        sums = colsum_out is not None
+        k(grid, block, dm.ptr, dm.ptr + 128, dm.ptr + 256, dm.ptr + 384, c, S.ptr if sums else 0, np.int32(M),
+          np.int32(N), np.int32(K), np.int32(ldc), np.float32(alpha), smem=smem)
+        if sums:
+            fin((-(-N // 32), 1, 1), (32, 8, 1), _p(colsum_out), S.ptr, np.int32(srows), np.int32(N))
+    launch.plan = plan_
     return launch
 
 

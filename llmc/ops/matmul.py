@@ -246,18 +246,31 @@ def matmul_backward4(rt, N, C, OC, block_size=None):
     return Built(launch, plan=(g_dinp.plan, g_dw.plan))
 
 
-def matmul_backward5(rt, N, C, OC, block_size=None):
+def _dgelu_launch(g_dinp_dg, dweight_part, prep=None):
+    """matmul_backward's dgelu form over an engine-5 build: launch(dinp, dweight, dout, inp, weight, pre,
+    dbias=None): dinp = gelu'(pre) * (dout @ weight) from one GEMM epilogue (the bits of the plain
+    dinp then gelu_backward), dbias += dinp's column sums when given, then dweight as the plain form."""
+    def launch(dinp, dweight, dout, inp, weight, pre, dbias=None):
+        if prep is not None:
+            prep(weight)
+        g_dinp_dg(dinp, dout, prep.wt if prep is not None else weight, pre, dbias)
+        dweight_part(dweight, dout, inp)
+    return launch
+
+
+def matmul_backward5(rt, N, C, OC, block_size=None, dgelu=False):
     """dinp and dweight on engine 5. dinp as in variant 4 (weight^T written first). dweight =
     dout^T @ inp reduces over the N rows, which is the slow dimension of both operands; TF32 wgmma
     wants K-major tiles in shared memory, so: the wider of dout (N,OC) and inp (N,C) is the A operand,
     M-major straight from its rows into registers (engine 5's `_am` kernels), and the narrower one is
     transposed (N x min(C, OC) floats: one pass, 0.013 ms at N = 4096, C = 768 on the H100) into a
     K-major B. When inp is the wider (fcproj: C = 3072 > OC = 768) the GEMM computes dweight^T and
-    stores it transposed."""
+    stores it transposed. dgelu=True: the fcproj layer's fused form (see _dgelu_launch): dinp's GEMM
+    runs engine 5's dgelu instance (gelu_backward in its epilogue, the column sums for fc's bias)."""
     from llmc.ops.gemm_wgmma import transpose_build, wgmma_build
     wt = rt.empty((C, OC), np.float32)                       # weight^T
     tr_w = transpose_build(rt, OC, C)
-    g_dinp = wgmma_build(rt, "tf32", N, C, OC)
+    g_dinp = wgmma_build(rt, "tf32", N, C, OC, dgelu=dgelu, colsum=dgelu)
     Np = -(-N // 4) * 4                                       # 16-byte rows for the TMA
     narrow = min(C, OC)
     t_buf = rt.empty((narrow, Np), np.float32)                # the narrow operand, transposed
@@ -267,32 +280,44 @@ def matmul_backward5(rt, N, C, OC, block_size=None):
     else:         # dweight^T(C,OC) += inp^T(C,N) @ dout(N,OC): A = inp (M-major), B = dout^T
         g_dw = wgmma_build(rt, "tf32", C, OC, N, lda=C, ldb=Np, ldc=C, beta=1.0, a_major="m", trans_c=True)
 
-    def launch(dinp, dweight, dout, inp, weight):
-        tr_w(wt, weight)
-        g_dinp(dinp, dout, wt)
+    def dweight_part(dweight, dout, inp):
         if OC >= C:
             tr_x(t_buf, inp)
             g_dw(dweight, dout, t_buf)
         else:
             tr_x(t_buf, dout)
             g_dw(dweight, inp, t_buf)
+
+    def launch(dinp, dweight, dout, inp, weight):
+        tr_w(wt, weight)
+        g_dinp(dinp, dout, wt)
+        dweight_part(dweight, dout, inp)
+
+    if dgelu:
+        def prep(weight):
+            tr_w(wt, weight)
+        prep.wt = wt
+        return Built(_dgelu_launch(g_dinp, dweight_part, prep), plan=(g_dinp.plan, g_dw.plan))
     return Built(launch, plan=(g_dinp.plan, g_dw.plan))
 
 
-def matmul_backward5_bf16(rt, N, C, OC, block_size=None):
+def matmul_backward5_bf16(rt, N, C, OC, block_size=None, dgelu=False):
     """bf16 dinp and dweight on engine 5, every operand read as it lies: bf16 wgmma takes M- and
     N-major tiles from shared memory (its transpose bits), so unlike TF32 nothing is transposed first.
     dinp (N,C) = dout (N,OC) @ weight (OC,C): A = dout (K-major, K = OC), B = weight as B^T (N-major).
     dweight (OC,C) += dout^T @ inp: A = dout as A^T (M-major), B = inp as B^T (N-major), K = N rows;
     split-K (fp32 partials, reduced in order) where the 128-wide tiles don't fill the GPU. Both round
-    once: dinp on the store, dweight after adding the old bf16 gradient in fp32."""
+    once: dinp on the store, dweight after adding the old bf16 gradient in fp32. dgelu=True: the fcproj
+    layer's fused form (see _dgelu_launch), on engine 5's dgelu instance."""
     from llmc.ops.gemm_wgmma import wgmma_build
-    g_dinp = wgmma_build(rt, "bf16", N, C, OC, ldb=C, b_major="n", out="bf16")
+    g_dinp = wgmma_build(rt, "bf16", N, C, OC, ldb=C, b_major="n", out="bf16", dgelu=dgelu, colsum=dgelu)
     g_dw = wgmma_build(rt, "bf16", OC, C, N, lda=OC, ldb=C, ldc=C, beta=1.0, a_major="m", b_major="n", out="bf16")
 
     def launch(dinp, dweight, dout, inp, weight):
         g_dinp(dinp, dout, weight)
         g_dw(dweight, dout, inp)
+    if dgelu:
+        return Built(_dgelu_launch(g_dinp, g_dw), plan=(g_dinp.plan, g_dw.plan))
     return Built(launch, plan=(g_dinp.plan, g_dw.plan))
 
 
@@ -321,13 +346,22 @@ def backward_engine_check(engine: int):
     return check
 
 
-def matmul_backward_cpu(N, C, OC, **_):
+def matmul_backward_cpu(N, C, OC, dgelu=False, **_):
+    from llmc.ops.gelu import gelu_backward_ref
+
     def launch(dinp, dweight, dout, inp, weight):
         # the model passes (B,T,.) views: work on them as (N, .) rows
         dout2, inp2 = dout.reshape(N, OC), inp.reshape(N, C)
         dinp[...] = (dout2 @ weight).reshape(dinp.shape)
         dweight += dout2.T @ inp2
-    return launch
+
+    def launch_dgelu(dinp, dweight, dout, inp, weight, pre, dbias=None):
+        # the plain form, then gelu_backward's and matmul_backward_bias's references on dinp as stored
+        launch(dinp, dweight, dout, inp, weight)
+        dinp[...] = gelu_backward_ref(pre, dinp).reshape(dinp.shape)
+        if dbias is not None:
+            dbias += dinp.reshape(N, C).sum(axis=0)
+    return launch_dgelu if dgelu else launch
 
 
 # ----------------------------------------------------------------------------------------------
@@ -467,9 +501,12 @@ OPS = [
         5: Variant(5, "TF32: dinp and dweight on GEMM engine 5; dweight's wider operand M-major through "
                       "registers, the narrower one transposed (bf16: every operand as it lies, transposed "
                       "in the wgmma)", {"fp32": matmul_backward5, "bf16": matmul_backward5_bf16},
-                   {"fp32": _bwd_wgmma5_check, "bf16": _bwd_wgmma5_check_bf16}, arch="sm_90", engine=4),
-    }, default=5, flag="--matmul-backward-kernel", cost=cost_backward,
-        doc="dinp(N,C)= ; dweight(OC,C)+= ; dout(N,OC), inp(N,C), weight(OC,C)"),
+                   {"fp32": _bwd_wgmma5_check, "bf16": _bwd_wgmma5_check_bf16}, arch="sm_90", engine=4,
+                   options=("dgelu",)),
+    }, default=5, flag="--matmul-backward-kernel", options=("dgelu",), cost=cost_backward,
+        doc="dinp(N,C)= ; dweight(OC,C)+= ; dout(N,OC), inp(N,C), weight(OC,C); dgelu=True (variant 5, the "
+            "fcproj layer's fused form): dinp, dweight, dout, inp, weight, pre(N,C), dbias(C) or None: "
+            "dinp = gelu'(pre) * (dout @ weight as stored), dbias += dinp's column sums"),
     OpSpec("matmul_backward_bias", matmul_backward_bias_cpu, {
         1: Variant(1, "one thread per column over all rows", matmul_backward_bias1),
         2: Variant(2, "(32x8)-thread blocks over row chunks -> partials, fixed-order second pass "
