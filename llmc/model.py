@@ -100,6 +100,18 @@ class GPT2:
         self.has_optimizer = training and optimizer
         self.stochastic_rounding = True  # bf16 update: stochastic rounding of the new weights
         self.sr_state = SR_RNG_INIT      # the rounding RNG (llm.c's; in the state file's header)
+        # q, k, v in place: when both attention directions take it (4 and 4, bf16 on Hopper; the numpy
+        # backend too), the qkv matmul writes each layer's (B,T,3C) output straight into qkvr[l] and
+        # attention reads it there, forward and backward: no permuted copy. Training only (the
+        # decoder's prefill fills its caches from a permuted qkvr). LLMC_QKV_IN_PLACE=0: the copy (A/B).
+        # Decided before the memory check: in place, the one-layer qkv scratch is not allocated
+        att_shape = dict(B=B, T=T, C=C, NH=NH)
+        in_place = {}
+        if training and os.environ.get("LLMC_QKV_IN_PLACE", "1") != "0":
+            in_place = {d: be.fuses(d, dict(qkv_in_place=True), **att_shape) for d in ("attention_forward",
+                                                                                      "attention_backward")}
+        self.qkv_in_place = bool(in_place) and None not in in_place.values()
+        att_kw = dict(qkv_in_place=True) if self.qkv_in_place else {}
         self._check_memory()
 
         # -- parameters (and their gradients, AdamW state): one flat buffer each, views per tensor
@@ -123,17 +135,6 @@ class GPT2:
         # -- the launch plan: every op built once for its shape (variants fixed here), before the
         # activations: what attention forward keeps for backward depends on its variant
         op = be.build
-        # q, k, v in place: when both attention directions take it (4 and 4, bf16 on Hopper; the numpy
-        # backend too), the qkv matmul writes each layer's (B,T,3C) output straight into qkvr[l] and
-        # attention reads it there, forward and backward: no permuted copy. Training only (the
-        # decoder's prefill fills its caches from a permuted qkvr). LLMC_QKV_IN_PLACE=0: the copy (A/B)
-        att_shape = dict(B=B, T=T, C=C, NH=NH)
-        in_place = {}
-        if training and os.environ.get("LLMC_QKV_IN_PLACE", "1") != "0":
-            in_place = {d: be.fuses(d, dict(qkv_in_place=True), **att_shape) for d in ("attention_forward",
-                                                                                      "attention_backward")}
-        self.qkv_in_place = bool(in_place) and None not in in_place.values()
-        att_kw = dict(qkv_in_place=True) if self.qkv_in_place else {}
         self.built = {
             "encoder_forward": op("encoder_forward", B=B, T=T, C=C),
             "layernorm_forward": op("layernorm_forward", N=N, C=C),
@@ -315,8 +316,9 @@ class GPT2:
             ("losses", (Np,), "f32"), ("loss_acc", (Np,), "f32"),  # N rounded up to 4; the tail stays unused
             ("logits", (B, T, Vp)),          # overwritten by dlogits when training
             # one-layer scratch (not needed by backward, or recomputed there)
-            ("qkv", (B, T, 3 * C)), ("attproj", (B, T, C)), ("fch_gelu", (*per_layer_gelu, B, T, 4 * C)),
-            ("fcproj", (B, T, C)),
+            # (the qkv matmul's output, before the permute; none in place: it writes qkvr[l] itself)
+            *([] if self.qkv_in_place else [("qkv", (B, T, 3 * C))]),
+            ("attproj", (B, T, C)), ("fch_gelu", (*per_layer_gelu, B, T, 4 * C)), ("fcproj", (B, T, C)),
         ]
         if training:  # gradient scratch, reused by every layer
             spec += [("dresidual", (B, T, C)), ("dbtc", (B, T, C)), ("dqkv", (B, T, 3 * C)),

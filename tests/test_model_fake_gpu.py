@@ -415,15 +415,18 @@ def test_qkv_in_place_when_both_attention_directions_take_it(monkeypatch):
     """Training with attention 4 and 4 (bf16 on Hopper; the numpy backend implements every form): the qkv
     matmul writes each layer's output straight into qkvr[l], and both attention directions read q, k, v
     there (no permuted copy). LLMC_QKV_IN_PLACE=0, a pairing without the form (4 + backward 3, fp32's
-    2 + 3) and inference models keep the copy. Either way the same bits."""
+    2 + 3) and inference models keep the copy. Either way the same bits. In place, the one-layer qkv
+    scratch (B,T,3C) is not allocated, nor counted by the memory check."""
     cfg = GPT2Config(max_seq_len=32, vocab_size=97, padded_vocab_size=100, num_layers=2, num_heads=2, channels=128)
-    B, T = 2, 16
+    B, T, C = 2, 16, cfg.channels
     rng = np.random.default_rng(7)
     x = rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32)
     y = rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32)
 
     def run(be, env):
         monkeypatch.setenv("LLMC_QKV_IN_PLACE", env)
+        checked = []  # the bytes the memory check asked for
+        monkeypatch.setattr(be, "require_free", lambda nbytes, what="model": checked.append(nbytes))
         m = GPT2(cfg, be, B, T)
         m.init_params(3)
         out = []
@@ -433,14 +436,19 @@ def test_qkv_in_place_when_both_attention_directions_take_it(monkeypatch):
             m.backward()
             out.append(m.get_grads())
             m.update(lr=1e-3, step=step)
-        return m.qkv_in_place, out + [m.get_params()]
+        return m.qkv_in_place, "qkv" in m.a, m.activation_bytes(), checked, out + [m.get_params()]
 
     for make in (lambda: CpuBackend(np.float32), lambda: FakeCudaBackend(precision="bf16")):
         on, off = run(make(), "1"), run(make(), "0")
         assert on[0] and not off[0]
-        for a, b in zip(on[1], off[1]):
+        assert not on[1] and off[1]
+        qkv_bytes = B * T * 3 * C * np.dtype(make().dtype).itemsize  # (a multiple of 64 elements: no padding)
+        assert off[2] - on[2] == qkv_bytes
+        assert len(on[3]) == len(off[3]) == 1 and off[3][0] - on[3][0] == qkv_bytes
+        for a, b in zip(on[4], off[4]):
             np.testing.assert_array_equal(a, b)
     monkeypatch.setenv("LLMC_QKV_IN_PLACE", "1")
-    assert not GPT2(cfg, FakeCudaBackend(kernels={"attention_backward": 3}, precision="bf16"), B, T).qkv_in_place
-    assert not GPT2(cfg, FakeCudaBackend(), B, T).qkv_in_place  # fp32: 2 and 3
-    assert not GPT2(cfg, CpuBackend(np.float32), B, T, training=False).qkv_in_place
+    for m in (GPT2(cfg, FakeCudaBackend(kernels={"attention_backward": 3}, precision="bf16"), B, T),
+              GPT2(cfg, FakeCudaBackend(), B, T),  # fp32: 2 and 3
+              GPT2(cfg, CpuBackend(np.float32), B, T, training=False)):
+        assert not m.qkv_in_place and "qkv" in m.a
