@@ -178,7 +178,7 @@ struct GemmArgs {
     int trans_c;
     OUT* G = nullptr;    // the _gelu instances: G = gelu(C) as C is stored, (M, ldc) like C
     float* S = nullptr;  // the _dgelu instances, or nullptr: column sums of C as stored, one row per
-                         // 64-row half tile ((M rounded up to 128) / 64, N), for gemm_wgmma_colsum_finish
+                         // 16 rows of C (a warp's: (M rounded up to 128) / 16, N), for gemm_wgmma_colsum_finish
 };
 
 // One or two adjacent columns (c, c + 1) of row r into X (C or G): a pair store where `pair` says X's
@@ -321,34 +321,47 @@ __device__ __forceinline__ OUT* staged_at(unsigned char* stg, int r, int c) {
     return reinterpret_cast<OUT*>(stg + box * (64 * ROW_BYTES) + r * ROW_BYTES + ((ch ^ (r & 7)) << 4)) + (c % EPC);
 }
 
+// v: the products in, the results as stored out (for the column sums)
 template <typename OUT, int BN>
-__device__ __forceinline__ void dgelu_staged(const float (&v)[BN / 2], unsigned char* stg) {
+__device__ __forceinline__ void dgelu_staged(float (&v)[BN / 2], unsigned char* stg) {
     using O = Out<OUT>;
     const int lane = threadIdx.x & 31, warp = (threadIdx.x & 127) >> 5;
 #pragma unroll
     for (int j = 0; j < BN / 8; j++)
 #pragma unroll
         for (int h = 0; h < 2; h++) {
-            const int r = warp * 16 + (lane >> 2) + 8 * h, c = 8 * j + 2 * (lane & 3);
+            const int r = warp * 16 + (lane >> 2) + 8 * h, c = 8 * j + 2 * (lane & 3), i = 4 * j + 2 * h;
             OUT* p = staged_at<OUT>(stg, r, c);
-            const float p0 = O::get(p), p1 = O::get(p + 1);
-            O::put2(p, gelu_bwd_as<OUT>(p0, O::stored(v[4 * j + 2 * h])), gelu_bwd_as<OUT>(p1, O::stored(v[4 * j + 2 * h + 1])));
+            const float g0 = gelu_bwd_as<OUT>(O::get(p), O::stored(v[i]));
+            const float g1 = gelu_bwd_as<OUT>(O::get(p + 1), O::stored(v[i + 1]));
+            O::put2(p, g0, g1);
+            v[i] = O::stored(g0);
+            v[i + 1] = O::stored(g1);
         }
 }
 
-// The staged tile's column sums over its 64 rows, in row order, into row `srow` of a.S (columns
-// past N are left alone; rows past M hold 0: A's zero-filled rows give 0 products, gelu'(0) * 0).
-// Thread t sums columns t and t + 128 (a warp reads 32 adjacent columns of one row: no bank conflicts).
+// The column sums of this warp's 16 rows of the results (v: as stored), in registers: a thread's
+// rows r and r + 8, then the 8 lanes holding the same columns (lane % 4) by xor shuffles; lanes 0-3
+// write the warp's 16-row sums to row `srow` of a.S (columns past N left alone; rows past M are 0:
+// A's zero-filled rows give 0 products, gelu'(0) * 0). Every lane ends with the same bits (a + b is
+// b + a), and the finish adds the rows in order: deterministic.
 template <typename OUT, int BN>
-__device__ __forceinline__ void colsum_staged(unsigned char* stg, const GemmArgs<OUT>& a, int srow, int n0) {
-    using O = Out<OUT>;
-    const int tid = threadIdx.x & 127;
+__device__ __forceinline__ void colsum_warp(const float (&v)[BN / 2], const GemmArgs<OUT>& a, int srow, int n0) {
+    const int lane = threadIdx.x & 31;
+    float* row = a.S + (ll)srow * a.N;
 #pragma unroll
-    for (int c = tid; c < BN; c += 128) {
-        float s = 0.0f;
-#pragma unroll 8
-        for (int r = 0; r < 64; r++) s += O::get(staged_at<OUT>(stg, r, c));
-        if (n0 + c < a.N) a.S[(ll)srow * a.N + n0 + c] = s;
+    for (int j = 0; j < BN / 8; j++) {
+        float s0 = v[4 * j] + v[4 * j + 2], s1 = v[4 * j + 1] + v[4 * j + 3];
+#pragma unroll
+        for (int x = 4; x < 32; x <<= 1) {
+            s0 += __shfl_xor_sync(0xffffffffu, s0, x);
+            s1 += __shfl_xor_sync(0xffffffffu, s1, x);
+        }
+        const int c = n0 + 8 * j + 2 * lane;
+        if (lane < 4 && c < a.N) {
+            row[c] = s0;
+            if (c + 1 < a.N) row[c + 1] = s1;
+        }
     }
 }
 
@@ -384,10 +397,7 @@ __device__ __forceinline__ void epilogue_tma(float (&d)[BN / 2], const GemmArgs<
     if constexpr (DGELU) {
         mbar_wait(pre_bar, pre_parity);  // P's tile has landed
         dgelu_staged<OUT, BN>(d, stg);
-        if (a.S) {
-            wg_barrier(wg);  // every thread's results are in the buffer
-            colsum_staged<OUT, BN>(stg, a, m0 / 64, n0);
-        }
+        if (a.S) colsum_warp<OUT, BN>(d, a, m0 / 16 + ((threadIdx.x & 127) >> 5), n0);
     } else {
         if (tid == 0) bulk_wait_read();  // the previous tile's stores have read the staging buffer
         wg_barrier(wg);
@@ -658,7 +668,7 @@ GEMM_WGMMA_GELU_ENTRY(gemm_wgmma_bf16_n192_ts_gelu_bf16, __nv_bfloat16, __nv_bfl
 
 // The fcproj layer's fused backward (matmul_backward with dgelu=True): dinp's GEMM with gelu_backward
 // in its epilogue, C = gelu'(P) * (A @ B^T as stored), P = fch through tmP (loaded into the staging
-// buffer; see DGELU above), and with S the column sums of C (fc's bias gradient) as 64-row partials,
+// buffer; see DGELU above), and with S the column sums of C (fc's bias gradient) as 16-row partials,
 // added up by gemm_wgmma_colsum_finish. TMA-store instances of dinp's layouts: tf32 K-major (dinp
 // after weight^T), bf16 B N-major (_bt). Shared memory: the plain instance's plus two mbarriers.
 #define GEMM_WGMMA_DGELU_ENTRY(NAME, T, OUT, BN, STAGES, B_T)                                             \
@@ -898,23 +908,26 @@ extern "C" __global__ void gemm_wgmma_splitk_reduce_gelu_bf16(__nv_bfloat16* C, 
     splitk_reduce<__nv_bfloat16, true>(C, G, W, bias, M, N, ldc, ldw, splits, alpha, beta, trans_c);
 }
 
-// colsum (N) += the column sums of S (rows, N), the dgelu instances' 64-row partials: block (32, 8)
-// takes 32 columns; row-lane y adds rows y, y + 8, ... in order, then the 8 row-lanes are added in
-// order (fixed order: the same bits on every run), and colsum is read, added in fp32, rounded once.
+// colsum (N) += the column sums of S (rows, N), the dgelu instances' 16-row partials: block (32, 32)
+// takes 32 columns; row-lane y adds rows y, y + 32, ... in order (8 loads in flight), then the 32
+// row-lanes are added in order (fixed order: the same bits on every run), and colsum is read, added
+// in fp32, rounded once.
 template <typename OUT>
 __device__ __forceinline__ void colsum_finish(OUT* colsum, const float* S, int rows, int N) {
     using O = Out<OUT>;
-    __shared__ float sh[8][33];
+    __shared__ float sh[32][33];
     const int c = blockIdx.x * 32 + threadIdx.x, y = threadIdx.y;
     float s = 0.0f;
-    if (c < N)
-        for (int r = y; r < rows; r += 8) s += S[(ll)r * N + c];
+    if (c < N) {
+#pragma unroll 8
+        for (int r = y; r < rows; r += 32) s += __ldcg(S + (ll)r * N + c);
+    }
     sh[y][threadIdx.x] = s;
     __syncthreads();
     if (y == 0 && c < N) {
         float t = sh[0][threadIdx.x];
 #pragma unroll
-        for (int i = 1; i < 8; i++) t += sh[i][threadIdx.x];
+        for (int i = 1; i < 32; i++) t += sh[i][threadIdx.x];
         O::put(colsum + c, O::get(colsum + c) + t);
     }
 }

@@ -168,9 +168,13 @@ class GPT2:
         # form (matmul_backward with dgelu=True: d fch = gelu'(fch) * (dout @ fcprojw) from dinp's GEMM
         # epilogue, and fc's bias gradient as its column sums), the backward launches it instead of
         # mmb_fcproj + gelu_backward, and d fch is written once instead of written, read and rewritten.
-        # fuse_dgelu=False or LLMC_FUSED_DGELU=0: the pair (the A/B)
+        # Default (fuse_dgelu=None, LLMC_FUSED_DGELU unset): on in fp32, off in bf16, as measured on the
+        # H100 (d12, B=16: fp32 74.23 vs 74.52 ms a step; bf16 36.63 vs 36.17: there the epilogue's
+        # GELU math and column sums, which the tensor cores wait for, cost more than the separate pass:
+        # docs/ops.md). LLMC_FUSED_DGELU=1 / 0 or fuse_dgelu=True / False: either way (the A/B)
         if fuse_dgelu is None:
-            fuse_dgelu = os.environ.get("LLMC_FUSED_DGELU", "1") != "0"
+            env = os.environ.get("LLMC_FUSED_DGELU")
+            fuse_dgelu = (env != "0") if env is not None else not self.bf16
         fcp = dict(N=N, C=4 * C, OC=C)
         dg = be.fuses("matmul_backward", dict(dgelu=True), **fcp) if training and fuse_dgelu else None
         self.fused_dgelu = dg is not None

@@ -263,7 +263,7 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
     the TMA store, one K split, beta = 0, no bias): launch(C, A, B, P, colsum=None) writes
     C = gelu'(P) * (A @ B^T as stored), P (M, ldc) the pre-activation, by gelu_backward's function for
     the element type (gelu_bwd_as): the bits of this GEMM then gelu_backward. colsum=True (build) lets
-    the launch also add C's column sums (as stored) into colsum (N) when it is given: 64-row partials
+    the launch also add C's column sums (as stored) into colsum (N) when it is given: 16-row partials
     from the epilogue, then gemm_wgmma_colsum_finish adds them in a fixed order."""
     if a_major not in ("k", "m") or b_major not in ("k", "n") or out not in OUT_BYTES:
         raise LLMCError(f"gemm engine 5: a_major={a_major!r} b_major={b_major!r} out={out!r}; expected k/m, k/n, fp32/bf16")
@@ -416,7 +416,7 @@ def _dgelu_launch(rt, name, label, smem, dtype, out, M, N, K, lda, ldb, ldc, alp
     k.set_max_dynamic_smem(smem)
     tiles_m = -(-M // BM)
     grid, block = (min(tiles_m * -(-N // bn), rt.sm_count), 1, 1), (384, 1, 1)
-    srows = 2 * tiles_m  # one partial row per 64-row half tile
+    srows = 8 * tiles_m  # one partial row per 16 rows (a consumer warp's)
     S = rt.empty((srows * N,), np.float32) if colsum else None
     fin = rt.kernel(MODULE, "gemm_wgmma_colsum_finish" + ("_bf16" if out == "bf16" else ""), "PPii",
                     label="gemm 5 dgelu column sums") if colsum else None
@@ -445,7 +445,7 @@ def _dgelu_launch(rt, name, label, smem, dtype, out, M, N, K, lda, ldb, ldc, alp
         k(grid, block, dm.ptr, dm.ptr + 128, dm.ptr + 256, dm.ptr + 384, c, S.ptr if sums else 0, np.int32(M),
           np.int32(N), np.int32(K), np.int32(ldc), np.float32(alpha), smem=smem)
         if sums:
-            fin((-(-N // 32), 1, 1), (32, 8, 1), _p(colsum_out), S.ptr, np.int32(srows), np.int32(N))
+            fin((-(-N // 32), 1, 1), (32, 32, 1), _p(colsum_out), S.ptr, np.int32(srows), np.int32(N))
     launch.plan = plan_
     return launch
 
