@@ -202,3 +202,32 @@ def read_llmc_state(path, num_parameters) -> dict:
                 rng_state=struct.unpack_from("<Q", data, 80)[0], shard=struct.unpack_from("<Q", data, 120)[0],
                 sample=struct.unpack_from("<Q", data, 128)[0], m=floats[:n], v=floats[n:2 * n],
                 master=floats[2 * n:] if h[4] else None)
+
+
+def train_steps(cfg, be, B: int, T: int, steps: int = 2, micro: int = 2, logits: bool = False, **model_kw):
+    """The model tests' common run: GPT2(cfg, be, B, T, **model_kw) from init_params(3), stochastic
+    rounding off, `steps` optimizer steps of `micro` micro-steps each through train_micro_step (so on
+    the cuda backend the later micro-steps are CUDA graph replays), next-token targets on random ids
+    (generator seed 5), AdamW at lr 1e-3. Returns (model, [(loss, grads, params after the update)]
+    per step, the logits of a forward of the last batch without targets when `logits`, else None);
+    grads and params as fp32 copies (bf16 runs give fp32 values too)."""
+    from llmc.model import GPT2
+    m = GPT2(cfg, be, B, T, **model_kw)
+    m.stochastic_rounding = False
+    m.init_params(3)
+    rng = np.random.default_rng(5)
+    out = []
+    for step in range(1, steps + 1):
+        m.zero_grad()
+        for _ in range(micro):
+            x = rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32)
+            m.train_micro_step(x, np.roll(x, -1, axis=1))
+        loss = np.float64(m.step_loss())
+        grads = np.asarray(m.get_grads(), np.float32).copy()
+        m.update(lr=1e-3, step=step)
+        out.append((loss, grads, np.asarray(m.get_params(), np.float32).copy()))
+    last = None
+    if logits:
+        m.forward(x)
+        last = m.logits().copy()
+    return m, out, last

@@ -159,26 +159,15 @@ def test_gpu_fused_matches_unfused_and_replays_bit_exactly(rt, precision):
     from llmc.backend import CudaBackend
     from llmc.config import param_layout
     from llmc.train import deterministic_kernels
+    from tests.llmc_fixtures import train_steps
     B, T = 4, 64
     runs = []
     for fuse in (True, True, False):
         # (--deterministic's kernels: the default fp32 encoder backward adds with float atomics)
-        m = GPT2(GPU_CFG, CudaBackend(deterministic_kernels({}, precision), quiet=True, precision=precision), B, T,
-                 fuse_bias=fuse)
+        be = CudaBackend(deterministic_kernels({}, precision), quiet=True, precision=precision)
+        m, steps, _ = train_steps(GPU_CFG, be, B, T, fuse_bias=fuse)
         assert m.fused_bias == {"layernorm_backward": fuse, "gelu_backward": fuse}
-        m.stochastic_rounding = False
-        m.init_params(3)
-        rng = np.random.default_rng(5)
-        out = []
-        for step in range(1, 3):
-            m.zero_grad()
-            for _ in range(2):
-                x = rng.integers(0, GPU_CFG.vocab_size, (B, T)).astype(np.int32)
-                m.train_micro_step(x, np.roll(x, -1, axis=1))
-            g = m.get_grads()
-            out.append(np.asarray(g, np.float32).copy())  # (get_grads gives fp32 values in bf16 runs too)
-            m.update(lr=1e-3, step=step)
-        runs.append(out)
+        runs.append([grads for _, grads, _ in steps])
     for a, b in zip(runs[0], runs[1]):
         np.testing.assert_array_equal(a, b)
     for step, (a, b) in enumerate(zip(runs[0], runs[2])):

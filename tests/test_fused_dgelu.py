@@ -122,6 +122,22 @@ def test_a_variant_without_the_form_falls_back_to_the_pair(kernels, arch):
     _same(out, ref)
 
 
+def test_the_gpu_tests_run_on_the_fake_backend():
+    """The GPU step test's run (tests/llmc_fixtures.py: train_steps, graph replays after the first
+    micro-step), here on the fake GPU backend in fp32: fused and not, with and without the fused bias
+    gradients, the same bits at every step (the numpy launchers sum exactly what the pair sums)."""
+    from tests.llmc_fixtures import train_steps
+    for fuse_bias in (True, False):
+        runs = []
+        for dg in (True, False):
+            be = FakeCudaBackend(quiet=True)
+            m, steps, logits = train_steps(CFG, be, 2, 16, logits=True, fuse_dgelu=dg, fuse_bias=fuse_bias)
+            assert m.fused_dgelu == dg and be.graphs == 2 and len(steps) == 2 and logits.shape[:2] == (2, 16)
+            runs.append([x for step in steps for x in step] + [logits])
+        for a, b in zip(*runs):
+            np.testing.assert_array_equal(a, b)
+
+
 def test_inference_models_build_no_backward_form():
     m = GPT2(CFG, CpuBackend(np.float32), 2, 16, training=False)
     assert not m.fused_dgelu and "mmb_fcproj_dgelu" not in m.built
@@ -294,24 +310,14 @@ def test_gpu_fused_dgelu_step(rt, precision, B, T):
     from llmc.backend import CudaBackend
     from llmc.config import param_layout
     from llmc.train import deterministic_kernels
+    from tests.llmc_fixtures import train_steps
     for fuse_bias in (True, False):
         runs = []
         for dg in (True, False):
             be = CudaBackend(deterministic_kernels({}, precision), quiet=True, precision=precision)
-            m = GPT2(GPU_CFG, be, B, T, fuse_dgelu=dg, fuse_bias=fuse_bias)
+            m, steps, _ = train_steps(GPU_CFG, be, B, T, fuse_dgelu=dg, fuse_bias=fuse_bias)
             assert m.fused_dgelu == (dg and rt.arch == "sm_90")
-            m.stochastic_rounding = False
-            m.init_params(3)
-            rng = np.random.default_rng(5)
-            out = []
-            for step in range(1, 3):
-                m.zero_grad()
-                for _ in range(2):
-                    x = rng.integers(0, GPU_CFG.vocab_size, (B, T)).astype(np.int32)
-                    m.train_micro_step(x, np.roll(x, -1, axis=1))
-                out.append((np.float64(m.step_loss()), np.asarray(m.get_grads(), np.float32).copy()))
-                m.update(lr=1e-3, step=step)
-            runs.append(out)
+            runs.append([(loss, grads) for loss, grads, _ in steps])
         for step, ((la, ga), (lb, gb)) in enumerate(zip(*runs)):
             if not fuse_bias:
                 assert la == lb

@@ -123,26 +123,12 @@ def test_gpu_fused_gelu_step_is_bit_identical(rt, precision, B, T):
     (B*T = 111 rows: the fc GEMM's last row tile partly out of range.)"""
     from llmc.backend import CudaBackend
     from llmc.train import deterministic_kernels
+    from tests.llmc_fixtures import train_steps
     runs = []
     for fuse in (True, False):
         be = CudaBackend(deterministic_kernels({}, precision), quiet=True, precision=precision)
-        m = GPT2(GPU_CFG, be, B, T, fuse_gelu=fuse)
+        m, steps, logits = train_steps(GPU_CFG, be, B, T, logits=True, fuse_gelu=fuse)
         assert m.fused_gelu == (fuse and rt.arch == "sm_90")
-        m.stochastic_rounding = False
-        m.init_params(3)
-        rng = np.random.default_rng(5)
-        out = []
-        for step in range(1, 3):
-            m.zero_grad()
-            for _ in range(2):
-                x = rng.integers(0, GPU_CFG.vocab_size, (B, T)).astype(np.int32)
-                m.train_micro_step(x, np.roll(x, -1, axis=1))
-            out.append(np.float64(m.step_loss()))
-            out.append(np.asarray(m.get_grads(), np.float32).copy())
-            m.update(lr=1e-3, step=step)
-            out.append(np.asarray(m.get_params(), np.float32).copy())
-        m.forward(x)
-        out.append(m.logits().copy())
-        runs.append(out)
+        runs.append([x for step in steps for x in step] + [logits])
     for a, b in zip(*runs):
         np.testing.assert_array_equal(a, b)
