@@ -81,28 +81,26 @@ def matmul_forward2(rt, N, C, OC, has_bias=True, block_size=None):
     return launch
 
 
-def matmul_forward8(rt, N, C, OC, has_bias=True, block_size=None, gelu=False):
-    # a warp per output column, all N <= 8 rows; one entry point per row count (cuda/matmul.cu)
-    name = f"matmul_forward_kernel8{'_gelu' if gelu else ''}_rows{N}"
-    k = rt.kernel(MODULE, name, "PPPPiii", label=f"matmul_forward 8{' + gelu' if gelu else ''} (rows={N})")
-    bs = block_size or 256
-    grid, args = (-(-OC // (bs // 32)), 1, 1), (np.int32(N), np.int32(C), np.int32(OC))
+def _gemv(dtype):
+    """matmul_forward 8's build for one element type: a warp per output column, all N <= 8 rows, one
+    entry point per row count (cuda/matmul.cu). bf16: 8 bf16 per 16-byte load (C % 8 == 0), fp32
+    sums, one rounding on the store."""
+    sfx, what = ("", "") if dtype == "fp32" else (f"_{dtype}", f" {dtype}")
 
-    def launch(out, inp, weight, bias=None):
-        k(grid, (bs, 1, 1), out.ptr, inp.ptr, weight.ptr, _ptr(bias), *args)
-    return launch
+    def build(rt, N, C, OC, has_bias=True, block_size=None, gelu=False):
+        name = f"matmul_forward_kernel8{'_gelu' if gelu else ''}_rows{N}{sfx}"
+        k = rt.kernel(MODULE, name, "PPPPiii", label=f"matmul_forward 8{what}{' + gelu' if gelu else ''} (rows={N})")
+        bs = block_size or 256
+        grid, args = (-(-OC // (bs // 32)), 1, 1), (np.int32(N), np.int32(C), np.int32(OC))
+
+        def launch(out, inp, weight, bias=None):
+            k(grid, (bs, 1, 1), out.ptr, inp.ptr, weight.ptr, _ptr(bias), *args)
+        return launch
+    return build
 
 
-def matmul_forward8_bf16(rt, N, C, OC, has_bias=True, block_size=None, gelu=False):
-    # the bf16 GEMV: 8 bf16 per 16-byte load (C % 8 == 0), fp32 sums, one rounding on the store
-    name = f"matmul_forward_kernel8{'_gelu' if gelu else ''}_rows{N}_bf16"
-    k = rt.kernel(MODULE, name, "PPPPiii", label=f"matmul_forward 8 bf16{' + gelu' if gelu else ''} (rows={N})")
-    bs = block_size or 256
-    grid, args = (-(-OC // (bs // 32)), 1, 1), (np.int32(N), np.int32(C), np.int32(OC))
-
-    def launch(out, inp, weight, bias=None):
-        k(grid, (bs, 1, 1), out.ptr, inp.ptr, weight.ptr, _ptr(bias), *args)
-    return launch
+matmul_forward8 = _gemv("fp32")
+matmul_forward8_bf16 = _gemv("bf16")
 
 
 def _gemv_check_bf16(N, C, OC, block_size=None, **_):
