@@ -72,7 +72,9 @@ def test_engine5_sass_has_hgmma_and_tma():
     for block in sass.split("Function : ")[1:]:
         name, body = block.split("\n", 1)
         funcs[name.strip()] = body
-    engines = [f for f in funcs if f.startswith("gemm_wgmma_") and ("tf32" in f or "bf16" in f) and "splitk" not in f]
+    # (the split-K reduces and the dgelu column sums' finish are plain loops beside the engine)
+    engines = [f for f in funcs if f.startswith("gemm_wgmma_") and ("tf32" in f or "bf16" in f)
+               and "splitk" not in f and "colsum" not in f]
     assert len(engines) >= 9, sorted(funcs)
     for f in engines:
         body = funcs[f]
