@@ -26,10 +26,8 @@ step() { echo "=== $* ($(date +%T))" | tee -a "$S"; }
 PHASES=${PHASES:-tests bench sample profile lab}
 for phase in $PHASES; do case $phase in
 tests)
-  for f in ${TESTS:-tests/test_model_gpu.py tests/test_decode_gpu.py tests/test_attention.py tests/test_softmax.py tests/test_classifier.py \
-           tests/test_adamw.py tests/test_global_norm.py tests/test_encoder.py tests/test_layernorm.py \
-           tests/test_gelu.py tests/test_residual.py tests/test_residual_layernorm.py tests/test_matmul.py tests/test_gemm.py \
-           tests/test_sample.py}; do
+  # every test file with GPU tests (those that mark some test `gpu`), unless TESTS names some
+  for f in ${TESTS:-$(grep -l "mark.gpu" tests/test_*.py)}; do
     n=$(basename "$f" .py)
     step "pytest -m gpu $f"
     timeout "${TEST_SECONDS:-240}" python3 -m pytest -m gpu -q -rs -s "$f" > "$OUT/$n.txt" 2>&1
@@ -39,6 +37,9 @@ tests)
 bench)
   step "bench default"
   timeout 100 python3 dev/bench_step.py --steps 20 2>&1 | tail -4 | tee -a "$S"
+  step "bench --precision bf16, B=4 and 16"
+  timeout 100 python3 dev/bench_step.py --steps 20 --precision bf16 2>&1 | tail -3 | tee -a "$S"
+  timeout 100 python3 dev/bench_step.py --steps 20 --precision bf16 -b 16 2>&1 | tail -3 | tee -a "$S"
   step "bench --attention-kernel 1 (the composite attention, the previous default)"
   timeout 100 python3 dev/bench_step.py --steps 20 --attention-kernel 1 2>&1 | tail -3 | tee -a "$S"
   step "bench --attention-kernel 2 (fused, tiles staged by the threads)"
