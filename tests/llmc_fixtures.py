@@ -231,3 +231,13 @@ def train_steps(cfg, be, B: int, T: int, steps: int = 2, micro: int = 2, logits:
         m.forward(x)
         last = m.logits().copy()
     return m, out, last
+
+
+def wgmma_entries(macro: str) -> dict:
+    """{entry point: (input type, output type, tile width, stages, flag)} of cuda/gemm_wgmma.cu's
+    `macro(NAME, T, OUT, BN, STAGES, true|false)` lines (the GELU and dgelu instance tables)."""
+    from llmc.runtime import CUDA_DIR
+    src = (CUDA_DIR / "gemm_wgmma.cu").read_text()
+    pat = rf"^{macro}\((\w+), ([\w:]+), ([\w:]+), (\d+), (\d+), (true|false)\)$"
+    return {m.group(1): (m.group(2), m.group(3), int(m.group(4)), int(m.group(5)), m.group(6) == "true")
+            for m in re.finditer(pat, src, re.M)}

@@ -11,7 +11,6 @@ bit for bit: the -m gpu tests below and in tests/test_fused_bias.py.
 
     python -m pytest tests/test_fused_dgelu.py -q
 """
-import re
 
 import numpy as np
 import pytest
@@ -151,11 +150,8 @@ def test_inference_models_build_no_backward_form():
 def test_dgelu_instance_table_matches_the_kernels():
     """DGELU_INSTANCES against the .cu's GEMM_WGMMA_DGELU_ENTRY lines: names, types, stages (the plain
     TMA-store instances' own), layouts; every one fits in 227 KB with its two extra mbarriers."""
-    from llmc.runtime import CUDA_DIR
-    src = (CUDA_DIR / "gemm_wgmma.cu").read_text()
-    entries = {m.group(1): (m.group(2), m.group(3), int(m.group(4)), int(m.group(5)), m.group(6) == "true")
-               for m in re.finditer(r"^GEMM_WGMMA_DGELU_ENTRY\((\w+), ([\w:]+), ([\w:]+), (\d+), (\d+), (true|false)\)$",
-                                    src, re.M)}
+    from tests.llmc_fixtures import wgmma_entries
+    entries = wgmma_entries("GEMM_WGMMA_DGELU_ENTRY")
     ctype = {"tf32": "float", "bf16": "__nv_bfloat16", "fp32": "float"}
     want = {}
     for (ty, out, layout), widths in gw.DGELU_INSTANCES.items():

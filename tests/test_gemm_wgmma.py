@@ -633,12 +633,8 @@ def test_pp_matches_coop_bitwise_and_is_deterministic(hopper, rng, dtype, out, b
 def test_gelu_instance_table_matches_the_kernels():
     """GELU_INSTANCES against the .cu's GEMM_WGMMA_GELU_ENTRY lines: names, types, stages (the plain
     instances' own: G is staged in C's buffer after C), TMA store; every one fits in 227 KB."""
-    import re
-    from llmc.runtime import CUDA_DIR
-    src = (CUDA_DIR / "gemm_wgmma.cu").read_text()
-    entries = {m.group(1): (m.group(2), m.group(3), int(m.group(4)), int(m.group(5)), m.group(6) == "true")
-               for m in re.finditer(r"^GEMM_WGMMA_GELU_ENTRY\((\w+), ([\w:]+), ([\w:]+), (\d+), (\d+), (true|false)\)$",
-                                    src, re.M)}
+    from tests.llmc_fixtures import wgmma_entries
+    entries = wgmma_entries("GEMM_WGMMA_GELU_ENTRY")
     ctype = {"tf32": "float", "bf16": "__nv_bfloat16", "fp32": "float"}
     want = {}
     for (ty, out, ts), widths in gw.GELU_INSTANCES.items():
