@@ -974,3 +974,186 @@ flash_attention_backward_dkdv_kernel4_bf16_btc_pingpong(bf16* dinp, const CUtens
                                                         const float* Dbuf, int B, int NH, int T, float scale) {
     flash_backward_dkdv_wgmma<true, true>(dinp, tm, lse, Dbuf, B, NH, T, scale);
 }
+
+// ------------------------------------------------------------------------------------------------
+// The TF32 forward (fp32 in and out; attention_forward 4's fp32 build). Written 2026-11-26 without a
+// GPU (session 10): compiled, not yet run.
+//
+// TF32 wgmma reads both shared-memory operands K-major only (no transpose immediates), so:
+//   S = q k^T    A = q (64 rows x 64 dims), B = k (128 keys x 64 dims): both K-major (dims contiguous),
+//                each row 256 bytes, held as two 128-byte-swizzled halves (dims 0-31, 32-63): k-step
+//                ks (8 dims) is half ks / 4, +32 bytes per step inside it, as in GEMM engine 5's tf32.
+//   O += P v     A = P from registers (the scores' accumulators), B = v^T (64 dims x 128 keys, keys
+//                contiguous): a K-major v needs v transposed in global memory, which
+//                attention_vt_kernel writes from qkvr's v before the forward (vt, (B NH, 64, Tp)).
+// P from registers without shuffles: a tf32 A fragment of k-step j holds, per thread, rows g and g+8
+// of columns t and t+4 (g = lane/4, t = lane%4), while the scores' accumulators hold columns 2t and
+// 2t+1 of keys 8j..8j+7. A product over k does not care in which order its k run, as long as A's
+// columns and B's rows agree: so A's column t is key 8j + 2t and its column t + 4 key 8j + 2t + 1, and
+// vt stores each group of 8 keys in that order (position t <- key 2t, position t + 4 <- key 2t + 1;
+// vt_pos below). Tp = T rounded up to 8, keys T..Tp-1 stored as zeros (their p is 0: no NaN can
+// come in from padding). P is rounded to tf32 (cvt.rna) before the product; q, k, v are rounded by
+// the TMA as they are copied (the TFLOAT32 data type of the tensor maps).
+//
+// One CTA per (b, h, 128 query rows), as the bf16 plain kernel: a producer warpgroup loading q once
+// and k, vt tiles into a 2-stage ring, two consumer warpgroups of 64 query rows each, the online
+// softmax of the bf16 kernel (softmax_tile, rescale_o: the accumulator layouts are the same), out
+// and lse stored as attention_forward 2/3 do (lse (B,NH,T) in natural-log units, read by backward 2/3).
+constexpr int TF_ROW = 128;                          // bytes per swizzled row: 32 fp32
+constexpr int TF_Q_HALF = 64 * TF_ROW;               // 64 query rows x 32 dims: 8 KB
+constexpr int TF_Q_BYTES = 2 * 2 * TF_Q_HALF;        // 2 consumers x 2 halves: 32 KB
+constexpr int TF_K_HALF = BKV * TF_ROW;              // 128 keys x 32 dims: 16 KB
+constexpr int TF_VT_BOX = 64 * TF_ROW;               // 64 dims x 32 keys: 8 KB
+constexpr int TF_STAGE = 2 * TF_K_HALF + 4 * TF_VT_BOX;  // k (2 halves) then vt (4 boxes): 64 KB
+constexpr int TF_FWD_SMEM = 1024 + TF_Q_BYTES + STAGES * TF_STAGE + 8 * (1 + 2 * STAGES);
+static_assert(TF_FWD_SMEM <= 227 * 1024, "fits one SM's shared memory");
+
+// the position of key k in vt's rows (see above)
+__device__ __forceinline__ int vt_pos(int k) { return (k & ~7) | ((k & 1) << 2) | ((k & 7) >> 1); }
+
+// vt (BNH, 64, Tp) = v^T with each group of 8 keys in vt_pos order, zeros past T; v: qkvr's third part,
+// (BNH, T, 64). Block (32, 8): 32 keys x 64 dims of one head through shared memory (both sides coalesced).
+extern "C" __global__ void attention_vt_kernel(float* vt, const float* v, int BNH, int T, int Tp) {
+    __shared__ float tile[32][HS + 1];
+    const int bh = blockIdx.y, k0 = blockIdx.x * 32, tx = threadIdx.x, ty = threadIdx.y;
+    const float* src = v + (size_t)bh * T * HS;
+    for (int r = ty; r < 32; r += 8) {
+        const int k = k0 + r;
+        tile[r][tx] = k < T ? src[(size_t)k * HS + tx] : 0.0f;
+        tile[r][tx + 32] = k < T ? src[(size_t)k * HS + tx + 32] : 0.0f;
+    }
+    __syncthreads();
+    const int k = k0 + tx, p = vt_pos(k);
+    if (p >= Tp) return;  // (k < Tp iff p < Tp: a group of 8 is all in or all out)
+    float* dst = vt + (size_t)bh * HS * Tp;
+    for (int d = ty; d < HS; d += 8) dst[(size_t)d * Tp + p] = tile[tx][d];
+}
+
+__device__ __forceinline__ uint32_t to_tf32(float x) {  // round to nearest (ties away), tf32 in an fp32 register
+    uint32_t y;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(y) : "f"(x));
+    return y;
+}
+
+// maps: 3 consecutive CUtensorMaps in global memory: q rows (qkvr's q, box 32 dims x 64 rows), k rows
+// (qkvr's k, box 32 x 128), vt (box 32 keys x 64 dims); out (B,T,C) fp32, lse (B,NH,T) fp32
+__device__ __forceinline__ void flash_forward_wgmma_tf32(float* out, float* lse, const CUtensorMap* maps, int B, int NH,
+                                                         int T, float scale) {
+    extern __shared__ unsigned char smem_raw[];
+    unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+    unsigned char* sq = smem;                    // consumer cw: half hf at sq + cw * 2 TF_Q_HALF + hf * TF_Q_HALF
+    unsigned char* skv = smem + TF_Q_BYTES;      // stage s: k halves, then vt boxes
+    uint64_t* q_full = reinterpret_cast<uint64_t*>(smem + TF_Q_BYTES + STAGES * TF_STAGE);
+    uint64_t* full = q_full + 1;
+    uint64_t* empty = full + STAGES;
+    const CUtensorMap* tq = maps;
+    const CUtensorMap* tk = maps + 1;
+    const CUtensorMap* tv = maps + 2;
+
+    const int bh = blockIdx.x, b = bh / NH, h = bh % NH;
+    const int qb = gridDim.y - 1 - blockIdx.y;  // the query blocks with the most key tiles first
+    const int q0 = qb * BQ;
+    const int nkt = qb + 1;                     // key tiles 0..qb; tile qb holds the diagonal
+
+    if (threadIdx.x == 0) mbar_init_pipeline(q_full, full, empty, STAGES, CONSUMER_WARPS);
+    __syncthreads();
+
+    const int wg = threadIdx.x / 128;
+    if (wg == 0) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
+        if (threadIdx.x == 0) {
+            tensormap_acquire(tq);
+            tensormap_acquire(tk);
+            tensormap_acquire(tv);
+            const int qslab = b * NH + h, kslab = (B + b) * NH + h;  // qkvr: q | k | v, each (B, NH, T, 64)
+            mbar_expect_tx(q_full, TF_Q_BYTES);
+#pragma unroll
+            for (int cw = 0; cw < 2; cw++)
+#pragma unroll
+                for (int hf = 0; hf < 2; hf++)
+                    tma_load_3d(sq + (2 * cw + hf) * TF_Q_HALF, tq, q_full, 32 * hf, q0 + 64 * cw, qslab);
+            for (int i = 0; i < nkt; i++) {
+                const int s = i % STAGES, use = i / STAGES;
+                mbar_wait(&empty[s], (use & 1) ^ 1);
+                mbar_expect_tx(&full[s], TF_STAGE);
+                unsigned char* st = skv + s * TF_STAGE;
+#pragma unroll
+                for (int hf = 0; hf < 2; hf++) tma_load_3d(st + hf * TF_K_HALF, tk, &full[s], 32 * hf, i * BKV, kslab);
+#pragma unroll
+                for (int c = 0; c < 4; c++)
+                    tma_load_3d(st + 2 * TF_K_HALF + c * TF_VT_BOX, tv, &full[s], i * BKV + 32 * c, 0, bh);
+            }
+        }
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
+
+    const int cw = wg - 1;  // consumer: query rows 64 cw .. 64 cw + 63 of the block
+    const int tid = threadIdx.x & 127, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int row0 = q0 + 64 * cw + 16 * warp + g;  // this thread's rows: row0 (h = 0), row0 + 8 (h = 1)
+    const float c2 = scale * LOG2E;                 // scores -> log2 units
+    const unsigned char* sqw = sq + cw * 2 * TF_Q_HALF;
+
+    float o[32];
+#pragma unroll
+    for (int i = 0; i < 32; i++) o[i] = 0.0f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    float sc[64];
+    float corr[2];
+
+    mbar_wait(q_full, 0);
+    for (int i = 0; i < nkt; i++) {
+        const unsigned char* st = skv + (i % STAGES) * TF_STAGE;
+        mbar_wait(&full[i % STAGES], (i / STAGES) & 1);
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < HS / 8; ks++)  // 8 k-steps of 8 dims: half ks / 4, 32 bytes a step inside it
+            wgmma_tf32_n128(sc, desc_k(sqw + (ks >> 2) * TF_Q_HALF + 32 * (ks & 3)),
+                            desc_k(st + (ks >> 2) * TF_K_HALF + 32 * (ks & 3)), ks > 0);
+        wgmma_commit();
+        wgmma_wait<0>();
+        keep_in_regs(sc);
+        softmax_tile(sc, m, l, corr, i == nkt - 1, i * BKV, row0, t, c2);
+        rescale_o(o, corr);
+        uint32_t pa[BKV / 8][4];  // k-step j: rows g, g+8 of keys 8j + 2t (columns t) and 8j + 2t + 1 (t + 4)
+#pragma unroll
+        for (int j = 0; j < BKV / 8; j++) {
+            pa[j][0] = to_tf32(sc[4 * j]);
+            pa[j][1] = to_tf32(sc[4 * j + 2]);
+            pa[j][2] = to_tf32(sc[4 * j + 1]);
+            pa[j][3] = to_tf32(sc[4 * j + 3]);
+        }
+        wgmma_fence();
+#pragma unroll
+        for (int j = 0; j < BKV / 8; j++)  // keys 8j..8j+7: vt box j / 4, 32 bytes a step inside it
+            wgmma_tf32_rs_n64(o, pa[j], desc_k(st + 2 * TF_K_HALF + (j >> 2) * TF_VT_BOX + 32 * (j & 3)), 1);
+        wgmma_commit();
+        wgmma_wait<0>();  // also: P's registers may be reused only after this
+        keep_in_regs(o);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&empty[i % STAGES]);
+    }
+
+    // out = O / l, lse = (m + log2 l) ln 2, of this thread's rows row0, row0 + 8
+    const int C = NH * HS;
+#pragma unroll
+    for (int hh = 0; hh < 2; hh++) {
+        const int row = row0 + 8 * hh;
+        float lr = l[hh];
+        lr += __shfl_xor_sync(0xffffffffu, lr, 1);
+        lr += __shfl_xor_sync(0xffffffffu, lr, 2);
+        if (row >= T) continue;
+        const float inv = 1.0f / lr;
+        float* dst = out + ((size_t)b * T + row) * C + h * HS + 2 * t;
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+            *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(o[4 * j + 2 * hh] * inv, o[4 * j + 2 * hh + 1] * inv);
+        if (t == 0) lse[((size_t)b * NH + h) * T + row] = (m[hh] + __log2f(lr)) * LN2;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+flash_attention_forward_kernel4_tf32(float* out, float* lse, const CUtensorMap* maps, int B, int NH, int T,
+                                     float scale) {
+    flash_forward_wgmma_tf32(out, lse, maps, B, NH, T, scale);
+}

@@ -197,7 +197,7 @@ def test_declared_scratch_is_what_the_builds_allocate(B, T, C, NH, monkeypatch):
                     continue
                 rt = FakeRuntime()
                 spec.build(rt, num, dtype, **shape)
-                assert rt.allocated_bytes == v.scratch_bytes(**shape), (name, num, dtype, shape)
+                assert rt.allocated_bytes == v.scratch_bytes(**shape, dtype=dtype), (name, num, dtype, shape)
 
 
 def test_decode_cpu_launchers(rng):
@@ -442,6 +442,47 @@ def test_flash_attention_gpu(rt, B, T, C, NH, version):
     poison(d_dinp)
     bwd(d_dinp, d_dout, d_qkvr, d_lse, d_out)
     assert np.array_equal(d_dinp.get(), dinp), "flash backward is not deterministic"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,T,C,NH", FLASH_SHAPES)
+def test_flash_attention_wgmma_tf32_forward_gpu(rt, B, T, C, NH):
+    """attention_forward 4's fp32 build (TF32 wgmma, v transposed by attention_vt_kernel with each group
+    of 8 keys reordered for the register P): out and lse against float64 with TF32's tolerance, every
+    element written (poisoned first), qkvr the exact permute; backward 3 on its lse and out gives the
+    reference gradients; a second run is bit-identical."""
+    if rt.arch != "sm_90":
+        pytest.skip(f"attention 4 needs sm_90a (this GPU is {rt.arch})")
+    rng = np.random.default_rng(B * 1000 + T + 11)
+    fwd = ops.get("attention_forward").build(rt, 4, "fp32", B=B, T=T, C=C, NH=NH)
+    bwd = ops.get("attention_backward").build(rt, 3, B=B, T=T, C=C, NH=NH)
+    inp = rng.standard_normal((B, T, 3 * C)).astype(np.float32)
+    dout = rng.standard_normal((B, T, C)).astype(np.float32)
+    inp64 = inp.astype(np.float64)
+    out64, qkvr64, att64 = A.attention_forward_ref(inp64, NH)
+    lse64 = A.attention_lse_ref(inp64, NH)
+    d_inp, d_dout = rt.to_device(inp), rt.to_device(dout)
+    d_out, d_qkvr, d_lse = rt.empty((B, T, C)), rt.empty((B, T, 3 * C)), rt.empty(fwd.saved_shape)
+    d_dinp = rt.empty((B, T, 3 * C))
+    assert fwd.saved_shape == bwd.saved_shape == (B, NH, T)
+    poison(d_out, d_qkvr, d_lse, d_dinp, *fwd.scratch.values(), *bwd.scratch.values())
+    fwd(d_out, d_qkvr, d_lse, d_inp)
+    out, qkvr, lse = d_out.get(), d_qkvr.get(), d_lse.get()
+    assert_close(qkvr, qkvr64, 0, 0, "qkvr")
+    for name, got, ref in (("out", out, out64), ("lse", lse, lse64)):
+        assert np.isfinite(got).all(), f"{name}: unwritten (NaN) elements"
+        assert rel_err(got, ref) < TF32_REL, f"{name}: rel_err {rel_err(got, ref):.2e}"
+    assert_close(lse, lse64, atol=1e-2, rtol=1e-3, name="lse")
+    bwd(d_dinp, d_dout, d_qkvr, d_lse, d_out)
+    dinp = d_dinp.get()
+    ref = A.attention_backward_ref(dout.astype(np.float64), qkvr.astype(np.float64), att64, NH)
+    for i, part in enumerate(("dq", "dk", "dv")):
+        got, want = dinp[..., i * C:(i + 1) * C], ref[..., i * C:(i + 1) * C]
+        err = np.linalg.norm(got - want) / max(np.linalg.norm(want), 0.1 * np.linalg.norm(ref))
+        assert err < TF32_REL, f"{part}: relative error {err:.2e}"
+    poison(d_out, d_lse)
+    fwd(d_out, d_qkvr, d_lse, d_inp)
+    assert np.array_equal(d_out.get(), out) and np.array_equal(d_lse.get(), lse), "not deterministic"
 
 
 # bf16 builds of the fused variants. Inputs are bf16 values (round_bf16), so the float64 reference
@@ -849,13 +890,14 @@ def test_bf16_flash_fragment_mapping(rng):
 # attention_forward 4: Hopper wgmma + TMA, bf16 only (cuda/attention_wgmma.cu)
 
 
-def test_wgmma_forward_variant_declares_bf16_sm90_only():
+def test_wgmma_forward_variant_declares_bf16_and_tf32_sm90_only():
     v = ops.get("attention_forward").variants[4]
-    assert v.dtypes == ("bf16",) and v.arch == "sm_90"
+    assert v.dtypes == ("fp32", "bf16") and v.arch == "sm_90"
     spec = ops.get("attention_forward")
     assert spec.refuse_reason(4, "bf16", "sm_90", B=4, T=1024, C=768, NH=12) is None
     assert spec.refuse_reason(4, "bf16", "sm_90", B=1, T=1, C=64, NH=1) is None
-    assert "no fp32 kernels" in spec.refuse_reason(4, "fp32", "sm_90", B=1, T=8, C=64, NH=1)
+    assert spec.refuse_reason(4, "fp32", "sm_90", B=1, T=8, C=64, NH=1) is None  # the TF32 build
+    assert "no fp32 kernels" in ops.get("attention_backward").refuse_reason(4, "fp32", "sm_90", B=1, T=8, C=64, NH=1)
     assert "sm_90" in spec.refuse_reason(4, "bf16", "sm_80", B=1, T=8, C=64, NH=1)
     assert "head size" in spec.refuse_reason(4, "bf16", "sm_90", B=2, T=65, C=96, NH=3)
     # it keeps what backward 2/3 read (the log-sum-exp), so they can run on its output

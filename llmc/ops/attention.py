@@ -454,15 +454,16 @@ WGMMA_STAGES = 2                # k/v ring depth
 WGMMA_FWD_SMEM = 1024 + WGMMA_BQ * 128 + WGMMA_STAGES * 2 * WGMMA_BQ * 128 + 8 * (1 + 2 * WGMMA_STAGES)
 
 
-def _bf16_tensor_map(ptr: int, dims, strides, box, what: str) -> bytes:
+def _bf16_tensor_map(ptr: int, dims, strides, box, what: str, dtype_code: int = 9) -> bytes:
     """A 128-byte CUtensorMap of a bf16 tensor (dims innermost first, strides in bytes of dims 1..),
-    read in boxes of `box`, 128-byte swizzled; out-of-bounds elements are zero-filled."""
+    read in boxes of `box`, 128-byte swizzled; out-of-bounds elements are zero-filled. dtype_code:
+    the CUtensorMapDataType (9 bfloat16; 11 tfloat32: fp32 rounded to tf32 as it is copied)."""
     import ctypes
     from llmc.ops.gemm_wgmma import L2_PROMOTION_256B, SWIZZLE_128B, _driver
     n = len(dims)
     buf = ctypes.create_string_buffer(128 + 64)
     addr = (ctypes.addressof(buf) + 63) & ~63          # CUtensorMap is 64-byte aligned
-    err = _driver().cuTensorMapEncodeTiled(addr, 9, n, ctypes.c_void_p(ptr), (ctypes.c_uint64 * n)(*dims),  # 9: BFLOAT16
+    err = _driver().cuTensorMapEncodeTiled(addr, dtype_code, n, ctypes.c_void_p(ptr), (ctypes.c_uint64 * n)(*dims),
                                            (ctypes.c_uint64 * (n - 1))(*strides), (ctypes.c_uint32 * n)(*box),
                                            (ctypes.c_uint32 * n)(*([1] * n)),
                                            0, SWIZZLE_128B, L2_PROMOTION_256B, 0)      # 0: OOB filled with 0
@@ -560,6 +561,55 @@ def build_flash_attention_forward_wgmma(rt, B, T, C, NH, overlap=False, qkv_in_p
             dm = maps[ip] = rt.to_device(np.frombuffer(qkv_tensor_map(ip, B, T, NH), np.uint8))
         k(grid, block, _ptr(out), _ptr(lse), dm.ptr, *args, smem=smem)
     return launch
+
+
+# flash_attention_forward_kernel4_tf32 (TF_FWD_SMEM in the .cu): 1 KB of slack, q (128 rows x 256 bytes),
+# STAGES x (k 128 x 256 bytes + vt 64 x 512 bytes), 1 + 2 STAGES mbarriers
+WGMMA_TF32_FWD_SMEM = 1024 + WGMMA_BQ * 256 + WGMMA_STAGES * (WGMMA_BQ * 256 + 64 * WGMMA_BQ * 4) + 8 * (1 + 2 * WGMMA_STAGES)
+
+
+def build_flash_attention_forward_wgmma_tf32(rt, B, T, C, NH, qkv_in_place=False, **_):
+    """Variant 4's fp32 build (TF32 wgmma; written without a GPU, not yet run): launch(out (B,T,C),
+    qkvr (B,T,3C), lse (B,NH,T), inp (B,T,3C)) like 2, 3: the fp32 permute of inp into qkvr, then
+    attention_vt_kernel writes v transposed (each group of 8 keys in the order the kernel's register P
+    wants, see cuda/attention_wgmma.cu) into a scratch vt (B*NH, 64, Tp), Tp = T rounded up to 8, and
+    the wgmma kernel reads q and k from qkvr and v^T from vt through three tensor maps (TFLOAT32: the
+    TMA rounds to tf32 as it copies). Keeps lse for backward 2/3. No qkv_in_place form (refused)."""
+    _check_attention(B, T, C, NH)
+    if qkv_in_place:
+        refuse("attention_forward", 4, "the fp32 (TF32) build has no qkv_in_place form")
+    permute = _build_permute(rt, "permute", B, T, 3, NH, FLASH_HS, "fp32")
+    BNH, Tp = B * NH, ceil_div(T, 8) * 8
+    vt = rt.empty((BNH, FLASH_HS, Tp))
+    kvt = rt.kernel(WGMMA_MODULE, "attention_vt_kernel", "PPiii", label="attention_forward 4 tf32: v^T")
+    k = rt.kernel(WGMMA_MODULE, "flash_attention_forward_kernel4_tf32", "PPPiiif",
+                  label="attention_forward 4 (flash, wgmma) tf32")
+    smem = WGMMA_TF32_FWD_SMEM
+    if smem > rt.max_smem_optin:
+        refuse("attention_forward", 4, f"needs {smem} bytes of shared memory, the device allows {rt.max_smem_optin}")
+    k.set_max_dynamic_smem(smem)
+    grid, block = (BNH, ceil_div(T, WGMMA_BQ), 1), (384, 1, 1)
+    args = (np.int32(B), np.int32(NH), np.int32(T), np.float32(1.0 / math.sqrt(FLASH_HS)))
+    maps: dict = {}
+    what = f"attention_forward 4 tf32 (B={B} NH={NH} T={T})"
+
+    def launch(out, qkvr, lse, inp):
+        permute(qkvr, inp)
+        qp = _ptr(qkvr)
+        kvt((ceil_div(Tp, 32), BNH, 1), (32, 8, 1), vt.ptr, qp + 2 * BNH * T * FLASH_HS * 4, np.int32(BNH),
+            np.int32(T), np.int32(Tp))
+        dm = maps.get(qp)
+        if dm is None:  # q rows (box 32 dims x 64 rows), k rows (32 x 128), vt (32 keys x 64 dims)
+            if qp & 15:
+                raise LLMCError(f"{what}: qkvr must be 16-byte aligned for the TMA (0x{qp:x})")
+            dims, strides = (FLASH_HS, T, 3 * BNH), (FLASH_HS * 4, T * FLASH_HS * 4)
+            blob = (_bf16_tensor_map(qp, dims, strides, (32, 64, 1), what + ": q", 11)
+                    + _bf16_tensor_map(qp, dims, strides, (32, WGMMA_BQ, 1), what + ": k", 11)
+                    + _bf16_tensor_map(vt.ptr, (Tp, FLASH_HS, BNH), (Tp * 4, FLASH_HS * Tp * 4), (32, FLASH_HS, 1),
+                                       what + ": vt", 11))
+            dm = maps[qp] = rt.to_device(np.frombuffer(blob, np.uint8))
+        k(grid, block, _ptr(out), _ptr(lse), dm.ptr, *args, smem=smem)
+    return Built(launch, scratch={"vt": vt})
 
 
 # dynamic shared memory of the backward's kernels (DQ_SMEM, DKDV_SMEM in the .cu): 1 KB of slack, two
@@ -840,7 +890,10 @@ ATTENTION_FORWARD_VARIANTS = {
     4: Variant(4, "fused flash attention on Hopper wgmma (bf16 only, sm_90a): k, v tiles by TMA on an mbarrier "
                   "ring fed by a producer warpgroup, 2 consumer warpgroups x 64 query rows, p v with p from "
                   "registers; keeps the log-sum-exp for backward 2/3 (head size 64)",
-               {"bf16": build_flash_attention_forward_wgmma}, scratch_bytes=lambda **_: 0, arch="sm_90",
+               {"fp32": build_flash_attention_forward_wgmma_tf32, "bf16": build_flash_attention_forward_wgmma},
+               # (the fp32 build's vt, v transposed; the bf16 build allocates none)
+               scratch_bytes=lambda B, T, C, NH, dtype="fp32", **_: (4 * B * NH * FLASH_HS * ceil_div(T, 8) * 8
+                                                                     if dtype == "fp32" else 0), arch="sm_90",
                options=("qkv_in_place",), **_FUSED),
 }
 ATTENTION_BACKWARD_VARIANTS = {
