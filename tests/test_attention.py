@@ -446,11 +446,12 @@ def test_flash_attention_gpu(rt, B, T, C, NH, version):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("B,T,C,NH", FLASH_SHAPES)
-def test_flash_attention_wgmma_tf32_forward_gpu(rt, B, T, C, NH):
-    """attention_forward 4's fp32 build (TF32 wgmma, v transposed by attention_vt_kernel with each group
-    of 8 keys reordered for the register P): out and lse against float64 with TF32's tolerance, every
-    element written (poisoned first), qkvr the exact permute; backward 3 on its lse and out gives the
-    reference gradients; a second run is bit-identical."""
+def test_flash_attention_wgmma_tf32_gpu(rt, B, T, C, NH):
+    """attention 4's fp32 builds (TF32 wgmma; v, and in the backward k, q, dout, transposed by
+    attention_vt_kernel with each group of 8 rows reordered for the register A): forward out and lse
+    against float64 with TF32's tolerance, every element written (poisoned first), qkvr the exact
+    permute; backward 3 on its lse and out gives the reference gradients, and so does backward 4's
+    fp32 build; second runs are bit-identical."""
     if rt.arch != "sm_90":
         pytest.skip(f"attention 4 needs sm_90a (this GPU is {rt.arch})")
     rng = np.random.default_rng(B * 1000 + T + 11)
@@ -483,6 +484,21 @@ def test_flash_attention_wgmma_tf32_forward_gpu(rt, B, T, C, NH):
     poison(d_out, d_lse)
     fwd(d_out, d_qkvr, d_lse, d_inp)
     assert np.array_equal(d_out.get(), out) and np.array_equal(d_lse.get(), lse), "not deterministic"
+    # backward 4's fp32 build (TF32 wgmma) on the same lse and out: the reference gradients, every
+    # element written, the same bits on a second run
+    bwd4 = ops.get("attention_backward").build(rt, 4, "fp32", B=B, T=T, C=C, NH=NH)
+    for _ in range(2):
+        poison(d_dinp, *bwd4.scratch.values())
+        bwd4(d_dinp, d_dout, d_qkvr, d_lse, d_out)
+        dinp4 = d_dinp.get()
+        assert np.isfinite(dinp4).all(), "backward 4 tf32: unwritten (NaN) elements"
+        for i, part in enumerate(("dq", "dk", "dv")):
+            got, want = dinp4[..., i * C:(i + 1) * C], ref[..., i * C:(i + 1) * C]
+            err = np.linalg.norm(got - want) / max(np.linalg.norm(want), 0.1 * np.linalg.norm(ref))
+            assert err < TF32_REL, f"backward 4 tf32 {part}: relative error {err:.2e}"
+        if _ == 0:
+            first = dinp4
+    assert np.array_equal(first, dinp4), "backward 4 tf32 is not deterministic"
 
 
 # bf16 builds of the fused variants. Inputs are bf16 values (round_bf16), so the float64 reference
@@ -897,7 +913,12 @@ def test_wgmma_forward_variant_declares_bf16_and_tf32_sm90_only():
     assert spec.refuse_reason(4, "bf16", "sm_90", B=4, T=1024, C=768, NH=12) is None
     assert spec.refuse_reason(4, "bf16", "sm_90", B=1, T=1, C=64, NH=1) is None
     assert spec.refuse_reason(4, "fp32", "sm_90", B=1, T=8, C=64, NH=1) is None  # the TF32 build
-    assert "no fp32 kernels" in ops.get("attention_backward").refuse_reason(4, "fp32", "sm_90", B=1, T=8, C=64, NH=1)
+    back = ops.get("attention_backward")
+    assert back.variants[4].dtypes == ("fp32", "bf16")
+    assert back.refuse_reason(4, "fp32", "sm_90", B=1, T=8, C=64, NH=1) is None
+    for op in (spec, back):  # the TF32 builds read the permuted qkvr only
+        assert "qkv_in_place" in op.refuse_reason(4, "fp32", "sm_90", B=1, T=8, C=64, NH=1, qkv_in_place=True)
+        assert op.refuse_reason(4, "bf16", "sm_90", B=1, T=8, C=64, NH=1, qkv_in_place=True) is None
     assert "sm_90" in spec.refuse_reason(4, "bf16", "sm_80", B=1, T=8, C=64, NH=1)
     assert "head size" in spec.refuse_reason(4, "bf16", "sm_90", B=2, T=65, C=96, NH=3)
     # it keeps what backward 2/3 read (the log-sum-exp), so they can run on its output
@@ -1064,20 +1085,22 @@ def test_wgmma_persistent_walk_takes_every_block_once():
 # attention_backward 4: Hopper wgmma + TMA, bf16 only (cuda/attention_wgmma.cu)
 
 
-def test_wgmma_backward_variant_declares_bf16_sm90_only():
+def test_wgmma_backward_variant_declares_tf32_and_bf16_sm90_only():
     spec = ops.get("attention_backward")
     v = spec.variants[4]
-    assert v.dtypes == ("bf16",) and v.arch == "sm_90"
+    assert v.dtypes == ("fp32", "bf16") and v.arch == "sm_90"
     assert spec.refuse_reason(4, "bf16", "sm_90", B=4, T=1024, C=768, NH=12) is None
     assert spec.refuse_reason(4, "bf16", "sm_90", B=1, T=1, C=64, NH=1) is None
-    assert "no fp32 kernels" in spec.refuse_reason(4, "fp32", "sm_90", B=1, T=8, C=64, NH=1)
+    assert spec.refuse_reason(4, "fp32", "sm_90", B=1, T=8, C=64, NH=1) is None
     assert "sm_90" in spec.refuse_reason(4, "bf16", "sm_80", B=1, T=8, C=64, NH=1)
     assert "head size" in spec.refuse_reason(4, "bf16", "sm_90", B=2, T=65, C=96, NH=3)
-    # it reads what forward 2, 3, 4 keep (the log-sum-exp) and has backward 3's scratch (D)
+    # it reads what forward 2, 3, 4 keep (the log-sum-exp) and has backward 3's scratch (D); the fp32
+    # build also k, q and dout transposed, (B*NH, 64, T rounded up to 8) each
     shape = dict(B=2, T=65, C=128, NH=2)
     fwd = ops.get("attention_forward")
     assert all(spec.saved_shape(4, **shape) == fwd.saved_shape(n, **shape) == (2, 2, 65) for n in (2, 3, 4))
-    assert v.scratch_bytes(**shape) == spec.variants[3].scratch_bytes(**shape) == 4 * 2 * 2 * 65
+    assert v.scratch_bytes(**shape, dtype="bf16") == spec.variants[3].scratch_bytes(**shape) == 4 * 2 * 2 * 65
+    assert v.scratch_bytes(**shape, dtype="fp32") == 4 * 2 * 2 * 65 + 3 * 4 * 2 * 2 * 64 * 72
 
 
 def test_wgmma_backward_builds(monkeypatch):
