@@ -1392,3 +1392,27 @@ def test_attention_kv_fill_gpu(rt, B, T, C, NH, maxT, dtype):
     got_k, got_v = host(d_kc.get()), host(d_vc.get())
     assert np.array_equal(got_k[:, :, :T], k) and np.array_equal(got_v[:, :, :T], v)
     assert np.isnan(got_k[:, :, T:]).all() and np.isnan(got_v[:, :, T:]).all()
+
+
+def test_wgmma_tf32_builds_launch_in_order(monkeypatch):
+    """attention 4's fp32 builds on the fake runtime (entry points, argtypes against the PTX, argument
+    counts, shared memory within the device's): the forward permutes, transposes v, runs the TF32
+    kernel; the backward transposes k, q and dout, then the dq and dk/dv kernels, every call."""
+    from tests.fake_runtime import FakeRuntime
+    monkeypatch.setattr(A, "_bf16_tensor_map", lambda *a, **k: bytes(128))
+    rt = FakeRuntime()
+    B, T, C, NH = 2, 200, 128, 2
+    fwd = ops.get("attention_forward").build(rt, 4, "fp32", B=B, T=T, C=C, NH=NH)
+    bwd = ops.get("attention_backward").build(rt, 4, "fp32", B=B, T=T, C=C, NH=NH)
+    inp, qkvr, out, dout, dinp = (rt.empty(s) for s in ((B, T, 3 * C), (B, T, 3 * C), (B, T, C), (B, T, C), (B, T, 3 * C)))
+    lse = rt.empty((B, NH, T))
+    for _ in range(2):
+        fwd(out, qkvr, lse, inp)
+        bwd(dinp, dout, qkvr, lse, out)
+    names = [L.func for L in rt.launches]
+    one = ["permute_kernel2", "attention_vt_kernel", "flash_attention_forward_kernel4_tf32",
+           "attention_vt_kernel", "attention_vt_kernel", "attention_vt_kernel",
+           "flash_attention_backward_dq_kernel4_tf32", "flash_attention_backward_dkdv_kernel4_tf32"]
+    assert names == one + one, names
+    assert sum(1 for L in rt.launches if L.func == "flash_attention_forward_kernel4_tf32") == 2
+    assert set(bwd.scratch) == {"D", "kt", "qt", "dot"} and bwd.scratch["kt"].shape == (B * NH, 64, 200)
