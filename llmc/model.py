@@ -544,7 +544,7 @@ class GPT2:
             if not self.fused_bias["layernorm_backward"]:
                 k["bias_C"](g["fcprojb"][l], dres)
             if self.fused_dgelu:
-                pass
+                pass                                                                # d fch is written
             elif self.fused_bias["gelu_backward"]:                                  # in place: d fch;
                 k["gelu_backward_colsum"](dfch, g["fcb"][l], a["fch"][l], dfch)    # fcb += its column sums
             else:

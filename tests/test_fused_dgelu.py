@@ -188,6 +188,30 @@ def test_dgelu_builds_pick_their_instance(monkeypatch, dtype, out, kw, want):
     assert rt.launches[-1].func == want and rt.launches[-1].args[5] == 0
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_op_launches_dinp_with_the_epilogue_then_dweight(monkeypatch, dtype):
+    """matmul_backward 5 with dgelu on the fake runtime, d12's fcproj at B=4: fp32 transposes the
+    weight, runs the dgelu GEMM on it and the column sums' finish, then dweight as the plain form
+    (transpose, the M-major GEMM); bf16 the dgelu GEMM on the weight as it lies, the finish, dweight.
+    Without dbias no finish runs."""
+    from llmc import ops
+    monkeypatch.setattr(gw, "tensor_map", lambda *a: bytes(128))
+    rt = FakeRuntime()
+    N, C, OC = 4096, 3072, 768
+    launch = ops.get("matmul_backward").build(rt, 5, dtype, N=N, C=C, OC=OC, dgelu=True)
+    arrays = [rt.empty(s) for s in ((N, C), (OC, C), (N, OC), (N, C), (OC, C), (N, C), (C,))]
+    launch(*arrays)
+    names = [L.func for L in rt.launches]
+    sfx = "_bf16" if dtype == "bf16" else ""
+    want = (["transpose_kernel", "gemm_wgmma_tf32_n192_ts_dgelu", "gemm_wgmma_colsum_finish", "transpose_kernel"]
+            if dtype == "fp32" else ["gemm_wgmma_bf16_n192_bt_ts_dgelu_bf16", "gemm_wgmma_colsum_finish_bf16"])
+    assert names[:len(want)] == want and len(names) == len(want) + 1, names
+    assert arrays[-1].ptr in rt.launches[len(want) - (2 if dtype == "fp32" else 1)].args  # dbias to the finish
+    n0 = len(rt.launches)
+    launch(*arrays[:-1])
+    assert not any("colsum" in L.func for L in rt.launches[n0:]) and rt.launches[n0 + (1 if sfx == "" else 0)].args[5] == 0
+
+
 @pytest.mark.parametrize("kw,why", [(dict(beta=1.0), "beta = 0"), (dict(trans_c=True), "not transposed"),
                                     (dict(has_bias=True), "no bias"),
                                     (dict(dtype="bf16", out="bf16"), "dinp's layouts"),

@@ -244,14 +244,13 @@ def matmul_backward4(rt, N, C, OC, block_size=None):
     return Built(launch, plan=(g_dinp.plan, g_dw.plan))
 
 
-def _dgelu_launch(g_dinp_dg, dweight_part, prep=None):
+def _dgelu_form(g_dinp_dg, dweight_part, weight_b=None):
     """matmul_backward's dgelu form over an engine-5 build: launch(dinp, dweight, dout, inp, weight, pre,
     dbias=None): dinp = gelu'(pre) * (dout @ weight) from one GEMM epilogue (the bits of the plain
-    dinp then gelu_backward), dbias += dinp's column sums when given, then dweight as the plain form."""
+    dinp then gelu_backward), dbias += dinp's column sums when given, then dweight as the plain form.
+    weight_b(weight): the B operand of dinp's GEMM (TF32: weight^T, written into a scratch), else weight."""
     def launch(dinp, dweight, dout, inp, weight, pre, dbias=None):
-        if prep is not None:
-            prep(weight)
-        g_dinp_dg(dinp, dout, prep.wt if prep is not None else weight, pre, dbias)
+        g_dinp_dg(dinp, dout, weight_b(weight) if weight_b is not None else weight, pre, dbias)
         dweight_part(dweight, dout, inp)
     return launch
 
@@ -263,7 +262,7 @@ def matmul_backward5(rt, N, C, OC, block_size=None, dgelu=False):
     M-major straight from its rows into registers (engine 5's `_am` kernels), and the narrower one is
     transposed (N x min(C, OC) floats: one pass, 0.013 ms at N = 4096, C = 768 on the H100) into a
     K-major B. When inp is the wider (fcproj: C = 3072 > OC = 768) the GEMM computes dweight^T and
-    stores it transposed. dgelu=True: the fcproj layer's fused form (see _dgelu_launch): dinp's GEMM
+    stores it transposed. dgelu=True: the fcproj layer's fused form (see _dgelu_form): dinp's GEMM
     runs engine 5's dgelu instance (gelu_backward in its epilogue, the column sums for fc's bias)."""
     from llmc.ops.gemm_wgmma import transpose_build, wgmma_build
     wt = rt.empty((C, OC), np.float32)                       # weight^T
@@ -292,10 +291,10 @@ def matmul_backward5(rt, N, C, OC, block_size=None, dgelu=False):
         dweight_part(dweight, dout, inp)
 
     if dgelu:
-        def prep(weight):
+        def weight_t(weight):
             tr_w(wt, weight)
-        prep.wt = wt
-        return Built(_dgelu_launch(g_dinp, dweight_part, prep), plan=(g_dinp.plan, g_dw.plan))
+            return wt
+        return Built(_dgelu_form(g_dinp, dweight_part, weight_t), plan=(g_dinp.plan, g_dw.plan))
     return Built(launch, plan=(g_dinp.plan, g_dw.plan))
 
 
@@ -306,7 +305,7 @@ def matmul_backward5_bf16(rt, N, C, OC, block_size=None, dgelu=False):
     dweight (OC,C) += dout^T @ inp: A = dout as A^T (M-major), B = inp as B^T (N-major), K = N rows;
     split-K (fp32 partials, reduced in order) where the 128-wide tiles don't fill the GPU. Both round
     once: dinp on the store, dweight after adding the old bf16 gradient in fp32. dgelu=True: the fcproj
-    layer's fused form (see _dgelu_launch), on engine 5's dgelu instance."""
+    layer's fused form (see _dgelu_form), on engine 5's dgelu instance."""
     from llmc.ops.gemm_wgmma import wgmma_build
     g_dinp = wgmma_build(rt, "bf16", N, C, OC, ldb=C, b_major="n", out="bf16", dgelu=dgelu, colsum=dgelu)
     g_dw = wgmma_build(rt, "bf16", OC, C, N, lda=OC, ldb=C, ldc=C, beta=1.0, a_major="m", b_major="n", out="bf16")
@@ -315,7 +314,7 @@ def matmul_backward5_bf16(rt, N, C, OC, block_size=None, dgelu=False):
         g_dinp(dinp, dout, weight)
         g_dw(dweight, dout, inp)
     if dgelu:
-        return Built(_dgelu_launch(g_dinp, g_dw), plan=(g_dinp.plan, g_dw.plan))
+        return Built(_dgelu_form(g_dinp, g_dw), plan=(g_dinp.plan, g_dw.plan))
     return Built(launch, plan=(g_dinp.plan, g_dw.plan))
 
 
