@@ -974,3 +974,548 @@ flash_attention_backward_dkdv_kernel4_bf16_btc_pingpong(bf16* dinp, const CUtens
                                                         const float* Dbuf, int B, int NH, int T, float scale) {
     flash_backward_dkdv_wgmma<true, true>(dinp, tm, lse, Dbuf, B, NH, T, scale);
 }
+
+// ------------------------------------------------------------------------------------------------
+// The TF32 forward (fp32 in and out; attention_forward 4's fp32 build). Written 2026-11-26 without a
+// GPU (session 10): compiled, not yet run.
+//
+// TF32 wgmma reads both shared-memory operands K-major only (no transpose immediates), so:
+//   S = q k^T    A = q (64 rows x 64 dims), B = k (128 keys x 64 dims): both K-major (dims contiguous),
+//                each row 256 bytes, held as two 128-byte-swizzled halves (dims 0-31, 32-63): k-step
+//                ks (8 dims) is half ks / 4, +32 bytes per step inside it, as in GEMM engine 5's tf32.
+//   O += P v     A = P from registers (the scores' accumulators), B = v^T (64 dims x 128 keys, keys
+//                contiguous): a K-major v needs v transposed in global memory, which
+//                attention_vt_kernel writes from qkvr's v before the forward (vt, (B NH, 64, Tp)).
+// P from registers without shuffles: a tf32 A fragment of k-step j holds, per thread, rows g and g+8
+// of columns t and t+4 (g = lane/4, t = lane%4), while the scores' accumulators hold columns 2t and
+// 2t+1 of keys 8j..8j+7. A product over k does not care in which order its k run, as long as A's
+// columns and B's rows agree: so A's column t is key 8j + 2t and its column t + 4 key 8j + 2t + 1, and
+// vt stores each group of 8 keys in that order (position t <- key 2t, position t + 4 <- key 2t + 1;
+// vt_pos below). Tp = T rounded up to 8, keys T..Tp-1 stored as zeros (their p is 0: no NaN can
+// come in from padding). P is rounded to tf32 (cvt.rna) before the product; q, k, v are rounded by
+// the TMA as they are copied (the TFLOAT32 data type of the tensor maps).
+//
+// One CTA per (b, h, 128 query rows), as the bf16 plain kernel: a producer warpgroup loading q once
+// and k, vt tiles into a 2-stage ring, two consumer warpgroups of 64 query rows each, the online
+// softmax of the bf16 kernel (softmax_tile, rescale_o: the accumulator layouts are the same), out
+// and lse stored as attention_forward 2/3 do (lse (B,NH,T) in natural-log units, read by backward 2/3).
+constexpr int TF_ROW = 128;                          // bytes per swizzled row: 32 fp32
+constexpr int TF_Q_HALF = 64 * TF_ROW;               // 64 query rows x 32 dims: 8 KB
+constexpr int TF_Q_BYTES = 2 * 2 * TF_Q_HALF;        // 2 consumers x 2 halves: 32 KB
+constexpr int TF_K_HALF = BKV * TF_ROW;              // 128 keys x 32 dims: 16 KB
+constexpr int TF_VT_BOX = 64 * TF_ROW;               // 64 dims x 32 keys: 8 KB
+constexpr int TF_STAGE = 2 * TF_K_HALF + 4 * TF_VT_BOX;  // k (2 halves) then vt (4 boxes): 64 KB
+constexpr int TF_FWD_SMEM = 1024 + TF_Q_BYTES + STAGES * TF_STAGE + 8 * (1 + 2 * STAGES);
+static_assert(TF_FWD_SMEM <= 227 * 1024, "fits one SM's shared memory");
+
+// the position of key k in vt's rows (see above)
+__device__ __forceinline__ int vt_pos(int k) { return (k & ~7) | ((k & 1) << 2) | ((k & 7) >> 1); }
+
+// dst (BNH, 64, Tp) = x^T with each group of 8 rows (keys or queries) in vt_pos order, zeros past T,
+// for x = v, k, q (qkvr's parts, (B, NH, T, 64): head stride T*64, row stride 64) or dout ((B, T, C):
+// head stride 64, row stride C); batch stride NH*T*64 = T*C either way. Block (32, 8): 32 rows x 64
+// dims of one head through shared memory (both sides coalesced).
+extern "C" __global__ void attention_vt_kernel(float* dst, const float* x, int NH, int T, int Tp, int head_stride,
+                                               int row_stride) {
+    __shared__ float tile[32][HS + 1];
+    const int bh = blockIdx.y, b = bh / NH, h = bh % NH, k0 = blockIdx.x * 32, tx = threadIdx.x, ty = threadIdx.y;
+    const float* src = x + (size_t)b * T * NH * HS + (size_t)h * head_stride;
+    for (int r = ty; r < 32; r += 8) {
+        const int k = k0 + r;
+        tile[r][tx] = k < T ? src[(size_t)k * row_stride + tx] : 0.0f;
+        tile[r][tx + 32] = k < T ? src[(size_t)k * row_stride + tx + 32] : 0.0f;
+    }
+    __syncthreads();
+    const int k = k0 + tx, p = vt_pos(k);
+    if (p >= Tp) return;  // (k < Tp iff p < Tp: a group of 8 is all in or all out)
+    float* out = dst + (size_t)bh * HS * Tp;
+    for (int d = ty; d < HS; d += 8) out[(size_t)d * Tp + p] = tile[tx][d];
+}
+
+__device__ __forceinline__ uint32_t to_tf32(float x) {  // round to nearest (ties away), tf32 in an fp32 register
+    uint32_t y;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(y) : "f"(x));
+    return y;
+}
+
+// maps: 3 consecutive CUtensorMaps in global memory: q rows (qkvr's q, box 32 dims x 64 rows), k rows
+// (qkvr's k, box 32 x 128), vt (box 32 keys x 64 dims); out (B,T,C) fp32, lse (B,NH,T) fp32
+__device__ __forceinline__ void flash_forward_wgmma_tf32(float* out, float* lse, const CUtensorMap* maps, int B, int NH,
+                                                         int T, float scale) {
+    extern __shared__ unsigned char smem_raw[];
+    unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+    unsigned char* sq = smem;                    // consumer cw: half hf at sq + cw * 2 TF_Q_HALF + hf * TF_Q_HALF
+    unsigned char* skv = smem + TF_Q_BYTES;      // stage s: k halves, then vt boxes
+    uint64_t* q_full = reinterpret_cast<uint64_t*>(smem + TF_Q_BYTES + STAGES * TF_STAGE);
+    uint64_t* full = q_full + 1;
+    uint64_t* empty = full + STAGES;
+    const CUtensorMap* tq = maps;
+    const CUtensorMap* tk = maps + 1;
+    const CUtensorMap* tv = maps + 2;
+
+    const int bh = blockIdx.x, b = bh / NH, h = bh % NH;
+    const int qb = gridDim.y - 1 - blockIdx.y;  // the query blocks with the most key tiles first
+    const int q0 = qb * BQ;
+    const int nkt = qb + 1;                     // key tiles 0..qb; tile qb holds the diagonal
+
+    if (threadIdx.x == 0) mbar_init_pipeline(q_full, full, empty, STAGES, CONSUMER_WARPS);
+    __syncthreads();
+
+    const int wg = threadIdx.x / 128;
+    if (wg == 0) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
+        if (threadIdx.x == 0) {
+            tensormap_acquire(tq);
+            tensormap_acquire(tk);
+            tensormap_acquire(tv);
+            const int qslab = b * NH + h, kslab = (B + b) * NH + h;  // qkvr: q | k | v, each (B, NH, T, 64)
+            mbar_expect_tx(q_full, TF_Q_BYTES);
+#pragma unroll
+            for (int cw = 0; cw < 2; cw++)
+#pragma unroll
+                for (int hf = 0; hf < 2; hf++)
+                    tma_load_3d(sq + (2 * cw + hf) * TF_Q_HALF, tq, q_full, 32 * hf, q0 + 64 * cw, qslab);
+            for (int i = 0; i < nkt; i++) {
+                const int s = i % STAGES, use = i / STAGES;
+                mbar_wait(&empty[s], (use & 1) ^ 1);
+                mbar_expect_tx(&full[s], TF_STAGE);
+                unsigned char* st = skv + s * TF_STAGE;
+#pragma unroll
+                for (int hf = 0; hf < 2; hf++) tma_load_3d(st + hf * TF_K_HALF, tk, &full[s], 32 * hf, i * BKV, kslab);
+#pragma unroll
+                for (int c = 0; c < 4; c++)
+                    tma_load_3d(st + 2 * TF_K_HALF + c * TF_VT_BOX, tv, &full[s], i * BKV + 32 * c, 0, bh);
+            }
+        }
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
+
+    const int cw = wg - 1;  // consumer: query rows 64 cw .. 64 cw + 63 of the block
+    const int tid = threadIdx.x & 127, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int row0 = q0 + 64 * cw + 16 * warp + g;  // this thread's rows: row0 (h = 0), row0 + 8 (h = 1)
+    const float c2 = scale * LOG2E;                 // scores -> log2 units
+    const unsigned char* sqw = sq + cw * 2 * TF_Q_HALF;
+
+    float o[32];
+#pragma unroll
+    for (int i = 0; i < 32; i++) o[i] = 0.0f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    float sc[64];
+    float corr[2];
+
+    mbar_wait(q_full, 0);
+    for (int i = 0; i < nkt; i++) {
+        const unsigned char* st = skv + (i % STAGES) * TF_STAGE;
+        mbar_wait(&full[i % STAGES], (i / STAGES) & 1);
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < HS / 8; ks++)  // 8 k-steps of 8 dims: half ks / 4, 32 bytes a step inside it
+            wgmma_tf32_n128(sc, desc_k(sqw + (ks >> 2) * TF_Q_HALF + 32 * (ks & 3)),
+                            desc_k(st + (ks >> 2) * TF_K_HALF + 32 * (ks & 3)), ks > 0);
+        wgmma_commit();
+        wgmma_wait<0>();
+        keep_in_regs(sc);
+        softmax_tile(sc, m, l, corr, i == nkt - 1, i * BKV, row0, t, c2);
+        rescale_o(o, corr);
+        uint32_t pa[BKV / 8][4];  // k-step j: rows g, g+8 of keys 8j + 2t (columns t) and 8j + 2t + 1 (t + 4)
+#pragma unroll
+        for (int j = 0; j < BKV / 8; j++) {
+            pa[j][0] = to_tf32(sc[4 * j]);
+            pa[j][1] = to_tf32(sc[4 * j + 2]);
+            pa[j][2] = to_tf32(sc[4 * j + 1]);
+            pa[j][3] = to_tf32(sc[4 * j + 3]);
+        }
+        wgmma_fence();
+#pragma unroll
+        for (int j = 0; j < BKV / 8; j++)  // keys 8j..8j+7: vt box j / 4, 32 bytes a step inside it
+            wgmma_tf32_rs_n64(o, pa[j], desc_k(st + 2 * TF_K_HALF + (j >> 2) * TF_VT_BOX + 32 * (j & 3)), 1);
+        wgmma_commit();
+        wgmma_wait<0>();  // also: P's registers may be reused only after this
+        keep_in_regs(o);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&empty[i % STAGES]);
+    }
+
+    // out = O / l, lse = (m + log2 l) ln 2, of this thread's rows row0, row0 + 8
+    const int C = NH * HS;
+#pragma unroll
+    for (int hh = 0; hh < 2; hh++) {
+        const int row = row0 + 8 * hh;
+        float lr = l[hh];
+        lr += __shfl_xor_sync(0xffffffffu, lr, 1);
+        lr += __shfl_xor_sync(0xffffffffu, lr, 2);
+        if (row >= T) continue;
+        const float inv = 1.0f / lr;
+        float* dst = out + ((size_t)b * T + row) * C + h * HS + 2 * t;
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+            *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(o[4 * j + 2 * hh] * inv, o[4 * j + 2 * hh + 1] * inv);
+        if (t == 0) lse[((size_t)b * NH + h) * T + row] = (m[hh] + __log2f(lr)) * LN2;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+flash_attention_forward_kernel4_tf32(float* out, float* lse, const CUtensorMap* maps, int B, int NH, int T,
+                                     float scale) {
+    flash_forward_wgmma_tf32(out, lse, maps, B, NH, T, scale);
+}
+
+// ------------------------------------------------------------------------------------------------
+// The TF32 backward (attention_backward 4's fp32 build): the two kernels of the bf16 backward above
+// in TF32, written 2026-11-26 without a GPU (session 10): compiled, not yet run.
+//
+// In fp32 a 128-row tile is 32 KB, and every O-shape product needs its B transposed (TF32 wgmma reads
+// K-major shared memory only): dq += dS k needs k^T, dv += P^T dout needs dout^T, dk += dS^T q needs
+// q^T, each over the contracted positions in vt_pos order (the forward's trick: the S-shape
+// accumulators are the register A). Those come from attention_vt_kernel into scratch buffers (kt, qt,
+// dot: (B NH, 64, Tp)). So the swept tiles are 64 rows (k, v, kt: 48 KB a stage in dq; q, dout, qt,
+// dot: 64 KB in dk/dv), two stages, and the S-shapes are m64n64:
+//   dq kernel, CTA (bh, 128 query rows), key tiles of 64, 0 .. 2 qb + 1 (the last two hold the diagonal):
+//     S = q k^T, dP = dout v^T (m64n64 each), dS = P (dP - D), dq += dS k (B = kt's tile)
+//   dkdv kernel, CTA (bh, 128 keys), query tiles of 64 from the key block's first query on:
+//     S^T = k q^T, dP^T = v dout^T, P^T, dS^T per query column (lse, D staged per tile),
+//     dv += P^T dout (B = dot's tile), dk += dS^T q (B = qt's tile)
+// Everything else as in the bf16 kernels: D = rowsum(dout * out) written by the dq kernel (fp32
+// here), lse read in log2 units, no atomics, zero-filled rows past T masked.
+constexpr int TB_ROWS = 64;                              // rows of a swept tile
+constexpr int TB_HALF = TB_ROWS * TF_ROW;                // 64 rows x 32 fp32: 8 KB (a 128-byte-wide half)
+constexpr int TB_TILE = 2 * TB_HALF;                     // 64 rows x 64 fp32: 16 KB
+constexpr int TB_RES = 2 * TB_TILE;                      // a resident 128-row tile: 32 KB
+constexpr int TB_DQ_STAGE = 3 * TB_TILE;                 // k, v, kt
+constexpr int TB_DKDV_STAGE = 4 * TB_TILE;               // q, dout, qt, dot
+constexpr int TB_DQ_SMEM = 1024 + 2 * TB_RES + BWD_STAGES * TB_DQ_STAGE + 8 * (1 + 2 * BWD_STAGES);
+constexpr int TB_DKDV_SMEM = 1024 + 2 * TB_RES + BWD_STAGES * TB_DKDV_STAGE + 2 * 2 * 2 * TB_ROWS * 4 +
+                             8 * (1 + 2 * BWD_STAGES);
+static_assert(TB_DQ_SMEM <= 227 * 1024 && TB_DKDV_SMEM <= 227 * 1024, "fits one SM's shared memory");
+
+// S-shape, TF32: acc (64 x 64) = a (64 rows x 64 dims) b (64 rows x 64 dims)^T, both tiles as two
+// 128-byte-wide halves of 64 rows (8 KB apart): 8 k-steps of 8 dims
+__device__ __forceinline__ void issue_s_tf32(float (&acc)[32], const unsigned char* a, const unsigned char* b) {
+#pragma unroll
+    for (int ks = 0; ks < HS / 8; ks++)
+        wgmma_tf32_n64(acc, desc_k(a + (ks >> 2) * TB_HALF + 32 * (ks & 3)), desc_k(b + (ks >> 2) * TB_HALF + 32 * (ks & 3)),
+                       ks > 0);
+}
+
+// an S-shape accumulator (64 x 64 positions) as the tf32 A fragments of an O-shape (see the forward)
+__device__ __forceinline__ void pack_a_tf32(uint32_t (&a)[8][4], const float (&x)[32]) {
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        a[j][0] = to_tf32(x[4 * j]);
+        a[j][1] = to_tf32(x[4 * j + 2]);
+        a[j][2] = to_tf32(x[4 * j + 1]);
+        a[j][3] = to_tf32(x[4 * j + 3]);
+    }
+}
+
+// O-shape, TF32: acc (64 x 64 dims) += A (64 x 64 positions, registers) B, B = a transposed tile (64 dims
+// x 64 positions in vt_pos order) as two boxes of 32 positions (8 KB apart)
+__device__ __forceinline__ void issue_o_tf32(float (&acc)[32], const uint32_t (&a)[8][4], const unsigned char* bt) {
+#pragma unroll
+    for (int j = 0; j < 8; j++) wgmma_tf32_rs_n64(acc, a[j], desc_k(bt + (j >> 2) * TB_HALF + 32 * (j & 3)), 1);
+}
+
+// maps: [0] qkvr (64 dims, T, 3 B NH) box (32, 64, 1); [1] dout (64 dims, NH, T, B) box (32, 1, 64, 1);
+// [2] kt (Tp, 64, B NH) box (32, 64, 1)
+__device__ __forceinline__ void flash_backward_dq_wgmma_tf32(float* dinp, float* Dbuf, const float* dout, const float* out,
+                                                             const CUtensorMap* maps, const float* lse, int B, int NH,
+                                                             int T, float scale) {
+    extern __shared__ unsigned char smem_bwd[];
+    unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_bwd) + 1023) & ~uintptr_t(1023));
+    unsigned char* sq = smem;                // consumer cw's 64 rows: sq + cw * TB_TILE (two halves)
+    unsigned char* sdo = smem + TB_RES;      // the same for dout
+    unsigned char* skv = smem + 2 * TB_RES;  // stage s: k, v, kt tiles, TB_TILE apart
+    uint64_t* qd_full = reinterpret_cast<uint64_t*>(skv + BWD_STAGES * TB_DQ_STAGE);
+    uint64_t* full = qd_full + 1;
+    uint64_t* empty = full + BWD_STAGES;
+    const CUtensorMap* tqkv = maps;
+    const CUtensorMap* tdo = maps + 1;
+    const CUtensorMap* tkt = maps + 2;
+
+    const int C = NH * HS;
+    const int bh = blockIdx.x, b = bh / NH, h = bh % NH;
+    const int qb = gridDim.y - 1 - blockIdx.y;  // the query blocks with the most key tiles first
+    const int q0 = qb * BQ;
+    const int nkt = 2 * qb + 2;                 // key tiles of 64: 0 .. 2 qb + 1; the last two hold the diagonal
+
+    if (threadIdx.x == 0) mbar_init_pipeline(qd_full, full, empty, BWD_STAGES, CONSUMER_WARPS);
+    __syncthreads();
+
+    const int wg = threadIdx.x / 128;
+    if (wg == 0) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
+        if (threadIdx.x == 0) {
+            tensormap_acquire(tqkv);
+            tensormap_acquire(tdo);
+            tensormap_acquire(tkt);
+            const int qslab = b * NH + h, kslab = (B + b) * NH + h, vslab = (2 * B + b) * NH + h;
+            mbar_expect_tx(qd_full, 2 * TB_RES);
+#pragma unroll
+            for (int cw = 0; cw < 2; cw++)
+#pragma unroll
+                for (int hf = 0; hf < 2; hf++) {
+                    tma_load_3d(sq + cw * TB_TILE + hf * TB_HALF, tqkv, qd_full, 32 * hf, q0 + 64 * cw, qslab);
+                    tma_load_4d(sdo + cw * TB_TILE + hf * TB_HALF, tdo, qd_full, 32 * hf, h, q0 + 64 * cw, b);
+                }
+            for (int i = 0; i < nkt; i++) {
+                const int s = i % BWD_STAGES, use = i / BWD_STAGES;
+                mbar_wait(&empty[s], (use & 1) ^ 1);
+                mbar_expect_tx(&full[s], TB_DQ_STAGE);
+                unsigned char* st = skv + s * TB_DQ_STAGE;
+#pragma unroll
+                for (int hf = 0; hf < 2; hf++) {
+                    tma_load_3d(st + hf * TB_HALF, tqkv, &full[s], 32 * hf, i * TB_ROWS, kslab);                // k
+                    tma_load_3d(st + TB_TILE + hf * TB_HALF, tqkv, &full[s], 32 * hf, i * TB_ROWS, vslab);      // v
+                    tma_load_3d(st + 2 * TB_TILE + hf * TB_HALF, tkt, &full[s], i * TB_ROWS + 32 * hf, 0, bh);  // kt
+                }
+            }
+        }
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
+
+    const int cw = wg - 1;  // consumer: query rows 64 cw .. 64 cw + 63 of the block
+    const int tid = threadIdx.x & 127, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int row0 = q0 + 64 * cw + 16 * warp + g;  // this thread's rows: row0 (h = 0), row0 + 8 (h = 1)
+    const float c2 = scale * LOG2E;
+    const unsigned char* sqw = sq + cw * TB_TILE;
+    const unsigned char* sdow = sdo + cw * TB_TILE;
+
+    // D and lse (log2 units) of this thread's two rows, while the TMA brings q and dout: the 4 lanes of
+    // a quad share a row, lane t sums dims 16t..16t+15, then the quad adds up
+    float Dr[2], lr[2];
+#pragma unroll
+    for (int hh = 0; hh < 2; hh++) {
+        const int row = row0 + 8 * hh;
+        float d = 0.0f;
+        if (row < T) {
+            const size_t off = ((size_t)b * T + row) * C + h * HS + 16 * t;
+#pragma unroll
+            for (int u = 0; u < 4; u++) {
+                const float4 x = *reinterpret_cast<const float4*>(dout + off + 4 * u);
+                const float4 y = *reinterpret_cast<const float4*>(out + off + 4 * u);
+                d = fmaf(x.x, y.x, d);
+                d = fmaf(x.y, y.y, d);
+                d = fmaf(x.z, y.z, d);
+                d = fmaf(x.w, y.w, d);
+            }
+        }
+        d += __shfl_xor_sync(0xffffffffu, d, 1);
+        d += __shfl_xor_sync(0xffffffffu, d, 2);
+        Dr[hh] = d;
+        lr[hh] = row < T ? lse[(size_t)bh * T + row] * LOG2E : 0.0f;
+        if (row < T && t == 0) Dbuf[(size_t)bh * T + row] = d;
+    }
+
+    float dq[32];
+#pragma unroll
+    for (int i = 0; i < 32; i++) dq[i] = 0.0f;
+    float sc[32], dp[32];
+    uint32_t da[8][4];
+    mbar_wait(qd_full, 0);
+    for (int i = 0; i < nkt; i++) {
+        const unsigned char* st = skv + (i % BWD_STAGES) * TB_DQ_STAGE;
+        mbar_wait(&full[i % BWD_STAGES], (i / BWD_STAGES) & 1);
+        wgmma_fence();
+        issue_s_tf32(sc, sqw, st);             // S = q k^T
+        issue_s_tf32(dp, sdow, st + TB_TILE);  // dP = dout v^T
+        wgmma_commit();
+        wgmma_wait<0>();
+        keep_in_regs(sc);
+        keep_in_regs(dp);
+        // dS = P (dP - D), P = 2^(c2 S - lse log2e); on the last two tiles keys > row are masked (keys
+        // >= T too: > every row < T). Register 4j + e: row row0 + 8 (e >> 1), key 64 i + 8j + 2t + (e & 1)
+        const bool diag = i >= nkt - 2;
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int hh = e >> 1;
+                float p = ex2(fmaf(sc[4 * j + e], c2, -lr[hh]));
+                if (diag && i * TB_ROWS + 8 * j + 2 * t + (e & 1) > row0 + 8 * hh) p = 0.0f;
+                sc[4 * j + e] = p * (dp[4 * j + e] - Dr[hh]);
+            }
+        pack_a_tf32(da, sc);
+        wgmma_fence();
+        issue_o_tf32(dq, da, st + 2 * TB_TILE);  // dq += dS k (kt's tile)
+        wgmma_commit();
+        wgmma_wait<0>();
+        keep_in_regs(dq);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&empty[i % BWD_STAGES]);
+    }
+
+    // dq * scale -> dinp[..., 0:C] (register 4j + 2h + c at row row0 + 8h, dim 8j + 2t + c)
+#pragma unroll
+    for (int hh = 0; hh < 2; hh++) {
+        const int row = row0 + 8 * hh;
+        if (row >= T) continue;
+        float* dst = dinp + ((size_t)b * T + row) * 3 * C + h * HS + 2 * t;
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+            *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(dq[4 * j + 2 * hh] * scale, dq[4 * j + 2 * hh + 1] * scale);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+flash_attention_backward_dq_kernel4_tf32(float* dinp, float* Dbuf, const float* dout, const float* out,
+                                         const CUtensorMap* maps, const float* lse, int B, int NH, int T, float scale) {
+    flash_backward_dq_wgmma_tf32(dinp, Dbuf, dout, out, maps, lse, B, NH, T, scale);
+}
+
+// maps: [0] qkvr, [1] dout (as the dq kernel), [2] qt, [3] dot (Tp, 64, B NH) box (32, 64, 1)
+__device__ __forceinline__ void flash_backward_dkdv_wgmma_tf32(float* dinp, const CUtensorMap* maps, const float* lse,
+                                                               const float* Dbuf, int B, int NH, int T, float scale) {
+    extern __shared__ unsigned char smem_bwd[];
+    unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_bwd) + 1023) & ~uintptr_t(1023));
+    unsigned char* sk = smem;                  // consumer cw's 64 keys: sk + cw * TB_TILE (two halves)
+    unsigned char* sv = smem + TB_RES;
+    unsigned char* sqd = smem + 2 * TB_RES;    // stage s: q, dout, qt, dot tiles, TB_TILE apart
+    float* rows = reinterpret_cast<float*>(sqd + BWD_STAGES * TB_DKDV_STAGE);  // [consumer][buffer][lse | D] x 64
+    uint64_t* kv_full = reinterpret_cast<uint64_t*>(rows + 2 * 2 * 2 * TB_ROWS);
+    uint64_t* full = kv_full + 1;
+    uint64_t* empty = full + BWD_STAGES;
+    const CUtensorMap* tqkv = maps;
+    const CUtensorMap* tdo = maps + 1;
+    const CUtensorMap* tqt = maps + 2;
+    const CUtensorMap* tdot = maps + 3;
+
+    const int C = NH * HS;
+    const int bh = blockIdx.x, b = bh / NH, h = bh % NH;
+    const int kb = blockIdx.y;                  // key block 0 has the most query tiles: it starts first
+    const int k0 = kb * BKV;
+    const int nq = (T + TB_ROWS - 1) / TB_ROWS; // query tiles of 64 in a head
+    const int it0 = 2 * kb, nt = nq - it0;      // query tiles it0 .. nq - 1 (the first two hold the diagonal)
+
+    if (threadIdx.x == 0) mbar_init_pipeline(kv_full, full, empty, BWD_STAGES, CONSUMER_WARPS);
+    __syncthreads();
+
+    const int wg = threadIdx.x / 128;
+    if (wg == 0) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
+        if (threadIdx.x == 0) {
+            tensormap_acquire(tqkv);
+            tensormap_acquire(tdo);
+            tensormap_acquire(tqt);
+            tensormap_acquire(tdot);
+            const int qslab = b * NH + h, kslab = (B + b) * NH + h, vslab = (2 * B + b) * NH + h;
+            mbar_expect_tx(kv_full, 2 * TB_RES);
+#pragma unroll
+            for (int cw = 0; cw < 2; cw++)
+#pragma unroll
+                for (int hf = 0; hf < 2; hf++) {
+                    tma_load_3d(sk + cw * TB_TILE + hf * TB_HALF, tqkv, kv_full, 32 * hf, k0 + 64 * cw, kslab);
+                    tma_load_3d(sv + cw * TB_TILE + hf * TB_HALF, tqkv, kv_full, 32 * hf, k0 + 64 * cw, vslab);
+                }
+            for (int i = 0; i < nt; i++) {
+                const int s = i % BWD_STAGES, use = i / BWD_STAGES, r0 = (it0 + i) * TB_ROWS;
+                mbar_wait(&empty[s], (use & 1) ^ 1);
+                mbar_expect_tx(&full[s], TB_DKDV_STAGE);
+                unsigned char* st = sqd + s * TB_DKDV_STAGE;
+#pragma unroll
+                for (int hf = 0; hf < 2; hf++) {
+                    tma_load_3d(st + hf * TB_HALF, tqkv, &full[s], 32 * hf, r0, qslab);                   // q
+                    tma_load_4d(st + TB_TILE + hf * TB_HALF, tdo, &full[s], 32 * hf, h, r0, b);           // dout
+                    tma_load_3d(st + 2 * TB_TILE + hf * TB_HALF, tqt, &full[s], r0 + 32 * hf, 0, bh);     // qt
+                    tma_load_3d(st + 3 * TB_TILE + hf * TB_HALF, tdot, &full[s], r0 + 32 * hf, 0, bh);    // dot
+                }
+            }
+        }
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
+
+    const int cw = wg - 1;  // consumer: keys 64 cw .. 64 cw + 63 of the block
+    const int tid = threadIdx.x & 127, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int key0 = k0 + 64 * cw + 16 * warp + g;  // this thread's keys: key0 (h = 0), key0 + 8 (h = 1)
+    const float c2 = scale * LOG2E;
+    const unsigned char* skw = sk + cw * TB_TILE;
+    const unsigned char* svw = sv + cw * TB_TILE;
+    float* myrows = rows + cw * 2 * 2 * TB_ROWS;  // this warpgroup's two buffers of a tile's lse, D
+    const float* lseh = lse + (size_t)bh * T;
+    const float* Dh = Dbuf + (size_t)bh * T;
+
+    // threads 0..63: one query of the tile each, its lse (log2 units) and D, 0 past T; a tile ahead
+    auto load_rows = [&](int i, float& l, float& d) {
+        const int qpos = (it0 + i) * TB_ROWS + tid;
+        l = tid < TB_ROWS && qpos < T ? lseh[qpos] * LOG2E : 0.0f;
+        d = tid < TB_ROWS && qpos < T ? Dh[qpos] : 0.0f;
+    };
+    float l_next, d_next;
+    load_rows(0, l_next, d_next);
+
+    float dk[32], dv[32];
+#pragma unroll
+    for (int i = 0; i < 32; i++) dk[i] = dv[i] = 0.0f;
+    float sc[32], dp[32];
+    uint32_t pa[8][4], da[8][4];
+    mbar_wait(kv_full, 0);
+    for (int i = 0; i < nt; i++) {
+        // this tile's lse, D into buffer i & 1 (its last readers, tile i - 2, are past tile i - 1's barrier)
+        float* r = myrows + (i & 1) * 2 * TB_ROWS;
+        if (tid < TB_ROWS) {
+            r[tid] = l_next;
+            r[TB_ROWS + tid] = d_next;
+        }
+        if (i + 1 < nt) load_rows(i + 1, l_next, d_next);
+        wg_barrier(1 + cw);
+
+        const unsigned char* st = sqd + (i % BWD_STAGES) * TB_DKDV_STAGE;
+        mbar_wait(&full[i % BWD_STAGES], (i / BWD_STAGES) & 1);
+        wgmma_fence();
+        issue_s_tf32(sc, skw, st);            // S^T = k q^T
+        issue_s_tf32(dp, svw, st + TB_TILE);  // dP^T = v dout^T
+        wgmma_commit();
+        wgmma_wait<0>();
+        keep_in_regs(sc);
+        keep_in_regs(dp);
+        // P^T per column (query), dS^T = P^T (dP^T - D). Masked: queries < key (the first two tiles) and
+        // queries >= T (zero-filled). Register 4j + e: key key0 + 8 (e >> 1), query q0 + 8j + 2t + (e & 1)
+        const int q0 = (it0 + i) * TB_ROWS;
+        const bool mask = i < 2 || i == nt - 1;
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            const float2 lq = *reinterpret_cast<const float2*>(r + 8 * j + 2 * t);
+            const float2 dd = *reinterpret_cast<const float2*>(r + TB_ROWS + 8 * j + 2 * t);
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int c = e & 1, qpos = q0 + 8 * j + 2 * t + c;
+                float p = ex2(fmaf(sc[4 * j + e], c2, -(c ? lq.y : lq.x)));
+                if (mask && (qpos < key0 + 8 * (e >> 1) || qpos >= T)) p = 0.0f;
+                sc[4 * j + e] = p;
+                dp[4 * j + e] = p * (dp[4 * j + e] - (c ? dd.y : dd.x));
+            }
+        }
+        pack_a_tf32(pa, sc);
+        pack_a_tf32(da, dp);
+        wgmma_fence();
+        issue_o_tf32(dv, pa, st + 3 * TB_TILE);  // dv += P^T dout (dot's tile)
+        issue_o_tf32(dk, da, st + 2 * TB_TILE);  // dk += dS^T q (qt's tile)
+        wgmma_commit();
+        wgmma_wait<0>();
+        keep_in_regs(dv);
+        keep_in_regs(dk);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&empty[i % BWD_STAGES]);
+    }
+
+    // dk * scale -> dinp[..., C:2C], dv -> dinp[..., 2C:3C]
+#pragma unroll
+    for (int hh = 0; hh < 2; hh++) {
+        const int key = key0 + 8 * hh;
+        if (key >= T) continue;
+        float* dst = dinp + ((size_t)b * T + key) * 3 * C + h * HS + 2 * t;
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            *reinterpret_cast<float2*>(dst + C + 8 * j) = make_float2(dk[4 * j + 2 * hh] * scale, dk[4 * j + 2 * hh + 1] * scale);
+            *reinterpret_cast<float2*>(dst + 2 * C + 8 * j) = make_float2(dv[4 * j + 2 * hh], dv[4 * j + 2 * hh + 1]);
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+flash_attention_backward_dkdv_kernel4_tf32(float* dinp, const CUtensorMap* maps, const float* lse, const float* Dbuf,
+                                           int B, int NH, int T, float scale) {
+    flash_backward_dkdv_wgmma_tf32(dinp, maps, lse, Dbuf, B, NH, T, scale);
+}

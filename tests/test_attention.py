@@ -197,7 +197,7 @@ def test_declared_scratch_is_what_the_builds_allocate(B, T, C, NH, monkeypatch):
                     continue
                 rt = FakeRuntime()
                 spec.build(rt, num, dtype, **shape)
-                assert rt.allocated_bytes == v.scratch_bytes(**shape), (name, num, dtype, shape)
+                assert rt.allocated_bytes == v.scratch_bytes(**shape, dtype=dtype), (name, num, dtype, shape)
 
 
 def test_decode_cpu_launchers(rng):
@@ -442,6 +442,63 @@ def test_flash_attention_gpu(rt, B, T, C, NH, version):
     poison(d_dinp)
     bwd(d_dinp, d_dout, d_qkvr, d_lse, d_out)
     assert np.array_equal(d_dinp.get(), dinp), "flash backward is not deterministic"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,T,C,NH", FLASH_SHAPES)
+def test_flash_attention_wgmma_tf32_gpu(rt, B, T, C, NH):
+    """attention 4's fp32 builds (TF32 wgmma; v, and in the backward k, q, dout, transposed by
+    attention_vt_kernel with each group of 8 rows reordered for the register A): forward out and lse
+    against float64 with TF32's tolerance, every element written (poisoned first), qkvr the exact
+    permute; backward 3 on its lse and out gives the reference gradients, and so does backward 4's
+    fp32 build; second runs are bit-identical."""
+    if rt.arch != "sm_90":
+        pytest.skip(f"attention 4 needs sm_90a (this GPU is {rt.arch})")
+    rng = np.random.default_rng(B * 1000 + T + 11)
+    fwd = ops.get("attention_forward").build(rt, 4, "fp32", B=B, T=T, C=C, NH=NH)
+    bwd = ops.get("attention_backward").build(rt, 3, B=B, T=T, C=C, NH=NH)
+    inp = rng.standard_normal((B, T, 3 * C)).astype(np.float32)
+    dout = rng.standard_normal((B, T, C)).astype(np.float32)
+    inp64 = inp.astype(np.float64)
+    out64, qkvr64, att64 = A.attention_forward_ref(inp64, NH)
+    lse64 = A.attention_lse_ref(inp64, NH)
+    d_inp, d_dout = rt.to_device(inp), rt.to_device(dout)
+    d_out, d_qkvr, d_lse = rt.empty((B, T, C)), rt.empty((B, T, 3 * C)), rt.empty(fwd.saved_shape)
+    d_dinp = rt.empty((B, T, 3 * C))
+    assert fwd.saved_shape == bwd.saved_shape == (B, NH, T)
+    poison(d_out, d_qkvr, d_lse, d_dinp, *fwd.scratch.values(), *bwd.scratch.values())
+    fwd(d_out, d_qkvr, d_lse, d_inp)
+    out, qkvr, lse = d_out.get(), d_qkvr.get(), d_lse.get()
+    assert_close(qkvr, qkvr64, 0, 0, "qkvr")
+    for name, got, ref in (("out", out, out64), ("lse", lse, lse64)):
+        assert np.isfinite(got).all(), f"{name}: unwritten (NaN) elements"
+        assert rel_err(got, ref) < TF32_REL, f"{name}: rel_err {rel_err(got, ref):.2e}"
+    assert_close(lse, lse64, atol=1e-2, rtol=1e-3, name="lse")
+    bwd(d_dinp, d_dout, d_qkvr, d_lse, d_out)
+    dinp = d_dinp.get()
+    ref = A.attention_backward_ref(dout.astype(np.float64), qkvr.astype(np.float64), att64, NH)
+    for i, part in enumerate(("dq", "dk", "dv")):
+        got, want = dinp[..., i * C:(i + 1) * C], ref[..., i * C:(i + 1) * C]
+        err = np.linalg.norm(got - want) / max(np.linalg.norm(want), 0.1 * np.linalg.norm(ref))
+        assert err < TF32_REL, f"{part}: relative error {err:.2e}"
+    poison(d_out, d_lse)
+    fwd(d_out, d_qkvr, d_lse, d_inp)
+    assert np.array_equal(d_out.get(), out) and np.array_equal(d_lse.get(), lse), "not deterministic"
+    # backward 4's fp32 build (TF32 wgmma) on the same lse and out: the reference gradients, every
+    # element written, the same bits on a second run
+    bwd4 = ops.get("attention_backward").build(rt, 4, "fp32", B=B, T=T, C=C, NH=NH)
+    for _ in range(2):
+        poison(d_dinp, *bwd4.scratch.values())
+        bwd4(d_dinp, d_dout, d_qkvr, d_lse, d_out)
+        dinp4 = d_dinp.get()
+        assert np.isfinite(dinp4).all(), "backward 4 tf32: unwritten (NaN) elements"
+        for i, part in enumerate(("dq", "dk", "dv")):
+            got, want = dinp4[..., i * C:(i + 1) * C], ref[..., i * C:(i + 1) * C]
+            err = np.linalg.norm(got - want) / max(np.linalg.norm(want), 0.1 * np.linalg.norm(ref))
+            assert err < TF32_REL, f"backward 4 tf32 {part}: relative error {err:.2e}"
+        if _ == 0:
+            first = dinp4
+    assert np.array_equal(first, dinp4), "backward 4 tf32 is not deterministic"
 
 
 # bf16 builds of the fused variants. Inputs are bf16 values (round_bf16), so the float64 reference
@@ -849,13 +906,19 @@ def test_bf16_flash_fragment_mapping(rng):
 # attention_forward 4: Hopper wgmma + TMA, bf16 only (cuda/attention_wgmma.cu)
 
 
-def test_wgmma_forward_variant_declares_bf16_sm90_only():
+def test_wgmma_forward_variant_declares_bf16_and_tf32_sm90_only():
     v = ops.get("attention_forward").variants[4]
-    assert v.dtypes == ("bf16",) and v.arch == "sm_90"
+    assert v.dtypes == ("fp32", "bf16") and v.arch == "sm_90"
     spec = ops.get("attention_forward")
     assert spec.refuse_reason(4, "bf16", "sm_90", B=4, T=1024, C=768, NH=12) is None
     assert spec.refuse_reason(4, "bf16", "sm_90", B=1, T=1, C=64, NH=1) is None
-    assert "no fp32 kernels" in spec.refuse_reason(4, "fp32", "sm_90", B=1, T=8, C=64, NH=1)
+    assert spec.refuse_reason(4, "fp32", "sm_90", B=1, T=8, C=64, NH=1) is None  # the TF32 build
+    back = ops.get("attention_backward")
+    assert back.variants[4].dtypes == ("fp32", "bf16")
+    assert back.refuse_reason(4, "fp32", "sm_90", B=1, T=8, C=64, NH=1) is None
+    for op in (spec, back):  # the TF32 builds read the permuted qkvr only
+        assert "qkv_in_place" in op.refuse_reason(4, "fp32", "sm_90", B=1, T=8, C=64, NH=1, qkv_in_place=True)
+        assert op.refuse_reason(4, "bf16", "sm_90", B=1, T=8, C=64, NH=1, qkv_in_place=True) is None
     assert "sm_90" in spec.refuse_reason(4, "bf16", "sm_80", B=1, T=8, C=64, NH=1)
     assert "head size" in spec.refuse_reason(4, "bf16", "sm_90", B=2, T=65, C=96, NH=3)
     # it keeps what backward 2/3 read (the log-sum-exp), so they can run on its output
@@ -1022,20 +1085,22 @@ def test_wgmma_persistent_walk_takes_every_block_once():
 # attention_backward 4: Hopper wgmma + TMA, bf16 only (cuda/attention_wgmma.cu)
 
 
-def test_wgmma_backward_variant_declares_bf16_sm90_only():
+def test_wgmma_backward_variant_declares_tf32_and_bf16_sm90_only():
     spec = ops.get("attention_backward")
     v = spec.variants[4]
-    assert v.dtypes == ("bf16",) and v.arch == "sm_90"
+    assert v.dtypes == ("fp32", "bf16") and v.arch == "sm_90"
     assert spec.refuse_reason(4, "bf16", "sm_90", B=4, T=1024, C=768, NH=12) is None
     assert spec.refuse_reason(4, "bf16", "sm_90", B=1, T=1, C=64, NH=1) is None
-    assert "no fp32 kernels" in spec.refuse_reason(4, "fp32", "sm_90", B=1, T=8, C=64, NH=1)
+    assert spec.refuse_reason(4, "fp32", "sm_90", B=1, T=8, C=64, NH=1) is None
     assert "sm_90" in spec.refuse_reason(4, "bf16", "sm_80", B=1, T=8, C=64, NH=1)
     assert "head size" in spec.refuse_reason(4, "bf16", "sm_90", B=2, T=65, C=96, NH=3)
-    # it reads what forward 2, 3, 4 keep (the log-sum-exp) and has backward 3's scratch (D)
+    # it reads what forward 2, 3, 4 keep (the log-sum-exp) and has backward 3's scratch (D); the fp32
+    # build also k, q and dout transposed, (B*NH, 64, T rounded up to 8) each
     shape = dict(B=2, T=65, C=128, NH=2)
     fwd = ops.get("attention_forward")
     assert all(spec.saved_shape(4, **shape) == fwd.saved_shape(n, **shape) == (2, 2, 65) for n in (2, 3, 4))
-    assert v.scratch_bytes(**shape) == spec.variants[3].scratch_bytes(**shape) == 4 * 2 * 2 * 65
+    assert v.scratch_bytes(**shape, dtype="bf16") == spec.variants[3].scratch_bytes(**shape) == 4 * 2 * 2 * 65
+    assert v.scratch_bytes(**shape, dtype="fp32") == 4 * 2 * 2 * 65 + 3 * 4 * 2 * 2 * 64 * 72
 
 
 def test_wgmma_backward_builds(monkeypatch):
@@ -1327,3 +1392,27 @@ def test_attention_kv_fill_gpu(rt, B, T, C, NH, maxT, dtype):
     got_k, got_v = host(d_kc.get()), host(d_vc.get())
     assert np.array_equal(got_k[:, :, :T], k) and np.array_equal(got_v[:, :, :T], v)
     assert np.isnan(got_k[:, :, T:]).all() and np.isnan(got_v[:, :, T:]).all()
+
+
+def test_wgmma_tf32_builds_launch_in_order(monkeypatch):
+    """attention 4's fp32 builds on the fake runtime (entry points, argtypes against the PTX, argument
+    counts, shared memory within the device's): the forward permutes, transposes v, runs the TF32
+    kernel; the backward transposes k, q and dout, then the dq and dk/dv kernels, every call."""
+    from tests.fake_runtime import FakeRuntime
+    monkeypatch.setattr(A, "_bf16_tensor_map", lambda *a, **k: bytes(128))
+    rt = FakeRuntime()
+    B, T, C, NH = 2, 200, 128, 2
+    fwd = ops.get("attention_forward").build(rt, 4, "fp32", B=B, T=T, C=C, NH=NH)
+    bwd = ops.get("attention_backward").build(rt, 4, "fp32", B=B, T=T, C=C, NH=NH)
+    inp, qkvr, out, dout, dinp = (rt.empty(s) for s in ((B, T, 3 * C), (B, T, 3 * C), (B, T, C), (B, T, C), (B, T, 3 * C)))
+    lse = rt.empty((B, NH, T))
+    for _ in range(2):
+        fwd(out, qkvr, lse, inp)
+        bwd(dinp, dout, qkvr, lse, out)
+    names = [L.func for L in rt.launches]
+    one = ["permute_kernel2", "attention_vt_kernel", "flash_attention_forward_kernel4_tf32",
+           "attention_vt_kernel", "attention_vt_kernel", "attention_vt_kernel",
+           "flash_attention_backward_dq_kernel4_tf32", "flash_attention_backward_dkdv_kernel4_tf32"]
+    assert names == one + one, names
+    assert sum(1 for L in rt.launches if L.func == "flash_attention_forward_kernel4_tf32") == 2
+    assert set(bwd.scratch) == {"D", "kt", "qt", "dot"} and bwd.scratch["kt"].shape == (B * NH, 64, 200)

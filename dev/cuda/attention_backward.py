@@ -77,6 +77,15 @@ for version in ((2, 3) if "fp32" in DTYPES else ()):
     L.validate(label, fn, outputs={"dinp": d_dinp}, refs={"dinp": ref}, atol=2e-3 * scale, rtol=2e-2)
     print(f"    rel_err dinp {rel_err(d_dinp.get(), ref):.2e}")
     L.time(label, fn, flops=7 * 2 * B * NH * (nt * (nt + 1) // 2) * 64 * 64 * hs, ceiling="tf32")
+# attention_backward 4's fp32 build: TF32 wgmma + TMA (Hopper), k, q, dout transposed first
+if "fp32" in DTYPES and rt.arch == "sm_90":
+    scale = float(np.abs(ref).max())
+    flash = A.build_flash_attention_backward_wgmma_tf32(rt, B=B, T=T, C=C, NH=NH).launch
+    fn = lambda: flash(d_dinp, d_dout, d_qkvr, d_lse, d_outf)  # noqa: E731
+    label = "attention_backward 4 (flash wgmma + TMA, TF32)"
+    L.validate(label, fn, outputs={"dinp": d_dinp}, refs={"dinp": ref}, atol=2e-3 * scale, rtol=2e-2)
+    print(f"    rel_err dinp {rel_err(d_dinp.get(), ref):.2e}")
+    L.time(label, fn, flops=7 * 2 * B * NH * (nt * (nt + 1) // 2) * 64 * 64 * hs, ceiling="tf32")
 
 # the bf16 builds of 2 and 3: dinp, dout, qkvr, out bf16; lse and the scratch D fp32. Inputs are
 # bf16 values, out and lse the exact forward's (out rounded to bf16): the check isolates backward.

@@ -1,7 +1,7 @@
 """Kernel lab: attention forward at the trainer's shape, B=4, T=1024, C=768, NH=12: variant 1, the
 composite (permute, q k^T, causal softmax, att v, unpermute), and variants 2, 3, the fused (flash)
 kernels, in TF32 and in their bf16 builds (bf16 mma.sync m16n8k16; inp/qkvr/out bf16, lse fp32),
-and variant 4, the Hopper wgmma + TMA kernel (bf16 only, sm_90a), with torch SDPA (fp32 and bf16
+and variant 4, the Hopper wgmma + TMA kernel (sm_90a; bf16, and its TF32 build), with torch SDPA (fp32 and bf16
 flash) as reference lines.
 
     python dev/cuda/attention_forward.py          # default softmax variant at several causal_chunks
@@ -75,6 +75,17 @@ for version in (2, 3) if "fp32" in DTYPES else ():
                refs={"out": out64, "qkvr": qkvr64, "lse": lse64}, atol=5e-3, rtol=2e-2)
     print(f"    rel_err out {rel_err(d_out.get(), out64):.2e}  lse {rel_err(d_lse.get(), lse64):.2e}")
     L.time(label, fn, flops=FUSED_FLOPS, ceiling="tf32")
+# attention_forward 4's fp32 build: TF32 wgmma + TMA (Hopper), v transposed first (its own row below)
+if "fp32" in DTYPES and rt.arch == "sm_90":
+    flash = A.build_flash_attention_forward_wgmma_tf32(rt, B=B, T=T, C=C, NH=NH)
+    fn = lambda: flash(d_out, d_qkvr, d_lse, d_inp)  # noqa: E731
+    label = "attention_forward 4 (flash wgmma + TMA, TF32)"
+    L.validate(label, fn, outputs={"out": d_out, "qkvr": d_qkvr, "lse": d_lse},
+               refs={"out": out64, "qkvr": qkvr64, "lse": lse64}, atol=5e-3, rtol=2e-2)
+    print(f"    rel_err out {rel_err(d_out.get(), out64):.2e}  lse {rel_err(d_lse.get(), lse64):.2e}")
+    L.time(label, fn, flops=FUSED_FLOPS, ceiling="tf32")
+elif "fp32" in DTYPES:
+    print(f"note: attention_forward 4 (wgmma) needs an sm_90 GPU (this one is {rt.arch}); its TF32 row skipped")
 
 # the bf16 builds of 2 and 3: inp, qkvr, out bf16, lse fp32. Inputs rounded to bf16 first, so the
 # float64 reference sees what the kernel sees; p is rounded to bf16 before p v: error <= 2^-8 max|v|

@@ -87,7 +87,7 @@ class Variant:
                                   # own kernels or on an engine that can't batch (wgmma), the one the
                                   # composite attention's batched products use when it is chosen
     saves: Callable | None = None  # saves(**shape) -> shape kept for backward, when not the op's
-    scratch_bytes: Callable | None = None  # scratch_bytes(**shape) -> bytes its build allocates
+    scratch_bytes: Callable | None = None  # scratch_bytes(**shape, dtype=...) -> bytes its build for dtype allocates
     arch: str | None = None       # the one GPU architecture it runs on ("sm_90": wgmma), or any
 
     def __post_init__(self):

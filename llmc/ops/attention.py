@@ -363,6 +363,13 @@ FLASH_HS = 64   # the kernels' head size (every GPT-2 size has 64)
 FLASH_TILE = 64  # rows per block, positions per tile
 
 
+def _check_flash_tf32(B, T, C, NH, qkv_in_place=False, **_):
+    """Variant 4's fp32 (TF32) builds: the fused kernels' shapes, and no q, k, v in place."""
+    if qkv_in_place:
+        return "the fp32 (TF32) build has no qkv_in_place form (it reads the permuted qkvr)"
+    return _check_flash(B, T, C, NH)
+
+
 def _check_flash(B, T, C, NH, **_):
     bad = _check_composite(B, T, C, NH)
     if bad:
@@ -454,15 +461,16 @@ WGMMA_STAGES = 2                # k/v ring depth
 WGMMA_FWD_SMEM = 1024 + WGMMA_BQ * 128 + WGMMA_STAGES * 2 * WGMMA_BQ * 128 + 8 * (1 + 2 * WGMMA_STAGES)
 
 
-def _bf16_tensor_map(ptr: int, dims, strides, box, what: str) -> bytes:
+def _bf16_tensor_map(ptr: int, dims, strides, box, what: str, dtype_code: int = 9) -> bytes:
     """A 128-byte CUtensorMap of a bf16 tensor (dims innermost first, strides in bytes of dims 1..),
-    read in boxes of `box`, 128-byte swizzled; out-of-bounds elements are zero-filled."""
+    read in boxes of `box`, 128-byte swizzled; out-of-bounds elements are zero-filled. dtype_code:
+    the CUtensorMapDataType (9 bfloat16; 11 tfloat32: fp32 rounded to tf32 as it is copied)."""
     import ctypes
     from llmc.ops.gemm_wgmma import L2_PROMOTION_256B, SWIZZLE_128B, _driver
     n = len(dims)
     buf = ctypes.create_string_buffer(128 + 64)
     addr = (ctypes.addressof(buf) + 63) & ~63          # CUtensorMap is 64-byte aligned
-    err = _driver().cuTensorMapEncodeTiled(addr, 9, n, ctypes.c_void_p(ptr), (ctypes.c_uint64 * n)(*dims),  # 9: BFLOAT16
+    err = _driver().cuTensorMapEncodeTiled(addr, dtype_code, n, ctypes.c_void_p(ptr), (ctypes.c_uint64 * n)(*dims),
                                            (ctypes.c_uint64 * (n - 1))(*strides), (ctypes.c_uint32 * n)(*box),
                                            (ctypes.c_uint32 * n)(*([1] * n)),
                                            0, SWIZZLE_128B, L2_PROMOTION_256B, 0)      # 0: OOB filled with 0
@@ -562,6 +570,55 @@ def build_flash_attention_forward_wgmma(rt, B, T, C, NH, overlap=False, qkv_in_p
     return launch
 
 
+# flash_attention_forward_kernel4_tf32 (TF_FWD_SMEM in the .cu): 1 KB of slack, q (128 rows x 256 bytes),
+# STAGES x (k 128 x 256 bytes + vt 64 x 512 bytes), 1 + 2 STAGES mbarriers
+WGMMA_TF32_FWD_SMEM = 1024 + WGMMA_BQ * 256 + WGMMA_STAGES * (WGMMA_BQ * 256 + 64 * WGMMA_BQ * 4) + 8 * (1 + 2 * WGMMA_STAGES)
+
+
+def build_flash_attention_forward_wgmma_tf32(rt, B, T, C, NH, qkv_in_place=False, **_):
+    """Variant 4's fp32 build (TF32 wgmma; written without a GPU, not yet run): launch(out (B,T,C),
+    qkvr (B,T,3C), lse (B,NH,T), inp (B,T,3C)) like 2, 3: the fp32 permute of inp into qkvr, then
+    attention_vt_kernel writes v transposed (each group of 8 keys in the order the kernel's register P
+    wants, see cuda/attention_wgmma.cu) into a scratch vt (B*NH, 64, Tp), Tp = T rounded up to 8, and
+    the wgmma kernel reads q and k from qkvr and v^T from vt through three tensor maps (TFLOAT32: the
+    TMA rounds to tf32 as it copies). Keeps lse for backward 2/3. No qkv_in_place form (refused)."""
+    _check_attention(B, T, C, NH)
+    if qkv_in_place:
+        refuse("attention_forward", 4, "the fp32 (TF32) build has no qkv_in_place form")
+    permute = _build_permute(rt, "permute", B, T, 3, NH, FLASH_HS, "fp32")
+    BNH, Tp = B * NH, ceil_div(T, 8) * 8
+    vt = rt.empty((BNH, FLASH_HS, Tp))
+    kvt = rt.kernel(WGMMA_MODULE, "attention_vt_kernel", "PPiiiii", label="attention_forward 4 tf32: v^T")
+    k = rt.kernel(WGMMA_MODULE, "flash_attention_forward_kernel4_tf32", "PPPiiif",
+                  label="attention_forward 4 (flash, wgmma) tf32")
+    smem = WGMMA_TF32_FWD_SMEM
+    if smem > rt.max_smem_optin:
+        refuse("attention_forward", 4, f"needs {smem} bytes of shared memory, the device allows {rt.max_smem_optin}")
+    k.set_max_dynamic_smem(smem)
+    grid, block = (BNH, ceil_div(T, WGMMA_BQ), 1), (384, 1, 1)
+    args = (np.int32(B), np.int32(NH), np.int32(T), np.float32(1.0 / math.sqrt(FLASH_HS)))
+    maps: dict = {}
+    what = f"attention_forward 4 tf32 (B={B} NH={NH} T={T})"
+
+    def launch(out, qkvr, lse, inp):
+        permute(qkvr, inp)
+        qp = _ptr(qkvr)
+        kvt((ceil_div(Tp, 32), BNH, 1), (32, 8, 1), vt.ptr, qp + 2 * BNH * T * FLASH_HS * 4, np.int32(NH),
+            np.int32(T), np.int32(Tp), np.int32(T * FLASH_HS), np.int32(FLASH_HS))
+        dm = maps.get(qp)
+        if dm is None:  # q rows (box 32 dims x 64 rows), k rows (32 x 128), vt (32 keys x 64 dims)
+            if qp & 15:
+                raise LLMCError(f"{what}: qkvr must be 16-byte aligned for the TMA (0x{qp:x})")
+            dims, strides = (FLASH_HS, T, 3 * BNH), (FLASH_HS * 4, T * FLASH_HS * 4)
+            blob = (_bf16_tensor_map(qp, dims, strides, (32, 64, 1), what + ": q", 11)
+                    + _bf16_tensor_map(qp, dims, strides, (32, WGMMA_BQ, 1), what + ": k", 11)
+                    + _bf16_tensor_map(vt.ptr, (Tp, FLASH_HS, BNH), (Tp * 4, FLASH_HS * Tp * 4), (32, FLASH_HS, 1),
+                                       what + ": vt", 11))
+            dm = maps[qp] = rt.to_device(np.frombuffer(blob, np.uint8))
+        k(grid, block, _ptr(out), _ptr(lse), dm.ptr, *args, smem=smem)
+    return Built(launch, scratch={"vt": vt})
+
+
 # dynamic shared memory of the backward's kernels (DQ_SMEM, DKDV_SMEM in the .cu): 1 KB of slack, two
 # resident 128-row tiles (q, dout / k, v), BWD_STAGES x two swept tiles, [dkdv: 2 consumers x 2
 # buffers of a tile's lse and D, fp32], 1 + 2 BWD_STAGES mbarriers
@@ -622,6 +679,73 @@ def build_flash_attention_backward_wgmma(rt, B, T, C, NH, overlap=False, qkv_in_
         kq(grid, block, _ptr(dinp), _ptr(D), dp, _ptr(out), dm.ptr, _ptr(lse), *args, smem=WGMMA_DQ_SMEM)
         kkv(grid, block, _ptr(dinp), dm.ptr, _ptr(lse), _ptr(D), *args, smem=WGMMA_DKDV_SMEM)
     return Built(launch, scratch={"D": D})
+
+
+# the TF32 backward's kernels (TB_DQ_SMEM, TB_DKDV_SMEM in the .cu): 1 KB of slack, two resident 128-row
+# fp32 tiles (32 KB each), BWD_STAGES x 3 (dq: k, v, kt) or 4 (dk/dv: q, dout, qt, dot) tiles of 64 rows
+# (16 KB each), [dk/dv: 2 consumers x 2 buffers of 64 lse and D], 1 + 2 BWD_STAGES mbarriers
+WGMMA_TF32_DQ_SMEM = 1024 + 2 * 32768 + WGMMA_BWD_STAGES * 3 * 16384 + 8 * (1 + 2 * WGMMA_BWD_STAGES)
+WGMMA_TF32_DKDV_SMEM = 1024 + 2 * 32768 + WGMMA_BWD_STAGES * 4 * 16384 + 2 * 2 * 2 * 64 * 4 + 8 * (1 + 2 * WGMMA_BWD_STAGES)
+
+
+def _tf32_transposed_bytes(B, T, NH):
+    """One transposed scratch of the TF32 kernels (B*NH, 64, Tp) fp32, Tp = T rounded up to 8."""
+    return 4 * B * NH * FLASH_HS * ceil_div(T, 8) * 8
+
+
+def build_flash_attention_backward_wgmma_tf32(rt, B, T, C, NH, qkv_in_place=False, **_):
+    """Variant 4's fp32 build (TF32 wgmma; written without a GPU, not yet run): launch(dinp (B,T,3C),
+    dout (B,T,C), qkvr (B,T,3C), lse (B,NH,T), out (B,T,C)) like 2, 3. attention_vt_kernel first writes
+    k, q (from qkvr) and dout transposed, each group of 8 rows reordered for the register A (kt, qt,
+    dot: (B*NH, 64, Tp) scratch), then the dq kernel (which also writes D = rowsum(dout * out)) and the
+    dk/dv kernel, both on 64-row swept tiles (cuda/attention_wgmma.cu). No qkv_in_place form (refused)."""
+    _check_attention(B, T, C, NH)
+    if qkv_in_place:
+        refuse("attention_backward", 4, "the fp32 (TF32) build has no qkv_in_place form")
+    for name, smem in (("dq", WGMMA_TF32_DQ_SMEM), ("dk dv", WGMMA_TF32_DKDV_SMEM)):
+        if smem > rt.max_smem_optin:
+            refuse("attention_backward", 4, f"the tf32 {name} kernel needs {smem} bytes of shared memory, the "
+                                            f"device allows {rt.max_smem_optin}")
+    BNH, Tp = B * NH, ceil_div(T, 8) * 8
+    D = rt.empty((B, NH, T))
+    kt, qt, dot = (rt.empty((BNH, FLASH_HS, Tp)) for _ in range(3))
+    kvt = rt.kernel(WGMMA_MODULE, "attention_vt_kernel", "PPiiiii", label="attention_backward 4 tf32: transpose")
+    label = "attention_backward 4 (flash, wgmma) tf32"
+    kq = rt.kernel(WGMMA_MODULE, "flash_attention_backward_dq_kernel4_tf32", "PPPPPPiiif", label=label + " dq")
+    kkv = rt.kernel(WGMMA_MODULE, "flash_attention_backward_dkdv_kernel4_tf32", "PPPPiiif", label=label + " dk dv")
+    kq.set_max_dynamic_smem(WGMMA_TF32_DQ_SMEM)
+    kkv.set_max_dynamic_smem(WGMMA_TF32_DKDV_SMEM)
+    grid, block = (BNH, ceil_div(T, WGMMA_BQ), 1), (384, 1, 1)
+    tgrid = (ceil_div(Tp, 32), BNH, 1)
+    args = (np.int32(B), np.int32(NH), np.int32(T), np.float32(1.0 / math.sqrt(FLASH_HS)))
+    what = f"attention_backward 4 tf32 (B={B} NH={NH} T={T})"
+    maps: dict = {}
+
+    def tmap(ptr, dims, strides, box, name):
+        return _bf16_tensor_map(ptr, dims, strides, box, f"{what}: {name}", 11)
+
+    def launch(dinp, dout, qkvr, lse, out):
+        qp, dp = _ptr(qkvr), _ptr(dout)
+        part = BNH * T * FLASH_HS * 4  # bytes of each of qkvr's q, k, v
+        kvt(tgrid, (32, 8, 1), kt.ptr, qp + part, np.int32(NH), np.int32(T), np.int32(Tp), np.int32(T * FLASH_HS),
+            np.int32(FLASH_HS))
+        kvt(tgrid, (32, 8, 1), qt.ptr, qp, np.int32(NH), np.int32(T), np.int32(Tp), np.int32(T * FLASH_HS),
+            np.int32(FLASH_HS))
+        kvt(tgrid, (32, 8, 1), dot.ptr, dp, np.int32(NH), np.int32(T), np.int32(Tp), np.int32(FLASH_HS), np.int32(C))
+        dm = maps.get((qp, dp))
+        if dm is None:  # dq's maps (qkvr, dout, kt) then dk/dv's (qkvr, dout, qt, dot)
+            for name, p in (("qkvr", qp), ("dout", dp), ("out", _ptr(out))):  # out: the dq kernel's float4 loads
+                if p & 15:
+                    raise LLMCError(f"{what}: {name} must be 16-byte aligned (0x{p:x})")
+            mq = tmap(qp, (FLASH_HS, T, 3 * BNH), (FLASH_HS * 4, T * FLASH_HS * 4), (32, 64, 1), "qkvr")
+            md = tmap(dp, (FLASH_HS, NH, T, B), (FLASH_HS * 4, C * 4, T * C * 4), (32, 1, 64, 1), "dout")
+            mt = [tmap(x.ptr, (Tp, FLASH_HS, BNH), (Tp * 4, FLASH_HS * Tp * 4), (32, 64, 1), n)
+                  for x, n in ((kt, "kt"), (qt, "qt"), (dot, "dot"))]
+            blob = mq + md + mt[0] + mq + md + mt[1] + mt[2]
+            dm = maps[(qp, dp)] = rt.to_device(np.frombuffer(blob, np.uint8))
+        kq(grid, block, _ptr(dinp), _ptr(D), dp, _ptr(out), dm.ptr, _ptr(lse), *args, smem=WGMMA_TF32_DQ_SMEM)
+        kkv(grid, block, _ptr(dinp), dm.ptr + 3 * 128, _ptr(lse), _ptr(D), *args, smem=WGMMA_TF32_DKDV_SMEM)
+    return Built(launch, scratch={"D": D, "kt": kt, "qt": qt, "dot": dot})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -840,8 +964,11 @@ ATTENTION_FORWARD_VARIANTS = {
     4: Variant(4, "fused flash attention on Hopper wgmma (bf16 only, sm_90a): k, v tiles by TMA on an mbarrier "
                   "ring fed by a producer warpgroup, 2 consumer warpgroups x 64 query rows, p v with p from "
                   "registers; keeps the log-sum-exp for backward 2/3 (head size 64)",
-               {"bf16": build_flash_attention_forward_wgmma}, scratch_bytes=lambda **_: 0, arch="sm_90",
-               options=("qkv_in_place",), **_FUSED),
+               {"fp32": build_flash_attention_forward_wgmma_tf32, "bf16": build_flash_attention_forward_wgmma},
+               # (the fp32 build's vt, v transposed; the bf16 build allocates none)
+               scratch_bytes=lambda B, T, C, NH, dtype="fp32", **_: (4 * B * NH * FLASH_HS * ceil_div(T, 8) * 8
+                                                                     if dtype == "fp32" else 0), arch="sm_90",
+               options=("qkv_in_place",), **dict(_FUSED, check={"fp32": _check_flash_tf32, "bf16": _check_flash})),
 }
 ATTENTION_BACKWARD_VARIANTS = {
     1: Variant(1, "composite: dv, datt in the batched GEMM (--matmul-backward-kernel), softmax backward "
@@ -857,8 +984,12 @@ ATTENTION_BACKWARD_VARIANTS = {
     4: Variant(4, "fused flash attention backward on Hopper wgmma (bf16 only, sm_90a): the dq and dk/dv kernels "
                   "of 3 with 128 x 128 tiles by TMA fed by a producer warpgroup, 2 consumer warpgroups, p and ds "
                   "from registers; reads the lse of forward 2, 3 or 4 (head size 64)",
-               {"bf16": build_flash_attention_backward_wgmma}, scratch_bytes=_scratch_flash_backward, arch="sm_90",
-               options=("qkv_in_place",), **_FUSED),
+               {"fp32": build_flash_attention_backward_wgmma_tf32, "bf16": build_flash_attention_backward_wgmma},
+               # (the fp32 build's kt, qt, dot besides D)
+               scratch_bytes=lambda B, T, C, NH, dtype="fp32", **_: (
+                   _scratch_flash_backward(B, T, C, NH) + (3 * _tf32_transposed_bytes(B, T, NH) if dtype == "fp32" else 0)),
+               arch="sm_90",
+               options=("qkv_in_place",), **dict(_FUSED, check={"fp32": _check_flash_tf32, "bf16": _check_flash})),
 }
 ATTENTION_DECODE_VARIANTS = {
     1: Variant(1, "one block per (b, h): scores in shared memory, block softmax, att @ v; appends k, v",
