@@ -1,0 +1,76 @@
+"""A/B of whole training steps: dev/bench_step.py under two or more settings, interleaved.
+
+    python dev/bench_ab.py -b 16 --precision bf16 --env LLMC_FUSED_DGELU=1 --env LLMC_FUSED_DGELU=0
+    python dev/bench_ab.py -b 4 --rounds 5 --env "" --env LLMC_QKV_IN_PLACE=0,LLMC_FUSED_BIAS=0
+    python dev/bench_ab.py --env "" --env "" -- --attention-kernel 3     # flags after -- go to bench_step
+
+Each --env is one configuration: comma-separated NAME=VALUE pairs set in bench_step's environment
+("" = the defaults). The configurations run in turn, round after round (A B A B ...), each in a
+fresh process, so a drift of the machine (clocks, other tenants) lands on all of them alike; the
+table gives every round's median step time (CUDA events, bench_step's own) and, per configuration,
+the median over rounds and its difference from the first. Differences smaller than the rounds'
+spread are noise.
+"""
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+STEP = re.compile(r"step: median ([0-9.]+) ms")
+
+
+def parse_env(spec: str) -> dict:
+    """'A=1,B=x' -> {'A': '1', 'B': 'x'}; '' -> {}."""
+    out = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        name, sep, value = part.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"bench_ab: --env {spec!r}: expected NAME=VALUE pairs separated by commas")
+        out[name] = value
+    return out
+
+
+def run_once(cmd, env: dict) -> float:
+    r = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True)
+    m = STEP.search(r.stdout)
+    if r.returncode != 0 or m is None:
+        tail = (r.stdout + r.stderr).strip().splitlines()[-3:]
+        raise SystemExit(f"bench_ab: {' '.join(cmd)} with {env or 'the defaults'} failed (exit {r.returncode}): "
+                         + " | ".join(tail))
+    return float(m.group(1))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--env", action="append", default=[], help="one configuration: NAME=VALUE[,NAME=VALUE]")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("-b", "--batch-size", type=int, default=4)
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument("--cmd", default=None, help=argparse.SUPPRESS)  # the tests' stand-in for bench_step
+    ap.add_argument("rest", nargs="*", help="flags for bench_step (after --)")
+    args = ap.parse_args(argv)
+    if len(args.env) < 2:
+        ap.error("give two or more --env configurations")
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
+    envs = [parse_env(e) for e in args.env]
+    base = [sys.executable, args.cmd] if args.cmd else [sys.executable, str(Path(__file__).with_name("bench_step.py"))]
+    cmd = base + ["-b", str(args.batch_size), "--precision", args.precision] + args.rest
+    times = [[] for _ in envs]
+    for r in range(args.rounds):
+        for i, env in enumerate(envs):
+            times[i].append(run_once(cmd, env))
+        print(f"round {r + 1}: " + "  ".join(f"{t[-1]:.2f}" for t in times), flush=True)
+    first = statistics.median(times[0])
+    print(f"B={args.batch_size} {args.precision} {' '.join(args.rest)}".rstrip())
+    for env, t in zip(args.env, times):
+        med = statistics.median(t)
+        print(f"  {env or '(defaults)':50s} median {med:8.2f} ms  ({med - first:+.2f} ms, {100 * (med / first - 1):+.1f}%)"
+              f"  rounds {min(t):.2f}-{max(t):.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""dev/bench_ab.py (the interleaved A/B of whole steps) with a stand-in for dev/bench_step.py that
+prints a step time from its environment: the order of the runs, the parsing, the medians and the
+one-line errors. No GPU."""
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+FAKE = '''
+import os, sys
+log = os.environ["AB_LOG"]
+with open(log, "a") as f:
+    f.write(os.environ.get("X", "-") + " " + " ".join(sys.argv[1:]) + "\\n")
+if os.environ.get("X") == "fail":
+    print("Traceback: boom", file=sys.stderr)
+    sys.exit(3)
+n = sum(1 for _ in open(log))
+print(f"step: median {10.0 + float(os.environ.get('X', '0')) + 0.01 * n:.2f} ms (GPU events)")
+'''
+
+
+def _run(tmp_path, *args):
+    fake = tmp_path / "fake_step.py"
+    fake.write_text(FAKE)
+    log = tmp_path / "log.txt"
+    r = subprocess.run([sys.executable, str(ROOT / "dev" / "bench_ab.py"), "--cmd", str(fake), *args],
+                       capture_output=True, text=True, env={"AB_LOG": str(log), "PATH": "/usr/bin:/bin"}, timeout=120)
+    return r, log.read_text().splitlines() if log.exists() else []
+
+
+def test_interleaved_rounds_and_medians(tmp_path):
+    r, log = _run(tmp_path, "-b", "16", "--precision", "bf16", "--rounds", "3", "--env", "X=0", "--env", "X=2",
+                  "--", "--attention-kernel", "3")
+    assert r.returncode == 0, r.stderr
+    # A B A B A B, each with bench_step's flags and the ones after --
+    assert [line.split()[0] for line in log] == ["0", "2"] * 3
+    assert all(line.split()[1:] == ["-b", "16", "--precision", "bf16", "--attention-kernel", "3"] for line in log)
+    out = r.stdout
+    assert "round 3: 10.05  12.06" in out
+    assert "X=0" in out and "median    10.03 ms  (+0.00 ms" in out
+    assert "X=2" in out and "median    12.04 ms  (+2.01 ms, +20.0%)" in out
+
+
+@pytest.mark.parametrize("args,why", [(["--env", "X=0"], "two or more"), (["--env", "X", "--env", "X=1"], "NAME=VALUE"),
+                                      (["--env", "X=0", "--env", "X=fail"], "failed (exit 3)")])
+def test_bad_input_is_one_line(tmp_path, args, why):
+    r, _ = _run(tmp_path, *args)
+    assert r.returncode != 0 and why in r.stderr and "Traceback (most recent call last)" not in r.stderr, r.stderr
