@@ -166,9 +166,12 @@ __device__ __forceinline__ void sum_row_lanes(float (&s)[V], float (*sh)[32][V +
     }
 }
 
-template <typename T>
+// RC (the recompute form, gelu_backward with colsum and recompute=True): also gout = gelu(inp), by
+// gelu_forward's function for T: the GELU that backward's recompute (-r >= 1) would launch
+// gelu_forward for, here from the inp this kernel reads anyway (one read of fch instead of two)
+template <typename T, bool RC = false>
 __device__ __forceinline__ void gelu_backward_colsum_t(T* dinp, T* colsum, float* partial, unsigned int* counters,
-        const T* inp, const T* dout, int rows, int OC, int rows_per_chunk) {
+        const T* inp, const T* dout, int rows, int OC, int rows_per_chunk, T* gout = nullptr) {
     constexpr int V = Vec16<T>::N;
     typedef typename Vec16<T>::raw raw;
     __shared__ float sh[8][32][V + 1];  // (+1: lanes V+1 floats apart, fewer bank conflicts)
@@ -200,6 +203,12 @@ __device__ __forceinline__ void gelu_backward_colsum_t(T* dinp, T* colsum, float
                     float x[V], d[V];
                     Vec16<T>::unpack(x, xr[u]);
                     Vec16<T>::unpack(d, dr[u]);
+                    if constexpr (RC) {
+                        float gx[V];
+#pragma unroll
+                        for (int k = 0; k < V; k++) gx[k] = gelu_fwd_as<T>(x[k]);
+                        store_vec<T>(gout + (size_t)r * OC + col, gx, vec, ncol);
+                    }
 #pragma unroll
                     for (int k = 0; k < V; k++) x[k] = gelu_bwd_as<T>(x[k], d[k]);
                     round_to<T, V>(x);
@@ -247,4 +256,16 @@ extern "C" __global__ void gelu_backward_kernel2_colsum(float* dinp, float* cols
 extern "C" __global__ void __launch_bounds__(256, 4) gelu_backward_kernel2_colsum_bf16(bf16* dinp, bf16* colsum, float* partial,
         unsigned int* counters, const bf16* inp, const bf16* dout, int rows, int OC, int rows_per_chunk) {
     gelu_backward_colsum_t<bf16>(dinp, colsum, partial, counters, inp, dout, rows, OC, rows_per_chunk);
+}
+// the recompute form (RC above): gout = gelu(inp) too
+extern "C" __global__ void gelu_backward_kernel2_colsum_rc(float* dinp, float* colsum, float* gout, float* partial,
+        unsigned int* counters, const float* inp, const float* dout, int rows, int OC, int rows_per_chunk) {
+    gelu_backward_colsum_t<float, true>(dinp, colsum, partial, counters, inp, dout, rows, OC, rows_per_chunk, gout);
+}
+// (256, 3): the GELU's 8 more values and the second store need more than 64 registers (ptxas spilled
+// 324 bytes at (256, 4)); 3 blocks an SM, each warp still 4 rows of 3 x 512 bytes in flight
+extern "C" __global__ void __launch_bounds__(256, 3) gelu_backward_kernel2_colsum_rc_bf16(bf16* dinp, bf16* colsum,
+        bf16* gout, float* partial, unsigned int* counters, const bf16* inp, const bf16* dout, int rows, int OC,
+        int rows_per_chunk) {
+    gelu_backward_colsum_t<bf16, true>(dinp, colsum, partial, counters, inp, dout, rows, OC, rows_per_chunk, gout);
 }

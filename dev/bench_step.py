@@ -76,7 +76,9 @@ def main():
     print("kernels: " + ", ".join(f"{k}={v}" for k, v in sorted(be.kernels.items())))
     print("bias grads fused into: " + (", ".join(k for k, v in model.fused_bias.items() if v) or "none (matmul_backward_bias)"))
     print("fc GELU: " + ("fused into the fc GEMM's epilogue" if model.fused_gelu else "mm_fc + gelu_forward"))
-    print("fcproj backward: " + ("gelu_backward fused into dinp's GEMM epilogue" if model.fused_dgelu else
+    print("fcproj backward: " + ("dinp GEMM, gelu_backward's recompute form (fch_gelu and d fch in one pass), "
+                                 "dweight GEMM" if model.fused_gelu_recompute else
+                                 "gelu_backward fused into dinp's GEMM epilogue" if model.fused_dgelu else
                                  "mmb_fcproj + gelu_backward"))
     from llmc.runtime import Graph
     print("CUDA graphs: " + ("yes" if isinstance(model._graph_micro, Graph) else

@@ -79,7 +79,8 @@ def next_seed(state: int) -> tuple[int, int]:
 class GPT2:
     def __init__(self, cfg: GPT2Config, backend, B: int, T: int, training: bool = True, params_buf=None,
                  optimizer: bool = True, recompute: int = 1, fuse_bias: bool | None = None,
-                 fuse_gelu: bool | None = None, fuse_dgelu: bool | None = None):
+                 fuse_gelu: bool | None = None, fuse_dgelu: bool | None = None,
+                 fuse_gelu_recompute: bool | None = None):
         if T > cfg.max_seq_len:
             raise LLMCError(f"-t/--seq-len {T}: longer than the model's max sequence length {cfg.max_seq_len}")
         if B < 1 or T < 1:
@@ -172,11 +173,28 @@ class GPT2:
         # H100 (d12, B=16: fp32 74.23 vs 74.52 ms a step; bf16 36.63 vs 36.17: there the epilogue's
         # GELU math and column sums, which the tensor cores wait for, cost more than the separate pass:
         # docs/ops.md). LLMC_FUSED_DGELU=1 / 0 or fuse_dgelu=True / False: either way (the A/B)
+        if fuse_bias is None:
+            fuse_bias = os.environ.get("LLMC_FUSED_BIAS", "1") != "0"
+        fcp = dict(N=N, C=4 * C, OC=C)
+        # Backward's GELU recompute in one pass with GELU's backward (-r >= 1, with the fused bias
+        # gradients): mmb_fcproj's dinp GEMM first, then gelu_backward's recompute form, which reads fch
+        # and d fch once and writes d fch (fcb += its column sums) and fch_gelu, then the dweight GEMM
+        # on fch_gelu: one read of fch (B,T,4C) a layer fewer than gelu_forward + gelu_backward, the
+        # same bits. Where the variants have the forms; fuse_gelu_recompute=False or
+        # LLMC_FUSED_GELU_RECOMPUTE=0: not. It takes the place of the dgelu form (fuse_dgelu below).
+        if fuse_gelu_recompute is None:
+            fuse_gelu_recompute = os.environ.get("LLMC_FUSED_GELU_RECOMPUTE", "1") != "0"
+        rc = {}
+        if training and recompute >= 1 and fuse_bias and fuse_gelu_recompute:
+            rc = {"gelu": be.fuses("gelu_backward", dict(colsum=True, recompute=True, OC=4 * C), N=N * 4 * C),
+                  "dinp": be.fuses("matmul_backward", dict(dinp_only=True), **fcp),
+                  "dweight": be.fuses("matmul_backward", dict(dweight_only=True), **fcp)}
+        self.fused_gelu_recompute = bool(rc) and None not in rc.values()
         if fuse_dgelu is None:
             env = os.environ.get("LLMC_FUSED_DGELU")
             fuse_dgelu = (env != "0") if env is not None else not self.bf16
-        fcp = dict(N=N, C=4 * C, OC=C)
-        dg = be.fuses("matmul_backward", dict(dgelu=True), **fcp) if training and fuse_dgelu else None
+        dg = (be.fuses("matmul_backward", dict(dgelu=True), **fcp)
+              if training and fuse_dgelu and not self.fused_gelu_recompute else None)
         self.fused_dgelu = dg is not None
         if training:
             self.built.update({
@@ -199,15 +217,19 @@ class GPT2:
             # them as it writes them; otherwise matmul_backward_bias re-reads them (docs/ops.md).
             # fuse_bias=False (or LLMC_FUSED_BIAS=0) launches the bias passes with the same variants:
             # the A/B of the fusion alone (dev/bench_step.py)
-            if fuse_bias is None:
-                fuse_bias = os.environ.get("LLMC_FUSED_BIAS", "1") != "0"
             ln_fused = be.fuses("layernorm_backward", dict(colsum=True), N=N, C=C) if fuse_bias else None
             gelu_fused = (be.fuses("gelu_backward", dict(colsum=True, OC=4 * C), N=N * 4 * C)
-                          if fuse_bias and not self.fused_dgelu else None)
+                          if fuse_bias and not self.fused_dgelu and not self.fused_gelu_recompute else None)
             # "gelu_backward": fc's bias gradient is summed as d fch is written (by gelu_backward's fused
             # form, or by the dgelu GEMM's epilogue when fused_dgelu)
             self.fused_bias = {"layernorm_backward": ln_fused is not None,
-                               "gelu_backward": gelu_fused is not None or (self.fused_dgelu and fuse_bias)}
+                               "gelu_backward": (gelu_fused is not None or (self.fused_dgelu and fuse_bias)
+                                                 or self.fused_gelu_recompute)}
+            if self.fused_gelu_recompute:
+                self.built["mmb_fcproj_dinp"] = op("matmul_backward", prefer=rc["dinp"], **fcp, dinp_only=True)
+                self.built["mmb_fcproj_dweight"] = op("matmul_backward", prefer=rc["dweight"], **fcp, dweight_only=True)
+                self.built["gelu_backward_colsum_rc"] = op("gelu_backward", prefer=rc["gelu"], N=N * 4 * C, OC=4 * C,
+                                                           colsum=True, recompute=True)
             if self.fused_dgelu:
                 self.built["mmb_fcproj_dgelu"] = op("matmul_backward", prefer=dg, **fcp, dgelu=True)
             if ln_fused is not None:
@@ -534,16 +556,21 @@ class GPT2:
         for l in reversed(range(L)):
             residual = a["encoded"] if l == 0 else a["residual3"][l - 1]
             # MLP: residual3 = residual2 + fcproj(gelu(fc(ln2)))
-            if self.recompute >= 1:
-                k["gelu_forward"](fch_gelu[l], a["fch"][l])                        # recompute (B,T,4C)
-            if self.fused_dgelu:  # d fch straight from the GEMM (fcb += its column sums with fused bias)
-                k["mmb_fcproj_dgelu"](dfch, g["fcprojw"][l], dres, fch_gelu[l], p["fcprojw"][l], a["fch"][l],
-                                      g["fcb"][l] if self.fused_bias["gelu_backward"] else None)
+            if self.fused_gelu_recompute:  # dinp, then fch_gelu and d fch from one pass over fch, then dweight
+                k["mmb_fcproj_dinp"](dfch, dres, p["fcprojw"][l])                  # d fch_gelu
+                k["gelu_backward_colsum_rc"](dfch, g["fcb"][l], fch_gelu[l], a["fch"][l], dfch)  # fcb +=
+                k["mmb_fcproj_dweight"](g["fcprojw"][l], dres, fch_gelu[l])
             else:
-                k["mmb_fcproj"](dfch, g["fcprojw"][l], dres, fch_gelu[l], p["fcprojw"][l])  # d fch_gelu
+                if self.recompute >= 1:
+                    k["gelu_forward"](fch_gelu[l], a["fch"][l])                    # recompute (B,T,4C)
+                if self.fused_dgelu:  # d fch straight from the GEMM (fcb += its column sums with fused bias)
+                    k["mmb_fcproj_dgelu"](dfch, g["fcprojw"][l], dres, fch_gelu[l], p["fcprojw"][l], a["fch"][l],
+                                          g["fcb"][l] if self.fused_bias["gelu_backward"] else None)
+                else:
+                    k["mmb_fcproj"](dfch, g["fcprojw"][l], dres, fch_gelu[l], p["fcprojw"][l])  # d fch_gelu
             if not self.fused_bias["layernorm_backward"]:
                 k["bias_C"](g["fcprojb"][l], dres)
-            if self.fused_dgelu:
+            if self.fused_gelu_recompute or self.fused_dgelu:
                 pass                                                                # d fch is written
             elif self.fused_bias["gelu_backward"]:                                  # in place: d fch;
                 k["gelu_backward_colsum"](dfch, g["fcb"][l], a["fch"][l], dfch)    # fcb += its column sums

@@ -6,7 +6,8 @@ backend and on the fake GPU backend (tests/fake_runtime.py: the cuda backend's c
 plumbing running the numpy launchers), where the fused cpu launchers sum exactly what the bias pass
 would. The kernels themselves: tests/test_layernorm.py and tests/test_gelu.py (-m gpu). These models
 are built with fuse_dgelu=False: with the fcproj GEMM's dgelu form (tests/test_fused_dgelu.py) no
-gelu_backward runs at all, and fc's bias gradient comes from that GEMM's epilogue.
+gelu_backward runs at all, and fc's bias gradient comes from that GEMM's epilogue; and with
+fuse_gelu_recompute=False (tests/test_fused_gelu_recompute.py: GELU's recompute form of the same kernel).
 
     python -m pytest tests/test_fused_bias.py -q
 """
@@ -26,7 +27,7 @@ UNFUSED = {"layernorm_backward": 3, "gelu_backward": 1}  # variants without the 
 def _train(be, B=2, T=16, steps=2, accum=2):
     """Gradients after each step (accumulated over `accum` micro-steps: the fused forms "+=" too)."""
     rng = np.random.default_rng(7)
-    m = GPT2(CFG, be, B, T, fuse_dgelu=False)
+    m = GPT2(CFG, be, B, T, fuse_dgelu=False, fuse_gelu_recompute=False)
     m.init_params(11)
     m.grad_accum_steps = accum
     out = []
@@ -74,7 +75,7 @@ def test_a_refused_shape_falls_back_to_the_unfused_launches():
     cfg = GPT2Config(max_seq_len=16, vocab_size=50, padded_vocab_size=52, num_layers=2, num_heads=2, channels=30)
     B, T = 1, 3
     be = FakeCudaBackend(quiet=True)
-    m = GPT2(cfg, be, B, T, fuse_dgelu=False)
+    m = GPT2(cfg, be, B, T, fuse_dgelu=False, fuse_gelu_recompute=False)
     assert m.fused_bias == {"layernorm_backward": False, "gelu_backward": True}
     assert "bias_C" in m.built and "layernorm_backward_colsum" not in m.built
     assert "gelu_backward_colsum" in m.built and "bias_4C" not in m.built
@@ -82,7 +83,7 @@ def test_a_refused_shape_falls_back_to_the_unfused_launches():
     x = rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32)
     res = []
     for backend in (be, CpuBackend(np.float32)):
-        mm = m if backend is be else GPT2(cfg, backend, B, T, fuse_dgelu=False)
+        mm = m if backend is be else GPT2(cfg, backend, B, T, fuse_dgelu=False, fuse_gelu_recompute=False)
         mm.init_params(5)
         mm.zero_grad()
         mm.forward(x, x)
@@ -95,7 +96,7 @@ def test_fused_builds_are_the_chosen_variant():
     """The fused form is built from the variant the backend chose for the plain op (prefer=), with
     the colsum option and, for gelu, the row length OC = 4C."""
     be = FakeCudaBackend(quiet=True)
-    m = GPT2(CFG, be, 2, 16, fuse_dgelu=False)
+    m = GPT2(CFG, be, 2, 16, fuse_dgelu=False, fuse_gelu_recompute=False)
     C = CFG.channels
     ln, ge = m.built["layernorm_backward_colsum"], m.built["gelu_backward_colsum"]
     assert ln.number == m.built["layernorm_backward"].number == 5
@@ -110,7 +111,7 @@ def test_fuse_bias_false_keeps_the_variants_and_launches_the_bias_passes(monkeyp
     """fuse_bias=False (LLMC_FUSED_BIAS=0): the same variants, the bias passes launched (the A/B of
     the fusion alone); the gradients are the same bits on both backends."""
     be = FakeCudaBackend(quiet=True)
-    m = GPT2(CFG, be, 2, 16, fuse_bias=False, fuse_dgelu=False)
+    m = GPT2(CFG, be, 2, 16, fuse_bias=False, fuse_dgelu=False, fuse_gelu_recompute=False)
     assert m.fused_bias == {"layernorm_backward": False, "gelu_backward": False}
     assert m.built["layernorm_backward"].number == 5 and m.built["gelu_backward"].number == 2
     monkeypatch.setenv("LLMC_FUSED_BIAS", "0")
@@ -165,7 +166,7 @@ def test_gpu_fused_matches_unfused_and_replays_bit_exactly(rt, precision):
     for fuse in (True, True, False):
         # (--deterministic's kernels: the default fp32 encoder backward adds with float atomics)
         be = CudaBackend(deterministic_kernels({}, precision), quiet=True, precision=precision)
-        m, steps, _ = train_steps(GPU_CFG, be, B, T, fuse_bias=fuse)
+        m, steps, _ = train_steps(GPU_CFG, be, B, T, fuse_bias=fuse, fuse_gelu_recompute=False)
         assert m.fused_bias == {"layernorm_backward": fuse, "gelu_backward": fuse}
         runs.append([grads for _, grads, _ in steps])
     for a, b in zip(runs[0], runs[1]):

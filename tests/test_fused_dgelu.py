@@ -28,6 +28,7 @@ CFG = GPT2Config(max_seq_len=32, vocab_size=97, padded_vocab_size=128, num_layer
 def _train(be, B=2, T=16, steps=2, **kw):
     """(model, [(loss, grads)] per step, 2 micro-steps each: the fused bias sums "+=" too)."""
     rng = np.random.default_rng(7)
+    kw.setdefault("fuse_gelu_recompute", False)  # (it takes dgelu's place where both apply)
     m = GPT2(CFG, be, B, T, **kw)
     m.init_params(11)
     m.stochastic_rounding = False
@@ -130,7 +131,8 @@ def test_the_gpu_tests_run_on_the_fake_backend():
         runs = []
         for dg in (True, False):
             be = FakeCudaBackend(quiet=True)
-            m, steps, logits = train_steps(CFG, be, 2, 16, logits=True, fuse_dgelu=dg, fuse_bias=fuse_bias)
+            m, steps, logits = train_steps(CFG, be, 2, 16, logits=True, fuse_dgelu=dg, fuse_bias=fuse_bias,
+                                           fuse_gelu_recompute=False)
             assert m.fused_dgelu == dg and be.graphs == 2 and len(steps) == 2 and logits.shape[:2] == (2, 16)
             runs.append([x for step in steps for x in step] + [logits])
         for a, b in zip(*runs):
@@ -335,7 +337,8 @@ def test_gpu_fused_dgelu_step(rt, precision, B, T):
         runs = []
         for dg in (True, False):
             be = CudaBackend(deterministic_kernels({}, precision), quiet=True, precision=precision)
-            m, steps, _ = train_steps(GPU_CFG, be, B, T, fuse_dgelu=dg, fuse_bias=fuse_bias)
+            m, steps, _ = train_steps(GPU_CFG, be, B, T, fuse_dgelu=dg, fuse_bias=fuse_bias,
+                                      fuse_gelu_recompute=False)
             assert m.fused_dgelu == (dg and rt.arch == "sm_90")
             runs.append([(loss, grads) for loss, grads, _ in steps])
         for step, ((la, ga), (lb, gb)) in enumerate(zip(*runs)):

@@ -25,6 +25,7 @@ def _train(be, B=2, T=16, steps=2, **kw):
     the caller says otherwise (None: the environment's LLMC_FUSED_GELU, or the default)."""
     rng = np.random.default_rng(7)
     kw.setdefault("fuse_gelu", True)
+    kw.setdefault("fuse_gelu_recompute", False)  # (the counts below include backward's gelu_forward recompute)
     m = GPT2(CFG, be, B, T, **kw)
     m.init_params(11)
     m.stochastic_rounding = False

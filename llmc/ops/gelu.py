@@ -11,6 +11,9 @@ Semantics (docs/ops.md):
       chosen variant has it): dinp(N)=, colsum(OC)+=, inp(N), dout(N)
                    colsum += column sums of dinp viewed as (N/OC, OC): fc's bias gradient, so the
                    model runs no matmul_backward_bias over d fch
+      with colsum=True and recompute=True (variant 2): dinp(N)=, colsum(OC)+=, gout(N)=, inp(N), dout(N)
+                   also gout = gelu(inp) (gelu_forward's bits): backward's GELU recompute (-r >= 1)
+                   from the inp this kernel reads anyway, instead of a gelu_forward launch
 
 bf16 builds (variants 1 and 2, entry points <kernel>_bf16): every tensor bf16, fp32 math, one
 rounding on the store; variant 2's bf16 kernel moves 8 elements per 16-byte access and takes any N
@@ -57,13 +60,19 @@ def gelu_forward_cpu(N, block_size=None):
     return launch
 
 
-def gelu_backward_cpu(N, block_size=None, colsum=False, OC=None):
+def gelu_backward_cpu(N, block_size=None, colsum=False, OC=None, recompute=False):
     def launch(dinp, inp, dout):  # the result is computed whole before it is written: dinp may be dout
         _flat(dinp, N)[...] = gelu_backward_ref(_flat(inp, N), _flat(dout, N))
 
     def launch_colsum(dinp, colsum, inp, dout):
         launch(dinp, inp, dout)
         colsum += as_view(dinp, (N // OC, OC)).sum(axis=0)  # matmul_backward_bias's cpu sum, the same bits
+
+    def launch_recompute(dinp, colsum, gout, inp, dout):  # gelu_forward's reference, then the colsum form
+        _flat(gout, N)[...] = gelu_forward_ref(_flat(inp, N))
+        launch_colsum(dinp, colsum, inp, dout)
+    if recompute:
+        return launch_recompute
     return launch_colsum if colsum else launch
 
 
@@ -92,7 +101,9 @@ def check_colsum(N, OC, block_size=None):
     return None
 
 
-def check2(N, block_size=None, colsum=False, OC=None):
+def check2(N, block_size=None, colsum=False, OC=None, recompute=False):
+    if recompute and not colsum:
+        return "recompute=True is a form of the colsum form (colsum=True)"
     return check_colsum(N, OC, block_size) if colsum else check_float4(N, block_size)
 
 
@@ -116,17 +127,18 @@ def _variant(op, number, per_thread, default_bs, nptr, dtype="fp32"):
     return build
 
 
-def _colsum_variant(number, dtype="fp32"):
+def _colsum_variant(number, dtype="fp32", recompute=False):
     """The fused form of variant `number` (cuda/gelu.cu, "colsum"): grid (column blocks of 32*V
     columns, chunks of rows), block (32, 8); as many blocks as are resident at once (one wave), each
     chunk a multiple of 8 rows; fp32 partials (chunks, OC) and a ticket counter per column block (zeroed
-    here; the finishing block resets its own, so graph replays work) allocated by the build."""
-    suffix = "" if dtype == "fp32" else f"_{dtype}"
+    here; the finishing block resets its own, so graph replays work) allocated by the build.
+    recompute: the form that also writes gout = gelu(inp): launch(dinp, colsum, gout, inp, dout)."""
+    suffix = ("_rc" if recompute else "") + ("" if dtype == "fp32" else f"_{dtype}")
 
     def build(rt, N, OC, block_size=None):
         rows = N // OC
-        k = rt.kernel(MODULE, f"gelu_backward_kernel{number}_colsum{suffix}", "PPPPPPiii",
-                      label=f"gelu_backward {number} {dtype} colsum")
+        k = rt.kernel(MODULE, f"gelu_backward_kernel{number}_colsum{suffix}", "PPPPPPPiii" if recompute else "PPPPPPiii",
+                      label=f"gelu_backward {number} {dtype} colsum{' + gelu' if recompute else ''}")
         V = 4 if dtype == "fp32" else 8
         col_blocks = ceil_div(OC, 32 * V)
         target = max(1, rt.sm_count * k.resident_blocks(256) // col_blocks)  # chunks for one full wave
@@ -138,13 +150,20 @@ def _colsum_variant(number, dtype="fp32"):
 
         def launch(dinp, colsum, inp, dout):
             k(grid, (32, 8, 1), dinp.ptr, colsum.ptr, partial.ptr, counters.ptr, inp.ptr, dout.ptr, *args)
-        return Built(launch, scratch={"partials": partial, "counters": counters}, keep=frozenset({"counters"}))
+
+        def launch_recompute(dinp, colsum, gout, inp, dout):
+            k(grid, (32, 8, 1), dinp.ptr, colsum.ptr, gout.ptr, partial.ptr, counters.ptr, inp.ptr, dout.ptr, *args)
+        return Built(launch_recompute if recompute else launch, scratch={"partials": partial, "counters": counters},
+                     keep=frozenset({"counters"}))
     return build
 
 
-def _with_colsum(plain, fused):
-    """A variant's build that takes the op's colsum option: the fused build for colsum=True."""
-    def build(rt, N, block_size=None, colsum=False, OC=None):
+def _with_colsum(plain, fused, fused_rc):
+    """A variant's build that takes the op's colsum option: the fused build for colsum=True, its
+    recompute form with recompute=True too."""
+    def build(rt, N, block_size=None, colsum=False, OC=None, recompute=False):
+        if recompute:
+            return fused_rc(rt, N, OC, block_size)
         return fused(rt, N, OC, block_size) if colsum else plain(rt, N, block_size)
     return build
 
@@ -159,6 +178,8 @@ gelu_backward1_bf16 = _variant("gelu_backward", 1, 1, 256, 3, "bf16")
 gelu_backward2_bf16 = _variant("gelu_backward", 2, 8, 256, 3, "bf16")
 gelu_backward2_colsum = _colsum_variant(2)
 gelu_backward2_colsum_bf16 = _colsum_variant(2, "bf16")
+gelu_backward2_colsum_rc = _colsum_variant(2, recompute=True)
+gelu_backward2_colsum_rc_bf16 = _colsum_variant(2, "bf16", recompute=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -178,19 +199,22 @@ OPS = [
         }),
     OpSpec(
         name="gelu_backward", flag="--gelu-backward-kernel", default=2,
-        # read inp, dout; write dinp (colsum: + colsum (OC) read and written)
-        cost=lambda N, dtype="fp32", colsum=False, OC=0, **_: (0, esize(dtype) * (3 * N + (2 * OC if colsum else 0))),
+        # read inp, dout; write dinp (colsum: + colsum (OC) read and written; recompute: + gout written)
+        cost=lambda N, dtype="fp32", colsum=False, OC=0, recompute=False, **_: (
+            0, esize(dtype) * ((4 if recompute else 3) * N + (2 * OC if colsum else 0))),
         cpu=gelu_backward_cpu,
-        options=("colsum",),
+        options=("colsum", "recompute"),
         doc="dinp(N)=, inp(N), dout(N); dinp may alias dout; colsum=True (with OC): dinp(N)=, colsum(OC)+=, "
-            "inp(N), dout(N), colsum += column sums of dinp as (N/OC, OC)",
+            "inp(N), dout(N), colsum += column sums of dinp as (N/OC, OC); recompute=True (with colsum): "
+            "dinp(N)=, colsum(OC)+=, gout(N)=, inp(N), dout(N), gout = gelu(inp) too",
         variants={
             1: Variant(1, "one thread per element (in place allowed)",
                        {"fp32": gelu_backward1, "bf16": gelu_backward1_bf16}, check_any),
             2: Variant(2, "one thread per 16 bytes: float4, or 8 bf16 (N%4==0; in place allowed); fused colsum "
                           "over rows of OC (the next bias grad): (32, 8) blocks own row chunks, fixed-order finish",
-                       {"fp32": _with_colsum(gelu_backward2, gelu_backward2_colsum),
-                        "bf16": _with_colsum(gelu_backward2_bf16, gelu_backward2_colsum_bf16)},
-                       check2, options=("colsum",)),
+                       {"fp32": _with_colsum(gelu_backward2, gelu_backward2_colsum, gelu_backward2_colsum_rc),
+                        "bf16": _with_colsum(gelu_backward2_bf16, gelu_backward2_colsum_bf16,
+                                             gelu_backward2_colsum_rc_bf16)},
+                       check2, options=("colsum", "recompute")),
         }),
 ]

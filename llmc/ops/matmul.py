@@ -255,7 +255,18 @@ def _dgelu_form(g_dinp_dg, dweight_part, weight_b=None):
     return launch
 
 
-def matmul_backward5(rt, N, C, OC, block_size=None, dgelu=False):
+def _parts(built, dinp_part, dweight_part, dinp_only, dweight_only):
+    """matmul_backward's one-GEMM forms: dinp_only=True launch(dinp, dout, weight); dweight_only=True
+    launch(dweight, dout, inp) (the model runs something between the two: backward's GELU recompute);
+    else `built`, both."""
+    if dinp_only:
+        return Built(dinp_part, plan=built.plan[0])
+    if dweight_only:
+        return Built(dweight_part, plan=built.plan[1])
+    return built
+
+
+def matmul_backward5(rt, N, C, OC, block_size=None, dgelu=False, dinp_only=False, dweight_only=False):
     """dinp and dweight on engine 5. dinp as in variant 4 (weight^T written first). dweight =
     dout^T @ inp reduces over the N rows, which is the slow dimension of both operands; TF32 wgmma
     wants K-major tiles in shared memory, so: the wider of dout (N,OC) and inp (N,C) is the A operand,
@@ -290,6 +301,12 @@ def matmul_backward5(rt, N, C, OC, block_size=None, dgelu=False):
         g_dinp(dinp, dout, wt)
         dweight_part(dweight, dout, inp)
 
+    def dinp_part(dinp, dout, weight):
+        tr_w(wt, weight)
+        g_dinp(dinp, dout, wt)
+
+    if dinp_only or dweight_only:
+        return _parts(Built(launch, plan=(g_dinp.plan, g_dw.plan)), dinp_part, dweight_part, dinp_only, dweight_only)
     if dgelu:
         def weight_t(weight):
             tr_w(wt, weight)
@@ -298,7 +315,7 @@ def matmul_backward5(rt, N, C, OC, block_size=None, dgelu=False):
     return Built(launch, plan=(g_dinp.plan, g_dw.plan))
 
 
-def matmul_backward5_bf16(rt, N, C, OC, block_size=None, dgelu=False):
+def matmul_backward5_bf16(rt, N, C, OC, block_size=None, dgelu=False, dinp_only=False, dweight_only=False):
     """bf16 dinp and dweight on engine 5, every operand read as it lies: bf16 wgmma takes M- and
     N-major tiles from shared memory (its transpose bits), so unlike TF32 nothing is transposed first.
     dinp (N,C) = dout (N,OC) @ weight (OC,C): A = dout (K-major, K = OC), B = weight as B^T (N-major).
@@ -313,6 +330,8 @@ def matmul_backward5_bf16(rt, N, C, OC, block_size=None, dgelu=False):
     def launch(dinp, dweight, dout, inp, weight):
         g_dinp(dinp, dout, weight)
         g_dw(dweight, dout, inp)
+    if dinp_only or dweight_only:
+        return _parts(Built(launch, plan=(g_dinp.plan, g_dw.plan)), g_dinp, g_dw, dinp_only, dweight_only)
     if dgelu:
         return Built(_dgelu_form(g_dinp, g_dw), plan=(g_dinp.plan, g_dw.plan))
     return Built(launch, plan=(g_dinp.plan, g_dw.plan))
@@ -343,7 +362,7 @@ def backward_engine_check(engine: int):
     return check
 
 
-def matmul_backward_cpu(N, C, OC, dgelu=False, **_):
+def matmul_backward_cpu(N, C, OC, dgelu=False, dinp_only=False, dweight_only=False, **_):
     from llmc.ops.gelu import gelu_backward_ref
 
     def launch(dinp, dweight, dout, inp, weight):
@@ -352,12 +371,20 @@ def matmul_backward_cpu(N, C, OC, dgelu=False, **_):
         dinp[...] = (dout2 @ weight).reshape(dinp.shape)
         dweight += dout2.T @ inp2
 
+    def launch_dinp(dinp, dout, weight):
+        dinp[...] = (dout.reshape(N, OC) @ weight).reshape(dinp.shape)
+
+    def launch_dweight(dweight, dout, inp):
+        dweight += dout.reshape(N, OC).T @ inp.reshape(N, C)
+
     def launch_dgelu(dinp, dweight, dout, inp, weight, pre, dbias=None):
         # the plain form, then gelu_backward's and matmul_backward_bias's references on dinp as stored
         launch(dinp, dweight, dout, inp, weight)
         dinp[...] = gelu_backward_ref(pre, dinp).reshape(dinp.shape)
         if dbias is not None:
             dbias += dinp.reshape(N, C).sum(axis=0)
+    if dinp_only or dweight_only:
+        return launch_dinp if dinp_only else launch_dweight
     return launch_dgelu if dgelu else launch
 
 
@@ -453,7 +480,11 @@ def cost_forward(N, C, OC, has_bias=True, gelu_pre=False, **_):
     return 2 * N * C * OC, 4 * (N * C + OC * C + N * OC * (2 if gelu_pre else 1) + (OC if has_bias else 0))
 
 
-def cost_backward(N, C, OC, **_):
+def cost_backward(N, C, OC, dinp_only=False, dweight_only=False, **_):
+    if dinp_only:   # read dout, weight; write dinp
+        return 2 * N * C * OC, 4 * (N * OC + OC * C + N * C)
+    if dweight_only:  # read dout, inp; dweight read and written
+        return 2 * N * C * OC, 4 * (N * OC + N * C + 2 * OC * C)
     return 4 * N * C * OC, 4 * (N * OC + N * C + 2 * OC * C + N * C)
 
 
@@ -499,11 +530,12 @@ OPS = [
                       "registers, the narrower one transposed (bf16: every operand as it lies, transposed "
                       "in the wgmma)", {"fp32": matmul_backward5, "bf16": matmul_backward5_bf16},
                    {"fp32": _bwd_wgmma5_check, "bf16": _bwd_wgmma5_check_bf16}, arch="sm_90", engine=4,
-                   options=("dgelu",)),
-    }, default=5, flag="--matmul-backward-kernel", options=("dgelu",), cost=cost_backward,
+                   options=("dgelu", "dinp_only", "dweight_only")),
+    }, default=5, flag="--matmul-backward-kernel", options=("dgelu", "dinp_only", "dweight_only"), cost=cost_backward,
         doc="dinp(N,C)= ; dweight(OC,C)+= ; dout(N,OC), inp(N,C), weight(OC,C); dgelu=True (variant 5, the "
             "fcproj layer's fused form): dinp, dweight, dout, inp, weight, pre(N,C), dbias(C) or None: "
-            "dinp = gelu'(pre) * (dout @ weight as stored), dbias += dinp's column sums"),
+            "dinp = gelu'(pre) * (dout @ weight as stored), dbias += dinp's column sums; dinp_only=True "
+            "(variant 5): dinp(N,C)=, dout, weight; dweight_only=True: dweight(OC,C)+=, dout, inp"),
     OpSpec("matmul_backward_bias", matmul_backward_bias_cpu, {
         1: Variant(1, "one thread per column over all rows", matmul_backward_bias1),
         2: Variant(2, "(32x8)-thread blocks over row chunks -> partials, fixed-order second pass "
