@@ -13,28 +13,31 @@ the flags and nvcc's version, so a cache built here serves a GPU machine with th
 device calls carry it as .llmc_cache; gemm_wgmma.cu alone takes a minute or more to compile).
 """
 import argparse
+import importlib.util
 import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
+
+from llmc.backend import CudaBackend
+from llmc.config import config_from_name
+from llmc.errors import LLMCError
+from llmc.model import GPT2
+from llmc.runtime import CACHE_DIR, DevArray, compile_cubin, module_target, nvcc_path
+from llmc.train import kernel_flags
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
-
-import numpy as np  # noqa: E402
-
-from llmc.backend import CudaBackend  # noqa: E402
-from llmc.config import config_from_name  # noqa: E402
-from llmc.errors import LLMCError  # noqa: E402
-from llmc.model import GPT2  # noqa: E402
-from llmc.runtime import CACHE_DIR, DevArray, compile_cubin, module_target, nvcc_path  # noqa: E402
-from llmc.train import kernel_flags  # noqa: E402
 
 
 def wanted_modules(model: str, precision: str, B: int, T: int, kernels: dict) -> set:
     """{(module, defines as a sorted tuple)} that building `model` and running one step asks for."""
-    from fake_runtime import FakeRuntime
+    spec = importlib.util.spec_from_file_location("fake_runtime", ROOT / "tests" / "fake_runtime.py")
+    fake = sys.modules["fake_runtime"] = importlib.util.module_from_spec(spec)  # (its dataclasses look it up)
+    spec.loader.exec_module(fake)
+    FakeRuntime = fake.FakeRuntime
 
     class Recorder(FakeRuntime):
         def __init__(self):

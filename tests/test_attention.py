@@ -109,9 +109,9 @@ def _decode_inputs(inp, qkvr, B, T, C, NH, maxT, rng):
 def test_attention_variants_and_pairing():
     from llmc.backend import kernel_choices
     fwd, bwd = ops.get("attention_forward"), ops.get("attention_backward")
-    assert set(bwd.variants) == set(fwd.variants) == {1, 2, 3, 4}  # 4: wgmma, bf16 only
+    assert set(bwd.variants) == set(fwd.variants) == {1, 2, 3, 4}  # 4: wgmma + TMA (TF32 and BF16), sm_90a only
     assert fwd.flag == "--attention-kernel" and bwd.flag == "--attention-backward-kernel"
-    assert fwd.default in (2, 3) and bwd.default in (2, 3)  # both keep the log-sum-exp
+    assert fwd.default == bwd.default == 4  # 2, 3 and 4 keep the log-sum-exp; 4 on Hopper, else 3
     for spec in (fwd, bwd):
         assert spec.variants[1].refuse_reason(B=2, T=65, C=96, NH=3) is None        # composite: any head size
         for n in (2, 3):

@@ -152,7 +152,7 @@ def test_every_built_op_has_a_cost_model():
         assert nbytes > 0 and flops >= 0, key
         assert (flops > 0) == built.op.startswith(("matmul_forward", "matmul_backward", "attention")) or \
             built.op == "matmul_backward_bias", key
-    assert model.built["attention_forward"].number == 2 and model.built["attention_forward"].saved_shape == (4, 12, 1024)
+    assert model.built["attention_forward"].number == 4 and model.built["attention_forward"].saved_shape == (4, 12, 1024)
     for name, spec in ops.registry().items():
         assert spec.cost is not None, name
 
@@ -170,7 +170,8 @@ def test_memory_estimate_follows_the_chosen_attention():
     B, T, NH, L = 4, 1024, 12, 12
     extra = 4 * (L * B * NH * T * (T - 1)) + ops.get("attention_forward").variant(1).scratch_bytes(B=B, T=T, C=768, NH=NH) \
         + ops.get("attention_backward").variant(1).scratch_bytes(B=B, T=T, C=768, NH=NH) \
-        - ops.get("attention_backward").variant(3).scratch_bytes(B=B, T=T, C=768, NH=NH)
+        - ops.get("attention_forward").variant(4).scratch_bytes(B=B, T=T, C=768, NH=NH, dtype="fp32") \
+        - ops.get("attention_backward").variant(4).scratch_bytes(B=B, T=T, C=768, NH=NH, dtype="fp32")
     assert need[1] - need[2] == extra
 
 

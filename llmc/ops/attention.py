@@ -1037,14 +1037,15 @@ def cost_kv_fill(B, C, NH, maxT, T, **_):
 OPS = [
     # variant 1 is the composite of the softmax and matmul variants; 2 and 3 are fused. What forward
     # keeps for backward differs (att or lse): `pair` keeps the two directions' numbers equal
-    # bf16 on Hopper: 4 and 4, the wgmma + TMA kernels (H100, d12 B=16 bf16 step: 37.37 ms against
-    # 38.76 with 2/3 and 38.25 with 4/3); another GPU refuses 4 and gets 3 with one note
-    OpSpec("attention_forward", attention_forward_cpu, ATTENTION_FORWARD_VARIANTS, default=2, defaults={"bf16": 4},
+    # On Hopper both element types default to 4 and 4, the wgmma + TMA kernels (H100, d12 B=16 step:
+    # bf16 37.37 ms against 38.76 with 2/3 and 38.25 with 4/3; fp32 (TF32) 70.9-71.1 against 73.8-74.2
+    # with 2/3, B=4 20.0-20.1 against 22.0); another GPU refuses 4 and gets 3 with one note
+    OpSpec("attention_forward", attention_forward_cpu, ATTENTION_FORWARD_VARIANTS, default=4,
            flag="--attention-kernel", pair="attention_backward", saves=_saves_att, cost=cost_forward,
            options=("qkv_in_place",),
            doc="out(B,T,C)=, qkvr(B,T,3C)=, saved=, inp(B,T,3C); saved is att(B,NH,T,T) (1) or "
                "lse(B,NH,T) (2, 3): Built.saved_shape; build(B, T, C, NH)"),
-    OpSpec("attention_backward", attention_backward_cpu, ATTENTION_BACKWARD_VARIANTS, default=3, defaults={"bf16": 4},
+    OpSpec("attention_backward", attention_backward_cpu, ATTENTION_BACKWARD_VARIANTS, default=4,
            flag="--attention-backward-kernel", pair="attention_forward", saves=_saves_att, cost=cost_backward,
            options=("qkv_in_place",),
            doc="dinp(B,T,3C)=, dout(B,T,C), qkvr(B,T,3C), saved, out(B,T,C); build(B, T, C, NH)"),
