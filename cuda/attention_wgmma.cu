@@ -1012,14 +1012,15 @@ static_assert(TF_FWD_SMEM <= 227 * 1024, "fits one SM's shared memory");
 __device__ __forceinline__ int vt_pos(int k) { return (k & ~7) | ((k & 1) << 2) | ((k & 7) >> 1); }
 
 // dst (BNH, 64, Tp) = x^T with each group of 8 rows (keys or queries) in vt_pos order, zeros past T,
-// for x = v, k, q (qkvr's parts, (B, NH, T, 64): head stride T*64, row stride 64) or dout ((B, T, C):
-// head stride 64, row stride C); batch stride NH*T*64 = T*C either way. Block (32, 8): 32 rows x 64
-// dims of one head through shared memory (both sides coalesced).
+// for x = v, k, q of qkvr ((B, NH, T, 64): head stride T*64, row stride 64, batch stride NH*T*64), of
+// the qkv matmul's output in place ((B, T, 3C) from the part's first column: head stride 64, row
+// stride 3C, batch stride 3TC) or dout ((B, T, C): 64, C, TC). Block (32, 8): 32 rows x 64 dims of one
+// head through shared memory (both sides coalesced).
 extern "C" __global__ void attention_vt_kernel(float* dst, const float* x, int NH, int T, int Tp, int head_stride,
-                                               int row_stride) {
+                                               int row_stride, long long batch_stride) {
     __shared__ float tile[32][HS + 1];
     const int bh = blockIdx.y, b = bh / NH, h = bh % NH, k0 = blockIdx.x * 32, tx = threadIdx.x, ty = threadIdx.y;
-    const float* src = x + (size_t)b * T * NH * HS + (size_t)h * head_stride;
+    const float* src = x + (size_t)b * batch_stride + (size_t)h * head_stride;
     for (int r = ty; r < 32; r += 8) {
         const int k = k0 + r;
         tile[r][tx] = k < T ? src[(size_t)k * row_stride + tx] : 0.0f;
@@ -1038,8 +1039,22 @@ __device__ __forceinline__ uint32_t to_tf32(float x) {  // round to nearest (tie
     return y;
 }
 
+// A box of rows (row0 ..) of part `part` (0 q, 1 k, 2 v) of head h, batch b, dims d0 .. d0 + 31, by the
+// TMA: from qkvr (B, NH, T, 64) each part, seen as 3D (64 dims, T, 3 B NH slabs), or with BTC from the
+// qkv matmul's output in place (B, T, 3C), seen as 4D (64 dims, 3 NH heads, T, B). Either box lands as
+// the same rows of 128 swizzled bytes.
+template <bool BTC>
+__device__ __forceinline__ void tma_load_part(void* dst, const CUtensorMap* tm, uint64_t* bar, int d0, int row0, int part,
+                                              int b, int h, int B, int NH) {
+    if constexpr (BTC)
+        tma_load_4d(dst, tm, bar, d0, part * NH + h, row0, b);
+    else
+        tma_load_3d(dst, tm, bar, d0, row0, (part * B + b) * NH + h);
+}
+
 // maps: 3 consecutive CUtensorMaps in global memory: q rows (qkvr's q, box 32 dims x 64 rows), k rows
 // (qkvr's k, box 32 x 128), vt (box 32 keys x 64 dims); out (B,T,C) fp32, lse (B,NH,T) fp32
+template <bool BTC>
 __device__ __forceinline__ void flash_forward_wgmma_tf32(float* out, float* lse, const CUtensorMap* maps, int B, int NH,
                                                          int T, float scale) {
     extern __shared__ unsigned char smem_raw[];
@@ -1068,20 +1083,20 @@ __device__ __forceinline__ void flash_forward_wgmma_tf32(float* out, float* lse,
             tensormap_acquire(tq);
             tensormap_acquire(tk);
             tensormap_acquire(tv);
-            const int qslab = b * NH + h, kslab = (B + b) * NH + h;  // qkvr: q | k | v, each (B, NH, T, 64)
             mbar_expect_tx(q_full, TF_Q_BYTES);
 #pragma unroll
             for (int cw = 0; cw < 2; cw++)
 #pragma unroll
                 for (int hf = 0; hf < 2; hf++)
-                    tma_load_3d(sq + (2 * cw + hf) * TF_Q_HALF, tq, q_full, 32 * hf, q0 + 64 * cw, qslab);
+                    tma_load_part<BTC>(sq + (2 * cw + hf) * TF_Q_HALF, tq, q_full, 32 * hf, q0 + 64 * cw, 0, b, h, B, NH);
             for (int i = 0; i < nkt; i++) {
                 const int s = i % STAGES, use = i / STAGES;
                 mbar_wait(&empty[s], (use & 1) ^ 1);
                 mbar_expect_tx(&full[s], TF_STAGE);
                 unsigned char* st = skv + s * TF_STAGE;
 #pragma unroll
-                for (int hf = 0; hf < 2; hf++) tma_load_3d(st + hf * TF_K_HALF, tk, &full[s], 32 * hf, i * BKV, kslab);
+                for (int hf = 0; hf < 2; hf++)
+                    tma_load_part<BTC>(st + hf * TF_K_HALF, tk, &full[s], 32 * hf, i * BKV, 1, b, h, B, NH);
 #pragma unroll
                 for (int c = 0; c < 4; c++)
                     tma_load_3d(st + 2 * TF_K_HALF + c * TF_VT_BOX, tv, &full[s], i * BKV + 32 * c, 0, bh);
@@ -1158,7 +1173,14 @@ __device__ __forceinline__ void flash_forward_wgmma_tf32(float* out, float* lse,
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_forward_kernel4_tf32(float* out, float* lse, const CUtensorMap* maps, int B, int NH, int T,
                                      float scale) {
-    flash_forward_wgmma_tf32(out, lse, maps, B, NH, T, scale);
+    flash_forward_wgmma_tf32<false>(out, lse, maps, B, NH, T, scale);
+}
+
+// q, k from the qkv matmul's output in place (maps[0], [1]: 4D, boxes (32, 1, 64 or 128, 1))
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+flash_attention_forward_kernel4_tf32_btc(float* out, float* lse, const CUtensorMap* maps, int B, int NH, int T,
+                                         float scale) {
+    flash_forward_wgmma_tf32<true>(out, lse, maps, B, NH, T, scale);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -1218,6 +1240,7 @@ __device__ __forceinline__ void issue_o_tf32(float (&acc)[32], const uint32_t (&
 
 // maps: [0] qkvr (64 dims, T, 3 B NH) box (32, 64, 1); [1] dout (64 dims, NH, T, B) box (32, 1, 64, 1);
 // [2] kt (Tp, 64, B NH) box (32, 64, 1)
+template <bool BTC>
 __device__ __forceinline__ void flash_backward_dq_wgmma_tf32(float* dinp, float* Dbuf, const float* dout, const float* out,
                                                              const CUtensorMap* maps, const float* lse, int B, int NH,
                                                              int T, float scale) {
@@ -1249,13 +1272,12 @@ __device__ __forceinline__ void flash_backward_dq_wgmma_tf32(float* dinp, float*
             tensormap_acquire(tqkv);
             tensormap_acquire(tdo);
             tensormap_acquire(tkt);
-            const int qslab = b * NH + h, kslab = (B + b) * NH + h, vslab = (2 * B + b) * NH + h;
             mbar_expect_tx(qd_full, 2 * TB_RES);
 #pragma unroll
             for (int cw = 0; cw < 2; cw++)
 #pragma unroll
                 for (int hf = 0; hf < 2; hf++) {
-                    tma_load_3d(sq + cw * TB_TILE + hf * TB_HALF, tqkv, qd_full, 32 * hf, q0 + 64 * cw, qslab);
+                    tma_load_part<BTC>(sq + cw * TB_TILE + hf * TB_HALF, tqkv, qd_full, 32 * hf, q0 + 64 * cw, 0, b, h, B, NH);
                     tma_load_4d(sdo + cw * TB_TILE + hf * TB_HALF, tdo, qd_full, 32 * hf, h, q0 + 64 * cw, b);
                 }
             for (int i = 0; i < nkt; i++) {
@@ -1265,8 +1287,8 @@ __device__ __forceinline__ void flash_backward_dq_wgmma_tf32(float* dinp, float*
                 unsigned char* st = skv + s * TB_DQ_STAGE;
 #pragma unroll
                 for (int hf = 0; hf < 2; hf++) {
-                    tma_load_3d(st + hf * TB_HALF, tqkv, &full[s], 32 * hf, i * TB_ROWS, kslab);                // k
-                    tma_load_3d(st + TB_TILE + hf * TB_HALF, tqkv, &full[s], 32 * hf, i * TB_ROWS, vslab);      // v
+                    tma_load_part<BTC>(st + hf * TB_HALF, tqkv, &full[s], 32 * hf, i * TB_ROWS, 1, b, h, B, NH);            // k
+                    tma_load_part<BTC>(st + TB_TILE + hf * TB_HALF, tqkv, &full[s], 32 * hf, i * TB_ROWS, 2, b, h, B, NH);  // v
                     tma_load_3d(st + 2 * TB_TILE + hf * TB_HALF, tkt, &full[s], i * TB_ROWS + 32 * hf, 0, bh);  // kt
                 }
             }
@@ -1361,10 +1383,19 @@ __device__ __forceinline__ void flash_backward_dq_wgmma_tf32(float* dinp, float*
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_backward_dq_kernel4_tf32(float* dinp, float* Dbuf, const float* dout, const float* out,
                                          const CUtensorMap* maps, const float* lse, int B, int NH, int T, float scale) {
-    flash_backward_dq_wgmma_tf32(dinp, Dbuf, dout, out, maps, lse, B, NH, T, scale);
+    flash_backward_dq_wgmma_tf32<false>(dinp, Dbuf, dout, out, maps, lse, B, NH, T, scale);
+}
+
+// q, k, v from the forward's inp in place (maps[0]: 4D (64 dims, 3 NH, T, B), box (32, 1, 64, 1))
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+flash_attention_backward_dq_kernel4_tf32_btc(float* dinp, float* Dbuf, const float* dout, const float* out,
+                                             const CUtensorMap* maps, const float* lse, int B, int NH, int T,
+                                             float scale) {
+    flash_backward_dq_wgmma_tf32<true>(dinp, Dbuf, dout, out, maps, lse, B, NH, T, scale);
 }
 
 // maps: [0] qkvr, [1] dout (as the dq kernel), [2] qt, [3] dot (Tp, 64, B NH) box (32, 64, 1)
+template <bool BTC>
 __device__ __forceinline__ void flash_backward_dkdv_wgmma_tf32(float* dinp, const CUtensorMap* maps, const float* lse,
                                                                const float* Dbuf, int B, int NH, int T, float scale) {
     extern __shared__ unsigned char smem_bwd[];
@@ -1399,14 +1430,13 @@ __device__ __forceinline__ void flash_backward_dkdv_wgmma_tf32(float* dinp, cons
             tensormap_acquire(tdo);
             tensormap_acquire(tqt);
             tensormap_acquire(tdot);
-            const int qslab = b * NH + h, kslab = (B + b) * NH + h, vslab = (2 * B + b) * NH + h;
             mbar_expect_tx(kv_full, 2 * TB_RES);
 #pragma unroll
             for (int cw = 0; cw < 2; cw++)
 #pragma unroll
                 for (int hf = 0; hf < 2; hf++) {
-                    tma_load_3d(sk + cw * TB_TILE + hf * TB_HALF, tqkv, kv_full, 32 * hf, k0 + 64 * cw, kslab);
-                    tma_load_3d(sv + cw * TB_TILE + hf * TB_HALF, tqkv, kv_full, 32 * hf, k0 + 64 * cw, vslab);
+                    tma_load_part<BTC>(sk + cw * TB_TILE + hf * TB_HALF, tqkv, kv_full, 32 * hf, k0 + 64 * cw, 1, b, h, B, NH);
+                    tma_load_part<BTC>(sv + cw * TB_TILE + hf * TB_HALF, tqkv, kv_full, 32 * hf, k0 + 64 * cw, 2, b, h, B, NH);
                 }
             for (int i = 0; i < nt; i++) {
                 const int s = i % BWD_STAGES, use = i / BWD_STAGES, r0 = (it0 + i) * TB_ROWS;
@@ -1415,7 +1445,7 @@ __device__ __forceinline__ void flash_backward_dkdv_wgmma_tf32(float* dinp, cons
                 unsigned char* st = sqd + s * TB_DKDV_STAGE;
 #pragma unroll
                 for (int hf = 0; hf < 2; hf++) {
-                    tma_load_3d(st + hf * TB_HALF, tqkv, &full[s], 32 * hf, r0, qslab);                   // q
+                    tma_load_part<BTC>(st + hf * TB_HALF, tqkv, &full[s], 32 * hf, r0, 0, b, h, B, NH);    // q
                     tma_load_4d(st + TB_TILE + hf * TB_HALF, tdo, &full[s], 32 * hf, h, r0, b);           // dout
                     tma_load_3d(st + 2 * TB_TILE + hf * TB_HALF, tqt, &full[s], r0 + 32 * hf, 0, bh);     // qt
                     tma_load_3d(st + 3 * TB_TILE + hf * TB_HALF, tdot, &full[s], r0 + 32 * hf, 0, bh);    // dot
@@ -1517,5 +1547,11 @@ __device__ __forceinline__ void flash_backward_dkdv_wgmma_tf32(float* dinp, cons
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_backward_dkdv_kernel4_tf32(float* dinp, const CUtensorMap* maps, const float* lse, const float* Dbuf,
                                            int B, int NH, int T, float scale) {
-    flash_backward_dkdv_wgmma_tf32(dinp, maps, lse, Dbuf, B, NH, T, scale);
+    flash_backward_dkdv_wgmma_tf32<false>(dinp, maps, lse, Dbuf, B, NH, T, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+flash_attention_backward_dkdv_kernel4_tf32_btc(float* dinp, const CUtensorMap* maps, const float* lse, const float* Dbuf,
+                                               int B, int NH, int T, float scale) {
+    flash_backward_dkdv_wgmma_tf32<true>(dinp, maps, lse, Dbuf, B, NH, T, scale);
 }

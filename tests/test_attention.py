@@ -499,6 +499,15 @@ def test_flash_attention_wgmma_tf32_gpu(rt, B, T, C, NH):
         if _ == 0:
             first = dinp4
     assert np.array_equal(first, dinp4), "backward 4 tf32 is not deterministic"
+    # the in-place builds (the model's form): q, k, v read from inp itself, the same bits as through qkvr
+    fwd_ip = ops.get("attention_forward").build(rt, 4, "fp32", B=B, T=T, C=C, NH=NH, qkv_in_place=True)
+    bwd_ip = ops.get("attention_backward").build(rt, 4, "fp32", B=B, T=T, C=C, NH=NH, qkv_in_place=True)
+    poison(d_out, d_lse, d_dinp, *fwd_ip.scratch.values(), *bwd_ip.scratch.values())
+    fwd_ip(d_out, d_inp, d_lse, d_inp)
+    assert np.array_equal(d_out.get(), out) and np.array_equal(d_lse.get(), lse), "in place: other forward bits"
+    assert np.array_equal(d_inp.get(), inp), "in place: the forward changed inp"
+    bwd_ip(d_dinp, d_dout, d_inp, d_lse, d_out)
+    assert np.array_equal(d_dinp.get(), dinp4), "in place: other backward bits"
 
 
 # bf16 builds of the fused variants. Inputs are bf16 values (round_bf16), so the float64 reference
@@ -916,9 +925,9 @@ def test_wgmma_forward_variant_declares_bf16_and_tf32_sm90_only():
     back = ops.get("attention_backward")
     assert back.variants[4].dtypes == ("fp32", "bf16")
     assert back.refuse_reason(4, "fp32", "sm_90", B=1, T=8, C=64, NH=1) is None
-    for op in (spec, back):  # the TF32 builds read the permuted qkvr only
-        assert "qkv_in_place" in op.refuse_reason(4, "fp32", "sm_90", B=1, T=8, C=64, NH=1, qkv_in_place=True)
-        assert op.refuse_reason(4, "bf16", "sm_90", B=1, T=8, C=64, NH=1, qkv_in_place=True) is None
+    for op in (spec, back):  # both element types read q, k, v in place too
+        for dt in ("fp32", "bf16"):
+            assert op.refuse_reason(4, dt, "sm_90", B=1, T=8, C=64, NH=1, qkv_in_place=True) is None
     assert "sm_90" in spec.refuse_reason(4, "bf16", "sm_80", B=1, T=8, C=64, NH=1)
     assert "head size" in spec.refuse_reason(4, "bf16", "sm_90", B=2, T=65, C=96, NH=3)
     # it keeps what backward 2/3 read (the log-sum-exp), so they can run on its output
@@ -1416,3 +1425,23 @@ def test_wgmma_tf32_builds_launch_in_order(monkeypatch):
     assert names == one + one, names
     assert sum(1 for L in rt.launches if L.func == "flash_attention_forward_kernel4_tf32") == 2
     assert set(bwd.scratch) == {"D", "kt", "qt", "dot"} and bwd.scratch["kt"].shape == (B * NH, 64, 200)
+    # the permuted layout: v, k, q transposed from qkvr's parts (head stride T*64, row 64, batch NH*T*64)
+    vts = [L.args for L in rt.launches[:8] if L.func == "attention_vt_kernel"]
+    part = B * NH * T * 64 * 4
+    assert [(a[1] - qkvr.ptr, a[5], a[6], int(a[7])) for a in vts[:3]] == \
+        [(2 * part, T * 64, 64, NH * T * 64), (part, T * 64, 64, NH * T * 64), (0, T * 64, 64, NH * T * 64)]
+    assert (vts[3][1], vts[3][5], vts[3][6], int(vts[3][7])) == (dout.ptr, 64, C, T * C)
+    # in place: no permute, q, k, v read from inp (B,T,3C) by the _btc kernels, transposed from its columns
+    rt.launches.clear()
+    fwd = ops.get("attention_forward").build(rt, 4, "fp32", B=B, T=T, C=C, NH=NH, qkv_in_place=True)
+    bwd = ops.get("attention_backward").build(rt, 4, "fp32", B=B, T=T, C=C, NH=NH, qkv_in_place=True)
+    fwd(out, inp, lse, inp)
+    bwd(dinp, dout, inp, lse, out)
+    assert [L.func for L in rt.launches] == [
+        "attention_vt_kernel", "flash_attention_forward_kernel4_tf32_btc", "attention_vt_kernel", "attention_vt_kernel",
+        "attention_vt_kernel", "flash_attention_backward_dq_kernel4_tf32_btc", "flash_attention_backward_dkdv_kernel4_tf32_btc"]
+    vts = [L.args for L in rt.launches if L.func == "attention_vt_kernel"]
+    assert [(a[1] - inp.ptr, a[5], a[6], int(a[7])) for a in vts[:3]] == \
+        [(2 * C * 4, 64, 3 * C, T * 3 * C), (C * 4, 64, 3 * C, T * 3 * C), (0, 64, 3 * C, T * 3 * C)]
+    with pytest.raises(LLMCError, match="qkvr must be inp"):
+        fwd(out, qkvr, lse, inp)

@@ -412,10 +412,10 @@ def test_an_op_without_bf16_kernels_refuses_the_bf16_build_in_one_line(monkeypat
 
 
 def test_qkv_in_place_when_both_attention_directions_take_it(monkeypatch):
-    """Training with attention 4 and 4 (bf16 on Hopper; the numpy backend implements every form): the qkv
-    matmul writes each layer's output straight into qkvr[l], and both attention directions read q, k, v
-    there (no permuted copy). LLMC_QKV_IN_PLACE=0, a pairing without the form (4 + backward 3, fp32's
-    2 + 3) and inference models keep the copy. Either way the same bits. In place, the one-layer qkv
+    """Training with attention 4 and 4 (the defaults on Hopper, fp32 and bf16; the numpy backend
+    implements every form): the qkv matmul writes each layer's output straight into qkvr[l], and both
+    attention directions read q, k, v there (no permuted copy). LLMC_QKV_IN_PLACE=0, a pairing without
+    the form (4 + backward 3, 2 + 3) and inference models keep the copy. Either way the same bits. In place, the one-layer qkv
     scratch (B,T,3C) is not allocated, nor counted by the memory check."""
     cfg = GPT2Config(max_seq_len=32, vocab_size=97, padded_vocab_size=100, num_layers=2, num_heads=2, channels=128)
     B, T, C = 2, 16, cfg.channels
@@ -438,7 +438,7 @@ def test_qkv_in_place_when_both_attention_directions_take_it(monkeypatch):
             m.update(lr=1e-3, step=step)
         return m.qkv_in_place, "qkv" in m.a, m.activation_bytes(), checked, out + [m.get_params()]
 
-    for make in (lambda: CpuBackend(np.float32), lambda: FakeCudaBackend(precision="bf16")):
+    for make in (lambda: CpuBackend(np.float32), lambda: FakeCudaBackend(precision="bf16"), lambda: FakeCudaBackend()):
         on, off = run(make(), "1"), run(make(), "0")
         assert on[0] and not off[0]
         assert not on[1] and off[1]
@@ -449,6 +449,6 @@ def test_qkv_in_place_when_both_attention_directions_take_it(monkeypatch):
             np.testing.assert_array_equal(a, b)
     monkeypatch.setenv("LLMC_QKV_IN_PLACE", "1")
     for m in (GPT2(cfg, FakeCudaBackend(kernels={"attention_backward": 3}, precision="bf16"), B, T),
-              GPT2(cfg, FakeCudaBackend(), B, T),  # fp32: 2 and 3
+              GPT2(cfg, FakeCudaBackend(kernels={"attention_forward": 2}), B, T),  # fp32: 2 and 2
               GPT2(cfg, CpuBackend(np.float32), B, T, training=False)):
         assert not m.qkv_in_place and "qkv" in m.a

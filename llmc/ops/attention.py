@@ -363,10 +363,8 @@ FLASH_HS = 64   # the kernels' head size (every GPT-2 size has 64)
 FLASH_TILE = 64  # rows per block, positions per tile
 
 
-def _check_flash_tf32(B, T, C, NH, qkv_in_place=False, **_):
-    """Variant 4's fp32 (TF32) builds: the fused kernels' shapes, and no q, k, v in place."""
-    if qkv_in_place:
-        return "the fp32 (TF32) build has no qkv_in_place form (it reads the permuted qkvr)"
+def _check_flash_tf32(B, T, C, NH, **_):
+    """Variant 4's fp32 (TF32) builds: the fused kernels' shapes (q, k, v in place or permuted)."""
     return _check_flash(B, T, C, NH)
 
 
@@ -576,21 +574,22 @@ WGMMA_TF32_FWD_SMEM = 1024 + WGMMA_BQ * 256 + WGMMA_STAGES * (WGMMA_BQ * 256 + 6
 
 
 def build_flash_attention_forward_wgmma_tf32(rt, B, T, C, NH, qkv_in_place=False, **_):
-    """Variant 4's fp32 build (TF32 wgmma; written without a GPU, not yet run): launch(out (B,T,C),
-    qkvr (B,T,3C), lse (B,NH,T), inp (B,T,3C)) like 2, 3: the fp32 permute of inp into qkvr, then
-    attention_vt_kernel writes v transposed (each group of 8 keys in the order the kernel's register P
-    wants, see cuda/attention_wgmma.cu) into a scratch vt (B*NH, 64, Tp), Tp = T rounded up to 8, and
-    the wgmma kernel reads q and k from qkvr and v^T from vt through three tensor maps (TFLOAT32: the
-    TMA rounds to tf32 as it copies). Keeps lse for backward 2/3. No qkv_in_place form (refused)."""
+    """Variant 4's fp32 build (TF32 wgmma): launch(out (B,T,C), qkvr (B,T,3C), lse (B,NH,T), inp
+    (B,T,3C)) like 2, 3: the fp32 permute of inp into qkvr, then attention_vt_kernel writes v
+    transposed (each group of 8 keys in the order the kernel's register P wants, see
+    cuda/attention_wgmma.cu) into a scratch vt (B*NH, 64, Tp), Tp = T rounded up to 8, and the wgmma
+    kernel reads q and k from qkvr and v^T from vt through three tensor maps (TFLOAT32: the TMA rounds
+    to tf32 as it copies). Keeps lse for backward 2/3/4. qkv_in_place: no permute (qkvr must be inp):
+    q and k are read from inp, the qkv matmul's output, through 4D maps (64 dims, 3 NH heads, T, B), v
+    transposed from it, and backward 4 built with qkv_in_place reads inp too."""
     _check_attention(B, T, C, NH)
-    if qkv_in_place:
-        refuse("attention_forward", 4, "the fp32 (TF32) build has no qkv_in_place form")
-    permute = _build_permute(rt, "permute", B, T, 3, NH, FLASH_HS, "fp32")
+    permute = None if qkv_in_place else _build_permute(rt, "permute", B, T, 3, NH, FLASH_HS, "fp32")
     BNH, Tp = B * NH, ceil_div(T, 8) * 8
     vt = rt.empty((BNH, FLASH_HS, Tp))
-    kvt = rt.kernel(WGMMA_MODULE, "attention_vt_kernel", "PPiiiii", label="attention_forward 4 tf32: v^T")
-    k = rt.kernel(WGMMA_MODULE, "flash_attention_forward_kernel4_tf32", "PPPiiif",
-                  label="attention_forward 4 (flash, wgmma) tf32")
+    kvt = rt.kernel(WGMMA_MODULE, "attention_vt_kernel", "PPiiiiiq", label="attention_forward 4 tf32: v^T")
+    sfx = "_btc" if qkv_in_place else ""
+    k = rt.kernel(WGMMA_MODULE, "flash_attention_forward_kernel4_tf32" + sfx, "PPPiiif",
+                  label="attention_forward 4 (flash, wgmma) tf32" + sfx.replace("_", " "))
     smem = WGMMA_TF32_FWD_SMEM
     if smem > rt.max_smem_optin:
         refuse("attention_forward", 4, f"needs {smem} bytes of shared memory, the device allows {rt.max_smem_optin}")
@@ -601,17 +600,29 @@ def build_flash_attention_forward_wgmma_tf32(rt, B, T, C, NH, qkv_in_place=False
     what = f"attention_forward 4 tf32 (B={B} NH={NH} T={T})"
 
     def launch(out, qkvr, lse, inp):
-        permute(qkvr, inp)
         qp = _ptr(qkvr)
-        kvt((ceil_div(Tp, 32), BNH, 1), (32, 8, 1), vt.ptr, qp + 2 * BNH * T * FLASH_HS * 4, np.int32(NH),
-            np.int32(T), np.int32(Tp), np.int32(T * FLASH_HS), np.int32(FLASH_HS))
+        if permute is not None:
+            permute(qkvr, inp)
+            v, layout = qp + 2 * BNH * T * FLASH_HS * 4, (T * FLASH_HS, FLASH_HS, NH * T * FLASH_HS)
+        elif qp != _ptr(inp):
+            raise LLMCError(f"{what} (qkv in place): qkvr must be inp, the tensor backward 4 reads "
+                            f"(got 0x{qp:x} and 0x{_ptr(inp):x})")
+        else:  # v: columns 2C.. of each (B,T,3C) row
+            v, layout = qp + 2 * C * 4, (FLASH_HS, 3 * C, T * 3 * C)
+        kvt((ceil_div(Tp, 32), BNH, 1), (32, 8, 1), vt.ptr, v, np.int32(NH), np.int32(T), np.int32(Tp),
+            np.int32(layout[0]), np.int32(layout[1]), np.int64(layout[2]))
         dm = maps.get(qp)
         if dm is None:  # q rows (box 32 dims x 64 rows), k rows (32 x 128), vt (32 keys x 64 dims)
             if qp & 15:
                 raise LLMCError(f"{what}: qkvr must be 16-byte aligned for the TMA (0x{qp:x})")
-            dims, strides = (FLASH_HS, T, 3 * BNH), (FLASH_HS * 4, T * FLASH_HS * 4)
-            blob = (_bf16_tensor_map(qp, dims, strides, (32, 64, 1), what + ": q", 11)
-                    + _bf16_tensor_map(qp, dims, strides, (32, WGMMA_BQ, 1), what + ": k", 11)
+            if qkv_in_place:  # (64 dims, 3 NH heads, T, B): q of head h is head h, k head NH + h
+                dims, strides = (FLASH_HS, 3 * NH, T, B), (FLASH_HS * 4, 3 * C * 4, T * 3 * C * 4)
+                qbox, kbox = (32, 1, 64, 1), (32, 1, WGMMA_BQ, 1)
+            else:
+                dims, strides = (FLASH_HS, T, 3 * BNH), (FLASH_HS * 4, T * FLASH_HS * 4)
+                qbox, kbox = (32, 64, 1), (32, WGMMA_BQ, 1)
+            blob = (_bf16_tensor_map(qp, dims, strides, qbox, what + ": q", 11)
+                    + _bf16_tensor_map(qp, dims, strides, kbox, what + ": k", 11)
                     + _bf16_tensor_map(vt.ptr, (Tp, FLASH_HS, BNH), (Tp * 4, FLASH_HS * Tp * 4), (32, FLASH_HS, 1),
                                        what + ": vt", 11))
             dm = maps[qp] = rt.to_device(np.frombuffer(blob, np.uint8))
@@ -694,14 +705,13 @@ def _tf32_transposed_bytes(B, T, NH):
 
 
 def build_flash_attention_backward_wgmma_tf32(rt, B, T, C, NH, qkv_in_place=False, **_):
-    """Variant 4's fp32 build (TF32 wgmma; written without a GPU, not yet run): launch(dinp (B,T,3C),
-    dout (B,T,C), qkvr (B,T,3C), lse (B,NH,T), out (B,T,C)) like 2, 3. attention_vt_kernel first writes
-    k, q (from qkvr) and dout transposed, each group of 8 rows reordered for the register A (kt, qt,
-    dot: (B*NH, 64, Tp) scratch), then the dq kernel (which also writes D = rowsum(dout * out)) and the
-    dk/dv kernel, both on 64-row swept tiles (cuda/attention_wgmma.cu). No qkv_in_place form (refused)."""
+    """Variant 4's fp32 build (TF32 wgmma): launch(dinp (B,T,3C), dout (B,T,C), qkvr (B,T,3C), lse
+    (B,NH,T), out (B,T,C)) like 2, 3. attention_vt_kernel first writes k, q (from qkvr) and dout
+    transposed, each group of 8 rows reordered for the register A (kt, qt, dot: (B*NH, 64, Tp)
+    scratch), then the dq kernel (which also writes D = rowsum(dout * out)) and the dk/dv kernel, both
+    on 64-row swept tiles (cuda/attention_wgmma.cu). qkv_in_place: qkvr is the forward's inp itself,
+    (B,T,3C) unpermuted, read through a 4D map (the _btc entry points) and transposed from there."""
     _check_attention(B, T, C, NH)
-    if qkv_in_place:
-        refuse("attention_backward", 4, "the fp32 (TF32) build has no qkv_in_place form")
     for name, smem in (("dq", WGMMA_TF32_DQ_SMEM), ("dk dv", WGMMA_TF32_DKDV_SMEM)):
         if smem > rt.max_smem_optin:
             refuse("attention_backward", 4, f"the tf32 {name} kernel needs {smem} bytes of shared memory, the "
@@ -709,10 +719,18 @@ def build_flash_attention_backward_wgmma_tf32(rt, B, T, C, NH, qkv_in_place=Fals
     BNH, Tp = B * NH, ceil_div(T, 8) * 8
     D = rt.empty((B, NH, T))
     kt, qt, dot = (rt.empty((BNH, FLASH_HS, Tp)) for _ in range(3))
-    kvt = rt.kernel(WGMMA_MODULE, "attention_vt_kernel", "PPiiiii", label="attention_backward 4 tf32: transpose")
+    kvt = rt.kernel(WGMMA_MODULE, "attention_vt_kernel", "PPiiiiiq", label="attention_backward 4 tf32: transpose")
     label = "attention_backward 4 (flash, wgmma) tf32"
-    kq = rt.kernel(WGMMA_MODULE, "flash_attention_backward_dq_kernel4_tf32", "PPPPPPiiif", label=label + " dq")
-    kkv = rt.kernel(WGMMA_MODULE, "flash_attention_backward_dkdv_kernel4_tf32", "PPPPiiif", label=label + " dk dv")
+    sfx = "_btc" if qkv_in_place else ""
+    kq = rt.kernel(WGMMA_MODULE, "flash_attention_backward_dq_kernel4_tf32" + sfx, "PPPPPPiiif",
+                   label=label + " dq" + sfx.replace("_", " "))
+    kkv = rt.kernel(WGMMA_MODULE, "flash_attention_backward_dkdv_kernel4_tf32" + sfx, "PPPPiiif",
+                    label=label + " dk dv" + sfx.replace("_", " "))
+    # q, k of qkvr: (part offset in bytes, head stride, row stride, batch stride) for the transposes
+    if qkv_in_place:
+        q_at, k_at, qk_layout = 0, C * 4, (FLASH_HS, 3 * C, T * 3 * C)
+    else:
+        q_at, k_at, qk_layout = 0, BNH * T * FLASH_HS * 4, (T * FLASH_HS, FLASH_HS, NH * T * FLASH_HS)
     kq.set_max_dynamic_smem(WGMMA_TF32_DQ_SMEM)
     kkv.set_max_dynamic_smem(WGMMA_TF32_DKDV_SMEM)
     grid, block = (BNH, ceil_div(T, WGMMA_BQ), 1), (384, 1, 1)
@@ -726,18 +744,21 @@ def build_flash_attention_backward_wgmma_tf32(rt, B, T, C, NH, qkv_in_place=Fals
 
     def launch(dinp, dout, qkvr, lse, out):
         qp, dp = _ptr(qkvr), _ptr(dout)
-        part = BNH * T * FLASH_HS * 4  # bytes of each of qkvr's q, k, v
-        kvt(tgrid, (32, 8, 1), kt.ptr, qp + part, np.int32(NH), np.int32(T), np.int32(Tp), np.int32(T * FLASH_HS),
-            np.int32(FLASH_HS))
-        kvt(tgrid, (32, 8, 1), qt.ptr, qp, np.int32(NH), np.int32(T), np.int32(Tp), np.int32(T * FLASH_HS),
-            np.int32(FLASH_HS))
-        kvt(tgrid, (32, 8, 1), dot.ptr, dp, np.int32(NH), np.int32(T), np.int32(Tp), np.int32(FLASH_HS), np.int32(C))
+        hs_, rs_, bs_ = qk_layout
+        for dst, at in ((kt, k_at), (qt, q_at)):
+            kvt(tgrid, (32, 8, 1), dst.ptr, qp + at, np.int32(NH), np.int32(T), np.int32(Tp), np.int32(hs_),
+                np.int32(rs_), np.int64(bs_))
+        kvt(tgrid, (32, 8, 1), dot.ptr, dp, np.int32(NH), np.int32(T), np.int32(Tp), np.int32(FLASH_HS), np.int32(C),
+            np.int64(T * C))
         dm = maps.get((qp, dp))
         if dm is None:  # dq's maps (qkvr, dout, kt) then dk/dv's (qkvr, dout, qt, dot)
             for name, p in (("qkvr", qp), ("dout", dp), ("out", _ptr(out))):  # out: the dq kernel's float4 loads
                 if p & 15:
                     raise LLMCError(f"{what}: {name} must be 16-byte aligned (0x{p:x})")
-            mq = tmap(qp, (FLASH_HS, T, 3 * BNH), (FLASH_HS * 4, T * FLASH_HS * 4), (32, 64, 1), "qkvr")
+            if qkv_in_place:  # inp (B,T,3C) as (64 dims, 3 NH heads, T, B)
+                mq = tmap(qp, (FLASH_HS, 3 * NH, T, B), (FLASH_HS * 4, 3 * C * 4, T * 3 * C * 4), (32, 1, 64, 1), "qkv")
+            else:
+                mq = tmap(qp, (FLASH_HS, T, 3 * BNH), (FLASH_HS * 4, T * FLASH_HS * 4), (32, 64, 1), "qkvr")
             md = tmap(dp, (FLASH_HS, NH, T, B), (FLASH_HS * 4, C * 4, T * C * 4), (32, 1, 64, 1), "dout")
             mt = [tmap(x.ptr, (Tp, FLASH_HS, BNH), (Tp * 4, FLASH_HS * Tp * 4), (32, 64, 1), n)
                   for x, n in ((kt, "kt"), (qt, "qt"), (dot, "dot"))]
