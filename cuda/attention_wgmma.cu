@@ -1206,9 +1206,9 @@ constexpr int TB_TILE = 2 * TB_HALF;                     // 64 rows x 64 fp32: 1
 constexpr int TB_RES = 2 * TB_TILE;                      // a resident 128-row tile: 32 KB
 constexpr int TB_DQ_STAGE = 3 * TB_TILE;                 // k, v, kt
 constexpr int TB_DKDV_STAGE = 4 * TB_TILE;               // q, dout, qt, dot
-constexpr int TB_DQ_SMEM = 1024 + 2 * TB_RES + BWD_STAGES * TB_DQ_STAGE + 8 * (1 + 2 * BWD_STAGES);
+constexpr int TB_DQ_SMEM = 1024 + 2 * TB_RES + BWD_STAGES * TB_DQ_STAGE + 8 * (1 + 3 * BWD_STAGES);
 constexpr int TB_DKDV_SMEM = 1024 + 2 * TB_RES + BWD_STAGES * TB_DKDV_STAGE + 2 * 2 * 2 * TB_ROWS * 4 +
-                             8 * (1 + 2 * BWD_STAGES);
+                             8 * (1 + 3 * BWD_STAGES);
 static_assert(TB_DQ_SMEM <= 227 * 1024 && TB_DKDV_SMEM <= 227 * 1024, "fits one SM's shared memory");
 
 // S-shape, TF32: acc (64 x 64) = a (64 rows x 64 dims) b (64 rows x 64 dims)^T, both tiles as two
@@ -1238,9 +1238,45 @@ __device__ __forceinline__ void issue_o_tf32(float (&acc)[32], const uint32_t (&
     for (int j = 0; j < 8; j++) wgmma_tf32_rs_n64(acc, a[j], desc_k(bt + (j >> 2) * TB_HALF + 32 * (j & 3)), 1);
 }
 
+// SMT (shared-memory transposes): instead of attention_vt_kernel's passes over global memory and a TMA
+// load of each transposed tile, the producer warpgroup's three idle warps (96 threads) write a stage's
+// transposed tiles from the tiles the TMA just brought into the same stage, then arrive on the
+// stage's `full` barrier (3 arrivals besides the producer's; the TMA itself completes `tfull`). The
+// transposed tile has the layout the TMA gave from global memory: two 128-byte-swizzled halves of 64
+// dim rows x 32 positions, each group of 8 positions in vt_pos order; the source tile is two halves
+// of 64 position rows x 32 dims. Values as the TMA rounded them to tf32 (the same bits as before).
+__device__ __forceinline__ uint32_t sw128(int row, int col) {  // byte offset of fp32 (row, col) in a half
+    return row * 128 + ((((col >> 2) ^ (row & 7)) << 4) | ((col & 3) << 2));
+}
+
+// (NT tiles: dst + j TB_TILE from src + j TB_TILE, j < NT, in one loop)
+template <int NT>
+__device__ __forceinline__ void transpose_tiles_tf32(unsigned char* dst, const unsigned char* src, int t) {
+#pragma unroll 1
+    for (int c = t; c < NT * 2 * 64 * 8; c += 96) {
+        const int hf = (c >> 9) & 1, d = (c >> 3) & 63, q4 = c & 7;  // dst half, dim row, 16-byte chunk (4 positions)
+        const int key0 = 32 * hf + 8 * (q4 >> 1) + (q4 & 1);        // its positions hold rows key0, +2, +4, +6
+        const unsigned char* sh = src + (c >> 10) * TB_TILE + (d >> 5) * TB_HALF;
+        float4 v;
+        v.x = *reinterpret_cast<const float*>(sh + sw128(key0, d & 31));
+        v.y = *reinterpret_cast<const float*>(sh + sw128(key0 + 2, d & 31));
+        v.z = *reinterpret_cast<const float*>(sh + sw128(key0 + 4, d & 31));
+        v.w = *reinterpret_cast<const float*>(sh + sw128(key0 + 6, d & 31));
+        *reinterpret_cast<float4*>(dst + (c >> 10) * TB_TILE + hf * TB_HALF + sw128(d, 4 * q4)) = v;
+    }
+}
+
+// the transposing warps' hand-over: their generic-proxy stores become visible to wgmma (async proxy),
+// then one arrival per warp on the stage's full barrier
+__device__ __forceinline__ void transposed(uint64_t* full) {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    __syncwarp();
+    if ((threadIdx.x & 31) == 0) mbar_arrive(full);
+}
+
 // maps: [0] qkvr (64 dims, T, 3 B NH) box (32, 64, 1); [1] dout (64 dims, NH, T, B) box (32, 1, 64, 1);
-// [2] kt (Tp, 64, B NH) box (32, 64, 1)
-template <bool BTC>
+// [2] kt (Tp, 64, B NH) box (32, 64, 1) (not with SMT)
+template <bool BTC, bool SMT>
 __device__ __forceinline__ void flash_backward_dq_wgmma_tf32(float* dinp, float* Dbuf, const float* dout, const float* out,
                                                              const CUtensorMap* maps, const float* lse, int B, int NH,
                                                              int T, float scale) {
@@ -1252,6 +1288,7 @@ __device__ __forceinline__ void flash_backward_dq_wgmma_tf32(float* dinp, float*
     uint64_t* qd_full = reinterpret_cast<uint64_t*>(skv + BWD_STAGES * TB_DQ_STAGE);
     uint64_t* full = qd_full + 1;
     uint64_t* empty = full + BWD_STAGES;
+    uint64_t* tfull = empty + BWD_STAGES;  // SMT: the TMA's part of a stage has landed
     const CUtensorMap* tqkv = maps;
     const CUtensorMap* tdo = maps + 1;
     const CUtensorMap* tkt = maps + 2;
@@ -1262,16 +1299,28 @@ __device__ __forceinline__ void flash_backward_dq_wgmma_tf32(float* dinp, float*
     const int q0 = qb * BQ;
     const int nkt = 2 * qb + 2;                 // key tiles of 64: 0 .. 2 qb + 1; the last two hold the diagonal
 
-    if (threadIdx.x == 0) mbar_init_pipeline(qd_full, full, empty, BWD_STAGES, CONSUMER_WARPS);
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < BWD_STAGES; s++) mbar_init(&tfull[s], 1);
+        mbar_init_pipeline(qd_full, full, empty, BWD_STAGES, CONSUMER_WARPS, SMT ? 3 : 1);
+    }
     __syncthreads();
 
     const int wg = threadIdx.x / 128;
     if (wg == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
+        if (SMT && threadIdx.x >= 32) {  // warps 1-3: kt of each stage from its k tile
+            for (int i = 0; i < nkt; i++) {
+                const int s = i % BWD_STAGES;
+                mbar_wait(&tfull[s], (i / BWD_STAGES) & 1);
+                unsigned char* st = skv + s * TB_DQ_STAGE;
+                transpose_tiles_tf32<1>(st + 2 * TB_TILE, st, threadIdx.x - 32);
+                transposed(&full[s]);
+            }
+        }
         if (threadIdx.x == 0) {
             tensormap_acquire(tqkv);
             tensormap_acquire(tdo);
-            tensormap_acquire(tkt);
+            if (!SMT) tensormap_acquire(tkt);
             mbar_expect_tx(qd_full, 2 * TB_RES);
 #pragma unroll
             for (int cw = 0; cw < 2; cw++)
@@ -1283,13 +1332,14 @@ __device__ __forceinline__ void flash_backward_dq_wgmma_tf32(float* dinp, float*
             for (int i = 0; i < nkt; i++) {
                 const int s = i % BWD_STAGES, use = i / BWD_STAGES;
                 mbar_wait(&empty[s], (use & 1) ^ 1);
-                mbar_expect_tx(&full[s], TB_DQ_STAGE);
+                uint64_t* bar = SMT ? &tfull[s] : &full[s];
+                mbar_expect_tx(bar, SMT ? 2 * TB_TILE : TB_DQ_STAGE);
                 unsigned char* st = skv + s * TB_DQ_STAGE;
 #pragma unroll
                 for (int hf = 0; hf < 2; hf++) {
-                    tma_load_part<BTC>(st + hf * TB_HALF, tqkv, &full[s], 32 * hf, i * TB_ROWS, 1, b, h, B, NH);            // k
-                    tma_load_part<BTC>(st + TB_TILE + hf * TB_HALF, tqkv, &full[s], 32 * hf, i * TB_ROWS, 2, b, h, B, NH);  // v
-                    tma_load_3d(st + 2 * TB_TILE + hf * TB_HALF, tkt, &full[s], i * TB_ROWS + 32 * hf, 0, bh);  // kt
+                    tma_load_part<BTC>(st + hf * TB_HALF, tqkv, bar, 32 * hf, i * TB_ROWS, 1, b, h, B, NH);            // k
+                    tma_load_part<BTC>(st + TB_TILE + hf * TB_HALF, tqkv, bar, 32 * hf, i * TB_ROWS, 2, b, h, B, NH);  // v
+                    if (!SMT) tma_load_3d(st + 2 * TB_TILE + hf * TB_HALF, tkt, bar, i * TB_ROWS + 32 * hf, 0, bh);  // kt
                 }
             }
         }
@@ -1383,7 +1433,13 @@ __device__ __forceinline__ void flash_backward_dq_wgmma_tf32(float* dinp, float*
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_backward_dq_kernel4_tf32(float* dinp, float* Dbuf, const float* dout, const float* out,
                                          const CUtensorMap* maps, const float* lse, int B, int NH, int T, float scale) {
-    flash_backward_dq_wgmma_tf32<false>(dinp, Dbuf, dout, out, maps, lse, B, NH, T, scale);
+    flash_backward_dq_wgmma_tf32<false, false>(dinp, Dbuf, dout, out, maps, lse, B, NH, T, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+flash_attention_backward_dq_kernel4_tf32_smt(float* dinp, float* Dbuf, const float* dout, const float* out,
+                                             const CUtensorMap* maps, const float* lse, int B, int NH, int T, float scale) {
+    flash_backward_dq_wgmma_tf32<false, true>(dinp, Dbuf, dout, out, maps, lse, B, NH, T, scale);
 }
 
 // q, k, v from the forward's inp in place (maps[0]: 4D (64 dims, 3 NH, T, B), box (32, 1, 64, 1))
@@ -1391,11 +1447,18 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_backward_dq_kernel4_tf32_btc(float* dinp, float* Dbuf, const float* dout, const float* out,
                                              const CUtensorMap* maps, const float* lse, int B, int NH, int T,
                                              float scale) {
-    flash_backward_dq_wgmma_tf32<true>(dinp, Dbuf, dout, out, maps, lse, B, NH, T, scale);
+    flash_backward_dq_wgmma_tf32<true, false>(dinp, Dbuf, dout, out, maps, lse, B, NH, T, scale);
 }
 
-// maps: [0] qkvr, [1] dout (as the dq kernel), [2] qt, [3] dot (Tp, 64, B NH) box (32, 64, 1)
-template <bool BTC>
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+flash_attention_backward_dq_kernel4_tf32_btc_smt(float* dinp, float* Dbuf, const float* dout, const float* out,
+                                                 const CUtensorMap* maps, const float* lse, int B, int NH, int T,
+                                                 float scale) {
+    flash_backward_dq_wgmma_tf32<true, true>(dinp, Dbuf, dout, out, maps, lse, B, NH, T, scale);
+}
+
+// maps: [0] qkvr, [1] dout (as the dq kernel), [2] qt, [3] dot (Tp, 64, B NH) box (32, 64, 1) (not with SMT)
+template <bool BTC, bool SMT>
 __device__ __forceinline__ void flash_backward_dkdv_wgmma_tf32(float* dinp, const CUtensorMap* maps, const float* lse,
                                                                const float* Dbuf, int B, int NH, int T, float scale) {
     extern __shared__ unsigned char smem_bwd[];
@@ -1407,6 +1470,7 @@ __device__ __forceinline__ void flash_backward_dkdv_wgmma_tf32(float* dinp, cons
     uint64_t* kv_full = reinterpret_cast<uint64_t*>(rows + 2 * 2 * 2 * TB_ROWS);
     uint64_t* full = kv_full + 1;
     uint64_t* empty = full + BWD_STAGES;
+    uint64_t* tfull = empty + BWD_STAGES;  // SMT: the TMA's part of a stage has landed
     const CUtensorMap* tqkv = maps;
     const CUtensorMap* tdo = maps + 1;
     const CUtensorMap* tqt = maps + 2;
@@ -1419,17 +1483,31 @@ __device__ __forceinline__ void flash_backward_dkdv_wgmma_tf32(float* dinp, cons
     const int nq = (T + TB_ROWS - 1) / TB_ROWS; // query tiles of 64 in a head
     const int it0 = 2 * kb, nt = nq - it0;      // query tiles it0 .. nq - 1 (the first two hold the diagonal)
 
-    if (threadIdx.x == 0) mbar_init_pipeline(kv_full, full, empty, BWD_STAGES, CONSUMER_WARPS);
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < BWD_STAGES; s++) mbar_init(&tfull[s], 1);
+        mbar_init_pipeline(kv_full, full, empty, BWD_STAGES, CONSUMER_WARPS, SMT ? 3 : 1);
+    }
     __syncthreads();
 
     const int wg = threadIdx.x / 128;
     if (wg == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
+        if (SMT && threadIdx.x >= 32) {  // warps 1-3: qt and dot of each stage from its q and dout tiles
+            for (int i = 0; i < nt; i++) {
+                const int s = i % BWD_STAGES;
+                mbar_wait(&tfull[s], (i / BWD_STAGES) & 1);
+                unsigned char* st = sqd + s * TB_DKDV_STAGE;
+                transpose_tiles_tf32<2>(st + 2 * TB_TILE, st, threadIdx.x - 32);  // qt from q, dot from dout
+                transposed(&full[s]);
+            }
+        }
         if (threadIdx.x == 0) {
             tensormap_acquire(tqkv);
             tensormap_acquire(tdo);
-            tensormap_acquire(tqt);
-            tensormap_acquire(tdot);
+            if (!SMT) {
+                tensormap_acquire(tqt);
+                tensormap_acquire(tdot);
+            }
             mbar_expect_tx(kv_full, 2 * TB_RES);
 #pragma unroll
             for (int cw = 0; cw < 2; cw++)
@@ -1441,14 +1519,17 @@ __device__ __forceinline__ void flash_backward_dkdv_wgmma_tf32(float* dinp, cons
             for (int i = 0; i < nt; i++) {
                 const int s = i % BWD_STAGES, use = i / BWD_STAGES, r0 = (it0 + i) * TB_ROWS;
                 mbar_wait(&empty[s], (use & 1) ^ 1);
-                mbar_expect_tx(&full[s], TB_DKDV_STAGE);
+                uint64_t* bar = SMT ? &tfull[s] : &full[s];
+                mbar_expect_tx(bar, SMT ? 2 * TB_TILE : TB_DKDV_STAGE);
                 unsigned char* st = sqd + s * TB_DKDV_STAGE;
 #pragma unroll
                 for (int hf = 0; hf < 2; hf++) {
-                    tma_load_part<BTC>(st + hf * TB_HALF, tqkv, &full[s], 32 * hf, r0, 0, b, h, B, NH);    // q
-                    tma_load_4d(st + TB_TILE + hf * TB_HALF, tdo, &full[s], 32 * hf, h, r0, b);           // dout
-                    tma_load_3d(st + 2 * TB_TILE + hf * TB_HALF, tqt, &full[s], r0 + 32 * hf, 0, bh);     // qt
-                    tma_load_3d(st + 3 * TB_TILE + hf * TB_HALF, tdot, &full[s], r0 + 32 * hf, 0, bh);    // dot
+                    tma_load_part<BTC>(st + hf * TB_HALF, tqkv, bar, 32 * hf, r0, 0, b, h, B, NH);    // q
+                    tma_load_4d(st + TB_TILE + hf * TB_HALF, tdo, bar, 32 * hf, h, r0, b);           // dout
+                    if (!SMT) {
+                        tma_load_3d(st + 2 * TB_TILE + hf * TB_HALF, tqt, bar, r0 + 32 * hf, 0, bh);  // qt
+                        tma_load_3d(st + 3 * TB_TILE + hf * TB_HALF, tdot, bar, r0 + 32 * hf, 0, bh); // dot
+                    }
                 }
             }
         }
@@ -1547,11 +1628,23 @@ __device__ __forceinline__ void flash_backward_dkdv_wgmma_tf32(float* dinp, cons
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_backward_dkdv_kernel4_tf32(float* dinp, const CUtensorMap* maps, const float* lse, const float* Dbuf,
                                            int B, int NH, int T, float scale) {
-    flash_backward_dkdv_wgmma_tf32<false>(dinp, maps, lse, Dbuf, B, NH, T, scale);
+    flash_backward_dkdv_wgmma_tf32<false, false>(dinp, maps, lse, Dbuf, B, NH, T, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+flash_attention_backward_dkdv_kernel4_tf32_smt(float* dinp, const CUtensorMap* maps, const float* lse, const float* Dbuf,
+                                               int B, int NH, int T, float scale) {
+    flash_backward_dkdv_wgmma_tf32<false, true>(dinp, maps, lse, Dbuf, B, NH, T, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_backward_dkdv_kernel4_tf32_btc(float* dinp, const CUtensorMap* maps, const float* lse, const float* Dbuf,
                                                int B, int NH, int T, float scale) {
-    flash_backward_dkdv_wgmma_tf32<true>(dinp, maps, lse, Dbuf, B, NH, T, scale);
+    flash_backward_dkdv_wgmma_tf32<true, false>(dinp, maps, lse, Dbuf, B, NH, T, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+flash_attention_backward_dkdv_kernel4_tf32_btc_smt(float* dinp, const CUtensorMap* maps, const float* lse,
+                                                   const float* Dbuf, int B, int NH, int T, float scale) {
+    flash_backward_dkdv_wgmma_tf32<true, true>(dinp, maps, lse, Dbuf, B, NH, T, scale);
 }

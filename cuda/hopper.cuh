@@ -16,11 +16,13 @@ __device__ __forceinline__ void mbar_init(uint64_t* bar, unsigned count) {
 // producer's expect_tx for what is loaded once per CTA), then per stage `full` (one arrival: the
 // producer's expect_tx, plus the bytes) and `empty` (`consumers` arrivals: lane 0 of every consumer
 // warp), and the fence that makes the initialised barriers visible to the TMA unit.
+// (full_arrivals: more arrivals on `full` besides the producer's, for stages that other threads
+// complete after the TMA, e.g. the TF32 attention backward's shared-memory transposes)
 __device__ __forceinline__ void mbar_init_pipeline(uint64_t* once, uint64_t* full, uint64_t* empty, int stages,
-                                                   unsigned consumers) {
+                                                   unsigned consumers, unsigned full_arrivals = 1) {
     mbar_init(once, 1);
     for (int s = 0; s < stages; s++) {
-        mbar_init(&full[s], 1);
+        mbar_init(&full[s], full_arrivals);
         mbar_init(&empty[s], consumers);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");

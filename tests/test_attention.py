@@ -508,6 +508,13 @@ def test_flash_attention_wgmma_tf32_gpu(rt, B, T, C, NH):
     assert np.array_equal(d_inp.get(), inp), "in place: the forward changed inp"
     bwd_ip(d_dinp, d_dout, d_inp, d_lse, d_out)
     assert np.array_equal(d_dinp.get(), dinp4), "in place: other backward bits"
+    # the transposes in global memory (attention_vt_kernel; the lab's other row): the same bits
+    for in_place, q in ((False, d_qkvr), (True, d_inp)):
+        glob = A.build_flash_attention_backward_wgmma_tf32(rt, B=B, T=T, C=C, NH=NH, qkv_in_place=in_place,
+                                                           smem_transpose=False)
+        poison(d_dinp, *glob.scratch.values())
+        glob(d_dinp, d_dout, q, d_lse, d_out)
+        assert np.array_equal(d_dinp.get(), dinp4), f"global transposes (in place {in_place}): other bits"
 
 
 # bf16 builds of the fused variants. Inputs are bf16 values (round_bf16), so the float64 reference
@@ -1109,7 +1116,7 @@ def test_wgmma_backward_variant_declares_tf32_and_bf16_sm90_only():
     fwd = ops.get("attention_forward")
     assert all(spec.saved_shape(4, **shape) == fwd.saved_shape(n, **shape) == (2, 2, 65) for n in (2, 3, 4))
     assert v.scratch_bytes(**shape, dtype="bf16") == spec.variants[3].scratch_bytes(**shape) == 4 * 2 * 2 * 65
-    assert v.scratch_bytes(**shape, dtype="fp32") == 4 * 2 * 2 * 65 + 3 * 4 * 2 * 2 * 64 * 72
+    assert v.scratch_bytes(**shape, dtype="fp32") == 4 * 2 * 2 * 65  # D only: the TF32 build transposes in shared memory
 
 
 def test_wgmma_backward_builds(monkeypatch):
@@ -1406,13 +1413,14 @@ def test_attention_kv_fill_gpu(rt, B, T, C, NH, maxT, dtype):
 def test_wgmma_tf32_builds_launch_in_order(monkeypatch):
     """attention 4's fp32 builds on the fake runtime (entry points, argtypes against the PTX, argument
     counts, shared memory within the device's): the forward permutes, transposes v, runs the TF32
-    kernel; the backward transposes k, q and dout, then the dq and dk/dv kernels, every call."""
+    kernel; the backward with global transposes transposes k, q and dout, then the dq and dk/dv
+    kernels, every call; with shared-memory transposes (the default) the two kernels alone."""
     from tests.fake_runtime import FakeRuntime
     monkeypatch.setattr(A, "_bf16_tensor_map", lambda *a, **k: bytes(128))
     rt = FakeRuntime()
     B, T, C, NH = 2, 200, 128, 2
     fwd = ops.get("attention_forward").build(rt, 4, "fp32", B=B, T=T, C=C, NH=NH)
-    bwd = ops.get("attention_backward").build(rt, 4, "fp32", B=B, T=T, C=C, NH=NH)
+    bwd = A.build_flash_attention_backward_wgmma_tf32(rt, B=B, T=T, C=C, NH=NH, smem_transpose=False)
     inp, qkvr, out, dout, dinp = (rt.empty(s) for s in ((B, T, 3 * C), (B, T, 3 * C), (B, T, C), (B, T, C), (B, T, 3 * C)))
     lse = rt.empty((B, NH, T))
     for _ in range(2):
@@ -1434,7 +1442,7 @@ def test_wgmma_tf32_builds_launch_in_order(monkeypatch):
     # in place: no permute, q, k, v read from inp (B,T,3C) by the _btc kernels, transposed from its columns
     rt.launches.clear()
     fwd = ops.get("attention_forward").build(rt, 4, "fp32", B=B, T=T, C=C, NH=NH, qkv_in_place=True)
-    bwd = ops.get("attention_backward").build(rt, 4, "fp32", B=B, T=T, C=C, NH=NH, qkv_in_place=True)
+    bwd = A.build_flash_attention_backward_wgmma_tf32(rt, B=B, T=T, C=C, NH=NH, qkv_in_place=True, smem_transpose=False)
     fwd(out, inp, lse, inp)
     bwd(dinp, dout, inp, lse, out)
     assert [L.func for L in rt.launches] == [
@@ -1445,3 +1453,13 @@ def test_wgmma_tf32_builds_launch_in_order(monkeypatch):
         [(2 * C * 4, 64, 3 * C, T * 3 * C), (C * 4, 64, 3 * C, T * 3 * C), (0, 64, 3 * C, T * 3 * C)]
     with pytest.raises(LLMCError, match="qkvr must be inp"):
         fwd(out, qkvr, lse, inp)
+    # the variant's build: transposes in shared memory (_smt kernels), no transposed scratch, no vt launches
+    for in_place, q in ((False, qkvr), (True, inp)):
+        rt.launches.clear()
+        bwd = ops.get("attention_backward").build(rt, 4, "fp32", B=B, T=T, C=C, NH=NH, qkv_in_place=in_place)
+        assert set(bwd.scratch) == {"D"}
+        bwd(dinp, dout, q, lse, out)
+        sfx = "_btc_smt" if in_place else "_smt"
+        assert [L.func for L in rt.launches] == ["flash_attention_backward_dq_kernel4_tf32" + sfx,
+                                                 "flash_attention_backward_dkdv_kernel4_tf32" + sfx]
+        assert all(L.smem <= rt.max_smem_optin for L in rt.launches)

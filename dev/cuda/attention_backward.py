@@ -86,13 +86,18 @@ if "fp32" in DTYPES and rt.arch == "sm_90":
     L.validate(label, fn, outputs={"dinp": d_dinp}, refs={"dinp": ref}, atol=2e-3 * scale, rtol=2e-2)
     print(f"    rel_err dinp {rel_err(d_dinp.get(), ref):.2e}")
     L.time(label, fn, flops=7 * 2 * B * NH * (nt * (nt + 1) // 2) * 64 * 64 * hs, ceiling="tf32")
-    # in place (the model's form): q, k, v read from the forward's inp (B,T,3C) itself
-    flash_ip = A.build_flash_attention_backward_wgmma_tf32(rt, B=B, T=T, C=C, NH=NH, qkv_in_place=True).launch
+    # in place (the model's form): q, k, v read from the forward's inp (B,T,3C) itself; and both forms
+    # with k, q, dout transposed in global memory by attention_vt_kernel instead of in shared memory
     d_inpf = rt.to_device(inp.astype(np.float32))
-    fn = lambda: flash_ip(d_dinp, d_dout, d_inpf, d_lse, d_outf)  # noqa: E731
-    label = "attention_backward 4 (flash wgmma + TMA, TF32), in place"
-    L.validate(label, fn, outputs={"dinp": d_dinp}, refs={"dinp": ref}, atol=2e-3 * scale, rtol=2e-2)
-    L.time(label, fn, flops=7 * 2 * B * NH * (nt * (nt + 1) // 2) * 64 * 64 * hs, ceiling="tf32")
+    for in_place, smt in ((True, True), (False, False), (True, False)):
+        flash_ip = A.build_flash_attention_backward_wgmma_tf32(rt, B=B, T=T, C=C, NH=NH, qkv_in_place=in_place,
+                                                               smem_transpose=smt).launch
+        q_in = d_inpf if in_place else d_qkvr
+        fn = lambda: flash_ip(d_dinp, d_dout, q_in, d_lse, d_outf)  # noqa: E731
+        label = ("attention_backward 4 (flash wgmma + TMA, TF32)" + (", in place" if in_place else "")
+                 + ("" if smt else ", global transposes"))
+        L.validate(label, fn, outputs={"dinp": d_dinp}, refs={"dinp": ref}, atol=2e-3 * scale, rtol=2e-2)
+        L.time(label, fn, flops=7 * 2 * B * NH * (nt * (nt + 1) // 2) * 64 * 64 * hs, ceiling="tf32")
 
 # the bf16 builds of 2 and 3: dinp, dout, qkvr, out bf16; lse and the scratch D fp32. Inputs are
 # bf16 values, out and lse the exact forward's (out rounded to bf16): the check isolates backward.

@@ -694,23 +694,20 @@ def build_flash_attention_backward_wgmma(rt, B, T, C, NH, overlap=False, qkv_in_
 
 # the TF32 backward's kernels (TB_DQ_SMEM, TB_DKDV_SMEM in the .cu): 1 KB of slack, two resident 128-row
 # fp32 tiles (32 KB each), BWD_STAGES x 3 (dq: k, v, kt) or 4 (dk/dv: q, dout, qt, dot) tiles of 64 rows
-# (16 KB each), [dk/dv: 2 consumers x 2 buffers of 64 lse and D], 1 + 2 BWD_STAGES mbarriers
-WGMMA_TF32_DQ_SMEM = 1024 + 2 * 32768 + WGMMA_BWD_STAGES * 3 * 16384 + 8 * (1 + 2 * WGMMA_BWD_STAGES)
-WGMMA_TF32_DKDV_SMEM = 1024 + 2 * 32768 + WGMMA_BWD_STAGES * 4 * 16384 + 2 * 2 * 2 * 64 * 4 + 8 * (1 + 2 * WGMMA_BWD_STAGES)
+# (16 KB each), [dk/dv: 2 consumers x 2 buffers of 64 lse and D], 1 + 3 BWD_STAGES mbarriers
+WGMMA_TF32_DQ_SMEM = 1024 + 2 * 32768 + WGMMA_BWD_STAGES * 3 * 16384 + 8 * (1 + 3 * WGMMA_BWD_STAGES)
+WGMMA_TF32_DKDV_SMEM = 1024 + 2 * 32768 + WGMMA_BWD_STAGES * 4 * 16384 + 2 * 2 * 2 * 64 * 4 + 8 * (1 + 3 * WGMMA_BWD_STAGES)
 
 
-def _tf32_transposed_bytes(B, T, NH):
-    """One transposed scratch of the TF32 kernels (B*NH, 64, Tp) fp32, Tp = T rounded up to 8."""
-    return 4 * B * NH * FLASH_HS * ceil_div(T, 8) * 8
-
-
-def build_flash_attention_backward_wgmma_tf32(rt, B, T, C, NH, qkv_in_place=False, **_):
+def build_flash_attention_backward_wgmma_tf32(rt, B, T, C, NH, qkv_in_place=False, smem_transpose=True, **_):
     """Variant 4's fp32 build (TF32 wgmma): launch(dinp (B,T,3C), dout (B,T,C), qkvr (B,T,3C), lse
-    (B,NH,T), out (B,T,C)) like 2, 3. attention_vt_kernel first writes k, q (from qkvr) and dout
-    transposed, each group of 8 rows reordered for the register A (kt, qt, dot: (B*NH, 64, Tp)
-    scratch), then the dq kernel (which also writes D = rowsum(dout * out)) and the dk/dv kernel, both
-    on 64-row swept tiles (cuda/attention_wgmma.cu). qkv_in_place: qkvr is the forward's inp itself,
-    (B,T,3C) unpermuted, read through a 4D map (the _btc entry points) and transposed from there."""
+    (B,NH,T), out (B,T,C)) like 2, 3: the dq kernel (which also writes D = rowsum(dout * out)) and the
+    dk/dv kernel, both on 64-row swept tiles (cuda/attention_wgmma.cu). Their products over positions
+    need k, q and dout transposed, each group of 8 rows reordered for the register A: with
+    smem_transpose (the default; the _smt entry points) the producer warpgroup's idle warps transpose
+    each stage's tiles in shared memory; without, attention_vt_kernel writes kt, qt, dot to global
+    scratch (B*NH, 64, Tp) first and the TMA loads their tiles (the same bits). qkv_in_place: qkvr is
+    the forward's inp itself, (B,T,3C) unpermuted, read through a 4D map (the _btc entry points)."""
     _check_attention(B, T, C, NH)
     for name, smem in (("dq", WGMMA_TF32_DQ_SMEM), ("dk dv", WGMMA_TF32_DKDV_SMEM)):
         if smem > rt.max_smem_optin:
@@ -718,10 +715,12 @@ def build_flash_attention_backward_wgmma_tf32(rt, B, T, C, NH, qkv_in_place=Fals
                                             f"device allows {rt.max_smem_optin}")
     BNH, Tp = B * NH, ceil_div(T, 8) * 8
     D = rt.empty((B, NH, T))
-    kt, qt, dot = (rt.empty((BNH, FLASH_HS, Tp)) for _ in range(3))
-    kvt = rt.kernel(WGMMA_MODULE, "attention_vt_kernel", "PPiiiiiq", label="attention_backward 4 tf32: transpose")
+    smt = bool(smem_transpose)
+    kt, qt, dot = (None, None, None) if smt else (rt.empty((BNH, FLASH_HS, Tp)) for _ in range(3))
+    kvt = None if smt else rt.kernel(WGMMA_MODULE, "attention_vt_kernel", "PPiiiiiq",
+                                     label="attention_backward 4 tf32: transpose")
     label = "attention_backward 4 (flash, wgmma) tf32"
-    sfx = "_btc" if qkv_in_place else ""
+    sfx = ("_btc" if qkv_in_place else "") + ("_smt" if smt else "")
     kq = rt.kernel(WGMMA_MODULE, "flash_attention_backward_dq_kernel4_tf32" + sfx, "PPPPPPiiif",
                    label=label + " dq" + sfx.replace("_", " "))
     kkv = rt.kernel(WGMMA_MODULE, "flash_attention_backward_dkdv_kernel4_tf32" + sfx, "PPPPiiif",
@@ -744,12 +743,13 @@ def build_flash_attention_backward_wgmma_tf32(rt, B, T, C, NH, qkv_in_place=Fals
 
     def launch(dinp, dout, qkvr, lse, out):
         qp, dp = _ptr(qkvr), _ptr(dout)
-        hs_, rs_, bs_ = qk_layout
-        for dst, at in ((kt, k_at), (qt, q_at)):
-            kvt(tgrid, (32, 8, 1), dst.ptr, qp + at, np.int32(NH), np.int32(T), np.int32(Tp), np.int32(hs_),
-                np.int32(rs_), np.int64(bs_))
-        kvt(tgrid, (32, 8, 1), dot.ptr, dp, np.int32(NH), np.int32(T), np.int32(Tp), np.int32(FLASH_HS), np.int32(C),
-            np.int64(T * C))
+        if not smt:
+            hs_, rs_, bs_ = qk_layout
+            for dst, at in ((kt, k_at), (qt, q_at)):
+                kvt(tgrid, (32, 8, 1), dst.ptr, qp + at, np.int32(NH), np.int32(T), np.int32(Tp), np.int32(hs_),
+                    np.int32(rs_), np.int64(bs_))
+            kvt(tgrid, (32, 8, 1), dot.ptr, dp, np.int32(NH), np.int32(T), np.int32(Tp), np.int32(FLASH_HS),
+                np.int32(C), np.int64(T * C))
         dm = maps.get((qp, dp))
         if dm is None:  # dq's maps (qkvr, dout, kt) then dk/dv's (qkvr, dout, qt, dot)
             for name, p in (("qkvr", qp), ("dout", dp), ("out", _ptr(out))):  # out: the dq kernel's float4 loads
@@ -760,13 +760,13 @@ def build_flash_attention_backward_wgmma_tf32(rt, B, T, C, NH, qkv_in_place=Fals
             else:
                 mq = tmap(qp, (FLASH_HS, T, 3 * BNH), (FLASH_HS * 4, T * FLASH_HS * 4), (32, 64, 1), "qkvr")
             md = tmap(dp, (FLASH_HS, NH, T, B), (FLASH_HS * 4, C * 4, T * C * 4), (32, 1, 64, 1), "dout")
-            mt = [tmap(x.ptr, (Tp, FLASH_HS, BNH), (Tp * 4, FLASH_HS * Tp * 4), (32, 64, 1), n)
-                  for x, n in ((kt, "kt"), (qt, "qt"), (dot, "dot"))]
+            mt = [bytes(128) if smt else tmap(x.ptr, (Tp, FLASH_HS, BNH), (Tp * 4, FLASH_HS * Tp * 4), (32, 64, 1), n)
+                  for x, n in ((kt, "kt"), (qt, "qt"), (dot, "dot"))]  # (SMT: unused, never acquired)
             blob = mq + md + mt[0] + mq + md + mt[1] + mt[2]
             dm = maps[(qp, dp)] = rt.to_device(np.frombuffer(blob, np.uint8))
         kq(grid, block, _ptr(dinp), _ptr(D), dp, _ptr(out), dm.ptr, _ptr(lse), *args, smem=WGMMA_TF32_DQ_SMEM)
         kkv(grid, block, _ptr(dinp), dm.ptr + 3 * 128, _ptr(lse), _ptr(D), *args, smem=WGMMA_TF32_DKDV_SMEM)
-    return Built(launch, scratch={"D": D, "kt": kt, "qt": qt, "dot": dot})
+    return Built(launch, scratch={"D": D} if smt else {"D": D, "kt": kt, "qt": qt, "dot": dot})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1002,13 +1002,12 @@ ATTENTION_BACKWARD_VARIANTS = {
                _flash_builds("backward", 2), scratch_bytes=_scratch_flash_backward, **_FUSED),
     3: Variant(3, "2 with the swept tiles double-buffered through cp.async (head size 64)",
                _flash_builds("backward", 3), scratch_bytes=_scratch_flash_backward, **_FUSED),
-    4: Variant(4, "fused flash attention backward on Hopper wgmma (bf16 only, sm_90a): the dq and dk/dv kernels "
-                  "of 3 with 128 x 128 tiles by TMA fed by a producer warpgroup, 2 consumer warpgroups, p and ds "
+    4: Variant(4, "fused flash attention backward on Hopper wgmma (bf16 and TF32, sm_90a): the dq and dk/dv "
+                  "kernels of 3 with tiles by TMA fed by a producer warpgroup, 2 consumer warpgroups, p and ds "
                   "from registers; reads the lse of forward 2, 3 or 4 (head size 64)",
                {"fp32": build_flash_attention_backward_wgmma_tf32, "bf16": build_flash_attention_backward_wgmma},
-               # (the fp32 build's kt, qt, dot besides D)
-               scratch_bytes=lambda B, T, C, NH, dtype="fp32", **_: (
-                   _scratch_flash_backward(B, T, C, NH) + (3 * _tf32_transposed_bytes(B, T, NH) if dtype == "fp32" else 0)),
+               # (the fp32 build transposes in shared memory: D only, as bf16)
+               scratch_bytes=lambda B, T, C, NH, **_: _scratch_flash_backward(B, T, C, NH),
                arch="sm_90",
                options=("qkv_in_place",), **dict(_FUSED, check={"fp32": _check_flash_tf32, "bf16": _check_flash})),
 }
