@@ -1453,6 +1453,14 @@ def test_wgmma_tf32_builds_launch_in_order(monkeypatch):
         [(2 * C * 4, 64, 3 * C, T * 3 * C), (C * 4, 64, 3 * C, T * 3 * C), (0, 64, 3 * C, T * 3 * C)]
     with pytest.raises(LLMCError, match="qkvr must be inp"):
         fwd(out, qkvr, lse, inp)
+    # LLMC_TF32_SMEM_TRANSPOSE=0 (whole-step A/Bs): the variant's build transposes in global memory,
+    # and the declared scratch follows
+    monkeypatch.setenv("LLMC_TF32_SMEM_TRANSPOSE", "0")
+    bwd = ops.get("attention_backward").build(rt, 4, "fp32", B=B, T=T, C=C, NH=NH)
+    assert sum(a.nbytes for a in bwd.scratch.values()) == \
+        ops.get("attention_backward").variants[4].scratch_bytes(B=B, T=T, C=C, NH=NH, dtype="fp32")
+    assert set(bwd.scratch) == {"D", "kt", "qt", "dot"}
+    monkeypatch.delenv("LLMC_TF32_SMEM_TRANSPOSE")
     # the variant's build: transposes in shared memory (_smt kernels), no transposed scratch, no vt launches
     for in_place, q in ((False, qkvr), (True, inp)):
         rt.launches.clear()

@@ -52,6 +52,7 @@ so forward 4 pairs with backward 2, 3 or 4 and backward 4 runs after forward 2, 
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 
@@ -699,15 +700,21 @@ WGMMA_TF32_DQ_SMEM = 1024 + 2 * 32768 + WGMMA_BWD_STAGES * 3 * 16384 + 8 * (1 + 
 WGMMA_TF32_DKDV_SMEM = 1024 + 2 * 32768 + WGMMA_BWD_STAGES * 4 * 16384 + 2 * 2 * 2 * 64 * 4 + 8 * (1 + 3 * WGMMA_BWD_STAGES)
 
 
-def build_flash_attention_backward_wgmma_tf32(rt, B, T, C, NH, qkv_in_place=False, smem_transpose=True, **_):
+def _tf32_smem_transpose() -> bool:
+    """The TF32 backward's default: transposes in shared memory, unless LLMC_TF32_SMEM_TRANSPOSE=0."""
+    return os.environ.get("LLMC_TF32_SMEM_TRANSPOSE", "1") != "0"
+
+
+def build_flash_attention_backward_wgmma_tf32(rt, B, T, C, NH, qkv_in_place=False, smem_transpose=None, **_):
     """Variant 4's fp32 build (TF32 wgmma): launch(dinp (B,T,3C), dout (B,T,C), qkvr (B,T,3C), lse
     (B,NH,T), out (B,T,C)) like 2, 3: the dq kernel (which also writes D = rowsum(dout * out)) and the
     dk/dv kernel, both on 64-row swept tiles (cuda/attention_wgmma.cu). Their products over positions
     need k, q and dout transposed, each group of 8 rows reordered for the register A: with
     smem_transpose (the default; the _smt entry points) the producer warpgroup's idle warps transpose
     each stage's tiles in shared memory; without, attention_vt_kernel writes kt, qt, dot to global
-    scratch (B*NH, 64, Tp) first and the TMA loads their tiles (the same bits). qkv_in_place: qkvr is
-    the forward's inp itself, (B,T,3C) unpermuted, read through a 4D map (the _btc entry points)."""
+    scratch (B*NH, 64, Tp) first and the TMA loads their tiles (the same bits; None: the environment's
+    LLMC_TF32_SMEM_TRANSPOSE, default 1, for whole-step A/Bs). qkv_in_place: qkvr is the forward's inp
+    itself, (B,T,3C) unpermuted, read through a 4D map (the _btc entry points)."""
     _check_attention(B, T, C, NH)
     for name, smem in (("dq", WGMMA_TF32_DQ_SMEM), ("dk dv", WGMMA_TF32_DKDV_SMEM)):
         if smem > rt.max_smem_optin:
@@ -715,7 +722,7 @@ def build_flash_attention_backward_wgmma_tf32(rt, B, T, C, NH, qkv_in_place=Fals
                                             f"device allows {rt.max_smem_optin}")
     BNH, Tp = B * NH, ceil_div(T, 8) * 8
     D = rt.empty((B, NH, T))
-    smt = bool(smem_transpose)
+    smt = _tf32_smem_transpose() if smem_transpose is None else bool(smem_transpose)
     kt, qt, dot = (None, None, None) if smt else (rt.empty((BNH, FLASH_HS, Tp)) for _ in range(3))
     kvt = None if smt else rt.kernel(WGMMA_MODULE, "attention_vt_kernel", "PPiiiiiq",
                                      label="attention_backward 4 tf32: transpose")
@@ -1006,8 +1013,10 @@ ATTENTION_BACKWARD_VARIANTS = {
                   "kernels of 3 with tiles by TMA fed by a producer warpgroup, 2 consumer warpgroups, p and ds "
                   "from registers; reads the lse of forward 2, 3 or 4 (head size 64)",
                {"fp32": build_flash_attention_backward_wgmma_tf32, "bf16": build_flash_attention_backward_wgmma},
-               # (the fp32 build transposes in shared memory: D only, as bf16)
-               scratch_bytes=lambda B, T, C, NH, **_: _scratch_flash_backward(B, T, C, NH),
+               # (the fp32 build transposes in shared memory: D only, as bf16; with LLMC_TF32_SMEM_TRANSPOSE=0
+               # also the global kt, qt, dot)
+               scratch_bytes=lambda B, T, C, NH, dtype="fp32", **_: _scratch_flash_backward(B, T, C, NH) + (
+                   0 if dtype != "fp32" or _tf32_smem_transpose() else 3 * 4 * B * NH * FLASH_HS * ceil_div(T, 8) * 8),
                arch="sm_90",
                options=("qkv_in_place",), **dict(_FUSED, check={"fp32": _check_flash_tf32, "bf16": _check_flash})),
 }
