@@ -508,13 +508,15 @@ def test_flash_attention_wgmma_tf32_gpu(rt, B, T, C, NH):
     assert np.array_equal(d_inp.get(), inp), "in place: the forward changed inp"
     bwd_ip(d_dinp, d_dout, d_inp, d_lse, d_out)
     assert np.array_equal(d_dinp.get(), dinp4), "in place: other backward bits"
-    # the transposes in global memory (attention_vt_kernel; the lab's other row): the same bits
+    # both forms of the transposes (shared memory, the _smt kernels; global memory, attention_vt_kernel),
+    # permuted and in place: the same bits
     for in_place, q in ((False, d_qkvr), (True, d_inp)):
-        glob = A.build_flash_attention_backward_wgmma_tf32(rt, B=B, T=T, C=C, NH=NH, qkv_in_place=in_place,
-                                                           smem_transpose=False)
-        poison(d_dinp, *glob.scratch.values())
-        glob(d_dinp, d_dout, q, d_lse, d_out)
-        assert np.array_equal(d_dinp.get(), dinp4), f"global transposes (in place {in_place}): other bits"
+        for smt in (True, False):
+            other = A.build_flash_attention_backward_wgmma_tf32(rt, B=B, T=T, C=C, NH=NH, qkv_in_place=in_place,
+                                                                smem_transpose=smt)
+            poison(d_dinp, *other.scratch.values())
+            other(d_dinp, d_dout, q, d_lse, d_out)
+            assert np.array_equal(d_dinp.get(), dinp4), f"smem transposes {smt}, in place {in_place}: other bits"
 
 
 # bf16 builds of the fused variants. Inputs are bf16 values (round_bf16), so the float64 reference
@@ -1116,7 +1118,8 @@ def test_wgmma_backward_variant_declares_tf32_and_bf16_sm90_only():
     fwd = ops.get("attention_forward")
     assert all(spec.saved_shape(4, **shape) == fwd.saved_shape(n, **shape) == (2, 2, 65) for n in (2, 3, 4))
     assert v.scratch_bytes(**shape, dtype="bf16") == spec.variants[3].scratch_bytes(**shape) == 4 * 2 * 2 * 65
-    assert v.scratch_bytes(**shape, dtype="fp32") == 4 * 2 * 2 * 65  # D only: the TF32 build transposes in shared memory
+    # fp32 at this size: D and the global transposes' kt, qt, dot (they fit in the L2)
+    assert v.scratch_bytes(**shape, dtype="fp32") == 4 * 2 * 2 * 65 + 3 * 4 * 2 * 2 * 64 * 72
 
 
 def test_wgmma_backward_builds(monkeypatch):
@@ -1453,15 +1456,18 @@ def test_wgmma_tf32_builds_launch_in_order(monkeypatch):
         [(2 * C * 4, 64, 3 * C, T * 3 * C), (C * 4, 64, 3 * C, T * 3 * C), (0, 64, 3 * C, T * 3 * C)]
     with pytest.raises(LLMCError, match="qkvr must be inp"):
         fwd(out, qkvr, lse, inp)
-    # LLMC_TF32_SMEM_TRANSPOSE=0 (whole-step A/Bs): the variant's build transposes in global memory,
-    # and the declared scratch follows
-    monkeypatch.setenv("LLMC_TF32_SMEM_TRANSPOSE", "0")
+    # the variant's form: global transposes while kt, qt, dot fit in the L2 (d12 B=4: 37.7 MB), else in
+    # shared memory (B=16); LLMC_TF32_SMEM_TRANSPOSE=1|0 forces one; the declared scratch follows
+    assert not A._tf32_smem_transpose(4, 1024, 12) and A._tf32_smem_transpose(16, 1024, 12)
     bwd = ops.get("attention_backward").build(rt, 4, "fp32", B=B, T=T, C=C, NH=NH)
+    assert set(bwd.scratch) == {"D", "kt", "qt", "dot"}
     assert sum(a.nbytes for a in bwd.scratch.values()) == \
         ops.get("attention_backward").variants[4].scratch_bytes(B=B, T=T, C=C, NH=NH, dtype="fp32")
-    assert set(bwd.scratch) == {"D", "kt", "qt", "dot"}
-    monkeypatch.delenv("LLMC_TF32_SMEM_TRANSPOSE")
-    # the variant's build: transposes in shared memory (_smt kernels), no transposed scratch, no vt launches
+    monkeypatch.setenv("LLMC_TF32_SMEM_TRANSPOSE", "0")
+    assert not A._tf32_smem_transpose(16, 1024, 12)
+    monkeypatch.setenv("LLMC_TF32_SMEM_TRANSPOSE", "1")
+    assert ops.get("attention_backward").variants[4].scratch_bytes(B=B, T=T, C=C, NH=NH, dtype="fp32") == 4 * B * NH * T
+    # shared-memory transposes (_smt kernels): no transposed scratch, no vt launches
     for in_place, q in ((False, qkvr), (True, inp)):
         rt.launches.clear()
         bwd = ops.get("attention_backward").build(rt, 4, "fp32", B=B, T=T, C=C, NH=NH, qkv_in_place=in_place)

@@ -700,9 +700,18 @@ WGMMA_TF32_DQ_SMEM = 1024 + 2 * 32768 + WGMMA_BWD_STAGES * 3 * 16384 + 8 * (1 + 
 WGMMA_TF32_DKDV_SMEM = 1024 + 2 * 32768 + WGMMA_BWD_STAGES * 4 * 16384 + 2 * 2 * 2 * 64 * 4 + 8 * (1 + 3 * WGMMA_BWD_STAGES)
 
 
-def _tf32_smem_transpose() -> bool:
-    """The TF32 backward's default: transposes in shared memory, unless LLMC_TF32_SMEM_TRANSPOSE=0."""
-    return os.environ.get("LLMC_TF32_SMEM_TRANSPOSE", "1") != "0"
+TF32_GLOBAL_TRANSPOSE_MAX = 40 << 20  # bytes of kt, qt, dot together that the H100's 50 MB L2 keeps
+
+
+def _tf32_smem_transpose(B, T, NH) -> bool:
+    """The TF32 backward's default form: transposes in shared memory, unless the global transposes'
+    three buffers fit in the L2 (then their TMA loads are L2 hits and the separate passes cost less:
+    H100, d12 fp32 step, B=4 (37.7 MB) 19.82 ms against 19.98 in shared memory; B=16 (151 MB) 70.26
+    against 69.96). LLMC_TF32_SMEM_TRANSPOSE=1|0 forces one form (whole-step A/Bs)."""
+    env = os.environ.get("LLMC_TF32_SMEM_TRANSPOSE")
+    if env is not None:
+        return env != "0"
+    return 3 * 4 * B * NH * FLASH_HS * ceil_div(T, 8) * 8 > TF32_GLOBAL_TRANSPOSE_MAX
 
 
 def build_flash_attention_backward_wgmma_tf32(rt, B, T, C, NH, qkv_in_place=False, smem_transpose=None, **_):
@@ -712,8 +721,8 @@ def build_flash_attention_backward_wgmma_tf32(rt, B, T, C, NH, qkv_in_place=Fals
     need k, q and dout transposed, each group of 8 rows reordered for the register A: with
     smem_transpose (the default; the _smt entry points) the producer warpgroup's idle warps transpose
     each stage's tiles in shared memory; without, attention_vt_kernel writes kt, qt, dot to global
-    scratch (B*NH, 64, Tp) first and the TMA loads their tiles (the same bits; None: the environment's
-    LLMC_TF32_SMEM_TRANSPOSE, default 1, for whole-step A/Bs). qkv_in_place: qkvr is the forward's inp
+    scratch (B*NH, 64, Tp) first and the TMA loads their tiles (the same bits; None: shared memory
+    unless those buffers fit in the L2, _tf32_smem_transpose). qkv_in_place: qkvr is the forward's inp
     itself, (B,T,3C) unpermuted, read through a 4D map (the _btc entry points)."""
     _check_attention(B, T, C, NH)
     for name, smem in (("dq", WGMMA_TF32_DQ_SMEM), ("dk dv", WGMMA_TF32_DKDV_SMEM)):
@@ -722,7 +731,7 @@ def build_flash_attention_backward_wgmma_tf32(rt, B, T, C, NH, qkv_in_place=Fals
                                             f"device allows {rt.max_smem_optin}")
     BNH, Tp = B * NH, ceil_div(T, 8) * 8
     D = rt.empty((B, NH, T))
-    smt = _tf32_smem_transpose() if smem_transpose is None else bool(smem_transpose)
+    smt = _tf32_smem_transpose(B, T, NH) if smem_transpose is None else bool(smem_transpose)
     kt, qt, dot = (None, None, None) if smt else (rt.empty((BNH, FLASH_HS, Tp)) for _ in range(3))
     kvt = None if smt else rt.kernel(WGMMA_MODULE, "attention_vt_kernel", "PPiiiiiq",
                                      label="attention_backward 4 tf32: transpose")
@@ -1013,10 +1022,10 @@ ATTENTION_BACKWARD_VARIANTS = {
                   "kernels of 3 with tiles by TMA fed by a producer warpgroup, 2 consumer warpgroups, p and ds "
                   "from registers; reads the lse of forward 2, 3 or 4 (head size 64)",
                {"fp32": build_flash_attention_backward_wgmma_tf32, "bf16": build_flash_attention_backward_wgmma},
-               # (the fp32 build transposes in shared memory: D only, as bf16; with LLMC_TF32_SMEM_TRANSPOSE=0
-               # also the global kt, qt, dot)
+               # (the fp32 build: D, and kt, qt, dot where it transposes in global memory)
                scratch_bytes=lambda B, T, C, NH, dtype="fp32", **_: _scratch_flash_backward(B, T, C, NH) + (
-                   0 if dtype != "fp32" or _tf32_smem_transpose() else 3 * 4 * B * NH * FLASH_HS * ceil_div(T, 8) * 8),
+                   0 if dtype != "fp32" or _tf32_smem_transpose(B, T, NH)
+                   else 3 * 4 * B * NH * FLASH_HS * ceil_div(T, 8) * 8),
                arch="sm_90",
                options=("qkv_in_place",), **dict(_FUSED, check={"fp32": _check_flash_tf32, "bf16": _check_flash})),
 }
