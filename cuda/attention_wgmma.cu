@@ -1005,8 +1005,10 @@ constexpr int TF_Q_BYTES = 2 * 2 * TF_Q_HALF;        // 2 consumers x 2 halves: 
 constexpr int TF_K_HALF = BKV * TF_ROW;              // 128 keys x 32 dims: 16 KB
 constexpr int TF_VT_BOX = 64 * TF_ROW;               // 64 dims x 32 keys: 8 KB
 constexpr int TF_STAGE = 2 * TF_K_HALF + 4 * TF_VT_BOX;  // k (2 halves) then vt (4 boxes): 64 KB
-constexpr int TF_FWD_SMEM = 1024 + TF_Q_BYTES + STAGES * TF_STAGE + 8 * (1 + 2 * STAGES);
-static_assert(TF_FWD_SMEM <= 227 * 1024, "fits one SM's shared memory");
+constexpr int TF_STAGE_SMT = TF_STAGE + 2 * TF_K_HALF;      // SMT: + the v tile (2 halves) vt is made from: 96 KB
+constexpr int TF_FWD_SMEM = 1024 + TF_Q_BYTES + STAGES * TF_STAGE + 8 * (1 + 3 * STAGES);
+constexpr int TF_FWD_SMEM_SMT = 1024 + TF_Q_BYTES + STAGES * TF_STAGE_SMT + 8 * (1 + 3 * STAGES);
+static_assert(TF_FWD_SMEM < TF_FWD_SMEM_SMT && TF_FWD_SMEM_SMT <= 227 * 1024, "fits one SM's shared memory");
 
 // the position of key k in vt's rows (see above)
 __device__ __forceinline__ int vt_pos(int k) { return (k & ~7) | ((k & 1) << 2) | ((k & 7) >> 1); }
@@ -1052,18 +1054,66 @@ __device__ __forceinline__ void tma_load_part(void* dst, const CUtensorMap* tm, 
         tma_load_3d(dst, tm, bar, d0, row0, (part * B + b) * NH + h);
 }
 
+// SMT (shared-memory transposes, forward and backward): instead of attention_vt_kernel's pass over
+// global memory and a TMA load of each transposed tile, the producer warpgroup's three idle warps (96
+// threads) write a stage's transposed tiles from the tiles the TMA just brought into the same stage,
+// then arrive on the stage's `full` barrier (3 arrivals besides the producer's; the TMA itself
+// completes `tfull`). A transposed tile of NPOS positions has the layout the TMA gave from global
+// memory: NPOS / 32 boxes of 64 dim rows x 32 positions (8 KB, 128-byte swizzled), each group of 8
+// positions in vt_pos order; its source is two halves (dims 0-31, 32-63) of NPOS position rows x 32
+// dims. Values as the TMA rounded them to tf32 (the same bits as the global transposes).
+__device__ __forceinline__ uint32_t sw128(int row, int col) {  // byte offset of fp32 (row, col) in a half
+    return row * 128 + ((((col >> 2) ^ (row & 7)) << 4) | ((col & 3) << 2));
+}
+
+// (NT tiles of NPOS x 64 fp32: dst + j NPOS 256 bytes from src + j NPOS 256, j < NT, in one loop.
+// Shared-space addresses in 32 bits: the producer warpgroup runs on 24 registers.)
+__device__ __forceinline__ float lds_f32(uint32_t a) {
+    float v;
+    asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(a));
+    return v;
+}
+
+template <int NPOS, int NT>
+__device__ __forceinline__ void transpose_tiles_tf32(unsigned char* dst, const unsigned char* src, int t) {
+    constexpr int TILE = NPOS * 256, BOXES = NPOS / 32, PER_TILE = BOXES * 64 * 8;  // 16-byte chunks a tile
+    const uint32_t d0 = smem_u32(dst), s0 = smem_u32(src);
+#pragma unroll 1
+    for (int c = t; c < NT * PER_TILE; c += 96) {
+        const int j = NT == 1 ? 0 : c / PER_TILE, cc = NT == 1 ? c : c % PER_TILE;
+        const int box = cc >> 9, d = (cc >> 3) & 63, q4 = cc & 7;    // dst box, dim row, 16-byte chunk (4 positions)
+        const int key0 = 32 * box + 8 * (q4 >> 1) + (q4 & 1);       // its positions hold rows key0, +2, +4, +6
+        const uint32_t sh = s0 + j * TILE + (d >> 5) * (NPOS * 128);
+        const float x = lds_f32(sh + sw128(key0, d & 31)), y = lds_f32(sh + sw128(key0 + 2, d & 31));
+        const float z = lds_f32(sh + sw128(key0 + 4, d & 31)), w = lds_f32(sh + sw128(key0 + 6, d & 31));
+        asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(d0 + j * TILE + box * 8192 + sw128(d, 4 * q4)),
+                     "f"(x), "f"(y), "f"(z), "f"(w) : "memory");
+    }
+}
+
+// the transposing warps' hand-over: their generic-proxy stores become visible to wgmma (async proxy),
+// then one arrival per warp on the stage's full barrier
+__device__ __forceinline__ void transposed(uint64_t* full) {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    __syncwarp();
+    if ((threadIdx.x & 31) == 0) mbar_arrive(full);
+}
+
 // maps: 3 consecutive CUtensorMaps in global memory: q rows (qkvr's q, box 32 dims x 64 rows), k rows
-// (qkvr's k, box 32 x 128), vt (box 32 keys x 64 dims); out (B,T,C) fp32, lse (B,NH,T) fp32
-template <bool BTC>
+// (qkvr's k, box 32 x 128; with SMT also v's rows), vt (box 32 keys x 64 dims; not with SMT); out (B,T,C)
+// fp32, lse (B,NH,T) fp32
+template <bool BTC, bool SMT>
 __device__ __forceinline__ void flash_forward_wgmma_tf32(float* out, float* lse, const CUtensorMap* maps, int B, int NH,
                                                          int T, float scale) {
     extern __shared__ unsigned char smem_raw[];
     unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
     unsigned char* sq = smem;                    // consumer cw: half hf at sq + cw * 2 TF_Q_HALF + hf * TF_Q_HALF
-    unsigned char* skv = smem + TF_Q_BYTES;      // stage s: k halves, then vt boxes
-    uint64_t* q_full = reinterpret_cast<uint64_t*>(smem + TF_Q_BYTES + STAGES * TF_STAGE);
+    constexpr int STAGE = SMT ? TF_STAGE_SMT : TF_STAGE;
+    unsigned char* skv = smem + TF_Q_BYTES;      // stage s: k halves, then vt boxes, [SMT: then v halves]
+    uint64_t* q_full = reinterpret_cast<uint64_t*>(smem + TF_Q_BYTES + STAGES * STAGE);
     uint64_t* full = q_full + 1;
     uint64_t* empty = full + STAGES;
+    uint64_t* tfull = empty + STAGES;            // SMT: the TMA's part of a stage has landed
     const CUtensorMap* tq = maps;
     const CUtensorMap* tk = maps + 1;
     const CUtensorMap* tv = maps + 2;
@@ -1073,16 +1123,28 @@ __device__ __forceinline__ void flash_forward_wgmma_tf32(float* out, float* lse,
     const int q0 = qb * BQ;
     const int nkt = qb + 1;                     // key tiles 0..qb; tile qb holds the diagonal
 
-    if (threadIdx.x == 0) mbar_init_pipeline(q_full, full, empty, STAGES, CONSUMER_WARPS);
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; s++) mbar_init(&tfull[s], 1);
+        mbar_init_pipeline(q_full, full, empty, STAGES, CONSUMER_WARPS, SMT ? 3 : 1);
+    }
     __syncthreads();
 
     const int wg = threadIdx.x / 128;
     if (wg == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
+        if (SMT && threadIdx.x >= 32) {  // warps 1-3: vt of each stage from its v tile
+            for (int i = 0; i < nkt; i++) {
+                const int s = i % STAGES;
+                mbar_wait(&tfull[s], (i / STAGES) & 1);
+                unsigned char* st = skv + s * STAGE;
+                transpose_tiles_tf32<BKV, 1>(st + 2 * TF_K_HALF, st + TF_STAGE, threadIdx.x - 32);
+                transposed(&full[s]);
+            }
+        }
         if (threadIdx.x == 0) {
             tensormap_acquire(tq);
             tensormap_acquire(tk);
-            tensormap_acquire(tv);
+            if (!SMT) tensormap_acquire(tv);
             mbar_expect_tx(q_full, TF_Q_BYTES);
 #pragma unroll
             for (int cw = 0; cw < 2; cw++)
@@ -1092,14 +1154,19 @@ __device__ __forceinline__ void flash_forward_wgmma_tf32(float* out, float* lse,
             for (int i = 0; i < nkt; i++) {
                 const int s = i % STAGES, use = i / STAGES;
                 mbar_wait(&empty[s], (use & 1) ^ 1);
-                mbar_expect_tx(&full[s], TF_STAGE);
-                unsigned char* st = skv + s * TF_STAGE;
+                uint64_t* bar = SMT ? &tfull[s] : &full[s];
+                mbar_expect_tx(bar, SMT ? 4 * TF_K_HALF : TF_STAGE);  // SMT: k and v; else k and vt
+                unsigned char* st = skv + s * STAGE;
 #pragma unroll
-                for (int hf = 0; hf < 2; hf++)
-                    tma_load_part<BTC>(st + hf * TF_K_HALF, tk, &full[s], 32 * hf, i * BKV, 1, b, h, B, NH);
+                for (int hf = 0; hf < 2; hf++) {
+                    tma_load_part<BTC>(st + hf * TF_K_HALF, tk, bar, 32 * hf, i * BKV, 1, b, h, B, NH);
+                    if (SMT) tma_load_part<BTC>(st + TF_STAGE + hf * TF_K_HALF, tk, bar, 32 * hf, i * BKV, 2, b, h, B, NH);
+                }
+                if (!SMT) {
 #pragma unroll
-                for (int c = 0; c < 4; c++)
-                    tma_load_3d(st + 2 * TF_K_HALF + c * TF_VT_BOX, tv, &full[s], i * BKV + 32 * c, 0, bh);
+                    for (int c = 0; c < 4; c++)
+                        tma_load_3d(st + 2 * TF_K_HALF + c * TF_VT_BOX, tv, bar, i * BKV + 32 * c, 0, bh);
+                }
             }
         }
         return;
@@ -1121,7 +1188,7 @@ __device__ __forceinline__ void flash_forward_wgmma_tf32(float* out, float* lse,
 
     mbar_wait(q_full, 0);
     for (int i = 0; i < nkt; i++) {
-        const unsigned char* st = skv + (i % STAGES) * TF_STAGE;
+        const unsigned char* st = skv + (i % STAGES) * STAGE;
         mbar_wait(&full[i % STAGES], (i / STAGES) & 1);
         wgmma_fence();
 #pragma unroll
@@ -1173,14 +1240,27 @@ __device__ __forceinline__ void flash_forward_wgmma_tf32(float* out, float* lse,
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_forward_kernel4_tf32(float* out, float* lse, const CUtensorMap* maps, int B, int NH, int T,
                                      float scale) {
-    flash_forward_wgmma_tf32<false>(out, lse, maps, B, NH, T, scale);
+    flash_forward_wgmma_tf32<false, false>(out, lse, maps, B, NH, T, scale);
+}
+
+// v transposed in shared memory (SMT) instead of by attention_vt_kernel
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+flash_attention_forward_kernel4_tf32_smt(float* out, float* lse, const CUtensorMap* maps, int B, int NH, int T,
+                                         float scale) {
+    flash_forward_wgmma_tf32<false, true>(out, lse, maps, B, NH, T, scale);
 }
 
 // q, k from the qkv matmul's output in place (maps[0], [1]: 4D, boxes (32, 1, 64 or 128, 1))
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_forward_kernel4_tf32_btc(float* out, float* lse, const CUtensorMap* maps, int B, int NH, int T,
                                          float scale) {
-    flash_forward_wgmma_tf32<true>(out, lse, maps, B, NH, T, scale);
+    flash_forward_wgmma_tf32<true, false>(out, lse, maps, B, NH, T, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+flash_attention_forward_kernel4_tf32_btc_smt(float* out, float* lse, const CUtensorMap* maps, int B, int NH, int T,
+                                             float scale) {
+    flash_forward_wgmma_tf32<true, true>(out, lse, maps, B, NH, T, scale);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -1238,42 +1318,6 @@ __device__ __forceinline__ void issue_o_tf32(float (&acc)[32], const uint32_t (&
     for (int j = 0; j < 8; j++) wgmma_tf32_rs_n64(acc, a[j], desc_k(bt + (j >> 2) * TB_HALF + 32 * (j & 3)), 1);
 }
 
-// SMT (shared-memory transposes): instead of attention_vt_kernel's passes over global memory and a TMA
-// load of each transposed tile, the producer warpgroup's three idle warps (96 threads) write a stage's
-// transposed tiles from the tiles the TMA just brought into the same stage, then arrive on the
-// stage's `full` barrier (3 arrivals besides the producer's; the TMA itself completes `tfull`). The
-// transposed tile has the layout the TMA gave from global memory: two 128-byte-swizzled halves of 64
-// dim rows x 32 positions, each group of 8 positions in vt_pos order; the source tile is two halves
-// of 64 position rows x 32 dims. Values as the TMA rounded them to tf32 (the same bits as before).
-__device__ __forceinline__ uint32_t sw128(int row, int col) {  // byte offset of fp32 (row, col) in a half
-    return row * 128 + ((((col >> 2) ^ (row & 7)) << 4) | ((col & 3) << 2));
-}
-
-// (NT tiles: dst + j TB_TILE from src + j TB_TILE, j < NT, in one loop)
-template <int NT>
-__device__ __forceinline__ void transpose_tiles_tf32(unsigned char* dst, const unsigned char* src, int t) {
-#pragma unroll 1
-    for (int c = t; c < NT * 2 * 64 * 8; c += 96) {
-        const int hf = (c >> 9) & 1, d = (c >> 3) & 63, q4 = c & 7;  // dst half, dim row, 16-byte chunk (4 positions)
-        const int key0 = 32 * hf + 8 * (q4 >> 1) + (q4 & 1);        // its positions hold rows key0, +2, +4, +6
-        const unsigned char* sh = src + (c >> 10) * TB_TILE + (d >> 5) * TB_HALF;
-        float4 v;
-        v.x = *reinterpret_cast<const float*>(sh + sw128(key0, d & 31));
-        v.y = *reinterpret_cast<const float*>(sh + sw128(key0 + 2, d & 31));
-        v.z = *reinterpret_cast<const float*>(sh + sw128(key0 + 4, d & 31));
-        v.w = *reinterpret_cast<const float*>(sh + sw128(key0 + 6, d & 31));
-        *reinterpret_cast<float4*>(dst + (c >> 10) * TB_TILE + hf * TB_HALF + sw128(d, 4 * q4)) = v;
-    }
-}
-
-// the transposing warps' hand-over: their generic-proxy stores become visible to wgmma (async proxy),
-// then one arrival per warp on the stage's full barrier
-__device__ __forceinline__ void transposed(uint64_t* full) {
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    __syncwarp();
-    if ((threadIdx.x & 31) == 0) mbar_arrive(full);
-}
-
 // maps: [0] qkvr (64 dims, T, 3 B NH) box (32, 64, 1); [1] dout (64 dims, NH, T, B) box (32, 1, 64, 1);
 // [2] kt (Tp, 64, B NH) box (32, 64, 1) (not with SMT)
 template <bool BTC, bool SMT>
@@ -1313,7 +1357,7 @@ __device__ __forceinline__ void flash_backward_dq_wgmma_tf32(float* dinp, float*
                 const int s = i % BWD_STAGES;
                 mbar_wait(&tfull[s], (i / BWD_STAGES) & 1);
                 unsigned char* st = skv + s * TB_DQ_STAGE;
-                transpose_tiles_tf32<1>(st + 2 * TB_TILE, st, threadIdx.x - 32);
+                transpose_tiles_tf32<TB_ROWS, 1>(st + 2 * TB_TILE, st, threadIdx.x - 32);
                 transposed(&full[s]);
             }
         }
@@ -1497,7 +1541,7 @@ __device__ __forceinline__ void flash_backward_dkdv_wgmma_tf32(float* dinp, cons
                 const int s = i % BWD_STAGES;
                 mbar_wait(&tfull[s], (i / BWD_STAGES) & 1);
                 unsigned char* st = sqd + s * TB_DKDV_STAGE;
-                transpose_tiles_tf32<2>(st + 2 * TB_TILE, st, threadIdx.x - 32);  // qt from q, dot from dout
+                transpose_tiles_tf32<TB_ROWS, 2>(st + 2 * TB_TILE, st, threadIdx.x - 32);  // qt from q, dot from dout
                 transposed(&full[s]);
             }
         }

@@ -499,6 +499,13 @@ def test_flash_attention_wgmma_tf32_gpu(rt, B, T, C, NH):
         if _ == 0:
             first = dinp4
     assert np.array_equal(first, dinp4), "backward 4 tf32 is not deterministic"
+    # v transposed in shared memory (the _smt kernels), permuted and in place: the same bits
+    for in_place in (False, True):
+        smt = A.build_flash_attention_forward_wgmma_tf32(rt, B=B, T=T, C=C, NH=NH, qkv_in_place=in_place,
+                                                         smem_transpose=True)
+        poison(d_out, d_lse)
+        smt(d_out, d_inp if in_place else d_qkvr, d_lse, d_inp)
+        assert np.array_equal(d_out.get(), out) and np.array_equal(d_lse.get(), lse), f"forward smt (in place {in_place})"
     # the in-place builds (the model's form): q, k, v read from inp itself, the same bits as through qkvr
     fwd_ip = ops.get("attention_forward").build(rt, 4, "fp32", B=B, T=T, C=C, NH=NH, qkv_in_place=True)
     bwd_ip = ops.get("attention_backward").build(rt, 4, "fp32", B=B, T=T, C=C, NH=NH, qkv_in_place=True)
@@ -1458,13 +1465,14 @@ def test_wgmma_tf32_builds_launch_in_order(monkeypatch):
         fwd(out, qkvr, lse, inp)
     # the variant's form: global transposes while kt, qt, dot fit in the L2 (d12 B=4: 37.7 MB), else in
     # shared memory (B=16); LLMC_TF32_SMEM_TRANSPOSE=1|0 forces one; the declared scratch follows
-    assert not A._tf32_smem_transpose(4, 1024, 12) and A._tf32_smem_transpose(16, 1024, 12)
+    assert not A._tf32_smem_transpose(4, 1024, 12, 3) and A._tf32_smem_transpose(16, 1024, 12, 3)
+    assert not A._tf32_smem_transpose(8, 1024, 12, 1) and A._tf32_smem_transpose(16, 1024, 12, 1)  # the forward's vt
     bwd = ops.get("attention_backward").build(rt, 4, "fp32", B=B, T=T, C=C, NH=NH)
     assert set(bwd.scratch) == {"D", "kt", "qt", "dot"}
     assert sum(a.nbytes for a in bwd.scratch.values()) == \
         ops.get("attention_backward").variants[4].scratch_bytes(B=B, T=T, C=C, NH=NH, dtype="fp32")
     monkeypatch.setenv("LLMC_TF32_SMEM_TRANSPOSE", "0")
-    assert not A._tf32_smem_transpose(16, 1024, 12)
+    assert not A._tf32_smem_transpose(16, 1024, 12, 3)
     monkeypatch.setenv("LLMC_TF32_SMEM_TRANSPOSE", "1")
     assert ops.get("attention_backward").variants[4].scratch_bytes(B=B, T=T, C=C, NH=NH, dtype="fp32") == 4 * B * NH * T
     # shared-memory transposes (_smt kernels): no transposed scratch, no vt launches
@@ -1477,3 +1485,13 @@ def test_wgmma_tf32_builds_launch_in_order(monkeypatch):
         assert [L.func for L in rt.launches] == ["flash_attention_backward_dq_kernel4_tf32" + sfx,
                                                  "flash_attention_backward_dkdv_kernel4_tf32" + sfx]
         assert all(L.smem <= rt.max_smem_optin for L in rt.launches)
+    # the forward with v transposed in shared memory: no vt scratch nor pass, the _smt kernel
+    for in_place, q in ((False, qkvr), (True, inp)):
+        rt.launches.clear()
+        fwd = A.build_flash_attention_forward_wgmma_tf32(rt, B=B, T=T, C=C, NH=NH, qkv_in_place=in_place,
+                                                         smem_transpose=True)
+        assert fwd.scratch == {}
+        fwd(out, q, lse, inp)
+        assert [L.func for L in rt.launches] == ([] if in_place else ["permute_kernel2"]) + [
+            "flash_attention_forward_kernel4_tf32" + ("_btc" if in_place else "") + "_smt"]
+        assert rt.launches[-1].smem == A.WGMMA_TF32_FWD_SMEM_SMT <= rt.max_smem_optin

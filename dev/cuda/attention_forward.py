@@ -84,12 +84,16 @@ if "fp32" in DTYPES and rt.arch == "sm_90":
                refs={"out": out64, "qkvr": qkvr64, "lse": lse64}, atol=5e-3, rtol=2e-2)
     print(f"    rel_err out {rel_err(d_out.get(), out64):.2e}  lse {rel_err(d_lse.get(), lse64):.2e}")
     L.time(label, fn, flops=FUSED_FLOPS, ceiling="tf32")
-    # in place (the model's form with backward 4): q, k, v read from inp itself, no permute
-    flash_ip = A.build_flash_attention_forward_wgmma_tf32(rt, B=B, T=T, C=C, NH=NH, qkv_in_place=True)
-    fn = lambda: flash_ip(d_out, d_inp, d_lse, d_inp)  # noqa: E731
-    label = "attention_forward 4 (flash wgmma + TMA, TF32), in place"
-    L.validate(label, fn, outputs={"out": d_out, "lse": d_lse}, refs={"out": out64, "lse": lse64}, atol=5e-3, rtol=2e-2)
-    L.time(label, fn, flops=FUSED_FLOPS, ceiling="tf32")
+    # in place (the model's form with backward 4): q, k, v read from inp itself, no permute; v transposed
+    # in global memory (attention_vt_kernel) or in shared memory (the _smt kernel)
+    for smt in (False, True):
+        flash_ip = A.build_flash_attention_forward_wgmma_tf32(rt, B=B, T=T, C=C, NH=NH, qkv_in_place=True,
+                                                              smem_transpose=smt)
+        fn = lambda: flash_ip(d_out, d_inp, d_lse, d_inp)  # noqa: E731
+        label = "attention_forward 4 (flash wgmma + TMA, TF32), in place, " + ("smem" if smt else "global") + " v^T"
+        L.validate(label, fn, outputs={"out": d_out, "lse": d_lse}, refs={"out": out64, "lse": lse64}, atol=5e-3,
+                   rtol=2e-2)
+        L.time(label, fn, flops=FUSED_FLOPS, ceiling="tf32")
 elif "fp32" in DTYPES:
     print(f"note: attention_forward 4 (wgmma) needs an sm_90 GPU (this one is {rt.arch}); its TF32 row skipped")
 

@@ -570,11 +570,31 @@ def build_flash_attention_forward_wgmma(rt, B, T, C, NH, overlap=False, qkv_in_p
 
 
 # flash_attention_forward_kernel4_tf32 (TF_FWD_SMEM in the .cu): 1 KB of slack, q (128 rows x 256 bytes),
-# STAGES x (k 128 x 256 bytes + vt 64 x 512 bytes), 1 + 2 STAGES mbarriers
-WGMMA_TF32_FWD_SMEM = 1024 + WGMMA_BQ * 256 + WGMMA_STAGES * (WGMMA_BQ * 256 + 64 * WGMMA_BQ * 4) + 8 * (1 + 2 * WGMMA_STAGES)
+# STAGES x (k 128 x 256 bytes + vt 64 x 512 bytes [+ SMT: v 128 x 256 bytes]), 1 + 3 STAGES mbarriers
+WGMMA_TF32_FWD_SMEM = 1024 + WGMMA_BQ * 256 + WGMMA_STAGES * (WGMMA_BQ * 256 + 64 * WGMMA_BQ * 4) + 8 * (1 + 3 * WGMMA_STAGES)
+WGMMA_TF32_FWD_SMEM_SMT = WGMMA_TF32_FWD_SMEM + WGMMA_STAGES * WGMMA_BQ * 256
+
+TF32_GLOBAL_TRANSPOSE_MAX = 40 << 20  # bytes of transposed copies that the H100's 50 MB L2 keeps
 
 
-def build_flash_attention_forward_wgmma_tf32(rt, B, T, C, NH, qkv_in_place=False, **_):
+def _tf32_transposed_bytes(B, T, NH) -> int:
+    """One transposed copy (B*NH, 64, Tp) fp32, Tp = T rounded up to 8 (vt, kt, qt, dot)."""
+    return 4 * B * NH * FLASH_HS * ceil_div(T, 8) * 8
+
+
+def _tf32_smem_transpose(B, T, NH, copies: int) -> bool:
+    """The TF32 kernels' default form: transposes in shared memory (the _smt kernels), unless the
+    global transposes' `copies` buffers fit in the L2 (then the kernels' TMA loads of them are L2 hits
+    and the separate passes cost less). H100, d12 fp32 step, backward (3 copies): B=4 (37.7 MB) 19.82
+    ms against 19.98 in shared memory; B=16 (151 MB) 70.26 against 69.96. LLMC_TF32_SMEM_TRANSPOSE=1|0
+    forces one form (whole-step A/Bs)."""
+    env = os.environ.get("LLMC_TF32_SMEM_TRANSPOSE")
+    if env is not None:
+        return env != "0"
+    return copies * _tf32_transposed_bytes(B, T, NH) > TF32_GLOBAL_TRANSPOSE_MAX
+
+
+def build_flash_attention_forward_wgmma_tf32(rt, B, T, C, NH, qkv_in_place=False, smem_transpose=None, **_):
     """Variant 4's fp32 build (TF32 wgmma): launch(out (B,T,C), qkvr (B,T,3C), lse (B,NH,T), inp
     (B,T,3C)) like 2, 3: the fp32 permute of inp into qkvr, then attention_vt_kernel writes v
     transposed (each group of 8 keys in the order the kernel's register P wants, see
@@ -582,16 +602,19 @@ def build_flash_attention_forward_wgmma_tf32(rt, B, T, C, NH, qkv_in_place=False
     kernel reads q and k from qkvr and v^T from vt through three tensor maps (TFLOAT32: the TMA rounds
     to tf32 as it copies). Keeps lse for backward 2/3/4. qkv_in_place: no permute (qkvr must be inp):
     q and k are read from inp, the qkv matmul's output, through 4D maps (64 dims, 3 NH heads, T, B), v
-    transposed from it, and backward 4 built with qkv_in_place reads inp too."""
+    transposed from it, and backward 4 built with qkv_in_place reads inp too. smem_transpose (None:
+    _tf32_smem_transpose's rule): no vt pass; the TMA brings v's tiles too and the producer
+    warpgroup's idle warps transpose them in shared memory (the _smt kernels, the same bits)."""
     _check_attention(B, T, C, NH)
     permute = None if qkv_in_place else _build_permute(rt, "permute", B, T, 3, NH, FLASH_HS, "fp32")
     BNH, Tp = B * NH, ceil_div(T, 8) * 8
-    vt = rt.empty((BNH, FLASH_HS, Tp))
-    kvt = rt.kernel(WGMMA_MODULE, "attention_vt_kernel", "PPiiiiiq", label="attention_forward 4 tf32: v^T")
-    sfx = "_btc" if qkv_in_place else ""
+    smt = _tf32_smem_transpose(B, T, NH, 1) if smem_transpose is None else bool(smem_transpose)
+    vt = None if smt else rt.empty((BNH, FLASH_HS, Tp))
+    kvt = None if smt else rt.kernel(WGMMA_MODULE, "attention_vt_kernel", "PPiiiiiq", label="attention_forward 4 tf32: v^T")
+    sfx = ("_btc" if qkv_in_place else "") + ("_smt" if smt else "")
     k = rt.kernel(WGMMA_MODULE, "flash_attention_forward_kernel4_tf32" + sfx, "PPPiiif",
                   label="attention_forward 4 (flash, wgmma) tf32" + sfx.replace("_", " "))
-    smem = WGMMA_TF32_FWD_SMEM
+    smem = WGMMA_TF32_FWD_SMEM_SMT if smt else WGMMA_TF32_FWD_SMEM
     if smem > rt.max_smem_optin:
         refuse("attention_forward", 4, f"needs {smem} bytes of shared memory, the device allows {rt.max_smem_optin}")
     k.set_max_dynamic_smem(smem)
@@ -610,10 +633,11 @@ def build_flash_attention_forward_wgmma_tf32(rt, B, T, C, NH, qkv_in_place=False
                             f"(got 0x{qp:x} and 0x{_ptr(inp):x})")
         else:  # v: columns 2C.. of each (B,T,3C) row
             v, layout = qp + 2 * C * 4, (FLASH_HS, 3 * C, T * 3 * C)
-        kvt((ceil_div(Tp, 32), BNH, 1), (32, 8, 1), vt.ptr, v, np.int32(NH), np.int32(T), np.int32(Tp),
-            np.int32(layout[0]), np.int32(layout[1]), np.int64(layout[2]))
+        if not smt:
+            kvt((ceil_div(Tp, 32), BNH, 1), (32, 8, 1), vt.ptr, v, np.int32(NH), np.int32(T), np.int32(Tp),
+                np.int32(layout[0]), np.int32(layout[1]), np.int64(layout[2]))
         dm = maps.get(qp)
-        if dm is None:  # q rows (box 32 dims x 64 rows), k rows (32 x 128), vt (32 keys x 64 dims)
+        if dm is None:  # q rows (box 32 dims x 64 rows), k (and SMT: v) rows (32 x 128), vt (32 keys x 64 dims)
             if qp & 15:
                 raise LLMCError(f"{what}: qkvr must be 16-byte aligned for the TMA (0x{qp:x})")
             if qkv_in_place:  # (64 dims, 3 NH heads, T, B): q of head h is head h, k head NH + h
@@ -624,11 +648,12 @@ def build_flash_attention_forward_wgmma_tf32(rt, B, T, C, NH, qkv_in_place=False
                 qbox, kbox = (32, 64, 1), (32, WGMMA_BQ, 1)
             blob = (_bf16_tensor_map(qp, dims, strides, qbox, what + ": q", 11)
                     + _bf16_tensor_map(qp, dims, strides, kbox, what + ": k", 11)
-                    + _bf16_tensor_map(vt.ptr, (Tp, FLASH_HS, BNH), (Tp * 4, FLASH_HS * Tp * 4), (32, FLASH_HS, 1),
-                                       what + ": vt", 11))
+                    + (bytes(128) if smt else  # (SMT: never acquired)
+                       _bf16_tensor_map(vt.ptr, (Tp, FLASH_HS, BNH), (Tp * 4, FLASH_HS * Tp * 4), (32, FLASH_HS, 1),
+                                        what + ": vt", 11)))
             dm = maps[qp] = rt.to_device(np.frombuffer(blob, np.uint8))
         k(grid, block, _ptr(out), _ptr(lse), dm.ptr, *args, smem=smem)
-    return Built(launch, scratch={"vt": vt})
+    return Built(launch, scratch={} if smt else {"vt": vt})
 
 
 # dynamic shared memory of the backward's kernels (DQ_SMEM, DKDV_SMEM in the .cu): 1 KB of slack, two
@@ -700,20 +725,6 @@ WGMMA_TF32_DQ_SMEM = 1024 + 2 * 32768 + WGMMA_BWD_STAGES * 3 * 16384 + 8 * (1 + 
 WGMMA_TF32_DKDV_SMEM = 1024 + 2 * 32768 + WGMMA_BWD_STAGES * 4 * 16384 + 2 * 2 * 2 * 64 * 4 + 8 * (1 + 3 * WGMMA_BWD_STAGES)
 
 
-TF32_GLOBAL_TRANSPOSE_MAX = 40 << 20  # bytes of kt, qt, dot together that the H100's 50 MB L2 keeps
-
-
-def _tf32_smem_transpose(B, T, NH) -> bool:
-    """The TF32 backward's default form: transposes in shared memory, unless the global transposes'
-    three buffers fit in the L2 (then their TMA loads are L2 hits and the separate passes cost less:
-    H100, d12 fp32 step, B=4 (37.7 MB) 19.82 ms against 19.98 in shared memory; B=16 (151 MB) 70.26
-    against 69.96). LLMC_TF32_SMEM_TRANSPOSE=1|0 forces one form (whole-step A/Bs)."""
-    env = os.environ.get("LLMC_TF32_SMEM_TRANSPOSE")
-    if env is not None:
-        return env != "0"
-    return 3 * 4 * B * NH * FLASH_HS * ceil_div(T, 8) * 8 > TF32_GLOBAL_TRANSPOSE_MAX
-
-
 def build_flash_attention_backward_wgmma_tf32(rt, B, T, C, NH, qkv_in_place=False, smem_transpose=None, **_):
     """Variant 4's fp32 build (TF32 wgmma): launch(dinp (B,T,3C), dout (B,T,C), qkvr (B,T,3C), lse
     (B,NH,T), out (B,T,C)) like 2, 3: the dq kernel (which also writes D = rowsum(dout * out)) and the
@@ -731,7 +742,7 @@ def build_flash_attention_backward_wgmma_tf32(rt, B, T, C, NH, qkv_in_place=Fals
                                             f"device allows {rt.max_smem_optin}")
     BNH, Tp = B * NH, ceil_div(T, 8) * 8
     D = rt.empty((B, NH, T))
-    smt = _tf32_smem_transpose(B, T, NH) if smem_transpose is None else bool(smem_transpose)
+    smt = _tf32_smem_transpose(B, T, NH, 3) if smem_transpose is None else bool(smem_transpose)
     kt, qt, dot = (None, None, None) if smt else (rt.empty((BNH, FLASH_HS, Tp)) for _ in range(3))
     kvt = None if smt else rt.kernel(WGMMA_MODULE, "attention_vt_kernel", "PPiiiiiq",
                                      label="attention_backward 4 tf32: transpose")
@@ -1002,9 +1013,10 @@ ATTENTION_FORWARD_VARIANTS = {
                   "ring fed by a producer warpgroup, 2 consumer warpgroups x 64 query rows, p v with p from "
                   "registers; keeps the log-sum-exp for backward 2/3 (head size 64)",
                {"fp32": build_flash_attention_forward_wgmma_tf32, "bf16": build_flash_attention_forward_wgmma},
-               # (the fp32 build's vt, v transposed; the bf16 build allocates none)
-               scratch_bytes=lambda B, T, C, NH, dtype="fp32", **_: (4 * B * NH * FLASH_HS * ceil_div(T, 8) * 8
-                                                                     if dtype == "fp32" else 0), arch="sm_90",
+               # (the fp32 build's vt, v transposed, where it transposes in global memory; bf16: none)
+               scratch_bytes=lambda B, T, C, NH, dtype="fp32", **_: (
+                   _tf32_transposed_bytes(B, T, NH) if dtype == "fp32" and not _tf32_smem_transpose(B, T, NH, 1) else 0),
+               arch="sm_90",
                options=("qkv_in_place",), **dict(_FUSED, check={"fp32": _check_flash_tf32, "bf16": _check_flash})),
 }
 ATTENTION_BACKWARD_VARIANTS = {
@@ -1024,8 +1036,7 @@ ATTENTION_BACKWARD_VARIANTS = {
                {"fp32": build_flash_attention_backward_wgmma_tf32, "bf16": build_flash_attention_backward_wgmma},
                # (the fp32 build: D, and kt, qt, dot where it transposes in global memory)
                scratch_bytes=lambda B, T, C, NH, dtype="fp32", **_: _scratch_flash_backward(B, T, C, NH) + (
-                   0 if dtype != "fp32" or _tf32_smem_transpose(B, T, NH)
-                   else 3 * 4 * B * NH * FLASH_HS * ceil_div(T, 8) * 8),
+                   0 if dtype != "fp32" or _tf32_smem_transpose(B, T, NH, 3) else 3 * _tf32_transposed_bytes(B, T, NH)),
                arch="sm_90",
                options=("qkv_in_place",), **dict(_FUSED, check={"fp32": _check_flash_tf32, "bf16": _check_flash})),
 }
