@@ -922,7 +922,7 @@ def test_bf16_flash_fragment_mapping(rng):
 
 
 # ----------------------------------------------------------------------------------------------
-# attention_forward 4: Hopper wgmma + TMA, bf16 only (cuda/attention_wgmma.cu)
+# attention_forward 4: Hopper wgmma + TMA, bf16 and TF32 (cuda/attention_wgmma.cu)
 
 
 def test_wgmma_forward_variant_declares_bf16_and_tf32_sm90_only():
@@ -1101,7 +1101,7 @@ def test_wgmma_persistent_walk_takes_every_block_once():
 
 
 # ----------------------------------------------------------------------------------------------
-# attention_backward 4: Hopper wgmma + TMA, bf16 only (cuda/attention_wgmma.cu)
+# attention_backward 4: Hopper wgmma + TMA, bf16 and TF32 (cuda/attention_wgmma.cu)
 
 
 def test_wgmma_backward_variant_declares_tf32_and_bf16_sm90_only():
