@@ -58,26 +58,50 @@ def test_arch_specific_targets(monkeypatch):
     assert R.arch_flags("sm_80") == ["-arch=sm_80"]
 
 
-@pytest.mark.gpu  # needs no GPU, but cuobjdump: the GPU machine has it, CI's doesn't
-def test_engine5_sass_has_hgmma_and_tma():
-    """Engine 5's kernels really run on Hopper's wgmma (HGMMA in the SASS, not HMMA/FFMA) with TMA
-    loads (UTMALDG), and none touches local memory (LDL/STL)."""
+def _sass_functions(module: str) -> dict:
+    """{entry point: its SASS} of cuda/<module>.cu built for its sm_90a target (cuobjdump; skips
+    where cuobjdump is missing: the GPU machine has it, CI's doesn't)."""
     import shutil
     import subprocess
     if shutil.which("cuobjdump") is None:
         pytest.skip("cuobjdump not installed")
-    cubin, _ = compile_cubin("gemm_wgmma", ARCH_SPECIFIC["gemm_wgmma"])
+    cubin, _ = compile_cubin(module, ARCH_SPECIFIC[module])
     sass = subprocess.run(["cuobjdump", "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
     funcs = {}
     for block in sass.split("Function : ")[1:]:
         name, body = block.split("\n", 1)
         funcs[name.strip()] = body
-    # (the split-K reduces and the dgelu column sums' finish are plain loops beside the engine)
-    engines = [f for f in funcs if f.startswith("gemm_wgmma_") and ("tf32" in f or "bf16" in f)
-               and "splitk" not in f and "colsum" not in f]
-    assert len(engines) >= 9, sorted(funcs)
-    for f in engines:
+    return funcs
+
+
+def _assert_wgmma_tma(funcs: dict, names: list) -> None:
+    """Each named kernel issues HGMMA (of the element type its name says) and TMA loads (UTMALDG), and
+    none touches local memory (LDL/STL)."""
+    for f in names:
         body = funcs[f]
         assert "HGMMA" in body and "UTMALDG" in body, f
         assert " LDL" not in body and " STL" not in body, f"{f} uses local memory"
         assert (".TF32" in body) == ("tf32" in f) and (".BF16" in body) == ("bf16" in f), f
+
+
+@pytest.mark.gpu  # needs no GPU, but cuobjdump: the GPU machine has it, CI's doesn't
+def test_engine5_sass_has_hgmma_and_tma():
+    """Engine 5's kernels really run on Hopper's wgmma (HGMMA in the SASS, not HMMA/FFMA) with TMA
+    loads (UTMALDG), and none touches local memory (LDL/STL)."""
+    funcs = _sass_functions("gemm_wgmma")
+    # (the split-K reduces and the dgelu column sums' finish are plain loops beside the engine)
+    engines = [f for f in funcs if f.startswith("gemm_wgmma_") and ("tf32" in f or "bf16" in f)
+               and "splitk" not in f and "colsum" not in f]
+    assert len(engines) >= 9, sorted(funcs)
+    _assert_wgmma_tma(funcs, engines)
+
+
+@pytest.mark.gpu  # cuobjdump, as above
+def test_attention4_sass_has_hgmma_and_tma():
+    """attention 4's kernels, bf16 and TF32 (forward, dq, dk/dv; every schedule, layout and transpose
+    form), run on wgmma with TMA loads and no local memory (attention_vt_kernel, the transposes in
+    global memory, is a plain copy beside them)."""
+    funcs = _sass_functions("attention_wgmma")
+    kernels = [f for f in funcs if f.startswith("flash_attention_") and "kernel4" in f]
+    assert sum("tf32" in f for f in kernels) >= 12 and sum("bf16" in f for f in kernels) >= 12, sorted(funcs)
+    _assert_wgmma_tma(funcs, kernels)
