@@ -731,10 +731,10 @@ def build_flash_attention_backward_wgmma_tf32(rt, B, T, C, NH, qkv_in_place=Fals
     (B,NH,T), out (B,T,C)) like 2, 3: the dq kernel (which also writes D = rowsum(dout * out)) and the
     dk/dv kernel, both on 64-row swept tiles (cuda/attention_wgmma.cu). Their products over positions
     need k, q and dout transposed, each group of 8 rows reordered for the register A: with
-    smem_transpose (the default; the _smt entry points) the producer warpgroup's idle warps transpose
-    each stage's tiles in shared memory; without, attention_vt_kernel writes kt, qt, dot to global
-    scratch (B*NH, 64, Tp) first and the TMA loads their tiles (the same bits; None: shared memory
-    unless those buffers fit in the L2, _tf32_smem_transpose). qkv_in_place: qkvr is the forward's inp
+    smem_transpose (the _smt entry points) the producer warpgroup's idle warps transpose each stage's
+    tiles in shared memory; without, attention_vt_kernel writes kt, qt, dot to global scratch
+    (B*NH, 64, Tp) first and the TMA loads their tiles (the same bits). None (the variant's build):
+    shared memory unless those buffers fit in the L2 (_tf32_smem_transpose). qkv_in_place: qkvr is the forward's inp
     itself, (B,T,3C) unpermuted, read through a 4D map (the _btc entry points)."""
     _check_attention(B, T, C, NH)
     for name, smem in (("dq", WGMMA_TF32_DQ_SMEM), ("dk dv", WGMMA_TF32_DKDV_SMEM)):
