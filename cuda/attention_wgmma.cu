@@ -1,18 +1,22 @@
-// Fused causal attention on Hopper tensor cores: wgmma + TMA, bf16 (sm_90a only).
+// Fused causal attention on Hopper tensor cores: wgmma + TMA, bf16 and TF32 (sm_90a only).
 //
-//   flash_attention_forward_kernel4_bf16_persistent_pingpong   attention_forward variant 4 (bf16 only):
+//   flash_attention_forward_kernel4_bf16_persistent_pingpong   attention_forward variant 4 (bf16):
 //       out (B,T,C) = softmax(scale q k^T, causal) v, rounded to bf16 once;
 //       lse (B,NH,T) = log sum_{s<=t} exp(scale q_t.k_s), fp32 (what the fused backward 2/3/4 reads)
 //       (the variant's build; the lab's other schedules, the same bits: _kernel4_bf16 one CTA per
 //       block, _pingpong, _overlap, _overlap_pingpong, _persistent, _persistent_pingpong_s4)
-//   flash_attention_backward_dq_kernel4_bf16[_btc[_pingpong]]     attention_backward variant 4 (bf16
-//       only), part 1: D (B,NH,T) = rowsum(dout * out) fp32 scratch; dq -> dinp[..., 0:C]
+//   flash_attention_backward_dq_kernel4_bf16[_btc[_pingpong]]     attention_backward variant 4 (bf16),
+//       part 1: D (B,NH,T) = rowsum(dout * out) fp32 scratch; dq -> dinp[..., 0:C]
 //   flash_attention_backward_dkdv_kernel4_bf16[_btc[_pingpong]]   part 2: dk, dv -> dinp[..., C:3C]
 //       (reads D). _btc: q, k, v from the (B,T,3C) qkv tensor (the model's in-place form; with
 //       _pingpong, its default), else from the permuted qkvr; the backward's design is below
+//   flash_attention_forward_kernel4_tf32[_btc][_smt], flash_attention_backward_{dq,dkdv}_kernel4_tf32
+//       [_btc][_smt]: variant 4's fp32 builds (TF32 wgmma; fp32 in and out), the same algorithms with
+//       v (forward), k, q, dout (backward) transposed for TF32's K-major operands, either by
+//       attention_vt_kernel in global memory or (_smt) in shared memory; the TF32 sections below
 //
 // Build: nvcc -gencode=arch=compute_90a,code=sm_90a (llmc/runtime.py: ARCH_SPECIFIC).
-// Lab:   python dev/cuda/attention_forward.py 4 --dtype bf16
+// Lab:   python dev/cuda/attention_forward.py 4 --dtype bf16 (or fp32: the TF32 rows)
 //        python dev/cuda/attention_backward.py --dtype bf16 --batch 16
 // Tests: python -m pytest -m gpu tests/test_attention.py -k wgmma
 //
@@ -976,8 +980,8 @@ flash_attention_backward_dkdv_kernel4_bf16_btc_pingpong(bf16* dinp, const CUtens
 }
 
 // ------------------------------------------------------------------------------------------------
-// The TF32 forward (fp32 in and out; attention_forward 4's fp32 build). Written 2026-11-26 without a
-// GPU (session 10): compiled, not yet run.
+// The TF32 forward (fp32 in and out; attention_forward 4's fp32 build, the fp32 default on Hopper).
+// Written without a GPU in session 10, tested and measured on the H100 in session 11 (docs/ops.md).
 //
 // TF32 wgmma reads both shared-memory operands K-major only (no transpose immediates), so:
 //   S = q k^T    A = q (64 rows x 64 dims), B = k (128 keys x 64 dims): both K-major (dims contiguous),
@@ -1284,7 +1288,7 @@ flash_attention_forward_kernel4_tf32_btc_smt_pp(float* out, float* lse, const CU
 
 // ------------------------------------------------------------------------------------------------
 // The TF32 backward (attention_backward 4's fp32 build): the two kernels of the bf16 backward above
-// in TF32, written 2026-11-26 without a GPU (session 10): compiled, not yet run.
+// in TF32 (written in session 10, tested and measured on the H100 in session 11).
 //
 // In fp32 a 128-row tile is 32 KB, and every O-shape product needs its B transposed (TF32 wgmma reads
 // K-major shared memory only): dq += dS k needs k^T, dv += P^T dout needs dout^T, dk += dS^T q needs

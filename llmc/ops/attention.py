@@ -45,9 +45,10 @@ bf16 builds (--precision bf16): variants 2 and 3 of both directions (bf16 tensor
 m16n8k16 with ldmatrix; fp32 softmax; the saved lse (B,NH,T) and the backward's D stay fp32),
 attention_decode 1, 2 and attention_kv_fill 1 (bf16 caches, fp32 math). The composite is fp32 only.
 
-Variant 4 of both directions, bf16 only, Hopper (sm_90a, cuda/attention_wgmma.cu): the same fused
-math on wgmma, tiles brought by the TMA, 128 x 128 tiles; it keeps / reads the same lse as 2 and 3,
-so forward 4 pairs with backward 2, 3 or 4 and backward 4 runs after forward 2, 3 or 4.
+Variant 4 of both directions, Hopper only (sm_90a, cuda/attention_wgmma.cu), bf16 and fp32 (TF32),
+the default on Hopper in both: the same fused math on wgmma, tiles brought by the TMA; it keeps /
+reads the same lse as 2 and 3, so forward 4 pairs with backward 2, 3 or 4 and backward 4 runs after
+forward 2, 3 or 4. Another GPU refuses 4 and gets 3 and 3 with one note.
 """
 from __future__ import annotations
 
@@ -514,7 +515,7 @@ WGMMA_FWD_P_SMEM = _fwd_p_smem(WGMMA_STAGES)
 
 def build_flash_attention_forward_wgmma(rt, B, T, C, NH, overlap=False, qkv_in_place=False, pingpong=None,
                                         persistent=None, stages=WGMMA_STAGES, **_):
-    """Variant 4, bf16 only: launch(out (B,T,C), qkvr (B,T,3C), lse (B,NH,T), inp (B,T,3C)) like the
+    """Variant 4's bf16 build: launch(out (B,T,C), qkvr (B,T,3C), lse (B,NH,T), inp (B,T,3C)) like the
     bf16 builds of 2, 3 (out, qkvr, inp bf16; lse fp32, read by attention_backward 2/3/4): one wgmma
     kernel per (b, h, 128 query rows) that reads q, k, v straight from inp, the qkv matmul's output,
     through a tensor map of it (4D: dims, 3*NH heads, T, B), and the bf16 permute of inp into qkvr
@@ -670,7 +671,7 @@ WGMMA_DKDV_SMEM = WGMMA_DQ_SMEM + 2 * 2 * 2 * WGMMA_BQ * 4
 
 
 def build_flash_attention_backward_wgmma(rt, B, T, C, NH, overlap=False, qkv_in_place=False, pingpong=None, **_):
-    """Variant 4, bf16 only: launch(dinp (B,T,3C), dout (B,T,C), qkvr (B,T,3C), lse (B,NH,T), out (B,T,C))
+    """Variant 4's bf16 build: launch(dinp (B,T,3C), dout (B,T,C), qkvr (B,T,3C), lse (B,NH,T), out (B,T,C))
     like the bf16 builds of 2, 3 (dinp, dout, qkvr, out bf16; lse and the scratch D fp32; the lse of
     attention_forward 2, 3 or 4): a dq kernel (also writing D = rowsum(dout * out)) then a dk/dv
     kernel, each a CTA per (b, h, 128 rows) of a producer warpgroup (TMA) and 2 wgmma consumer
@@ -1014,7 +1015,7 @@ ATTENTION_FORWARD_VARIANTS = {
     3: Variant(3, "2 with the k, v tiles double-buffered through cp.async: the next tile loads while "
                   "the tensor cores work (head size 64; measured slower than 2: not load-bound)",
                _flash_builds("forward", 3), scratch_bytes=lambda **_: 0, **_FUSED),
-    4: Variant(4, "fused flash attention on Hopper wgmma (bf16 only, sm_90a): k, v tiles by TMA on an mbarrier "
+    4: Variant(4, "fused flash attention on Hopper wgmma (bf16 and TF32, sm_90a): k, v tiles by TMA on an mbarrier "
                   "ring fed by a producer warpgroup, 2 consumer warpgroups x 64 query rows, p v with p from "
                   "registers; keeps the log-sum-exp for backward 2/3 (head size 64)",
                {"fp32": build_flash_attention_forward_wgmma_tf32, "bf16": build_flash_attention_forward_wgmma},
