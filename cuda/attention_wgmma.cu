@@ -1106,7 +1106,7 @@ __device__ __forceinline__ void transposed(uint64_t* full) {
 // maps: 3 consecutive CUtensorMaps in global memory: q rows (qkvr's q, box 32 dims x 64 rows), k rows
 // (qkvr's k, box 32 x 128; with SMT also v's rows), vt (box 32 keys x 64 dims; not with SMT); out (B,T,C)
 // fp32, lse (B,NH,T) fp32
-template <bool BTC, bool SMT>
+template <bool BTC, bool SMT, bool PP = false>
 __device__ __forceinline__ void flash_forward_wgmma_tf32(float* out, float* lse, const CUtensorMap* maps, int B, int NH,
                                                          int T, float scale) {
     extern __shared__ unsigned char smem_raw[];
@@ -1189,17 +1189,21 @@ __device__ __forceinline__ void flash_forward_wgmma_tf32(float* out, float* lse,
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
     float sc[64];
     float corr[2];
+    const PingPong<PP> turn{cw};  // PP: the consumers take turns issuing (2 nkt turns each), as the bf16 kernels
+    turn.start();
 
     mbar_wait(q_full, 0);
     for (int i = 0; i < nkt; i++) {
         const unsigned char* st = skv + (i % STAGES) * STAGE;
         mbar_wait(&full[i % STAGES], (i / STAGES) & 1);
+        turn.begin();
         wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < HS / 8; ks++)  // 8 k-steps of 8 dims: half ks / 4, 32 bytes a step inside it
             wgmma_tf32_n128(sc, desc_k(sqw + (ks >> 2) * TF_Q_HALF + 32 * (ks & 3)),
                             desc_k(st + (ks >> 2) * TF_K_HALF + 32 * (ks & 3)), ks > 0);
         wgmma_commit();
+        turn.end(false);
         wgmma_wait<0>();
         keep_in_regs(sc);
         softmax_tile(sc, m, l, corr, i == nkt - 1, i * BKV, row0, t, c2);
@@ -1212,11 +1216,13 @@ __device__ __forceinline__ void flash_forward_wgmma_tf32(float* out, float* lse,
             pa[j][2] = to_tf32(sc[4 * j + 1]);
             pa[j][3] = to_tf32(sc[4 * j + 3]);
         }
+        turn.begin();
         wgmma_fence();
 #pragma unroll
         for (int j = 0; j < BKV / 8; j++)  // keys 8j..8j+7: vt box j / 4, 32 bytes a step inside it
             wgmma_tf32_rs_n64(o, pa[j], desc_k(st + 2 * TF_K_HALF + (j >> 2) * TF_VT_BOX + 32 * (j & 3)), 1);
         wgmma_commit();
+        turn.end(i == nkt - 1);
         wgmma_wait<0>();  // also: P's registers may be reused only after this
         keep_in_regs(o);
         __syncwarp();
@@ -1265,6 +1271,19 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_forward_kernel4_tf32_btc_smt(float* out, float* lse, const CUtensorMap* maps, int B, int NH, int T,
                                              float scale) {
     flash_forward_wgmma_tf32<true, true>(out, lse, maps, B, NH, T, scale);
+}
+
+// in place, the consumers taking turns issuing (_pp; with v transposed globally or in shared memory)
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+flash_attention_forward_kernel4_tf32_btc_pp(float* out, float* lse, const CUtensorMap* maps, int B, int NH, int T,
+                                            float scale) {
+    flash_forward_wgmma_tf32<true, false, true>(out, lse, maps, B, NH, T, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+flash_attention_forward_kernel4_tf32_btc_smt_pp(float* out, float* lse, const CUtensorMap* maps, int B, int NH, int T,
+                                                float scale) {
+    flash_forward_wgmma_tf32<true, true, true>(out, lse, maps, B, NH, T, scale);
 }
 
 // ------------------------------------------------------------------------------------------------

@@ -483,13 +483,15 @@ def test_flash_attention_wgmma_tf32_gpu(rt, B, T, C, NH):
         if _ == 0:
             first = dinp4
     assert np.array_equal(first, dinp4), "backward 4 tf32 is not deterministic"
-    # v transposed in shared memory (the _smt kernels), permuted and in place: the same bits
-    for in_place in (False, True):
-        smt = A.build_flash_attention_forward_wgmma_tf32(rt, B=B, T=T, C=C, NH=NH, qkv_in_place=in_place,
-                                                         smem_transpose=True)
+    # v transposed in shared memory (the _smt kernels), permuted and in place, and in place with the
+    # consumers taking turns (the _pp kernels, either transpose): the same bits
+    for in_place, smt_, pp in ((False, True, False), (True, True, False), (True, False, True), (True, True, True)):
+        other = A.build_flash_attention_forward_wgmma_tf32(rt, B=B, T=T, C=C, NH=NH, qkv_in_place=in_place,
+                                                           smem_transpose=smt_, pingpong=pp)
         poison(d_out, d_lse)
-        smt(d_out, d_inp if in_place else d_qkvr, d_lse, d_inp)
-        assert np.array_equal(d_out.get(), out) and np.array_equal(d_lse.get(), lse), f"forward smt (in place {in_place})"
+        other(d_out, d_inp if in_place else d_qkvr, d_lse, d_inp)
+        assert np.array_equal(d_out.get(), out) and np.array_equal(d_lse.get(), lse), \
+            f"forward smt {smt_} pingpong {pp} (in place {in_place})"
     # the in-place builds (the model's form): q, k, v read from inp itself, the same bits as through qkvr
     fwd_ip = ops.get("attention_forward").build(rt, 4, "fp32", B=B, T=T, C=C, NH=NH, qkv_in_place=True)
     bwd_ip = ops.get("attention_backward").build(rt, 4, "fp32", B=B, T=T, C=C, NH=NH, qkv_in_place=True)
@@ -1479,3 +1481,11 @@ def test_wgmma_tf32_builds_launch_in_order(monkeypatch):
         assert [L.func for L in rt.launches] == ([] if in_place else ["permute_kernel2"]) + [
             "flash_attention_forward_kernel4_tf32" + ("_btc" if in_place else "") + "_smt"]
         assert rt.launches[-1].smem == A.WGMMA_TF32_FWD_SMEM_SMT <= rt.max_smem_optin
+    # in place, taking turns: the _pp kernels (LLMC_TF32_PINGPONG=1 when the build does not say)
+    for smt_, name in ((False, "_btc_pp"), (True, "_btc_smt_pp")):
+        rt.launches.clear()
+        monkeypatch.setenv("LLMC_TF32_PINGPONG", "1")
+        fwd = A.build_flash_attention_forward_wgmma_tf32(rt, B=B, T=T, C=C, NH=NH, qkv_in_place=True, smem_transpose=smt_)
+        fwd(out, inp, lse, inp)
+        assert rt.launches[-1].func == "flash_attention_forward_kernel4_tf32" + name
+    monkeypatch.delenv("LLMC_TF32_PINGPONG")

@@ -85,12 +85,14 @@ if "fp32" in DTYPES and rt.arch == "sm_90":
     print(f"    rel_err out {rel_err(d_out.get(), out64):.2e}  lse {rel_err(d_lse.get(), lse64):.2e}")
     L.time(label, fn, flops=FUSED_FLOPS, ceiling="tf32")
     # in place (the model's form with backward 4): q, k, v read from inp itself, no permute; v transposed
-    # in global memory (attention_vt_kernel) or in shared memory (the _smt kernel)
-    for smt in (False, True):
+    # in global memory (attention_vt_kernel) or in shared memory (the _smt kernel); pingpong: the two
+    # consumers taking turns issuing (the _pp kernels)
+    for smt, pp in ((False, False), (True, False), (False, True), (True, True)):
         flash_ip = A.build_flash_attention_forward_wgmma_tf32(rt, B=B, T=T, C=C, NH=NH, qkv_in_place=True,
-                                                              smem_transpose=smt)
+                                                              smem_transpose=smt, pingpong=pp)
         fn = lambda: flash_ip(d_out, d_inp, d_lse, d_inp)  # noqa: E731
-        label = "attention_forward 4 (flash wgmma + TMA, TF32), in place, " + ("smem" if smt else "global") + " v^T"
+        label = ("attention_forward 4 (flash wgmma + TMA, TF32), in place, " + ("smem" if smt else "global") + " v^T"
+                 + (", pingpong" if pp else ""))
         L.validate(label, fn, outputs={"out": d_out, "lse": d_lse}, refs={"out": out64, "lse": lse64}, atol=5e-3,
                    rtol=2e-2)
         L.time(label, fn, flops=FUSED_FLOPS, ceiling="tf32")

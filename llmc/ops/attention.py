@@ -595,7 +595,8 @@ def _tf32_smem_transpose(B, T, NH, copies: int) -> bool:
     return copies * _tf32_transposed_bytes(B, T, NH) > TF32_GLOBAL_TRANSPOSE_MAX
 
 
-def build_flash_attention_forward_wgmma_tf32(rt, B, T, C, NH, qkv_in_place=False, smem_transpose=None, **_):
+def build_flash_attention_forward_wgmma_tf32(rt, B, T, C, NH, qkv_in_place=False, smem_transpose=None, pingpong=None,
+                                            **_):
     """Variant 4's fp32 build (TF32 wgmma): launch(out (B,T,C), qkvr (B,T,3C), lse (B,NH,T), inp
     (B,T,3C)) like 2, 3: the fp32 permute of inp into qkvr, then attention_vt_kernel writes v
     transposed (each group of 8 keys in the order the kernel's register P wants, see
@@ -605,14 +606,18 @@ def build_flash_attention_forward_wgmma_tf32(rt, B, T, C, NH, qkv_in_place=False
     q and k are read from inp, the qkv matmul's output, through 4D maps (64 dims, 3 NH heads, T, B), v
     transposed from it, and backward 4 built with qkv_in_place reads inp too. smem_transpose (None:
     _tf32_smem_transpose's rule): no vt pass; the TMA brings v's tiles too and the producer
-    warpgroup's idle warps transpose them in shared memory (the _smt kernels, the same bits)."""
+    warpgroup's idle warps transpose them in shared memory (the _smt kernels, the same bits).
+    pingpong (in place only; None: LLMC_TF32_PINGPONG, default 0): the two consumer warpgroups take
+    turns issuing their products, one's softmax beside the other's (the _pp kernels, the same bits)."""
     _check_attention(B, T, C, NH)
     permute = None if qkv_in_place else _build_permute(rt, "permute", B, T, 3, NH, FLASH_HS, "fp32")
     BNH, Tp = B * NH, ceil_div(T, 8) * 8
     smt = _tf32_smem_transpose(B, T, NH, 1) if smem_transpose is None else bool(smem_transpose)
     vt = None if smt else rt.empty((BNH, FLASH_HS, Tp))
     kvt = None if smt else rt.kernel(WGMMA_MODULE, "attention_vt_kernel", "PPiiiiiq", label="attention_forward 4 tf32: v^T")
-    sfx = ("_btc" if qkv_in_place else "") + ("_smt" if smt else "")
+    if pingpong is None:
+        pingpong = os.environ.get("LLMC_TF32_PINGPONG", "0") != "0"
+    sfx = ("_btc" if qkv_in_place else "") + ("_smt" if smt else "") + ("_pp" if pingpong and qkv_in_place else "")
     k = rt.kernel(WGMMA_MODULE, "flash_attention_forward_kernel4_tf32" + sfx, "PPPiiif",
                   label="attention_forward 4 (flash, wgmma) tf32" + sfx.replace("_", " "))
     smem = WGMMA_TF32_FWD_SMEM_SMT if smt else WGMMA_TF32_FWD_SMEM
