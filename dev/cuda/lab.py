@@ -16,6 +16,10 @@ float64 reference (|got - ref| <= atol + rtol*|ref|; NaN = unwritten fails; bf16
 DevArrays, are compared as the values they hold). Timing: warm-up, then CUDA
 events around each repeat with the L2 cache flushed before it (a 2x-L2 memset), median reported
 with GB/s or TFLOP/s and the fraction of the ceiling measured on the H100 (CEILINGS below).
+Memory-bound rows (bytes=, ceiling "dram") also get the floor at their own size: a device-to-device
+copy of the same bytes (half read, half written), timed the same way once per size, and the "% of
+copy" column. A short kernel pays launch, ramp-up and tail that a 2x-L2 copy does not; this column
+says how much of the gap to the ceiling is that, and how much is the kernel's own.
 """
 from __future__ import annotations
 
@@ -59,6 +63,7 @@ class Lab:
         self.failed: list[str] = []
         self.validated: set = set()
         self.group = None  # rows are compared with the reference lines of their own group
+        self.copy_ms: dict[int, float] = {}  # bytes: median ms of a device-to-device copy of that many
         print(f"# {op} on {self.rt.name} ({self.rt.arch}, {self.rt.sm_count} SMs)")
 
     def section(self, name: str) -> None:
@@ -129,9 +134,13 @@ class Lab:
             row["unit"] = "GB/s"
         if "rate" in row and peak and unit == row["unit"]:
             row["frac"] = row["rate"] / peak
+        if kind != "copy" and bytes and ceiling == "dram" and not flops and bytes in self.copy_ms:
+            row["copy_frac"] = self.copy_ms[bytes] / med
         self.rows.append(row)
         rate = f"{row['rate']:9.1f} {row['unit']}" if "rate" in row else ""
-        frac = f" ({100 * row['frac']:.0f}% of {ceiling})" if "frac" in row else ""
+        frac = f" ({100 * row['frac']:.0f}% of {ceiling}" if "frac" in row else ""
+        if frac:
+            frac += f", {100 * row['copy_frac']:.0f}% of a copy of the same bytes)" if "copy_frac" in row else ")"
         bs = f" bs={block_size}" if block_size is not None else ""
         print(f"  {label}{bs}: {med:.4f} ms {rate}{frac}")
         return med
@@ -140,8 +149,24 @@ class Lab:
         """Median of CUDA-event times over --repeat runs, L2 flushed before each."""
         if variant not in self.validated and str(variant) not in self.failed and not isinstance(variant, str):
             print(f"  warning: variant {variant} timed without validate()")
+        if bytes and ceiling == "dram" and not flops:
+            self.copy_floor(bytes)
         ms = self.rt.time_ms(fn, warmup=3, repeat=self.args.repeat, flush_l2=not self.args.no_l2_flush)
         return self._record(str(variant), ms, block_size, bytes, flops, ceiling)
+
+    def copy_floor(self, nbytes: int) -> float:
+        """Time (once per size) a device-to-device copy moving nbytes (nbytes // 2 read and written),
+        L2 flushed as for the rows; adds a "copy" row. Returns its median ms."""
+        if nbytes not in self.copy_ms:
+            half = max(1, nbytes // 2)
+            src, dst = self.rt.empty((half,), np.uint8), self.rt.empty((half,), np.uint8)
+            src.fill_bytes(0x3C)
+            drv, stream = self.rt.drv, self.rt.stream
+            ms = self.rt.time_ms(lambda: drv.memcpy_dtod_async(dst.ptr, src.ptr, half, stream),
+                                 warmup=3, repeat=self.args.repeat, flush_l2=not self.args.no_l2_flush)
+            self.copy_ms[nbytes] = self._record(f"copy, same bytes ({nbytes / 1e6:.1f} MB)", ms, None, 2 * half,
+                                                None, "dram", kind="copy")
+        return self.copy_ms[nbytes]
 
     def reference(self, label, fn, bytes=None, flops=None, ceiling="dram"):
         """A vendor-library line (cuBLAS via torch, ...), timed with torch's CUDA events."""
@@ -160,8 +185,9 @@ class Lab:
     # -- output
     def table(self) -> str:
         lines = [f"### {self.op} — {self.rt.name}, {datetime.date.today().isoformat()}", "",
-                 "| variant | block | median ms | achieved | % of ceiling | speed vs the best reference (same group) |",
-                 "| --- | --- | --- | --- | --- | --- |"]
+                 "| variant | block | median ms | achieved | % of ceiling | % of a copy of the same bytes "
+                 "| speed vs the best reference (same group) |",
+                 "| --- | --- | --- | --- | --- | --- | --- |"]
         best_ref = {}
         for r in self.rows:
             if r["kind"] == "reference":
@@ -169,9 +195,10 @@ class Lab:
         for r in self.rows:
             ach = f"{r['rate']:.1f} {r['unit']}" if "rate" in r else ""
             frac = f"{100 * r['frac']:.0f}%" if "frac" in r else ""
+            cfrac = f"{100 * r['copy_frac']:.0f}%" if "copy_frac" in r else ""
             ref = best_ref.get(r["group"])
-            vs = f"{ref / r['ms']:.2f}x" if ref else ""
-            lines.append(f"| {r['variant']} | {r['block']} | {r['ms']:.4f} | {ach} | {frac} | {vs} |")
+            vs = f"{ref / r['ms']:.2f}x" if ref and r["kind"] != "copy" else ""
+            lines.append(f"| {r['variant']} | {r['block']} | {r['ms']:.4f} | {ach} | {frac} | {cfrac} | {vs} |")
         return "\n".join(lines)
 
     def best_rows(self) -> list[dict]:

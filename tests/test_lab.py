@@ -1,0 +1,78 @@
+"""dev/cuda/lab.py's bookkeeping on the CPU (a stand-in runtime whose timings are fixed lists): the
+copy of the same bytes that every memory-bound row is measured against, once per size, and the
+table's columns."""
+import importlib.util
+import types
+
+import numpy as np
+
+from tests.conftest import ROOT
+
+
+def _load_lab():
+    spec = importlib.util.spec_from_file_location("lab_under_test", ROOT / "dev" / "cuda" / "lab.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class _Arr:
+    def __init__(self, n):
+        self.ptr, self.n = id(self), n
+
+    def fill_bytes(self, b):
+        pass
+
+
+class _FakeRT:
+    """time_ms returns the next list in `times`; memcpy calls are recorded."""
+    name, l2_bytes = "fake", 1 << 20
+
+    def __init__(self, times):
+        self.times, self.copies = list(times), []
+        self.stream = object()
+        self.drv = types.SimpleNamespace(memcpy_dtod_async=lambda dst, src, n, stream: self.copies.append(n))
+
+    def empty(self, shape, dtype=np.float32):
+        return _Arr(int(np.prod(shape)))
+
+    def time_ms(self, fn, warmup=3, repeat=20, flush_l2=False):
+        fn()
+        return self.times.pop(0)
+
+
+def _lab(times):
+    lab = _load_lab()
+    L = object.__new__(lab.Lab)
+    L.args = types.SimpleNamespace(repeat=5, no_l2_flush=False, md=None, png=None)
+    L.op, L.rt, L.rows, L.failed, L.validated, L.group = "op", _FakeRT(times), [], [], {"1", "2"}, None
+    L.copy_ms = {}
+    return L
+
+
+def test_memory_bound_rows_get_the_copy_of_their_own_bytes_once_per_size():
+    # copy of 1e6 bytes: 0.5 ms; variant 1: 1.0 ms (50% of the copy); variant 2 same bytes: 0.625 ms
+    # (80%); variant 2 at 2e6 bytes: a second copy (1.0 ms) then 1.25 ms (80%)
+    L = _lab([[0.5] * 3, [1.0] * 3, [0.625] * 3, [1.0] * 3, [1.25] * 3])
+    L.time("1", lambda: None, bytes=1_000_000)
+    L.time("2", lambda: None, bytes=1_000_000)
+    L.time("2", lambda: None, block_size=64, bytes=2_000_000)
+    assert L.rt.copies == [500_000, 1_000_000]  # half read + half written, one copy per size
+    kinds = [(r["variant"], r["kind"]) for r in L.rows]
+    assert [k for _, k in kinds] == ["copy", "ours", "ours", "copy", "ours"]
+    ours = [r for r in L.rows if r["kind"] == "ours"]
+    assert [round(r["copy_frac"], 6) for r in ours] == [0.5, 0.8, 0.8]
+    assert abs(L.rows[0]["rate"] - 1_000_000 / 0.5e-3 / 1e9) < 1e-9  # the copy row's own GB/s
+    table = L.table().splitlines()
+    assert "% of a copy of the same bytes" in table[2]
+    row1 = next(line for line in table if line.startswith("| 1 |"))
+    assert row1.split("|")[6].strip() == "50%"
+    copy_row = next(line for line in table if line.startswith("| copy, same bytes (1.0 MB)"))
+    assert copy_row.split("|")[6].strip() == ""  # the copy is not measured against itself
+
+
+def test_flop_rows_and_other_ceilings_get_no_copy():
+    L = _lab([[2.0] * 3, [3.0] * 3])
+    L.time("1", lambda: None, flops=1e12, ceiling="tf32")
+    L.time("2", lambda: None, bytes=1000, ceiling=None)
+    assert L.rt.copies == [] and all("copy_frac" not in r for r in L.rows)
