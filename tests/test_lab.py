@@ -76,3 +76,31 @@ def test_flop_rows_and_other_ceilings_get_no_copy():
     L.time("1", lambda: None, flops=1e12, ceiling="tf32")
     L.time("2", lambda: None, bytes=1000, ceiling=None)
     assert L.rt.copies == [] and all("copy_frac" not in r for r in L.rows)
+
+
+def test_per_variant_block_size_tables_cover_every_variant():
+    """A lab script that keys its block sizes by variant (BLOCK_SIZES = {1: (...), ...}) must name
+    every variant the op has (of its dtype: BLOCK_SIZES_BF16 those with a bf16 build), or running it
+    stops with a KeyError when it reaches the new one (adamw's did at variant 3)."""
+    import ast
+
+    from llmc import ops
+    checked = 0
+    for path in sorted((ROOT / "dev" / "cuda").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in tree.body:
+            if not (isinstance(node, ast.Assign) and len(node.targets) == 1
+                    and isinstance(node.targets[0], ast.Name) and isinstance(node.value, ast.Dict)
+                    and node.targets[0].id in ("BLOCK_SIZES", "BLOCK_SIZES_BF16")):
+                continue
+            keys = {k.value for k in node.value.keys if isinstance(k, ast.Constant)}
+            if not keys or not all(isinstance(k, int) for k in keys):
+                continue
+            variants = ops.get(path.stem).variants
+            want = {n for n, v in variants.items()
+                    if node.targets[0].id == "BLOCK_SIZES" or "bf16" in v.dtypes}
+            if node.targets[0].id == "BLOCK_SIZES" and "BLOCK_SIZES_BF16" in path.read_text():
+                want = {n for n, v in variants.items() if "fp32" in v.dtypes}
+            assert want <= keys, f"{path.name}: {node.targets[0].id} lacks variants {sorted(want - keys)}"
+            checked += 1
+    assert checked >= 3  # adamw, classifier (two), global_norm

@@ -29,7 +29,7 @@ from llmc.ops.adamw import adamw_ref, hyperparams
 
 n = 124_475_904
 LR, B1, B2, EPS, WD, T, MAX_NORM = 6e-4, 0.9, 0.95, 1e-8, 0.1, 7, 1.0
-BLOCK_SIZES = {1: (256, 512, 1024), 2: (1024, 128, 256, 512)}  # the default first
+BLOCK_SIZES = {1: (256, 512, 1024), 2: (1024, 128, 256, 512), 3: (256, 128, 512, 1024)}  # the default first
 
 L = lab.Lab("adamw")
 DTYPES = ("fp32", "bf16") if L.args.dtype == "both" else (L.args.dtype,)  # lab.py's --dtype
