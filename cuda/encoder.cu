@@ -23,6 +23,10 @@
 //   6  deterministic, no atomics, no id scans: the ids sorted per 2048-position chunk, each token's
 //      runs linked across chunks, the chain's head block sums them as 3 does (any C; fp32 and bf16;
 //      the bf16 default). See "encoder_backward 6" below.
+//   7  deterministic, no atomics on data: 6's chunk sort beside the dwpe sums, every position ranked
+//      in one token-major order by binary searches of the chunks, a warp per piece of <= 32 rows of a
+//      token; a frequent token's pieces summed into fp32 partials and combined in a fixed order by
+//      the last to finish (any C; fp32 and bf16). See "encoder_backward 7" below.
 // encoder_decode (sampling with a KV cache, not a training variant):
 //   1  out[b,:] = wte[inp[b],:] + wpe[inp[B],:]: B new tokens at the position stored after them in
 //      inp (B+1 ints), so that a captured CUDA graph reads the position from the device each step
@@ -480,15 +484,8 @@ __device__ __forceinline__ void encoder_backward_owner_t(T* dwte, T* dwpe, const
 // position (keys 8, runlen, owner, next 4 each).
 #define ENC_S 2048
 
-extern "C" __global__ void encoder_backward_sort_kernel6(unsigned long long* keys, int* runlen, int* owner,
-        const int* inp, int N) {
-    __shared__ unsigned long long s[ENC_S];
-    const int base = blockIdx.x * ENC_S;
-    for (int i = threadIdx.x; i < ENC_S; i += blockDim.x) {
-        const int p = base + i;  // past N: the largest key, sorted to the end, never a run
-        s[i] = p < N ? ((unsigned long long)(unsigned)inp[p] << 32) | (unsigned)i : ~0ull;
-    }
-    __syncthreads();
+// Bitonic sort of the ENC_S keys in shared memory, ascending (the whole block; ends synchronized).
+__device__ __forceinline__ void encoder_sort_chunk(unsigned long long* s) {
     for (int k = 2; k <= ENC_S; k <<= 1) {
         for (int j = k >> 1; j > 0; j >>= 1) {
             for (int i = threadIdx.x; i < ENC_S; i += blockDim.x) {
@@ -501,6 +498,18 @@ extern "C" __global__ void encoder_backward_sort_kernel6(unsigned long long* key
             __syncthreads();
         }
     }
+}
+
+extern "C" __global__ void encoder_backward_sort_kernel6(unsigned long long* keys, int* runlen, int* owner,
+        const int* inp, int N) {
+    __shared__ unsigned long long s[ENC_S];
+    const int base = blockIdx.x * ENC_S;
+    for (int i = threadIdx.x; i < ENC_S; i += blockDim.x) {
+        const int p = base + i;  // past N: the largest key, sorted to the end, never a run
+        s[i] = p < N ? ((unsigned long long)(unsigned)inp[p] << 32) | (unsigned)i : ~0ull;
+    }
+    __syncthreads();
+    encoder_sort_chunk(s);
     for (int i = threadIdx.x; i < ENC_S; i += blockDim.x) {
         const unsigned long long key = s[i];
         const unsigned tok = (unsigned)(key >> 32);
@@ -577,6 +586,265 @@ extern "C" __global__ void encoder_backward_kernel6(float* dwte, float* dwpe, co
 extern "C" __global__ void encoder_backward_kernel6_bf16(bf16* dwte, bf16* dwpe, const bf16* dout,
         const unsigned long long* keys, const int* runlen, const int* owner, const int* next, int B, int T, int C) {
     encoder_backward6_t<bf16>(dwte, dwpe, dout, keys, runlen, owner, next, B, T, C);
+}
+
+// ----------------------------------------------------------------------------------------------
+// encoder_backward 7: deterministic like 6, without 6's chains. Every position's place in one
+// token-major order (tokens ascending, each token's positions ascending) is computed in parallel,
+// and a frequent token's rows are summed by many warps in pieces of ENC7_K rows. Three launches:
+//   a. sort + dwpe: blocks < G sort their chunk of ENC_S ids as 6 does, then every slot writes its
+//      token, its position, its index in its run and the run's length (two binary searches of the
+//      sorted chunk in shared memory). The other blocks sum dwpe meanwhile: a warp per (position t,
+//      32 16-byte columns) adds the B rows in order, then dwpe + sum (6's order and bits).
+//   b. rank: GP lanes per sorted slot (GP = G rounded up to a power of two, at most 32). Lane j
+//      binary-searches chunk j (j + GP, ...) for the slot's token: lo_j ids in it are smaller, cnt_j
+//      equal. The token's rows start at place sum_j lo_j of the order and number sum_j cnt_j; this
+//      slot's place is start + sum_{j < g} cnt_j + its index in its run. Writes order[place] =
+//      position and seg[place] = (start, count).
+//   c. sum: a warp per place t; the places start + q * ENC7_K begin a piece, the other warps return.
+//      A token of at most ENC7_K rows is one piece: dwte's row + its rows in position order, in
+//      fp32, rounded once: np.add.at's order, the bits of 2, 3 and 6. A longer one: each piece sums
+//      its rows from zero into an fp32 partial row (scratch), then takes a ticket; the piece that
+//      draws the last one adds dwte's row and the partials in piece order, rounds once, and puts
+//      the ticket back to 0 for the next call. Which warp finishes last varies, the order it adds
+//      in does not: deterministic (not np.add.at's order; within fp32 rounding of it).
+// Uniform ids: every place is a piece of one row, so c is one pass over dout and the used dwte rows;
+// on text the most frequent token (~3-9% of positions) is split over up to N * 9% / ENC7_K warps
+// instead of one block. Scratch: 16 bytes per chunk slot (a), 12 per place (b), a ticket per place,
+// and 2 * ceil(N / ENC7_K) fp32 partial rows (two pieces can start in one window of ENC7_K places
+// only if one of them is a token's last piece: index 2 * (place / ENC7_K) + last is unique).
+#define ENC7_K 32
+
+// the number of a[0..ENC_S) smaller than x (a ascending): 11 halvings, then one last compare
+__device__ __forceinline__ int encoder_count_below(const int* a, int x) {
+    int c = 0;
+#pragma unroll
+    for (int step = ENC_S / 2; step > 0; step >>= 1)
+        if (a[c + step - 1] < x) c += step;
+    return c + (a[c] < x ? 1 : 0);
+}
+
+// dwpe row t, columns [32 cc, 32 cc + 32) of 16-byte vectors (scalars when C % V != 0): warp w
+template <typename T>
+__device__ __forceinline__ void encoder_dwpe_warp_t(T* dwpe, const T* dout, int B, int TT, int C, int w) {
+    constexpr int V = Vec16<T>::N;
+    const bool vec = C % V == 0;
+    const int W = vec ? V : 1, G = C / W, nch = ceil_div(G, WARP_SIZE);
+    const int t = w / nch, g = (w % nch) * WARP_SIZE + threadIdx.x % WARP_SIZE;
+    if (t >= TT || g >= G) return;
+    float s[V], d[V];
+#pragma unroll
+    for (int k = 0; k < V; k++) s[k] = 0.0f;
+    const T* col = dout + (size_t)t * C + g * W;
+#pragma unroll 8
+    for (int b = 0; b < B; b++) {
+        load_vec<T>(d, col + (size_t)b * TT * C, vec, W);
+#pragma unroll
+        for (int k = 0; k < V; k++) s[k] += d[k];
+    }
+    T* prow = dwpe + (size_t)t * C + g * W;
+    load_vec<T>(d, prow, vec, W);
+#pragma unroll
+    for (int k = 0; k < V; k++) d[k] += s[k];
+    store_vec<T>(prow, d, vec, W);
+}
+
+// a: blockDim 1024; G sort blocks, then the dwpe blocks (32 warps each)
+template <typename T>
+__device__ __forceinline__ void encoder_backward7_sort_t(int* stok, int* spos, int* srun, int* slen, T* dwpe,
+        const T* dout, const int* inp, int B, int TT, int C, int G) {
+    if ((int)blockIdx.x >= G) {
+        encoder_dwpe_warp_t<T>(dwpe, dout, B, TT, C,
+                               (blockIdx.x - G) * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE);
+        return;
+    }
+    __shared__ unsigned long long s[ENC_S];
+    __shared__ int st[ENC_S];
+    const int N = B * TT, base = blockIdx.x * ENC_S;
+    for (int i = threadIdx.x; i < ENC_S; i += blockDim.x) {
+        const int p = base + i;  // past N: the largest key, sorted to the end
+        s[i] = p < N ? ((unsigned long long)(unsigned)inp[p] << 32) | (unsigned)i : ~0ull;
+    }
+    __syncthreads();
+    encoder_sort_chunk(s);
+    for (int i = threadIdx.x; i < ENC_S; i += blockDim.x) st[i] = s[i] == ~0ull ? INT_MAX : (int)(s[i] >> 32);
+    __syncthreads();
+    for (int i = threadIdx.x; i < ENC_S; i += blockDim.x) {
+        const int tok = st[i];
+        const int lo = encoder_count_below(st, tok);
+        const int hi = tok == INT_MAX ? ENC_S : encoder_count_below(st, tok + 1);
+        stok[base + i] = tok;
+        spos[base + i] = base + (int)(unsigned)s[i];
+        srun[base + i] = i - lo;
+        slen[base + i] = hi - lo;
+    }
+}
+
+extern "C" __global__ void encoder_backward_sort_kernel7(int* stok, int* spos, int* srun, int* slen, float* dwpe,
+        const float* dout, const int* inp, int B, int T, int C, int G) {
+    encoder_backward7_sort_t<float>(stok, spos, srun, slen, dwpe, dout, inp, B, T, C, G);
+}
+extern "C" __global__ void encoder_backward_sort_kernel7_bf16(int* stok, int* spos, int* srun, int* slen, bf16* dwpe,
+        const bf16* dout, const int* inp, int B, int T, int C, int G) {
+    encoder_backward7_sort_t<bf16>(stok, spos, srun, slen, dwpe, dout, inp, B, T, C, G);
+}
+
+// b: thread gt = slot * GP + j; the grid covers G * ENC_S * GP threads in whole warps (every lane
+// reaches the shuffles; slots >= N, the last chunk's padding, write nothing)
+extern "C" __global__ void encoder_backward_rank_kernel7(int* order, int* sstart, int* scount, const int* stok,
+        const int* spos, const int* srun, const int* slen, int N, int G, int GP) {
+    const long long gt = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const int s = (int)(gt / GP), j0 = (int)(gt % GP);
+    const bool live = s < N;
+    int lo = 0, before = 0, tot = 0;
+    if (live) {
+        const int tok = stok[s], g = s / ENC_S;
+        for (int j = j0; j < G; j += GP) {
+            int l, c;
+            if (j == g) {
+                l = (s - g * ENC_S) - srun[s];
+                c = slen[s];
+            } else {
+                const int* kj = stok + (size_t)j * ENC_S;
+                l = encoder_count_below(kj, tok);
+                c = encoder_count_below(kj, tok + 1) - l;
+            }
+            lo += l;
+            tot += c;
+            if (j < g) before += c;
+        }
+    }
+    for (int o = GP / 2; o > 0; o >>= 1) {  // GP divides 32: the groups are aligned inside warps
+        lo += __shfl_xor_sync(0xffffffffu, lo, o);
+        tot += __shfl_xor_sync(0xffffffffu, tot, o);
+        before += __shfl_xor_sync(0xffffffffu, before, o);
+    }
+    if (live && j0 == 0) {
+        const int place = lo + before + srun[s];
+        order[place] = spos[s];
+        sstart[place] = lo;
+        scount[place] = tot;
+    }
+}
+
+// W fp32 values of a partial row (16 bytes at a time when vec)
+template <int V>
+__device__ __forceinline__ void encoder_partial_store(float* p, const float (&f)[V], bool vec) {
+    if (vec) {
+#pragma unroll
+        for (int k = 0; k < V; k += 4) store4(p + k, make_float4(f[k], f[k + 1], f[k + 2], f[k + 3]));
+    } else {
+        p[0] = f[0];
+    }
+}
+template <int V>
+__device__ __forceinline__ void encoder_partial_add(float (&f)[V], const float* p, bool vec) {
+    if (vec) {
+#pragma unroll
+        for (int k = 0; k < V; k += 4) {  // (L2: written by other SMs' warps)
+            const float4 x = __ldcg(reinterpret_cast<const float4*>(p + k));
+            f[k] += x.x; f[k + 1] += x.y; f[k + 2] += x.z; f[k + 3] += x.w;
+        }
+    } else {
+        f[0] += __ldcg(p);
+    }
+}
+
+// c: a warp per place; ENC7_CH chunks of 32 columns (16-byte vectors or scalars) held at once
+#define ENC7_CH 4
+template <typename T>
+__device__ __forceinline__ void encoder_backward7_sum_t(T* dwte, const T* dout, const int* inp, const int* order,
+        const int* sstart, const int* scount, float* partial, int* tickets, int N, int C) {
+    constexpr int V = Vec16<T>::N;
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int t = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
+    if (t >= N) return;
+    const int start = sstart[t], count = scount[t], d = t - start;
+    if (d % ENC7_K) return;  // (the same in the whole warp)
+    const int n = min(ENC7_K, count - d), npieces = ceil_div(count, ENC7_K), q = d / ENC7_K;
+    const bool single = npieces == 1;
+    const int mypos = lane < n ? order[t + lane] : 0;
+    const int tok = inp[__shfl_sync(0xffffffffu, mypos, 0)];
+    const bool vec = C % V == 0;
+    const int W = vec ? V : 1, G = C / W;
+    T* wrow = dwte + (size_t)tok * C;
+    float* part = partial + (size_t)(2 * (t / ENC7_K) + (q == npieces - 1 ? 1 : 0)) * C;
+    for (int c0 = 0; c0 < G; c0 += ENC7_CH * WARP_SIZE) {
+        float a[ENC7_CH][V];
+#pragma unroll
+        for (int h = 0; h < ENC7_CH; h++) {
+            const int g = c0 + h * WARP_SIZE + lane;
+            if (single && g < G) {
+                load_vec<T>(a[h], wrow + g * W, vec, W);
+            } else {
+#pragma unroll
+                for (int k = 0; k < V; k++) a[h][k] = 0.0f;
+            }
+        }
+#pragma unroll 4
+        for (int j = 0; j < n; j++) {
+            const T* row = dout + (size_t)__shfl_sync(0xffffffffu, mypos, j) * C;
+#pragma unroll
+            for (int h = 0; h < ENC7_CH; h++) {
+                const int g = c0 + h * WARP_SIZE + lane;
+                if (g < G) {
+                    float x[V];
+                    load_vec<T>(x, row + g * W, vec, W);
+#pragma unroll
+                    for (int k = 0; k < V; k++) a[h][k] += x[k];
+                }
+            }
+        }
+#pragma unroll
+        for (int h = 0; h < ENC7_CH; h++) {
+            const int g = c0 + h * WARP_SIZE + lane;
+            if (g < G) {
+                if (single) store_vec<T>(wrow + g * W, a[h], vec, W);
+                else encoder_partial_store<V>(part + g * W, a[h], vec);
+            }
+        }
+    }
+    if (single) return;
+    __threadfence();  // this piece's partial is visible before its ticket
+    __syncwarp();
+    int ticket = 0;
+    if (lane == 0) ticket = atomicAdd(&tickets[start], 1);
+    ticket = __shfl_sync(0xffffffffu, ticket, 0);
+    if (ticket != npieces - 1) return;
+    __threadfence();  // (the other pieces' partials, fenced before their tickets)
+    for (int c0 = 0; c0 < G; c0 += ENC7_CH * WARP_SIZE) {
+        float a[ENC7_CH][V];
+#pragma unroll
+        for (int h = 0; h < ENC7_CH; h++) {
+            const int g = c0 + h * WARP_SIZE + lane;
+            if (g < G) load_vec<T>(a[h], wrow + g * W, vec, W);
+        }
+#pragma unroll 4
+        for (int qq = 0; qq < npieces; qq++) {
+            const int pst = start + qq * ENC7_K;
+            const float* pp = partial + (size_t)(2 * (pst / ENC7_K) + (qq == npieces - 1 ? 1 : 0)) * C;
+#pragma unroll
+            for (int h = 0; h < ENC7_CH; h++) {
+                const int g = c0 + h * WARP_SIZE + lane;
+                if (g < G) encoder_partial_add<V>(a[h], pp + g * W, vec);
+            }
+        }
+#pragma unroll
+        for (int h = 0; h < ENC7_CH; h++) {
+            const int g = c0 + h * WARP_SIZE + lane;
+            if (g < G) store_vec<T>(wrow + g * W, a[h], vec, W);
+        }
+    }
+    if (lane == 0) tickets[start] = 0;
+}
+
+extern "C" __global__ void encoder_backward_kernel7(float* dwte, const float* dout, const int* inp, const int* order,
+        const int* sstart, const int* scount, float* partial, int* tickets, int N, int C) {
+    encoder_backward7_sum_t<float>(dwte, dout, inp, order, sstart, scount, partial, tickets, N, C);
+}
+extern "C" __global__ void encoder_backward_kernel7_bf16(bf16* dwte, const bf16* dout, const int* inp,
+        const int* order, const int* sstart, const int* scount, float* partial, int* tickets, int N, int C) {
+    encoder_backward7_sum_t<bf16>(dwte, dout, inp, order, sstart, scount, partial, tickets, N, C);
 }
 
 extern "C" __global__ void encoder_forward_kernel1_bf16(bf16* out, const int* inp, const bf16* wte,

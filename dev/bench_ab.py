@@ -3,9 +3,10 @@
     python dev/bench_ab.py -b 16 --precision bf16 --env LLMC_FUSED_DGELU=1 --env LLMC_FUSED_DGELU=0
     python dev/bench_ab.py -b 4 --rounds 5 --env "" --env LLMC_QKV_IN_PLACE=0,LLMC_FUSED_BIAS=0
     python dev/bench_ab.py --env "" --env "" -- --attention-kernel 3     # flags after -- go to bench_step
+    python dev/bench_ab.py --precision bf16 --env "" --env "LLMC_X=1 -- --encoder-backward-kernel 7"
 
 Each --env is one configuration: comma-separated NAME=VALUE pairs set in bench_step's environment
-("" = the defaults). The configurations run in turn, round after round (A B A B ...), each in a
+("" = the defaults); bench_step flags of that configuration alone follow a " -- " inside it. The configurations run in turn, round after round (A B A B ...), each in a
 fresh process, so a drift of the machine (clocks, other tenants) lands on all of them alike; the
 table gives every round's median step time (CUDA events, bench_step's own) and, per configuration,
 the median over rounds and its difference from the first. Differences smaller than the rounds'
@@ -14,6 +15,7 @@ spread are noise.
 import argparse
 import os
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -22,15 +24,17 @@ from pathlib import Path
 STEP = re.compile(r"step: median ([0-9.]+) ms")
 
 
-def parse_env(spec: str) -> dict:
-    """'A=1,B=x' -> {'A': '1', 'B': 'x'}; '' -> {}."""
+def parse_env(spec: str) -> tuple[dict, list]:
+    """'A=1,B=x' -> ({'A': '1', 'B': 'x'}, []); '' -> ({}, []); 'A=1 -- --flag 7' -> ({'A': '1'}, ['--flag', '7'])."""
     out = {}
-    for part in filter(None, (p.strip() for p in spec.split(","))):
+    pairs, sep, flags = spec.partition("--")
+    flags = shlex.split(sep + flags)[1:] if sep else []
+    for part in filter(None, (p.strip() for p in pairs.split(","))):
         name, sep, value = part.partition("=")
         if not sep or not name:
             raise SystemExit(f"bench_ab: --env {spec!r}: expected NAME=VALUE pairs separated by commas")
         out[name] = value
-    return out
+    return out, flags
 
 
 def run_once(cmd, env: dict) -> float:
@@ -61,8 +65,8 @@ def main(argv=None):
     cmd = base + ["-b", str(args.batch_size), "--precision", args.precision] + args.rest
     times = [[] for _ in envs]
     for r in range(args.rounds):
-        for i, env in enumerate(envs):
-            times[i].append(run_once(cmd, env))
+        for i, (env, flags) in enumerate(envs):
+            times[i].append(run_once(cmd + flags, env))
         print(f"round {r + 1}: " + "  ".join(f"{t[-1]:.2f}" for t in times), flush=True)
     first = statistics.median(times[0])
     print(f"B={args.batch_size} {args.precision} {' '.join(args.rest)}".rstrip())

@@ -43,6 +43,18 @@ def test_interleaved_rounds_and_medians(tmp_path):
     assert "X=2" in out and "median    12.04 ms  (+2.01 ms, +20.0%)" in out
 
 
+def test_flags_of_one_configuration(tmp_path):
+    """Flags after " -- " inside an --env go to that configuration's runs only, after the common ones."""
+    r, log = _run(tmp_path, "--rounds", "2", "--env", "X=0", "--env", "X=1 -- --encoder-backward-kernel 7",
+                  "--env", "-- --foo 'a b'", "--", "--bar")
+    assert r.returncode == 0, r.stderr
+    assert [line.split()[0] for line in log] == ["0", "1", "-"] * 2
+    common = ["-b", "4", "--precision", "fp32", "--bar"]
+    for i, line in enumerate(log):
+        want = common + [[], ["--encoder-backward-kernel", "7"], ["--foo", "a", "b"]][i % 3]
+        assert line.split()[1:] == want
+
+
 @pytest.mark.parametrize("args,why", [(["--env", "X=0"], "two or more"), (["--env", "X", "--env", "X=1"], "NAME=VALUE"),
                                       (["--env", "X=0", "--env", "X=fail"], "failed (exit 3)")])
 def test_bad_input_is_one_line(tmp_path, args, why):

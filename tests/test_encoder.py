@@ -17,7 +17,7 @@ from llmc.testing import assert_close, poison
 FWD = ops.get("encoder_forward")
 BWD = ops.get("encoder_backward")
 DEC = ops.get("encoder_decode")
-DETERMINISTIC = (2, 3, 6)
+DETERMINISTIC = (2, 3, 6, 7)
 
 
 def inputs(rng, B, T, C, Vp, maxT, vocab=None, dtype=np.float64):
@@ -137,6 +137,64 @@ def test_variant6_scratch_is_declared():
         assert got == BWD.variants[6].scratch_bytes(B=B, T=T, C=768) == 20 * 2048 * -(-B * T // 2048)
 
 
+def test_variant7_scratch_is_declared():
+    """Variant 7's build allocates what scratch_bytes says; the tickets start at zero."""
+    from tests.fake_runtime import FakeRuntime
+    for B, T, C in ((4, 1024, 768), (5, 1024, 768), (1, 1, 80), (16, 1024, 768)):
+        built = BWD.build(FakeRuntime(free=80 << 30), 7, "bf16", B=B, T=T, C=C)
+        got = sum(a.nbytes for a in built.scratch.values())
+        assert got == BWD.variants[7].scratch_bytes(B=B, T=T, C=C)
+
+
+def _variant7_plan(inp, K=32, S=2048):
+    """Variant 7's index arithmetic in numpy, as cuda/encoder.cu does it: the chunk sort (a), each
+    slot's place from per-chunk counts (b), the pieces and their partial-row slots (c)."""
+    ids = inp.ravel()
+    N = len(ids)
+    G = -(-N // S)
+    chunks = [np.array(sorted((int(ids[p]), p) for p in range(g * S, min(N, (g + 1) * S)))) for g in range(G)]
+    toks = [c[:, 0] for c in chunks]
+    order, start, count = np.full(N, -1), np.full(N, -1), np.full(N, -1)
+    for g, c in enumerate(chunks):
+        for i, (tok, pos) in enumerate(c):
+            lo = [int(np.searchsorted(tj, tok, "left")) for tj in toks]
+            cnt = [int(np.searchsorted(tj, tok, "right")) - lo[j] for j, tj in enumerate(toks)]
+            run = i - lo[g]
+            place = sum(lo) + sum(cnt[:g]) + run
+            assert order[place] == -1
+            order[place], start[place], count[place] = pos, sum(lo), sum(cnt)
+    pieces = []  # (place, rows, partial slot or None)
+    for t in range(N):
+        d = t - start[t]
+        if d % K:
+            continue
+        np_ = -(-count[t] // K)
+        q = d // K
+        pieces.append((t, min(K, count[t] - d), None if np_ == 1 else 2 * (t // K) + (q == np_ - 1)))
+    return order, start, count, pieces
+
+
+@pytest.mark.parametrize("N,vocab,zipf", [(4096, 8, False), (5000, 50257, False), (4500, 300, True),
+                                          (33, 2, False), (2049, 3, True)])
+def test_variant7_places_and_pieces(rng, N, vocab, zipf):
+    """The order variant 7 builds is every position once, tokens ascending, each token's positions
+    ascending; every token's rows are covered by its pieces exactly once; the partial-row slots of
+    the multi-piece tokens never collide and fit the scratch (2 * ceil(N / 32) rows)."""
+    p = 1.0 / np.arange(1, vocab + 1) if zipf else np.ones(vocab)
+    inp = rng.choice(vocab, N, p=p / p.sum()).astype(np.int32)
+    order, start, count, pieces = _variant7_plan(inp)
+    np.testing.assert_array_equal(order, np.lexsort((np.arange(N), inp)))  # token-major, position-minor
+    np.testing.assert_array_equal(count, np.bincount(inp)[inp[order]])
+    covered = np.zeros(N, int)
+    for t, n, _ in pieces:
+        covered[t:t + n] += 1
+        assert (inp[order[t:t + n]] == inp[order[t]]).all()
+    np.testing.assert_array_equal(covered, 1)
+    slots = [sl for _, _, sl in pieces if sl is not None]
+    assert len(slots) == len(set(slots)) and all(0 <= sl < 2 * -(-N // 32) for sl in slots)
+    assert any(sl is not None for _, _, sl in pieces) == bool((np.bincount(inp) > 32).any())
+
+
 # ----------------------------------------------------------------------------------------------
 # GPU
 
@@ -227,6 +285,47 @@ def test_backward6_equals_3_across_sort_chunks(rt, rng, dtype, B, T, C, vocab):
     if 3 in res:
         np.testing.assert_array_equal(res[6][0], res[3][0])
         np.testing.assert_array_equal(res[6][1], res[3][1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("B,T,C,vocab", [(16, 1024, 768, 50257), (5, 1024, 768, 40), (3, 1000, 100, 5000),
+                                         (1, 2049, 96, 3), (2, 5, 66, 97)])
+def test_backward7_against_6(rt, rng, dtype, B, T, C, vocab):
+    """Variant 7 at N > 2048 (8, 3, 2 and 2 chunks, partial last chunks) on Zipf-like ids: within the
+    fp32/bf16 tolerance of the float64 sums; bit-identical to 6 (np.add.at's order) on every row of a
+    token with at most 32 rows and on dwpe; the tickets are back to 0 after the call; a second call
+    on the same inputs gives the same bits."""
+    zipf = 1.0 / np.arange(1, vocab + 1)
+    inp = rng.choice(vocab, (B, T), p=zipf / zipf.sum()).astype(np.int32)
+    dout = rng.standard_normal((B, T, C)).astype(np.float32)
+    dwte0 = rng.standard_normal((vocab, C)).astype(np.float32)
+    dwpe0 = rng.standard_normal((T, C)).astype(np.float32)
+    conv = (lambda a: a) if dtype == "fp32" else to_bf16
+    back = (lambda a: a) if dtype == "fp32" else from_bf16
+    d_dout, d_inp = rt.to_device(conv(dout)), rt.to_device(inp)
+    res, built = {}, {}
+    for number, runs in ((6, 1), (7, 2)):
+        built[number] = BWD.build(rt, number, dtype, B=B, T=T, C=C)
+        for r in range(runs):
+            dwte, dwpe = rt.to_device(conv(dwte0)), rt.to_device(conv(dwpe0))
+            built[number](dwte, dwpe, d_dout, d_inp)
+            res[number, r] = dwte.get(), dwpe.get()
+    np.testing.assert_array_equal(built[7].scratch["tickets"].get(), 0)
+    for k in (0, 1):
+        np.testing.assert_array_equal(res[7, 0][k], res[7, 1][k])
+    want_wte, want_wpe = encoder_backward_ref(back(conv(dwte0)).astype(np.float64), back(conv(dwpe0)).astype(np.float64),
+                                              back(conv(dout)).astype(np.float64), inp)
+    for name, got, want in (("dwte", res[7, 0][0], want_wte), ("dwpe", res[7, 0][1], want_wpe)):
+        rms = float(np.sqrt(np.mean(np.square(want))))
+        assert_close(back(got).astype(np.float64), want, 1e-5 * rms if dtype == "bf16" else 1e-4,
+                     BF16_RTOL if dtype == "bf16" else 1e-5, name)
+    counts = np.bincount(inp.ravel(), minlength=vocab)
+    few = counts <= 32
+    np.testing.assert_array_equal(res[7, 0][0][few], res[6, 0][0][few])
+    np.testing.assert_array_equal(res[7, 0][1], res[6, 0][1])
+    if B * T > 2048 and vocab <= 5000:
+        assert (counts > 32).any()  # the multi-piece path ran
 
 
 @pytest.mark.gpu
@@ -330,16 +429,18 @@ def test_backward_gpu_bf16_accumulates(rt, rng, number, B, T, C):
 
 
 @pytest.mark.gpu
-def test_backward_bf16_rounds_each_row_once(rt):
+@pytest.mark.parametrize("number", [3, 7])
+def test_backward_bf16_rounds_each_row_once(rt, number):
     """One token at every position, dout = 2^-9 everywhere: adding it to dwte = 1.0 with a rounding
     after each add would leave 1.0 every time (a quarter of bf16's ulp at 1.0 rounds away); the fp32
-    accumulator adds all B*T of them first and rounds once: 1 + B*T * 2^-9 = 1.25."""
+    accumulator adds all B*T of them first and rounds once: 1 + B*T * 2^-9 = 1.25 (7: in four pieces
+    of 32 rows, each partial exact in fp32)."""
     B, T, C = 2, 64, 768
     inp = np.full((B, T), 3, np.int32)
     dout = to_bf16(np.full((B, T, C), 2.0 ** -9, np.float32))
     dwte0 = to_bf16(np.ones((VP, C), np.float32))
     dwte, dwpe = rt.to_device(dwte0), rt.zeros((T, C), BF16)
-    BWD.build(rt, 3, "bf16", B=B, T=T, C=C)(dwte, dwpe, rt.to_device(dout), rt.to_device(inp))
+    BWD.build(rt, number, "bf16", B=B, T=T, C=C)(dwte, dwpe, rt.to_device(dout), rt.to_device(inp))
     np.testing.assert_array_equal(from_bf16(dwte.get()[3]), np.full(C, 1.0 + B * T * 2.0 ** -9, np.float32))
     np.testing.assert_array_equal(from_bf16(dwpe.get()), np.full((T, C), B * 2.0 ** -9, np.float32))
 

@@ -210,6 +210,56 @@ def _sorted_owner(dtype):
     return build
 
 
+ENC7_PIECE = 32  # ENC7_K in cuda/encoder.cu: rows per piece of a token's sum in variant 7
+
+
+def scratch_bytes7(B, T, C, **_):
+    """Variant 7's scratch: per chunk slot token, position, run index, run length (16 bytes); per
+    place of the order position, start, count and a ticket (16 bytes); 2 * ceil(N / 32) fp32 partial rows."""
+    N = B * T
+    S = ceil_div(N, SORT_CHUNK) * SORT_CHUNK
+    return 16 * S + 16 * N + 4 * 2 * ceil_div(N, ENC7_PIECE) * C
+
+
+def _ranked(dtype):
+    """Variant 7: sort the ids per chunk (beside the dwpe sums), rank every position in one token-major
+    order by binary searches of the chunks, then a warp per piece of at most 32 rows of a token; the
+    pieces of a frequent token combined in a fixed order by the last to finish (cuda/encoder.cu).
+    Three launches, deterministic. Tokens of at most 32 rows get np.add.at's order (2, 3, 6's bits)."""
+    def build(rt, B, T, C, block_size=None):
+        bs = block_size or 128
+        N = B * T
+        G = ceil_div(N, SORT_CHUNK)
+        GP = 1 << max(0, (min(G, 32) - 1).bit_length())  # G rounded up to a power of two, at most 32
+        S = G * SORT_CHUNK
+        vw = 4 if dtype == "fp32" else 8  # elements per 16-byte vector
+        cols = C // vw if C % vw == 0 else C
+        dwpe_blocks = ceil_div(T * ceil_div(cols, 32), 32)  # 1024-thread blocks, a warp per (t, 32 columns)
+        label = f"encoder_backward 7 {dtype}"
+        ks = rt.kernel(MODULE, f"encoder_backward_sort_kernel7{_sfx(dtype)}", "PPPPPPPiiii", label=label + " (sort, dwpe)")
+        kr = rt.kernel(MODULE, "encoder_backward_rank_kernel7", "PPPPPPPiii", label=label + " (rank)")
+        k = rt.kernel(MODULE, f"encoder_backward_kernel7{_sfx(dtype)}", "PPPPPPPPii", label=label)
+        _fits("encoder_backward", 7, k, bs)
+        stok, spos, srun, slen = (rt.empty((S,), np.int32) for _ in range(4))
+        order, sstart, scount = (rt.empty((N,), np.int32) for _ in range(3))
+        tickets = rt.zeros((N,), np.int32)  # each multi-piece token's finisher puts its ticket back to 0
+        partial = rt.empty((2 * ceil_div(N, ENC7_PIECE), C))
+        n_, g_, gp_, b_, t_, c_ = (np.int32(x) for x in (N, G, GP, B, T, C))
+        rank_grid = (ceil_div(S * GP, 256), 1, 1)
+        sum_grid = (ceil_div(N, bs // 32), 1, 1)
+
+        def launch(dwte, dwpe, dout, inp):
+            ks((G + dwpe_blocks, 1, 1), (1024, 1, 1), stok.ptr, spos.ptr, srun.ptr, slen.ptr, dwpe.ptr, dout.ptr,
+               inp.ptr, b_, t_, c_, g_)
+            kr(rank_grid, (256, 1, 1), order.ptr, sstart.ptr, scount.ptr, stok.ptr, spos.ptr, srun.ptr, slen.ptr,
+               n_, g_, gp_)
+            k(sum_grid, (bs, 1, 1), dwte.ptr, dout.ptr, inp.ptr, order.ptr, sstart.ptr, scount.ptr, partial.ptr,
+              tickets.ptr, n_, c_)
+        return Built(launch, scratch={"stok": stok, "spos": spos, "srun": srun, "slen": slen, "order": order,
+                                      "sstart": sstart, "scount": scount, "tickets": tickets, "partial": partial})
+    return build
+
+
 encoder_forward1 = _elementwise("encoder_forward", 1, 1, 256)
 encoder_forward2 = _elementwise("encoder_forward", 2, 4, 256)
 encoder_forward3 = _warp_per_row(3, 256)
@@ -223,6 +273,8 @@ encoder_backward2_bf16 = _owner(2, 256, "bf16")
 encoder_backward3_bf16 = _owner(3, 256, "bf16")
 encoder_backward6 = _sorted_owner("fp32")
 encoder_backward6_bf16 = _sorted_owner("bf16")
+encoder_backward7 = _ranked("fp32")
+encoder_backward7_bf16 = _ranked("bf16")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -299,6 +351,11 @@ OPS = [
                           "runs linked across chunks, the chain's head block sums them in order (any C)",
                        {"fp32": encoder_backward6, "bf16": encoder_backward6_bf16}, check_any,
                        scratch_bytes=scratch_bytes6),
+            7: Variant(7, "deterministic, no atomics on data: ids sorted per chunk beside the dwpe sums, every "
+                          "position ranked in one token-major order, a warp per piece of <= 32 rows, a frequent "
+                          "token's pieces combined in a fixed order by the last to finish (any C)",
+                       {"fp32": encoder_backward7, "bf16": encoder_backward7_bf16}, check_any,
+                       scratch_bytes=scratch_bytes7),
         }),
     OpSpec(
         name="encoder_decode", flag="--encoder-decode-kernel", default=1,
