@@ -610,7 +610,7 @@ extern "C" __global__ void encoder_backward_kernel6_bf16(bf16* dwte, bf16* dwpe,
 //      in does not: deterministic (not np.add.at's order; within fp32 rounding of it).
 // Uniform ids: every place is a piece of one row, so c is one pass over dout and the used dwte rows;
 // on text the most frequent token (~3-9% of positions) is split over up to N * 9% / ENC7_K warps
-// instead of one block. Scratch: 16 bytes per chunk slot (a), 12 per place (b), a ticket per place,
+// instead of one block. Scratch: 16 bytes per chunk slot (a), 16 per place (b), a ticket per place,
 // and 2 * ceil(N / ENC7_K) fp32 partial rows (two pieces can start in one window of ENC7_K places
 // only if one of them is a token's last piece: index 2 * (place / ENC7_K) + last is unique).
 #define ENC7_K 32
@@ -691,14 +691,15 @@ extern "C" __global__ void encoder_backward_sort_kernel7_bf16(int* stok, int* sp
 
 // b: thread gt = slot * GP + j; the grid covers G * ENC_S * GP threads in whole warps (every lane
 // reaches the shuffles; slots >= N, the last chunk's padding, write nothing)
-extern "C" __global__ void encoder_backward_rank_kernel7(int* order, int* sstart, int* scount, const int* stok,
+extern "C" __global__ void encoder_backward_rank_kernel7(int4* place_rec, const int* stok,
         const int* spos, const int* srun, const int* slen, int N, int G, int GP) {
     const long long gt = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     const int s = (int)(gt / GP), j0 = (int)(gt % GP);
     const bool live = s < N;
-    int lo = 0, before = 0, tot = 0;
+    int lo = 0, before = 0, tot = 0, tok = 0;
     if (live) {
-        const int tok = stok[s], g = s / ENC_S;
+        const int g = s / ENC_S;
+        tok = stok[s];
         for (int j = j0; j < G; j += GP) {
             int l, c;
             if (j == g) {
@@ -720,10 +721,7 @@ extern "C" __global__ void encoder_backward_rank_kernel7(int* order, int* sstart
         before += __shfl_xor_sync(0xffffffffu, before, o);
     }
     if (live && j0 == 0) {
-        const int place = lo + before + srun[s];
-        order[place] = spos[s];
-        sstart[place] = lo;
-        scount[place] = tot;
+        place_rec[lo + before + srun[s]] = make_int4(spos[s], lo, tot, tok);  // one 16-byte record
     }
 }
 
@@ -751,20 +749,23 @@ __device__ __forceinline__ void encoder_partial_add(float (&f)[V], const float* 
 }
 
 // c: a warp per place; ENC7_CH chunks of 32 columns (16-byte vectors or scalars) held at once
-#define ENC7_CH 4
+#define ENC7_CH 3
 template <typename T>
-__device__ __forceinline__ void encoder_backward7_sum_t(T* dwte, const T* dout, const int* inp, const int* order,
-        const int* sstart, const int* scount, float* partial, int* tickets, int N, int C) {
+__device__ __forceinline__ void encoder_backward7_sum_t(T* dwte, const T* dout, const int4* place_rec,
+        float* partial, int* tickets, int N, int C) {
     constexpr int V = Vec16<T>::N;
     const int lane = threadIdx.x % WARP_SIZE;
     const int t = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
     if (t >= N) return;
-    const int start = sstart[t], count = scount[t], d = t - start;
+    // lane l reads place t + l's record (position, start, count, token) in the same round trip as
+    // lane 0 reads this place's; only lanes < n use theirs (the rows of this piece)
+    const int4 rec = place_rec[min(t + lane, N - 1)];
+    const int start = __shfl_sync(0xffffffffu, rec.y, 0), count = __shfl_sync(0xffffffffu, rec.z, 0);
+    const int tok = __shfl_sync(0xffffffffu, rec.w, 0), d = t - start;
     if (d % ENC7_K) return;  // (the same in the whole warp)
     const int n = min(ENC7_K, count - d), npieces = ceil_div(count, ENC7_K), q = d / ENC7_K;
     const bool single = npieces == 1;
-    const int mypos = lane < n ? order[t + lane] : 0;
-    const int tok = inp[__shfl_sync(0xffffffffu, mypos, 0)];
+    const int mypos = rec.x;
     const bool vec = C % V == 0;
     const int W = vec ? V : 1, G = C / W;
     T* wrow = dwte + (size_t)tok * C;
@@ -781,7 +782,7 @@ __device__ __forceinline__ void encoder_backward7_sum_t(T* dwte, const T* dout, 
                 for (int k = 0; k < V; k++) a[h][k] = 0.0f;
             }
         }
-#pragma unroll 4
+#pragma unroll 2
         for (int j = 0; j < n; j++) {
             const T* row = dout + (size_t)__shfl_sync(0xffffffffu, mypos, j) * C;
 #pragma unroll
@@ -838,13 +839,13 @@ __device__ __forceinline__ void encoder_backward7_sum_t(T* dwte, const T* dout, 
     if (lane == 0) tickets[start] = 0;
 }
 
-extern "C" __global__ void encoder_backward_kernel7(float* dwte, const float* dout, const int* inp, const int* order,
-        const int* sstart, const int* scount, float* partial, int* tickets, int N, int C) {
-    encoder_backward7_sum_t<float>(dwte, dout, inp, order, sstart, scount, partial, tickets, N, C);
+extern "C" __global__ void encoder_backward_kernel7(float* dwte, const float* dout, const int4* place_rec,
+        float* partial, int* tickets, int N, int C) {
+    encoder_backward7_sum_t<float>(dwte, dout, place_rec, partial, tickets, N, C);
 }
-extern "C" __global__ void encoder_backward_kernel7_bf16(bf16* dwte, const bf16* dout, const int* inp,
-        const int* order, const int* sstart, const int* scount, float* partial, int* tickets, int N, int C) {
-    encoder_backward7_sum_t<bf16>(dwte, dout, inp, order, sstart, scount, partial, tickets, N, C);
+extern "C" __global__ void encoder_backward_kernel7_bf16(bf16* dwte, const bf16* dout, const int4* place_rec,
+        float* partial, int* tickets, int N, int C) {
+    encoder_backward7_sum_t<bf16>(dwte, dout, place_rec, partial, tickets, N, C);
 }
 
 extern "C" __global__ void encoder_forward_kernel1_bf16(bf16* out, const int* inp, const bf16* wte,

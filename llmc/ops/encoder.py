@@ -237,11 +237,11 @@ def _ranked(dtype):
         dwpe_blocks = ceil_div(T * ceil_div(cols, 32), 32)  # 1024-thread blocks, a warp per (t, 32 columns)
         label = f"encoder_backward 7 {dtype}"
         ks = rt.kernel(MODULE, f"encoder_backward_sort_kernel7{_sfx(dtype)}", "PPPPPPPiiii", label=label + " (sort, dwpe)")
-        kr = rt.kernel(MODULE, "encoder_backward_rank_kernel7", "PPPPPPPiii", label=label + " (rank)")
-        k = rt.kernel(MODULE, f"encoder_backward_kernel7{_sfx(dtype)}", "PPPPPPPPii", label=label)
+        kr = rt.kernel(MODULE, "encoder_backward_rank_kernel7", "PPPPPiii", label=label + " (rank)")
+        k = rt.kernel(MODULE, f"encoder_backward_kernel7{_sfx(dtype)}", "PPPPPii", label=label)
         _fits("encoder_backward", 7, k, bs)
         stok, spos, srun, slen = (rt.empty((S,), np.int32) for _ in range(4))
-        order, sstart, scount = (rt.empty((N,), np.int32) for _ in range(3))
+        place_rec = rt.empty((N, 4), np.int32)  # per place: position, start, count, token
         tickets = rt.zeros((N,), np.int32)  # each multi-piece token's finisher puts its ticket back to 0
         partial = rt.empty((2 * ceil_div(N, ENC7_PIECE), C))
         n_, g_, gp_, b_, t_, c_ = (np.int32(x) for x in (N, G, GP, B, T, C))
@@ -251,12 +251,10 @@ def _ranked(dtype):
         def launch(dwte, dwpe, dout, inp):
             ks((G + dwpe_blocks, 1, 1), (1024, 1, 1), stok.ptr, spos.ptr, srun.ptr, slen.ptr, dwpe.ptr, dout.ptr,
                inp.ptr, b_, t_, c_, g_)
-            kr(rank_grid, (256, 1, 1), order.ptr, sstart.ptr, scount.ptr, stok.ptr, spos.ptr, srun.ptr, slen.ptr,
-               n_, g_, gp_)
-            k(sum_grid, (bs, 1, 1), dwte.ptr, dout.ptr, inp.ptr, order.ptr, sstart.ptr, scount.ptr, partial.ptr,
-              tickets.ptr, n_, c_)
-        return Built(launch, scratch={"stok": stok, "spos": spos, "srun": srun, "slen": slen, "order": order,
-                                      "sstart": sstart, "scount": scount, "tickets": tickets, "partial": partial})
+            kr(rank_grid, (256, 1, 1), place_rec.ptr, stok.ptr, spos.ptr, srun.ptr, slen.ptr, n_, g_, gp_)
+            k(sum_grid, (bs, 1, 1), dwte.ptr, dout.ptr, place_rec.ptr, partial.ptr, tickets.ptr, n_, c_)
+        return Built(launch, scratch={"stok": stok, "spos": spos, "srun": srun, "slen": slen, "place_rec": place_rec,
+                                      "tickets": tickets, "partial": partial})
     return build
 
 
