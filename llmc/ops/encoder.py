@@ -215,10 +215,11 @@ ENC7_PIECE = 32  # ENC7_K in cuda/encoder.cu: rows per piece of a token's sum in
 
 def scratch_bytes7(B, T, C, **_):
     """Variant 7's scratch: per chunk slot token, position, run index, run length (16 bytes); per
-    place of the order position, start, count and a ticket (16 bytes); 2 * ceil(N / 32) fp32 partial rows."""
+    place of the order its record (position, start, count, token) and a ticket (20 bytes);
+    2 * ceil(N / 32) fp32 partial rows."""
     N = B * T
     S = ceil_div(N, SORT_CHUNK) * SORT_CHUNK
-    return 16 * S + 16 * N + 4 * 2 * ceil_div(N, ENC7_PIECE) * C
+    return 16 * S + 20 * N + 4 * 2 * ceil_div(N, ENC7_PIECE) * C
 
 
 def _ranked(dtype):
