@@ -6,6 +6,7 @@
 // version 2: one block per row, online softmax (max and sum in ONE read pass), then the write pass; float4, streaming hints
 // version 3: one block per row, the row copied once into shared memory with cp.async; both passes read shared memory
 // version 4: version 3 made persistent: a block walks rows and prefetches its next row into shared memory during the write pass
+// version 5: version 3 with the exponentials as __expf (FMUL + MUFU.EX2) instead of expf (fp32 and bf16)
 //
 // bf16 builds (issue 13) of versions 1, 2 and 3: the same bodies instantiated for bf16 logits
 // (entry points <name>_bf16). The row is read as bf16 and widened exactly; max, sum of exp, the
@@ -58,7 +59,13 @@ __device__ __forceinline__ void ms_merge(float& m, float& s, float m2, float s2)
 // fold one chunk of VEC values into (m, s); lanes masked out are -INFINITY and add expf(-inf) = 0
 // exactly. At least one lane is real whenever this is called, so m never stays at -FLT_MAX after it.
 // (VEC = 4: the max is fmaxf(fmaxf(a0, a1), fmaxf(a2, a3)), the sum ((e0 + e1) + e2) + e3.)
-template <int VEC>
+// e^x: expf (a range reduction and a polynomial, ~10 instructions) or, FAST (version 5), __expf (one
+// FMUL and MUFU.EX2: max error 2 + 1.16|x| ulp, i.e. under 1e-5 relative for x > -70; what it adds
+// is negligible against the sums and bf16 roundings it feeds)
+template <bool FAST>
+__device__ __forceinline__ float cls_exp(float x) { return FAST ? __expf(x) : expf(x); }
+
+template <int VEC, bool FAST = false>
 __device__ __forceinline__ void ms_update(float& m, float& s, const float (&a)[VEC]) {
     float t[VEC];
 #pragma unroll
@@ -72,9 +79,9 @@ __device__ __forceinline__ void ms_update(float& m, float& s, const float (&a)[V
         s *= expf(m - cm);
         m = cm;
     }
-    float e = expf(a[0] - m);
+    float e = cls_exp<FAST>(a[0] - m);
 #pragma unroll
-    for (int k = 1; k < VEC; k++) e += expf(a[k] - m);
+    for (int k = 1; k < VEC; k++) e += cls_exp<FAST>(a[k] - m);
     s += e;
 }
 
@@ -104,16 +111,17 @@ __device__ __forceinline__ void block_reduce_ms(float& m, float& s, float* sh_m,
 
 // the gradient of one logit: (p - onehot) * dloss on real columns, exactly 0 on padded ones
 // (a select, not arithmetic, so NaN in the padding cannot leak through)
+template <bool FAST = false>
 __device__ __forceinline__ float dlogit(float x, int col, int V, int target, float m, float inv_s, float dloss) {
-    const float p = expf(x - m) * inv_s;
+    const float p = cls_exp<FAST>(x - m) * inv_s;
     return (col < V) ? (p - (col == target ? 1.0f : 0.0f)) * dloss : 0.0f;
 }
 
 // the gradient of the chunk at columns col..col+VEC-1, in place
-template <int VEC>
+template <int VEC, bool FAST = false>
 __device__ __forceinline__ void dlogit_vec(float (&x)[VEC], int col, int V, int target, float m, float inv_s, float dloss) {
 #pragma unroll
-    for (int k = 0; k < VEC; k++) x[k] = dlogit(x[k], col + k, V, target, m, inv_s, dloss);
+    for (int k = 0; k < VEC; k++) x[k] = dlogit<FAST>(x[k], col + k, V, target, m, inv_s, dloss);
 }
 
 // the chunk at columns col..col+VEC-1 with columns >= V masked to -inf (the first is always real)
@@ -266,7 +274,7 @@ __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wai
 
 // pass 1 over a row held in shared memory: this thread's chunks, online (m, s); the thread that
 // owns the target's chunk also picks up the target logit.
-template <typename T, int VEC>
+template <typename T, int VEC, bool FAST = false>
 __device__ __forceinline__ void smem_row_stats(const T* srow, int nv, int V, int target,
                                                float& m, float& s, float& xt) {
     m = -FLT_MAX; s = 0.0f;
@@ -280,12 +288,12 @@ __device__ __forceinline__ void smem_row_stats(const T* srow, int nv, int V, int
                 if (k == j) xt = v[j];
         }
         mask_vec<VEC>(v, VEC * i, V);
-        ms_update<VEC>(m, s, v);
+        ms_update<VEC, FAST>(m, s, v);
     }
 }
 
 // version 3: one block per row. Traffic per row: read ceil(V/VEC)*VEC elements once, write Vp.
-template <typename T, int VEC>
+template <typename T, int VEC, bool FAST = false>
 __device__ __forceinline__ void classifier3_row(float* losses, T* logits, const int* targets,
                                                 float dloss, int write_dlogits, int N, int V, int Vp) {
     T* srow = reinterpret_cast<T*>(cls_smem);  // (ceil(V/VEC)*VEC,) this row's real columns
@@ -301,7 +309,7 @@ __device__ __forceinline__ void classifier3_row(float* losses, T* logits, const 
     cp_async_wait_all();
 
     float m, s, xt = 0.0f;
-    smem_row_stats<T, VEC>(srow, nv, V, target, m, s, xt);
+    smem_row_stats<T, VEC, FAST>(srow, nv, V, target, m, s, xt);
     block_reduce_ms(m, s, sh_m, sh_s);
     if ((target / VEC) % blockDim.x == threadIdx.x) losses[row] = logf(s) + m - xt;  // the target's owner
     if (!write_dlogits) return;
@@ -309,7 +317,7 @@ __device__ __forceinline__ void classifier3_row(float* losses, T* logits, const 
     for (int i = threadIdx.x; i < nv; i += blockDim.x) {
         float v[VEC];
         load_vec<T, VEC>(srow + VEC * i, v);
-        dlogit_vec<VEC>(v, VEC * i, V, target, m, inv_s, dloss);
+        dlogit_vec<VEC, FAST>(v, VEC * i, V, target, m, inv_s, dloss);
         store_vec<T, VEC, ST_CS>(x + VEC * i, v);
     }
     const float zero[VEC] = {};
@@ -329,6 +337,23 @@ extern "C" __global__ void __launch_bounds__(1024, 2) classifier_kernel3_bf16(
 extern "C" __global__ void __launch_bounds__(1024, 2) classifier_kernel3_bf16_vec4(
         float* losses, bf16* logits, const int* targets, float dloss, int write_dlogits, int N, int V, int Vp) {
     classifier3_row<bf16, 4>(losses, logits, targets, dloss, write_dlogits, N, V, Vp);  // Vp % 4 == 0
+}
+
+// version 5: version 3 with the exponentials on the SFU (cls_exp<true>: __expf). At GPT-2's shape in
+// bf16 a row is ~2 exponentials per logit; with expf that is ~35 instructions per logit in all, which
+// at ~30 T lane-instructions/s on an H100 is 0.23 ms for N = 4096: most of the 0.28 ms the bytes take,
+// so the kernel was issue-bound beside its memory traffic. __expf brings it to ~20.
+extern "C" __global__ void classifier_kernel5(float* losses, float* logits, const int* targets,
+                                              float dloss, int write_dlogits, int N, int V, int Vp) {
+    classifier3_row<float, 4, true>(losses, logits, targets, dloss, write_dlogits, N, V, Vp);
+}
+extern "C" __global__ void __launch_bounds__(1024, 2) classifier_kernel5_bf16(
+        float* losses, bf16* logits, const int* targets, float dloss, int write_dlogits, int N, int V, int Vp) {
+    classifier3_row<bf16, 8, true>(losses, logits, targets, dloss, write_dlogits, N, V, Vp);
+}
+extern "C" __global__ void __launch_bounds__(1024, 2) classifier_kernel5_bf16_vec4(
+        float* losses, bf16* logits, const int* targets, float dloss, int write_dlogits, int N, int V, int Vp) {
+    classifier3_row<bf16, 4, true>(losses, logits, targets, dloss, write_dlogits, N, V, Vp);
 }
 
 // version 4 (fp32 only): persistent. Block b handles rows b, b + gridDim, ...; right after a thread

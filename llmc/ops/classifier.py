@@ -196,6 +196,16 @@ def classifier3_bf16(rt, N, V, Vp, block_size=None):
                              vec_bytes=2 * vec, func=f"classifier_kernel3{suffix}")
 
 
+def classifier5(rt, N, V, Vp, block_size=None):
+    return _build_row_kernel(rt, 5, N, V, Vp, block_size, 1024, smem=_smem_bytes(V), vec_bytes=16)
+
+
+def classifier5_bf16(rt, N, V, Vp, block_size=None):
+    vec, suffix = _bf16_vec(Vp)
+    return _build_row_kernel(rt, 5, N, V, Vp, block_size, 1024, smem=_smem_bytes_bf16(V, Vp),
+                             vec_bytes=2 * vec, func=f"classifier_kernel5{suffix}")
+
+
 def classifier4(rt, N, V, Vp, block_size=None):
     bs = block_size or 1024
     smem = _smem_bytes(V)
@@ -227,6 +237,9 @@ VARIANTS = {
                {"fp32": classifier3, "bf16": classifier3_bf16}, _check_smem),
     4: Variant(4, "version 3 persistent: each block prefetches its next row while writing this row's gradient",
                classifier4, _check_smem),
+    5: Variant(5, "version 3 with the exponentials on the SFU (__expf: FMUL + MUFU.EX2, not expf's ~10 "
+                  "instructions): the row's ~2 exponentials per logit no longer bound the issue rate",
+               {"fp32": classifier5, "bf16": classifier5_bf16}, _check_smem),
 }
 
 # default 3: fastest on the H100 (0.565 ms at N=4096, Vp=50304: 98% of the copy ceiling). It needs
