@@ -1411,6 +1411,7 @@ def test_wgmma_tf32_builds_launch_in_order(monkeypatch):
     counts, shared memory within the device's): the forward permutes, transposes v, runs the TF32
     kernel; the backward with global transposes transposes k, q and dout, then the dq and dk/dv
     kernels, every call; with shared-memory transposes (the default) the two kernels alone."""
+    monkeypatch.setenv("LLMC_TF32_PINGPONG", "0")  # the plain kernels; the _pp ones (the default) at the end
     from tests.fake_runtime import FakeRuntime
     monkeypatch.setattr(A, "_bf16_tensor_map", lambda *a, **k: bytes(128))
     rt = FakeRuntime()
@@ -1481,11 +1482,20 @@ def test_wgmma_tf32_builds_launch_in_order(monkeypatch):
         assert [L.func for L in rt.launches] == ([] if in_place else ["permute_kernel2"]) + [
             "flash_attention_forward_kernel4_tf32" + ("_btc" if in_place else "") + "_smt"]
         assert rt.launches[-1].smem == A.WGMMA_TF32_FWD_SMEM_SMT <= rt.max_smem_optin
-    # in place, taking turns: the _pp kernels (LLMC_TF32_PINGPONG=1 when the build does not say)
-    for smt_, name in ((False, "_btc_pp"), (True, "_btc_smt_pp")):
-        rt.launches.clear()
-        monkeypatch.setenv("LLMC_TF32_PINGPONG", "1")
-        fwd = A.build_flash_attention_forward_wgmma_tf32(rt, B=B, T=T, C=C, NH=NH, qkv_in_place=True, smem_transpose=smt_)
-        fwd(out, inp, lse, inp)
-        assert rt.launches[-1].func == "flash_attention_forward_kernel4_tf32" + name
+    # in place, taking turns: the _pp kernels (the default: LLMC_TF32_PINGPONG unset or 1); not
+    # without in place (no _pp kernels there)
+    for env in (None, "1"):
+        if env is None:
+            monkeypatch.delenv("LLMC_TF32_PINGPONG")
+        else:
+            monkeypatch.setenv("LLMC_TF32_PINGPONG", env)
+        for smt_, name in ((False, "_btc_pp"), (True, "_btc_smt_pp")):
+            rt.launches.clear()
+            fwd = A.build_flash_attention_forward_wgmma_tf32(rt, B=B, T=T, C=C, NH=NH, qkv_in_place=True,
+                                                             smem_transpose=smt_)
+            fwd(out, inp, lse, inp)
+            assert rt.launches[-1].func == "flash_attention_forward_kernel4_tf32" + name
+    rt.launches.clear()
+    A.build_flash_attention_forward_wgmma_tf32(rt, B=B, T=T, C=C, NH=NH, smem_transpose=True)(out, qkvr, lse, inp)
+    assert rt.launches[-1].func == "flash_attention_forward_kernel4_tf32_smt"
     monkeypatch.delenv("LLMC_TF32_PINGPONG")

@@ -103,24 +103,24 @@ def test_variants_table():
 def test_bf16_builds():
     """bf16: the forward default, the decoder's kernel and the deterministic backward variants have
     builds; the atomic backward variants don't (bf16 atomics would round in a varying order), so a
-    bf16 build has its own default, the deterministic 3 (OpSpec.defaults), chosen without a note."""
+    bf16 build has its own default, the deterministic 7 (OpSpec.defaults), chosen without a note."""
     assert "bf16" in FWD.variants[FWD.default].dtypes and "bf16" in DEC.variants[DEC.default].dtypes
     assert "bf16" in FWD.variants[1].dtypes  # any C
     have = {n for n, v in BWD.variants.items() if "bf16" in v.dtypes}
     assert have == set(DETERMINISTIC)
     assert "no bf16 kernels" in BWD.refuse_reason(BWD.default, "bf16", B=4, T=64, C=768)
-    assert BWD.default_for("fp32") == BWD.default == 5 and BWD.default_for("bf16") == 3
+    assert BWD.default_for("fp32") == BWD.default == 5 and BWD.default_for("bf16") == 7
 
 
 def test_bf16_model_takes_the_bf16_default_without_a_note(capsys):
-    """The real CudaBackend over the fake runtime: a bf16 build of encoder_backward selects 3 and
+    """The real CudaBackend over the fake runtime: a bf16 build of encoder_backward selects 7 and
     prints nothing (before, it fell back from the atomic 5 to 3 with a note on every bf16 run); fp32
     keeps 5; a variant the user names is still taken as named."""
     from llmc.backend import CudaBackend
     from tests.fake_runtime import FakeRuntime
     shape = dict(B=4, T=1024, C=768)
     b16 = CudaBackend(precision="bf16", rt=FakeRuntime(free=80 << 30))
-    assert b16.build("encoder_backward", **shape).number == 3
+    assert b16.build("encoder_backward", **shape).number == 7
     assert b16.build("encoder_backward", **shape).dtype == "bf16"
     assert CudaBackend(rt=FakeRuntime(free=80 << 30)).build("encoder_backward", **shape).number == 5
     named = CudaBackend({"encoder_backward": 6}, precision="bf16", rt=FakeRuntime(free=80 << 30))

@@ -11,16 +11,18 @@ Semantics (docs/ops.md):
                       dwte[inp[b,t]] += dout[b,t]; dwpe[t] += sum_b dout[b,t]; only the rows of
                       dwte whose tokens occur (and the first T rows of dwpe) are touched
 
-Variants 2, 3 and 6 of encoder_backward are deterministic without atomics (same inputs, same bits
-on every run, and in the same order as np.add.at); 1, 4 and 5 use atomics and are not. The fp32
+Variants 2, 3, 6 and 7 of encoder_backward are deterministic without atomics (same inputs, same bits
+on every run; 2, 3 and 6 in np.add.at's order, 7 too for tokens of at most 32 rows); 1, 4 and 5 use
+atomics and are not. The fp32
 default is the fastest (5, 21.6 us on the H100 at the trainer's shape); --encoder-backward-kernel 3
 (36 us, 58 us on Zipf-distributed ids) or 6 makes runs bit-reproducible. 6 replaces 2/3's id scans
 (N^2 id reads in all) by a per-chunk sort and a link pass; it is the bf16 default.
 
 bf16 builds (entry points <kernel>_bf16): wte, wpe, out, dout, dwte, dwpe bf16; the ids int32. Sums
 in fp32, each output element rounded once. encoder_forward 1 and 3, encoder_decode 1, and the two
-deterministic encoder_backward variants 2, 3 and 6 (no bf16 atomics: their order would change the
-rounding from run to run); a bf16 model's encoder_backward defaults to 3 (OpSpec.defaults: faster than 6 on Zipf-distributed ids).
+deterministic encoder_backward variants 2, 3, 6 and 7 (no bf16 atomics: their order would change the
+rounding from run to run); a bf16 model's encoder_backward defaults to 7 (OpSpec.defaults: the fastest
+deterministic one at B=16 on both uniform and Zipf-distributed ids).
 The owner block keeps its dwte row in fp32 in shared memory (C floats, no scratch in device memory).
 """
 from __future__ import annotations
@@ -329,9 +331,10 @@ OPS = [
         }),
     OpSpec(
         # fp32: the atomic 5 is fastest; bf16 has no atomics (their order would change the rounding),
-        # so its default is a deterministic one: 3, faster than 6 on real text (Zipf-distributed ids:
-        # H100 d12 B=16 bf16 0.249 vs 0.360 ms; 6 wins on uniform random ids, 0.086 vs 0.224)
-        name="encoder_backward", flag="--encoder-backward-kernel", default=5, defaults={"bf16": 3},
+        # so its default is a deterministic one: 7 (H100 lab, bf16 B=16: 0.061 ms on uniform ids, 0.116
+        # on Zipf ids, against 3's 0.225 / 0.250 and 6's 0.086 / 0.360; B=4 0.040 / 0.068 against 3's
+        # 0.043 / 0.053; whole bf16 steps at B=16 0.12-0.22 ms faster than with 3, at B=4 unchanged)
+        name="encoder_backward", flag="--encoder-backward-kernel", default=5, defaults={"bf16": 7},
         # dout read, dwte/dwpe rows read and written (counted as one (B,T,C) pass); the int32 ids
         cost=lambda B, T, C, dtype="fp32", **_: (0, esize(dtype) * 2 * B * T * C + 4 * B * T),
         cpu=encoder_backward_cpu,
