@@ -1010,8 +1010,8 @@ constexpr int TF_K_HALF = BKV * TF_ROW;              // 128 keys x 32 dims: 16 K
 constexpr int TF_VT_BOX = 64 * TF_ROW;               // 64 dims x 32 keys: 8 KB
 constexpr int TF_STAGE = 2 * TF_K_HALF + 4 * TF_VT_BOX;  // k (2 halves) then vt (4 boxes): 64 KB
 constexpr int TF_STAGE_SMT = TF_STAGE + 2 * TF_K_HALF;      // SMT: + the v tile (2 halves) vt is made from: 96 KB
-constexpr int TF_FWD_SMEM = 1024 + TF_Q_BYTES + STAGES * TF_STAGE + 8 * (1 + 3 * STAGES);
-constexpr int TF_FWD_SMEM_SMT = 1024 + TF_Q_BYTES + STAGES * TF_STAGE_SMT + 8 * (1 + 3 * STAGES);
+constexpr int TF_FWD_SMEM = 1024 + TF_Q_BYTES + STAGES * TF_STAGE + 8 * (2 + 3 * STAGES);
+constexpr int TF_FWD_SMEM_SMT = 1024 + TF_Q_BYTES + STAGES * TF_STAGE_SMT + 8 * (2 + 3 * STAGES);
 static_assert(TF_FWD_SMEM < TF_FWD_SMEM_SMT && TF_FWD_SMEM_SMT <= 227 * 1024, "fits one SM's shared memory");
 
 // the position of key k in vt's rows (see above)
@@ -1105,8 +1105,14 @@ __device__ __forceinline__ void transposed(uint64_t* full) {
 
 // maps: 3 consecutive CUtensorMaps in global memory: q rows (qkvr's q, box 32 dims x 64 rows), k rows
 // (qkvr's k, box 32 x 128; with SMT also v's rows), vt (box 32 keys x 64 dims; not with SMT); out (B,T,C)
-// fp32, lse (B,NH,T) fp32
-template <bool BTC, bool SMT, bool PP = false>
+// fp32, lse (B,NH,T) fp32.
+// PERSIST: one CTA per SM walking (b, h, query block) items as the bf16 persistent kernel does
+// (persistent_item: the blocks with the most key tiles first, snake order across CTAs); the k/v ring
+// (and SMT's transposes) run on across items, and q's one buffer is freed (q_empty, one arrival per
+// consumer warp) once an item's last q k^T has completed, so the producer loads the next item's q
+// while the consumers finish this one. Not PERSIST: the grid is (B NH, query blocks), one item a CTA.
+// Both run the same loop and give the same bits.
+template <bool BTC, bool SMT, bool PP = false, bool PERSIST = false>
 __device__ __forceinline__ void flash_forward_wgmma_tf32(float* out, float* lse, const CUtensorMap* maps, int B, int NH,
                                                          int T, float scale) {
     extern __shared__ unsigned char smem_raw[];
@@ -1118,17 +1124,27 @@ __device__ __forceinline__ void flash_forward_wgmma_tf32(float* out, float* lse,
     uint64_t* full = q_full + 1;
     uint64_t* empty = full + STAGES;
     uint64_t* tfull = empty + STAGES;            // SMT: the TMA's part of a stage has landed
+    uint64_t* q_empty = tfull + STAGES;          // q's buffer free again (the next item's q may come)
     const CUtensorMap* tq = maps;
     const CUtensorMap* tk = maps + 1;
     const CUtensorMap* tv = maps + 2;
-
-    const int bh = blockIdx.x, b = bh / NH, h = bh % NH;
-    const int qb = gridDim.y - 1 - blockIdx.y;  // the query blocks with the most key tiles first
-    const int q0 = qb * BQ;
-    const int nkt = qb + 1;                     // key tiles 0..qb; tile qb holds the diagonal
+    const int BNH = B * NH, nqb = (T + BQ - 1) / BQ;
+    // item r of this CTA: head bh, query block qb (key tiles 0..qb; tile qb holds the diagonal)
+    auto item = [&](int r, int& bh, int& qb) -> bool {
+        if (!PERSIST) {
+            bh = blockIdx.x;
+            qb = gridDim.y - 1 - blockIdx.y;  // the query blocks with the most key tiles first
+            return r == 0;
+        }
+        const int w = persistent_item(r);
+        qb = nqb - 1 - w / BNH;
+        bh = w % BNH;
+        return w < BNH * nqb;
+    };
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; s++) mbar_init(&tfull[s], 1);
+        mbar_init(q_empty, CONSUMER_WARPS);
         mbar_init_pipeline(q_full, full, empty, STAGES, CONSUMER_WARPS, SMT ? 3 : 1);
     }
     __syncthreads();
@@ -1137,39 +1153,53 @@ __device__ __forceinline__ void flash_forward_wgmma_tf32(float* out, float* lse,
     if (wg == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
         if (SMT && threadIdx.x >= 32) {  // warps 1-3: vt of each stage from its v tile
-            for (int i = 0; i < nkt; i++) {
-                const int s = i % STAGES;
-                mbar_wait(&tfull[s], (i / STAGES) & 1);
-                unsigned char* st = skv + s * STAGE;
-                transpose_tiles_tf32<BKV, 1>(st + 2 * TF_K_HALF, st + TF_STAGE, threadIdx.x - 32);
-                transposed(&full[s]);
+            int u = 0;  // ring slot of the next k/v tile
+            for (int r = 0;; r++) {
+                int bh, qb;
+                if (!item(r, bh, qb)) break;
+                for (int i = 0; i <= qb; i++, u++) {
+                    const int s = u % STAGES;
+                    mbar_wait(&tfull[s], (u / STAGES) & 1);
+                    unsigned char* st = skv + s * STAGE;
+                    transpose_tiles_tf32<BKV, 1>(st + 2 * TF_K_HALF, st + TF_STAGE, threadIdx.x - 32);
+                    transposed(&full[s]);
+                }
             }
         }
         if (threadIdx.x == 0) {
             tensormap_acquire(tq);
             tensormap_acquire(tk);
             if (!SMT) tensormap_acquire(tv);
-            mbar_expect_tx(q_full, TF_Q_BYTES);
+            int u = 0;
+            for (int r = 0;; r++) {
+                int bh, qb;
+                if (!item(r, bh, qb)) break;
+                const int b = bh / NH, h = bh % NH, q0 = qb * BQ;
+                mbar_wait(q_empty, (r & 1) ^ 1);  // (item 0: a fresh barrier's "previous phase" passes)
+                mbar_expect_tx(q_full, TF_Q_BYTES);
 #pragma unroll
-            for (int cw = 0; cw < 2; cw++)
+                for (int cw = 0; cw < 2; cw++)
 #pragma unroll
-                for (int hf = 0; hf < 2; hf++)
-                    tma_load_part<BTC>(sq + (2 * cw + hf) * TF_Q_HALF, tq, q_full, 32 * hf, q0 + 64 * cw, 0, b, h, B, NH);
-            for (int i = 0; i < nkt; i++) {
-                const int s = i % STAGES, use = i / STAGES;
-                mbar_wait(&empty[s], (use & 1) ^ 1);
-                uint64_t* bar = SMT ? &tfull[s] : &full[s];
-                mbar_expect_tx(bar, SMT ? 4 * TF_K_HALF : TF_STAGE);  // SMT: k and v; else k and vt
-                unsigned char* st = skv + s * STAGE;
+                    for (int hf = 0; hf < 2; hf++)
+                        tma_load_part<BTC>(sq + (2 * cw + hf) * TF_Q_HALF, tq, q_full, 32 * hf, q0 + 64 * cw, 0, b, h, B,
+                                           NH);
+                for (int i = 0; i <= qb; i++, u++) {
+                    const int s = u % STAGES, use = u / STAGES;
+                    mbar_wait(&empty[s], (use & 1) ^ 1);
+                    uint64_t* bar = SMT ? &tfull[s] : &full[s];
+                    mbar_expect_tx(bar, SMT ? 4 * TF_K_HALF : TF_STAGE);  // SMT: k and v; else k and vt
+                    unsigned char* st = skv + s * STAGE;
 #pragma unroll
-                for (int hf = 0; hf < 2; hf++) {
-                    tma_load_part<BTC>(st + hf * TF_K_HALF, tk, bar, 32 * hf, i * BKV, 1, b, h, B, NH);
-                    if (SMT) tma_load_part<BTC>(st + TF_STAGE + hf * TF_K_HALF, tk, bar, 32 * hf, i * BKV, 2, b, h, B, NH);
-                }
-                if (!SMT) {
+                    for (int hf = 0; hf < 2; hf++) {
+                        tma_load_part<BTC>(st + hf * TF_K_HALF, tk, bar, 32 * hf, i * BKV, 1, b, h, B, NH);
+                        if (SMT)
+                            tma_load_part<BTC>(st + TF_STAGE + hf * TF_K_HALF, tk, bar, 32 * hf, i * BKV, 2, b, h, B, NH);
+                    }
+                    if (!SMT) {
 #pragma unroll
-                    for (int c = 0; c < 4; c++)
-                        tma_load_3d(st + 2 * TF_K_HALF + c * TF_VT_BOX, tv, bar, i * BKV + 32 * c, 0, bh);
+                        for (int c = 0; c < 4; c++)
+                            tma_load_3d(st + 2 * TF_K_HALF + c * TF_VT_BOX, tv, bar, i * BKV + 32 * c, 0, bh);
+                    }
                 }
             }
         }
@@ -1179,71 +1209,81 @@ __device__ __forceinline__ void flash_forward_wgmma_tf32(float* out, float* lse,
 
     const int cw = wg - 1;  // consumer: query rows 64 cw .. 64 cw + 63 of the block
     const int tid = threadIdx.x & 127, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-    const int row0 = q0 + 64 * cw + 16 * warp + g;  // this thread's rows: row0 (h = 0), row0 + 8 (h = 1)
     const float c2 = scale * LOG2E;                 // scores -> log2 units
     const unsigned char* sqw = sq + cw * 2 * TF_Q_HALF;
+    const PingPong<PP> turn{cw};  // PP: the consumers take turns issuing (2 nkt turns an item each), as the bf16 kernels
+    int u = 0;                    // ring slot of the next k/v tile
+    for (int r = 0;; r++) {
+        int bh, qb;
+        if (!item(r, bh, qb)) break;
+        const int b = bh / NH, h = bh % NH, nkt = qb + 1;
+        const int row0 = qb * BQ + 64 * cw + 16 * warp + g;  // this thread's rows: row0 (h = 0), row0 + 8 (h = 1)
 
-    float o[32];
+        float o[32];
 #pragma unroll
-    for (int i = 0; i < 32; i++) o[i] = 0.0f;
-    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
-    float sc[64];
-    float corr[2];
-    const PingPong<PP> turn{cw};  // PP: the consumers take turns issuing (2 nkt turns each), as the bf16 kernels
-    turn.start();
+        for (int i = 0; i < 32; i++) o[i] = 0.0f;
+        float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+        float sc[64];
+        float corr[2];
+        turn.start();
 
-    mbar_wait(q_full, 0);
-    for (int i = 0; i < nkt; i++) {
-        const unsigned char* st = skv + (i % STAGES) * STAGE;
-        mbar_wait(&full[i % STAGES], (i / STAGES) & 1);
-        turn.begin();
-        wgmma_fence();
+        mbar_wait(q_full, r & 1);
+        for (int i = 0; i < nkt; i++, u++) {
+            const unsigned char* st = skv + (u % STAGES) * STAGE;
+            mbar_wait(&full[u % STAGES], (u / STAGES) & 1);
+            turn.begin();
+            wgmma_fence();
 #pragma unroll
-        for (int ks = 0; ks < HS / 8; ks++)  // 8 k-steps of 8 dims: half ks / 4, 32 bytes a step inside it
-            wgmma_tf32_n128(sc, desc_k(sqw + (ks >> 2) * TF_Q_HALF + 32 * (ks & 3)),
-                            desc_k(st + (ks >> 2) * TF_K_HALF + 32 * (ks & 3)), ks > 0);
-        wgmma_commit();
-        turn.end(false);
-        wgmma_wait<0>();
-        keep_in_regs(sc);
-        softmax_tile(sc, m, l, corr, i == nkt - 1, i * BKV, row0, t, c2);
-        rescale_o(o, corr);
-        uint32_t pa[BKV / 8][4];  // k-step j: rows g, g+8 of keys 8j + 2t (columns t) and 8j + 2t + 1 (t + 4)
+            for (int ks = 0; ks < HS / 8; ks++)  // 8 k-steps of 8 dims: half ks / 4, 32 bytes a step inside it
+                wgmma_tf32_n128(sc, desc_k(sqw + (ks >> 2) * TF_Q_HALF + 32 * (ks & 3)),
+                                desc_k(st + (ks >> 2) * TF_K_HALF + 32 * (ks & 3)), ks > 0);
+            wgmma_commit();
+            turn.end(false);
+            wgmma_wait<0>();
+            keep_in_regs(sc);
+            if (i == nkt - 1) {  // the item's last read of q: its buffer may take the next item's q
+                __syncwarp();
+                if (lane == 0) mbar_arrive(q_empty);
+            }
+            softmax_tile(sc, m, l, corr, i == nkt - 1, i * BKV, row0, t, c2);
+            rescale_o(o, corr);
+            uint32_t pa[BKV / 8][4];  // k-step j: rows g, g+8 of keys 8j + 2t (columns t) and 8j + 2t + 1 (t + 4)
 #pragma unroll
-        for (int j = 0; j < BKV / 8; j++) {
-            pa[j][0] = to_tf32(sc[4 * j]);
-            pa[j][1] = to_tf32(sc[4 * j + 2]);
-            pa[j][2] = to_tf32(sc[4 * j + 1]);
-            pa[j][3] = to_tf32(sc[4 * j + 3]);
+            for (int j = 0; j < BKV / 8; j++) {
+                pa[j][0] = to_tf32(sc[4 * j]);
+                pa[j][1] = to_tf32(sc[4 * j + 2]);
+                pa[j][2] = to_tf32(sc[4 * j + 1]);
+                pa[j][3] = to_tf32(sc[4 * j + 3]);
+            }
+            turn.begin();
+            wgmma_fence();
+#pragma unroll
+            for (int j = 0; j < BKV / 8; j++)  // keys 8j..8j+7: vt box j / 4, 32 bytes a step inside it
+                wgmma_tf32_rs_n64(o, pa[j], desc_k(st + 2 * TF_K_HALF + (j >> 2) * TF_VT_BOX + 32 * (j & 3)), 1);
+            wgmma_commit();
+            turn.end(i == nkt - 1);
+            wgmma_wait<0>();  // also: P's registers may be reused only after this
+            keep_in_regs(o);
+            __syncwarp();
+            if (lane == 0) mbar_arrive(&empty[u % STAGES]);
         }
-        turn.begin();
-        wgmma_fence();
-#pragma unroll
-        for (int j = 0; j < BKV / 8; j++)  // keys 8j..8j+7: vt box j / 4, 32 bytes a step inside it
-            wgmma_tf32_rs_n64(o, pa[j], desc_k(st + 2 * TF_K_HALF + (j >> 2) * TF_VT_BOX + 32 * (j & 3)), 1);
-        wgmma_commit();
-        turn.end(i == nkt - 1);
-        wgmma_wait<0>();  // also: P's registers may be reused only after this
-        keep_in_regs(o);
-        __syncwarp();
-        if (lane == 0) mbar_arrive(&empty[i % STAGES]);
-    }
 
-    // out = O / l, lse = (m + log2 l) ln 2, of this thread's rows row0, row0 + 8
-    const int C = NH * HS;
+        // out = O / l, lse = (m + log2 l) ln 2, of this thread's rows row0, row0 + 8
+        const int C = NH * HS;
 #pragma unroll
-    for (int hh = 0; hh < 2; hh++) {
-        const int row = row0 + 8 * hh;
-        float lr = l[hh];
-        lr += __shfl_xor_sync(0xffffffffu, lr, 1);
-        lr += __shfl_xor_sync(0xffffffffu, lr, 2);
-        if (row >= T) continue;
-        const float inv = 1.0f / lr;
-        float* dst = out + ((size_t)b * T + row) * C + h * HS + 2 * t;
+        for (int hh = 0; hh < 2; hh++) {
+            const int row = row0 + 8 * hh;
+            float lr = l[hh];
+            lr += __shfl_xor_sync(0xffffffffu, lr, 1);
+            lr += __shfl_xor_sync(0xffffffffu, lr, 2);
+            if (row >= T) continue;
+            const float inv = 1.0f / lr;
+            float* dst = out + ((size_t)b * T + row) * C + h * HS + 2 * t;
 #pragma unroll
-        for (int j = 0; j < 8; j++)
-            *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(o[4 * j + 2 * hh] * inv, o[4 * j + 2 * hh + 1] * inv);
-        if (t == 0) lse[((size_t)b * NH + h) * T + row] = (m[hh] + __log2f(lr)) * LN2;
+            for (int j = 0; j < 8; j++)
+                *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(o[4 * j + 2 * hh] * inv, o[4 * j + 2 * hh + 1] * inv);
+            if (t == 0) lse[((size_t)b * NH + h) * T + row] = (m[hh] + __log2f(lr)) * LN2;
+        }
     }
 }
 
@@ -1284,6 +1324,19 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_forward_kernel4_tf32_btc_smt_pp(float* out, float* lse, const CUtensorMap* maps, int B, int NH, int T,
                                                 float scale) {
     flash_forward_wgmma_tf32<true, true, true>(out, lse, maps, B, NH, T, scale);
+}
+
+// persistent (grid: one CTA per SM, at most one per item), in place, taking turns
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+flash_attention_forward_kernel4_tf32_btc_pp_persistent(float* out, float* lse, const CUtensorMap* maps, int B, int NH,
+                                                       int T, float scale) {
+    flash_forward_wgmma_tf32<true, false, true, true>(out, lse, maps, B, NH, T, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+flash_attention_forward_kernel4_tf32_btc_smt_pp_persistent(float* out, float* lse, const CUtensorMap* maps, int B,
+                                                           int NH, int T, float scale) {
+    flash_forward_wgmma_tf32<true, true, true, true>(out, lse, maps, B, NH, T, scale);
 }
 
 // ------------------------------------------------------------------------------------------------

@@ -485,13 +485,15 @@ def test_flash_attention_wgmma_tf32_gpu(rt, B, T, C, NH):
     assert np.array_equal(first, dinp4), "backward 4 tf32 is not deterministic"
     # v transposed in shared memory (the _smt kernels), permuted and in place, and in place with the
     # consumers taking turns (the _pp kernels, either transpose): the same bits
-    for in_place, smt_, pp in ((False, True, False), (True, True, False), (True, False, True), (True, True, True)):
+    # and persistent (one CTA per SM walking the blocks, ring and q buffer running on across them)
+    for in_place, smt_, pp, per in ((False, True, False, False), (True, True, False, False), (True, False, True, False),
+                                    (True, True, True, False), (True, False, True, True), (True, True, True, True)):
         other = A.build_flash_attention_forward_wgmma_tf32(rt, B=B, T=T, C=C, NH=NH, qkv_in_place=in_place,
-                                                           smem_transpose=smt_, pingpong=pp)
+                                                           smem_transpose=smt_, pingpong=pp, persistent=per)
         poison(d_out, d_lse)
         other(d_out, d_inp if in_place else d_qkvr, d_lse, d_inp)
         assert np.array_equal(d_out.get(), out) and np.array_equal(d_lse.get(), lse), \
-            f"forward smt {smt_} pingpong {pp} (in place {in_place})"
+            f"forward smt {smt_} pingpong {pp} persistent {per} (in place {in_place})"
     # the in-place builds (the model's form): q, k, v read from inp itself, the same bits as through qkvr
     fwd_ip = ops.get("attention_forward").build(rt, 4, "fp32", B=B, T=T, C=C, NH=NH, qkv_in_place=True)
     bwd_ip = ops.get("attention_backward").build(rt, 4, "fp32", B=B, T=T, C=C, NH=NH, qkv_in_place=True)
@@ -1498,4 +1500,18 @@ def test_wgmma_tf32_builds_launch_in_order(monkeypatch):
     rt.launches.clear()
     A.build_flash_attention_forward_wgmma_tf32(rt, B=B, T=T, C=C, NH=NH, smem_transpose=True)(out, qkvr, lse, inp)
     assert rt.launches[-1].func == "flash_attention_forward_kernel4_tf32_smt"
+    # persistent (in place with pingpong only): one CTA per SM, at most one per (head, query block) item
+    for smt_ in (False, True):
+        for BB, want in ((B, B * NH * -(-T // 128)), (40, rt.sm_count)):  # 8 items; 160 > 132 SMs
+            rt.launches.clear()
+            A.build_flash_attention_forward_wgmma_tf32(rt, B=BB, T=T, C=C, NH=NH, qkv_in_place=True, smem_transpose=smt_,
+                                                       persistent=True)(out, inp, lse, inp)
+            assert rt.launches[-1].func == "flash_attention_forward_kernel4_tf32_btc" + ("_smt" if smt_ else "") + \
+                "_pp_persistent"
+            assert rt.launches[-1].grid == (want, 1, 1)
+    monkeypatch.setenv("LLMC_TF32_PINGPONG", "0")  # no persistent kernel without the turns: the plain one
+    rt.launches.clear()
+    A.build_flash_attention_forward_wgmma_tf32(rt, B=B, T=T, C=C, NH=NH, qkv_in_place=True, smem_transpose=False,
+                                               persistent=True)(out, inp, lse, inp)
+    assert rt.launches[-1].func == "flash_attention_forward_kernel4_tf32_btc"
     monkeypatch.delenv("LLMC_TF32_PINGPONG")

@@ -86,13 +86,14 @@ if "fp32" in DTYPES and rt.arch == "sm_90":
     L.time(label, fn, flops=FUSED_FLOPS, ceiling="tf32")
     # in place (the model's form with backward 4): q, k, v read from inp itself, no permute; v transposed
     # in global memory (attention_vt_kernel) or in shared memory (the _smt kernel); pingpong: the two
-    # consumers taking turns issuing (the _pp kernels)
-    for smt, pp in ((False, False), (True, False), (False, True), (True, True)):
+    # consumers taking turns issuing (the _pp kernels); persistent: one CTA per SM walking the blocks
+    for smt, pp, per in ((False, False, False), (True, False, False), (False, True, False), (True, True, False),
+                         (False, True, True), (True, True, True)):
         flash_ip = A.build_flash_attention_forward_wgmma_tf32(rt, B=B, T=T, C=C, NH=NH, qkv_in_place=True,
-                                                              smem_transpose=smt, pingpong=pp)
+                                                              smem_transpose=smt, pingpong=pp, persistent=per)
         fn = lambda: flash_ip(d_out, d_inp, d_lse, d_inp)  # noqa: E731
         label = ("attention_forward 4 (flash wgmma + TMA, TF32), in place, " + ("smem" if smt else "global") + " v^T"
-                 + (", pingpong" if pp else ""))
+                 + (", pingpong" if pp else "") + (", persistent" if per else ""))
         L.validate(label, fn, outputs={"out": d_out, "lse": d_lse}, refs={"out": out64, "lse": lse64}, atol=5e-3,
                    rtol=2e-2)
         L.time(label, fn, flops=FUSED_FLOPS, ceiling="tf32")

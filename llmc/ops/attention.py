@@ -572,7 +572,7 @@ def build_flash_attention_forward_wgmma(rt, B, T, C, NH, overlap=False, qkv_in_p
 
 # flash_attention_forward_kernel4_tf32 (TF_FWD_SMEM in the .cu): 1 KB of slack, q (128 rows x 256 bytes),
 # STAGES x (k 128 x 256 bytes + vt 64 x 512 bytes [+ SMT: v 128 x 256 bytes]), 1 + 3 STAGES mbarriers
-WGMMA_TF32_FWD_SMEM = 1024 + WGMMA_BQ * 256 + WGMMA_STAGES * (WGMMA_BQ * 256 + 64 * WGMMA_BQ * 4) + 8 * (1 + 3 * WGMMA_STAGES)
+WGMMA_TF32_FWD_SMEM = 1024 + WGMMA_BQ * 256 + WGMMA_STAGES * (WGMMA_BQ * 256 + 64 * WGMMA_BQ * 4) + 8 * (2 + 3 * WGMMA_STAGES)
 WGMMA_TF32_FWD_SMEM_SMT = WGMMA_TF32_FWD_SMEM + WGMMA_STAGES * WGMMA_BQ * 256
 
 TF32_GLOBAL_TRANSPOSE_MAX = 40 << 20  # bytes of transposed copies that the H100's 50 MB L2 keeps
@@ -596,7 +596,7 @@ def _tf32_smem_transpose(B, T, NH, copies: int) -> bool:
 
 
 def build_flash_attention_forward_wgmma_tf32(rt, B, T, C, NH, qkv_in_place=False, smem_transpose=None, pingpong=None,
-                                            **_):
+                                            persistent=None, **_):
     """Variant 4's fp32 build (TF32 wgmma): launch(out (B,T,C), qkvr (B,T,3C), lse (B,NH,T), inp
     (B,T,3C)) like 2, 3: the fp32 permute of inp into qkvr, then attention_vt_kernel writes v
     transposed (each group of 8 keys in the order the kernel's register P wants, see
@@ -610,7 +610,9 @@ def build_flash_attention_forward_wgmma_tf32(rt, B, T, C, NH, qkv_in_place=False
     pingpong (in place only; None: LLMC_TF32_PINGPONG, default 1): the two consumer warpgroups take
     turns issuing their products, one's softmax beside the other's (the _pp kernels, the same bits;
     H100 lab, B=4: 0.0605 against 0.0625 ms, 113 against 110 TFLOP/s; whole steps unchanged within
-    0.2%)."""
+    0.2%). persistent (in place with pingpong only; None: LLMC_TF32_PERSISTENT, default 0): one CTA
+    per SM walking the (head, query block) items, the k/v ring running on across them (the
+    _persistent kernels, the same bits)."""
     _check_attention(B, T, C, NH)
     permute = None if qkv_in_place else _build_permute(rt, "permute", B, T, 3, NH, FLASH_HS, "fp32")
     BNH, Tp = B * NH, ceil_div(T, 8) * 8
@@ -619,14 +621,20 @@ def build_flash_attention_forward_wgmma_tf32(rt, B, T, C, NH, qkv_in_place=False
     kvt = None if smt else rt.kernel(WGMMA_MODULE, "attention_vt_kernel", "PPiiiiiq", label="attention_forward 4 tf32: v^T")
     if pingpong is None:
         pingpong = os.environ.get("LLMC_TF32_PINGPONG", "1") != "0"
-    sfx = ("_btc" if qkv_in_place else "") + ("_smt" if smt else "") + ("_pp" if pingpong and qkv_in_place else "")
+    if persistent is None:
+        persistent = os.environ.get("LLMC_TF32_PERSISTENT", "0") != "0"
+    persistent = bool(persistent and pingpong and qkv_in_place)
+    sfx = (("_btc" if qkv_in_place else "") + ("_smt" if smt else "") + ("_pp" if pingpong and qkv_in_place else "")
+           + ("_persistent" if persistent else ""))
     k = rt.kernel(WGMMA_MODULE, "flash_attention_forward_kernel4_tf32" + sfx, "PPPiiif",
                   label="attention_forward 4 (flash, wgmma) tf32" + sfx.replace("_", " "))
     smem = WGMMA_TF32_FWD_SMEM_SMT if smt else WGMMA_TF32_FWD_SMEM
     if smem > rt.max_smem_optin:
         refuse("attention_forward", 4, f"needs {smem} bytes of shared memory, the device allows {rt.max_smem_optin}")
     k.set_max_dynamic_smem(smem)
-    grid, block = (BNH, ceil_div(T, WGMMA_BQ), 1), (384, 1, 1)
+    items = BNH * ceil_div(T, WGMMA_BQ)
+    grid = (min(items, rt.sm_count), 1, 1) if persistent else (BNH, ceil_div(T, WGMMA_BQ), 1)
+    block = (384, 1, 1)
     args = (np.int32(B), np.int32(NH), np.int32(T), np.float32(1.0 / math.sqrt(FLASH_HS)))
     maps: dict = {}
     what = f"attention_forward 4 tf32 (B={B} NH={NH} T={T})"
