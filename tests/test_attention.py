@@ -1484,8 +1484,9 @@ def test_wgmma_tf32_builds_launch_in_order(monkeypatch):
         assert [L.func for L in rt.launches] == ([] if in_place else ["permute_kernel2"]) + [
             "flash_attention_forward_kernel4_tf32" + ("_btc" if in_place else "") + "_smt"]
         assert rt.launches[-1].smem == A.WGMMA_TF32_FWD_SMEM_SMT <= rt.max_smem_optin
-    # in place, taking turns: the _pp kernels (the default: LLMC_TF32_PINGPONG unset or 1); not
-    # without in place (no _pp kernels there)
+    # in place, taking turns: the _pp kernels (the default: LLMC_TF32_PINGPONG unset or 1; persistent
+    # unless LLMC_TF32_PERSISTENT=0); not without in place (no _pp kernels there)
+    monkeypatch.setenv("LLMC_TF32_PERSISTENT", "0")
     for env in (None, "1"):
         if env is None:
             monkeypatch.delenv("LLMC_TF32_PINGPONG")
@@ -1500,12 +1501,14 @@ def test_wgmma_tf32_builds_launch_in_order(monkeypatch):
     rt.launches.clear()
     A.build_flash_attention_forward_wgmma_tf32(rt, B=B, T=T, C=C, NH=NH, smem_transpose=True)(out, qkvr, lse, inp)
     assert rt.launches[-1].func == "flash_attention_forward_kernel4_tf32_smt"
-    # persistent (in place with pingpong only): one CTA per SM, at most one per (head, query block) item
+    # persistent (in place with pingpong only; the default): one CTA per SM, at most one per (head,
+    # query block) item
+    monkeypatch.delenv("LLMC_TF32_PERSISTENT")
     for smt_ in (False, True):
         for BB, want in ((B, B * NH * -(-T // 128)), (40, rt.sm_count)):  # 8 items; 160 > 132 SMs
             rt.launches.clear()
-            A.build_flash_attention_forward_wgmma_tf32(rt, B=BB, T=T, C=C, NH=NH, qkv_in_place=True, smem_transpose=smt_,
-                                                       persistent=True)(out, inp, lse, inp)
+            A.build_flash_attention_forward_wgmma_tf32(rt, B=BB, T=T, C=C, NH=NH, qkv_in_place=True,
+                                                       smem_transpose=smt_)(out, inp, lse, inp)
             assert rt.launches[-1].func == "flash_attention_forward_kernel4_tf32_btc" + ("_smt" if smt_ else "") + \
                 "_pp_persistent"
             assert rt.launches[-1].grid == (want, 1, 1)
