@@ -377,24 +377,33 @@ __device__ __forceinline__ void encoder_decode1(T* out, const int* inp, const T*
 
 // dwpe row t = p: the B rows summed in order b = 0..B-1 in fp32, added to the row, rounded once
 template <typename T>
-__device__ __forceinline__ void encoder_dwpe_row_t(T* dwpe, const T* dout, int B, int TT, int C, int p, bool vec) {
+__device__ __forceinline__ void encoder_dwpe_col_t(T* dwpe, const T* dout, int B, int TT, int C, int p, int g,
+                                                   bool vec) {
+    // dwpe[p] columns g W .. g W + W - 1 (W = V, or 1 without 16-byte vectors) += the sum over b of
+    // dout[b, p] there, the B rows added in order from 0, then onto dwpe's value (np.add.at's order)
     constexpr int V = Vec16<T>::N;
-    const int W = vec ? V : 1, G = C / W;
-    for (int g = threadIdx.x; g < G; g += blockDim.x) {
-        float s[V], d[V];
+    const int W = vec ? V : 1;
+    float s[V], d[V];
 #pragma unroll
-        for (int k = 0; k < V; k++) s[k] = 0.0f;
-        for (int b = 0; b < B; b++) {
-            load_vec<T>(d, dout + ((size_t)b * TT + p) * C + g * W, vec, W);
+    for (int k = 0; k < V; k++) s[k] = 0.0f;
+    const T* col = dout + (size_t)p * C + g * W;
+#pragma unroll 8
+    for (int b = 0; b < B; b++) {
+        load_vec<T>(d, col + (size_t)b * TT * C, vec, W);
 #pragma unroll
-            for (int k = 0; k < V; k++) s[k] += d[k];
-        }
-        T* prow = dwpe + (size_t)p * C + g * W;
-        load_vec<T>(d, prow, vec, W);
-#pragma unroll
-        for (int k = 0; k < V; k++) d[k] += s[k];
-        store_vec<T>(prow, d, vec, W);
+        for (int k = 0; k < V; k++) s[k] += d[k];
     }
+    T* prow = dwpe + (size_t)p * C + g * W;
+    load_vec<T>(d, prow, vec, W);
+#pragma unroll
+    for (int k = 0; k < V; k++) d[k] += s[k];
+    store_vec<T>(prow, d, vec, W);
+}
+
+template <typename T>
+__device__ __forceinline__ void encoder_dwpe_row_t(T* dwpe, const T* dout, int B, int TT, int C, int p, bool vec) {
+    const int G = C / (vec ? Vec16<T>::N : 1);
+    for (int g = threadIdx.x; g < G; g += blockDim.x) encoder_dwpe_col_t<T>(dwpe, dout, B, TT, C, p, g, vec);
 }
 
 // dwte row of tok: ((row + d_0) + d_1) + ... in fp32, the order np.add.at adds them in. walk(add)
@@ -636,22 +645,7 @@ __device__ __forceinline__ void encoder_dwpe_warp_t(T* dwpe, const T* dout, int 
     const bool vec = C % V == 0;
     const int W = vec ? V : 1, G = C / W, nch = ceil_div(G, WARP_SIZE);
     const int t = w / nch, g = (w % nch) * WARP_SIZE + threadIdx.x % WARP_SIZE;
-    if (t >= TT || g >= G) return;
-    float s[V], d[V];
-#pragma unroll
-    for (int k = 0; k < V; k++) s[k] = 0.0f;
-    const T* col = dout + (size_t)t * C + g * W;
-#pragma unroll 8
-    for (int b = 0; b < B; b++) {
-        load_vec<T>(d, col + (size_t)b * TT * C, vec, W);
-#pragma unroll
-        for (int k = 0; k < V; k++) s[k] += d[k];
-    }
-    T* prow = dwpe + (size_t)t * C + g * W;
-    load_vec<T>(d, prow, vec, W);
-#pragma unroll
-    for (int k = 0; k < V; k++) d[k] += s[k];
-    store_vec<T>(prow, d, vec, W);
+    if (t < TT && g < G) encoder_dwpe_col_t<T>(dwpe, dout, B, TT, C, t, g, vec);
 }
 
 // a: blockDim 1024; G sort blocks, then the dwpe blocks (32 warps each)

@@ -251,6 +251,19 @@ def test_backward_gpu_accumulates(rt, rng, number, B, T, C):
     np.testing.assert_array_equal(got_wpe[T:], dwpe0[T:])
 
 
+def _zipf_case(rng, B, T, C, vocab, dtype):
+    """Zipf-distributed ids (frequent tokens in every sort chunk), random dout and "+=" outputs (maxT =
+    T), and the dtype's conversions: (inp, dout, dwte0, dwpe0, to the dtype, back to float32)."""
+    zipf = 1.0 / np.arange(1, vocab + 1)
+    inp = rng.choice(vocab, (B, T), p=zipf / zipf.sum()).astype(np.int32)
+    dout = rng.standard_normal((B, T, C)).astype(np.float32)
+    dwte0 = rng.standard_normal((vocab, C)).astype(np.float32)
+    dwpe0 = rng.standard_normal((T, C)).astype(np.float32)
+    if dtype == "fp32":
+        return inp, dout, dwte0, dwpe0, (lambda a: a), (lambda a: a)
+    return inp, dout, dwte0, dwpe0, to_bf16, from_bf16
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("B,T,C,vocab", [(5, 1024, 768, 40), (3, 1000, 100, 5000), (16, 1024, 768, 50257),
@@ -260,14 +273,7 @@ def test_backward6_equals_3_across_sort_chunks(rt, rng, dtype, B, T, C, vocab):
     at N = B*T > 2048 (3, 2, 8 and 2 chunks, partial last chunks; Zipf-like ids, so frequent tokens
     have runs in every chunk, and a C with the scalar path) it must add exactly the rows variant 3
     adds, in the same order: the same bits, and within the fp32/bf16 tolerance of the float64 sums."""
-    maxT = T
-    zipf = 1.0 / np.arange(1, vocab + 1)
-    inp = rng.choice(vocab, (B, T), p=zipf / zipf.sum()).astype(np.int32)
-    dout = rng.standard_normal((B, T, C)).astype(np.float32)
-    dwte0 = rng.standard_normal((vocab, C)).astype(np.float32)
-    dwpe0 = rng.standard_normal((maxT, C)).astype(np.float32)
-    conv = (lambda a: a) if dtype == "fp32" else to_bf16
-    back = (lambda a: a) if dtype == "fp32" else from_bf16
+    inp, dout, dwte0, dwpe0, conv, back = _zipf_case(rng, B, T, C, vocab, dtype)
     res = {}
     for number in (3, 6):
         if BWD.refuse_reason(number, dtype, B=B, T=T, C=C):
@@ -296,13 +302,7 @@ def test_backward7_against_6(rt, rng, dtype, B, T, C, vocab):
     fp32/bf16 tolerance of the float64 sums; bit-identical to 6 (np.add.at's order) on every row of a
     token with at most 32 rows and on dwpe; the tickets are back to 0 after the call; a second call
     on the same inputs gives the same bits."""
-    zipf = 1.0 / np.arange(1, vocab + 1)
-    inp = rng.choice(vocab, (B, T), p=zipf / zipf.sum()).astype(np.int32)
-    dout = rng.standard_normal((B, T, C)).astype(np.float32)
-    dwte0 = rng.standard_normal((vocab, C)).astype(np.float32)
-    dwpe0 = rng.standard_normal((T, C)).astype(np.float32)
-    conv = (lambda a: a) if dtype == "fp32" else to_bf16
-    back = (lambda a: a) if dtype == "fp32" else from_bf16
+    inp, dout, dwte0, dwpe0, conv, back = _zipf_case(rng, B, T, C, vocab, dtype)
     d_dout, d_inp = rt.to_device(conv(dout)), rt.to_device(inp)
     res, built = {}, {}
     for number, runs in ((6, 1), (7, 2)):
