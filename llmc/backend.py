@@ -40,6 +40,7 @@ class Backend(Protocol):
     def memset0(self, buf): ...
     def upload(self, buf, host): ...
     def upload_async(self, buf, host): ...
+    def pinned_free(self, host): ...                                # the GPU has read host's last upload_async
     def download(self, buf): ...
     def download_into(self, host, buf): ...
     def graph(self, fn): ...
@@ -91,6 +92,7 @@ class _Choosing:
         self.chosen = frozenset(k for k, v in (kernels or {}).items() if v is not None)  # named by the user
         self.quiet = quiet
         self._noted = set()
+        self._pending_uploads: dict = {}  # id(pinned host array): (array, event after its async upload)
 
     def named(self, name) -> bool:
         return name in self.chosen
@@ -209,6 +211,9 @@ class CpuBackend(_Choosing):
     def pinned(self, shape, dtype):
         return np.empty(shape, dtype)
 
+    def pinned_free(self, host):
+        pass  # upload_async copied at once
+
     def require_free(self, nbytes, what="model"):
         pass  # host memory: numpy says so itself
 
@@ -262,7 +267,19 @@ class CudaBackend(_Choosing):
         buf.set(host)
 
     def upload_async(self, buf, pinned_host):
+        """buf = pinned_host by an async copy on the stream. The GPU reads pinned_host when it gets to
+        the copy, which may be long after this returns (behind a queued graph of the previous
+        micro-step): pinned_free(pinned_host) before writing pinned_host again."""
         buf.set_async(pinned_host)
+        done = self.rt.event()
+        done.record(self.rt.stream)
+        self._pending_uploads[id(pinned_host)] = (pinned_host, done)  # (the array kept: its id stays its own)
+
+    def pinned_free(self, pinned_host):
+        """Wait until the GPU has read pinned_host's last async upload; at once if none is pending."""
+        pending = self._pending_uploads.pop(id(pinned_host), None)
+        if pending is not None:
+            pending[1].synchronize()
 
     def download(self, buf):
         return buf.get()

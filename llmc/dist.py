@@ -730,11 +730,13 @@ class DataParallel:
         # the global norm: each rank's squared norm of its shard, summed over ranks
         self.k_norm(self.norm2, self.gshard)
         comm.all_reduce_sum(self.norm2)
+        be.pinned_free(self._pinned_hp)
         for decay in (0, 1):
             self._pinned_hp[decay] = hyperparams(lr, beta1, beta2, eps, weight_decay if decay else 0.0,
                                                  step, max_norm, model.f32)
         be.upload_async(self.hp, self._pinned_hp)
         if self.master is not None:
+            be.pinned_free(self._pinned_seeds)
             self._pinned_seeds[:] = model.draw_seeds(len(self.plan))
             be.upload_async(self.seeds, self._pinned_seeds)
         if self.adamw_all is not None:

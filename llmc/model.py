@@ -435,9 +435,13 @@ class GPT2:
             raise LLMCError(f"batch shape {x.shape}: model was built for (B={B}, T={T})")
         if int(x.max(initial=0)) >= self.cfg.vocab_size or int(x.min(initial=0)) < 0:
             raise LLMCError(f"token id out of range [0, {self.cfg.vocab_size}) in the input batch")
+        # the previous micro-step's copies may still be queued behind its predecessor's graph: they
+        # must read their batch before this one overwrites it
+        self.be.pinned_free(self._pinned_x)
         self._pinned_x[...] = x
         self.be.upload_async(self.inputs, self._pinned_x)
         if y is not None:
+            self.be.pinned_free(self._pinned_y)
             self._pinned_y[...] = y
             self.be.upload_async(self.targets, self._pinned_y)
 
@@ -662,11 +666,13 @@ class GPT2:
         graph after the first update (cuda backend)."""
         if not self.has_optimizer:
             raise RuntimeError("update(): this model was built with optimizer=False")
+        self.be.pinned_free(self._pinned_hp)
         for i, (_, decay, *_) in enumerate(self.adamw_plan):
             self._pinned_hp[i] = hyperparams(lr, beta1, beta2, eps, weight_decay if decay else 0.0, step,
                                              max_norm, self.f32)
         self.be.upload_async(self.hp, self._pinned_hp)
         if self.bf16:
+            self.be.pinned_free(self._pinned_seeds)
             self._pinned_seeds[:] = self.draw_seeds(len(self.adamw_plan))
             self.be.upload_async(self.seeds, self._pinned_seeds)
         self._run_captured("_graph_update", self._launch_update)

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from llmc import ops
@@ -288,3 +289,58 @@ def test_d12_off_hopper_falls_back_to_attention_3_and_3(capsys):
     be.rt.arch = "sm_80"
     with pytest.raises(VariantRefused, match="needs an sm_90 GPU"):
         GPT2(cfg, be, 4, 1024)
+
+
+def test_pinned_free_waits_for_the_last_async_upload_only():
+    """CudaBackend.upload_async records an event after the copy; pinned_free(host) waits on that
+    event (the GPU has read host: it may be written again) once, and not for other buffers."""
+    import types
+    from llmc.backend import CudaBackend
+
+    waits = []
+
+    class Ev:
+        def __init__(self):
+            self.n = len(waits)
+
+        def record(self, stream):
+            pass
+
+        def synchronize(self):
+            waits.append(self.n)
+
+    rt = types.SimpleNamespace(event=Ev, stream=None)
+    be = object.__new__(CudaBackend)
+    be._setup({}, True)
+    be.rt = rt
+    copies = []
+    buf = types.SimpleNamespace(set_async=lambda host: copies.append(host.copy()))
+    a, b = np.zeros(4, np.int32), np.ones(4, np.int32)
+    be.pinned_free(a)  # nothing pending: no wait
+    assert waits == []
+    be.upload_async(buf, a)
+    be.upload_async(buf, b)
+    be.pinned_free(a)
+    assert len(waits) == 1
+    be.pinned_free(a)  # already waited for
+    assert len(waits) == 1
+    be.pinned_free(b)
+    assert len(waits) == 2 and len(copies) == 2
+
+
+def test_model_frees_its_pinned_buffers_before_writing_them(monkeypatch):
+    """set_batch and update wait for the previous async copy out of each pinned buffer before they
+    overwrite it (pinned_free first, then the write, then upload_async)."""
+    from llmc.config import GPT2Config
+    from llmc.model import GPT2
+    cfg = GPT2Config(max_seq_len=16, vocab_size=11, padded_vocab_size=16, num_layers=1, num_heads=2, channels=8)
+    be = CpuBackend()
+    m = GPT2(cfg, be, 2, 8)
+    m.init_params(0)
+    order = []
+    monkeypatch.setattr(be, "pinned_free", lambda host: order.append(("free", id(host))), raising=False)
+    monkeypatch.setattr(be, "upload_async", lambda buf, host: order.append(("upload", id(host))), raising=False)
+    x = np.zeros((2, 8), np.int32)
+    m.set_batch(x, x)
+    assert order == [("free", id(m._pinned_x)), ("upload", id(m._pinned_x)),
+                     ("free", id(m._pinned_y)), ("upload", id(m._pinned_y))]

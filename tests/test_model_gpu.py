@@ -144,3 +144,38 @@ def test_training_step_graphs_equal_eager():
         runs.append(out)
     for a, b in zip(*runs):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.gpu
+def test_micro_steps_read_their_own_batch_while_the_gpu_lags(rt):
+    """train_micro_step copies each batch up from one pinned buffer with no host sync, so under
+    gradient accumulation the host runs ahead of the GPU: a batch must not overwrite the pinned
+    buffer before the previous micro-step's copy has read it (the backend's pinned_free). Three
+    micro-steps (graph replays) queued behind a few ms of other kernels give the bits of three with
+    a sync after each; before the fix the lagging run trained on the later batches."""
+    from llmc.train import deterministic_kernels
+    B, T = 4, 64
+    N = 1 << 24
+    gelu = ops.get("gelu_forward")
+    busy = gelu.build(rt, gelu.default, N=N)
+    big_in, big_out = rt.zeros((N,)), rt.empty((N,))
+    rng = np.random.default_rng(1)
+    xs = [rng.integers(0, SMALL.vocab_size, (B, T)).astype(np.int32) for _ in range(3)]
+    res = []
+    for lag in (False, True):
+        m = GPT2(SMALL, CudaBackend(deterministic_kernels({}), quiet=True, rt=rt), B, T)
+        m.init_params(3)
+        m.grad_accum_steps = 3
+        m.train_micro_step(xs[0], xs[0])  # (the graph is built here: the micro-steps below replay it)
+        rt.synchronize()
+        m.zero_grad()
+        if lag:
+            for _ in range(40):
+                busy(big_out, big_in)
+        for x in xs:
+            m.train_micro_step(x, np.roll(x, -1, axis=1))
+            if not lag:
+                rt.synchronize()
+        res.append((m.step_loss(), np.asarray(m.get_grads(), np.float32).copy()))
+    assert res[0][0] == res[1][0]
+    np.testing.assert_array_equal(res[0][1], res[1][1])
