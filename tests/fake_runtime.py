@@ -97,9 +97,18 @@ class FakeKernel:
                 return
 
 
+class _FakeEvent:
+    def record(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+
 class FakeRuntime:
     def __init__(self, heap_bytes: int | None = None, free: int = 80 << 30, check_ptx: bool | None = None):
         self.heap = np.zeros(heap_bytes, np.uint8) if heap_bytes else None
+        self.stream = None  # (events are recorded "on" it: see event())
         self.top, self.free, self.allocated_bytes = 0, free, 0
         self.max_smem_optin, self.sm_count, self.l2_bytes, self.arch = 227 * 1024, 132, 50 << 20, "sm_90"
         self.name, self.sync = "fake H100", False
@@ -174,6 +183,11 @@ class FakeRuntime:
 
     def synchronize(self):
         pass
+
+    def event(self):
+        """A stand-in CUDA event (the backend records one after each async upload): nothing runs,
+        so recording and waiting do nothing."""
+        return _FakeEvent()
 
     def graphs_available(self):
         return "a fake runtime"
