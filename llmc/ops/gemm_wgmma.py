@@ -51,8 +51,25 @@ DTYPES = {  # name -> (numpy dtype of the operands, element bytes, CUtensorMapDa
     "tf32t": (np.float32, 4, 7),
     "bf16": (np.uint16, 2, 9),      # CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 (bf16 bits held as uint16 on the host)
 }
-TS_MAX_K = 1024   # the TMA-store instances have 3-5 stages: past this K the direct stores' deeper
-                  # pipeline wins (H100: lm head dinp, K = 50304, 0.98 ms direct vs 1.32 with the TMA store)
+# Past TS_MAX_K[out] the planner ("auto") stores from registers instead of through the TMA store: the
+# TMA-store instances have fewer stages (their staging buffer takes shared memory). fp32 out (3-5
+# stages): H100, lm head dinp, K = 50304, 0.98 ms direct vs 1.32 with the TMA store. bf16 out (the
+# staging buffer is half, 4-6 stages): the TMA store won or tied at every d12 K (768-50304) in
+# session 13 (docs/matmul_notes.md, "The TMA store at long K"), so there is no limit.
+# LLMC_WGMMA_TS_MAX_K overrides both (the A/B of that measurement).
+TS_MAX_K = {"fp32": 1024, "bf16": 1 << 30}
+
+
+def ts_max_k(out: str) -> int:
+    env = os.environ.get("LLMC_WGMMA_TS_MAX_K")
+    if env:
+        try:
+            return int(env)
+        except ValueError:
+            raise LLMCError(f"LLMC_WGMMA_TS_MAX_K={env!r}: expected an integer K") from None
+    return TS_MAX_K[out]
+
+
 SWIZZLE_128B = 3
 L2_PROMOTION_256B = 3
 
@@ -248,7 +265,7 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
     rounds once (split-K partials stay fp32 until the reduce).
     store: "tma" stages each tile in shared memory and writes it with the TMA, overlapping the next
     tile's products (plain outputs only: no beta, no split-K, not transposed); "direct" stores from
-    registers; "auto" takes "tma" where it can and K <= TS_MAX_K (short K: the epilogue is a large part
+    registers; "auto" takes "tma" where it can and K <= ts_max_k(out) (short K: the epilogue is a large part
     of a tile's time; long K wants the deeper pipeline of the direct-store instances).
     schedule: "coop" (both consumer warpgroups on one 128 x BN tile: the instances above), "pingpong"
     (each consumer its own rm x BN tile, taking turns on the tensor cores: the _pp instances, built for
@@ -319,7 +336,7 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
             raise LLMCError(f"gemm engine 5: no ping-pong tile rm={rm} bn={bn}; have {have}")
         tile_rows, pbn, psplits = plan_pingpong(rt.sm_count, M, N, K, dtype, allow_split=splits is None, shapes=shapes)
     else:
-        use_ts = dgelu or store == "tma" or (store == "auto" and ts_ok and K <= TS_MAX_K and (bn is None or bn in TS_WIDTHS))
+        use_ts = dgelu or store == "tma" or (store == "auto" and ts_ok and K <= ts_max_k(out) and (bn is None or bn in TS_WIDTHS))
         if use_ts:  # the TMA store needs the whole tile at once: no split-K
             pbn, psplits = plan(rt.sm_count, M, N, K, dtype, allow_split=False, widths=TS_WIDTHS)
             splits = 1 if splits is None else splits
