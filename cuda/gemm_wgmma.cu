@@ -340,6 +340,32 @@ __device__ __forceinline__ void dgelu_staged(float (&v)[BN / 2], unsigned char* 
         }
 }
 
+// BETA (the accumulating GEMMs with the TMA store: dweight += dout^T @ inp): C's old tile comes in by
+// the TMA into the staging buffer (load_pre on C's own map, early in the tile's mainloop), and each
+// thread turns its own positions into alpha * product + beta * old (+ bias), the direct epilogue's
+// order, in place; then the store writes the tile back. A tile belongs to one CTA, so its load and
+// store never race with another's.
+template <typename OUT, int BN>
+__device__ __forceinline__ void beta_staged(const float (&d)[BN / 2], const GemmArgs<OUT>& a, unsigned char* stg,
+                                            int n0) {
+    using O = Out<OUT>;
+    const int lane = threadIdx.x & 31, warp = (threadIdx.x & 127) >> 5;
+#pragma unroll
+    for (int j = 0; j < BN / 8; j++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int r = warp * 16 + (lane >> 2) + 8 * h, c = 8 * j + 2 * (lane & 3), i = 4 * j + 2 * h;
+            const int gc = n0 + c;
+            OUT* p = staged_at<OUT>(stg, r, c);
+            float v0 = a.alpha * d[i] + a.beta * O::get(p), v1 = a.alpha * d[i + 1] + a.beta * O::get(p + 1);
+            if (a.bias) {  // columns past N are clipped by the store; don't read past bias
+                v0 += gc < a.N ? O::get(a.bias + gc) : 0.0f;
+                v1 += gc + 1 < a.N ? O::get(a.bias + gc + 1) : 0.0f;
+            }
+            O::put2(p, v0, v1);
+        }
+}
+
 // The column sums of this warp's 16 rows of the results (v: as stored), in registers: a thread's
 // rows r and r + 8, then the 8 lanes holding the same columns (lane % 4) by xor shuffles; lanes 0-3
 // write the warp's 16-row sums to row `srow` of a.S (columns past N left alone; rows past M are 0:
@@ -375,14 +401,16 @@ __device__ __forceinline__ void colsum_warp(const float (&v)[BN / 2], const Gemm
 // wgmmas' operand reads. fp32: 0.373 here, 0.395 there.)
 // DGELU: P's tile is already on its way into the buffer (load_pre, on `pre_bar` with this parity); the
 // results replace it there, and with a.S the column sums go out before the store.
-template <typename OUT, int BN, bool GELU = false, bool DGELU = false>
+// BETA: C's old tile is on its way into the buffer the same way (load_pre on C's map); see beta_staged.
+template <typename OUT, int BN, bool GELU = false, bool DGELU = false, bool BETA = false>
 __device__ __forceinline__ void epilogue_tma(float (&d)[BN / 2], const GemmArgs<OUT>& a, const CUtensorMap* tmC,
                                              const CUtensorMap* tmG, unsigned char* stg, int m0, int n0, int wg,
                                              uint64_t* pre_bar = nullptr, int pre_parity = 0) {
+    static_assert(!(BETA && (GELU || DGELU)), "beta * C with the plain TMA-store epilogue only");
     using O = Out<OUT>;
     const int tid = threadIdx.x & 127, lane = threadIdx.x & 31;
 #pragma unroll
-    for (int j = 0; j < BN / 8; j++)
+    for (int j = 0; j < (BETA ? 0 : BN / 8); j++)
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             const int i = 4 * j + 2 * h, gc = n0 + 8 * j + 2 * (lane & 3);
@@ -394,7 +422,10 @@ __device__ __forceinline__ void epilogue_tma(float (&d)[BN / 2], const GemmArgs<
             d[i] = v0;
             d[i + 1] = v1;
         }
-    if constexpr (DGELU) {
+    if constexpr (BETA) {
+        mbar_wait(pre_bar, pre_parity);  // C's old tile has landed
+        beta_staged<OUT, BN>(d, a, stg, n0);
+    } else if constexpr (DGELU) {
         mbar_wait(pre_bar, pre_parity);  // P's tile has landed
         dgelu_staged<OUT, BN>(d, stg);
         if (a.S) colsum_warp<OUT, BN>(d, a, m0 / 16 + ((threadIdx.x & 127) >> 5), n0);
@@ -490,14 +521,14 @@ __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CU
     constexpr int STG_BYTES = TMA_STORE ? 64 * BN * (int)sizeof(OUT) : 0;
     uint64_t* full = reinterpret_cast<uint64_t*>(smem + STAGES * STAGE_BYTES + 2 * STG_BYTES);
     uint64_t* empty = full + STAGES;
-    uint64_t* pre_bar = empty + STAGES;  // DGELU: P's tile in each consumer's staging buffer
+    uint64_t* pre_bar = empty + STAGES;  // TMA store: P's (DGELU) or C's old (beta) tile in each consumer's staging buffer
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; s++) {
             mbar_init(&full[s], 1);                  // the producer's expect_tx arrival (+ the bytes)
             mbar_init(&empty[s], CONSUMER_WARPS);    // lane 0 of every consumer warp
         }
-        if (DGELU) { mbar_init(&pre_bar[0], 1); mbar_init(&pre_bar[1], 1); }  // thread 0 of the consumer's expect_tx
+        if (TMA_STORE) { mbar_init(&pre_bar[0], 1); mbar_init(&pre_bar[1], 1); }  // thread 0 of the consumer's expect_tx
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
@@ -514,7 +545,9 @@ __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CU
         float d[BN / 2];
         const int lane = threadIdx.x & 31;
         int stage = 0, phase = 0;
-        int tiles_done = 0;  // DGELU: the parity of pre_bar
+        int tiles_done = 0;  // DGELU, beta with the TMA store: the parity of pre_bar
+        // beta * C through the TMA (C's old tile loaded into the staging buffer): the TMA store's conditions
+        const bool beta_tma = TMA_STORE && !GELU && !DGELU && tmC && a.splits == 1 && a.beta != 0.0f && !a.trans_c;
         unsigned char* stg = smem + STAGES * STAGE_BYTES + (wg - 1) * STG_BYTES;
         if (DGELU && (threadIdx.x & 127) == 0) tensormap_acquire(tmG);
         for (int u = blockIdx.x; u < units; u += gridDim.x) {
@@ -554,8 +587,8 @@ __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CU
                 wgmma_commit();
                 // DGELU: P's tile asked for once the first k-block's products are issued (by then the
                 // previous tile's stores have most likely read the staging buffer: load_pre waits for that)
-                if (DGELU && kb == kb0 && (threadIdx.x & 127) == 0)
-                    load_pre<OUT, BN>(tmG, stg, &pre_bar[wg - 1], tm * BM + (wg - 1) * 64, tn * BN);
+                if ((DGELU || beta_tma) && kb == kb0 && (threadIdx.x & 127) == 0)
+                    load_pre<OUT, BN>(DGELU ? tmG : tmC, stg, &pre_bar[wg - 1], tm * BM + (wg - 1) * 64, tn * BN);
                 if constexpr (A_MN) {
                     // A's fragments are registers that the wgmma reads while it runs, and the next
                     // k-block's loads would reuse them (the compiler sees them dead after the asm):
@@ -583,6 +616,9 @@ __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CU
                                                    &pre_bar[wg - 1], tiles_done & 1);
             else if (TMA_STORE && tmC && (!GELU || tmG) && a.splits == 1 && a.beta == 0.0f && !a.trans_c)
                 epilogue_tma<OUT, BN, GELU>(d, a, tmC, tmG, stg, tm * BM + (wg - 1) * 64, tn * BN, wg);
+            else if (beta_tma)
+                epilogue_tma<OUT, BN, false, false, !GELU && !DGELU>(d, a, tmC, nullptr, stg, tm * BM + (wg - 1) * 64,
+                                                                     tn * BN, wg, &pre_bar[wg - 1], tiles_done & 1);
             else
                 epilogue<OUT, BN, GELU>(d, a, tm * BM + (wg - 1) * 64, tn * BN, split);
             tiles_done++;
@@ -592,6 +628,7 @@ __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CU
 }
 
 // shared memory a (T, BN, STAGES) instance needs: the stages, 2 mbarriers each, 1 KB for alignment
+// (TMA-store instances: + the two staging buffers and the two mbarriers of their staged loads)
 // tmC: the TMA map of C (or nullptr: direct stores); used only by the _ts instances
 // OUT: the type of C and bias (fp32; bf16 in the _bf16 instances, which take bf16 inputs)
 #define GEMM_WGMMA_ENTRY(NAME, T, OUT, BN, STAGES, TMA_STORE, ...)                                        \
@@ -639,6 +676,9 @@ GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n192_bt_ts_bf16, __nv_bfloat16, __nv_bfloat16, 
 GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n128_at_bt_bf16, __nv_bfloat16, __nv_bfloat16, 128, 6, false, false, true, true)
 GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n192_at_bt_bf16, __nv_bfloat16, __nv_bfloat16, 192, 5, false, false, true, true)
 GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n256_at_bt_bf16, __nv_bfloat16, __nv_bfloat16, 256, 4, false, false, true, true)
+// ... with the TMA store: the accumulating dweight GEMM (beta = 1) loads C's old tile by the TMA too
+GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n128_at_bt_ts_bf16, __nv_bfloat16, __nv_bfloat16, 128, 6, true, false, true, true)
+GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n192_at_bt_ts_bf16, __nv_bfloat16, __nv_bfloat16, 192, 4, true, false, true, true)
 
 // The fc layer's fused form (matmul_forward with gelu_pre=True): both K-major, C = the pre-activation
 // (fch, which gelu_backward reads) and G = gelu(C) (fch_gelu) from one epilogue, instead of a

@@ -128,9 +128,12 @@ def test_wgmma_tile_widths_and_splits(hopper, rng, bn, splits):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("splits", [1, 4])
-def test_wgmma_accumulates_with_beta(hopper, rng, splits):
-    out, ref, _ = _run(hopper, "tf32", 200, 130, 1024, rng, beta=1.0, splits=splits)
+@pytest.mark.parametrize("splits,store", [(1, "direct"), (1, "tma"), (4, "auto")])
+def test_wgmma_accumulates_with_beta(hopper, rng, splits, store):
+    """C += A @ B^T: the old C read by the direct epilogue, or loaded by the TMA into the staging buffer
+    (store="tma"), or added by the split-K reduce."""
+    out, ref, g = _run(hopper, "tf32", 200, 136, 1024, rng, beta=1.0, splits=splits, store=store)
+    assert ("+ts" in g.plan[1]) == (store == "tma")
     assert _rel(out, ref) < TOL["tf32"]
 
 
@@ -238,14 +241,62 @@ def test_unbuilt_layouts_refuse(kw, why):
 
 
 @pytest.mark.parametrize("a_major,b_major,beta,want", [("k", "k", 0.0, "_ts_bf16"), ("k", "n", 0.0, "_bt_ts_bf16"),
-                                                        ("m", "n", 1.0, "_at_bt_bf16"), ("k", "n", 1.0, "_bt_bf16")])
+                                                        ("m", "n", 1.0, "_at_bt_ts_bf16"), ("k", "n", 1.0, "_bt_ts_bf16")])
 def test_bf16_builds_pick_their_instance(a_major, b_major, beta, want):
-    """The launcher fetches the instance of the layout asked for (its argtypes checked against the PTX)."""
+    """The launcher fetches the instance of the layout asked for (its argtypes checked against the PTX);
+    bf16 out takes the TMA store at any K, beta = 1 included (C's old tile loaded by the TMA)."""
     from tests.fake_runtime import FakeRuntime
     rt = FakeRuntime()
     g = gw.wgmma_build(rt, "bf16", 4096, 768, 768, beta=beta, a_major=a_major, b_major=b_major, out="bf16")
     assert rt.built[0].endswith(want) and rt.built[0].startswith("gemm_wgmma_bf16_n"), rt.built
     assert ("+ts" in g.plan[1]) == ("_ts" in want)
+
+
+@pytest.mark.parametrize("M,N,K,env,want_ts,want_splits", [
+    (50304, 768, 16384, None, True, 1),      # the lm head's dweight at B=16: long K, TMA store
+    (3072, 768, 4096, None, True, 1),        # fc's dweight at B=4
+    (768, 768, 16384, None, False, None),    # attproj's dweight: the planner splits K, so direct stores
+    (3072, 768, 4096, "0", False, 1),        # LLMC_WGMMA_TS_BETA=0: accumulating GEMMs stay direct
+])
+def test_bf16_dweight_plan_takes_the_tma_store(monkeypatch, M, N, K, env, want_ts, want_splits):
+    from tests.fake_runtime import FakeRuntime
+    if env is None:
+        monkeypatch.delenv("LLMC_WGMMA_TS_BETA", raising=False)
+    else:
+        monkeypatch.setenv("LLMC_WGMMA_TS_BETA", env)
+    monkeypatch.delenv("LLMC_WGMMA_TS_MAX_K", raising=False)
+    rt = FakeRuntime()
+    g = gw.wgmma_build(rt, "bf16", M, N, K, lda=M, ldb=N, ldc=N, beta=1.0, a_major="m", b_major="n", out="bf16")
+    assert ("+ts" in g.plan[1]) == want_ts, g.plan
+    assert rt.built[0].endswith("_at_bt_ts_bf16" if want_ts else "_at_bt_bf16"), rt.built
+    if want_splits is None:
+        assert g.plan[2] > 1, g.plan
+    else:
+        assert g.plan[2] == want_splits, g.plan
+
+
+@pytest.mark.parametrize("out,K,env,want_ts", [("fp32", 1024, None, True), ("fp32", 1028, None, False),
+                                               ("bf16", 50304, None, True), ("bf16", 1032, "1024", False),
+                                               ("fp32", 4096, "100000", True)])
+def test_tma_store_k_limit_per_output_type(monkeypatch, out, K, env, want_ts):
+    """fp32 out: direct stores past K = 1024 (the TMA-store instances' fewer stages lose there); bf16
+    out: no limit; LLMC_WGMMA_TS_MAX_K overrides both."""
+    from tests.fake_runtime import FakeRuntime
+    if env is None:
+        monkeypatch.delenv("LLMC_WGMMA_TS_MAX_K", raising=False)
+    else:
+        monkeypatch.setenv("LLMC_WGMMA_TS_MAX_K", env)
+    dtype = "bf16" if out == "bf16" else "tf32"
+    g = gw.wgmma_build(FakeRuntime(), dtype, 4096, 768, K, out=out)
+    assert ("+ts" in g.plan[1]) == want_ts, g.plan
+
+
+def test_tma_store_k_limit_refuses_a_bad_env(monkeypatch):
+    from llmc.errors import LLMCError
+    from tests.fake_runtime import FakeRuntime
+    monkeypatch.setenv("LLMC_WGMMA_TS_MAX_K", "lots")
+    with pytest.raises(LLMCError, match="LLMC_WGMMA_TS_MAX_K"):
+        gw.wgmma_build(FakeRuntime(), "bf16", 4096, 768, 768, out="bf16")
 
 
 def _bf16(x):
@@ -320,6 +371,27 @@ def test_bf16_out_dweight_layout_accumulates(hopper, rng, M, N, K, splits):
     out, ref, g = _run_bf16(hopper, rng, M, N, K, "m", "n", beta=1.0, splits=splits)
     assert "+at+bt" in g.plan[1]
     bf16_close(out, ref, f"bf16 mn splits={splits} {M}x{N}x{K}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["kk", "kn", "mn"])
+@pytest.mark.parametrize("M,N,K", [(1, 8, 16), (65, 8, 16), (128, 192, 64), (136, 200, 72), (304, 776, 65),
+                                   (256, 256, 1000), (200, 136, 4096)])
+def test_bf16_beta_through_the_tma_store(hopper, rng, M, N, K, layout):
+    """C += A @ B^T (+ bias) with the TMA store: C's old tile comes in by the TMA (into the staging
+    buffer, in the mainloop), is added in fp32 and rounded once, and goes out by the TMA store; the
+    same bits as the direct stores (alpha = beta = 1: product + old, then bias, in both)."""
+    from llmc.testing import bf16_close
+    has_bias = layout != "mn"
+    seed = int(rng.integers(1 << 30))
+    out, ref, g = _run_bf16(hopper, np.random.default_rng(seed), M, N, K, layout[0], layout[1], has_bias=has_bias,
+                            beta=1.0, store="tma", splits=1)
+    assert "+ts" in g.plan[1], g.plan
+    bf16_close(out, ref, f"bf16 {layout} beta tma {M}x{N}x{K}")
+    direct, _, gd = _run_bf16(hopper, np.random.default_rng(seed), M, N, K, layout[0], layout[1], has_bias=has_bias,
+                              beta=1.0, store="direct", splits=1, bn=int(g.plan[1].split("x")[1].split("+")[0]))
+    assert "+ts" not in gd.plan[1]
+    assert np.array_equal(out, direct)
 
 
 @pytest.mark.gpu

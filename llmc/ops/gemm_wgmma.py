@@ -189,7 +189,7 @@ INSTANCES = {
     ("bf16", "fp32", "kk", False): _DIRECT, ("bf16", "fp32", "kk", True): {128: 5, 192: 3},
     ("bf16", "bf16", "kk", False): _DIRECT, ("bf16", "bf16", "kk", True): {128: 6, 192: 4},
     ("bf16", "bf16", "kn", False): _DIRECT, ("bf16", "bf16", "kn", True): {128: 6, 192: 4},
-    ("bf16", "bf16", "mn", False): _DIRECT,
+    ("bf16", "bf16", "mn", False): _DIRECT, ("bf16", "bf16", "mn", True): {128: 6, 192: 4},
 }
 LAYOUT_SUFFIX = {"kk": "", "mk": "_am", "kn": "_bt", "mn": "_at_bt"}
 
@@ -206,9 +206,8 @@ GELU_INSTANCES = {
 # dinp's GEMM with gelu_backward in the epilogue, C = gelu'(P) * (A @ B^T as stored), and optionally the
 # column sums of C. TMA store only (P's tile is loaded into the staging buffer), one K split; dinp's
 # layouts: tf32 K-major (after weight^T), bf16 B N-major. (input, output, layout) -> {tile width: stages},
-# the plain TMA-store instances' stages (two more mbarriers: DGELU_SMEM_EXTRA bytes).
+# the plain TMA-store instances' stages (and their shared memory: smem_bytes with ts).
 DGELU_INSTANCES = {("tf32", "fp32", "kk"): {128: 5, 192: 3}, ("bf16", "bf16", "kn"): {128: 6, 192: 4}}
-DGELU_SMEM_EXTRA = 16
 
 # The ping-pong instances (cuda/gemm_wgmma.cu, GEMM_WGMMA_PP_ENTRY): each consumer warpgroup owns a
 # whole (rows x BN) tile and the two take turns on the tensor cores, one's epilogue running during the
@@ -245,9 +244,10 @@ def pp_smem_bytes(rm: int, bn: int, stages: int) -> int:
 
 
 def smem_bytes(bn: int, stages: int, ts: bool, out: str = "fp32") -> int:
-    """Dynamic shared memory of an instance: the stages, the two TMA-store staging buffers, the
-    mbarriers, 1 KB for the 1024-byte alignment."""
-    return stages * (BM + bn) * 128 + (2 * 64 * bn * OUT_BYTES[out] if ts else 0) + 2 * 8 * stages + 1024
+    """Dynamic shared memory of an instance: the stages, the two TMA-store staging buffers and the two
+    mbarriers of the tiles loaded into them (P for dgelu, C's old tile for beta), the stages' mbarriers,
+    1 KB for the 1024-byte alignment."""
+    return stages * (BM + bn) * 128 + (2 * 64 * bn * OUT_BYTES[out] + 16 if ts else 0) + 2 * 8 * stages + 1024
 
 
 def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, ldb: int | None = None,
@@ -315,14 +315,17 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
         raise LLMCError(f"gemm engine 5 refuses M={M} N={N} K={K}: {why}")
     obytes = OUT_BYTES[out]
     has_ts = (ty, out, layout, True) in INSTANCES
-    ts_ok = beta == 0.0 and not trans_c and (ldc * obytes) % 16 == 0 and has_ts
+    # (beta != 0: C's old tile comes in through the TMA as well; LLMC_WGMMA_TS_BETA=0 keeps such GEMMs on
+    # direct stores, the A/B of that choice)
+    ts_ok = ((beta == 0.0 or os.environ.get("LLMC_WGMMA_TS_BETA", "1") != "0") and not trans_c
+             and (ldc * obytes) % 16 == 0 and has_ts)
     if store not in ("auto", "tma", "direct"):
         raise LLMCError(f"gemm engine 5: store={store!r}; expected auto, tma or direct")
     if dgelu and not ts_ok:
         raise LLMCError(f"gemm engine 5: the fused dgelu needs the TMA store: 16-byte rows of C (ldc={ldc})")
     if store == "tma" and not ts_ok:
-        raise LLMCError("gemm engine 5: the TMA store takes plain outputs (beta = 0, not transposed, 16-byte rows of C, "
-                        "K-major A)")
+        raise LLMCError("gemm engine 5: the TMA store takes outputs not transposed, with 16-byte rows of C, in a layout "
+                        "built with it (not tf32's M-major A)")
     use_pp, tile_rows = (False, BM) if gelu or dgelu else _pick_schedule(rt, dtype, ty, out, layout, M, N, K, schedule, store,
                                                                bn, rm, splits)
     if rm is not None and not use_pp:
@@ -337,6 +340,9 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
         tile_rows, pbn, psplits = plan_pingpong(rt.sm_count, M, N, K, dtype, allow_split=splits is None, shapes=shapes)
     else:
         use_ts = dgelu or store == "tma" or (store == "auto" and ts_ok and K <= ts_max_k(out) and (bn is None or bn in TS_WIDTHS))
+        # an accumulating GEMM that the planner splits over K (attproj's dweight: 24-36 tiles) stays direct
+        if use_ts and store == "auto" and beta != 0.0 and splits is None and plan(rt.sm_count, M, N, K, dtype)[1] > 1:
+            use_ts = False
         if use_ts:  # the TMA store needs the whole tile at once: no split-K
             pbn, psplits = plan(rt.sm_count, M, N, K, dtype, allow_split=False, widths=TS_WIDTHS)
             splits = 1 if splits is None else splits
@@ -358,7 +364,7 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
     fused = gelu and splits == 1  # (split-K: the plain instance writes the partials; the reduce applies the GELU)
     if dgelu:
         stages = DGELU_INSTANCES[(ty, out, layout)][bn]
-        smem = smem_bytes(bn, stages, True, out) + DGELU_SMEM_EXTRA
+        smem = smem_bytes(bn, stages, True, out)
         name = instance_name(ty, out, layout, True, bn, dgelu=True)
         label = f"gemm 5 ({ty}{' -> bf16' if out == 'bf16' else ''}, 128x{bn}, TMA store{what} + dgelu)"
         return _dgelu_launch(rt, name, label, smem, dtype, out, M, N, K, lda, ldb, ldc, alpha, bn, b_major, colsum,
