@@ -166,8 +166,8 @@ def test_dgelu_instance_table_matches_the_kernels():
 
 
 @pytest.mark.parametrize("dtype,out,kw,want", [
-    ("tf32", "fp32", dict(), "gemm_wgmma_tf32_n192_ts_dgelu"),
-    ("tf32", "fp32", dict(bn=128), "gemm_wgmma_tf32_n128_ts_dgelu"),
+    ("tf32", "fp32", dict(), "gemm_wgmma_tf32_n128_ts_dgelu"),   # (fp32 out: TS_BN_EFF prefers 128 here)
+    ("tf32", "fp32", dict(bn=192), "gemm_wgmma_tf32_n192_ts_dgelu"),
     ("bf16", "bf16", dict(b_major="n"), "gemm_wgmma_bf16_n192_bt_ts_dgelu_bf16"),
 ])
 def test_dgelu_builds_pick_their_instance(monkeypatch, dtype, out, kw, want):
@@ -201,7 +201,7 @@ def test_the_op_launches_dinp_with_the_epilogue_then_dweight(monkeypatch, dtype)
     launch(*arrays)
     names = [L.func for L in rt.launches]
     sfx = "_bf16" if dtype == "bf16" else ""
-    want = (["transpose_kernel", "gemm_wgmma_tf32_n192_ts_dgelu", "gemm_wgmma_colsum_finish", "transpose_kernel"]
+    want = (["transpose_kernel", "gemm_wgmma_tf32_n128_ts_dgelu", "gemm_wgmma_colsum_finish", "transpose_kernel"]
             if dtype == "fp32" else ["gemm_wgmma_bf16_n192_bt_ts_dgelu_bf16", "gemm_wgmma_colsum_finish_bf16"])
     assert names[:len(want)] == want and len(names) == len(want) + 1, names
     assert arrays[-1].ptr in rt.launches[len(want) - (2 if dtype == "fp32" else 1)].args  # dbias to the finish

@@ -718,7 +718,7 @@ def test_gelu_instance_table_matches_the_kernels():
 
 
 @pytest.mark.parametrize("dtype,out,kw,want", [
-    ("tf32", "fp32", dict(), ["gemm_wgmma_tf32_n192_ts_gelu"]),
+    ("tf32", "fp32", dict(), ["gemm_wgmma_tf32_n128_ts_gelu"]),
     ("tf32", "fp32", dict(store="direct"), ["gemm_wgmma_tf32_n192_gelu"]),
     ("bf16", "bf16", dict(), ["gemm_wgmma_bf16_n192_ts_gelu_bf16"]),
     ("bf16", "bf16", dict(store="direct", bn=256), ["gemm_wgmma_bf16_n256_gelu_bf16"]),
@@ -727,7 +727,8 @@ def test_gelu_instance_table_matches_the_kernels():
     ("bf16", "bf16", dict(splits=3), ["gemm_wgmma_bf16_n192_bf16", "gemm_wgmma_splitk_reduce_gelu_bf16"]),
 ])
 def test_gelu_builds_pick_their_instance(monkeypatch, dtype, out, kw, want):
-    """The fc shape (B=16): the fused instance of the plain plan (same tile width, store and split), its
+    """The fc shape (B=16): the fused instance of the plain plan (same tile width, store and split; tf32 with
+    the TMA store: 128 wide, TS_BN_EFF), its
     argtypes checked against the PTX by the fake runtime; the launch passes G (and G's tensor map)."""
     from tests.fake_runtime import FakeRuntime
     monkeypatch.setenv(gw.SCHEDULE_ENV, "pingpong")  # the fused form stays cooperative, silently

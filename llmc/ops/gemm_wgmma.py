@@ -39,6 +39,12 @@ BN_CHOICES = (128, 192, 256)
 # direct stores: 50304 x 768 x 4096 ran at 318 / 373 / 313 TFLOP/s, 3072 x 768 x 4096 at 178 / 236 /
 # 171): 192 wide with 5 stages beats 256 with 4
 BN_EFF = {128: 0.85, 192: 1.0, 256: 0.84}
+# the same for the TMA-store instances, per output type. bf16 out (6 / 4 stages) as above. fp32 out:
+# the staging buffers leave 192 wide 3 stages against 128's 5, and 128 wins where the waves allow
+# (H100, session 13, interleaved medians, TF32 K = 768: lm head forward B=4 1.053 ms at 128 against
+# 1.198 at 192, B=16 4.417 against 4.683; fc forward B=16 0.275 against 0.284), while 192 keeps the
+# shapes whose 128-wide tiles would take an extra wave (attproj forward B=4: 0.0315 against 0.0346)
+TS_BN_EFF = {"fp32": {128: 1.0, 192: 0.88}, "bf16": BN_EFF}
 TILE_OVERHEAD_KB = 2            # epilogue + pipeline fill of a work unit, in k-blocks
 SM_TF32_FLOPS = 3.0e12          # per-SM rate assumed by the planner (~80% of 494 TFLOP/s / 132); bf16 twice
 DRAM_BPS = 2.5e12
@@ -130,13 +136,14 @@ def check(dtype: str, M: int, N: int, K: int, lda: int, ldb: int) -> str | None:
     return None
 
 
-def _estimate(sm_count: int, M: int, N: int, K: int, dtype: str, allow_split: bool, shapes, pingpong: bool):
+def _estimate(sm_count: int, M: int, N: int, K: int, dtype: str, allow_split: bool, shapes, pingpong: bool,
+              eff=None):
     """(seconds, rows, BN, splits) of the best tile shape (rows, BN) in `shapes` and K split, by a
     wave-quantised estimate. Cooperative: both consumer warpgroups on one 128-row tile, so every tile
     pays the pipeline fill and the epilogue (TILE_OVERHEAD_KB) and the tiles go in waves of sm_count.
     Ping-pong: each SM runs its tiles back to back on the tensor cores (one consumer's epilogue hides
     behind the other's mainloop), so the fill and the last epilogue are paid once per SM and each tile
-    only a switch of consumers (PP_SWITCH_KB)."""
+    only a switch of consumers (PP_SWITCH_KB). eff: the cooperative tile widths' rates (BN_EFF by default)."""
     bk = 128 // DTYPES[dtype][1]
     kblocks = -(-K // bk)
     rate = SM_TF32_FLOPS * (4 / DTYPES[dtype][1])
@@ -154,7 +161,7 @@ def _estimate(sm_count: int, M: int, N: int, K: int, dtype: str, allow_split: bo
                 t = (per_sm * (per + PP_SWITCH_KB) + TILE_OVERHEAD_KB) * 2 * rm * bn * bk / (rate * PP_EFF[(rm, bn)])
             else:
                 waves = -(-(tiles * s) // sm_count)
-                t = waves * (per + TILE_OVERHEAD_KB) * 2 * rm * bn * bk / (rate * BN_EFF[bn])
+                t = waves * (per + TILE_OVERHEAD_KB) * 2 * rm * bn * bk / (rate * (eff or BN_EFF)[bn])
             if s > 1:
                 t += (s + 2) * M * N * 4 / DRAM_BPS
             if best is None or t < best[0]:
@@ -163,9 +170,10 @@ def _estimate(sm_count: int, M: int, N: int, K: int, dtype: str, allow_split: bo
 
 
 def plan(sm_count: int, M: int, N: int, K: int, dtype: str = "tf32", allow_split: bool = True,
-         widths=BN_CHOICES):
-    """(BN, splits) of the cooperative instances (128 x BN tiles) minimising a wave-quantised time estimate."""
-    _, _, bn, s = _estimate(sm_count, M, N, K, dtype, allow_split, [(BM, bn) for bn in widths], False)
+         widths=BN_CHOICES, eff=None):
+    """(BN, splits) of the cooperative instances (128 x BN tiles) minimising a wave-quantised time estimate
+    (eff: the tile widths' relative rates, BN_EFF unless given: TS_BN_EFF for the TMA-store instances)."""
+    _, _, bn, s = _estimate(sm_count, M, N, K, dtype, allow_split, [(BM, bn) for bn in widths], False, eff)
     return bn, s
 
 
@@ -344,7 +352,7 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
         if use_ts and store == "auto" and beta != 0.0 and splits is None and plan(rt.sm_count, M, N, K, dtype)[1] > 1:
             use_ts = False
         if use_ts:  # the TMA store needs the whole tile at once: no split-K
-            pbn, psplits = plan(rt.sm_count, M, N, K, dtype, allow_split=False, widths=TS_WIDTHS)
+            pbn, psplits = plan(rt.sm_count, M, N, K, dtype, allow_split=False, widths=TS_WIDTHS, eff=TS_BN_EFF[out])
             splits = 1 if splits is None else splits
             if splits > 1 and store == "auto":
                 use_ts = False
