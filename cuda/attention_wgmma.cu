@@ -597,14 +597,20 @@ flash_attention_forward_kernel4_bf16_persistent_pingpong_s4(bf16* out, float* ls
 // Zero-filled rows: a query row >= T has q = dout = 0 (dS = 0; its dq is not stored); a key >= T
 // only appears in the diagonal tile of the dq kernel (masked: key > every row < T), and a query >= T
 // only in the dkdv kernel's last tile (masked: p = 0 there; its lse, D are read as 0).
-constexpr int BWD_STAGES = 2;                 // ring depth of the swept tiles (k, v or q, dout)
+constexpr int BWD_STAGES = 2;                 // ring depth of the swept tiles (k, v or q, dout): TF32
+// the bf16 kernels' ring depth: a build parameter (llmc/ops/attention.py passes LLMC_ATT_BWD_STAGES when
+// it is not the default; its WGMMA_DQ_SMEM / WGMMA_DKDV_SMEM follow it)
+#ifndef LLMC_ATT_BWD_STAGES
+#define LLMC_ATT_BWD_STAGES 2
+#endif
+constexpr int BF_BWD_STAGES = LLMC_ATT_BWD_STAGES;
 constexpr int ROWS_FLOATS = 2 * BQ;           // a query tile's lse (log2 units) then D, fp32
 // dynamic shared memory (llmc/ops/attention.py keeps the same numbers: WGMMA_DQ_SMEM, WGMMA_DKDV_SMEM):
 // 1 KB of alignment slack, the two resident tiles, the stages, [dkdv: 2 consumers x 2 buffers of
 // lse/D rows], the mbarriers (one for the resident tiles, full and empty per stage)
-constexpr int DQ_SMEM = 1024 + 2 * Q_BYTES + BWD_STAGES * STAGE_BYTES + 8 * (1 + 2 * BWD_STAGES);
-constexpr int DKDV_SMEM = 1024 + 2 * KV_BYTES + BWD_STAGES * STAGE_BYTES + 2 * 2 * ROWS_FLOATS * 4 +
-                          8 * (1 + 2 * BWD_STAGES);
+constexpr int DQ_SMEM = 1024 + 2 * Q_BYTES + BF_BWD_STAGES * STAGE_BYTES + 8 * (1 + 2 * BF_BWD_STAGES);
+constexpr int DKDV_SMEM = 1024 + 2 * KV_BYTES + BF_BWD_STAGES * STAGE_BYTES + 2 * 2 * ROWS_FLOATS * 4 +
+                          8 * (1 + 2 * BF_BWD_STAGES);
 static_assert(DQ_SMEM <= 227 * 1024 && DKDV_SMEM <= 227 * 1024, "fits one SM's shared memory");
 
 // the O-shape: acc (64 x 64) += A (64 x 128 positions, bf16 registers) B (128 positions x 64, MN-major)
@@ -638,9 +644,9 @@ __device__ __forceinline__ void flash_backward_dq_wgmma(bf16* dinp, float* Dbuf,
     unsigned char* sq = smem;                    // q (128 x 64)
     unsigned char* sdo = smem + Q_BYTES;         // dout (128 x 64)
     unsigned char* skv = smem + 2 * Q_BYTES;     // stage s: k at skv + s * STAGE_BYTES, v KV_BYTES after it
-    uint64_t* qd_full = reinterpret_cast<uint64_t*>(skv + BWD_STAGES * STAGE_BYTES);
+    uint64_t* qd_full = reinterpret_cast<uint64_t*>(skv + BF_BWD_STAGES * STAGE_BYTES);
     uint64_t* full = qd_full + 1;
-    uint64_t* empty = full + BWD_STAGES;
+    uint64_t* empty = full + BF_BWD_STAGES;
 
     const int C = NH * HS;
     const int bh = blockIdx.x, b = bh / NH, h = bh % NH;
@@ -648,7 +654,7 @@ __device__ __forceinline__ void flash_backward_dq_wgmma(bf16* dinp, float* Dbuf,
     const int q0 = qb * BQ;
     const int nkt = qb + 1;                     // key tiles 0..qb; tile qb holds the diagonal
 
-    if (threadIdx.x == 0) mbar_init_pipeline(qd_full, full, empty, BWD_STAGES, CONSUMER_WARPS);
+    if (threadIdx.x == 0) mbar_init_pipeline(qd_full, full, empty, BF_BWD_STAGES, CONSUMER_WARPS);
     __syncthreads();
 
     const int wg = threadIdx.x / 128;
@@ -661,7 +667,7 @@ __device__ __forceinline__ void flash_backward_dq_wgmma(bf16* dinp, float* Dbuf,
             tma_load_head<BTC>(sq, tm, qd_full, 0, q0, B, NH, b, h);  // q
             tma_load_4d(sdo, tm + 1, qd_full, 0, h, q0, b);    // dout
             for (int i = 0; i < nkt; i++) {
-                const int s = i % BWD_STAGES, use = i / BWD_STAGES;
+                const int s = i % BF_BWD_STAGES, use = i / BF_BWD_STAGES;
                 mbar_wait(&empty[s], (use & 1) ^ 1);
                 mbar_expect_tx(&full[s], STAGE_BYTES);
                 unsigned char* sk = skv + s * STAGE_BYTES;
@@ -716,12 +722,12 @@ __device__ __forceinline__ void flash_backward_dq_wgmma(bf16* dinp, float* Dbuf,
     for (int i = 0; i < 32; i++) dq[i] = 0.0f;
     float sc[64], dp[64];
     uint32_t da[8][4];
-    auto stage = [&](int i) { return skv + (i % BWD_STAGES) * STAGE_BYTES; };
+    auto stage = [&](int i) { return skv + (i % BF_BWD_STAGES) * STAGE_BYTES; };
     // S = q k^T and dP = dout v^T of key tile i, issued as one group
     static_assert(!(OVERLAP && PINGPONG), "ping-pong turns are the plain loop's issue batches");
     const PingPong<PINGPONG> turn{cw};
     auto issue_sdp = [&](int i) {
-        mbar_wait(&full[i % BWD_STAGES], (i / BWD_STAGES) & 1);
+        mbar_wait(&full[i % BF_BWD_STAGES], (i / BF_BWD_STAGES) & 1);
         turn.begin();
         wgmma_fence();
         issue_s(sc, sqw, stage(i));
@@ -749,7 +755,7 @@ __device__ __forceinline__ void flash_backward_dq_wgmma(bf16* dinp, float* Dbuf,
         pack_a(da, sc);
     };
     // both products of tile i have read its stage: hand it back (one arrival per consumer warp)
-    auto release = [&](int i) { __syncwarp(); if (lane == 0) mbar_arrive(&empty[i % BWD_STAGES]); };
+    auto release = [&](int i) { __syncwarp(); if (lane == 0) mbar_arrive(&empty[i % BF_BWD_STAGES]); };
     mbar_wait(qd_full, 0);
     if constexpr (!OVERLAP) {
         turn.start();
@@ -833,10 +839,10 @@ __device__ __forceinline__ void flash_backward_dkdv_wgmma(bf16* dinp, const CUte
     unsigned char* sk = smem;                      // k (128 keys x 64)
     unsigned char* sv = smem + KV_BYTES;           // v (128 keys x 64)
     unsigned char* sqd = smem + 2 * KV_BYTES;      // stage s: q at sqd + s * STAGE_BYTES, dout KV_BYTES after it
-    float* rows = reinterpret_cast<float*>(sqd + BWD_STAGES * STAGE_BYTES);  // [consumer][buffer][lse | D]
+    float* rows = reinterpret_cast<float*>(sqd + BF_BWD_STAGES * STAGE_BYTES);  // [consumer][buffer][lse | D]
     uint64_t* kv_full = reinterpret_cast<uint64_t*>(rows + 2 * 2 * ROWS_FLOATS);
     uint64_t* full = kv_full + 1;
-    uint64_t* empty = full + BWD_STAGES;
+    uint64_t* empty = full + BF_BWD_STAGES;
 
     const int C = NH * HS;
     const int bh = blockIdx.x, b = bh / NH, h = bh % NH;
@@ -844,7 +850,7 @@ __device__ __forceinline__ void flash_backward_dkdv_wgmma(bf16* dinp, const CUte
     const int k0 = kb * BKV;
     const int nqb = gridDim.y, nt = nqb - kb;   // query tiles kb..nqb-1; tile kb holds the diagonal
 
-    if (threadIdx.x == 0) mbar_init_pipeline(kv_full, full, empty, BWD_STAGES, CONSUMER_WARPS);
+    if (threadIdx.x == 0) mbar_init_pipeline(kv_full, full, empty, BF_BWD_STAGES, CONSUMER_WARPS);
     __syncthreads();
 
     const int wg = threadIdx.x / 128;
@@ -857,7 +863,7 @@ __device__ __forceinline__ void flash_backward_dkdv_wgmma(bf16* dinp, const CUte
             tma_load_head<BTC>(sk, tm, kv_full, 1, k0, B, NH, b, h);  // k
             tma_load_head<BTC>(sv, tm, kv_full, 2, k0, B, NH, b, h);  // v
             for (int i = 0; i < nt; i++) {
-                const int s = i % BWD_STAGES, use = i / BWD_STAGES, r0 = (kb + i) * BQ;
+                const int s = i % BF_BWD_STAGES, use = i / BF_BWD_STAGES, r0 = (kb + i) * BQ;
                 mbar_wait(&empty[s], (use & 1) ^ 1);
                 mbar_expect_tx(&full[s], STAGE_BYTES);
                 unsigned char* st = sqd + s * STAGE_BYTES;
@@ -905,8 +911,8 @@ __device__ __forceinline__ void flash_backward_dkdv_wgmma(bf16* dinp, const CUte
         if (i + 1 < nt) load_rows(i + 1, l_next, d_next);
         wg_barrier(1 + cw);
 
-        const unsigned char* sqt = sqd + (i % BWD_STAGES) * STAGE_BYTES;
-        mbar_wait(&full[i % BWD_STAGES], (i / BWD_STAGES) & 1);
+        const unsigned char* sqt = sqd + (i % BF_BWD_STAGES) * STAGE_BYTES;
+        mbar_wait(&full[i % BF_BWD_STAGES], (i / BF_BWD_STAGES) & 1);
         turn.begin();
         wgmma_fence();
         issue_s(sc, skw, sqt);             // S^T = k q^T
@@ -946,7 +952,7 @@ __device__ __forceinline__ void flash_backward_dkdv_wgmma(bf16* dinp, const CUte
         keep_in_regs(dv);
         keep_in_regs(dk);
         __syncwarp();
-        if (lane == 0) mbar_arrive(&empty[i % BWD_STAGES]);
+        if (lane == 0) mbar_arrive(&empty[i % BF_BWD_STAGES]);
     }
 
     // dk * scale -> dinp[..., C:2C], dv -> dinp[..., 2C:3C], one bf16 rounding each

@@ -676,9 +676,17 @@ def build_flash_attention_forward_wgmma_tf32(rt, B, T, C, NH, qkv_in_place=False
 # dynamic shared memory of the backward's kernels (DQ_SMEM, DKDV_SMEM in the .cu): 1 KB of slack, two
 # resident 128-row tiles (q, dout / k, v), BWD_STAGES x two swept tiles, [dkdv: 2 consumers x 2
 # buffers of a tile's lse and D, fp32], 1 + 2 BWD_STAGES mbarriers
+# (bf16; the ring depth is a build parameter of the .cu, LLMC_ATT_BWD_STAGES, which the environment
+# variable of that name sets for the lab's A/B: wgmma_bwd_smem gives the two sizes for a depth)
 WGMMA_BWD_STAGES = 2
-WGMMA_DQ_SMEM = 1024 + 2 * WGMMA_BQ * 128 + WGMMA_BWD_STAGES * 2 * WGMMA_BQ * 128 + 8 * (1 + 2 * WGMMA_BWD_STAGES)
-WGMMA_DKDV_SMEM = WGMMA_DQ_SMEM + 2 * 2 * 2 * WGMMA_BQ * 4
+
+
+def wgmma_bwd_smem(stages: int = WGMMA_BWD_STAGES) -> tuple[int, int]:
+    dq = 1024 + 2 * WGMMA_BQ * 128 + stages * 2 * WGMMA_BQ * 128 + 8 * (1 + 2 * stages)
+    return dq, dq + 2 * 2 * 2 * WGMMA_BQ * 4
+
+
+WGMMA_DQ_SMEM, WGMMA_DKDV_SMEM = wgmma_bwd_smem()
 
 
 def build_flash_attention_backward_wgmma(rt, B, T, C, NH, overlap=False, qkv_in_place=False, pingpong=None, **_):
@@ -701,7 +709,13 @@ def build_flash_attention_backward_wgmma(rt, B, T, C, NH, overlap=False, qkv_in_
     _check_attention(B, T, C, NH)
     assert not (overlap and qkv_in_place), "the overlap dq kernel reads the permuted qkvr only"
     assert not pingpong or qkv_in_place, "the ping-pong kernels are built for the in-place form only"
-    for name, smem in (("dq", WGMMA_DQ_SMEM), ("dk dv", WGMMA_DKDV_SMEM)):
+    env = os.environ.get("LLMC_ATT_BWD_STAGES", "")
+    if env and env not in ("2", "3", "4"):
+        raise LLMCError(f"LLMC_ATT_BWD_STAGES={env!r}: expected 2, 3 or 4 (the bf16 backward's ring depth)")
+    stages = int(env or WGMMA_BWD_STAGES)
+    defines = {} if stages == WGMMA_BWD_STAGES else {"LLMC_ATT_BWD_STAGES": stages}
+    dq_smem, dkdv_smem = wgmma_bwd_smem(stages)
+    for name, smem in (("dq", dq_smem), ("dk dv", dkdv_smem)):
         if smem > rt.max_smem_optin:
             refuse("attention_backward", 4, f"the {name} kernel needs {smem} bytes of shared memory, the device "
                                             f"allows {rt.max_smem_optin}")
@@ -710,13 +724,13 @@ def build_flash_attention_backward_wgmma(rt, B, T, C, NH, overlap=False, qkv_in_
     pp = "_pingpong" if pingpong else ""
     sfx = "_overlap" if overlap else "_btc" + pp if qkv_in_place else ""
     kq = rt.kernel(WGMMA_MODULE, "flash_attention_backward_dq_kernel4_bf16" + sfx, "PPPPPPiiif",
-                   label=label + " dq" + sfx.replace("_", " "))
+                   label=label + " dq" + sfx.replace("_", " "), defines=defines)
     sfx = "_btc" + pp if qkv_in_place else ""
     kkv = rt.kernel(WGMMA_MODULE, "flash_attention_backward_dkdv_kernel4_bf16" + sfx, "PPPPiiif",
-                    label=label + " dk dv" + sfx.replace("_", " "))
+                    label=label + " dk dv" + sfx.replace("_", " "), defines=defines)
     qkv_map = (lambda p: qkv_tensor_map(p, B, T, NH)) if qkv_in_place else (lambda p: qkvr_tensor_map(p, B, NH, T))
-    kq.set_max_dynamic_smem(WGMMA_DQ_SMEM)
-    kkv.set_max_dynamic_smem(WGMMA_DKDV_SMEM)
+    kq.set_max_dynamic_smem(dq_smem)
+    kkv.set_max_dynamic_smem(dkdv_smem)
     grid, block = (B * NH, ceil_div(T, WGMMA_BQ), 1), (384, 1, 1)
     args = (np.int32(B), np.int32(NH), np.int32(T), np.float32(1.0 / math.sqrt(FLASH_HS)))
     maps: dict = {}
@@ -730,8 +744,8 @@ def build_flash_attention_backward_wgmma(rt, B, T, C, NH, overlap=False, qkv_in_
                     raise LLMCError(f"attention_backward 4: {name} must be 16-byte aligned (0x{p:x})")
             two = qkv_map(qp) + btc_tensor_map(dp, B, T, NH)  # tm[0], tm[1]
             dm = maps[(qp, dp)] = rt.to_device(np.frombuffer(two, np.uint8))
-        kq(grid, block, _ptr(dinp), _ptr(D), dp, _ptr(out), dm.ptr, _ptr(lse), *args, smem=WGMMA_DQ_SMEM)
-        kkv(grid, block, _ptr(dinp), dm.ptr, _ptr(lse), _ptr(D), *args, smem=WGMMA_DKDV_SMEM)
+        kq(grid, block, _ptr(dinp), _ptr(D), dp, _ptr(out), dm.ptr, _ptr(lse), *args, smem=dq_smem)
+        kkv(grid, block, _ptr(dinp), dm.ptr, _ptr(lse), _ptr(D), *args, smem=dkdv_smem)
     return Built(launch, scratch={"D": D})
 
 
