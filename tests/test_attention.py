@@ -6,6 +6,7 @@ references (-m gpu).
     python -m pytest tests/test_attention.py -q -m gpu     # GPU part, on a machine with a GPU
 """
 import math
+import os
 
 import numpy as np
 import pytest
@@ -749,6 +750,15 @@ def test_flash_attention_wgmma_backward_gpu(rt, B, T, C, NH):
     poison(d_dinp, *pp.scratch.values())
     pp(d_dinp, d_dout, d_inp, d_lse, d_out)
     assert np.array_equal(from_bf16(d_dinp.get()), first), "in place without ping-pong: dinp differs"
+    # a deeper ring (LLMC_ATT_BWD_STAGES, a build parameter of the .cu): the same products, the same bits
+    os.environ["LLMC_ATT_BWD_STAGES"] = "3"
+    try:
+        deep = A.build_flash_attention_backward_wgmma(rt, B=B, T=T, C=C, NH=NH, qkv_in_place=True)
+    finally:
+        del os.environ["LLMC_ATT_BWD_STAGES"]
+    poison(d_dinp, *deep.scratch.values())
+    deep(d_dinp, d_dout, d_inp, d_lse, d_out)
+    assert np.array_equal(from_bf16(d_dinp.get()), first), "3-stage ring: dinp differs"
     # the overlapped dq kernel does the same operations on each accumulator in the same order: the same bits
     over = A.build_flash_attention_backward_wgmma(rt, B=B, T=T, C=C, NH=NH, overlap=True)
     poison(d_dinp, *over.scratch.values())
@@ -1518,3 +1528,35 @@ def test_wgmma_tf32_builds_launch_in_order(monkeypatch):
                                                persistent=True)(out, inp, lse, inp)
     assert rt.launches[-1].func == "flash_attention_forward_kernel4_tf32_btc"
     monkeypatch.delenv("LLMC_TF32_PINGPONG")
+
+
+def test_backward4_bf16_ring_depth_is_a_build_parameter(monkeypatch):
+    """LLMC_ATT_BWD_STAGES builds the bf16 backward's kernels with that ring depth (a -D of the module;
+    the default passes none, so its cubin is the plain one) and sizes their shared memory to match the
+    .cu's DQ_SMEM / DKDV_SMEM; anything but 2-4 is refused in one line."""
+    import re
+    from llmc.runtime import CUDA_DIR
+    from tests.fake_runtime import FakeRuntime
+    src = (CUDA_DIR / "attention_wgmma.cu").read_text()
+    assert int(re.search(r"#define LLMC_ATT_BWD_STAGES (\d+)", src).group(1)) == A.WGMMA_BWD_STAGES
+    assert "constexpr int DQ_SMEM = 1024 + 2 * Q_BYTES + BF_BWD_STAGES * STAGE_BYTES + 8 * (1 + 2 * BF_BWD_STAGES);" in src
+    assert (A.WGMMA_DQ_SMEM, A.WGMMA_DKDV_SMEM) == A.wgmma_bwd_smem(2)
+    for env, want in ((None, {}), ("2", {}), ("3", {"LLMC_ATT_BWD_STAGES": 3})):
+        if env is None:
+            monkeypatch.delenv("LLMC_ATT_BWD_STAGES", raising=False)
+        else:
+            monkeypatch.setenv("LLMC_ATT_BWD_STAGES", env)
+        rt = FakeRuntime(heap_bytes=1 << 16)
+        seen = []
+        real = rt.kernel
+        monkeypatch.setattr(rt, "kernel", lambda *a, defines=None, **k: seen.append(defines) or real(*a, defines=defines, **k))
+        monkeypatch.setattr(A, "qkv_tensor_map", lambda *a: bytes(128))
+        monkeypatch.setattr(A, "btc_tensor_map", lambda *a: bytes(128))
+        bwd = A.build_flash_attention_backward_wgmma(rt, B=2, T=200, C=128, NH=2, qkv_in_place=True)
+        assert seen == [want, want]
+        bwd(0x1000, 0x2000, 0x3000, 0x4000, 0x5000)
+        dq, dkdv = A.wgmma_bwd_smem(int(env or 2))
+        assert [L.smem for L in rt.launches[-2:]] == [dq, dkdv]
+    monkeypatch.setenv("LLMC_ATT_BWD_STAGES", "9")
+    with pytest.raises(LLMCError, match="LLMC_ATT_BWD_STAGES"):
+        A.build_flash_attention_backward_wgmma(FakeRuntime(), B=2, T=200, C=128, NH=2, qkv_in_place=True)
