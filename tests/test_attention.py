@@ -1135,11 +1135,12 @@ def test_wgmma_backward_builds(monkeypatch):
     from llmc.runtime import CUDA_DIR
     from tests.fake_runtime import FakeRuntime
     src = (CUDA_DIR / "attention_wgmma.cu").read_text()
-    assert int(re.search(r"constexpr int BWD_STAGES = (\d+);", src).group(1)) == A.WGMMA_BWD_STAGES
+    assert int(re.search(r"#define LLMC_ATT_BWD_STAGES (\d+)", src).group(1)) == A.WGMMA_BWD_STAGES
     one = " ".join(src.split())
-    assert "constexpr int DQ_SMEM = 1024 + 2 * Q_BYTES + BWD_STAGES * STAGE_BYTES + 8 * (1 + 2 * BWD_STAGES);" in one
-    assert ("constexpr int DKDV_SMEM = 1024 + 2 * KV_BYTES + BWD_STAGES * STAGE_BYTES + 2 * 2 * ROWS_FLOATS * 4 + "
-            "8 * (1 + 2 * BWD_STAGES);") in one and "constexpr int ROWS_FLOATS = 2 * BQ;" in one
+    assert ("constexpr int DQ_SMEM = 1024 + 2 * Q_BYTES + BF_BWD_STAGES * STAGE_BYTES + 8 * (1 + 2 * BF_BWD_STAGES);"
+            in one)
+    assert ("constexpr int DKDV_SMEM = 1024 + 2 * KV_BYTES + BF_BWD_STAGES * STAGE_BYTES + 2 * 2 * ROWS_FLOATS * 4 + "
+            "8 * (1 + 2 * BF_BWD_STAGES);") in one and "constexpr int ROWS_FLOATS = 2 * BQ;" in one
     tiles = 2 * 128 * 128 + A.WGMMA_BWD_STAGES * 2 * 128 * 128
     assert A.WGMMA_DQ_SMEM == 1024 + tiles + 8 * (1 + 2 * A.WGMMA_BWD_STAGES)
     assert A.WGMMA_DKDV_SMEM == A.WGMMA_DQ_SMEM + 2 * 2 * 2 * 128 * 4
