@@ -1039,6 +1039,12 @@ __device__ __forceinline__ void layernorm_backward7_t(T* __restrict__ dinp, T* d
         }
         ln7_cp_commit();
     };
+    raw wv[NV];  // this lane's pieces of weight, loaded once (every row uses them twice)
+#pragma unroll
+    for (int i = 0; i < NV; i++) {
+        const int c0 = V * (lane + i * WARP_SIZE);
+        if (c0 < C) wv[i] = Vec16<T>::ld(weight + c0);
+    }
     for (int p = 0; p < P - 1; p++) issue(row + p * step, p);
     float mc = 0.0f, sc = 0.0f;
     if (row < end) { mc = mean[row]; sc = rstd[row]; }
@@ -1067,7 +1073,7 @@ __device__ __forceinline__ void layernorm_backward7_t(T* __restrict__ dinp, T* d
                 float dv[V], xv[V], w[V];
                 Vec16<T>::unpack(dv, dc[i]);
                 Vec16<T>::unpack(xv, xc[i]);
-                Vec16<T>::unpack(w, Vec16<T>::ld(weight + c0));
+                Vec16<T>::unpack(w, wv[i]);
 #pragma unroll
                 for (int k = 0; k < V; k++) {
                     const float nrm = (xv[k] - mc) * sc, dnrm = dv[k] * w[k];
@@ -1087,7 +1093,7 @@ __device__ __forceinline__ void layernorm_backward7_t(T* __restrict__ dinp, T* d
                 Vec16<T>::unpack(dv, dc[i]);
                 Vec16<T>::unpack(xv, xc[i]);
                 Vec16<T>::unpack(gv, ln7_lds<T>(s + (2 * C + c0) * sizeof(T)));
-                Vec16<T>::unpack(w, Vec16<T>::ld(weight + c0));
+                Vec16<T>::unpack(w, wv[i]);
 #pragma unroll
                 for (int k = 0; k < V; k++) {
                     const float nrm = (xv[k] - mc) * sc;
