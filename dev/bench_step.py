@@ -73,7 +73,7 @@ def main():
     free1, _ = rt.mem_info()
     ms = statistics.median(times)
     print(f"device: {rt.name} | model {cfg.describe()} | B={B} T={T} | {args.precision} | build {build_s:.1f} s")
-    print("kernels: " + ", ".join(f"{k}={v}" for k, v in sorted(be.kernels.items())))
+    print("kernels: " + ", ".join(f"{k}={v}" for k, v in sorted(be.kernels_for().items())))
     print("bias grads fused into: " + (", ".join(k for k, v in model.fused_bias.items() if v) or "none (matmul_backward_bias)"))
     print("fc GELU: " + ("fused into the fc GEMM's epilogue" if model.fused_gelu else "mm_fc + gelu_forward"))
     print("fcproj backward: " + ("dinp GEMM, gelu_backward's recompute form (fch_gelu and d fch in one pass), "

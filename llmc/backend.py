@@ -97,6 +97,13 @@ class _Choosing:
     def named(self, name) -> bool:
         return name in self.chosen
 
+    def kernels_for(self, precision=None) -> dict:
+        """{op name: variant}: what the "kernels:" lines print. The user's choices as named, every other
+        op's default for the element type (bf16 has its own defaults for some ops: layernorm, encoder
+        backward, classifier), which is what choose() takes where the default fits the shape."""
+        dt = precision or self.precision
+        return {k: v if k in self.chosen else ops.get(k).default_for(dt) for k, v in self.kernels.items()}
+
     def _arch(self):
         return None
 

@@ -550,7 +550,7 @@ def main(argv=None, group=None) -> int:
           f"train {train_loader.num_tokens:,} tokens")
     peak = None
     if be.name == "cuda":
-        print("kernels: " + ", ".join(f"{k}={v}" for k, v in sorted(be.kernels.items())))
+        print("kernels: " + ", ".join(f"{k}={v}" for k, v in sorted(be.kernels_for().items())))
         free, total_mem = be.rt.mem_info()
         print(f"GPU memory: {be.rt.allocated_bytes / 2**30:.2f} GiB allocated by the model "
               f"({args.precision}; activations {model.activation_bytes() / 2**30:.2f} GiB at -r {args.recompute}), "

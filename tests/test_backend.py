@@ -344,3 +344,19 @@ def test_model_frees_its_pinned_buffers_before_writing_them(monkeypatch):
     m.set_batch(x, x)
     assert order == [("free", id(m._pinned_x)), ("upload", id(m._pinned_x)),
                      ("free", id(m._pinned_y)), ("upload", id(m._pinned_y))]
+
+
+def test_the_kernels_line_names_the_variants_of_the_element_type():
+    """bf16 has its own defaults for some ops: the "kernels:" line of train_gpt2.py and bench_step.py
+    (Backend.kernels_for) prints those, and the user's choices as named, where be.kernels keeps the
+    fp32 defaults that choose() maps per element type."""
+    from tests.fake_runtime import FakeRuntime
+    fp32 = CudaBackend(rt=FakeRuntime(), quiet=True).kernels_for()
+    bf16 = CudaBackend(rt=FakeRuntime(), quiet=True, precision="bf16")
+    shown = bf16.kernels_for()
+    for name in ("layernorm_backward", "layernorm_forward", "encoder_backward", "classifier"):
+        spec = ops.get(name)
+        assert fp32[name] == spec.default and shown[name] == spec.default_for("bf16") != spec.default, name
+    assert shown["layernorm_backward"] == bf16.choose("layernorm_backward", N=4096, C=768)
+    named = CudaBackend(rt=FakeRuntime(), quiet=True, precision="bf16", kernels={"layernorm_backward": 5})
+    assert named.kernels_for()["layernorm_backward"] == 5 and named.kernels_for()["encoder_backward"] == 7
