@@ -666,6 +666,7 @@ GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n192_bf16, __nv_bfloat16, __nv_bfloat16, 192, 5
 GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n256_bf16, __nv_bfloat16, __nv_bfloat16, 256, 4, false)
 GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n128_ts_bf16, __nv_bfloat16, __nv_bfloat16, 128, 6, true)
 GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n192_ts_bf16, __nv_bfloat16, __nv_bfloat16, 192, 4, true)
+GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n256_ts_bf16, __nv_bfloat16, __nv_bfloat16, 256, 3, true)  // (3 stages + 2 x 32 KB of staging)
 // B N-major (B^T stored): dinp (N,C) = dout (N,OC) @ weight (OC,C), weight read as it lies
 GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n128_bt_bf16, __nv_bfloat16, __nv_bfloat16, 128, 6, false, false, false, true)
 GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n192_bt_bf16, __nv_bfloat16, __nv_bfloat16, 192, 5, false, false, false, true)

@@ -406,6 +406,17 @@ def test_bf16_out_every_tile_width(hopper, rng, bn, layout):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("bn", sorted(gw.INSTANCES[("bf16", "bf16", "kk", True)]))
+def test_bf16_out_tma_store_every_width(hopper, rng, bn):
+    """Every TMA-store instance of the bf16 forward layout (128, 192 and the 3-stage 256), with bias,
+    against float64 on a shape of several ragged tiles."""
+    from llmc.testing import bf16_close
+    out, ref, g = _run_bf16(hopper, rng, 300, 520, 520, has_bias=True, bn=bn, store="tma")
+    assert g.plan[1].startswith(f"128x{bn}+ts"), g.plan
+    bf16_close(out, ref, f"bf16 kk tma bn={bn}")
+
+
+@pytest.mark.gpu
 def test_bf16_out_tma_store_misaligned_c_falls_back(hopper, rng):
     """C 2 bytes off a 16-byte boundary: the TMA store can't take it, the direct bf16 stores must
     (and they are single stores there: the bf16 pairs need 4-byte alignment)."""
@@ -710,7 +721,8 @@ def test_gelu_instance_table_matches_the_kernels():
     ctype = {"tf32": "float", "bf16": "__nv_bfloat16", "fp32": "float"}
     want = {}
     for (ty, out, ts), widths in gw.GELU_INSTANCES.items():
-        assert widths == gw.INSTANCES[(ty, out, "kk", ts)]
+        # the plain instances' widths and stages (bf16's 3-stage 256-wide TMA store has no GELU form)
+        assert widths.items() <= gw.INSTANCES[(ty, out, "kk", ts)].items()
         for bn, stages in widths.items():
             want[gw.instance_name(ty, out, "kk", ts, bn, True)] = (ctype[ty], ctype[out], bn, stages, ts)
             assert gw.smem_bytes(bn, stages, ts, out) <= 227 * 1024
@@ -848,3 +860,24 @@ def test_gelu_fused_equals_gemm_then_gelu_forward(hopper, rng, dtype, bias_alpha
         poison(G2)
         spec.build(hopper, v, "bf16" if dtype == "bf16" else "fp32", N=M * N)(G2, C)
         assert np.array_equal(G.get(), G2.get()), f"gelu_forward {v}"
+
+
+@pytest.mark.parametrize("M,N,K,env,want", [
+    (16384, 50304, 768, None, 256),       # the lm head forward at B=16: 256 wide (3 stages) at short K
+    (4096, 2304, 768, None, 192),         # qkv at B=4: 256-wide tiles would take a third wave for little
+    (16384, 768, 3072, None, 192),        # fcproj at K = 3072: past TS256_MAX_K, 3 stages are too few
+    (16384, 50304, 768, "128,192", 192),  # LLMC_WGMMA_TS_WIDTHS narrows the planner's widths
+])
+def test_bf16_forward_tma_store_widths(monkeypatch, M, N, K, env, want):
+    from tests.fake_runtime import FakeRuntime
+    if env is None:
+        monkeypatch.delenv("LLMC_WGMMA_TS_WIDTHS", raising=False)
+    else:
+        monkeypatch.setenv("LLMC_WGMMA_TS_WIDTHS", env)
+    rt = FakeRuntime()
+    g = gw.wgmma_build(rt, "bf16", M, N, K, out="bf16")
+    assert g.plan[1] == f"128x{want}+ts" and rt.built == [f"gemm_wgmma_bf16_n{want}_ts_bf16"], (g.plan, rt.built)
+    monkeypatch.setenv("LLMC_WGMMA_TS_WIDTHS", "wide")
+    from llmc.errors import LLMCError
+    with pytest.raises(LLMCError, match="LLMC_WGMMA_TS_WIDTHS"):
+        gw.wgmma_build(FakeRuntime(), "bf16", M, N, K, out="bf16")

@@ -44,7 +44,11 @@ BN_EFF = {128: 0.85, 192: 1.0, 256: 0.84}
 # (H100, session 13, interleaved medians, TF32 K = 768: lm head forward B=4 1.053 ms at 128 against
 # 1.198 at 192, B=16 4.417 against 4.683; fc forward B=16 0.275 against 0.284), while 192 keeps the
 # shapes whose 128-wide tiles would take an extra wave (attproj forward B=4: 0.0315 against 0.0346)
-TS_BN_EFF = {"fp32": {128: 1.0, 192: 0.88}, "bf16": BN_EFF}
+# bf16 256 wide (3 stages, built for the forward layout only): interleaved against 192 at K = 768, lm head
+# B=16 2.170 against 2.262 ms, B=4 0.544 against 0.561; qkv B=16 0.1021 against 0.1039; but 0.1296
+# against 0.1199 at fcproj's K = 3072, where 3 stages are too few: only up to TS256_MAX_K
+TS_BN_EFF = {"fp32": {128: 1.0, 192: 0.88}, "bf16": {**BN_EFF, 256: 1.04}}
+TS256_MAX_K = 1024
 TILE_OVERHEAD_KB = 2            # epilogue + pipeline fill of a work unit, in k-blocks
 SM_TF32_FLOPS = 3.0e12          # per-SM rate assumed by the planner (~80% of 494 TFLOP/s / 132); bf16 twice
 DRAM_BPS = 2.5e12
@@ -184,7 +188,8 @@ def plan_pingpong(sm_count: int, M: int, N: int, K: int, dtype: str = "tf32", al
     return rm, bn, s
 
 
-TS_WIDTHS = (128, 192)          # tile widths built with the TMA-store epilogue (_ts); 256 has no room
+TS_WIDTHS = (128, 192)          # tile widths built with the TMA-store epilogue (_ts) in every layout; bf16 -> bf16
+                                # forward (kk) also 256 wide, with 3 stages (INSTANCES)
 
 # The kernel instances of cuda/gemm_wgmma.cu: (input type, output type, layout, TMA store) -> {tile
 # width: stages}. Layout: "kk" both K-major, "mk" A M-major through registers (tf32), "kn" B N-major
@@ -195,7 +200,7 @@ INSTANCES = {
     ("tf32", "fp32", "kk", False): _DIRECT, ("tf32", "fp32", "kk", True): {128: 5, 192: 3},
     ("tf32", "fp32", "mk", False): _DIRECT,
     ("bf16", "fp32", "kk", False): _DIRECT, ("bf16", "fp32", "kk", True): {128: 5, 192: 3},
-    ("bf16", "bf16", "kk", False): _DIRECT, ("bf16", "bf16", "kk", True): {128: 6, 192: 4},
+    ("bf16", "bf16", "kk", False): _DIRECT, ("bf16", "bf16", "kk", True): {128: 6, 192: 4, 256: 3},
     ("bf16", "bf16", "kn", False): _DIRECT, ("bf16", "bf16", "kn", True): {128: 6, 192: 4},
     ("bf16", "bf16", "mn", False): _DIRECT, ("bf16", "bf16", "mn", True): {128: 6, 192: 4},
 }
@@ -323,6 +328,8 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
         raise LLMCError(f"gemm engine 5 refuses M={M} N={N} K={K}: {why}")
     obytes = OUT_BYTES[out]
     has_ts = (ty, out, layout, True) in INSTANCES
+    ts_widths = tuple((GELU_INSTANCES[(ty, out, True)] if gelu else INSTANCES[(ty, out, layout, True)])
+                      if has_ts else ())
     # (beta != 0: C's old tile comes in through the TMA as well; LLMC_WGMMA_TS_BETA=0 keeps such GEMMs on
     # direct stores, the A/B of that choice)
     ts_ok = ((beta == 0.0 or os.environ.get("LLMC_WGMMA_TS_BETA", "1") != "0") and not trans_c
@@ -347,20 +354,28 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
             raise LLMCError(f"gemm engine 5: no ping-pong tile rm={rm} bn={bn}; have {have}")
         tile_rows, pbn, psplits = plan_pingpong(rt.sm_count, M, N, K, dtype, allow_split=splits is None, shapes=shapes)
     else:
-        use_ts = dgelu or store == "tma" or (store == "auto" and ts_ok and K <= ts_max_k(out) and (bn is None or bn in TS_WIDTHS))
+        use_ts = dgelu or store == "tma" or (store == "auto" and ts_ok and K <= ts_max_k(out) and (bn is None or bn in ts_widths))
         # an accumulating GEMM that the planner splits over K (attproj's dweight: 24-36 tiles) stays direct
         if use_ts and store == "auto" and beta != 0.0 and splits is None and plan(rt.sm_count, M, N, K, dtype)[1] > 1:
             use_ts = False
         if use_ts:  # the TMA store needs the whole tile at once: no split-K
-            pbn, psplits = plan(rt.sm_count, M, N, K, dtype, allow_split=False, widths=TS_WIDTHS, eff=TS_BN_EFF[out])
+            # the planner's widths: LLMC_WGMMA_TS_WIDTHS (e.g. "128,192", the A/B of the 256-wide instance)
+            # narrows them; 256 only up to TS256_MAX_K
+            env = os.environ.get("LLMC_WGMMA_TS_WIDTHS")
+            try:
+                allowed = tuple(int(w) for w in env.split(",")) if env else ts_widths
+            except ValueError:
+                raise LLMCError(f"LLMC_WGMMA_TS_WIDTHS={env!r}: expected tile widths such as 128,192") from None
+            widths = tuple(w for w in ts_widths if w in allowed and (w != 256 or K <= TS256_MAX_K)) or TS_WIDTHS
+            pbn, psplits = plan(rt.sm_count, M, N, K, dtype, allow_split=False, widths=widths, eff=TS_BN_EFF[out])
             splits = 1 if splits is None else splits
             if splits > 1 and store == "auto":
                 use_ts = False
         if not use_ts:
             pbn, psplits = plan(rt.sm_count, M, N, K, dtype)
     bn, splits = bn or pbn, splits or psplits
-    if use_ts and (bn not in TS_WIDTHS or splits > 1):
-        raise LLMCError(f"gemm engine 5: the TMA store is built for tile widths {TS_WIDTHS} without split-K")
+    if use_ts and (bn not in ts_widths or splits > 1):
+        raise LLMCError(f"gemm engine 5: the TMA store is built for tile widths {ts_widths} without split-K here")
     if bn not in BN_CHOICES:
         raise LLMCError(f"gemm engine 5: no tile width {bn}; have {', '.join(map(str, BN_CHOICES))}")
     bk = 128 // DTYPES[dtype][1]
