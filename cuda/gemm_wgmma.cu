@@ -706,6 +706,7 @@ GEMM_WGMMA_GELU_ENTRY(gemm_wgmma_bf16_n192_gelu_bf16, __nv_bfloat16, __nv_bfloat
 GEMM_WGMMA_GELU_ENTRY(gemm_wgmma_bf16_n256_gelu_bf16, __nv_bfloat16, __nv_bfloat16, 256, 4, false)
 GEMM_WGMMA_GELU_ENTRY(gemm_wgmma_bf16_n128_ts_gelu_bf16, __nv_bfloat16, __nv_bfloat16, 128, 6, true)
 GEMM_WGMMA_GELU_ENTRY(gemm_wgmma_bf16_n192_ts_gelu_bf16, __nv_bfloat16, __nv_bfloat16, 192, 4, true)
+GEMM_WGMMA_GELU_ENTRY(gemm_wgmma_bf16_n256_ts_gelu_bf16, __nv_bfloat16, __nv_bfloat16, 256, 3, true)
 
 // The fcproj layer's fused backward (matmul_backward with dgelu=True): dinp's GEMM with gelu_backward
 // in its epilogue, C = gelu'(P) * (A @ B^T as stored), P = fch through tmP (loaded into the staging

@@ -721,18 +721,17 @@ def test_gelu_instance_table_matches_the_kernels():
     ctype = {"tf32": "float", "bf16": "__nv_bfloat16", "fp32": "float"}
     want = {}
     for (ty, out, ts), widths in gw.GELU_INSTANCES.items():
-        # the plain instances' widths and stages (bf16's 3-stage 256-wide TMA store has no GELU form)
-        assert widths.items() <= gw.INSTANCES[(ty, out, "kk", ts)].items()
+        assert widths == gw.INSTANCES[(ty, out, "kk", ts)]
         for bn, stages in widths.items():
             want[gw.instance_name(ty, out, "kk", ts, bn, True)] = (ctype[ty], ctype[out], bn, stages, ts)
             assert gw.smem_bytes(bn, stages, ts, out) <= 227 * 1024
-    assert entries == want and len(want) == 10
+    assert entries == want and len(want) == 11
 
 
 @pytest.mark.parametrize("dtype,out,kw,want", [
     ("tf32", "fp32", dict(), ["gemm_wgmma_tf32_n128_ts_gelu"]),
     ("tf32", "fp32", dict(store="direct"), ["gemm_wgmma_tf32_n192_gelu"]),
-    ("bf16", "bf16", dict(), ["gemm_wgmma_bf16_n192_ts_gelu_bf16"]),
+    ("bf16", "bf16", dict(), ["gemm_wgmma_bf16_n256_ts_gelu_bf16"]),   # (K = 768: the 3-stage 256-wide one)
     ("bf16", "bf16", dict(store="direct", bn=256), ["gemm_wgmma_bf16_n256_gelu_bf16"]),
     # split-K: the plain instance writes the partials, the reduce adds them and applies the GELU
     ("tf32", "fp32", dict(splits=3), ["gemm_wgmma_tf32_n192", "gemm_wgmma_splitk_reduce_gelu"]),
@@ -867,6 +866,7 @@ def test_gelu_fused_equals_gemm_then_gelu_forward(hopper, rng, dtype, bias_alpha
     (4096, 2304, 768, None, 192),         # qkv at B=4: 256-wide tiles would take a third wave for little
     (16384, 768, 3072, None, 192),        # fcproj at K = 3072: past TS256_MAX_K, 3 stages are too few
     (16384, 50304, 768, "128,192", 192),  # LLMC_WGMMA_TS_WIDTHS narrows the planner's widths
+    (16384, 50304, 768, "128:192", 192),  # (any separator)
 ])
 def test_bf16_forward_tma_store_widths(monkeypatch, M, N, K, env, want):
     from tests.fake_runtime import FakeRuntime

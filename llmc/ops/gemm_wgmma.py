@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 
 import numpy as np
 
@@ -212,7 +213,7 @@ LAYOUT_SUFFIX = {"kk": "", "mk": "_am", "kn": "_bt", "mn": "_at_bt"}
 # instance, then gemm_wgmma_splitk_reduce_gelu[_bf16].
 GELU_INSTANCES = {
     ("tf32", "fp32", False): _DIRECT, ("tf32", "fp32", True): {128: 5, 192: 3},
-    ("bf16", "bf16", False): _DIRECT, ("bf16", "bf16", True): {128: 6, 192: 4},
+    ("bf16", "bf16", False): _DIRECT, ("bf16", "bf16", True): {128: 6, 192: 4, 256: 3},
 }
 
 # The fused dgelu instances (GEMM_WGMMA_DGELU_ENTRY; the fcproj layer's matmul_backward with dgelu=True):
@@ -362,8 +363,8 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
             # the planner's widths: LLMC_WGMMA_TS_WIDTHS (e.g. "128,192", the A/B of the 256-wide instance)
             # narrows them; 256 only up to TS256_MAX_K
             env = os.environ.get("LLMC_WGMMA_TS_WIDTHS")
-            try:
-                allowed = tuple(int(w) for w in env.split(",")) if env else ts_widths
+            try:  # (any separator but a comma works too: "128:192" inside bench_ab's comma-separated --env)
+                allowed = tuple(int(w) for w in re.split(r"[,:/ ]+", env.strip())) if env else ts_widths
             except ValueError:
                 raise LLMCError(f"LLMC_WGMMA_TS_WIDTHS={env!r}: expected tile widths such as 128,192") from None
             widths = tuple(w for w in ts_widths if w in allowed and (w != 256 or K <= TS256_MAX_K)) or TS_WIDTHS
