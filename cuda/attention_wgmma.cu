@@ -986,6 +986,281 @@ flash_attention_backward_dkdv_kernel4_bf16_btc_pingpong(bf16* dinp, const CUtens
 }
 
 // ------------------------------------------------------------------------------------------------
+// attention_backward variant 5 (bf16): one pass over the tile pairs, dq by fp32 reductions in global
+// memory (FlashAttention-2's split; not deterministic: the order the reductions land in varies)
+//
+// Variant 4 computes S and dP twice, once in each of its kernels: 7 products per tile pair. Here the
+// dk/dv kernel also forms the tile pair's dq contribution, dS k, and adds it into an fp32 (B,T,C)
+// buffer with red.global.add: 5 products per pair. Three launches:
+//   prep     D = rowsum(dout * out) (the same fp32 sums as variant 4's dq kernel: the same bits) and
+//            dq_acc zeroed (a quad of threads per (b, t, h) row)
+//   main     variant 4's dk/dv loop (the same products, the same dk and dv bits), and per query tile
+//            after dS^T is formed:
+//              each consumer stores its dS^T (64 keys x 128 queries, bf16) to shared memory, as two
+//              halves of 64 queries, each 128 keys x 128 bytes, 128-byte swizzled by key row;
+//              a barrier of both consumers (both halves of the tile's keys written);
+//              consumer cw: dq (queries 64 cw.. + 63 x 64 dims) = dS k over the block's 128 keys,
+//              8 x wgmma m64n64k16 with A = dS from shared memory read transposed (M-major: the
+//              stored rows are keys) and B = k (keys x dims, N-major, the O-shape's desc_mn);
+//              16 red.global.add.v2.f32 a thread into dq_acc (rows >= T skipped)
+//            The dS^T buffer is double-buffered: tile i + 2 rewrites tile i's only after both
+//            consumers have passed tile i + 1's barrier, i.e. waited for tile i's products.
+//   convert  dinp[..., 0:C] = bf16(scale dq_acc), one rounding (8 elements a thread)
+constexpr int DS_HALF_BYTES = BKV * ROW_BYTES;   // 128 keys x 64 queries bf16 = 16 KB
+constexpr int DS_BYTES = 2 * DS_HALF_BYTES;      // one tile's dS^T
+constexpr int DKDVQ_SMEM = 1024 + 2 * KV_BYTES + BF_BWD_STAGES * STAGE_BYTES + 2 * DS_BYTES + 2 * 2 * ROWS_FLOATS * 4 +
+                           8 * (1 + 2 * BF_BWD_STAGES);
+static_assert(DKDVQ_SMEM <= 227 * 1024, "fits one SM's shared memory");
+constexpr int DS_BAR = 5;  // named barrier of the two consumers (0 __syncthreads, 1-2 wg_barrier, 3-4 PP_BAR)
+
+// dq_acc[i], dq_acc[i + 1] += v.x, v.y at the L2 (one 8-byte reduction; sm_90)
+__device__ __forceinline__ void red_add_v2(float* p, float x, float y) {
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(x), "f"(y) : "memory");
+}
+
+// prep: a quad of threads per (b, t, h) row, h fastest (dout and out rows read contiguously)
+extern "C" __global__ void __launch_bounds__(256)
+flash_attention_backward_prep_kernel5_bf16(float* Dbuf, float* dq_acc, const bf16* dout, const bf16* out, int B,
+                                           int NH, int T) {
+    const int C = NH * HS;
+    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long r = idx >> 2;                    // (b t) * NH + h
+    const int t = threadIdx.x & 3;
+    const bool ok = r < (long long)B * T * NH;       // whole quads share it
+    float d = 0.0f;
+    if (ok) {
+        const long long bt = r / NH;
+        const int h = (int)(r % NH);
+        const size_t off = (size_t)bt * C + h * HS + 16 * t;
+#pragma unroll
+        for (int u = 0; u < 2; u++) {  // as the dq kernel of variant 4: the same order, the same bits
+            const uint4 x = *reinterpret_cast<const uint4*>(dout + off + 8 * u);
+            const uint4 y = *reinterpret_cast<const uint4*>(out + off + 8 * u);
+            const __nv_bfloat162* xp = reinterpret_cast<const __nv_bfloat162*>(&x);
+            const __nv_bfloat162* yp = reinterpret_cast<const __nv_bfloat162*>(&y);
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const float2 xf = __bfloat1622float2(xp[e]), yf = __bfloat1622float2(yp[e]);
+                d = fmaf(xf.x, yf.x, d);
+                d = fmaf(xf.y, yf.y, d);
+            }
+        }
+        float4* z = reinterpret_cast<float4*>(dq_acc + off);
+#pragma unroll
+        for (int u = 0; u < 4; u++) z[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+    d += __shfl_xor_sync(0xffffffffu, d, 1);
+    d += __shfl_xor_sync(0xffffffffu, d, 2);
+    if (ok && t == 0) {
+        const long long bt = r / NH;
+        const int h = (int)(r % NH), b = (int)(bt / T), tt = (int)(bt % T);
+        Dbuf[((size_t)b * NH + h) * T + tt] = d;
+    }
+}
+
+// convert: dinp[(b t), 0:C] = bf16(scale dq_acc[(b t), :]), 8 elements a thread
+extern "C" __global__ void __launch_bounds__(256)
+flash_attention_backward_convert_kernel5_bf16(bf16* dinp, const float* dq_acc, int N, int C, float scale) {
+    const long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * 8;
+    if (i >= (long long)N * C) return;
+    const long long row = i / C;
+    const int c = (int)(i % C);
+    const float4 a = *reinterpret_cast<const float4*>(dq_acc + i);
+    const float4 b = *reinterpret_cast<const float4*>(dq_acc + i + 4);
+    uint4 o;
+    o.x = pack_bf16(a.x * scale, a.y * scale);
+    o.y = pack_bf16(a.z * scale, a.w * scale);
+    o.z = pack_bf16(b.x * scale, b.y * scale);
+    o.w = pack_bf16(b.z * scale, b.w * scale);
+    *reinterpret_cast<uint4*>(dinp + row * 3 * C + c) = o;
+}
+
+// main: variant 4's dk/dv kernel (flash_backward_dkdv_wgmma, the same loop) plus each tile's dq
+// contribution (see above). tm, BTC, PINGPONG: as variant 4.
+template <bool BTC, bool PINGPONG = false>
+__device__ __forceinline__ void flash_backward_dkdvq_wgmma(bf16* dinp, float* dq_acc, const CUtensorMap* tm,
+                                                           const float* lse, const float* Dbuf, int B, int NH, int T,
+                                                           float scale) {
+    extern __shared__ unsigned char smem_bwd[];
+    unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_bwd) + 1023) & ~uintptr_t(1023));
+    unsigned char* sk = smem;                      // k (128 keys x 64)
+    unsigned char* sv = smem + KV_BYTES;           // v (128 keys x 64)
+    unsigned char* sqd = smem + 2 * KV_BYTES;      // stage s: q at sqd + s * STAGE_BYTES, dout KV_BYTES after it
+    unsigned char* sds = sqd + BF_BWD_STAGES * STAGE_BYTES;  // 2 buffers of dS^T, DS_BYTES each (1 KB aligned)
+    float* rows = reinterpret_cast<float*>(sds + 2 * DS_BYTES);  // [consumer][buffer][lse | D]
+    uint64_t* kv_full = reinterpret_cast<uint64_t*>(rows + 2 * 2 * ROWS_FLOATS);
+    uint64_t* full = kv_full + 1;
+    uint64_t* empty = full + BF_BWD_STAGES;
+
+    const int C = NH * HS;
+    const int bh = blockIdx.x, b = bh / NH, h = bh % NH;
+    const int kb = blockIdx.y;                  // key block 0 has the most query tiles: it starts first
+    const int k0 = kb * BKV;
+    const int nqb = gridDim.y, nt = nqb - kb;   // query tiles kb..nqb-1; tile kb holds the diagonal
+
+    if (threadIdx.x == 0) mbar_init_pipeline(kv_full, full, empty, BF_BWD_STAGES, CONSUMER_WARPS);
+    __syncthreads();
+
+    const int wg = threadIdx.x / 128;
+    if (wg == 0) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
+        if (threadIdx.x == 0) {
+            tensormap_acquire(tm);
+            tensormap_acquire(tm + 1);
+            mbar_expect_tx(kv_full, 2 * KV_BYTES);
+            tma_load_head<BTC>(sk, tm, kv_full, 1, k0, B, NH, b, h);  // k
+            tma_load_head<BTC>(sv, tm, kv_full, 2, k0, B, NH, b, h);  // v
+            for (int i = 0; i < nt; i++) {
+                const int s = i % BF_BWD_STAGES, use = i / BF_BWD_STAGES, r0 = (kb + i) * BQ;
+                mbar_wait(&empty[s], (use & 1) ^ 1);
+                mbar_expect_tx(&full[s], STAGE_BYTES);
+                unsigned char* st = sqd + s * STAGE_BYTES;
+                tma_load_head<BTC>(st, tm, &full[s], 0, r0, B, NH, b, h);   // q
+                tma_load_4d(st + KV_BYTES, tm + 1, &full[s], 0, h, r0, b);  // dout
+            }
+        }
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
+
+    const int cw = wg - 1;  // consumer: keys 64 cw .. 64 cw + 63 of the block; queries 64 cw.. of dq
+    const int tid = threadIdx.x & 127, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int key0 = k0 + 64 * cw + 16 * warp + g;  // this thread's keys: key0 (h = 0), key0 + 8 (h = 1)
+    const float c2 = scale * LOG2E;
+    const unsigned char* skw = sk + cw * 64 * ROW_BYTES;
+    const unsigned char* svw = sv + cw * 64 * ROW_BYTES;
+    float* myrows = rows + cw * 2 * ROWS_FLOATS;  // this warpgroup's two buffers of a tile's lse, D
+
+    // (lse, D and dq_acc addressed from the kernel's parameters where used: fewer live registers)
+    auto load_rows = [&](int i, float& l, float& d) {
+        const int qpos = (kb + i) * BQ + tid;
+        l = qpos < T ? lse[(size_t)blockIdx.x * T + qpos] * LOG2E : 0.0f;
+        d = qpos < T ? Dbuf[(size_t)blockIdx.x * T + qpos] : 0.0f;
+    };
+    float l_next, d_next;
+    load_rows(0, l_next, d_next);
+
+    float dk[32], dv[32];
+#pragma unroll
+    for (int i = 0; i < 32; i++) dk[i] = dv[i] = 0.0f;
+    float sc[64], dp[64];
+    uint32_t pa[8][4];
+    mbar_wait(kv_full, 0);
+    const PingPong<PINGPONG> turn{cw};
+    turn.start();
+    for (int i = 0; i < nt; i++) {
+        float* r = myrows + (i & 1) * ROWS_FLOATS;
+        r[tid] = l_next;
+        r[BQ + tid] = d_next;
+        if (i + 1 < nt) load_rows(i + 1, l_next, d_next);
+        wg_barrier(1 + cw);
+
+        const unsigned char* sqt = sqd + (i % BF_BWD_STAGES) * STAGE_BYTES;
+        mbar_wait(&full[i % BF_BWD_STAGES], (i / BF_BWD_STAGES) & 1);
+        turn.begin();
+        wgmma_fence();
+        issue_s(sc, skw, sqt);             // S^T = k q^T
+        issue_s(dp, svw, sqt + KV_BYTES);  // dP^T = v dout^T
+        wgmma_commit();
+        turn.end(false);
+        wgmma_wait<0>();
+        keep_in_regs(sc);
+        keep_in_regs(dp);
+        const int q0 = (kb + i) * BQ;
+        const bool mask = i == 0 || i == nt - 1;
+        // P^T, dS^T as variant 4; each dS^T pair goes to shared memory as soon as it is formed (dS^T
+        // is read from there by dk's and dq's products; fewer registers live than packing it first):
+        // keys key0 + 8 hh, queries 8j + 2t, +1 of the tile: half j / 8, chunk j % 8 of the key's
+        // 128-byte row, stored at chunk (j % 8) ^ g (row % 8 = g)
+        unsigned char* dsb = sds + (i & 1) * DS_BYTES;
+        const uint32_t ds0 = smem_u32(dsb) + (key0 - k0) * ROW_BYTES + 4 * t;  // row key0 - k0, chunk 0
+#pragma unroll
+        for (int j = 0; j < 16; j++) {
+            const float2 lq = *reinterpret_cast<const float2*>(r + 8 * j + 2 * t);
+            const float2 dd = *reinterpret_cast<const float2*>(r + BQ + 8 * j + 2 * t);
+            float ds[4];
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int c = e & 1, qpos = q0 + 8 * j + 2 * t + c;
+                float p = ex2(fmaf(sc[4 * j + e], c2, -(c ? lq.y : lq.x)));
+                if (mask && (qpos < key0 + 8 * (e >> 1) || qpos >= T)) p = 0.0f;
+                sc[4 * j + e] = p;
+                ds[e] = p * (dp[4 * j + e] - (c ? dd.y : dd.x));
+            }
+            const uint32_t a = ds0 + (j >> 3) * DS_HALF_BYTES + (((j & 7) ^ g) << 4);
+            asm volatile("st.shared.b32 [%0], %1;" ::"r"(a), "r"(pack_bf16(ds[0], ds[1])) : "memory");
+            asm volatile("st.shared.b32 [%0], %1;" ::"r"(a + 8 * ROW_BYTES), "r"(pack_bf16(ds[2], ds[3])) : "memory");
+        }
+        pack_a(pa, sc);
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the generic-proxy stores, before the wgmma (async proxy) reads them
+        asm volatile("bar.sync %0, 256;" ::"n"(DS_BAR) : "memory");
+        float dq[32];
+        turn.begin();
+        wgmma_fence();
+        issue_o(dv, pa, sqt + KV_BYTES);  // dv += P^T dout
+        // dk += dS^T q with A = this consumer's 64 key rows of the stored dS^T (K-major: k-step kk is
+        // queries 16 kk.., 32 bytes into the rows of half kk / 4), so da is free once stored
+#pragma unroll
+        for (int kk = 0; kk < 8; kk++)
+            wgmma_bf16_n64<0, 1>(dk, desc_k(dsb + (kk >> 2) * DS_HALF_BYTES + cw * 64 * ROW_BYTES + 32 * (kk & 3)),
+                                 desc_mn(sqt + kk * 2048), 1);
+        // dq (queries 64 cw.., 64 dims) = dS k: A = this consumer's half of dS^T, M-major; k-step kk
+        // is keys 16 kk.. (two 1024-byte atoms of 8 key rows); B = k, N-major, as in issue_o
+#pragma unroll
+        for (int kk = 0; kk < 8; kk++)
+            wgmma_bf16_n64<1, 1>(dq, desc_mn(dsb + cw * DS_HALF_BYTES + kk * 2048), desc_mn(sk + kk * 2048), kk > 0);
+        wgmma_commit();
+        turn.end(i == nt - 1);
+        wgmma_wait<0>();
+        keep_in_regs(dv);
+        keep_in_regs(dk);
+        keep_in_regs(dq);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&empty[i % BF_BWD_STAGES]);
+        // the tile's dq contribution: register 4j + 2hh + c at query q0 + 64 cw + 16 warp + g + 8 hh,
+        // dim 8j + 2t + c
+#pragma unroll
+        for (int hh = 0; hh < 2; hh++) {
+            const int qpos = q0 + key0 - k0 + 8 * hh;  // (the thread's first key's place in the block)
+            if (qpos >= T) continue;
+            float* dst = dq_acc + ((size_t)b * T + qpos) * C + h * HS + 2 * t;
+#pragma unroll
+            for (int j = 0; j < 8; j++) red_add_v2(dst + 8 * j, dq[4 * j + 2 * hh], dq[4 * j + 2 * hh + 1]);
+        }
+    }
+
+    // dk * scale -> dinp[..., C:2C], dv -> dinp[..., 2C:3C], one bf16 rounding each
+#pragma unroll
+    for (int hh = 0; hh < 2; hh++) {
+        const int key = key0 + 8 * hh;
+        if (key >= T) continue;
+        bf16* dst = dinp + ((size_t)b * T + key) * 3 * C + h * HS + 2 * t;
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            *reinterpret_cast<uint32_t*>(dst + C + 8 * j) = pack_bf16(dk[4 * j + 2 * hh] * scale, dk[4 * j + 2 * hh + 1] * scale);
+            *reinterpret_cast<uint32_t*>(dst + 2 * C + 8 * j) = pack_bf16(dv[4 * j + 2 * hh], dv[4 * j + 2 * hh + 1]);
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+flash_attention_backward_dkdvq_kernel5_bf16(bf16* dinp, float* dq_acc, const CUtensorMap* tm, const float* lse,
+                                            const float* Dbuf, int B, int NH, int T, float scale) {
+    flash_backward_dkdvq_wgmma<false>(dinp, dq_acc, tm, lse, Dbuf, B, NH, T, scale);
+}
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+flash_attention_backward_dkdvq_kernel5_bf16_btc(bf16* dinp, float* dq_acc, const CUtensorMap* tm, const float* lse,
+                                                const float* Dbuf, int B, int NH, int T, float scale) {
+    flash_backward_dkdvq_wgmma<true>(dinp, dq_acc, tm, lse, Dbuf, B, NH, T, scale);
+}
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+flash_attention_backward_dkdvq_kernel5_bf16_btc_pingpong(bf16* dinp, float* dq_acc, const CUtensorMap* tm,
+                                                         const float* lse, const float* Dbuf, int B, int NH, int T,
+                                                         float scale) {
+    flash_backward_dkdvq_wgmma<true, true>(dinp, dq_acc, tm, lse, Dbuf, B, NH, T, scale);
+}
+
+// ------------------------------------------------------------------------------------------------
 // The TF32 forward (fp32 in and out; attention_forward 4's fp32 build, the fp32 default on Hopper).
 // Written without a GPU in session 10, tested and measured on the H100 in session 11 (docs/ops.md).
 //

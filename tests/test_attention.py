@@ -110,7 +110,9 @@ def _decode_inputs(inp, qkvr, B, T, C, NH, maxT, rng):
 def test_attention_variants_and_pairing():
     from llmc.backend import kernel_choices
     fwd, bwd = ops.get("attention_forward"), ops.get("attention_backward")
-    assert set(bwd.variants) == set(fwd.variants) == {1, 2, 3, 4}  # 4: wgmma + TMA (TF32 and BF16), sm_90a only
+    assert set(fwd.variants) == {1, 2, 3, 4}  # 4: wgmma + TMA (TF32 and BF16), sm_90a only
+    assert set(bwd.variants) == {1, 2, 3, 4, 5}  # 5: 4 with dq by fp32 reductions (bf16 only)
+    assert bwd.variants[5].dtypes == ("bf16",)
     assert fwd.flag == "--attention-kernel" and bwd.flag == "--attention-backward-kernel"
     assert fwd.default == bwd.default == 4  # 2, 3 and 4 keep the log-sum-exp; 4 on Hopper, else 3
     for spec in (fwd, bwd):
@@ -127,6 +129,9 @@ def test_attention_variants_and_pairing():
     # --attention-kernel 4 pairs the two wgmma kernels (both keep / read the lse)
     four = kernel_choices({"attention_forward": 4})
     assert (four["attention_forward"], four["attention_backward"]) == (4, 4)
+    # backward 5 reads forward 4's lse: forward stays on its default when only 5 is named
+    five = kernel_choices({"attention_backward": 5})
+    assert (five["attention_forward"], five["attention_backward"]) == (4, 5)
     both = kernel_choices({"attention_forward": 1, "attention_backward": 2})
     assert (both["attention_forward"], both["attention_backward"]) == (1, 2)  # the model refuses this pair
     # a softmax variant only runs in the composite: naming one selects it, unless attention is named
@@ -770,6 +775,63 @@ def test_flash_attention_wgmma_backward_gpu(rt, B, T, C, NH):
         graph()
         rt.synchronize()
         assert np.array_equal(from_bf16(d_dinp.get()), first), "attention_backward 4: graph replay differs"
+
+
+# attention_backward 5 (bf16, Hopper only): 4's dk/dv kernel forming dq per tile pair too, added by fp32
+# reductions. dv is 4's (the same register-A products in the same order): the same bits; dk's product
+# reads dS^T from shared memory instead of registers (the same values, the same order); D is 4's. dq's
+# fp32 sums land in no fixed order: each run may round differently, so it is held to the bf16 bound
+# and to within a bf16 rounding (2^-7 relative, plus fp32 noise) of 4's dq, elementwise.
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,T,C,NH", WGMMA_BWD_SHAPES)
+def test_flash_attention_wgmma5_backward_gpu(rt, B, T, C, NH):
+    from llmc.bf16 import BF16, from_bf16, round_bf16, to_bf16
+    if rt.arch != "sm_90":
+        pytest.skip(f"attention_backward 5 needs an sm_90 GPU (this one is {rt.arch})")
+    rng = np.random.default_rng(B * 1000 + T + 23)
+    inp = round_bf16(rng.standard_normal((B, T, 3 * C)))
+    dout = round_bf16(rng.standard_normal((B, T, C)))
+    inp64 = inp.astype(np.float64)
+    out64, qkvr64, att64 = A.attention_forward_ref(inp64, NH)
+    ref = A.attention_backward_ref(dout.astype(np.float64), qkvr64, att64, NH)
+    d_inp, d_dout = rt.to_device(to_bf16(inp)), rt.to_device(to_bf16(dout))
+    d_out, d_qkvr, d_lse = rt.empty((B, T, C), BF16), rt.empty((B, T, 3 * C), BF16), rt.empty((B, NH, T))
+    d_dinp = rt.empty((B, T, 3 * C), BF16)
+    ops.get("attention_forward").build(rt, 4, "bf16", B=B, T=T, C=C, NH=NH)(d_out, d_qkvr, d_lse, d_inp)
+    out = from_bf16(d_out.get())
+    bwd4 = ops.get("attention_backward").build(rt, 4, "bf16", B=B, T=T, C=C, NH=NH)
+    bwd4(d_dinp, d_dout, d_qkvr, d_lse, d_out)
+    want, D4 = from_bf16(d_dinp.get()), bwd4.scratch["D"].get()
+    plain = _bf16_backward_plain(dout.astype(np.float64), qkvr64, att64, out.astype(np.float64), NH)
+    bwd5 = ops.get("attention_backward").build(rt, 5, "bf16", B=B, T=T, C=C, NH=NH)
+    assert bwd5.dtype == "bf16" and bwd5.saved_shape == (B, NH, T) and set(bwd5.scratch) == {"D", "dq"}
+    in_place = ops.get("attention_backward").build(rt, 5, "bf16", B=B, T=T, C=C, NH=NH, qkv_in_place=True)
+    no_pp = A.build_flash_attention_backward_wgmma5(rt, B=B, T=T, C=C, NH=NH, qkv_in_place=True, pingpong=False)
+
+    def check(form, dinp, D):
+        assert np.isfinite(dinp).all(), f"{form}: dinp has unwritten (NaN) elements"
+        for part, err, base in zip(("dq", "dk", "dv"), _part_errors(dinp, ref, C), _part_errors(plain, ref, C)):
+            assert err <= 2 * base + 1e-4 and err < 2.0 ** -6, \
+                f"{form}: {part} relative error {err:.2e} (plain bf16: {base:.2e})"
+        assert np.array_equal(dinp[..., 2 * C:], want[..., 2 * C:]), f"{form}: dv differs from attention_backward 4"
+        assert np.array_equal(dinp[..., C:2 * C], want[..., C:2 * C]), f"{form}: dk differs from attention_backward 4"
+        assert D is None or np.array_equal(D, D4), f"{form}: D differs from attention_backward 4"
+        dq5, dq4 = dinp[..., :C], want[..., :C]
+        tol = 2.0 ** -7 * np.abs(dq4) + 1e-6 * np.abs(dq4).max()
+        assert np.all(np.abs(dq5 - dq4) <= tol), f"{form}: dq more than a bf16 rounding from attention_backward 4's"
+
+    for form, bwd, qkv in (("permuted qkvr", bwd5, d_qkvr), ("in place", in_place, d_inp),
+                           ("in place, no ping-pong", no_pp, d_inp)):
+        for run in range(2):
+            poison(d_dinp, *bwd.scratch.values())  # every element of dinp, D and the accumulator is written
+            bwd(d_dinp, d_dout, qkv, d_lse, d_out)
+            check(f"{form}, run {run}", from_bf16(d_dinp.get()), bwd.scratch["D"].get())
+    if rt.graphs_available() is None:  # its three launches under graph replay
+        graph = rt.capture(lambda: bwd5(d_dinp, d_dout, d_qkvr, d_lse, d_out))
+        poison(d_dinp, *bwd5.scratch.values())
+        graph()
+        rt.synchronize()
+        check("graph replay", from_bf16(d_dinp.get()), None)
 
 
 @pytest.mark.gpu

@@ -164,11 +164,15 @@ def test_deterministic_kernel_choice():
     from llmc.errors import LLMCError
     from llmc.train import NONDETERMINISTIC, deterministic_kernels
     got = deterministic_kernels({})
-    assert got == {"encoder_backward": 3, "layernorm_backward": 5, "global_norm": 3}
+    assert got == {"encoder_backward": 3, "layernorm_backward": 5, "global_norm": 3, "attention_backward": 4}
     assert all(got[k] not in bad for k, bad in NONDETERMINISTIC.items())
     assert deterministic_kernels({"encoder_backward": 2})["encoder_backward"] == 2
     with pytest.raises(LLMCError, match="--encoder-backward-kernel 5: uses atomics"):
         deterministic_kernels({"encoder_backward": 5})
+    # attention_backward 5 adds dq by fp32 reductions: bf16 --deterministic runs 4
+    assert deterministic_kernels({}, "bf16")["attention_backward"] == 4
+    with pytest.raises(LLMCError, match="--attention-backward-kernel 5: uses atomics"):
+        deterministic_kernels({"attention_backward": 5}, "bf16")
 
 
 def test_nondeterministic_table_matches_the_descriptions():

@@ -168,8 +168,39 @@ for form in (("plain", "dq overlap", "in place", "in place, pingpong") if "bf16"
     if not ok:
         L.failed.append(label)
     L.time(label, fn, flops=7 * 2 * B * NH * (nt4 * (nt4 + 1) // 2) * 128 * 128 * hs, ceiling=None)
+# attention_backward 5: 4's dk/dv kernel also forming dq per tile pair, added by fp32 reductions into a
+# buffer (5 products per tile pair; dq's sums in no fixed order: not bit-stable from run to run), with
+# a D / zeroing pass before and a conversion pass after. FLOPs on 4's 7-product basis (the times compare)
+for form in (("plain", "in place, pingpong") if "bf16" in DTYPES and rt.arch == "sm_90" else ()):
+    nt4 = -(-T // 128)
+    built = A.build_flash_attention_backward_wgmma5(rt, B=B, T=T, C=C, NH=NH, qkv_in_place="in place" in form)
+    flash5, qkv5 = built.launch, (d_inp_b if "in place" in form else d_qkvr_b)
+    fn = lambda: flash5(d_dinp_b, d_dout_b, qkv5, d_lse_b, d_out_b)  # noqa: E731
+    label = f"attention_backward 5 bf16 (dq by reductions{'' if form == 'plain' else ', ' + form})"
+    d_dinp_b.fill_bytes(0xFF)
+    for x in built.scratch.values():
+        x.fill_bytes(0xFF)
+    fn()
+    rt.synchronize()
+    got = from_bf16(d_dinp_b.get())
+    errs = []
+    for i, part in enumerate(("dq", "dk", "dv")):
+        g_, w_ = got[..., i * C:(i + 1) * C], refb[..., i * C:(i + 1) * C]
+        errs.append(np.linalg.norm(g_ - w_) / max(np.linalg.norm(w_), 0.1 * np.linalg.norm(refb)))
+    fn()
+    rt.synchronize()
+    again = from_bf16(d_dinp_b.get())
+    same_kv = np.array_equal(again[..., C:], got[..., C:])
+    ok = np.isfinite(got).all() and max(errs) < 2 ** -7 and same_kv
+    print(f"  {label}: {'OK' if ok else 'MISMATCH'}  rel err dq {errs[0]:.2e} dk {errs[1]:.2e} dv {errs[2]:.2e}"
+          f"{'' if np.isfinite(got).all() else ' (unwritten NaN elements)'}"
+          f"{'' if same_kv else ' (dk, dv not deterministic)'}"
+          f"; dq bit-stable over two runs: {np.array_equal(again[..., :C], got[..., :C])}")
+    if not ok:
+        L.failed.append(label)
+    L.time(label, fn, flops=7 * 2 * B * NH * (nt4 * (nt4 + 1) // 2) * 128 * 128 * hs, ceiling=None)
 if "bf16" in DTYPES and rt.arch != "sm_90":
-    print(f"attention_backward 4 skipped: it needs an sm_90 GPU (this one is {rt.arch})")
+    print(f"attention_backward 4, 5 skipped: they need an sm_90 GPU (this one is {rt.arch})")
 
 try:
     import torch

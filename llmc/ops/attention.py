@@ -749,6 +749,68 @@ def build_flash_attention_backward_wgmma(rt, B, T, C, NH, overlap=False, qkv_in_
     return Built(launch, scratch={"D": D})
 
 
+def wgmma5_smem(stages: int = WGMMA_BWD_STAGES) -> int:
+    """Variant 5's main kernel (DKDVQ_SMEM in the .cu): the dk/dv kernel's bytes and two 32 KB buffers of
+    a tile's dS^T (128 keys x 128 queries bf16)."""
+    return wgmma_bwd_smem(stages)[1] + 2 * 2 * WGMMA_BQ * 128
+
+
+def build_flash_attention_backward_wgmma5(rt, B, T, C, NH, qkv_in_place=False, pingpong=None, **_):
+    """Variant 5 (bf16, Hopper): launch(dinp, dout, qkvr, lse, out) as variant 4's bf16 build, in one
+    pass over the tile pairs instead of two (cuda/attention_wgmma.cu, "attention_backward variant 5"):
+      prep     D = rowsum(dout * out) (variant 4's bits) and the fp32 dq accumulator (B,T,C) zeroed
+      main     variant 4's dk/dv kernel, which also adds each tile pair's dS k into the accumulator
+               with red.global.add (5 products per tile pair instead of 7)
+      convert  dinp[..., 0:C] = bf16(scale dq)
+    dk and dv are summed in a fixed order as in 4; dq's fp32 sums land in whatever order the CTAs run,
+    so dq is not deterministic (--deterministic runs 4). pingpong: as 4 (in place only; None: in place)."""
+    if pingpong is None:
+        pingpong = qkv_in_place
+    _check_attention(B, T, C, NH)
+    assert not pingpong or qkv_in_place, "the ping-pong kernel is built for the in-place form only"
+    env = os.environ.get("LLMC_ATT_BWD_STAGES", "")
+    if env and env not in ("2", "3", "4"):
+        raise LLMCError(f"LLMC_ATT_BWD_STAGES={env!r}: expected 2, 3 or 4 (the bf16 backward's ring depth)")
+    stages = int(env or WGMMA_BWD_STAGES)
+    defines = {} if stages == WGMMA_BWD_STAGES else {"LLMC_ATT_BWD_STAGES": stages}
+    smem = wgmma5_smem(stages)
+    if smem > rt.max_smem_optin:
+        refuse("attention_backward", 5, f"the main kernel needs {smem} bytes of shared memory, the device "
+                                        f"allows {rt.max_smem_optin}")
+    D = rt.empty((B, NH, T))       # fp32
+    dq = rt.empty((B, T, C))       # fp32: the dq accumulator, zeroed by prep at every call
+    label = "attention_backward 5 (flash, wgmma, dq by reductions) bf16"
+    kp = rt.kernel(WGMMA_MODULE, "flash_attention_backward_prep_kernel5_bf16", "PPPPiii", label=label + " prep",
+                   defines=defines)
+    sfx = ("_btc" + ("_pingpong" if pingpong else "")) if qkv_in_place else ""
+    km = rt.kernel(WGMMA_MODULE, "flash_attention_backward_dkdvq_kernel5_bf16" + sfx, "PPPPPiiif",
+                   label=label + " dk dv dq" + sfx.replace("_", " "), defines=defines)
+    kc = rt.kernel(WGMMA_MODULE, "flash_attention_backward_convert_kernel5_bf16", "PPiif", label=label + " convert",
+                   defines=defines)
+    km.set_max_dynamic_smem(smem)
+    qkv_map = (lambda p: qkv_tensor_map(p, B, T, NH)) if qkv_in_place else (lambda p: qkvr_tensor_map(p, B, NH, T))
+    scale = np.float32(1.0 / math.sqrt(FLASH_HS))
+    grid, block = (B * NH, ceil_div(T, WGMMA_BQ), 1), (384, 1, 1)
+    args = (np.int32(B), np.int32(NH), np.int32(T))
+    prep_grid = (ceil_div(B * T * NH * 4, 256), 1, 1)
+    conv_grid = (ceil_div(B * T * C // 8, 256), 1, 1)
+    maps: dict = {}
+
+    def launch(dinp, dout, qkvr, lse, out):
+        qp, dp = _ptr(qkvr), _ptr(dout)
+        dm = maps.get((qp, dp))
+        if dm is None:  # first launch on this (qkvr, dout): encode both maps, copy them to the device
+            for name, p in (("qkvr", qp), ("dout", dp), ("out", _ptr(out)), ("dinp", _ptr(dinp))):
+                if p & 15:
+                    raise LLMCError(f"attention_backward 5: {name} must be 16-byte aligned (0x{p:x})")
+            two = qkv_map(qp) + btc_tensor_map(dp, B, T, NH, "attention_backward 5: dout")
+            dm = maps[(qp, dp)] = rt.to_device(np.frombuffer(two, np.uint8))
+        kp(prep_grid, (256, 1, 1), _ptr(D), _ptr(dq), dp, _ptr(out), *args)
+        km(grid, block, _ptr(dinp), _ptr(dq), dm.ptr, _ptr(lse), _ptr(D), *args, scale, smem=smem)
+        kc(conv_grid, (256, 1, 1), _ptr(dinp), _ptr(dq), np.int32(B * T), np.int32(C), scale)
+    return Built(launch, scratch={"D": D, "dq": dq})
+
+
 # the TF32 backward's kernels (TB_DQ_SMEM, TB_DKDV_SMEM in the .cu): 1 KB of slack, two resident 128-row
 # fp32 tiles (32 KB each), BWD_STAGES x 3 (dq: k, v, kt) or 4 (dk/dv: q, dout, qt, dot) tiles of 64 rows
 # (16 KB each), [dk/dv: 2 consumers x 2 buffers of 64 lse and D], 1 + 3 BWD_STAGES mbarriers
@@ -1070,6 +1132,12 @@ ATTENTION_BACKWARD_VARIANTS = {
                    0 if dtype != "fp32" or _tf32_smem_transpose(B, T, NH, 3) else 3 * _tf32_transposed_bytes(B, T, NH)),
                arch="sm_90",
                options=("qkv_in_place",), **dict(_FUSED, check={"fp32": _check_flash_tf32, "bf16": _check_flash})),
+    5: Variant(5, "4's dk/dv kernel also forming dq = ds k per tile pair, added into an fp32 buffer by "
+                  "red.global.add (5 products per tile pair instead of 7; dq not deterministic), with a D / "
+                  "zeroing pass before and a bf16 conversion after (bf16, sm_90a, head size 64)",
+               {"bf16": build_flash_attention_backward_wgmma5},
+               scratch_bytes=lambda B, T, C, NH, **_: _scratch_flash_backward(B, T, C, NH) + 4 * B * T * C,
+               arch="sm_90", options=("qkv_in_place",), **_FUSED),
 }
 ATTENTION_DECODE_VARIANTS = {
     1: Variant(1, "one block per (b, h): scores in shared memory, block softmax, att @ v; appends k, v",
