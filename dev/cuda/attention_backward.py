@@ -199,6 +199,13 @@ for form in (("plain", "in place, pingpong") if "bf16" in DTYPES and rt.arch == 
     if not ok:
         L.failed.append(label)
     L.time(label, fn, flops=7 * 2 * B * NH * (nt4 * (nt4 + 1) // 2) * 128 * 128 * hs, ceiling=None)
+    if "in place" in form:  # its three launches alone: the main kernel, and the two passes against a copy
+        for name, f in built.info["passes"].items():
+            nbytes = {"prep": 2 * 2 * B * T * C + 4 * B * T * C + 4 * B * NH * T,  # dout, out; zeros; D
+                      "convert": 4 * B * T * C + 2 * B * T * C}.get(name)          # dq fp32 in, bf16 out
+            L.time(f"  attention_backward 5 bf16, {name} alone", lambda f=f: f(d_dinp_b, d_dout_b, qkv5, d_lse_b, d_out_b),
+                   bytes=nbytes, flops=None if nbytes else 5 * 2 * B * NH * (nt4 * (nt4 + 1) // 2) * 128 * 128 * hs,
+                   ceiling="dram" if nbytes else None)
 if "bf16" in DTYPES and rt.arch != "sm_90":
     print(f"attention_backward 4, 5 skipped: they need an sm_90 GPU (this one is {rt.arch})")
 
