@@ -992,8 +992,8 @@ flash_attention_backward_dkdv_kernel4_bf16_btc_pingpong(bf16* dinp, const CUtens
 // Variant 4 computes S and dP twice, once in each of its kernels: 7 products per tile pair. Here the
 // dk/dv kernel also forms the tile pair's dq contribution, dS k, and adds it into an fp32 buffer
 // dq_acc (B, NH, T, 64) by TMA reductions: 5 products per pair. Three launches:
-//   prep     D = rowsum(dout * out) (the same fp32 sums as variant 4's dq kernel: the same bits) and
-//            dq_acc zeroed (a quad of threads per (b, t, h) row)
+//   prep     D = rowsum(dout * out) (the same fp32 sums as variant 4's dq kernel: the same bits; a quad
+//            of threads per (b, t, h) row) and dq_acc zeroed (4 coalesced float4 stores a thread)
 //   main     variant 4's dk/dv loop (the same products, the same dk and dv bits), and per query tile
 //            after dS^T is formed:
 //              each consumer stores its dS^T (64 keys x 128 queries, bf16) to shared memory, as two
@@ -1056,9 +1056,13 @@ flash_attention_backward_prep_kernel5_bf16(float* Dbuf, float* dq_acc, const bf1
                 d = fmaf(xf.y, yf.y, d);
             }
         }
-        float4* z = reinterpret_cast<float4*>(dq_acc + ((size_t)((bt / T) * NH + h) * T + bt % T) * HS + 16 * t);
+    }
+    // and 4 float4 of dq_acc zeroed (B T C / 4 of them, 4 a thread: float4 u * n + idx, n = B T NH 4,
+    // each store of a warp 512 contiguous bytes)
+    if (ok) {
+        const long long n = (long long)B * T * NH * 4;
 #pragma unroll
-        for (int u = 0; u < 4; u++) z[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        for (int u = 0; u < 4; u++) reinterpret_cast<float4*>(dq_acc)[u * n + idx] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     }
     d += __shfl_xor_sync(0xffffffffu, d, 1);
     d += __shfl_xor_sync(0xffffffffu, d, 2);

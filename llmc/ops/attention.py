@@ -796,11 +796,13 @@ def build_flash_attention_backward_wgmma5(rt, B, T, C, NH, qkv_in_place=False, p
     qkv_map = (lambda p: qkv_tensor_map(p, B, T, NH)) if qkv_in_place else (lambda p: qkvr_tensor_map(p, B, NH, T))
     scale = np.float32(1.0 / math.sqrt(FLASH_HS))
     # the CTAs' start order (the .cu): groups of G heads, each group's dq rows (T x 256 bytes a head)
-    # within half the L2; LLMC_ATT5_HEAD_GROUP sets G for the lab's A/B
+    # within 1/16 of the L2 (G = 12 at T = 1024 on an H100). Main kernel, H100, G = 1 / 12 / 24 / 48 /
+    # 100 / all: B=16 0.2518 / - / 0.2558 / 0.2544 / 0.3569 / 0.3368 ms; B=4 0.0824 / 0.0707 / 0.0715 /
+    # 0.0719 (all) ms. LLMC_ATT5_HEAD_GROUP sets G for the lab's A/B
     env = os.environ.get("LLMC_ATT5_HEAD_GROUP", "")
     if env and not env.isdigit() or env == "0":
         raise LLMCError(f"LLMC_ATT5_HEAD_GROUP={env!r}: expected a number of heads >= 1")
-    G = min(B * NH, int(env) if env else max(1, rt.l2_bytes // 2 // (T * FLASH_HS * 4)))
+    G = min(B * NH, int(env) if env else max(1, rt.l2_bytes // 16 // (T * FLASH_HS * 4)))
     grid, block = (ceil_div(T, WGMMA_BQ) * B * NH, 1, 1), (384, 1, 1)
     args = (np.int32(B), np.int32(NH), np.int32(T))
     prep_grid = (ceil_div(B * T * NH * 4, 256), 1, 1)
@@ -1218,7 +1220,7 @@ OPS = [
            options=("qkv_in_place",),
            doc="out(B,T,C)=, qkvr(B,T,3C)=, saved=, inp(B,T,3C); saved is att(B,NH,T,T) (1) or "
                "lse(B,NH,T) (2, 3): Built.saved_shape; build(B, T, C, NH)"),
-    OpSpec("attention_backward", attention_backward_cpu, ATTENTION_BACKWARD_VARIANTS, default=4,
+    OpSpec("attention_backward", attention_backward_cpu, ATTENTION_BACKWARD_VARIANTS, default=4, defaults={"bf16": 5},
            flag="--attention-backward-kernel", pair="attention_forward", saves=_saves_att, cost=cost_backward,
            options=("qkv_in_place",),
            doc="dinp(B,T,3C)=, dout(B,T,C), qkvr(B,T,3C), saved, out(B,T,C); build(B, T, C, NH)"),
