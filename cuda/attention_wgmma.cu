@@ -1017,8 +1017,9 @@ constexpr int DS_HALF_BYTES = BKV * ROW_BYTES;   // 128 keys x 64 queries bf16 =
 constexpr int DS_BYTES = 2 * DS_HALF_BYTES;      // one tile's dS^T
 constexpr int DS_RING = 2;                      // dS^T buffers (see the main kernel's schedule above)
 constexpr int DQ_STAGE_BYTES = 64 * HS * 4;     // a consumer's 64 dq rows, fp32: 16 KB
-constexpr int DKDVQ_SMEM = 1024 + 2 * KV_BYTES + BF_BWD_STAGES * STAGE_BYTES + DS_RING * DS_BYTES + 2 * DQ_STAGE_BYTES +
-                           2 * 2 * ROWS_FLOATS * 4 + 8 * (1 + 2 * BF_BWD_STAGES + 2 * DS_RING);
+constexpr int V5_STAGES = 2;                    // the q / dout ring (not LLMC_ATT_BWD_STAGES: 3 would not fit)
+constexpr int DKDVQ_SMEM = 1024 + 2 * KV_BYTES + V5_STAGES * STAGE_BYTES + DS_RING * DS_BYTES + 2 * DQ_STAGE_BYTES +
+                           2 * 2 * ROWS_FLOATS * 4 + 8 * (1 + 2 * V5_STAGES + 2 * DS_RING);
 static_assert(DKDVQ_SMEM <= 227 * 1024, "fits one SM's shared memory");
 
 // the box at (c0 = dim, c1 = row, c2 = head bh) of dq_acc += the staged box in shared memory (fp32 add
@@ -1103,13 +1104,13 @@ __device__ __forceinline__ void flash_backward_dkdvq_wgmma(bf16* dinp, float* dq
     unsigned char* sk = smem;                      // k (128 keys x 64)
     unsigned char* sv = smem + KV_BYTES;           // v (128 keys x 64)
     unsigned char* sqd = smem + 2 * KV_BYTES;      // stage s: q at sqd + s * STAGE_BYTES, dout KV_BYTES after it
-    unsigned char* sds = sqd + BF_BWD_STAGES * STAGE_BYTES;  // DS_RING buffers of dS^T, DS_BYTES each (1 KB aligned)
+    unsigned char* sds = sqd + V5_STAGES * STAGE_BYTES;  // DS_RING buffers of dS^T, DS_BYTES each (1 KB aligned)
     unsigned char* sdq = sds + DS_RING * DS_BYTES;  // per consumer: its dq rows (fp32) staged for the TMA
     float* rows = reinterpret_cast<float*>(sdq + 2 * DQ_STAGE_BYTES);  // [consumer][buffer][lse | D]
     uint64_t* kv_full = reinterpret_cast<uint64_t*>(rows + 2 * 2 * ROWS_FLOATS);
     uint64_t* full = kv_full + 1;
-    uint64_t* empty = full + BF_BWD_STAGES;
-    uint64_t* ds_full = empty + BF_BWD_STAGES;  // a dS^T buffer written (both consumers' warps arrive)
+    uint64_t* empty = full + V5_STAGES;
+    uint64_t* ds_full = empty + V5_STAGES;  // a dS^T buffer written (both consumers' warps arrive)
     uint64_t* ds_empty = ds_full + DS_RING;     // a dS^T buffer read by both consumers' dq products
 
     const int C = NH * HS;
@@ -1131,7 +1132,7 @@ __device__ __forceinline__ void flash_backward_dkdvq_wgmma(bf16* dinp, float* dq
             mbar_init(&ds_full[u], CONSUMER_WARPS);
             mbar_init(&ds_empty[u], CONSUMER_WARPS);
         }
-        mbar_init_pipeline(kv_full, full, empty, BF_BWD_STAGES, CONSUMER_WARPS);  // (its fence covers these)
+        mbar_init_pipeline(kv_full, full, empty, V5_STAGES, CONSUMER_WARPS);  // (its fence covers these)
     }
     __syncthreads();
 
@@ -1145,7 +1146,7 @@ __device__ __forceinline__ void flash_backward_dkdvq_wgmma(bf16* dinp, float* dq
             tma_load_head<BTC>(sk, tm, kv_full, 1, k0, B, NH, b, h);  // k
             tma_load_head<BTC>(sv, tm, kv_full, 2, k0, B, NH, b, h);  // v
             for (int i = 0; i < nt; i++) {
-                const int s = i % BF_BWD_STAGES, use = i / BF_BWD_STAGES, r0 = (kb + i) * BQ;
+                const int s = i % V5_STAGES, use = i / V5_STAGES, r0 = (kb + i) * BQ;
                 mbar_wait(&empty[s], (use & 1) ^ 1);
                 mbar_expect_tx(&full[s], STAGE_BYTES);
                 unsigned char* st = sqd + s * STAGE_BYTES;
@@ -1226,8 +1227,8 @@ __device__ __forceinline__ void flash_backward_dkdvq_wgmma(bf16* dinp, float* dq
         if (i + 1 < nt) load_rows(i + 1, l_next, d_next);
         wg_barrier(1 + cw);
 
-        const unsigned char* sqt = sqd + (i % BF_BWD_STAGES) * STAGE_BYTES;
-        mbar_wait(&full[i % BF_BWD_STAGES], (i / BF_BWD_STAGES) & 1);
+        const unsigned char* sqt = sqd + (i % V5_STAGES) * STAGE_BYTES;
+        mbar_wait(&full[i % V5_STAGES], (i / V5_STAGES) & 1);
         turn.begin();
         wgmma_fence();
         issue_s(sc, skw, sqt);             // S^T = k q^T
@@ -1294,7 +1295,7 @@ __device__ __forceinline__ void flash_backward_dkdvq_wgmma(bf16* dinp, float* dq
         keep_in_regs(dk);
         keep_in_regs(dq);
         __syncwarp();
-        if (lane == 0) mbar_arrive(&empty[i % BF_BWD_STAGES]);
+        if (lane == 0) mbar_arrive(&empty[i % V5_STAGES]);
         if (i > 0) dq_out(dq, i - 1);
     }
     {  // the last tile's dq: one more turn each

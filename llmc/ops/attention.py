@@ -753,7 +753,7 @@ def build_flash_attention_backward_wgmma(rt, B, T, C, NH, overlap=False, qkv_in_
     return Built(launch, scratch={"D": D})
 
 
-def wgmma5_smem(stages: int = WGMMA_BWD_STAGES) -> int:
+def wgmma5_smem(stages: int = 2) -> int:
     """Variant 5's main kernel (DKDVQ_SMEM in the .cu): the dk/dv kernel's bytes, a ring of two 32 KB
     buffers of a tile's dS^T (128 keys x 128 queries bf16) and their 4 mbarriers, and each consumer's
     16 KB of dq rows (fp32) staged for the TMA."""
@@ -773,12 +773,8 @@ def build_flash_attention_backward_wgmma5(rt, B, T, C, NH, qkv_in_place=False, p
         pingpong = qkv_in_place
     _check_attention(B, T, C, NH)
     assert not pingpong or qkv_in_place, "the ping-pong kernel is built for the in-place form only"
-    env = os.environ.get("LLMC_ATT_BWD_STAGES", "")
-    if env and env not in ("2", "3", "4"):
-        raise LLMCError(f"LLMC_ATT_BWD_STAGES={env!r}: expected 2, 3 or 4 (the bf16 backward's ring depth)")
-    stages = int(env or WGMMA_BWD_STAGES)
-    defines = {} if stages == WGMMA_BWD_STAGES else {"LLMC_ATT_BWD_STAGES": stages}
-    smem = wgmma5_smem(stages)
+    defines = {}  # (its q / dout ring is 2 deep whatever LLMC_ATT_BWD_STAGES says: 3 would not fit)
+    smem = wgmma5_smem()
     if smem > rt.max_smem_optin:
         refuse("attention_backward", 5, f"the main kernel needs {smem} bytes of shared memory, the device "
                                         f"allows {rt.max_smem_optin}")
