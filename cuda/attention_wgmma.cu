@@ -627,6 +627,27 @@ __device__ __forceinline__ void pack_a(uint32_t (&a)[8][4], const float (&x)[64]
         for (int r = 0; r < 4; r++) a[kk][r] = pack_bf16(x[8 * kk + 2 * r], x[8 * kk + 2 * r + 1]);
 }
 
+// One lane's part of D = rowsum(dout * out) for a (b, t, h) row: lane t of a quad sums dims 16t..16t+15
+// (two 16-byte loads of each tensor; fp32 products of the bf16 values, in order), then the quad adds
+// up (attention_backward 4's dq kernel and 5's prep: the same sums, the same bits)
+__device__ __forceinline__ float d_partial(const bf16* dout, const bf16* out, size_t off) {
+    float d = 0.0f;
+#pragma unroll
+    for (int u = 0; u < 2; u++) {
+        const uint4 x = *reinterpret_cast<const uint4*>(dout + off + 8 * u);
+        const uint4 y = *reinterpret_cast<const uint4*>(out + off + 8 * u);
+        const __nv_bfloat162* xp = reinterpret_cast<const __nv_bfloat162*>(&x);
+        const __nv_bfloat162* yp = reinterpret_cast<const __nv_bfloat162*>(&y);
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const float2 xf = __bfloat1622float2(xp[e]), yf = __bfloat1622float2(yp[e]);
+            d = fmaf(xf.x, yf.x, d);
+            d = fmaf(xf.y, yf.y, d);
+        }
+    }
+    return d;
+}
+
 // Backward, part 1: per (b, h, 128 query rows), D = rowsum(dout * out) (written for part 2) and
 // dq = scale sum over key tiles 0..qb of (p (dp - D)) k. tm: tm[0] the map of q, k, v (BTC: of the
 // (B,T,3C) qkv tensor, else of the permuted qkvr; see Layouts), tm[1] the dout map.
@@ -693,23 +714,7 @@ __device__ __forceinline__ void flash_backward_dq_wgmma(bf16* dinp, float* Dbuf,
 #pragma unroll
     for (int hh = 0; hh < 2; hh++) {
         const int row = row0 + 8 * hh;
-        float d = 0.0f;
-        if (row < T) {
-            const size_t off = ((size_t)b * T + row) * C + h * HS + 16 * t;
-#pragma unroll
-            for (int u = 0; u < 2; u++) {
-                const uint4 x = *reinterpret_cast<const uint4*>(dout + off + 8 * u);
-                const uint4 y = *reinterpret_cast<const uint4*>(out + off + 8 * u);
-                const __nv_bfloat162* xp = reinterpret_cast<const __nv_bfloat162*>(&x);
-                const __nv_bfloat162* yp = reinterpret_cast<const __nv_bfloat162*>(&y);
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const float2 xf = __bfloat1622float2(xp[e]), yf = __bfloat1622float2(yp[e]);
-                    d = fmaf(xf.x, yf.x, d);
-                    d = fmaf(xf.y, yf.y, d);
-                }
-            }
-        }
+        float d = row < T ? d_partial(dout, out, ((size_t)b * T + row) * C + h * HS + 16 * t) : 0.0f;
         d += __shfl_xor_sync(0xffffffffu, d, 1);
         d += __shfl_xor_sync(0xffffffffu, d, 2);
         Dr[hh] = d;
@@ -828,6 +833,72 @@ flash_attention_backward_dq_kernel4_bf16_overlap(bf16* dinp, float* Dbuf, const 
     flash_backward_dq_wgmma<true, false>(dinp, Dbuf, dout, out, tm, lse, B, NH, T, scale);
 }
 
+// The dk/dv kernels' producer (attention_backward 4 and 5; thread 0 of warpgroup 0): k and v of the
+// key block once, then q and dout of query tiles kb..kb + nt - 1 into the ST-deep ring
+template <bool BTC, int ST>
+__device__ __forceinline__ void dkdv_producer(unsigned char* sk, unsigned char* sv, unsigned char* sqd, uint64_t* kv_full,
+                                              uint64_t* full, uint64_t* empty, const CUtensorMap* tm, int B, int NH,
+                                              int b, int h, int kb, int nt) {
+    tensormap_acquire(tm);
+    tensormap_acquire(tm + 1);
+    mbar_expect_tx(kv_full, 2 * KV_BYTES);
+    tma_load_head<BTC>(sk, tm, kv_full, 1, kb * BKV, B, NH, b, h);  // k
+    tma_load_head<BTC>(sv, tm, kv_full, 2, kb * BKV, B, NH, b, h);  // v
+    for (int i = 0; i < nt; i++) {
+        const int s = i % ST, use = i / ST, r0 = (kb + i) * BQ;
+        mbar_wait(&empty[s], (use & 1) ^ 1);
+        mbar_expect_tx(&full[s], STAGE_BYTES);
+        unsigned char* st = sqd + s * STAGE_BYTES;
+        tma_load_head<BTC>(st, tm, &full[s], 0, r0, B, NH, b, h);   // q
+        tma_load_4d(st + KV_BYTES, tm + 1, &full[s], 0, h, r0, b);  // dout
+    }
+}
+
+// dk * scale -> dinp[..., C:2C], dv -> dinp[..., 2C:3C], one bf16 rounding each (m64n64 accumulators:
+// register 4j + 2hh + c at key key0 + 8 hh, dim 8j + 2t + c)
+__device__ __forceinline__ void store_dkdv(bf16* dinp, const float (&dk)[32], const float (&dv)[32], int b, int h, int T,
+                                           int C, int key0, int t, float scale) {
+#pragma unroll
+    for (int hh = 0; hh < 2; hh++) {
+        const int key = key0 + 8 * hh;
+        if (key >= T) continue;
+        bf16* dst = dinp + ((size_t)b * T + key) * 3 * C + h * HS + 2 * t;
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            *reinterpret_cast<uint32_t*>(dst + C + 8 * j) = pack_bf16(dk[4 * j + 2 * hh] * scale, dk[4 * j + 2 * hh + 1] * scale);
+            *reinterpret_cast<uint32_t*>(dst + 2 * C + 8 * j) = pack_bf16(dv[4 * j + 2 * hh], dv[4 * j + 2 * hh + 1]);
+        }
+    }
+}
+
+// A dk/dv kernel's tile i up to its scores (attention_backward 4 and 5, a consumer warpgroup): the tile's
+// lse, D staged in r (a thread per query; buffer i & 1: its last readers, tile i - 2, are all past the
+// barrier of tile i - 1) and the next tile's fetched, then S^T = k q^T and dP^T = v dout^T of the
+// stage's q, dout issued in the consumer's turn and waited for. Returns the stage (q; dout KV_BYTES on).
+template <int ST, bool PP, typename LoadRows>
+__device__ __forceinline__ const unsigned char* dkdv_tile_scores(float (&sc)[64], float (&dp)[64], float* r, float& l_next,
+                                                                 float& d_next, LoadRows load_rows, int i, int nt, int tid,
+                                                                 int cw, const unsigned char* sqd, uint64_t* full,
+                                                                 const unsigned char* skw, const unsigned char* svw,
+                                                                 const PingPong<PP>& turn) {
+    r[tid] = l_next;
+    r[BQ + tid] = d_next;
+    if (i + 1 < nt) load_rows(i + 1, l_next, d_next);
+    wg_barrier(1 + cw);
+    const unsigned char* sqt = sqd + (i % ST) * STAGE_BYTES;
+    mbar_wait(&full[i % ST], (i / ST) & 1);
+    turn.begin();
+    wgmma_fence();
+    issue_s(sc, skw, sqt);             // S^T = k q^T
+    issue_s(dp, svw, sqt + KV_BYTES);  // dP^T = v dout^T
+    wgmma_commit();
+    turn.end(false);
+    wgmma_wait<0>();
+    keep_in_regs(sc);
+    keep_in_regs(dp);
+    return sqt;
+}
+
 // Backward, part 2: per (b, h, 128 keys), over the query tiles kb..nqb-1, dv = sum p^T dout and
 // dk = scale sum (p (dp - D))^T q, transposed (keys as rows). Reads D from part 1. tm, BTC: as part 1.
 // PINGPONG: the consumers take turns issuing, 2 nt turns each (S^T and dP^T of a tile, then dv and dk).
@@ -856,21 +927,7 @@ __device__ __forceinline__ void flash_backward_dkdv_wgmma(bf16* dinp, const CUte
     const int wg = threadIdx.x / 128;
     if (wg == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
-        if (threadIdx.x == 0) {
-            tensormap_acquire(tm);
-            tensormap_acquire(tm + 1);
-            mbar_expect_tx(kv_full, 2 * KV_BYTES);
-            tma_load_head<BTC>(sk, tm, kv_full, 1, k0, B, NH, b, h);  // k
-            tma_load_head<BTC>(sv, tm, kv_full, 2, k0, B, NH, b, h);  // v
-            for (int i = 0; i < nt; i++) {
-                const int s = i % BF_BWD_STAGES, use = i / BF_BWD_STAGES, r0 = (kb + i) * BQ;
-                mbar_wait(&empty[s], (use & 1) ^ 1);
-                mbar_expect_tx(&full[s], STAGE_BYTES);
-                unsigned char* st = sqd + s * STAGE_BYTES;
-                tma_load_head<BTC>(st, tm, &full[s], 0, r0, B, NH, b, h);   // q
-                tma_load_4d(st + KV_BYTES, tm + 1, &full[s], 0, h, r0, b);  // dout
-            }
-        }
+        if (threadIdx.x == 0) dkdv_producer<BTC, BF_BWD_STAGES>(sk, sv, sqd, kv_full, full, empty, tm, B, NH, b, h, kb, nt);
         return;
     }
     asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
@@ -903,25 +960,9 @@ __device__ __forceinline__ void flash_backward_dkdv_wgmma(bf16* dinp, const CUte
     const PingPong<PINGPONG> turn{cw};
     turn.start();
     for (int i = 0; i < nt; i++) {
-        // stage this tile's lse, D in buffer i & 1 (its last readers, tile i - 2, are all past the
-        // barrier of tile i - 1), then fetch the next tile's
-        float* r = myrows + (i & 1) * ROWS_FLOATS;
-        r[tid] = l_next;
-        r[BQ + tid] = d_next;
-        if (i + 1 < nt) load_rows(i + 1, l_next, d_next);
-        wg_barrier(1 + cw);
-
-        const unsigned char* sqt = sqd + (i % BF_BWD_STAGES) * STAGE_BYTES;
-        mbar_wait(&full[i % BF_BWD_STAGES], (i / BF_BWD_STAGES) & 1);
-        turn.begin();
-        wgmma_fence();
-        issue_s(sc, skw, sqt);             // S^T = k q^T
-        issue_s(dp, svw, sqt + KV_BYTES);  // dP^T = v dout^T
-        wgmma_commit();
-        turn.end(false);
-        wgmma_wait<0>();
-        keep_in_regs(sc);
-        keep_in_regs(dp);
+        float* r = myrows + (i & 1) * ROWS_FLOATS;  // this tile's lse, D (staged by dkdv_tile_scores)
+        const unsigned char* sqt = dkdv_tile_scores<BF_BWD_STAGES>(sc, dp, r, l_next, d_next, load_rows, i, nt, tid, cw,
+                                                                   sqd, full, skw, svw, turn);
         // P^T = 2^(c2 S^T - lse log2e) per column (query), dS^T = P^T (dP^T - D). Masked: the diagonal
         // tile (i = 0: queries < key) and the last (queries >= T, zero-filled). Register 4j + e: key
         // key0 + 8 (e >> 1), query q0 + 8j + 2t + (e & 1); its lse, D pair is one float2 load.
@@ -955,18 +996,7 @@ __device__ __forceinline__ void flash_backward_dkdv_wgmma(bf16* dinp, const CUte
         if (lane == 0) mbar_arrive(&empty[i % BF_BWD_STAGES]);
     }
 
-    // dk * scale -> dinp[..., C:2C], dv -> dinp[..., 2C:3C], one bf16 rounding each
-#pragma unroll
-    for (int hh = 0; hh < 2; hh++) {
-        const int key = key0 + 8 * hh;
-        if (key >= T) continue;
-        bf16* dst = dinp + ((size_t)b * T + key) * 3 * C + h * HS + 2 * t;
-#pragma unroll
-        for (int j = 0; j < 8; j++) {
-            *reinterpret_cast<uint32_t*>(dst + C + 8 * j) = pack_bf16(dk[4 * j + 2 * hh] * scale, dk[4 * j + 2 * hh + 1] * scale);
-            *reinterpret_cast<uint32_t*>(dst + 2 * C + 8 * j) = pack_bf16(dv[4 * j + 2 * hh], dv[4 * j + 2 * hh + 1]);
-        }
-    }
+    store_dkdv(dinp, dk, dv, b, h, T, C, key0, t, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
@@ -1043,24 +1073,9 @@ flash_attention_backward_prep_kernel5_bf16(float* Dbuf, float* dq_acc, const bf1
     if (ok) {
         const long long bt = r / NH;
         const int h = (int)(r % NH);
-        const size_t off = (size_t)bt * C + h * HS + 16 * t;
-#pragma unroll
-        for (int u = 0; u < 2; u++) {  // as the dq kernel of variant 4: the same order, the same bits
-            const uint4 x = *reinterpret_cast<const uint4*>(dout + off + 8 * u);
-            const uint4 y = *reinterpret_cast<const uint4*>(out + off + 8 * u);
-            const __nv_bfloat162* xp = reinterpret_cast<const __nv_bfloat162*>(&x);
-            const __nv_bfloat162* yp = reinterpret_cast<const __nv_bfloat162*>(&y);
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const float2 xf = __bfloat1622float2(xp[e]), yf = __bfloat1622float2(yp[e]);
-                d = fmaf(xf.x, yf.x, d);
-                d = fmaf(xf.y, yf.y, d);
-            }
-        }
-    }
-    // and 4 float4 of dq_acc zeroed (B T C / 4 of them, 4 a thread: float4 u * n + idx, n = B T NH 4,
-    // each store of a warp 512 contiguous bytes)
-    if (ok) {
+        d = d_partial(dout, out, (size_t)bt * C + h * HS + 16 * t);  // as variant 4's dq kernel: the same bits
+        // and 4 float4 of dq_acc zeroed (B T C / 4 of them, 4 a thread: float4 u * n + idx, n = B T NH 4,
+        // each store of a warp 512 contiguous bytes)
         const long long n = (long long)B * T * NH * 4;
 #pragma unroll
         for (int u = 0; u < 4; u++) reinterpret_cast<float4*>(dq_acc)[u * n + idx] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -1139,21 +1154,7 @@ __device__ __forceinline__ void flash_backward_dkdvq_wgmma(bf16* dinp, float* dq
     const int wg = threadIdx.x / 128;
     if (wg == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
-        if (threadIdx.x == 0) {
-            tensormap_acquire(tm);
-            tensormap_acquire(tm + 1);
-            mbar_expect_tx(kv_full, 2 * KV_BYTES);
-            tma_load_head<BTC>(sk, tm, kv_full, 1, k0, B, NH, b, h);  // k
-            tma_load_head<BTC>(sv, tm, kv_full, 2, k0, B, NH, b, h);  // v
-            for (int i = 0; i < nt; i++) {
-                const int s = i % V5_STAGES, use = i / V5_STAGES, r0 = (kb + i) * BQ;
-                mbar_wait(&empty[s], (use & 1) ^ 1);
-                mbar_expect_tx(&full[s], STAGE_BYTES);
-                unsigned char* st = sqd + s * STAGE_BYTES;
-                tma_load_head<BTC>(st, tm, &full[s], 0, r0, B, NH, b, h);   // q
-                tma_load_4d(st + KV_BYTES, tm + 1, &full[s], 0, h, r0, b);  // dout
-            }
-        }
+        if (threadIdx.x == 0) dkdv_producer<BTC, V5_STAGES>(sk, sv, sqd, kv_full, full, empty, tm, B, NH, b, h, kb, nt);
         return;
     }
     asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
@@ -1221,23 +1222,9 @@ __device__ __forceinline__ void flash_backward_dkdvq_wgmma(bf16* dinp, float* dq
     if (tid == 0) tensormap_acquire(tm + 2);
     turn.start();
     for (int i = 0; i < nt; i++) {
-        float* r = myrows + (i & 1) * ROWS_FLOATS;
-        r[tid] = l_next;
-        r[BQ + tid] = d_next;
-        if (i + 1 < nt) load_rows(i + 1, l_next, d_next);
-        wg_barrier(1 + cw);
-
-        const unsigned char* sqt = sqd + (i % V5_STAGES) * STAGE_BYTES;
-        mbar_wait(&full[i % V5_STAGES], (i / V5_STAGES) & 1);
-        turn.begin();
-        wgmma_fence();
-        issue_s(sc, skw, sqt);             // S^T = k q^T
-        issue_s(dp, svw, sqt + KV_BYTES);  // dP^T = v dout^T
-        wgmma_commit();
-        turn.end(false);
-        wgmma_wait<0>();
-        keep_in_regs(sc);
-        keep_in_regs(dp);
+        float* r = myrows + (i & 1) * ROWS_FLOATS;  // this tile's lse, D (staged by dkdv_tile_scores)
+        const unsigned char* sqt = dkdv_tile_scores<V5_STAGES>(sc, dp, r, l_next, d_next, load_rows, i, nt, tid, cw, sqd,
+                                                               full, skw, svw, turn);
         const int q0 = (kb + i) * BQ;
         const bool mask = i == 0 || i == nt - 1;
         // P^T, dS^T as variant 4; each dS^T pair goes to shared memory as soon as it is formed (dS^T
@@ -1312,18 +1299,7 @@ __device__ __forceinline__ void flash_backward_dkdvq_wgmma(bf16* dinp, float* dq
         if (tid == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");  // before the CTA exits
     }
 
-    // dk * scale -> dinp[..., C:2C], dv -> dinp[..., 2C:3C], one bf16 rounding each
-#pragma unroll
-    for (int hh = 0; hh < 2; hh++) {
-        const int key = key0 + 8 * hh;
-        if (key >= T) continue;
-        bf16* dst = dinp + ((size_t)b * T + key) * 3 * C + h * HS + 2 * t;
-#pragma unroll
-        for (int j = 0; j < 8; j++) {
-            *reinterpret_cast<uint32_t*>(dst + C + 8 * j) = pack_bf16(dk[4 * j + 2 * hh] * scale, dk[4 * j + 2 * hh + 1] * scale);
-            *reinterpret_cast<uint32_t*>(dst + 2 * C + 8 * j) = pack_bf16(dv[4 * j + 2 * hh], dv[4 * j + 2 * hh + 1]);
-        }
-    }
+    store_dkdv(dinp, dk, dv, b, h, T, C, key0, t, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)

@@ -701,23 +701,30 @@ def test_flash_attention_wgmma_gpu(rt, B, T, C, NH):
 WGMMA_BWD_SHAPES = FLASH_SHAPES + [(2, 128, 128, 2), (1, 129, 64, 1), (2, 384, 192, 3), (1, 1000, 128, 2)]
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("B,T,C,NH", WGMMA_BWD_SHAPES)
-def test_flash_attention_wgmma_backward_gpu(rt, B, T, C, NH):
-    from llmc.bf16 import BF16, from_bf16, round_bf16, to_bf16
-    if rt.arch != "sm_90":
-        pytest.skip(f"attention_backward 4 needs an sm_90 GPU (this one is {rt.arch})")
-    rng = np.random.default_rng(B * 1000 + T + 17)
-    bwd = ops.get("attention_backward").build(rt, 4, "bf16", B=B, T=T, C=C, NH=NH)
-    assert bwd.dtype == "bf16" and bwd.saved_shape == (B, NH, T) and set(bwd.scratch) == {"D"}
+def _wgmma_bwd_case(rt, B, T, C, NH, seed):
+    """The bf16 backward tests' case: random bf16 inp (B,T,3C) and dout, the float64 forward and backward
+    references, inp and dout on the device and the other tensors allocated (out, qkvr, lse fp32, dinp).
+    Returns dout, qkvr64, att64, ref, d_inp, d_dout, d_out, d_qkvr, d_lse, d_dinp."""
+    from llmc.bf16 import BF16, round_bf16, to_bf16
+    rng = np.random.default_rng(B * 1000 + T + seed)
     inp = round_bf16(rng.standard_normal((B, T, 3 * C)))
     dout = round_bf16(rng.standard_normal((B, T, C)))
-    inp64 = inp.astype(np.float64)
-    out64, qkvr64, att64 = A.attention_forward_ref(inp64, NH)
+    _, qkvr64, att64 = A.attention_forward_ref(inp.astype(np.float64), NH)
     ref = A.attention_backward_ref(dout.astype(np.float64), qkvr64, att64, NH)
     d_inp, d_dout = rt.to_device(to_bf16(inp)), rt.to_device(to_bf16(dout))
     d_out, d_qkvr, d_lse = rt.empty((B, T, C), BF16), rt.empty((B, T, 3 * C), BF16), rt.empty((B, NH, T))
-    d_dinp = rt.empty((B, T, 3 * C), BF16)
+    return dout, qkvr64, att64, ref, d_inp, d_dout, d_out, d_qkvr, d_lse, rt.empty((B, T, 3 * C), BF16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,T,C,NH", WGMMA_BWD_SHAPES)
+def test_flash_attention_wgmma_backward_gpu(rt, B, T, C, NH):
+    from llmc.bf16 import from_bf16
+    if rt.arch != "sm_90":
+        pytest.skip(f"attention_backward 4 needs an sm_90 GPU (this one is {rt.arch})")
+    bwd = ops.get("attention_backward").build(rt, 4, "bf16", B=B, T=T, C=C, NH=NH)
+    assert bwd.dtype == "bf16" and bwd.saved_shape == (B, NH, T) and set(bwd.scratch) == {"D"}
+    dout, qkvr64, att64, ref, d_inp, d_dout, d_out, d_qkvr, d_lse, d_dinp = _wgmma_bwd_case(rt, B, T, C, NH, 17)
     # after each forward that keeps the lse (2, 3 bf16 and 4): its own out and lse, so the plain
     # bf16 bound uses that forward's out (it differs from the exact one by a bf16 rounding)
     first = None
@@ -785,18 +792,10 @@ def test_flash_attention_wgmma_backward_gpu(rt, B, T, C, NH):
 @pytest.mark.gpu
 @pytest.mark.parametrize("B,T,C,NH", WGMMA_BWD_SHAPES)
 def test_flash_attention_wgmma5_backward_gpu(rt, B, T, C, NH):
-    from llmc.bf16 import BF16, from_bf16, round_bf16, to_bf16
+    from llmc.bf16 import from_bf16
     if rt.arch != "sm_90":
         pytest.skip(f"attention_backward 5 needs an sm_90 GPU (this one is {rt.arch})")
-    rng = np.random.default_rng(B * 1000 + T + 23)
-    inp = round_bf16(rng.standard_normal((B, T, 3 * C)))
-    dout = round_bf16(rng.standard_normal((B, T, C)))
-    inp64 = inp.astype(np.float64)
-    out64, qkvr64, att64 = A.attention_forward_ref(inp64, NH)
-    ref = A.attention_backward_ref(dout.astype(np.float64), qkvr64, att64, NH)
-    d_inp, d_dout = rt.to_device(to_bf16(inp)), rt.to_device(to_bf16(dout))
-    d_out, d_qkvr, d_lse = rt.empty((B, T, C), BF16), rt.empty((B, T, 3 * C), BF16), rt.empty((B, NH, T))
-    d_dinp = rt.empty((B, T, 3 * C), BF16)
+    dout, qkvr64, att64, ref, d_inp, d_dout, d_out, d_qkvr, d_lse, d_dinp = _wgmma_bwd_case(rt, B, T, C, NH, 23)
     ops.get("attention_forward").build(rt, 4, "bf16", B=B, T=T, C=C, NH=NH)(d_out, d_qkvr, d_lse, d_inp)
     out = from_bf16(d_out.get())
     bwd4 = ops.get("attention_backward").build(rt, 4, "bf16", B=B, T=T, C=C, NH=NH)
