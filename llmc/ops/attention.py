@@ -808,10 +808,12 @@ def build_flash_attention_backward_wgmma5(rt, B, T, C, NH, qkv_in_place=False, p
     def prep(dinp, dout, qkvr, lse, out):
         kp(prep_grid, (256, 1, 1), _ptr(D), _ptr(dq), _ptr(dout), _ptr(out), *args)
 
-    def main(dinp, dout, qkvr, lse, out):
+    def tensor_maps(dinp, dout, qkvr, out):
+        """The main kernel's three maps on the device (encoded and copied at the first launch on each
+        (qkvr, dout) pair, after the alignment checks: before any of the three passes is launched)."""
         qp, dp = _ptr(qkvr), _ptr(dout)
         dm = maps.get((qp, dp))
-        if dm is None:  # first launch on this (qkvr, dout): encode both maps, copy them to the device
+        if dm is None:
             for name, p in (("qkvr", qp), ("dout", dp), ("out", _ptr(out)), ("dinp", _ptr(dinp))):
                 if p & 15:
                     raise LLMCError(f"attention_backward 5: {name} must be 16-byte aligned (0x{p:x})")
@@ -820,6 +822,10 @@ def build_flash_attention_backward_wgmma5(rt, B, T, C, NH, qkv_in_place=False, p
                      + _bf16_tensor_map(dq.ptr, (FLASH_HS, T, B * NH), (FLASH_HS * 4, T * FLASH_HS * 4), (32, 64, 1),
                                         "attention_backward 5: dq", FLOAT32))
             dm = maps[(qp, dp)] = rt.to_device(np.frombuffer(three, np.uint8))
+        return dm
+
+    def main(dinp, dout, qkvr, lse, out):
+        dm = tensor_maps(dinp, dout, qkvr, out)
         km(grid, block, _ptr(dinp), _ptr(dq), dm.ptr, _ptr(lse), _ptr(D), *args, scale, np.int32(G), smem=smem)
 
     def convert(dinp, dout, qkvr, lse, out):
@@ -828,6 +834,7 @@ def build_flash_attention_backward_wgmma5(rt, B, T, C, NH, qkv_in_place=False, p
     passes = {"prep": prep, "main": main, "convert": convert}
 
     def launch(dinp, dout, qkvr, lse, out):
+        tensor_maps(dinp, dout, qkvr, out)  # (a misaligned argument is refused before prep runs)
         for f in passes.values():
             f(dinp, dout, qkvr, lse, out)
     # info["passes"]: the three launches alone (the lab times each; each takes launch's arguments)
