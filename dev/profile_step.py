@@ -42,7 +42,9 @@ def main():
     rt = be.rt
     cfg = config_from_name(args.model)
     B, T = args.batch_size, args.seq_len
-    model = GPT2(cfg, be, B, T)
+    # one stream: each op's events bracket it alone (the side stream's weight-gradient GEMMs would
+    # overlap the main stream's launches and their times)
+    model = GPT2(cfg, be, B, T, side_stream=False)
     model.use_graphs = False  # every launch from Python, so that each can be bracketed by events
     model.init_params(0)
     rng = np.random.default_rng(0)

@@ -11,6 +11,7 @@ decided in one place, CudaBackend.choose, from rules the ops declare (llmc/ops/_
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -44,6 +45,9 @@ class Backend(Protocol):
     def download(self, buf): ...
     def download_into(self, host, buf): ...
     def graph(self, fn): ...
+    def side(self, mark=None): ...                                 # context: launches on the side stream
+    def side_wait(self, mark): ...                                  # main waits for the side up to mark
+    def side_join(self): ...                                        # main waits for all of the side
     def synchronize(self): ...
     def pinned(self, shape, dtype): ...
     def require_free(self, nbytes, what): ...                       # one-line error if the device can't hold it
@@ -212,6 +216,16 @@ class CpuBackend(_Choosing):
         """The numpy backend has no graphs: fn itself replays the step."""
         return fn
 
+    def side(self, mark=None):
+        """One stream: what the block launches runs at once, in order."""
+        return contextlib.nullcontext()
+
+    def side_wait(self, mark):
+        pass
+
+    def side_join(self):
+        pass
+
     def synchronize(self):
         pass
 
@@ -305,6 +319,23 @@ class CudaBackend(_Choosing):
             print(f"note: no CUDA graphs ({why}); launching kernel by kernel")
         self._noted.add("graphs")
         return fn
+
+    @contextlib.contextmanager
+    def side(self, mark=None):
+        """The block's launches go to the runtime's side stream, after everything launched before it on
+        the main one; with `mark`, side_wait(mark) later makes the main stream wait for them (and for
+        the side stream's earlier launches: it runs in order)."""
+        self.rt.fork()
+        try:
+            yield
+        finally:
+            self.rt.unfork(mark)
+
+    def side_wait(self, mark):
+        self.rt.wait_mark(mark)
+
+    def side_join(self):
+        self.rt.join()
 
     def synchronize(self):
         self.rt.synchronize()

@@ -41,6 +41,7 @@ faster in the step): where the chosen matmul_forward variant has the fused form 
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
@@ -80,7 +81,7 @@ class GPT2:
     def __init__(self, cfg: GPT2Config, backend, B: int, T: int, training: bool = True, params_buf=None,
                  optimizer: bool = True, recompute: int = 1, fuse_bias: bool | None = None,
                  fuse_gelu: bool | None = None, fuse_dgelu: bool | None = None,
-                 fuse_gelu_recompute: bool | None = None):
+                 fuse_gelu_recompute: bool | None = None, side_stream: bool | None = None):
         if T > cfg.max_seq_len:
             raise LLMCError(f"-t/--seq-len {T}: longer than the model's max sequence length {cfg.max_seq_len}")
         if B < 1 or T < 1:
@@ -196,6 +197,7 @@ class GPT2:
         dg = (be.fuses("matmul_backward", dict(dgelu=True), **fcp)
               if training and fuse_dgelu and not self.fused_gelu_recompute else None)
         self.fused_dgelu = dg is not None
+        self.side = False  # (training: below)
         if training:
             self.built.update({
                 "mmb_lmhead": op("matmul_backward", N=N, C=C, OC=Vp),
@@ -232,6 +234,31 @@ class GPT2:
                                                            colsum=True, recompute=True)
             if self.fused_dgelu:
                 self.built["mmb_fcproj_dgelu"] = op("matmul_backward", prefer=dg, **fcp, dgelu=True)
+            # The weight gradients on a second stream (side_stream=None: LLMC_SIDE_STREAM, default 1).
+            # dweight += dout^T @ inp of fcproj (with the GELU recompute form), fc, attproj and qkv, and
+            # qkv's bias gradient, are needed by nothing else in the backward, and each is one wave of
+            # long tiles (72-96 tiles of 128 x 192 for an H100's 132 SMs at d12, whatever B is). On the
+            # side stream they run beside the main stream's next launches (dinp GEMMs, layernorm and
+            # GELU backward, attention), which take the SMs they leave idle. _launch_backward's waits
+            # keep the side stream's reads of dres, d fch, dqkv and the -r scratch ahead of the main
+            # stream's rewrites. Same bits as one stream (the same kernels; each gradient written by one
+            # launch). Measured on the H100 (docs/matmul_notes.md, "The weight gradients on a second
+            # stream"): bf16 32.86 against 33.37 ms at B=16, 9.96 against 10.41 at B=4; fp32 67.59
+            # against 69.32 and 19.42 against 19.89. Where a variant has no dinp_only / dweight_only
+            # form: one stream.
+            if side_stream is None:
+                env = os.environ.get("LLMC_SIDE_STREAM", "1")
+                if env not in ("0", "1"):
+                    raise LLMCError(f"LLMC_SIDE_STREAM={env!r}: expected 0 or 1")
+                side_stream = env == "1"
+            split = {"fc": dict(N=N, C=C, OC=4 * C), "attproj": dict(N=N, C=C, OC=C), "qkv": dict(N=N, C=C, OC=3 * C)}
+            forms = {(key, f): be.fuses("matmul_backward", {f: True}, **shp)
+                     for key, shp in split.items() for f in ("dinp_only", "dweight_only")} if side_stream else {}
+            self.side = bool(forms) and None not in forms.values()
+            if self.side:
+                for key, shp in split.items():
+                    for f, part in (("dinp_only", "dinp"), ("dweight_only", "dweight")):
+                        self.built[f"mmb_{key}_{part}"] = op("matmul_backward", prefer=forms[(key, f)], **shp, **{f: True})
             if ln_fused is not None:
                 self.built["layernorm_backward_colsum"] = op("layernorm_backward", prefer=ln_fused, N=N, C=C, colsum=True)
             else:
@@ -557,13 +584,20 @@ class GPT2:
         # dres = d residual3[L-1]; its column sums are fcprojb's gradient of the last layer
         self._ln_backward(g["fcprojb"][L - 1], dres, g["lnfw"], g["lnfb"], dbtc, a["residual3"][L - 1],
                           p["lnfw"], a["lnf_mean"], a["lnf_rstd"])
+        be = self.be
+        side = ("fcproj", "fc", "attproj", "qkv") if self.side else ()  # whose dweight goes to the side stream
         for l in reversed(range(L)):
             residual = a["encoded"] if l == 0 else a["residual3"][l - 1]
+            # (The side stream runs in order, so the two waits before the layernorm backwards, which
+            # rewrite dres, also cover these two, fc_dw and qkv_dw: they stay for the reads they name.)
+            if side:  # layer l + 1's fc dweight (and fcproj's before it) read d fch, fch_gelu and ln2,
+                be.side_wait("fc_dw")  # which this layer rewrites (-r: fch_gelu and ln2 are one scratch)
             # MLP: residual3 = residual2 + fcproj(gelu(fc(ln2)))
             if self.fused_gelu_recompute:  # dinp, then fch_gelu and d fch from one pass over fch, then dweight
                 k["mmb_fcproj_dinp"](dfch, dres, p["fcprojw"][l])                  # d fch_gelu
                 k["gelu_backward_colsum_rc"](dfch, g["fcb"][l], fch_gelu[l], a["fch"][l], dfch)  # fcb +=
-                k["mmb_fcproj_dweight"](g["fcprojw"][l], dres, fch_gelu[l])
+                with be.side("fcproj_dw") if "fcproj" in side else contextlib.nullcontext():
+                    k["mmb_fcproj_dweight"](g["fcprojw"][l], dres, fch_gelu[l])
             else:
                 if self.recompute >= 1:
                     k["gelu_forward"](fch_gelu[l], a["fch"][l])                    # recompute (B,T,4C)
@@ -583,28 +617,53 @@ class GPT2:
             if self.recompute == 2:                                                 # recompute ln2 (B,T,C)
                 k["layernorm_forward"](ln2[l], a["rc_mean"], a["rc_rstd"], a["residual2"][l],
                                        p["ln2w"][l], p["ln2b"][l])
-            k["mmb_fc"](dbtc, g["fcw"][l], dfch, ln2[l], p["fcw"][l])               # d ln2 (B,T,C)
+            if "fc" in side:  # the dweight first, so that its CTAs hold their SMs and dinp's take the rest
+                with be.side("fc_dw"):
+                    k["mmb_fc_dweight"](g["fcw"][l], dfch, ln2[l])
+                k["mmb_fc_dinp"](dbtc, dfch, p["fcw"][l])                            # d ln2 (B,T,C)
+            else:
+                k["mmb_fc"](dbtc, g["fcw"][l], dfch, ln2[l], p["fcw"][l])           # d ln2 (B,T,C)
             if not self.fused_bias["gelu_backward"]:
                 k["bias_4C"](g["fcb"][l], dfch)
+            if side:  # fcproj's dweight reads dres (d residual3), which the layernorm backward rewrites
+                be.side_wait("fcproj_dw")
             self._ln_backward(g["attprojb"][l], dres, g["ln2w"][l], g["ln2b"][l], dbtc, a["residual2"][l],
                               p["ln2w"][l], a["ln2_mean"][l], a["ln2_rstd"][l])    # dres = d residual2
             # attention: residual2 = residual + attproj(attention(qkv(ln1)))
-            k["mmb_attproj"](dbtc, g["attprojw"][l], dres, a["atty"][l], p["attprojw"][l])  # d atty
+            if "attproj" in side:
+                with be.side("attproj_dw"):
+                    k["mmb_attproj_dweight"](g["attprojw"][l], dres, a["atty"][l])
+                k["mmb_attproj_dinp"](dbtc, dres, p["attprojw"][l])                 # d atty
+            else:
+                k["mmb_attproj"](dbtc, g["attprojw"][l], dres, a["atty"][l], p["attprojw"][l])  # d atty
             if not self.fused_bias["layernorm_backward"]:
                 k["bias_C"](g["attprojb"][l], dres)
+            if side:  # layer l + 1's qkv dweight and bias read dqkv (and -r 2's ln1 scratch)
+                be.side_wait("qkv_dw")
             if before_attention is not None:
+                be.side_join()
                 before_attention(l)
             k["attention_backward"](dqkv, dbtc, a["qkvr"][l], a["att"][l], a["atty"][l])  # d qkv (B,T,3C)
             if self.recompute == 2:                                                 # recompute ln1 (B,T,C)
                 k["layernorm_forward"](ln1[l], a["rc_mean"], a["rc_rstd"], residual, p["ln1w"][l], p["ln1b"][l])
-            k["mmb_qkv"](dbtc, g["qkvw"][l], dqkv, ln1[l], p["qkvw"][l])           # d ln1 (B,T,C)
-            k["bias_3C"](g["qkvb"][l], dqkv)
+            if "qkv" in side:
+                with be.side("qkv_dw"):
+                    k["mmb_qkv_dweight"](g["qkvw"][l], dqkv, ln1[l])
+                    k["bias_3C"](g["qkvb"][l], dqkv)
+                k["mmb_qkv_dinp"](dbtc, dqkv, p["qkvw"][l])                         # d ln1 (B,T,C)
+            else:
+                k["mmb_qkv"](dbtc, g["qkvw"][l], dqkv, ln1[l], p["qkvw"][l])       # d ln1 (B,T,C)
+                k["bias_3C"](g["qkvb"][l], dqkv)
+            if side:
+                be.side_wait("attproj_dw")  # attproj's dweight reads dres (d residual2): rewritten next
             # dres = d residual; its column sums are fcprojb's gradient of the layer below (none at l = 0)
             self._ln_backward(g["fcprojb"][l - 1] if l > 0 else None, dres, g["ln1w"][l], g["ln1b"][l], dbtc,
                               residual, p["ln1w"][l], a["ln1_mean"][l], a["ln1_rstd"][l])
             if on_layer_grads is not None:
+                be.side_join()  # (layer l's weight gradients are complete)
                 on_layer_grads(l)
         k["encoder_backward"](g["wte"], g["wpe"], dres, self.inputs)
+        be.side_join()  # every gradient is written when the backward's launches are
         if on_layer_grads is not None:
             on_layer_grads(None)
 

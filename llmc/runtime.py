@@ -558,6 +558,50 @@ class Runtime:
         exe = _cu_check(cu, cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
         return Graph(self, cu, graph, exe)
 
+    # -- a second stream: launches off the critical path (the backward's weight-gradient GEMMs)
+    def fork(self) -> None:
+        """Launches from now until unfork() go to the side stream, after everything launched on the
+        main stream so far (an event between them: also under graph capture, where it brings the side
+        stream into the capture)."""
+        if self.stream is getattr(self, "_side", None):
+            raise RuntimeError("fork() inside fork(): unfork() first")
+        if getattr(self, "_side", None) is None:
+            flags = self.drv.event_flags.DISABLE_TIMING
+            self._side, self._main = self.drv.Stream(), self.stream
+            self._fork_event, self._join_event = self.drv.Event(flags), self.drv.Event(flags)
+            self._marks: dict = {}
+            self._live_marks: set = set()
+        self._fork_event.record(self._main)
+        self._side.wait_for_event(self._fork_event)
+        self.stream = self._side
+        self._side_used = True
+
+    def unfork(self, mark: str | None = None) -> None:
+        """Back to the main stream; with `mark`, an event after the side stream's launches so far,
+        which wait_mark(mark) makes the main stream wait for."""
+        self.stream = self._main
+        if mark is not None:
+            ev = self._marks.get(mark)
+            if ev is None:
+                ev = self._marks[mark] = self.drv.Event(self.drv.event_flags.DISABLE_TIMING)
+            ev.record(self._side)
+            self._live_marks.add(mark)
+
+    def wait_mark(self, mark: str) -> None:
+        """The main stream waits for the side stream's launches up to `mark`'s last unfork. A mark not
+        recorded since the last join() is nothing to wait for (and waiting on an event recorded
+        outside a graph capture is not allowed inside it)."""
+        if mark in getattr(self, "_live_marks", ()):
+            self.stream.wait_for_event(self._marks[mark])
+
+    def join(self) -> None:
+        """The main stream waits for everything launched on the side stream (if it was ever used)."""
+        if getattr(self, "_side_used", False):
+            self._side_used = False
+            self._join_event.record(self._side)
+            self.stream.wait_for_event(self._join_event)
+            self._live_marks = set()
+
     # -- sync, errors and timing
     def synchronize(self) -> None:
         self.stream.synchronize()

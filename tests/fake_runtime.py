@@ -192,6 +192,19 @@ class FakeRuntime:
     def graphs_available(self):
         return "a fake runtime"
 
+    # the side stream (Runtime.fork ...): one stream here, nothing runs
+    def fork(self):
+        pass
+
+    def unfork(self, mark=None):
+        pass
+
+    def wait_mark(self, mark):
+        pass
+
+    def join(self):
+        pass
+
 
 class FakeCudaBackend(CudaBackend):
     """The cuda backend over a FakeRuntime with a heap, running each op's numpy reference on the
@@ -202,6 +215,46 @@ class FakeCudaBackend(CudaBackend):
         super().__init__(kernels, quiet, rt=FakeRuntime(nbytes), precision=precision)
         self.launches = []  # op names, in launch order
         self.graphs = 0
+        # The side stream (CudaBackend.side): its launches wait in a queue until the main stream has to
+        # wait for them (side_wait up to the mark, side_join all), the latest they may run on a GPU. So a
+        # missing wait shows: the main stream overwrites what a side launch reads, or reads what it
+        # writes, before the queued launch runs, and the results differ from the numpy backend's.
+        self._on_side = None
+        self._side_queue = []  # (op name, run, args)
+        self._side_marks = {}  # mark -> how many queued launches it covers (counted from the start)
+        self._side_done = 0    # launches of the queue run so far
+        self.side_launches = []  # the op names launched on the side stream, in order
+
+    def side(self, mark=None):
+        import contextlib
+
+        @contextlib.contextmanager
+        def block():
+            assert self._on_side is None, "side() inside side()"
+            self._on_side = mark
+            try:
+                yield
+            finally:
+                self._on_side = None
+                if mark is not None:
+                    self._side_marks[mark] = self._side_done + len(self._side_queue)
+        return block()
+
+    def _run_side(self, upto):
+        while self._side_done < upto and self._side_queue:
+            name, run, args = self._side_queue.pop(0)
+            self._side_done += 1
+            self.launches.append(name)
+            self.side_launches.append(name)
+            run(*args)
+
+    def side_wait(self, mark):
+        if mark in self._side_marks:
+            self._run_side(self._side_marks[mark])
+
+    def side_join(self):
+        self._run_side(self._side_done + len(self._side_queue))
+        self._side_marks = {}
 
     def build(self, name, prefer=None, precision=None, **shape):
         dt = precision or self.precision
@@ -225,6 +278,9 @@ class FakeCudaBackend(CudaBackend):
         def launch(*args):
             for x in args:  # a DevArray argument must be a DevArray, never a numpy array
                 assert not isinstance(x, np.ndarray), f"{name}: got a host array"
+            if self._on_side is not None:  # the side stream: deferred as long as the model allows
+                self._side_queue.append((name, run, args))
+                return
             self.launches.append(name)
             run(*args)
         cpu.launch, cpu.number, cpu.dtype = launch, num, dt  # (saved_shape stays the reference's)

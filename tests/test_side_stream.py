@@ -1,0 +1,161 @@
+"""The backward's weight gradients on a second stream (GPT2(side_stream=...), LLMC_SIDE_STREAM).
+
+The fake backend (tests/fake_runtime.py) runs a side-stream launch as late as the model lets it:
+only when the main stream waits for it (side_wait up to its mark, or side_join). So if the model
+forgot a wait, the main stream would overwrite what a queued dweight GEMM reads (dres, d fch, dqkv,
+the -r scratch) before it ran, and the gradients would differ from the one-stream model's. These
+tests check that they do not, that they would (each wait left out in turn), and which launches go
+to the side stream. The GPU tests (-m gpu, below) check the same bits on the H100, graphs included,
+and that engine 5's dynamic schedule (tickets) gives the static schedule's bits beside a busy stream."""
+import numpy as np
+import pytest
+
+from llmc.backend import CpuBackend
+from llmc.config import GPT2Config
+from llmc.errors import LLMCError
+from llmc.model import GPT2
+from tests.fake_runtime import FakeCudaBackend
+
+CFG = GPT2Config(max_seq_len=32, vocab_size=97, padded_vocab_size=100, num_layers=3, num_heads=2, channels=32)
+B, T = 2, 16
+
+
+def _train(be, side, recompute=1, steps=2, skip_wait=None, **kw):
+    rng = np.random.default_rng(7)
+    x = rng.integers(0, CFG.vocab_size, (B, T)).astype(np.int32)
+    y = rng.integers(0, CFG.vocab_size, (B, T)).astype(np.int32)
+    if skip_wait is not None:  # sabotage: the main stream no longer waits for this mark
+        wait = be.side_wait
+        be.side_wait = lambda mark: None if mark == skip_wait else wait(mark)
+    m = GPT2(CFG, be, B, T, recompute=recompute, side_stream=side, **kw)
+    m.init_params(11)
+    out = {}
+    for step in range(1, steps + 1):
+        m.zero_grad()
+        out[f"loss{step}"] = m.forward(x, y)
+        m.backward()
+        out[f"grads{step}"] = m.get_grads()
+        m.update(lr=1e-3, step=step, weight_decay=0.1)
+    out["params"] = m.get_params()
+    return m, out
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("recompute", [0, 1, 2])
+def test_side_stream_gives_the_one_stream_bits(precision, recompute):
+    one = _train(FakeCudaBackend(precision=precision), False, recompute)[1]
+    be = FakeCudaBackend(precision=precision)
+    m, two = _train(be, True, recompute)
+    assert m.side
+    for key in one:
+        np.testing.assert_array_equal(one[key], two[key], err_msg=key)
+    # what went to the side stream: per layer (top down) fcproj's dweight (with the GELU recompute
+    # form, -r >= 1), fc's, attproj's, qkv's and its bias gradient; two steps
+    per_layer = (["matmul_backward"] if recompute >= 1 else []) + ["matmul_backward"] * 3 + ["matmul_backward_bias"]
+    assert be.side_launches == per_layer * CFG.num_layers * 2
+    assert not be._side_queue  # all run by the end of each backward (side_join)
+
+
+@pytest.mark.parametrize("mark", ["fcproj_dw", "attproj_dw"])
+def test_each_wait_is_needed(mark):
+    """Without either wait before a layernorm backward rewrites dres, the deferred side launches read
+    rewritten buffers: the fake catches a missing wait. (The waits on fc_dw and qkv_dw are implied by
+    these two, the side stream running in order: fc's dweight precedes attproj's, qkv's precedes the
+    next layer's fcproj's. They stay, for the reads they name.)"""
+    one = _train(FakeCudaBackend(), False, steps=1)[1]
+    two = _train(FakeCudaBackend(), True, steps=1, skip_wait=mark)[1]
+    assert not np.array_equal(one["grads1"], two["grads1"]), mark
+
+
+def test_side_stream_off_and_on_the_numpy_backend():
+    """side_stream=False keeps the combined matmul_backward launches; the numpy backend takes the
+    split ones too (one stream: its side() runs them at once) with the same results."""
+    m = GPT2(CFG, FakeCudaBackend(), B, T, side_stream=False)
+    assert not m.side and "mmb_fc_dweight" not in m.built
+    cpu_on = _train(CpuBackend(np.float32), True, steps=1)[1]
+    cpu_off = _train(CpuBackend(np.float32), False, steps=1)[1]
+    for key in cpu_on:
+        np.testing.assert_array_equal(cpu_on[key], cpu_off[key], err_msg=key)
+
+
+def test_side_stream_env(monkeypatch):
+    monkeypatch.setenv("LLMC_SIDE_STREAM", "0")
+    assert not GPT2(CFG, FakeCudaBackend(), B, T).side
+    monkeypatch.setenv("LLMC_SIDE_STREAM", "1")
+    assert GPT2(CFG, FakeCudaBackend(), B, T).side
+    monkeypatch.setenv("LLMC_SIDE_STREAM", "yes")
+    with pytest.raises(LLMCError, match="LLMC_SIDE_STREAM"):
+        GPT2(CFG, FakeCudaBackend(), B, T)
+    assert not GPT2(CFG, FakeCudaBackend(), B, T, training=False).side  # (inference: no backward)
+
+
+GPU_CFG = GPT2Config(max_seq_len=128, vocab_size=97, padded_vocab_size=128, num_layers=2, num_heads=2, channels=128)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,T", [(4, 64), (3, 37)])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("recompute", [1, 2])
+def test_gpu_side_stream_step_is_bit_identical(rt, precision, B, T, recompute):
+    """Two steps of 2 micro-steps (CUDA graph replays after the first, the side stream captured with
+    them) with --deterministic's kernels, side stream on and off: losses, gradients, updated weights
+    and logits the same bits."""
+    from llmc.backend import CudaBackend
+    from llmc.train import deterministic_kernels
+    from tests.llmc_fixtures import train_steps
+    runs = []
+    for side in (True, False):
+        be = CudaBackend(deterministic_kernels({}, precision), quiet=True, precision=precision)
+        m, steps, logits = train_steps(GPU_CFG, be, B, T, logits=True, side_stream=side, recompute=recompute)
+        assert m.side == side
+        runs.append([x for step in steps for x in step] + [logits])
+    for a, b in zip(*runs):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,M,N,K,bn", [("bf16", 16384, 768, 768, None), ("bf16", 3072, 768, 4096, 192),
+                                            ("tf32", 4096, 2304, 768, None), ("bf16", 129, 200, 72, 128)])
+def test_gpu_dynamic_schedule_bits(rt, monkeypatch, dtype, M, N, K, bn):
+    """Engine 5 with tickets (LLMC_WGMMA_DYNAMIC=1) against the static order (=0): the same bits, over
+    repeated launches (the last CTA resets the tickets) and with a one-wave GEMM holding SMs on the side
+    stream while it runs (the late CTAs take fewer units)."""
+    if rt.arch != "sm_90":
+        pytest.skip(f"engine 5 needs sm_90a (this GPU is {rt.arch})")
+    from llmc.bf16 import from_bf16, to_bf16
+    from llmc.ops import gemm_wgmma as gw
+    rng = np.random.default_rng(3)
+    host = [rng.standard_normal(shape).astype(np.float32) for shape in ((M, K), (N, K), (N,))]
+    if dtype == "bf16":
+        A, Bm, bias = (rt.to_device(to_bf16(x)) for x in host)
+        out_t = np.uint16
+    else:
+        A, Bm, bias = (rt.to_device(x) for x in host)
+        out_t = np.float32
+    out = "bf16" if dtype == "bf16" else "fp32"
+    # the busy stream's GEMM: 96 tiles of K = 8192 (one wave on an H100)
+    bA = rt.to_device(to_bf16(rng.standard_normal((3072, 8192)).astype(np.float32)))
+    bB = rt.to_device(to_bf16(rng.standard_normal((768, 8192)).astype(np.float32)))
+    bC = rt.empty((3072, 768), np.uint16)
+    busy = gw.wgmma_build(rt, "bf16", 3072, 768, 8192, out="bf16", bn=192)
+    results = []
+    for dyn in ("0", "1"):
+        monkeypatch.setenv("LLMC_WGMMA_DYNAMIC", dyn)
+        g = gw.wgmma_build(rt, dtype, M, N, K, has_bias=True, bn=bn, out=out)
+        for beside in (False, True, True, False):
+            C = rt.empty((M, N), out_t)
+            C.fill_bytes(0xFF)  # poison: every element must be written
+            if beside:
+                rt.fork()
+                busy(bC, bA, bB)
+                rt.unfork()
+            g(C, A, Bm, bias)
+            rt.join()
+            results.append(C.get())
+    for r in results[1:]:
+        np.testing.assert_array_equal(results[0], r)
+    ref = host[0].astype(np.float64) @ host[1].astype(np.float64).T + host[2]
+    got = from_bf16(results[0]) if dtype == "bf16" else results[0]
+    assert np.isfinite(got).all()
+    tol = 2e-2 if dtype == "bf16" else 2e-3
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < tol
