@@ -61,7 +61,6 @@ constexpr int ROW_BYTES = 128;     // bytes of K per shared-memory row (one swiz
 constexpr int THREADS = 384;       // producer warpgroup + 2 consumer warpgroups
 constexpr int CONSUMER_WARPS = 8;
 constexpr int GROUP_M = 8;         // tile rows walked together, for L2 reuse of B tiles
-constexpr int TSLOTS = 4;          // the cooperative schedule's unit ring (producer -> consumers), below
 
 // ------------------------------------------------------------------------------------------------
 // PTX helpers: shared-memory addresses, mbarriers, TMA, wgmma bookkeeping
@@ -455,21 +454,10 @@ __device__ __forceinline__ void epilogue_tma(float (&d)[BN / 2], const GemmArgs<
 // loading every k-block of each into the next stage of the ring once the stage is free. ROWS: the A
 // box's rows (BM for the cooperative schedule, a consumer's RM for ping-pong). A_MN, A_T, B_T: how
 // A and B lie in global memory (the instances' flags; ping-pong has only B_T).
-//
-// Which units a CTA takes. Static (sched == nullptr): u = blockIdx.x, + gridDim.x, ... Dynamic (sched: two
-// ints, zero between launches): the first unit is blockIdx.x and each next one is gridDim.x + a ticket
-// from atomicAdd(sched, 1), taken as the unit's loads begin, so a CTA that started late (its SM busy with
-// another stream's kernel) or runs fast takes more units: a persistent grid that shares the GPU with a
-// concurrent kernel without a tail. Each CTA ends with one ticket >= units; the last CTA to count its
-// end in sched[1] sets both ints back to 0 for the next launch (every CTA has taken its last ticket by
-// then). With `ring` (the cooperative schedule) the thread hands each unit to the consumers through a
-// TSLOTS-deep ring in shared memory (unit[slot], tfull: its one arrival, tempty: lane 0 of every consumer
-// warp), ending with the one >= units.
 template <typename T, int ROWS, int BN, int STAGES, bool A_MN, bool A_T, bool B_T, typename OUT>
 __device__ __forceinline__ void producer(const CUtensorMap* tmA, const CUtensorMap* tmB, const GemmArgs<OUT>& a,
                                          unsigned char* smem, uint64_t* full, uint64_t* empty, int tiles_m,
-                                         int tiles_n, int* sched = nullptr, uint64_t* tfull = nullptr,
-                                         uint64_t* tempty = nullptr, int* ring = nullptr) {
+                                         int tiles_n) {
     constexpr int BK = ROW_BYTES / sizeof(T);
     constexpr int A_BYTES = ROWS * ROW_BYTES, STAGE_BYTES = A_BYTES + BN * ROW_BYTES;
     constexpr int BOX_T = BK_T * ROW_BYTES;  // one MN-major box: 64 MN x BK_T k rows (8 KB)
@@ -480,16 +468,8 @@ __device__ __forceinline__ void producer(const CUtensorMap* tmA, const CUtensorM
     if (threadIdx.x != 0) return;
     tensormap_acquire(tmA);
     tensormap_acquire(tmB);
-    int stage = 0, phase = 0, slot = 0, sphase = 0;
-    for (int u = blockIdx.x;;) {
-        if (ring) {  // hand the unit (or the end) to the consumers
-            mbar_wait(&tempty[slot], sphase ^ 1);
-            ring[slot] = u;
-            mbar_arrive(&tfull[slot]);  // (release: the consumers' wait sees the store)
-            if (++slot == TSLOTS) { slot = 0; sphase ^= 1; }
-        }
-        if (u >= units) break;
-        const int next = sched ? (int)gridDim.x + atomicAdd(sched, 1) : u + (int)gridDim.x;
+    int stage = 0, phase = 0;
+    for (int u = blockIdx.x; u < units; u += gridDim.x) {
         const int split = u % a.splits, t = u / a.splits;
         int tm, tn;
         tile_coords(t, tiles_m, tiles_n, tm, tn);
@@ -516,11 +496,6 @@ __device__ __forceinline__ void producer(const CUtensorMap* tmA, const CUtensorM
             }
             if (++stage == STAGES) { stage = 0; phase ^= 1; }
         }
-        u = next;
-    }
-    if (sched && atomicAdd(sched + 1, 1) == (int)gridDim.x - 1) {  // the last CTA to end: reset for the next launch
-        atomicExch(sched, 0);
-        atomicExch(sched + 1, 0);
     }
 }
 
@@ -532,7 +507,7 @@ __device__ __forceinline__ void producer(const CUtensorMap* tmA, const CUtensorM
 template <typename T, typename OUT, int BN, int STAGES, bool TMA_STORE, bool A_MN = false, bool A_T = false,
           bool B_T = false, bool GELU = false, bool DGELU = false>
 __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CUtensorMap* tmB, const CUtensorMap* tmC,
-                                                const CUtensorMap* tmG, const GemmArgs<OUT>& a, int* sched) {
+                                                const CUtensorMap* tmG, const GemmArgs<OUT>& a) {
     static_assert(!DGELU || (TMA_STORE && !GELU), "the dgelu epilogue stages P where the TMA store stages C");
     constexpr int BK = ROW_BYTES / sizeof(T);       // K per stage: 32 tf32 or 64 bf16
     constexpr int KSTEPS = ROW_BYTES / 32;           // wgmmas per stage (32 bytes of K each)
@@ -547,9 +522,6 @@ __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CU
     uint64_t* full = reinterpret_cast<uint64_t*>(smem + STAGES * STAGE_BYTES + 2 * STG_BYTES);
     uint64_t* empty = full + STAGES;
     uint64_t* pre_bar = empty + STAGES;  // TMA store: P's (DGELU) or C's old (beta) tile in each consumer's staging buffer
-    uint64_t* tfull = pre_bar + 2;       // the unit ring (see producer): TSLOTS of tfull, tempty, then the units
-    uint64_t* tempty = tfull + TSLOTS;
-    int* ring = reinterpret_cast<int*>(tempty + TSLOTS);
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; s++) {
@@ -557,10 +529,6 @@ __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CU
             mbar_init(&empty[s], CONSUMER_WARPS);    // lane 0 of every consumer warp
         }
         if (TMA_STORE) { mbar_init(&pre_bar[0], 1); mbar_init(&pre_bar[1], 1); }  // thread 0 of the consumer's expect_tx
-        for (int s = 0; s < TSLOTS; s++) {
-            mbar_init(&tfull[s], 1);
-            mbar_init(&tempty[s], CONSUMER_WARPS);
-        }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
@@ -571,8 +539,7 @@ __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CU
     const int wg = threadIdx.x / 128;
 
     if (wg == 0) {
-        producer<T, BM, BN, STAGES, A_MN, A_T, B_T>(tmA, tmB, a, smem, full, empty, tiles_m, tiles_n, sched, tfull,
-                                                   tempty, ring);
+        producer<T, BM, BN, STAGES, A_MN, A_T, B_T>(tmA, tmB, a, smem, full, empty, tiles_m, tiles_n);
     } else {
         asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
         float d[BN / 2];
@@ -583,16 +550,7 @@ __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CU
         const bool beta_tma = TMA_STORE && !GELU && !DGELU && tmC && a.splits == 1 && a.beta != 0.0f && !a.trans_c;
         unsigned char* stg = smem + STAGES * STAGE_BYTES + (wg - 1) * STG_BYTES;
         if (DGELU && (threadIdx.x & 127) == 0) tensormap_acquire(tmG);
-        int slot = 0, sphase = 0;
-        auto take = [&]() {  // the next unit from the producer's ring (units or more: the end)
-            mbar_wait(&tfull[slot], sphase);
-            const int v = ring[slot];
-            __syncwarp();
-            if (lane == 0) mbar_arrive(&tempty[slot]);
-            if (++slot == TSLOTS) { slot = 0; sphase ^= 1; }
-            return v;
-        };
-        for (int u = take(); u < units; u = take()) {
+        for (int u = blockIdx.x; u < units; u += gridDim.x) {
             const int split = u % a.splits, t = u / a.splits;
             int tm, tn;
             tile_coords(t, tiles_m, tiles_n, tm, tn);
@@ -677,9 +635,9 @@ __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CU
     extern "C" __global__ void __launch_bounds__(THREADS, 1)                                             \
     NAME(const CUtensorMap* tmA, const CUtensorMap* tmB, const CUtensorMap* tmC, OUT* C, const OUT* bias, \
          float* W, int M, int N, int K, int ldc, int ldw, int splits, int kb_per_split, float alpha,     \
-         float beta, int trans_c, int* sched) {                                                           \
+         float beta, int trans_c) {                                                                       \
         const GemmArgs<OUT> a{C, bias, W, M, N, K, ldc, ldw, splits, kb_per_split, alpha, beta, trans_c}; \
-        gemm_wgmma_body<T, OUT, BN, STAGES, TMA_STORE, ##__VA_ARGS__>(tmA, tmB, tmC, nullptr, a, sched); \
+        gemm_wgmma_body<T, OUT, BN, STAGES, TMA_STORE, ##__VA_ARGS__>(tmA, tmB, tmC, nullptr, a);        \
     }
 
 // stages: as many as fit in ~200 KB (A 16 KB + B BN*128 bytes each); the _ts (TMA store) instances
@@ -732,9 +690,9 @@ GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n192_at_bt_ts_bf16, __nv_bfloat16, __nv_bfloat1
     extern "C" __global__ void __launch_bounds__(THREADS, 1)                                             \
     NAME(const CUtensorMap* tmA, const CUtensorMap* tmB, const CUtensorMap* tmC, const CUtensorMap* tmG, \
          OUT* C, OUT* G, const OUT* bias, float* W, int M, int N, int K, int ldc, int ldw, int splits,   \
-         int kb_per_split, float alpha, float beta, int trans_c, int* sched) {                            \
+         int kb_per_split, float alpha, float beta, int trans_c) {                                        \
         const GemmArgs<OUT> a{C, bias, W, M, N, K, ldc, ldw, splits, kb_per_split, alpha, beta, trans_c, G}; \
-        gemm_wgmma_body<T, OUT, BN, STAGES, TMA_STORE, false, false, false, true>(tmA, tmB, tmC, tmG, a, sched); \
+        gemm_wgmma_body<T, OUT, BN, STAGES, TMA_STORE, false, false, false, true>(tmA, tmB, tmC, tmG, a); \
     }
 
 // llmc/ops/gemm_wgmma.py: GELU_INSTANCES (a CPU test checks they agree)
@@ -758,10 +716,10 @@ GEMM_WGMMA_GELU_ENTRY(gemm_wgmma_bf16_n256_ts_gelu_bf16, __nv_bfloat16, __nv_bfl
 #define GEMM_WGMMA_DGELU_ENTRY(NAME, T, OUT, BN, STAGES, B_T)                                             \
     extern "C" __global__ void __launch_bounds__(THREADS, 1)                                             \
     NAME(const CUtensorMap* tmA, const CUtensorMap* tmB, const CUtensorMap* tmC, const CUtensorMap* tmP, \
-         OUT* C, float* S, int M, int N, int K, int ldc, float alpha, int* sched) {                       \
+         OUT* C, float* S, int M, int N, int K, int ldc, float alpha) {                                   \
         const GemmArgs<OUT> a{C, nullptr, nullptr, M, N, K, ldc, 0, 1, (K + ROW_BYTES / (int)sizeof(T) - 1) / \
                               (ROW_BYTES / (int)sizeof(T)), alpha, 0.0f, 0, nullptr, S};                  \
-        gemm_wgmma_body<T, OUT, BN, STAGES, true, false, false, B_T, false, true>(tmA, tmB, tmC, tmP, a, sched); \
+        gemm_wgmma_body<T, OUT, BN, STAGES, true, false, false, B_T, false, true>(tmA, tmB, tmC, tmP, a);  \
     }
 
 // llmc/ops/gemm_wgmma.py: DGELU_INSTANCES (a CPU test checks they agree)
@@ -926,9 +884,8 @@ __device__ __forceinline__ void gemm_wgmma_pp_body(const CUtensorMap* tmA, const
     extern "C" __global__ void __launch_bounds__(THREADS, 1)                                             \
     NAME(const CUtensorMap* tmA, const CUtensorMap* tmB, const CUtensorMap* tmC, OUT* C, const OUT* bias, \
          float* W, int M, int N, int K, int ldc, int ldw, int splits, int kb_per_split, float alpha,     \
-         float beta, int trans_c, int* sched) {                                                           \
+         float beta, int trans_c) {                                                                       \
         (void)tmC;                                                                                        \
-        (void)sched; /* the ping-pong schedule is static */                                               \
         const GemmArgs<OUT> a{C, bias, W, M, N, K, ldc, ldw, splits, kb_per_split, alpha, beta, trans_c}; \
         gemm_wgmma_pp_body<T, OUT, RM, BN, STAGES, B_T>(tmA, tmB, a);                                     \
     }

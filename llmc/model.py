@@ -243,9 +243,9 @@ class GPT2:
             # keep the side stream's reads of dres, d fch, dqkv and the -r scratch ahead of the main
             # stream's rewrites. Same bits as one stream (the same kernels; each gradient written by one
             # launch). Measured on the H100 (docs/matmul_notes.md, "The weight gradients on a second
-            # stream"): bf16 32.86 against 33.37 ms at B=16, 9.96 against 10.41 at B=4; fp32 67.59
-            # against 69.32 and 19.42 against 19.89. Where a variant has no dinp_only / dweight_only
-            # form: one stream.
+            # stream"), against the previous commit in the same call: bf16 33.02 against 33.39 ms at
+            # B=16, 9.96 against 10.21 at B=4; fp32 68.02 against 68.84 at B=16. Where a variant has no
+            # dinp_only / dweight_only form: one stream.
             if side_stream is None:
                 env = os.environ.get("LLMC_SIDE_STREAM", "1")
                 if env not in ("0", "1"):

@@ -5,8 +5,7 @@ only when the main stream waits for it (side_wait up to its mark, or side_join).
 forgot a wait, the main stream would overwrite what a queued dweight GEMM reads (dres, d fch, dqkv,
 the -r scratch) before it ran, and the gradients would differ from the one-stream model's. These
 tests check that they do not, that they would (each wait left out in turn), and which launches go
-to the side stream. The GPU tests (-m gpu, below) check the same bits on the H100, graphs included,
-and that engine 5's dynamic schedule (tickets) gives the static schedule's bits beside a busy stream."""
+to the side stream. The GPU test (-m gpu, below) checks the same bits on the H100, graphs included."""
 import numpy as np
 import pytest
 
@@ -111,51 +110,3 @@ def test_gpu_side_stream_step_is_bit_identical(rt, precision, B, T, recompute):
         runs.append([x for step in steps for x in step] + [logits])
     for a, b in zip(*runs):
         np.testing.assert_array_equal(a, b)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype,M,N,K,bn", [("bf16", 16384, 768, 768, None), ("bf16", 3072, 768, 4096, 192),
-                                            ("tf32", 4096, 2304, 768, None), ("bf16", 129, 200, 72, 128)])
-def test_gpu_dynamic_schedule_bits(rt, monkeypatch, dtype, M, N, K, bn):
-    """Engine 5 with tickets (LLMC_WGMMA_DYNAMIC=1) against the static order (=0): the same bits, over
-    repeated launches (the last CTA resets the tickets) and with a one-wave GEMM holding SMs on the side
-    stream while it runs (the late CTAs take fewer units)."""
-    if rt.arch != "sm_90":
-        pytest.skip(f"engine 5 needs sm_90a (this GPU is {rt.arch})")
-    from llmc.bf16 import from_bf16, to_bf16
-    from llmc.ops import gemm_wgmma as gw
-    rng = np.random.default_rng(3)
-    host = [rng.standard_normal(shape).astype(np.float32) for shape in ((M, K), (N, K), (N,))]
-    if dtype == "bf16":
-        A, Bm, bias = (rt.to_device(to_bf16(x)) for x in host)
-        out_t = np.uint16
-    else:
-        A, Bm, bias = (rt.to_device(x) for x in host)
-        out_t = np.float32
-    out = "bf16" if dtype == "bf16" else "fp32"
-    # the busy stream's GEMM: 96 tiles of K = 8192 (one wave on an H100)
-    bA = rt.to_device(to_bf16(rng.standard_normal((3072, 8192)).astype(np.float32)))
-    bB = rt.to_device(to_bf16(rng.standard_normal((768, 8192)).astype(np.float32)))
-    bC = rt.empty((3072, 768), np.uint16)
-    busy = gw.wgmma_build(rt, "bf16", 3072, 768, 8192, out="bf16", bn=192)
-    results = []
-    for dyn in ("0", "1"):
-        monkeypatch.setenv("LLMC_WGMMA_DYNAMIC", dyn)
-        g = gw.wgmma_build(rt, dtype, M, N, K, has_bias=True, bn=bn, out=out)
-        for beside in (False, True, True, False):
-            C = rt.empty((M, N), out_t)
-            C.fill_bytes(0xFF)  # poison: every element must be written
-            if beside:
-                rt.fork()
-                busy(bC, bA, bB)
-                rt.unfork()
-            g(C, A, Bm, bias)
-            rt.join()
-            results.append(C.get())
-    for r in results[1:]:
-        np.testing.assert_array_equal(results[0], r)
-    ref = host[0].astype(np.float64) @ host[1].astype(np.float64).T + host[2]
-    got = from_bf16(results[0]) if dtype == "bf16" else results[0]
-    assert np.isfinite(got).all()
-    tol = 2e-2 if dtype == "bf16" else 2e-3
-    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < tol

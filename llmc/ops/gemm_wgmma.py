@@ -257,28 +257,11 @@ def pp_smem_bytes(rm: int, bn: int, stages: int) -> int:
     return stages * (rm + bn) * 128 + 2 * 8 * stages + 1024
 
 
-TSLOTS = 4                      # the cooperative schedule's unit ring (cuda/gemm_wgmma.cu, producer)
-RING_BYTES = 16 + TSLOTS * (2 * 8 + 4)  # the two staged-load mbarriers, then per slot 2 mbarriers and the unit
-
-
 def smem_bytes(bn: int, stages: int, ts: bool, out: str = "fp32") -> int:
-    """Dynamic shared memory of an instance: the stages, the two TMA-store staging buffers, the stages'
-    mbarriers, the two mbarriers of the tiles loaded into the staging buffers (P for dgelu, C's old tile
-    for beta) and the unit ring, 1 KB for the 1024-byte alignment."""
-    return stages * (BM + bn) * 128 + (2 * 64 * bn * OUT_BYTES[out] if ts else 0) + 2 * 8 * stages + RING_BYTES + 1024
-
-
-def dynamic_schedule() -> bool:
-    """Whether engine 5's cooperative instances take their units by tickets (LLMC_WGMMA_DYNAMIC=1) rather
-    than in the static order u = blockIdx.x + j * gridDim.x (the default): the same tiles and bits either
-    way. Tickets let a persistent grid that shares the GPU with another stream's kernel (the model's
-    side stream) give the late CTAs fewer units; measured on the H100 they did not pay: the d12 step
-    with the side stream, bf16 33.64 against 33.36 ms static at B=16 and 10.07 against 10.03 at B=4,
-    fp32 68.28 against 68.82 and 19.79 against 19.51 (docs/matmul_notes.md)."""
-    env = os.environ.get("LLMC_WGMMA_DYNAMIC", "0")
-    if env not in ("0", "1"):
-        raise LLMCError(f"LLMC_WGMMA_DYNAMIC={env!r}: expected 0 or 1")
-    return env == "1"
+    """Dynamic shared memory of an instance: the stages, the two TMA-store staging buffers and the two
+    mbarriers of the tiles loaded into them (P for dgelu, C's old tile for beta), the stages' mbarriers,
+    1 KB for the 1024-byte alignment."""
+    return stages * (BM + bn) * 128 + (2 * 64 * bn * OUT_BYTES[out] + 16 if ts else 0) + 2 * 8 * stages + 1024
 
 
 def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, ldb: int | None = None,
@@ -421,14 +404,10 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
         name = instance_name(ty, out, layout, use_ts, bn, fused)
         label = (f"gemm 5 ({ty}{' -> bf16' if out == 'bf16' else ''}, 128x{bn}{', TMA store' if use_ts else ''}{what}"
                  f"{' + gelu' if gelu else ''})")
-    k = rt.kernel(MODULE, name, "PPPPPPPPiiiiiiiffiP" if fused else "PPPPPPiiiiiiiffiP", label=label)
+    k = rt.kernel(MODULE, name, "PPPPPPPPiiiiiiiffi" if fused else "PPPPPPiiiiiiiffi", label=label)
     k.set_max_dynamic_smem(smem)
     units = -(-M // tile_rows) * -(-N // bn) * splits
     grid, block = (min(units, rt.sm_count), 1, 1), (384, 1, 1)
-    # the tickets of the dynamic schedule: two ints of this launcher's own (one launcher never runs
-    # beside itself on two streams), zero between launches (the kernel's last CTA resets them)
-    sched = rt.zeros((2,), np.int32) if not use_pp and dynamic_schedule() else None
-    sp = sched.ptr if sched is not None else 0
     ldw = -(-N // 4) * 4
     W = rt.empty((splits * M * ldw,), np.float32) if splits > 1 else None
     red = rt.kernel(MODULE, "gemm_wgmma_splitk_reduce" + ("_gelu" if gelu else "") + ("_bf16" if out == "bf16" else ""),
@@ -464,7 +443,7 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
         gp = (gg,) if fused else ()
         if splits > 1:
             k(grid, block, tm[0], tm[1], 0, c, 0, W.ptr, np.int32(M), np.int32(N), np.int32(K), np.int32(ldc),
-              np.int32(ldw), np.int32(splits), np.int32(per), np.float32(1.0), np.float32(0.0), np.int32(0), sp,
+              np.int32(ldw), np.int32(splits), np.int32(per), np.float32(1.0), np.float32(0.0), np.int32(0),
               smem=smem)
             red(rgrid, (256, 1, 1), c, *((gg,) if gelu else ()), W.ptr, bi if has_bias else 0, np.int32(M),
                 np.int32(N), np.int32(ldc), np.int32(ldw), np.int32(splits), np.float32(alpha), np.float32(beta),
@@ -472,7 +451,7 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
         else:
             k(grid, block, tm[0], tm[1], tm[2], *tmg, c, *gp, bi if has_bias else 0, 0, np.int32(M), np.int32(N),
               np.int32(K), np.int32(ldc), np.int32(ldw), np.int32(1), np.int32(per), np.float32(alpha),
-              np.float32(beta), np.int32(1 if trans_c else 0), sp, smem=smem)
+              np.float32(beta), np.int32(1 if trans_c else 0), smem=smem)
     launch.plan = (5, f"{tile_rows}x{bn}{'+ts' if use_ts else ''}{'+pp' if use_pp else ''}"
                       f"{LAYOUT_SUFFIX[layout].replace('_', '+')}{'+gelu' if gelu else ''}", splits)
     return launch
@@ -480,12 +459,10 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
 
 def _dgelu_launch(rt, name, label, smem, dtype, out, M, N, K, lda, ldb, ldc, alpha, bn, b_major, colsum, plan_):
     """wgmma_build's launch for the dgelu instances: launch(C, A, B, P, colsum=None)."""
-    k = rt.kernel(MODULE, name, "PPPPPPiiiifP", label=label)
+    k = rt.kernel(MODULE, name, "PPPPPPiiiif", label=label)
     k.set_max_dynamic_smem(smem)
     tiles_m = -(-M // BM)
     grid, block = (min(tiles_m * -(-N // bn), rt.sm_count), 1, 1), (384, 1, 1)
-    sched = rt.zeros((2,), np.int32) if dynamic_schedule() else None  # (see wgmma_build)
-    sp = sched.ptr if sched is not None else 0
     srows = 8 * tiles_m  # one partial row per 16 rows (a consumer warp's)
     S = rt.empty((srows * N,), np.float32) if colsum else None
     fin = rt.kernel(MODULE, "gemm_wgmma_colsum_finish" + ("_bf16" if out == "bf16" else ""), "PPii",
@@ -513,7 +490,7 @@ def _dgelu_launch(rt, name, label, smem, dtype, out, M, N, K, lda, ldb, ldc, alp
             dm = maps[key] = rt.to_device(np.frombuffer(blob, np.uint8))
         sums = colsum_out is not None
         k(grid, block, dm.ptr, dm.ptr + 128, dm.ptr + 256, dm.ptr + 384, c, S.ptr if sums else 0, np.int32(M),
-          np.int32(N), np.int32(K), np.int32(ldc), np.float32(alpha), sp, smem=smem)
+          np.int32(N), np.int32(K), np.int32(ldc), np.float32(alpha), smem=smem)
         if sums:
             fin((-(-N // 32), 1, 1), (32, 32, 1), _p(colsum_out), S.ptr, np.int32(srows), np.int32(N))
     launch.plan = plan_
