@@ -235,8 +235,8 @@ class GPT2:
             if self.fused_dgelu:
                 self.built["mmb_fcproj_dgelu"] = op("matmul_backward", prefer=dg, **fcp, dgelu=True)
             # The weight gradients on a second stream (side_stream=None: LLMC_SIDE_STREAM, default 1).
-            # dweight += dout^T @ inp of fcproj (with the GELU recompute form), fc, attproj and qkv, and
-            # qkv's bias gradient, are needed by nothing else in the backward, and each is one wave of
+            # dweight += dout^T @ inp of fcproj (with the GELU recompute form), fc, attproj and qkv are
+            # needed by nothing else in the backward, and each is one wave of
             # long tiles (72-96 tiles of 128 x 192 for an H100's 132 SMs at d12, whatever B is). On the
             # side stream they run beside the main stream's next launches (dinp GEMMs, layernorm and
             # GELU backward, attention), which take the SMs they leave idle. _launch_backward's waits
@@ -649,7 +649,7 @@ class GPT2:
             if "qkv" in side:
                 with be.side("qkv_dw"):
                     k["mmb_qkv_dweight"](g["qkvw"][l], dqkv, ln1[l])
-                    k["bias_3C"](g["qkvb"][l], dqkv)
+                k["bias_3C"](g["qkvb"][l], dqkv)  # (on the main stream: measured a little faster there)
                 k["mmb_qkv_dinp"](dbtc, dqkv, p["qkvw"][l])                         # d ln1 (B,T,C)
             else:
                 k["mmb_qkv"](dbtc, g["qkvw"][l], dqkv, ln1[l], p["qkvw"][l])       # d ln1 (B,T,C)
