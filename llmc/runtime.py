@@ -1,7 +1,7 @@
 """The CUDA runtime layer: PyCUDA on the primary context, our own nvcc build cache, checked launches.
 
     from llmc.runtime import Runtime
-    rt = Runtime()                                   # primary context of device 0, one stream
+    rt = Runtime()                                   # primary context of device 0, its stream
     k = rt.kernel("layernorm", "layernorm_forward_kernel1", "PPPPPPii", label="layernorm_forward 1")
     x = rt.to_device(np.random.randn(8, 768).astype(np.float32))
     k((grid, 1, 1), (256, 1, 1), out.ptr, ..., np.int32(N), np.int32(C))
@@ -18,7 +18,9 @@ Design notes
   elsewhere; the variants that use it declare the same (Variant.arch) and so refuse, and fall back.
 - Every .cu declares its entry points `extern "C" __global__`, so names are unmangled even when
   the file uses templates.
-- Every launch goes through Kernel.__call__: a prepared async launch on the runtime's one stream.
+- Every launch goes through Kernel.__call__: a prepared async launch on the runtime's stream
+  (rt.stream: the main stream, or between fork() and unfork() a side stream, which the backward's
+  weight-gradient GEMMs use; wait_mark() and join() bring its work back into the main stream's order).
   A launch error raises CudaError naming the op and variant. With LLMC_SYNC=1 we synchronise after
   every launch so that an asynchronous fault is also pinned on the launch that caused it.
 - Memory: DevArray is a typed view of device memory (ptr, shape, dtype). Everything the model needs
@@ -420,7 +422,7 @@ def _cu_check(cu, result, what: str):
 
 
 class Runtime:
-    """PyCUDA on the primary context of one device, one stream, our module cache."""
+    """PyCUDA on the primary context of one device, its stream (and a side stream: fork), our module cache."""
 
     def __init__(self, device: int = 0, sync: bool | None = None):
         try:
