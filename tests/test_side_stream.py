@@ -110,3 +110,51 @@ def test_gpu_side_stream_step_is_bit_identical(rt, precision, B, T, recompute):
         runs.append([x for step in steps for x in step] + [logits])
     for a, b in zip(*runs):
         np.testing.assert_array_equal(a, b)
+
+
+def test_runtime_fork_join_protocol():
+    """Runtime.fork / unfork / wait_mark / join on a stand-in driver that logs what the streams are asked
+    to do: the side stream waits for the main one at each fork; a mark is waited for only if recorded since
+    the last join; join waits for the side stream once, and only if it was used; fork inside fork refuses."""
+    from llmc.runtime import Runtime
+    log = []
+
+    class Event:
+        def __init__(self, flags=0):
+            self.name = f"ev{len([x for x in log if x[0] == 'new'])}"
+            log.append(("new", self.name))
+
+        def record(self, stream):
+            log.append(("record", self.name, stream.name))
+
+    class Stream:
+        def __init__(self, name="side"):
+            self.name = name
+
+        def wait_for_event(self, ev):
+            log.append(("wait", self.name, ev.name))
+
+    class Drv:
+        event_flags = type("F", (), {"DISABLE_TIMING": 2})
+    Drv.Stream, Drv.Event = Stream, Event
+    rt = Runtime.__new__(Runtime)  # (no GPU: only the stream bookkeeping)
+    rt.drv, rt.stream = Drv, Stream("main")
+    rt.join()
+    assert log == []  # never forked: nothing to wait for
+    rt.fork()
+    assert rt.stream.name == "side" and ("wait", "side", "ev0") in log and ("record", "ev0", "main") in log
+    with pytest.raises(RuntimeError, match="fork"):
+        rt.fork()
+    rt.unfork("a")
+    assert rt.stream.name == "main" and log[-1] == ("record", "ev2", "side")  # ev1: the join event
+    del log[:]
+    rt.wait_mark("b")  # never recorded
+    assert log == []
+    rt.wait_mark("a")
+    assert log == [("wait", "main", "ev2")]
+    rt.join()
+    assert log[1:] == [("record", "ev1", "side"), ("wait", "main", "ev1")]
+    del log[:]
+    rt.wait_mark("a")  # recorded before the join: not waited for again
+    rt.join()          # the side stream unused since the last join
+    assert log == []
