@@ -236,16 +236,16 @@ class GPT2:
                 self.built["mmb_fcproj_dgelu"] = op("matmul_backward", prefer=dg, **fcp, dgelu=True)
             # The weight gradients on a second stream (side_stream=None: LLMC_SIDE_STREAM, default 1).
             # dweight += dout^T @ inp of fcproj (with the GELU recompute form), fc, attproj and qkv are
-            # needed by nothing else in the backward, and each is one wave of
-            # long tiles (72-96 tiles of 128 x 192 for an H100's 132 SMs at d12, whatever B is). On the
-            # side stream they run beside the main stream's next launches (dinp GEMMs, layernorm and
-            # GELU backward, attention), which take the SMs they leave idle. _launch_backward's waits
-            # keep the side stream's reads of dres, d fch, dqkv and the -r scratch ahead of the main
-            # stream's rewrites. Same bits as one stream (the same kernels; each gradient written by one
-            # launch). Measured on the H100 (docs/matmul_notes.md, "The weight gradients on a second
-            # stream"), against the previous commit in the same call: bf16 33.02 against 33.39 ms at
-            # B=16, 9.96 against 10.21 at B=4; fp32 68.02 against 68.84 at B=16. Where a variant has no
-            # dinp_only / dweight_only form: one stream.
+            # needed by nothing else in the backward, and each is one wave of long tiles (72-96 tiles of
+            # 128 x 192 for an H100's 132 SMs at d12, whatever B is). On the side stream they run beside
+            # the main stream's next launches (dinp GEMMs, layernorm and GELU backward, attention),
+            # which take the SMs they leave idle. _launch_backward's waits keep the side stream's reads
+            # of dres, d fch, dqkv and the -r scratch ahead of the main stream's rewrites. Same bits as
+            # one stream (the same kernels; each gradient written by one launch). Measured on the H100
+            # against LLMC_SIDE_STREAM=0 in the same call (docs/matmul_notes.md, "The weight gradients
+            # on a second stream"): bf16 32.50 against 33.09 ms at B=16, 9.79 against 10.35 at B=4;
+            # fp32 67.36 against 68.96 and 19.30 against 19.76. Where a variant has no dinp_only /
+            # dweight_only form: one stream.
             if side_stream is None:
                 env = os.environ.get("LLMC_SIDE_STREAM", "1")
                 if env not in ("0", "1"):

@@ -597,7 +597,7 @@ class Runtime:
             self.stream.wait_for_event(self._marks[mark])
 
     def join(self) -> None:
-        """The main stream waits for everything launched on the side stream (if it was ever used)."""
+        """The main stream waits for everything launched on the side stream (if any was, since the last join)."""
         if getattr(self, "_side_used", False):
             self._side_used = False
             self._join_event.record(self._side)
