@@ -6,7 +6,7 @@ PIP ?= $(PY) -m pip
 # make bench PRECISION=bf16: our bf16 step and torch.compile's bf16-autocast step
 PRECISION ?= fp32
 
-.PHONY: setup setup-test data train sample test gpu-test lab bench profile clean
+.PHONY: setup setup-test data train sample test gpu-test lab bench profile trace clean
 
 setup:            ## runtime dependencies, llmc itself (editable: dev/ scripts import it); with a GPU also PyCUDA
 	$(PIP) install -q -r requirements.txt
@@ -37,12 +37,16 @@ lab:              ## on a GPU machine: the whole kernel lab -> docs/lab/
 	$(PY) dev/cuda/run_all.py
 
 bench:            ## on a GPU machine: d12 training step at B=4 and B=16, T=1024, with torch.compile's beside it (PRECISION=fp32|bf16)
-	$(PY) dev/bench_step.py -b 4 --precision $(PRECISION)
-	$(PY) dev/bench_step.py -b 16 --precision $(PRECISION)
+	$(PY) dev/bench_step.py -b 4 --precision $(PRECISION) --power
+	$(PY) dev/bench_step.py -b 16 --precision $(PRECISION) --power
 	$(PY) dev/bench_torch.py -b 4 16 --precision $(PRECISION)
 
 profile:          ## on a GPU machine: per-kernel profile of one d12 training step
 	$(PY) dev/profile_step.py
+
+trace:            ## on a GPU machine: the kernel timeline of whole d12 steps as the GPU ran them (CUPTI via torch.profiler)
+	$(PY) dev/trace_step.py -b 4 --precision $(PRECISION)
+	$(PY) dev/trace_step.py -b 16 --precision $(PRECISION)
 
 clean:
 	rm -rf out .pytest_cache

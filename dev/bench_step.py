@@ -7,6 +7,7 @@
     LLMC_GRAPHS=0 python dev/bench_step.py          # kernel by kernel instead of CUDA graph replays
     LLMC_FUSED_BIAS=0 python dev/bench_step.py      # bias grads by matmul_backward_bias, not fused (same variants)
     LLMC_FUSED_GELU=1 python dev/bench_step.py      # the fc layer's GELU in its GEMM's epilogue (default: gelu_forward)
+    python dev/bench_step.py --precision bf16 -b 16 --power   # + board power, SM clock, clock-limit reasons
 
 Times forward + backward + clip + AdamW + the loss read, exactly the trainer's step (after the first
 step, the micro-step and the update are CUDA graph replays where cuda-python is installed), with CUDA
@@ -24,6 +25,7 @@ from llmc.backend import CudaBackend
 from llmc.config import config_from_name
 from llmc.model import GPT2
 from llmc.train import kernel_flags
+from power import PowerSampler
 
 
 def main():
@@ -34,6 +36,8 @@ def main():
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--power", action="store_true",
+                   help="sample board power, SM clock and clock-limit reasons (nvidia-smi) during the timed steps")
     for flag, name, h in kernel_flags():
         p.add_argument(flag, type=int, default=None, dest=f"kernel_{name}", help=h)
     args = p.parse_args()
@@ -61,6 +65,7 @@ def main():
     for i in range(args.warmup):
         step(i)
     times, walls = [], []
+    sampler = PowerSampler(rt.device.pci_bus_id()) if args.power else None
     for i in range(args.steps):
         s, e = rt.event(), rt.event()
         w0 = time.perf_counter()
@@ -70,6 +75,7 @@ def main():
         e.synchronize()
         walls.append((time.perf_counter() - w0) * 1000)
         times.append(e.time_since(s))
+    power = sampler.stop() if sampler is not None else None
     free1, _ = rt.mem_info()
     ms = statistics.median(times)
     print(f"device: {rt.name} | model {cfg.describe()} | B={B} T={T} | {args.precision} | build {build_s:.1f} s")
@@ -85,6 +91,8 @@ def main():
                              f"no ({rt.graphs_available() or 'not captured'})"))
     print(f"step: median {ms:.2f} ms (GPU events), {statistics.median(walls):.2f} ms wall | "
           f"{B * T / (ms / 1000):,.0f} tokens/s | last loss {loss:.4f}")
+    if power:
+        print(power)
     print(f"memory: {rt.allocated_bytes / 2**30:.2f} GiB allocated by the model "
           f"({model.activation_bytes() / 2**30:.2f} GiB activations) | "
           f"{(total - free1) / 2**30:.2f} GiB used on the device (context included; "

@@ -1,0 +1,102 @@
+"""dev/trace_step.py's timeline arithmetic (the GPU part needs torch with CUDA): union of intervals,
+idle gaps, two-stream overlap, per-kernel totals, the cut into steps and the chrome-trace parsing,
+on hand-made timelines whose answers are known. No GPU."""
+import importlib.util
+
+import pytest
+
+from tests.conftest import ROOT
+
+
+@pytest.fixture(scope="module")
+def ts():
+    spec = importlib.util.spec_from_file_location("trace_step", ROOT / "dev" / "trace_step.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_union_length(ts):
+    assert ts.union_length([]) == 0
+    assert ts.union_length([(0, 10)]) == 10
+    assert ts.union_length([(0, 10), (5, 15)]) == 15            # overlapping
+    assert ts.union_length([(0, 10), (2, 3)]) == 10             # nested
+    assert ts.union_length([(20, 30), (0, 10)]) == 20           # disjoint, unsorted
+    assert ts.union_length([(0, 10), (10, 12)]) == 12           # touching
+
+
+def test_summarize_two_streams(ts):
+    # main stream: A 0-10, B 12-20, C 25-30; side: D 14-27 (overlaps B and C and fills the gap 20-25)
+    ks = [(0, 10, 1, "A(int)"), (12, 20, 1, "B"), (14, 27, 2, "D"), (25, 30, 1, "C")]
+    sm = ts.summarize(ks)
+    assert sm["span"] == 30
+    assert sm["busy"] == 28                      # idle only 10-12
+    assert sm["gaps"] == [2]
+    assert sm["overlap"] == (10 + 8 + 5) + 13 - 28  # per-stream unions minus the overall union = 8
+    assert sm["streams"] == {1: 3, 2: 1}
+    assert sm["by_name"] == {"A": 10, "B": 8, "C": 5, "D": 13}  # argument lists dropped from names
+    assert sm["calls"]["A"] == 1
+
+
+def test_summarize_counts_repeats_and_gaps(ts):
+    ks = [(i * 10.0, i * 10.0 + 9.5, 7, "k") for i in range(5)]  # 5 launches, 0.5 us apart
+    sm = ts.summarize(ks)
+    assert sm["calls"]["k"] == 5 and sm["by_name"]["k"] == pytest.approx(47.5)
+    assert sm["gaps"] == pytest.approx([0.5] * 4)
+    assert sm["overlap"] == 0
+
+
+def test_split_steps_at_the_longest_idle(ts):
+    step = [(0, 5, 1, "a"), (5.5, 9, 1, "b"), (6, 20, 2, "side")]  # the side kernel ends last
+    ks = []
+    for j, start in enumerate((0, 1000, 2500)):
+        ks += [(s + start, e + start, st, n) for s, e, st, n in step]
+    parts = ts.split_steps(sorted(ks), 3)
+    assert [len(p) for p in parts] == [3, 3, 3]
+    assert [p[0][0] for p in parts] == [0, 1000, 2500]
+    # a gap inside a step shorter than the gaps between steps never cuts it
+    assert ts.split_steps(sorted(ks), 1) == [sorted(ks)]
+
+
+def test_kernels_of_chrome_trace(ts):
+    events = [{"cat": "kernel", "name": "gemm", "ts": 10, "dur": 5, "args": {"stream": 13}},
+              {"cat": "gpu_memset", "name": "Memset", "ts": 0, "dur": 3},
+              {"cat": "kernel", "name": "ln", "ts": 2, "dur": 1, "args": {"stream": 16}},
+              {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 1, "dur": 1}]
+    assert ts.kernels_of(events) == [(2.0, 3.0, 16, "ln"), (10.0, 15.0, 13, "gemm")]
+
+
+def test_report_prints(ts, capsys):
+    ts.report(ts.summarize([(0, 10, 1, "A"), (12, 20, 1, "B")]), "step 1")
+    out = capsys.readouterr().out
+    assert "span 0.020 ms" in out and "idle 0.002 ms in 1 gaps" in out and "0.010     1  A" in out
+
+
+# dev/power.py: bench_step --power's nvidia-smi samples
+
+@pytest.fixture(scope="module")
+def power():
+    spec = importlib.util.spec_from_file_location("power", ROOT / "dev" / "power.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_power_parse_and_describe(power):
+    text = ("120.5, 1980, 0x0000000000000000\n"
+            "697.8, 1755, 0x0000000000000004\n"
+            "[N/A], 1980, 0x0\n"                     # unreadable: skipped
+            "701.7, 1440, 0x0000000000000024\n"      # power cap and SW thermal
+            "garbage line\n")
+    rows = power.parse(text)
+    assert rows == [(120.5, 1980.0, 0), (697.8, 1755.0, 4), (701.7, 1440.0, 0x24)]
+    line = power.describe(rows)
+    assert line.startswith("power: median 698 W, max 702 W | SM clock 1440-1980 MHz")
+    assert "SW power cap in 2/3" in line and "SW thermal in 1/3" in line and "HW" not in line
+    assert power.describe(power.parse("350.0, 1980, 0x1\n")).endswith("clock limited by: none (1 samples)")
+    assert power.describe([]) == "power: no samples"
+
+
+def test_power_sampler_without_nvidia_smi(power, monkeypatch):
+    monkeypatch.setattr(power.shutil, "which", lambda _: None)
+    assert power.PowerSampler("0").stop() == "power: nvidia-smi not found"
