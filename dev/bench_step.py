@@ -28,6 +28,24 @@ from llmc.train import kernel_flags
 from power import PowerSampler
 
 
+def training_step(be, cfg, B, T):
+    """(model, step): the GPT-2 of `cfg` built and initialised (seed 0) on `be`, and step(i), the
+    trainer's step i on one fixed random batch (zero_grad, forward + backward, clip + AdamW at lr
+    3e-4, the loss read)."""
+    model = GPT2(cfg, be, B, T)
+    model.init_params(0)
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32)
+    y = rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32)
+
+    def step(i):
+        model.zero_grad()
+        model.train_micro_step(x, y)
+        model.update(3e-4, i + 1)
+        return model.step_loss()
+    return model, step
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-e", "--model", default="d12")
@@ -49,18 +67,8 @@ def main():
     cfg = config_from_name(args.model)
     B, T = args.batch_size, args.seq_len
     t0 = time.perf_counter()
-    model = GPT2(cfg, be, B, T)
-    model.init_params(0)
+    model, step = training_step(be, cfg, B, T)
     build_s = time.perf_counter() - t0
-    rng = np.random.default_rng(0)
-    x = rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32)
-    y = rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32)
-
-    def step(i):
-        model.zero_grad()
-        model.train_micro_step(x, y)
-        model.update(3e-4, i + 1)
-        return model.step_loss()
 
     for i in range(args.warmup):
         step(i)

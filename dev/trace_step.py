@@ -105,27 +105,15 @@ def main():
     import torch
     from torch.profiler import ProfilerActivity, profile
 
+    from bench_step import training_step
     from llmc.backend import CudaBackend
     from llmc.config import config_from_name
-    from llmc.model import GPT2
 
     torch.cuda.init()
     be = CudaBackend({}, precision=args.precision)
     rt = be.rt
-    cfg = config_from_name("d12")
     B, T = args.batch_size, args.seq_len
-    model = GPT2(cfg, be, B, T)
-    model.init_params(0)
-    rng = np.random.default_rng(0)
-    x = rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32)
-    y = rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32)
-
-    def step(i):
-        model.zero_grad()
-        model.train_micro_step(x, y)
-        model.update(3e-4, i + 1)
-        return model.step_loss()
-
+    _, step = training_step(be, config_from_name("d12"), B, T)
     for i in range(3):
         step(i)
     rt.synchronize()

@@ -8,12 +8,16 @@ import pytest
 from tests.conftest import ROOT
 
 
-@pytest.fixture(scope="module")
-def ts():
-    spec = importlib.util.spec_from_file_location("trace_step", ROOT / "dev" / "trace_step.py")
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "dev" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+@pytest.fixture(scope="module")
+def ts():
+    return _load("trace_step")
 
 
 def test_union_length(ts):
@@ -76,10 +80,7 @@ def test_report_prints(ts, capsys):
 
 @pytest.fixture(scope="module")
 def power():
-    spec = importlib.util.spec_from_file_location("power", ROOT / "dev" / "power.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return _load("power")
 
 
 def test_power_parse_and_describe(power):
