@@ -645,17 +645,13 @@ def test_flash_attention_wgmma_gpu(rt, B, T, C, NH):
     vmax = np.abs(inp[..., 2 * C:]).max()
     assert_close(out, out64, atol=BF16_OUT * vmax, rtol=BF16_OUT, name="out (wgmma)")
     assert_close(lse, lse64, atol=1e-4, rtol=1e-5, name="lse (wgmma)")
-    # the overlapped kernel (next tile's q k^T issued before this tile's p v) does the same operations
-    # per row in the same order: the same bits
-    over = A.build_flash_attention_forward_wgmma(rt, B=B, T=T, C=C, NH=NH, overlap=True)
-    poison(d_out, d_lse)
-    over(d_out, d_qkvr, d_lse, d_inp)
-    assert np.array_equal(from_bf16(d_out.get()), out), "overlap: out differs from the plain wgmma forward"
-    assert np.array_equal(d_lse.get(), lse), "overlap: lse differs from the plain wgmma forward"
-    # the ping-pong kernel (overlap, consumers taking turns to issue) only reorders issues: the same bits
-    # the other schedules (consumers taking turns; persistent CTAs walking the blocks) only reorder: the same bits
-    for kw in (dict(persistent=False, pingpong=False), dict(persistent=False, pingpong=True),
-               dict(pingpong=True, overlap=True), dict(persistent=True, pingpong=False), dict(stages=4)):
+    # the other schedules (the next tile's q k^T issued before this tile's p v or not; consumers taking
+    # turns or not; persistent CTAs walking the blocks or one per block; the ring's depth) do the same
+    # operations per row in the same order: the same bits
+    for kw in (dict(persistent=False, overlap=False, pingpong=False), dict(persistent=False, overlap=True, pingpong=False),
+               dict(persistent=False, overlap=False), dict(persistent=False), dict(overlap=False, pingpong=False),
+               dict(overlap=False), dict(overlap=False, stages=4), dict(pingpong=False), dict(stages=3),
+               dict(stages=5), dict(stages=6)):
         pp = A.build_flash_attention_forward_wgmma(rt, B=B, T=T, C=C, NH=NH, **kw)
         poison(d_out, d_lse)
         pp(d_out, d_qkvr, d_lse, d_inp)
@@ -1013,7 +1009,8 @@ def test_wgmma_forward_variant_declares_bf16_and_tf32_sm90_only():
 def test_wgmma_forward_builds(monkeypatch):
     """Variant 4 builds on the fake runtime (entry points and argtypes against the PTX), with the shared
     memory the .cu computes, the persistent ping-pong kernel by default (a grid of min(blocks, SMs)),
-    the one-CTA-per-block builds of the lab (a grid of (B*NH, ceil(T/128))), and one tensor map per inp
+    the one-CTA-per-block builds of the lab (a grid of (B*NH, ceil(T/128))), the persistent builds of
+    the lab (the schedules the .cu builds, each with its ring's shared memory), and one tensor map per inp
     pointer, encoded at its first launch only (a captured graph replays the same maps)."""
     import re
     from llmc.runtime import CUDA_DIR
@@ -1029,14 +1026,17 @@ def test_wgmma_forward_builds(monkeypatch):
     monkeypatch.setattr(A, "qkvr_tensor_map", lambda *a: pytest.fail("forward 4 reads inp, never qkvr"))
     rt = FakeRuntime(heap_bytes=1 << 16)  # the maps are copied to the fake device
     launch = ops.get("attention_forward").build(rt, 4, "bf16", B=2, T=200, C=128, NH=2)
-    assert rt.built == ["permute_kernel2_bf16", "flash_attention_forward_kernel4_bf16_persistent_pingpong"]
+    assert rt.built == ["permute_kernel2_bf16", "flash_attention_forward_kernel4_bf16_persistent_overlap_pingpong_s4"]
     for inp in (0x10000, 0x10000, 0x20000):
         launch(0x1000, 0x4000, 0x3000, inp)  # out, qkvr, lse, inp
     assert encoded == [(0x10000, 2, 200, 2), (0x20000, 2, 200, 2)]
-    k = [x for x in rt.launches if x.func == "flash_attention_forward_kernel4_bf16_persistent_pingpong"]
+    k = [x for x in rt.launches if x.func == "flash_attention_forward_kernel4_bf16_persistent_overlap_pingpong_s4"]
     # 2 * 2 heads x 2 blocks = 8 items: 8 CTAs (at most one per SM), the persistent kernel's shared memory
-    assert len(k) == 3 and k[0].grid == (8, 1, 1) and k[0].block == (384, 1, 1) and k[0].smem == A.WGMMA_FWD_P_SMEM
-    plain = A.build_flash_attention_forward_wgmma(rt, B=2, T=200, C=128, NH=2, persistent=False, pingpong=False)
+    # with a 4-deep ring (2 more stages of k and v, 4 more mbarriers)
+    s4_smem = A.WGMMA_FWD_P_SMEM + 2 * 2 * 128 * 128 + 8 * 4
+    assert len(k) == 3 and k[0].grid == (8, 1, 1) and k[0].block == (384, 1, 1) and k[0].smem == s4_smem
+    plain = A.build_flash_attention_forward_wgmma(rt, B=2, T=200, C=128, NH=2, persistent=False, pingpong=False,
+                                                  overlap=False)
     assert rt.built[-1] == "flash_attention_forward_kernel4_bf16"
     plain(0x1000, 0x4000, 0x3000, 0x10000)
     assert rt.launches[-1].grid == (4, 2, 1) and rt.launches[-1].smem == A.WGMMA_FWD_SMEM
@@ -1044,16 +1044,19 @@ def test_wgmma_forward_builds(monkeypatch):
     assert len(perm) == 4 and perm[0].args[:2] == (0x4000, 0x10000)
     with pytest.raises(LLMCError, match="16-byte aligned"):
         launch(0x1000, 0x4000, 0x3000, 0x30008)
-    A.build_flash_attention_forward_wgmma(rt, B=2, T=200, C=128, NH=2, overlap=True)  # the lab's other builds
+    # the lab's other builds
+    A.build_flash_attention_forward_wgmma(rt, B=2, T=200, C=128, NH=2, persistent=False, pingpong=False)
     assert rt.built[-1] == "flash_attention_forward_kernel4_bf16_overlap"
-    A.build_flash_attention_forward_wgmma(rt, B=2, T=200, C=128, NH=2, pingpong=True, persistent=False)
+    A.build_flash_attention_forward_wgmma(rt, B=2, T=200, C=128, NH=2, persistent=False, overlap=False)
     assert rt.built[-1] == "flash_attention_forward_kernel4_bf16_pingpong"
-    A.build_flash_attention_forward_wgmma(rt, B=2, T=200, C=128, NH=2, pingpong=True, overlap=True)
+    A.build_flash_attention_forward_wgmma(rt, B=2, T=200, C=128, NH=2, persistent=False)
     assert rt.built[-1] == "flash_attention_forward_kernel4_bf16_overlap_pingpong"
+    with pytest.raises(AssertionError, match="2 stages only"):
+        A.build_flash_attention_forward_wgmma(rt, B=2, T=200, C=128, NH=2, persistent=False, stages=4)
     # persistent: one CTA per SM at most (here 2 * 2 heads x 2 blocks = 8 items), its own shared memory
     assert "constexpr int FWD_P_SMEM = 1024 + 2 * Q_BYTES + STAGES * STAGE_BYTES + 8 * (4 + 2 * STAGES);" in src
     assert A.WGMMA_FWD_P_SMEM == A.WGMMA_FWD_SMEM + 128 * 128 + 8 * 3
-    per = A.build_flash_attention_forward_wgmma(rt, B=2, T=200, C=128, NH=2, persistent=True, pingpong=True)
+    per = A.build_flash_attention_forward_wgmma(rt, B=2, T=200, C=128, NH=2, overlap=False)
     assert rt.built[-1] == "flash_attention_forward_kernel4_bf16_persistent_pingpong"
     per(0x1000, 0x4000, 0x3000, 0x10000)
     assert rt.launches[-1].grid == (8, 1, 1) and rt.launches[-1].smem == A.WGMMA_FWD_P_SMEM
@@ -1061,18 +1064,24 @@ def test_wgmma_forward_builds(monkeypatch):
     per(0x1000, 0x4000, 0x3000, 0x10000)
     assert rt.launches[-1].grid == (rt.sm_count, 1, 1)
     assert "constexpr int fwd_p_smem(int st) { return 1024 + 2 * Q_BYTES + st * STAGE_BYTES + 8 * (4 + 2 * st); }" in src
-    per = A.build_flash_attention_forward_wgmma(rt, B=2, T=200, C=128, NH=2, stages=4)  # the lab's deeper ring
-    per(0x1000, 0x4000, 0x3000, 0x10000)
-    assert rt.built[-1] == "flash_attention_forward_kernel4_bf16_persistent_pingpong_s4"
-    assert rt.launches[-1].smem == A.WGMMA_FWD_P_SMEM + 2 * 2 * 128 * 128 + 8 * 4
+    # every persistent build the .cu has: its name and its ring's shared memory (fits the H100's 227 KB)
+    for pp, ov, st in sorted(A.WGMMA_FWD_PERSISTENT):
+        sfx = ("_overlap" if ov else "") + ("_pingpong" if pp else "") + ("" if st == 2 else f"_s{st}")
+        assert f"FWD_PERSISTENT({sfx}, {str(pp).lower()}, {str(ov).lower()}, {st})" in src
+        per = A.build_flash_attention_forward_wgmma(rt, B=2, T=200, C=128, NH=2, pingpong=pp, overlap=ov, stages=st)
+        per(0x1000, 0x4000, 0x3000, 0x10000)
+        assert rt.built[-1] == "flash_attention_forward_kernel4_bf16_persistent" + sfx
+        assert rt.launches[-1].smem == A.WGMMA_FWD_P_SMEM + (st - 2) * (2 * 128 * 128 + 8 * 2) <= 227 * 1024
+    with pytest.raises(AssertionError, match="no persistent build"):
+        A.build_flash_attention_forward_wgmma(rt, B=2, T=200, C=128, NH=2, overlap=False, pingpong=False, stages=6)
     # qkv in place: no permute at all, and qkvr must be inp (the tensor backward 4 then reads)
     rt = FakeRuntime(heap_bytes=1 << 16)
     encoded.clear()
     launch = ops.get("attention_forward").build(rt, 4, "bf16", B=2, T=200, C=128, NH=2, qkv_in_place=True)
-    assert rt.built == ["flash_attention_forward_kernel4_bf16_persistent_pingpong"]
+    assert rt.built == ["flash_attention_forward_kernel4_bf16_persistent_overlap_pingpong_s4"]
     launch(0x1000, 0x10000, 0x3000, 0x10000)
     assert encoded == [(0x10000, 2, 200, 2)]
-    assert [x.func for x in rt.launches] == ["flash_attention_forward_kernel4_bf16_persistent_pingpong"]
+    assert [x.func for x in rt.launches] == ["flash_attention_forward_kernel4_bf16_persistent_overlap_pingpong_s4"]
     with pytest.raises(LLMCError, match="qkvr must be inp"):
         launch(0x1000, 0x20000, 0x3000, 0x10000)
     # only variant 4 has the in-place form
@@ -1088,11 +1097,13 @@ def test_wgmma_p_fragment_is_the_score_accumulator():
     4j + 2h + c at row 16w + g + 8h, column 8j + 2t + c), and the kernel packs it that way."""
     from llmc.runtime import CUDA_DIR
     src = " ".join((CUDA_DIR / "attention_wgmma.cu").read_text().split())
-    for line in ("const int hh = r & 1;",
-                 "const float p0 = ex2(sc[8 * kk + 2 * r] - m[hh]), p1 = ex2(sc[8 * kk + 2 * r + 1] - m[hh]);",
+    for line in ("const float p = ex2(fmaf(sc[4 * j + e], c2, mneg[e >> 1]));",
+                 "lp[e >> 1][(j & 1) * 2 + (e & 1)] += p;",
+                 "mp[e >> 1][(j & 1) * 2 + (e & 1)] = fmaxf(mp[e >> 1][(j & 1) * 2 + (e & 1)], sc[4 * j + e]);",
                  "for (int r = 0; r < 4; r++) pa[kk][r] = pack_bf16(sc[8 * kk + 2 * r], sc[8 * kk + 2 * r + 1]);",
                  "wgmma_bf16_rs_n64<1>(o, pa[kk], desc_mn(sv + kk * 2048), 1);",
-                 "if (diag && key0 + 8 * j + 2 * t + (e & 1) > row0 + 8 * hh) x = -INFINITY;",
+                 "const int lim = row0 - key0 - 2 * t;",
+                 "if (8 * j + (e & 1) - 8 * (e >> 1) > lim) sc[4 * j + e] = -INFINITY;",
                  "const int row0 = q0 + 64 * cw + 16 * warp + g;"):
         assert line in src, f"cuda/attention_wgmma.cu no longer has: {line}"
     for w in range(4):
@@ -1106,7 +1117,14 @@ def test_wgmma_p_fragment_is_the_score_accumulator():
                 for r in range(4):
                     row, col = 16 * w + a[r][0], 16 * kk + a[r][1]
                     assert acc[8 * kk + 2 * r] == (row, col) and acc[8 * kk + 2 * r + 1] == (row, col + 1)
-                    assert (r & 1) == (row - 16 * w - g) // 8  # hh: the row half the kernel uses for m
+            # the softmax's row half of register 4j + e (its m, l, max and sum partials): e >> 1
+            for n, (row, col) in acc.items():
+                assert (n % 4) >> 1 == (row - 16 * w - g) // 8
+                # the diagonal mask: key0 + col > row0 + 8 hh, with row0 = the thread's first row
+                j, e = n // 4, n % 4
+                for key0, row0 in ((0, 16 * w + g), (128, 128 + 16 * w + g), (0, 5), (256, 131)):
+                    assert (8 * j + (e & 1) - 8 * (e >> 1) > row0 - key0 - 2 * t) == \
+                        (key0 + col > row0 + 8 * (e >> 1))
 
 
 def test_wgmma_tiles_cover_the_causal_triangle():

@@ -111,12 +111,17 @@ d_out_b, d_qkvr_b = rt.empty((B, T, C), BF16), rt.empty((B, T, 3 * C), BF16)
 vmax = float(np.abs(inp_b[..., 2 * C:]).max())
 # rows: query rows per block, 64 (the default build) or 128 (a warp owns two m-tiles, so each k, v
 # fragment read from shared memory serves both: half the ldmatrix traffic per FLOP)
-# version 4: the wgmma + TMA kernel (Hopper only: skipped with a note elsewhere)
-# (rows "overlap": its build that issues the next tile's q k^T before this tile's p v)
-# (rows "in place": the build the model trains with beside backward 4: no permute, qkvr is inp itself)
-# (rows "pingpong": overlap plus the two consumers taking turns issuing)
-W4 = [(4, 128), (4, "in place"), (4, "in place, overlap"), (4, "in place, pingpong"), (4, "in place, overlap, pingpong"),
-      (4, "in place, persistent"), (4, "in place, persistent, pingpong"), (4, "in place, persistent, pingpong, 4 stages")]
+# version 4: the wgmma + TMA kernel (Hopper only: skipped with a note elsewhere), one row per schedule
+# (llmc/ops/attention.py, build_flash_attention_forward_wgmma): "in place" reads q, k, v from inp (the
+# model's training form beside backward 4: no permute); "persistent" one CTA per SM walking the blocks;
+# "overlap" the next tile's q k^T issued before this tile's p v; "pingpong" the two consumers taking
+# turns issuing; "N stages" the k/v ring's depth (2 unless named). The last row is the default build.
+_W4_ROWS = ["", "in place", "in place, overlap", "in place, pingpong", "in place, overlap, pingpong",
+            "in place, persistent", "in place, persistent, pingpong", "in place, persistent, pingpong, 4 stages",
+            "in place, persistent, overlap, 4 stages", "in place, persistent, overlap, pingpong, 3 stages",
+            "in place, persistent, overlap, pingpong, 5 stages", "in place, persistent, overlap, pingpong, 6 stages",
+            "in place, persistent, overlap, pingpong, 4 stages"]
+W4 = [(4, r or 128) for r in _W4_ROWS]
 bf16_rows = [(2, 64), (3, 64), (2, 128), (3, 128)] + W4 if "bf16" in DTYPES else []
 if bf16_rows and rt.arch != "sm_90":
     print(f"note: attention_forward 4 (wgmma) needs an sm_90 GPU (this one is {rt.arch}); skipped")
@@ -124,10 +129,11 @@ if bf16_rows and rt.arch != "sm_90":
 for version, rows in bf16_rows:
     in_place = "in place" in str(rows)
     if version == 4:
+        st = [int(w.split()[0]) for w in str(rows).split(", ") if w.endswith("stages")]
         flash = A.build_flash_attention_forward_wgmma(rt, B=B, T=T, C=C, NH=NH, overlap="overlap" in str(rows),
                                                       qkv_in_place=in_place, pingpong="pingpong" in str(rows),
-                                                      persistent="persistent" in str(rows),  # plain: both off
-                                                      stages=4 if "4 stages" in str(rows) else A.WGMMA_STAGES)
+                                                      persistent="persistent" in str(rows),  # plain: all off
+                                                      stages=st[0] if st else A.WGMMA_STAGES)
         label = f"attention_forward 4 bf16 (flash wgmma + TMA, 128 rows{'' if rows == 128 else ', ' + rows})"
     else:
         flash = A.build_flash_attention_forward(rt, B=B, T=T, C=C, NH=NH, version=version, dtype="bf16", rows=rows)

@@ -517,8 +517,14 @@ def _fwd_p_smem(stages):
 WGMMA_FWD_P_SMEM = _fwd_p_smem(WGMMA_STAGES)
 
 
-def build_flash_attention_forward_wgmma(rt, B, T, C, NH, overlap=False, qkv_in_place=False, pingpong=None,
-                                        persistent=None, stages=WGMMA_STAGES, **_):
+# the persistent builds in the .cu (FWD_PERSISTENT): (pingpong, overlap, stages)
+WGMMA_FWD_PERSISTENT = {(False, False, 2), (True, False, 2), (True, False, 4), (False, True, 4), (True, True, 3),
+                        (True, True, 4), (True, True, 5), (True, True, 6)}
+WGMMA_FWD_OVERLAP_STAGES = 4  # the default forward's k/v ring (persistent, overlap, ping-pong)
+
+
+def build_flash_attention_forward_wgmma(rt, B, T, C, NH, overlap=True, qkv_in_place=False, pingpong=True,
+                                        persistent=True, stages=None, **_):
     """Variant 4's bf16 build: launch(out (B,T,C), qkvr (B,T,3C), lse (B,NH,T), inp (B,T,3C)) like the
     bf16 builds of 2, 3 (out, qkvr, inp bf16; lse fp32, read by attention_backward 2/3/4): one wgmma
     kernel per (b, h, 128 query rows) that reads q, k, v straight from inp, the qkv matmul's output,
@@ -528,25 +534,26 @@ def build_flash_attention_forward_wgmma(rt, B, T, C, NH, overlap=False, qkv_in_p
     qkv_in_place too): the model's form in training when both directions are 4. The map holds inp's
     address: one map per inp pointer (each layer has its own in place), encoded and copied to the
     device at its first launch, so a captured graph replays the same maps.
-    overlap: the kernel that issues the next tile's q k^T before this tile's p v, so the softmax
-    overlaps the tensor cores within a warpgroup (FlashAttention-3's intra-warpgroup overlap; the
-    same bits; the lab times both). pingpong: overlap, and the two consumer warpgroups take turns
-    issuing their products (FlashAttention-3's inter-warpgroup schedule; the same bits). persistent
-    (not with overlap): one CTA per SM walking the (b, h, query block) items, q double-buffered (the
-    same bits). None (the variant's build): persistent with ping-pong unless overlap, measured fastest
-    on the H100 (lab, B=16, in place: 0.117 ms against 0.1385 for one CTA per block without turns,
-    0.134 with turns; B=4: 0.0348 against 0.0387). stages: the k/v ring's depth of the persistent
-    ping-pong kernel (2, or 4: a lab row)."""
+    The schedule (every build gives the same bits): persistent, one CTA per SM walking the (b, h, query
+    block) items, q double-buffered (else one CTA per block); overlap, the next tile's q k^T issued before
+    this tile's p v, so the softmax overlaps the tensor cores within a warpgroup (FlashAttention-3's
+    intra-warpgroup overlap); pingpong, the two consumer warpgroups take turns issuing their products
+    (its inter-warpgroup schedule); stages, the k/v ring's depth (persistent only: WGMMA_FWD_PERSISTENT
+    lists the builds; default 4 with overlap, else 2). The default, all three with 4 stages, measured
+    fastest on the H100 (lab, bf16, in place, 5 rounds: B=16 0.1025 ms against 0.1108 for persistent
+    ping-pong without overlap and 0.1083 without either; B=4 0.0293 against 0.0331 and 0.0328); overlap
+    needs the deeper ring (a consumer holds two stages at once)."""
     _check_attention(B, T, C, NH)
-    if persistent is None:
-        persistent = not overlap
-    if pingpong is None:
-        pingpong = not overlap
-    assert not (persistent and overlap), "the persistent kernel runs the plain loop"
-    assert stages == WGMMA_STAGES or (stages == 4 and persistent and pingpong), "stages=4: persistent ping-pong only"
+    if stages is None:
+        stages = WGMMA_FWD_OVERLAP_STAGES if persistent and overlap else WGMMA_STAGES
+    if persistent:
+        assert (pingpong, overlap, stages) in WGMMA_FWD_PERSISTENT, \
+            f"no persistent build with pingpong={pingpong} overlap={overlap} stages={stages}"
+    else:
+        assert stages == WGMMA_STAGES, f"one CTA per block: {WGMMA_STAGES} stages only"
     permute = None if qkv_in_place else _build_permute(rt, "permute", B, T, 3, NH, FLASH_HS, "bf16")
     sfx = ("_persistent" if persistent else "") + ("_overlap" if overlap else "") + ("_pingpong" if pingpong else "") \
-        + ("_s4" if stages == 4 else "")
+        + (f"_s{stages}" if stages != WGMMA_STAGES else "")
     k = rt.kernel(WGMMA_MODULE, "flash_attention_forward_kernel4_bf16" + sfx, "PPPiiif",
                   label="attention_forward 4 (flash, wgmma) bf16" + sfx.replace("_", " "))
     smem = _fwd_p_smem(stages) if persistent else WGMMA_FWD_SMEM
