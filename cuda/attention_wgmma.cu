@@ -175,6 +175,33 @@ __device__ __forceinline__ void issue_pv(float (&o)[32], const uint32_t (&pa)[8]
     for (int kk = 0; kk < BKV / 16; kk++) wgmma_bf16_rs_n64<1>(o, pa[kk], desc_mn(sv + kk * 2048), 1);
 }
 
+// Causal masks of a score tile in the accumulator layout (register 4j + e: row half e >> 1, column
+// 8j + 2t + (e & 1)), as passes of their own, run only on the tiles that need them: folded into the
+// elementwise loops as a select, the compiler predicates them onto every tile (a compare or two and a
+// select per score). A masked score becomes -inf: 2^fma(-inf, c, -x) = +0 for any finite x, the same
+// bits as the p = 0 it replaces.
+// Query-major (rows = queries, the forward and the dq kernels): key key0 + 8j + 2t + c > row
+// row0 + 8hh  <=>  8j + c - 8hh > lim, with lim = row0 - key0 - 2t.
+template <int NJ>
+__device__ __forceinline__ void mask_scores(float (&sc)[4 * NJ], int lim) {
+#pragma unroll
+    for (int j = 0; j < NJ; j++)
+#pragma unroll
+        for (int e = 0; e < 4; e++)
+            if (8 * j + (e & 1) - 8 * (e >> 1) > lim) sc[4 * j + e] = -INFINITY;
+}
+// Key-major (the backward's transposed tiles, rows = keys): query q0 + 8j + 2t + c < key key0 + 8hh,
+// or query >= T (zero-filled rows)  <=>  8j + c + d < 8hh or 8j + c >= hi, with d = q0 + 2t - key0 and
+// hi = T - q0 - 2t.
+template <int NJ>
+__device__ __forceinline__ void mask_scores_t(float (&sc)[4 * NJ], int d, int hi) {
+#pragma unroll
+    for (int j = 0; j < NJ; j++)
+#pragma unroll
+        for (int e = 0; e < 4; e++)
+            if (8 * j + (e & 1) + d < 8 * (e >> 1) || 8 * j + (e & 1) >= hi) sc[4 * j + e] = -INFINITY;
+}
+
 // Online softmax of one tile of scores, in place: sc <- p = 2^(scale log2e s - m) in fp32, the running
 // max m (log2 units) and sum l updated, corr = the factor O must be rescaled by. Only the diagonal
 // tile (the last) has keys > some row of the block; it also holds every key >= T (zero-filled),
@@ -185,17 +212,9 @@ __device__ __forceinline__ void issue_pv(float (&o)[32], const uint32_t (&pa)[8]
 // schedule): 0.0293 ms against 0.0307 with a multiply, a subtract and one running max and sum.
 __device__ __forceinline__ void softmax_tile(float (&sc)[64], float (&m)[2], float (&l)[2], float (&corr)[2],
                                              bool diag, int key0, int row0, int t, float c2) {
-    // The mask as a pass of its own, on the diagonal tile only: folded into the loops below, the compiler
-    // predicates it onto every tile (a compare and a select per score; with it the default forward took
-    // 0.1164 ms against 0.1122 without, lab, bf16, B=16).
-    if (diag) {
-        const int lim = row0 - key0 - 2 * t;  // key0 + 8j + 2t + c > row0 + 8hh  <=>  8j + c - 8hh > lim
-#pragma unroll
-        for (int j = 0; j < 16; j++)
-#pragma unroll
-            for (int e = 0; e < 4; e++)
-                if (8 * j + (e & 1) - 8 * (e >> 1) > lim) sc[4 * j + e] = -INFINITY;
-    }
+    // (mask_scores: folded into the loops below, the default forward took 0.1164 ms against 0.1122,
+    // lab, bf16, B=16)
+    if (diag) mask_scores<16>(sc, row0 - key0 - 2 * t);
     float mp[2][4];  // [row h][partial]: register 4j + 2h + c goes to partial 2 (j & 1) + c
 #pragma unroll
     for (int hh = 0; hh < 2; hh++)
@@ -778,15 +797,13 @@ __device__ __forceinline__ void flash_backward_dq_wgmma(bf16* dinp, float* Dbuf,
     auto make_ds = [&](int i) {
         keep_in_regs(sc);
         keep_in_regs(dp);
-        const bool diag = i == nkt - 1;
-        const int key0 = i * BKV;
+        if (i == nkt - 1) mask_scores<16>(sc, row0 - i * BKV - 2 * t);  // the diagonal tile
 #pragma unroll
         for (int j = 0; j < 16; j++)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const int hh = e >> 1;
-                float p = ex2(fmaf(sc[4 * j + e], c2, -lr[hh]));
-                if (diag && key0 + 8 * j + 2 * t + (e & 1) > row0 + 8 * hh) p = 0.0f;
+                const float p = ex2(fmaf(sc[4 * j + e], c2, -lr[hh]));  // masked: 2^-inf = +0
                 sc[4 * j + e] = p * (dp[4 * j + e] - Dr[hh]);
             }
         pack_a(da, sc);
@@ -999,16 +1016,15 @@ __device__ __forceinline__ void flash_backward_dkdv_wgmma(bf16* dinp, const CUte
         // tile (i = 0: queries < key) and the last (queries >= T, zero-filled). Register 4j + e: key
         // key0 + 8 (e >> 1), query q0 + 8j + 2t + (e & 1); its lse, D pair is one float2 load.
         const int q0 = (kb + i) * BQ;
-        const bool mask = i == 0 || i == nt - 1;
+        if (i == 0 || i == nt - 1) mask_scores_t<16>(sc, q0 + 2 * t - key0, T - q0 - 2 * t);
 #pragma unroll
         for (int j = 0; j < 16; j++) {
             const float2 lq = *reinterpret_cast<const float2*>(r + 8 * j + 2 * t);
             const float2 dd = *reinterpret_cast<const float2*>(r + BQ + 8 * j + 2 * t);
 #pragma unroll
             for (int e = 0; e < 4; e++) {
-                const int c = e & 1, qpos = q0 + 8 * j + 2 * t + c;
-                float p = ex2(fmaf(sc[4 * j + e], c2, -(c ? lq.y : lq.x)));
-                if (mask && (qpos < key0 + 8 * (e >> 1) || qpos >= T)) p = 0.0f;
+                const int c = e & 1;
+                const float p = ex2(fmaf(sc[4 * j + e], c2, -(c ? lq.y : lq.x)));  // masked: 2^-inf = +0
                 sc[4 * j + e] = p;
                 dp[4 * j + e] = p * (dp[4 * j + e] - (c ? dd.y : dd.x));
             }
@@ -1258,7 +1274,7 @@ __device__ __forceinline__ void flash_backward_dkdvq_wgmma(bf16* dinp, float* dq
         const unsigned char* sqt = dkdv_tile_scores<V5_STAGES>(sc, dp, r, l_next, d_next, load_rows, i, nt, tid, cw, sqd,
                                                                full, skw, svw, turn);
         const int q0 = (kb + i) * BQ;
-        const bool mask = i == 0 || i == nt - 1;
+        if (i == 0 || i == nt - 1) mask_scores_t<16>(sc, q0 + 2 * t - key0, T - q0 - 2 * t);
         // P^T, dS^T as variant 4; each dS^T pair goes to shared memory as soon as it is formed (dS^T
         // is read from there by dk's and dq's products; fewer registers live than packing it first):
         // keys key0 + 8 hh, queries 8j + 2t, +1 of the tile: half j / 8, chunk j % 8 of the key's
@@ -1274,9 +1290,8 @@ __device__ __forceinline__ void flash_backward_dkdvq_wgmma(bf16* dinp, float* dq
             float ds[4];
 #pragma unroll
             for (int e = 0; e < 4; e++) {
-                const int c = e & 1, qpos = q0 + 8 * j + 2 * t + c;
-                float p = ex2(fmaf(sc[4 * j + e], c2, -(c ? lq.y : lq.x)));
-                if (mask && (qpos < key0 + 8 * (e >> 1) || qpos >= T)) p = 0.0f;
+                const int c = e & 1;
+                const float p = ex2(fmaf(sc[4 * j + e], c2, -(c ? lq.y : lq.x)));  // masked: 2^-inf = +0
                 sc[4 * j + e] = p;
                 ds[e] = p * (dp[4 * j + e] - (c ? dd.y : dd.x));
             }
@@ -1890,14 +1905,13 @@ __device__ __forceinline__ void flash_backward_dq_wgmma_tf32(float* dinp, float*
         keep_in_regs(dp);
         // dS = P (dP - D), P = 2^(c2 S - lse log2e); on the last two tiles keys > row are masked (keys
         // >= T too: > every row < T). Register 4j + e: row row0 + 8 (e >> 1), key 64 i + 8j + 2t + (e & 1)
-        const bool diag = i >= nkt - 2;
+        if (i >= nkt - 2) mask_scores<8>(sc, row0 - i * TB_ROWS - 2 * t);
 #pragma unroll
         for (int j = 0; j < 8; j++)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const int hh = e >> 1;
-                float p = ex2(fmaf(sc[4 * j + e], c2, -lr[hh]));
-                if (diag && i * TB_ROWS + 8 * j + 2 * t + (e & 1) > row0 + 8 * hh) p = 0.0f;
+                const float p = ex2(fmaf(sc[4 * j + e], c2, -lr[hh]));  // masked: 2^-inf = +0
                 sc[4 * j + e] = p * (dp[4 * j + e] - Dr[hh]);
             }
         pack_a_tf32(da, sc);
@@ -2076,16 +2090,15 @@ __device__ __forceinline__ void flash_backward_dkdv_wgmma_tf32(float* dinp, cons
         // P^T per column (query), dS^T = P^T (dP^T - D). Masked: queries < key (the first two tiles) and
         // queries >= T (zero-filled). Register 4j + e: key key0 + 8 (e >> 1), query q0 + 8j + 2t + (e & 1)
         const int q0 = (it0 + i) * TB_ROWS;
-        const bool mask = i < 2 || i == nt - 1;
+        if (i < 2 || i == nt - 1) mask_scores_t<8>(sc, q0 + 2 * t - key0, T - q0 - 2 * t);
 #pragma unroll
         for (int j = 0; j < 8; j++) {
             const float2 lq = *reinterpret_cast<const float2*>(r + 8 * j + 2 * t);
             const float2 dd = *reinterpret_cast<const float2*>(r + TB_ROWS + 8 * j + 2 * t);
 #pragma unroll
             for (int e = 0; e < 4; e++) {
-                const int c = e & 1, qpos = q0 + 8 * j + 2 * t + c;
-                float p = ex2(fmaf(sc[4 * j + e], c2, -(c ? lq.y : lq.x)));
-                if (mask && (qpos < key0 + 8 * (e >> 1) || qpos >= T)) p = 0.0f;
+                const int c = e & 1;
+                const float p = ex2(fmaf(sc[4 * j + e], c2, -(c ? lq.y : lq.x)));  // masked: 2^-inf = +0
                 sc[4 * j + e] = p;
                 dp[4 * j + e] = p * (dp[4 * j + e] - (c ? dd.y : dd.x));
             }

@@ -1102,7 +1102,7 @@ def test_wgmma_p_fragment_is_the_score_accumulator():
                  "mp[e >> 1][(j & 1) * 2 + (e & 1)] = fmaxf(mp[e >> 1][(j & 1) * 2 + (e & 1)], sc[4 * j + e]);",
                  "for (int r = 0; r < 4; r++) pa[kk][r] = pack_bf16(sc[8 * kk + 2 * r], sc[8 * kk + 2 * r + 1]);",
                  "wgmma_bf16_rs_n64<1>(o, pa[kk], desc_mn(sv + kk * 2048), 1);",
-                 "const int lim = row0 - key0 - 2 * t;",
+                 "if (diag) mask_scores<16>(sc, row0 - key0 - 2 * t);",
                  "if (8 * j + (e & 1) - 8 * (e >> 1) > lim) sc[4 * j + e] = -INFINITY;",
                  "const int row0 = q0 + 64 * cw + 16 * warp + g;"):
         assert line in src, f"cuda/attention_wgmma.cu no longer has: {line}"
@@ -1125,6 +1125,18 @@ def test_wgmma_p_fragment_is_the_score_accumulator():
                 for key0, row0 in ((0, 16 * w + g), (128, 128 + 16 * w + g), (0, 5), (256, 131)):
                     assert (8 * j + (e & 1) - 8 * (e >> 1) > row0 - key0 - 2 * t) == \
                         (key0 + col > row0 + 8 * (e >> 1))
+    # the backward's key-major tiles (register 4j + e: key key0 + 8 (e >> 1), query q0 + 8j + 2t + (e & 1)):
+    # mask_scores_t(sc, d = q0 + 2t - key0, hi = T - q0 - 2t) masks query < key and query >= T
+    for line in ("if (8 * j + (e & 1) + d < 8 * (e >> 1) || 8 * j + (e & 1) >= hi) sc[4 * j + e] = -INFINITY;",
+                 "if (i == 0 || i == nt - 1) mask_scores_t<16>(sc, q0 + 2 * t - key0, T - q0 - 2 * t);"):
+        assert line in src, f"cuda/attention_wgmma.cu no longer has: {line}"
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        q0, key0, T = (int(x) for x in rng.integers(0, 400, 3))
+        t, j, e = int(rng.integers(4)), int(rng.integers(16)), int(rng.integers(4))
+        qpos, key = q0 + 8 * j + 2 * t + (e & 1), key0 + 8 * (e >> 1)
+        d, hi = q0 + 2 * t - key0, T - q0 - 2 * t
+        assert (8 * j + (e & 1) + d < 8 * (e >> 1) or 8 * j + (e & 1) >= hi) == (qpos < key or qpos >= T)
 
 
 def test_wgmma_tiles_cover_the_causal_triangle():
@@ -1373,15 +1385,14 @@ def test_wgmma_backward_tile_walk():
     tile) pair of the causal lower triangle exactly once."""
     from llmc.runtime import CUDA_DIR
     src = " ".join((CUDA_DIR / "attention_wgmma.cu").read_text().split())
-    for line in ("float p = ex2(fmaf(sc[4 * j + e], c2, -lr[hh]));",
-                 "if (diag && key0 + 8 * j + 2 * t + (e & 1) > row0 + 8 * hh) p = 0.0f;",
+    for line in ("const float p = ex2(fmaf(sc[4 * j + e], c2, -lr[hh]));",
+                 "if (i == nkt - 1) mask_scores<16>(sc, row0 - i * BKV - 2 * t);",
                  "sc[4 * j + e] = p * (dp[4 * j + e] - Dr[hh]);",
                  "issue_o(dq, da, stage(i));",
                  "const float2 lq = *reinterpret_cast<const float2*>(r + 8 * j + 2 * t);",
                  "const float2 dd = *reinterpret_cast<const float2*>(r + BQ + 8 * j + 2 * t);",
-                 "float p = ex2(fmaf(sc[4 * j + e], c2, -(c ? lq.y : lq.x)));",
-                 "const bool mask = i == 0 || i == nt - 1;",
-                 "if (mask && (qpos < key0 + 8 * (e >> 1) || qpos >= T)) p = 0.0f;",
+                 "const float p = ex2(fmaf(sc[4 * j + e], c2, -(c ? lq.y : lq.x)));",
+                 "if (i == 0 || i == nt - 1) mask_scores_t<16>(sc, q0 + 2 * t - key0, T - q0 - 2 * t);",
                  "dp[4 * j + e] = p * (dp[4 * j + e] - (c ? dd.y : dd.x));",
                  "issue_o(dv, pa, sqt + KV_BYTES);", "issue_o(dk, da, sqt);",
                  "for (int r = 0; r < 4; r++) a[kk][r] = pack_bf16(x[8 * kk + 2 * r], x[8 * kk + 2 * r + 1]);",
