@@ -1,10 +1,10 @@
 // Fused causal attention on Hopper tensor cores: wgmma + TMA, bf16 and TF32 (sm_90a only).
 //
-//   flash_attention_forward_kernel4_bf16_persistent_pingpong   attention_forward variant 4 (bf16):
+//   flash_attention_forward_kernel4_bf16_persistent_overlap_pingpong_s4   attention_forward variant 4 (bf16):
 //       out (B,T,C) = softmax(scale q k^T, causal) v, rounded to bf16 once;
 //       lse (B,NH,T) = log sum_{s<=t} exp(scale q_t.k_s), fp32 (what the fused backward 2/3/4 reads)
 //       (the variant's build; the lab's other schedules, the same bits: _kernel4_bf16 one CTA per
-//       block, _pingpong, _overlap, _overlap_pingpong, _persistent, _persistent_pingpong_s4)
+//       block, _pingpong, _overlap, _overlap_pingpong, and the persistent ones FWD_PERSISTENT lists)
 //   flash_attention_backward_dq_kernel4_bf16[_btc[_pingpong]]     attention_backward variant 4 (bf16),
 //       part 1: D (B,NH,T) = rowsum(dout * out) fp32 scratch; dq -> dinp[..., 0:C]
 //   flash_attention_backward_dkdv_kernel4_bf16[_btc[_pingpong]]   part 2: dk, dv -> dinp[..., C:3C]
@@ -26,7 +26,7 @@
 // a producer warpgroup, and p goes from the fp32 score registers straight into the second product.
 //
 // The forward's CTA: a (b, h, block of 128 query rows), or, persistent (the default), one CTA per SM
-// walking such blocks (see flash_forward_wgmma_persistent); 3 warpgroups:
+// walking such blocks (see flash_forward_wgmma_persistent) with a 4-deep k/v ring; 3 warpgroups:
 //   warpgroup 0      producer. One thread loads the block's q (128 x 64) once, then the k and v
 //                    tiles (128 keys x 64 each) of key tiles 0..qb into a STAGES-deep ring, waiting
 //                    on each stage's `empty` mbarrier; the TMA completes them on `full`. It gives
@@ -43,7 +43,10 @@
 // the same `full` barrier): both issue, then both compute their softmax while the tensor cores idle.
 // The _pingpong builds make them take turns issuing (PingPong below), so one's softmax runs beside
 // the other's products. The _overlap builds also overlap inside a warpgroup: tile i+1's q k^T is issued
-// before tile i's p v (measured slower here: lab, H100, B=16, in place, 0.149 ms against 0.1385).
+// before tile i's p v (forward_block_overlap). A consumer then holds two stages at once, so overlap pays
+// only with a ring deeper than 2: lab, H100, bf16, B=16, in place, one CTA per block with 2 stages
+// 0.149 ms against 0.1385 without overlap; persistent with turns and 4 stages 0.1015 against 0.1115 for
+// persistent with turns, 2 stages and no overlap (the default until 2026-11-26, session 17).
 //
 // Layouts (g = lane/4, t = lane%4, w = warp within the warpgroup):
 // * Global: q, k, v are read through one of two tensor maps (the template flag BTC):
@@ -91,7 +94,7 @@ constexpr int HS = 64;                      // head size (every GPT-2 size)
 constexpr int ROW_BYTES = HS * 2;           // one q/k/v row: 128 bytes = one swizzle span
 constexpr int BQ = 128;                     // query rows per CTA: 2 consumer warpgroups x 64
 constexpr int BKV = 128;                    // keys per k/v tile (= BQ: one diagonal tile per block)
-constexpr int STAGES = 2;                   // k/v ring depth
+constexpr int STAGES = 2;                   // k/v ring depth (the one-CTA-per-block kernels; the persistent ones: FWD_PERSISTENT)
 constexpr int THREADS = 384;                // producer warpgroup + 2 consumer warpgroups
 constexpr int CONSUMER_WARPS = 8;
 constexpr int Q_BYTES = BQ * ROW_BYTES;     // 16 KB
