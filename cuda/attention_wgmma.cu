@@ -933,7 +933,7 @@ __device__ __forceinline__ const unsigned char* dkdv_tile_scores(float (&sc)[64]
                                                                  int cw, const unsigned char* sqd, uint64_t* full,
                                                                  const unsigned char* skw, const unsigned char* svw,
                                                                  const PingPong<PP>& turn) {
-    r[tid] = l_next;
+    r[tid] = l_next * LOG2E;  // lse to log2 units here, a tile after its load (see load_rows)
     r[BQ + tid] = d_next;
     if (i + 1 < nt) load_rows(i + 1, l_next, d_next);
     wg_barrier(1 + cw);
@@ -994,10 +994,11 @@ __device__ __forceinline__ void flash_backward_dkdv_wgmma(bf16* dinp, const CUte
     const float* lseh = lse + (size_t)bh * T;
     const float* Dh = Dbuf + (size_t)bh * T;
 
-    // a thread per query of the tile: its lse (log2 units) and D, 0 past T; loaded a tile ahead
+    // a thread per query of the tile: its lse and D, 0 past T; loaded a tile ahead (lse goes to log2 units
+    // where dkdv_tile_scores stages it: a multiply here would wait for the load right away)
     auto load_rows = [&](int i, float& l, float& d) {
         const int qpos = (kb + i) * BQ + tid;
-        l = qpos < T ? lseh[qpos] * LOG2E : 0.0f;
+        l = qpos < T ? lseh[qpos] : 0.0f;
         d = qpos < T ? Dh[qpos] : 0.0f;
     };
     float l_next, d_next;
@@ -1159,6 +1160,41 @@ flash_attention_backward_convert_kernel5_bf16(bf16* dinp, const float* dq_acc, i
     *reinterpret_cast<uint4*>(dinp + bt * 3 * C + c) = o;
 }
 
+// store_dkdv's outputs through shared memory, so that the global stores are whole 128-byte rows: a
+// consumer warpgroup's 64 keys of dk (scaled), then of dv, go one at a time through its own 8 KB
+// (buf: the warpgroup's rows of the v tile, which only its own dP^T products read, all completed by
+// now), row r's 16-byte chunk q at chunk q ^ (r % 8) (the 8 rows g of a warp's 4-byte writes land in
+// 8 different bank groups), then each thread copies 4 chunks of 16 bytes to dinp, 8 threads a row.
+// With store_dkdv's 4-byte stores (8 rows x 16 bytes a warp instruction) the end of each CTA waited
+// on them (lab, H100, bf16, B=16: main kernel 0.xxxx ms against 0.xxxx).
+__device__ __forceinline__ void store_dkdv_staged(bf16* dinp, const float (&dk)[32], const float (&dv)[32],
+                                                  unsigned char* buf, int b, int h, int T, int C, int k64, int tid,
+                                                  int cw, float scale) {
+    const int warp = tid >> 5, g = (tid >> 2) & 7, t = tid & 3;
+#pragma unroll
+    for (int part = 0; part < 2; part++) {  // dk, then dv
+        const float(&x)[32] = part == 0 ? dk : dv;
+        const float sx = part == 0 ? scale : 1.0f;
+        if (part) wg_barrier(1 + cw);  // dk's chunks all read before dv overwrites them
+#pragma unroll
+        for (int hh = 0; hh < 2; hh++) {
+            const int r = 16 * warp + g + 8 * hh;  // row (key) within the warpgroup's 64
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+                *reinterpret_cast<uint32_t*>(buf + r * ROW_BYTES + ((j ^ (r & 7)) << 4) + 4 * t) =
+                    pack_bf16(x[4 * j + 2 * hh] * sx, x[4 * j + 2 * hh + 1] * sx);
+        }
+        wg_barrier(1 + cw);
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const int c = tid + 128 * k, r = c >> 3, q = c & 7, key = k64 + r;
+            const uint4 v = *reinterpret_cast<const uint4*>(buf + r * ROW_BYTES + ((q ^ (r & 7)) << 4));
+            if (key < T)
+                *reinterpret_cast<uint4*>(dinp + ((size_t)b * T + key) * 3 * C + (1 + part) * C + h * HS + 8 * q) = v;
+        }
+    }
+}
+
 // main: variant 4's dk/dv kernel (flash_backward_dkdv_wgmma, the same loop) plus each tile's dq
 // contribution (see above). tm, BTC, PINGPONG: as variant 4.
 template <bool BTC, bool PINGPONG = false>
@@ -1221,7 +1257,7 @@ __device__ __forceinline__ void flash_backward_dkdvq_wgmma(bf16* dinp, float* dq
     // (lse, D and dq_acc addressed from the kernel's parameters where used: fewer live registers)
     auto load_rows = [&](int i, float& l, float& d) {
         const int qpos = (kb + i) * BQ + tid;
-        l = qpos < T ? lse[(size_t)bh * T + qpos] * LOG2E : 0.0f;
+        l = qpos < T ? lse[(size_t)bh * T + qpos] : 0.0f;
         d = qpos < T ? Dbuf[(size_t)bh * T + qpos] : 0.0f;
     };
     float l_next, d_next;
@@ -1346,10 +1382,11 @@ __device__ __forceinline__ void flash_backward_dkdvq_wgmma(bf16* dinp, float* dq
         wgmma_wait<0>();
         keep_in_regs(dq);
         dq_out(dq, nt - 1);
-        if (tid == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");  // before the CTA exits
+        // the staged dq rows read before the CTA exits (the reductions complete with the grid)
+        if (tid == 0) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
     }
 
-    store_dkdv(dinp, dk, dv, b, h, T, C, key0, t, scale);
+    store_dkdv_staged(dinp, dk, dv, const_cast<unsigned char*>(svw), b, h, T, C, k0 + 64 * cw, tid, cw, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
@@ -2056,10 +2093,11 @@ __device__ __forceinline__ void flash_backward_dkdv_wgmma_tf32(float* dinp, cons
     const float* lseh = lse + (size_t)bh * T;
     const float* Dh = Dbuf + (size_t)bh * T;
 
-    // threads 0..63: one query of the tile each, its lse (log2 units) and D, 0 past T; a tile ahead
+    // threads 0..63: one query of the tile each, its lse and D, 0 past T; a tile ahead. lse is taken
+    // to log2 units only where it is staged (a multiply at the load would wait for it right there)
     auto load_rows = [&](int i, float& l, float& d) {
         const int qpos = (it0 + i) * TB_ROWS + tid;
-        l = tid < TB_ROWS && qpos < T ? lseh[qpos] * LOG2E : 0.0f;
+        l = tid < TB_ROWS && qpos < T ? lseh[qpos] : 0.0f;
         d = tid < TB_ROWS && qpos < T ? Dh[qpos] : 0.0f;
     };
     float l_next, d_next;
@@ -2075,7 +2113,7 @@ __device__ __forceinline__ void flash_backward_dkdv_wgmma_tf32(float* dinp, cons
         // this tile's lse, D into buffer i & 1 (its last readers, tile i - 2, are past tile i - 1's barrier)
         float* r = myrows + (i & 1) * 2 * TB_ROWS;
         if (tid < TB_ROWS) {
-            r[tid] = l_next;
+            r[tid] = l_next * LOG2E;
             r[TB_ROWS + tid] = d_next;
         }
         if (i + 1 < nt) load_rows(i + 1, l_next, d_next);

@@ -1399,7 +1399,7 @@ def test_wgmma_backward_tile_walk():
                  "for (int kk = 0; kk < 8; kk++) wgmma_bf16_rs_n64<1>(acc, a[kk], desc_mn(sb + kk * 2048), 1);",
                  "const int row0 = q0 + 64 * cw + 16 * warp + g;", "const int key0 = k0 + 64 * cw + 16 * warp + g;",
                  "const int qb = gridDim.y - 1 - blockIdx.y;", "const int kb = blockIdx.y;",
-                 "r[tid] = l_next; r[BQ + tid] = d_next;"):
+                 "r[tid] = l_next * LOG2E;", "r[BQ + tid] = d_next;", "l = qpos < T ? lseh[qpos] : 0.0f;"):
         assert line in src, f"cuda/attention_wgmma.cu no longer has: {line}"
     rng = np.random.default_rng(5)
     for T in (1, 65, 130, 300):
