@@ -1498,8 +1498,13 @@ __device__ __forceinline__ uint32_t sw128(int row, int col) {  // byte offset of
     return row * 128 + ((((col >> 2) ^ (row & 7)) << 4) | ((col & 3) << 2));
 }
 
-// (NT tiles of NPOS x 64 fp32: dst + j NPOS 256 bytes from src + j NPOS 256, j < NT, in one loop.
-// Shared-space addresses in 32 bits: the producer warpgroup runs on 24 registers.)
+// (NT tiles of NPOS x 64 fp32: dst + j NPOS 256 bytes from src + j NPOS 256, j < NT, in one loop,
+// two chunks at a time so that 8 loads are in flight. Shared-space addresses in 32 bits: the producer
+// warpgroup of an SMT kernel runs on TF_SMT_PRODUCER_REGS registers, its consumers on
+// TF_SMT_CONSUMER_REGS: 40 and 224, the pair without spills (on 24 or 32 registers the two chunks
+// spill; four chunks on 56 leave the consumers 216, and they spill).)
+constexpr int TF_SMT_PRODUCER_REGS = 40, TF_SMT_CONSUMER_REGS = 224;
+static_assert(128 * TF_SMT_PRODUCER_REGS + 256 * TF_SMT_CONSUMER_REGS <= 65536, "one SM's register file");
 __device__ __forceinline__ float lds_f32(uint32_t a) {
     float v;
     asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(a));
@@ -1510,7 +1515,7 @@ template <int NPOS, int NT>
 __device__ __forceinline__ void transpose_tiles_tf32(unsigned char* dst, const unsigned char* src, int t) {
     constexpr int TILE = NPOS * 256, BOXES = NPOS / 32, PER_TILE = BOXES * 64 * 8;  // 16-byte chunks a tile
     const uint32_t d0 = smem_u32(dst), s0 = smem_u32(src);
-#pragma unroll 1
+#pragma unroll 2
     for (int c = t; c < NT * PER_TILE; c += 96) {
         const int j = NT == 1 ? 0 : c / PER_TILE, cc = NT == 1 ? c : c % PER_TILE;
         const int box = cc >> 9, d = (cc >> 3) & 63, q4 = cc & 7;    // dst box, dim row, 16-byte chunk (4 positions)
@@ -1579,7 +1584,7 @@ __device__ __forceinline__ void flash_forward_wgmma_tf32(float* out, float* lse,
 
     const int wg = threadIdx.x / 128;
     if (wg == 0) {
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(SMT ? TF_SMT_PRODUCER_REGS : 24) : "memory");
         if (SMT && threadIdx.x >= 32) {  // warps 1-3: vt of each stage from its v tile
             int u = 0;  // ring slot of the next k/v tile
             for (int r = 0;; r++) {
@@ -1633,7 +1638,7 @@ __device__ __forceinline__ void flash_forward_wgmma_tf32(float* out, float* lse,
         }
         return;
     }
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(SMT ? TF_SMT_CONSUMER_REGS : 240) : "memory");
 
     const int cw = wg - 1;  // consumer: query rows 64 cw .. 64 cw + 63 of the block
     const int tid = threadIdx.x & 127, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
@@ -1855,7 +1860,7 @@ __device__ __forceinline__ void flash_backward_dq_wgmma_tf32(float* dinp, float*
 
     const int wg = threadIdx.x / 128;
     if (wg == 0) {
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(SMT ? TF_SMT_PRODUCER_REGS : 24) : "memory");
         if (SMT && threadIdx.x >= 32) {  // warps 1-3: kt of each stage from its k tile
             for (int i = 0; i < nkt; i++) {
                 const int s = i % BWD_STAGES;
@@ -1893,7 +1898,7 @@ __device__ __forceinline__ void flash_backward_dq_wgmma_tf32(float* dinp, float*
         }
         return;
     }
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(SMT ? TF_SMT_CONSUMER_REGS : 240) : "memory");
 
     const int cw = wg - 1;  // consumer: query rows 64 cw .. 64 cw + 63 of the block
     const int tid = threadIdx.x & 127, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
@@ -2038,7 +2043,7 @@ __device__ __forceinline__ void flash_backward_dkdv_wgmma_tf32(float* dinp, cons
 
     const int wg = threadIdx.x / 128;
     if (wg == 0) {
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(SMT ? TF_SMT_PRODUCER_REGS : 24) : "memory");
         if (SMT && threadIdx.x >= 32) {  // warps 1-3: qt and dot of each stage from its q and dout tiles
             for (int i = 0; i < nt; i++) {
                 const int s = i % BWD_STAGES;
@@ -2082,7 +2087,7 @@ __device__ __forceinline__ void flash_backward_dkdv_wgmma_tf32(float* dinp, cons
         }
         return;
     }
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(SMT ? TF_SMT_CONSUMER_REGS : 240) : "memory");
 
     const int cw = wg - 1;  // consumer: keys 64 cw .. 64 cw + 63 of the block
     const int tid = threadIdx.x & 127, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
