@@ -702,6 +702,46 @@ __device__ __forceinline__ float d_partial(const bf16* dout, const bf16* out, si
     return d;
 }
 
+// A consumer warpgroup's 64 rows of an m64n64 accumulator (register 4j + 2hh + c at row 16 warp + g +
+// 8hh, dim 8j + 2t + c), times sx, rounded to bf16 once, into dinp (B,T,3C) rows row64.. of batch b
+// (rows >= T skipped), columns col0..col0 + 63, through shared memory, so that the global stores are
+// whole 128-byte rows: row r's 16-byte chunk q at chunk q ^ (r % 8) of buf (8 KB only this warpgroup
+// reads or writes: the 8 rows g of a warp's 4-byte writes land in 8 different bank groups), then each
+// thread copies 4 chunks of 16 bytes, 8 threads a row. first: buf's previous contents have not been
+// read back by this function (else a barrier first). With 4-byte stores straight from the registers
+// (a warp instruction 8 rows x 16 bytes) the end of each CTA waited on them (ncu, backward 5's main
+// kernel: ~8% of its stall samples); H100, bf16, d12: backward 5 0.2817 ms against 0.3105 at B=16,
+// 0.0808 against 0.0867 at B=4 (with the dq reduction's .read wait).
+__device__ __forceinline__ void store_rows_staged(bf16* dinp, const float (&x)[32], float sx, unsigned char* buf,
+                                                  bool first, int b, int T, int C, int row64, int col0, int tid,
+                                                  int cw) {
+    const int warp = tid >> 5, g = (tid >> 2) & 7, t = tid & 3;
+    if (!first) wg_barrier(1 + cw);  // the previous rows all read back before they are overwritten
+#pragma unroll
+    for (int hh = 0; hh < 2; hh++) {
+        const int r = 16 * warp + g + 8 * hh;
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+            *reinterpret_cast<uint32_t*>(buf + r * ROW_BYTES + ((j ^ (r & 7)) << 4) + 4 * t) =
+                pack_bf16(x[4 * j + 2 * hh] * sx, x[4 * j + 2 * hh + 1] * sx);
+    }
+    wg_barrier(1 + cw);
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        const int c = tid + 128 * k, r = c >> 3, q = c & 7, row = row64 + r;
+        const uint4 v = *reinterpret_cast<const uint4*>(buf + r * ROW_BYTES + ((q ^ (r & 7)) << 4));
+        if (row < T) *reinterpret_cast<uint4*>(dinp + ((size_t)b * T + row) * 3 * C + col0 + 8 * q) = v;
+    }
+}
+
+// dk * scale -> dinp[..., C:2C], dv -> dinp[..., 2C:3C] (head h), one bf16 rounding each, through buf:
+// the warpgroup's own rows of the v tile, which only its own dP^T products read, all completed by now
+__device__ __forceinline__ void store_dkdv(bf16* dinp, const float (&dk)[32], const float (&dv)[32], unsigned char* buf,
+                                           int b, int h, int T, int C, int k64, int tid, int cw, float scale) {
+    store_rows_staged(dinp, dk, scale, buf, true, b, T, C, k64, C + h * HS, tid, cw);
+    store_rows_staged(dinp, dv, 1.0f, buf, false, b, T, C, k64, 2 * C + h * HS, tid, cw);
+}
+
 // Backward, part 1: per (b, h, 128 query rows), D = rowsum(dout * out) (written for part 2) and
 // dq = scale sum over key tiles 0..qb of (p (dp - D)) k. tm: tm[0] the map of q, k, v (BTC: of the
 // (B,T,3C) qkv tensor, else of the permuted qkvr; see Layouts), tm[1] the dout map.
@@ -845,17 +885,9 @@ __device__ __forceinline__ void flash_backward_dq_wgmma(bf16* dinp, float* Dbuf,
         }
     }
 
-    // dq * scale -> dinp[..., 0:C], one bf16 rounding (m64n64 layout: register 4j + 2h + c at row
-    // row0 + 8h, dim 8j + 2t + c)
-#pragma unroll
-    for (int hh = 0; hh < 2; hh++) {
-        const int row = row0 + 8 * hh;
-        if (row >= T) continue;
-        bf16* dst = dinp + ((size_t)b * T + row) * 3 * C + h * HS + 2 * t;
-#pragma unroll
-        for (int j = 0; j < 8; j++)
-            *reinterpret_cast<uint32_t*>(dst + 8 * j) = pack_bf16(dq[4 * j + 2 * hh] * scale, dq[4 * j + 2 * hh + 1] * scale);
-    }
+    // dq * scale -> dinp[..., 0:C], one bf16 rounding, through the warpgroup's own rows of the q tile
+    // (only its own S products read them, all completed by now)
+    store_rows_staged(dinp, dq, scale, const_cast<unsigned char*>(sqw), true, b, T, C, q0 + 64 * cw, h * HS, tid, cw);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
@@ -906,27 +938,6 @@ __device__ __forceinline__ void dkdv_producer(unsigned char* sk, unsigned char* 
     }
 }
 
-// dk * scale -> dinp[..., C:2C], dv -> dinp[..., 2C:3C], one bf16 rounding each (m64n64 accumulators:
-// register 4j + 2hh + c at key key0 + 8 hh, dim 8j + 2t + c)
-__device__ __forceinline__ void store_dkdv(bf16* dinp, const float (&dk)[32], const float (&dv)[32], int b, int h, int T,
-                                           int C, int key0, int t, float scale) {
-#pragma unroll
-    for (int hh = 0; hh < 2; hh++) {
-        const int key = key0 + 8 * hh;
-        if (key >= T) continue;
-        bf16* dst = dinp + ((size_t)b * T + key) * 3 * C + h * HS + 2 * t;
-#pragma unroll
-        for (int j = 0; j < 8; j++) {
-            *reinterpret_cast<uint32_t*>(dst + C + 8 * j) = pack_bf16(dk[4 * j + 2 * hh] * scale, dk[4 * j + 2 * hh + 1] * scale);
-            *reinterpret_cast<uint32_t*>(dst + 2 * C + 8 * j) = pack_bf16(dv[4 * j + 2 * hh], dv[4 * j + 2 * hh + 1]);
-        }
-    }
-}
-
-// A dk/dv kernel's tile i up to its scores (attention_backward 4 and 5, a consumer warpgroup): the tile's
-// lse, D staged in r (a thread per query; buffer i & 1: its last readers, tile i - 2, are all past the
-// barrier of tile i - 1) and the next tile's fetched, then S^T = k q^T and dP^T = v dout^T of the
-// stage's q, dout issued in the consumer's turn and waited for. Returns the stage (q; dout KV_BYTES on).
 template <int ST, bool PP, typename LoadRows>
 __device__ __forceinline__ const unsigned char* dkdv_tile_scores(float (&sc)[64], float (&dp)[64], float* r, float& l_next,
                                                                  float& d_next, LoadRows load_rows, int i, int nt, int tid,
@@ -1048,7 +1059,7 @@ __device__ __forceinline__ void flash_backward_dkdv_wgmma(bf16* dinp, const CUte
         if (lane == 0) mbar_arrive(&empty[i % BF_BWD_STAGES]);
     }
 
-    store_dkdv(dinp, dk, dv, b, h, T, C, key0, t, scale);
+    store_dkdv(dinp, dk, dv, const_cast<unsigned char*>(svw), b, h, T, C, k0 + 64 * cw, tid, cw, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
@@ -1158,42 +1169,6 @@ flash_attention_backward_convert_kernel5_bf16(bf16* dinp, const float* dq_acc, i
     o.z = pack_bf16(b.x * scale, b.y * scale);
     o.w = pack_bf16(b.z * scale, b.w * scale);
     *reinterpret_cast<uint4*>(dinp + bt * 3 * C + c) = o;
-}
-
-// store_dkdv's outputs through shared memory, so that the global stores are whole 128-byte rows: a
-// consumer warpgroup's 64 keys of dk (scaled), then of dv, go one at a time through its own 8 KB
-// (buf: the warpgroup's rows of the v tile, which only its own dP^T products read, all completed by
-// now), row r's 16-byte chunk q at chunk q ^ (r % 8) (the 8 rows g of a warp's 4-byte writes land in
-// 8 different bank groups), then each thread copies 4 chunks of 16 bytes to dinp, 8 threads a row.
-// With store_dkdv's 4-byte stores (8 rows x 16 bytes a warp instruction) the end of each CTA waited
-// on them (ncu: ~8% of the main kernel's stall samples in its last lines). H100, bf16, d12: backward 5
-// 0.2817 ms against 0.3105 at B=16, 0.0808 against 0.0867 at B=4 (with the dq reduction's .read wait).
-__device__ __forceinline__ void store_dkdv_staged(bf16* dinp, const float (&dk)[32], const float (&dv)[32],
-                                                  unsigned char* buf, int b, int h, int T, int C, int k64, int tid,
-                                                  int cw, float scale) {
-    const int warp = tid >> 5, g = (tid >> 2) & 7, t = tid & 3;
-#pragma unroll
-    for (int part = 0; part < 2; part++) {  // dk, then dv
-        const float(&x)[32] = part == 0 ? dk : dv;
-        const float sx = part == 0 ? scale : 1.0f;
-        if (part) wg_barrier(1 + cw);  // dk's chunks all read before dv overwrites them
-#pragma unroll
-        for (int hh = 0; hh < 2; hh++) {
-            const int r = 16 * warp + g + 8 * hh;  // row (key) within the warpgroup's 64
-#pragma unroll
-            for (int j = 0; j < 8; j++)
-                *reinterpret_cast<uint32_t*>(buf + r * ROW_BYTES + ((j ^ (r & 7)) << 4) + 4 * t) =
-                    pack_bf16(x[4 * j + 2 * hh] * sx, x[4 * j + 2 * hh + 1] * sx);
-        }
-        wg_barrier(1 + cw);
-#pragma unroll
-        for (int k = 0; k < 4; k++) {
-            const int c = tid + 128 * k, r = c >> 3, q = c & 7, key = k64 + r;
-            const uint4 v = *reinterpret_cast<const uint4*>(buf + r * ROW_BYTES + ((q ^ (r & 7)) << 4));
-            if (key < T)
-                *reinterpret_cast<uint4*>(dinp + ((size_t)b * T + key) * 3 * C + (1 + part) * C + h * HS + 8 * q) = v;
-        }
-    }
 }
 
 // main: variant 4's dk/dv kernel (flash_backward_dkdv_wgmma, the same loop) plus each tile's dq
@@ -1387,7 +1362,7 @@ __device__ __forceinline__ void flash_backward_dkdvq_wgmma(bf16* dinp, float* dq
         if (tid == 0) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
     }
 
-    store_dkdv_staged(dinp, dk, dv, const_cast<unsigned char*>(svw), b, h, T, C, k0 + 64 * cw, tid, cw, scale);
+    store_dkdv(dinp, dk, dv, const_cast<unsigned char*>(svw), b, h, T, C, k0 + 64 * cw, tid, cw, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
