@@ -540,9 +540,9 @@ def build_flash_attention_forward_wgmma(rt, B, T, C, NH, overlap=True, qkv_in_pl
     intra-warpgroup overlap); pingpong, the two consumer warpgroups take turns issuing their products
     (its inter-warpgroup schedule); stages, the k/v ring's depth (persistent only: WGMMA_FWD_PERSISTENT
     lists the builds; default 4 with overlap, else 2). The default, all three with 4 stages, measured
-    fastest on the H100 (lab, bf16, in place, 5 rounds: B=16 0.1025 ms against 0.1108 for persistent
-    ping-pong without overlap and 0.1083 without either; B=4 0.0293 against 0.0331 and 0.0328); overlap
-    needs the deeper ring (a consumer holds two stages at once)."""
+    fastest on the H100 (bf16, in place, interleaved, 5 rounds; docs/ops.md "Session 17": B=16 0.1015 ms
+    against 0.1115 for persistent ping-pong without overlap and 0.1106 without either; B=4 0.0296 against
+    0.0334 and 0.0331); overlap needs the deeper ring (a consumer holds two stages at once)."""
     _check_attention(B, T, C, NH)
     if stages is None:
         stages = WGMMA_FWD_OVERLAP_STAGES if persistent and overlap else WGMMA_STAGES
