@@ -792,9 +792,14 @@ __device__ __forceinline__ void ring_advance(int& stage, int& phase, int n) {
     stage = s % STAGES;
 }
 
-// T: input type; OUT: output type; RM: rows of a consumer's tile (64 or 128); B_T: bf16 B N-major
-template <typename T, typename OUT, int RM, int BN, int STAGES, bool B_T = false>
-__device__ __forceinline__ void gemm_wgmma_pp_body(const CUtensorMap* tmA, const CUtensorMap* tmB, const GemmArgs<OUT>& a) {
+// T: input type; OUT: output type; RM: rows of a consumer's tile (64 or 128); B_T: bf16 B N-major.
+// TMA_STORE (the _ts_pp instances): each consumer stages its tile, 64 rows at a time, in a buffer of its
+// own after the stages and writes it with the TMA (epilogue_tma), during the other consumer's mainloop;
+// plain outputs only (one K split, beta = 0, C not transposed: the launcher's conditions), else the
+// epilogue stores from registers as in the other instances.
+template <typename T, typename OUT, int RM, int BN, int STAGES, bool B_T = false, bool TMA_STORE = false>
+__device__ __forceinline__ void gemm_wgmma_pp_body(const CUtensorMap* tmA, const CUtensorMap* tmB, const CUtensorMap* tmC,
+                                                   const GemmArgs<OUT>& a) {
     constexpr int BK = ROW_BYTES / sizeof(T);        // K per stage: 32 tf32 or 64 bf16
     constexpr int KSTEPS = ROW_BYTES / 32;            // wgmma k-steps per stage (32 bytes of K each)
     constexpr int SUB = RM / 64;                      // m64 wgmmas per k-step
@@ -803,7 +808,8 @@ __device__ __forceinline__ void gemm_wgmma_pp_body(const CUtensorMap* tmA, const
     static_assert(!B_T || (sizeof(T) == 2 && BK == BK_T && BN % 64 == 0), "MN-major B: 16-bit inputs, 64-wide boxes");
     extern __shared__ unsigned char smem_raw[];
     unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-    uint64_t* full = reinterpret_cast<uint64_t*>(smem + STAGES * STAGE_BYTES);
+    constexpr int STG_BYTES = TMA_STORE ? 64 * BN * (int)sizeof(OUT) : 0;  // a consumer's staging buffer
+    uint64_t* full = reinterpret_cast<uint64_t*>(smem + STAGES * STAGE_BYTES + 2 * STG_BYTES);
     uint64_t* empty = full + STAGES;
 
     if (threadIdx.x == 0) {
@@ -827,6 +833,8 @@ __device__ __forceinline__ void gemm_wgmma_pp_body(const CUtensorMap* tmA, const
         float d[SUB][BN / 2];
         const int c = wg - 1, lane = threadIdx.x & 31;
         int stage = 0, phase = 0;
+        const bool use_tma = TMA_STORE && tmC && a.splits == 1 && a.beta == 0.0f && !a.trans_c;
+        unsigned char* stg = smem + STAGES * STAGE_BYTES + c * STG_BYTES;
         int j = 0;
         for (int u = blockIdx.x; u < units; u += gridDim.x, j++) {
             const int split = u % a.splits, t = u / a.splits;
@@ -872,40 +880,53 @@ __device__ __forceinline__ void gemm_wgmma_pp_body(const CUtensorMap* tmA, const
             }
             if (j > 0) named_sync(EPI_BAR + c);  // unit j - 1's epilogue is done
 #pragma unroll
-            for (int s = 0; s < SUB; s++) epilogue<OUT, BN>(d[s], a, tm * RM + 64 * s, tn * BN, split);
+            for (int s = 0; s < SUB; s++) {
+                if (use_tma)  // (waits for its previous stores to have read the buffer first)
+                    epilogue_tma<OUT, BN>(d[s], a, tmC, nullptr, stg, tm * RM + 64 * s, tn * BN, wg);
+                else
+                    epilogue<OUT, BN>(d[s], a, tm * RM + 64 * s, tn * BN, split);
+            }
             if (more) named_arrive(EPI_BAR + (c ^ 1));
         }
+        if (use_tma && (threadIdx.x & 127) == 0) bulk_wait_all();  // C is written before the CTA ends
     }
 }
 
-// the same parameters as GEMM_WGMMA_ENTRY (tmC is unused: the epilogue stores from registers), so the
-// launcher and its argument types are shared
-#define GEMM_WGMMA_PP_ENTRY(NAME, T, OUT, RM, BN, STAGES, B_T)                                            \
+// the same parameters as GEMM_WGMMA_ENTRY (tmC: the TMA-store instances' map of C, else unused), so
+// the launcher and its argument types are shared
+#define GEMM_WGMMA_PP_ENTRY(NAME, T, OUT, RM, BN, STAGES, B_T, TMA_STORE)                                 \
     extern "C" __global__ void __launch_bounds__(THREADS, 1)                                             \
     NAME(const CUtensorMap* tmA, const CUtensorMap* tmB, const CUtensorMap* tmC, OUT* C, const OUT* bias, \
          float* W, int M, int N, int K, int ldc, int ldw, int splits, int kb_per_split, float alpha,     \
          float beta, int trans_c) {                                                                       \
-        (void)tmC;                                                                                        \
         const GemmArgs<OUT> a{C, bias, W, M, N, K, ldc, ldw, splits, kb_per_split, alpha, beta, trans_c}; \
-        gemm_wgmma_pp_body<T, OUT, RM, BN, STAGES, B_T>(tmA, tmB, a);                                     \
+        gemm_wgmma_pp_body<T, OUT, RM, BN, STAGES, B_T, TMA_STORE>(tmA, tmB, tmC, a);                     \
     }
 
 // consumer tiles 64 x 192 / 64 x 256 (one wgmma per k-step) and 128 x 128 (two); stages: as many as
 // fit in 227 KB (64 x 192 and 128 x 128: 32 KB each, 7 stages; 64 x 256: 40 KB, 5). llmc/ops/gemm_wgmma.py
 // keeps the same table (PP_INSTANCES; a CPU test checks they agree).
-GEMM_WGMMA_PP_ENTRY(gemm_wgmma_tf32_n192_pp64, float, float, 64, 192, 7, false)
-GEMM_WGMMA_PP_ENTRY(gemm_wgmma_tf32_n256_pp64, float, float, 64, 256, 5, false)
-GEMM_WGMMA_PP_ENTRY(gemm_wgmma_tf32_n128_pp128, float, float, 128, 128, 7, false)
-GEMM_WGMMA_PP_ENTRY(gemm_wgmma_bf16_n192_pp64, __nv_bfloat16, float, 64, 192, 7, false)
-GEMM_WGMMA_PP_ENTRY(gemm_wgmma_bf16_n256_pp64, __nv_bfloat16, float, 64, 256, 5, false)
-GEMM_WGMMA_PP_ENTRY(gemm_wgmma_bf16_n128_pp128, __nv_bfloat16, float, 128, 128, 7, false)
+GEMM_WGMMA_PP_ENTRY(gemm_wgmma_tf32_n192_pp64, float, float, 64, 192, 7, false, false)
+GEMM_WGMMA_PP_ENTRY(gemm_wgmma_tf32_n256_pp64, float, float, 64, 256, 5, false, false)
+GEMM_WGMMA_PP_ENTRY(gemm_wgmma_tf32_n128_pp128, float, float, 128, 128, 7, false, false)
+GEMM_WGMMA_PP_ENTRY(gemm_wgmma_bf16_n192_pp64, __nv_bfloat16, float, 64, 192, 7, false, false)
+GEMM_WGMMA_PP_ENTRY(gemm_wgmma_bf16_n256_pp64, __nv_bfloat16, float, 64, 256, 5, false, false)
+GEMM_WGMMA_PP_ENTRY(gemm_wgmma_bf16_n128_pp128, __nv_bfloat16, float, 128, 128, 7, false, false)
 // bf16 in and out: the forward (both K-major) and dinp (B N-major: weight read as it lies)
-GEMM_WGMMA_PP_ENTRY(gemm_wgmma_bf16_n192_pp64_bf16, __nv_bfloat16, __nv_bfloat16, 64, 192, 7, false)
-GEMM_WGMMA_PP_ENTRY(gemm_wgmma_bf16_n256_pp64_bf16, __nv_bfloat16, __nv_bfloat16, 64, 256, 5, false)
-GEMM_WGMMA_PP_ENTRY(gemm_wgmma_bf16_n128_pp128_bf16, __nv_bfloat16, __nv_bfloat16, 128, 128, 7, false)
-GEMM_WGMMA_PP_ENTRY(gemm_wgmma_bf16_n192_bt_pp64_bf16, __nv_bfloat16, __nv_bfloat16, 64, 192, 7, true)
-GEMM_WGMMA_PP_ENTRY(gemm_wgmma_bf16_n256_bt_pp64_bf16, __nv_bfloat16, __nv_bfloat16, 64, 256, 5, true)
-GEMM_WGMMA_PP_ENTRY(gemm_wgmma_bf16_n128_bt_pp128_bf16, __nv_bfloat16, __nv_bfloat16, 128, 128, 7, true)
+GEMM_WGMMA_PP_ENTRY(gemm_wgmma_bf16_n192_pp64_bf16, __nv_bfloat16, __nv_bfloat16, 64, 192, 7, false, false)
+GEMM_WGMMA_PP_ENTRY(gemm_wgmma_bf16_n256_pp64_bf16, __nv_bfloat16, __nv_bfloat16, 64, 256, 5, false, false)
+GEMM_WGMMA_PP_ENTRY(gemm_wgmma_bf16_n128_pp128_bf16, __nv_bfloat16, __nv_bfloat16, 128, 128, 7, false, false)
+GEMM_WGMMA_PP_ENTRY(gemm_wgmma_bf16_n192_bt_pp64_bf16, __nv_bfloat16, __nv_bfloat16, 64, 192, 7, true, false)
+GEMM_WGMMA_PP_ENTRY(gemm_wgmma_bf16_n256_bt_pp64_bf16, __nv_bfloat16, __nv_bfloat16, 64, 256, 5, true, false)
+GEMM_WGMMA_PP_ENTRY(gemm_wgmma_bf16_n128_bt_pp128_bf16, __nv_bfloat16, __nv_bfloat16, 128, 128, 7, true, false)
+// ... with the TMA store (bf16 out): a staging buffer of 64 x BN per consumer takes a stage or two
+// (64 x 192: 5 stages + 2 x 24 KB; 64 x 256: 4 + 2 x 32 KB; 128 x 128: 6 + 2 x 16 KB, in two halves)
+GEMM_WGMMA_PP_ENTRY(gemm_wgmma_bf16_n192_ts_pp64_bf16, __nv_bfloat16, __nv_bfloat16, 64, 192, 5, false, true)
+GEMM_WGMMA_PP_ENTRY(gemm_wgmma_bf16_n256_ts_pp64_bf16, __nv_bfloat16, __nv_bfloat16, 64, 256, 4, false, true)
+GEMM_WGMMA_PP_ENTRY(gemm_wgmma_bf16_n128_ts_pp128_bf16, __nv_bfloat16, __nv_bfloat16, 128, 128, 6, false, true)
+GEMM_WGMMA_PP_ENTRY(gemm_wgmma_bf16_n192_bt_ts_pp64_bf16, __nv_bfloat16, __nv_bfloat16, 64, 192, 5, true, true)
+GEMM_WGMMA_PP_ENTRY(gemm_wgmma_bf16_n256_bt_ts_pp64_bf16, __nv_bfloat16, __nv_bfloat16, 64, 256, 4, true, true)
+GEMM_WGMMA_PP_ENTRY(gemm_wgmma_bf16_n128_bt_ts_pp128_bf16, __nv_bfloat16, __nv_bfloat16, 128, 128, 6, true, true)
 
 // ------------------------------------------------------------------------------------------------
 // helpers the engine's launcher uses

@@ -488,23 +488,27 @@ def test_tma_store_staging_layout(osize, bn):
 
 
 def test_pp_instance_table_matches_the_kernels():
-    """PP_INSTANCES (stages, hence shared memory) against the .cu's GEMM_WGMMA_PP_ENTRY lines: same
-    names, types, tile rows and width, stages, B N-major flag; every one fits in 227 KB."""
+    """PP_INSTANCES and PP_TS_INSTANCES (stages, hence shared memory) against the .cu's
+    GEMM_WGMMA_PP_ENTRY lines: same names, types, tile rows and width, stages, B N-major and TMA-store
+    flags; every one fits in 227 KB."""
     import re
     from llmc.runtime import CUDA_DIR
     src = (CUDA_DIR / "gemm_wgmma.cu").read_text()
-    entries = {m.group(1): (m.group(2), m.group(3), int(m.group(4)), int(m.group(5)), int(m.group(6)), m.group(7) == "true")
-               for m in re.finditer(r"^GEMM_WGMMA_PP_ENTRY\((\w+), ([\w:]+), ([\w:]+), (\d+), (\d+), (\d+), (true|false)\)$",
-                                    src, re.M)}
+    entries = {m.group(1): (m.group(2), m.group(3), int(m.group(4)), int(m.group(5)), int(m.group(6)), m.group(7) == "true",
+                            m.group(8) == "true")
+               for m in re.finditer(r"^GEMM_WGMMA_PP_ENTRY\((\w+), ([\w:]+), ([\w:]+), (\d+), (\d+), (\d+), (true|false), "
+                                    r"(true|false)\)$", src, re.M)}
     ctype = {"tf32": "float", "bf16": "__nv_bfloat16", "fp32": "float"}
     want = {}
-    for (ty, out, layout), shapes in gw.PP_INSTANCES.items():
-        assert layout in ("kk", "kn")
-        for (rm, bn), stages in shapes.items():
-            want[gw.pp_instance_name(ty, out, layout, rm, bn)] = (ctype[ty], ctype[out], rm, bn, stages, layout == "kn")
-            assert gw.pp_smem_bytes(rm, bn, stages) <= 227 * 1024, (ty, out, layout, rm, bn)
-            assert rm * bn // 128 <= 128, "accumulators of one consumer: at most 128 registers a thread"
-    assert entries == want and len(want) >= 12
+    for ts, table in ((False, gw.PP_INSTANCES), (True, gw.PP_TS_INSTANCES)):
+        for (ty, out, layout), shapes in table.items():
+            assert layout in ("kk", "kn")
+            for (rm, bn), stages in shapes.items():
+                want[gw.pp_instance_name(ty, out, layout, rm, bn, ts)] = (ctype[ty], ctype[out], rm, bn, stages,
+                                                                          layout == "kn", ts)
+                assert gw.pp_smem_bytes(rm, bn, stages, ts, out) <= 227 * 1024, (ty, out, layout, rm, bn, ts)
+                assert rm * bn // 128 <= 128, "accumulators of one consumer: at most 128 registers a thread"
+    assert entries == want and len(want) >= 18
 
 
 def test_plan_pingpong_counts_consumer_tiles():
@@ -523,9 +527,9 @@ def test_plan_pingpong_counts_consumer_tiles():
     (dict(schedule="coop"), "pingpong", "_ts_bf16"),               # the argument beats the environment
     (dict(schedule="pingpong"), None, "_pp64_bf16"),
     (dict(), "pingpong", "_pp"),
-    (dict(schedule="pingpong", bn=128), None, "_n128_pp128_bf16"),
-    (dict(schedule="pingpong", rm=64, bn=256), None, "_n256_pp64_bf16"),
-    (dict(schedule="pingpong", b_major="n"), None, "_bt_pp64_bf16"),
+    (dict(schedule="pingpong", bn=128), None, "_n128_ts_pp128_bf16"),
+    (dict(schedule="pingpong", rm=64, bn=256), None, "_n256_ts_pp64_bf16"),
+    (dict(schedule="pingpong", b_major="n"), None, "_bt_ts_pp64_bf16"),
     (dict(schedule="pingpong", beta=1.0, splits=2), None, "_pp64_bf16"),
 ])
 def test_schedule_picks_the_pingpong_instance(monkeypatch, kw, env, want):
@@ -547,7 +551,12 @@ def test_schedule_picks_the_pingpong_instance(monkeypatch, kw, env, want):
         assert L.block == (384, 1, 1) and L.grid[0] <= 132
         rows, bn = (int(x) for x in g.plan[1].split("+")[0].split("x"))
         assert maps[0] == (4096, 768, rows)   # A K-major, in boxes of the consumer tile's rows
-        assert L.smem == gw.pp_smem_bytes(rows, bn, gw.PP_INSTANCES[("bf16", "bf16", "kn" if "_bt" in want else "kk")][(rows, bn)])
+        ts = "_ts_pp" in rt.built[0]   # bf16 -> bf16 with a plain output: the TMA store (beta or split-K: direct)
+        assert ts == (not kw.get("beta") and not kw.get("splits"))
+        table = gw.PP_TS_INSTANCES if ts else gw.PP_INSTANCES
+        assert L.smem == gw.pp_smem_bytes(rows, bn, table[("bf16", "bf16", "kn" if "_bt" in want else "kk")][(rows, bn)],
+                                          ts, "bf16")
+        assert bool(L.args[2]) == ts    # C's tensor map: only for the TMA store
         if kw.get("splits"):
             assert g.plan[2] == kw["splits"]
 
@@ -588,7 +597,7 @@ def test_schedule_refusals_and_fallback(monkeypatch, capsys):
 
 
 def _run_pp(rt, rng, dtype, out, M, N, K, b_major="k", has_bias=False, beta=0.0, alpha=1.0, trans_c=False,
-            rm=None, bn=None, splits=None):
+            rm=None, bn=None, splits=None, store="auto"):
     """C = alpha * A @ B^T (+ bias) (+ beta * C0) on a ping-pong instance, inputs exact in the input
     type (tf32: bf16-valued inputs are exact in tf32 too, so the TMA's rounding changes nothing and
     only the fp32 accumulation differs from float64). Returns (out as float64, reference, build)."""
@@ -613,7 +622,7 @@ def _run_pp(rt, rng, dtype, out, M, N, K, b_major="k", has_bias=False, beta=0.0,
         dC = rt.empty(cshape, BF16 if out == "bf16" else np.float32)
         poison(dC)  # NaN (0xFF bytes): every element must be written
     g = gw.wgmma_build(rt, dtype, M, N, K, ldb=ldb, alpha=alpha, beta=beta, has_bias=has_bias, trans_c=trans_c,
-                       b_major=b_major, out=out, schedule="pingpong", rm=rm, bn=bn, splits=splits)
+                       b_major=b_major, out=out, schedule="pingpong", rm=rm, bn=bn, splits=splits, store=store)
     assert "+pp" in g.plan[1], g.plan
     g(dC, dev(A64), dev(Bs), odev(bias) if has_bias else None)
     ref = alpha * (A64 @ B64.T)
@@ -657,13 +666,19 @@ def test_pp_matches_float64(hopper, rng, dtype, out, b_major, M, N, K):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,out,b_major", PP_KINDS)
 @pytest.mark.parametrize("rm,bn", gw.PP_SHAPES)
-def test_pp_every_tile_shape(hopper, rng, dtype, out, b_major, rm, bn):
+@pytest.mark.parametrize("store", ["auto", "direct"])
+def test_pp_every_tile_shape(hopper, rng, dtype, out, b_major, rm, bn, store):
     """Every tile shape on a shape with an odd number of tiles per CTA: 133 x 3 tiles (64 rows) or 67 x
-    3 (128 rows) over 132 SMs, several per consumer, interleaved in the stage ring."""
+    3 (128 rows) over 132 SMs, several per consumer, interleaved in the stage ring; bf16 -> bf16 both
+    through the TMA store ("auto") and from registers ("direct")."""
+    if store == "direct" and out != "bf16":
+        pytest.skip("fp32 out: the ping-pong instances store from registers either way")
     M = 133 * 64 if rm == 64 else 67 * 128
-    N = 3 * bn - 5
-    res, ref, g = _run_pp(hopper, rng, dtype, out, M - 3, N, 264, b_major=b_major, has_bias=True, rm=rm, bn=bn, alpha=0.5)
-    assert g.plan[1].startswith(f"{rm}x{bn}+pp")
+    N = 3 * bn - 3 * 8   # (bf16 -> bf16 TMA store: 16-byte rows of C)
+    res, ref, g = _run_pp(hopper, rng, dtype, out, M - 3, N, 264, b_major=b_major, has_bias=True, rm=rm, bn=bn, alpha=0.5,
+                          store=store)
+    want_ts = out == "bf16" and store == "auto"
+    assert g.plan[1].startswith(f"{rm}x{bn}+ts+pp" if want_ts else f"{rm}x{bn}+pp"), g.plan
     _check_pp(res, ref, out, f"pp {dtype}->{out} {rm}x{bn}")
 
 
@@ -686,10 +701,14 @@ def test_pp_transposed_store(hopper, rng, beta):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,out,b_major", PP_KINDS)
-def test_pp_matches_coop_bitwise_and_is_deterministic(hopper, rng, dtype, out, b_major):
+@pytest.mark.parametrize("store", ["direct", "tma"])
+def test_pp_matches_coop_bitwise_and_is_deterministic(hopper, rng, dtype, out, b_major, store):
     """The ping-pong (64 x 192) and cooperative (128 x 192) instances issue the same m64n192 wgmmas
-    over the same k-blocks in the same order, so without split-K their outputs are bit-identical; and
-    two runs of the ping-pong instance are too."""
+    over the same k-blocks in the same order, so without split-K their outputs are bit-identical
+    (stored from registers, or both through the TMA store: bf16 -> bf16); and two runs of the
+    ping-pong instance are too."""
+    if store == "tma" and out != "bf16":
+        pytest.skip("the ping-pong TMA store is built for bf16 -> bf16")
     from llmc.bf16 import BF16
     M, N, K = 3000, 776, 768
     mk = (lambda s: to_bf16(rng.standard_normal(s))) if dtype == "bf16" else (lambda s: rng.standard_normal(s).astype(np.float32))
@@ -698,9 +717,10 @@ def test_pp_matches_coop_bitwise_and_is_deterministic(hopper, rng, dtype, out, b
     C = hopper.empty((M, N), BF16 if out == "bf16" else np.float32)
     outs = []
     for sched in ("pingpong", "pingpong", "coop"):
-        g = gw.wgmma_build(hopper, dtype, M, N, K, b_major=b_major, out=out, schedule=sched, store="direct", splits=1,
+        g = gw.wgmma_build(hopper, dtype, M, N, K, b_major=b_major, out=out, schedule=sched, store=store, splits=1,
                            bn=192, rm=64 if sched == "pingpong" else None)
-        assert g.plan[1].startswith("64x192+pp" if sched == "pingpong" else "128x192")
+        ts = "+ts" if store == "tma" else ""
+        assert g.plan[1].startswith(f"64x192{ts}+pp" if sched == "pingpong" else f"128x192{ts}"), g.plan
         C.fill_bytes(0xFF)
         g(C, A, B)
         outs.append(C.get())
@@ -851,7 +871,9 @@ def test_gelu_fused_equals_gemm_then_gelu_forward(hopper, rng, dtype, bias_alpha
     pre, G, C, _, plan, plain_plan = _gelu_case(hopper, rng, dtype, M, N, K, has_bias=has_bias, alpha=alpha,
                                                 store="direct" if store == "split" else store,
                                                 splits=3 if store == "split" else 1)
-    assert plan[1] == plain_plan[1] + "+gelu" and plan[2] == plain_plan[2]
+    # (where the plain GEMM runs 128 x 128 ping-pong tiles, the fused form runs the cooperative 128-wide
+    # instance: the same m64n128 products in the same order)
+    assert plan[1] == plain_plan[1].replace("+pp", "") + "+gelu" and plan[2] == plain_plan[2]
     assert np.array_equal(pre.get(), C.get())
     spec = ops.get("gelu_forward")
     for v in (1, 2):
@@ -869,7 +891,9 @@ def test_gelu_fused_equals_gemm_then_gelu_forward(hopper, rng, dtype, bias_alpha
     (16384, 50304, 768, "128:192", 192),  # (any separator)
 ])
 def test_bf16_forward_tma_store_widths(monkeypatch, M, N, K, env, want):
+    """The cooperative planner's tile widths (with the 128 x 128 ping-pong swap off: the next test)."""
     from tests.fake_runtime import FakeRuntime
+    monkeypatch.setenv(gw.PP128_ENV, "0")
     if env is None:
         monkeypatch.delenv("LLMC_WGMMA_TS_WIDTHS", raising=False)
     else:
@@ -881,3 +905,35 @@ def test_bf16_forward_tma_store_widths(monkeypatch, M, N, K, env, want):
     from llmc.errors import LLMCError
     with pytest.raises(LLMCError, match="LLMC_WGMMA_TS_WIDTHS"):
         gw.wgmma_build(FakeRuntime(), "bf16", M, N, K, out="bf16")
+
+
+@pytest.mark.parametrize("M,N,K,has_bias", [(16384, 50304, 768, False), (16384, 2304, 768, True), (4096, 3072, 768, True)])
+def test_bf16_256_wide_plans_run_as_pp128(monkeypatch, M, N, K, has_bias):
+    """Where the cooperative planner picks the 256-wide TMA-store tile, the build runs 128 x 128
+    ping-pong tiles with the TMA store instead (PP128_ENV); the fused GELU form takes the cooperative
+    128-wide instance (the same m64n128 products); an explicit width, schedule or LLMC_WGMMA_PP128=0
+    keeps 256; other plans and other types are untouched."""
+    from tests.fake_runtime import FakeRuntime
+    for var in (gw.PP128_ENV, gw.SCHEDULE_ENV, "LLMC_WGMMA_TS_WIDTHS"):
+        monkeypatch.delenv(var, raising=False)
+    rt = FakeRuntime()
+    g = gw.wgmma_build(rt, "bf16", M, N, K, has_bias=has_bias, out="bf16")
+    assert g.plan == (5, "128x128+ts+pp", 1) and rt.built == ["gemm_wgmma_bf16_n128_ts_pp128_bf16"]
+    monkeypatch.setattr(gw, "tensor_map", lambda *a: bytes(128))
+    C = rt.empty((M * N // 2,))
+    g(C, rt.empty((M * K // 2,)), rt.empty((N * K // 2,)), rt.empty((N // 2,)) if has_bias else None)
+    L = rt.launches[-1]
+    assert L.smem == gw.pp_smem_bytes(128, 128, gw.PP_TS_INSTANCES[("bf16", "bf16", "kk")][(128, 128)], True, "bf16")
+    assert L.args[2] and C.ptr in L.args   # C's tensor map: the TMA store
+    if N == 3072:   # the fc layer: its fused GELU form keeps the plain GEMM's products, 128 wide, cooperative
+        gg = gw.wgmma_build(rt, "bf16", M, N, K, has_bias=True, out="bf16", gelu=True)
+        assert gg.plan == (5, "128x128+ts+gelu", 1) and rt.built[-1] == "gemm_wgmma_bf16_n128_ts_gelu_bf16"
+    for kw in (dict(bn=256), dict(schedule="coop")):
+        assert gw.wgmma_build(rt, "bf16", M, N, K, has_bias=has_bias, out="bf16", **kw).plan == (5, "128x256+ts", 1)
+    monkeypatch.setenv(gw.PP128_ENV, "0")
+    assert gw.wgmma_build(rt, "bf16", M, N, K, has_bias=has_bias, out="bf16").plan == (5, "128x256+ts", 1)
+    monkeypatch.delenv(gw.PP128_ENV)
+    # plans of 128 / 192 stay cooperative (qkv at B=4, fcproj at K = 3072); tf32 has no ping-pong TMA store
+    assert gw.wgmma_build(rt, "bf16", 4096, 2304, 768, out="bf16").plan == (5, "128x192+ts", 1)
+    assert gw.wgmma_build(rt, "bf16", 16384, 768, 3072, out="bf16").plan == (5, "128x192+ts", 1)
+    assert "+pp" not in gw.wgmma_build(rt, "tf32", M, N, K).plan[1]

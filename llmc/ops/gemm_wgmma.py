@@ -225,12 +225,16 @@ DGELU_INSTANCES = {("tf32", "fp32", "kk"): {128: 5, 192: 3}, ("bf16", "bf16", "k
 
 # The ping-pong instances (cuda/gemm_wgmma.cu, GEMM_WGMMA_PP_ENTRY): each consumer warpgroup owns a
 # whole (rows x BN) tile and the two take turns on the tensor cores, one's epilogue running during the
-# other's mainloop. (input, output, layout) -> {(rows, BN): stages}; direct stores only (no _ts).
+# other's mainloop. (input, output, layout) -> {(rows, BN): stages}: direct stores (PP_INSTANCES), and
+# bf16 -> bf16 with the TMA store (PP_TS_INSTANCES: each consumer stages 64 rows at a time in a buffer
+# of its own, so fewer stages fit; plain outputs: one K split, beta = 0, C not transposed).
 # Not the default: schedule="pingpong" / "auto" or LLMC_WGMMA_SCHEDULE picks them (see wgmma_build).
 PP_SHAPES = ((64, 192), (64, 256), (128, 128))
 _PP = {(64, 192): 7, (64, 256): 5, (128, 128): 7}
 PP_INSTANCES = {("tf32", "fp32", "kk"): _PP, ("bf16", "fp32", "kk"): _PP, ("bf16", "bf16", "kk"): _PP,
                 ("bf16", "bf16", "kn"): _PP}
+_PP_TS = {(64, 192): 5, (64, 256): 4, (128, 128): 6}
+PP_TS_INSTANCES = {("bf16", "bf16", "kk"): _PP_TS, ("bf16", "bf16", "kn"): _PP_TS}
 # relative rate of each ping-pong tile shape: NOT measured yet (assumed: one m64nBN wgmma per k-step
 # reads the same shared memory per flop as the cooperative tiles of that width; 128 x 128 as width 128)
 PP_EFF = {(64, 192): 1.0, (64, 256): 0.95, (128, 128): 0.85}
@@ -247,14 +251,15 @@ def instance_name(ty: str, out: str, layout: str, ts: bool, bn: int, gelu: bool 
             f"{'_dgelu' if dgelu else ''}{'_bf16' if out == 'bf16' else ''}")
 
 
-def pp_instance_name(ty: str, out: str, layout: str, rm: int, bn: int) -> str:
-    """A ping-pong entry point: gemm_wgmma_<in>_n<BN><layout>_pp<rows>[_bf16 for bf16 output]."""
-    return f"gemm_wgmma_{ty}_n{bn}{LAYOUT_SUFFIX[layout]}_pp{rm}{'_bf16' if out == 'bf16' else ''}"
+def pp_instance_name(ty: str, out: str, layout: str, rm: int, bn: int, ts: bool = False) -> str:
+    """A ping-pong entry point: gemm_wgmma_<in>_n<BN><layout>[_ts]_pp<rows>[_bf16 for bf16 output]."""
+    return f"gemm_wgmma_{ty}_n{bn}{LAYOUT_SUFFIX[layout]}{'_ts' if ts else ''}_pp{rm}{'_bf16' if out == 'bf16' else ''}"
 
 
-def pp_smem_bytes(rm: int, bn: int, stages: int) -> int:
-    """Dynamic shared memory of a ping-pong instance: the stages, their mbarriers, 1 KB for alignment."""
-    return stages * (rm + bn) * 128 + 2 * 8 * stages + 1024
+def pp_smem_bytes(rm: int, bn: int, stages: int, ts: bool = False, out: str = "fp32") -> int:
+    """Dynamic shared memory of a ping-pong instance: the stages, the two consumers' staging buffers
+    (64 x BN outputs each) with the TMA store, the stages' mbarriers, 1 KB for alignment."""
+    return stages * (rm + bn) * 128 + (2 * 64 * bn * OUT_BYTES[out] if ts else 0) + 2 * 8 * stages + 1024
 
 
 def smem_bytes(bn: int, stages: int, ts: bool, out: str = "fp32") -> int:
@@ -346,14 +351,18 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
                                                                bn, rm, splits)
     if rm is not None and not use_pp:
         raise LLMCError(f"gemm engine 5: rm={rm} (a ping-pong tile's rows) but the cooperative schedule was chosen")
-    if use_pp:  # ping-pong: direct stores, the consumer's tile (rows x BN) from its own plan
-        use_ts = False
-        shapes = [sh for sh in PP_INSTANCES[(ty, out, layout)] if (bn is None or sh[1] == bn) and
+    if use_pp:  # ping-pong: the consumer's tile (rows x BN) from its own plan; the TMA store where it is
+        # built and the output is plain (one K split, beta = 0, not transposed), unless store="direct"
+        use_ts = (store != "direct" and ts_ok and beta == 0.0 and (splits or 1) == 1
+                  and (ty, out, layout) in PP_TS_INSTANCES)
+        table = PP_TS_INSTANCES if use_ts else PP_INSTANCES
+        shapes = [sh for sh in table[(ty, out, layout)] if (bn is None or sh[1] == bn) and
                   (rm is None or sh[0] == rm)]
         if not shapes:
-            have = ", ".join(f"{r}x{w}" for r, w in PP_INSTANCES[(ty, out, layout)])
+            have = ", ".join(f"{r}x{w}" for r, w in table[(ty, out, layout)])
             raise LLMCError(f"gemm engine 5: no ping-pong tile rm={rm} bn={bn}; have {have}")
-        tile_rows, pbn, psplits = plan_pingpong(rt.sm_count, M, N, K, dtype, allow_split=splits is None, shapes=shapes)
+        tile_rows, pbn, psplits = plan_pingpong(rt.sm_count, M, N, K, dtype, allow_split=splits is None and not use_ts,
+                                                shapes=shapes)
     else:
         use_ts = dgelu or store == "tma" or (store == "auto" and ts_ok and K <= ts_max_k(out) and (bn is None or bn in ts_widths))
         # an accumulating GEMM that the planner splits over K (attproj's dweight: 24-36 tiles) stays direct
@@ -374,8 +383,18 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
                 use_ts = False
         if not use_ts:
             pbn, psplits = plan(rt.sm_count, M, N, K, dtype)
+    bn_asked = bn
     bn, splits = bn or pbn, splits or psplits
-    if use_ts and (bn not in ts_widths or splits > 1):
+    # Where the planner picks the 256-wide TMA-store tile (bf16 -> bf16 forwards, K <= 1024), 128 x 128
+    # ping-pong tiles with the TMA store run instead (PP128_FOR_256; the fused GELU form keeps its plain
+    # GEMM's bits with the cooperative 128-wide instance: the same m64n128 products in the same order)
+    if (use_ts and not use_pp and bn == 256 and bn_asked is None and splits == 1 and rm is None
+            and _pp128_for_256(ty, out, layout, schedule)):
+        if gelu:
+            bn = 128
+        else:
+            use_pp, tile_rows, bn = True, 128, 128
+    if use_ts and not use_pp and (bn not in ts_widths or splits > 1):
         raise LLMCError(f"gemm engine 5: the TMA store is built for tile widths {ts_widths} without split-K here")
     if bn not in BN_CHOICES:
         raise LLMCError(f"gemm engine 5: no tile width {bn}; have {', '.join(map(str, BN_CHOICES))}")
@@ -394,10 +413,11 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
         return _dgelu_launch(rt, name, label, smem, dtype, out, M, N, K, lda, ldb, ldc, alpha, bn, b_major, colsum,
                              (5, f"{BM}x{bn}+ts{LAYOUT_SUFFIX[layout].replace('_', '+')}+dgelu", 1))
     if use_pp:
-        stages = PP_INSTANCES[(ty, out, layout)][(tile_rows, bn)]
-        smem = pp_smem_bytes(tile_rows, bn, stages)
-        name = pp_instance_name(ty, out, layout, tile_rows, bn)
-        label = f"gemm 5 ({ty}{' -> bf16' if out == 'bf16' else ''}, {tile_rows}x{bn} ping-pong{what})"
+        stages = (PP_TS_INSTANCES if use_ts else PP_INSTANCES)[(ty, out, layout)][(tile_rows, bn)]
+        smem = pp_smem_bytes(tile_rows, bn, stages, use_ts, out)
+        name = pp_instance_name(ty, out, layout, tile_rows, bn, use_ts)
+        label = (f"gemm 5 ({ty}{' -> bf16' if out == 'bf16' else ''}, {tile_rows}x{bn} ping-pong"
+                 f"{', TMA store' if use_ts else ''}{what})")
     else:
         stages = (GELU_INSTANCES[(ty, out, use_ts)] if fused else INSTANCES[(ty, out, layout, use_ts)])[bn]
         smem = smem_bytes(bn, stages, use_ts, out)
@@ -497,6 +517,24 @@ def _dgelu_launch(rt, name, label, smem, dtype, out, M, N, K, lda, ldb, ldc, alp
     return launch
 
 
+# The 256-wide bf16 TMA-store instance holds 3 stages (its staging buffers take the rest of shared
+# memory) and runs its epilogue with both consumers at once. On the shapes where the planner picks it,
+# ping-pong 128 x 128 tiles with the TMA store (6 stages; each consumer's epilogue under the other's
+# mainloop) measured faster (H100, session 18, interleaved medians, with bias): qkv forward B=16 0.1248
+# against 0.1378 ms, attproj B=16 0.0536 against 0.0564, fc B=16 0.1548 against 0.1597, fc B=4 0.0516
+# against 0.0547; where it picks 128 or 192 wide, the cooperative tiles stayed ahead (qkv B=4 0.0465
+# against 0.0483, fcproj B=4 0.0457 against 0.0514). LLMC_WGMMA_PP128=0 turns the swap off (the A/B).
+PP128_ENV = "LLMC_WGMMA_PP128"
+
+
+def _pp128_for_256(ty: str, out: str, layout: str, schedule) -> bool:
+    """Whether a cooperative 256-wide TMA-store plan becomes 128 x 128 ping-pong (see PP128_ENV): only
+    when no schedule is asked for (argument or LLMC_WGMMA_SCHEDULE) and the instance is built."""
+    asked = schedule if schedule is not None else os.environ.get(SCHEDULE_ENV)
+    return (asked is None and (ty, out, layout) in PP_TS_INSTANCES and (128, 128) in PP_TS_INSTANCES[(ty, out, layout)]
+            and os.environ.get(PP128_ENV, "1") != "0")
+
+
 def _pick_schedule(rt, dtype, ty, out, layout, M, N, K, schedule, store, bn, rm, splits):
     """(ping-pong?, tile rows) for wgmma_build: the schedule asked for (argument, else the environment),
     checked against the instances that exist; "auto" compares the planner's two estimates."""
@@ -505,10 +543,11 @@ def _pick_schedule(rt, dtype, ty, out, layout, M, N, K, schedule, store, bn, rm,
         where = "schedule" if schedule is not None else SCHEDULE_ENV
         raise LLMCError(f"gemm engine 5: {where}={asked!r}; expected one of {', '.join(SCHEDULES)}")
     have = (ty, out, layout) in PP_INSTANCES
-    if asked == "coop" or (asked == "auto" and (not have or store == "tma")):
+    ts_refused = store == "tma" and (ty, out, layout) not in PP_TS_INSTANCES
+    if asked == "coop" or (asked == "auto" and (not have or ts_refused)):
         return False, BM
-    if not have or store == "tma":
-        why = ("the TMA store is cooperative-only" if have else
+    if not have or ts_refused:
+        why = ("the ping-pong TMA store is built for bf16 -> bf16 only" if have else
                f"no ping-pong instances for {ty} in / {out} out / layout {layout}")
         if schedule is not None:
             raise LLMCError(f"gemm engine 5: schedule='pingpong' refused: {why}")
