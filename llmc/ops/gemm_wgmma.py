@@ -386,7 +386,7 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
     bn_asked = bn
     bn, splits = bn or pbn, splits or psplits
     # Where the planner picks the 256-wide TMA-store tile (bf16 -> bf16 forwards, K <= 1024), 128 x 128
-    # ping-pong tiles with the TMA store run instead (PP128_FOR_256; the fused GELU form keeps its plain
+    # ping-pong tiles with the TMA store run instead (_pp128_for_256, PP128_ENV; the fused GELU form keeps its plain
     # GEMM's bits with the cooperative 128-wide instance: the same m64n128 products in the same order)
     if (use_ts and not use_pp and bn == 256 and bn_asked is None and splits == 1 and rm is None
             and _pp128_for_256(ty, out, layout, schedule)):
