@@ -181,6 +181,63 @@ struct GemmArgs {
                          // 16 rows of C (a warp's: (M rounded up to 128) / 16, N), for gemm_wgmma_colsum_finish
 };
 
+// The bias. Read in the epilogue, it cost 7-22% of a d12 forward GEMM's time (H100, 2026-11-26): the
+// epilogue is on the critical path (cooperative: both consumers run it with the tensor cores idle;
+// ping-pong: a consumer's next mainloop waits for its epilogue), and it waited there for the loads'
+// latency, twice per tile for the 128-row ping-pong tile. So BiasFrag loads a thread's columns
+// n0 + 8j + 2(lane % 4) + {0, 1} (j < BN / 8; 0 past N) into registers before the epilogue (bf16 a pair
+// per register), and the epilogue adds them as it added its own loads: the same values in the same
+// order, so the results keep their bits. When: at the tile's start (cooperative, and the ping-pong
+// bf16 64 x 192 tile, while it waits for its turn), or (tf32's 64 x 192 ping-pong tile) once the
+// products are done, before the consumer waits for its epilogue turn. How many registers: ptxas
+// allocates for __launch_bounds__(384, 1), 168 a thread, whatever setmaxnreg gives later. Next to 128
+// accumulators even 16 more spilled, through the mainloop or only in the epilogue; so did tf32's
+// fused GELU at 96 + 48. So bias_in_regs (accumulators + bias registers) allows 144 for the plain
+// cooperative tiles, 120 for the fused GELU and through a ping-pong mainloop, 144 after one of 96
+// accumulators. The tiles of 128 accumulators (cooperative 256 wide, ping-pong 128 x 128 and
+// 64 x 256) read the bias in the epilogue as before.
+// Tried, 2026-11-27: a copy of the tile's bias in shared memory (cp.async at the tile's start): the
+// epilogue's extra instructions cost as much as the loads had; and the accumulators started from the
+// bias (the first wgmma's scale-d 1): the non-wgmma writes of the accumulators made ptxas serialize the
+// wgmmas (C7515), 0.173 against 0.110 ms on bf16 qkv B=16 without a bias.
+template <typename OUT, int BN, int ACC, int LIMIT>
+__host__ __device__ constexpr bool bias_in_regs() { return ACC + BN / 8 * (int)(sizeof(OUT) / 2) <= LIMIT; }
+
+template <typename OUT> struct PairOf { using type = float2; };
+template <> struct PairOf<__nv_bfloat16> { using type = __nv_bfloat162; };
+
+template <typename OUT, int BN, bool IN_REGS>
+struct BiasFrag {
+    using Pair = typename PairOf<OUT>::type;
+    Pair v[IN_REGS ? BN / 8 : 1];
+    // before the epilogue (one K split only: split-K's reduce adds the bias)
+    __device__ __forceinline__ void fetch(const GemmArgs<OUT>& a, int n0) {
+        if constexpr (IN_REGS) {
+            if (!a.bias || a.splits != 1) return;
+            const int c0 = n0 + 2 * (threadIdx.x & 3);
+#pragma unroll
+            for (int j = 0; j < BN / 8; j++) {
+                const int c = c0 + 8 * j;
+                const OUT zero = OUT(0.0f);
+                const OUT x = c < a.N ? a.bias[c] : zero, y = c + 1 < a.N ? a.bias[c + 1] : zero;
+                if constexpr (sizeof(OUT) == 2) v[j] = __halves2bfloat162(x, y);
+                else v[j] = make_float2(x, y);
+            }
+        }
+    }
+    // bias(c), bias(c + 1) as fp32 for column group j (c = n0 + 8j + 2(lane % 4)); 0 past N
+    __device__ __forceinline__ float2 at(const GemmArgs<OUT>& a, int j, int n0) const {
+        if constexpr (IN_REGS) {
+            if constexpr (sizeof(OUT) == 2) return __bfloat1622float2(v[j]);
+            else return v[j];
+        } else {
+            using O = Out<OUT>;
+            const int c = n0 + 8 * j + 2 * (threadIdx.x & 3);
+            return make_float2(c < a.N ? O::get(a.bias + c) : 0.0f, c + 1 < a.N ? O::get(a.bias + c + 1) : 0.0f);
+        }
+    }
+};
+
 // One or two adjacent columns (c, c + 1) of row r into X (C or G): a pair store where `pair` says X's
 // rows allow it, else single stores; with trans_c X^T is stored
 template <typename OUT>
@@ -208,8 +265,9 @@ __device__ __forceinline__ bool pairs_ok(const OUT* X, const GemmArgs<OUT>& a) {
 // C at row 16w + l/4 + 8h (of the warpgroup's 64), column 8j + 2(l%4) + c.
 // GELU (the fc layer's fused form): also G = gelu(C), computed from each C value as stored (bf16: the
 // rounded value) by gelu_forward's own function for OUT, so G has gemm + gelu_forward's bits.
-template <typename OUT, int BN, bool GELU = false>
-__device__ __forceinline__ void epilogue(float (&d)[BN / 2], const GemmArgs<OUT>& a, int m0, int n0, int split) {
+template <typename OUT, int BN, bool GELU = false, typename BF>
+__device__ __forceinline__ void epilogue(float (&d)[BN / 2], const GemmArgs<OUT>& a, const BF& bf,
+                                         int m0, int n0, int split) {
     const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
     const int r0 = m0 + warp * 16 + (lane >> 2), c0 = n0 + 2 * (lane & 3);
     if (a.splits > 1) {  // raw partial sums; gemm_wgmma_splitk_reduce applies alpha, beta, bias
@@ -260,7 +318,11 @@ __device__ __forceinline__ void epilogue(float (&d)[BN / 2], const GemmArgs<OUT>
                 if (r >= a.M || c >= a.N) continue;
                 const int i = 4 * (j0 + j) + 2 * h;
                 float v0 = a.alpha * d[i] + a.beta * old[j][h][0], v1 = a.alpha * d[i + 1] + a.beta * old[j][h][1];
-                if (a.bias) { v0 += O::get(a.bias + c); if (c + 1 < a.N) v1 += O::get(a.bias + c + 1); }
+                if (a.bias) {  // (past N: + 0, and the column is not stored)
+                    const float2 b = bf.at(a, j0 + j, n0);
+                    v0 += b.x;
+                    v1 += b.y;
+                }
                 put_cols(a.C, a, pair, r, c, v0, v1);
                 if constexpr (GELU)
                     put_cols(a.G, a, pair_g, r, c, gelu_fwd_as<OUT>(O::stored(v0)), gelu_fwd_as<OUT>(O::stored(v1)));
@@ -345,9 +407,9 @@ __device__ __forceinline__ void dgelu_staged(float (&v)[BN / 2], unsigned char* 
 // thread turns its own positions into alpha * product + beta * old (+ bias), the direct epilogue's
 // order, in place; then the store writes the tile back. A tile belongs to one CTA, so its load and
 // store never race with another's.
-template <typename OUT, int BN>
-__device__ __forceinline__ void beta_staged(const float (&d)[BN / 2], const GemmArgs<OUT>& a, unsigned char* stg,
-                                            int n0) {
+template <typename OUT, int BN, typename BF>
+__device__ __forceinline__ void beta_staged(const float (&d)[BN / 2], const GemmArgs<OUT>& a, const BF& bf,
+                                            unsigned char* stg, int n0) {
     using O = Out<OUT>;
     const int lane = threadIdx.x & 31, warp = (threadIdx.x & 127) >> 5;
 #pragma unroll
@@ -355,12 +417,12 @@ __device__ __forceinline__ void beta_staged(const float (&d)[BN / 2], const Gemm
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             const int r = warp * 16 + (lane >> 2) + 8 * h, c = 8 * j + 2 * (lane & 3), i = 4 * j + 2 * h;
-            const int gc = n0 + c;
             OUT* p = staged_at<OUT>(stg, r, c);
             float v0 = a.alpha * d[i] + a.beta * O::get(p), v1 = a.alpha * d[i + 1] + a.beta * O::get(p + 1);
-            if (a.bias) {  // columns past N are clipped by the store; don't read past bias
-                v0 += gc < a.N ? O::get(a.bias + gc) : 0.0f;
-                v1 += gc + 1 < a.N ? O::get(a.bias + gc + 1) : 0.0f;
+            if (a.bias) {  // columns past N: + 0 (the store clips them)
+                const float2 b = bf.at(a, j, n0);
+                v0 += b.x;
+                v1 += b.y;
             }
             O::put2(p, v0, v1);
         }
@@ -402,29 +464,31 @@ __device__ __forceinline__ void colsum_warp(const float (&v)[BN / 2], const Gemm
 // DGELU: P's tile is already on its way into the buffer (load_pre, on `pre_bar` with this parity); the
 // results replace it there, and with a.S the column sums go out before the store.
 // BETA: C's old tile is on its way into the buffer the same way (load_pre on C's map); see beta_staged.
-template <typename OUT, int BN, bool GELU = false, bool DGELU = false, bool BETA = false>
-__device__ __forceinline__ void epilogue_tma(float (&d)[BN / 2], const GemmArgs<OUT>& a, const CUtensorMap* tmC,
-                                             const CUtensorMap* tmG, unsigned char* stg, int m0, int n0, int wg,
+template <typename OUT, int BN, bool GELU = false, bool DGELU = false, bool BETA = false, typename BF>
+__device__ __forceinline__ void epilogue_tma(float (&d)[BN / 2], const GemmArgs<OUT>& a, const BF& bf,
+                                             const CUtensorMap* tmC, const CUtensorMap* tmG, unsigned char* stg, int m0,
+                                             int n0, int wg,
                                              uint64_t* pre_bar = nullptr, int pre_parity = 0) {
     static_assert(!(BETA && (GELU || DGELU)), "beta * C with the plain TMA-store epilogue only");
     using O = Out<OUT>;
-    const int tid = threadIdx.x & 127, lane = threadIdx.x & 31;
+    const int tid = threadIdx.x & 127;
 #pragma unroll
     for (int j = 0; j < (BETA ? 0 : BN / 8); j++)
 #pragma unroll
         for (int h = 0; h < 2; h++) {
-            const int i = 4 * j + 2 * h, gc = n0 + 8 * j + 2 * (lane & 3);
+            const int i = 4 * j + 2 * h;
             float v0 = a.alpha * d[i], v1 = a.alpha * d[i + 1];
-            if (a.bias) {  // columns past N are clipped by the store; don't read past bias
-                v0 += gc < a.N ? O::get(a.bias + gc) : 0.0f;
-                v1 += gc + 1 < a.N ? O::get(a.bias + gc + 1) : 0.0f;
+            if (a.bias) {  // columns past N: + 0 (the store clips them)
+                const float2 b = bf.at(a, j, n0);
+                v0 += b.x;
+                v1 += b.y;
             }
             d[i] = v0;
             d[i + 1] = v1;
         }
     if constexpr (BETA) {
         mbar_wait(pre_bar, pre_parity);  // C's old tile has landed
-        beta_staged<OUT, BN>(d, a, stg, n0);
+        beta_staged<OUT, BN>(d, a, bf, stg, n0);
     } else if constexpr (DGELU) {
         mbar_wait(pre_bar, pre_parity);  // P's tile has landed
         dgelu_staged<OUT, BN>(d, stg);
@@ -555,6 +619,8 @@ __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CU
             int tm, tn;
             tile_coords(t, tiles_m, tiles_n, tm, tn);
             const int kb0 = split * a.kb_per_split, kb1 = min(kblocks_total, kb0 + a.kb_per_split);
+            BiasFrag<OUT, BN, bias_in_regs<OUT, BN, BN / 2, GELU ? 120 : 144>()> bf;
+            bf.fetch(a, tn * BN);
             int prev = -1;
             for (int kb = kb0; kb < kb1; kb++) {
                 mbar_wait(&full[stage], phase);
@@ -612,15 +678,15 @@ __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CU
             }
             // the TMA store takes plain results (no split-K partials, no beta * C read, not transposed)
             if (DGELU)  // (the launcher gives it one split, no beta, C not transposed, both maps)
-                epilogue_tma<OUT, BN, false, true>(d, a, tmC, nullptr, stg, tm * BM + (wg - 1) * 64, tn * BN, wg,
+                epilogue_tma<OUT, BN, false, true>(d, a, bf, tmC, nullptr, stg, tm * BM + (wg - 1) * 64, tn * BN, wg,
                                                    &pre_bar[wg - 1], tiles_done & 1);
             else if (TMA_STORE && tmC && (!GELU || tmG) && a.splits == 1 && a.beta == 0.0f && !a.trans_c)
-                epilogue_tma<OUT, BN, GELU>(d, a, tmC, tmG, stg, tm * BM + (wg - 1) * 64, tn * BN, wg);
+                epilogue_tma<OUT, BN, GELU>(d, a, bf, tmC, tmG, stg, tm * BM + (wg - 1) * 64, tn * BN, wg);
             else if (beta_tma)
-                epilogue_tma<OUT, BN, false, false, !GELU && !DGELU>(d, a, tmC, nullptr, stg, tm * BM + (wg - 1) * 64,
+                epilogue_tma<OUT, BN, false, false, !GELU && !DGELU>(d, a, bf, tmC, nullptr, stg, tm * BM + (wg - 1) * 64,
                                                                      tn * BN, wg, &pre_bar[wg - 1], tiles_done & 1);
             else
-                epilogue<OUT, BN, GELU>(d, a, tm * BM + (wg - 1) * 64, tn * BN, split);
+                epilogue<OUT, BN, GELU>(d, a, bf, tm * BM + (wg - 1) * 64, tn * BN, split);
             tiles_done++;
         }
         if (TMA_STORE && (threadIdx.x & 127) == 0) bulk_wait_all();  // C is written before the CTA ends
@@ -846,6 +912,12 @@ __device__ __forceinline__ void gemm_wgmma_pp_body(const CUtensorMap* tmA, const
             const bool more = u + gridDim.x < units;  // unit j + 1 exists (the other consumer's)
             int tm, tn;
             tile_coords(t, tiles_m, tiles_n, tm, tn);
+            // the bias into registers: while this consumer waits for its turn (EARLY), or once its
+            // products are done (LATE); else the epilogue reads it
+            constexpr bool EARLY = bias_in_regs<OUT, BN, SUB * BN / 2, 120>();
+            constexpr bool LATE = !EARLY && SUB * BN / 2 <= 96 && bias_in_regs<OUT, BN, SUB * BN / 2, 144>();
+            BiasFrag<OUT, BN, EARLY || LATE> bf;
+            if constexpr (EARLY) bf.fetch(a, tn * BN);
             if (j > 0) named_sync(MAIN_BAR + c);  // unit j - 1 has issued all its wgmmas
             int prev = -1;
             for (int kb = kb0; kb < kb1; kb++) {
@@ -878,13 +950,14 @@ __device__ __forceinline__ void gemm_wgmma_pp_body(const CUtensorMap* tmA, const
 #pragma unroll
                     for (int i = 0; i < BN / 2; i++) d[s][i] = 0.0f;
             }
+            if constexpr (LATE) bf.fetch(a, tn * BN);
             if (j > 0) named_sync(EPI_BAR + c);  // unit j - 1's epilogue is done
 #pragma unroll
             for (int s = 0; s < SUB; s++) {
                 if (use_tma)  // (waits for its previous stores to have read the buffer first)
-                    epilogue_tma<OUT, BN>(d[s], a, tmC, nullptr, stg, tm * RM + 64 * s, tn * BN, wg);
+                    epilogue_tma<OUT, BN>(d[s], a, bf, tmC, nullptr, stg, tm * RM + 64 * s, tn * BN, wg);
                 else
-                    epilogue<OUT, BN>(d[s], a, tm * RM + 64 * s, tn * BN, split);
+                    epilogue<OUT, BN>(d[s], a, bf, tm * RM + 64 * s, tn * BN, split);
             }
             if (more) named_arrive(EPI_BAR + (c ^ 1));
         }

@@ -728,6 +728,97 @@ def test_pp_matches_coop_bitwise_and_is_deterministic(hopper, rng, dtype, out, b
     assert np.array_equal(outs[0], outs[2])
 
 
+# The bias (cuda/gemm_wgmma.cu, before BiasFrag): loaded into registers before the epilogue (cooperative
+# tiles up to 192 wide, ping-pong 64 x 192), or read in the epilogue (tiles of 128 accumulators):
+# either way the epilogue's values in its order, C = round(d + bias) with d the fp32 accumulator, the
+# same bits as before. d comes from the same tile without a bias and with fp32 outputs (the same wgmmas
+# in the same order), so the expected bits are computed on the host. Many tiles per CTA at different
+# column offsets (a bias of the wrong tile would show); N past the last full tile (columns past N read
+# as 0).
+BIAS_PLANS = [  # (schedule, rows, width, store)
+    ("coop", None, 128, "tma"), ("coop", None, 128, "direct"), ("coop", None, 192, "tma"), ("coop", None, 192, "direct"),
+    ("coop", None, 256, "tma"), ("coop", None, 256, "direct"), ("pingpong", 64, 192, "auto"),
+    ("pingpong", 64, 192, "direct"), ("pingpong", 64, 256, "auto"), ("pingpong", 64, 256, "direct"),
+    ("pingpong", 128, 128, "auto"), ("pingpong", 128, 128, "direct")]
+
+
+def _check_bias(got, want_f32, plan, out="bf16"):
+    """got (bf16 bits or fp32) against d + bias (float32), bit for bit."""
+    want = to_bf16(want_f32) if out == "bf16" else want_f32
+    bad = got != want
+    assert not bad.any(), f"{plan}: {bad.sum()} outputs differ, first at {np.argwhere(bad)[0]}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sched,rm,bn,store", BIAS_PLANS)
+def test_bias_keeps_the_epilogues_bits(hopper, rng, sched, rm, bn, store):
+    """bf16 -> bf16 with a bias against d + bias from the bf16 -> fp32 instance of the same tile
+    without one; the bias one element past a 4-byte boundary (loads of single elements)."""
+    from llmc.bf16 import BF16
+    M, N, K, ldc = 2053, 2300, 264, 2304   # 18 column tiles of 128 (12 of 192, 9 of 256), the last partial
+    A = hopper.to_device(to_bf16(rng.standard_normal((M, K))))
+    B = hopper.to_device(to_bf16(rng.standard_normal((N, K))))
+    bias_b = to_bf16(rng.standard_normal(N) * 4)
+    dbias = hopper.to_device(np.concatenate([to_bf16(np.zeros(1)), bias_b]))
+    kw = dict(schedule=sched, rm=rm, bn=bn, splits=1)
+    g32 = gw.wgmma_build(hopper, "bf16", M, N, K, ldc=ldc, out="fp32", store="direct", **kw)
+    D = hopper.empty((M, ldc), np.float32)
+    D.fill_bytes(0xFF)
+    g32(D, A, B)
+    want = D.get()[:, :N] + from_bf16(bias_b)[None, :]  # fp32 + fp32 (alpha = 1)
+    g = gw.wgmma_build(hopper, "bf16", M, N, K, ldc=ldc, out="bf16", has_bias=True, store=store, **kw)
+    assert g.plan[1].startswith(f"{rm or 128}x{bn}" + ("+ts" if store != "direct" else "")), g.plan
+    assert ("+pp" in g.plan[1]) == (sched == "pingpong") and g32.plan[1].split("+")[0] == g.plan[1].split("+")[0]
+    C = hopper.empty((M, ldc), BF16)
+    for bias_ptr in (hopper.to_device(bias_b).ptr, dbias.ptr + 2):
+        C.fill_bytes(0xFF)
+        g(C, A, B, bias_ptr)
+        _check_bias(C.get()[:, :N], want, g.plan)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sched,rm,bn,store", [p for p in BIAS_PLANS if p[3] != "direct" or p[0] == "coop"])
+def test_bias_keeps_the_epilogues_bits_fp32(hopper, rng, sched, rm, bn, store):
+    """tf32 -> fp32: C with a bias against C without one plus the bias in fp32."""
+    M, N, K = 2053, 2300, 264
+    A = hopper.to_device(rng.standard_normal((M, K)).astype(np.float32))
+    B = hopper.to_device(rng.standard_normal((N, K)).astype(np.float32))
+    bias = (rng.standard_normal(N) * 4).astype(np.float32)
+    st = "direct" if sched == "pingpong" else store  # (the ping-pong fp32 instances store from registers)
+    if st == "tma" and bn not in gw.INSTANCES[("tf32", "fp32", "kk", True)]:
+        pytest.skip(f"no tf32 TMA-store instance {bn} wide")
+    kw = dict(schedule=sched, rm=rm, bn=bn, splits=1, store=st)
+    outs = []
+    for hb in (False, True):
+        g = gw.wgmma_build(hopper, "tf32", M, N, K, has_bias=hb, **kw)
+        C = hopper.empty((M, N), np.float32)
+        C.fill_bytes(0xFF)
+        g(C, A, B, hopper.to_device(bias) if hb else None)
+        outs.append(C.get())
+    assert g.plan[1].startswith(f"{rm or 128}x{bn}"), g.plan
+    _check_bias(outs[1], outs[0] + bias[None, :], g.plan, out="fp32")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rm,bn", gw.PP_SHAPES)
+def test_bias_with_alpha(hopper, rng, rm, bn):
+    """alpha != 1 on every ping-pong tile, bf16 -> fp32: alpha * d + bias, bit for bit (alpha 0.5: the
+    product is exact, so a fused multiply-add gives the same bits)."""
+    M, N, K, alpha = 1031, 1000, 136, 0.5
+    A = hopper.to_device(to_bf16(rng.standard_normal((M, K))))
+    B = hopper.to_device(to_bf16(rng.standard_normal((N, K))))
+    bias = (rng.standard_normal(N) * 4).astype(np.float32)
+    kw = dict(schedule="pingpong", rm=rm, bn=bn, splits=1, alpha=alpha)
+    outs = []
+    for hb in (False, True):
+        g = gw.wgmma_build(hopper, "bf16", M, N, K, has_bias=hb, out="fp32", **kw)
+        C = hopper.empty((M, N), np.float32)
+        C.fill_bytes(0xFF)
+        g(C, A, B, hopper.to_device(bias) if hb else None)
+        outs.append(C.get())
+    _check_bias(outs[1], outs[0] + bias[None, :], g.plan, out="fp32")
+
+
 # ----------------------------------------------------------------------------------------------
 # the fused GELU epilogue (the _gelu instances: the fc layer's matmul_forward with gelu_pre=True):
 # C = the pre-activation, G = gelu(C as stored), by the function gelu_forward uses in that precision
