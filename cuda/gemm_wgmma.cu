@@ -184,18 +184,22 @@ struct GemmArgs {
 // The bias. Read in the epilogue, it cost 7-22% of a d12 forward GEMM's time (H100, 2026-11-26): the
 // epilogue is on the critical path (cooperative: both consumers run it with the tensor cores idle;
 // ping-pong: a consumer's next mainloop waits for its epilogue), and it waited there for the loads'
-// latency, twice per tile for the 128-row ping-pong tile. So BiasFrag loads a thread's columns
-// n0 + 8j + 2(lane % 4) + {0, 1} (j < BN / 8; 0 past N) into registers before the epilogue (bf16 a pair
-// per register), and the epilogue adds them as it added its own loads: the same values in the same
-// order, so the results keep their bits. When: at the tile's start (cooperative, and the ping-pong
-// bf16 64 x 192 tile, while it waits for its turn), or (tf32's 64 x 192 ping-pong tile) once the
-// products are done, before the consumer waits for its epilogue turn. How many registers: ptxas
-// allocates for __launch_bounds__(384, 1), 168 a thread, whatever setmaxnreg gives later. Next to 128
-// accumulators even 16 more spilled, through the mainloop or only in the epilogue; so did tf32's
-// fused GELU at 96 + 48. So bias_in_regs (accumulators + bias registers) allows 144 for the plain
-// cooperative tiles, 120 for the fused GELU and through a ping-pong mainloop, 144 after one of 96
-// accumulators. The tiles of 128 accumulators (cooperative 256 wide, ping-pong 128 x 128 and
-// 64 x 256) read the bias in the epilogue as before.
+// latency, twice per tile for the 128-row ping-pong tile. So BiasFrag holds it in registers before
+// the epilogue, and the epilogue adds it as it added its own loads: the same values in the same order,
+// so the results keep their bits. A thread's columns are n0 + 8j + 2(lane % 4) + {0, 1} (j < BN / 8;
+// 0 past N), bf16 a pair per register:
+//   BIAS_REGS   all BN / 8 pairs in the thread's registers, loaded at the tile's start (cooperative;
+//               the ping-pong bf16 64 x 192 tile while it waits for its turn), or for tf32's 64 x 192
+//               ping-pong tile once the products are done;
+//   BIAS_LANES  the tiles of 128 accumulators (cooperative 256 wide, ping-pong 128 x 128 and 64 x 256)
+//               and tf32's fused GELU: the 8 lanes with the same columns hold BN / 64 pairs each, and
+//               the epilogue shuffles each pair from its holder (bias cost of bf16 qkv B=16, 128 x 128
+//               ping-pong: +10.2% -> -0.2%; cooperative 256: +16.1% -> +2.3%, 2026-11-27).
+// Why not always BIAS_REGS: ptxas allocates for __launch_bounds__(384, 1), 168 registers a thread,
+// whatever setmaxnreg gives later. Next to 128 accumulators even 16 more spilled (through the mainloop,
+// or only in the epilogue); so did tf32's fused GELU at 96 + 48. So bias_in_regs (accumulators + bias
+// registers) allows 144 for the plain cooperative tiles, 120 for the fused GELU and through a ping-pong
+// mainloop, 144 after one of 96 accumulators.
 // Tried, 2026-11-27: a copy of the tile's bias in shared memory (cp.async at the tile's start): the
 // epilogue's extra instructions cost as much as the loads had; and the accumulators started from the
 // bias (the first wgmma's scale-d 1): the non-wgmma writes of the accumulators made ptxas serialize the
@@ -206,30 +210,45 @@ __host__ __device__ constexpr bool bias_in_regs() { return ACC + BN / 8 * (int)(
 template <typename OUT> struct PairOf { using type = float2; };
 template <> struct PairOf<__nv_bfloat16> { using type = __nv_bfloat162; };
 
-template <typename OUT, int BN, bool IN_REGS>
+// Where BiasFrag keeps the bias: BIAS_LOAD, read in the epilogue; BIAS_REGS, a thread's BN / 4 columns
+// in registers; BIAS_LANES, spread over the 8 lanes that share those columns (lane l holds column
+// groups j = l / 4 + 8k, k < BN / 64) and shuffled out to the others in the epilogue: BN / 64 registers.
+enum { BIAS_LOAD = 0, BIAS_REGS = 1, BIAS_LANES = 2 };
+
+// at() is called by all 32 lanes of the warp together (BIAS_LANES shuffles)
+template <typename OUT, int BN, int MODE>
 struct BiasFrag {
     using Pair = typename PairOf<OUT>::type;
-    Pair v[IN_REGS ? BN / 8 : 1];
+    static constexpr int NV = MODE == BIAS_REGS ? BN / 8 : MODE == BIAS_LANES ? BN / 64 : 1;
+    Pair v[NV];
     // before the epilogue (one K split only: split-K's reduce adds the bias)
     __device__ __forceinline__ void fetch(const GemmArgs<OUT>& a, int n0) {
-        if constexpr (IN_REGS) {
+        if constexpr (MODE != BIAS_LOAD) {
             if (!a.bias || a.splits != 1) return;
-            const int c0 = n0 + 2 * (threadIdx.x & 3);
+            const int lane = threadIdx.x & 31, c0 = n0 + 2 * (lane & 3);
 #pragma unroll
-            for (int j = 0; j < BN / 8; j++) {
-                const int c = c0 + 8 * j;
+            for (int k = 0; k < NV; k++) {
+                const int c = c0 + 8 * (MODE == BIAS_REGS ? k : (lane >> 2) + 8 * k);
                 const OUT zero = OUT(0.0f);
                 const OUT x = c < a.N ? a.bias[c] : zero, y = c + 1 < a.N ? a.bias[c + 1] : zero;
-                if constexpr (sizeof(OUT) == 2) v[j] = __halves2bfloat162(x, y);
-                else v[j] = make_float2(x, y);
+                if constexpr (sizeof(OUT) == 2) v[k] = __halves2bfloat162(x, y);
+                else v[k] = make_float2(x, y);
             }
         }
     }
     // bias(c), bias(c + 1) as fp32 for column group j (c = n0 + 8j + 2(lane % 4)); 0 past N
     __device__ __forceinline__ float2 at(const GemmArgs<OUT>& a, int j, int n0) const {
-        if constexpr (IN_REGS) {
+        if constexpr (MODE == BIAS_REGS) {
             if constexpr (sizeof(OUT) == 2) return __bfloat1622float2(v[j]);
             else return v[j];
+        } else if constexpr (MODE == BIAS_LANES) {
+            const int src = ((j & 7) << 2) | (threadIdx.x & 3);
+            if constexpr (sizeof(OUT) == 2) {
+                const uint32_t w = __shfl_sync(0xffffffffu, *reinterpret_cast<const uint32_t*>(&v[j >> 3]), src);
+                return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w));
+            } else {
+                return make_float2(__shfl_sync(0xffffffffu, v[j >> 3].x, src), __shfl_sync(0xffffffffu, v[j >> 3].y, src));
+            }
         } else {
             using O = Out<OUT>;
             const int c = n0 + 8 * j + 2 * (threadIdx.x & 3);
@@ -311,15 +330,16 @@ __device__ __forceinline__ void epilogue(float (&d)[BN / 2], const GemmArgs<OUT>
                 }
             }
 #pragma unroll
-        for (int j = 0; j < JC; j++)
+        for (int j = 0; j < JC; j++) {
+            // (every lane: at() may shuffle; past N: + 0, and the column is not stored)
+            const float2 b = a.bias ? bf.at(a, j0 + j, n0) : make_float2(0.0f, 0.0f);
 #pragma unroll
             for (int h = 0; h < 2; h++) {
                 const int r = r0 + 8 * h, c = c0 + 8 * (j0 + j);
                 if (r >= a.M || c >= a.N) continue;
                 const int i = 4 * (j0 + j) + 2 * h;
                 float v0 = a.alpha * d[i] + a.beta * old[j][h][0], v1 = a.alpha * d[i + 1] + a.beta * old[j][h][1];
-                if (a.bias) {  // (past N: + 0, and the column is not stored)
-                    const float2 b = bf.at(a, j0 + j, n0);
+                if (a.bias) {
                     v0 += b.x;
                     v1 += b.y;
                 }
@@ -327,6 +347,7 @@ __device__ __forceinline__ void epilogue(float (&d)[BN / 2], const GemmArgs<OUT>
                 if constexpr (GELU)
                     put_cols(a.G, a, pair_g, r, c, gelu_fwd_as<OUT>(O::stored(v0)), gelu_fwd_as<OUT>(O::stored(v1)));
             }
+        }
     }
 }
 
@@ -413,19 +434,20 @@ __device__ __forceinline__ void beta_staged(const float (&d)[BN / 2], const Gemm
     using O = Out<OUT>;
     const int lane = threadIdx.x & 31, warp = (threadIdx.x & 127) >> 5;
 #pragma unroll
-    for (int j = 0; j < BN / 8; j++)
+    for (int j = 0; j < BN / 8; j++) {
+        const float2 b = a.bias ? bf.at(a, j, n0) : make_float2(0.0f, 0.0f);  // (past N: + 0, clipped by the store)
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             const int r = warp * 16 + (lane >> 2) + 8 * h, c = 8 * j + 2 * (lane & 3), i = 4 * j + 2 * h;
             OUT* p = staged_at<OUT>(stg, r, c);
             float v0 = a.alpha * d[i] + a.beta * O::get(p), v1 = a.alpha * d[i + 1] + a.beta * O::get(p + 1);
-            if (a.bias) {  // columns past N: + 0 (the store clips them)
-                const float2 b = bf.at(a, j, n0);
+            if (a.bias) {
                 v0 += b.x;
                 v1 += b.y;
             }
             O::put2(p, v0, v1);
         }
+    }
 }
 
 // The column sums of this warp's 16 rows of the results (v: as stored), in registers: a thread's
@@ -473,19 +495,20 @@ __device__ __forceinline__ void epilogue_tma(float (&d)[BN / 2], const GemmArgs<
     using O = Out<OUT>;
     const int tid = threadIdx.x & 127;
 #pragma unroll
-    for (int j = 0; j < (BETA ? 0 : BN / 8); j++)
+    for (int j = 0; j < (BETA ? 0 : BN / 8); j++) {
+        const float2 b = a.bias ? bf.at(a, j, n0) : make_float2(0.0f, 0.0f);  // (past N: + 0, clipped by the store)
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             const int i = 4 * j + 2 * h;
             float v0 = a.alpha * d[i], v1 = a.alpha * d[i + 1];
-            if (a.bias) {  // columns past N: + 0 (the store clips them)
-                const float2 b = bf.at(a, j, n0);
+            if (a.bias) {
                 v0 += b.x;
                 v1 += b.y;
             }
             d[i] = v0;
             d[i + 1] = v1;
         }
+    }
     if constexpr (BETA) {
         mbar_wait(pre_bar, pre_parity);  // C's old tile has landed
         beta_staged<OUT, BN>(d, a, bf, stg, n0);
@@ -619,7 +642,7 @@ __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CU
             int tm, tn;
             tile_coords(t, tiles_m, tiles_n, tm, tn);
             const int kb0 = split * a.kb_per_split, kb1 = min(kblocks_total, kb0 + a.kb_per_split);
-            BiasFrag<OUT, BN, bias_in_regs<OUT, BN, BN / 2, GELU ? 120 : 144>()> bf;
+            BiasFrag<OUT, BN, bias_in_regs<OUT, BN, BN / 2, GELU ? 120 : 144>() ? BIAS_REGS : BIAS_LANES> bf;
             bf.fetch(a, tn * BN);
             int prev = -1;
             for (int kb = kb0; kb < kb1; kb++) {
@@ -912,12 +935,12 @@ __device__ __forceinline__ void gemm_wgmma_pp_body(const CUtensorMap* tmA, const
             const bool more = u + gridDim.x < units;  // unit j + 1 exists (the other consumer's)
             int tm, tn;
             tile_coords(t, tiles_m, tiles_n, tm, tn);
-            // the bias into registers: while this consumer waits for its turn (EARLY), or once its
-            // products are done (LATE); else the epilogue reads it
+            // the bias into registers: while this consumer waits for its turn (EARLY; the tiles of 128
+            // accumulators spread over lanes, BIAS_LANES), or once its products are done (LATE)
             constexpr bool EARLY = bias_in_regs<OUT, BN, SUB * BN / 2, 120>();
             constexpr bool LATE = !EARLY && SUB * BN / 2 <= 96 && bias_in_regs<OUT, BN, SUB * BN / 2, 144>();
-            BiasFrag<OUT, BN, EARLY || LATE> bf;
-            if constexpr (EARLY) bf.fetch(a, tn * BN);
+            BiasFrag<OUT, BN, EARLY || LATE ? BIAS_REGS : BIAS_LANES> bf;
+            if constexpr (!LATE) bf.fetch(a, tn * BN);
             if (j > 0) named_sync(MAIN_BAR + c);  // unit j - 1 has issued all its wgmmas
             int prev = -1;
             for (int kb = kb0; kb < kb1; kb++) {

@@ -728,9 +728,10 @@ def test_pp_matches_coop_bitwise_and_is_deterministic(hopper, rng, dtype, out, b
     assert np.array_equal(outs[0], outs[2])
 
 
-# The bias (cuda/gemm_wgmma.cu, before BiasFrag): loaded into registers before the epilogue (cooperative
-# tiles up to 192 wide, ping-pong 64 x 192), or read in the epilogue (tiles of 128 accumulators):
-# either way the epilogue's values in its order, C = round(d + bias) with d the fp32 accumulator, the
+# The bias (cuda/gemm_wgmma.cu, before BiasFrag): loaded into registers before the epilogue, a thread's
+# own columns (cooperative tiles up to 192 wide, ping-pong 64 x 192) or spread over the 8 lanes that
+# share them and shuffled out (tiles of 128 accumulators): either way the epilogue's values in its
+# order, C = round(d + bias) with d the fp32 accumulator, the
 # same bits as before. d comes from the same tile without a bias and with fp32 outputs (the same wgmmas
 # in the same order), so the expected bits are computed on the host. Many tiles per CTA at different
 # column offsets (a bias of the wrong tile would show); N past the last full tile (columns past N read
