@@ -210,38 +210,37 @@ __host__ __device__ constexpr bool bias_in_regs() { return ACC + BN / 8 * (int)(
 template <typename OUT> struct PairOf { using type = float2; };
 template <> struct PairOf<__nv_bfloat16> { using type = __nv_bfloat162; };
 
-// Where BiasFrag keeps the bias: BIAS_LOAD, read in the epilogue; BIAS_REGS, a thread's BN / 4 columns
-// in registers; BIAS_LANES, spread over the 8 lanes that share those columns (lane l holds column
-// groups j = l / 4 + 8k, k < BN / 64) and shuffled out to the others in the epilogue: BN / 64 registers.
-enum { BIAS_LOAD = 0, BIAS_REGS = 1, BIAS_LANES = 2 };
+// Where BiasFrag keeps the bias: BIAS_REGS, a thread's BN / 4 columns in registers; BIAS_LANES, spread
+// over the 8 lanes that share those columns (lane l holds column groups j = l / 4 + 8k, k < BN / 64)
+// and shuffled out to the others in the epilogue: BN / 64 registers.
+enum { BIAS_REGS = 1, BIAS_LANES = 2 };
 
 // at() is called by all 32 lanes of the warp together (BIAS_LANES shuffles)
 template <typename OUT, int BN, int MODE>
 struct BiasFrag {
     using Pair = typename PairOf<OUT>::type;
-    static constexpr int NV = MODE == BIAS_REGS ? BN / 8 : MODE == BIAS_LANES ? BN / 64 : 1;
+    static_assert(MODE == BIAS_REGS || MODE == BIAS_LANES, "BIAS_REGS or BIAS_LANES");
+    static constexpr int NV = MODE == BIAS_REGS ? BN / 8 : BN / 64;
     Pair v[NV];
     // before the epilogue (one K split only: split-K's reduce adds the bias)
     __device__ __forceinline__ void fetch(const GemmArgs<OUT>& a, int n0) {
-        if constexpr (MODE != BIAS_LOAD) {
-            if (!a.bias || a.splits != 1) return;
-            const int lane = threadIdx.x & 31, c0 = n0 + 2 * (lane & 3);
+        if (!a.bias || a.splits != 1) return;
+        const int lane = threadIdx.x & 31, c0 = n0 + 2 * (lane & 3);
 #pragma unroll
-            for (int k = 0; k < NV; k++) {
-                const int c = c0 + 8 * (MODE == BIAS_REGS ? k : (lane >> 2) + 8 * k);
-                const OUT zero = OUT(0.0f);
-                const OUT x = c < a.N ? a.bias[c] : zero, y = c + 1 < a.N ? a.bias[c + 1] : zero;
-                if constexpr (sizeof(OUT) == 2) v[k] = __halves2bfloat162(x, y);
-                else v[k] = make_float2(x, y);
-            }
+        for (int k = 0; k < NV; k++) {
+            const int c = c0 + 8 * (MODE == BIAS_REGS ? k : (lane >> 2) + 8 * k);
+            const OUT zero = OUT(0.0f);
+            const OUT x = c < a.N ? a.bias[c] : zero, y = c + 1 < a.N ? a.bias[c + 1] : zero;
+            if constexpr (sizeof(OUT) == 2) v[k] = __halves2bfloat162(x, y);
+            else v[k] = make_float2(x, y);
         }
     }
     // bias(c), bias(c + 1) as fp32 for column group j (c = n0 + 8j + 2(lane % 4)); 0 past N
-    __device__ __forceinline__ float2 at(const GemmArgs<OUT>& a, int j, int n0) const {
+    __device__ __forceinline__ float2 at(int j) const {
         if constexpr (MODE == BIAS_REGS) {
             if constexpr (sizeof(OUT) == 2) return __bfloat1622float2(v[j]);
             else return v[j];
-        } else if constexpr (MODE == BIAS_LANES) {
+        } else {
             const int src = ((j & 7) << 2) | (threadIdx.x & 3);
             if constexpr (sizeof(OUT) == 2) {
                 const uint32_t w = __shfl_sync(0xffffffffu, *reinterpret_cast<const uint32_t*>(&v[j >> 3]), src);
@@ -249,10 +248,6 @@ struct BiasFrag {
             } else {
                 return make_float2(__shfl_sync(0xffffffffu, v[j >> 3].x, src), __shfl_sync(0xffffffffu, v[j >> 3].y, src));
             }
-        } else {
-            using O = Out<OUT>;
-            const int c = n0 + 8 * j + 2 * (threadIdx.x & 3);
-            return make_float2(c < a.N ? O::get(a.bias + c) : 0.0f, c + 1 < a.N ? O::get(a.bias + c + 1) : 0.0f);
         }
     }
 };
@@ -332,7 +327,7 @@ __device__ __forceinline__ void epilogue(float (&d)[BN / 2], const GemmArgs<OUT>
 #pragma unroll
         for (int j = 0; j < JC; j++) {
             // (every lane: at() may shuffle; past N: + 0, and the column is not stored)
-            const float2 b = a.bias ? bf.at(a, j0 + j, n0) : make_float2(0.0f, 0.0f);
+            const float2 b = a.bias ? bf.at(j0 + j) : make_float2(0.0f, 0.0f);
 #pragma unroll
             for (int h = 0; h < 2; h++) {
                 const int r = r0 + 8 * h, c = c0 + 8 * (j0 + j);
@@ -435,7 +430,7 @@ __device__ __forceinline__ void beta_staged(const float (&d)[BN / 2], const Gemm
     const int lane = threadIdx.x & 31, warp = (threadIdx.x & 127) >> 5;
 #pragma unroll
     for (int j = 0; j < BN / 8; j++) {
-        const float2 b = a.bias ? bf.at(a, j, n0) : make_float2(0.0f, 0.0f);  // (past N: + 0, clipped by the store)
+        const float2 b = a.bias ? bf.at(j) : make_float2(0.0f, 0.0f);  // (past N: + 0, clipped by the store)
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             const int r = warp * 16 + (lane >> 2) + 8 * h, c = 8 * j + 2 * (lane & 3), i = 4 * j + 2 * h;
@@ -496,7 +491,7 @@ __device__ __forceinline__ void epilogue_tma(float (&d)[BN / 2], const GemmArgs<
     const int tid = threadIdx.x & 127;
 #pragma unroll
     for (int j = 0; j < (BETA ? 0 : BN / 8); j++) {
-        const float2 b = a.bias ? bf.at(a, j, n0) : make_float2(0.0f, 0.0f);  // (past N: + 0, clipped by the store)
+        const float2 b = a.bias ? bf.at(j) : make_float2(0.0f, 0.0f);  // (past N: + 0, clipped by the store)
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             const int i = 4 * j + 2 * h;
