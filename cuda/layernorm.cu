@@ -1231,3 +1231,63 @@ __device__ __forceinline__ void layernorm_backward7_t(T* __restrict__ dinp, T* d
     }
 LN7_BWD(float, , 1) LN7_BWD(float, , 2) LN7_BWD(float, , 3)
 LN7_BWD(bf16, _bf16, 1) LN7_BWD(bf16, _bf16, 2) LN7_BWD(bf16, _bf16, 3) LN7_BWD(bf16, _bf16, 4)
+
+// Variant 7's deferred form: the column sums of many calls finished by one launch. A training step
+// calls the fused backward 24 times (d12); each call's sums are needed only by the update, yet the
+// ticketed form above ends every call with a grid-wide wait and a reduce on its critical path
+// (measured in the d12 bf16 step at B=4: ~6 us of a 16.5 us call). Deferred, each call runs with
+// LN7_SPLIT into its own slot of scratch (G partial rows of K * C floats, K = 3 with colsum, else 2;
+// slots G * 3 * C floats apart) and this kernel adds every slot's sums into its outputs afterwards.
+// outs: 3 pointers a slot (dweight, dbias, colsum; colsum null: K = 2; dweight null: the slot was not
+// used since the last reduce, skip it). Block (x, slot), 256 threads: float4 columns 32x .. 32x + 31
+// of the slot's K * C sums; warp w adds partial rows g = w, w + 8, ... in order, warp 0 adds the 8
+// warps' totals in order and "+=" them (read, add in fp32, round once to T): a fixed order, the same
+// bits on every run (not the ticketed form's bits: another order of the same sums).
+template <typename T>
+__device__ __forceinline__ void layernorm_backward_reduce_deferred_t(const float* scratch, T* const* outs, int G,
+                                                                     int C) {
+    const int s = blockIdx.y;
+    T* const dweight = outs[3 * s];
+    T* const colsum = outs[3 * s + 2];
+    if (dweight == nullptr) return;
+    const int K = colsum != nullptr ? 3 : 2;
+    const int KC4 = K * C / 4;  // float4 columns of one partial row (C % 4 == 0)
+    if (blockIdx.x * 32 >= KC4) return;
+    const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+    constexpr int NW = 8;
+    const int col4 = blockIdx.x * 32 + lane;
+    const float4* part = reinterpret_cast<const float4*>(scratch + (size_t)s * G * 3 * C);
+    float4 t = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (col4 < KC4) {
+#pragma unroll 4
+        for (int g = warp; g < G; g += NW) {
+            const float4 v = __ldcs(part + (size_t)g * KC4 + col4);
+            t.x += v.x; t.y += v.y; t.z += v.z; t.w += v.w;
+        }
+    }
+    __shared__ float4 sh[NW][WARP_SIZE];
+    sh[warp][lane] = t;
+    __syncthreads();
+    if (warp == 0 && col4 < KC4) {
+        float4 tot = sh[0][lane];
+#pragma unroll
+        for (int w = 1; w < NW; w++) {
+            const float4 v = sh[w][lane];
+            tot.x += v.x; tot.y += v.y; tot.z += v.z; tot.w += v.w;
+        }
+        const int r = (4 * col4) / C, c = 4 * col4 - r * C;  // (C % 4 == 0: one output row)
+        T* o = (r == 0 ? dweight : r == 1 ? outs[3 * s + 1] : colsum) + c;
+        o[0] = from_f32<T>(to_f32(o[0]) + tot.x);
+        o[1] = from_f32<T>(to_f32(o[1]) + tot.y);
+        o[2] = from_f32<T>(to_f32(o[2]) + tot.z);
+        o[3] = from_f32<T>(to_f32(o[3]) + tot.w);
+    }
+}
+extern "C" __global__ void __launch_bounds__(256) layernorm_backward_reduce_deferred_kernel(const float* scratch,
+        float* const* outs, int G, int C) {
+    layernorm_backward_reduce_deferred_t<float>(scratch, outs, G, C);
+}
+extern "C" __global__ void __launch_bounds__(256) layernorm_backward_reduce_deferred_kernel_bf16(const float* scratch,
+        bf16* const* outs, int G, int C) {
+    layernorm_backward_reduce_deferred_t<bf16>(scratch, outs, G, C);
+}

@@ -198,6 +198,7 @@ class GPT2:
               if training and fuse_dgelu and not self.fused_gelu_recompute else None)
         self.fused_dgelu = dg is not None
         self.side = False  # (training: below)
+        self.ln_deferred = False  # (training: below)
         if training:
             self.built.update({
                 "mmb_lmhead": op("matmul_backward", N=N, C=C, OC=Vp),
@@ -261,6 +262,21 @@ class GPT2:
                         self.built[f"mmb_{key}_{part}"] = op("matmul_backward", prefer=forms[(key, f)], **shp, **{f: True})
             if ln_fused is not None:
                 self.built["layernorm_backward_colsum"] = op("layernorm_backward", prefer=ln_fused, N=N, C=C, colsum=True)
+            # The fused layernorm backwards' column sums deferred to one launch after the last of them
+            # (layernorm_backward 7's deferred form): the 2L calls each write dres at once and leave their
+            # dweight, dbias and colsum sums as partials in a slot of their own, which the flush adds up
+            # at the end of the backward (on the side stream, beside encoder_backward). Nothing before
+            # the update reads those gradients, and each call no longer ends in a grid-wide wait.
+            # Measured in the d12 bf16 step (docs/ops.md). Where the variant has the form (0, the numpy
+            # backend's, adds at once: nothing to defer); not with per-layer hooks (data parallel reads
+            # each layer's gradients as soon as its backward is launched). LLMC_LN_DEFERRED=0: not.
+            if training and ln_fused is not None and os.environ.get("LLMC_LN_DEFERRED", "1") != "0":
+                slots = 2 * cfg.num_layers  # lnf, then each layer's ln2 and (but layer 0's) ln1
+                dfr = be.fuses("layernorm_backward", dict(colsum=True, deferred=slots), N=N, C=C)
+                if dfr:
+                    self.built["layernorm_backward_colsum_deferred"] = op(
+                        "layernorm_backward", prefer=dfr, N=N, C=C, colsum=True, deferred=slots)
+                    self.ln_deferred = True
             else:
                 self.built["bias_C"] = op("matmul_backward_bias", N=N, OC=C)
             if gelu_fused is not None:
@@ -288,6 +304,9 @@ class GPT2:
                 self.seed_views = [be.view(self.seeds, i, (1,)) for i in range(R)]
         # the launch closures themselves (the Built records stay for the profile: op, variant, shape)
         self.k = {key: b.launch for key, b in self.built.items()}
+        self._ln_slot = None  # the next deferred layernorm backward's slot (None: not deferring)
+        if self.ln_deferred:
+            self.k["layernorm_backward_flush"] = self.built["layernorm_backward_colsum_deferred"].flush
         att_saved = self.built["attention_forward"].saved_shape
         if training:
             need = self.built["attention_backward"].saved_shape
@@ -581,6 +600,8 @@ class GPT2:
 
         k["mmb_lmhead"](dbtc, g["wte"], a["logits"], a["lnf"], p["wte"])       # dlnf (B,T,C); dwte +=
         self.be.memset0(dres)
+        defer = self.ln_deferred and on_layer_grads is None and before_attention is None
+        self._ln_slot = 0 if defer else None
         # dres = d residual3[L-1]; its column sums are fcprojb's gradient of the last layer
         self._ln_backward(g["fcprojb"][L - 1], dres, g["lnfw"], g["lnfb"], dbtc, a["residual3"][L - 1],
                           p["lnfw"], a["lnf_mean"], a["lnf_rstd"])
@@ -662,6 +683,10 @@ class GPT2:
             if on_layer_grads is not None:
                 be.side_join()  # (layer l's weight gradients are complete)
                 on_layer_grads(l)
+        if defer:  # the deferred column sums of every layernorm backward: ln*w, ln*b, fcprojb, attprojb
+            with be.side("ln_flush") if self.side else contextlib.nullcontext():
+                k["layernorm_backward_flush"]()
+            self._ln_slot = None
         k["encoder_backward"](g["wte"], g["wpe"], dres, self.inputs)
         be.side_join()  # every gradient is written when the backward's launches are
         if on_layer_grads is not None:
@@ -671,7 +696,11 @@ class GPT2:
         """layernorm_backward (dinp, dweight, dbias +=); with the fused form also next_dbias += the
         column sums of dinp after it (the bias gradient of the linear layer whose output dinp is the
         gradient of), else that is left to the caller's matmul_backward_bias."""
-        if next_dbias is not None and self.fused_bias["layernorm_backward"]:
+        if next_dbias is not None and self.fused_bias["layernorm_backward"] and self._ln_slot is not None:
+            self.k["layernorm_backward_colsum_deferred"](self._ln_slot, dinp, dweight, dbias, next_dbias, dout, inp,
+                                                         weight, mean, rstd)  # the sums: at the flush
+            self._ln_slot += 1
+        elif next_dbias is not None and self.fused_bias["layernorm_backward"]:
             self.k["layernorm_backward_colsum"](dinp, dweight, dbias, next_dbias, dout, inp, weight, mean, rstd)
         else:
             self.k["layernorm_backward"](dinp, dweight, dbias, dout, inp, weight, mean, rstd)

@@ -454,6 +454,7 @@ class Runtime:
             drv.device_attribute.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
         self.stream = drv.Stream()
         self.sync = (os.environ.get("LLMC_SYNC", "0") == "1") if sync is None else sync
+        self.capturing = False  # inside capture()
         self._modules: dict = {}
         self._kernels: dict = {}
         self._allocs: list = []
@@ -552,9 +553,11 @@ class Runtime:
         stream = cu.CUstream(self.stream.handle)
         mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
         _cu_check(cu, cu.cuStreamBeginCapture(stream, mode), "cuStreamBeginCapture")
+        self.capturing = True  # (a launcher that must upload first refuses under capture)
         try:
             fn()
         finally:
+            self.capturing = False
             graph = _cu_check(cu, cu.cuStreamEndCapture(stream), "cuStreamEndCapture (a launch in the "
                               "captured function failed or synchronised)")
         exe = _cu_check(cu, cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")

@@ -263,7 +263,10 @@ class FakeCudaBackend(CudaBackend):
         reason = spec.refuse_reason(num, dt, self.rt.arch, **shape)
         if reason and self.named(name):
             spec.build(self.rt, num, dt, **shape)  # raises the same refusal as the GPU
+        deferred = shape.get("deferred") if name == "layernorm_backward" else None
         cpu = spec.build_cpu(**shape)
+        if deferred:  # the reference of the plain form, run below on per-slot fp32 sums (_deferred_ln)
+            cpu.launch = spec.build_cpu(**{k: v for k, v in shape.items() if k != "deferred"}).launch
         conv, run = self.rt.np, cpu.launch
         if dt == "bf16" and name == "adamw" and shape.get("chunks"):
             run = self._bf16_adamw_chunks(shape["chunks"])
@@ -275,16 +278,53 @@ class FakeCudaBackend(CudaBackend):
             ref = run
             run = lambda *args: ref(*[conv(x) if isinstance(x, DevArray) else x for x in args])  # noqa: E731
 
+        flush = None
+        if deferred:
+            run, flush = self._deferred_ln(shape, run)
+
+        def enqueue(label, fn, args):
+            if self._on_side is not None:  # the side stream: deferred as long as the model allows
+                self._side_queue.append((label, fn, args))
+                return
+            self.launches.append(label)
+            fn(*args)
+
         def launch(*args):
             for x in args:  # a DevArray argument must be a DevArray, never a numpy array
                 assert not isinstance(x, np.ndarray), f"{name}: got a host array"
-            if self._on_side is not None:  # the side stream: deferred as long as the model allows
-                self._side_queue.append((name, run, args))
-                return
-            self.launches.append(name)
-            run(*args)
+            enqueue(name, run, args)
         cpu.launch, cpu.number, cpu.dtype = launch, num, dt  # (saved_shape stays the reference's)
+        if flush is not None:
+            cpu.flush = lambda: enqueue(name + " (flush)", flush, ())  # noqa: E731
         return cpu
+
+    def _deferred_ln(self, shape, run):
+        """layernorm_backward's deferred form (deferred=S) over `run`, the plain form's reference (dtype
+        wrapped): launch(slot, dinp, dweight, dbias, [colsum], *inputs) writes dinp at once and keeps the
+        sums in the slot's own fp32 arrays; flush() adds every pending slot's sums to its outputs (bf16:
+        read, add in fp32, round once, as the GPU's reduce) and empties the slots. So a model that reads
+        those gradients before the flush, or never flushes, gets other results than the numpy backend."""
+        np_ = self.rt.np
+        K = 3 if shape.get("colsum") else 2
+        sums = [[self.rt.zeros((shape["C"],), np.float32) for _ in range(K)] for _ in range(shape["deferred"])]
+        pending = {}
+
+        def launch_slot(slot, dinp, *rest):
+            assert 0 <= slot < len(sums) and slot not in pending, f"deferred slot {slot} taken twice or outside"
+            for a in sums[slot]:
+                np_(a)[...] = 0.0
+            run(dinp, *sums[slot], *rest[K:])
+            pending[slot] = rest[:K]
+
+        def flush():
+            for slot, outs in sorted(pending.items()):
+                for o, a in zip(outs, sums[slot]):
+                    if o.dtype == BF16:
+                        np_(o)[...] = to_bf16(from_bf16(np_(o)) + np_(a))
+                    else:
+                        np_(o)[...] += np_(a)
+            pending.clear()
+        return launch_slot, flush
 
     def _bf16(self, ref):
         """The fp32 reference `ref` as a bf16 build: bf16 DevArrays in as fp32 copies, the ones it

@@ -131,6 +131,36 @@ def test_variant7_refuses_in_one_line_and_declares_its_scratch():
                 assert grid * (3 if colsum else 2) * C * 4 <= built.scratch["partials"].nbytes and grid <= N
 
 
+def test_variant7_deferred_form_builds_and_refuses():
+    """deferred=S: S slots of partials (declared), launch(slot, ...) runs the main kernel alone (no
+    tickets taken: LN7_SPLIT) into its slot's partials; a slot taken twice before a flush, or outside
+    [0, S), is an error; deferred is 7's option only."""
+    from tests.fake_runtime import FakeRuntime
+    from llmc.ops import layernorm as ln
+    assert "no deferred option" in BWD.refuse_reason(5, "bf16", N=8, C=768, colsum=True, deferred=4)
+    assert "slots >= 1" in BWD.refuse_reason(7, "bf16", N=8, C=768, colsum=True, deferred=-1)
+    assert BWD.refuse_reason(7, "bf16", N=4096, C=768, colsum=True, deferred=24) is None
+    for colsum in (False, True):
+        rt = FakeRuntime()
+        built = BWD.build(rt, 7, "bf16", N=4096, C=768, colsum=colsum, deferred=3)
+        assert rt.allocated_bytes <= BWD.variants[7].scratch_bytes(N=4096, C=768, colsum=colsum, deferred=3)
+        assert built.flush is not None
+        args = [rt.empty(8) for _ in range(9 if colsum else 8)]
+        built(2, *args)
+        built(0, *args)
+        with pytest.raises(RuntimeError, match="slot 2 taken twice"):
+            built(2, *args)
+        with pytest.raises(IndexError, match="slot 3 outside"):
+            built(3, *args)
+        assert [x.func.startswith("layernorm_backward_kernel7") for x in rt.launches] == [True, True]
+        part = built.scratch["partials"]
+        slot_bytes = part.nbytes // 3
+        p_index = 4 if colsum else 3  # the partials' argument
+        assert [x.args[p_index] for x in rt.launches] == [part.ptr + 2 * slot_bytes, part.ptr]
+        flags = int(rt.launches[0].args[-1])
+        assert flags & ln.LN7_SPLIT and rt.launches[0].grid[0] * 3 * 768 * 4 == slot_bytes
+
+
 def test_variants_table():
     for spec in (FWD, BWD):
         assert spec.default in spec.variants and len(spec.variants) >= (5 if spec is FWD else 4)
@@ -396,6 +426,93 @@ def test_backward7_one_launch_repeats_and_replays(rt, rng, dtype, N, C, colsum):
             conv = from_bf16 if bf else (lambda v: v)
             assert_close(conv(b_), conv(a).astype(np.float64), 1e-4 + 1e-5 * rms(conv(a)), 2.0 ** -7 if bf else 1e-4,
                          f"{name}, flags {flags}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("colsum", [False, True])
+@pytest.mark.parametrize("dtype,N,C", [("bf16", 4099, 768), ("bf16", 1, 768), ("bf16", 65, 64), ("fp32", 1031, 384)])
+def test_backward7_deferred_sums_at_the_flush(rt, rng, dtype, N, C, colsum):
+    """The deferred form: three calls (their own inputs and outputs) into slots 2, 0 and 3 of 4 (slot
+    1 unused) with the partials poisoned first. Each call's dinp is written at once and its sums are
+    untouched until the flush; after it every output matches the float64 reference. A second round
+    gives the same bits, and so does a CUDA graph replay of launches + flush; a changed output under
+    capture is refused. The sums: within rounding of the ticketed form's (another order)."""
+    bf = dtype == "bf16"
+    val = round_bf16 if bf else (lambda a: a.astype(np.float32))
+    built = BWD.build(rt, 7, dtype, N=N, C=C, colsum=colsum, deferred=4)
+    ticketed = BWD.build(rt, 7, dtype, N=N, C=C, colsum=colsum)
+    poison(built.scratch["partials"])
+    calls = []
+    for slot in (2, 0, 3):
+        x, w, b, dout = (val(a) for a in inputs(rng, N, C))
+        _, mean, rstd = layernorm_forward_ref(x.astype(np.float64), w.astype(np.float64), b.astype(np.float64))
+        mean, rstd = mean.astype(np.float32), rstd.astype(np.float32)
+        init = [val(rng.standard_normal(sh)) for sh in ((N, C), C, C, C)][:4 if colsum else 3]
+        ins = [_upload(rt, dtype, a) for a in (dout, x, w)] + [rt.to_device(mean), rt.to_device(rstd)]
+        outs = [_upload(rt, dtype, a) for a in init]
+        calls.append((slot, init, ins, outs, (dout, x, w, mean, rstd)))
+
+    def reset():
+        for _, init, _, outs, _ in calls:
+            for o, a in zip(outs, init):
+                o.set(to_bf16(a) if bf else a)
+
+    def launches():
+        for slot, _, ins, outs, _ in calls:
+            built(slot, *outs, *ins)
+
+    reset()
+    launches()
+    rt.synchronize()
+    rtol = BF16_RTOL if bf else 1e-5
+    rms = lambda a: float(np.sqrt(np.mean(np.square(a))))  # noqa: E731
+    for slot, init, _, outs, host in calls:  # dinp now, the sums not yet
+        gi, _, _ = layernorm_backward_ref(*(a.astype(np.float64) for a in host))
+        assert_close(_download(dtype, outs[0]), init[0] + gi, 1e-5, rtol, f"dinp, slot {slot}")
+        for o, a in zip(outs[1:], init[1:]):
+            np.testing.assert_array_equal(_download(dtype, o), a.astype(np.float64), err_msg=f"before the flush, slot {slot}")
+    built.flush()
+    rt.synchronize()
+    first = []
+    for slot, init, ins, outs, host in calls:
+        gi, gw, gb = layernorm_backward_ref(*(a.astype(np.float64) for a in host))
+        dinp = _download(dtype, outs[0])
+        wants = [init[1] + gw, init[2] + gb] + ([init[3] + dinp.sum(axis=0)] if colsum else [])
+        for name, got, want in zip(("dweight", "dbias", "colsum"), outs[1:], wants):
+            assert_close(_download(dtype, got), want, 1e-4 + 1e-5 * rms(want), max(rtol, 1e-4), f"{name}, slot {slot}")
+        first.append([o.get().copy() for o in outs])
+        # the ticketed form on the same inputs: the same dinp bits, the sums within rounding
+        tick = [_upload(rt, dtype, a) for a in init]
+        ticketed(*tick, *ins)
+        rt.synchronize()
+        np.testing.assert_array_equal(tick[0].get(), outs[0].get(), err_msg=f"dinp against the ticketed form, slot {slot}")
+        conv = from_bf16 if bf else (lambda v: v)
+        for name, a, b_ in zip(("dweight", "dbias", "colsum"), outs[1:], tick[1:]):
+            ref = conv(b_.get()).astype(np.float64)
+            assert_close(conv(a.get()), ref, 1e-4 + 1e-5 * rms(ref), 2.0 ** -7 if bf else 1e-4, f"{name} against ticketed")
+
+    def check_same(what):
+        for (slot, _, _, outs, _), want in zip(calls, first):
+            for o, a in zip(outs, want):
+                np.testing.assert_array_equal(o.get(), a, err_msg=f"{what}, slot {slot}")
+
+    reset()
+    launches()
+    built.flush()
+    rt.synchronize()
+    check_same("second round")
+    if rt.graphs_available() is None:
+        graph = rt.capture(lambda: (launches(), built.flush()))
+        for _ in range(2):
+            reset()
+            graph()
+            rt.synchronize()
+            check_same("graph replay")
+        other = [_upload(rt, dtype, a) for a in calls[0][1]]
+        with pytest.raises(RuntimeError, match="changed under graph capture"):
+            rt.capture(lambda: (built(0, *other, *calls[0][2]), built.flush()))
+        built.flush()  # nothing pending after the refused capture (its slot dropped): no launch
+        check_same("after the refused capture")
 
 
 @pytest.mark.gpu

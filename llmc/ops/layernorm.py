@@ -87,7 +87,7 @@ def layernorm_forward_cpu(N, C, block_size=None):
     return launch
 
 
-def layernorm_backward_cpu(N, C, block_size=None, colsum=False):
+def layernorm_backward_cpu(N, C, block_size=None, colsum=False, deferred=0):
     def launch(dinp, dweight, dbias, dout, inp, weight, mean, rstd):
         gi, gw, gb = layernorm_backward_ref(_shaped(dout, (N, C)), _shaped(inp, (N, C)), weight,
                                             _shaped(mean, (N,)), _shaped(rstd, (N,)))
@@ -98,7 +98,10 @@ def layernorm_backward_cpu(N, C, block_size=None, colsum=False):
     def launch_colsum(dinp, dweight, dbias, colsum, dout, inp, weight, mean, rstd):
         launch(dinp, dweight, dbias, dout, inp, weight, mean, rstd)
         colsum += _shaped(dinp, (N, C)).sum(axis=0)  # matmul_backward_bias's cpu sum, the same bits
-    return launch_colsum if colsum else launch
+    fn = launch_colsum if colsum else launch
+    if deferred:  # the deferred form's signature (a slot first); numpy adds the sums at once
+        return lambda slot, *args: fn(*args)
+    return fn
 
 
 # ----------------------------------------------------------------------------------------------
@@ -418,7 +421,9 @@ NV7 = {"fp32": 3, "bf16": 4}   # vectors per lane, at most (the entry points; re
 
 
 def _check7(dtype):
-    def check(N, C, block_size=None, colsum=False):
+    def check(N, C, block_size=None, colsum=False, deferred=0):
+        if deferred and (not isinstance(deferred, int) or deferred < 1):
+            return f"deferred={deferred!r}: expected a number of slots >= 1"
         v = V16[dtype]
         nv = NV7[dtype]
         if C % v:
@@ -429,8 +434,11 @@ def _check7(dtype):
     return check
 
 
-def scratch_bytes_backward7(N, C, colsum=False, **_):
-    """Variant 7: the (min(N, MAX_BLOCKS), K, C) fp32 partials of 3-6, and two uint32 tickets."""
+def scratch_bytes_backward7(N, C, colsum=False, deferred=0, **_):
+    """Variant 7: the (min(N, MAX_BLOCKS), K, C) fp32 partials of 3-6, and two uint32 tickets; deferred=S:
+    S slots of (G, 3, C) partials (G <= min(N, MAX_BLOCKS): an upper bound) and the S x 3 pointer table."""
+    if deferred:
+        return 4 * 3 * C * min(N, MAX_BLOCKS) * deferred + 8 * 3 * deferred + 8
     return scratch_bytes_backward(N, C, colsum=colsum) + 8
 
 
@@ -440,7 +448,7 @@ def _backward7(dtype):
     LN7_CHUNKED, LN7_SPLIT (the reduce kernel sums the partials, as for 3-6); stages: rows per warp in
     the shared-memory ring (stages - 1 in flight); rows_per_warp: R consecutive rows per warp and as
     many blocks as that takes (more than are resident: the hardware hands out the blocks)."""
-    def build(rt, N, C, block_size=None, colsum=False, flags=0, stages=None, rows_per_warp=None):
+    def build(rt, N, C, block_size=None, colsum=False, flags=0, stages=None, rows_per_warp=None, deferred=0):
         bs = block_size or 384
         P = stages or 3
         assert 2 <= P <= 6
@@ -483,8 +491,66 @@ def _backward7(dtype):
               dout.ptr, inp.ptr, weight.ptr, mean.ptr, rstd.ptr, n_, c_, r_, f_, smem=smem)
             if split:
                 kr(grid_r, (32, 32, 1), dweight.ptr, dbias.ptr, colsum.ptr, scratch.ptr, g_, c_)
+        if deferred:
+            return _deferred7(rt, dtype, k, G, bs, smem, N, C, R, flags | LN7_SPLIT | (P << 8), colsum, deferred,
+                              tickets, label)
         return Built(launch_colsum if colsum else launch, scratch={"partials": scratch, "tickets": tickets})
     return build
+
+
+def _deferred7(rt, dtype, k, G, bs, smem, N, C, R, flags, colsum, slots, tickets, label):
+    """Variant 7's deferred form (deferred=S): launch(slot, *the usual arguments) writes dinp at once and
+    leaves the call's column sums (dweight, dbias, colsum) as G partial rows in its own slot of
+    scratch (0 <= slot < S: every call between two flushes takes its own); Built.flush() then adds
+    every slot used since the last flush into its outputs in one launch (cuda/layernorm.cu,
+    layernorm_backward_reduce_deferred). The outputs' addresses go to the device in a table of S x 3
+    pointers, uploaded by a flush that finds them changed: the first of a captured sequence must run
+    uncaptured (as the model's first step does), and a changed table under capture is an error."""
+    scratch = rt.empty((slots, G, 3, C), np.float32)  # slot s at s * G * 3 * C floats
+    slot_bytes = G * 3 * C * 4
+    kd = rt.kernel(MODULE, f"layernorm_backward_reduce_deferred_kernel{_sfx(dtype)}", "PPii",
+                   label=label + " (deferred reduce)")
+    table = rt.zeros((slots * 3,), np.uint64)
+    host = np.zeros(slots * 3, np.uint64)  # this epoch's outputs (0: the slot not used)
+    uploaded = np.zeros(slots * 3, np.uint64)
+    g_, c_ = _i32(G, C)
+    grid_d = (ceil_div(3 * C // 4, 32), slots, 1)
+    n_, c2_, r_, f_ = _i32(N, C, R, flags)
+
+    def slot_ptr(slot):
+        if not 0 <= slot < slots:
+            raise IndexError(f"{label}: slot {slot} outside the {slots} deferred slots")
+        if host[3 * slot]:
+            raise RuntimeError(f"{label}: slot {slot} taken twice before a flush")
+        return scratch.ptr + slot * slot_bytes
+
+    def launch(slot, dinp, dweight, dbias, dout, inp, weight, mean, rstd):
+        part = slot_ptr(slot)
+        host[3 * slot:3 * slot + 3] = (dweight.ptr, dbias.ptr, 0)
+        k((G, 1, 1), (bs, 1, 1), dinp.ptr, dweight.ptr, dbias.ptr, part, tickets.ptr, dout.ptr,
+          inp.ptr, weight.ptr, mean.ptr, rstd.ptr, n_, c2_, r_, f_, smem=smem)
+
+    def launch_colsum(slot, dinp, dweight, dbias, colsum_, dout, inp, weight, mean, rstd):
+        part = slot_ptr(slot)
+        host[3 * slot:3 * slot + 3] = (dweight.ptr, dbias.ptr, colsum_.ptr)
+        k((G, 1, 1), (bs, 1, 1), dinp.ptr, dweight.ptr, dbias.ptr, colsum_.ptr, part, tickets.ptr,
+          dout.ptr, inp.ptr, weight.ptr, mean.ptr, rstd.ptr, n_, c2_, r_, f_, smem=smem)
+
+    def flush():
+        if not host.any():
+            return
+        if not np.array_equal(host, uploaded):
+            if getattr(rt, "capturing", False):
+                host[:] = 0  # (the pending slots dropped: a later flush adds nothing from this capture)
+                raise RuntimeError(f"{label}: the deferred outputs changed under graph capture "
+                                   "(run the same launches once uncaptured first)")
+            table.set(host)  # (a synchronous copy: after every launch before it, on either stream)
+            uploaded[:] = host
+        kd(grid_d, (256, 1, 1), scratch.ptr, table.ptr, g_, c_)
+        host[:] = 0
+
+    return Built(launch_colsum if colsum else launch, flush=flush,
+                 scratch={"partials": scratch, "tickets": tickets, "table": table})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -531,9 +597,10 @@ OPS = [
         name="layernorm_backward", flag="--layernorm-backward-kernel", default=5, defaults={"bf16": 7},
         cost=cost_backward,
         cpu=layernorm_backward_cpu,
-        options=("colsum",),
+        options=("colsum", "deferred"),
         doc="dinp(N,C)+=, dweight(C)+=, dbias(C)+=, dout(N,C), inp(N,C), weight(C), mean(N), rstd(N); "
-            "colsum=True: colsum(C)+= (column sums of dinp after the +=) after dbias",
+            "colsum=True: colsum(C)+= (column sums of dinp after the +=) after dbias; deferred=S (7): "
+            "launch(slot, ...) with 0 <= slot < S, dweight/dbias(/colsum) += only at Built.flush()",
         variants={
             1: Variant(1, "one thread per row, global atomics for dweight/dbias (baseline)", layernorm_backward1, check_any),
             2: Variant(2, "one warp per row, shared-memory atomics per block, then global atomics (non-deterministic)",
@@ -556,9 +623,9 @@ OPS = [
             7: Variant(7, "deterministic, one launch: persistent warps, rows strided over the grid, each warp's next "
                           "rows in a shared-memory ring (cp.async), blocks' partials summed in fixed order by the last "
                           "blocks to finish (integer tickets); fused colsum (fp32 C%4==0, C<=384; bf16 C%8==0, "
-                          "C<=1024)",
+                          "C<=1024); deferred: the column sums of many calls finished by one flush",
                        {"fp32": _backward7("fp32"), "bf16": _backward7("bf16")},
                        {"fp32": _check7("fp32"), "bf16": _check7("bf16")},
-                       options=("colsum",), scratch_bytes=scratch_bytes_backward7),
+                       options=("colsum", "deferred"), scratch_bytes=scratch_bytes_backward7),
         }),
 ]
