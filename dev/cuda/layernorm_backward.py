@@ -19,6 +19,9 @@ matmul_backward_bias (its default) over the same dinp: what the model launches w
 The difference is what the fusion saves per layernorm backward (3 of them a layer in the model, 2 of
 which replace a bias pass). Bytes counted for both rows: the plain op's plus colsum (C) read and
 written; "+ bias" moves N*C more (the bias pass's read of dinp) in the same time budget.
+Variant 7's deferred form (deferred=S, the bf16 model's): "7 colsum deferred x24 + flush" is 24 calls
+into their own slots then one flush of their column sums, beside "7 colsum x24", 24 ticketed calls:
+a step's worth of d12's fused layernorm backwards each way (bytes: 24 calls' count).
 """
 
 import numpy as np
@@ -105,4 +108,25 @@ for n in L.selected(spec):
             L.validate(label, f, outputs={"colsum": colsum}, refs={"colsum": cs_ref}, atol=cs_atol, rtol=rtol,
                        init={"colsum": up(cs_init)})
             L.time(label, f, bytes=nbytes, ceiling="dram")
+        if "deferred" not in spec.variants[n].options:
+            continue
+        # the deferred form (what the model launches): S calls, then one flush of their column sums;
+        # timed as 24 calls (d12's fused layernorm backwards a step) + the flush, beside 24 ticketed calls
+        S = 24
+        dfr = spec.build(rt, n, dt, N=N, C=C, colsum=True, deferred=S)
+        one = lambda: (dfr(0, outs["dinp"], outs["dweight"], outs["dbias"], colsum, *ins), dfr.flush())  # noqa: E731
+        label = f"{n} colsum deferred {dt}"
+        L.validate(label, one, outputs={"dinp": outs["dinp"]}, refs=refs, atol=1e-4, rtol=rtol, init=init)
+        L.validate(label, one, outputs={"dweight": outs["dweight"], "dbias": outs["dbias"]}, refs=refs,
+                   atol=1e-3, rtol=rtol, init=init)
+        outs["dinp"].set(init["dinp"])
+        L.validate(label, one, outputs={"colsum": colsum}, refs={"colsum": cs_ref}, atol=cs_atol, rtol=rtol,
+                   init={"colsum": up(cs_init)})
+
+        def many():
+            for slot in range(S):
+                dfr(slot, outs["dinp"], outs["dweight"], outs["dbias"], colsum, *ins)
+            dfr.flush()
+        L.time(f"{label} x{S} + flush", many, bytes=S * nbytes, ceiling="dram")
+        L.time(f"{n} colsum {dt} x{S}", lambda: [fn() for _ in range(S)], bytes=S * nbytes, ceiling="dram")
 L.finish()
