@@ -266,10 +266,11 @@ class GPT2:
             # (layernorm_backward 7's deferred form): the 2L calls each write dres at once and leave their
             # dweight, dbias and colsum sums as partials in a slot of their own, which the flush adds up
             # at the end of the backward (on the side stream, beside encoder_backward). Nothing before
-            # the update reads those gradients, and each call no longer ends in a grid-wide wait.
-            # Measured in the d12 bf16 step (docs/ops.md). Where the variant has the form (0, the numpy
-            # backend's, adds at once: nothing to defer); not with per-layer hooks (data parallel reads
-            # each layer's gradients as soon as its backward is launched). LLMC_LN_DEFERRED=0: not.
+            # the update reads those gradients, and each call no longer ends in a grid-wide wait
+            # (H100, bf16: 9.42 against 9.51 ms at B=4; docs/ops.md, "deferred"). Where the variant has
+            # the form (0, the numpy backend's, adds at once: nothing to defer); not with per-layer hooks
+            # (data parallel reads each layer's gradients as soon as its backward is launched), nor with
+            # LLMC_LN_DEFERRED=0.
             if training and ln_fused is not None and os.environ.get("LLMC_LN_DEFERRED", "1") != "0":
                 slots = 2 * cfg.num_layers  # lnf, then each layer's ln2 and (but layer 0's) ln1
                 dfr = be.fuses("layernorm_backward", dict(colsum=True, deferred=slots), N=N, C=C)
