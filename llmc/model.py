@@ -263,11 +263,11 @@ class GPT2:
             if ln_fused is not None:
                 self.built["layernorm_backward_colsum"] = op("layernorm_backward", prefer=ln_fused, N=N, C=C, colsum=True)
             # The fused layernorm backwards' column sums deferred to one launch after the last of them
-            # (layernorm_backward 7's deferred form): the 2L calls each write dres at once and leave their
+            # (layernorm_backward 5's and 7's deferred form): the 2L calls each write dres at once and leave their
             # dweight, dbias and colsum sums as partials in a slot of their own, which the flush adds up
             # at the end of the backward (on the side stream, beside encoder_backward). Nothing before
             # the update reads those gradients, and each call no longer ends in a grid-wide wait
-            # (H100, bf16: 9.42 against 9.51 ms at B=4; docs/ops.md, "deferred"). Where the variant has
+            # (H100: bf16 9.42 against 9.51 ms at B=4, fp32 18.60 against 18.63; docs/ops.md, "deferred"). Where the variant has
             # the form (0, the numpy backend's, adds at once: nothing to defer); not with per-layer hooks
             # (data parallel reads each layer's gradients as soon as its backward is launched), nor with
             # LLMC_LN_DEFERRED=0.
@@ -306,8 +306,7 @@ class GPT2:
         # the launch closures themselves (the Built records stay for the profile: op, variant, shape)
         self.k = {key: b.launch for key, b in self.built.items()}
         self._ln_slot = None  # the next deferred layernorm backward's slot (None: not deferring)
-        if self.ln_deferred:
-            self.k["layernorm_backward_flush"] = self.built["layernorm_backward_colsum_deferred"].flush
+        self._ln_flush = self.built["layernorm_backward_colsum_deferred"].flush if self.ln_deferred else None
         att_saved = self.built["attention_forward"].saved_shape
         if training:
             need = self.built["attention_backward"].saved_shape
@@ -686,7 +685,7 @@ class GPT2:
                 on_layer_grads(l)
         if defer:  # the deferred column sums of every layernorm backward: ln*w, ln*b, fcprojb, attprojb
             with be.side("ln_flush") if self.side else contextlib.nullcontext():
-                k["layernorm_backward_flush"]()
+                self._ln_flush()
             self._ln_slot = None
         k["encoder_backward"](g["wte"], g["wpe"], dres, self.inputs)
         be.side_join()  # every gradient is written when the backward's launches are

@@ -131,19 +131,21 @@ def test_variant7_refuses_in_one_line_and_declares_its_scratch():
                 assert grid * (3 if colsum else 2) * C * 4 <= built.scratch["partials"].nbytes and grid <= N
 
 
-def test_variant7_deferred_form_builds_and_refuses():
-    """deferred=S: S slots of partials (declared), launch(slot, ...) runs the main kernel alone (no
-    tickets taken: LN7_SPLIT) into its slot's partials; a slot taken twice before a flush, or outside
-    [0, S), is an error; deferred is 7's option only."""
+@pytest.mark.parametrize("number,dtype", [(7, "bf16"), (5, "fp32"), (5, "bf16")])
+def test_deferred_form_builds_and_refuses(number, dtype):
+    """deferred=S (variants 5 and 7): S slots of partials (declared), launch(slot, ...) runs the main
+    kernel alone (7: no tickets taken, LN7_SPLIT; 5: no reduce launch) into its slot's partials; a slot
+    taken twice before a flush, or outside [0, S), is an error; only 5 and 7 take the option."""
     from tests.fake_runtime import FakeRuntime
     from llmc.ops import layernorm as ln
-    assert "no deferred option" in BWD.refuse_reason(5, "bf16", N=8, C=768, colsum=True, deferred=4)
-    assert "slots >= 1" in BWD.refuse_reason(7, "bf16", N=8, C=768, colsum=True, deferred=-1)
-    assert BWD.refuse_reason(7, "bf16", N=4096, C=768, colsum=True, deferred=24) is None
+    assert "no deferred option" in BWD.refuse_reason(4, "fp32", N=8, C=768, deferred=4)
+    assert "slots >= 1" in BWD.refuse_reason(number, dtype, N=8, C=384, colsum=True, deferred=-1)
+    N, C = 4096, 384 if dtype == "fp32" else 768
+    assert BWD.refuse_reason(number, dtype, N=N, C=C, colsum=True, deferred=24) is None
     for colsum in (False, True):
         rt = FakeRuntime()
-        built = BWD.build(rt, 7, "bf16", N=4096, C=768, colsum=colsum, deferred=3)
-        assert rt.allocated_bytes <= BWD.variants[7].scratch_bytes(N=4096, C=768, colsum=colsum, deferred=3)
+        built = BWD.build(rt, number, dtype, N=N, C=C, colsum=colsum, deferred=3)
+        assert rt.allocated_bytes <= BWD.variants[number].scratch_bytes(N=N, C=C, colsum=colsum, deferred=3)
         assert built.flush is not None
         args = [rt.empty(8) for _ in range(9 if colsum else 8)]
         built(2, *args)
@@ -152,13 +154,14 @@ def test_variant7_deferred_form_builds_and_refuses():
             built(2, *args)
         with pytest.raises(IndexError, match="slot 3 outside"):
             built(3, *args)
-        assert [x.func.startswith("layernorm_backward_kernel7") for x in rt.launches] == [True, True]
+        assert [x.func.startswith(f"layernorm_backward_kernel{number}") for x in rt.launches] == [True, True]
         part = built.scratch["partials"]
         slot_bytes = part.nbytes // 3
-        p_index = 4 if colsum else 3  # the partials' argument
+        p_index = (4 if colsum else 3) if number == 7 else 1  # the partials' argument
         assert [x.args[p_index] for x in rt.launches] == [part.ptr + 2 * slot_bytes, part.ptr]
-        flags = int(rt.launches[0].args[-1])
-        assert flags & ln.LN7_SPLIT and rt.launches[0].grid[0] * 3 * 768 * 4 == slot_bytes
+        assert rt.launches[0].grid[0] * 3 * C * 4 == slot_bytes
+        if number == 7:
+            assert int(rt.launches[0].args[-1]) & ln.LN7_SPLIT
 
 
 def test_variants_table():
@@ -430,17 +433,19 @@ def test_backward7_one_launch_repeats_and_replays(rt, rng, dtype, N, C, colsum):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("colsum", [False, True])
-@pytest.mark.parametrize("dtype,N,C", [("bf16", 4099, 768), ("bf16", 1, 768), ("bf16", 65, 64), ("fp32", 1031, 384)])
-def test_backward7_deferred_sums_at_the_flush(rt, rng, dtype, N, C, colsum):
-    """The deferred form: three calls (their own inputs and outputs) into slots 2, 0 and 3 of 4 (slot
+@pytest.mark.parametrize("number,dtype,N,C", [(7, "bf16", 4099, 768), (7, "bf16", 1, 768), (7, "bf16", 65, 64),
+                                              (7, "fp32", 1031, 384), (5, "fp32", 4099, 768), (5, "fp32", 1, 384),
+                                              (5, "bf16", 1031, 768)])
+def test_backward_deferred_sums_at_the_flush(rt, rng, number, dtype, N, C, colsum):
+    """The deferred form (variants 7 and 5): three calls (their own inputs and outputs) into slots 2, 0 and 3 of 4 (slot
     1 unused) with the partials poisoned first. Each call's dinp is written at once and its sums are
     untouched until the flush; after it every output matches the float64 reference. A second round
     gives the same bits, and so does a CUDA graph replay of launches + flush; a changed output under
-    capture is refused. The sums: within rounding of the ticketed form's (another order)."""
+    capture is refused. The sums: within rounding of the plain form's (another order)."""
     bf = dtype == "bf16"
     val = round_bf16 if bf else (lambda a: a.astype(np.float32))
-    built = BWD.build(rt, 7, dtype, N=N, C=C, colsum=colsum, deferred=4)
-    ticketed = BWD.build(rt, 7, dtype, N=N, C=C, colsum=colsum)
+    built = BWD.build(rt, number, dtype, N=N, C=C, colsum=colsum, deferred=4)
+    ticketed = BWD.build(rt, number, dtype, N=N, C=C, colsum=colsum)  # (5: with its reduce launch)
     poison(built.scratch["partials"])
     calls = []
     for slot in (2, 0, 3):
@@ -481,15 +486,15 @@ def test_backward7_deferred_sums_at_the_flush(rt, rng, dtype, N, C, colsum):
         for name, got, want in zip(("dweight", "dbias", "colsum"), outs[1:], wants):
             assert_close(_download(dtype, got), want, 1e-4 + 1e-5 * rms(want), max(rtol, 1e-4), f"{name}, slot {slot}")
         first.append([o.get().copy() for o in outs])
-        # the ticketed form on the same inputs: the same dinp bits, the sums within rounding
+        # the plain form (7: ticketed; 5: its reduce launch) on the same inputs: the same dinp bits, the sums within rounding
         tick = [_upload(rt, dtype, a) for a in init]
         ticketed(*tick, *ins)
         rt.synchronize()
-        np.testing.assert_array_equal(tick[0].get(), outs[0].get(), err_msg=f"dinp against the ticketed form, slot {slot}")
+        np.testing.assert_array_equal(tick[0].get(), outs[0].get(), err_msg=f"dinp against the plain form, slot {slot}")
         conv = from_bf16 if bf else (lambda v: v)
         for name, a, b_ in zip(("dweight", "dbias", "colsum"), outs[1:], tick[1:]):
             ref = conv(b_.get()).astype(np.float64)
-            assert_close(conv(a.get()), ref, 1e-4 + 1e-5 * rms(ref), 2.0 ** -7 if bf else 1e-4, f"{name} against ticketed")
+            assert_close(conv(a.get()), ref, 1e-4 + 1e-5 * rms(ref), 2.0 ** -7 if bf else 1e-4, f"{name} against the plain form")
 
     def check_same(what):
         for (slot, _, _, outs, _), want in zip(calls, first):

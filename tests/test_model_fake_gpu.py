@@ -90,6 +90,43 @@ def test_graph_path_of_the_training_step_is_bit_identical():
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_deferred_layernorm_sums_reach_the_gradients(monkeypatch, precision):
+    """The layernorm backwards' deferred column sums (layernorm_backward 5 / 7, deferred=2L): with
+    gradient accumulation (each micro-step's backward flushes its own sums), the gradients match the
+    ticketed launches' (LLMC_LN_DEFERRED=0) to an fp32 rounding (the fake adds each call's fp32 sums
+    at the flush). Without the flush (sabotage) the layernorm weights' and the fused biases' gradients
+    of one micro-step differ (the fake holds them until a flush that never comes), and the next
+    backward finds its slots still taken."""
+    B, T = 2, 16
+    rng = np.random.default_rng(4)
+    batches = [(rng.integers(0, CFG.vocab_size, (B, T)).astype(np.int32),
+                rng.integers(0, CFG.vocab_size, (B, T)).astype(np.int32)) for _ in range(2)]
+
+    def grads(env, micro=2, sabotage=False):
+        monkeypatch.setenv("LLMC_LN_DEFERRED", env)
+        m = GPT2(CFG, FakeCudaBackend(precision=precision), B, T)
+        assert m.ln_deferred == (env == "1")
+        if sabotage:
+            m._ln_flush = lambda: None
+        m.init_params(2)
+        m.grad_accum_steps = micro
+        m.zero_grad()
+        for x, y in batches[:micro]:
+            m.train_micro_step(x, y)
+        g = m.be.download(m.grads)
+        return from_bf16(g) if precision == "bf16" else g
+
+    tol = 2.0 ** -7 if precision == "bf16" else 1e-5
+    for micro in (1, 2):
+        ref, got = grads("0", micro), grads("1", micro)
+        np.testing.assert_allclose(got, ref, rtol=tol, atol=tol * float(np.abs(ref).max()))
+    bad = grads("1", 1, sabotage=True)
+    assert not np.allclose(bad, grads("0", 1), rtol=tol, atol=tol * float(np.abs(ref).max()))
+    with pytest.raises(AssertionError, match="slot 0 taken twice"):
+        grads("1", 2, sabotage=True)
+
+
 def test_micro_step_graph_recaptured_when_accumulation_changes():
     """The captured micro-step bakes in the loss scale 1/(B*T*accum): changing grad_accum_steps
     must capture again, not replay a stale scale."""

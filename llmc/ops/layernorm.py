@@ -132,8 +132,11 @@ def check_float4_smem(N, C, block_size=None):
     return check_float4(N, C, block_size) or check_smem(N, C, block_size)
 
 
-def check_backward5(N, C, block_size=None, colsum=False):
-    """Variant 5, with or without its fused colsum (a third per-warp row: 12*C bytes a warp)."""
+def check_backward5(N, C, block_size=None, colsum=False, deferred=0):
+    """Variant 5, with or without its fused colsum (a third per-warp row: 12*C bytes a warp); deferred=S
+    (the column sums of S calls at one flush)."""
+    if deferred and (not isinstance(deferred, int) or deferred < 1):
+        return f"deferred={deferred!r}: expected a number of slots >= 1"
     if colsum and 3 * C * 4 > SMEM_OPTIN:
         return f"C={C}: the per-warp dweight/dbias/colsum accumulators (12*C bytes) exceed shared memory"
     return check_float4_smem(N, C, block_size)
@@ -278,9 +281,12 @@ def _backward_smem_per_warp(number, C, dtype, rows=2):
     return rows * 4 * (ceil_div(C, 8) * 8 if dtype == "bf16" and number == 5 else C)
 
 
-def scratch_bytes_backward(N, C, colsum=False, **_):
+def scratch_bytes_backward(N, C, colsum=False, deferred=0, **_):
     """The deterministic variants' fp32 partials, (min(N, MAX_BLOCKS), 2, C) (3 with colsum), in
-    either dtype."""
+    either dtype; deferred=S (5): S slots of (G, 3, C) partials (G <= min(N, MAX_BLOCKS): an upper
+    bound) and the S x 3 pointer table."""
+    if deferred:
+        return 4 * 3 * C * min(N, MAX_BLOCKS) * deferred + 8 * 3 * deferred
     return 4 * (3 if colsum else 2) * C * min(N, MAX_BLOCKS)
 
 
@@ -290,7 +296,7 @@ def _backward_deterministic(number, default_bs, per_nv, dtype="fp32"):
     same bits, every run. colsum=True (variant 5 only: the table refuses it for 3 and 4): the fused
     form, kernels <op>_kernel5_colsum[_bf16]_nvN with a third row of partials, scratch (G, 3, C),
     finished by the colsum reduce (cuda/layernorm.cu, "colsum")."""
-    def build(rt, N, C, block_size=None, colsum=False):
+    def build(rt, N, C, block_size=None, colsum=False, deferred=0):
         bs = block_size or default_bs
         label = f"layernorm_backward {number} {dtype}" + (" colsum" if colsum else "")
         name = _entry("layernorm_backward", number, dtype, C, per_nv)
@@ -315,8 +321,13 @@ def _backward_deterministic(number, default_bs, per_nv, dtype="fp32"):
         R = nwarps * ceil_div(N, G0 * nwarps)
         G = ceil_div(N, R)
         assert G <= min(N, MAX_BLOCKS)
-        scratch = rt.empty((min(N, MAX_BLOCKS), K, C), np.float32)  # per-block dweight | dbias (| colsum) partials
         n_, c_, r_, g_ = _i32(N, C, R, G)
+        if deferred:  # (variant 5) each call's partials into its own slot, summed at the flush: no reduce a call
+            def main(part, dinp, dweight, dbias, *rest):
+                ins = rest[1:] if colsum else rest
+                k((G, 1, 1), (bs, 1, 1), dinp.ptr, part, *(a.ptr for a in ins), n_, c_, r_, smem=smem)
+            return _deferred(rt, dtype, G, C, colsum, deferred, main, label)
+        scratch = rt.empty((min(N, MAX_BLOCKS), K, C), np.float32)  # per-block dweight | dbias (| colsum) partials
         grid_r = (ceil_div(C, 32), 1, 1)
 
         def launch(dinp, dweight, dbias, dout, inp, weight, mean, rstd):
@@ -437,9 +448,7 @@ def _check7(dtype):
 def scratch_bytes_backward7(N, C, colsum=False, deferred=0, **_):
     """Variant 7: the (min(N, MAX_BLOCKS), K, C) fp32 partials of 3-6, and two uint32 tickets; deferred=S:
     S slots of (G, 3, C) partials (G <= min(N, MAX_BLOCKS): an upper bound) and the S x 3 pointer table."""
-    if deferred:
-        return 4 * 3 * C * min(N, MAX_BLOCKS) * deferred + 8 * 3 * deferred + 8
-    return scratch_bytes_backward(N, C, colsum=colsum) + 8
+    return scratch_bytes_backward(N, C, colsum=colsum, deferred=deferred) + 8
 
 
 def _backward7(dtype):
@@ -471,9 +480,20 @@ def _backward7(dtype):
             R, W = rows_per_warp, ceil_div(N, rows_per_warp)
         G = ceil_div(W, bs // 32)
         assert G <= min(N, MAX_BLOCKS)
-        scratch = rt.empty((min(N, MAX_BLOCKS), K, C), np.float32)  # per-block dweight | dbias (| colsum)
         tickets = rt.zeros(2, np.uint32)  # arrivals, finished final sums; back to 0 after each launch
         n_, c_, r_, f_, g_ = _i32(N, C, R, flags | (P << 8), G)
+        if deferred:  # each call's partials into its own slot (LN7_SPLIT: no tickets), summed at the flush
+            fd_ = _i32(flags | LN7_SPLIT | (P << 8))[0]
+
+            def main(part, dinp, dweight, dbias, *rest):
+                cs = (rest[0].ptr,) if colsum else ()
+                ins = rest[1:] if colsum else rest
+                k((G, 1, 1), (bs, 1, 1), dinp.ptr, dweight.ptr, dbias.ptr, *cs, part, tickets.ptr,
+                  *(a.ptr for a in ins), n_, c_, r_, fd_, smem=smem)
+            b = _deferred(rt, dtype, G, C, colsum, deferred, main, label)
+            b.scratch["tickets"] = tickets
+            return b
+        scratch = rt.empty((min(N, MAX_BLOCKS), K, C), np.float32)  # per-block dweight | dbias (| colsum)
         split = bool(flags & LN7_SPLIT)
         if split:
             reduce_name = "layernorm_backward_reduce_colsum_kernel" if colsum else "layernorm_backward_reduce_kernel"
@@ -491,21 +511,20 @@ def _backward7(dtype):
               dout.ptr, inp.ptr, weight.ptr, mean.ptr, rstd.ptr, n_, c_, r_, f_, smem=smem)
             if split:
                 kr(grid_r, (32, 32, 1), dweight.ptr, dbias.ptr, colsum.ptr, scratch.ptr, g_, c_)
-        if deferred:
-            return _deferred7(rt, dtype, k, G, bs, smem, N, C, R, flags | LN7_SPLIT | (P << 8), colsum, deferred,
-                              tickets, label)
         return Built(launch_colsum if colsum else launch, scratch={"partials": scratch, "tickets": tickets})
     return build
 
 
-def _deferred7(rt, dtype, k, G, bs, smem, N, C, R, flags, colsum, slots, tickets, label):
-    """Variant 7's deferred form (deferred=S): launch(slot, *the usual arguments) writes dinp at once and
-    leaves the call's column sums (dweight, dbias, colsum) as G partial rows in its own slot of
-    scratch (0 <= slot < S: every call between two flushes takes its own); Built.flush() then adds
-    every slot used since the last flush into its outputs in one launch (cuda/layernorm.cu,
-    layernorm_backward_reduce_deferred). The outputs' addresses go to the device in a table of S x 3
-    pointers, uploaded by a flush that finds them changed: the first of a captured sequence must run
-    uncaptured (as the model's first step does), and a changed table under capture is an error."""
+def _deferred(rt, dtype, G, C, colsum, slots, main, label):
+    """The deferred form (deferred=S) of a layernorm backward whose main kernel leaves (G, K, C) fp32
+    partials (K = 3 with colsum, else 2; variants 5 and 7): launch(slot, *the usual arguments) runs
+    main(partials, *the usual arguments), which writes dinp at once and leaves the call's column sums
+    (dweight, dbias, colsum) as G partial rows in its own slot of scratch (0 <= slot < S: every call
+    between two flushes takes its own); Built.flush() then adds every slot used since the last flush
+    into its outputs in one launch (cuda/layernorm.cu, layernorm_backward_reduce_deferred). The
+    outputs' addresses go to the device in a table of S x 3 pointers, uploaded by a flush that finds
+    them changed: the first of a captured sequence must run uncaptured (as the model's first step
+    does), and a changed table under capture is an error."""
     scratch = rt.empty((slots, G, 3, C), np.float32)  # slot s at s * G * 3 * C floats
     slot_bytes = G * 3 * C * 4
     kd = rt.kernel(MODULE, f"layernorm_backward_reduce_deferred_kernel{_sfx(dtype)}", "PPii",
@@ -515,26 +534,14 @@ def _deferred7(rt, dtype, k, G, bs, smem, N, C, R, flags, colsum, slots, tickets
     uploaded = np.zeros(slots * 3, np.uint64)
     g_, c_ = _i32(G, C)
     grid_d = (ceil_div(3 * C // 4, 32), slots, 1)
-    n_, c2_, r_, f_ = _i32(N, C, R, flags)
 
-    def slot_ptr(slot):
+    def launch(slot, dinp, dweight, dbias, *rest):
         if not 0 <= slot < slots:
             raise IndexError(f"{label}: slot {slot} outside the {slots} deferred slots")
         if host[3 * slot]:
             raise RuntimeError(f"{label}: slot {slot} taken twice before a flush")
-        return scratch.ptr + slot * slot_bytes
-
-    def launch(slot, dinp, dweight, dbias, dout, inp, weight, mean, rstd):
-        part = slot_ptr(slot)
-        host[3 * slot:3 * slot + 3] = (dweight.ptr, dbias.ptr, 0)
-        k((G, 1, 1), (bs, 1, 1), dinp.ptr, dweight.ptr, dbias.ptr, part, tickets.ptr, dout.ptr,
-          inp.ptr, weight.ptr, mean.ptr, rstd.ptr, n_, c2_, r_, f_, smem=smem)
-
-    def launch_colsum(slot, dinp, dweight, dbias, colsum_, dout, inp, weight, mean, rstd):
-        part = slot_ptr(slot)
-        host[3 * slot:3 * slot + 3] = (dweight.ptr, dbias.ptr, colsum_.ptr)
-        k((G, 1, 1), (bs, 1, 1), dinp.ptr, dweight.ptr, dbias.ptr, colsum_.ptr, part, tickets.ptr,
-          dout.ptr, inp.ptr, weight.ptr, mean.ptr, rstd.ptr, n_, c2_, r_, f_, smem=smem)
+        host[3 * slot:3 * slot + 3] = (dweight.ptr, dbias.ptr, rest[0].ptr if colsum else 0)
+        main(scratch.ptr + slot * slot_bytes, dinp, dweight, dbias, *rest)
 
     def flush():
         if not host.any():
@@ -549,8 +556,8 @@ def _deferred7(rt, dtype, k, G, bs, smem, N, C, R, flags, colsum, slots, tickets
         kd(grid_d, (256, 1, 1), scratch.ptr, table.ptr, g_, c_)
         host[:] = 0
 
-    return Built(launch_colsum if colsum else launch, flush=flush,
-                 scratch={"partials": scratch, "tickets": tickets, "table": table})
+    return Built(launch, flush=flush, scratch={"partials": scratch, "table": table})
+
 
 
 # ----------------------------------------------------------------------------------------------
@@ -613,7 +620,7 @@ OPS = [
             5: Variant(5, "4 with dinp loaded together with dout and inp (fp32: C<=1024, above as 4; bf16: 16-byte "
                           "loads, kept packed), deterministic; fused colsum of dinp (the next bias grad)",
                        {"fp32": layernorm_backward5, "bf16": layernorm_backward5_bf16}, check_backward5,
-                       options=("colsum",), scratch_bytes=scratch_bytes_backward),
+                       options=("colsum", "deferred"), scratch_bytes=scratch_bytes_backward),
             6: Variant(6, "deterministic: persistent warps over consecutive rows, next row prefetched, dweight/dbias "
                           "in registers, per-block partials + fixed-order reduce (fp32 C%4==0, C<=512; bf16 C%8==0, "
                           "C<=1024)",
