@@ -1232,11 +1232,12 @@ __device__ __forceinline__ void layernorm_backward7_t(T* __restrict__ dinp, T* d
 LN7_BWD(float, , 1) LN7_BWD(float, , 2) LN7_BWD(float, , 3)
 LN7_BWD(bf16, _bf16, 1) LN7_BWD(bf16, _bf16, 2) LN7_BWD(bf16, _bf16, 3) LN7_BWD(bf16, _bf16, 4)
 
-// Variant 7's deferred form: the column sums of many calls finished by one launch. A training step
-// calls the fused backward 24 times (d12); each call's sums are needed only by the update, yet the
-// ticketed form above ends every call with a grid-wide wait and a reduce on its critical path
-// (measured in the d12 bf16 step at B=4: ~6 us of a 16.5 us call). Deferred, each call runs with
-// LN7_SPLIT into its own slot of scratch (G partial rows of K * C floats, K = 3 with colsum, else 2;
+// The deferred form of variants 7 and 5: the column sums of many calls finished by one launch. A
+// training step calls the fused backward 24 times (d12); each call's sums are needed only by the
+// update, yet 7's ticketed form above ends every call with a grid-wide wait and a reduce on its
+// critical path (in the d12 bf16 step at B=4 a call alone took 16.5 us with it, 12.3 deferred), and 5
+// follows every call with its reduce launch. Deferred, each call runs its main kernel alone (7 with
+// LN7_SPLIT) into its own slot of scratch (G partial rows of K * C floats, K = 3 with colsum, else 2;
 // slots G * 3 * C floats apart) and this kernel adds every slot's sums into its outputs afterwards.
 // outs: 3 pointers a slot (dweight, dbias, colsum; colsum null: K = 2; dweight null: the slot was not
 // used since the last reduce, skip it). Block (x, slot), 256 threads: float4 columns 32x .. 32x + 31

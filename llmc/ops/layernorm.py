@@ -559,7 +559,6 @@ def _deferred(rt, dtype, G, C, colsum, slots, main, label):
     return Built(launch, flush=flush, scratch={"partials": scratch, "table": table})
 
 
-
 # ----------------------------------------------------------------------------------------------
 # cost models: the fewest bytes one call must move, each input read once, each output written once
 # (the same counts as the labs'): elements of the build's dtype, mean/rstd fp32 in both
@@ -606,7 +605,7 @@ OPS = [
         cpu=layernorm_backward_cpu,
         options=("colsum", "deferred"),
         doc="dinp(N,C)+=, dweight(C)+=, dbias(C)+=, dout(N,C), inp(N,C), weight(C), mean(N), rstd(N); "
-            "colsum=True: colsum(C)+= (column sums of dinp after the +=) after dbias; deferred=S (7): "
+            "colsum=True: colsum(C)+= (column sums of dinp after the +=) after dbias; deferred=S (5, 7): "
             "launch(slot, ...) with 0 <= slot < S, dweight/dbias(/colsum) += only at Built.flush()",
         variants={
             1: Variant(1, "one thread per row, global atomics for dweight/dbias (baseline)", layernorm_backward1, check_any),
@@ -618,7 +617,8 @@ OPS = [
             4: Variant(4, "3 with float4 and the rows in registers (C%4==0, C<=2048), deterministic",
                        layernorm_backward4, check_float4_smem, scratch_bytes=scratch_bytes_backward),
             5: Variant(5, "4 with dinp loaded together with dout and inp (fp32: C<=1024, above as 4; bf16: 16-byte "
-                          "loads, kept packed), deterministic; fused colsum of dinp (the next bias grad)",
+                          "loads, kept packed), deterministic; fused colsum of dinp (the next bias grad); deferred: "
+                          "the column sums of many calls finished by one flush",
                        {"fp32": layernorm_backward5, "bf16": layernorm_backward5_bf16}, check_backward5,
                        options=("colsum", "deferred"), scratch_bytes=scratch_bytes_backward),
             6: Variant(6, "deterministic: persistent warps over consecutive rows, next row prefetched, dweight/dbias "
