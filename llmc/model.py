@@ -262,6 +262,8 @@ class GPT2:
                         self.built[f"mmb_{key}_{part}"] = op("matmul_backward", prefer=forms[(key, f)], **shp, **{f: True})
             if ln_fused is not None:
                 self.built["layernorm_backward_colsum"] = op("layernorm_backward", prefer=ln_fused, N=N, C=C, colsum=True)
+            else:
+                self.built["bias_C"] = op("matmul_backward_bias", N=N, OC=C)
             # The fused layernorm backwards' column sums deferred to one launch after the last of them
             # (layernorm_backward 5's and 7's deferred form): the 2L calls each write dres at once and leave their
             # dweight, dbias and colsum sums as partials in a slot of their own, which the flush adds up
@@ -278,8 +280,6 @@ class GPT2:
                     self.built["layernorm_backward_colsum_deferred"] = op(
                         "layernorm_backward", prefer=dfr, N=N, C=C, colsum=True, deferred=slots)
                     self.ln_deferred = True
-            else:
-                self.built["bias_C"] = op("matmul_backward_bias", N=N, OC=C)
             if gelu_fused is not None:
                 self.built["gelu_backward_colsum"] = op("gelu_backward", prefer=gelu_fused, N=N * 4 * C, OC=4 * C,
                                                         colsum=True)

@@ -107,6 +107,7 @@ def test_deferred_layernorm_sums_reach_the_gradients(monkeypatch, precision):
         monkeypatch.setenv("LLMC_LN_DEFERRED", env)
         m = GPT2(CFG, FakeCudaBackend(precision=precision), B, T)
         assert m.ln_deferred == (env == "1")
+        assert "bias_C" not in m.built  # (fused either way: no bias pass is built)
         if sabotage:
             m._ln_flush = lambda: None
         m.init_params(2)

@@ -58,7 +58,7 @@ class Built:
     keep: frozenset = frozenset()            # scratch names whose contents persist between launches
     plan: tuple | None = None                # GEMM plans, (engine, config, splits) each: for the lab
     info: dict = field(default_factory=dict)  # anything else a lab script prints (e.g. sample's staging)
-    flush: Callable | None = None            # a deferred form's completion (layernorm_backward 7's deferred=S)
+    flush: Callable | None = None            # a deferred form's completion (layernorm_backward 5's and 7's deferred=S)
 
     def __call__(self, *args):
         return self.launch(*args)
