@@ -69,6 +69,8 @@ def main():
         return timed
     for key in list(model.k):
         model.k[key] = wrap(key, model.k[key], model.built[key].op)
+    for key in list(model.k_first):  # the first micro-step's dweight GEMMs (first_write): their call sites' rows
+        model.k_first[key] = wrap(key + "/first", model.k_first[key], model.built_first[key].op)
     model.adamw_plan = [(wrap("adamw", pl[0], "adamw"), *pl[1:]) for pl in model.adamw_plan]
     if model._ln_flush is not None:  # the deferred layernorm backwards' flush: its time joins their row
         model._ln_flush = wrap("layernorm_backward_colsum_deferred/flush", model._ln_flush, "layernorm_backward")
@@ -83,12 +85,13 @@ def main():
     for key, opname, s, e in records:
         ms = e.time_since(s)
         flush = key.endswith("/flush")  # (time only: not a call of its own, no bytes of its own)
-        key = key.removesuffix("/flush")
+        first = key.endswith("/first")
+        key = key.removesuffix("/flush").removesuffix("/first")
         spec = ops.get(opname)
         if key == "adamw":  # one launch per contiguous range of the flat buffer
             variant, shape = be.kernels["adamw"], None
         else:
-            built = model.built[key]
+            built = (model.built_first if first else model.built)[key]
             variant, shape = built.number, built.shape
             uses = spec.variant(variant).uses
             if uses:  # a variant built from other ops (the composite attention): what it is made of

@@ -55,6 +55,10 @@ from llmc.errors import LLMCError
 from llmc.ops.adamw import hyperparams
 
 
+# the weight whose gradient each dweight GEMM of the backward writes (first_write), by call site
+GEMM_WEIGHTS = {"lmhead": "wte", "fcproj": "fcprojw", "fc": "fcw", "attproj": "attprojw", "qkv": "qkvw"}
+
+
 def _size(shape) -> int:
     return int(np.prod(shape))
 
@@ -199,6 +203,7 @@ class GPT2:
         self.fused_dgelu = dg is not None
         self.side = False  # (training: below)
         self.ln_deferred = False  # (training: below)
+        self.first_write = False  # (training: below)
         if training:
             self.built.update({
                 "mmb_lmhead": op("matmul_backward", N=N, C=C, OC=Vp),
@@ -285,6 +290,26 @@ class GPT2:
                                                         colsum=True)
             elif not self.fused_bias["gelu_backward"]:
                 self.built["bias_4C"] = op("matmul_backward_bias", N=N, OC=4 * C)
+            # The first micro-step after zero_grad() writes the weights' gradients instead of adding to
+            # them: each dweight GEMM the backward launches gets a twin built with overwrite=True (beta =
+            # 0: the old gradient is neither read nor needed), launched by that micro-step, and
+            # zero_grad() then zeroes only the other gradients (wpe, the biases and layernorm weights:
+            # ~1% of them), inside the first micro-step's launches. So a step no longer begins with a
+            # memset of every gradient (250 MB in bf16 at d12) and the dweight GEMMs of its first
+            # micro-step no longer read theirs back. Where a GEMM's variant has no such form, its
+            # gradient is zeroed with the rest; LLMC_FIRST_WRITE=0: the memset and += throughout (the A/B).
+            self.built_first = {}
+            if os.environ.get("LLMC_FIRST_WRITE", "1") != "0":
+                fcproj = ("mmb_fcproj_dweight" if self.fused_gelu_recompute else
+                          "mmb_fcproj_dgelu" if self.fused_dgelu else "mmb_fcproj")
+                keys = ["mmb_lmhead", fcproj] + [f"mmb_{n}_dweight" if self.side else f"mmb_{n}"
+                                                  for n in ("fc", "attproj", "qkv")]
+                for key in keys:
+                    num = be.fuses("matmul_backward", dict(overwrite=True), **self.built[key].shape)
+                    if num is not None:
+                        self.built_first[key] = op("matmul_backward", prefer=num, **self.built[key].shape,
+                                                   overwrite=True)
+                self.first_write = bool(self.built_first)
         if self.has_optimizer:
             # AdamW runs over contiguous ranges of the flat buffer with one weight-decay flag each
             self.update_ranges = self._decay_ranges()
@@ -305,6 +330,21 @@ class GPT2:
                 self.seed_views = [be.view(self.seeds, i, (1,)) for i in range(R)]
         # the launch closures themselves (the Built records stay for the profile: op, variant, shape)
         self.k = {key: b.launch for key, b in self.built.items()}
+        self.k_first = {key: b.launch for key, b in getattr(self, "built_first", {}).items()}
+        # (first_write) the gradients no overwrite twin writes, as few contiguous views: what
+        # zero_grad() leaves for the first micro-step to zero; and whether that is still to happen
+        self._rest_grads = []
+        if training:
+            written = {GEMM_WEIGHTS[key.split("_")[1]] for key in self.k_first}  # mmb_<site>[_form]
+            for name, off, size in param_layout(cfg):
+                if name in written:
+                    continue
+                if self._rest_grads and self._rest_grads[-1][0] + self._rest_grads[-1][1] == off:
+                    self._rest_grads[-1][1] += size
+                else:
+                    self._rest_grads.append([off, size])
+            self._rest_grads = [be.view(self.grads, off, (n,)) for off, n in self._rest_grads]
+        self._grads_stale = False
         self._ln_slot = None  # the next deferred layernorm backward's slot (None: not deferring)
         self._ln_flush = self.built["layernorm_backward_colsum_deferred"].flush if self.ln_deferred else None
         att_saved = self.built["attention_forward"].saved_shape
@@ -329,10 +369,14 @@ class GPT2:
         self.lay = {name: [self.a[name][l] if len(self.a[name].shape) == 4 else self.a[name] for l in range(L)]
                     for name in ("ln1", "ln2", "fch_gelu")}
         self.a["losses_N"] = be.view(self.a["losses"], 0, (N,))  # what the classifier writes
-        self.inputs = be.zeros((B, T), np.int32)
-        self.targets = be.zeros((B, T), np.int32)
-        self._pinned_x = be.pinned((B, T), np.int32)
-        self._pinned_y = be.pinned((B, T), np.int32)
+        if Np > N:
+            self.a["losses_tail"] = be.view(self.a["losses"], N, (Np - N,))
+        # the batch: inputs and targets side by side, so that one async copy brings both in
+        self._batch = be.zeros((2, B, T), np.int32)
+        self.inputs, self.targets = be.view(self._batch, 0, (B, T)), be.view(self._batch, B * T, (B, T))
+        self._pinned_xy = be.pinned((2, B, T), np.int32)
+        self._pinned_xy[...] = 0
+        self._pinned_loss = be.pinned(self.a["loss_acc"].shape, f32)
 
         self.micro_steps = 0
         self.has_loss = False
@@ -340,6 +384,7 @@ class GPT2:
         # the first micro-step and update run kernel by kernel, then each is captured and replayed
         self.use_graphs = training
         self._graph_micro = self._graph_update = self._graph_custom = None
+        self._graph_micro_first = None  # the first micro-step after zero_grad (first_write)
         self._graph_accum = None  # grad_accum_steps when _graph_micro was captured
 
     # ------------------------------------------------------------------------------------------
@@ -472,6 +517,7 @@ class GPT2:
         return self.to_host(src).reshape(-1).astype(np.float32)
 
     def get_grads(self) -> np.ndarray:
+        self._zero_stale_grads()
         return self.to_host(self.grads).reshape(-1)
 
     def set_batch(self, x: np.ndarray, y: np.ndarray | None = None) -> None:
@@ -481,15 +527,14 @@ class GPT2:
             raise LLMCError(f"batch shape {x.shape}: model was built for (B={B}, T={T})")
         if int(x.max(initial=0)) >= self.cfg.vocab_size or int(x.min(initial=0)) < 0:
             raise LLMCError(f"token id out of range [0, {self.cfg.vocab_size}) in the input batch")
-        # the previous micro-step's copies may still be queued behind its predecessor's graph: they
-        # must read their batch before this one overwrites it
-        self.be.pinned_free(self._pinned_x)
-        self._pinned_x[...] = x
-        self.be.upload_async(self.inputs, self._pinned_x)
+        # the previous micro-step's copy may still be queued behind its predecessor's graph: it must
+        # read its batch before this one overwrites it. One copy of both halves (without y the
+        # targets' half holds the last targets uploaded: the same values again)
+        self.be.pinned_free(self._pinned_xy)
+        self._pinned_xy[0] = x
         if y is not None:
-            self.be.pinned_free(self._pinned_y)
-            self._pinned_y[...] = y
-            self.be.upload_async(self.targets, self._pinned_y)
+            self._pinned_xy[1] = y
+        self.be.upload_async(self._batch, self._pinned_xy)
 
     # ------------------------------------------------------------------------------------------
     # forward
@@ -571,27 +616,51 @@ class GPT2:
     # backward and update
 
     def zero_grad(self) -> None:
-        self.be.memset0(self.grads)
-        self.be.memset0(self.a["loss_acc"])
-        self.be.memset0(self.a["losses"])  # the padded tail must not be garbage (it is summed, then dropped)
+        """Start a step: the gradients and the loss sum to zero. With first_write nothing is launched
+        here: the next backward writes the weights' gradients and zeroes the rest and the loss sum
+        first (reading them before that, get_grads(), step_loss() or update(), zeroes them then)."""
+        if self.first_write:
+            self._grads_stale = True
+        else:
+            self.be.memset0(self.grads)
+            self.be.memset0(self.a["loss_acc"])
+            self.be.memset0(self.a["losses"])  # the padded tail must not be garbage (it is summed, then dropped)
         self.micro_steps = 0
 
+    def _zero_stale_grads(self) -> None:
+        """What zero_grad() left undone, done now (a reader of the gradients before any backward, or a
+        backward that can't write them: data parallel's per-layer hooks)."""
+        if self._grads_stale:
+            self.be.memset0(self.grads)
+            self.be.memset0(self.a["loss_acc"])
+            self._grads_stale = False
+
     def backward(self) -> None:
-        """Gradients of the mean loss of the last forward, ACCUMULATED into self.grads."""
+        """Gradients of the mean loss of the last forward, ACCUMULATED into self.grads (the first
+        backward after zero_grad() writes them: first_write)."""
         if not (self.training and self.dlogits_ready):
             raise RuntimeError("backward() needs a training forward with targets first")
-        self._launch_backward()
+        self._launch_backward(first=self._grads_stale)
+        self._grads_stale = False
         self.micro_steps += 1
         self.dlogits_ready = False
 
-    def _launch_backward(self, on_layer_grads=None, before_attention=None) -> None:
+    def _launch_backward(self, on_layer_grads=None, before_attention=None, first: bool = False) -> None:
         """The backward's launches (no host work: capturable). on_layer_grads(l), if given, is
         called as soon as layer l's gradients are launched (l = L-1 .. 0), then once with None when
         the rest (wte, wpe, lnfw, lnfb) are: data parallel starts reducing them there.
         before_attention(l), if given, is called just before layer l's attention backward is
         launched: data parallel may start the previous layer's reduction there instead, beside the
-        longest kernel of the layer rather than beside the persistent GEMM that opens it."""
+        longest kernel of the layer rather than beside the persistent GEMM that opens it.
+        first=True (first_write, the first micro-step after zero_grad): the dweight GEMMs write the
+        weights' gradients, and the rest of the gradients are zeroed first."""
         cfg, a, p, g, k = self.cfg, self.a, self.p, self.g, self.k
+        if first:
+            assert self.first_write and on_layer_grads is None and before_attention is None
+            k = {**k, **self.k_first}  # the dweight GEMMs' overwrite twins
+            # (and the loss sum; the losses' padded tail, summed with them, then dropped, is never written)
+            for view in self._rest_grads + [a["loss_acc"]] + ([a["losses_tail"]] if "losses_tail" in a else []):
+                self.be.memset0(view)
         ln1, ln2, fch_gelu = self.lay["ln1"], self.lay["ln2"], self.lay["fch_gelu"]
         L = cfg.num_layers
         dres, dbtc, dqkv, dfch = a["dresidual"], a["dbtc"], a["dqkv"], a["dfch"]
@@ -719,13 +788,18 @@ class GPT2:
         self.set_batch(x, y)
         if self._graph_accum != self.grad_accum_steps:
             # the loss scale 1/(B*T*accum) is a launch argument of the captured classifier: recapture
-            self._graph_micro = self._graph_custom = None
+            self._graph_micro = self._graph_micro_first = self._graph_custom = None
             self._graph_accum = self.grad_accum_steps
         if custom is not None:
+            self._zero_stale_grads()
             self._run_captured("_graph_custom", custom)
         elif on_layer_grads is not None or before_layer is not None:
+            self._zero_stale_grads()
             self._launch_forward(True, True, before_layer)
             self._launch_backward(on_layer_grads, before_attention)
+        elif self._grads_stale:
+            self._run_captured("_graph_micro_first", self._launch_micro_first)
+            self._grads_stale = False
         else:
             self._run_captured("_graph_micro", self._launch_micro)
         self.has_targets_loaded = self.has_loss = True
@@ -735,6 +809,10 @@ class GPT2:
     def _launch_micro(self) -> None:
         self._launch_forward(True, True)
         self._launch_backward()
+
+    def _launch_micro_first(self) -> None:
+        self._launch_forward(True, True)
+        self._launch_backward(first=True)
 
     def _run_captured(self, attr: str, launch) -> None:
         """Run launch(): kernel by kernel the first time (or always, without graphs), then capture it
@@ -754,6 +832,7 @@ class GPT2:
         graph after the first update (cuda backend)."""
         if not self.has_optimizer:
             raise RuntimeError("update(): this model was built with optimizer=False")
+        self._zero_stale_grads()  # (zero_grad() and no backward since: the gradients are zeros)
         self.be.pinned_free(self._pinned_hp)
         for i, (_, decay, *_) in enumerate(self.adamw_plan):
             self._pinned_hp[i] = hyperparams(lr, beta1, beta2, eps, weight_decay if decay else 0.0, step,
@@ -789,6 +868,8 @@ class GPT2:
         return float(math.sqrt(max(float(self.be.download(self.norm2).reshape(-1)[0]), 0.0)))
 
     def step_loss(self) -> float:
-        """Mean loss over the micro-steps since zero_grad() (a host read: a sync)."""
-        acc = self.be.download(self.a["loss_acc"])[:self.B * self.T].astype(np.float64)
+        """Mean loss over the micro-steps since zero_grad() (a host read: a sync, through pinned memory
+        by a copy queued on the stream behind the step)."""
+        self._zero_stale_grads()
+        acc = self.be.download_into(self._pinned_loss, self.a["loss_acc"])[:self.B * self.T].astype(np.float64)
         return float(acc.mean() / max(self.micro_steps, 1))

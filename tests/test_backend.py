@@ -154,6 +154,13 @@ def test_every_built_op_has_a_cost_model():
         assert (flops > 0) == built.op.startswith(("matmul_forward", "matmul_backward", "attention")) or \
             built.op == "matmul_backward_bias", key
     assert model.built["attention_forward"].number == 4 and model.built["attention_forward"].saved_shape == (4, 12, 1024)
+    # the first micro-step's dweight GEMMs (first_write): one twin per dweight launch, costed without the read
+    assert model.first_write and set(model.k_first) == set(model.built_first) == {
+        "mmb_lmhead", "mmb_fcproj_dweight", "mmb_fc_dweight", "mmb_attproj_dweight", "mmb_qkv_dweight"}
+    for key, built in model.built_first.items():
+        assert built.shape == {**model.built[key].shape, "overwrite": True}, key
+        w = ops.get(built.op).cost(**built.shape)[1]
+        assert w == ops.get(built.op).cost(**model.built[key].shape)[1] - 4 * built.shape["C"] * built.shape["OC"], key
     for name, spec in ops.registry().items():
         assert spec.cost is not None, name
 
@@ -342,8 +349,7 @@ def test_model_frees_its_pinned_buffers_before_writing_them(monkeypatch):
     monkeypatch.setattr(be, "upload_async", lambda buf, host: order.append(("upload", id(host))), raising=False)
     x = np.zeros((2, 8), np.int32)
     m.set_batch(x, x)
-    assert order == [("free", id(m._pinned_x)), ("upload", id(m._pinned_x)),
-                     ("free", id(m._pinned_y)), ("upload", id(m._pinned_y))]
+    assert order == [("free", id(m._pinned_xy)), ("upload", id(m._pinned_xy))]  # inputs and targets: one copy
 
 
 def test_the_kernels_line_names_the_variants_of_the_element_type():

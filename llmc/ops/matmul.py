@@ -8,6 +8,7 @@
 Semantics (docs/ops.md):
     matmul_forward:        out(N,OC) = inp(N,C) @ weight(OC,C)^T + bias(OC)
     matmul_backward:       dinp(N,C) = dout(N,OC) @ weight(OC,C) ; dweight(OC,C) += dout^T @ inp
+                           (overwrite=True, variant 5: dweight = dout^T @ inp, its old value never read)
     matmul_backward_bias:  dbias(OC) += sum over rows of dout(N,OC)
 
 Versions 6 and 7 of matmul_forward and every matmul_backward version run on the GEMM engines
@@ -266,7 +267,19 @@ def _parts(built, dinp_part, dweight_part, dinp_only, dweight_only):
     return built
 
 
-def matmul_backward5(rt, N, C, OC, block_size=None, dgelu=False, dinp_only=False, dweight_only=False):
+def _dweight_gemm(wgmma_build, overwrite, *args, **kw):
+    """Engine 5's dweight GEMM: beta = 1 (dweight +=), or with overwrite beta = 0 on the accumulating
+    build's own plan (its tile and K splits: a GEMM the planner splits over K stays on direct stores,
+    where a beta = 0 GEMM would otherwise take the TMA store unsplit), so both forms sum in the same
+    order: the same bits, the old gradient (zeros) aside."""
+    g = wgmma_build(*args, beta=1.0, **kw)
+    if not overwrite:
+        return g
+    return wgmma_build(*args, beta=0.0, store="direct" if g.plan[2] > 1 else "auto", **kw)
+
+
+def matmul_backward5(rt, N, C, OC, block_size=None, dgelu=False, dinp_only=False, dweight_only=False,
+                     overwrite=False):
     """dinp and dweight on engine 5. dinp as in variant 4 (weight^T written first). dweight =
     dout^T @ inp reduces over the N rows, which is the slow dimension of both operands; TF32 wgmma
     wants K-major tiles in shared memory, so: the wider of dout (N,OC) and inp (N,C) is the A operand,
@@ -274,7 +287,9 @@ def matmul_backward5(rt, N, C, OC, block_size=None, dgelu=False, dinp_only=False
     transposed (N x min(C, OC) floats: one pass, 0.013 ms at N = 4096, C = 768 on the H100) into a
     K-major B. When inp is the wider (fcproj: C = 3072 > OC = 768) the GEMM computes dweight^T and
     stores it transposed. dgelu=True: the fcproj layer's fused form (see _dgelu_form): dinp's GEMM
-    runs engine 5's dgelu instance (gelu_backward in its epilogue, the column sums for fc's bias)."""
+    runs engine 5's dgelu instance (gelu_backward in its epilogue, the column sums for fc's bias).
+    overwrite=True (any form with a dweight): dweight = dout^T @ inp, the GEMM built with beta = 0, so
+    the old dweight is never read (the model's first micro-step after zero_grad: no memset first)."""
     from llmc.ops.gemm_wgmma import transpose_build, wgmma_build
     wt = rt.empty((C, OC), np.float32)                       # weight^T
     tr_w = transpose_build(rt, OC, C)
@@ -284,9 +299,10 @@ def matmul_backward5(rt, N, C, OC, block_size=None, dgelu=False, dinp_only=False
     t_buf = rt.empty((narrow, Np), np.float32)                # the narrow operand, transposed
     tr_x = transpose_build(rt, N, narrow, ld_out=Np)
     if OC >= C:   # dweight(OC,C) += dout^T(OC,N) @ inp(N,C): A = dout (M-major), B = inp^T
-        g_dw = wgmma_build(rt, "tf32", OC, C, N, lda=OC, ldb=Np, ldc=C, beta=1.0, a_major="m")
+        g_dw = _dweight_gemm(wgmma_build, overwrite, rt, "tf32", OC, C, N, lda=OC, ldb=Np, ldc=C, a_major="m")
     else:         # dweight^T(C,OC) += inp^T(C,N) @ dout(N,OC): A = inp (M-major), B = dout^T
-        g_dw = wgmma_build(rt, "tf32", C, OC, N, lda=C, ldb=Np, ldc=C, beta=1.0, a_major="m", trans_c=True)
+        g_dw = _dweight_gemm(wgmma_build, overwrite, rt, "tf32", C, OC, N, lda=C, ldb=Np, ldc=C, a_major="m",
+                             trans_c=True)
 
     def dweight_part(dweight, dout, inp):
         if OC >= C:
@@ -315,17 +331,20 @@ def matmul_backward5(rt, N, C, OC, block_size=None, dgelu=False, dinp_only=False
     return Built(launch, plan=(g_dinp.plan, g_dw.plan))
 
 
-def matmul_backward5_bf16(rt, N, C, OC, block_size=None, dgelu=False, dinp_only=False, dweight_only=False):
+def matmul_backward5_bf16(rt, N, C, OC, block_size=None, dgelu=False, dinp_only=False, dweight_only=False,
+                          overwrite=False):
     """bf16 dinp and dweight on engine 5, every operand read as it lies: bf16 wgmma takes M- and
     N-major tiles from shared memory (its transpose bits), so unlike TF32 nothing is transposed first.
     dinp (N,C) = dout (N,OC) @ weight (OC,C): A = dout (K-major, K = OC), B = weight as B^T (N-major).
     dweight (OC,C) += dout^T @ inp: A = dout as A^T (M-major), B = inp as B^T (N-major), K = N rows;
     split-K (fp32 partials, reduced in order) where the 128-wide tiles don't fill the GPU. Both round
     once: dinp on the store, dweight after adding the old bf16 gradient in fp32. dgelu=True: the fcproj
-    layer's fused form (see _dgelu_form), on engine 5's dgelu instance."""
+    layer's fused form (see _dgelu_form), on engine 5's dgelu instance. overwrite=True: dweight written
+    (beta = 0: the old gradient is not read), as in the fp32 build."""
     from llmc.ops.gemm_wgmma import wgmma_build
     g_dinp = wgmma_build(rt, "bf16", N, C, OC, ldb=C, b_major="n", out="bf16", dgelu=dgelu, colsum=dgelu)
-    g_dw = wgmma_build(rt, "bf16", OC, C, N, lda=OC, ldb=C, ldc=C, beta=1.0, a_major="m", b_major="n", out="bf16")
+    g_dw = _dweight_gemm(wgmma_build, overwrite, rt, "bf16", OC, C, N, lda=OC, ldb=C, ldc=C, a_major="m", b_major="n",
+                         out="bf16")
 
     def launch(dinp, dweight, dout, inp, weight):
         g_dinp(dinp, dout, weight)
@@ -337,7 +356,9 @@ def matmul_backward5_bf16(rt, N, C, OC, block_size=None, dgelu=False, dinp_only=
     return Built(launch, plan=(g_dinp.plan, g_dw.plan))
 
 
-def _bwd_wgmma5_check_bf16(N, C, OC, **_):
+def _bwd_wgmma5_check_bf16(N, C, OC, overwrite=False, dinp_only=False, **_):
+    if overwrite and dinp_only:
+        return "overwrite is about dweight, which the dinp_only form does not write"
     if OC % 8 or C % 8:
         return f"the TMA needs 16-byte row strides: C % 8 == 0 and OC % 8 == 0 for bf16 (C={C}, OC={OC})"
     return None
@@ -349,7 +370,9 @@ def _bwd_wgmma_check(N, C, OC, **_):
     return backward_engine_check(4)(N, C, OC)
 
 
-def _bwd_wgmma5_check(N, C, OC, **_):
+def _bwd_wgmma5_check(N, C, OC, overwrite=False, dinp_only=False, **_):
+    if overwrite and dinp_only:
+        return "overwrite is about dweight, which the dinp_only form does not write"
     if OC % 4 or C % 4:
         return f"the TMA needs 16-byte row strides: C % 4 == 0 and OC % 4 == 0 (C={C}, OC={OC})"
     return None
@@ -362,20 +385,23 @@ def backward_engine_check(engine: int):
     return check
 
 
-def matmul_backward_cpu(N, C, OC, dgelu=False, dinp_only=False, dweight_only=False, **_):
+def matmul_backward_cpu(N, C, OC, dgelu=False, dinp_only=False, dweight_only=False, overwrite=False, **_):
     from llmc.ops.gelu import gelu_backward_ref
+
+    def launch_dweight(dweight, dout, inp):
+        g = dout.reshape(N, OC).T @ inp.reshape(N, C)
+        if overwrite:
+            dweight[...] = g
+        else:
+            dweight += g
 
     def launch(dinp, dweight, dout, inp, weight):
         # the model passes (B,T,.) views: work on them as (N, .) rows
-        dout2, inp2 = dout.reshape(N, OC), inp.reshape(N, C)
-        dinp[...] = (dout2 @ weight).reshape(dinp.shape)
-        dweight += dout2.T @ inp2
+        dinp[...] = (dout.reshape(N, OC) @ weight).reshape(dinp.shape)
+        launch_dweight(dweight, dout, inp)
 
     def launch_dinp(dinp, dout, weight):
         dinp[...] = (dout.reshape(N, OC) @ weight).reshape(dinp.shape)
-
-    def launch_dweight(dweight, dout, inp):
-        dweight += dout.reshape(N, OC).T @ inp.reshape(N, C)
 
     def launch_dgelu(dinp, dweight, dout, inp, weight, pre, dbias=None):
         # the plain form, then gelu_backward's and matmul_backward_bias's references on dinp as stored
@@ -480,12 +506,13 @@ def cost_forward(N, C, OC, has_bias=True, gelu_pre=False, **_):
     return 2 * N * C * OC, 4 * (N * C + OC * C + N * OC * (2 if gelu_pre else 1) + (OC if has_bias else 0))
 
 
-def cost_backward(N, C, OC, dinp_only=False, dweight_only=False, **_):
+def cost_backward(N, C, OC, dinp_only=False, dweight_only=False, overwrite=False, **_):
+    dw = (1 if overwrite else 2) * OC * C  # dweight written (overwrite), or read and written
     if dinp_only:   # read dout, weight; write dinp
         return 2 * N * C * OC, 4 * (N * OC + OC * C + N * C)
-    if dweight_only:  # read dout, inp; dweight read and written
-        return 2 * N * C * OC, 4 * (N * OC + N * C + 2 * OC * C)
-    return 4 * N * C * OC, 4 * (N * OC + N * C + 2 * OC * C + N * C)
+    if dweight_only:  # read dout, inp; dweight
+        return 2 * N * C * OC, 4 * (N * OC + N * C + dw)
+    return 4 * N * C * OC, 4 * (N * OC + N * C + dw + N * C)
 
 
 def cost_backward_bias(N, OC, **_):
@@ -530,12 +557,14 @@ OPS = [
                       "registers, the narrower one transposed (bf16: every operand as it lies, transposed "
                       "in the wgmma)", {"fp32": matmul_backward5, "bf16": matmul_backward5_bf16},
                    {"fp32": _bwd_wgmma5_check, "bf16": _bwd_wgmma5_check_bf16}, arch="sm_90", engine=4,
-                   options=("dgelu", "dinp_only", "dweight_only")),
-    }, default=5, flag="--matmul-backward-kernel", options=("dgelu", "dinp_only", "dweight_only"), cost=cost_backward,
+                   options=("dgelu", "dinp_only", "dweight_only", "overwrite")),
+    }, default=5, flag="--matmul-backward-kernel", options=("dgelu", "dinp_only", "dweight_only", "overwrite"),
+        cost=cost_backward,
         doc="dinp(N,C)= ; dweight(OC,C)+= ; dout(N,OC), inp(N,C), weight(OC,C); dgelu=True (variant 5, the "
             "fcproj layer's fused form): dinp, dweight, dout, inp, weight, pre(N,C), dbias(C) or None: "
             "dinp = gelu'(pre) * (dout @ weight as stored), dbias += dinp's column sums; dinp_only=True "
-            "(variant 5): dinp(N,C)=, dout, weight; dweight_only=True: dweight(OC,C)+=, dout, inp"),
+            "(variant 5): dinp(N,C)=, dout, weight; dweight_only=True: dweight(OC,C)+=, dout, inp; "
+            "overwrite=True (variant 5, with any form that writes dweight): dweight(OC,C)= instead of +="),
     OpSpec("matmul_backward_bias", matmul_backward_bias_cpu, {
         1: Variant(1, "one thread per column over all rows", matmul_backward_bias1),
         2: Variant(2, "(32x8)-thread blocks over row chunks -> partials, fixed-order second pass "
