@@ -1123,10 +1123,11 @@ __device__ __forceinline__ void tma_reduce_add_3d(const CUtensorMap* map, const 
 }
 __device__ __forceinline__ void bulk_wait_read_att() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
 
-// prep: a quad of threads per (b, t, h) row, h fastest (dout and out rows read contiguously)
+// prep: a quad of threads per (b, t, h) row, h fastest (dout and out rows read contiguously); with
+// zero_acc == 0 the accumulator is left alone (the caller keeps it zeroed: the build's caller_zeroes form)
 extern "C" __global__ void __launch_bounds__(256)
 flash_attention_backward_prep_kernel5_bf16(float* Dbuf, float* dq_acc, const bf16* dout, const bf16* out, int B,
-                                           int NH, int T) {
+                                           int NH, int T, int zero_acc) {
     const int C = NH * HS;
     const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     const long long r = idx >> 2;                    // (b t) * NH + h
@@ -1140,8 +1141,10 @@ flash_attention_backward_prep_kernel5_bf16(float* Dbuf, float* dq_acc, const bf1
         // and 4 float4 of dq_acc zeroed (B T C / 4 of them, 4 a thread: float4 u * n + idx, n = B T NH 4,
         // each store of a warp 512 contiguous bytes)
         const long long n = (long long)B * T * NH * 4;
+        if (zero_acc) {
 #pragma unroll
-        for (int u = 0; u < 4; u++) reinterpret_cast<float4*>(dq_acc)[u * n + idx] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            for (int u = 0; u < 4; u++) reinterpret_cast<float4*>(dq_acc)[u * n + idx] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
     }
     d += __shfl_xor_sync(0xffffffffu, d, 1);
     d += __shfl_xor_sync(0xffffffffu, d, 2);

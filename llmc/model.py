@@ -204,6 +204,7 @@ class GPT2:
         self.side = False  # (training: below)
         self.ln_deferred = False  # (training: below)
         self.first_write = False  # (training: below)
+        self.att_side_zero = False  # (training: below)
         if training:
             self.built.update({
                 "mmb_lmhead": op("matmul_backward", N=N, C=C, OC=Vp),
@@ -265,6 +266,22 @@ class GPT2:
                 for key, shp in split.items():
                     for f, part in (("dinp_only", "dinp"), ("dweight_only", "dweight")):
                         self.built[f"mmb_{key}_{part}"] = op("matmul_backward", prefer=forms[(key, f)], **shp, **{f: True})
+            # attention_backward 5's dq accumulator zeroed on the side stream (its caller_zeroes form): its
+            # prep pass then only reads dout and out (half its bytes) on the critical path, and the zeroing
+            # of the accumulator for the next layer runs beside other work. Off unless LLMC_ATT5_SIDE_ZERO=1:
+            # not faster on the H100 (bf16, zeroed after qkv's dweight: B=4 9.01 against 8.97 ms, B=16
+            # 30.54 against 30.57; zeroed before it: B=4 9.06 against 9.15, B=16 31.11 against 30.47;
+            # docs/ops.md, "attention_backward 5")
+            self.att_side_zero = False
+            if self.side and os.environ.get("LLMC_ATT5_SIDE_ZERO", "0") == "1":
+                att = self.built["attention_backward"]
+                num = be.fuses("attention_backward", dict(caller_zeroes=True), **att.shape)
+                if num is not None:
+                    del self.built["attention_backward"]  # (its scratch goes before the new one's comes)
+                    self.built["attention_backward"] = op("attention_backward", prefer=num, **att.shape,
+                                                          caller_zeroes=True)
+                    # (the numpy launcher takes the option and has no accumulator: nothing to zero)
+                    self.att_side_zero = "rezero" in self.built["attention_backward"].info
             if ln_fused is not None:
                 self.built["layernorm_backward_colsum"] = op("layernorm_backward", prefer=ln_fused, N=N, C=C, colsum=True)
             else:
@@ -733,6 +750,8 @@ class GPT2:
             if before_attention is not None:
                 be.side_join()
                 before_attention(l)
+            if self.att_side_zero:  # the accumulator zeroed after the previous layer's attention backward
+                be.side_wait("att_zero")
             k["attention_backward"](dqkv, dbtc, a["qkvr"][l], a["att"][l], a["atty"][l])  # d qkv (B,T,3C)
             if self.recompute == 2:                                                 # recompute ln1 (B,T,C)
                 k["layernorm_forward"](ln1[l], a["rc_mean"], a["rc_rstd"], residual, p["ln1w"][l], p["ln1b"][l])
@@ -744,6 +763,9 @@ class GPT2:
             else:
                 k["mmb_qkv"](dbtc, g["qkvw"][l], dqkv, ln1[l], p["qkvw"][l])       # d ln1 (B,T,C)
                 k["bias_3C"](g["qkvb"][l], dqkv)
+            if self.att_side_zero:  # after qkv's dweight on the side stream, not before it: ahead of it the
+                with be.side("att_zero"):  # zeroing held the side stream's GEMMs up (bf16 B=16 +0.64 ms)
+                    self.built["attention_backward"].info["rezero"]()
             if side:
                 be.side_wait("attproj_dw")  # attproj's dweight reads dres (d residual2): rewritten next
             # dres = d residual; its column sums are fcprojb's gradient of the layer below (none at l = 0)

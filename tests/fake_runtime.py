@@ -281,6 +281,9 @@ class FakeCudaBackend(CudaBackend):
         flush = None
         if deferred:
             run, flush = self._deferred_ln(shape, run)
+        rezero = None
+        if name == "attention_backward" and shape.get("caller_zeroes"):
+            run, rezero = self._caller_zeroes(run)
 
         def enqueue(label, fn, args):
             if self._on_side is not None:  # the side stream: deferred as long as the model allows
@@ -296,7 +299,26 @@ class FakeCudaBackend(CudaBackend):
         cpu.launch, cpu.number, cpu.dtype = launch, num, dt  # (saved_shape stays the reference's)
         if flush is not None:
             cpu.flush = lambda: enqueue(name + " (flush)", flush, ())  # noqa: E731
+        if rezero is not None:
+            cpu.info = {**cpu.info, "rezero": lambda: enqueue(name + " (rezero)", rezero, ())}  # noqa: E731
         return cpu
+
+    @staticmethod
+    def _caller_zeroes(run):
+        """attention_backward 5's caller_zeroes form: the GPU's dq accumulator must be zeroed (rezero)
+        after each launch and before the next. Emulated as a flag: a launch onto an accumulator not
+        zeroed since the last one fails (a missing rezero, or a rezero still queued on the side stream
+        for want of a wait)."""
+        state = {"dirty": False}
+
+        def launch(*args):
+            assert not state["dirty"], "attention_backward: the dq accumulator was not zeroed since the last launch"
+            state["dirty"] = True
+            run(*args)
+
+        def rezero():
+            state["dirty"] = False
+        return launch, rezero
 
     def _deferred_ln(self, shape, run):
         """layernorm_backward's deferred form (deferred=S) over `run`, the plain form's reference (dtype

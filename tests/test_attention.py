@@ -827,6 +827,21 @@ def test_flash_attention_wgmma5_backward_gpu(rt, B, T, C, NH):
         graph()
         rt.synchronize()
         check("graph replay", from_bf16(d_dinp.get()), None)
+    # caller_zeroes: prep leaves the accumulator alone; the build zeroed it, the caller zeroes it again
+    # (info["rezero"]) after each launch. Three launches with the rezero between them pass; without it,
+    # the next launch adds onto the last one's dq (and only dq differs)
+    cz = ops.get("attention_backward").build(rt, 5, "bf16", B=B, T=T, C=C, NH=NH, qkv_in_place=True, caller_zeroes=True)
+    assert "rezero" in cz.info and "rezero" not in in_place.info and "dq" in cz.keep
+    for run in range(3):
+        poison(d_dinp, cz.scratch["D"])
+        cz(d_dinp, d_dout, d_inp, d_lse, d_out)
+        check(f"caller_zeroes, run {run}", from_bf16(d_dinp.get()), cz.scratch["D"].get())
+        if run < 2:
+            cz.info["rezero"]()
+    cz(d_dinp, d_dout, d_inp, d_lse, d_out)  # no rezero before it: dq = this launch's + the last one's
+    stale = from_bf16(d_dinp.get())
+    assert np.array_equal(stale[..., C:], want[..., C:])
+    assert np.allclose(stale[..., :C], 2 * want[..., :C], rtol=2.0 ** -6, atol=1e-5 * np.abs(want[..., :C]).max())
 
 
 @pytest.mark.gpu

@@ -90,6 +90,50 @@ def test_side_stream_env(monkeypatch):
     assert not GPT2(CFG, FakeCudaBackend(), B, T, training=False).side  # (inference: no backward)
 
 
+# head size 64: attention 4 / 5, so bf16 takes attention_backward 5
+CFG64 = GPT2Config(max_seq_len=32, vocab_size=97, padded_vocab_size=128, num_layers=3, num_heads=2, channels=128)
+
+
+def test_attention_accumulator_zeroed_on_the_side_stream(monkeypatch):
+    """bf16's attention_backward 5 in its caller_zeroes form (LLMC_ATT5_SIDE_ZERO=1): after each layer's
+    qkv dweight the side stream zeroes the dq accumulator, and the next layer's attention backward waits
+    for that. The fake emulates the
+    accumulator's state: a launch onto one not zeroed since the last fails. The same results as prep
+    zeroing it (the default); a rezero that does nothing is caught."""
+    def run(**kw):
+        rng = np.random.default_rng(2)
+        be = FakeCudaBackend(precision="bf16", quiet=True)
+        m = GPT2(CFG64, be, B, T, **kw)
+        m.init_params(3)
+        out = []
+        for step in range(2):
+            m.zero_grad()
+            for _ in range(2):
+                x = rng.integers(0, CFG64.vocab_size, (B, T)).astype(np.int32)
+                m.train_micro_step(x, np.roll(x, -1, axis=1))
+            out.append(m.get_grads())
+            m.update(lr=1e-3, step=step + 1)
+        return m, be, out
+    assert not run()[0].att_side_zero  # (off by default: measured no faster)
+    monkeypatch.setenv("LLMC_ATT5_SIDE_ZERO", "1")
+    m, be, on = run()
+    assert m.att_side_zero and m.built["attention_backward"].number == 5
+    assert be.side_launches.count("attention_backward (rezero)") == 2 * 2 * CFG64.num_layers
+    monkeypatch.setenv("LLMC_ATT5_SIDE_ZERO", "0")
+    m0, _, off = run()
+    assert not m0.att_side_zero and m0.built["attention_backward"].number == 5
+    for a, b in zip(on, off):
+        np.testing.assert_array_equal(a, b)
+    monkeypatch.setenv("LLMC_ATT5_SIDE_ZERO", "1")
+    assert not run(side_stream=False)[0].att_side_zero  # (on one stream prep zeroes it)
+    # (the wait before the next layer's attention backward is also implied by the ones on fcproj_dw and
+    # attproj_dw, the side stream running in order; the rezero itself is not)
+    rezero = FakeCudaBackend._caller_zeroes
+    monkeypatch.setattr(FakeCudaBackend, "_caller_zeroes", staticmethod(lambda run_: (rezero(run_)[0], lambda: None)))
+    with pytest.raises(AssertionError, match="dq accumulator was not zeroed"):
+        run()
+
+
 GPU_CFG = GPT2Config(max_seq_len=128, vocab_size=97, padded_vocab_size=128, num_layers=2, num_heads=2, channels=128)
 
 
@@ -160,3 +204,25 @@ def test_runtime_fork_join_protocol():
     rt.wait_mark("a")  # recorded before the join: not waited for again
     rt.join()          # the side stream unused since the last join
     assert log == []
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,T", [(4, 64), (3, 37)])
+def test_gpu_attention_accumulator_zeroed_on_the_side_stream(rt, monkeypatch, B, T):
+    """bf16 with the default kernels (attention_backward 5, whose dq sums land in no fixed order):
+    two steps of 2 micro-steps (graph replays) with the accumulator zeroed on the side stream
+    (LLMC_ATT5_SIDE_ZERO=1) and by prep: the losses, gradients and weights agree within bf16 roundings
+    (an accumulator left unzeroed doubles a layer's dq: far outside them)."""
+    from llmc.backend import CudaBackend
+    from tests.llmc_fixtures import train_steps
+    runs = []
+    for on in ("1", "0"):
+        monkeypatch.setenv("LLMC_ATT5_SIDE_ZERO", on)
+        be = CudaBackend(quiet=True, precision="bf16")
+        m, steps, _ = train_steps(GPU_CFG, be, B, T)
+        assert m.att_side_zero == (on == "1") and m.built["attention_backward"].number == 5
+        runs.append(steps)
+    for (l1, g1, p1), (l0, g0, p0) in zip(*runs):
+        assert abs(l1 - l0) < 1e-3 * abs(l0)
+        assert np.linalg.norm(g1 - g0) <= 1e-2 * np.linalg.norm(g0), "gradients"
+        assert np.abs(p1 - p0).max() <= 2.0 ** -6 * np.abs(p0).max(), "weights"

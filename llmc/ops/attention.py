@@ -767,7 +767,7 @@ def wgmma5_smem(stages: int = 2) -> int:
     return wgmma_bwd_smem(stages)[1] + 2 * 2 * WGMMA_BQ * 128 + 2 * 64 * FLASH_HS * 4 + 8 * 2 * 2
 
 
-def build_flash_attention_backward_wgmma5(rt, B, T, C, NH, qkv_in_place=False, pingpong=None, **_):
+def build_flash_attention_backward_wgmma5(rt, B, T, C, NH, qkv_in_place=False, pingpong=None, caller_zeroes=False, **_):
     """Variant 5 (bf16, Hopper): launch(dinp, dout, qkvr, lse, out) as variant 4's bf16 build, in one
     pass over the tile pairs instead of two (cuda/attention_wgmma.cu, "attention_backward variant 5"):
       prep     D = rowsum(dout * out) (variant 4's bits) and the fp32 dq accumulator (B,NH,T,64) zeroed
@@ -775,7 +775,11 @@ def build_flash_attention_backward_wgmma5(rt, B, T, C, NH, qkv_in_place=False, p
                by TMA reductions (5 products per tile pair instead of 7)
       convert  dinp[..., 0:C] = bf16(scale dq)
     dk and dv are summed in a fixed order as in 4; dq's fp32 sums land in whatever order the CTAs run,
-    so dq is not deterministic (--deterministic runs 4). pingpong: as 4 (in place only; None: in place)."""
+    so dq is not deterministic (--deterministic runs 4). pingpong: as 4 (in place only; None: in place).
+    caller_zeroes=True: prep leaves the accumulator alone (it only reads dout and out: half its bytes),
+    which the build zeroes once and the caller zeroes again after each launch, before the next, with
+    `Built.info["rezero"]()` (a memset on the current stream: the model puts it on its side stream,
+    off the backward's critical path)."""
     if pingpong is None:
         pingpong = qkv_in_place
     _check_attention(B, T, C, NH)
@@ -786,9 +790,10 @@ def build_flash_attention_backward_wgmma5(rt, B, T, C, NH, qkv_in_place=False, p
         refuse("attention_backward", 5, f"the main kernel needs {smem} bytes of shared memory, the device "
                                         f"allows {rt.max_smem_optin}")
     D = rt.empty((B, NH, T))             # fp32
-    dq = rt.empty((B, NH, T, FLASH_HS))  # fp32: the dq accumulator, zeroed by prep at every call
+    # fp32: the dq accumulator, zeroed by prep at every call (caller_zeroes: here, then by the caller)
+    dq = rt.zeros((B, NH, T, FLASH_HS)) if caller_zeroes else rt.empty((B, NH, T, FLASH_HS))
     label = "attention_backward 5 (flash, wgmma, dq by reductions) bf16"
-    kp = rt.kernel(WGMMA_MODULE, "flash_attention_backward_prep_kernel5_bf16", "PPPPiii", label=label + " prep",
+    kp = rt.kernel(WGMMA_MODULE, "flash_attention_backward_prep_kernel5_bf16", "PPPPiiii", label=label + " prep",
                    defines=defines)
     sfx = ("_btc" + ("_pingpong" if pingpong else "")) if qkv_in_place else ""
     km = rt.kernel(WGMMA_MODULE, "flash_attention_backward_dkdvq_kernel5_bf16" + sfx, "PPPPPiiifi",
@@ -813,7 +818,7 @@ def build_flash_attention_backward_wgmma5(rt, B, T, C, NH, qkv_in_place=False, p
     maps: dict = {}
 
     def prep(dinp, dout, qkvr, lse, out):
-        kp(prep_grid, (256, 1, 1), _ptr(D), _ptr(dq), _ptr(dout), _ptr(out), *args)
+        kp(prep_grid, (256, 1, 1), _ptr(D), _ptr(dq), _ptr(dout), _ptr(out), *args, np.int32(0 if caller_zeroes else 1))
 
     def tensor_maps(dinp, dout, qkvr, out):
         """The main kernel's three maps on the device (encoded and copied at the first launch on each
@@ -845,7 +850,11 @@ def build_flash_attention_backward_wgmma5(rt, B, T, C, NH, qkv_in_place=False, p
         for f in passes.values():
             f(dinp, dout, qkvr, lse, out)
     # info["passes"]: the three launches alone (the lab times each; each takes launch's arguments)
-    return Built(launch, scratch={"D": D, "dq": dq}, info={"passes": passes})
+    info = {"passes": passes}
+    if caller_zeroes:
+        info["rezero"] = dq.zero
+    return Built(launch, scratch={"D": D, "dq": dq}, keep=frozenset({"dq"}) if caller_zeroes else frozenset(),
+                 info=info)
 
 
 # the TF32 backward's kernels (TB_DQ_SMEM, TB_DKDV_SMEM in the .cu): 1 KB of slack, two resident 128-row
@@ -1174,7 +1183,7 @@ ATTENTION_BACKWARD_VARIANTS = {
                   "zeroing pass before and a bf16 conversion after (bf16, sm_90a, head size 64)",
                {"bf16": build_flash_attention_backward_wgmma5},
                scratch_bytes=lambda B, T, C, NH, **_: _scratch_flash_backward(B, T, C, NH) + 4 * B * T * C,
-               arch="sm_90", options=("qkv_in_place",), **_FUSED),
+               arch="sm_90", options=("qkv_in_place", "caller_zeroes"), **_FUSED),
 }
 ATTENTION_DECODE_VARIANTS = {
     1: Variant(1, "one block per (b, h): scores in shared memory, block softmax, att @ v; appends k, v",
@@ -1232,8 +1241,9 @@ OPS = [
                "lse(B,NH,T) (2, 3): Built.saved_shape; build(B, T, C, NH)"),
     OpSpec("attention_backward", attention_backward_cpu, ATTENTION_BACKWARD_VARIANTS, default=4, defaults={"bf16": 5},
            flag="--attention-backward-kernel", pair="attention_forward", saves=_saves_att, cost=cost_backward,
-           options=("qkv_in_place",),
-           doc="dinp(B,T,3C)=, dout(B,T,C), qkvr(B,T,3C), saved, out(B,T,C); build(B, T, C, NH)"),
+           options=("qkv_in_place", "caller_zeroes"),
+           doc="dinp(B,T,3C)=, dout(B,T,C), qkvr(B,T,3C), saved, out(B,T,C); build(B, T, C, NH); "
+               "caller_zeroes=True (variant 5): Built.info['rezero']() after each launch, before the next"),
     OpSpec("attention_decode", attention_decode_cpu, ATTENTION_DECODE_VARIANTS, default=2,
            flag="--attention-decode-kernel", cost=cost_decode,
            doc="out(B,C)=, qkv(B,3C), kcache(B,NH,maxT,hs)+=, vcache+=, pos(1,) int32; build(B, C, NH, maxT)"),
