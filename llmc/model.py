@@ -351,7 +351,7 @@ class GPT2:
         # (first_write) the gradients no overwrite twin writes, as few contiguous views: what
         # zero_grad() leaves for the first micro-step to zero; and whether that is still to happen
         self._rest_grads = []
-        if training:
+        if self.first_write:
             written = {GEMM_WEIGHTS[key.split("_")[1]] for key in self.k_first}  # mmb_<site>[_form]
             for name, off, size in param_layout(cfg):
                 if name in written:
