@@ -9,10 +9,15 @@
     LLMC_FUSED_GELU=1 python dev/bench_step.py      # the fc layer's GELU in its GEMM's epilogue (default: gelu_forward)
     python dev/bench_step.py --precision bf16 -b 16 --power   # + board power, SM clock, clock-limit reasons
 
-Times forward + backward + clip + AdamW + the loss read, exactly the trainer's step (after the first
-step, the micro-step and the update are CUDA graph replays where cuda-python is installed), with CUDA
-events around each step after warm-up; prints the median ms/step, tokens/s and peak GPU memory
-(our allocations, and the device's used memory as nvidia-smi would count it, context included).
+Times forward + backward + clip + AdamW + the loss and norm read, exactly the trainer's step (after
+the first step, the micro-step and the update are CUDA graph replays where cuda-python is
+installed) in the trainer's loop: each step is launched before the previous one's loss and norm are
+read (llmc/train.py; the copies queue behind the step). A CUDA event recorded on the stream as each
+step's launches begin marks its start, so a step's time is the GPU's from its first kernel to the
+next step's, idle time included. Prints the median ms/step after warm-up, tokens/s and peak GPU
+memory (our allocations, and the device's used memory as nvidia-smi would count it, context
+included). --sync: each step read before the next is launched (events around the step and the
+read, as sessions before 22 timed it; LLMC_PIPELINE_STEPS=0 in the trainer).
 """
 import argparse
 import statistics
@@ -39,11 +44,47 @@ def training_step(be, cfg, B, T):
     y = rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32)
 
     def step(i):
+        """Launch step i; returns its StepRead (the loss and norm on their way to the host)."""
         model.zero_grad()
         model.train_micro_step(x, y)
         model.update(3e-4, i + 1)
-        return model.step_loss()
+        return model.read_step()
     return model, step
+
+
+def time_pipelined(rt, step, first: int, n: int):
+    """(GPU ms, wall ms) of steps first .. first + n - 1 in the trainer's loop: step i + 1 launched
+    before step i's read; an event at the start of each step's launches and one after the last."""
+    marks, walls, prev, loss = [], [], None, None
+    w0 = time.perf_counter()
+    for i in range(n + 1):
+        ev = rt.event()
+        ev.record(rt.stream)
+        marks.append(ev)
+        read = step(first + i) if i < n else None
+        if prev is not None:
+            loss = prev.loss()
+            w1 = time.perf_counter()
+            walls.append((w1 - w0) * 1000)
+            w0 = w1
+        prev = read
+    marks[-1].synchronize()
+    return [marks[i + 1].time_since(marks[i]) for i in range(n)], walls, loss
+
+
+def time_synced(rt, step, first: int, n: int):
+    """(GPU ms, wall ms) of each step with its read before the next is launched."""
+    times, walls, loss = [], [], None
+    for i in range(n):
+        s, e = rt.event(), rt.event()
+        w0 = time.perf_counter()
+        s.record(rt.stream)
+        loss = step(first + i).loss()
+        e.record(rt.stream)
+        e.synchronize()
+        walls.append((time.perf_counter() - w0) * 1000)
+        times.append(e.time_since(s))
+    return times, walls, loss
 
 
 def main():
@@ -54,6 +95,8 @@ def main():
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--sync", action="store_true",
+                   help="read each step's loss before launching the next (the trainer with LLMC_PIPELINE_STEPS=0)")
     p.add_argument("--power", action="store_true",
                    help="sample board power, SM clock and clock-limit reasons (nvidia-smi) during the timed steps")
     for flag, name, h in kernel_flags():
@@ -71,18 +114,9 @@ def main():
     build_s = time.perf_counter() - t0
 
     for i in range(args.warmup):
-        step(i)
-    times, walls = [], []
+        step(i).loss()
     sampler = PowerSampler(rt.device.pci_bus_id()) if args.power else None
-    for i in range(args.steps):
-        s, e = rt.event(), rt.event()
-        w0 = time.perf_counter()
-        s.record(rt.stream)
-        loss = step(args.warmup + i)
-        e.record(rt.stream)
-        e.synchronize()
-        walls.append((time.perf_counter() - w0) * 1000)
-        times.append(e.time_since(s))
+    times, walls, loss = (time_synced if args.sync else time_pipelined)(rt, step, args.warmup, args.steps)
     power = sampler.stop() if sampler is not None else None
     free1, _ = rt.mem_info()
     ms = statistics.median(times)
@@ -97,7 +131,8 @@ def main():
     from llmc.runtime import Graph
     print("CUDA graphs: " + ("yes" if isinstance(model._graph_micro, Graph) else
                              f"no ({rt.graphs_available() or 'not captured'})"))
-    print(f"step: median {ms:.2f} ms (GPU events), {statistics.median(walls):.2f} ms wall | "
+    print(f"step: median {ms:.2f} ms (GPU events, {'each step read before the next' if args.sync else 'the trainer loop: the next step launched before the read'}), "
+          f"{statistics.median(walls):.2f} ms wall | "
           f"{B * T / (ms / 1000):,.0f} tokens/s | last loss {loss:.4f}")
     if power:
         print(power)

@@ -44,6 +44,7 @@ class Backend(Protocol):
     def pinned_free(self, host): ...                                # the GPU has read host's last upload_async
     def download(self, buf): ...
     def download_into(self, host, buf): ...
+    def download_async(self, host, buf): ...                       # queue buf -> host; .wait() for it
     def graph(self, fn): ...
     def side(self, mark=None): ...                                 # context: launches on the side stream
     def side_wait(self, mark): ...                                  # main waits for the side up to mark
@@ -52,6 +53,22 @@ class Backend(Protocol):
     def pinned(self, shape, dtype): ...
     def require_free(self, nbytes, what): ...                       # one-line error if the device can't hold it
     def describe(self) -> str: ...
+
+
+class Copy:
+    """A download queued on the stream (Backend.download_async): wait() returns once the host buffer
+    holds it."""
+
+    def __init__(self, event=None):
+        self.event = event
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+            self.event = None
+
+
+COPIED = Copy()  # a download that was made at once
 
 
 def kernel_choices(overrides: dict | None = None) -> dict[str, int]:
@@ -212,6 +229,10 @@ class CpuBackend(_Choosing):
         host[...] = buf
         return host
 
+    def download_async(self, host, buf):
+        host[...] = buf  # (numpy: the copy is made now)
+        return COPIED
+
     def graph(self, fn):
         """The numpy backend has no graphs: fn itself replays the step."""
         return fn
@@ -308,6 +329,14 @@ class CudaBackend(_Choosing):
     def download_into(self, host, buf):
         """buf into page-locked `host` (from pinned()), waiting for the stream."""
         return buf.get_into(host)
+
+    def download_async(self, host, buf):
+        """buf into page-locked `host` by a copy queued on the stream behind what is launched so far;
+        returns its Copy, whose wait() waits for that copy only (not for what is launched after it)."""
+        buf.get_async(host)
+        done = self.rt.event()
+        done.record(self.rt.stream)
+        return Copy(done)
 
     def graph(self, fn):
         """fn's launches captured into a CUDA graph (a callable replaying them), or fn itself where

@@ -527,6 +527,22 @@ def grad_chunks(cfg) -> tuple[dict, list]:
     return per_layer, rest
 
 
+class RankMeanRead:
+    """A StepRead whose loss is the mean over the ranks (each rank reads its own, then all-reduce):
+    every rank must read its steps in the same order."""
+
+    def __init__(self, read, group: Group):
+        self.read, self.group, self._loss = read, group, None
+
+    def loss(self) -> float:
+        if self._loss is None:
+            self._loss = self.group.mean(self.read.loss())
+        return self._loss
+
+    def norm(self) -> float:
+        return self.read.norm()
+
+
 class DataParallel:
     """Training-step calls for one rank: the micro-step (with the per-layer reduction hook on the
     last one), the update (all-reduce + AdamW, or ZeRO-1), the losses averaged over ranks, and the
@@ -787,6 +803,11 @@ class DataParallel:
         if self.zero == 0:
             return self.model.grad_norm()
         return float(np.sqrt(max(float(self.be.download(self.norm2).reshape(-1)[0]), 0.0)))
+
+    def read_step(self) -> "RankMeanRead":
+        """The step's loss and gradient norm on their way to the host (GPT2.read_step, queued behind
+        the step); the loss is averaged over the ranks when it is read."""
+        return RankMeanRead(self.model.read_step(norm_buf=self.norm2 if self.zero == 1 else None), self.group)
 
     def step_loss(self) -> float:
         """The step's mean loss over every rank's tokens (a host read and a host all-reduce)."""

@@ -81,6 +81,39 @@ def next_seed(state: int) -> tuple[int, int]:
             return state, seed
 
 
+class StepRead:
+    """A step's mean loss and gradient norm, on their way to the host (GPT2.read_step): the copies
+    were queued on the stream behind the step's launches, so the host can launch the next step
+    before it waits for them. loss() and norm() wait for those copies only."""
+
+    def __init__(self, copies, loss_host, n_tokens: int, micro_steps: int, norm_host=None):
+        self._copies, self._loss_host, self._norm_host = copies, loss_host, norm_host
+        self._n, self._micro = n_tokens, max(micro_steps, 1)
+        self._values = None
+
+    def wait(self) -> None:
+        """Wait for the copies and read them out of the pinned buffers (which may then be reused)."""
+        if self._values is None:
+            for c in self._copies:
+                c.wait()
+            loss = float(self._loss_host[:self._n].astype(np.float64).mean() / self._micro)
+            norm = None if self._norm_host is None else \
+                float(math.sqrt(max(float(self._norm_host.reshape(-1)[0]), 0.0)))
+            self._values = (loss, norm)
+
+    def loss(self) -> float:
+        """The mean loss over the micro-steps since zero_grad() (step_loss's value)."""
+        self.wait()
+        return self._values[0]
+
+    def norm(self) -> float:
+        """The global gradient norm of the step's update (grad_norm's value)."""
+        self.wait()
+        if self._values[1] is None:
+            raise RuntimeError("StepRead.norm(): read_step() was asked for no norm")
+        return self._values[1]
+
+
 class GPT2:
     def __init__(self, cfg: GPT2Config, backend, B: int, T: int, training: bool = True, params_buf=None,
                  optimizer: bool = True, recompute: int = 1, fuse_bias: bool | None = None,
@@ -394,6 +427,10 @@ class GPT2:
         self._pinned_xy = be.pinned((2, B, T), np.int32)
         self._pinned_xy[...] = 0
         self._pinned_loss = be.pinned(self.a["loss_acc"].shape, f32)
+        # read_step's pinned buffers, two sets in turn (one step's read still unread while the next
+        # step's is queued), and the StepRead holding each
+        self._read_bufs = [(be.pinned(self.a["loss_acc"].shape, f32), be.pinned((1,), f32)) for _ in range(2)]
+        self._reads, self._read_turn = [None, None], 0
 
         self.micro_steps = 0
         self.has_loss = False
@@ -888,6 +925,25 @@ class GPT2:
     def grad_norm(self) -> float:
         """The global gradient norm computed by the last update() (a host read: a sync)."""
         return float(math.sqrt(max(float(self.be.download(self.norm2).reshape(-1)[0]), 0.0)))
+
+    def read_step(self, norm: bool = True, norm_buf=None) -> StepRead:
+        """Queue the copies of the step's loss sums (and, with norm, of the squared gradient norm that
+        update() computed: norm2, or norm_buf) to the host behind everything launched so far, and
+        return their StepRead. Unlike step_loss() and grad_norm(), this does not wait: the trainer
+        launches the next step first, then reads this one's loss while the GPU runs on (no idle GPU
+        between steps). Two reads may be pending at once; a third waits for the oldest."""
+        self._zero_stale_grads()
+        i = self._read_turn
+        self._read_turn ^= 1
+        if self._reads[i] is not None:
+            self._reads[i].wait()  # its values out of the pinned buffers before they are reused
+        loss_host, norm_host = self._read_bufs[i]
+        copies = [self.be.download_async(loss_host, self.a["loss_acc"])]
+        if norm:
+            copies.append(self.be.download_async(norm_host, self.norm2 if norm_buf is None else norm_buf))
+        self._reads[i] = StepRead(copies, loss_host, self.B * self.T, self.micro_steps,
+                                  norm_host if norm else None)
+        return self._reads[i]
 
     def step_loss(self) -> float:
         """Mean loss over the micro-steps since zero_grad() (a host read: a sync, through pinned memory

@@ -315,6 +315,13 @@ class DevArray:
         self.rt.stream.synchronize()
         return pinned_host
 
+    def get_async(self, pinned_host: np.ndarray) -> None:
+        """Copy into page-locked host memory on the runtime's stream (no host wait: an event recorded
+        after it says when pinned_host holds it)."""
+        import pycuda.driver as drv
+        assert pinned_host.nbytes == self.nbytes, f"get_async: {pinned_host.nbytes} bytes from {self.nbytes}"
+        drv.memcpy_dtoh_async(pinned_host, self.ptr, self.rt.stream)
+
     def set_async(self, pinned_host: np.ndarray) -> None:
         """Copy from page-locked host memory on the runtime's stream (no host wait)."""
         import pycuda.driver as drv

@@ -577,6 +577,40 @@ def main(argv=None, group=None) -> int:
     decoder = None  # built at the first sample; reads the model's live weights
     overfit_batch = train_loader.next_batch() if args.overfit_single_batch else None
     step_ms = []
+    # Each step's loss and norm are read after the next step is launched (the copies are queued
+    # behind the step; the GPU runs on while the host waits for them and prints), so the GPU does not
+    # idle between steps for the host's read, batch upload and launches. Anything that needs the
+    # step's results or the host's attention first (validation, samples, checkpoints, the end)
+    # reports it first. On the numpy backend, which computes as it launches, there is nothing to
+    # overlap (and a step's time would land on the one before it): each step is read at once there.
+    # LLMC_PIPELINE_STEPS=1|0 forces either.
+    pipeline = os.environ.get("LLMC_PIPELINE_STEPS", "1" if be.name == "cuda" else "0") != "0"
+    pending = None     # (step, lr, t0, StepRead) of the last launched step not yet reported
+    last_done = 0.0    # when the last reported step's results were in
+
+    def report(p) -> None:
+        nonlocal last_done
+        pstep, plr, pt0, read = p
+        loss, norm = read.loss(), read.norm()  # waits for this step's copies only
+        done = time.perf_counter()
+        ms = (done - max(pt0, last_done)) * 1000
+        last_done = done
+        check_finite("the loss", loss, pstep + 1, group)
+        check_finite("the gradient norm", norm, pstep + 1, group)
+        if pstep > start_step:  # the first step of a run builds graphs and warms up: not counted
+            step_ms.append(ms)
+        mfu = f" | {100 * flops_step / (ms / 1000) / peak:.1f}% MFU" if peak else ""
+        print(f"step {pstep + 1:4d}/{max_steps} | loss {loss:.6f} | norm {norm:.4f} | lr {plr:.2e} | "
+              f"{ms:.2f} ms{mfu} | {total / (ms / 1000):.0f} tok/s")
+        if log:
+            log.train(pstep, loss, plr, norm)
+
+    def flush() -> None:
+        nonlocal pending
+        if pending is not None:
+            p, pending = pending, None
+            report(p)
+
     for step in range(start_step, max_steps + 1):
         last_step = step == max_steps
         # a resumed run already validated, sampled and saved at start_step before it stopped:
@@ -584,6 +618,7 @@ def main(argv=None, group=None) -> int:
         again = ck is not None and step == start_step
         # validation
         if val_loader is not None and not again and (step % args.val_every == 0 or last_step):
+            flush()
             dp.params_ready()  # (-z 1: the last update's all-gather may still be running)
             val_loader.reset()
             most = max(val_loader.batches_per_epoch, 1)
@@ -599,6 +634,7 @@ def main(argv=None, group=None) -> int:
                 log.val(step, vl)
         # HellaSwag, at llm.c's cadence: every val step after the first, and the last step
         if hellaswag is not None and not again and (last_step or (args.val_every > 0 and step > 0 and step % args.val_every == 0)):
+            flush()
             dp.params_ready()
             acc = hellaswag.run(model, group)  # the examples split over the ranks, as llm.c does
             if log:
@@ -608,6 +644,7 @@ def main(argv=None, group=None) -> int:
                 and group.is_main):
             from llmc.decode import Decoder
             from llmc.decode import sample_during_training
+            flush()
             dp.params_ready()
             if decoder is None:
                 decoder = Decoder(cfg, be, 1, params_buf=model.params)
@@ -617,6 +654,7 @@ def main(argv=None, group=None) -> int:
         if out and step > start_step and (last_step or (args.checkpoint_every > 0 and step % args.checkpoint_every == 0)):
             # every rank writes its state; rank 0 the model, and DONE once all have written
             barrier = (lambda err: group.agree(err, "checkpoint")) if world > 1 else None
+            flush()
             dp.params_ready()
             path = save_checkpoint(out, step, model, train_loader, rng, (loss_z, grad_z), hparams, sr_rng,
                                    dp=dp, barrier=barrier)
@@ -625,6 +663,7 @@ def main(argv=None, group=None) -> int:
                 for gone in runfiles.prune_checkpoints(out, step, args.checkpoints_keep, args.major_checkpoint_every):
                     print(f"deleted the checkpoint of step {gone} (-nk {args.checkpoints_keep})")
         if last_step:
+            flush()
             break
 
         # one optimizer step: accum micro-steps of forward + backward, then clip + AdamW
@@ -639,7 +678,9 @@ def main(argv=None, group=None) -> int:
         skip = None
         if args.skip_loss_z > 0 or args.skip_grad_z > 0:
             # llm.c's outlier guards need the loss and the norm before the update: one more sync
-            # per step, only when they are on
+            # per step, only when they are on (the previous step is reported first: its line
+            # comes before this one's "skipping update")
+            flush()
             loss = dp.step_loss()
             check_finite("the loss", loss, step + 1, group)
             norm = dp.grad_norm_before_update()
@@ -653,18 +694,14 @@ def main(argv=None, group=None) -> int:
             dp.update(lr, step + 1, weight_decay=args.weight_decay, max_norm=args.grad_clip)
         else:
             print(skip)
-        loss = dp.step_loss()   # host read: the one sync of the step (and the mean over ranks)
-        norm = dp.grad_norm()
-        check_finite("the loss", loss, step + 1, group)
-        check_finite("the gradient norm", norm, step + 1, group)
-        ms = (time.perf_counter() - t0) * 1000
-        if step > start_step:  # the first step of a run builds graphs and warms up: not counted
-            step_ms.append(ms)
-        mfu = f" | {100 * flops_step / (ms / 1000) / peak:.1f}% MFU" if peak else ""
-        print(f"step {step + 1:4d}/{max_steps} | loss {loss:.6f} | norm {norm:.4f} | lr {lr:.2e} | "
-              f"{ms:.2f} ms{mfu} | {total / (ms / 1000):.0f} tok/s")
-        if log:
-            log.train(step, loss, lr, norm)
+        # the step's loss and norm go to the host behind it (and their mean over ranks at the read);
+        # the previous step is reported now, while this one runs
+        read = dp.read_step()
+        flush()
+        pending = (step, lr, t0, read)
+        if not pipeline:
+            flush()
+    flush()
     dp.params_ready()  # nothing may still be writing the weights when the run ends
     be.synchronize()
     if step_ms:

@@ -432,6 +432,11 @@ class FakeCudaBackend(CudaBackend):
         host[...] = self.rt.np(buf)
         return host
 
+    def download_async(self, host, buf):
+        from llmc.backend import COPIED
+        host[...] = self.rt.np(buf)  # (nothing runs later here: the copy is made now, in stream order)
+        return COPIED
+
     def graph(self, fn):
         self.graphs += 1
         return fn

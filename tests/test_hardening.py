@@ -122,10 +122,18 @@ def test_nan_weights_are_refused(shards, tmp_path, capsys):
                       "-i", str(shards / "train_*.bin"), "-j", ""], "nan.bin", "NaN")
 
 
-def test_nan_gradients_stop_the_run(shards, monkeypatch, capsys):
-    """A NaN in the gradient norm alone (the loss still finite) also stops the step it happens."""
+@pytest.mark.parametrize("pipeline", ["0", "1"])
+def test_nan_gradients_stop_the_run(shards, monkeypatch, capsys, pipeline):
+    """A NaN in the gradient norm alone (the loss still finite) also stops the step it happens, also
+    when the step is read after the next one is launched (LLMC_PIPELINE_STEPS=1)."""
     from llmc.model import GPT2
-    monkeypatch.setattr(GPT2, "grad_norm", lambda self: float("nan"))
+    monkeypatch.setenv("LLMC_PIPELINE_STEPS", pipeline)
+    update = GPT2.update
+
+    def nan_norm(self, *a, **k):  # the squared norm the update computed, as the step reads it
+        update(self, *a, **k)
+        self.norm2[...] = np.nan
+    monkeypatch.setattr(GPT2, "update", nan_norm)
     one_line(capsys, SMALL + ["-i", str(shards / "train_*.bin"), "-x", "3"], "step 1:", "gradient norm is nan")
 
 
