@@ -1,5 +1,8 @@
 """The PyTorch reference line for `make bench`: GPT-2 d12 trained by torch.compile on the same GPU,
-timed the same way as dev/bench_step.py (CUDA events around each whole step, median after warm-up).
+timed the same way as dev/bench_step.py: the trainer's loop, each step launched before the previous
+step's loss is read (its copy to pinned host memory queued behind the step, an event after it), a
+CUDA event on the stream as each step's launches begin; the median step after warm-up. --sync: each
+step's loss read before the next is launched (events around the step; bench_step --sync).
 
     python dev/bench_torch.py                     # fp32 weights, TF32 matmuls, B=4 and B=16, T=1024
     python dev/bench_torch.py --precision bf16    # bf16 autocast (fp32 master weights)
@@ -53,7 +56,7 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 
 
-def bench(B, T, precision, compile_, steps, warmup):
+def bench(B, T, precision, compile_, steps, warmup, sync=False):
     torch.manual_seed(0)
     model = GPT().cuda()
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -74,16 +77,39 @@ def bench(B, T, precision, compile_, steps, warmup):
         return loss
 
     for _ in range(warmup):
-        step()
+        step().item()
     torch.cuda.synchronize()
     times = []
-    for _ in range(steps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        step()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
+    if sync:
+        for _ in range(steps):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            step().item()
+            e.record()
+            e.synchronize()
+            times.append(s.elapsed_time(e))
+    else:
+        marks, prev = [], None
+        host = torch.empty((), dtype=torch.float32, pin_memory=True)
+        hosts = [host, torch.empty_like(host).pin_memory()]
+        for i in range(steps + 1):
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            marks.append(ev)
+            read = None
+            if i < steps:
+                loss = step()
+                buf = hosts[i % 2]
+                buf.copy_(loss.detach(), non_blocking=True)  # queued behind the step
+                done = torch.cuda.Event()
+                done.record()
+                read = (buf, done)
+            if prev is not None:
+                prev[1].synchronize()
+                float(prev[0])
+            prev = read
+        marks[-1].synchronize()
+        times = [marks[i].elapsed_time(marks[i + 1]) for i in range(steps)]
     ms = statistics.median(times)
     mem = torch.cuda.max_memory_allocated() / 2 ** 30
     del model, opt, fwd
@@ -100,6 +126,7 @@ def main():
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--sync", action="store_true", help="read each step's loss before launching the next")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
@@ -107,7 +134,7 @@ def main():
         name = ("torch.compile" if not args.no_compile else "torch eager") + (
             " TF32" if precision == "fp32" else " bf16 autocast")
         for B in args.batch_size:
-            ms, mem = bench(B, args.seq_len, precision, not args.no_compile, args.steps, args.warmup)
+            ms, mem = bench(B, args.seq_len, precision, not args.no_compile, args.steps, args.warmup, args.sync)
             print(f"{name}: B={B} T={args.seq_len}: median {ms:.2f} ms/step (GPU events) | "
                   f"{B * args.seq_len / ms * 1e3:,.0f} tokens/s | peak {mem:.2f} GiB", flush=True)
 

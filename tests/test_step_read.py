@@ -177,3 +177,49 @@ def test_read_step_gpu_bit_for_bit(precision):
         del m, be
     assert res[0] == res[1], res
     assert len(set(res[0])) == len(res[0]) and all(np.isfinite(v) for pair in res[0] for v in pair)
+
+
+def test_bench_step_times_the_trainers_loop(monkeypatch):
+    """dev/bench_step.py's pipelined timing: step i + 1 is launched before step i is read, and each
+    step's time runs from the event at its launches' start to the next step's."""
+    monkeypatch.syspath_prepend(str(ROOT / "dev"))
+    import importlib
+    bench_step = importlib.import_module("bench_step")
+    clock, log = [0.0], []
+
+    class Ev:
+        def record(self, stream):
+            self.t = clock[0]
+
+        def synchronize(self):
+            pass
+
+        def time_since(self, other):
+            return self.t - other.t
+
+    class Rt:
+        stream = None
+
+        def event(self):
+            return Ev()
+
+    class Read:
+        def __init__(self, i):
+            self.i = i
+
+        def loss(self):
+            log.append(("read", self.i))
+            return float(self.i)
+
+    def step(i):
+        log.append(("launch", i))
+        clock[0] += 1.0 + i  # the GPU time step i takes
+        return Read(i)
+
+    times, walls, loss = bench_step.time_pipelined(Rt(), step, 3, 4)
+    assert log == [("launch", 3), ("launch", 4), ("read", 3), ("launch", 5), ("read", 4), ("launch", 6),
+                   ("read", 5), ("read", 6)]
+    assert times == [4.0, 5.0, 6.0, 7.0] and len(walls) == 4 and loss == 6.0
+    log.clear()
+    times, _, loss = bench_step.time_synced(Rt(), step, 0, 2)
+    assert log == [("launch", 0), ("read", 0), ("launch", 1), ("read", 1)] and loss == 1.0
