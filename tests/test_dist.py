@@ -552,3 +552,21 @@ def test_zero1_forward_reads_no_weight_before_its_all_gather(monkeypatch, gather
                     assert gstream == stream or waited[stream] >= g, \
                         f"{what} (launch {i}) reads weights that the all-gather at {g} is still writing"
     assert reads > 50 and len(gathers) >= (2 if gather == "update" else 2 * (cfg.num_layers + 1))
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_pipelined_steps_print_the_same_on_two_ranks(shards, tmp_path, zero):
+    """With each step read after the next one is launched (LLMC_PIPELINE_STEPS=1, the cuda
+    backend's default), every rank reads its steps in the same order, so the losses averaged over
+    the ranks, the norms (-z 1: the shard norms summed across ranks) and every printed line are
+    those of the run that reads each step at once."""
+    need_mpi()
+    common = SMALL + data_args(shards) + ["-b", "2", "-z", str(zero), "-x", "6", "-v", "3", "-c", "0.1"]
+    outs = [run(common + ["-o", str(tmp_path / f"p{flag}")], np_=2, env={"LLMC_PIPELINE_STEPS": flag}).stdout
+            for flag in ("1", "0")]
+    strip = [[re.sub(r"\| [0-9.]+ ms.*$", "", ln) for ln in o.splitlines()
+              if not ln.startswith(("total average", "wrote "))] for o in outs]
+    assert strip[0] == strip[1]
+    assert len(step_losses(outs[0])) == 6 and "norm" in outs[0]
+    a = (tmp_path / "p1" / "model_00000006.bin").read_bytes()
+    assert a == (tmp_path / "p0" / "model_00000006.bin").read_bytes()
