@@ -129,7 +129,9 @@ def main():
                                  "gelu_backward fused into dinp's GEMM epilogue" if model.fused_dgelu else
                                  "mmb_fcproj + gelu_backward"))
     from llmc.runtime import Graph
-    print("CUDA graphs: " + ("yes" if isinstance(model._graph_micro, Graph) else
+    # (one micro-step a step: with first_write every step replays the first micro-step's graph)
+    replayed = [g for g in (model._graph_micro, model._graph_micro_first) if isinstance(g, Graph)]
+    print("CUDA graphs: " + ("yes" if replayed and isinstance(model._graph_update, Graph) else
                              f"no ({rt.graphs_available() or 'not captured'})"))
     print(f"step: median {ms:.2f} ms (GPU events, {'each step read before the next' if args.sync else 'the trainer loop: the next step launched before the read'}), "
           f"{statistics.median(walls):.2f} ms wall | "
