@@ -46,6 +46,7 @@ class Backend(Protocol):
     def download_into(self, host, buf): ...
     def download_async(self, host, buf): ...                       # queue buf -> host; .wait() for it
     def graph(self, fn): ...
+    def scratch_pool(self, pool): ...                               # context: builds share scratch (see Runtime)
     def side(self, mark=None): ...                                 # context: launches on the side stream
     def side_wait(self, mark): ...                                  # main waits for the side up to mark
     def side_join(self): ...                                        # main waits for all of the side
@@ -241,6 +242,10 @@ class CpuBackend(_Choosing):
         """One stream: what the block launches runs at once, in order."""
         return contextlib.nullcontext()
 
+    def scratch_pool(self, pool):
+        """(numpy builds keep no scratch)"""
+        return contextlib.nullcontext()
+
     def side_wait(self, mark):
         pass
 
@@ -300,7 +305,16 @@ class CudaBackend(_Choosing):
         dt = precision or self.precision
         self._no_kernels(name, dt)
         num = self.choose(name, prefer, dt, **shape)
-        return ops.get(name).build(self.rt, num, dt, **shape, **self._uses(name, num))
+        outer = getattr(self.rt, "_scratch_pool", None)
+        if outer is not None:  # inside a caller's scratch_pool: the build takes its scratch from there
+            b = ops.get(name).build(self.rt, num, dt, **shape, **self._uses(name, num))
+            b.pool = outer
+            return b
+        pool: dict = {}  # (its scratch recorded, for a later build that may share it: scratch_pool)
+        with self.rt.scratch_pool(pool):
+            b = ops.get(name).build(self.rt, num, dt, **shape, **self._uses(name, num))
+        b.pool = pool
+        return b
 
     def memset0(self, buf):
         buf.zero()
@@ -348,6 +362,11 @@ class CudaBackend(_Choosing):
             print(f"note: no CUDA graphs ({why}); launching kernel by kernel")
         self._noted.add("graphs")
         return fn
+
+    def scratch_pool(self, pool):
+        """Context: the op builds inside share their scratch buffers with earlier builds under the same
+        pool (Runtime.scratch_pool): only for builds that never run at the same time."""
+        return self.rt.scratch_pool(pool)
 
     @contextlib.contextmanager
     def side(self, mark=None):

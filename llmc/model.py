@@ -356,9 +356,12 @@ class GPT2:
                                                   for n in ("fc", "attproj", "qkv")]
                 for key in keys:
                     num = be.fuses("matmul_backward", dict(overwrite=True), **self.built[key].shape)
-                    if num is not None:
-                        self.built_first[key] = op("matmul_backward", prefer=num, **self.built[key].shape,
-                                                   overwrite=True)
+                    if num is not None:  # (a twin and its call site's build never run in one micro-step:
+                        # the twin takes the build's scratch, fp32's transposes and split-K partials)
+                        with be.scratch_pool(self.built[key].pool) if self.built[key].pool is not None \
+                                else contextlib.nullcontext():
+                            self.built_first[key] = op("matmul_backward", prefer=num, **self.built[key].shape,
+                                                       overwrite=True)
                 self.first_write = bool(self.built_first)
         if self.has_optimizer:
             # AdamW runs over contiguous ranges of the flat buffer with one weight-decay flag each

@@ -28,6 +28,7 @@ Design notes
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -241,6 +242,36 @@ def resource_report(ptxas_log: str) -> dict[str, dict]:
         if m:
             report[cur]["smem"] = int(m.group(1))
     return report
+
+
+def take_scratch(rt, shape, dtype=np.float32):
+    """Runtime.scratch (also the tests' fake runtime's)."""
+    pool = getattr(rt, "_scratch_pool", None)
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    if pool is not None:
+        for i, a in enumerate(pool["bufs"]):
+            if i not in pool["taken"] and a.nbytes == nbytes:
+                pool["taken"].add(i)
+                return DevArray(rt, a.ptr, shape, dtype, a.owner)
+    a = rt.empty(shape, dtype)
+    if pool is not None:
+        pool["taken"].add(len(pool["bufs"]))
+        pool["bufs"].append(a)
+    return a
+
+
+@contextlib.contextmanager
+def scratch_pool(rt, pool: dict):
+    """Runtime.scratch_pool (also the fake runtime's)."""
+    pool.setdefault("bufs", [])
+    pool["taken"] = set()
+    prev = getattr(rt, "_scratch_pool", None)
+    rt._scratch_pool = pool
+    try:
+        yield pool
+    finally:
+        rt._scratch_pool = prev
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -524,6 +555,18 @@ class Runtime:
         a = self.empty(shape, dtype)
         a.zero()
         return a
+
+    def scratch(self, shape, dtype=np.float32) -> DevArray:
+        """A build's working buffer that holds nothing from one launch to the next (each launch writes
+        it before it reads it): empty(), except inside scratch_pool(pool), where a buffer of the pool
+        of the same byte size that this block has not taken yet is handed out first."""
+        return take_scratch(self, shape, dtype)
+
+    def scratch_pool(self, pool: dict):
+        """Context: the builds inside share scratch() buffers with the earlier blocks given the same
+        pool (a dict the caller keeps), each buffer taken once per block. For builds that never run
+        at the same time (the model's GEMM of one call site and its first micro-step's twin)."""
+        return scratch_pool(self, pool)
 
     def to_device(self, host: np.ndarray) -> DevArray:
         host = np.ascontiguousarray(host)

@@ -144,6 +144,14 @@ class FakeRuntime:
             self.np(a)[...] = 0
         return a
 
+    def scratch(self, shape, dtype=np.float32) -> DevArray:
+        from llmc.runtime import take_scratch
+        return take_scratch(self, shape, dtype)
+
+    def scratch_pool(self, pool):
+        from llmc.runtime import scratch_pool
+        return scratch_pool(self, pool)
+
     def to_device(self, host) -> DevArray:
         host = np.ascontiguousarray(host)
         a = self.empty(host.shape, host.dtype)

@@ -366,3 +366,26 @@ def test_the_kernels_line_names_the_variants_of_the_element_type():
     assert shown["layernorm_backward"] == bf16.choose("layernorm_backward", N=4096, C=768)
     named = CudaBackend(rt=FakeRuntime(), quiet=True, precision="bf16", kernels={"layernorm_backward": 5})
     assert named.kernels_for()["layernorm_backward"] == 5 and named.kernels_for()["encoder_backward"] == 7
+
+
+def test_scratch_pool_shares_across_blocks_not_within_one():
+    """Runtime.scratch: outside a pool a plain allocation; inside scratch_pool(pool), the pool's
+    buffers of the same byte size, each at most once per block, then new ones (added to the pool);
+    CudaBackend.build records each build's scratch in its Built.pool."""
+    from tests.fake_runtime import FakeRuntime
+    rt = FakeRuntime()
+    a, b = rt.scratch((4, 8)), rt.scratch((4, 8))
+    assert a.ptr != b.ptr
+    pool = {}
+    with rt.scratch_pool(pool):
+        x, y, z = rt.scratch((16,)), rt.scratch((16,)), rt.scratch((3,), np.uint32)
+    n = rt.allocated_bytes
+    with rt.scratch_pool(pool):
+        x2, w = rt.scratch((4, 4)), rt.scratch((8,), np.int64)  # 64 bytes each: x's and y's
+        z2, extra = rt.scratch((3,), np.uint32), rt.scratch((3,), np.uint32)
+    assert (x2.ptr, w.ptr, z2.ptr) == (x.ptr, y.ptr, z.ptr) and x2.shape == (4, 4) and w.dtype == np.int64
+    assert extra.ptr not in (x.ptr, y.ptr, z.ptr) and rt.allocated_bytes == n + 12 and len(pool["bufs"]) == 4
+    assert rt.scratch((16,)).ptr not in (x.ptr, y.ptr)  # (the block is over: plain again)
+    be = CudaBackend(rt=FakeRuntime(), quiet=True)
+    built = be.build("matmul_backward", prefer=5, N=64, C=32, OC=96)
+    assert built.pool is not None and len(built.pool["bufs"]) == 2  # weight^T and the transposed narrow operand

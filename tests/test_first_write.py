@@ -143,6 +143,34 @@ def test_data_parallel_paths_zero_first():
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("B", [4, 16])
+def test_twins_take_no_device_memory(monkeypatch, precision, B):
+    """The overwrite twins share their call site's scratch (fp32's weight^T and transposed narrow
+    operand, split-K partials): the d12 model allocates the same bytes with first_write on and off
+    (session 21's twins allocated their own: +0.24 / +0.46 GiB in fp32 at B=4 / 16). And the one-GEMM
+    forms (dinp_only, dweight_only) allocate no scratch for the GEMM they do not run."""
+    from llmc.backend import CudaBackend
+    from llmc.config import config_from_name
+    from llmc.ops import gemm_wgmma as gw
+    from tests.fake_runtime import FakeRuntime
+    monkeypatch.setattr(gw, "tensor_map", lambda *a, **k: bytes(128))
+    got = {}
+    for on in ("1", "0"):
+        monkeypatch.setenv("LLMC_FIRST_WRITE", on)
+        rt = FakeRuntime()
+        m = GPT2(config_from_name("d12"), CudaBackend(rt=rt, quiet=True, precision=precision), B, 1024)
+        assert m.first_write == (on == "1") and len(m.built_first) == (5 if on == "1" else 0)
+        got[on] = rt.allocated_bytes
+    assert got["1"] == got["0"]
+    if precision == "fp32":  # weight^T only with a dinp, the narrow transpose only with a dweight
+        wt, t_buf = 768 * 3072 * 4, 768 * 4096 * 4  # fc at B=4: weight^T (C, OC); inp^T (C, N)
+        for form, want in (("dinp_only", wt), ("dweight_only", t_buf), (None, wt + t_buf)):
+            rt = FakeRuntime()
+            ops.get("matmul_backward").build(rt, 5, "fp32", N=4096, C=768, OC=3072, **({form: True} if form else {}))
+            assert rt.allocated_bytes == want, (form, rt.allocated_bytes)
+
+
 def test_numpy_backend_and_refusals(monkeypatch):
     # the numpy backend writes too (its launchers implement every form), with the same results
     cpu = _train(CpuBackend(np.float32))

@@ -59,6 +59,8 @@ class Built:
     plan: tuple | None = None                # GEMM plans, (engine, config, splits) each: for the lab
     info: dict = field(default_factory=dict)  # anything else a lab script prints (e.g. sample's staging)
     flush: Callable | None = None            # a deferred form's completion (layernorm_backward 5's and 7's deferred=S)
+    pool: dict | None = None                 # its Runtime.scratch buffers (the cuda backend's builds): a build
+                                             # that never runs at the same time may share them (scratch_pool)
 
     def __call__(self, *args):
         return self.launch(*args)

@@ -273,7 +273,8 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
                 ldc: int | None = None, alpha: float = 1.0, beta: float = 0.0, has_bias: bool = False,
                 trans_c: bool = False, bn: int | None = None, splits: int | None = None, store: str = "auto",
                 a_major: str = "k", b_major: str = "k", out: str = "fp32", schedule: str | None = None,
-                rm: int | None = None, gelu: bool = False, dgelu: bool = False, colsum: bool = False):
+                rm: int | None = None, gelu: bool = False, dgelu: bool = False, colsum: bool = False,
+                plan_only: bool = False):
     """C = alpha * A(M,K) @ B(N,K)^T (+ bias(N)) (+ beta*C); with trans_c, C^T is what is stored
     (C is (N, ldc)). Returns launch(C, A, B, bias=None) taking DevArrays or raw pointers.
     a_major="m": the A argument holds A^T, i.e. (K, lda >= M) row-major, as dout holds dout^T for the
@@ -424,12 +425,20 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
         name = instance_name(ty, out, layout, use_ts, bn, fused)
         label = (f"gemm 5 ({ty}{' -> bf16' if out == 'bf16' else ''}, 128x{bn}{', TMA store' if use_ts else ''}{what}"
                  f"{' + gelu' if gelu else ''})")
+    plan_ = (5, f"{tile_rows}x{bn}{'+ts' if use_ts else ''}{'+pp' if use_pp else ''}"
+                f"{LAYOUT_SUFFIX[layout].replace('_', '+')}{'+gelu' if gelu else ''}", splits)
+    if plan_only:  # the plan alone (what the planner picks here): no kernel, no workspace
+
+        def no_launch(*_a, **_k):
+            raise LLMCError("gemm engine 5: a plan_only build does not launch")
+        no_launch.plan = plan_
+        return no_launch
     k = rt.kernel(MODULE, name, "PPPPPPPPiiiiiiiffi" if fused else "PPPPPPiiiiiiiffi", label=label)
     k.set_max_dynamic_smem(smem)
     units = -(-M // tile_rows) * -(-N // bn) * splits
     grid, block = (min(units, rt.sm_count), 1, 1), (384, 1, 1)
     ldw = -(-N // 4) * 4
-    W = rt.empty((splits * M * ldw,), np.float32) if splits > 1 else None
+    W = rt.scratch((splits * M * ldw,), np.float32) if splits > 1 else None  # (partials: written, then reduced)
     red = rt.kernel(MODULE, "gemm_wgmma_splitk_reduce" + ("_gelu" if gelu else "") + ("_bf16" if out == "bf16" else ""),
                     "PPPPiiiiiffi" if gelu else "PPPiiiiiffi",
                     label=f"gemm 5 split-K reduce{' + gelu' if gelu else ''}") if splits > 1 else None
@@ -472,8 +481,7 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
             k(grid, block, tm[0], tm[1], tm[2], *tmg, c, *gp, bi if has_bias else 0, 0, np.int32(M), np.int32(N),
               np.int32(K), np.int32(ldc), np.int32(ldw), np.int32(1), np.int32(per), np.float32(alpha),
               np.float32(beta), np.int32(1 if trans_c else 0), smem=smem)
-    launch.plan = (5, f"{tile_rows}x{bn}{'+ts' if use_ts else ''}{'+pp' if use_pp else ''}"
-                      f"{LAYOUT_SUFFIX[layout].replace('_', '+')}{'+gelu' if gelu else ''}", splits)
+    launch.plan = plan_
     return launch
 
 
@@ -484,7 +492,7 @@ def _dgelu_launch(rt, name, label, smem, dtype, out, M, N, K, lda, ldb, ldc, alp
     tiles_m = -(-M // BM)
     grid, block = (min(tiles_m * -(-N // bn), rt.sm_count), 1, 1), (384, 1, 1)
     srows = 8 * tiles_m  # one partial row per 16 rows (a consumer warp's)
-    S = rt.empty((srows * N,), np.float32) if colsum else None
+    S = rt.scratch((srows * N,), np.float32) if colsum else None  # (every launch writes its partials first)
     fin = rt.kernel(MODULE, "gemm_wgmma_colsum_finish" + ("_bf16" if out == "bf16" else ""), "PPii",
                     label="gemm 5 dgelu column sums") if colsum else None
     bk = 128 // DTYPES[dtype][1]

@@ -232,7 +232,7 @@ def matmul_backward4(rt, N, C, OC, block_size=None):
     for the forward but not for dinp = dout @ weight, so weight^T (C,OC) is written first (a 2 x OC x C
     float pass, ~3-10% of the GEMM's time at GPT-2's shapes). dweight on engine 4."""
     from llmc.ops.gemm_wgmma import transpose_build, wgmma_build
-    wt = rt.empty((C, OC), np.float32)                       # weight^T
+    wt = rt.scratch((C, OC), np.float32)                     # weight^T (written by each launch)
     tr = transpose_build(rt, OC, C)
     g_dinp = wgmma_build(rt, "tf32", N, C, OC)               # dinp(N,C) = dout(N,OC) @ wt(C,OC)^T
     g_dw = gemm_build(rt, 4, True, False, M=OC, N=C, K=N, beta=1.0)
@@ -272,10 +272,11 @@ def _dweight_gemm(wgmma_build, overwrite, *args, **kw):
     build's own plan (its tile and K splits: a GEMM the planner splits over K stays on direct stores,
     where a beta = 0 GEMM would otherwise take the TMA store unsplit), so both forms sum in the same
     order: the same bits, the old gradient (zeros) aside."""
-    g = wgmma_build(*args, beta=1.0, **kw)
+    plan_only = kw.pop("plan_only", False)
     if not overwrite:
-        return g
-    return wgmma_build(*args, beta=0.0, store="direct" if g.plan[2] > 1 else "auto", **kw)
+        return wgmma_build(*args, beta=1.0, plan_only=plan_only, **kw)
+    g = wgmma_build(*args, beta=1.0, plan_only=True, **kw)  # (its plan: no workspace of its own)
+    return wgmma_build(*args, beta=0.0, store="direct" if g.plan[2] > 1 else "auto", plan_only=plan_only, **kw)
 
 
 def matmul_backward5(rt, N, C, OC, block_size=None, dgelu=False, dinp_only=False, dweight_only=False,
@@ -291,18 +292,23 @@ def matmul_backward5(rt, N, C, OC, block_size=None, dgelu=False, dinp_only=False
     overwrite=True (any form with a dweight): dweight = dout^T @ inp, the GEMM built with beta = 0, so
     the old dweight is never read (the model's first micro-step after zero_grad: no memset first)."""
     from llmc.ops.gemm_wgmma import transpose_build, wgmma_build
-    wt = rt.empty((C, OC), np.float32)                       # weight^T
+    # scratch (each launch writes it before reading it): weight^T for dinp, the narrow operand
+    # transposed for dweight, each only where its GEMM is built (a one-GEMM form has no use for the
+    # other), and shared by the model's first micro-step twin (overwrite) with its call site's build
+    wt = None if dweight_only else rt.scratch((C, OC), np.float32)
     tr_w = transpose_build(rt, OC, C)
-    g_dinp = wgmma_build(rt, "tf32", N, C, OC, dgelu=dgelu, colsum=dgelu)
+    # (a one-GEMM form plans the other GEMM without building it: the plan is part of the Built's record)
+    g_dinp = wgmma_build(rt, "tf32", N, C, OC, dgelu=dgelu, colsum=dgelu, plan_only=dweight_only)
     Np = -(-N // 4) * 4                                       # 16-byte rows for the TMA
     narrow = min(C, OC)
-    t_buf = rt.empty((narrow, Np), np.float32)                # the narrow operand, transposed
+    t_buf = None if dinp_only else rt.scratch((narrow, Np), np.float32)
     tr_x = transpose_build(rt, N, narrow, ld_out=Np)
     if OC >= C:   # dweight(OC,C) += dout^T(OC,N) @ inp(N,C): A = dout (M-major), B = inp^T
-        g_dw = _dweight_gemm(wgmma_build, overwrite, rt, "tf32", OC, C, N, lda=OC, ldb=Np, ldc=C, a_major="m")
+        g_dw = _dweight_gemm(wgmma_build, overwrite, rt, "tf32", OC, C, N, lda=OC, ldb=Np, ldc=C, a_major="m",
+                             plan_only=dinp_only)
     else:         # dweight^T(C,OC) += inp^T(C,N) @ dout(N,OC): A = inp (M-major), B = dout^T
         g_dw = _dweight_gemm(wgmma_build, overwrite, rt, "tf32", C, OC, N, lda=C, ldb=Np, ldc=C, a_major="m",
-                             trans_c=True)
+                             trans_c=True, plan_only=dinp_only)
 
     def dweight_part(dweight, dout, inp):
         if OC >= C:
@@ -342,9 +348,10 @@ def matmul_backward5_bf16(rt, N, C, OC, block_size=None, dgelu=False, dinp_only=
     layer's fused form (see _dgelu_form), on engine 5's dgelu instance. overwrite=True: dweight written
     (beta = 0: the old gradient is not read), as in the fp32 build."""
     from llmc.ops.gemm_wgmma import wgmma_build
-    g_dinp = wgmma_build(rt, "bf16", N, C, OC, ldb=C, b_major="n", out="bf16", dgelu=dgelu, colsum=dgelu)
+    g_dinp = wgmma_build(rt, "bf16", N, C, OC, ldb=C, b_major="n", out="bf16", dgelu=dgelu, colsum=dgelu,
+                         plan_only=dweight_only)
     g_dw = _dweight_gemm(wgmma_build, overwrite, rt, "bf16", OC, C, N, lda=OC, ldb=C, ldc=C, a_major="m", b_major="n",
-                         out="bf16")
+                         out="bf16", plan_only=dinp_only)
 
     def launch(dinp, dweight, dout, inp, weight):
         g_dinp(dinp, dout, weight)
