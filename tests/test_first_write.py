@@ -165,13 +165,10 @@ def test_twins_take_no_device_memory(monkeypatch, precision, B):
     assert got["1"] == got["0"]
     if precision == "fp32":  # weight^T only with a dinp, the narrow transpose only with a dweight
         wt, t_buf = 768 * 3072 * 4, 768 * 4096 * 4  # fc at B=4: weight^T (C, OC); inp^T (C, N)
-        for am in ("0", "1"):  # (with dinp through registers there is no weight^T)
-            monkeypatch.setenv("LLMC_TF32_DINP_AM", am)
-            w = wt if am == "0" else 0
-            for form, want in (("dinp_only", w), ("dweight_only", t_buf), (None, w + t_buf)):
-                rt = FakeRuntime()
-                ops.get("matmul_backward").build(rt, 5, "fp32", N=4096, C=768, OC=3072, **({form: True} if form else {}))
-                assert rt.allocated_bytes == want, (am, form, rt.allocated_bytes)
+        for form, want in (("dinp_only", wt), ("dweight_only", t_buf), (None, wt + t_buf)):
+            rt = FakeRuntime()
+            ops.get("matmul_backward").build(rt, 5, "fp32", N=4096, C=768, OC=3072, **({form: True} if form else {}))
+            assert rt.allocated_bytes == want, (form, rt.allocated_bytes)
 
 
 def test_numpy_backend_and_refusals(monkeypatch):

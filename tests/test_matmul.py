@@ -197,37 +197,6 @@ def test_matmul_backward_gpu(rt, rng, shape, integers):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("am", ["0", "1"])
-@pytest.mark.parametrize("N,C,OC", [(4096, 768, 3072), (37, 64, 96), (260, 768, 768), (5, 96, 40)])
-def test_tf32_dinp_through_registers_gpu(rt, rng, monkeypatch, am, N, C, OC):
-    """Variant 5's fp32 dinp both ways (LLMC_TF32_DINP_AM: weight^T by the transpose kernel, or the
-    weight as an M-major A through registers with the result stored transposed), in the plain and the
-    dinp_only forms: against float64 on poisoned outputs, and the rule's default where it applies."""
-    from llmc.testing import poison
-    monkeypatch.setenv("LLMC_TF32_DINP_AM", am)
-    assert mm.tf32_dinp_through_registers(N, C, OC) == (am == "1")
-    monkeypatch.delenv("LLMC_TF32_DINP_AM")
-    assert mm.tf32_dinp_through_registers(4096, 768, 2304) and not mm.tf32_dinp_through_registers(4096, 3072, 768)
-    assert not mm.tf32_dinp_through_registers(16384, 768, 2304)
-    monkeypatch.setenv("LLMC_TF32_DINP_AM", am)
-    dout, inp, weight = rnd(rng, N, OC), rnd(rng, N, C), rnd(rng, OC, C)
-    dinp_ref, dw_ref, _ = mm.matmul_backward_ref(*(x.astype(np.float64) for x in (dout, inp, weight)))
-    d_dout, d_inp, d_w = rt.to_device(dout), rt.to_device(inp), rt.to_device(weight)
-    d_dinp, d_dw = rt.empty((N, C)), rt.empty((OC, C))
-    spec = ops.get("matmul_backward")
-    for form in ({}, {"dinp_only": True}):
-        launch = spec.build(rt, 5, N=N, C=C, OC=OC, **form)
-        poison(d_dinp)
-        if form:
-            launch(d_dinp, d_dout, d_w)
-        else:
-            d_dw.set(np.zeros((OC, C), np.float32))
-            launch(d_dinp, d_dw, d_dout, d_inp, d_w)
-            check(d_dw.get(), dw_ref, True, f"matmul_backward 5 dweight am={am} {N, C, OC}")
-        check(d_dinp.get(), dinp_ref, True, f"matmul_backward 5 dinp am={am} {form} {N, C, OC}")
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("N,OC", [(4 * 1024, 768), (1, 96), (4 * 65, 2304), (65, 1600), (7, 1)])
 def test_matmul_backward_bias_gpu(rt, rng, N, OC):
     from llmc.testing import assert_close

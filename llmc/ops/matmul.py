@@ -29,8 +29,6 @@ matmul_backward_bias 4. bf16 rows need 16-byte strides in the TMA: C % 8 (and OC
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
 from llmc.ops import Built, OpSpec, Variant, check_block_size, ptr as _ptr
@@ -281,19 +279,6 @@ def _dweight_gemm(wgmma_build, overwrite, *args, **kw):
     return wgmma_build(*args, beta=0.0, store="direct" if g.plan[2] > 1 else "auto", plan_only=plan_only, **kw)
 
 
-def tf32_dinp_through_registers(N, C, OC) -> bool:
-    """Whether variant 5's fp32 dinp skips the weight transpose: dinp^T (C, N) = weight^T @ dout^T with
-    weight (OC, C) as an M-major A through registers (the `_am` instances) and the result stored
-    transposed, instead of weight^T by the transpose kernel and then the K-major GEMM. H100, alone
-    (session 22, call 6): 0.97x / 0.84x / 0.94x of the pair for qkv / attproj / fc at N = 4096,
-    1.03x for fcproj (OC < C) and the lm head (OC = 50304), 1.00-1.18x at N = 16384: so where N <= 4096
-    and C <= OC <= 4 C. LLMC_TF32_DINP_AM=1|0 forces either (the step's A/B)."""
-    env = os.environ.get("LLMC_TF32_DINP_AM")
-    if env is not None:
-        return env != "0"
-    return N <= 4096 and C <= OC <= 4 * C
-
-
 def matmul_backward5(rt, N, C, OC, block_size=None, dgelu=False, dinp_only=False, dweight_only=False,
                      overwrite=False):
     """dinp and dweight on engine 5. dinp as in variant 4 (weight^T written first). dweight =
@@ -310,15 +295,10 @@ def matmul_backward5(rt, N, C, OC, block_size=None, dgelu=False, dinp_only=False
     # scratch (each launch writes it before reading it): weight^T for dinp, the narrow operand
     # transposed for dweight, each only where its GEMM is built (a one-GEMM form has no use for the
     # other), and shared by the model's first micro-step twin (overwrite) with its call site's build
-    am = not dgelu and tf32_dinp_through_registers(N, C, OC)  # dinp with no weight^T (see there)
-    wt = None if dweight_only or am else rt.scratch((C, OC), np.float32)
+    wt = None if dweight_only else rt.scratch((C, OC), np.float32)
     tr_w = transpose_build(rt, OC, C)
     # (a one-GEMM form plans the other GEMM without building it: the plan is part of the Built's record)
-    if am:      # dinp^T(C,N) = weight^T(C,OC) @ dout^T: A = weight (M-major), B = dout, stored transposed
-        g_dinp = wgmma_build(rt, "tf32", C, N, OC, lda=C, ldb=OC, ldc=C, a_major="m", trans_c=True,
-                             plan_only=dweight_only)
-    else:
-        g_dinp = wgmma_build(rt, "tf32", N, C, OC, dgelu=dgelu, colsum=dgelu, plan_only=dweight_only)
+    g_dinp = wgmma_build(rt, "tf32", N, C, OC, dgelu=dgelu, colsum=dgelu, plan_only=dweight_only)
     Np = -(-N // 4) * 4                                       # 16-byte rows for the TMA
     narrow = min(C, OC)
     t_buf = None if dinp_only else rt.scratch((narrow, Np), np.float32)
@@ -338,16 +318,14 @@ def matmul_backward5(rt, N, C, OC, block_size=None, dgelu=False, dinp_only=False
             tr_x(t_buf, dout)
             g_dw(dweight, inp, t_buf)
 
-    def dinp_part(dinp, dout, weight):
-        if am:
-            g_dinp(dinp, weight, dout)
-        else:
-            tr_w(wt, weight)
-            g_dinp(dinp, dout, wt)
-
     def launch(dinp, dweight, dout, inp, weight):
-        dinp_part(dinp, dout, weight)
+        tr_w(wt, weight)
+        g_dinp(dinp, dout, wt)
         dweight_part(dweight, dout, inp)
+
+    def dinp_part(dinp, dout, weight):
+        tr_w(wt, weight)
+        g_dinp(dinp, dout, wt)
 
     if dinp_only or dweight_only:
         return _parts(Built(launch, plan=(g_dinp.plan, g_dw.plan)), dinp_part, dweight_part, dinp_only, dweight_only)
