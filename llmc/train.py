@@ -639,12 +639,14 @@ def main(argv=None, group=None) -> int:
             acc = hellaswag.run(model, group)  # the examples split over the ranks, as llm.c does
             if log:
                 log.eval(step, acc)
-        # samples
-        if (args.sample_every > 0 and not again and (step % args.sample_every == 0 or last_step) and step > 0
-                and group.is_main):
+        # samples (rank 0's; every rank reports the pending step first: its loss is a mean over the
+        # ranks, read by all of them at the same point)
+        sample_now = args.sample_every > 0 and not again and (step % args.sample_every == 0 or last_step) and step > 0
+        if sample_now:
+            flush()
+        if sample_now and group.is_main:
             from llmc.decode import Decoder
             from llmc.decode import sample_during_training
-            flush()
             dp.params_ready()
             if decoder is None:
                 decoder = Decoder(cfg, be, 1, params_buf=model.params)

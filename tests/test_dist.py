@@ -561,12 +561,14 @@ def test_pipelined_steps_print_the_same_on_two_ranks(shards, tmp_path, zero):
     the ranks, the norms (-z 1: the shard norms summed across ranks) and every printed line are
     those of the run that reads each step at once."""
     need_mpi()
-    common = SMALL + data_args(shards) + ["-b", "2", "-z", str(zero), "-x", "6", "-v", "3", "-c", "0.1"]
-    outs = [run(common + ["-o", str(tmp_path / f"p{flag}")], np_=2, env={"LLMC_PIPELINE_STEPS": flag}).stdout
-            for flag in ("1", "0")]
+    # (-s 2: rank 0 alone samples, every rank reports the pending step before it: a mean over ranks)
+    common = SMALL + data_args(shards) + ["-b", "2", "-z", str(zero), "-x", "6", "-v", "3", "-c", "0.1",
+                                          "-s", "2", "-g", "4"]
+    outs = [run(common + ["-o", str(tmp_path / f"p{flag}")], np_=2, env={"LLMC_PIPELINE_STEPS": flag},
+                timeout=120).stdout for flag in ("1", "0")]
     strip = [[re.sub(r"\| [0-9.]+ ms.*$", "", ln) for ln in o.splitlines()
               if not ln.startswith(("total average", "wrote "))] for o in outs]
     assert strip[0] == strip[1]
-    assert len(step_losses(outs[0])) == 6 and "norm" in outs[0]
+    assert len(step_losses(outs[0])) == 6 and "norm" in outs[0] and outs[0].count("generating") >= 3
     a = (tmp_path / "p1" / "model_00000006.bin").read_bytes()
     assert a == (tmp_path / "p0" / "model_00000006.bin").read_bytes()
