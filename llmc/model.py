@@ -429,8 +429,7 @@ class GPT2:
         self.inputs, self.targets = be.view(self._batch, 0, (B, T)), be.view(self._batch, B * T, (B, T))
         self._pinned_xy = be.pinned((2, B, T), np.int32)
         self._pinned_xy[...] = 0
-        self._pinned_loss = be.pinned(self.a["loss_acc"].shape, f32)
-        # read_step's pinned buffers, two sets in turn (one step's read still unread while the next
+        # read_step's (and step_loss's) pinned buffers, two sets in turn (one step's read still unread while the next
         # step's is queued), and the StepRead holding each
         self._read_bufs = [(be.pinned(self.a["loss_acc"].shape, f32), be.pinned((1,), f32)) for _ in range(2)]
         self._reads, self._read_turn = [None, None], 0
@@ -951,6 +950,4 @@ class GPT2:
     def step_loss(self) -> float:
         """Mean loss over the micro-steps since zero_grad() (a host read: a sync, through pinned memory
         by a copy queued on the stream behind the step)."""
-        self._zero_stale_grads()
-        acc = self.be.download_into(self._pinned_loss, self.a["loss_acc"])[:self.B * self.T].astype(np.float64)
-        return float(acc.mean() / max(self.micro_steps, 1))
+        return self.read_step(norm=False).loss()
