@@ -79,6 +79,7 @@ __device__ __forceinline__ void adamw_scalar(float* params, const float* grads, 
 
 extern "C" __global__ void adamw_kernel1(float* params, const float* grads, float* m, float* v,
                                          const float* norm2, const float* hp, int n) {
+    LLMC_PDL_WAIT();
     const size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
     if (i >= (size_t)n) return;
     const AdamWArgs a = adamw_args(hp, norm2);
@@ -93,6 +94,7 @@ extern "C" __global__ void adamw_kernel1(float* params, const float* grads, floa
 
 extern "C" __global__ void adamw_kernel2(float* params, const float* grads, float* m, float* v,
                                          const float* norm2, const float* hp, int n) {
+    LLMC_PDL_WAIT();
     const AdamWArgs a = adamw_args(hp, norm2);
     const size_t tid = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
     const size_t stride = (size_t)gridDim.x * blockDim.x;
@@ -168,6 +170,7 @@ __device__ __forceinline__ void adamw_scalar_bf16(bf16* params, const bf16* grad
 extern "C" __global__ void adamw_kernel1_bf16(bf16* params, const bf16* grads, float* m, float* v,
                                               const float* norm2, const float* hp, float* master,
                                               const unsigned int* seed, int n, long long offset) {
+    LLMC_PDL_WAIT();
     const size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
     if (i >= (size_t)n) return;
     const AdamWArgs a = adamw_args(hp, norm2);
@@ -182,6 +185,7 @@ extern "C" __global__ void adamw_kernel1_bf16(bf16* params, const bf16* grads, f
 extern "C" __global__ void adamw_kernel2_bf16(bf16* params, const bf16* grads, float* m, float* v,
                                               const float* norm2, const float* hp, float* master,
                                               const unsigned int* seed, int n, long long offset) {
+    LLMC_PDL_WAIT();
     const AdamWArgs a = adamw_args(hp, norm2);
     const unsigned int s = __ldg(seed);
     const bool stochastic = s != 0u;
@@ -262,6 +266,7 @@ extern "C" __global__ void adamw_kernel3(float* __restrict__ params, const float
                                          float* __restrict__ m, float* __restrict__ v,
                                          const float* __restrict__ norm2, const float* __restrict__ hp,
                                          const long long* __restrict__ ch, const int* __restrict__ tiles) {
+    LLMC_PDL_WAIT();
     int c;
     const AdamWChunk k = adamw_chunk(ch, tiles, c);
     const AdamWArgs a = adamw_args(hp + 8 * k.row, norm2);
@@ -282,6 +287,7 @@ extern "C" __global__ void adamw_kernel3_bf16(bf16* __restrict__ params, const b
                                               const float* __restrict__ norm2, const float* __restrict__ hp,
                                               float* __restrict__ master, const unsigned int* __restrict__ seeds,
                                               const long long* __restrict__ ch, const int* __restrict__ tiles) {
+    LLMC_PDL_WAIT();
     int c;
     const AdamWChunk k = adamw_chunk(ch, tiles, c);
     const AdamWArgs a = adamw_args(hp + 8 * k.row, norm2);

@@ -59,15 +59,19 @@ __device__ __forceinline__ void unpermute_impl(V* dst, const V* src, int B, int 
 }
 
 extern "C" __global__ void permute_kernel1(float* dst, const float* src, int B, int T, int S, int NH, int hs) {
+    LLMC_PDL_WAIT();
     permute_impl<float>(dst, src, B, T, S, NH, hs);
 }
 extern "C" __global__ void permute_kernel2(float* dst, const float* src, int B, int T, int S, int NH, int hs) {
+    LLMC_PDL_WAIT();
     permute_impl<float4>(reinterpret_cast<float4*>(dst), reinterpret_cast<const float4*>(src), B, T, S, NH, hs / 4);
 }
 extern "C" __global__ void unpermute_kernel1(float* dst, const float* src, int B, int T, int S, int NH, int hs) {
+    LLMC_PDL_WAIT();
     unpermute_impl<float>(dst, src, B, T, S, NH, hs);
 }
 extern "C" __global__ void unpermute_kernel2(float* dst, const float* src, int B, int T, int S, int NH, int hs) {
+    LLMC_PDL_WAIT();
     unpermute_impl<float4>(reinterpret_cast<float4*>(dst), reinterpret_cast<const float4*>(src), B, T, S, NH, hs / 4);
 }
 
@@ -135,10 +139,12 @@ __device__ __forceinline__ void attention_decode1(E* out, const E* qkv, E* kcach
 }
 extern "C" __global__ void attention_decode_kernel1(float* out, const float* qkv, float* kcache, float* vcache,
                                                     const int* posp, int B, int NH, int hs, int maxT, float scale) {
+    LLMC_PDL_WAIT();
     attention_decode1<float>(out, qkv, kcache, vcache, posp, B, NH, hs, maxT, scale);
 }
 extern "C" __global__ void attention_decode_kernel1_bf16(bf16* out, const bf16* qkv, bf16* kcache, bf16* vcache,
                                                          const int* posp, int B, int NH, int hs, int maxT, float scale) {
+    LLMC_PDL_WAIT();
     attention_decode1<bf16>(out, qkv, kcache, vcache, posp, B, NH, hs, maxT, scale);
 }
 
@@ -214,10 +220,12 @@ __device__ __forceinline__ void attention_decode2(float* part, const E* qkv, E* 
 }
 extern "C" __global__ void __launch_bounds__(128) attention_decode_kernel2(float* part, const float* qkv,
         float* kcache, float* vcache, const int* posp, int B, int NH, int hs, int maxT, float scale) {
+    LLMC_PDL_WAIT();
     attention_decode2<float>(part, qkv, kcache, vcache, posp, B, NH, hs, maxT, scale);
 }
 extern "C" __global__ void __launch_bounds__(128) attention_decode_kernel2_bf16(float* part, const bf16* qkv,
         bf16* kcache, bf16* vcache, const int* posp, int B, int NH, int hs, int maxT, float scale) {
+    LLMC_PDL_WAIT();
     attention_decode2<bf16>(part, qkv, kcache, vcache, posp, B, NH, hs, maxT, scale);
 }
 
@@ -243,10 +251,12 @@ __device__ __forceinline__ void attention_decode_combine2(E* out, const float* p
 }
 extern "C" __global__ void attention_decode_combine_kernel2(float* out, const float* part, const int* posp,
                                                             int NH, int hs, int chunks) {
+    LLMC_PDL_WAIT();
     attention_decode_combine2<float>(out, part, posp, NH, hs, chunks);
 }
 extern "C" __global__ void attention_decode_combine_kernel2_bf16(bf16* out, const float* part, const int* posp,
                                                                  int NH, int hs, int chunks) {
+    LLMC_PDL_WAIT();
     attention_decode_combine2<bf16>(out, part, posp, NH, hs, chunks);
 }
 
@@ -265,10 +275,12 @@ __device__ __forceinline__ void attention_kv_fill1(E* kcache, E* vcache, const E
 }
 extern "C" __global__ void attention_kv_fill_kernel1(float* kcache, float* vcache, const float* qkvr,
                                                      int B, int NH, int T, int hs, int maxT) {
+    LLMC_PDL_WAIT();
     attention_kv_fill1<float>(kcache, vcache, qkvr, B, NH, T, hs, maxT);
 }
 extern "C" __global__ void attention_kv_fill_kernel1_bf16(bf16* kcache, bf16* vcache, const bf16* qkvr,
                                                           int B, int NH, int T, int hs, int maxT) {
+    LLMC_PDL_WAIT();
     attention_kv_fill1<bf16>(kcache, vcache, qkvr, B, NH, T, hs, maxT);
 }
 
@@ -839,17 +851,17 @@ __device__ __forceinline__ void flash_backward_dkdv(float* dinp, const float* do
 
 #define FLASH_ENTRIES(N, PIPE)                                                                              \
     extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_attention_forward_kernel##N(              \
-        float* out, float* lse, const float* qkvr, int B, int NH, int T, float scale) {                     \
+        float* out, float* lse, const float* qkvr, int B, int NH, int T, float scale) { LLMC_PDL_WAIT();    \
         flash_forward<PIPE>(out, lse, qkvr, B, NH, T, scale);                                               \
     }                                                                                                       \
     extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_attention_backward_dq_kernel##N(          \
         float* dinp, float* Dbuf, const float* dout, const float* out, const float* qkvr, const float* lse, \
-        int B, int NH, int T, float scale) {                                                                \
+        int B, int NH, int T, float scale) { LLMC_PDL_WAIT();                                               \
         flash_backward_dq<PIPE>(dinp, Dbuf, dout, out, qkvr, lse, B, NH, T, scale);                         \
     }                                                                                                       \
     extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_attention_backward_dkdv_kernel##N(        \
         float* dinp, const float* dout, const float* qkvr, const float* lse, const float* Dbuf, int B,      \
-        int NH, int T, float scale) {                                                                       \
+        int NH, int T, float scale) { LLMC_PDL_WAIT();                                                      \
         flash_backward_dkdv<PIPE>(dinp, dout, qkvr, lse, Dbuf, B, NH, T, scale);                            \
     }
 FLASH_ENTRIES(2, false)
@@ -1168,17 +1180,17 @@ __device__ __forceinline__ void flash_backward_dkdv_bf16(bf16* dinp, const bf16*
 
 #define FLASH_ENTRIES_BF16(N, PIPE)                                                                          \
     extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_attention_forward_kernel##N##_bf16(       \
-        bf16* out, float* lse, const bf16* qkvr, int B, int NH, int T, float scale) {                        \
+        bf16* out, float* lse, const bf16* qkvr, int B, int NH, int T, float scale) { LLMC_PDL_WAIT();       \
         flash_forward_bf16<PIPE, 1>(out, lse, qkvr, B, NH, T, scale);                                        \
     }                                                                                                        \
     extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_attention_backward_dq_kernel##N##_bf16(   \
         bf16* dinp, float* Dbuf, const bf16* dout, const bf16* out, const bf16* qkvr, const float* lse,      \
-        int B, int NH, int T, float scale) {                                                                 \
+        int B, int NH, int T, float scale) { LLMC_PDL_WAIT();                                                \
         flash_backward_dq_bf16<PIPE>(dinp, Dbuf, dout, out, qkvr, lse, B, NH, T, scale);                     \
     }                                                                                                        \
     extern "C" __global__ void __launch_bounds__(FA_THREADS, 2) flash_attention_backward_dkdv_kernel##N##_bf16( \
         bf16* dinp, const bf16* dout, const bf16* qkvr, const float* lse, const float* Dbuf, int B, int NH,  \
-        int T, float scale) {                                                                                \
+        int T, float scale) { LLMC_PDL_WAIT();                                                               \
         flash_backward_dkdv_bf16<PIPE>(dinp, dout, qkvr, lse, Dbuf, B, NH, T, scale);                        \
     }
 FLASH_ENTRIES_BF16(2, false)
@@ -1186,14 +1198,17 @@ FLASH_ENTRIES_BF16(3, true)
 // the forward with 128-row blocks (MT = 2), for the lab to measure against the 64-row one
 extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_attention_forward_kernel2_bf16_rows128(
     bf16* out, float* lse, const bf16* qkvr, int B, int NH, int T, float scale) {
+    LLMC_PDL_WAIT();
     flash_forward_bf16<false, 2>(out, lse, qkvr, B, NH, T, scale);
 }
 extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_attention_forward_kernel3_bf16_rows128(
     bf16* out, float* lse, const bf16* qkvr, int B, int NH, int T, float scale) {
+    LLMC_PDL_WAIT();
     flash_forward_bf16<true, 2>(out, lse, qkvr, B, NH, T, scale);
 }
 
 // the permute into qkvr for the bf16 builds: 16-byte moves of 8 bf16 (hs % 8 == 0)
 extern "C" __global__ void permute_kernel2_bf16(bf16* dst, const bf16* src, int B, int T, int S, int NH, int hs) {
+    LLMC_PDL_WAIT();
     permute_impl<uint4>(reinterpret_cast<uint4*>(dst), reinterpret_cast<const uint4*>(src), B, T, S, NH, hs / 8);
 }

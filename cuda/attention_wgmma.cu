@@ -483,12 +483,14 @@ __device__ __forceinline__ void flash_forward_wgmma(bf16* out, float* lse, const
 // tm: the 4D map of the (B,T,3C) qkv tensor the forward reads (see Layouts: BTC)
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_forward_kernel4_bf16(bf16* out, float* lse, const CUtensorMap* tm, int B, int NH, int T, float scale) {
+    LLMC_PDL_WAIT();
     flash_forward_wgmma<false>(out, lse, tm, B, NH, T, scale);
 }
 // the lab's overlap=True build (llmc/ops/attention.py); the same bits as the plain one
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_forward_kernel4_bf16_overlap(bf16* out, float* lse, const CUtensorMap* tm, int B, int NH, int T,
                                              float scale) {
+    LLMC_PDL_WAIT();
     flash_forward_wgmma<true>(out, lse, tm, B, NH, T, scale);
 }
 // the lab's pingpong=True builds: the two consumers taking turns issuing, plain or with overlap; the
@@ -496,11 +498,13 @@ flash_attention_forward_kernel4_bf16_overlap(bf16* out, float* lse, const CUtens
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_forward_kernel4_bf16_pingpong(bf16* out, float* lse, const CUtensorMap* tm, int B, int NH, int T,
                                               float scale) {
+    LLMC_PDL_WAIT();
     flash_forward_wgmma<false, true>(out, lse, tm, B, NH, T, scale);
 }
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_forward_kernel4_bf16_overlap_pingpong(bf16* out, float* lse, const CUtensorMap* tm, int B, int NH,
                                                       int T, float scale) {
+    LLMC_PDL_WAIT();
     flash_forward_wgmma<true, true>(out, lse, tm, B, NH, T, scale);
 }
 
@@ -603,7 +607,7 @@ __device__ __forceinline__ void flash_forward_wgmma_persistent(bf16* out, float*
 #define FWD_PERSISTENT(name, PP, OV, ST)                                                                       \
     extern "C" __global__ void __launch_bounds__(THREADS, 1)                                                   \
     flash_attention_forward_kernel4_bf16_persistent##name(bf16* out, float* lse, const CUtensorMap* tm, int B,  \
-                                                          int NH, int T, float scale) {                        \
+                                                          int NH, int T, float scale) { LLMC_PDL_WAIT();       \
         flash_forward_wgmma_persistent<PP, OV, ST>(out, lse, tm, B, NH, T, scale);                              \
     }
 FWD_PERSISTENT(, false, false, 2)
@@ -893,6 +897,7 @@ __device__ __forceinline__ void flash_backward_dq_wgmma(bf16* dinp, float* Dbuf,
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_backward_dq_kernel4_bf16(bf16* dinp, float* Dbuf, const bf16* dout, const bf16* out,
                                          const CUtensorMap* tm, const float* lse, int B, int NH, int T, float scale) {
+    LLMC_PDL_WAIT();
     flash_backward_dq_wgmma<false, false>(dinp, Dbuf, dout, out, tm, lse, B, NH, T, scale);
 }
 // q, k, v from the (B,T,3C) qkv tensor itself (the build with qkv_in_place=True)
@@ -900,6 +905,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_backward_dq_kernel4_bf16_btc(bf16* dinp, float* Dbuf, const bf16* dout, const bf16* out,
                                              const CUtensorMap* tm, const float* lse, int B, int NH, int T,
                                              float scale) {
+    LLMC_PDL_WAIT();
     flash_backward_dq_wgmma<false, true>(dinp, Dbuf, dout, out, tm, lse, B, NH, T, scale);
 }
 // the lab's in-place pingpong=True build (the consumers take turns issuing; the same bits)
@@ -907,6 +913,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_backward_dq_kernel4_bf16_btc_pingpong(bf16* dinp, float* Dbuf, const bf16* dout, const bf16* out,
                                                       const CUtensorMap* tm, const float* lse, int B, int NH, int T,
                                                       float scale) {
+    LLMC_PDL_WAIT();
     flash_backward_dq_wgmma<false, true, true>(dinp, Dbuf, dout, out, tm, lse, B, NH, T, scale);
 }
 // the lab's overlap=True build (llmc/ops/attention.py); the same bits as the plain one
@@ -914,6 +921,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_backward_dq_kernel4_bf16_overlap(bf16* dinp, float* Dbuf, const bf16* dout, const bf16* out,
                                                  const CUtensorMap* tm, const float* lse, int B, int NH, int T,
                                                  float scale) {
+    LLMC_PDL_WAIT();
     flash_backward_dq_wgmma<true, false>(dinp, Dbuf, dout, out, tm, lse, B, NH, T, scale);
 }
 
@@ -1065,16 +1073,19 @@ __device__ __forceinline__ void flash_backward_dkdv_wgmma(bf16* dinp, const CUte
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_backward_dkdv_kernel4_bf16(bf16* dinp, const CUtensorMap* tm, const float* lse, const float* Dbuf,
                                            int B, int NH, int T, float scale) {
+    LLMC_PDL_WAIT();
     flash_backward_dkdv_wgmma<false>(dinp, tm, lse, Dbuf, B, NH, T, scale);
 }
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_backward_dkdv_kernel4_bf16_btc(bf16* dinp, const CUtensorMap* tm, const float* lse, const float* Dbuf,
                                                int B, int NH, int T, float scale) {
+    LLMC_PDL_WAIT();
     flash_backward_dkdv_wgmma<true>(dinp, tm, lse, Dbuf, B, NH, T, scale);
 }
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_backward_dkdv_kernel4_bf16_btc_pingpong(bf16* dinp, const CUtensorMap* tm, const float* lse,
                                                         const float* Dbuf, int B, int NH, int T, float scale) {
+    LLMC_PDL_WAIT();
     flash_backward_dkdv_wgmma<true, true>(dinp, tm, lse, Dbuf, B, NH, T, scale);
 }
 
@@ -1128,6 +1139,7 @@ __device__ __forceinline__ void bulk_wait_read_att() { asm volatile("cp.async.bu
 extern "C" __global__ void __launch_bounds__(256)
 flash_attention_backward_prep_kernel5_bf16(float* Dbuf, float* dq_acc, const bf16* dout, const bf16* out, int B,
                                            int NH, int T, int zero_acc) {
+    LLMC_PDL_WAIT();
     const int C = NH * HS;
     const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     const long long r = idx >> 2;                    // (b t) * NH + h
@@ -1158,6 +1170,7 @@ flash_attention_backward_prep_kernel5_bf16(float* Dbuf, float* dq_acc, const bf1
 // convert: dinp[b, t, h * 64 + d] = bf16(scale dq_acc[b, h, t, d]), 8 elements a thread (dinp order)
 extern "C" __global__ void __launch_bounds__(256)
 flash_attention_backward_convert_kernel5_bf16(bf16* dinp, const float* dq_acc, int B, int NH, int T, float scale) {
+    LLMC_PDL_WAIT();
     const int C = NH * HS;
     const long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * 8;  // (b t) * C + h * 64 + d
     if (i >= (long long)B * T * C) return;
@@ -1371,17 +1384,20 @@ __device__ __forceinline__ void flash_backward_dkdvq_wgmma(bf16* dinp, float* dq
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_backward_dkdvq_kernel5_bf16(bf16* dinp, float* dq_acc, const CUtensorMap* tm, const float* lse,
                                             const float* Dbuf, int B, int NH, int T, float scale, int G) {
+    LLMC_PDL_WAIT();
     flash_backward_dkdvq_wgmma<false>(dinp, dq_acc, tm, lse, Dbuf, B, NH, T, scale, G);
 }
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_backward_dkdvq_kernel5_bf16_btc(bf16* dinp, float* dq_acc, const CUtensorMap* tm, const float* lse,
                                                 const float* Dbuf, int B, int NH, int T, float scale, int G) {
+    LLMC_PDL_WAIT();
     flash_backward_dkdvq_wgmma<true>(dinp, dq_acc, tm, lse, Dbuf, B, NH, T, scale, G);
 }
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_backward_dkdvq_kernel5_bf16_btc_pingpong(bf16* dinp, float* dq_acc, const CUtensorMap* tm,
                                                          const float* lse, const float* Dbuf, int B, int NH, int T,
                                                          float scale, int G) {
+    LLMC_PDL_WAIT();
     flash_backward_dkdvq_wgmma<true, true>(dinp, dq_acc, tm, lse, Dbuf, B, NH, T, scale, G);
 }
 
@@ -1430,6 +1446,7 @@ __device__ __forceinline__ int vt_pos(int k) { return (k & ~7) | ((k & 1) << 2) 
 // head through shared memory (both sides coalesced).
 extern "C" __global__ void attention_vt_kernel(float* dst, const float* x, int NH, int T, int Tp, int head_stride,
                                                int row_stride, long long batch_stride) {
+    LLMC_PDL_WAIT();
     __shared__ float tile[32][HS + 1];
     const int bh = blockIdx.y, b = bh / NH, h = bh % NH, k0 = blockIdx.x * 32, tx = threadIdx.x, ty = threadIdx.y;
     const float* src = x + (size_t)b * batch_stride + (size_t)h * head_stride;
@@ -1701,6 +1718,7 @@ __device__ __forceinline__ void flash_forward_wgmma_tf32(float* out, float* lse,
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_forward_kernel4_tf32(float* out, float* lse, const CUtensorMap* maps, int B, int NH, int T,
                                      float scale) {
+    LLMC_PDL_WAIT();
     flash_forward_wgmma_tf32<false, false>(out, lse, maps, B, NH, T, scale);
 }
 
@@ -1708,6 +1726,7 @@ flash_attention_forward_kernel4_tf32(float* out, float* lse, const CUtensorMap* 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_forward_kernel4_tf32_smt(float* out, float* lse, const CUtensorMap* maps, int B, int NH, int T,
                                          float scale) {
+    LLMC_PDL_WAIT();
     flash_forward_wgmma_tf32<false, true>(out, lse, maps, B, NH, T, scale);
 }
 
@@ -1715,12 +1734,14 @@ flash_attention_forward_kernel4_tf32_smt(float* out, float* lse, const CUtensorM
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_forward_kernel4_tf32_btc(float* out, float* lse, const CUtensorMap* maps, int B, int NH, int T,
                                          float scale) {
+    LLMC_PDL_WAIT();
     flash_forward_wgmma_tf32<true, false>(out, lse, maps, B, NH, T, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_forward_kernel4_tf32_btc_smt(float* out, float* lse, const CUtensorMap* maps, int B, int NH, int T,
                                              float scale) {
+    LLMC_PDL_WAIT();
     flash_forward_wgmma_tf32<true, true>(out, lse, maps, B, NH, T, scale);
 }
 
@@ -1728,12 +1749,14 @@ flash_attention_forward_kernel4_tf32_btc_smt(float* out, float* lse, const CUten
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_forward_kernel4_tf32_btc_pp(float* out, float* lse, const CUtensorMap* maps, int B, int NH, int T,
                                             float scale) {
+    LLMC_PDL_WAIT();
     flash_forward_wgmma_tf32<true, false, true>(out, lse, maps, B, NH, T, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_forward_kernel4_tf32_btc_smt_pp(float* out, float* lse, const CUtensorMap* maps, int B, int NH, int T,
                                                 float scale) {
+    LLMC_PDL_WAIT();
     flash_forward_wgmma_tf32<true, true, true>(out, lse, maps, B, NH, T, scale);
 }
 
@@ -1741,12 +1764,14 @@ flash_attention_forward_kernel4_tf32_btc_smt_pp(float* out, float* lse, const CU
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_forward_kernel4_tf32_btc_pp_persistent(float* out, float* lse, const CUtensorMap* maps, int B, int NH,
                                                        int T, float scale) {
+    LLMC_PDL_WAIT();
     flash_forward_wgmma_tf32<true, false, true, true>(out, lse, maps, B, NH, T, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_forward_kernel4_tf32_btc_smt_pp_persistent(float* out, float* lse, const CUtensorMap* maps, int B,
                                                            int NH, int T, float scale) {
+    LLMC_PDL_WAIT();
     flash_forward_wgmma_tf32<true, true, true, true>(out, lse, maps, B, NH, T, scale);
 }
 
@@ -1963,12 +1988,14 @@ __device__ __forceinline__ void flash_backward_dq_wgmma_tf32(float* dinp, float*
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_backward_dq_kernel4_tf32(float* dinp, float* Dbuf, const float* dout, const float* out,
                                          const CUtensorMap* maps, const float* lse, int B, int NH, int T, float scale) {
+    LLMC_PDL_WAIT();
     flash_backward_dq_wgmma_tf32<false, false>(dinp, Dbuf, dout, out, maps, lse, B, NH, T, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_backward_dq_kernel4_tf32_smt(float* dinp, float* Dbuf, const float* dout, const float* out,
                                              const CUtensorMap* maps, const float* lse, int B, int NH, int T, float scale) {
+    LLMC_PDL_WAIT();
     flash_backward_dq_wgmma_tf32<false, true>(dinp, Dbuf, dout, out, maps, lse, B, NH, T, scale);
 }
 
@@ -1977,6 +2004,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_backward_dq_kernel4_tf32_btc(float* dinp, float* Dbuf, const float* dout, const float* out,
                                              const CUtensorMap* maps, const float* lse, int B, int NH, int T,
                                              float scale) {
+    LLMC_PDL_WAIT();
     flash_backward_dq_wgmma_tf32<true, false>(dinp, Dbuf, dout, out, maps, lse, B, NH, T, scale);
 }
 
@@ -1984,6 +2012,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_backward_dq_kernel4_tf32_btc_smt(float* dinp, float* Dbuf, const float* dout, const float* out,
                                                  const CUtensorMap* maps, const float* lse, int B, int NH, int T,
                                                  float scale) {
+    LLMC_PDL_WAIT();
     flash_backward_dq_wgmma_tf32<true, true>(dinp, Dbuf, dout, out, maps, lse, B, NH, T, scale);
 }
 
@@ -2158,23 +2187,27 @@ __device__ __forceinline__ void flash_backward_dkdv_wgmma_tf32(float* dinp, cons
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_backward_dkdv_kernel4_tf32(float* dinp, const CUtensorMap* maps, const float* lse, const float* Dbuf,
                                            int B, int NH, int T, float scale) {
+    LLMC_PDL_WAIT();
     flash_backward_dkdv_wgmma_tf32<false, false>(dinp, maps, lse, Dbuf, B, NH, T, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_backward_dkdv_kernel4_tf32_smt(float* dinp, const CUtensorMap* maps, const float* lse, const float* Dbuf,
                                                int B, int NH, int T, float scale) {
+    LLMC_PDL_WAIT();
     flash_backward_dkdv_wgmma_tf32<false, true>(dinp, maps, lse, Dbuf, B, NH, T, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_backward_dkdv_kernel4_tf32_btc(float* dinp, const CUtensorMap* maps, const float* lse, const float* Dbuf,
                                                int B, int NH, int T, float scale) {
+    LLMC_PDL_WAIT();
     flash_backward_dkdv_wgmma_tf32<true, false>(dinp, maps, lse, Dbuf, B, NH, T, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_backward_dkdv_kernel4_tf32_btc_smt(float* dinp, const CUtensorMap* maps, const float* lse,
                                                    const float* Dbuf, int B, int NH, int T, float scale) {
+    LLMC_PDL_WAIT();
     flash_backward_dkdv_wgmma_tf32<true, true>(dinp, maps, lse, Dbuf, B, NH, T, scale);
 }

@@ -164,10 +164,12 @@ __device__ __forceinline__ void classifier1_row(float* losses, T* logits, const 
 
 extern "C" __global__ void classifier_kernel1(float* losses, float* logits, const int* targets,
                                               float dloss, int write_dlogits, int N, int V, int Vp) {
+    LLMC_PDL_WAIT();
     classifier1_row<float>(losses, logits, targets, dloss, write_dlogits, N, V, Vp);
 }
 extern "C" __global__ void classifier_kernel1_bf16(float* losses, bf16* logits, const int* targets,
                                                    float dloss, int write_dlogits, int N, int V, int Vp) {
+    LLMC_PDL_WAIT();
     classifier1_row<bf16>(losses, logits, targets, dloss, write_dlogits, N, V, Vp);
 }
 
@@ -239,14 +241,17 @@ __device__ __forceinline__ void classifier2_row(float* losses, T* logits, const 
 
 extern "C" __global__ void classifier_kernel2(float* losses, float* logits, const int* targets,
                                               float dloss, int write_dlogits, int N, int V, int Vp) {
+    LLMC_PDL_WAIT();
     classifier2_row<float, 4>(losses, logits, targets, dloss, write_dlogits, N, V, Vp);
 }
 extern "C" __global__ void classifier_kernel2_bf16(float* losses, bf16* logits, const int* targets,
                                                    float dloss, int write_dlogits, int N, int V, int Vp) {
+    LLMC_PDL_WAIT();
     classifier2_row<bf16, 8>(losses, logits, targets, dloss, write_dlogits, N, V, Vp);  // Vp % 8 == 0
 }
 extern "C" __global__ void classifier_kernel2_bf16_vec4(float* losses, bf16* logits, const int* targets,
                                                         float dloss, int write_dlogits, int N, int V, int Vp) {
+    LLMC_PDL_WAIT();
     classifier2_row<bf16, 4>(losses, logits, targets, dloss, write_dlogits, N, V, Vp);  // Vp % 4 == 0
 }
 
@@ -327,15 +332,18 @@ __device__ __forceinline__ void classifier3_row(float* losses, T* logits, const 
 
 extern "C" __global__ void classifier_kernel3(float* losses, float* logits, const int* targets,
                                               float dloss, int write_dlogits, int N, int V, int Vp) {
+    LLMC_PDL_WAIT();
     classifier3_row<float, 4>(losses, logits, targets, dloss, write_dlogits, N, V, Vp);
 }
 // two resident blocks of 1024 threads per SM need <= 32 registers per thread
 extern "C" __global__ void __launch_bounds__(1024, 2) classifier_kernel3_bf16(
         float* losses, bf16* logits, const int* targets, float dloss, int write_dlogits, int N, int V, int Vp) {
+    LLMC_PDL_WAIT();
     classifier3_row<bf16, 8>(losses, logits, targets, dloss, write_dlogits, N, V, Vp);  // Vp % 8 == 0
 }
 extern "C" __global__ void __launch_bounds__(1024, 2) classifier_kernel3_bf16_vec4(
         float* losses, bf16* logits, const int* targets, float dloss, int write_dlogits, int N, int V, int Vp) {
+    LLMC_PDL_WAIT();
     classifier3_row<bf16, 4>(losses, logits, targets, dloss, write_dlogits, N, V, Vp);  // Vp % 4 == 0
 }
 
@@ -345,14 +353,17 @@ extern "C" __global__ void __launch_bounds__(1024, 2) classifier_kernel3_bf16_ve
 // so the kernel was issue-bound beside its memory traffic. __expf brings it to ~20.
 extern "C" __global__ void classifier_kernel5(float* losses, float* logits, const int* targets,
                                               float dloss, int write_dlogits, int N, int V, int Vp) {
+    LLMC_PDL_WAIT();
     classifier3_row<float, 4, true>(losses, logits, targets, dloss, write_dlogits, N, V, Vp);
 }
 extern "C" __global__ void __launch_bounds__(1024, 2) classifier_kernel5_bf16(
         float* losses, bf16* logits, const int* targets, float dloss, int write_dlogits, int N, int V, int Vp) {
+    LLMC_PDL_WAIT();
     classifier3_row<bf16, 8, true>(losses, logits, targets, dloss, write_dlogits, N, V, Vp);
 }
 extern "C" __global__ void __launch_bounds__(1024, 2) classifier_kernel5_bf16_vec4(
         float* losses, bf16* logits, const int* targets, float dloss, int write_dlogits, int N, int V, int Vp) {
+    LLMC_PDL_WAIT();
     classifier3_row<bf16, 4, true>(losses, logits, targets, dloss, write_dlogits, N, V, Vp);
 }
 
@@ -363,6 +374,7 @@ extern "C" __global__ void __launch_bounds__(1024, 2) classifier_kernel5_bf16_ve
 // slot that the next row could overwrite early), and block_reduce_ms ends with a barrier.
 extern "C" __global__ void classifier_kernel4(float* losses, float* logits, const int* targets,
                                               float dloss, int write_dlogits, int N, int V, int Vp) {
+    LLMC_PDL_WAIT();
     float4* srow = reinterpret_cast<float4*>(cls_smem);  // (ceil(V/4),) the current row's real columns
     __shared__ float sh_m[32], sh_s[32];
     const int nv4 = ceil_div(V, 4);

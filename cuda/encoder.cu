@@ -62,6 +62,7 @@
 
 extern "C" __global__ void encoder_forward_kernel1(float* out, const int* inp, const float* wte,
         const float* wpe, int B, int T, int C) {
+    LLMC_PDL_WAIT();
     int idx = blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= B * T * C) return;
     int bt = idx / C, c = idx % C, t = bt % T;
@@ -70,6 +71,7 @@ extern "C" __global__ void encoder_forward_kernel1(float* out, const int* inp, c
 
 extern "C" __global__ void encoder_forward_kernel2(float* out, const int* inp, const float* wte,
         const float* wpe, int B, int T, int C) {
+    LLMC_PDL_WAIT();
     int idx = blockIdx.x * blockDim.x + threadIdx.x;  // one float4 of the output
     int C4 = C / 4;
     if (idx >= B * T * C4) return;
@@ -82,6 +84,7 @@ extern "C" __global__ void encoder_forward_kernel2(float* out, const int* inp, c
 // compiler issue the loads of a chunk before the stores of the previous one
 extern "C" __global__ void encoder_forward_kernel3(float* __restrict__ out, const int* __restrict__ inp,
         const float* __restrict__ wte, const float* __restrict__ wpe, int B, int T, int C) {
+    LLMC_PDL_WAIT();
     const int lane = threadIdx.x % WARP_SIZE;
     const int bt = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
     if (bt >= B * T) return;
@@ -109,6 +112,7 @@ extern "C" __global__ void encoder_forward_kernel3(float* __restrict__ out, cons
 
 extern "C" __global__ void encoder_backward_kernel1(float* dwte, float* dwpe, const float* dout,
         const int* inp, int B, int T, int C) {
+    LLMC_PDL_WAIT();
     int idx = blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= B * T * C) return;
     int bt = idx / C, c = idx % C, t = bt % T;
@@ -119,6 +123,7 @@ extern "C" __global__ void encoder_backward_kernel1(float* dwte, float* dwpe, co
 
 extern "C" __global__ void encoder_backward_kernel4(float* dwte, float* dwpe, const float* dout,
         const int* inp, int B, int T, int C) {
+    LLMC_PDL_WAIT();
     int idx = blockIdx.x * blockDim.x + threadIdx.x;
     int C4 = C / 4;
     if (idx >= B * T * C4) return;
@@ -260,17 +265,20 @@ __device__ __forceinline__ void encoder_backward_owner(float* dwte, float* dwpe,
 
 extern "C" __global__ void encoder_backward_kernel2(float* dwte, float* dwpe, const float* dout,
         const int* inp, int B, int T, int C) {
+    LLMC_PDL_WAIT();
     encoder_backward_owner<false>(dwte, dwpe, dout, inp, B, T, C);
 }
 
 extern "C" __global__ void encoder_backward_kernel3(float* dwte, float* dwpe, const float* dout,
         const int* inp, int B, int T, int C) {
+    LLMC_PDL_WAIT();
     encoder_backward_owner<true>(dwte, dwpe, dout, inp, B, T, C);
 }
 
 // One thread per (t, 4 channels); grid covers T * C/4 threads.
 extern "C" __global__ void encoder_backward_kernel5(float* dwte, float* dwpe, const float* dout,
         const int* inp, int B, int T, int C) {
+    LLMC_PDL_WAIT();
     const int C4 = C / 4;
     const int idx = blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= T * C4) return;
@@ -298,6 +306,7 @@ extern "C" __global__ void encoder_backward_kernel5(float* dwte, float* dwpe, co
 // One thread per output element: B*C floats, launch-bound.
 extern "C" __global__ void encoder_decode_kernel1(float* out, const int* inp, const float* wte,
         const float* wpe, int B, int C) {
+    LLMC_PDL_WAIT();
     int idx = blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= B * C) return;
     int b = idx / C, c = idx % C, pos = inp[B];
@@ -511,6 +520,7 @@ __device__ __forceinline__ void encoder_sort_chunk(unsigned long long* s) {
 
 extern "C" __global__ void encoder_backward_sort_kernel6(unsigned long long* keys, int* runlen, int* owner,
         const int* inp, int N) {
+    LLMC_PDL_WAIT();
     __shared__ unsigned long long s[ENC_S];
     const int base = blockIdx.x * ENC_S;
     for (int i = threadIdx.x; i < ENC_S; i += blockDim.x) {
@@ -537,6 +547,7 @@ extern "C" __global__ void encoder_backward_sort_kernel6(unsigned long long* key
 
 extern "C" __global__ void encoder_backward_link_kernel6(int* next, int* owner, const unsigned long long* keys,
         const int* runlen, int G) {
+    LLMC_PDL_WAIT();
     const int s = blockIdx.x * blockDim.x + threadIdx.x;
     if (s >= G * ENC_S) return;
     int nx = -1;
@@ -590,10 +601,12 @@ __device__ __forceinline__ void encoder_backward6_t(T* dwte, T* dwpe, const T* d
 
 extern "C" __global__ void encoder_backward_kernel6(float* dwte, float* dwpe, const float* dout,
         const unsigned long long* keys, const int* runlen, const int* owner, const int* next, int B, int T, int C) {
+    LLMC_PDL_WAIT();
     encoder_backward6_t<float>(dwte, dwpe, dout, keys, runlen, owner, next, B, T, C);
 }
 extern "C" __global__ void encoder_backward_kernel6_bf16(bf16* dwte, bf16* dwpe, const bf16* dout,
         const unsigned long long* keys, const int* runlen, const int* owner, const int* next, int B, int T, int C) {
+    LLMC_PDL_WAIT();
     encoder_backward6_t<bf16>(dwte, dwpe, dout, keys, runlen, owner, next, B, T, C);
 }
 
@@ -681,10 +694,12 @@ __device__ __forceinline__ void encoder_backward7_sort_t(int* stok, int* spos, i
 
 extern "C" __global__ void encoder_backward_sort_kernel7(int* stok, int* spos, int* srun, int* slen, float* dwpe,
         const float* dout, const int* inp, int B, int T, int C, int G) {
+    LLMC_PDL_WAIT();
     encoder_backward7_sort_t<float>(stok, spos, srun, slen, dwpe, dout, inp, B, T, C, G);
 }
 extern "C" __global__ void encoder_backward_sort_kernel7_bf16(int* stok, int* spos, int* srun, int* slen, bf16* dwpe,
         const bf16* dout, const int* inp, int B, int T, int C, int G) {
+    LLMC_PDL_WAIT();
     encoder_backward7_sort_t<bf16>(stok, spos, srun, slen, dwpe, dout, inp, B, T, C, G);
 }
 
@@ -692,6 +707,7 @@ extern "C" __global__ void encoder_backward_sort_kernel7_bf16(int* stok, int* sp
 // reaches the shuffles; slots >= N, the last chunk's padding, write nothing)
 extern "C" __global__ void encoder_backward_rank_kernel7(int4* place_rec, const int* stok,
         const int* spos, const int* srun, const int* slen, int N, int G, int GP) {
+    LLMC_PDL_WAIT();
     const long long gt = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     const int s = (int)(gt / GP), j0 = (int)(gt % GP);
     const bool live = s < N;
@@ -840,30 +856,37 @@ __device__ __forceinline__ void encoder_backward7_sum_t(T* dwte, const T* dout, 
 
 extern "C" __global__ void encoder_backward_kernel7(float* dwte, const float* dout, const int4* place_rec,
         float* partial, int* tickets, int N, int C) {
+    LLMC_PDL_WAIT();
     encoder_backward7_sum_t<float>(dwte, dout, place_rec, partial, tickets, N, C);
 }
 extern "C" __global__ void encoder_backward_kernel7_bf16(bf16* dwte, const bf16* dout, const int4* place_rec,
         float* partial, int* tickets, int N, int C) {
+    LLMC_PDL_WAIT();
     encoder_backward7_sum_t<bf16>(dwte, dout, place_rec, partial, tickets, N, C);
 }
 
 extern "C" __global__ void encoder_forward_kernel1_bf16(bf16* out, const int* inp, const bf16* wte,
         const bf16* wpe, int B, int T, int C) {
+    LLMC_PDL_WAIT();
     encoder_forward1<bf16>(out, inp, wte, wpe, B, T, C);
 }
 extern "C" __global__ void encoder_forward_kernel3_bf16(bf16* __restrict__ out, const int* __restrict__ inp,
         const bf16* __restrict__ wte, const bf16* __restrict__ wpe, int B, int T, int C) {
+    LLMC_PDL_WAIT();
     encoder_forward3<bf16>(out, inp, wte, wpe, B, T, C);
 }
 extern "C" __global__ void encoder_backward_kernel2_bf16(bf16* dwte, bf16* dwpe, const bf16* dout,
         const int* inp, int B, int T, int C) {
+    LLMC_PDL_WAIT();
     encoder_backward_owner_t<bf16>(dwte, dwpe, dout, inp, B, T, C, false);
 }
 extern "C" __global__ void encoder_backward_kernel3_bf16(bf16* dwte, bf16* dwpe, const bf16* dout,
         const int* inp, int B, int T, int C) {
+    LLMC_PDL_WAIT();
     encoder_backward_owner_t<bf16>(dwte, dwpe, dout, inp, B, T, C, C % Vec16<bf16>::N == 0);
 }
 extern "C" __global__ void encoder_decode_kernel1_bf16(bf16* out, const int* inp, const bf16* wte,
         const bf16* wpe, int B, int C) {
+    LLMC_PDL_WAIT();
     encoder_decode1<bf16>(out, inp, wte, wpe, B, C);
 }

@@ -39,11 +39,13 @@
 // gelu_forward: out (N), inp (N)
 
 extern "C" __global__ void gelu_forward_kernel1(float* out, const float* inp, int N) {
+    LLMC_PDL_WAIT();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < N) out[i] = gelu_fwd(inp[i]);
 }
 
 extern "C" __global__ void gelu_forward_kernel2(float* out, const float* inp, int N) {
+    LLMC_PDL_WAIT();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < N / 4) {
         float4 x = load4(inp + 4 * i);
@@ -55,11 +57,13 @@ extern "C" __global__ void gelu_forward_kernel2(float* out, const float* inp, in
 // gelu_backward: dinp (N) =, inp (N), dout (N); dinp may be dout
 
 extern "C" __global__ void gelu_backward_kernel1(float* dinp, const float* inp, const float* dout, int N) {
+    LLMC_PDL_WAIT();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < N) dinp[i] = gelu_bwd_as<float>(inp[i], dout[i]);
 }
 
 extern "C" __global__ void gelu_backward_kernel2(float* dinp, const float* inp, const float* dout, int N) {
+    LLMC_PDL_WAIT();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < N / 4) {
         float4 x = load4(inp + 4 * i), d = load4(dout + 4 * i);
@@ -116,15 +120,19 @@ __device__ __forceinline__ void gelu_backward2(T* dinp, const T* inp, const T* d
 }
 
 extern "C" __global__ void gelu_forward_kernel1_bf16(bf16* out, const bf16* inp, int N) {
+    LLMC_PDL_WAIT();
     gelu_forward1<bf16>(out, inp, N);
 }
 extern "C" __global__ void gelu_forward_kernel2_bf16(bf16* out, const bf16* inp, int N) {
+    LLMC_PDL_WAIT();
     gelu_forward2<bf16>(out, inp, N);
 }
 extern "C" __global__ void gelu_backward_kernel1_bf16(bf16* dinp, const bf16* inp, const bf16* dout, int N) {
+    LLMC_PDL_WAIT();
     gelu_backward1<bf16>(dinp, inp, dout, N);
 }
 extern "C" __global__ void gelu_backward_kernel2_bf16(bf16* dinp, const bf16* inp, const bf16* dout, int N) {
+    LLMC_PDL_WAIT();
     gelu_backward2<bf16>(dinp, inp, dout, N);
 }
 
@@ -249,17 +257,20 @@ __device__ __forceinline__ void gelu_backward_colsum_t(T* dinp, T* colsum, float
 
 extern "C" __global__ void gelu_backward_kernel2_colsum(float* dinp, float* colsum, float* partial,
         unsigned int* counters, const float* inp, const float* dout, int rows, int OC, int rows_per_chunk) {
+    LLMC_PDL_WAIT();
     gelu_backward_colsum_t<float>(dinp, colsum, partial, counters, inp, dout, rows, OC, rows_per_chunk);
 }
 // (256, 4): 64 registers, 4 blocks (32 warps) an SM, each warp with 4 rows of 2 x 512 bytes in flight;
 // unbounded it took 72 (3 blocks); the fp32 build is at 64 by itself
 extern "C" __global__ void __launch_bounds__(256, 4) gelu_backward_kernel2_colsum_bf16(bf16* dinp, bf16* colsum, float* partial,
         unsigned int* counters, const bf16* inp, const bf16* dout, int rows, int OC, int rows_per_chunk) {
+    LLMC_PDL_WAIT();
     gelu_backward_colsum_t<bf16>(dinp, colsum, partial, counters, inp, dout, rows, OC, rows_per_chunk);
 }
 // the recompute form (RC above): gout = gelu(inp) too
 extern "C" __global__ void gelu_backward_kernel2_colsum_rc(float* dinp, float* colsum, float* gout, float* partial,
         unsigned int* counters, const float* inp, const float* dout, int rows, int OC, int rows_per_chunk) {
+    LLMC_PDL_WAIT();
     gelu_backward_colsum_t<float, true>(dinp, colsum, partial, counters, inp, dout, rows, OC, rows_per_chunk, gout);
 }
 // (256, 3): the GELU's 8 more values and the second store need more than 64 registers (ptxas spilled
@@ -267,5 +278,6 @@ extern "C" __global__ void gelu_backward_kernel2_colsum_rc(float* dinp, float* c
 extern "C" __global__ void __launch_bounds__(256, 3) gelu_backward_kernel2_colsum_rc_bf16(bf16* dinp, bf16* colsum,
         bf16* gout, float* partial, unsigned int* counters, const bf16* inp, const bf16* dout, int rows, int OC,
         int rows_per_chunk) {
+    LLMC_PDL_WAIT();
     gelu_backward_colsum_t<bf16, true>(dinp, colsum, partial, counters, inp, dout, rows, OC, rows_per_chunk, gout);
 }

@@ -103,7 +103,7 @@ __device__ __forceinline__ void gemm_simt_body(float* C, const float* A, const f
 #define GEMM_SIMT_ENTRY(name, TA, TB)                                                               \
     extern "C" __global__ void __launch_bounds__(256) name(                                         \
         float* C, const float* A, const float* B, const float* bias, int M, int N, int K, int lda,  \
-        int ldb, int ldc, long long sA, long long sB, long long sC, float alpha, float beta) {      \
+        int ldb, int ldc, long long sA, long long sB, long long sC, float alpha, float beta) { LLMC_PDL_WAIT();      \
         gemm_simt_body<TA, TB>(C, A, B, bias, M, N, K, lda, ldb, ldc, sA, sB, sC, alpha, beta);     \
     }
 GEMM_SIMT_ENTRY(gemm_simt_nn, false, false)
@@ -500,7 +500,7 @@ __device__ __forceinline__ void gemm_tf32_body(float* C, const float* A, const f
         gemm_tf32_##cfg##_v##VEC##_##lay(float* C, const float* A, const float* B, const float* bias, \
                                          float* W, int M, int N, int K, int lda, int ldb, int ldc,   \
                                          ll sA, ll sB, ll sC, float alpha, float beta, int splits,    \
-                                         int kt_per_split, int ldw) {                                 \
+                                         int kt_per_split, int ldw) { LLMC_PDL_WAIT();                \
         gemm_tf32_body<TA, TB, BM, BN, WM, WN, ST, VEC>(C, A, B, bias, W, M, N, K, lda, ldb, ldc, sA, \
                                                         sB, sC, alpha, beta, splits, kt_per_split,   \
                                                         ldw);                                         \
@@ -525,6 +525,7 @@ GEMM_TF32_LAYOUTS(small, 64, 64, 32, 32, 3, 2, 1)
 extern "C" __global__ void gemm_splitk_reduce(float* C, const float* W, const float* bias, int M, int N,
                                               int ldc, ll sC, int ldw, int splits, int batch,
                                               float alpha, float beta) {
+    LLMC_PDL_WAIT();
     const ll total = (ll)batch * M * N;
     for (ll idx = (ll)blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += (ll)gridDim.x * blockDim.x) {
         const int n = (int)(idx % N);
@@ -839,7 +840,7 @@ __device__ __forceinline__ void gemm_e4_body(float* C, const float* A, const flo
         gemm_tf32_e4_##cfg##_##lay(float* C, const float* A, const float* B, const float* bias,       \
                                    float* W, int M, int N, int K, int lda, int ldb, int ldc, ll sA,  \
                                    ll sB, ll sC, float alpha, float beta, int splits,                 \
-                                   int kt_per_split, int ldw) {                                       \
+                                   int kt_per_split, int ldw) { LLMC_PDL_WAIT();                      \
         gemm_e4_body<TA, TB, BM, BN, WM, WN, ST>(C, A, B, bias, W, M, N, K, lda, ldb, ldc, sA, sB, sC, \
                                                  alpha, beta, splits, kt_per_split, ldw);             \
     }
@@ -857,6 +858,7 @@ GEMM_E4_LAYOUTS(small, 64, 64, 32, 32, 3, 2)
 // with no memory traffic at all, 8 independent accumulators per warp. Its TFLOP/s is the ceiling of
 // every mma.sync kernel in this file; the gap from there to cuBLAS is what wgmma buys.
 extern "C" __global__ void __launch_bounds__(256) gemm_tf32_mma_probe(float* out, int iters) {
+    LLMC_PDL_WAIT();
     const uint32_t a[4] = {tf32_round(1.0f + threadIdx.x * 1e-3f), tf32_round(0.5f - threadIdx.x * 1e-3f),
                            tf32_round(0.25f + blockIdx.x * 1e-3f), tf32_round(-1.5f)};
     const uint32_t b[2] = {tf32_round(0.75f + threadIdx.x * 2e-3f), tf32_round(-0.125f)};

@@ -719,7 +719,7 @@ __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CU
     extern "C" __global__ void __launch_bounds__(THREADS, 1)                                             \
     NAME(const CUtensorMap* tmA, const CUtensorMap* tmB, const CUtensorMap* tmC, OUT* C, const OUT* bias, \
          float* W, int M, int N, int K, int ldc, int ldw, int splits, int kb_per_split, float alpha,     \
-         float beta, int trans_c) {                                                                       \
+         float beta, int trans_c) { LLMC_PDL_WAIT();                                                      \
         const GemmArgs<OUT> a{C, bias, W, M, N, K, ldc, ldw, splits, kb_per_split, alpha, beta, trans_c}; \
         gemm_wgmma_body<T, OUT, BN, STAGES, TMA_STORE, ##__VA_ARGS__>(tmA, tmB, tmC, nullptr, a);        \
     }
@@ -774,7 +774,7 @@ GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n192_at_bt_ts_bf16, __nv_bfloat16, __nv_bfloat1
     extern "C" __global__ void __launch_bounds__(THREADS, 1)                                             \
     NAME(const CUtensorMap* tmA, const CUtensorMap* tmB, const CUtensorMap* tmC, const CUtensorMap* tmG, \
          OUT* C, OUT* G, const OUT* bias, float* W, int M, int N, int K, int ldc, int ldw, int splits,   \
-         int kb_per_split, float alpha, float beta, int trans_c) {                                        \
+         int kb_per_split, float alpha, float beta, int trans_c) { LLMC_PDL_WAIT();                       \
         const GemmArgs<OUT> a{C, bias, W, M, N, K, ldc, ldw, splits, kb_per_split, alpha, beta, trans_c, G}; \
         gemm_wgmma_body<T, OUT, BN, STAGES, TMA_STORE, false, false, false, true>(tmA, tmB, tmC, tmG, a); \
     }
@@ -800,7 +800,7 @@ GEMM_WGMMA_GELU_ENTRY(gemm_wgmma_bf16_n256_ts_gelu_bf16, __nv_bfloat16, __nv_bfl
 #define GEMM_WGMMA_DGELU_ENTRY(NAME, T, OUT, BN, STAGES, B_T)                                             \
     extern "C" __global__ void __launch_bounds__(THREADS, 1)                                             \
     NAME(const CUtensorMap* tmA, const CUtensorMap* tmB, const CUtensorMap* tmC, const CUtensorMap* tmP, \
-         OUT* C, float* S, int M, int N, int K, int ldc, float alpha) {                                   \
+         OUT* C, float* S, int M, int N, int K, int ldc, float alpha) { LLMC_PDL_WAIT();                  \
         const GemmArgs<OUT> a{C, nullptr, nullptr, M, N, K, ldc, 0, 1, (K + ROW_BYTES / (int)sizeof(T) - 1) / \
                               (ROW_BYTES / (int)sizeof(T)), alpha, 0.0f, 0, nullptr, S};                  \
         gemm_wgmma_body<T, OUT, BN, STAGES, true, false, false, B_T, false, true>(tmA, tmB, tmC, tmP, a);  \
@@ -989,7 +989,7 @@ __device__ __forceinline__ void gemm_wgmma_pp_body(const CUtensorMap* tmA, const
     extern "C" __global__ void __launch_bounds__(THREADS, 1)                                             \
     NAME(const CUtensorMap* tmA, const CUtensorMap* tmB, const CUtensorMap* tmC, OUT* C, const OUT* bias, \
          float* W, int M, int N, int K, int ldc, int ldw, int splits, int kb_per_split, float alpha,     \
-         float beta, int trans_c) {                                                                       \
+         float beta, int trans_c) { LLMC_PDL_WAIT();                                                      \
         const GemmArgs<OUT> a{C, bias, W, M, N, K, ldc, ldw, splits, kb_per_split, alpha, beta, trans_c}; \
         gemm_wgmma_pp_body<T, OUT, RM, BN, STAGES, B_T, TMA_STORE>(tmA, tmB, tmC, a);                     \
     }
@@ -1044,21 +1044,25 @@ __device__ __forceinline__ void splitk_reduce(OUT* C, OUT* G, const float* W, co
 }
 extern "C" __global__ void gemm_wgmma_splitk_reduce(float* C, const float* W, const float* bias, int M, int N,
                                                     int ldc, int ldw, int splits, float alpha, float beta, int trans_c) {
+    LLMC_PDL_WAIT();
     splitk_reduce<float>(C, nullptr, W, bias, M, N, ldc, ldw, splits, alpha, beta, trans_c);
 }
 extern "C" __global__ void gemm_wgmma_splitk_reduce_bf16(__nv_bfloat16* C, const float* W, const __nv_bfloat16* bias,
                                                          int M, int N, int ldc, int ldw, int splits, float alpha,
                                                          float beta, int trans_c) {
+    LLMC_PDL_WAIT();
     splitk_reduce<__nv_bfloat16>(C, nullptr, W, bias, M, N, ldc, ldw, splits, alpha, beta, trans_c);
 }
 extern "C" __global__ void gemm_wgmma_splitk_reduce_gelu(float* C, float* G, const float* W, const float* bias, int M,
                                                          int N, int ldc, int ldw, int splits, float alpha, float beta,
                                                          int trans_c) {
+    LLMC_PDL_WAIT();
     splitk_reduce<float, true>(C, G, W, bias, M, N, ldc, ldw, splits, alpha, beta, trans_c);
 }
 extern "C" __global__ void gemm_wgmma_splitk_reduce_gelu_bf16(__nv_bfloat16* C, __nv_bfloat16* G, const float* W,
                                                               const __nv_bfloat16* bias, int M, int N, int ldc, int ldw,
                                                               int splits, float alpha, float beta, int trans_c) {
+    LLMC_PDL_WAIT();
     splitk_reduce<__nv_bfloat16, true>(C, G, W, bias, M, N, ldc, ldw, splits, alpha, beta, trans_c);
 }
 
@@ -1086,15 +1090,18 @@ __device__ __forceinline__ void colsum_finish(OUT* colsum, const float* S, int r
     }
 }
 extern "C" __global__ void gemm_wgmma_colsum_finish(float* colsum, const float* S, int rows, int N) {
+    LLMC_PDL_WAIT();
     colsum_finish<float>(colsum, S, rows, N);
 }
 extern "C" __global__ void gemm_wgmma_colsum_finish_bf16(__nv_bfloat16* colsum, const float* S, int rows, int N) {
+    LLMC_PDL_WAIT();
     colsum_finish<__nv_bfloat16>(colsum, S, rows, N);
 }
 
 // out(cols, ld_out) = in(rows, cols)^T: 32x32 tiles through padded shared memory (the padding
 // column keeps the transposed reads off a single bank). Both global sides coalesced.
 extern "C" __global__ void transpose_kernel(float* out, const float* in, int rows, int cols, int ld_in, int ld_out) {
+    LLMC_PDL_WAIT();
     __shared__ float tile[32][33];
     const int c = blockIdx.x * 32 + threadIdx.x;
 #pragma unroll
@@ -1113,6 +1120,7 @@ extern "C" __global__ void transpose_kernel(float* out, const float* in, int row
 
 // fp32 -> bf16 (round to nearest even), for the lab's BF16 rows and the tests
 extern "C" __global__ void to_bf16_kernel(__nv_bfloat16* out, const float* in, ll n) {
+    LLMC_PDL_WAIT();
     for (ll i = (ll)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (ll)gridDim.x * blockDim.x)
         out[i] = __float2bfloat16_rn(in[i]);
 }
@@ -1137,6 +1145,7 @@ __device__ unsigned char* debug_load_boxes(const CUtensorMap* tm, int boxes, int
 }
 
 extern "C" __global__ void wgmma_debug_tma(const CUtensorMap* tmA, float* out, int rows) {
+    LLMC_PDL_WAIT();
     const unsigned char* smem = debug_load_boxes(tmA, 1, rows * ROW_BYTES, 0);
     const float* s = reinterpret_cast<const float*>(smem);
     for (int i = threadIdx.x; i < rows * 32; i += blockDim.x) out[i] = s[i];
@@ -1146,6 +1155,7 @@ extern "C" __global__ void wgmma_debug_tma(const CUtensorMap* tmA, float* out, i
 // the code 4 * tid + i + 1 (exact in tf32), B(n, k) = (n == k) in 128B-swizzled K-major shared memory,
 // so D(m, n < 8) = the code at A(m, n); D is written out through the (verified) accumulator layout.
 extern "C" __global__ void wgmma_debug_rs_layout(float* out /* (64, 8) */) {
+    LLMC_PDL_WAIT();
     extern __shared__ unsigned char smem_raw[];
     unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
     float* b = reinterpret_cast<float*>(smem);
@@ -1171,6 +1181,7 @@ extern "C" __global__ void wgmma_debug_rs_layout(float* out /* (64, 8) */) {
 
 // load_a_mn against a known A^T (value m * 1000 + k) loaded by the TMA as the kernel loads it
 extern "C" __global__ void wgmma_debug_load_a_mn(const CUtensorMap* tmA, float* out /* (256 threads, 4 ks, 4) */) {
+    LLMC_PDL_WAIT();
     const unsigned char* smem = debug_load_boxes(tmA, 4, 4096, 32);
     const int wg = threadIdx.x / 128;  // launched with 256 threads: warpgroups "1" and "2" of the kernel
     for (int ks = 0; ks < 4; ks++) {

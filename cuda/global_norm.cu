@@ -29,6 +29,7 @@
 // version 1
 
 extern "C" __global__ void global_norm_kernel1(float* norm2, const float* grads, int n) {
+    LLMC_PDL_WAIT();
     __shared__ float shared[32];
     const size_t stride = (size_t)gridDim.x * blockDim.x;
     float acc = 0.0f;
@@ -91,14 +92,17 @@ __device__ __forceinline__ void global_norm2a(float* partials, const T* grads, i
 }
 
 extern "C" __global__ void global_norm_kernel2a(float* partials, const float* grads, int n) {
+    LLMC_PDL_WAIT();
     global_norm2a<float>(partials, grads, n);
 }
 extern "C" __global__ void global_norm_kernel2a_bf16(float* partials, const bf16* grads, int n) {
+    LLMC_PDL_WAIT();
     global_norm2a<bf16>(partials, grads, n);
 }
 
 // version 2, pass 2: one block, norm2 = sum of the partials (fp32 for both element types)
 extern "C" __global__ void global_norm_kernel2b(float* norm2, const float* partials, int count) {
+    LLMC_PDL_WAIT();
     __shared__ float shared[32];
     const float acc = sum_partials(partials, count, shared);
     if (threadIdx.x == 0) norm2[0] = acc;
@@ -130,9 +134,11 @@ __device__ __forceinline__ void global_norm3(float* norm2, float* partials, unsi
 
 extern "C" __global__ void global_norm_kernel3(float* norm2, float* partials, unsigned int* counter,
                                                const float* grads, int n) {
+    LLMC_PDL_WAIT();
     global_norm3<float>(norm2, partials, counter, grads, n);
 }
 extern "C" __global__ void global_norm_kernel3_bf16(float* norm2, float* partials, unsigned int* counter,
                                                     const bf16* grads, int n) {
+    LLMC_PDL_WAIT();
     global_norm3<bf16>(norm2, partials, counter, grads, n);
 }

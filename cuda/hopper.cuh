@@ -3,6 +3,7 @@
 #pragma once
 #include <cuda.h>
 #include <stdint.h>
+#include "common.cuh"  // LLMC_PDL_WAIT
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(p));

@@ -69,6 +69,7 @@
 // out (N,C), mean (N), rstd (N), inp (N,C), weight (C), bias (C)
 extern "C" __global__ void layernorm_forward_kernel1(float* out, float* mean, float* rstd,
         const float* inp, const float* weight, const float* bias, int N, int C) {
+    LLMC_PDL_WAIT();
     int row = blockIdx.x * blockDim.x + threadIdx.x;
     if (row >= N) return;
     const float* x = inp + (size_t)row * C;
@@ -88,6 +89,7 @@ extern "C" __global__ void layernorm_forward_kernel1(float* out, float* mean, fl
 // one block per row; blockDim.x a multiple of 32
 extern "C" __global__ void layernorm_forward_kernel2(float* out, float* mean, float* rstd,
         const float* inp, const float* weight, const float* bias, int N, int C) {
+    LLMC_PDL_WAIT();
     __shared__ float shared[32];
     int row = blockIdx.x;
     const float* x = inp + (size_t)row * C;
@@ -145,11 +147,11 @@ __device__ __forceinline__ void layernorm_forward4(float* out, float* mean, floa
 // variant 4 for 640 < C <= 768. Registers are sized per NV, so small C keeps high occupancy.
 #define LN_FWD_ENTRY(NV)                                                                             \
     extern "C" __global__ void layernorm_forward_kernel4_nv##NV(float* out, float* mean, float* rstd, \
-            const float* inp, const float* weight, const float* bias, int N, int C) {                 \
+            const float* inp, const float* weight, const float* bias, int N, int C) { LLMC_PDL_WAIT();                 \
         layernorm_forward4<NV, false>(out, mean, rstd, inp, weight, bias, N, C);                      \
     }                                                                                                 \
     extern "C" __global__ void layernorm_forward_kernel5_nv##NV(float* out, float* mean, float* rstd, \
-            const float* inp, const float* weight, const float* bias, int N, int C) {                 \
+            const float* inp, const float* weight, const float* bias, int N, int C) { LLMC_PDL_WAIT();                 \
         layernorm_forward4<NV, true>(out, mean, rstd, inp, weight, bias, N, C);                       \
     }
 LN_FWD_ENTRY(1) LN_FWD_ENTRY(2) LN_FWD_ENTRY(3) LN_FWD_ENTRY(4) LN_FWD_ENTRY(5) LN_FWD_ENTRY(6)
@@ -165,6 +167,7 @@ LN_FWD_ENTRY(13) LN_FWD_ENTRY(14) LN_FWD_ENTRY(15) LN_FWD_ENTRY(16)
 extern "C" __global__ void layernorm_backward_kernel1(float* dinp, float* dweight, float* dbias,
         const float* dout, const float* inp, const float* weight, const float* mean, const float* rstd,
         int N, int C) {
+    LLMC_PDL_WAIT();
     int row = blockIdx.x * blockDim.x + threadIdx.x;
     if (row >= N) return;
     const float* d = dout + (size_t)row * C;
@@ -191,6 +194,7 @@ extern "C" __global__ void layernorm_backward_kernel1(float* dinp, float* dweigh
 extern "C" __global__ void layernorm_backward_kernel2(float* dinp, float* dweight, float* dbias,
         const float* dout, const float* inp, const float* weight, const float* mean, const float* rstd,
         int N, int C) {
+    LLMC_PDL_WAIT();
     extern __shared__ float acc[];  // (2, C): dweight | dbias partial sums of this block
     float* acc_w = acc;
     float* acc_b = acc + C;
@@ -329,12 +333,12 @@ __device__ __forceinline__ void layernorm_backward4(float* dinp, float* scratch,
 #define LN_BWD_ENTRY(NV)                                                                             \
     extern "C" __global__ void layernorm_backward_kernel4_nv##NV(float* dinp, float* scratch,        \
             const float* dout, const float* inp, const float* weight, const float* mean,              \
-            const float* rstd, int N, int C, int R) {                                                 \
+            const float* rstd, int N, int C, int R) { LLMC_PDL_WAIT();                                \
         layernorm_backward4<NV, false>(dinp, scratch, dout, inp, weight, mean, rstd, N, C, R);        \
     }                                                                                                 \
     extern "C" __global__ void layernorm_backward_kernel5_nv##NV(float* dinp, float* scratch,        \
             const float* dout, const float* inp, const float* weight, const float* mean,              \
-            const float* rstd, int N, int C, int R) {                                                 \
+            const float* rstd, int N, int C, int R) { LLMC_PDL_WAIT();                                \
         layernorm_backward4<NV, (NV <= 8)>(dinp, scratch, dout, inp, weight, mean, rstd, N, C, R);   \
     }
 LN_BWD_ENTRY(1) LN_BWD_ENTRY(2) LN_BWD_ENTRY(3) LN_BWD_ENTRY(4) LN_BWD_ENTRY(5) LN_BWD_ENTRY(6)
@@ -345,7 +349,7 @@ LN_BWD_ENTRY(13) LN_BWD_ENTRY(14) LN_BWD_ENTRY(15) LN_BWD_ENTRY(16)
 #define LN_BWD_COLSUM_ENTRY(NV)                                                                      \
     extern "C" __global__ void layernorm_backward_kernel5_colsum_nv##NV(float* dinp, float* scratch, \
             const float* dout, const float* inp, const float* weight, const float* mean,              \
-            const float* rstd, int N, int C, int R) {                                                 \
+            const float* rstd, int N, int C, int R) { LLMC_PDL_WAIT();                                \
         layernorm_backward4<NV, (NV <= 8), true>(dinp, scratch, dout, inp, weight, mean, rstd, N, C, R); \
     }
 LN_BWD_COLSUM_ENTRY(1) LN_BWD_COLSUM_ENTRY(2) LN_BWD_COLSUM_ENTRY(3) LN_BWD_COLSUM_ENTRY(4)
@@ -412,21 +416,23 @@ __device__ __forceinline__ void layernorm_forward4_t(T* out, float* mean, float*
 // out (N,C), mean (N), rstd (N), inp (N,C), weight (C), bias (C)
 extern "C" __global__ void layernorm_forward_kernel3(float* out, float* mean, float* rstd,
         const float* inp, const float* weight, const float* bias, int N, int C) {
+    LLMC_PDL_WAIT();
     layernorm_forward3_t<float>(out, mean, rstd, inp, weight, bias, N, C);
 }
 extern "C" __global__ void layernorm_forward_kernel3_bf16(bf16* out, float* mean, float* rstd,
         const bf16* inp, const bf16* weight, const bf16* bias, int N, int C) {
+    LLMC_PDL_WAIT();
     layernorm_forward3_t<bf16>(out, mean, rstd, inp, weight, bias, N, C);
 }
 
 // entry points per NV = ceil(C / 256) (8 bf16 per vector, 32 lanes), NV <= 8 (C <= 2048)
 #define LN_FWD_ENTRY_BF16(NV)                                                                         \
     extern "C" __global__ void layernorm_forward_kernel4_bf16_nv##NV(bf16* out, float* mean,          \
-            float* rstd, const bf16* inp, const bf16* weight, const bf16* bias, int N, int C) {        \
+            float* rstd, const bf16* inp, const bf16* weight, const bf16* bias, int N, int C) { LLMC_PDL_WAIT();        \
         layernorm_forward4_t<bf16, NV, false>(out, mean, rstd, inp, weight, bias, N, C);              \
     }                                                                                                 \
     extern "C" __global__ void layernorm_forward_kernel5_bf16_nv##NV(bf16* out, float* mean,          \
-            float* rstd, const bf16* inp, const bf16* weight, const bf16* bias, int N, int C) {        \
+            float* rstd, const bf16* inp, const bf16* weight, const bf16* bias, int N, int C) { LLMC_PDL_WAIT();        \
         layernorm_forward4_t<bf16, NV, true>(out, mean, rstd, inp, weight, bias, N, C);               \
     }
 LN_FWD_ENTRY_BF16(1) LN_FWD_ENTRY_BF16(2) LN_FWD_ENTRY_BF16(3) LN_FWD_ENTRY_BF16(4)
@@ -634,10 +640,12 @@ __device__ __forceinline__ void layernorm_backward_reduce_colsum_t(T* dweight, T
 
 extern "C" __global__ void layernorm_backward_reduce_colsum_kernel(float* dweight, float* dbias, float* colsum,
         const float* scratch, int G, int C) {
+    LLMC_PDL_WAIT();
     layernorm_backward_reduce_colsum_t<float>(dweight, dbias, colsum, scratch, G, C);
 }
 extern "C" __global__ void layernorm_backward_reduce_colsum_kernel_bf16(bf16* dweight, bf16* dbias, bf16* colsum,
         const float* scratch, int G, int C) {
+    LLMC_PDL_WAIT();
     layernorm_backward_reduce_colsum_t<bf16>(dweight, dbias, colsum, scratch, G, C);
 }
 
@@ -672,6 +680,7 @@ __device__ __forceinline__ void layernorm_backward_reduce_t(T* dweight, T* dbias
 
 extern "C" __global__ void layernorm_backward_reduce_kernel(float* dweight, float* dbias,
         const float* scratch, int G, int C) {
+    LLMC_PDL_WAIT();
     layernorm_backward_reduce_t<float>(dweight, dbias, scratch, G, C);
 }
 
@@ -679,18 +688,20 @@ extern "C" __global__ void layernorm_backward_reduce_kernel(float* dweight, floa
 extern "C" __global__ void layernorm_backward_kernel3(float* dinp, float* scratch,
         const float* dout, const float* inp, const float* weight, const float* mean, const float* rstd,
         int N, int C, int R) {
+    LLMC_PDL_WAIT();
     layernorm_backward3_t<float>(dinp, scratch, dout, inp, weight, mean, rstd, N, C, R);
 }
 extern "C" __global__ void layernorm_backward_kernel3_bf16(bf16* dinp, float* scratch,
         const bf16* dout, const bf16* inp, const bf16* weight, const float* mean, const float* rstd,
         int N, int C, int R) {
+    LLMC_PDL_WAIT();
     layernorm_backward3_t<bf16>(dinp, scratch, dout, inp, weight, mean, rstd, N, C, R);
 }
 
 #define LN_BWD_ENTRY_BF16(NV)                                                                         \
     extern "C" __global__ void layernorm_backward_kernel5_bf16_nv##NV(bf16* dinp, float* scratch,    \
             const bf16* dout, const bf16* inp, const bf16* weight, const float* mean,                 \
-            const float* rstd, int N, int C, int R) {                                                 \
+            const float* rstd, int N, int C, int R) { LLMC_PDL_WAIT();                                \
         layernorm_backward5_t<bf16, NV>(dinp, scratch, dout, inp, weight, mean, rstd, N, C, R);       \
     }
 LN_BWD_ENTRY_BF16(1) LN_BWD_ENTRY_BF16(2) LN_BWD_ENTRY_BF16(3) LN_BWD_ENTRY_BF16(4)
@@ -700,7 +711,7 @@ LN_BWD_ENTRY_BF16(5) LN_BWD_ENTRY_BF16(6) LN_BWD_ENTRY_BF16(7) LN_BWD_ENTRY_BF16
 #define LN_BWD_COLSUM_ENTRY_BF16(NV)                                                                  \
     extern "C" __global__ void layernorm_backward_kernel5_colsum_bf16_nv##NV(bf16* dinp,             \
             float* scratch, const bf16* dout, const bf16* inp, const bf16* weight, const float* mean, \
-            const float* rstd, int N, int C, int R) {                                                 \
+            const float* rstd, int N, int C, int R) { LLMC_PDL_WAIT();                                \
         layernorm_backward5_t<bf16, NV, true>(dinp, scratch, dout, inp, weight, mean, rstd, N, C, R); \
     }
 LN_BWD_COLSUM_ENTRY_BF16(1) LN_BWD_COLSUM_ENTRY_BF16(2) LN_BWD_COLSUM_ENTRY_BF16(3) LN_BWD_COLSUM_ENTRY_BF16(4)
@@ -708,6 +719,7 @@ LN_BWD_COLSUM_ENTRY_BF16(5) LN_BWD_COLSUM_ENTRY_BF16(6) LN_BWD_COLSUM_ENTRY_BF16
 
 extern "C" __global__ void layernorm_backward_reduce_kernel_bf16(bf16* dweight, bf16* dbias,
         const float* scratch, int G, int C) {
+    LLMC_PDL_WAIT();
     layernorm_backward_reduce_t<bf16>(dweight, dbias, scratch, G, C);
 }
 
@@ -888,13 +900,13 @@ __device__ __forceinline__ void layernorm_backward6_t(T* __restrict__ dinp, floa
 // entry points per NV = ceil(C / (32 V)): forward NV <= 8, backward NV <= 4
 #define LN6_FWD(T, SFX, NV)                                                                           \
     extern "C" __global__ void layernorm_forward_kernel6##SFX##_nv##NV(T* out, float* mean,           \
-            float* rstd, const T* inp, const T* weight, const T* bias, int N, int C, int R) {         \
+            float* rstd, const T* inp, const T* weight, const T* bias, int N, int C, int R) { LLMC_PDL_WAIT();         \
         layernorm_forward6_t<T, NV>(out, mean, rstd, inp, weight, bias, N, C, R);                     \
     }
 #define LN6_BWD(T, SFX, NV)                                                                           \
     extern "C" __global__ void layernorm_backward_kernel6##SFX##_nv##NV(T* dinp, float* scratch,     \
             const T* dout, const T* inp, const T* weight, const float* mean, const float* rstd,       \
-            int N, int C, int R) {                                                                    \
+            int N, int C, int R) { LLMC_PDL_WAIT();                                                   \
         layernorm_backward6_t<T, NV>(dinp, scratch, dout, inp, weight, mean, rstd, N, C, R);          \
     }
 LN6_FWD(float, , 1) LN6_FWD(float, , 2) LN6_FWD(float, , 3) LN6_FWD(float, , 4)
@@ -1219,13 +1231,13 @@ __device__ __forceinline__ void layernorm_backward7_t(T* __restrict__ dinp, T* d
 #define LN7_BWD(T, SFX, NV)                                                                           \
     extern "C" __global__ void layernorm_backward_kernel7##SFX##_nv##NV(T* dinp, T* dweight, T* dbias, \
             float* scratch, unsigned* sync, const T* dout, const T* inp, const T* weight,             \
-            const float* mean, const float* rstd, int N, int C, int R, int flags) {                   \
+            const float* mean, const float* rstd, int N, int C, int R, int flags) { LLMC_PDL_WAIT();  \
         layernorm_backward7_t<T, NV, false>(dinp, dweight, dbias, nullptr, scratch, sync, dout, inp,  \
                                             weight, mean, rstd, N, C, R, flags);                      \
     }                                                                                                 \
     extern "C" __global__ void layernorm_backward_kernel7_colsum##SFX##_nv##NV(T* dinp, T* dweight,   \
             T* dbias, T* colsum, float* scratch, unsigned* sync, const T* dout, const T* inp,         \
-            const T* weight, const float* mean, const float* rstd, int N, int C, int R, int flags) {  \
+            const T* weight, const float* mean, const float* rstd, int N, int C, int R, int flags) { LLMC_PDL_WAIT();  \
         layernorm_backward7_t<T, NV, true>(dinp, dweight, dbias, colsum, scratch, sync, dout, inp,    \
                                            weight, mean, rstd, N, C, R, flags);                       \
     }
@@ -1286,9 +1298,11 @@ __device__ __forceinline__ void layernorm_backward_reduce_deferred_t(const float
 }
 extern "C" __global__ void __launch_bounds__(256) layernorm_backward_reduce_deferred_kernel(const float* scratch,
         float* const* outs, int G, int C) {
+    LLMC_PDL_WAIT();
     layernorm_backward_reduce_deferred_t<float>(scratch, outs, G, C);
 }
 extern "C" __global__ void __launch_bounds__(256) layernorm_backward_reduce_deferred_kernel_bf16(const float* scratch,
         bf16* const* outs, int G, int C) {
+    LLMC_PDL_WAIT();
     layernorm_backward_reduce_deferred_t<bf16>(scratch, outs, G, C);
 }

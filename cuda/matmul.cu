@@ -51,6 +51,7 @@ typedef long long ll;
 // reads its own weight row: 32 rows C floats apart per warp load (uncoalesced), inp[n] broadcast.
 extern "C" __global__ void matmul_forward_kernel1(float* out, const float* inp, const float* weight,
                                                   const float* bias, int N, int C, int OC) {
+    LLMC_PDL_WAIT();
     const int oc = blockIdx.x * blockDim.x + threadIdx.x, n = blockIdx.y;
     if (oc >= OC) return;
     const float* x = inp + (ll)n * C;
@@ -65,6 +66,7 @@ extern "C" __global__ void matmul_forward_kernel1(float* out, const float* inp, 
 // it loads is used 8 times. Warp-shuffle reductions at the end, lane 0..7 write the 8 outputs.
 extern "C" __global__ void matmul_forward_kernel2(float* out, const float* inp, const float* weight,
                                                   const float* bias, int N, int C, int OC) {
+    LLMC_PDL_WAIT();
     constexpr int R = 8;
     const int lane = threadIdx.x % 32;
     const int oc = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
@@ -128,11 +130,11 @@ __device__ __forceinline__ void gemv_rows(float* out, const float* inp, const fl
 // fc matmul + gelu in one launch; not a matmul_forward variant)
 #define GEMV_ENTRY(R)                                                                                  \
     extern "C" __global__ void __launch_bounds__(256) matmul_forward_kernel8_rows##R(                 \
-            float* out, const float* inp, const float* weight, const float* bias, int N, int C, int OC) { \
+            float* out, const float* inp, const float* weight, const float* bias, int N, int C, int OC) { LLMC_PDL_WAIT(); \
         gemv_rows<R, false>(out, inp, weight, bias, C, OC);                                            \
     }                                                                                                  \
     extern "C" __global__ void __launch_bounds__(256) matmul_forward_kernel8_gelu_rows##R(            \
-            float* out, const float* inp, const float* weight, const float* bias, int N, int C, int OC) { \
+            float* out, const float* inp, const float* weight, const float* bias, int N, int C, int OC) { LLMC_PDL_WAIT(); \
         gemv_rows<R, true>(out, inp, weight, bias, C, OC);                                             \
     }
 GEMV_ENTRY(1) GEMV_ENTRY(2) GEMV_ENTRY(3) GEMV_ENTRY(4) GEMV_ENTRY(5) GEMV_ENTRY(6) GEMV_ENTRY(7) GEMV_ENTRY(8)
@@ -182,12 +184,12 @@ __device__ __forceinline__ void gemv_rows_bf16(__nv_bfloat16* out, const __nv_bf
 #define GEMV_ENTRY_BF16(R)                                                                              \
     extern "C" __global__ void __launch_bounds__(256) matmul_forward_kernel8_rows##R##_bf16(           \
             __nv_bfloat16* out, const __nv_bfloat16* inp, const __nv_bfloat16* weight,                 \
-            const __nv_bfloat16* bias, int N, int C, int OC) {                                          \
+            const __nv_bfloat16* bias, int N, int C, int OC) { LLMC_PDL_WAIT();                         \
         gemv_rows_bf16<R, false>(out, inp, weight, bias, C, OC);                                        \
     }                                                                                                   \
     extern "C" __global__ void __launch_bounds__(256) matmul_forward_kernel8_gelu_rows##R##_bf16(      \
             __nv_bfloat16* out, const __nv_bfloat16* inp, const __nv_bfloat16* weight,                 \
-            const __nv_bfloat16* bias, int N, int C, int OC) {                                          \
+            const __nv_bfloat16* bias, int N, int C, int OC) { LLMC_PDL_WAIT();                         \
         gemv_rows_bf16<R, true>(out, inp, weight, bias, C, OC);                                         \
     }
 GEMV_ENTRY_BF16(1) GEMV_ENTRY_BF16(2) GEMV_ENTRY_BF16(3) GEMV_ENTRY_BF16(4)
@@ -197,6 +199,7 @@ GEMV_ENTRY_BF16(5) GEMV_ENTRY_BF16(6) GEMV_ENTRY_BF16(7) GEMV_ENTRY_BF16(8)
 // Both tiles load coalesced along C; wt is padded to 33 so the column walk is conflict-free.
 extern "C" __global__ void __launch_bounds__(1024) matmul_forward_kernel3(
     float* out, const float* inp, const float* weight, const float* bias, int N, int C, int OC) {
+    LLMC_PDL_WAIT();
     __shared__ float xt[32][33];  // (rows n, c)
     __shared__ float wt[32][33];  // (rows oc, c)
     const int tx = threadIdx.x, ty = threadIdx.y;
@@ -221,6 +224,7 @@ extern "C" __global__ void __launch_bounds__(1024) matmul_forward_kernel3(
 // the banks. The next k-slice is fetched into registers while the current one is consumed.
 extern "C" __global__ void __launch_bounds__(256) matmul_forward_kernel4(
     float* out, const float* inp, const float* weight, const float* bias, int N, int C, int OC) {
+    LLMC_PDL_WAIT();
     constexpr int BM = 128, BK = 8, LDS = BM + 4;
     __shared__ __align__(16) float xs[BK][LDS];  // (k, n)
     __shared__ __align__(16) float ws[BK][LDS];  // (k, oc)
@@ -277,6 +281,7 @@ extern "C" __global__ void __launch_bounds__(256) matmul_forward_kernel4(
 // No pipelining: load, barrier, compute, barrier.
 extern "C" __global__ void __launch_bounds__(128) matmul_forward_kernel5(
     float* out, const float* inp, const float* weight, const float* bias, int N, int C, int OC) {
+    LLMC_PDL_WAIT();
     constexpr int BM = 64, BK = 32, LDS = BK + 4;
     __shared__ __align__(16) uint32_t xs[BM][LDS];  // (n, c) as tf32
     __shared__ __align__(16) uint32_t ws[BM][LDS];  // (oc, c) as tf32
@@ -342,6 +347,7 @@ extern "C" __global__ void __launch_bounds__(128) matmul_forward_kernel5(
 // version 1: thread oc sums column oc over all N rows. A warp reads 32 consecutive floats of a row
 // per step (coalesced), but there are only OC threads in flight (768: 6 blocks on a 132-SM GPU).
 extern "C" __global__ void matmul_backward_bias_kernel1(float* dbias, const float* dout, int N, int OC) {
+    LLMC_PDL_WAIT();
     const int oc = blockIdx.x * blockDim.x + threadIdx.x;
     if (oc >= OC) return;
     float s = 0.0f;
@@ -355,6 +361,7 @@ extern "C" __global__ void matmul_backward_bias_kernel1(float* dbias, const floa
 // Memory: reads N*OC floats once, writes nchunks*OC.
 extern "C" __global__ void matmul_backward_bias_kernel2(float* partial, const float* dout, int N, int OC,
                                                         int rows_per_chunk) {
+    LLMC_PDL_WAIT();
     __shared__ float sh[8][33];
     const int tx = threadIdx.x, ty = threadIdx.y;
     const int oc = blockIdx.x * 32 + tx;
@@ -373,6 +380,7 @@ extern "C" __global__ void matmul_backward_bias_kernel2(float* partial, const fl
 // version 2, pass 2: dbias[oc] += sum of the nchunks partials, in chunk order (deterministic)
 extern "C" __global__ void matmul_backward_bias_kernel2_finish(float* dbias, const float* partial, int nchunks,
                                                                int OC) {
+    LLMC_PDL_WAIT();
     const int oc = blockIdx.x * blockDim.x + threadIdx.x;
     if (oc >= OC) return;
     float s = 0.0f;
@@ -419,6 +427,7 @@ __device__ __forceinline__ void bias_chunk_partial(float* partial, const float* 
 // Same fixed-order partials and finishing pass (deterministic). Memory: reads N*OC floats once.
 extern "C" __global__ void matmul_backward_bias_kernel3(float* partial, const float* dout, int N, int OC,
                                                         int rows_per_chunk) {
+    LLMC_PDL_WAIT();
     __shared__ float4 sh[8][32];
     bias_chunk_partial(partial, dout, N, OC, rows_per_chunk, sh);
 }
@@ -431,6 +440,7 @@ extern "C" __global__ void matmul_backward_bias_kernel3(float* partial, const fl
 // the second launch and its serial walk over the chunks.
 extern "C" __global__ void matmul_backward_bias_kernel4(float* dbias, float* partial, unsigned int* counters,
                                                         const float* dout, int N, int OC, int rows_per_chunk) {
+    LLMC_PDL_WAIT();
     __shared__ float4 sh[8][32];
     __shared__ bool is_last;
     const int tx = threadIdx.x, ty = threadIdx.y;
@@ -459,6 +469,7 @@ extern "C" __global__ void matmul_backward_bias_kernel4(float* dbias, float* par
 // read, the total added in fp32, and rounded once on the store.
 extern "C" __global__ void matmul_backward_bias_kernel4_bf16(__nv_bfloat16* dbias, float* partial, unsigned int* counters,
                                                              const __nv_bfloat16* dout, int N, int OC, int rows_per_chunk) {
+    LLMC_PDL_WAIT();
     __shared__ float4 sh[2][8][32];
     __shared__ bool is_last;
     const int tx = threadIdx.x, ty = threadIdx.y;

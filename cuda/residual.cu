@@ -20,12 +20,14 @@
 
 // out (N), inp1 (N), inp2 (N)
 extern "C" __global__ void residual_forward_kernel1(float* out, const float* inp1, const float* inp2, int N) {
+    LLMC_PDL_WAIT();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < N) out[i] = inp1[i] + inp2[i];
 }
 
 // out, inp1, inp2 16-byte aligned; N % 4 == 0 (the launcher refuses otherwise)
 extern "C" __global__ void residual_forward_kernel2(float* out, const float* inp1, const float* inp2, int N) {
+    LLMC_PDL_WAIT();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < N / 4) {
         float4 a = load4(inp1 + 4 * i), b = load4(inp2 + 4 * i);
@@ -60,8 +62,10 @@ __device__ __forceinline__ void residual_forward2(T* out, const T* inp1, const T
 }
 
 extern "C" __global__ void residual_forward_kernel1_bf16(bf16* out, const bf16* inp1, const bf16* inp2, int N) {
+    LLMC_PDL_WAIT();
     residual_forward1<bf16>(out, inp1, inp2, N);
 }
 extern "C" __global__ void residual_forward_kernel2_bf16(bf16* out, const bf16* inp1, const bf16* inp2, int N) {
+    LLMC_PDL_WAIT();
     residual_forward2<bf16>(out, inp1, inp2, N);
 }

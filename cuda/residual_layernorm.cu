@@ -27,6 +27,7 @@
 extern "C" __global__ void residual_layernorm_forward_kernel2(float* residual, float* out, float* mean,
         float* rstd, const float* inp1, const float* inp2, const float* weight, const float* bias,
         int N, int C) {
+    LLMC_PDL_WAIT();
     int lane = threadIdx.x % WARP_SIZE;
     int row = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
     if (row >= N) return;
@@ -91,7 +92,7 @@ __device__ __forceinline__ void residual_layernorm_forward3(float* residual, flo
 #define RLN_ENTRY(NV)                                                                                 \
     extern "C" __global__ void residual_layernorm_forward_kernel3_nv##NV(float* residual, float* out, \
             float* mean, float* rstd, const float* inp1, const float* inp2, const float* weight,       \
-            const float* bias, int N, int C) {                                                         \
+            const float* bias, int N, int C) { LLMC_PDL_WAIT();                                        \
         residual_layernorm_forward3<NV>(residual, out, mean, rstd, inp1, inp2, weight, bias, N, C);    \
     }
 RLN_ENTRY(1) RLN_ENTRY(2) RLN_ENTRY(3) RLN_ENTRY(4) RLN_ENTRY(5) RLN_ENTRY(6) RLN_ENTRY(7) RLN_ENTRY(8)
@@ -173,6 +174,7 @@ __device__ __forceinline__ void residual_layernorm_forward3_t(T* residual, T* ou
 
 extern "C" __global__ void residual_layernorm_forward_kernel2_bf16(bf16* residual, bf16* out, float* mean,
         float* rstd, const bf16* inp1, const bf16* inp2, const bf16* weight, const bf16* bias, int N, int C) {
+    LLMC_PDL_WAIT();
     residual_layernorm_forward2_t<bf16>(residual, out, mean, rstd, inp1, inp2, weight, bias, N, C);
 }
 
@@ -180,7 +182,7 @@ extern "C" __global__ void residual_layernorm_forward_kernel2_bf16(bf16* residua
 #define RLN_ENTRY_BF16(NV)                                                                            \
     extern "C" __global__ void residual_layernorm_forward_kernel3_bf16_nv##NV(bf16* residual, bf16* out, \
             float* mean, float* rstd, const bf16* inp1, const bf16* inp2, const bf16* weight,          \
-            const bf16* bias, int N, int C) {                                                          \
+            const bf16* bias, int N, int C) { LLMC_PDL_WAIT();                                         \
         residual_layernorm_forward3_t<bf16, NV>(residual, out, mean, rstd, inp1, inp2, weight, bias, N, C); \
     }
 RLN_ENTRY_BF16(1) RLN_ENTRY_BF16(2) RLN_ENTRY_BF16(3) RLN_ENTRY_BF16(4) RLN_ENTRY_BF16(5)

@@ -221,10 +221,12 @@ __device__ __forceinline__ void sample1(int* tokens, const T* logits, const doub
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_kernel1(
         int* tokens, const float* logits, const double* uniforms, int V, int Vp, int top_k, float inv_temp,
         int staged) {
+    LLMC_PDL_WAIT();
     sample1<float>(tokens, logits, uniforms, V, Vp, top_k, inv_temp, staged);
 }
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_kernel1_bf16(
         int* tokens, const bf16* logits, const double* uniforms, int V, int Vp, int top_k, float inv_temp,
         int staged) {
+    LLMC_PDL_WAIT();
     sample1<bf16>(tokens, logits, uniforms, V, Vp, top_k, inv_temp, staged);
 }

@@ -31,6 +31,7 @@
 
 // Row r of the (BNH*T) rows is time step t = r % T; it takes part in s = 0..t.
 extern "C" __global__ void softmax_forward_kernel1(float* att, const float* preatt, int BNH, int T, float scale) {
+    LLMC_PDL_WAIT();
     // att, preatt: (BNH, T, T)
     int row = blockIdx.x * blockDim.x + threadIdx.x;
     if (row >= BNH * T) return;
@@ -49,6 +50,7 @@ extern "C" __global__ void softmax_forward_kernel1(float* att, const float* prea
 
 // blockDim.x must be a power of two (the tree halves it); dynamic smem = blockDim.x floats.
 extern "C" __global__ void softmax_forward_kernel2(float* att, const float* preatt, int BNH, int T, float scale) {
+    LLMC_PDL_WAIT();
     extern __shared__ float buf[];
     int row = blockIdx.x, tid = threadIdx.x, t = row % T;
     const float* x = preatt + (size_t)row * T;
@@ -77,6 +79,7 @@ extern "C" __global__ void softmax_forward_kernel2(float* att, const float* prea
 
 // one warp per row: 32 lanes read consecutive elements (coalesced), reductions by shuffles.
 extern "C" __global__ void softmax_forward_kernel3(float* att, const float* preatt, int BNH, int T, float scale) {
+    LLMC_PDL_WAIT();
     int row = (blockIdx.x * blockDim.x + threadIdx.x) / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     if (row >= BNH * T) return;  // the whole warp leaves together
     int t = row % T;
@@ -109,6 +112,7 @@ __device__ __forceinline__ void online_merge_warp(float& m, float& d, float scal
 }
 
 extern "C" __global__ void softmax_forward_kernel4(float* att, const float* preatt, int BNH, int T, float scale) {
+    LLMC_PDL_WAIT();
     int row = (blockIdx.x * blockDim.x + threadIdx.x) / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     if (row >= BNH * T) return;
     int t = row % T;
@@ -126,6 +130,7 @@ extern "C" __global__ void softmax_forward_kernel4(float* att, const float* prea
 // The float4 that holds s = t may also hold up to 3 elements s > t: they are masked by selects, so
 // whatever is stored there (even NaN) never reaches the arithmetic.
 extern "C" __global__ void softmax_forward_kernel5(float* att, const float* preatt, int BNH, int T, float scale) {
+    LLMC_PDL_WAIT();
     int row = (blockIdx.x * blockDim.x + threadIdx.x) / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     if (row >= BNH * T) return;
     int t = row % T;
@@ -211,7 +216,7 @@ __device__ __forceinline__ void softmax_forward6(float* att, const float* preatt
 }
 #define SOFTMAX_FORWARD6(NV4) \
     extern "C" __global__ void softmax_forward_kernel6_nv##NV4(float* att, const float* preatt, int BNH, int T, float scale) \
-    { softmax_forward6<NV4>(att, preatt, BNH, T, scale); }
+    { LLMC_PDL_WAIT(); softmax_forward6<NV4>(att, preatt, BNH, T, scale); }
 SOFTMAX_FORWARD6(1)
 SOFTMAX_FORWARD6(2)
 SOFTMAX_FORWARD6(4)
@@ -224,6 +229,7 @@ SOFTMAX_FORWARD6(16)
 
 extern "C" __global__ void softmax_backward_kernel1(float* dpreatt, const float* datt, const float* att,
                                                     int BNH, int T, float scale) {
+    LLMC_PDL_WAIT();
     int row = blockIdx.x * blockDim.x + threadIdx.x;
     if (row >= BNH * T) return;
     int t = row % T;
@@ -238,6 +244,7 @@ extern "C" __global__ void softmax_backward_kernel1(float* dpreatt, const float*
 // blockDim.x a power of two; dynamic smem = blockDim.x floats.
 extern "C" __global__ void softmax_backward_kernel2(float* dpreatt, const float* datt, const float* att,
                                                     int BNH, int T, float scale) {
+    LLMC_PDL_WAIT();
     extern __shared__ float buf[];
     int row = blockIdx.x, tid = threadIdx.x, t = row % T;
     size_t off = (size_t)row * T;
@@ -256,6 +263,7 @@ extern "C" __global__ void softmax_backward_kernel2(float* dpreatt, const float*
 
 extern "C" __global__ void softmax_backward_kernel3(float* dpreatt, const float* datt, const float* att,
                                                     int BNH, int T, float scale) {
+    LLMC_PDL_WAIT();
     int row = (blockIdx.x * blockDim.x + threadIdx.x) / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     if (row >= BNH * T) return;
     int t = row % T;
@@ -271,6 +279,7 @@ extern "C" __global__ void softmax_backward_kernel3(float* dpreatt, const float*
 // = 2*T floats), so global memory is read exactly once whatever T is.
 extern "C" __global__ void softmax_backward_kernel4(float* dpreatt, const float* datt, const float* att,
                                                     int BNH, int T, float scale) {
+    LLMC_PDL_WAIT();
     extern __shared__ float sm[];
     float* sa = sm;      // (T)
     float* sg = sm + T;  // (T)
@@ -291,6 +300,7 @@ extern "C" __global__ void softmax_backward_kernel4(float* dpreatt, const float*
 // 3 with 16-byte accesses (T % 4 == 0).
 extern "C" __global__ void softmax_backward_kernel5(float* dpreatt, const float* datt, const float* att,
                                                     int BNH, int T, float scale) {
+    LLMC_PDL_WAIT();
     int row = (blockIdx.x * blockDim.x + threadIdx.x) / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     if (row >= BNH * T) return;
     int t = row % T;
@@ -369,10 +379,10 @@ __device__ __forceinline__ void softmax_backward6(float* dpreatt, const float* d
 #define SOFTMAX_BACKWARD6(NV4) \
     extern "C" __global__ void softmax_backward_kernel6_nv##NV4(float* dpreatt, const float* datt, const float* att, \
                                                               int BNH, int T, float scale) \
-    { softmax_backward6<NV4, true>(dpreatt, datt, att, BNH, T, scale); } \
+    { LLMC_PDL_WAIT(); softmax_backward6<NV4, true>(dpreatt, datt, att, BNH, T, scale); } \
     extern "C" __global__ void softmax_backward_kernel6_lower_nv##NV4(float* dpreatt, const float* datt, const float* att, \
                                                                     int BNH, int T, float scale) \
-    { softmax_backward6<NV4, false>(dpreatt, datt, att, BNH, T, scale); }
+    { LLMC_PDL_WAIT(); softmax_backward6<NV4, false>(dpreatt, datt, att, BNH, T, scale); }
 SOFTMAX_BACKWARD6(1)
 SOFTMAX_BACKWARD6(2)
 SOFTMAX_BACKWARD6(4)

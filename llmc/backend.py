@@ -45,7 +45,7 @@ class Backend(Protocol):
     def download(self, buf): ...
     def download_into(self, host, buf): ...
     def download_async(self, host, buf): ...                       # queue buf -> host; .wait() for it
-    def graph(self, fn): ...
+    def graph(self, fn, pdl=False): ...                            # pdl: programmatic launches inside
     def scratch_pool(self, pool): ...                               # context: builds share scratch (see Runtime)
     def side(self, mark=None): ...                                 # context: launches on the side stream
     def side_wait(self, mark): ...                                  # main waits for the side up to mark
@@ -234,7 +234,7 @@ class CpuBackend(_Choosing):
         host[...] = buf  # (numpy: the copy is made now)
         return COPIED
 
-    def graph(self, fn):
+    def graph(self, fn, pdl: bool = False):
         """The numpy backend has no graphs: fn itself replays the step."""
         return fn
 
@@ -352,12 +352,13 @@ class CudaBackend(_Choosing):
         done.record(self.rt.stream)
         return Copy(done)
 
-    def graph(self, fn):
+    def graph(self, fn, pdl: bool = False):
         """fn's launches captured into a CUDA graph (a callable replaying them), or fn itself where
-        graphs are off or unavailable (said once)."""
+        graphs are off or unavailable (said once). pdl: programmatic dependent launches inside
+        (Runtime.capture; the decode step asks for them)."""
         why = self.rt.graphs_available()
         if why is None:
-            return self.rt.capture(fn)
+            return self.rt.capture(fn, pdl=pdl)
         if "graphs" not in self._noted and not self.quiet and "LLMC_" not in why:
             print(f"note: no CUDA graphs ({why}); launching kernel by kernel")
         self._noted.add("graphs")

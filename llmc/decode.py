@@ -133,7 +133,7 @@ class Decoder:
         self.be.upload_async(self.inp, self._inp_host)
         if self._run is None:
             self._launch_step()                       # first step: eager (builds, checks launches)
-            self._run = self.be.graph(self._launch_step)
+            self._run = self.be.graph(self._launch_step, pdl=True)  # (programmatic launches: runtime.PDL_ENV)
         else:
             self._run()
 

@@ -29,6 +29,7 @@ Design notes
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import os
 import re
@@ -373,30 +374,90 @@ class DevArray:
 # ----------------------------------------------------------------------------------------------
 # kernels
 
-class Kernel:
-    """A prepared kernel: call with (grid, block, *args, smem=bytes). Launch errors name `label`."""
+# Programmatic dependent launch (PDL, Hopper): inside a graph capture that asks for it, each kernel is
+# launched with the programmatic stream-serialization attribute, so the graph holds programmatic edges:
+# a kernel may be scheduled while the kernel before it on the stream is still finishing, and waits for
+# it in its first instruction (LLMC_PDL_WAIT in every entry point of cuda/). PyCUDA has no launch
+# attributes and no function handles, so these launches go through the driver's cuLaunchKernelEx by
+# ctypes, on the runtime's own CUmodule of the same cubin. Measured on an H200 (docs/ops.md, "PDL"):
+# the decode step's graph 0.416 -> 0.392 ms at batch 1, a d12 B=1 T=64 training step 3.10 -> 2.95 ms,
+# B=4 -0.5%, but B=16 +1%; so by default only the decode graph asks for it. LLMC_PDL=1: every capture,
+# LLMC_PDL=0: none.
+PDL_ENV = "LLMC_PDL"
+_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+_CTYPES_OF = {"P": ctypes.c_uint64, "i": ctypes.c_int32, "I": ctypes.c_uint32, "q": ctypes.c_int64,
+              "Q": ctypes.c_uint64, "f": ctypes.c_float, "d": ctypes.c_double}
 
-    def __init__(self, rt: "Runtime", func, argtypes: str, label: str):
+
+class _LaunchAttr(ctypes.Structure):  # CUlaunchAttribute: the id, padding to 8, a 64-byte value union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("val", ctypes.c_ubyte * 64)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("gx", ctypes.c_uint), ("gy", ctypes.c_uint), ("gz", ctypes.c_uint),
+                ("bx", ctypes.c_uint), ("by", ctypes.c_uint), ("bz", ctypes.c_uint),
+                ("smem", ctypes.c_uint), ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttr)),
+                ("nattrs", ctypes.c_uint)]
+
+
+class Kernel:
+    """A prepared kernel: call with (grid, block, *args, smem=bytes). Launch errors name `label`.
+    cu_func (PDL): the driver's handle of the same entry point, launched by cuLaunchKernelEx with the
+    programmatic attribute while the runtime captures a graph that asked for it (Runtime.capture)."""
+
+    def __init__(self, rt: "Runtime", func, argtypes: str, label: str, where: tuple | None = None):
         self.rt, self.func, self.label = rt, func, label
         self.argtypes = argtypes
         func.prepare(argtypes)
         self._call = func.prepared_async_call
         self.max_dynamic_smem = 48 * 1024
+        self._where = where  # (module key, entry point): the driver handle's source, looked up on first use
+        self._cu = None
+        self._ctypes = [_CTYPES_OF[c] for c in argtypes] if all(c in _CTYPES_OF for c in argtypes) else None
 
     def set_max_dynamic_smem(self, nbytes: int) -> None:
         """Opt in to more than 48 KB of dynamic shared memory (Hopper allows up to 227 KB)."""
         import pycuda.driver as drv
         if nbytes > 48 * 1024:
             self.func.set_attribute(drv.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, int(nbytes))
+            if self._cu:
+                self._cu_smem(nbytes)
         self.max_dynamic_smem = max(self.max_dynamic_smem, int(nbytes))
+
+    def _cu_smem(self, nbytes: int) -> None:
+        self.rt._cu_call("cuFuncSetAttribute", ctypes.c_void_p(self._cu),
+                         _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, ctypes.c_int(int(nbytes)))
+
+    def _pdl_ready(self) -> bool:
+        """The driver handle for a programmatic launch, looked up the first time one is asked for."""
+        if self._cu is None and self._ctypes is not None and self._where is not None:
+            self._cu = self.rt._cu_function(*self._where)
+            if self.max_dynamic_smem > 48 * 1024:
+                self._cu_smem(self.max_dynamic_smem)
+        return self._cu is not None
 
     def __call__(self, grid, block, *args, smem: int = 0):
         try:
-            self._call(grid, block, self.rt.stream, *args, shared_size=smem)
+            if self.rt.pdl_active and self._pdl_ready():
+                self._launch_pdl(grid, block, args, smem)
+            else:
+                self._call(grid, block, self.rt.stream, *args, shared_size=smem)
         except Exception as e:  # pycuda raises its own LaunchError/LogicError types
             raise CudaError(f"{self.label}: launch failed (grid={grid}, block={block}, smem={smem}): {e}") from None
         if self.rt.sync:
             self.rt.check(self.label)
+
+    def _launch_pdl(self, grid, block, args, smem):
+        if len(args) != len(self._ctypes):
+            raise TypeError(f"{len(args)} arguments for {len(self._ctypes)} ({self.argtypes})")
+        vals = [t(float(a) if t in (ctypes.c_float, ctypes.c_double) else int(a)) for t, a in zip(self._ctypes, args)]
+        params = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals])
+        g = tuple(grid) + (1,) * (3 - len(grid))
+        b = tuple(block) + (1,) * (3 - len(block))
+        cfg = _LaunchConfig(g[0], g[1], g[2], b[0], b[1], b[2], int(smem), ctypes.c_void_p(self.rt.stream.handle),
+                            ctypes.pointer(self.rt._pdl_attr), 1)
+        self.rt._cu_call("cuLaunchKernelEx", ctypes.byref(cfg), ctypes.c_void_p(self._cu), params, None)
 
     def resident_blocks(self, block_size: int) -> int:
         """Blocks of `block_size` threads that fit on one SM at once, by threads and registers
@@ -495,6 +556,18 @@ class Runtime:
         self.capturing = False  # inside capture()
         self._modules: dict = {}
         self._kernels: dict = {}
+        # programmatic dependent launch (PDL_ENV; Hopper or newer, not under LLMC_SYNC=1): possible in
+        # captures here (self.pdl), on in the one running now (self.pdl_active)
+        self.pdl_env = os.environ.get(PDL_ENV)
+        self.pdl = self.pdl_env != "0" and major >= 9 and not self.sync
+        self.pdl_active = False
+        self._cu_modules: dict = {}
+        self._cubins: dict = {}
+        if self.pdl:
+            self._libcuda = ctypes.CDLL("libcuda.so.1")
+            self._pdl_attr = _LaunchAttr()
+            self._pdl_attr.id = _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            ctypes.c_int.from_buffer(self._pdl_attr.val).value = 1
         self._allocs: list = []
         self.allocated_bytes = 0
 
@@ -517,7 +590,27 @@ class Runtime:
             cubin, _ = compile_cubin(name, arch, defines)
             mod = self.drv.module_from_file(str(cubin))
             self._modules[key] = mod
+            self._cubins[key] = cubin
         return mod
+
+    def _cu_function(self, key: tuple, func: str) -> int:
+        """The driver handle of `func` in our own load of module `key`'s cubin (PDL's launches; PyCUDA
+        exposes neither its module nor its function handles), the module loaded on first use."""
+        h = self._cu_modules.get(key)
+        if h is None:
+            h = self._cu_modules[key] = ctypes.c_void_p()
+            self._cu_call("cuModuleLoad", ctypes.byref(h), str(self._cubins[key]).encode())
+        f = ctypes.c_void_p()
+        self._cu_call("cuModuleGetFunction", ctypes.byref(f), h, func.encode())
+        return f.value
+
+    def _cu_call(self, fn: str, *args) -> None:
+        """A driver API call through ctypes (PDL's launches); a failure names the call and the error."""
+        err = getattr(self._libcuda, fn)(*args)
+        if err != 0:
+            msg = ctypes.c_char_p()
+            self._libcuda.cuGetErrorString(err, ctypes.byref(msg))
+            raise CudaError(f"{fn} failed: {err} {(msg.value or b'').decode()}")
 
     def kernel(self, module: str, func: str, argtypes: str, label: str | None = None,
                defines: dict | None = None) -> Kernel:
@@ -530,7 +623,8 @@ class Runtime:
                 f = self.module(module, defines).get_function(func)
             except self.drv.LogicError as e:
                 raise CudaError(f"cuda/{module}.cu has no entry point {func} ({e})") from None
-            k = Kernel(self, f, argtypes, label or f"{module}.{func}")
+            k = Kernel(self, f, argtypes, label or f"{module}.{func}",
+                       ((module, tuple(sorted((defines or {}).items()))), func))
             self._kernels[key] = k
         return k
 
@@ -593,9 +687,10 @@ class Runtime:
             return "cuda-python is not installed (pip install cuda-python)"
         return None
 
-    def capture(self, fn) -> Graph:
+    def capture(self, fn, pdl: bool = False) -> Graph:
         """Run fn() (launches on self.stream, no host synchronisation inside) under stream capture
-        and return the instantiated graph: calling it replays every launch fn made."""
+        and return the instantiated graph: calling it replays every launch fn made. pdl: its kernels
+        launched for programmatic dependent launch (PDL_ENV above; LLMC_PDL=1 / 0 overrides)."""
         why = self.graphs_available()
         if why:
             raise LLMCError(f"CUDA graphs unavailable: {why}")
@@ -604,10 +699,11 @@ class Runtime:
         mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
         _cu_check(cu, cu.cuStreamBeginCapture(stream, mode), "cuStreamBeginCapture")
         self.capturing = True  # (a launcher that must upload first refuses under capture)
+        self.pdl_active = self.pdl and (pdl if self.pdl_env is None else self.pdl_env != "0")
         try:
             fn()
         finally:
-            self.capturing = False
+            self.capturing = self.pdl_active = False
             graph = _cu_check(cu, cu.cuStreamEndCapture(stream), "cuStreamEndCapture (a launch in the "
                               "captured function failed or synchronised)")
         exe = _cu_check(cu, cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")

@@ -445,7 +445,7 @@ class FakeCudaBackend(CudaBackend):
         host[...] = self.rt.np(buf)  # (nothing runs later here: the copy is made now, in stream order)
         return COPIED
 
-    def graph(self, fn):
+    def graph(self, fn, pdl=False):
         self.graphs += 1
         return fn
 

@@ -110,3 +110,25 @@ def test_attention4_sass_has_hgmma_and_tma():
     kernels = [f for f in funcs if f.startswith("flash_attention_") and "kernel4" in f]
     assert sum("tf32" in f for f in kernels) >= 12 and sum("bf16" in f for f in kernels) >= 12, sorted(funcs)
     _assert_wgmma_tma(funcs, kernels)
+
+
+def test_every_entry_point_waits_for_its_predecessor_first():
+    """LLMC_PDL=1 launches every kernel with programmatic stream serialization (llmc/runtime.py), which is
+    safe only if each one waits for the kernel before it before touching memory: every extern "C"
+    __global__ body of cuda/ starts with LLMC_PDL_WAIT()."""
+    import re
+    from llmc.runtime import CUDA_DIR
+    n = 0
+    for f in sorted(CUDA_DIR.glob("*.cu")):
+        src = f.read_text()
+        for m in re.finditer(r'extern "C" __global__', src):
+            i, depth, seen = m.end(), 0, False
+            while not (src[i] == "{" and depth == 0 and seen):
+                depth += {"(": 1, ")": -1}.get(src[i], 0)
+                seen = seen or src[i] == "("
+                i += 1
+            body = src[i + 1:i + 200].lstrip(" \\\n")
+            assert body.startswith("LLMC_PDL_WAIT();"), f"{f.name}: {src[m.start():i + 40]!r}"
+            n += 1
+    assert n >= 190
+

@@ -61,10 +61,16 @@ def test_decoder_matches_cpu_decoder_gpu():
     assert outs[0] == outs[1]
 
 
-def test_graph_replay_equals_eager_gpu(monkeypatch):
+@pytest.mark.parametrize("pdl", [None, "0"])
+def test_graph_replay_equals_eager_gpu(monkeypatch, pdl):
     """The decode step captured into a CUDA graph gives bit-identical logits to launching kernel by
-    kernel (LLMC_GRAPHS=0), step after step: position and tokens are read from the device."""
+    kernel (LLMC_GRAPHS=0), step after step: position and tokens are read from the device. The graph
+    holds programmatic launches by default on Hopper (runtime.PDL_ENV), plain ones with LLMC_PDL=0."""
     from llmc.runtime import Graph
+    if pdl is None:
+        monkeypatch.delenv("LLMC_PDL", raising=False)
+    else:
+        monkeypatch.setenv("LLMC_PDL", pdl)
     params = params_for(SMALL)
     rng = np.random.default_rng(5)
     toks = rng.integers(0, SMALL.vocab_size, (3, 20)).astype(np.int32)

@@ -146,6 +146,38 @@ def test_training_step_graphs_equal_eager():
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_pdl_launches_give_the_plain_launches_bits(monkeypatch, precision):
+    """LLMC_PDL=1: the training step's graphs captured with programmatic launches (programmatic edges;
+    each kernel waits for its predecessor in its first instruction). Four optimizer steps of two
+    micro-steps, graphs on (the side stream too), then two kernel by kernel: the same bits as plain
+    launches: losses, norms, parameters. (fp32 with encoder_backward 3: 5's atomics are not
+    bit-reproducible.)"""
+    B, T, accum = 2, 64, 2
+    kernels = {"encoder_backward": 3} if precision == "fp32" else None
+    params = GPT2(SMALL, CpuBackend(np.float64), B, T).init_params(0)
+    runs = []
+    for pdl in ("0", "1"):
+        monkeypatch.setenv("LLMC_PDL", pdl)
+        be = CudaBackend(kernels, precision=precision)
+        assert be.rt.pdl == (pdl == "1" and be.rt.arch >= "sm_90")  # (the training graphs: only with LLMC_PDL=1)
+        gpu = GPT2(SMALL, be, B, T)
+        gpu.load_params(params)
+        gpu.grad_accum_steps = accum
+        out = []
+        for step in range(1, 7):
+            gpu.use_graphs = step <= 4
+            gpu.zero_grad()
+            for micro in range(accum):
+                gpu.train_micro_step(*batch(SMALL, B, T, seed=10 * step + micro))
+            gpu.update(lr=1e-3 * step, step=step, weight_decay=0.1)
+            out.append((gpu.step_loss(), gpu.grad_norm()))
+        out.append(gpu.get_params())
+        runs.append(out)
+    for a, b in zip(*runs):
+        np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.gpu
 def test_micro_steps_read_their_own_batch_while_the_gpu_lags(rt):
     """train_micro_step copies each batch up from one pinned buffer with no host sync, so under
