@@ -403,8 +403,9 @@ class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
 
 class Kernel:
     """A prepared kernel: call with (grid, block, *args, smem=bytes). Launch errors name `label`.
-    cu_func (PDL): the driver's handle of the same entry point, launched by cuLaunchKernelEx with the
-    programmatic attribute while the runtime captures a graph that asked for it (Runtime.capture)."""
+    While the runtime captures a graph that asked for PDL (Runtime.capture), it is launched by
+    cuLaunchKernelEx with the programmatic attribute, on the driver's handle of the same entry point
+    (`where`: its module key and name, looked up on the first such launch)."""
 
     def __init__(self, rt: "Runtime", func, argtypes: str, label: str, where: tuple | None = None):
         self.rt, self.func, self.label = rt, func, label
