@@ -126,24 +126,29 @@ def test_training_step_graphs_equal_eager():
     replays of the micro-step and the update give bit-identical losses, norms and parameters to
     launching kernel by kernel. (encoder_backward 3: the default's atomics are not bit-reproducible.)"""
     from llmc.runtime import Graph
-    B, T, accum = 2, 64, 2
+    B, T = 2, 64
     runs = []
     for graphs in (True, False):
         gpu, _ = pair(SMALL, B, T, kernels={"encoder_backward": 3})
-        gpu.grad_accum_steps = accum
-        gpu.use_graphs = graphs
-        out = []
-        for step in range(1, 6):
-            gpu.zero_grad()
-            for micro in range(accum):
-                gpu.train_micro_step(*batch(SMALL, B, T, seed=10 * step + micro))
-            gpu.update(lr=1e-3 * step, step=step, weight_decay=0.1)
-            out.append((gpu.step_loss(), gpu.grad_norm()))
-        out.append(gpu.get_params())
+        runs.append(train_steps(gpu, B, T, 5, lambda step: graphs))
         assert isinstance(gpu._graph_micro, Graph) == graphs and isinstance(gpu._graph_update, Graph) == graphs
-        runs.append(out)
     for a, b in zip(*runs):
         np.testing.assert_array_equal(a, b)
+
+
+def train_steps(gpu, B, T, steps, graphs, accum=2):
+    """`steps` optimizer steps of `accum` micro-steps on SMALL's random batches, the lr changing every
+    step, graphs(step) saying whether that step replays graphs: [(loss, norm) per step..., params]."""
+    gpu.grad_accum_steps = accum
+    out = []
+    for step in range(1, steps + 1):
+        gpu.use_graphs = graphs(step)
+        gpu.zero_grad()
+        for micro in range(accum):
+            gpu.train_micro_step(*batch(SMALL, B, T, seed=10 * step + micro))
+        gpu.update(lr=1e-3 * step, step=step, weight_decay=0.1)
+        out.append((gpu.step_loss(), gpu.grad_norm()))
+    return out + [gpu.get_params()]
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -153,7 +158,7 @@ def test_pdl_launches_give_the_plain_launches_bits(monkeypatch, precision):
     micro-steps, graphs on (the side stream too), then two kernel by kernel: the same bits as plain
     launches: losses, norms, parameters. (fp32 with encoder_backward 3: 5's atomics are not
     bit-reproducible.)"""
-    B, T, accum = 2, 64, 2
+    B, T = 2, 64
     kernels = {"encoder_backward": 3} if precision == "fp32" else None
     params = GPT2(SMALL, CpuBackend(np.float64), B, T).init_params(0)
     runs = []
@@ -163,17 +168,7 @@ def test_pdl_launches_give_the_plain_launches_bits(monkeypatch, precision):
         assert be.rt.pdl == (pdl == "1" and be.rt.arch >= "sm_90")  # (the training graphs: only with LLMC_PDL=1)
         gpu = GPT2(SMALL, be, B, T)
         gpu.load_params(params)
-        gpu.grad_accum_steps = accum
-        out = []
-        for step in range(1, 7):
-            gpu.use_graphs = step <= 4
-            gpu.zero_grad()
-            for micro in range(accum):
-                gpu.train_micro_step(*batch(SMALL, B, T, seed=10 * step + micro))
-            gpu.update(lr=1e-3 * step, step=step, weight_decay=0.1)
-            out.append((gpu.step_loss(), gpu.grad_norm()))
-        out.append(gpu.get_params())
-        runs.append(out)
+        runs.append(train_steps(gpu, B, T, 6, lambda step: step <= 4))
     for a, b in zip(*runs):
         np.testing.assert_array_equal(a, b)
 
