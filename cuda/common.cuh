@@ -7,10 +7,11 @@
 
 #define WARP_SIZE 32
 
-// Programmatic dependent launch (llmc/runtime.py, LLMC_PDL=1): a kernel launched with the programmatic
-// stream-serialization attribute may start while the kernel before it on the stream is still ending; it
-// must wait here for that kernel's completion and memory before touching anything it wrote. Every
-// entry point starts with it (a CPU test checks); launched without the attribute it returns at once.
+// Programmatic dependent launch (llmc/runtime.py, PDL_ENV: the decode step's graph, or every graph with
+// LLMC_PDL=1): a kernel launched with the programmatic stream-serialization attribute may start while the
+// kernel before it on the stream is still ending; it must wait here for that kernel's completion and
+// memory before touching anything it wrote. Every entry point starts with it (a CPU test checks);
+// launched without the attribute it returns at once.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define LLMC_PDL_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
 #else

@@ -113,9 +113,9 @@ def test_attention4_sass_has_hgmma_and_tma():
 
 
 def test_every_entry_point_waits_for_its_predecessor_first():
-    """LLMC_PDL=1 launches every kernel with programmatic stream serialization (llmc/runtime.py), which is
-    safe only if each one waits for the kernel before it before touching memory: every extern "C"
-    __global__ body of cuda/ starts with LLMC_PDL_WAIT()."""
+    """A graph captured with programmatic dependent launches (llmc/runtime.py, PDL_ENV) may start any
+    kernel while the one before it is ending, which is safe only if each waits for it before touching
+    memory: every extern "C" __global__ body of cuda/ starts with LLMC_PDL_WAIT()."""
     import re
     from llmc.runtime import CUDA_DIR
     n = 0
@@ -131,4 +131,3 @@ def test_every_entry_point_waits_for_its_predecessor_first():
             assert body.startswith("LLMC_PDL_WAIT();"), f"{f.name}: {src[m.start():i + 40]!r}"
             n += 1
     assert n >= 190
-
