@@ -566,6 +566,11 @@ class Runtime:
         self._cubins: dict = {}
         if self.pdl:
             self._libcuda = ctypes.CDLL("libcuda.so.1")
+            version = ctypes.c_int(0)
+            self._libcuda.cuDriverGetVersion(ctypes.byref(version))
+            # (programmatic launches under stream capture: drivers of CUDA 12.3 and later)
+            self.pdl = version.value >= 12030 and hasattr(self._libcuda, "cuLaunchKernelEx")
+        if self.pdl:
             self._pdl_attr = _LaunchAttr()
             self._pdl_attr.id = _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
             ctypes.c_int.from_buffer(self._pdl_attr.val).value = 1
