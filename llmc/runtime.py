@@ -622,15 +622,15 @@ class Runtime:
                defines: dict | None = None) -> Kernel:
         """The prepared kernel `func` of cuda/<module>.cu. `argtypes` in PyCUDA's struct letters:
         P pointer, i int32, f float32, ... Cached: asking twice returns the same Kernel."""
-        key = (module, func, argtypes, tuple(sorted((defines or {}).items())))
+        mkey = (module, tuple(sorted((defines or {}).items())))  # (module()'s key)
+        key = (module, func, argtypes, mkey[1])
         k = self._kernels.get(key)
         if k is None:
             try:
                 f = self.module(module, defines).get_function(func)
             except self.drv.LogicError as e:
                 raise CudaError(f"cuda/{module}.cu has no entry point {func} ({e})") from None
-            k = Kernel(self, f, argtypes, label or f"{module}.{func}",
-                       ((module, tuple(sorted((defines or {}).items()))), func))
+            k = Kernel(self, f, argtypes, label or f"{module}.{func}", (mkey, func))
             self._kernels[key] = k
         return k
 
