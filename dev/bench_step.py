@@ -4,6 +4,7 @@
     python dev/bench_step.py --precision bf16 -b 16 # bf16 weights/activations/grads, fp32 master + AdamW
     python dev/bench_step.py --softmax-kernel 5 --matmul-kernel 5
     python dev/bench_step.py -b 1 -t 128            # a small step, where launching from Python costs
+    python dev/bench_step.py --precision bf16 -r 0  # activation recompute as the trainer's -r (default 1)
     LLMC_GRAPHS=0 python dev/bench_step.py          # kernel by kernel instead of CUDA graph replays
     LLMC_FUSED_BIAS=0 python dev/bench_step.py      # bias grads by matmul_backward_bias, not fused (same variants)
     LLMC_FUSED_GELU=1 python dev/bench_step.py      # the fc layer's GELU in its GEMM's epilogue (default: gelu_forward)
@@ -33,11 +34,11 @@ from llmc.train import kernel_flags
 from power import PowerSampler
 
 
-def training_step(be, cfg, B, T):
-    """(model, step): the GPT-2 of `cfg` built and initialised (seed 0) on `be`, and step(i), the
-    trainer's step i on one fixed random batch (zero_grad, forward + backward, clip + AdamW at lr
-    3e-4, the loss read)."""
-    model = GPT2(cfg, be, B, T)
+def training_step(be, cfg, B, T, recompute: int = 1):
+    """(model, step): the GPT-2 of `cfg` built and initialised (seed 0) on `be` with the trainer's
+    -r `recompute`, and step(i), the trainer's step i on one fixed random batch (zero_grad, forward +
+    backward, clip + AdamW at lr 3e-4, the loss read)."""
+    model = GPT2(cfg, be, B, T, recompute=recompute)
     model.init_params(0)
     rng = np.random.default_rng(0)
     x = rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32)
@@ -95,6 +96,8 @@ def main():
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("-r", "--recompute", type=int, choices=(0, 1, 2), default=1,
+                   help="activation recompute in backward, as the trainer's -r: 0 none, 1 GELU, 2 GELU and layernorm")
     p.add_argument("--sync", action="store_true",
                    help="read each step's loss before launching the next (the trainer with LLMC_PIPELINE_STEPS=0)")
     p.add_argument("--power", action="store_true",
@@ -110,7 +113,7 @@ def main():
     cfg = config_from_name(args.model)
     B, T = args.batch_size, args.seq_len
     t0 = time.perf_counter()
-    model, step = training_step(be, cfg, B, T)
+    model, step = training_step(be, cfg, B, T, args.recompute)
     build_s = time.perf_counter() - t0
 
     for i in range(args.warmup):
@@ -120,7 +123,7 @@ def main():
     power = sampler.stop() if sampler is not None else None
     free1, _ = rt.mem_info()
     ms = statistics.median(times)
-    print(f"device: {rt.name} | model {cfg.describe()} | B={B} T={T} | {args.precision} | build {build_s:.1f} s")
+    print(f"device: {rt.name} | model {cfg.describe()} | B={B} T={T} | {args.precision} | -r {args.recompute} | build {build_s:.1f} s")
     print("kernels: " + ", ".join(f"{k}={v}" for k, v in sorted(be.kernels_for().items())))
     print("bias grads fused into: " + (", ".join(k for k, v in model.fused_bias.items() if v) or "none (matmul_backward_bias)"))
     print("fc GELU: " + ("fused into the fc GEMM's epilogue" if model.fused_gelu else "mm_fc + gelu_forward"))

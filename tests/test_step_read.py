@@ -223,3 +223,14 @@ def test_bench_step_times_the_trainers_loop(monkeypatch):
     log.clear()
     times, _, loss = bench_step.time_synced(Rt(), step, 0, 2)
     assert log == [("launch", 0), ("read", 0), ("launch", 1), ("read", 1)] and loss == 1.0
+
+
+@pytest.mark.parametrize("r", [0, 2])
+def test_bench_step_builds_the_model_with_its_recompute(monkeypatch, r):
+    """bench_step -r builds the model with that activation recompute (and steps it), as the trainer's -r."""
+    monkeypatch.syspath_prepend(str(ROOT / "dev"))
+    import importlib
+    bench_step = importlib.import_module("bench_step")
+    model, step = bench_step.training_step(CpuBackend(), CFG, 2, 8, recompute=r)
+    assert model.recompute == r and model.activation_bytes() != GPT2(CFG, CpuBackend(), 2, 8).activation_bytes()
+    assert np.isfinite(step(0).loss())
