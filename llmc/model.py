@@ -56,6 +56,13 @@ from llmc.ops.adamw import hyperparams
 
 
 # the weight whose gradient each dweight GEMM of the backward writes (first_write), by call site
+# Programmatic dependent launch (llmc/runtime.py, PDL_ENV) in the training step's graphs when a micro-step
+# has at most this many tokens (B * T). Measured on the H200 (d12, T=1024 unless said, LLMC_PDL=1 against
+# plain launches, interleaved rounds; docs/ops.md "PDL"): faster the smaller the step, bf16 B=1 T=64 -4.8%,
+# B=1 -1.3%, B=2 -1.3%, B=4 -0.1 to -0.6% (three calls); fp32 B=1 -2.3%, B=2 -1.3%, B=4 -0.3 to -0.5%;
+# but bf16 B=8 +0.5%, B=16 +0.5 to +1.0%, fp32 B=8 +0.1%. LLMC_PDL=1 / 0 overrides it either way.
+PDL_TRAIN_TOKENS = 4096
+
 GEMM_WEIGHTS = {"lmhead": "wte", "fcproj": "fcprojw", "fc": "fcw", "attproj": "attprojw", "qkv": "qkvw"}
 
 
@@ -883,8 +890,9 @@ class GPT2:
             graph()
             return
         launch()
-        if self.use_graphs:
-            setattr(self, attr, self.be.graph(launch))
+        if self.use_graphs:  # (data parallel's custom graph, with NCCL's launches in it: never programmatic)
+            setattr(self, attr, self.be.graph(launch, pdl=self.B * self.T <= PDL_TRAIN_TOKENS
+                                              and attr != "_graph_custom"))
 
     def update(self, lr: float, step: int, weight_decay: float = 0.0, beta1: float = 0.9,
                beta2: float = 0.95, eps: float = 1e-8, max_norm: float = 1.0) -> None:

@@ -223,6 +223,7 @@ class FakeCudaBackend(CudaBackend):
         super().__init__(kernels, quiet, rt=FakeRuntime(nbytes), precision=precision)
         self.launches = []  # op names, in launch order
         self.graphs = 0
+        self.graph_pdl = []  # each graph's pdl argument, in order
         # The side stream (CudaBackend.side): its launches wait in a queue until the main stream has to
         # wait for them (side_wait up to the mark, side_join all), the latest they may run on a GPU. So a
         # missing wait shows: the main stream overwrites what a side launch reads, or reads what it
@@ -447,6 +448,7 @@ class FakeCudaBackend(CudaBackend):
 
     def graph(self, fn, pdl=False):
         self.graphs += 1
+        self.graph_pdl.append(pdl)
         return fn
 
     def describe(self):

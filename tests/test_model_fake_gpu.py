@@ -144,6 +144,25 @@ def test_micro_step_graph_recaptured_when_accumulation_changes():
     assert be.graphs == 2
 
 
+@pytest.mark.parametrize("tokens,pdl", [(8, True), (7, False)])
+def test_training_graphs_are_programmatic_only_for_small_steps(monkeypatch, tokens, pdl):
+    """The training step's graphs ask for programmatic dependent launches when a micro-step has at
+    most PDL_TRAIN_TOKENS tokens (measured faster there, slower at d12 B >= 8); data parallel's
+    custom graph, which holds NCCL's launches, never does. (LLMC_PDL overrides it in Runtime.capture.)"""
+    import llmc.model
+    monkeypatch.setattr(llmc.model, "PDL_TRAIN_TOKENS", tokens)
+    be = FakeCudaBackend()
+    m = GPT2(CFG, be, 1, 8)
+    m.init_params(0)
+    x = np.arange(8, dtype=np.int32).reshape(1, 8)
+    m.zero_grad()
+    m.train_micro_step(x, x)  # the first micro-step's graph
+    m.update(1e-3, 1)
+    m.train_micro_step(x, x)  # and the later micro-steps'
+    m.train_micro_step(x, x, custom=lambda: m._launch_micro())
+    assert be.graph_pdl == [pdl, pdl, pdl, False]
+
+
 # ----------------------------------------------------------------------------------------------
 # --precision bf16 on the fake GPU: each op is its fp32 reference over from_bf16 copies of the bf16
 # arguments, rounded back with to_bf16 (tests/fake_runtime.py), AdamW on fp32 master weights
