@@ -381,8 +381,9 @@ class DevArray:
 # attributes and no function handles, so these launches go through the driver's cuLaunchKernelEx by
 # ctypes, on the runtime's own CUmodule of the same cubin. Measured on an H200 (docs/ops.md, "PDL"):
 # the decode step's graph 0.416 -> 0.392 ms at batch 1, a d12 B=1 T=64 training step 3.10 -> 2.95 ms,
-# B=4 -0.5%, but B=16 +1%; so by default only the decode graph asks for it. LLMC_PDL=1: every capture,
-# LLMC_PDL=0: none.
+# B=4 -0.1 to -0.6%, but B=8 +0.5% and B=16 +0.5 to +1%; so by default the decode graph asks for it,
+# and the training step's graphs of at most 4096 tokens (llmc/model.py, PDL_TRAIN_TOKENS).
+# LLMC_PDL=1: every capture, LLMC_PDL=0: none.
 PDL_ENV = "LLMC_PDL"
 _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8

@@ -165,7 +165,7 @@ def test_pdl_launches_give_the_plain_launches_bits(monkeypatch, precision):
     for pdl in ("0", "1"):
         monkeypatch.setenv("LLMC_PDL", pdl)
         be = CudaBackend(kernels, precision=precision)
-        assert be.rt.pdl == (pdl == "1" and be.rt.arch >= "sm_90")  # (the training graphs: only with LLMC_PDL=1)
+        assert be.rt.pdl == (pdl == "1" and be.rt.arch >= "sm_90")  # (LLMC_PDL=0: every graph plain)
         gpu = GPT2(SMALL, be, B, T)
         gpu.load_params(params)
         runs.append(train_steps(gpu, B, T, 6, lambda step: step <= 4))
