@@ -55,7 +55,6 @@ from llmc.errors import LLMCError
 from llmc.ops.adamw import hyperparams
 
 
-# the weight whose gradient each dweight GEMM of the backward writes (first_write), by call site
 # Programmatic dependent launch (llmc/runtime.py, PDL_ENV) in the training step's graphs when a micro-step
 # has at most this many tokens (B * T). Measured on the H200 (d12, T=1024 unless said, LLMC_PDL=1 against
 # plain launches, interleaved rounds; docs/ops.md "PDL"): faster the smaller the step, bf16 B=1 T=64 -4.8%,
@@ -63,6 +62,7 @@ from llmc.ops.adamw import hyperparams
 # but bf16 B=8 +0.5%, B=16 +0.5 to +1.0%, fp32 B=8 +0.1%. LLMC_PDL=1 / 0 overrides it either way.
 PDL_TRAIN_TOKENS = 4096
 
+# the weight whose gradient each dweight GEMM of the backward writes (first_write), by call site
 GEMM_WEIGHTS = {"lmhead": "wte", "fcproj": "fcprojw", "fc": "fcw", "attproj": "attprojw", "qkv": "qkvw"}
 
 
