@@ -355,7 +355,7 @@ class CudaBackend(_Choosing):
     def graph(self, fn, pdl: bool = False):
         """fn's launches captured into a CUDA graph (a callable replaying them), or fn itself where
         graphs are off or unavailable (said once). pdl: programmatic dependent launches inside
-        (Runtime.capture; the decode step asks for them)."""
+        (Runtime.capture; the decode step and small training steps ask for them)."""
         why = self.rt.graphs_available()
         if why is None:
             return self.rt.capture(fn, pdl=pdl)
