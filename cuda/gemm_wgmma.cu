@@ -1018,6 +1018,9 @@ GEMM_WGMMA_PP_ENTRY(gemm_wgmma_bf16_n128_ts_pp128_bf16, __nv_bfloat16, __nv_bflo
 GEMM_WGMMA_PP_ENTRY(gemm_wgmma_bf16_n192_bt_ts_pp64_bf16, __nv_bfloat16, __nv_bfloat16, 64, 192, 5, true, true)
 GEMM_WGMMA_PP_ENTRY(gemm_wgmma_bf16_n256_bt_ts_pp64_bf16, __nv_bfloat16, __nv_bfloat16, 64, 256, 4, true, true)
 GEMM_WGMMA_PP_ENTRY(gemm_wgmma_bf16_n128_bt_ts_pp128_bf16, __nv_bfloat16, __nv_bfloat16, 128, 128, 6, true, true)
+// ... and tf32 -> fp32, 128 x 128 only (fp32 staging: 2 x 32 KB beside 5 stages; the cooperative 128-wide
+// TMA-store instance has the same 5 stages and 64 KB of staging, so the two differ only in the schedule)
+GEMM_WGMMA_PP_ENTRY(gemm_wgmma_tf32_n128_ts_pp128, float, float, 128, 128, 5, false, true)
 
 // ------------------------------------------------------------------------------------------------
 // helpers the engine's launcher uses

@@ -111,6 +111,18 @@ def main():
             b.append(float(np.median(rt.time_ms(ours_fn, warmup=2, repeat=n))))
         return float(np.median(a)), float(np.median(b))
 
+    def turns(torch_fn, ours, rounds=5):
+        """[cuBLAS ms, then each of ours]: torch_fn and the functions in ours timed in turn (CUDA events
+        on each one's own stream), `rounds` rounds of max(3, reps / rounds) calls: the medians of the
+        round medians (as paired, for more than one of ours)."""
+        n = max(3, args.reps // rounds)
+        got = [[] for _ in range(1 + len(ours))]
+        for _ in range(rounds):
+            got[0].append(torch_median_ms(torch_fn, n, warmup=2))
+            for i, fn in enumerate(ours):
+                got[1 + i].append(float(np.median(rt.time_ms(fn, warmup=2, repeat=n))))
+        return [float(np.median(g)) for g in got]
+
     rows = []
     for B in args.B:
         Ntok = B * args.T
@@ -140,7 +152,7 @@ def main():
                     return float((a - b).norm() / b.norm())
                 if kind == "fwd":
                     gp = gw.wgmma_build(rt, "tf32", Ntok, OC, C, schedule="pingpong")
-                    gc = gw.wgmma_build(rt, "tf32", Ntok, OC, C)
+                    gc = gw.wgmma_build(rt, "tf32", Ntok, OC, C, schedule="coop")
                     run_p, run_c, o = (lambda: gp(P(y), P(x), P(w))), (lambda: gc(P(y), P(x), P(w))), y
                     gpb = gw.wgmma_build(rt, "bf16", Ntok, OC, C, out="bf16", schedule="pingpong")
                     gcb = gw.wgmma_build(rt, "bf16", Ntok, OC, C, out="bf16")
@@ -148,13 +160,16 @@ def main():
                     extra = 0.0
                 else:  # wt (the transposed weight) was written by the cooperative row's transpose
                     gp = gw.wgmma_build(rt, "tf32", Ntok, C, OC, schedule="pingpong")
-                    gc = gw.wgmma_build(rt, "tf32", Ntok, C, OC)
+                    gc = gw.wgmma_build(rt, "tf32", Ntok, C, OC, schedule="coop")
                     run_p, run_c, o = (lambda: gp(P(dx), P(dout), P(wt))), (lambda: gc(P(dx), P(dout), P(wt))), dx
                     gpb = gw.wgmma_build(rt, "bf16", Ntok, C, OC, ldb=C, b_major="n", out="bf16", schedule="pingpong")
                     gcb = gw.wgmma_build(rt, "bf16", Ntok, C, OC, ldb=C, b_major="n", out="bf16")
                     run_pb, run_cb, ob = (lambda: gpb(P(dxb16), P(doutb), P(wb))), (lambda: gcb(P(dxb16), P(doutb), P(wb))), dxb16
                     extra = r["transpose"]
                 r["pp_tf32"] = med(run_p) + extra
+                # tf32: cuBLAS, the cooperative plan and ping-pong timed in turn (GEMMs only, no transpose)
+                ctf = (lambda: torch.matmul(x, w.t(), out=y)) if kind == "fwd" else (lambda: torch.matmul(dout, w, out=dx))
+                r["turns_pp_tf32"] = turns(ctf, [run_c, run_p])
                 r["pp_bf16"] = med(run_pb)
                 r["plan_pp_tf32"], r["plan_pp_bf16"] = gp.plan, gpb.plan
                 # every tile shape, for the planner's constants (PP_EFF are assumptions until this runs)
@@ -292,6 +307,9 @@ def main():
                           f"cooperative) {r['plan_pp_tf32']} | bf16 {r['pp_bf16']:.3f} ms ({r['bf16_cublas'] / r['pp_bf16']:.2f}x "
                           f"of cuBLAS BF16, {r['bf16_engine5'] / r['pp_bf16']:.2f}x of cooperative) {r['plan_pp_bf16']} | "
                           f"differs from cooperative by tf32 {r['pp_diff_tf32']:.1e} bf16 {r['pp_diff_bf16']:.1e}", flush=True)
+                    cb, co, pp = r["turns_pp_tf32"]
+                    print(f"B={B:2d} {name:8s} {kind:7s} tf32 in turn (GEMM only): cuBLAS {cb:.4f} ms | cooperative "
+                          f"{co:.4f} ({cb / co:.2f}x) | ping-pong {pp:.4f} ({cb / pp:.2f}x) {r['plan_pp_tf32']}", flush=True)
                     print(f"B={B:2d} {name:8s} {kind:7s} ping-pong tile shapes (GEMM only, ms): tf32 " +
                           " ".join(f"{k} {v:.3f}" for k, v in r["pp_shapes_tf32"].items()) + " | bf16 " +
                           " ".join(f"{k} {v:.3f}" for k, v in r["pp_shapes_bf16"].items()), flush=True)

@@ -571,6 +571,45 @@ def test_schedule_tf32_and_auto(monkeypatch):
     assert ("+pp" in g.plan[1]) == ("_pp" in rt.built[-1])
 
 
+@pytest.mark.parametrize("env", ["0", "1"])
+def test_tf32_pp128_takes_the_128_wide_tma_store_plans(monkeypatch, env):
+    """LLMC_WGMMA_TF32_PP128: the tf32 GEMMs the planner puts on the cooperative 128-wide TMA-store tile
+    (d12's lm head forward), and plain ones with at least 4 waves of 128 x 128 tiles (qkv's dinp at
+    B=16, planned 192 wide with direct stores), run on the 128 x 128 ping-pong TMA-store instance when
+    it is 1 (the default), on the cooperative plans when 0; fewer tiles on a 192-wide plan, the fused
+    GELU and dgelu forms, an asked width, split or schedule, beta, and bf16 stay as they were."""
+    from tests.fake_runtime import FakeRuntime
+    monkeypatch.delenv(gw.SCHEDULE_ENV, raising=False)
+    monkeypatch.setenv(gw.TF32_PP128_ENV, env)
+    rt = FakeRuntime()
+    on = env == "1"
+    g = gw.wgmma_build(rt, "tf32", 16384, 50304, 768)   # lm head forward, B=16
+    assert rt.built[-1] == ("gemm_wgmma_tf32_n128_ts_pp128" if on else "gemm_wgmma_tf32_n128_ts"), rt.built
+    assert g.plan == (5, "128x128+ts+pp" if on else "128x128+ts", 1)
+    maps = []
+    monkeypatch.setattr(gw, "tensor_map", lambda ptr, dtype, rows, cols, ld, box_rows:
+                        maps.append((dtype, rows, cols, box_rows)) or bytes(128))
+    g(rt.empty((16384, 50304), np.float32), rt.empty((16384, 768), np.float32), rt.empty((50304, 768), np.float32))
+    L = rt.launches[-1]
+    assert L.smem == (gw.pp_smem_bytes(128, 128, 5, True, "fp32") if on else gw.smem_bytes(128, 5, True, "fp32"))
+    assert L.smem <= 227 * 1024 and L.grid[0] == 132 and bool(L.args[2])   # C's tensor map: the TMA store
+    assert maps == [("tf32", 16384, 768, 128), ("tf32", 50304, 768, 128), ("tf32t", 16384, 50304, 64)]
+    assert gw.wgmma_build(rt, "tf32", 16384, 768, 2304, plan_only=True).plan[1] == ("128x128+ts+pp" if on else "128x192")
+    assert gw.TF32_PP128_DEFAULT == "1"
+    # plans that stay as they were, either way
+    assert "+pp" not in gw.wgmma_build(rt, "tf32", 4096, 768, 768, plan_only=True).plan[1]          # 192 wide
+    assert "+pp" not in gw.wgmma_build(rt, "tf32", 4096, 768, 3072, plan_only=True).plan[1]         # direct stores
+    assert "+pp" not in gw.wgmma_build(rt, "tf32", 4096, 768, 2304, plan_only=True).plan[1]         # 192 tiles
+    assert "+pp" not in gw.wgmma_build(rt, "tf32", 16384, 768, 2304, splits=1, plan_only=True).plan[1]
+    assert "+pp" not in gw.wgmma_build(rt, "tf32", 16384, 768, 2304, beta=1.0, plan_only=True).plan[1]
+    assert "+pp" not in gw.wgmma_build(rt, "tf32", 16384, 3072, 768, gelu=True, plan_only=True).plan[1]
+    assert "+pp" not in gw.wgmma_build(rt, "tf32", 16384, 768, 3072, dgelu=True, plan_only=True).plan[1]
+    assert "+pp" not in gw.wgmma_build(rt, "tf32", 16384, 50304, 768, bn=128, plan_only=True).plan[1]
+    assert "+pp" not in gw.wgmma_build(rt, "tf32", 16384, 50304, 768, schedule="coop", plan_only=True).plan[1]
+    assert "+pp" not in gw.wgmma_build(rt, "tf32", 16384, 50304, 768, store="direct", plan_only=True).plan[1]
+    assert gw.wgmma_build(rt, "bf16", 4096, 2304, 768, out="bf16", plan_only=True).plan[1] == "128x192+ts"
+
+
 def test_schedule_refusals_and_fallback(monkeypatch, capsys):
     from llmc.errors import LLMCError
     from tests.fake_runtime import FakeRuntime
@@ -669,15 +708,18 @@ def test_pp_matches_float64(hopper, rng, dtype, out, b_major, M, N, K):
 @pytest.mark.parametrize("store", ["auto", "direct"])
 def test_pp_every_tile_shape(hopper, rng, dtype, out, b_major, rm, bn, store):
     """Every tile shape on a shape with an odd number of tiles per CTA: 133 x 3 tiles (64 rows) or 67 x
-    3 (128 rows) over 132 SMs, several per consumer, interleaved in the stage ring; bf16 -> bf16 both
-    through the TMA store ("auto") and from registers ("direct")."""
-    if store == "direct" and out != "bf16":
-        pytest.skip("fp32 out: the ping-pong instances store from registers either way")
+    3 (128 rows) over 132 SMs, several per consumer, interleaved in the stage ring; where a TMA-store
+    instance is built (bf16 -> bf16; tf32 -> fp32 128 x 128) both through it ("auto") and from
+    registers ("direct")."""
+    built_ts = (dtype, out, "kn" if b_major == "n" else "kk") in gw.PP_TS_INSTANCES and \
+        (rm, bn) in gw.PP_TS_INSTANCES[(dtype, out, "kn" if b_major == "n" else "kk")]
+    if store == "direct" and not built_ts:
+        pytest.skip("no ping-pong TMA-store instance of this tile: it stores from registers either way")
     M = 133 * 64 if rm == 64 else 67 * 128
     N = 3 * bn - 3 * 8   # (bf16 -> bf16 TMA store: 16-byte rows of C)
     res, ref, g = _run_pp(hopper, rng, dtype, out, M - 3, N, 264, b_major=b_major, has_bias=True, rm=rm, bn=bn, alpha=0.5,
                           store=store)
-    want_ts = out == "bf16" and store == "auto"
+    want_ts = built_ts and store == "auto"
     assert g.plan[1].startswith(f"{rm}x{bn}+ts+pp" if want_ts else f"{rm}x{bn}+pp"), g.plan
     _check_pp(res, ref, out, f"pp {dtype}->{out} {rm}x{bn}")
 
@@ -706,9 +748,10 @@ def test_pp_matches_coop_bitwise_and_is_deterministic(hopper, rng, dtype, out, b
     """The ping-pong (64 x 192) and cooperative (128 x 192) instances issue the same m64n192 wgmmas
     over the same k-blocks in the same order, so without split-K their outputs are bit-identical
     (stored from registers, or both through the TMA store: bf16 -> bf16); and two runs of the
-    ping-pong instance are too."""
-    if store == "tma" and out != "bf16":
-        pytest.skip("the ping-pong TMA store is built for bf16 -> bf16")
+    ping-pong instance are too. tf32 -> fp32 through the TMA store: 128 x 128 ping-pong (two m64n128
+    per k-step) against the cooperative 128 x 128 tile (one per consumer), the same products."""
+    if store == "tma" and out != "bf16" and dtype != "tf32":
+        pytest.skip("the ping-pong TMA store is built for bf16 -> bf16 and tf32 -> fp32")
     from llmc.bf16 import BF16
     M, N, K = 3000, 776, 768
     mk = (lambda s: to_bf16(rng.standard_normal(s))) if dtype == "bf16" else (lambda s: rng.standard_normal(s).astype(np.float32))
@@ -716,11 +759,12 @@ def test_pp_matches_coop_bitwise_and_is_deterministic(hopper, rng, dtype, out, b
     B = hopper.to_device(mk((K, N) if b_major == "n" else (N, K)))
     C = hopper.empty((M, N), BF16 if out == "bf16" else np.float32)
     outs = []
+    rm, bn = (128, 128) if store == "tma" and out == "fp32" else (64, 192)
     for sched in ("pingpong", "pingpong", "coop"):
         g = gw.wgmma_build(hopper, dtype, M, N, K, b_major=b_major, out=out, schedule=sched, store=store, splits=1,
-                           bn=192, rm=64 if sched == "pingpong" else None)
+                           bn=bn, rm=rm if sched == "pingpong" else None)
         ts = "+ts" if store == "tma" else ""
-        assert g.plan[1].startswith(f"64x192{ts}+pp" if sched == "pingpong" else f"128x192{ts}"), g.plan
+        assert g.plan[1].startswith(f"{rm}x{bn}{ts}+pp" if sched == "pingpong" else f"128x{bn}{ts}"), g.plan
         C.fill_bytes(0xFF)
         g(C, A, B)
         outs.append(C.get())
@@ -1025,7 +1069,9 @@ def test_bf16_256_wide_plans_run_as_pp128(monkeypatch, M, N, K, has_bias):
     monkeypatch.setenv(gw.PP128_ENV, "0")
     assert gw.wgmma_build(rt, "bf16", M, N, K, has_bias=has_bias, out="bf16").plan == (5, "128x256+ts", 1)
     monkeypatch.delenv(gw.PP128_ENV)
-    # plans of 128 / 192 stay cooperative (qkv at B=4, fcproj at K = 3072); tf32 has no ping-pong TMA store
+    # plans of 128 / 192 stay cooperative (qkv at B=4, fcproj at K = 3072); tf32 has its own rule
+    # (TF32_PP128_ENV, test_tf32_pp128_takes_the_128_wide_tma_store_plans), which LLMC_WGMMA_PP128 leaves alone
     assert gw.wgmma_build(rt, "bf16", 4096, 2304, 768, out="bf16").plan == (5, "128x192+ts", 1)
     assert gw.wgmma_build(rt, "bf16", 16384, 768, 3072, out="bf16").plan == (5, "128x192+ts", 1)
-    assert "+pp" not in gw.wgmma_build(rt, "tf32", M, N, K).plan[1]
+    monkeypatch.setenv(gw.PP128_ENV, "0")
+    assert "+pp" in gw.wgmma_build(rt, "tf32", M, N, K).plan[1]

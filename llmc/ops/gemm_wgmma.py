@@ -234,7 +234,10 @@ _PP = {(64, 192): 7, (64, 256): 5, (128, 128): 7}
 PP_INSTANCES = {("tf32", "fp32", "kk"): _PP, ("bf16", "fp32", "kk"): _PP, ("bf16", "bf16", "kk"): _PP,
                 ("bf16", "bf16", "kn"): _PP}
 _PP_TS = {(64, 192): 5, (64, 256): 4, (128, 128): 6}
-PP_TS_INSTANCES = {("bf16", "bf16", "kk"): _PP_TS, ("bf16", "bf16", "kn"): _PP_TS}
+# tf32 -> fp32: 128 x 128 only, 5 stages (fp32 staging buffers of 32 KB each: the cooperative 128-wide
+# TMA-store instance's stages and staging, on the ping-pong schedule; see TF32_PP128_ENV)
+PP_TS_INSTANCES = {("bf16", "bf16", "kk"): _PP_TS, ("bf16", "bf16", "kn"): _PP_TS,
+                   ("tf32", "fp32", "kk"): {(128, 128): 5}}
 # relative rate of each ping-pong tile shape: NOT measured yet (assumed: one m64nBN wgmma per k-step
 # reads the same shared memory per flop as the cooperative tiles of that width; 128 x 128 as width 128)
 PP_EFF = {(64, 192): 1.0, (64, 256): 0.95, (128, 128): 0.85}
@@ -334,6 +337,7 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
     if why:
         raise LLMCError(f"gemm engine 5 refuses M={M} N={N} K={K}: {why}")
     obytes = OUT_BYTES[out]
+    splits_asked = splits
     has_ts = (ty, out, layout, True) in INSTANCES
     ts_widths = tuple((GELU_INSTANCES[(ty, out, True)] if gelu else INSTANCES[(ty, out, layout, True)])
                       if has_ts else ())
@@ -356,6 +360,9 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
         # built and the output is plain (one K split, beta = 0, not transposed), unless store="direct"
         use_ts = (store != "direct" and ts_ok and beta == 0.0 and (splits or 1) == 1
                   and (ty, out, layout) in PP_TS_INSTANCES)
+        if use_ts and store == "auto" and not any((bn is None or w == bn) and (rm is None or r == rm)
+                                                  for r, w in PP_TS_INSTANCES[(ty, out, layout)]):
+            use_ts = False  # (tf32: a tile shape built without the TMA store stores from registers)
         table = PP_TS_INSTANCES if use_ts else PP_INSTANCES
         shapes = [sh for sh in table[(ty, out, layout)] if (bn is None or sh[1] == bn) and
                   (rm is None or sh[0] == rm)]
@@ -395,6 +402,12 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
             bn = 128
         else:
             use_pp, tile_rows, bn = True, 128, 128
+    # tf32 -> fp32 (TF32_PP128_ENV): the 128-wide cooperative TMA-store plan, and any plain plan with at
+    # least 4 waves of 128 x 128 tiles, run as 128 x 128 ping-pong with the TMA store
+    if (not use_pp and not gelu and not dgelu and bn_asked is None and splits_asked is None and splits == 1
+            and rm is None and store == "auto" and ts_ok and beta == 0.0 and _tf32_pp128(ty, out, layout, schedule)
+            and ((use_ts and bn == 128) or -(-M // 128) * -(-N // 128) >= TF32_PP128_WAVES * rt.sm_count)):
+        use_pp, use_ts, tile_rows, bn = True, True, 128, 128
     if use_ts and not use_pp and (bn not in ts_widths or splits > 1):
         raise LLMCError(f"gemm engine 5: the TMA store is built for tile widths {ts_widths} without split-K here")
     if bn not in BN_CHOICES:
@@ -543,6 +556,28 @@ def _pp128_for_256(ty: str, out: str, layout: str, schedule) -> bool:
             and os.environ.get(PP128_ENV, "1") != "0")
 
 
+# tf32 -> fp32 with the TMA store: the cooperative 128 x 128 tile runs its epilogue with both consumers
+# while the tensor cores wait; the 128 x 128 ping-pong instance has the same stages and staging and
+# hides one consumer's epilogue under the other's mainloop (the same m64n128 products in the same
+# order: the same bits). It runs where the planner picks that cooperative tile, and where a plain
+# output has at least TF32_PP128_WAVES waves of 128 x 128 tiles (the planner's 192-wide direct-store
+# plans of long K at B=16). H200, session 25, tf32 GEMMs of d12 timed in turn, ms, cooperative plan
+# against 128 x 128 ping-pong: lm head forward B=16 4.536 -> 4.027 (cuBLAS 4.309), B=4 1.128 -> 1.010;
+# qkv forward B=16 0.2116 -> 0.1983, dinp B=16 (192 wide, direct) 0.2179 -> 0.1993; with fewer tiles the
+# 192-wide plan stays ahead (B=4 qkv dinp 0.0550 against 0.0637, 192 tiles). LLMC_WGMMA_TF32_PP128=0
+# keeps the cooperative plans (the A/B).
+TF32_PP128_ENV = "LLMC_WGMMA_TF32_PP128"
+TF32_PP128_DEFAULT = "1"
+TF32_PP128_WAVES = 4
+
+
+def _tf32_pp128(ty: str, out: str, layout: str, schedule) -> bool:
+    """Whether a tf32 cooperative 128-wide TMA-store plan becomes 128 x 128 ping-pong (TF32_PP128_ENV)."""
+    asked = schedule if schedule is not None else os.environ.get(SCHEDULE_ENV)
+    return (ty == "tf32" and asked is None and (ty, out, layout) in PP_TS_INSTANCES
+            and os.environ.get(TF32_PP128_ENV, TF32_PP128_DEFAULT) != "0")
+
+
 def _pick_schedule(rt, dtype, ty, out, layout, M, N, K, schedule, store, bn, rm, splits):
     """(ping-pong?, tile rows) for wgmma_build: the schedule asked for (argument, else the environment),
     checked against the instances that exist; "auto" compares the planner's two estimates."""
@@ -555,7 +590,7 @@ def _pick_schedule(rt, dtype, ty, out, layout, M, N, K, schedule, store, bn, rm,
     if asked == "coop" or (asked == "auto" and (not have or ts_refused)):
         return False, BM
     if not have or ts_refused:
-        why = ("the ping-pong TMA store is built for bf16 -> bf16 only" if have else
+        why = ("the ping-pong TMA store is built for bf16 -> bf16 and tf32 -> fp32 with K-major A" if have else
                f"no ping-pong instances for {ty} in / {out} out / layout {layout}")
         if schedule is not None:
             raise LLMCError(f"gemm engine 5: schedule='pingpong' refused: {why}")
