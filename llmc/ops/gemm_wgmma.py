@@ -294,7 +294,10 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
     (each consumer its own rm x BN tile, taking turns on the tensor cores: the _pp instances, built for
     the kk and kn layouts; direct stores), or "auto" (whichever the planner's estimate prefers). None
     reads LLMC_WGMMA_SCHEDULE, unset meaning "coop"; there a layout without ping-pong instances says so
-    once and stays cooperative. rm: the ping-pong tile's rows (64 or 128), else planned.
+    once and stays cooperative. Unset, two plans still run as 128 x 128 ping-pong with the TMA store:
+    bf16 -> bf16 plans of the 256-wide TMA-store tile (PP128_ENV) and tf32 -> fp32 plans of the 128-wide
+    one or with at least TF32_PP128_WAVES waves of tiles (TF32_PP128_ENV). rm: the ping-pong tile's rows
+    (64 or 128), else planned.
     gelu=True (the fc layer's fused form; both K-major, tf32 -> fp32 or bf16 -> bf16, beta = 0, not
     transposed; cooperative only): launch(C, A, B, bias, G) also writes G (M, ldc) = gelu(C), computed
     from C as stored by the function gelu_forward uses for that element type (cuda/elem.cuh:
@@ -572,7 +575,9 @@ TF32_PP128_WAVES = 4
 
 
 def _tf32_pp128(ty: str, out: str, layout: str, schedule) -> bool:
-    """Whether a tf32 cooperative 128-wide TMA-store plan becomes 128 x 128 ping-pong (TF32_PP128_ENV)."""
+    """Whether tf32 -> fp32 plans may become 128 x 128 ping-pong with the TMA store (TF32_PP128_ENV): no
+    schedule asked (argument or LLMC_WGMMA_SCHEDULE), the instance built, the switch not 0. wgmma_build
+    decides which plans (the 128-wide TMA-store ones, and those with TF32_PP128_WAVES waves of tiles)."""
     asked = schedule if schedule is not None else os.environ.get(SCHEDULE_ENV)
     return (ty == "tf32" and asked is None and (ty, out, layout) in PP_TS_INSTANCES
             and os.environ.get(TF32_PP128_ENV, TF32_PP128_DEFAULT) != "0")
