@@ -763,14 +763,16 @@ __device__ __forceinline__ void encoder_partial_add(float (&f)[V], const float* 
     }
 }
 
-// c: a warp per place; ENC7_CH chunks of 32 columns (16-byte vectors or scalars) held at once
+// c: a warp per place; ENC7_CH chunks of 32 columns (16-byte vectors or scalars) held at once. blk: this
+// block's index among the sum's blocks. inp (variant 8, whose records come from the host): every row
+// added is checked against the ids, so that a stale record traps rather than sums a wrong row.
 #define ENC7_CH 3
 template <typename T>
 __device__ __forceinline__ void encoder_backward7_sum_t(T* dwte, const T* dout, const int4* place_rec,
-        float* partial, int* tickets, int N, int C) {
+        float* partial, int* tickets, int N, int C, int blk, const int* inp = nullptr) {
     constexpr int V = Vec16<T>::N;
     const int lane = threadIdx.x % WARP_SIZE;
-    const int t = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
+    const int t = blk * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
     if (t >= N) return;
     // lane l reads place t + l's record (position, start, count, token) in the same round trip as
     // lane 0 reads this place's; only lanes < n use theirs (the rows of this piece)
@@ -781,6 +783,7 @@ __device__ __forceinline__ void encoder_backward7_sum_t(T* dwte, const T* dout, 
     const int n = min(ENC7_K, count - d), npieces = ceil_div(count, ENC7_K), q = d / ENC7_K;
     const bool single = npieces == 1;
     const int mypos = rec.x;
+    if (inp != nullptr && lane < n && inp[mypos] != tok) __trap();  // records of another batch
     const bool vec = C % V == 0;
     const int W = vec ? V : 1, G = C / W;
     T* wrow = dwte + (size_t)tok * C;
@@ -857,12 +860,41 @@ __device__ __forceinline__ void encoder_backward7_sum_t(T* dwte, const T* dout, 
 extern "C" __global__ void encoder_backward_kernel7(float* dwte, const float* dout, const int4* place_rec,
         float* partial, int* tickets, int N, int C) {
     LLMC_PDL_WAIT();
-    encoder_backward7_sum_t<float>(dwte, dout, place_rec, partial, tickets, N, C);
+    encoder_backward7_sum_t<float>(dwte, dout, place_rec, partial, tickets, N, C, blockIdx.x);
 }
 extern "C" __global__ void encoder_backward_kernel7_bf16(bf16* dwte, const bf16* dout, const int4* place_rec,
         float* partial, int* tickets, int N, int C) {
     LLMC_PDL_WAIT();
-    encoder_backward7_sum_t<bf16>(dwte, dout, place_rec, partial, tickets, N, C);
+    encoder_backward7_sum_t<bf16>(dwte, dout, place_rec, partial, tickets, N, C, blockIdx.x);
+}
+
+// ----------------------------------------------------------------------------------------------
+// encoder_backward 8: 7's records (per place of the token-major order: position, the token's first
+// place, its count, the token) computed on the host from the batch's ids and uploaded with it
+// (llmc/ops/encoder.py, encoder_backward8_records), so 7's sort and rank launches go. One launch:
+// blocks < dwpe_blocks sum dwpe (7's warps: a warp per (position, 32 columns), the B rows in order),
+// the others run 7's sum (a warp per place, pieces of ENC7_K rows, tickets). dout is read by both
+// halves of the grid; at GPT-2's B=4 it is 6.3 MB (bf16), so the second read comes from L2. The
+// same records, pieces and orders as 7: the same bits.
+template <typename T>
+__device__ __forceinline__ void encoder_backward8_t(T* dwte, T* dwpe, const T* dout, const int* inp,
+        const int4* place_rec, float* partial, int* tickets, int B, int TT, int C, int dwpe_blocks) {
+    if ((int)blockIdx.x < dwpe_blocks) {
+        encoder_dwpe_warp_t<T>(dwpe, dout, B, TT, C, blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE);
+        return;
+    }
+    encoder_backward7_sum_t<T>(dwte, dout, place_rec, partial, tickets, B * TT, C, blockIdx.x - dwpe_blocks, inp);
+}
+
+extern "C" __global__ void encoder_backward_kernel8(float* dwte, float* dwpe, const float* dout, const int* inp,
+        const int4* place_rec, float* partial, int* tickets, int B, int T, int C, int dwpe_blocks) {
+    LLMC_PDL_WAIT();
+    encoder_backward8_t<float>(dwte, dwpe, dout, inp, place_rec, partial, tickets, B, T, C, dwpe_blocks);
+}
+extern "C" __global__ void encoder_backward_kernel8_bf16(bf16* dwte, bf16* dwpe, const bf16* dout, const int* inp,
+        const int4* place_rec, float* partial, int* tickets, int B, int T, int C, int dwpe_blocks) {
+    LLMC_PDL_WAIT();
+    encoder_backward8_t<bf16>(dwte, dwpe, dout, inp, place_rec, partial, tickets, B, T, C, dwpe_blocks);
 }
 
 extern "C" __global__ void encoder_forward_kernel1_bf16(bf16* out, const int* inp, const bf16* wte,

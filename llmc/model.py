@@ -391,6 +391,10 @@ class GPT2:
         # the launch closures themselves (the Built records stay for the profile: op, variant, shape)
         self.k = {key: b.launch for key, b in self.built.items()}
         self.k_first = {key: b.launch for key, b in getattr(self, "built_first", {}).items()}
+        # what a build computes on the host from each batch's ids (encoder_backward 8's records): (prep,
+        # its device buffer, a pinned buffer), uploaded by set_batch beside the batch
+        self._host_inputs = [(b.host_inputs[0], b.host_inputs[1], be.pinned(b.host_inputs[1].shape, b.host_inputs[1].dtype))
+                             for b in self.built.values() if b.host_inputs is not None]
         # (first_write) the gradients no overwrite twin writes, as few contiguous views: what
         # zero_grad() leaves for the first micro-step to zero; and whether that is still to happen
         self._rest_grads = []
@@ -598,6 +602,10 @@ class GPT2:
         if y is not None:
             self._pinned_xy[1] = y
         self.be.upload_async(self._batch, self._pinned_xy)
+        for prep, buf, pinned in self._host_inputs:  # (the same discipline as the batch's pinned buffer)
+            self.be.pinned_free(pinned)
+            pinned[...] = prep(x)
+            self.be.upload_async(buf, pinned)
 
     # ------------------------------------------------------------------------------------------
     # forward

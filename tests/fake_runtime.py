@@ -287,6 +287,12 @@ class FakeCudaBackend(CudaBackend):
             ref = run
             run = lambda *args: ref(*[conv(x) if isinstance(x, DevArray) else x for x in args])  # noqa: E731
 
+        host_inputs = None
+        if name == "encoder_backward":  # (its GPU build says whether it reads what the host computes from the ids)
+            host_inputs = spec.build(self.rt, num, dt, **shape).host_inputs
+        if host_inputs is not None:  # what the GPU would read there must be the current batch's
+            run = self._host_inputs_checked(name, run, *host_inputs)
+
         flush = None
         if deferred:
             run, flush = self._deferred_ln(shape, run)
@@ -306,11 +312,22 @@ class FakeCudaBackend(CudaBackend):
                 assert not isinstance(x, np.ndarray), f"{name}: got a host array"
             enqueue(name, run, args)
         cpu.launch, cpu.number, cpu.dtype = launch, num, dt  # (saved_shape stays the reference's)
+        cpu.host_inputs = host_inputs
         if flush is not None:
             cpu.flush = lambda: enqueue(name + " (flush)", flush, ())  # noqa: E731
         if rezero is not None:
             cpu.info = {**cpu.info, "rezero": lambda: enqueue(name + " (rezero)", rezero, ())}  # noqa: E731
         return cpu
+
+    def _host_inputs_checked(self, name, run, prep, buf):
+        """A build that reads what the host computed from the batch's ids (encoder_backward 8's records,
+        uploaded by the model's set_batch): the reference runs, after checking that the buffer holds
+        prep(the ids this launch is given), so a missing or stale upload fails."""
+        def launch(*args):
+            ids = self.rt.np(args[3])  # (dwte, dwpe, dout, inp)
+            assert np.array_equal(self.rt.np(buf), prep(ids)), f"{name}: the host's records are not this batch's"
+            run(*args)
+        return launch
 
     @staticmethod
     def _caller_zeroes(run):

@@ -11,13 +11,13 @@ import pytest
 from llmc import ops
 from llmc.bf16 import BF16, from_bf16, to_bf16
 from llmc.errors import LLMCError, VariantRefused
-from llmc.ops.encoder import encoder_backward_ref, encoder_decode_ref, encoder_forward_ref
+from llmc.ops.encoder import encoder_backward8_records, encoder_backward_ref, encoder_decode_ref, encoder_forward_ref
 from llmc.testing import assert_close, poison
 
 FWD = ops.get("encoder_forward")
 BWD = ops.get("encoder_backward")
 DEC = ops.get("encoder_decode")
-DETERMINISTIC = (2, 3, 6, 7)
+DETERMINISTIC = (2, 3, 6, 7, 8)
 
 
 def inputs(rng, B, T, C, Vp, maxT, vocab=None, dtype=np.float64):
@@ -146,6 +146,24 @@ def test_variant7_scratch_is_declared():
         assert got == BWD.variants[7].scratch_bytes(B=B, T=T, C=C)
 
 
+def test_variant8_scratch_is_declared():
+    """Variant 8's build allocates what scratch_bytes says; its records come from the host (host_inputs)."""
+    from tests.fake_runtime import FakeRuntime
+    for B, T, C in ((4, 1024, 768), (1, 1, 80), (16, 1024, 768)):
+        built = BWD.build(FakeRuntime(free=80 << 30), 8, "bf16", B=B, T=T, C=C)
+        assert sum(a.nbytes for a in built.scratch.values()) == BWD.variants[8].scratch_bytes(B=B, T=T, C=C)
+        prep, buf = built.host_inputs
+        assert buf is built.scratch["place_rec"] and buf.shape == (B * T, 4) and prep is encoder_backward8_records
+
+
+def _build_bwd(rt, number, dtype="fp32", inp=None, **shape):
+    """BWD.build with what the build computes on the host from the ids (variant 8's records of inp) uploaded."""
+    built = BWD.build(rt, number, dtype, **shape)
+    if built.host_inputs is not None:
+        built.put_host_inputs(inp)
+    return built
+
+
 def _variant7_plan(inp, K=32, S=2048):
     """Variant 7's index arithmetic in numpy, as cuda/encoder.cu does it: the chunk sort (a), each
     slot's place from per-chunk counts (b), the pieces and their partial-row slots (c)."""
@@ -193,6 +211,13 @@ def test_variant7_places_and_pieces(rng, N, vocab, zipf):
     slots = [sl for _, _, sl in pieces if sl is not None]
     assert len(slots) == len(set(slots)) and all(0 <= sl < 2 * -(-N // 32) for sl in slots)
     assert any(sl is not None for _, _, sl in pieces) == bool((np.bincount(inp) > 32).any())
+    # variant 8's records, computed on the host, are the places variant 7 computes on the GPU
+    rec = encoder_backward8_records(inp.reshape(1, -1))
+    assert rec.dtype == np.int32 and rec.shape == (N, 4)
+    np.testing.assert_array_equal(rec[:, 0], order)
+    np.testing.assert_array_equal(rec[:, 1], start)
+    np.testing.assert_array_equal(rec[:, 2], count)
+    np.testing.assert_array_equal(rec[:, 3], inp[order])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -237,7 +262,7 @@ def test_backward_gpu_accumulates(rt, rng, number, B, T, C):
     inp, _, _, dout = inputs(rng, B, T, C, VP, maxT, dtype=np.float32)
     dwte0 = rng.standard_normal((VP, C)).astype(np.float32)   # "+=" outputs pre-filled
     dwpe0 = rng.standard_normal((maxT, C)).astype(np.float32)
-    launch = BWD.build(rt, number, B=B, T=T, C=C)
+    launch = _build_bwd(rt, number, inp=inp, B=B, T=T, C=C)
     dwte, dwpe = rt.to_device(dwte0), rt.to_device(dwpe0)
     launch(dwte, dwpe, rt.to_device(dout), rt.to_device(inp))
     want_wte, want_wpe = encoder_backward_ref(dwte0.astype(np.float64), dwpe0.astype(np.float64),
@@ -279,7 +304,7 @@ def test_backward6_equals_3_across_sort_chunks(rt, rng, dtype, B, T, C, vocab):
         if BWD.refuse_reason(number, dtype, B=B, T=T, C=C):
             continue  # (3 in fp32 needs C % 4 == 0)
         dwte, dwpe = rt.to_device(conv(dwte0)), rt.to_device(conv(dwpe0))
-        BWD.build(rt, number, dtype, B=B, T=T, C=C)(dwte, dwpe, rt.to_device(conv(dout)), rt.to_device(inp))
+        _build_bwd(rt, number, dtype, inp=inp, B=B, T=T, C=C)(dwte, dwpe, rt.to_device(conv(dout)), rt.to_device(inp))
         res[number] = dwte.get(), dwpe.get()
     want_wte, want_wpe = encoder_backward_ref(back(conv(dwte0)).astype(np.float64), back(conv(dwpe0)).astype(np.float64),
                                               back(conv(dout)).astype(np.float64), inp)
@@ -301,19 +326,24 @@ def test_backward7_against_6(rt, rng, dtype, B, T, C, vocab):
     """Variant 7 at N > 2048 (8, 3, 2 and 2 chunks, partial last chunks) on Zipf-like ids: within the
     fp32/bf16 tolerance of the float64 sums; bit-identical to 6 (np.add.at's order) on every row of a
     token with at most 32 rows and on dwpe; the tickets are back to 0 after the call; a second call
-    on the same inputs gives the same bits."""
+    on the same inputs gives the same bits. Variant 8 (7's records from the host): 7's bits, its
+    records the ones 7's rank kernel wrote, its tickets back to 0 too."""
     inp, dout, dwte0, dwpe0, conv, back = _zipf_case(rng, B, T, C, vocab, dtype)
     d_dout, d_inp = rt.to_device(conv(dout)), rt.to_device(inp)
     res, built = {}, {}
-    for number, runs in ((6, 1), (7, 2)):
-        built[number] = BWD.build(rt, number, dtype, B=B, T=T, C=C)
+    for number, runs in ((6, 1), (7, 2), (8, 2)):
+        built[number] = _build_bwd(rt, number, dtype, inp=inp, B=B, T=T, C=C)
         for r in range(runs):
             dwte, dwpe = rt.to_device(conv(dwte0)), rt.to_device(conv(dwpe0))
             built[number](dwte, dwpe, d_dout, d_inp)
             res[number, r] = dwte.get(), dwpe.get()
     np.testing.assert_array_equal(built[7].scratch["tickets"].get(), 0)
+    np.testing.assert_array_equal(built[8].scratch["tickets"].get(), 0)
+    np.testing.assert_array_equal(built[8].scratch["place_rec"].get(), built[7].scratch["place_rec"].get())
     for k in (0, 1):
         np.testing.assert_array_equal(res[7, 0][k], res[7, 1][k])
+        np.testing.assert_array_equal(res[8, 0][k], res[7, 0][k])
+        np.testing.assert_array_equal(res[8, 1][k], res[7, 0][k])
     want_wte, want_wpe = encoder_backward_ref(back(conv(dwte0)).astype(np.float64), back(conv(dwpe0)).astype(np.float64),
                                               back(conv(dout)).astype(np.float64), inp)
     for name, got, want in (("dwte", res[7, 0][0], want_wte), ("dwpe", res[7, 0][1], want_wpe)):
@@ -337,7 +367,7 @@ def test_backward_deterministic_bit_identical(rt, rng, number):
     dwte0 = rng.standard_normal((VP, C)).astype(np.float32)
     dwpe0 = rng.standard_normal((T, C)).astype(np.float32)
     d_dout, d_inp = rt.to_device(dout), rt.to_device(inp)
-    launch = BWD.build(rt, number, B=B, T=T, C=C)
+    launch = _build_bwd(rt, number, inp=inp, B=B, T=T, C=C)
     runs = []
     for _ in range(2):
         dwte, dwpe = rt.to_device(dwte0), rt.to_device(dwpe0)
@@ -414,7 +444,7 @@ def test_backward_gpu_bf16_accumulates(rt, rng, number, B, T, C):
     inp, _, _, dout = _bf16_inputs(rng, B, T, C, VP, maxT)
     dwte0 = to_bf16(rng.standard_normal((VP, C)))  # "+=" outputs pre-filled
     dwpe0 = to_bf16(rng.standard_normal((maxT, C)))
-    launch = BWD.build(rt, number, "bf16", B=B, T=T, C=C)
+    launch = _build_bwd(rt, number, "bf16", inp=inp, B=B, T=T, C=C)
     dwte, dwpe = rt.to_device(dwte0), rt.to_device(dwpe0)
     launch(dwte, dwpe, rt.to_device(dout), rt.to_device(inp))
     want_wte, want_wpe = encoder_backward_ref(from_bf16(dwte0).astype(np.float64), from_bf16(dwpe0).astype(np.float64),
@@ -429,7 +459,7 @@ def test_backward_gpu_bf16_accumulates(rt, rng, number, B, T, C):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("number", [3, 7])
+@pytest.mark.parametrize("number", [3, 7, 8])
 def test_backward_bf16_rounds_each_row_once(rt, number):
     """One token at every position, dout = 2^-9 everywhere: adding it to dwte = 1.0 with a rounding
     after each add would leave 1.0 every time (a quarter of bf16's ulp at 1.0 rounds away); the fp32
@@ -440,7 +470,7 @@ def test_backward_bf16_rounds_each_row_once(rt, number):
     dout = to_bf16(np.full((B, T, C), 2.0 ** -9, np.float32))
     dwte0 = to_bf16(np.ones((VP, C), np.float32))
     dwte, dwpe = rt.to_device(dwte0), rt.zeros((T, C), BF16)
-    BWD.build(rt, number, "bf16", B=B, T=T, C=C)(dwte, dwpe, rt.to_device(dout), rt.to_device(inp))
+    _build_bwd(rt, number, "bf16", inp=inp, B=B, T=T, C=C)(dwte, dwpe, rt.to_device(dout), rt.to_device(inp))
     np.testing.assert_array_equal(from_bf16(dwte.get()[3]), np.full(C, 1.0 + B * T * 2.0 ** -9, np.float32))
     np.testing.assert_array_equal(from_bf16(dwpe.get()), np.full((T, C), B * 2.0 ** -9, np.float32))
 
@@ -452,7 +482,7 @@ def test_backward_bf16_deterministic_bit_identical(rt, rng, number):
     inp, _, _, dout = _bf16_inputs(rng, B, T, C, VP, T, vocab=8)
     dwte0, dwpe0 = to_bf16(rng.standard_normal((VP, C))), to_bf16(rng.standard_normal((T, C)))
     d_dout, d_inp = rt.to_device(dout), rt.to_device(inp)
-    launch = BWD.build(rt, number, "bf16", B=B, T=T, C=C)
+    launch = _build_bwd(rt, number, "bf16", inp=inp, B=B, T=T, C=C)
     runs = []
     for _ in range(2):
         dwte, dwpe = rt.to_device(dwte0), rt.to_device(dwpe0)

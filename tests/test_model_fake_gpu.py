@@ -510,3 +510,38 @@ def test_qkv_in_place_when_both_attention_directions_take_it(monkeypatch):
               GPT2(cfg, FakeCudaBackend(kernels={"attention_forward": 2}), B, T),  # fp32: 2 and 2
               GPT2(cfg, CpuBackend(np.float32), B, T, training=False)):
         assert not m.qkv_in_place and "qkv" in m.a
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_encoder_backward_8_gets_each_batch_records(precision):
+    """--encoder-backward-kernel 8 reads records the host computes from each batch's ids: the model's
+    set_batch uploads them beside the batch (the fake launch checks the buffer holds the current
+    batch's records), through the graph path with accumulation too; the same results as variant 7.
+    Without the upload the launch fails."""
+    B, T, accum = 2, 8, 2
+    rng = np.random.default_rng(4)
+    batches = [(rng.integers(0, CFG.vocab_size, (B, T)).astype(np.int32),
+                rng.integers(0, CFG.vocab_size, (B, T)).astype(np.int32)) for _ in range(2 * accum)]
+    runs = {}
+    for number in (7, 8):
+        be = FakeCudaBackend({"encoder_backward": number}, precision=precision)
+        m = GPT2(CFG, be, B, T)
+        assert m.built["encoder_backward"].number == number
+        assert bool(m._host_inputs) == (number == 8)
+        m.init_params(5)
+        m.grad_accum_steps = accum
+        for step in (1, 2):
+            m.zero_grad()
+            for x, y in batches[(step - 1) * accum:step * accum]:
+                m.train_micro_step(x, y)
+            m.update(lr=1e-3, step=step, weight_decay=0.1)
+        runs[number] = m.get_params()
+    np.testing.assert_array_equal(runs[7], runs[8])
+    m = GPT2(CFG, FakeCudaBackend({"encoder_backward": 8}, precision=precision), B, T)
+    m.init_params(5)
+    m.forward(*batches[0])
+    m.backward()
+    m._host_inputs = []  # the next batch's records never uploaded: the buffer holds the first batch's
+    m.forward(*batches[1])
+    with pytest.raises(AssertionError, match="records are not this batch's"):
+        m.backward()

@@ -8,13 +8,17 @@ Two id distributions: uniform over the vocab (almost every token distinct) and Z
 (p(k) ~ 1/k: the most frequent token at ~9% of positions, somewhat more skewed than GPT-2 text, where
 the top tokens are at 3-5%), which is where the owner variants (2, 3) pay for summing one token's
 rows in one block. Rows labelled "z" use the Zipf ids. Only the deterministic owner variants have
-bf16 builds (rows "3 bf16", "6 bf16 z", ...; 6 is the bf16 default): inputs are bf16 copies, the reference float64 on them, and
+bf16 builds (rows "3 bf16", "7 bf16 z", ...; 7 is the bf16 default): inputs are bf16 copies, the reference float64 on them, and
 each output element is rounded once (rtol 2^-8, atol 1e-5 of the output's rms for the fp32 sums).
 Bytes counted: dout and the ids read once; each used dwte row and the T dwpe rows read and written
 once ("+="), 4 bytes an element in fp32, 2 in bf16 (variant 6's 20 bytes of scratch a position, in
 L2, not counted). Timed repeats keep accumulating into dwte/dwpe
-(the values don't matter to the time).
+(the values don't matter to the time). Variant 8 reads records computed on the host from the ids
+(uploaded before its rows are timed): the GPU time is the launch alone, and the host's time for the
+records is printed after the table.
 """
+
+import time
 
 import numpy as np
 
@@ -22,7 +26,7 @@ import lab
 from llmc import ops
 from llmc.bf16 import BF16, round_bf16, to_bf16
 from llmc.errors import VariantRefused
-from llmc.ops.encoder import encoder_backward_ref
+from llmc.ops.encoder import encoder_backward8_records, encoder_backward_ref
 
 L = lab.Lab("encoder_backward")
 B, T, C, V, Vp, maxT = L.args.batch or 4, 1024, 768, 50257, 50304, 1024
@@ -66,12 +70,23 @@ for n in L.selected(spec):
                 rtol = 2.0 ** -8
             for bs in L.block_sizes(BLOCK_SIZES):
                 try:
-                    launch = spec.build(rt, n, dt, B=B, T=T, C=C, block_size=bs).launch  # the bare closure
+                    built = spec.build(rt, n, dt, B=B, T=T, C=C, block_size=bs)
                 except VariantRefused as e:
                     print(f"  {e}")
                     continue
+                built.put_host_inputs(ids[tag])  # (8: the records of these ids, computed on the host)
+                launch = built.launch  # the bare closure
                 fn = lambda: launch(outs["dwte"], outs["dwpe"], d_dout, d_inp)  # noqa: E731
                 key = label if label != str(n) else n
                 L.validate(key, fn, outputs=outs, refs=refs, atol=max(atol.values()), rtol=rtol, init=init)
                 L.time(key, fn, block_size=bs or "default", bytes=nbytes, ceiling="dram")
+if 8 in L.selected(spec):  # variant 8's host part, not in its GPU time: what the trainer's set_batch adds
+    for tag, inp in ids.items():
+        ms = []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            encoder_backward8_records(inp)
+            ms.append(1e3 * (time.perf_counter() - t0))
+        print(f"  variant 8's records on the host (numpy), ids{' ' + tag if tag else ''}: {np.median(ms):.3f} ms "
+              f"(median of 20; beside the GPU's work in the pipelined training loop)")
 L.finish()

@@ -61,9 +61,19 @@ class Built:
     flush: Callable | None = None            # a deferred form's completion (layernorm_backward 5's and 7's deferred=S)
     pool: dict | None = None                 # its Runtime.scratch buffers (the cuda backend's builds): a build
                                              # that never runs at the same time may share them (scratch_pool)
+    host_inputs: tuple | None = None         # (prep, buf): what the launch reads from buf is prep(the batch's
+                                             # ids (B, T)), computed on the host and uploaded with each batch
+                                             # (the model's set_batch; put_host_inputs for tests and the lab)
 
     def __call__(self, *args):
         return self.launch(*args)
+
+    def put_host_inputs(self, *host_args) -> None:
+        """Upload host_inputs' array for these host arguments (the batch's ids), synchronously: the
+        tests' and the lab's way; the model uploads it asynchronously beside the batch."""
+        if self.host_inputs is not None:
+            prep, buf = self.host_inputs
+            buf.set(prep(*host_args))
 
 
 def _as_built(x, op: str, number: int, dtype: str, shape: dict, saved_shape) -> Built:
