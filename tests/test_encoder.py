@@ -109,18 +109,18 @@ def test_bf16_builds():
     have = {n for n, v in BWD.variants.items() if "bf16" in v.dtypes}
     assert have == set(DETERMINISTIC)
     assert "no bf16 kernels" in BWD.refuse_reason(BWD.default, "bf16", B=4, T=64, C=768)
-    assert BWD.default_for("fp32") == BWD.default == 5 and BWD.default_for("bf16") == 7
+    assert BWD.default_for("fp32") == BWD.default == 5 and BWD.default_for("bf16") == 8
 
 
 def test_bf16_model_takes_the_bf16_default_without_a_note(capsys):
-    """The real CudaBackend over the fake runtime: a bf16 build of encoder_backward selects 7 and
+    """The real CudaBackend over the fake runtime: a bf16 build of encoder_backward selects 8 and
     prints nothing (before, it fell back from the atomic 5 to 3 with a note on every bf16 run); fp32
     keeps 5; a variant the user names is still taken as named."""
     from llmc.backend import CudaBackend
     from tests.fake_runtime import FakeRuntime
     shape = dict(B=4, T=1024, C=768)
     b16 = CudaBackend(precision="bf16", rt=FakeRuntime(free=80 << 30))
-    assert b16.build("encoder_backward", **shape).number == 7
+    assert b16.build("encoder_backward", **shape).number == 8
     assert b16.build("encoder_backward", **shape).dtype == "bf16"
     assert CudaBackend(rt=FakeRuntime(free=80 << 30)).build("encoder_backward", **shape).number == 5
     named = CudaBackend({"encoder_backward": 6}, precision="bf16", rt=FakeRuntime(free=80 << 30))
@@ -218,6 +218,22 @@ def test_variant7_places_and_pieces(rng, N, vocab, zipf):
     np.testing.assert_array_equal(rec[:, 1], start)
     np.testing.assert_array_equal(rec[:, 2], count)
     np.testing.assert_array_equal(rec[:, 3], inp[order])
+
+
+@pytest.mark.parametrize("hi", [50257, 65536, 70000])
+def test_variant8_records_for_ids_of_any_width(rng, hi):
+    """The host records sort 16-bit ids with numpy's radix sort and wider ones (a vocabulary above
+    65536) with its int32 sort: both must give the token-major, position-minor order and the counts."""
+    inp = rng.integers(0, hi, (3, 700)).astype(np.int32)
+    inp[0, :5] = hi - 1                       # the widest id, repeated, and ...
+    inp[2, -3:] = inp[0, 7]                   # ... a token repeated across rows
+    ids = inp.ravel()
+    rec = encoder_backward8_records(inp)
+    order = np.lexsort((np.arange(ids.size), ids))
+    np.testing.assert_array_equal(rec[:, 0], order)
+    np.testing.assert_array_equal(rec[:, 3], ids[order])
+    np.testing.assert_array_equal(rec[:, 2], np.bincount(ids)[ids[order]])
+    np.testing.assert_array_equal(rec[:, 1], np.searchsorted(ids[order], ids[order], "left"))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -16,14 +16,14 @@ bits on every run; 2, 3 and 6 in np.add.at's order, 7 and 8 too for tokens of at
 and 5 use atomics and are not. 8 is 7 with the token-major order computed on the host from the
 batch's ids (Built.host_inputs: the model uploads it with each batch) and one launch instead of three. The fp32
 default is the fastest (5, 21.6 us on the H100 at the trainer's shape); --encoder-backward-kernel 3
-(36 us, 58 us on Zipf-distributed ids) or 6 makes runs bit-reproducible. 6 replaces 2/3's id scans
-(N^2 id reads in all) by a per-chunk sort and a link pass; it is the bf16 default.
+(36 us, 58 us on Zipf-distributed ids), 6, 7 or 8 makes runs bit-reproducible. 6 replaces 2/3's id scans
+(N^2 id reads in all) by a per-chunk sort and a link pass.
 
 bf16 builds (entry points <kernel>_bf16): wte, wpe, out, dout, dwte, dwpe bf16; the ids int32. Sums
-in fp32, each output element rounded once. encoder_forward 1 and 3, encoder_decode 1, and the two
-deterministic encoder_backward variants 2, 3, 6 and 7 (no bf16 atomics: their order would change the
-rounding from run to run); a bf16 model's encoder_backward defaults to 7 (OpSpec.defaults: the fastest
-deterministic one at B=16 on both uniform and Zipf-distributed ids).
+in fp32, each output element rounded once. encoder_forward 1 and 3, encoder_decode 1, and the
+deterministic encoder_backward variants 2, 3, 6, 7 and 8 (no bf16 atomics: their order would change the
+rounding from run to run); a bf16 model's encoder_backward defaults to 8 (OpSpec.defaults: the fastest
+deterministic one at B=4 and B=16 on both uniform and Zipf-distributed ids).
 The owner block keeps its dwte row in fp32 in shared memory (C floats, no scratch in device memory).
 """
 from __future__ import annotations
@@ -268,7 +268,10 @@ def encoder_backward8_records(inp) -> np.ndarray:
     token, the token's count and the token, (B*T, 4) int32: what variant 7's rank kernel writes."""
     ids = np.asarray(inp).reshape(-1)
     N = ids.size
-    order = np.argsort(ids, kind="stable")   # positions by (token, position)
+    # positions by (token, position); GPT-2's ids fit 16 bits, where numpy's stable sort is a radix sort
+    # (16384 ids: 0.06 ms against 0.76 for the int32 merge sort on this machine's CPU)
+    key = ids.astype(np.uint16) if N and ids.min() >= 0 and ids.max() < 65536 else ids
+    order = np.argsort(key, kind="stable")
     toks = ids[order]
     starts = np.flatnonzero(np.concatenate(([True], toks[1:] != toks[:-1]))) if N else np.zeros(0, np.int64)
     counts = np.diff(np.append(starts, N))
@@ -290,7 +293,7 @@ def _host_ranked(dtype):
     """Variant 8: 7's records from the host (host_inputs: encoder_backward8_records of the batch's ids,
     uploaded with it), then one launch: the dwpe sums and 7's sum in one grid. The same bits as 7."""
     def build(rt, B, T, C, block_size=None):
-        bs = block_size or 256
+        bs = block_size or 64  # H200 lab (B=4 and 16, fp32 and bf16): 64 and 128 within 2%, 256 8-16% slower
         N = B * T
         vw = 4 if dtype == "fp32" else 8  # elements per 16-byte vector
         cols = C // vw if C % vw == 0 else C
@@ -384,10 +387,11 @@ OPS = [
         }),
     OpSpec(
         # fp32: the atomic 5 is fastest; bf16 has no atomics (their order would change the rounding),
-        # so its default is a deterministic one: 7 (H100 lab, bf16 B=16: 0.061 ms on uniform ids, 0.116
-        # on Zipf ids, against 3's 0.225 / 0.250 and 6's 0.086 / 0.360; B=4 0.040 / 0.068 against 3's
-        # 0.043 / 0.053; whole bf16 steps at B=16 0.12-0.22 ms faster than with 3, at B=4 unchanged)
-        name="encoder_backward", flag="--encoder-backward-kernel", default=5, defaults={"bf16": 7},
+        # so its default is a deterministic one: 8, 7's bits in one launch from host-computed records
+        # (H200 lab, bf16 B=16: 0.035 ms on uniform ids, 0.086 on Zipf ids, against 7's 0.054 / 0.110;
+        # B=4 0.013 / 0.038 against 0.037 / 0.066; whole bf16 steps at B=4 8.45 against 8.48 ms; 7 on
+        # the H100 against 3: B=16 0.061 / 0.116 against 0.225 / 0.250)
+        name="encoder_backward", flag="--encoder-backward-kernel", default=5, defaults={"bf16": 8},
         # dout read, dwte/dwpe rows read and written (counted as one (B,T,C) pass); the int32 ids
         cost=lambda B, T, C, dtype="fp32", **_: (0, esize(dtype) * 2 * B * T * C + 4 * B * T),
         cpu=encoder_backward_cpu,
