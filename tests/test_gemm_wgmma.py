@@ -362,6 +362,20 @@ def test_bf16_out_forward_and_dinp_layouts(hopper, rng, M, N, K, layout, store):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("M,N,K,splits", [(768, 768, 8192, None), (300, 136, 1000, 3), (129, 193, 520, 2)])
+def test_bf16_out_dweight_layout_writes_split_over_k(hopper, rng, M, N, K, splits):
+    """dweight's layout with beta = 0 and direct stores, as matmul_backward's overwrite form (the first
+    micro-step writes the gradient) builds it on the accumulating plan's K splits: attproj's shape at
+    B=8 as the planner splits it, and asked splits; every element of the poisoned C written from the
+    reduced partials."""
+    from llmc.testing import bf16_close
+    out, ref, g = _run_bf16(hopper, rng, M, N, K, "m", "n", beta=0.0, store="direct", splits=splits)
+    assert "+at+bt" in g.plan[1] and "+ts" not in g.plan[1] and g.plan[2] > 1, g.plan
+    assert np.isfinite(out).all()
+    bf16_close(out, ref, f"bf16 mn beta 0 splits={g.plan[2]} {M}x{N}x{K}")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("splits", [None, 1, 3])
 @pytest.mark.parametrize("M,N,K", BF16_SHAPES)
 def test_bf16_out_dweight_layout_accumulates(hopper, rng, M, N, K, splits):
