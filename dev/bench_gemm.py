@@ -4,13 +4,17 @@ timed in one run: TFLOP/s and the ratio to cuBLAS at the same precision.
     python dev/bench_gemm.py                 # B=4 and B=16, T=1024; writes $OUT/bench_gemm.json if OUT is set
     python dev/bench_gemm.py --B 4 --reps 50
     python dev/bench_gemm.py --pingpong      # + the ping-pong instances (forward and dinp, TF32 and BF16)
+    python dev/bench_gemm.py --batch 20      # each timing: 20 calls back to back (no host gap in the figure)
     python dev/bench_gemm.py --plot docs/results/bench_gemm_h100_dweight.json docs/lab/gemm_wgmma.png   # chart, no GPU
 
 Shapes (row-major, N = B*T tokens): forward out(N,OC) = inp(N,C) @ W(OC,C)^T; dinp(N,C) = dout(N,OC) @ W;
 dweight(OC,C) = dout^T @ inp, for qkv, attproj, fc, fcproj and the lm head. Engine 5 (wgmma) takes only
 K-major operands in TF32, so its dinp row includes transposing W and its dweight row transposing dout
 and inp (the times of those transposes are also shown on their own).
-CUDA events around each call, median of --reps after warm-up; inputs random.
+CUDA events around each call, median of --reps after warm-up; inputs random. --batch N puts N calls back
+to back between the events instead (the figure divided by N): one call alone includes the host's launch
+gap (a few us: our PyCUDA launches and torch's dispatch alike), which is a large part of a 0.02-0.05 ms
+GEMM and flatters whichever side is slower on the GPU; in the trainer the graph launches them back to back.
 
 BF16 (the bf16 trainer's GEMMs, issue 13): every GEMM also runs bf16 in and bf16 out on engine 5, as
 matmul_forward 9 / matmul_backward 5 build it (dinp and dweight read dout, W and inp as they lie: the
@@ -63,16 +67,20 @@ def plot(json_path, png_path):
     print(f"wrote {png_path}")
 
 
-def torch_median_ms(fn, reps: int, warmup: int = 5) -> float:
-    """Median ms of fn() (torch work on torch's stream) over reps, by CUDA events, after warm-up."""
+def torch_median_ms(fn, reps: int, warmup: int = 5, batch: int = 1) -> float:
+    """Median ms of fn() (torch work on torch's stream) over reps, by CUDA events, after warm-up; with
+    batch > 1 each rep is `batch` calls back to back between the events, divided by batch."""
     import torch
     for _ in range(warmup):
         fn()
     ts = []
     for _ in range(reps):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record(); fn(); e.record(); e.synchronize()
-        ts.append(s.elapsed_time(e))
+        s.record()
+        for _ in range(batch):
+            fn()
+        e.record(); e.synchronize()
+        ts.append(s.elapsed_time(e) / batch)
     return float(np.median(ts))
 
 
@@ -83,6 +91,9 @@ def main():
     ap.add_argument("--T", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--pingpong", action="store_true", help="also time the ping-pong instances (forward, dinp)")
+    ap.add_argument("--batch", type=int, default=1,
+                    help="calls back to back between each timing's two events (time / batch): 1 times each call "
+                         "alone, its host launch gap included; 20 keeps the GPU's queue ahead, as a CUDA graph does")
     args = ap.parse_args()
     if args.plot:
         return plot(*args.plot)
@@ -95,11 +106,24 @@ def main():
     torch.backends.cuda.matmul.allow_tf32 = True
     rng = np.random.default_rng(0)
 
+    if args.batch < 1:
+        raise SystemExit(f"bench_gemm: --batch {args.batch}: expected at least 1")
+    nb = args.batch
+    print(f"bench_gemm: each timing is {'one call' if nb == 1 else f'{nb} calls back to back (per call shown)'}", flush=True)
+
+    def rep(fn):  # (ours: `batch` calls between rt.time_ms's events)
+        if nb == 1:
+            return fn
+        return lambda: [fn() for _ in range(nb)]
+
+    def ours_ms(fn, warmup, n):
+        return float(np.median(rt.time_ms(rep(fn), warmup=warmup, repeat=n))) / nb
+
     def med(fn):
-        return float(np.median(rt.time_ms(fn, warmup=5, repeat=args.reps)))
+        return ours_ms(fn, 5, args.reps)
 
     def tmed(fn):
-        return torch_median_ms(fn, args.reps)
+        return torch_median_ms(fn, args.reps, batch=nb)
 
     def paired(torch_fn, ours_fn, rounds=5):
         """(cuBLAS ms, engine 5 ms): the two timed in turn, `rounds` rounds of reps / rounds calls each,
@@ -109,8 +133,8 @@ def main():
         n = max(3, args.reps // rounds)
         a, b = [], []
         for _ in range(rounds):
-            a.append(torch_median_ms(torch_fn, n, warmup=2))
-            b.append(float(np.median(rt.time_ms(ours_fn, warmup=2, repeat=n))))
+            a.append(torch_median_ms(torch_fn, n, warmup=2, batch=nb))
+            b.append(ours_ms(ours_fn, 2, n))
         return float(np.median(a)), float(np.median(b))
 
     def turns(torch_fn, ours, rounds=5):
@@ -120,9 +144,9 @@ def main():
         n = max(3, args.reps // rounds)
         got = [[] for _ in range(1 + len(ours))]
         for _ in range(rounds):
-            got[0].append(torch_median_ms(torch_fn, n, warmup=2))
+            got[0].append(torch_median_ms(torch_fn, n, warmup=2, batch=nb))
             for i, fn in enumerate(ours):
-                got[1 + i].append(float(np.median(rt.time_ms(fn, warmup=2, repeat=n))))
+                got[1 + i].append(ours_ms(fn, 2, n))
         return [float(np.median(g)) for g in got]
 
     rows = []
