@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from llmc.bf16 import from_bf16, to_bf16
+from llmc.errors import LLMCError
 from llmc.ops import gemm_wgmma as gw
 
 # ----------------------------------------------------------------------------------------------
@@ -273,6 +274,41 @@ def test_bf16_dweight_plan_takes_the_tma_store(monkeypatch, M, N, K, env, want_t
         assert g.plan[2] > 1, g.plan
     else:
         assert g.plan[2] == want_splits, g.plan
+
+
+@pytest.mark.parametrize("B,env,want", [
+    (2, None, "128x128+ts+at+bt/1"),   # attproj's dweight at B=2 and 4: one split with the TMA store
+    (4, None, "128x128+ts+at+bt/1"),
+    (8, None, "128x128+at+bt/3"),      # from B=8 split over K (estimate under half of one split's)
+    (16, None, "128x192+at+bt/4"),
+    (4, "0", "128x128+at+bt/3"),       # LLMC_WGMMA_SPLIT_OVER_TS=0: split wherever the planner splits
+    (16, "100", "128x128+ts+at+bt/1"),  # a bar no split clears
+])
+def test_accumulating_dweight_splits_where_the_split_is_under_half(monkeypatch, B, env, want):
+    """attproj's bf16 dweight (768 x 768, K = B * 1024), accumulating (beta 1), and the overwrite form
+    matmul_backward builds on its plan (the first micro-step's) take the same plan."""
+    from tests.fake_runtime import FakeRuntime
+    from llmc.ops.matmul import _dweight_gemm
+    for var in ("LLMC_WGMMA_TS_MAX_K", "LLMC_WGMMA_TS_WIDTHS", "LLMC_WGMMA_TS_BETA", gw.SCHEDULE_ENV):
+        monkeypatch.delenv(var, raising=False)
+    if env is None:
+        monkeypatch.delenv(gw.SPLIT_OVER_TS_ENV, raising=False)
+    else:
+        monkeypatch.setenv(gw.SPLIT_OVER_TS_ENV, env)
+    rt = FakeRuntime()
+    kw = dict(lda=768, ldb=768, ldc=768, a_major="m", b_major="n", out="bf16", plan_only=True)
+    for overwrite in (False, True):
+        g = _dweight_gemm(gw.wgmma_build, overwrite, rt, "bf16", 768, 768, B * 1024, **kw)
+        assert f"{g.plan[1]}/{g.plan[2]}" == want, (overwrite, g.plan)
+
+
+@pytest.mark.parametrize("env", ["-1", "fast", "nan"])
+def test_split_over_ts_env_must_be_a_ratio(monkeypatch, env):
+    from tests.fake_runtime import FakeRuntime
+    monkeypatch.setenv(gw.SPLIT_OVER_TS_ENV, env)
+    with pytest.raises(LLMCError, match="LLMC_WGMMA_SPLIT_OVER_TS"):
+        gw.wgmma_build(FakeRuntime(), "bf16", 768, 768, 4096, lda=768, ldb=768, ldc=768, beta=1.0, a_major="m",
+                       b_major="n", out="bf16")
 
 
 @pytest.mark.parametrize("out,K,env,want_ts", [("fp32", 1024, None, True), ("fp32", 1028, None, False),

@@ -377,7 +377,9 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
     else:
         use_ts = dgelu or store == "tma" or (store == "auto" and ts_ok and K <= ts_max_k(out) and (bn is None or bn in ts_widths))
         # an accumulating GEMM that the planner splits over K (attproj's dweight: 24-36 tiles) stays direct
-        if use_ts and store == "auto" and beta != 0.0 and splits is None and plan(rt.sm_count, M, N, K, dtype)[1] > 1:
+        # where the split's estimate is under half the one-split TMA-store plan's (SPLIT_OVER_TS)
+        if (use_ts and store == "auto" and beta != 0.0 and splits is None and plan(rt.sm_count, M, N, K, dtype)[1] > 1
+                and _split_beats_ts(rt.sm_count, M, N, K, dtype, out, ts_widths)):
             use_ts = False
         if use_ts:  # the TMA store needs the whole tile at once: no split-K
             # the planner's widths: LLMC_WGMMA_TS_WIDTHS (e.g. "128,192", the A/B of the 256-wide instance)
@@ -549,6 +551,44 @@ def _dgelu_launch(rt, name, label, smem, dtype, out, M, N, K, lda, ldb, ldc, alp
 # against 0.0547; where it picks 128 or 192 wide, the cooperative tiles stayed ahead (qkv B=4 0.0465
 # against 0.0483, fcproj B=4 0.0457 against 0.0514). LLMC_WGMMA_PP128=0 turns the swap off (the A/B).
 PP128_ENV = "LLMC_WGMMA_PP128"
+
+
+# An accumulating GEMM that the planner splits over K runs split (direct stores, then the reduce) only
+# where the planner's estimate of the split is under 1 / SPLIT_OVER_TS of the one-split TMA-store plan's;
+# elsewhere on one split with the TMA store (C's old tile loaded by the TMA). The bf16 attproj dweight
+# (768 x 768: 36 tiles) at B=2 and 4 (estimate ratios 1.4 and 1.9) was split in 3 until session 26; timed
+# in turn, 20 back to back (H200): B=4 0.0244 ms on one split against 0.0320 in 3 (cuBLAS 0.0215), B=2
+# 0.0170 against 0.0311 (cuBLAS 0.0197); whole bf16 steps B=2 5.43 against 5.50 ms, B=4 8.51 against 8.54.
+# From B=8 (ratio 2.3) it stays split. LLMC_WGMMA_SPLIT_OVER_TS overrides the ratio; 0 splits wherever the
+# planner does (the plans before session 26).
+SPLIT_OVER_TS = 2.0
+SPLIT_OVER_TS_ENV = "LLMC_WGMMA_SPLIT_OVER_TS"
+
+
+def split_over_ts() -> float:
+    env = os.environ.get(SPLIT_OVER_TS_ENV)
+    if not env:
+        return SPLIT_OVER_TS
+    try:
+        r = float(env)
+    except ValueError:
+        r = float("nan")
+    if not r >= 0:
+        raise LLMCError(f"{SPLIT_OVER_TS_ENV}={env!r}: expected a ratio of estimates >= 0 (0: split wherever the "
+                        f"planner splits)")
+    return r
+
+
+def _split_beats_ts(sm_count: int, M: int, N: int, K: int, dtype: str, out: str, ts_widths) -> bool:
+    """Whether an accumulating GEMM the planner splits over K takes the split (direct stores) rather than
+    one split with the TMA store: where the split's estimate is under 1 / split_over_ts() of the other's."""
+    r = split_over_ts()
+    widths = [w for w in ts_widths if w != 256 or K <= TS256_MAX_K]
+    if r == 0 or not widths:
+        return True
+    t_ts = _estimate(sm_count, M, N, K, dtype, False, [(BM, w) for w in widths], False, TS_BN_EFF[out])[0]
+    t_split = _estimate(sm_count, M, N, K, dtype, True, [(BM, w) for w in BN_CHOICES], False)[0]
+    return t_ts >= r * t_split
 
 
 def _pp128_for_256(ty: str, out: str, layout: str, schedule) -> bool:
