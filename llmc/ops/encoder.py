@@ -269,7 +269,7 @@ def encoder_backward8_records(inp) -> np.ndarray:
     ids = np.asarray(inp).reshape(-1)
     N = ids.size
     # positions by (token, position); GPT-2's ids fit 16 bits, where numpy's stable sort is a radix sort
-    # (16384 ids: 0.06 ms against 0.76 for the int32 merge sort on this machine's CPU)
+    # (16384 ids: 0.06 ms against 0.76 for the int32 merge sort, on the build machine's CPU)
     key = ids.astype(np.uint16) if N and ids.min() >= 0 and ids.max() < 65536 else ids
     order = np.argsort(key, kind="stable")
     toks = ids[order]
