@@ -98,6 +98,17 @@ __device__ __forceinline__ uint64_t smem_desc(const void* p) { return wgmma_desc
 constexpr int BK_T = 64;  // k rows per MN-major box (= bf16's BK)
 __device__ __forceinline__ uint64_t smem_desc_mn(const void* p) { return wgmma_desc_sw128(p, BK_T * ROW_BYTES); }
 
+// Box rows of 64 bytes where a tile's width in bytes is not a multiple of 128 (bf16's 160-wide tile of
+// the dweight layout: 5 boxes of 32 columns): the same boxes with the TMA's 64-byte swizzle (16-byte
+// chunk c of row r at c ^ ((r / 2) % 4)). For an MN-major operand that is the wgmma's MN-major SW64
+// layout (descriptor layout type 2): 8 k rows of 64 bytes form one 512-byte atom, SBO = 512 (the next
+// 8 k rows), LBO = the next 32-wide MN box (BK_T k rows x 64 bytes); one k16 step is +1024 bytes.
+template <int WIDTH_BYTES> __host__ __device__ constexpr int box_bytes() { return WIDTH_BYTES % 128 == 0 ? 128 : 64; }
+__device__ __forceinline__ uint64_t smem_desc_mn64(const void* p) {
+    const uint64_t addr = smem_u32(p);
+    return ((addr & 0x3FFFF) >> 4) | (uint64_t((BK_T * 64) >> 4) << 16) | (uint64_t(512 >> 4) << 32) | (uint64_t(2) << 62);
+}
+
 // the k-th tile of the persistent sequence: tile rows go in groups of GROUP_M, column-major inside a
 // group, so the CTAs running at one time share a few B tiles and GROUP_M A tiles in L2
 __device__ __forceinline__ void tile_coords(int t, int tiles_m, int tiles_n, int& tm, int& tn) {
@@ -118,6 +129,7 @@ template <> struct Wgmma<float, 192> { static __device__ __forceinline__ void ru
 template <> struct Wgmma<float, 256> { static __device__ __forceinline__ void run(float (&d)[128], uint64_t a, uint64_t b, int s) { wgmma_tf32_n256(d, a, b, s); } };
 template <int TA, int TB> struct Wgmma<__nv_bfloat16, 64, TA, TB> { static __device__ __forceinline__ void run(float (&d)[32], uint64_t a, uint64_t b, int s) { wgmma_bf16_n64<TA, TB>(d, a, b, s); } };
 template <int TA, int TB> struct Wgmma<__nv_bfloat16, 128, TA, TB> { static __device__ __forceinline__ void run(float (&d)[64], uint64_t a, uint64_t b, int s) { wgmma_bf16_n128<TA, TB>(d, a, b, s); } };
+template <int TA, int TB> struct Wgmma<__nv_bfloat16, 160, TA, TB> { static __device__ __forceinline__ void run(float (&d)[80], uint64_t a, uint64_t b, int s) { wgmma_bf16_n160<TA, TB>(d, a, b, s); } };
 template <int TA, int TB> struct Wgmma<__nv_bfloat16, 192, TA, TB> { static __device__ __forceinline__ void run(float (&d)[96], uint64_t a, uint64_t b, int s) { wgmma_bf16_n192<TA, TB>(d, a, b, s); } };
 template <int TA, int TB> struct Wgmma<__nv_bfloat16, 256, TA, TB> { static __device__ __forceinline__ void run(float (&d)[128], uint64_t a, uint64_t b, int s) { wgmma_bf16_n256<TA, TB>(d, a, b, s); } };
 
@@ -220,7 +232,7 @@ template <typename OUT, int BN, int MODE>
 struct BiasFrag {
     using Pair = typename PairOf<OUT>::type;
     static_assert(MODE == BIAS_REGS || MODE == BIAS_LANES, "BIAS_REGS or BIAS_LANES");
-    static constexpr int NV = MODE == BIAS_REGS ? BN / 8 : BN / 64;
+    static constexpr int NV = MODE == BIAS_REGS ? BN / 8 : (BN / 8 + 7) / 8;
     Pair v[NV];
     // before the epilogue (one K split only: split-K's reduce adds the bias)
     __device__ __forceinline__ void fetch(const GemmArgs<OUT>& a, int n0) {
@@ -307,7 +319,7 @@ __device__ __forceinline__ void epilogue(float (&d)[BN / 2], const GemmArgs<OUT>
     for (int j0 = 0; j0 < BN / 8; j0 += JC) {
         float old[JC][2][2];
 #pragma unroll
-        for (int j = 0; j < JC; j++)
+        for (int j = 0; j < JC && j0 + j < BN / 8; j++)
 #pragma unroll
             for (int h = 0; h < 2; h++) {
                 const int r = r0 + 8 * h, c = c0 + 8 * (j0 + j);
@@ -325,7 +337,7 @@ __device__ __forceinline__ void epilogue(float (&d)[BN / 2], const GemmArgs<OUT>
                 }
             }
 #pragma unroll
-        for (int j = 0; j < JC; j++) {
+        for (int j = 0; j < JC && j0 + j < BN / 8; j++) {
             // (every lane: at() may shuffle; past N: + 0, and the column is not stored)
             const float2 b = a.bias ? bf.at(j0 + j) : make_float2(0.0f, 0.0f);
 #pragma unroll
@@ -346,33 +358,40 @@ __device__ __forceinline__ void epilogue(float (&d)[BN / 2], const GemmArgs<OUT>
     }
 }
 
-// The tile staged in shared memory as the TMA store reads it: boxes of 64 rows x 128 bytes of columns
-// (EPB = 32 fp32 / 64 bf16), 128-byte swizzled (16-byte chunk ch of row r at ch ^ (r % 8)). A quad of
-// lanes writes 4 adjacent pairs of one row, 8 rows per warp store: 32 distinct banks, conflict-free.
+// The tile staged in shared memory as the TMA store reads it: boxes of 64 rows x RB bytes of columns,
+// RB = box_bytes (128: EPB = 32 fp32 / 64 bf16 a box row, the 128-byte swizzle, 16-byte chunk ch of row
+// r at ch ^ (r % 8); 64 for bf16's 160-wide tile: 32 a row, the 64-byte swizzle, ch ^ ((r / 2) % 4)).
+// Both: the chunk xor (r * RB / 128) % (RB / 16), the TMA's swizzle of the row's byte address. A quad
+// of lanes writes 4 adjacent pairs of one row, 8 rows per warp store: 32 distinct banks, conflict-free.
+template <typename OUT, int BN>
+__device__ __forceinline__ OUT* staged_at(unsigned char* stg, int r, int c) {
+    constexpr int RB = box_bytes<BN * (int)sizeof(OUT)>();
+    constexpr int EPB = RB / sizeof(OUT), EPC = 16 / sizeof(OUT);  // elements per box row / chunk
+    const unsigned ur = r, uc = c;  // (non-negative: unsigned divisions by powers of 2 are shifts)
+    const unsigned box = uc / EPB, ch = (uc % EPB) / EPC, swz = ((ur * RB) >> 7) & (RB / 16 - 1);
+    return reinterpret_cast<OUT*>(stg + box * (64 * RB) + ur * RB + ((ch ^ swz) << 4)) + (uc % EPC);
+}
+
 template <typename OUT, int BN>
 __device__ __forceinline__ void stage_tile(const float (&v)[BN / 2], unsigned char* stg) {
     using O = Out<OUT>;
-    constexpr int EPB = ROW_BYTES / sizeof(OUT), EPC = 16 / sizeof(OUT);  // elements per box row / chunk
-    constexpr int LOG_EPB = sizeof(OUT) == 4 ? 5 : 6, LOG_EPC = sizeof(OUT) == 4 ? 2 : 3;
-    static_assert(EPB == 1 << LOG_EPB && EPC == 1 << LOG_EPC, "fp32 or 16-bit outputs");
+    static_assert(sizeof(OUT) == 4 || sizeof(OUT) == 2, "fp32 or 16-bit outputs");
     const int lane = threadIdx.x & 31, warp = (threadIdx.x & 127) >> 5;
 #pragma unroll
     for (int j = 0; j < BN / 8; j++)
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             const int r = warp * 16 + (lane >> 2) + 8 * h, c = 8 * j + 2 * (lane & 3);
-            const int box = c >> LOG_EPB, ch = (c & (EPB - 1)) >> LOG_EPC;
-            OUT* p = reinterpret_cast<OUT*>(stg + box * (64 * ROW_BYTES) + r * ROW_BYTES + ((ch ^ (r & 7)) << 4)) + (c & (EPC - 1));
-            O::put2(p, v[4 * j + 2 * h], v[4 * j + 2 * h + 1]);
+            O::put2(staged_at<OUT, BN>(stg, r, c), v[4 * j + 2 * h], v[4 * j + 2 * h + 1]);
         }
 }
 
 // The staged tile out through the TMA (thread 0 of the warpgroup), one bulk group
 template <typename OUT, int BN>
 __device__ __forceinline__ void store_tile(const CUtensorMap* tm, unsigned char* stg, int m0, int n0) {
-    constexpr int EPB = ROW_BYTES / sizeof(OUT);
+    constexpr int RB = box_bytes<BN * (int)sizeof(OUT)>(), EPB = RB / sizeof(OUT);
 #pragma unroll
-    for (int b = 0; b < BN / EPB; b++) tma_store_2d(tm, stg + b * (64 * ROW_BYTES), n0 + EPB * b, m0);
+    for (int b = 0; b < BN / EPB; b++) tma_store_2d(tm, stg + b * (64 * RB), n0 + EPB * b, m0);
     bulk_commit();
 }
 
@@ -384,19 +403,11 @@ __device__ __forceinline__ void store_tile(const CUtensorMap* tm, unsigned char*
 // own values, and writes the results over them (each position has one owner: no barrier between).
 template <typename OUT, int BN>
 __device__ __forceinline__ void load_pre(const CUtensorMap* tmP, unsigned char* stg, uint64_t* bar, int m0, int n0) {
-    constexpr int EPB = ROW_BYTES / sizeof(OUT);
+    constexpr int RB = box_bytes<BN * (int)sizeof(OUT)>(), EPB = RB / sizeof(OUT);
     bulk_wait_read();  // the previous tile's stores have read the buffer
     mbar_expect_tx(bar, 64 * BN * sizeof(OUT));
 #pragma unroll
-    for (int b = 0; b < BN / EPB; b++) tma_load_2d(stg + b * (64 * ROW_BYTES), tmP, bar, n0 + EPB * b, m0);
-}
-
-// the address in the staged tile of row r, column c (stage_tile's layout)
-template <typename OUT>
-__device__ __forceinline__ OUT* staged_at(unsigned char* stg, int r, int c) {
-    constexpr int EPB = ROW_BYTES / sizeof(OUT), EPC = 16 / sizeof(OUT);
-    const int box = c / EPB, ch = (c % EPB) / EPC;
-    return reinterpret_cast<OUT*>(stg + box * (64 * ROW_BYTES) + r * ROW_BYTES + ((ch ^ (r & 7)) << 4)) + (c % EPC);
+    for (int b = 0; b < BN / EPB; b++) tma_load_2d(stg + b * (64 * RB), tmP, bar, n0 + EPB * b, m0);
 }
 
 // v: the products in, the results as stored out (for the column sums)
@@ -409,7 +420,7 @@ __device__ __forceinline__ void dgelu_staged(float (&v)[BN / 2], unsigned char* 
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             const int r = warp * 16 + (lane >> 2) + 8 * h, c = 8 * j + 2 * (lane & 3), i = 4 * j + 2 * h;
-            OUT* p = staged_at<OUT>(stg, r, c);
+            OUT* p = staged_at<OUT, BN>(stg, r, c);
             const float g0 = gelu_bwd_as<OUT>(O::get(p), O::stored(v[i]));
             const float g1 = gelu_bwd_as<OUT>(O::get(p + 1), O::stored(v[i + 1]));
             O::put2(p, g0, g1);
@@ -434,7 +445,7 @@ __device__ __forceinline__ void beta_staged(const float (&d)[BN / 2], const Gemm
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             const int r = warp * 16 + (lane >> 2) + 8 * h, c = 8 * j + 2 * (lane & 3), i = 4 * j + 2 * h;
-            OUT* p = staged_at<OUT>(stg, r, c);
+            OUT* p = staged_at<OUT, BN>(stg, r, c);
             float v0 = a.alpha * d[i] + a.beta * O::get(p), v1 = a.alpha * d[i + 1] + a.beta * O::get(p + 1);
             if (a.bias) {
                 v0 += b.x;
@@ -569,10 +580,11 @@ __device__ __forceinline__ void producer(const CUtensorMap* tmA, const CUtensorM
             } else {
                 tma_load_2d(sa, tmA, &full[stage], kb * BK, tm * ROWS);  // the A map's box is ROWS rows
             }
-            if (B_T) {  // B^T stored (K rows of N), bf16: BN / 64 boxes of 64 n x BK k
+            if (B_T) {  // B^T stored (K rows of N), bf16: boxes of 64 n (32 for the 160-wide tile) x BK k
+                constexpr int B_BOX = box_bytes<BN * (int)sizeof(T)>(), B_BOX_N = B_BOX / sizeof(T);
 #pragma unroll
-                for (int b = 0; b < BN / 64; b++)
-                    tma_load_2d(sa + A_BYTES + b * BOX_T, tmB, &full[stage], tn * BN + 64 * b, kb * BK);
+                for (int b = 0; b < BN / B_BOX_N; b++)
+                    tma_load_2d(sa + A_BYTES + b * (B_BOX * BK_T), tmB, &full[stage], tn * BN + B_BOX_N * b, kb * BK);
             } else {
                 tma_load_2d(sa + A_BYTES, tmB, &full[stage], kb * BK, tn * BN);
             }
@@ -594,8 +606,10 @@ __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CU
     constexpr int BK = ROW_BYTES / sizeof(T);       // K per stage: 32 tf32 or 64 bf16
     constexpr int KSTEPS = ROW_BYTES / 32;           // wgmmas per stage (32 bytes of K each)
     constexpr int A_BYTES = BM * ROW_BYTES, B_BYTES = BN * ROW_BYTES, STAGE_BYTES = A_BYTES + B_BYTES;
-    static_assert(!(A_T || B_T) || (sizeof(T) == 2 && BK == BK_T && BN % 64 == 0),
-                  "MN-major tiles: 16-bit inputs, 64-wide boxes of BK_T k rows");
+    static_assert(!(A_T || B_T) || (sizeof(T) == 2 && BK == BK_T && BN % 32 == 0),
+                  "MN-major tiles: 16-bit inputs, 64- (or 32-) wide boxes of BK_T k rows");
+    static_assert(BN % 64 == 0 || (B_T && !GELU && !DGELU), "the 160-wide tile: the dweight layout's plain instances");
+    constexpr bool B_SW64 = box_bytes<BN * (int)sizeof(T)>() == 64;  // B^T in 32-wide boxes (the 160-wide tile)
     extern __shared__ unsigned char smem_raw[];
     // stages need 1024-byte alignment for the swizzle; the launcher asks for 1 KB extra
     unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -660,7 +674,9 @@ __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CU
 #pragma unroll
                     for (int ks = 0; ks < KSTEPS; ks++)
                         Wgmma<T, BN, A_T, B_T>::run(d, A_T ? smem_desc_mn(sa + ks * 16 * ROW_BYTES) : smem_desc(sa + 32 * ks),
-                                                    B_T ? smem_desc_mn(sb + ks * 16 * ROW_BYTES) : smem_desc(sb + 32 * ks),
+                                                    !B_T ? smem_desc(sb + 32 * ks)
+                                                    : B_SW64 ? smem_desc_mn64(sb + ks * 16 * 64)
+                                                             : smem_desc_mn(sb + ks * 16 * ROW_BYTES),
                                                     (kb > kb0 || ks > 0) ? 1 : 0);
                 } else {
                     wgmma_fence();
@@ -759,10 +775,13 @@ GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n128_bt_ts_bf16, __nv_bfloat16, __nv_bfloat16, 
 GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n192_bt_ts_bf16, __nv_bfloat16, __nv_bfloat16, 192, 4, true, false, false, true)
 // A M-major and B N-major (A^T and B^T stored): dweight (OC,C) += dout^T @ inp, both read as they lie
 GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n128_at_bt_bf16, __nv_bfloat16, __nv_bfloat16, 128, 6, false, false, true, true)
+// (160 wide: 5 tiles across GPT-2's 768 columns, so fc's and fcproj's dweights are 120 tiles, not 96 of 192)
+GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n160_at_bt_bf16, __nv_bfloat16, __nv_bfloat16, 160, 6, false, false, true, true)
 GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n192_at_bt_bf16, __nv_bfloat16, __nv_bfloat16, 192, 5, false, false, true, true)
 GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n256_at_bt_bf16, __nv_bfloat16, __nv_bfloat16, 256, 4, false, false, true, true)
 // ... with the TMA store: the accumulating dweight GEMM (beta = 1) loads C's old tile by the TMA too
 GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n128_at_bt_ts_bf16, __nv_bfloat16, __nv_bfloat16, 128, 6, true, false, true, true)
+GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n160_at_bt_ts_bf16, __nv_bfloat16, __nv_bfloat16, 160, 5, true, false, true, true)
 GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n192_at_bt_ts_bf16, __nv_bfloat16, __nv_bfloat16, 192, 4, true, false, true, true)
 
 // The fc layer's fused form (matmul_forward with gelu_pre=True): both K-major, C = the pre-activation

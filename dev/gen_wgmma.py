@@ -10,7 +10,8 @@ operand is M-/N-major in shared memory); 16-bit types have them, tf32 has not.
 """
 from pathlib import Path
 
-SHAPES = [("tf32", 8, n) for n in (64, 128, 192, 256)] + [("bf16", 16, n) for n in (64, 128, 192, 256)]
+SHAPES = [("tf32", 8, n) for n in (64, 128, 192, 256)] + [("bf16", 16, n) for n in (64, 128, 160, 192, 256)]
+# (bf16 160: the dweight layout's 128 x 160 tile, 5 tiles across GPT-2's 768 columns)
 RS_SHAPES = (64, 128, 192, 256)  # tf32, A from registers (M-major A tiles: the dweight GEMM; 64: attention's p v)
 BF16_RS_SHAPES = (64,)       # bf16, A from registers (attention's p v: p straight from the fp32 scores)
 

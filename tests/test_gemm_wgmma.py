@@ -276,30 +276,81 @@ def test_bf16_dweight_plan_takes_the_tma_store(monkeypatch, M, N, K, env, want_t
         assert g.plan[2] == want_splits, g.plan
 
 
-@pytest.mark.parametrize("B,env,want", [
-    (2, None, "128x128+ts+at+bt/1"),   # attproj's dweight at B=2 and 4: one split with the TMA store
-    (4, None, "128x128+ts+at+bt/1"),
-    (8, None, "128x128+at+bt/3"),      # from B=8 split over K (estimate under half of one split's)
-    (16, None, "128x192+at+bt/4"),
-    (4, "0", "128x128+at+bt/3"),       # LLMC_WGMMA_SPLIT_OVER_TS=0: split wherever the planner splits
-    (16, "100", "128x128+ts+at+bt/1"),  # a bar no split clears
+@pytest.mark.parametrize("B,env,n160,want", [
+    (2, None, None, "128x128+ts+at+bt/1"),   # attproj's dweight at B=2 and 4: one split with the TMA store
+    (4, None, None, "128x128+ts+at+bt/1"),
+    (8, None, None, "128x128+at+bt/3"),      # from B=8 split over K (estimate under half of one split's)
+    (16, None, None, "128x192+at+bt/4"),
+    (16, None, "1", "128x192+at+bt/4"),      # (split plans never take the 160-wide tile)
+    (4, "0", None, "128x128+at+bt/3"),       # LLMC_WGMMA_SPLIT_OVER_TS=0: split wherever the planner splits
+    (16, "100", None, "128x128+ts+at+bt/1"),  # a bar no split clears
 ])
-def test_accumulating_dweight_splits_where_the_split_is_under_half(monkeypatch, B, env, want):
+def test_accumulating_dweight_splits_where_the_split_is_under_half(monkeypatch, B, env, n160, want):
     """attproj's bf16 dweight (768 x 768, K = B * 1024), accumulating (beta 1), and the overwrite form
     matmul_backward builds on its plan (the first micro-step's) take the same plan."""
     from tests.fake_runtime import FakeRuntime
     from llmc.ops.matmul import _dweight_gemm
     for var in ("LLMC_WGMMA_TS_MAX_K", "LLMC_WGMMA_TS_WIDTHS", "LLMC_WGMMA_TS_BETA", gw.SCHEDULE_ENV):
         monkeypatch.delenv(var, raising=False)
-    if env is None:
-        monkeypatch.delenv(gw.SPLIT_OVER_TS_ENV, raising=False)
-    else:
-        monkeypatch.setenv(gw.SPLIT_OVER_TS_ENV, env)
+    for var, val in ((gw.SPLIT_OVER_TS_ENV, env), (gw.N160_ENV, n160)):
+        if val is None:
+            monkeypatch.delenv(var, raising=False)
+        else:
+            monkeypatch.setenv(var, val)
     rt = FakeRuntime()
     kw = dict(lda=768, ldb=768, ldc=768, a_major="m", b_major="n", out="bf16", plan_only=True)
     for overwrite in (False, True):
         g = _dweight_gemm(gw.wgmma_build, overwrite, rt, "bf16", 768, 768, B * 1024, **kw)
         assert f"{g.plan[1]}/{g.plan[2]}" == want, (overwrite, g.plan)
+
+
+@pytest.mark.parametrize("layer,B,env,beside,want", [
+    ("fc", 16, None, False, 160),       # K >= N160_MIN_K, alone: 5 tiles of 160 across 768 (120 CTAs)
+    ("fcproj", 16, None, False, 160),   # (768 x 3072: 6 x 20 tiles)
+    ("fc", 8, None, False, 160),
+    ("fc", 4, None, False, 192),        # K = 4096: below N160_MIN_K
+    ("fcproj", 4, None, False, 192),
+    ("fc", 16, None, True, 192),        # beside other work (the side stream): 96 tiles of 192
+    ("fc", 16, "0", False, 192),        # LLMC_WGMMA_N160=0: never
+    ("fc", 4, "1", False, 160),         # LLMC_WGMMA_N160=1: any K, beside too
+    ("fc", 4, "1", True, 160),
+    ("qkv", 16, None, False, 128),      # (qkv's 2304 x 768: 108 tiles of 128 x 128 fill the GPU already)
+    ("lmhead", 16, None, False, 192),   # (12 waves of 192 against 15 of 160)
+])
+def test_dweight_160_wide_tile_plans(monkeypatch, layer, B, env, beside, want):
+    """Where the planner takes the dweight layout's 160-wide tile (bf16, one K split, the TMA store): a
+    GEMM alone with K >= N160_MIN_K, never beside other work; and matmul_backward 5's dweight_only form
+    (the trainer's side stream) builds beside=True while its two-GEMM form does not."""
+    from tests.fake_runtime import FakeRuntime
+    for var in ("LLMC_WGMMA_TS_MAX_K", "LLMC_WGMMA_TS_WIDTHS", "LLMC_WGMMA_TS_BETA", gw.SCHEDULE_ENV, gw.SPLIT_OVER_TS_ENV):
+        monkeypatch.delenv(var, raising=False)
+    if env is None:
+        monkeypatch.delenv(gw.N160_ENV, raising=False)
+    else:
+        monkeypatch.setenv(gw.N160_ENV, env)
+    C, OC = {"fc": (768, 3072), "fcproj": (3072, 768), "qkv": (768, 2304), "lmhead": (768, 50304)}[layer]
+    g = gw.wgmma_build(FakeRuntime(), "bf16", OC, C, B * 1024, lda=OC, ldb=C, ldc=C, beta=1.0, a_major="m",
+                       b_major="n", out="bf16", plan_only=True, beside=beside)
+    assert g.plan[1] == f"128x{want}+ts+at+bt" and g.plan[2] == 1, g.plan
+    if layer == "fc" and env is None:
+        from llmc import ops
+        monkeypatch.setattr(gw, "tensor_map", lambda *a, **k: bytes(128))
+        for form in ("dweight_only", None):
+            built = ops.get("matmul_backward").build(FakeRuntime(), 5, "bf16", N=B * 1024, C=C, OC=OC,
+                                                     **({form: True} if form else {}))
+            dw_plan = built.plan if form else built.plan[1]
+            alone = 160 if B >= 8 else 192
+            assert dw_plan[1] == f"128x{192 if form else alone}+ts+at+bt", (form, dw_plan)
+
+
+@pytest.mark.parametrize("env", ["2", "yes"])
+def test_n160_env_must_be_0_or_1(monkeypatch, env):
+    from llmc.errors import LLMCError
+    from tests.fake_runtime import FakeRuntime
+    monkeypatch.setenv(gw.N160_ENV, env)
+    with pytest.raises(LLMCError, match="LLMC_WGMMA_N160"):
+        gw.wgmma_build(FakeRuntime(), "bf16", 3072, 768, 16384, lda=3072, ldb=768, ldc=768, beta=1.0, a_major="m",
+                       b_major="n", out="bf16")
 
 
 @pytest.mark.parametrize("env", ["-1", "fast", "nan"])
@@ -445,14 +496,41 @@ def test_bf16_beta_through_the_tma_store(hopper, rng, M, N, K, layout):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bn", gw.BN_CHOICES)
-@pytest.mark.parametrize("layout", ["kk", "kn", "mn"])
+@pytest.mark.parametrize("layout,bn", [(lay, bn) for lay in ("kk", "kn", "mn")
+                                       for bn in sorted(gw.INSTANCES[("bf16", "bf16", lay, False)])])
 def test_bf16_out_every_tile_width(hopper, rng, bn, layout):
     from llmc.testing import bf16_close
     out, ref, g = _run_bf16(hopper, rng, 300, 517, 520, layout[0], layout[1], has_bias=layout != "mn",
                             beta=1.0 if layout == "mn" else 0.0, bn=bn, store="direct")
     assert g.plan[1].startswith(f"128x{bn}")
     bf16_close(out, ref, f"bf16 {layout} bn={bn}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("beta", [0.0, 1.0])
+@pytest.mark.parametrize("M,N,K", [(1, 8, 16), (65, 168, 64), (129, 200, 72), (300, 520, 520), (256, 768, 1000),
+                                   (136, 320, 4096)])
+def test_bf16_dweight_160_wide_tile(hopper, rng, M, N, K, beta):
+    """The dweight layout's 160-wide tile: B^T comes in as 32-column boxes with the 64-byte swizzle (read
+    by the wgmma as its MN-major SW64 layout) and the TMA store stages C the same way. Against float64
+    (beta 0: a poisoned C, every element written), with the TMA store, with direct stores (the same
+    bits), and split over K with direct stores (attproj's plan)."""
+    from llmc.testing import bf16_close
+    seed = int(rng.integers(1 << 30))
+    out, ref, g = _run_bf16(hopper, np.random.default_rng(seed), M, N, K, "m", "n", beta=beta, store="tma",
+                            splits=1, bn=160)
+    assert g.plan[1].startswith("128x160+ts+at+bt"), g.plan
+    assert np.isfinite(out).all()
+    bf16_close(out, ref, f"bf16 mn 160 tma beta={beta} {M}x{N}x{K}")
+    direct, _, gd = _run_bf16(hopper, np.random.default_rng(seed), M, N, K, "m", "n", beta=beta, store="direct",
+                              splits=1, bn=160)
+    assert gd.plan[1] == "128x160+at+bt", gd.plan
+    assert np.array_equal(out, direct)
+    split, ref3, g3 = _run_bf16(hopper, np.random.default_rng(seed), M, N, K, "m", "n", beta=beta, store="direct",
+                                splits=3, bn=160)
+    assert g3.plan[1] == "128x160+at+bt" and g3.plan[2] == min(3, -(-K // 64)), g3.plan
+    assert np.isfinite(split).all()
+    bf16_close(split, ref3, f"bf16 mn 160 split beta={beta} {M}x{N}x{K}")
 
 
 @pytest.mark.gpu
@@ -502,16 +580,18 @@ def test_bf16_out_is_deterministic(hopper, rng, layout):
     assert np.array_equal(outs[0], outs[1])
 
 
-@pytest.mark.parametrize("osize", [4, 2])  # fp32, bf16 output
-@pytest.mark.parametrize("bn", gw.TS_WIDTHS)
+@pytest.mark.parametrize("osize,bn", [(4, 128), (4, 192), (2, 128), (2, 192), (2, 160)])  # fp32, bf16 output
 def test_tma_store_staging_layout(osize, bn):
-    """The `_ts` epilogue's staging addresses (cuda/gemm_wgmma.cu, epilogue_tma: box = c >> LOG_EPB,
-    chunk (c % EPB) / EPC xor (r % 8), fp32 or bf16) against the TMA's own 128-byte swizzle (byte
-    address bits 4-6 xor bits 7-9 of the unswizzled box layout, 1024-aligned): every (row, column pair)
+    """The `_ts` epilogue's staging addresses (cuda/gemm_wgmma.cu, staged_at: box = c / EPB, chunk
+    (c % EPB) / EPC xor (r * RB / 128) % (RB / 16), fp32 or bf16) against the TMA's own swizzle (byte
+    address bits 4-6 xor bits 7-9 of the unswizzled box layout for 128-byte box rows; bits 4-5 xor 7-8
+    for the 64-byte rows of bf16's 160-wide tile): every (row, column pair)
     of a warpgroup's 64 x BN tile lands where the TMA store reads it, once, and each warp store (8 rows
     x 4 lanes of a pair: 32 bf16x2 or 32 float2) takes the fewest shared-memory wavefronts (its words
     spread evenly over the 32 banks: 1 for bf16, 2 for fp32)."""
-    epb, epc = 128 // osize, 16 // osize
+    rb = gw.box_bytes(bn * osize)      # bytes of a box row: 128, or 64 for bf16's 160-wide tile
+    epb, epc = rb // osize, 16 // osize
+    assert rb == (64 if (osize, bn) == (2, 160) else 128)
     seen = {}
     for warp in range(4):
         for j in range(bn // 8):
@@ -520,9 +600,11 @@ def test_tma_store_staging_layout(osize, bn):
                 for lane in range(32):
                     r, c = warp * 16 + (lane >> 2) + 8 * h, 8 * j + 2 * (lane & 3)
                     box, ch = c // epb, (c % epb) // epc
-                    kernel = box * 64 * 128 + r * 128 + ((ch ^ (r & 7)) << 4) + (c % epc) * osize
-                    plain = box * 64 * 128 + r * 128 + (c % epb) * osize      # the box, row-major
-                    tma = plain ^ (((plain >> 7) & 7) << 4)                   # SWIZZLE_128B
+                    swz = ((r * rb) >> 7) & (rb // 16 - 1)
+                    kernel = box * 64 * rb + r * rb + ((ch ^ swz) << 4) + (c % epc) * osize
+                    plain = box * 64 * rb + r * rb + (c % epb) * osize        # the box, row-major
+                    # SWIZZLE_128B: bits 4-6 ^= bits 7-9; SWIZZLE_64B: bits 4-5 ^= bits 7-8
+                    tma = plain ^ (((plain >> 7) & (rb // 16 - 1)) << 4)
                     assert kernel == tma, (r, c)
                     assert kernel not in seen, (r, c, seen.get(kernel))
                     seen[kernel] = (r, c)
@@ -594,7 +676,7 @@ def test_schedule_picks_the_pingpong_instance(monkeypatch, kw, env, want):
     assert ("+pp" in g.plan[1]) == ("_pp" in want)
     if "_pp" in want:  # the launch asks for the instance's shared memory and one CTA per SM at most
         maps = []   # (no driver here: record what the tensor maps would describe)
-        monkeypatch.setattr(gw, "tensor_map", lambda ptr, dtype, rows, cols, ld, box_rows:
+        monkeypatch.setattr(gw, "tensor_map", lambda ptr, dtype, rows, cols, ld, box_rows, box_bytes=128:
                             maps.append((rows, cols, box_rows)) or bytes(128))
         g(rt.empty((4096, 768), np.uint16), rt.empty((4096, 768), np.uint16), rt.empty((768, 768), np.uint16))
         L = [x for x in rt.launches if x.func == rt.built[0]][-1]   # (split-K: then the reduce)
@@ -637,7 +719,7 @@ def test_tf32_pp128_takes_the_128_wide_tma_store_plans(monkeypatch, env):
     assert rt.built[-1] == ("gemm_wgmma_tf32_n128_ts_pp128" if on else "gemm_wgmma_tf32_n128_ts"), rt.built
     assert g.plan == (5, "128x128+ts+pp" if on else "128x128+ts", 1)
     maps = []
-    monkeypatch.setattr(gw, "tensor_map", lambda ptr, dtype, rows, cols, ld, box_rows:
+    monkeypatch.setattr(gw, "tensor_map", lambda ptr, dtype, rows, cols, ld, box_rows, box_bytes=128:
                         maps.append((dtype, rows, cols, box_rows)) or bytes(128))
     g(rt.empty((16384, 50304), np.float32), rt.empty((16384, 768), np.float32), rt.empty((50304, 768), np.float32))
     L = rt.launches[-1]

@@ -35,11 +35,11 @@ from llmc.errors import LLMCError
 
 MODULE = "gemm_wgmma"
 BM = 128
-BN_CHOICES = (128, 192, 256)
+BN_CHOICES = (128, 192, 256)     # every layout's widths; the dweight layout ("mn") also 160 (N160_ENV)
 # relative steady-state rate of each tile width, measured on the H100 with long K (2026-11-23, TF32,
 # direct stores: 50304 x 768 x 4096 ran at 318 / 373 / 313 TFLOP/s, 3072 x 768 x 4096 at 178 / 236 /
 # 171): 192 wide with 5 stages beats 256 with 4
-BN_EFF = {128: 0.85, 192: 1.0, 256: 0.84}
+BN_EFF = {128: 0.85, 192: 1.0, 256: 0.84, 160: 0.95}   # (160: not measured yet, between 128 and 192)
 # the same for the TMA-store instances, per output type. bf16 out (6 / 4 stages) as above. fp32 out:
 # the staging buffers leave 192 wide 3 stages against 128's 5, and 128 wins where the waves allow
 # (H100, session 13, interleaved medians, TF32 K = 768: lm head forward B=4 1.053 ms at 128 against
@@ -82,6 +82,7 @@ def ts_max_k(out: str) -> int:
 
 
 SWIZZLE_128B = 3
+SWIZZLE_64B = 2
 L2_PROMOTION_256B = 3
 
 
@@ -107,23 +108,31 @@ def _driver():
     return _libcuda
 
 
-def tensor_map(ptr: int, dtype: str, rows: int, cols: int, ld: int, box_rows: int) -> bytes:
+def tensor_map(ptr: int, dtype: str, rows: int, cols: int, ld: int, box_rows: int, box_bytes: int = 128) -> bytes:
     """The 128-byte CUtensorMap of a row-major (rows, cols) matrix with leading dimension `ld`
-    (elements), read in boxes of (box_rows, 128 bytes of cols), 128-byte swizzled, zero-filled out
-    of range."""
+    (elements), read in boxes of (box_rows, box_bytes of cols) swizzled by box_bytes (128, or 64: the
+    MN-major operand and the staged C of the 160-wide bf16 tile), zero-filled out of range."""
     _, esize, code = DTYPES[dtype]
+    if box_bytes not in (64, 128):
+        raise LLMCError(f"gemm engine 5: box rows of {box_bytes} bytes; expected 64 or 128")
     buf = ctypes.create_string_buffer(128 + 64)
     addr = (ctypes.addressof(buf) + 63) & ~63          # CUtensorMap is 64-byte aligned
     dims = (ctypes.c_uint64 * 2)(cols, rows)
     strides = (ctypes.c_uint64 * 1)(ld * esize)
-    box = (ctypes.c_uint32 * 2)(128 // esize, box_rows)
+    box = (ctypes.c_uint32 * 2)(box_bytes // esize, box_rows)
     estr = (ctypes.c_uint32 * 2)(1, 1)
     err = _driver().cuTensorMapEncodeTiled(addr, code, 2, ctypes.c_void_p(ptr), dims, strides, box, estr,
-                                           0, SWIZZLE_128B, L2_PROMOTION_256B, 0)
+                                           0, SWIZZLE_128B if box_bytes == 128 else SWIZZLE_64B, L2_PROMOTION_256B, 0)
     if err != 0:
         raise LLMCError(f"gemm engine 5: cuTensorMapEncodeTiled failed (CUresult {err}) for a {rows}x{cols} "
                         f"{dtype} matrix, ld={ld}, at 0x{ptr:x}")
     return ctypes.string_at(addr, 128)
+
+
+def box_bytes(width_bytes: int) -> int:
+    """Bytes of a box row for a tile `width_bytes` wide (cuda/gemm_wgmma.cu's box_bytes): 128 where the
+    width is a multiple of 128 bytes, else 64 (bf16's 160-wide tile: 5 boxes of 32 columns)."""
+    return 128 if width_bytes % 128 == 0 else 64
 
 
 # ----------------------------------------------------------------------------------------------
@@ -197,14 +206,39 @@ TS_WIDTHS = (128, 192)          # tile widths built with the TMA-store epilogue 
 # (bf16, dinp), "mn" A M-major and B N-major (bf16, dweight). The stages fix the shared memory a
 # launch asks for; tests/test_gemm_wgmma.py checks this table against the .cu's entry points.
 _DIRECT = {128: 6, 192: 5, 256: 4}
+# (the dweight layout's 160-wide tile: 6 stages direct, 5 with the TMA store; its B^T and staged C in
+# 32-column boxes with the 64-byte swizzle)
 INSTANCES = {
     ("tf32", "fp32", "kk", False): _DIRECT, ("tf32", "fp32", "kk", True): {128: 5, 192: 3},
     ("tf32", "fp32", "mk", False): _DIRECT,
     ("bf16", "fp32", "kk", False): _DIRECT, ("bf16", "fp32", "kk", True): {128: 5, 192: 3},
     ("bf16", "bf16", "kk", False): _DIRECT, ("bf16", "bf16", "kk", True): {128: 6, 192: 4, 256: 3},
     ("bf16", "bf16", "kn", False): _DIRECT, ("bf16", "bf16", "kn", True): {128: 6, 192: 4},
-    ("bf16", "bf16", "mn", False): _DIRECT, ("bf16", "bf16", "mn", True): {128: 6, 192: 4},
+    ("bf16", "bf16", "mn", False): {**_DIRECT, 160: 6}, ("bf16", "bf16", "mn", True): {128: 6, 160: 5, 192: 4},
 }
+# The 160-wide tile of the bf16 dweight layout: GPT-2's 768 columns are 5 tiles of 160, so fc's and
+# fcproj's dweights are 120 tiles, filling 120 of an H100's 132 SMs where 4 tiles of 192 fill 96 (H200,
+# session 27, 20 back to back, ms, cuBLAS BF16 / 128 x 160 / 128 x 192, TMA store, beta 1: fc B=16
+# 0.1195 / 0.1192 / 0.1401, fcproj B=16 0.1254 / 0.1161 / 0.1367; at K = 4096 mixed: fcproj B=4 0.0299 /
+# 0.0320 / 0.0362, fc B=4 0.0292 / 0.0391 / 0.0353). The planner takes it for a GEMM alone with one K
+# split, the TMA store and K >= N160_MIN_K; never split over K (attproj B=16: 0.054-0.061 ms in 2-4
+# splits against 0.041-0.044 on 128 or 192); and never beside other work (wgmma_build's beside=True, the
+# trainer's weight gradients on the side stream): 120 CTAs leave the main stream 12 SMs where 96 left
+# it 36, and a 160 tile does less per SM-second (whole bf16 steps with it: B=16 29.38 against 29.01 ms,
+# B=4 8.58 against 8.46). LLMC_WGMMA_N160=0 leaves it out everywhere; =1 lets the planner take it in any
+# one-split TMA-store plan (any K, beside other work too: the A/B of both rules).
+N160_ENV = "LLMC_WGMMA_N160"
+N160_MIN_K = 8192
+
+
+def layout_widths(ty: str, out: str, layout: str, ts: bool, K: int = 0, beside: bool = False) -> tuple:
+    """The tile widths the planner may take for a layout (INSTANCES): the built ones, 160 only as
+    above (N160_ENV, N160_MIN_K)."""
+    env = os.environ.get(N160_ENV, "")
+    if env not in ("", "0", "1"):
+        raise LLMCError(f"{N160_ENV}={env!r}: expected 0 (no 160-wide tiles) or 1 (at any K)")
+    n160 = ts and (env == "1" or (env == "" and not beside and K >= N160_MIN_K))
+    return tuple(w for w in sorted(INSTANCES.get((ty, out, layout, ts), {})) if w != 160 or n160)
 LAYOUT_SUFFIX = {"kk": "", "mk": "_am", "kn": "_bt", "mn": "_at_bt"}
 
 # The fused GELU instances (GEMM_WGMMA_GELU_ENTRY; the fc layer's matmul_forward with gelu_pre=True):
@@ -277,7 +311,7 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
                 trans_c: bool = False, bn: int | None = None, splits: int | None = None, store: str = "auto",
                 a_major: str = "k", b_major: str = "k", out: str = "fp32", schedule: str | None = None,
                 rm: int | None = None, gelu: bool = False, dgelu: bool = False, colsum: bool = False,
-                plan_only: bool = False):
+                plan_only: bool = False, beside: bool = False):
     """C = alpha * A(M,K) @ B(N,K)^T (+ bias(N)) (+ beta*C); with trans_c, C^T is what is stored
     (C is (N, ldc)). Returns launch(C, A, B, bias=None) taking DevArrays or raw pointers.
     a_major="m": the A argument holds A^T, i.e. (K, lda >= M) row-major, as dout holds dout^T for the
@@ -307,7 +341,9 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
     C = gelu'(P) * (A @ B^T as stored), P (M, ldc) the pre-activation, by gelu_backward's function for
     the element type (gelu_bwd_as): the bits of this GEMM then gelu_backward. colsum=True (build) lets
     the launch also add C's column sums (as stored) into colsum (N) when it is given: 16-row partials
-    from the epilogue, then gemm_wgmma_colsum_finish adds them in a fixed order."""
+    from the epilogue, then gemm_wgmma_colsum_finish adds them in a fixed order.
+    beside=True: the GEMM runs beside other work (the trainer's weight gradients on the side stream), so
+    the planner leaves out tiles that buy its own time with SM time (the 160-wide tile: N160_ENV)."""
     if a_major not in ("k", "m") or b_major not in ("k", "n") or out not in OUT_BYTES:
         raise LLMCError(f"gemm engine 5: a_major={a_major!r} b_major={b_major!r} out={out!r}; expected k/m, k/n, fp32/bf16")
     ty = "bf16" if dtype == "bf16" else "tf32"
@@ -342,8 +378,11 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
     obytes = OUT_BYTES[out]
     splits_asked = splits
     has_ts = (ty, out, layout, True) in INSTANCES
-    ts_widths = tuple((GELU_INSTANCES[(ty, out, True)] if gelu else INSTANCES[(ty, out, layout, True)])
-                      if has_ts else ())
+    # built (what bn= may ask for) and planned (what the planner may take: layout_widths) tile widths
+    ts_built = tuple(GELU_INSTANCES[(ty, out, True)] if gelu else INSTANCES[(ty, out, layout, True)]) if has_ts else ()
+    direct_built = tuple(GELU_INSTANCES[(ty, out, False)] if gelu else INSTANCES[(ty, out, layout, False)])
+    ts_widths = (tuple(GELU_INSTANCES[(ty, out, True)]) if gelu else layout_widths(ty, out, layout, True, K, beside)) if has_ts else ()
+    direct_widths = tuple(GELU_INSTANCES[(ty, out, False)]) if gelu else layout_widths(ty, out, layout, False, K, beside)
     # (beta != 0: C's old tile comes in through the TMA as well; LLMC_WGMMA_TS_BETA=0 keeps such GEMMs on
     # direct stores, the A/B of that choice)
     ts_ok = ((beta == 0.0 or os.environ.get("LLMC_WGMMA_TS_BETA", "1") != "0") and not trans_c
@@ -375,11 +414,12 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
         tile_rows, pbn, psplits = plan_pingpong(rt.sm_count, M, N, K, dtype, allow_split=splits is None and not use_ts,
                                                 shapes=shapes)
     else:
-        use_ts = dgelu or store == "tma" or (store == "auto" and ts_ok and K <= ts_max_k(out) and (bn is None or bn in ts_widths))
+        use_ts = dgelu or store == "tma" or (store == "auto" and ts_ok and K <= ts_max_k(out) and (bn is None or bn in ts_built))
         # an accumulating GEMM that the planner splits over K (attproj's dweight: 24-36 tiles) stays direct
         # where the split's estimate is under half the one-split TMA-store plan's (SPLIT_OVER_TS)
-        if (use_ts and store == "auto" and beta != 0.0 and splits is None and plan(rt.sm_count, M, N, K, dtype)[1] > 1
-                and _split_beats_ts(rt.sm_count, M, N, K, dtype, out, ts_widths)):
+        if (use_ts and store == "auto" and beta != 0.0 and splits is None
+                and plan(rt.sm_count, M, N, K, dtype, widths=direct_widths)[1] > 1
+                and _split_beats_ts(rt.sm_count, M, N, K, dtype, out, ts_widths, direct_widths)):
             use_ts = False
         if use_ts:  # the TMA store needs the whole tile at once: no split-K
             # the planner's widths: LLMC_WGMMA_TS_WIDTHS (e.g. "128,192", the A/B of the 256-wide instance)
@@ -395,7 +435,7 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
             if splits > 1 and store == "auto":
                 use_ts = False
         if not use_ts:
-            pbn, psplits = plan(rt.sm_count, M, N, K, dtype)
+            pbn, psplits = plan(rt.sm_count, M, N, K, dtype, widths=direct_widths)
     bn_asked = bn
     bn, splits = bn or pbn, splits or psplits
     # Where the planner picks the 256-wide TMA-store tile (bf16 -> bf16 forwards, K <= 1024), 128 x 128
@@ -413,10 +453,11 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
             and rm is None and store == "auto" and ts_ok and beta == 0.0 and _tf32_pp128(ty, out, layout, schedule)
             and ((use_ts and bn == 128) or -(-M // 128) * -(-N // 128) >= TF32_PP128_WAVES * rt.sm_count)):
         use_pp, use_ts, tile_rows, bn = True, True, 128, 128
-    if use_ts and not use_pp and (bn not in ts_widths or splits > 1):
-        raise LLMCError(f"gemm engine 5: the TMA store is built for tile widths {ts_widths} without split-K here")
-    if bn not in BN_CHOICES:
-        raise LLMCError(f"gemm engine 5: no tile width {bn}; have {', '.join(map(str, BN_CHOICES))}")
+    if use_ts and not use_pp and (bn not in ts_built or splits > 1):
+        raise LLMCError(f"gemm engine 5: the TMA store is built for tile widths {ts_built} without split-K here")
+    if not use_pp and bn not in (ts_built if use_ts else direct_built):
+        have = ts_built if use_ts else direct_built
+        raise LLMCError(f"gemm engine 5: no tile width {bn} here; have {', '.join(map(str, have))}")
     bk = 128 // DTYPES[dtype][1]
     kblocks = -(-K // bk)
     splits = max(1, min(splits, kblocks))
@@ -478,10 +519,11 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
         if dm is None:  # first launch with these operands: encode the maps, copy them to the device
             # an M-/N-major operand comes in boxes of 128 bytes of MN x BK k rows (tf32 32 x 32, bf16 64 x 64)
             ta = tensor_map(a, dtype, K, M, lda, bk) if a_major == "m" else tensor_map(a, dtype, M, K, lda, tile_rows)
-            tb = tensor_map(b, dtype, K, N, ldb, bk) if b_major == "n" else tensor_map(b, dtype, N, K, ldb, bn)
+            tb = (tensor_map(b, dtype, K, N, ldb, bk, box_bytes(bn * DTYPES[dtype][1])) if b_major == "n"
+                  else tensor_map(b, dtype, N, K, ldb, bn))
             blob = ta + tb
-            if ts:  # C (and G) in boxes of 64 rows x 128 bytes (fp32 copied as is: the FLOAT32 type)
-                blob += tensor_map(c, "bf16" if out == "bf16" else "tf32t", M, N, ldc, 64)
+            if ts:  # C (and G) in boxes of 64 rows x 128 bytes (64: the 160-wide bf16 tile; fp32 copied as is)
+                blob += tensor_map(c, "bf16" if out == "bf16" else "tf32t", M, N, ldc, 64, box_bytes(bn * obytes))
                 if gelu:
                     blob += tensor_map(gg, "bf16" if out == "bf16" else "tf32t", M, N, ldc, 64)
             dm = maps[key] = rt.to_device(np.frombuffer(blob, np.uint8))
@@ -579,7 +621,8 @@ def split_over_ts() -> float:
     return r
 
 
-def _split_beats_ts(sm_count: int, M: int, N: int, K: int, dtype: str, out: str, ts_widths) -> bool:
+def _split_beats_ts(sm_count: int, M: int, N: int, K: int, dtype: str, out: str, ts_widths,
+                    direct_widths=BN_CHOICES) -> bool:
     """Whether an accumulating GEMM the planner splits over K takes the split (direct stores) rather than
     one split with the TMA store: where the split's estimate is under 1 / split_over_ts() of the other's."""
     r = split_over_ts()
@@ -587,7 +630,7 @@ def _split_beats_ts(sm_count: int, M: int, N: int, K: int, dtype: str, out: str,
     if r == 0 or not widths:
         return True
     t_ts = _estimate(sm_count, M, N, K, dtype, False, [(BM, w) for w in widths], False, TS_BN_EFF[out])[0]
-    t_split = _estimate(sm_count, M, N, K, dtype, True, [(BM, w) for w in BN_CHOICES], False)[0]
+    t_split = _estimate(sm_count, M, N, K, dtype, True, [(BM, w) for w in direct_widths], False)[0]
     return t_ts >= r * t_split
 
 

@@ -350,8 +350,9 @@ def matmul_backward5_bf16(rt, N, C, OC, block_size=None, dgelu=False, dinp_only=
     from llmc.ops.gemm_wgmma import wgmma_build
     g_dinp = wgmma_build(rt, "bf16", N, C, OC, ldb=C, b_major="n", out="bf16", dgelu=dgelu, colsum=dgelu,
                          plan_only=dweight_only)
+    # (dweight_only: the trainer's side stream, beside the main stream's kernels: planned for SM time)
     g_dw = _dweight_gemm(wgmma_build, overwrite, rt, "bf16", OC, C, N, lda=OC, ldb=C, ldc=C, a_major="m", b_major="n",
-                         out="bf16", plan_only=dinp_only)
+                         out="bf16", plan_only=dinp_only, beside=dweight_only)
 
     def launch(dinp, dweight, dout, inp, weight):
         g_dinp(dinp, dout, weight)
