@@ -280,8 +280,8 @@ def test_bf16_dweight_plan_takes_the_tma_store(monkeypatch, M, N, K, env, want_t
     (2, None, None, "128x128+ts+at+bt/1"),   # attproj's dweight at B=2 and 4: one split with the TMA store
     (4, None, None, "128x128+ts+at+bt/1"),
     (8, None, None, "128x128+at+bt/3"),      # from B=8 split over K (estimate under half of one split's)
-    (16, None, None, "128x192+at+bt/4"),
-    (16, None, "1", "128x192+at+bt/4"),      # (split plans never take the 160-wide tile)
+    (16, None, None, "128x128+at+bt/3"),     # (108 units: 3 splits of 36 tiles; session 27's split cost)
+    (16, None, "1", "128x128+at+bt/3"),      # (split plans never take the 160-wide tile)
     (4, "0", None, "128x128+at+bt/3"),       # LLMC_WGMMA_SPLIT_OVER_TS=0: split wherever the planner splits
     (16, "100", None, "128x128+ts+at+bt/1"),  # a bar no split clears
 ])

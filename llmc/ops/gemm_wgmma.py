@@ -176,8 +176,10 @@ def _estimate(sm_count: int, M: int, N: int, K: int, dtype: str, allow_split: bo
             else:
                 waves = -(-(tiles * s) // sm_count)
                 t = waves * (per + TILE_OVERHEAD_KB) * 2 * rm * bn * bk / (rate * (eff or BN_EFF)[bn])
-            if s > 1:
-                t += (s + 2) * M * N * 4 / DRAM_BPS
+            if s > 1:  # the fp32 partials written and read back, C read and written by the reduce (in fp32
+                # terms; until session 27 (s + 2) x, which put attproj's bf16 dweight at B=16 on 4 splits of
+                # 128 x 192: 0.0435 ms against 0.041 for 3 of 128 x 128, H200, both sessions 26 and 27)
+                t += (2 * s + 1) * M * N * 4 / DRAM_BPS
             if best is None or t < best[0]:
                 best = (t, rm, bn, s)
     return best
