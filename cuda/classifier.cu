@@ -367,48 +367,72 @@ extern "C" __global__ void __launch_bounds__(1024, 2) classifier_kernel5_bf16_ve
     classifier3_row<bf16, 4, true>(losses, logits, targets, dloss, write_dlogits, N, V, Vp);
 }
 
-// version 4 (fp32 only): persistent. Block b handles rows b, b + gridDim, ...; right after a thread
+// version 4 (fp32): persistent. Block b handles rows b, b + gridDim, ...; right after a thread
 // has written the gradient of its chunk i it issues the cp.async of chunk i of its next row into the
 // same slot (the slot is its own, so no barrier), so the next row's reads overlap this row's writes
 // instead of an SM going quiet between rows. The loss is written by the target's owner (no shared
 // slot that the next row could overwrite early), and block_reduce_ms ends with a barrier.
-extern "C" __global__ void classifier_kernel4(float* losses, float* logits, const int* targets,
-                                              float dloss, int write_dlogits, int N, int V, int Vp) {
-    LLMC_PDL_WAIT();
-    float4* srow = reinterpret_cast<float4*>(cls_smem);  // (ceil(V/4),) the current row's real columns
+// version 6 (fp32 and bf16): version 4 with version 5's __expf.
+template <typename T, int VEC, bool FAST = false>
+__device__ __forceinline__ void classifier4_rows(float* losses, T* logits, const int* targets,
+                                                 float dloss, int write_dlogits, int N, int V, int Vp) {
+    T* srow = reinterpret_cast<T*>(cls_smem);  // (ceil(V/VEC)*VEC,) the current row's real columns
     __shared__ float sh_m[32], sh_s[32];
-    const int nv4 = ceil_div(V, 4);
+    const int nv = ceil_div(V, VEC);
     int row = blockIdx.x;
     if (row < N) {
-        const float* x = logits + (size_t)row * Vp;
-        for (int i = threadIdx.x; i < nv4; i += blockDim.x) cp_async<16>(&srow[i], x + 4 * i);
+        const T* x = logits + (size_t)row * Vp;
+        for (int i = threadIdx.x; i < nv; i += blockDim.x) cp_async<VEC * sizeof(T)>(srow + VEC * i, x + VEC * i);
     }
     cp_async_commit();
     for (; row < N; row += gridDim.x) {
-        float* x = logits + (size_t)row * Vp;  // (Vp,)
+        T* x = logits + (size_t)row * Vp;  // (Vp,)
         const int next = row + gridDim.x;
-        const float* xn = logits + (size_t)next * Vp;
+        const T* xn = logits + (size_t)next * Vp;
         const int target = targets[row];
         cp_async_wait_all();
 
         float m, s, xt = 0.0f;
-        smem_row_stats<float, 4>(reinterpret_cast<const float*>(srow), nv4, V, target, m, s, xt);
+        smem_row_stats<T, VEC, FAST>(srow, nv, V, target, m, s, xt);
         block_reduce_ms(m, s, sh_m, sh_s);
-        if ((target >> 2) % blockDim.x == threadIdx.x) losses[row] = logf(s) + m - xt;
+        if ((target / VEC) % blockDim.x == threadIdx.x) losses[row] = logf(s) + m - xt;
         const float inv_s = 1.0f / s;
-        for (int i = threadIdx.x; i < nv4; i += blockDim.x) {
+        for (int i = threadIdx.x; i < nv; i += blockDim.x) {
             if (write_dlogits) {
-                float v[4];
-                load_vec<float, 4>(reinterpret_cast<const float*>(srow + i), v);
-                dlogit_vec<4>(v, 4 * i, V, target, m, inv_s, dloss);
-                store_vec<float, 4, ST_CS>(x + 4 * i, v);
+                float v[VEC];
+                load_vec<T, VEC>(srow + VEC * i, v);
+                dlogit_vec<VEC, FAST>(v, VEC * i, V, target, m, inv_s, dloss);
+                store_vec<T, VEC, ST_CS>(x + VEC * i, v);
             }
-            if (next < N) cp_async<16>(&srow[i], xn + 4 * i);  // after the read of srow[i] above
+            if (next < N) cp_async<VEC * sizeof(T)>(srow + VEC * i, xn + VEC * i);  // after the read of chunk i above
         }
         cp_async_commit();
-        if (write_dlogits)
-            for (int i = nv4 + threadIdx.x; i < Vp / 4; i += blockDim.x)
-                store4_cs(x + 4 * i, make_float4(0.0f, 0.0f, 0.0f, 0.0f));
+        if (write_dlogits) {
+            const float zero[VEC] = {};
+            for (int i = nv + threadIdx.x; i < Vp / VEC; i += blockDim.x)  // padded chunks: zeros
+                store_vec<T, VEC, ST_CS>(x + VEC * i, zero);
+        }
     }
     cp_async_wait_all();  // never exit with copies in flight
+}
+
+extern "C" __global__ void classifier_kernel4(float* losses, float* logits, const int* targets,
+                                              float dloss, int write_dlogits, int N, int V, int Vp) {
+    LLMC_PDL_WAIT();
+    classifier4_rows<float, 4>(losses, logits, targets, dloss, write_dlogits, N, V, Vp);
+}
+extern "C" __global__ void classifier_kernel6(float* losses, float* logits, const int* targets,
+                                              float dloss, int write_dlogits, int N, int V, int Vp) {
+    LLMC_PDL_WAIT();
+    classifier4_rows<float, 4, true>(losses, logits, targets, dloss, write_dlogits, N, V, Vp);
+}
+extern "C" __global__ void __launch_bounds__(1024, 2) classifier_kernel6_bf16(
+        float* losses, bf16* logits, const int* targets, float dloss, int write_dlogits, int N, int V, int Vp) {
+    LLMC_PDL_WAIT();
+    classifier4_rows<bf16, 8, true>(losses, logits, targets, dloss, write_dlogits, N, V, Vp);  // Vp % 8 == 0
+}
+extern "C" __global__ void __launch_bounds__(1024, 2) classifier_kernel6_bf16_vec4(
+        float* losses, bf16* logits, const int* targets, float dloss, int write_dlogits, int N, int V, int Vp) {
+    LLMC_PDL_WAIT();
+    classifier4_rows<bf16, 4, true>(losses, logits, targets, dloss, write_dlogits, N, V, Vp);  // Vp % 4 == 0
 }

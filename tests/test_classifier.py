@@ -153,10 +153,10 @@ def test_variant_checks():
     spec = cls.OPS[0]
     for num in spec.variants:  # every variant takes the trainer's shape
         assert spec.variants[num].refuse_reason(N=4096, V=GPT2[0], Vp=GPT2[1]) is None, num
-    for num in (2, 3, 4, 5):  # float4 variants refuse Vp % 4 != 0
+    for num in (2, 3, 4, 5, 6):  # float4 variants refuse Vp % 4 != 0
         assert "multiple of 4" in spec.variants[num].refuse_reason(N=5, V=97, Vp=101)
     assert spec.variants[1].refuse_reason(N=5, V=97, Vp=101) is None
-    for num in (3, 4, 5):  # a row too big for shared memory
+    for num in (3, 4, 5, 6):  # a row too big for shared memory
         assert "shared memory" in spec.variants[num].refuse_reason(N=5, V=60000, Vp=60000)
     assert spec.variants[2].refuse_reason(N=5, V=60000, Vp=60000) is None
     assert "block_size" in spec.variants[1].refuse_reason(N=5, V=97, Vp=100, block_size=100)
@@ -168,20 +168,21 @@ def test_variant_checks():
 
 
 def test_bf16_builds():
-    """Variants 1-3 and 5 have bf16 builds (the default, 3, among them) and take every shape their fp32 build
+    """Variants 1-3, 5 and 6 have bf16 builds (the default among them) and take every shape their fp32 build
     takes: 16-byte chunks of 8 bf16 when Vp % 8 == 0, else the 8-byte _vec4 kernels; version 3's row
-    needs half the shared memory of fp32 (GPT-2: 100,528 bytes, so two blocks per H100 SM)."""
+    needs half the shared memory of fp32 (GPT-2: 100,528 bytes, so two blocks per H100 SM), and the
+    persistent 6 runs two blocks an SM."""
     from fake_runtime import FakeRuntime
     spec = cls.OPS[0]
-    assert {n for n, v in spec.variants.items() if "bf16" in v.dtypes} == {1, 2, 3, 5}
+    assert {n for n, v in spec.variants.items() if "bf16" in v.dtypes} == {1, 2, 3, 5, 6}
     assert "bf16" in spec.variants[spec.default].dtypes
     for Vp, suffix in ((GPT2[1], "_bf16"), (100, "_bf16_vec4"), (1000, "_bf16")):
         rt = FakeRuntime(check_ptx=False)
         V = min(GPT2[0], Vp - 3)
-        for num in (1, 2, 3, 5):
+        for num in (1, 2, 3, 5, 6):
             spec.build(rt, num, "bf16", N=4, V=V, Vp=Vp)
         assert rt.built == ["classifier_kernel1_bf16", f"classifier_kernel2{suffix}", f"classifier_kernel3{suffix}",
-                            f"classifier_kernel5{suffix}"]
+                            f"classifier_kernel5{suffix}", f"classifier_kernel6{suffix}"]
     assert cls._smem_bytes_bf16(*GPT2) == 100_528 and cls._smem_bytes(GPT2[0]) == 201_040
     rt = FakeRuntime(check_ptx=False)
     losses, targets = rt.empty((4,)), rt.empty((4,), np.int32)
@@ -191,6 +192,11 @@ def test_bf16_builds():
     assert rt.launches[-1].smem == 100_528 and rt.launches[-1].block == (1024, 1, 1)
     with pytest.raises(LLMCError, match="16-byte aligned"):  # a view that breaks the 16-byte loads
         launch(losses, logits.view(4, (4 * GPT2[1],)), targets, 1.0, 1)
+    launch6 = spec.build(rt, 6, "bf16", N=4096, V=GPT2[0], Vp=GPT2[1])  # persistent: 2 blocks an SM
+    launch6(losses, logits, targets, 1.0, 1)
+    assert rt.launches[-1].grid == (2 * rt.sm_count, 1, 1) and rt.launches[-1].smem == 100_528
+    with pytest.raises(LLMCError, match="16-byte aligned"):
+        launch6(losses, logits.view(4, (4 * GPT2[1],)), targets, 1.0, 1)
 
 
 # ----------------------------------------------------------------------------------------------

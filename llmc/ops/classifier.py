@@ -206,26 +206,43 @@ def classifier5_bf16(rt, N, V, Vp, block_size=None):
                              vec_bytes=2 * vec, func=f"classifier_kernel5{suffix}")
 
 
-def classifier4(rt, N, V, Vp, block_size=None):
+def _build_persistent(rt, number, N, V, Vp, block_size, smem, vec_bytes, func):
+    """The launch of a persistent kernel (versions 4 and 6): as many blocks as fit at once (shared
+    memory or threads decide), never more than N; each prefetches its next row."""
     bs = block_size or 1024
-    smem = _smem_bytes(V)
-    k = rt.kernel(MODULE, "classifier_kernel4", ARGTYPES, label=f"{OP} 4")
+    dt = " (bf16)" if "bf16" in func else ""
+    k = rt.kernel(MODULE, func, ARGTYPES, label=f"{OP} {number}{dt}")
     if smem > 48 * 1024:
         if smem > rt.max_smem_optin:
-            refuse(OP, 4, f"a row of V={V} floats needs {smem:,} bytes of shared memory; "
-                          f"this GPU allows {rt.max_smem_optin:,} per block")
+            refuse(OP, number, f"a row of V={V}{dt} needs {smem:,} bytes of shared memory; "
+                               f"this GPU allows {rt.max_smem_optin:,} per block")
         k.set_max_dynamic_smem(smem)
-    # persistent: as many blocks as fit at once (shared memory or threads decide), never more than N
     smem_sm = rt.device.get_attribute(rt.drv.device_attribute.MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)
     per_sm = max(1, min(2048 // bs, smem_sm // (smem + 1024 + 256)))  # 1 KB per block reserved by the driver
     grid, block = (min(N, rt.sm_count * per_sm), 1, 1), (bs, 1, 1)
     n32, V32, Vp32 = np.int32(N), np.int32(V), np.int32(Vp)
 
     def launch(losses, logits, targets, dloss, write_dlogits):
-        _aligned(logits, 4)
+        _aligned(logits, number, vec_bytes)
         k(grid, block, losses.ptr, logits.ptr, targets.ptr, np.float32(dloss), np.int32(write_dlogits),
           n32, V32, Vp32, smem=smem)
     return launch
+
+
+def classifier4(rt, N, V, Vp, block_size=None):
+    return _build_persistent(rt, 4, N, V, Vp, block_size, _smem_bytes(V), 16, "classifier_kernel4")
+
+
+def classifier6(rt, N, V, Vp, block_size=None):
+    return _build_persistent(rt, 6, N, V, Vp, block_size, _smem_bytes(V), 16, "classifier_kernel6")
+
+
+def classifier6_bf16(rt, N, V, Vp, block_size=None):
+    # two blocks of 1024 threads an SM (100.5 KB rows, __launch_bounds__(1024, 2)): a persistent grid of
+    # 2 x SMs, each block's next row coming in during its write pass
+    vec, suffix = _bf16_vec(Vp)
+    return _build_persistent(rt, 6, N, V, Vp, block_size, _smem_bytes_bf16(V, Vp), 2 * vec,
+                             f"classifier_kernel6{suffix}")
 
 
 VARIANTS = {
@@ -240,6 +257,9 @@ VARIANTS = {
     5: Variant(5, "version 3 with the exponentials on the SFU (__expf: FMUL + MUFU.EX2, not expf's ~10 "
                   "instructions): the row's ~2 exponentials per logit no longer bound the issue rate",
                {"fp32": classifier5, "bf16": classifier5_bf16}, _check_smem),
+    6: Variant(6, "version 4 (persistent, the next row prefetched during this row's write pass) with version 5's "
+                  "__expf; fp32 and bf16",
+               {"fp32": classifier6, "bf16": classifier6_bf16}, _check_smem),
 }
 
 # default 3: fastest on the H100 (0.565 ms at N=4096, Vp=50304: 98% of the copy ceiling). It needs
