@@ -39,7 +39,8 @@ BN_CHOICES = (128, 192, 256)     # every layout's widths; the dweight layout ("m
 # relative steady-state rate of each tile width, measured on the H100 with long K (2026-11-23, TF32,
 # direct stores: 50304 x 768 x 4096 ran at 318 / 373 / 313 TFLOP/s, 3072 x 768 x 4096 at 178 / 236 /
 # 171): 192 wide with 5 stages beats 256 with 4
-BN_EFF = {128: 0.85, 192: 1.0, 256: 0.84, 160: 0.95}   # (160: not measured yet, between 128 and 192)
+# (160, bf16 dweights only: fc's at B=16 on the H200 ran 5.4 TFLOP/s an SM against 192's 5.8, session 27)
+BN_EFF = {128: 0.85, 192: 1.0, 256: 0.84, 160: 0.95}
 # the same for the TMA-store instances, per output type. bf16 out (6 / 4 stages) as above. fp32 out:
 # the staging buffers leave 192 wide 3 stages against 128's 5, and 128 wins where the waves allow
 # (H100, session 13, interleaved medians, TF32 K = 768: lm head forward B=4 1.053 ms at 128 against
@@ -241,6 +242,8 @@ def layout_widths(ty: str, out: str, layout: str, ts: bool, K: int = 0, beside: 
         raise LLMCError(f"{N160_ENV}={env!r}: expected 0 (no 160-wide tiles) or 1 (at any K)")
     n160 = ts and (env == "1" or (env == "" and not beside and K >= N160_MIN_K))
     return tuple(w for w in sorted(INSTANCES.get((ty, out, layout, ts), {})) if w != 160 or n160)
+
+
 LAYOUT_SUFFIX = {"kk": "", "mk": "_am", "kn": "_bt", "mn": "_at_bt"}
 
 # The fused GELU instances (GEMM_WGMMA_GELU_ENTRY; the fc layer's matmul_forward with gelu_pre=True):
