@@ -18,10 +18,10 @@ way, a 64-byte-aligned __grid_constant__ kernel parameter, arrived misplaced thr
 argument buffer on the H100.) The maps hold the operand pointers, so the launch closure keeps one
 pair per (A, B) pointer pair; the model's buffers never move, so a captured CUDA graph stays valid.
 
-The planner picks the tile width BN (128, 192 or 256; the tile is 128 x BN) and a K split by a
-wave-quantised cost model: GPT-2's N = 768 is exactly 4 tiles of 192, which fills 128 of the H100's
-132 SMs at M = 4096. Split-K partial sums go to a workspace and a second pass adds them in order
-(deterministic).
+The planner picks the tile width BN (128, 192 or 256, and 160 for bf16 dweights: N160_ENV; the tile is
+128 x BN) and a K split by a wave-quantised cost model: GPT-2's N = 768 is exactly 4 tiles of 192,
+which fills 128 of the H100's 132 SMs at M = 4096. Split-K partial sums go to a workspace and a second
+pass adds them in order (deterministic).
 """
 from __future__ import annotations
 
