@@ -7,6 +7,8 @@
 // version 3: one block per row, the row copied once into shared memory with cp.async; both passes read shared memory
 // version 4: version 3 made persistent: a block walks rows and prefetches its next row into shared memory during the write pass
 // version 5: version 3 with the exponentials as __expf (FMUL + MUFU.EX2) instead of expf (fp32 and bf16)
+// version 6: version 4 with version 5's __expf (fp32 and bf16)
+// version 7: version 5 with each exponential one FFMA + MUFU.EX2, 1/s and dloss folded into its offset
 //
 // bf16 builds (issue 13) of versions 1, 2 and 3: the same bodies instantiated for bf16 logits
 // (entry points <name>_bf16). The row is read as bf16 and widened exactly; max, sum of exp, the
@@ -365,6 +367,103 @@ extern "C" __global__ void __launch_bounds__(1024, 2) classifier_kernel5_bf16_ve
         float* losses, bf16* logits, const int* targets, float dloss, int write_dlogits, int N, int V, int Vp) {
     LLMC_PDL_WAIT();
     classifier3_row<bf16, 4, true>(losses, logits, targets, dloss, write_dlogits, N, V, Vp);
+}
+
+// version 7: version 5 with each exponential as one FFMA and one MUFU.EX2: e^(x - m) = 2^(x log2e -
+// m log2e), with m log2e kept beside m, and in the write pass 1/s and dloss folded into the offset
+// (p dloss = 2^(x log2e - (m log2e + log2 s - log2 dloss)), dloss > 0) for every chunk that is all
+// real columns and does not hold the target: ~4 instructions a logit there, where 5 spends ~12 on the
+// subtraction, the scaling, the padding and target selects; the target's chunk and the chunk that
+// straddles V (one each a row) take 5's exact form. In bf16 the instructions, not the bytes, were
+// the limit on an H200 (71-75% of a copy of the same bytes; fp32, half the logits a byte, 93%).
+// Arguments of up to |64| carry an absolute rounding of ~4e-6, a relative error of ~3e-6 in p.
+__device__ __forceinline__ float cls_ex2(float x) {  // 2^x; 2^-inf = +0
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+#define CLS_LOG2E 1.4426950408889634f
+
+template <typename T, int VEC>
+__device__ __forceinline__ void classifier7_row(float* losses, T* logits, const int* targets,
+                                                float dloss, int write_dlogits, int N, int V, int Vp) {
+    T* srow = reinterpret_cast<T*>(cls_smem);  // (ceil(V/VEC)*VEC,) this row's real columns
+    __shared__ float sh_m[32], sh_s[32];
+    const int row = blockIdx.x, tid = threadIdx.x, bd = blockDim.x;
+    T* x = logits + (size_t)row * Vp;  // (Vp,)
+    const int target = targets[row];
+    const int nv = ceil_div(V, VEC);
+    for (int i = tid; i < nv; i += bd) cp_async<VEC * sizeof(T)>(srow + VEC * i, x + VEC * i);
+    cp_async_commit();
+    cp_async_wait_all();
+
+    // pass 1: online (m, s), s = sum 2^(x log2e - ml), ml = m log2e (-FLT_MAX before the first chunk:
+    // a -inf logit then gives 2^-inf = 0, not the NaN of -inf + inf)
+    float m = -FLT_MAX, ml = -FLT_MAX, s = 0.0f, xt = 0.0f;
+    for (int i = tid; i < nv; i += bd) {
+        float v[VEC];
+        load_vec<T, VEC>(srow + VEC * i, v);
+        if (target / VEC == i) {  // selects, not v[k]: a run-time index would put v in local memory
+            const int k = target % VEC;
+#pragma unroll
+            for (int j = 0; j < VEC; j++)
+                if (k == j) xt = v[j];
+        }
+        mask_vec<VEC>(v, VEC * i, V);
+        float t[VEC];
+#pragma unroll
+        for (int k = 0; k < VEC; k++) t[k] = v[k];
+#pragma unroll
+        for (int w = 1; w < VEC; w *= 2)
+#pragma unroll
+            for (int k = 0; k < VEC; k += 2 * w) t[k] = fmaxf(t[k], t[k + w]);
+        if (t[0] > m) {
+            s *= cls_ex2((m - t[0]) * CLS_LOG2E);
+            m = t[0];
+            ml = m * CLS_LOG2E;
+        }
+        float e = 0.0f;
+#pragma unroll
+        for (int k = 0; k < VEC; k++) e += cls_ex2(fmaf(v[k], CLS_LOG2E, -ml));
+        s += e;
+    }
+    block_reduce_ms(m, s, sh_m, sh_s);
+    if ((target / VEC) % bd == tid) losses[row] = logf(s) + m - xt;  // the target's owner
+    if (!write_dlogits) return;
+    const float inv_s = 1.0f / s;
+    const bool fold = dloss > 0.0f;
+    const float c = m * CLS_LOG2E + log2f(s) - (fold ? log2f(dloss) : 0.0f);
+    const int tchunk = target / VEC, vfull = V / VEC;  // chunks below vfull hold real columns only
+    for (int i = tid; i < nv; i += bd) {
+        float v[VEC];
+        load_vec<T, VEC>(srow + VEC * i, v);
+        if (fold && i < vfull && i != tchunk) {
+#pragma unroll
+            for (int k = 0; k < VEC; k++) v[k] = cls_ex2(fmaf(v[k], CLS_LOG2E, -c));
+        } else {
+            dlogit_vec<VEC, true>(v, VEC * i, V, target, m, inv_s, dloss);
+        }
+        store_vec<T, VEC, ST_CS>(x + VEC * i, v);
+    }
+    const float zero[VEC] = {};
+    for (int i = nv + tid; i < Vp / VEC; i += bd)  // padded chunks: zeros
+        store_vec<T, VEC, ST_CS>(x + VEC * i, zero);
+}
+
+extern "C" __global__ void classifier_kernel7(float* losses, float* logits, const int* targets,
+                                              float dloss, int write_dlogits, int N, int V, int Vp) {
+    LLMC_PDL_WAIT();
+    classifier7_row<float, 4>(losses, logits, targets, dloss, write_dlogits, N, V, Vp);
+}
+extern "C" __global__ void __launch_bounds__(1024, 2) classifier_kernel7_bf16(
+        float* losses, bf16* logits, const int* targets, float dloss, int write_dlogits, int N, int V, int Vp) {
+    LLMC_PDL_WAIT();
+    classifier7_row<bf16, 8>(losses, logits, targets, dloss, write_dlogits, N, V, Vp);  // Vp % 8 == 0
+}
+extern "C" __global__ void __launch_bounds__(1024, 2) classifier_kernel7_bf16_vec4(
+        float* losses, bf16* logits, const int* targets, float dloss, int write_dlogits, int N, int V, int Vp) {
+    LLMC_PDL_WAIT();
+    classifier7_row<bf16, 4>(losses, logits, targets, dloss, write_dlogits, N, V, Vp);  // Vp % 4 == 0
 }
 
 // version 4 (fp32): persistent. Block b handles rows b, b + gridDim, ...; right after a thread

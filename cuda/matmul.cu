@@ -515,3 +515,106 @@ extern "C" __global__ void matmul_backward_bias_kernel4_bf16(__nv_bfloat16* dbia
     }
     if (tx == 0 && ty == 0) counters[blockIdx.x] = 0u;
 }
+
+// version 5 (sm_90: thread-block clusters): no partials in global memory, no counters, no second
+// pass. A cluster of 8 blocks owns a slice of W columns; block rank r sums rows [r N/8, (r+1) N/8)
+// of it. A block is 256 threads: LX column lanes (16 bytes each: W = LX * V columns) x 256/LX row
+// lanes, 8 loads in flight per thread. The row lanes of a warp are added by shuffles (a fixed
+// butterfly), the 8 warps in order through shared memory; then rank 0 reads the other blocks' W
+// sums through distributed shared memory (mapa + ld.shared::cluster) and adds them in rank order
+// (deterministic), into dbias (read at the start), rounded once. A second cluster barrier keeps every
+// block's shared memory alive until rank 0 has read it. What it saves against version 4: the partials' write, the
+// fence, the ticket and the finishing block's walk over ~128 chunk partials (a few microseconds of
+// latency on a kernel that moves 6-25 MB). LX = 4 (W = 32 bf16 / 16 fp32 columns: 64-byte row
+// segments) for narrow OC, where 8 lanes would leave SMs idle; LX = 8 otherwise (the launcher picks).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define BIAS5_CLUSTER 8
+
+__device__ __forceinline__ unsigned cluster_rank() {
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+__device__ __forceinline__ void cluster_barrier() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// a float of block `rank`'s shared memory at the address of `p` in this block's
+__device__ __forceinline__ float ld_cluster_f32(const float* p, unsigned rank) {
+    unsigned a = (unsigned)__cvta_generic_to_shared(p), ra;
+    float v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(a), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(ra) : "memory");
+    return v;
+}
+
+template <typename T, int LX>
+__device__ __forceinline__ void bias_cluster_sums(T* dbias, const T* __restrict__ dout, int N, int OC) {
+    constexpr int V = Vec16<T>::N, W = LX * V, RL = 256 / LX, NWARP = 8;
+    __shared__ float wsum[NWARP][W];
+    __shared__ float bsum[W];
+    const int tid = threadIdx.x, lx = tid % LX, ly = tid / LX, lane = tid % 32, warp = tid / 32;
+    const int col = blockIdx.x * W + lx * V;
+    const int rank = (int)cluster_rank();
+    const int rows = (N + BIAS5_CLUSTER - 1) / BIAS5_CLUSTER;
+    const int r0 = rank * rows, r1 = min(N, r0 + rows);
+    // rank 0's dbias read before the rows, so its round trip is not the last thing the cluster waits for
+    const int c_out = blockIdx.x * W + tid;
+    const bool writer = rank == 0 && tid < W && c_out < OC;
+    const float db = writer ? to_f32(dbias[c_out]) : 0.0f;
+    float s[V];
+#pragma unroll
+    for (int k = 0; k < V; k++) s[k] = 0.0f;
+    if (col < OC) {
+        for (int n = r0 + ly; n < r1; n += 8 * RL) {  // 8 loads issued, then added in row order
+            typename Vec16<T>::raw v[8];
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+                if (n + j * RL < r1) v[j] = Vec16<T>::ld(dout + (ll)(n + j * RL) * OC + col);
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                if (n + j * RL < r1) {
+                    float f[V];
+                    Vec16<T>::unpack(f, v[j]);
+#pragma unroll
+                    for (int k = 0; k < V; k++) s[k] += f[k];
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int off = LX; off < 32; off *= 2) {
+#pragma unroll
+        for (int k = 0; k < V; k++) s[k] += __shfl_xor_sync(0xffffffffu, s[k], off);
+    }
+    if (lane < LX) {
+#pragma unroll
+        for (int k = 0; k < V; k++) wsum[warp][lx * V + k] = s[k];
+    }
+    __syncthreads();
+    if (tid < W) {
+        float t = 0.0f;
+#pragma unroll
+        for (int w = 0; w < NWARP; w++) t += wsum[w][tid];
+        bsum[tid] = t;
+    }
+    cluster_barrier();  // every block's bsum written and visible to the cluster
+    if (writer) {
+        float t = 0.0f;
+#pragma unroll
+        for (int r = 0; r < BIAS5_CLUSTER; r++) t += ld_cluster_f32(&bsum[tid], (unsigned)r);
+        dbias[c_out] = from_f32<T>(db + t);
+    }
+    cluster_barrier();  // no block leaves (freeing its shared memory) before rank 0 has read it
+}
+
+#define BIAS5_ENTRY(NAME, T, LX)                                                                         \
+    extern "C" __global__ void __cluster_dims__(1, BIAS5_CLUSTER, 1) __launch_bounds__(256)             \
+    NAME(T* dbias, const T* dout, int N, int OC) {                                                      \
+        LLMC_PDL_WAIT();                                                                                \
+        bias_cluster_sums<T, LX>(dbias, dout, N, OC);                                                   \
+    }
+BIAS5_ENTRY(matmul_backward_bias_kernel5_l4, float, 4)
+BIAS5_ENTRY(matmul_backward_bias_kernel5_l8, float, 8)
+BIAS5_ENTRY(matmul_backward_bias_kernel5_l4_bf16, bf16, 4)
+BIAS5_ENTRY(matmul_backward_bias_kernel5_l8_bf16, bf16, 8)
+#endif

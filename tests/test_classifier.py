@@ -168,21 +168,21 @@ def test_variant_checks():
 
 
 def test_bf16_builds():
-    """Variants 1-3, 5 and 6 have bf16 builds (the default among them) and take every shape their fp32 build
+    """Variants 1-3 and 5-7 have bf16 builds (the default among them) and take every shape their fp32 build
     takes: 16-byte chunks of 8 bf16 when Vp % 8 == 0, else the 8-byte _vec4 kernels; version 3's row
     needs half the shared memory of fp32 (GPT-2: 100,528 bytes, so two blocks per H100 SM), and the
     persistent 6 runs two blocks an SM."""
     from fake_runtime import FakeRuntime
     spec = cls.OPS[0]
-    assert {n for n, v in spec.variants.items() if "bf16" in v.dtypes} == {1, 2, 3, 5, 6}
+    assert {n for n, v in spec.variants.items() if "bf16" in v.dtypes} == {1, 2, 3, 5, 6, 7}
     assert "bf16" in spec.variants[spec.default].dtypes
     for Vp, suffix in ((GPT2[1], "_bf16"), (100, "_bf16_vec4"), (1000, "_bf16")):
         rt = FakeRuntime(check_ptx=False)
         V = min(GPT2[0], Vp - 3)
-        for num in (1, 2, 3, 5, 6):
+        for num in (1, 2, 3, 5, 6, 7):
             spec.build(rt, num, "bf16", N=4, V=V, Vp=Vp)
         assert rt.built == ["classifier_kernel1_bf16", f"classifier_kernel2{suffix}", f"classifier_kernel3{suffix}",
-                            f"classifier_kernel5{suffix}", f"classifier_kernel6{suffix}"]
+                            f"classifier_kernel5{suffix}", f"classifier_kernel6{suffix}", f"classifier_kernel7{suffix}"]
     assert cls._smem_bytes_bf16(*GPT2) == 100_528 and cls._smem_bytes(GPT2[0]) == 201_040
     rt = FakeRuntime(check_ptx=False)
     losses, targets = rt.empty((4,)), rt.empty((4,), np.int32)
@@ -262,3 +262,28 @@ def test_gpu_variant(rt, shape, number, dtype):  # shape-major order: each big r
         else:
             assert_bf16_rounded(from_bf16(got), dlogits_ref, f"dlogits v{number} bf16 bs={bs}")
         assert not got[:, V:].any(), "padded columns not zeroed"  # the bits: +0.0 only
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("dloss", [-0.37, 0.0, 2.0 ** -12])
+def test_gpu_variant7_any_dloss(rt, dtype, dloss):
+    """Version 7 folds 1/s and dloss into the exponent only for dloss > 0; a negative or zero dloss
+    takes version 5's form on every chunk. All three against the float64 reference (65 GPT-2 rows)."""
+    from llmc.testing import poison
+    N, V, Vp = 65, *GPT2
+    spec = cls.OPS[0]
+    logits, targets, losses_ref, _ = _case(N, V, Vp, dtype)
+    values = from_bf16(logits) if dtype == "bf16" else logits
+    _, probs = cls.classifier_forward_ref(values.astype(np.float64), targets, V)
+    dlogits_ref = cls.classifier_backward_ref(probs, targets, dloss, Vp)
+    d_logits, d_targets, d_losses = rt.to_device(logits), rt.to_device(targets), rt.empty((N,))
+    poison(d_losses)
+    spec.build(rt, 7, dtype, N=N, V=V, Vp=Vp)(d_losses, d_logits, d_targets, dloss, 1)
+    assert_close(d_losses.get(), losses_ref, 2e-5, 1e-5, f"losses v7 {dtype} dloss={dloss}")
+    got = d_logits.get()
+    if dtype == "fp32":
+        assert_close(got, dlogits_ref, 1e-10, 1e-5, f"dlogits v7 dloss={dloss}")
+    else:
+        assert_bf16_rounded(from_bf16(got), dlogits_ref, f"dlogits v7 bf16 dloss={dloss}")
+    assert not got[:, V:].any(), "padded columns not zeroed"

@@ -411,6 +411,49 @@ def test_matmul_backward_bias_bf16_gpu(rt, rng, N, OC):
     assert ran
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("N,OC", [(1, 96), (65, 1600), (4 * 65, 2304), (7, 8), (2 * 1024 + 3, 776)])
+def test_matmul_backward_bias5_both_widths_gpu(rt, rng, dtype, N, OC):
+    """Version 5 (clusters) at each of its widths (4 and 8 column lanes a block), whichever its launcher
+    would pick: OC not a multiple of a block's columns (the last slice partly empty), N below the
+    cluster's 8 blocks (ranks with no rows) and not a multiple of 8. From a nonzero dbias; the same
+    bits twice (the cluster's sums are added in rank order)."""
+    from llmc.bf16 import from_bf16
+    from llmc.testing import assert_close, bf16_close
+    spec = ops.get("matmul_backward_bias")
+    if spec.refuse_reason(5, dtype, rt.arch, N=N, OC=OC):
+        pytest.skip(spec.refuse_reason(5, dtype, rt.arch, N=N, OC=OC))
+    if dtype == "bf16":
+        (dout, dout64), (db0, db064) = bf16_values(rng, N, OC), bf16_values(rng, OC)
+    else:
+        dout, db0 = rnd(rng, N, OC), rnd(rng, OC)
+        dout64, db064 = dout.astype(np.float64), db0.astype(np.float64)
+    ref = db064 + dout64.sum(0)
+    d_dout, d_db = rt.to_device(dout), rt.to_device(db0)
+    for lanes in (4, 8):
+        launch = spec.build(rt, 5, dtype, N=N, OC=OC, lanes=lanes)
+        got = []
+        for _ in range(2):
+            d_db.set(db0)
+            launch(d_db, d_dout)
+            got.append(d_db.get())
+        name = f"matmul_backward_bias 5 {dtype} lanes={lanes} N={N} OC={OC}"
+        if dtype == "bf16":
+            bf16_close(from_bf16(got[0]), ref, name)
+        else:
+            assert_close(got[0], ref, atol=1e-4 * np.sqrt(N), rtol=1e-5, name=name)
+        assert np.array_equal(got[0], got[1]), name
+
+
+def test_matmul_backward_bias5_needs_hopper_and_16_byte_rows():
+    spec = ops.get("matmul_backward_bias")
+    assert spec.refuse_reason(5, "fp32", "sm_80", N=64, OC=768) is not None
+    assert spec.refuse_reason(5, "bf16", "sm_90", N=64, OC=768) is None
+    assert spec.refuse_reason(5, "bf16", "sm_90", N=64, OC=772) is not None   # 8 bf16 a load
+    assert spec.refuse_reason(5, "fp32", "sm_90", N=64, OC=772) is None       # 4 floats a load
+
+
 # ----------------------------------------------------------------------------------------------
 # the fc layer's fused form (gelu_pre=True): out = gelu(pre), pre = inp @ weight^T + bias, both written
 

@@ -6,6 +6,10 @@
 Bytes counted: the ids, each distinct wte row used and the T wpe rows read once, out written once
 (4 bytes an element in fp32, 2 in bf16). bf16 rows ("3 bf16") run on bf16 copies of the same
 inputs, against the float64 reference on those values: one rounding, rtol 2^-8.
+
+Three id sets: uniform over the vocab (the worst case: almost every row a distinct, random wte row),
+the same ids sorted ("sorted": wte read in address order, what a gather's DRAM locality is worth), and
+Zipf over the vocab ("z": text-like repeats, most rows found in L2). Rows carry the set's tag.
 """
 
 import numpy as np
@@ -22,32 +26,34 @@ N = B * T
 BLOCK_SIZES = [None, 64, 128, 256, 512, 1024]
 
 rt, rng = L.rt, np.random.default_rng(0)
-inp = rng.integers(0, V, (B, T)).astype(np.int32)
+uniform = rng.integers(0, V, (B, T)).astype(np.int32)
+zipf = 1.0 / np.arange(1, V + 1)
+id_sets = {"": uniform, " sorted": np.sort(uniform, axis=None).reshape(B, T).astype(np.int32),
+           " z": rng.choice(V, (B, T), p=zipf / zipf.sum()).astype(np.int32)}
 wte = lab.rand(rng, (Vp, C))
 wpe = lab.rand(rng, (maxT, C))
-d_inp = rt.to_device(inp)
-U = len(np.unique(inp))
-print(f"  B={B}: {U} distinct tokens among {N} positions")
-data = {  # dtype: (wte, wpe, out on the device, float64 reference, bytes, atol, rtol)
-    "fp32": (rt.to_device(wte), rt.to_device(wpe), rt.empty((B, T, C)),
-             encoder_forward_ref(inp, wte, wpe.astype(np.float64)), 4, 1e-6, 1e-6),
-    "bf16": (rt.to_device(to_bf16(wte)), rt.to_device(to_bf16(wpe)), rt.empty((B, T, C), BF16),
-             encoder_forward_ref(inp, round_bf16(wte), round_bf16(wpe).astype(np.float64)), 2, 0.0, 2.0 ** -8),
-}
+weights = {"fp32": (rt.to_device(wte), rt.to_device(wpe), rt.empty((B, T, C)), wte, wpe, 4, 1e-6, 1e-6),
+           "bf16": (rt.to_device(to_bf16(wte)), rt.to_device(to_bf16(wpe)), rt.empty((B, T, C), BF16),
+                    round_bf16(wte), round_bf16(wpe), 2, 0.0, 2.0 ** -8)}
 
 spec = ops.get("encoder_forward")
-for n in L.selected(spec):
-    for dt in L.dtypes(spec.variants[n]):
-        d_wte, d_wpe, out, ref, size, atol, rtol = data[dt]
-        nbytes = 4 * N + size * (U * C + T * C + N * C)
-        label = n if dt == "fp32" else f"{n} {dt}"
-        for bs in L.block_sizes(BLOCK_SIZES):
-            try:
-                launch = spec.build(rt, n, dt, B=B, T=T, C=C, block_size=bs).launch  # the bare closure
-            except VariantRefused as e:
-                print(f"  {e}")
-                continue
-            fn = lambda: launch(out, d_inp, d_wte, d_wpe)  # noqa: E731
-            L.validate(label, fn, outputs={"out": out}, refs={"out": ref}, atol=atol, rtol=rtol)
-            L.time(label, fn, block_size=bs or "default", bytes=nbytes, ceiling="dram")
+for tag, inp in id_sets.items():
+    d_inp = rt.to_device(inp)
+    U = len(np.unique(inp))
+    print(f"  B={B}, ids{tag or ' uniform'}: {U} distinct tokens among {N} positions")
+    for n in L.selected(spec):
+        for dt in L.dtypes(spec.variants[n]):
+            d_wte, d_wpe, out, w_ref, p_ref, size, atol, rtol = weights[dt]
+            ref = encoder_forward_ref(inp, w_ref, p_ref.astype(np.float64))
+            nbytes = 4 * N + size * (U * C + T * C + N * C)
+            label = (str(n) if dt == "fp32" else f"{n} {dt}") + tag
+            for bs in L.block_sizes(BLOCK_SIZES):
+                try:
+                    launch = spec.build(rt, n, dt, B=B, T=T, C=C, block_size=bs).launch  # the bare closure
+                except VariantRefused as e:
+                    print(f"  {e}")
+                    continue
+                fn = lambda: launch(out, d_inp, d_wte, d_wpe)  # noqa: E731
+                L.validate(label, fn, outputs={"out": out}, refs={"out": ref}, atol=atol, rtol=rtol)
+                L.time(label, fn, block_size=bs or "default", bytes=nbytes, ceiling="dram")
 L.finish()

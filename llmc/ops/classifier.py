@@ -206,6 +206,16 @@ def classifier5_bf16(rt, N, V, Vp, block_size=None):
                              vec_bytes=2 * vec, func=f"classifier_kernel5{suffix}")
 
 
+def classifier7(rt, N, V, Vp, block_size=None):
+    return _build_row_kernel(rt, 7, N, V, Vp, block_size, 1024, smem=_smem_bytes(V), vec_bytes=16)
+
+
+def classifier7_bf16(rt, N, V, Vp, block_size=None):
+    vec, suffix = _bf16_vec(Vp)
+    return _build_row_kernel(rt, 7, N, V, Vp, block_size, 1024, smem=_smem_bytes_bf16(V, Vp),
+                             vec_bytes=2 * vec, func=f"classifier_kernel7{suffix}")
+
+
 def _build_persistent(rt, number, N, V, Vp, block_size, smem, vec_bytes, func):
     """The launch of a persistent kernel (versions 4 and 6): as many blocks as fit at once (shared
     memory or threads decide), never more than N; each prefetches its next row."""
@@ -260,16 +270,22 @@ VARIANTS = {
     6: Variant(6, "version 4 (persistent, the next row prefetched during this row's write pass) with version 5's "
                   "__expf; fp32 and bf16",
                {"fp32": classifier6, "bf16": classifier6_bf16}, _check_smem),
+    7: Variant(7, "version 5 with each exponential one FFMA + MUFU.EX2 (log2e folded in), and 1/s and dloss folded "
+                  "into the exponent's offset on the chunks without the target or padding: ~4 instructions a logit",
+               {"fp32": classifier7, "bf16": classifier7_bf16}, _check_smem),
 }
 
 # default 3: fastest on the H100 (0.565 ms at N=4096, Vp=50304: 98% of the copy ceiling). It needs
 # ceil(V/4)*16 bytes of shared memory per block (201 KB at GPT-2's vocab): an A100 (163 KB) refuses
 # it at build, and version 2 (0.575 ms on the H100, no shared-memory limit) is the one to fall back to.
-# In bf16 the row needs half that (100.5 KB), so version 3 fits on an A100 too. bf16's default is 5
+# In bf16 the row needs half that (100.5 KB), so version 3 fits on an A100 too. bf16's default was 5
 # (3 with __expf): H100 lab, N=4096: 0.290 ms against 3's 0.331 (95% against 83% of a copy of the
 # same bytes); in fp32, 5 and 3 are within 1% (0.565 / 0.569 ms) and 3 keeps expf's last bits.
+# Since session 28 bf16's default is 7 (each exponential one FFMA + MUFU.EX2): H200 lab, N=4096,
+# 0.212 ms against 5's 0.279 (92% against 70% of a copy), whole bf16 steps 8.33 against 8.46 ms at
+# B=4 and 29.03 against 29.29 at B=16 (docs/results/session28_h200_2026-11-28.txt).
 OPS = [
-    OpSpec("classifier", cpu=classifier_cpu, variants=VARIANTS, default=3, defaults={"bf16": 5}, flag="--classifier-kernel",
+    OpSpec("classifier", cpu=classifier_cpu, variants=VARIANTS, default=3, defaults={"bf16": 7}, flag="--classifier-kernel",
            # logits read once, dlogits written once (the build's dtype); targets int32 read, losses
            # fp32 written (fp32 in both)
            cost=lambda N, V, Vp, dtype="fp32", **_: (0, esize(dtype) * 2 * N * Vp + 4 * 2 * N),

@@ -491,6 +491,29 @@ def matmul_backward_bias4_bf16(rt, N, OC, block_size=None):
     return launch
 
 
+def _bias_cluster(dtype):
+    """Version 5 (sm_90): clusters of 8 blocks, each cluster a slice of columns, each block an eighth of
+    the rows; the cluster adds its 8 sums through distributed shared memory (cuda/matmul.cu). `lanes`:
+    16-byte column lanes per 256-thread block (4 or 8); by default 8 unless that leaves fewer clusters'
+    blocks than 2 per SM, which narrow OC does (768 bf16 columns: 96 blocks at 8 lanes, 192 at 4)."""
+    vec = 8 if dtype == "bf16" else 4
+    sfx = "_bf16" if dtype == "bf16" else ""
+
+    def build(rt, N, OC, block_size=None, lanes=None):
+        if lanes is None:
+            lanes = 8 if 8 * -(-OC // (8 * vec)) >= 2 * rt.sm_count else 4
+        if lanes not in (4, 8):
+            raise ValueError(f"matmul_backward_bias 5: lanes must be 4 or 8, got {lanes}")
+        k = rt.kernel(MODULE, f"matmul_backward_bias_kernel5_l{lanes}{sfx}", "PPii",
+                      label=f"matmul_backward_bias 5 {dtype}")
+        grid, args = (-(-OC // (lanes * vec)), 8, 1), (np.int32(N), np.int32(OC))
+
+        def launch(dbias, dout):
+            k(grid, (256, 1, 1), dbias.ptr, dout.ptr, *args)
+        return launch
+    return build
+
+
 def _bias_c8(N, OC, **_):
     return f"16-byte loads of 8 bf16 need OC % 8 == 0 (OC={OC})" if OC % 8 else None
 
@@ -582,5 +605,9 @@ OPS = [
         4: Variant(4, "version 3 in one launch: the last block of each column block sums the partials in "
                       "order (deterministic)", {"fp32": matmul_backward_bias4, "bf16": matmul_backward_bias4_bf16},
                    {"fp32": _bias_c4, "bf16": _bias_c8}),
+        5: Variant(5, "clusters of 8 blocks over the rows of a column slice, summed in rank order through "
+                      "distributed shared memory: no partials, no counters (deterministic)",
+                   {"fp32": _bias_cluster("fp32"), "bf16": _bias_cluster("bf16")},
+                   {"fp32": _bias_c4, "bf16": _bias_c8}, arch="sm_90"),
     }, default=4, flag="--matmul-backward-bias-kernel", cost=cost_backward_bias, doc="dbias(OC)+= ; dout(N,OC)"),
 ]
