@@ -360,7 +360,7 @@ def test_the_kernels_line_names_the_variants_of_the_element_type():
     fp32 = CudaBackend(rt=FakeRuntime(), quiet=True).kernels_for()
     bf16 = CudaBackend(rt=FakeRuntime(), quiet=True, precision="bf16")
     shown = bf16.kernels_for()
-    for name in ("layernorm_backward", "layernorm_forward", "encoder_backward", "classifier"):
+    for name in ("layernorm_backward", "layernorm_forward", "encoder_backward", "attention_backward"):
         spec = ops.get(name)
         assert fp32[name] == spec.default and shown[name] == spec.default_for("bf16") != spec.default, name
     assert shown["layernorm_backward"] == bf16.choose("layernorm_backward", N=4096, C=768)

@@ -281,11 +281,12 @@ VARIANTS = {
 # In bf16 the row needs half that (100.5 KB), so version 3 fits on an A100 too. bf16's default was 5
 # (3 with __expf): H100 lab, N=4096: 0.290 ms against 3's 0.331 (95% against 83% of a copy of the
 # same bytes); in fp32, 5 and 3 are within 1% (0.565 / 0.569 ms) and 3 keeps expf's last bits.
-# Since session 28 bf16's default is 7 (each exponential one FFMA + MUFU.EX2): H200 lab, N=4096,
-# 0.212 ms against 5's 0.279 (92% against 70% of a copy), whole bf16 steps 8.33 against 8.46 ms at
-# B=4 and 29.03 against 29.29 at B=16 (docs/results/session28_h200_2026-11-28.txt).
+# Since session 28 both defaults are 7 (each exponential one FFMA + MUFU.EX2; p within ~5e-6 relative
+# of expf's): H200 lab, N=4096, bf16 0.212 ms against 5's 0.279 (92% against 70% of a copy), fp32
+# 0.411 against 3's 0.442 (94% against 88%); whole steps, bf16 8.33 against 8.46 ms at B=4 and 29.03
+# against 29.29 at B=16, fp32 16.67 against 16.80 at B=4 (docs/results/session28_h200_2026-11-28.txt).
 OPS = [
-    OpSpec("classifier", cpu=classifier_cpu, variants=VARIANTS, default=3, defaults={"bf16": 7}, flag="--classifier-kernel",
+    OpSpec("classifier", cpu=classifier_cpu, variants=VARIANTS, default=7, flag="--classifier-kernel",
            # logits read once, dlogits written once (the build's dtype); targets int32 read, losses
            # fp32 written (fp32 in both)
            cost=lambda N, V, Vp, dtype="fp32", **_: (0, esize(dtype) * 2 * N * Vp + 4 * 2 * N),
