@@ -27,9 +27,12 @@
 //              a per-column-block counter) adds the partials up in chunk order (deterministic; the
 //              default: 13.0 / 23.8 / 29.4 us at OC = 768 / 2304 / 3072, N = 4096, against version 3's
 //              14.9 / 26.3 / 31.4, docs/lab/matmul_backward.md)
+//   version 5: sm_90: clusters of 8 blocks over the rows of a column slice, their sums added in rank
+//              order through distributed shared memory (no partials, no counters; fp32 and bf16).
+//              Faster alone in bf16, slower in the step beside the side stream's GEMMs (docs/matmul_notes.md)
 //
 // bf16 builds (--precision bf16; entry points end in _bf16): matmul_forward 8 (the GEMV, 8 bf16 per
-// 16-byte load) and matmul_backward_bias 4 (8 columns per lane), bf16 in and out, fp32 sums, one
+// 16-byte load) and matmul_backward_bias 4 and 5 (8 columns per lane), bf16 in and out, fp32 sums, one
 // rounding on the store. matmul_forward 9 / matmul_backward 5 in bf16 are engine 5 (cuda/gemm_wgmma.cu).
 //
 // Measured on the H100 (docs/matmul_notes.md; TFLOP/s at N=4096 for qkv / attproj / fc / fcproj / lm head):
