@@ -775,6 +775,14 @@ __device__ __forceinline__ void encoder_partial_add(float (&f)[V], const float* 
 #ifndef ENC7_ROWS_UNROLL
 #define ENC7_ROWS_UNROLL 2
 #endif
+// The last piece of a frequent token adds the pieces' fp32 partial rows ENC7_COMB_BATCH at a time for
+// each 32 columns, all their loads issued first (the same order: the same bits); the old loop (a
+// pragma unroll of 4) loaded one partial at a time. H200 lab, bf16, Zipf ids: B=16 0.046 ms against
+// 0.063, B=4 0.022 against 0.027 (8 at a time: 0.042 at B=16); the registers it takes (122 against 88)
+// cost uniform ids 0.037 against 0.034 at B=16, 0.0147 against 0.0134 at B=4. Text is the Zipf case.
+#ifndef ENC7_COMB_BATCH
+#define ENC7_COMB_BATCH 4
+#endif
 template <typename T>
 __device__ __forceinline__ void encoder_backward7_sum_t(T* dwte, const T* dout, const int4* place_rec,
         float* partial, int* tickets, int N, int C, int blk, const int* inp = nullptr) {
@@ -874,14 +882,44 @@ __device__ __forceinline__ void encoder_backward7_sum_t(T* dwte, const T* dout, 
             const int g = c0 + h * WARP_SIZE + lane;
             if (g < G) load_vec<T>(a[h], wrow + g * W, vec, W);
         }
-#pragma unroll 4
-        for (int qq = 0; qq < npieces; qq++) {
-            const int pst = start + qq * ENC7_K;
-            const float* pp = partial + (size_t)(2 * (pst / ENC7_K) + (qq == npieces - 1 ? 1 : 0)) * C;
+        if (vec) {  // per 32 columns, ENC7_COMB_BATCH partials' loads issued, then added in piece order (same bits)
+            constexpr int P = ENC7_COMB_BATCH;
 #pragma unroll
             for (int h = 0; h < ENC7_CH; h++) {
                 const int g = c0 + h * WARP_SIZE + lane;
-                if (g < G) encoder_partial_add<V>(a[h], pp + g * W, vec);
+                if (g >= G) continue;
+                for (int q0 = 0; q0 < npieces; q0 += P) {
+                    float4 buf[P][V / 4];
+#pragma unroll
+                    for (int r = 0; r < P; r++) {
+                        const int qq = q0 + r;
+                        const float* pp = partial + (size_t)(2 * ((start + qq * ENC7_K) / ENC7_K) +
+                                                             (qq == npieces - 1 ? 1 : 0)) * C + g * V;
+#pragma unroll
+                        for (int k = 0; k < V / 4; k++)  // (L2: written by other SMs' warps)
+                            if (qq < npieces) buf[r][k] = __ldcg(reinterpret_cast<const float4*>(pp + 4 * k));
+                    }
+#pragma unroll
+                    for (int r = 0; r < P; r++) {
+#pragma unroll
+                        for (int k = 0; k < V / 4; k++) {
+                            if (q0 + r < npieces) {
+                                a[h][4 * k] += buf[r][k].x; a[h][4 * k + 1] += buf[r][k].y;
+                                a[h][4 * k + 2] += buf[r][k].z; a[h][4 * k + 3] += buf[r][k].w;
+                            }
+                        }
+                    }
+                }
+            }
+        } else {
+            for (int qq = 0; qq < npieces; qq++) {
+                const int pst = start + qq * ENC7_K;
+                const float* pp = partial + (size_t)(2 * (pst / ENC7_K) + (qq == npieces - 1 ? 1 : 0)) * C;
+#pragma unroll
+                for (int h = 0; h < ENC7_CH; h++) {
+                    const int g = c0 + h * WARP_SIZE + lane;
+                    if (g < G) encoder_partial_add<V>(a[h], pp + g * W, vec);
+                }
             }
         }
 #pragma unroll
