@@ -279,6 +279,22 @@ __device__ __forceinline__ void cp_async(void* smem, const void* gmem) {
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
+// a row kernel's first step: this thread's chunks of the row's real columns into shared memory (each
+// thread later reads back only its own chunks, so waiting for its own copies is enough)
+template <typename T, int VEC>
+__device__ __forceinline__ void smem_row_copy(T* srow, const T* x, int nv) {
+    for (int i = threadIdx.x; i < nv; i += blockDim.x) cp_async<VEC * sizeof(T)>(srow + VEC * i, x + VEC * i);
+    cp_async_commit();
+    cp_async_wait_all();
+}
+
+// the padded chunks (columns past the real ones, up to Vp) of the gradient row: zeros
+template <typename T, int VEC>
+__device__ __forceinline__ void zero_padding(T* x, int nv, int Vp) {
+    const float zero[VEC] = {};
+    for (int i = nv + threadIdx.x; i < Vp / VEC; i += blockDim.x) store_vec<T, VEC, ST_CS>(x + VEC * i, zero);
+}
+
 // pass 1 over a row held in shared memory: this thread's chunks, online (m, s); the thread that
 // owns the target's chunk also picks up the target logit.
 template <typename T, int VEC, bool FAST = false>
@@ -310,10 +326,7 @@ __device__ __forceinline__ void classifier3_row(float* losses, T* logits, const 
     const int target = targets[row];
     const int nv = ceil_div(V, VEC);
 
-    // the whole row is requested at once: ~6-13 chunks per thread in flight at 1024 threads
-    for (int i = threadIdx.x; i < nv; i += blockDim.x) cp_async<VEC * sizeof(T)>(srow + VEC * i, x + VEC * i);
-    cp_async_commit();
-    cp_async_wait_all();
+    smem_row_copy<T, VEC>(srow, x, nv);  // the whole row at once: ~6-13 chunks per thread in flight at 1024 threads
 
     float m, s, xt = 0.0f;
     smem_row_stats<T, VEC, FAST>(srow, nv, V, target, m, s, xt);
@@ -327,9 +340,7 @@ __device__ __forceinline__ void classifier3_row(float* losses, T* logits, const 
         dlogit_vec<VEC, FAST>(v, VEC * i, V, target, m, inv_s, dloss);
         store_vec<T, VEC, ST_CS>(x + VEC * i, v);
     }
-    const float zero[VEC] = {};
-    for (int i = nv + threadIdx.x; i < Vp / VEC; i += blockDim.x)  // padded chunks: zeros
-        store_vec<T, VEC, ST_CS>(x + VEC * i, zero);
+    zero_padding<T, VEC>(x, nv, Vp);
 }
 
 extern "C" __global__ void classifier_kernel3(float* losses, float* logits, const int* targets,
@@ -393,9 +404,7 @@ __device__ __forceinline__ void classifier7_row(float* losses, T* logits, const 
     T* x = logits + (size_t)row * Vp;  // (Vp,)
     const int target = targets[row];
     const int nv = ceil_div(V, VEC);
-    for (int i = tid; i < nv; i += bd) cp_async<VEC * sizeof(T)>(srow + VEC * i, x + VEC * i);
-    cp_async_commit();
-    cp_async_wait_all();
+    smem_row_copy<T, VEC>(srow, x, nv);
 
     // pass 1: online (m, s), s = sum 2^(x log2e - ml), ml = m log2e (-FLT_MAX before the first chunk:
     // a -inf logit then gives 2^-inf = 0, not the NaN of -inf + inf)
@@ -445,9 +454,7 @@ __device__ __forceinline__ void classifier7_row(float* losses, T* logits, const 
         }
         store_vec<T, VEC, ST_CS>(x + VEC * i, v);
     }
-    const float zero[VEC] = {};
-    for (int i = nv + tid; i < Vp / VEC; i += bd)  // padded chunks: zeros
-        store_vec<T, VEC, ST_CS>(x + VEC * i, zero);
+    zero_padding<T, VEC>(x, nv, Vp);
 }
 
 extern "C" __global__ void classifier_kernel7(float* losses, float* logits, const int* targets,
