@@ -528,8 +528,8 @@ extern "C" __global__ void matmul_backward_bias_kernel4_bf16(__nv_bfloat16* dbia
 // (deterministic), into dbias (read at the start), rounded once. A second cluster barrier keeps every
 // block's shared memory alive until rank 0 has read it. What it saves against version 4: the partials' write, the
 // fence, the ticket and the finishing block's walk over ~128 chunk partials (a few microseconds of
-// latency on a kernel that moves 6-25 MB). LX = 4 (W = 32 bf16 / 16 fp32 columns: 64-byte row
-// segments) for narrow OC, where 8 lanes would leave SMs idle; LX = 8 otherwise (the launcher picks).
+// latency on a kernel that moves 6-25 MB). LX = 8 (W = 64 bf16 / 32 fp32 columns) by default; LX = 4
+// (64-byte row segments, twice the blocks) was never faster in the lab, narrow OC included.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define BIAS5_CLUSTER 8
 

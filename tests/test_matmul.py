@@ -415,9 +415,9 @@ def test_matmul_backward_bias_bf16_gpu(rt, rng, N, OC):
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("N,OC", [(1, 96), (65, 1600), (4 * 65, 2304), (7, 8), (2 * 1024 + 3, 776)])
 def test_matmul_backward_bias5_both_widths_gpu(rt, rng, dtype, N, OC):
-    """Version 5 (clusters) at each of its widths (4 and 8 column lanes a block), whichever its launcher
-    would pick: OC not a multiple of a block's columns (the last slice partly empty), N below the
-    cluster's 8 blocks (ranks with no rows) and not a multiple of 8. From a nonzero dbias; the same
+    """Version 5 (clusters) at each of its widths (8 column lanes a block, the default, and 4): OC not a
+    multiple of a block's columns (the last slice partly empty), N below the cluster's 8 blocks (ranks
+    with no rows) and not a multiple of 8. From a nonzero dbias; the same
     bits twice (the cluster's sums are added in rank order)."""
     from llmc.bf16 import from_bf16
     from llmc.testing import assert_close, bf16_close
