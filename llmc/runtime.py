@@ -522,8 +522,24 @@ def _cu_check(cu, result, what: str):
     return result[1] if isinstance(result, tuple) and len(result) > 1 else None
 
 
+def parse_defines(items) -> dict:
+    """`MODULE:NAME=VALUE` strings (the lab's --define) -> {module: {NAME: VALUE}}: extra -D defines for
+    every build of cuda/<module>.cu (a kernel's tunable macros, e.g. encoder:ENC7_COMB_BATCH=8)."""
+    out: dict = {}
+    for item in items or ():
+        mod, _, rest = item.partition(":")
+        name, eq, value = rest.partition("=")
+        if not (mod and name and eq and value) or not name.replace("_", "").isalnum():
+            raise LLMCError(f"--define {item!r}: expected MODULE:NAME=VALUE, e.g. encoder:ENC7_COMB_BATCH=8")
+        if not (CUDA_DIR / f"{mod}.cu").exists():
+            raise LLMCError(f"--define {item!r}: there is no cuda/{mod}.cu")
+        out.setdefault(mod, {})[name] = value
+    return out
+
+
 class Runtime:
-    """PyCUDA on the primary context of one device, its stream (and a side stream: fork), our module cache."""
+    """PyCUDA on the primary context of one device, its stream (and a side stream: fork), our module cache.
+    extra_defines ({module: {NAME: VALUE}}, parse_defines): -D defines added to every build of a module."""
 
     def __init__(self, device: int = 0, sync: bool | None = None):
         try:
@@ -558,6 +574,7 @@ class Runtime:
         self.capturing = False  # inside capture()
         self._modules: dict = {}
         self._kernels: dict = {}
+        self.extra_defines: dict = {}
         # programmatic dependent launch (PDL_ENV; Hopper or newer, not under LLMC_SYNC=1): possible in
         # captures here (self.pdl), on in the one running now (self.pdl_active)
         self.pdl_env = os.environ.get(PDL_ENV)
@@ -585,8 +602,12 @@ class Runtime:
             pass
 
     # -- modules and kernels
+    def _defines(self, name: str, defines: dict | None) -> dict:
+        return {**(defines or {}), **getattr(self, "extra_defines", {}).get(name, {})}
+
     def module(self, name: str, defines: dict | None = None):
-        key = (name, tuple(sorted((defines or {}).items())))
+        defines = self._defines(name, defines)
+        key = (name, tuple(sorted(defines.items())))
         mod = self._modules.get(key)
         if mod is None:
             arch = self.arch
@@ -623,7 +644,8 @@ class Runtime:
                defines: dict | None = None) -> Kernel:
         """The prepared kernel `func` of cuda/<module>.cu. `argtypes` in PyCUDA's struct letters:
         P pointer, i int32, f float32, ... Cached: asking twice returns the same Kernel."""
-        mkey = (module, tuple(sorted((defines or {}).items())))  # (module()'s key)
+        defines = self._defines(module, defines)
+        mkey = (module, tuple(sorted(defines.items())))  # (module()'s key)
         key = (module, func, argtypes, mkey[1])
         k = self._kernels.get(key)
         if k is None:

@@ -104,3 +104,36 @@ def test_per_variant_block_size_tables_cover_every_variant():
             assert want <= keys, f"{path.name}: {node.targets[0].id} lacks variants {sorted(want - keys)}"
             checked += 1
     assert checked >= 3  # adamw, classifier (two), global_norm
+
+
+def test_define_option_parses_to_per_module_defines_and_refuses_bad_ones():
+    """--define MODULE:NAME=VALUE (repeatable) -> {module: {NAME: VALUE}}; a malformed item or an unknown
+    module is one LLMCError line naming the flag (the lab turns it into argparse's exit 2)."""
+    import pytest
+    from llmc.errors import LLMCError
+    from llmc.runtime import parse_defines
+    assert parse_defines([]) == {}
+    assert parse_defines(["encoder:ENC7_COMB_BATCH=8", "encoder:ENC7_ROWS_UNROLL=4", "matmul:X=1"]) == {
+        "encoder": {"ENC7_COMB_BATCH": "8", "ENC7_ROWS_UNROLL": "4"}, "matmul": {"X": "1"}}
+    for bad in ("ENC7_COMB_BATCH=8", "encoder:ENC7_COMB_BATCH", "encoder:=8", "encoder:A B=1", "nosuch:A=1"):
+        with pytest.raises(LLMCError, match="--define"):
+            parse_defines([bad])
+
+
+def test_runtime_adds_a_modules_extra_defines_to_its_builds(monkeypatch):
+    """Runtime.extra_defines reach compile_cubin for that module only, merged with a build's own
+    defines, and are part of the module cache's key (a second module load with other defines)."""
+    import llmc.runtime as R
+    built = []
+    monkeypatch.setattr(R, "compile_cubin", lambda name, arch, defines: (built.append((name, dict(defines))), ("x", ""))[1])
+    rt = object.__new__(R.Runtime)
+    rt.arch, rt._modules, rt._cubins = "sm_90", {}, {}
+    rt.drv = types.SimpleNamespace(module_from_file=lambda path: object())
+    rt.extra_defines = {"encoder": {"ENC7_COMB_BATCH": "8"}}
+    rt.module("encoder", {"OTHER": 1})
+    rt.module("matmul")
+    rt.module("encoder", {"OTHER": 1})  # cached
+    assert built == [("encoder", {"OTHER": 1, "ENC7_COMB_BATCH": "8"}), ("matmul", {})]
+    rt.extra_defines = {}
+    rt.module("encoder", {"OTHER": 1})  # other defines: another build
+    assert built[-1] == ("encoder", {"OTHER": 1})

@@ -53,18 +53,28 @@ class Lab:
         p.add_argument("--dtype", choices=("fp32", "bf16", "both"), default="both",
                        help="element type of the builds to run (scripts that have bf16 rows)")
         p.add_argument("--batch", type=int, help="batch size B (scripts that take it; default theirs)")
+        p.add_argument("--define", action="append", default=[], metavar="MODULE:NAME=VALUE",
+                       help="an extra -D define for every build of cuda/MODULE.cu (a kernel's tunable macro, "
+                            "e.g. encoder:ENC7_COMB_BATCH=8); repeatable")
         self.args = p.parse_args(argv)
         if self.args.quick:
             self.args.repeat = min(self.args.repeat, 10)
         self.op = op
-        from llmc.runtime import Runtime
+        from llmc.errors import LLMCError
+        from llmc.runtime import Runtime, parse_defines
+        try:
+            defines = parse_defines(self.args.define)
+        except LLMCError as e:  # one line and exit 2, before the GPU is touched
+            p.error(str(e))
         self.rt = Runtime()
+        self.rt.extra_defines = defines
         self.rows: list[dict] = []
         self.failed: list[str] = []
         self.validated: set = set()
         self.group = None  # rows are compared with the reference lines of their own group
         self.copy_ms: dict[int, float] = {}  # bytes: median ms of a device-to-device copy of that many
-        print(f"# {op} on {self.rt.name} ({self.rt.arch}, {self.rt.sm_count} SMs)")
+        print(f"# {op} on {self.rt.name} ({self.rt.arch}, {self.rt.sm_count} SMs)"
+              + "".join(f"\n# built with -D{n}={v} in cuda/{m}.cu" for m, d in defines.items() for n, v in d.items()))
 
     def section(self, name: str) -> None:
         """Start a group of rows (one shape, say): "vs ref" compares within the group."""
