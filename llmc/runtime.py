@@ -522,24 +522,35 @@ def _cu_check(cu, result, what: str):
     return result[1] if isinstance(result, tuple) and len(result) > 1 else None
 
 
-def parse_defines(items) -> dict:
-    """`MODULE:NAME=VALUE` strings (the lab's --define) -> {module: {NAME: VALUE}}: extra -D defines for
-    every build of cuda/<module>.cu (a kernel's tunable macros, e.g. encoder:ENC7_COMB_BATCH=8)."""
+DEFINES_ENV = "LLMC_DEFINES"
+
+
+def parse_defines(items, source: str = "--define") -> dict:
+    """`MODULE:NAME=VALUE` strings (the lab's --define, or LLMC_DEFINES split at spaces) -> {module:
+    {NAME: VALUE}}: extra -D defines for every build of cuda/<module>.cu (a kernel's tunable macros,
+    e.g. encoder:ENC7_COMB_BATCH=8). A malformed item or an unknown module: LLMCError naming `source`."""
     out: dict = {}
     for item in items or ():
         mod, _, rest = item.partition(":")
         name, eq, value = rest.partition("=")
         if not (mod and name and eq and value) or not name.replace("_", "").isalnum():
-            raise LLMCError(f"--define {item!r}: expected MODULE:NAME=VALUE, e.g. encoder:ENC7_COMB_BATCH=8")
+            raise LLMCError(f"{source} {item!r}: expected MODULE:NAME=VALUE, e.g. encoder:ENC7_COMB_BATCH=8")
         if not (CUDA_DIR / f"{mod}.cu").exists():
-            raise LLMCError(f"--define {item!r}: there is no cuda/{mod}.cu")
+            raise LLMCError(f"{source} {item!r}: there is no cuda/{mod}.cu")
         out.setdefault(mod, {})[name] = value
     return out
 
 
+def env_defines() -> dict:
+    """LLMC_DEFINES="MODULE:NAME=VALUE ...": the extra defines every Runtime starts with (so that a whole
+    training step can be timed with a kernel's macro changed: dev/bench_ab.py --env LLMC_DEFINES=...)."""
+    return parse_defines(os.environ.get(DEFINES_ENV, "").split(), DEFINES_ENV)
+
+
 class Runtime:
     """PyCUDA on the primary context of one device, its stream (and a side stream: fork), our module cache.
-    extra_defines ({module: {NAME: VALUE}}, parse_defines): -D defines added to every build of a module."""
+    extra_defines ({module: {NAME: VALUE}}, parse_defines; LLMC_DEFINES at start): -D defines added to
+    every build of a module."""
 
     def __init__(self, device: int = 0, sync: bool | None = None):
         try:
@@ -574,7 +585,7 @@ class Runtime:
         self.capturing = False  # inside capture()
         self._modules: dict = {}
         self._kernels: dict = {}
-        self.extra_defines: dict = {}
+        self.extra_defines: dict = env_defines()
         # programmatic dependent launch (PDL_ENV; Hopper or newer, not under LLMC_SYNC=1): possible in
         # captures here (self.pdl), on in the one running now (self.pdl_active)
         self.pdl_env = os.environ.get(PDL_ENV)

@@ -137,3 +137,18 @@ def test_runtime_adds_a_modules_extra_defines_to_its_builds(monkeypatch):
     rt.extra_defines = {}
     rt.module("encoder", {"OTHER": 1})  # other defines: another build
     assert built[-1] == ("encoder", {"OTHER": 1})
+
+
+def test_llmc_defines_env_gives_every_runtime_its_extra_defines(monkeypatch):
+    """LLMC_DEFINES="MODULE:NAME=VALUE ..." (split at spaces) is what a Runtime starts with, so that
+    bench_ab can time whole steps with a macro changed; a bad item names LLMC_DEFINES in one line."""
+    import pytest
+    from llmc.errors import LLMCError
+    from llmc.runtime import env_defines
+    monkeypatch.delenv("LLMC_DEFINES", raising=False)
+    assert env_defines() == {}
+    monkeypatch.setenv("LLMC_DEFINES", " encoder:ENC7_COMB_BATCH=2  classifier:X=1 ")
+    assert env_defines() == {"encoder": {"ENC7_COMB_BATCH": "2"}, "classifier": {"X": "1"}}
+    monkeypatch.setenv("LLMC_DEFINES", "encoder:ENC7_COMB_BATCH")
+    with pytest.raises(LLMCError, match="^LLMC_DEFINES 'encoder:ENC7_COMB_BATCH': expected MODULE:NAME=VALUE"):
+        env_defines()

@@ -67,7 +67,9 @@ class Lab:
         except LLMCError as e:  # one line and exit 2, before the GPU is touched
             p.error(str(e))
         self.rt = Runtime()
-        self.rt.extra_defines = defines
+        for m, d in defines.items():  # on top of LLMC_DEFINES's
+            self.rt.extra_defines.setdefault(m, {}).update(d)
+        defines = self.rt.extra_defines
         self.rows: list[dict] = []
         self.failed: list[str] = []
         self.validated: set = set()
