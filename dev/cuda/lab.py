@@ -64,9 +64,9 @@ class Lab:
         from llmc.runtime import Runtime, parse_defines
         try:
             defines = parse_defines(self.args.define)
-        except LLMCError as e:  # one line and exit 2, before the GPU is touched
+            self.rt = Runtime()  # (LLMC_DEFINES: parsed as it starts)
+        except LLMCError as e:  # a bad define: one line and exit 2
             p.error(str(e))
-        self.rt = Runtime()
         for m, d in defines.items():  # on top of LLMC_DEFINES's
             self.rt.extra_defines.setdefault(m, {}).update(d)
         defines = self.rt.extra_defines
