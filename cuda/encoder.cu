@@ -783,6 +783,13 @@ __device__ __forceinline__ void encoder_partial_add(float (&f)[V], const float* 
 #ifndef ENC7_COMB_BATCH
 #define ENC7_COMB_BATCH 4
 #endif
+// ENC7_MAXNREG (unset by default): a register cap on kernels 7 and 8 (__maxnreg__), the lab's knob for
+// trading the batched loads' registers against warps per SM (--define encoder:ENC7_MAXNREG=96)
+#ifdef ENC7_MAXNREG
+#define ENC7_REGS __maxnreg__(ENC7_MAXNREG)
+#else
+#define ENC7_REGS
+#endif
 template <typename T>
 __device__ __forceinline__ void encoder_backward7_sum_t(T* dwte, const T* dout, const int4* place_rec,
         float* partial, int* tickets, int N, int C, int blk, const int* inp = nullptr) {
@@ -931,12 +938,12 @@ __device__ __forceinline__ void encoder_backward7_sum_t(T* dwte, const T* dout, 
     if (lane == 0) tickets[start] = 0;
 }
 
-extern "C" __global__ void encoder_backward_kernel7(float* dwte, const float* dout, const int4* place_rec,
+extern "C" __global__ void ENC7_REGS encoder_backward_kernel7(float* dwte, const float* dout, const int4* place_rec,
         float* partial, int* tickets, int N, int C) {
     LLMC_PDL_WAIT();
     encoder_backward7_sum_t<float>(dwte, dout, place_rec, partial, tickets, N, C, blockIdx.x);
 }
-extern "C" __global__ void encoder_backward_kernel7_bf16(bf16* dwte, const bf16* dout, const int4* place_rec,
+extern "C" __global__ void ENC7_REGS encoder_backward_kernel7_bf16(bf16* dwte, const bf16* dout, const int4* place_rec,
         float* partial, int* tickets, int N, int C) {
     LLMC_PDL_WAIT();
     encoder_backward7_sum_t<bf16>(dwte, dout, place_rec, partial, tickets, N, C, blockIdx.x);
@@ -960,12 +967,12 @@ __device__ __forceinline__ void encoder_backward8_t(T* dwte, T* dwpe, const T* d
     encoder_backward7_sum_t<T>(dwte, dout, place_rec, partial, tickets, B * TT, C, blockIdx.x - dwpe_blocks, inp);
 }
 
-extern "C" __global__ void encoder_backward_kernel8(float* dwte, float* dwpe, const float* dout, const int* inp,
+extern "C" __global__ void ENC7_REGS encoder_backward_kernel8(float* dwte, float* dwpe, const float* dout, const int* inp,
         const int4* place_rec, float* partial, int* tickets, int B, int T, int C, int dwpe_blocks) {
     LLMC_PDL_WAIT();
     encoder_backward8_t<float>(dwte, dwpe, dout, inp, place_rec, partial, tickets, B, T, C, dwpe_blocks);
 }
-extern "C" __global__ void encoder_backward_kernel8_bf16(bf16* dwte, bf16* dwpe, const bf16* dout, const int* inp,
+extern "C" __global__ void ENC7_REGS encoder_backward_kernel8_bf16(bf16* dwte, bf16* dwpe, const bf16* dout, const int* inp,
         const int4* place_rec, float* partial, int* tickets, int B, int T, int C, int dwpe_blocks) {
     LLMC_PDL_WAIT();
     encoder_backward8_t<bf16>(dwte, dwpe, dout, inp, place_rec, partial, tickets, B, T, C, dwpe_blocks);

@@ -87,6 +87,34 @@ __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.a
 // barrier over one warpgroup's 128 threads (ids 1, 2; 0 is __syncthreads)
 __device__ __forceinline__ void wg_barrier(int id) { asm volatile("bar.sync %0, 128;" ::"r"(id) : "memory"); }
 
+// Thread-block clusters (the _mc instances: two CTAs share each B tile through TMA multicast)
+__device__ __forceinline__ int cta_rank() {
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return (int)r;
+}
+// every thread of every CTA of the cluster (the mbarriers initialised, before a peer signals them)
+__device__ __forceinline__ void cluster_sync_all() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// one arrival on the mbarrier at `bar`'s offset in the shared memory of the cluster's CTA `rank`. (The
+// default .release.cta: what the arrival orders is the wgmma's reads of the stage, which have retired;
+// with .release.cluster every arrival waited for a cluster-scope fence and the GEMMs ran 2.4x slower.)
+__device__ __forceinline__ void mbar_arrive_cluster(uint64_t* bar, int rank) {
+    uint32_t ra;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(smem_u32(bar)), "r"(rank));
+    asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(ra) : "memory");
+}
+// tma_load_2d into every CTA of the cluster in `mask`: the box lands at dst's offset in each one's shared
+// memory and completes its bytes on the mbarrier at bar's offset there
+__device__ __forceinline__ void tma_load_2d_mc(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1,
+                                               uint16_t mask) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+                 " [%0], [%1, {%3, %4}], [%2], %5;"
+                 ::"r"(smem_u32(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1),
+                 "h"(mask) : "memory");
+}
+
 
 // Shared-memory matrix descriptor of a K-major tile with the 128-byte swizzle (hopper.cuh's
 // wgmma_desc_sw128): leading byte offset unused by swizzled K-major layouts (16), stride byte offset
@@ -98,16 +126,17 @@ __device__ __forceinline__ uint64_t smem_desc(const void* p) { return wgmma_desc
 constexpr int BK_T = 64;  // k rows per MN-major box (= bf16's BK)
 __device__ __forceinline__ uint64_t smem_desc_mn(const void* p) { return wgmma_desc_sw128(p, BK_T * ROW_BYTES); }
 
-// Box rows of 64 bytes where a tile's width in bytes is not a multiple of 128 (bf16's 160-wide tile of
-// the dweight layout: 5 boxes of 32 columns): the same boxes with the TMA's 64-byte swizzle (16-byte
-// chunk c of row r at c ^ ((r / 2) % 4)). For an MN-major operand that is the wgmma's MN-major SW64
-// layout (descriptor layout type 2): 8 k rows of 64 bytes form one 512-byte atom, SBO = 512 (the next
-// 8 k rows), LBO = the next 32-wide MN box (BK_T k rows x 64 bytes); one k16 step is +1024 bytes.
+// bf16's 160-wide tile of the dweight layout (5 tiles across GPT-2's 768 columns). Its B^T comes in as
+// three 64-wide boxes (192 columns: the last 32 are the next tile's, or zeros past N) in the same SW128
+// layout as every MN-major operand, and the n160 wgmma reads the first 160 of them: 2.5 swizzle atoms
+// along N, which the hardware takes (the GPU tests check it against float64). B_ROWS: a B^T tile's
+// columns in shared memory, whole 64-wide boxes. (Until session 29 the tile came in as five 32-wide
+// boxes with the 64-byte swizzle, the wgmma's MN-major SW64 layout: no wasted columns, but the tensor
+// cores read it slower: fc's dweight at B=4 0.0402 ms against 0.0341 now, H200.)
+// C's staging buffer and map keep 64-byte rows for it (box_bytes: 160 bf16 outputs are 2.5 rows of 128
+// bytes): five 32-column boxes, 16-byte chunk c of row r at c ^ ((r / 2) % 4), the TMA's 64-byte swizzle.
 template <int WIDTH_BYTES> __host__ __device__ constexpr int box_bytes() { return WIDTH_BYTES % 128 == 0 ? 128 : 64; }
-__device__ __forceinline__ uint64_t smem_desc_mn64(const void* p) {
-    const uint64_t addr = smem_u32(p);
-    return ((addr & 0x3FFFF) >> 4) | (uint64_t((BK_T * 64) >> 4) << 16) | (uint64_t(512 >> 4) << 32) | (uint64_t(2) << 62);
-}
+template <int BN, bool B_T> __host__ __device__ constexpr int b_rows() { return B_T ? (BN + 63) / 64 * 64 : BN; }
 
 // the k-th tile of the persistent sequence: tile rows go in groups of GROUP_M, column-major inside a
 // group, so the CTAs running at one time share a few B tiles and GROUP_M A tiles in L2
@@ -547,12 +576,20 @@ __device__ __forceinline__ void epilogue_tma(float (&d)[BN / 2], const GemmArgs<
 // loading every k-block of each into the next stage of the ring once the stage is free. ROWS: the A
 // box's rows (BM for the cooperative schedule, a consumer's RM for ping-pong). A_MN, A_T, B_T: how
 // A and B lie in global memory (the instances' flags; ping-pong has only B_T).
-template <typename T, int ROWS, int BN, int STAGES, bool A_MN, bool A_T, bool B_T, typename OUT>
+// CL = 2 (the _mc instances, cooperative, B^T stored): a work unit is two tiles stacked along M, one per
+// CTA of the cluster (rank r: tile row 2 tm + r; tiles_m counts the pairs), which share the B tile: each
+// CTA's producer loads its own A and every other box of B, multicast into both CTAs' stages, so each CTA
+// asks the L2 for half of B. A stage is refilled only when the consumers of both CTAs have freed it (the
+// `empty` barriers count both CTAs' consumer warps). A pair's second tile past M loads the last real tile
+// row's A (its products are dropped: the consumers store nothing for it).
+template <typename T, int ROWS, int BN, int STAGES, bool A_MN, bool A_T, bool B_T, int CL = 1, typename OUT>
 __device__ __forceinline__ void producer(const CUtensorMap* tmA, const CUtensorMap* tmB, const GemmArgs<OUT>& a,
                                          unsigned char* smem, uint64_t* full, uint64_t* empty, int tiles_m,
                                          int tiles_n) {
+    static_assert(CL == 1 || (B_T && !A_MN), "multicast: B^T's boxes split between the cluster's CTAs");
     constexpr int BK = ROW_BYTES / sizeof(T);
-    constexpr int A_BYTES = ROWS * ROW_BYTES, STAGE_BYTES = A_BYTES + BN * ROW_BYTES;
+    constexpr int B_ROWS = b_rows<BN, B_T>();
+    constexpr int A_BYTES = ROWS * ROW_BYTES, STAGE_BYTES = A_BYTES + B_ROWS * ROW_BYTES;
     constexpr int BOX_T = BK_T * ROW_BYTES;  // one MN-major box: 64 MN x BK_T k rows (8 KB)
     static_assert(!A_MN || ROWS == 4 * 32, "A M-major through registers: 4 boxes of 32 rows");
     const int units = tiles_m * tiles_n * a.splits;
@@ -561,11 +598,13 @@ __device__ __forceinline__ void producer(const CUtensorMap* tmA, const CUtensorM
     if (threadIdx.x != 0) return;
     tensormap_acquire(tmA);
     tensormap_acquire(tmB);
+    const int rank = CL > 1 ? cta_rank() : 0, tiles_real = (a.M + ROWS - 1) / ROWS;
     int stage = 0, phase = 0;
-    for (int u = blockIdx.x; u < units; u += gridDim.x) {
+    for (int u = blockIdx.x / CL; u < units; u += gridDim.x / CL) {
         const int split = u % a.splits, t = u / a.splits;
         int tm, tn;
         tile_coords(t, tiles_m, tiles_n, tm, tn);
+        if (CL > 1) tm = min(tm * CL + rank, tiles_real - 1);
         const int kb0 = split * a.kb_per_split, kb1 = min(kblocks_total, kb0 + a.kb_per_split);
         for (int kb = kb0; kb < kb1; kb++) {
             mbar_wait(&empty[stage], phase ^ 1);
@@ -580,14 +619,26 @@ __device__ __forceinline__ void producer(const CUtensorMap* tmA, const CUtensorM
             } else {
                 tma_load_2d(sa, tmA, &full[stage], kb * BK, tm * ROWS);  // the A map's box is ROWS rows
             }
-            if (B_T) {  // B^T stored (K rows of N), bf16: boxes of 64 n (32 for the 160-wide tile) x BK k
-                constexpr int B_BOX = box_bytes<BN * (int)sizeof(T)>(), B_BOX_N = B_BOX / sizeof(T);
+            if (B_T) {  // B^T stored (K rows of N), bf16: boxes of 64 n x BK k (3 for the 160-wide tile)
 #pragma unroll
-                for (int b = 0; b < BN / B_BOX_N; b++)
-                    tma_load_2d(sa + A_BYTES + b * (B_BOX * BK_T), tmB, &full[stage], tn * BN + B_BOX_N * b, kb * BK);
+                for (int b = 0; b < B_ROWS / 64; b++) {
+                    if (CL == 1)
+                        tma_load_2d(sa + A_BYTES + b * BOX_T, tmB, &full[stage], tn * BN + 64 * b, kb * BK);
+                    else if (b % CL == rank)
+                        tma_load_2d_mc(sa + A_BYTES + b * BOX_T, tmB, &full[stage], tn * BN + 64 * b, kb * BK,
+                                       (1 << CL) - 1);
+                }
             } else {
                 tma_load_2d(sa + A_BYTES, tmB, &full[stage], kb * BK, tn * BN);
             }
+            if (++stage == STAGES) { stage = 0; phase ^= 1; }
+        }
+    }
+    // CL > 1: stay until both CTAs' consumers have freed every stage, so that no arrival from the peer
+    // CTA comes to this CTA's barriers after it has ended
+    if (CL > 1) {
+        for (int i = 0; i < STAGES; i++) {
+            mbar_wait(&empty[stage], phase ^ 1);
             if (++stage == STAGES) { stage = 0; phase ^= 1; }
         }
     }
@@ -598,18 +649,18 @@ __device__ __forceinline__ void producer(const CUtensorMap* tmA, const CUtensorM
 // GELU: the epilogues also write a.G = gelu(C) (through tmG with the TMA store)
 // DGELU: C = gelu'(P) * the product, P through tmG (loaded, not stored; TMA-store instances only, run
 // with one K split, beta = 0, C not transposed: the launcher's conditions for the TMA store)
+// CL = 2: the _mc instances (clusters of 2 CTAs sharing B tiles; see producer<>)
 template <typename T, typename OUT, int BN, int STAGES, bool TMA_STORE, bool A_MN = false, bool A_T = false,
-          bool B_T = false, bool GELU = false, bool DGELU = false>
+          bool B_T = false, bool GELU = false, bool DGELU = false, int CL = 1>
 __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CUtensorMap* tmB, const CUtensorMap* tmC,
                                                 const CUtensorMap* tmG, const GemmArgs<OUT>& a) {
     static_assert(!DGELU || (TMA_STORE && !GELU), "the dgelu epilogue stages P where the TMA store stages C");
     constexpr int BK = ROW_BYTES / sizeof(T);       // K per stage: 32 tf32 or 64 bf16
     constexpr int KSTEPS = ROW_BYTES / 32;           // wgmmas per stage (32 bytes of K each)
-    constexpr int A_BYTES = BM * ROW_BYTES, B_BYTES = BN * ROW_BYTES, STAGE_BYTES = A_BYTES + B_BYTES;
+    constexpr int A_BYTES = BM * ROW_BYTES, B_BYTES = b_rows<BN, B_T>() * ROW_BYTES, STAGE_BYTES = A_BYTES + B_BYTES;
     static_assert(!(A_T || B_T) || (sizeof(T) == 2 && BK == BK_T && BN % 32 == 0),
                   "MN-major tiles: 16-bit inputs, 64- (or 32-) wide boxes of BK_T k rows");
     static_assert(BN % 64 == 0 || (B_T && !GELU && !DGELU), "the 160-wide tile: the dweight layout's plain instances");
-    constexpr bool B_SW64 = box_bytes<BN * (int)sizeof(T)>() == 64;  // B^T in 32-wide boxes (the 160-wide tile)
     extern __shared__ unsigned char smem_raw[];
     // stages need 1024-byte alignment for the swizzle; the launcher asks for 1 KB extra
     unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -622,20 +673,21 @@ __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CU
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; s++) {
             mbar_init(&full[s], 1);                  // the producer's expect_tx arrival (+ the bytes)
-            mbar_init(&empty[s], CONSUMER_WARPS);    // lane 0 of every consumer warp
+            mbar_init(&empty[s], CONSUMER_WARPS * CL);  // lane 0 of every consumer warp (of every CTA of the cluster)
         }
         if (TMA_STORE) { mbar_init(&pre_bar[0], 1); mbar_init(&pre_bar[1], 1); }  // thread 0 of the consumer's expect_tx
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
-    __syncthreads();
+    if constexpr (CL > 1) cluster_sync_all(); else __syncthreads();
 
     const int tiles_m = (a.M + BM - 1) / BM, tiles_n = (a.N + BN - 1) / BN;
-    const int units = tiles_m * tiles_n * a.splits;  // work units: (tile, K split)
+    const int tiles_mc = (tiles_m + CL - 1) / CL;       // CL > 1: rows of tile pairs (one tile per CTA)
+    const int units = tiles_mc * tiles_n * a.splits;  // work units: (tile, K split)
     const int kblocks_total = (a.K + BK - 1) / BK;
     const int wg = threadIdx.x / 128;
 
     if (wg == 0) {
-        producer<T, BM, BN, STAGES, A_MN, A_T, B_T>(tmA, tmB, a, smem, full, empty, tiles_m, tiles_n);
+        producer<T, BM, BN, STAGES, A_MN, A_T, B_T, CL>(tmA, tmB, a, smem, full, empty, tiles_mc, tiles_n);
     } else {
         asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
         float d[BN / 2];
@@ -646,10 +698,22 @@ __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CU
         const bool beta_tma = TMA_STORE && !GELU && !DGELU && tmC && a.splits == 1 && a.beta != 0.0f && !a.trans_c;
         unsigned char* stg = smem + STAGES * STAGE_BYTES + (wg - 1) * STG_BYTES;
         if (DGELU && (threadIdx.x & 127) == 0) tensormap_acquire(tmG);
-        for (int u = blockIdx.x; u < units; u += gridDim.x) {
+        const int rank = CL > 1 ? cta_rank() : 0;
+        // a stage is freed by lane 0 of each consumer warp, in every CTA that the stage's loads went to
+        auto release = [&](uint64_t* bar) {
+            if constexpr (CL == 1) {
+                mbar_arrive(bar);
+            } else {
+#pragma unroll
+                for (int r = 0; r < CL; r++) mbar_arrive_cluster(bar, r);
+            }
+        };
+        for (int u = blockIdx.x / CL; u < units; u += gridDim.x / CL) {
             const int split = u % a.splits, t = u / a.splits;
             int tm, tn;
-            tile_coords(t, tiles_m, tiles_n, tm, tn);
+            tile_coords(t, tiles_mc, tiles_n, tm, tn);
+            if (CL > 1) tm = tm * CL + rank;
+            const bool live = CL == 1 || tm < tiles_m;  // (a pair's second tile past M: computed, not stored)
             const int kb0 = split * a.kb_per_split, kb1 = min(kblocks_total, kb0 + a.kb_per_split);
             BiasFrag<OUT, BN, bias_in_regs<OUT, BN, BN / 2, GELU ? 120 : 144>() ? BIAS_REGS : BIAS_LANES> bf;
             bf.fetch(a, tn * BN);
@@ -674,9 +738,7 @@ __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CU
 #pragma unroll
                     for (int ks = 0; ks < KSTEPS; ks++)
                         Wgmma<T, BN, A_T, B_T>::run(d, A_T ? smem_desc_mn(sa + ks * 16 * ROW_BYTES) : smem_desc(sa + 32 * ks),
-                                                    !B_T ? smem_desc(sb + 32 * ks)
-                                                    : B_SW64 ? smem_desc_mn64(sb + ks * 16 * 64)
-                                                             : smem_desc_mn(sb + ks * 16 * ROW_BYTES),
+                                                    B_T ? smem_desc_mn(sb + ks * 16 * ROW_BYTES) : smem_desc(sb + 32 * ks),
                                                     (kb > kb0 || ks > 0) ? 1 : 0);
                 } else {
                     wgmma_fence();
@@ -687,25 +749,26 @@ __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CU
                 wgmma_commit();
                 // DGELU: P's tile asked for once the first k-block's products are issued (by then the
                 // previous tile's stores have most likely read the staging buffer: load_pre waits for that)
-                if ((DGELU || beta_tma) && kb == kb0 && (threadIdx.x & 127) == 0)
+                if ((DGELU || beta_tma) && live && kb == kb0 && (threadIdx.x & 127) == 0)
                     load_pre<OUT, BN>(DGELU ? tmG : tmC, stg, &pre_bar[wg - 1], tm * BM + (wg - 1) * 64, tn * BN);
                 if constexpr (A_MN) {
                     // A's fragments are registers that the wgmma reads while it runs, and the next
                     // k-block's loads would reuse them (the compiler sees them dead after the asm):
                     // wait for this block's products before going on (measured wrong without it)
                     wgmma_wait<0>();
-                    if (lane == 0) mbar_arrive(&empty[stage]);
+                    if (lane == 0) release(&empty[stage]);
                     prev = -1;
                 } else {
                     wgmma_wait<1>();  // the previous k-block's products are done: its stage can be refilled
-                    if (prev >= 0 && lane == 0) mbar_arrive(&empty[prev]);
+                    if (prev >= 0 && lane == 0) release(&empty[prev]);
                     prev = stage;
                 }
                 if (++stage == STAGES) { stage = 0; phase ^= 1; }
             }
             wgmma_wait<0>();
-            if (prev >= 0 && lane == 0) mbar_arrive(&empty[prev]);
+            if (prev >= 0 && lane == 0) release(&empty[prev]);
             keep_in_regs(d);
+            if (!live) continue;
             if (kb1 <= kb0) {  // an empty K range (only if K splits outnumber k-blocks): contributes 0
 #pragma unroll
                 for (int i = 0; i < BN / 2; i++) d[i] = 0.0f;
@@ -776,13 +839,29 @@ GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n192_bt_ts_bf16, __nv_bfloat16, __nv_bfloat16, 
 // A M-major and B N-major (A^T and B^T stored): dweight (OC,C) += dout^T @ inp, both read as they lie
 GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n128_at_bt_bf16, __nv_bfloat16, __nv_bfloat16, 128, 6, false, false, true, true)
 // (160 wide: 5 tiles across GPT-2's 768 columns, so fc's and fcproj's dweights are 120 tiles, not 96 of 192)
-GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n160_at_bt_bf16, __nv_bfloat16, __nv_bfloat16, 160, 6, false, false, true, true)
+GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n160_at_bt_bf16, __nv_bfloat16, __nv_bfloat16, 160, 5, false, false, true, true)
 GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n192_at_bt_bf16, __nv_bfloat16, __nv_bfloat16, 192, 5, false, false, true, true)
 GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n256_at_bt_bf16, __nv_bfloat16, __nv_bfloat16, 256, 4, false, false, true, true)
 // ... with the TMA store: the accumulating dweight GEMM (beta = 1) loads C's old tile by the TMA too
 GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n128_at_bt_ts_bf16, __nv_bfloat16, __nv_bfloat16, 128, 6, true, false, true, true)
-GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n160_at_bt_ts_bf16, __nv_bfloat16, __nv_bfloat16, 160, 5, true, false, true, true)
+GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n160_at_bt_ts_bf16, __nv_bfloat16, __nv_bfloat16, 160, 4, true, false, true, true)
 GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n192_at_bt_ts_bf16, __nv_bfloat16, __nv_bfloat16, 192, 4, true, false, true, true)
+
+// The dweight layout in clusters of two CTAs (`__cluster_dims__(2, 1, 1)`; the grid is a multiple of 2):
+// the two tiles of a pair, stacked along M, share their B tile, each CTA's producer loading half of it by
+// TMA multicast into both (see producer<>); with the TMA store (beta through it), as the plain _ts ones.
+#define GEMM_WGMMA_MC_ENTRY(NAME, BN, STAGES)                                                             \
+    extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(THREADS, 1)                   \
+    NAME(const CUtensorMap* tmA, const CUtensorMap* tmB, const CUtensorMap* tmC, __nv_bfloat16* C,       \
+         const __nv_bfloat16* bias, float* W, int M, int N, int K, int ldc, int ldw, int splits,        \
+         int kb_per_split, float alpha, float beta, int trans_c) { LLMC_PDL_WAIT();                       \
+        const GemmArgs<__nv_bfloat16> a{C, bias, W, M, N, K, ldc, ldw, splits, kb_per_split, alpha, beta, trans_c}; \
+        gemm_wgmma_body<__nv_bfloat16, __nv_bfloat16, BN, STAGES, true, false, true, true, false, false, 2>(   \
+            tmA, tmB, tmC, nullptr, a);                                                                  \
+    }
+GEMM_WGMMA_MC_ENTRY(gemm_wgmma_bf16_n128_at_bt_ts_mc_bf16, 128, 6)
+GEMM_WGMMA_MC_ENTRY(gemm_wgmma_bf16_n160_at_bt_ts_mc_bf16, 160, 4)
+GEMM_WGMMA_MC_ENTRY(gemm_wgmma_bf16_n192_at_bt_ts_mc_bf16, 192, 4)
 
 // The fc layer's fused form (matmul_forward with gelu_pre=True): both K-major, C = the pre-activation
 // (fch, which gelu_backward reads) and G = gelu(C) (fch_gelu) from one epilogue, instead of a

@@ -229,6 +229,70 @@ def test_instance_table_matches_the_kernels():
     assert entries == want
 
 
+def test_multicast_table_matches_the_kernels():
+    """MC_INSTANCES against the .cu's GEMM_WGMMA_MC_ENTRY lines (names and stages), and every one a
+    cluster-of-2 kernel of the dweight layout's TMA-store body."""
+    import re
+    from llmc.runtime import CUDA_DIR
+    src = (CUDA_DIR / "gemm_wgmma.cu").read_text()
+    entries = {m.group(1): (int(m.group(2)), int(m.group(3)))
+               for m in re.finditer(r"^GEMM_WGMMA_MC_ENTRY\((\w+), (\d+), (\d+)\)$", src, re.M)}
+    want = {gw.instance_name(ty, out, lay, True, bn, mc=True): (bn, stages)
+            for (ty, out, lay), widths in gw.MC_INSTANCES.items() for bn, stages in widths.items()}
+    assert entries == want and entries
+    macro = src[src.index("#define GEMM_WGMMA_MC_ENTRY"):]
+    macro = macro[:macro.index("GEMM_WGMMA_MC_ENTRY(gemm")]
+    assert "__cluster_dims__(2, 1, 1)" in macro and "true, false, true, true, false, false, 2>" in macro
+    # the same stages as the plain TMA-store instances of the layout (the same shared memory)
+    for (ty, out, lay), widths in gw.MC_INSTANCES.items():
+        for bn, stages in widths.items():
+            assert gw.INSTANCES[(ty, out, lay, True)][bn] == stages
+
+
+@pytest.mark.parametrize("M,bn,want_grid", [(3072, 160, 120), (768, 160, 120), (3072, 192, 96), (136, 128, 12),
+                                              (16384, 192, 132)])
+def test_multicast_builds_pick_the_cluster_instance(monkeypatch, M, bn, want_grid):
+    """multicast=True (or LLMC_WGMMA_MC=1) takes the _mc instance and launches whole clusters: pairs of
+    tiles stacked along M, at most sm_count / 2 of them."""
+    from tests.fake_runtime import FakeRuntime
+    N = 3072 if M == 768 else 768
+    monkeypatch.setattr(gw, "tensor_map", lambda *a, **k: bytes(128))
+    for how in ("arg", "env"):
+        rt = FakeRuntime()
+        monkeypatch.setenv(gw.MC_ENV, "1" if how == "env" else "0")
+        g = gw.wgmma_build(rt, "bf16", M, N, 4096, a_major="m", b_major="n", out="bf16", beta=1.0, bn=bn,
+                           store="tma", multicast=True if how == "arg" else None)
+        assert g.plan == (5, f"128x{bn}+ts+at+bt+mc", 1)
+        g(rt.empty((M, N), np.uint16), rt.empty((4096, M), np.uint16), rt.empty((4096, N), np.uint16))
+        name, grid = rt.launches[-1].func, rt.launches[-1].grid
+        assert name == f"gemm_wgmma_bf16_n{bn}_at_bt_ts_mc_bf16"
+        assert grid[0] == want_grid and grid[0] % 2 == 0
+    monkeypatch.setenv(gw.MC_ENV, "0")
+    g = gw.wgmma_build(FakeRuntime(), "bf16", M, N, 4096, a_major="m", b_major="n", out="bf16", beta=1.0, bn=bn,
+                       store="tma")
+    assert "+mc" not in g.plan[1]
+
+
+@pytest.mark.parametrize("kw", [dict(store="direct"), dict(splits=2, store="direct"), dict(a_major="k", b_major="n"),
+                                dict(a_major="k", b_major="k")])
+def test_multicast_refuses_what_is_not_built(kw):
+    from tests.fake_runtime import FakeRuntime
+    args = dict(a_major="m", b_major="n", out="bf16", beta=1.0)
+    args.update(kw)
+    with pytest.raises(LLMCError, match="multicast=True"):
+        gw.wgmma_build(FakeRuntime(), "bf16", 3072, 768, 4096, multicast=True, **args)
+    args["multicast"] = None  # the environment's default leaves such plans as they are
+    gw.wgmma_build(FakeRuntime(), "bf16", 3072, 768, 4096, **args)
+
+
+@pytest.mark.parametrize("env", ["2", "yes", "on"])
+def test_multicast_env_must_be_0_or_1(monkeypatch, env):
+    from tests.fake_runtime import FakeRuntime
+    monkeypatch.setenv(gw.MC_ENV, env)
+    with pytest.raises(LLMCError, match="LLMC_WGMMA_MC"):
+        gw.wgmma_build(FakeRuntime(), "bf16", 3072, 768, 4096, a_major="m", b_major="n", out="bf16", beta=1.0)
+
+
 @pytest.mark.parametrize("kw,why", [(dict(dtype="tf32", out="bf16"), "no tf32 kernels with bf16 output"),
                                     (dict(dtype="tf32", b_major="n"), "no tf32 kernels"),
                                     (dict(dtype="bf16", a_major="m", out="bf16"), "no bf16 kernels"),
@@ -308,8 +372,9 @@ def test_accumulating_dweight_splits_where_the_split_is_under_half(monkeypatch, 
     ("fc", 16, None, False, 160),       # K >= N160_MIN_K, alone: 5 tiles of 160 across 768 (120 CTAs)
     ("fcproj", 16, None, False, 160),   # (768 x 3072: 6 x 20 tiles)
     ("fc", 8, None, False, 160),
-    ("fc", 4, None, False, 192),        # K = 4096: below N160_MIN_K
-    ("fcproj", 4, None, False, 192),
+    ("fc", 4, None, False, 160),        # K = 4096 = N160_MIN_K
+    ("fcproj", 4, None, False, 160),
+    ("fc", 2, None, False, 192),        # K = 2048: below N160_MIN_K
     ("fc", 16, None, True, 192),        # beside other work (the side stream): 96 tiles of 192
     ("fc", 16, "0", False, 192),        # LLMC_WGMMA_N160=0: never
     ("fc", 4, "1", False, 160),         # LLMC_WGMMA_N160=1: any K, beside too
@@ -339,7 +404,7 @@ def test_dweight_160_wide_tile_plans(monkeypatch, layer, B, env, beside, want):
             built = ops.get("matmul_backward").build(FakeRuntime(), 5, "bf16", N=B * 1024, C=C, OC=OC,
                                                      **({form: True} if form else {}))
             dw_plan = built.plan if form else built.plan[1]
-            alone = 160 if B >= 8 else 192
+            alone = 160 if B >= 4 else 192
             assert dw_plan[1] == f"128x{192 if form else alone}+ts+at+bt", (form, dw_plan)
 
 
@@ -402,7 +467,7 @@ def _stored(x, transposed, rng):
 
 
 def _run_bf16(rt, rng, M, N, K, a_major="k", b_major="k", has_bias=False, beta=0.0, store="auto", splits=None,
-              bn=None):
+              bn=None, multicast=None):
     from llmc.bf16 import BF16, from_bf16, to_bf16
     from llmc.testing import poison
     A = to_bf16(rng.standard_normal((M, K)))
@@ -418,7 +483,7 @@ def _run_bf16(rt, rng, M, N, K, a_major="k", b_major="k", has_bias=False, beta=0
     else:
         poison(dC)  # 0xFFFF is a bf16 NaN: every element must be written
     g = gw.wgmma_build(rt, "bf16", M, N, K, lda=lda, ldb=ldb, beta=beta, has_bias=has_bias, store=store,
-                       splits=splits, bn=bn, a_major=a_major, b_major=b_major, out="bf16")
+                       splits=splits, bn=bn, a_major=a_major, b_major=b_major, out="bf16", multicast=multicast)
     g(dC, rt.to_device(to_bf16(As)), rt.to_device(to_bf16(Bs)), rt.to_device(bias) if has_bias else None)
     ref = A64 @ B64.T
     if has_bias:
@@ -531,6 +596,29 @@ def test_bf16_dweight_160_wide_tile(hopper, rng, M, N, K, beta):
     assert g3.plan[1] == "128x160+at+bt" and g3.plan[2] == min(3, -(-K // 64)), g3.plan
     assert np.isfinite(split).all()
     bf16_close(split, ref3, f"bf16 mn 160 split beta={beta} {M}x{N}x{K}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bn", sorted(gw.MC_INSTANCES[("bf16", "bf16", "mn")]))
+@pytest.mark.parametrize("beta", [0.0, 1.0])
+@pytest.mark.parametrize("M,N,K", [(1, 8, 16), (65, 168, 64), (200, 136, 72), (300, 520, 520), (384, 768, 1000),
+                                   (520, 320, 4096)])
+def test_bf16_dweight_multicast_pairs(hopper, rng, M, N, K, beta, bn):
+    """The dweight layout in 2-CTA clusters (TMA multicast of the shared B tile): against float64 (beta 0:
+    a poisoned C, every element written), on shapes with an odd number of tile rows (1, 3, 5: the last
+    pair's second CTA computes a tile past M and must store nothing) and ragged N and K; and bit-equal to
+    the same width without clusters (the same products in the same order)."""
+    from llmc.testing import bf16_close
+    seed = int(rng.integers(1 << 30))
+    out, ref, g = _run_bf16(hopper, np.random.default_rng(seed), M, N, K, "m", "n", beta=beta, store="tma",
+                            splits=1, bn=bn, multicast=True)
+    assert g.plan[1] == f"128x{bn}+ts+at+bt+mc", g.plan
+    assert np.isfinite(out).all()
+    bf16_close(out, ref, f"bf16 mn multicast {bn} beta={beta} {M}x{N}x{K}")
+    plain, _, gp = _run_bf16(hopper, np.random.default_rng(seed), M, N, K, "m", "n", beta=beta, store="tma",
+                             splits=1, bn=bn, multicast=False)
+    assert gp.plan[1] == f"128x{bn}+ts+at+bt", gp.plan
+    assert np.array_equal(out, plain)
 
 
 @pytest.mark.gpu

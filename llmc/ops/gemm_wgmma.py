@@ -112,7 +112,7 @@ def _driver():
 def tensor_map(ptr: int, dtype: str, rows: int, cols: int, ld: int, box_rows: int, box_bytes: int = 128) -> bytes:
     """The 128-byte CUtensorMap of a row-major (rows, cols) matrix with leading dimension `ld`
     (elements), read in boxes of (box_rows, box_bytes of cols) swizzled by box_bytes (128, or 64: the
-    MN-major operand and the staged C of the 160-wide bf16 tile), zero-filled out of range."""
+    staged C of the 160-wide bf16 tile), zero-filled out of range."""
     _, esize, code = DTYPES[dtype]
     if box_bytes not in (64, 128):
         raise LLMCError(f"gemm engine 5: box rows of {box_bytes} bytes; expected 64 or 128")
@@ -132,7 +132,8 @@ def tensor_map(ptr: int, dtype: str, rows: int, cols: int, ld: int, box_rows: in
 
 def box_bytes(width_bytes: int) -> int:
     """Bytes of a box row for a tile `width_bytes` wide (cuda/gemm_wgmma.cu's box_bytes): 128 where the
-    width is a multiple of 128 bytes, else 64 (bf16's 160-wide tile: 5 boxes of 32 columns)."""
+    width is a multiple of 128 bytes, else 64 (the staged C of bf16's 160-wide tile: 5 boxes of 32 columns;
+    its B^T comes in as three 128-byte boxes of 64 columns, the wgmma reading the first 160)."""
     return 128 if width_bytes % 128 == 0 else 64
 
 
@@ -209,21 +210,26 @@ TS_WIDTHS = (128, 192)          # tile widths built with the TMA-store epilogue 
 # (bf16, dinp), "mn" A M-major and B N-major (bf16, dweight). The stages fix the shared memory a
 # launch asks for; tests/test_gemm_wgmma.py checks this table against the .cu's entry points.
 _DIRECT = {128: 6, 192: 5, 256: 4}
-# (the dweight layout's 160-wide tile: 6 stages direct, 5 with the TMA store; its B^T and staged C in
-# 32-column boxes with the 64-byte swizzle)
+# (the dweight layout's 160-wide tile: 5 stages direct, 4 with the TMA store: its B^T comes in as three
+# 64-column boxes, 192 columns of shared memory a stage as the 192-wide tile's; its staged C in 32-column
+# boxes with the 64-byte swizzle)
 INSTANCES = {
     ("tf32", "fp32", "kk", False): _DIRECT, ("tf32", "fp32", "kk", True): {128: 5, 192: 3},
     ("tf32", "fp32", "mk", False): _DIRECT,
     ("bf16", "fp32", "kk", False): _DIRECT, ("bf16", "fp32", "kk", True): {128: 5, 192: 3},
     ("bf16", "bf16", "kk", False): _DIRECT, ("bf16", "bf16", "kk", True): {128: 6, 192: 4, 256: 3},
     ("bf16", "bf16", "kn", False): _DIRECT, ("bf16", "bf16", "kn", True): {128: 6, 192: 4},
-    ("bf16", "bf16", "mn", False): {**_DIRECT, 160: 6}, ("bf16", "bf16", "mn", True): {128: 6, 160: 5, 192: 4},
+    ("bf16", "bf16", "mn", False): {**_DIRECT, 160: 5}, ("bf16", "bf16", "mn", True): {128: 6, 160: 4, 192: 4},
 }
 # The 160-wide tile of the bf16 dweight layout: GPT-2's 768 columns are 5 tiles of 160, so fc's and
 # fcproj's dweights are 120 tiles, filling 120 of an H100's 132 SMs where 4 tiles of 192 fill 96 (H200,
 # session 27, 20 back to back, ms, cuBLAS BF16 / 128 x 160 / 128 x 192, TMA store, beta 1: fc B=16
 # 0.1195 / 0.1192 / 0.1401, fcproj B=16 0.1254 / 0.1161 / 0.1367; at K = 4096 mixed: fcproj B=4 0.0299 /
-# 0.0320 / 0.0362, fc B=4 0.0292 / 0.0391 / 0.0353). The planner takes it for a GEMM alone with one K
+# 0.0320 / 0.0362, fc B=4 0.0292 / 0.0391 / 0.0353). Session 29 moved its B^T from five 32-column SW64
+# boxes to three 64-column SW128 ones (the wgmma reads SW64 slower): fc B=4 0.0341 against 0.0402 ms
+# (192: 0.0362, cuBLAS 0.0308), fcproj B=4 0.0327 (192: 0.0371, cuBLAS 0.0313), fc B=16 0.1199 against
+# 0.1343, qkv B=16 0.1069 against 0.1301 (H200, in turn, 20 back to back); hence N160_MIN_K 4096 (was
+# 8192, where fc at K = 4096 lost to 192). The planner takes it for a GEMM alone with one K
 # split, the TMA store and K >= N160_MIN_K; never split over K (attproj B=16: 0.054-0.061 ms in 2-4
 # splits against 0.041-0.044 on 128 or 192); and never beside other work (wgmma_build's beside=True, the
 # trainer's weight gradients on the side stream): 120 CTAs leave the main stream 12 SMs where 96 left
@@ -231,7 +237,21 @@ INSTANCES = {
 # B=4 8.58 against 8.46). LLMC_WGMMA_N160=0 leaves it out everywhere; =1 lets the planner take it in any
 # one-split TMA-store plan (any K, beside other work too: the A/B of both rules).
 N160_ENV = "LLMC_WGMMA_N160"
-N160_MIN_K = 8192
+N160_MIN_K = 4096
+
+# The dweight layout's TMA-store instances in clusters of two CTAs (GEMM_WGMMA_MC_ENTRY, "_mc"): the two
+# tiles of a pair, stacked along M, share their B tile, each CTA loading half of it by TMA multicast into
+# both, so each asks the L2 for 128 + BN / 2 rows of operands a k-block instead of 128 + BN. The grid is
+# a whole number of pairs. (input, output, layout) -> {tile width: stages}, the plain _ts instances'.
+MC_INSTANCES = {("bf16", "bf16", "mn"): {128: 6, 160: 4, 192: 4}}
+MC_ENV = "LLMC_WGMMA_MC"        # the default of wgmma_build's multicast: 0 off, 1 on where built
+
+
+def multicast_default() -> bool:
+    env = os.environ.get(MC_ENV, "")
+    if env not in ("", "0", "1"):
+        raise LLMCError(f"{MC_ENV}={env!r}: expected 0 (no clusters) or 1 (the multicast instances where built)")
+    return env == "1"
 
 
 def layout_widths(ty: str, out: str, layout: str, ts: bool, K: int = 0, beside: bool = False) -> tuple:
@@ -287,10 +307,12 @@ _noted: set = set()
 OUT_BYTES = {"fp32": 4, "bf16": 2}
 
 
-def instance_name(ty: str, out: str, layout: str, ts: bool, bn: int, gelu: bool = False, dgelu: bool = False) -> str:
-    """The entry point of one instance: gemm_wgmma_<in>_n<BN><layout>[_ts][_gelu|_dgelu][_bf16 for bf16 output]."""
-    return (f"gemm_wgmma_{ty}_n{bn}{LAYOUT_SUFFIX[layout]}{'_ts' if ts else ''}{'_gelu' if gelu else ''}"
-            f"{'_dgelu' if dgelu else ''}{'_bf16' if out == 'bf16' else ''}")
+def instance_name(ty: str, out: str, layout: str, ts: bool, bn: int, gelu: bool = False, dgelu: bool = False,
+                  mc: bool = False) -> str:
+    """The entry point of one instance: gemm_wgmma_<in>_n<BN><layout>[_ts][_mc][_gelu|_dgelu][_bf16 for bf16
+    output]."""
+    return (f"gemm_wgmma_{ty}_n{bn}{LAYOUT_SUFFIX[layout]}{'_ts' if ts else ''}{'_mc' if mc else ''}"
+            f"{'_gelu' if gelu else ''}{'_dgelu' if dgelu else ''}{'_bf16' if out == 'bf16' else ''}")
 
 
 def pp_instance_name(ty: str, out: str, layout: str, rm: int, bn: int, ts: bool = False) -> str:
@@ -307,8 +329,8 @@ def pp_smem_bytes(rm: int, bn: int, stages: int, ts: bool = False, out: str = "f
 def smem_bytes(bn: int, stages: int, ts: bool, out: str = "fp32") -> int:
     """Dynamic shared memory of an instance: the stages, the two TMA-store staging buffers and the two
     mbarriers of the tiles loaded into them (P for dgelu, C's old tile for beta), the stages' mbarriers,
-    1 KB for the 1024-byte alignment."""
-    return stages * (BM + bn) * 128 + (2 * 64 * bn * OUT_BYTES[out] + 16 if ts else 0) + 2 * 8 * stages + 1024
+    1 KB for the 1024-byte alignment. (A stage holds B in whole 64-wide boxes: 192 columns for 160.)"""
+    return stages * (BM + -(-bn // 64) * 64) * 128 + (2 * 64 * bn * OUT_BYTES[out] + 16 if ts else 0) + 2 * 8 * stages + 1024
 
 
 def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, ldb: int | None = None,
@@ -316,7 +338,7 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
                 trans_c: bool = False, bn: int | None = None, splits: int | None = None, store: str = "auto",
                 a_major: str = "k", b_major: str = "k", out: str = "fp32", schedule: str | None = None,
                 rm: int | None = None, gelu: bool = False, dgelu: bool = False, colsum: bool = False,
-                plan_only: bool = False, beside: bool = False):
+                plan_only: bool = False, beside: bool = False, multicast: bool | None = None):
     """C = alpha * A(M,K) @ B(N,K)^T (+ bias(N)) (+ beta*C); with trans_c, C^T is what is stored
     (C is (N, ldc)). Returns launch(C, A, B, bias=None) taking DevArrays or raw pointers.
     a_major="m": the A argument holds A^T, i.e. (K, lda >= M) row-major, as dout holds dout^T for the
@@ -348,7 +370,11 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
     the launch also add C's column sums (as stored) into colsum (N) when it is given: 16-row partials
     from the epilogue, then gemm_wgmma_colsum_finish adds them in a fixed order.
     beside=True: the GEMM runs beside other work (the trainer's weight gradients on the side stream), so
-    the planner leaves out tiles that buy its own time with SM time (the 160-wide tile: N160_ENV)."""
+    the planner leaves out tiles that buy its own time with SM time (the 160-wide tile: N160_ENV).
+    multicast: run a cooperative TMA-store plan on the instances in clusters of two CTAs that share B tiles
+    (MC_INSTANCES: the bf16 dweight layout); None reads LLMC_WGMMA_MC (unset: off). True where they are not
+    built, or with split-K or direct stores asked for, is refused; a plan the planner makes without the TMA
+    store stays as it is."""
     if a_major not in ("k", "m") or b_major not in ("k", "n") or out not in OUT_BYTES:
         raise LLMCError(f"gemm engine 5: a_major={a_major!r} b_major={b_major!r} out={out!r}; expected k/m, k/n, fp32/bf16")
     ty = "bf16" if dtype == "bf16" else "tf32"
@@ -468,6 +494,17 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
     splits = max(1, min(splits, kblocks))
     per = -(-kblocks // splits)
     splits = -(-kblocks // per)
+    # the multicast instances (MC_INSTANCES): cooperative TMA-store plans with one K split
+    mc = multicast_default() if multicast is None else bool(multicast)
+    if mc and not (use_ts and not use_pp and not gelu and not dgelu and splits == 1
+                   and bn in MC_INSTANCES.get((ty, out, layout), {})):
+        if multicast:
+            built = ", ".join(f"{t} -> {o} {lay} {sorted(w)}" for (t, o, lay), w in MC_INSTANCES.items())
+            raise LLMCError(f"gemm engine 5: multicast=True is built for cooperative TMA-store plans with one K split "
+                            f"({built}); this plan: {ty} -> {out} {layout}, 128x{bn}, "
+                            f"{'TMA store' if use_ts else 'direct stores'}, {splits} split(s)"
+                            f"{', ping-pong' if use_pp else ''}")
+        mc = False
     what = {"kk": "", "mk": ", A M-major", "kn": ", B N-major", "mn": ", A M-major, B N-major"}[layout]
     fused = gelu and splits == 1  # (split-K: the plain instance writes the partials; the reduce applies the GELU)
     if dgelu:
@@ -484,13 +521,14 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
         label = (f"gemm 5 ({ty}{' -> bf16' if out == 'bf16' else ''}, {tile_rows}x{bn} ping-pong"
                  f"{', TMA store' if use_ts else ''}{what})")
     else:
-        stages = (GELU_INSTANCES[(ty, out, use_ts)] if fused else INSTANCES[(ty, out, layout, use_ts)])[bn]
+        stages = (MC_INSTANCES[(ty, out, layout)] if mc else GELU_INSTANCES[(ty, out, use_ts)] if fused
+                  else INSTANCES[(ty, out, layout, use_ts)])[bn]
         smem = smem_bytes(bn, stages, use_ts, out)
-        name = instance_name(ty, out, layout, use_ts, bn, fused)
+        name = instance_name(ty, out, layout, use_ts, bn, fused, mc=mc)
         label = (f"gemm 5 ({ty}{' -> bf16' if out == 'bf16' else ''}, 128x{bn}{', TMA store' if use_ts else ''}{what}"
-                 f"{' + gelu' if gelu else ''})")
+                 f"{', 2-CTA clusters' if mc else ''}{' + gelu' if gelu else ''})")
     plan_ = (5, f"{tile_rows}x{bn}{'+ts' if use_ts else ''}{'+pp' if use_pp else ''}"
-                f"{LAYOUT_SUFFIX[layout].replace('_', '+')}{'+gelu' if gelu else ''}", splits)
+                f"{LAYOUT_SUFFIX[layout].replace('_', '+')}{'+mc' if mc else ''}{'+gelu' if gelu else ''}", splits)
     if plan_only:  # the plan alone (what the planner picks here): no kernel, no workspace
 
         def no_launch(*_a, **_k):
@@ -501,6 +539,9 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
     k.set_max_dynamic_smem(smem)
     units = -(-M // tile_rows) * -(-N // bn) * splits
     grid, block = (min(units, rt.sm_count), 1, 1), (384, 1, 1)
+    if mc:  # a whole number of clusters, each a pair of tiles stacked along M
+        pairs = -(-(-(-M // tile_rows)) // 2) * -(-N // bn) * splits
+        grid = (2 * min(pairs, rt.sm_count // 2), 1, 1)
     ldw = -(-N // 4) * 4
     W = rt.scratch((splits * M * ldw,), np.float32) if splits > 1 else None  # (partials: written, then reduced)
     red = rt.kernel(MODULE, "gemm_wgmma_splitk_reduce" + ("_gelu" if gelu else "") + ("_bf16" if out == "bf16" else ""),
@@ -524,7 +565,7 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
         if dm is None:  # first launch with these operands: encode the maps, copy them to the device
             # an M-/N-major operand comes in boxes of 128 bytes of MN x BK k rows (tf32 32 x 32, bf16 64 x 64)
             ta = tensor_map(a, dtype, K, M, lda, bk) if a_major == "m" else tensor_map(a, dtype, M, K, lda, tile_rows)
-            tb = (tensor_map(b, dtype, K, N, ldb, bk, box_bytes(bn * DTYPES[dtype][1])) if b_major == "n"
+            tb = (tensor_map(b, dtype, K, N, ldb, bk) if b_major == "n"
                   else tensor_map(b, dtype, N, K, ldb, bn))
             blob = ta + tb
             if ts:  # C (and G) in boxes of 64 rows x 128 bytes (64: the 160-wide bf16 tile; fp32 copied as is)
