@@ -843,6 +843,8 @@ GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n160_at_bt_bf16, __nv_bfloat16, __nv_bfloat16, 
 GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n192_at_bt_bf16, __nv_bfloat16, __nv_bfloat16, 192, 5, false, false, true, true)
 GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n256_at_bt_bf16, __nv_bfloat16, __nv_bfloat16, 256, 4, false, false, true, true)
 // ... with the TMA store: the accumulating dweight GEMM (beta = 1) loads C's old tile by the TMA too
+// (64 wide: a dweight of few tiles, attproj's 768 x 768 at B=4, on 72 CTAs instead of 36 of 128 x 128)
+GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n64_at_bt_ts_bf16, __nv_bfloat16, __nv_bfloat16, 64, 8, true, false, true, true)
 GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n128_at_bt_ts_bf16, __nv_bfloat16, __nv_bfloat16, 128, 6, true, false, true, true)
 GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n160_at_bt_ts_bf16, __nv_bfloat16, __nv_bfloat16, 160, 4, true, false, true, true)
 GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n192_at_bt_ts_bf16, __nv_bfloat16, __nv_bfloat16, 192, 4, true, false, true, true)

@@ -6,8 +6,8 @@ tile: gemm_wgmma's _mc instances), against cuBLAS BF16 (torch's addmm_ into a bf
     python dev/bench_multicast.py --B 4 --layers fc fcproj --rounds 7
 
 Each configuration: dweight (OC, C) += dout^T @ inp, dout and inp as they lie (the "mn" layout), beta = 1,
-the TMA store, one K split, at one tile width (128, 160, 192), with multicast off and on, plus the
-planner's own pick. Each timing is --batch calls back to back between CUDA events (no host gap), the
+the TMA store, one K split, at each tile width built (64-192), with multicast off and on where built, the
+planner's own pick, and three K splits of 128 x 128 with direct stores. Each timing is --batch calls back to back between CUDA events (no host gap), the
 median of --reps; the figure is the median of the --rounds round medians. Every configuration's output
 is first checked against float64 (relative Frobenius error).
 """
@@ -52,12 +52,15 @@ def main():
             out = dw0.clone()
             fns = {"cublas": lambda: out.addmm_(dout.t(), x)}
             notes = {}
-            configs = [("plan", None, None)] + [(f"{bn}{'+mc' if mc else ''}", bn, mc)
-                                                for bn in sorted(gw.MC_INSTANCES[("bf16", "bf16", "mn")])
-                                                for mc in (False, True)]
+            ts_widths = sorted(gw.INSTANCES[("bf16", "bf16", "mn", True)])
+            mc_widths = sorted(gw.MC_INSTANCES[("bf16", "bf16", "mn")])
+            configs = [("plan", None, None)] + [(f"{bn}{'+mc' if mc else ''}", bn, mc) for bn in ts_widths
+                                                for mc in (False, True) if not mc or bn in mc_widths]
+            configs += [("128/3", 128, "split")]  # three K splits, direct stores (attproj's plan at B=16)
             for key, bn, mc in configs:
                 try:
-                    kw = dict(bn=bn, store="tma", splits=1, multicast=mc) if bn else {}
+                    kw = (dict(bn=bn, store="direct", splits=3) if mc == "split" else
+                          dict(bn=bn, store="tma", splits=1, multicast=mc) if bn else {})
                     g = gw.wgmma_build(rt, "bf16", OC, C, N, lda=OC, ldb=C, ldc=C, beta=1.0, a_major="m",
                                        b_major="n", out="bf16", beside=False, **kw)
                 except LLMCError as e:

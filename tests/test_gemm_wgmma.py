@@ -341,8 +341,8 @@ def test_bf16_dweight_plan_takes_the_tma_store(monkeypatch, M, N, K, env, want_t
 
 
 @pytest.mark.parametrize("B,env,n160,want", [
-    (2, None, None, "128x128+ts+at+bt/1"),   # attproj's dweight at B=2 and 4: one split with the TMA store
-    (4, None, None, "128x128+ts+at+bt/1"),
+    (2, None, None, "128x64+ts+at+bt/1"),    # attproj's dweight at B=2 and 4: one split with the TMA store,
+    (4, None, None, "128x64+ts+at+bt/1"),    # 64 wide (K <= N64_MAX_K: 72 tiles, not 36 of 128 x 128)
     (8, None, None, "128x128+at+bt/3"),      # from B=8 split over K (estimate under half of one split's)
     (16, None, None, "128x128+at+bt/3"),     # (108 units: 3 splits of 36 tiles; session 27's split cost)
     (16, None, "1", "128x128+at+bt/3"),      # (split plans never take the 160-wide tile)
@@ -596,6 +596,21 @@ def test_bf16_dweight_160_wide_tile(hopper, rng, M, N, K, beta):
     assert g3.plan[1] == "128x160+at+bt" and g3.plan[2] == min(3, -(-K // 64)), g3.plan
     assert np.isfinite(split).all()
     bf16_close(split, ref3, f"bf16 mn 160 split beta={beta} {M}x{N}x{K}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bn", sorted(gw.INSTANCES[("bf16", "bf16", "mn", True)]))
+@pytest.mark.parametrize("beta", [0.0, 1.0])
+@pytest.mark.parametrize("M,N,K", [(1, 8, 16), (65, 72, 64), (200, 136, 72), (304, 520, 520), (768, 768, 4096)])
+def test_bf16_dweight_tma_store_every_width(hopper, rng, M, N, K, beta, bn):
+    """Every TMA-store instance of the dweight layout (64 wide included, which has no direct-store twin)
+    against float64: beta 0 on a poisoned C (every element written), beta 1 through C's old tile loaded by
+    the TMA; ragged M, N and K."""
+    from llmc.testing import bf16_close
+    out, ref, g = _run_bf16(hopper, rng, M, N, K, "m", "n", beta=beta, store="tma", splits=1, bn=bn)
+    assert g.plan[1] == f"128x{bn}+ts+at+bt", g.plan
+    assert np.isfinite(out).all()
+    bf16_close(out, ref, f"bf16 mn tma {bn} beta={beta} {M}x{N}x{K}")
 
 
 @pytest.mark.gpu

@@ -40,7 +40,10 @@ BN_CHOICES = (128, 192, 256)     # every layout's widths; the dweight layout ("m
 # direct stores: 50304 x 768 x 4096 ran at 318 / 373 / 313 TFLOP/s, 3072 x 768 x 4096 at 178 / 236 /
 # 171): 192 wide with 5 stages beats 256 with 4
 # (160, bf16 dweights only: fc's at B=16 on the H200 ran 5.4 TFLOP/s an SM against 192's 5.8, session 27)
-BN_EFF = {128: 0.85, 192: 1.0, 256: 0.84, 160: 0.95}
+# (64, the bf16 dweight layout's TMA-store instance only: attproj's dweight at B=4 on the H200, 72 CTAs,
+# ran 3.7 TFLOP/s an SM against 128's 5.5 (session 29): two m64n64k16 wgmmas read as many shared-memory
+# bytes a clock as the SM delivers)
+BN_EFF = {128: 0.85, 192: 1.0, 256: 0.84, 160: 0.95, 64: 0.6}
 # the same for the TMA-store instances, per output type. bf16 out (6 / 4 stages) as above. fp32 out:
 # the staging buffers leave 192 wide 3 stages against 128's 5, and 128 wins where the waves allow
 # (H100, session 13, interleaved medians, TF32 K = 768: lm head forward B=4 1.053 ms at 128 against
@@ -219,7 +222,7 @@ INSTANCES = {
     ("bf16", "fp32", "kk", False): _DIRECT, ("bf16", "fp32", "kk", True): {128: 5, 192: 3},
     ("bf16", "bf16", "kk", False): _DIRECT, ("bf16", "bf16", "kk", True): {128: 6, 192: 4, 256: 3},
     ("bf16", "bf16", "kn", False): _DIRECT, ("bf16", "bf16", "kn", True): {128: 6, 192: 4},
-    ("bf16", "bf16", "mn", False): {**_DIRECT, 160: 5}, ("bf16", "bf16", "mn", True): {128: 6, 160: 4, 192: 4},
+    ("bf16", "bf16", "mn", False): {**_DIRECT, 160: 5}, ("bf16", "bf16", "mn", True): {64: 8, 128: 6, 160: 4, 192: 4},
 }
 # The 160-wide tile of the bf16 dweight layout: GPT-2's 768 columns are 5 tiles of 160, so fc's and
 # fcproj's dweights are 120 tiles, filling 120 of an H100's 132 SMs where 4 tiles of 192 fill 96 (H200,
@@ -238,6 +241,12 @@ INSTANCES = {
 # one-split TMA-store plan (any K, beside other work too: the A/B of both rules).
 N160_ENV = "LLMC_WGMMA_N160"
 N160_MIN_K = 4096
+# The 64-wide TMA-store tile of the bf16 dweight layout: for a dweight of few tiles (attproj's 768 x 768:
+# 36 tiles of 128 x 128) twice the CTAs. H200, session 29, bf16, beta 1, in turn, 20 back to back:
+# attproj B=4 0.0181-0.0203 ms against 0.0245 at 128 wide and 0.0237 in 3 K splits (cuBLAS 0.0150); at
+# B=16 0.0576 against the 3 splits' 0.0409, so only up to N64_MAX_K (the split plans stay beyond it).
+# In whole bf16 steps at B=4 (on the side stream) no difference: 8.43 against 8.42 ms without it.
+N64_MAX_K = 4096
 
 # The dweight layout's TMA-store instances in clusters of two CTAs (GEMM_WGMMA_MC_ENTRY, "_mc"): the two
 # tiles of a pair, stacked along M, share their B tile, each CTA loading half of it by TMA multicast into
@@ -256,12 +265,13 @@ def multicast_default() -> bool:
 
 def layout_widths(ty: str, out: str, layout: str, ts: bool, K: int = 0, beside: bool = False) -> tuple:
     """The tile widths the planner may take for a layout (INSTANCES): the built ones, 160 only as
-    above (N160_ENV, N160_MIN_K)."""
+    above (N160_ENV, N160_MIN_K), 64 only up to N64_MAX_K."""
     env = os.environ.get(N160_ENV, "")
     if env not in ("", "0", "1"):
         raise LLMCError(f"{N160_ENV}={env!r}: expected 0 (no 160-wide tiles) or 1 (at any K)")
     n160 = ts and (env == "1" or (env == "" and not beside and K >= N160_MIN_K))
-    return tuple(w for w in sorted(INSTANCES.get((ty, out, layout, ts), {})) if w != 160 or n160)
+    return tuple(w for w in sorted(INSTANCES.get((ty, out, layout, ts), {}))
+                 if (w != 160 or n160) and (w != 64 or K <= N64_MAX_K))
 
 
 LAYOUT_SUFFIX = {"kk": "", "mk": "_am", "kn": "_bt", "mn": "_at_bt"}
