@@ -784,7 +784,10 @@ __device__ __forceinline__ void encoder_partial_add(float (&f)[V], const float* 
 #define ENC7_COMB_BATCH 4
 #endif
 // ENC7_MAXNREG (unset by default): a register cap on kernels 7 and 8 (__maxnreg__), the lab's knob for
-// trading the batched loads' registers against warps per SM (--define encoder:ENC7_MAXNREG=96)
+// trading the batched loads' registers against warps per SM (--define encoder:ENC7_MAXNREG=96). With 96
+// and ENC7_COMB_BATCH=2 (no spills; 122 registers without), H200 lab, bf16: uniform ids B=4 0.0135 ms
+// against 0.0147, B=16 0.0358 against 0.0370; Zipf ids (text) B=4 0.0267 against 0.0223, B=16 0.0572
+// against 0.0451 (session 29). Text is the Zipf case: not the default.
 #ifdef ENC7_MAXNREG
 #define ENC7_REGS __maxnreg__(ENC7_MAXNREG)
 #else
