@@ -82,7 +82,10 @@ def test_the_forms_refuse_and_launch_in_order(monkeypatch):
     assert g.refuse_reason(2, "bf16", "sm_90", N=4096, OC=128, colsum=True, recompute=True) is None
     assert "has no" in g.refuse_reason(1, "fp32", "sm_90", N=4096, OC=128, colsum=True, recompute=True)
     monkeypatch.setattr(gw, "tensor_map", lambda *a: bytes(128))
-    N, C, OC = 4096, 3072, 768
+    # (N = 2048: below N160_MIN_K, where the whole op, alone on its stream, and the dweight_only form,
+    # built beside=True for the side stream, take the same tile width; from K = 4096 the whole op's
+    # dweight may take the 160-wide tile, which the side stream's never does)
+    N, C, OC = 2048, 3072, 768
     for dtype, whole in (("fp32", ["transpose_kernel", "gemm_wgmma_tf32_n192_ts", "transpose_kernel",
                                    "gemm_wgmma_tf32_n128_am"]),
                          ("bf16", ["gemm_wgmma_bf16_n192_bt_ts_bf16", "gemm_wgmma_bf16_n128_at_bt_bf16"])):
