@@ -5,7 +5,7 @@ timed in one run: TFLOP/s and the ratio to cuBLAS at the same precision.
     python dev/bench_gemm.py --B 4 --reps 50
     python dev/bench_gemm.py --pingpong      # + the ping-pong instances (forward and dinp, TF32 and BF16)
     python dev/bench_gemm.py --batch 20      # each timing: 20 calls back to back (no host gap in the figure)
-    python dev/bench_gemm.py --plot docs/results/bench_gemm_h100_dweight.json docs/lab/gemm_wgmma.png   # chart, no GPU
+    python dev/bench_gemm.py --plot docs/results/bench_gemm_h200_session29.json docs/lab/gemm_wgmma.png "H200, 20 calls back to back"   # chart, no GPU
 
 Shapes (row-major, N = B*T tokens): forward out(N,OC) = inp(N,C) @ W(OC,C)^T; dinp(N,C) = dout(N,OC) @ W;
 dweight(OC,C) = dout^T @ inp, for qkv, attproj, fc, fcproj and the lm head. Engine 5 (wgmma) takes only
@@ -40,28 +40,40 @@ import numpy as np
 LAYERS = {"qkv": (768, 2304), "attproj": (768, 768), "fc": (768, 3072), "fcproj": (3072, 768), "lmhead": (768, 50304)}
 
 
-def plot(json_path, png_path):
-    """A bar chart of TFLOP/s per GEMM (cuBLAS TF32, engine 4, engine 5), one panel per batch size,
-    engine 5's ratio to cuBLAS written over its bar."""
+def plot(json_path, png_path, label="H100"):
+    """Bar charts of TFLOP/s per GEMM, one row of panels per batch size: TF32 (cuBLAS TF32, engine 4, engine 5)
+    and, where the run has them, BF16 (cuBLAS BF16 and engine 5, timed in turn); engine 5's ratio to cuBLAS
+    written over its bar. label: the machine (and run) the JSON came from, for the titles."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     rows = json.load(open(json_path))
     Bs = sorted({r["B"] for r in rows})
-    fig, axes = plt.subplots(len(Bs), 1, figsize=(13, 4.2 * len(Bs)), squeeze=False)
-    for ax, B in zip(axes[:, 0], Bs):
+    has_bf16 = all("tflops_bf16_engine5" in r and "tflops_bf16_cublas" in r for r in rows)
+    cols = 2 if has_bf16 else 1
+    fig, axes = plt.subplots(len(Bs), cols, figsize=(13 * cols, 4.2 * len(Bs)), squeeze=False)
+    panels = [("TF32", [("cublas_tf32", "cuBLAS TF32 (torch)"), ("engine4", "engine 4 (mma.sync)"),
+                        ("engine5_tf32", "engine 5 (wgmma + TMA)")], "cublas_tf32", "engine5_tf32")]
+    if has_bf16:
+        panels.append(("BF16 in and out, timed in turn", [("bf16_cublas", "cuBLAS BF16 (torch)"),
+                                                           ("bf16_engine5", "engine 5 (wgmma + TMA)")],
+                       "bf16_cublas", "bf16_engine5"))
+    for row, B in enumerate(Bs):
         rs = [r for r in rows if r["B"] == B]
         x = np.arange(len(rs))
-        for i, (key, label) in enumerate([("cublas_tf32", "cuBLAS TF32 (torch)"), ("engine4", "engine 4 (mma.sync)"),
-                                          ("engine5_tf32", "engine 5 (wgmma + TMA)")]):
-            ax.bar(x + (i - 1) * 0.27, [r["tflops_" + key] for r in rs], 0.27, label=label)
-        for xi, r in zip(x, rs):
-            ax.text(xi + 0.27, r["tflops_engine5_tf32"] + 4, f"{r['cublas_tf32'] / r['engine5_tf32']:.2f}x",
-                    ha="center", fontsize=7)
-        ax.set_xticks(x, [f"{r['layer']}\n{r['gemm']}" for r in rs], fontsize=8)
-        ax.set_ylabel("TFLOP/s")
-        ax.set_title(f"GPT-2 d12 GEMMs, B={B}, T=1024, TF32 (H100; over engine 5's bar: its speed relative to cuBLAS)")
-        ax.legend(fontsize=8)
+        for col, (what, bars, ref, ours) in enumerate(panels):
+            ax = axes[row, col]
+            w = 0.8 / len(bars)
+            for i, (key, name) in enumerate(bars):
+                ax.bar(x + (i - (len(bars) - 1) / 2) * w, [r["tflops_" + key] for r in rs], w, label=name)
+            for xi, r in zip(x, rs):
+                ax.text(xi + (len(bars) - 1) / 2 * w, r["tflops_" + ours] + 4, f"{r[ref] / r[ours]:.2f}x",
+                        ha="center", fontsize=7)
+            ax.set_xticks(x, [f"{r['layer']}\n{r['gemm']}" for r in rs], fontsize=8)
+            ax.set_ylabel("TFLOP/s")
+            ax.set_title(f"GPT-2 d12 GEMMs, B={B}, T=1024, {what} ({label}; over engine 5's bar: its speed relative "
+                         f"to cuBLAS)", fontsize=9)
+            ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(png_path, dpi=110)
     print(f"wrote {png_path}")
@@ -86,7 +98,8 @@ def torch_median_ms(fn, reps: int, warmup: int = 5, batch: int = 1) -> float:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--plot", nargs=2, metavar=("JSON", "PNG"), help="chart a saved run instead of measuring")
+    ap.add_argument("--plot", nargs="+", metavar="JSON PNG [LABEL]",
+                    help="chart a saved run instead of measuring (LABEL: the machine, for the titles)")
     ap.add_argument("--B", type=int, nargs="*", default=[4, 16])
     ap.add_argument("--T", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=30)
@@ -96,6 +109,8 @@ def main():
                          "alone, its host launch gap included; 20 keeps the GPU's queue ahead, as a CUDA graph does")
     args = ap.parse_args()
     if args.plot:
+        if len(args.plot) not in (2, 3):
+            ap.error("--plot takes JSON PNG [LABEL]")
         return plot(*args.plot)
 
     import torch
