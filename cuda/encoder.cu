@@ -809,7 +809,11 @@ __device__ __forceinline__ void encoder_backward7_sum_t(T* dwte, const T* dout, 
     const int n = min(ENC7_K, count - d), npieces = ceil_div(count, ENC7_K), q = d / ENC7_K;
     const bool single = npieces == 1;
     const int mypos = rec.x;
-    if (inp != nullptr && lane < n && inp[mypos] != tok) __trap();  // records of another batch
+    // variant 8: the id at each row's position, checked against the token before this warp's first store
+    // (records of another batch trap). Its load is issued here and waited for there, under the rows'
+    // loads: checked up front, as until session 29, it was a third round trip before them (record, id,
+    // rows) for every place of a token seen once.
+    const int seen = (inp != nullptr && lane < n) ? inp[mypos] : tok;
     const bool vec = C % V == 0;
     const int W = vec ? V : 1, G = C / W;
     T* wrow = dwte + (size_t)tok * C;
@@ -868,6 +872,7 @@ __device__ __forceinline__ void encoder_backward7_sum_t(T* dwte, const T* dout, 
                 }
             }
         }
+        if (c0 == 0 && seen != tok) __trap();  // records of another batch: nothing stored
 #pragma unroll
         for (int h = 0; h < ENC7_CH; h++) {
             const int g = c0 + h * WARP_SIZE + lane;

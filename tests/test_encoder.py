@@ -509,3 +509,39 @@ def test_backward_bf16_deterministic_bit_identical(rt, rng, number):
         runs.append((dwte.get(), dwpe.get()))
     np.testing.assert_array_equal(runs[0][0], runs[1][0])
     np.testing.assert_array_equal(runs[0][1], runs[1][1])
+
+
+_TRAP_SCRIPT = """
+import sys
+import numpy as np
+from llmc import ops
+from llmc.bf16 import BF16
+from llmc.runtime import Runtime
+rt = Runtime()
+B, T, C, V = 2, 64, 768, 50304
+rng = np.random.default_rng(0)
+ids = rng.integers(0, 50257, (B, T)).astype(np.int32)
+built = ops.get("encoder_backward").build(rt, 8, sys.argv[1], B=B, T=T, C=C)
+built.put_host_inputs(ids if sys.argv[2] == "same" else (ids + 1) % 50257)   # the records of this batch or another
+dt = BF16 if sys.argv[1] == "bf16" else np.float32
+dwte, dwpe, dout = rt.zeros((V, C), dt), rt.zeros((T, C), dt), rt.zeros((B, T, C), dt)
+built(dwte, dwpe, dout, rt.to_device(ids))
+rt.synchronize()
+print("launch finished")
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_variant8_traps_on_records_of_another_batch(rt, dtype):
+    """Variant 8 checks each row's id against its record's token before the warp's first store (the id's
+    load issued with the record's, so the check adds no round trip): records uploaded for another batch
+    must stop the launch with an error, not sum the wrong rows. In a subprocess: the trap leaves the CUDA
+    context unusable. The same script with the batch's own records finishes (the control)."""
+    import subprocess
+    import sys
+    from conftest import ROOT
+    runs = {which: subprocess.run([sys.executable, "-c", _TRAP_SCRIPT, dtype, which], cwd=ROOT, capture_output=True,
+                                  text=True, timeout=300) for which in ("same", "other")}
+    assert runs["same"].returncode == 0 and "launch finished" in runs["same"].stdout, runs["same"].stderr[-2000:]
+    assert runs["other"].returncode != 0 and "launch finished" not in runs["other"].stdout, runs["other"].stdout
