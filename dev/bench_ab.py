@@ -3,7 +3,7 @@
     python dev/bench_ab.py -b 16 --precision bf16 --env LLMC_FUSED_DGELU=1 --env LLMC_FUSED_DGELU=0
     python dev/bench_ab.py -b 4 --rounds 5 --env "" --env LLMC_QKV_IN_PLACE=0,LLMC_FUSED_BIAS=0
     python dev/bench_ab.py --env "" --env "" -- --attention-kernel 3     # flags after -- go to bench_step
-    python dev/bench_ab.py --precision bf16 --env "" --env "LLMC_X=1 -- --encoder-backward-kernel 7"
+    python dev/bench_ab.py --precision bf16 --env "" --env "LLMC_PDL=0 -- --encoder-backward-kernel 7"
 
 Each --env is one configuration: comma-separated NAME=VALUE pairs set in bench_step's environment
 ("" = the defaults); bench_step flags of that configuration alone follow a " -- " inside it. The configurations run in turn, round after round (A B A B ...), each in a
@@ -21,6 +21,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from llmc import switches
+from llmc.errors import LLMCError
+
 STEP = re.compile(r"step: median ([0-9.]+) ms")
 
 
@@ -34,6 +37,10 @@ def parse_env(spec: str) -> tuple[dict, list]:
         if not sep or not name:
             raise SystemExit(f"bench_ab: --env {spec!r}: expected NAME=VALUE pairs separated by commas")
         out[name] = value
+    try:  # each LLMC_* value checked here, before any round runs (an unknown name: a note on stderr)
+        switches.check_environment(out)
+    except LLMCError as e:
+        raise SystemExit(f"bench_ab: --env {spec!r}: {e}") from None
     return out, flags
 
 

@@ -49,6 +49,7 @@ import numpy as np
 from llmc.bf16 import BF16
 from llmc.config import DECAYED, param_layout, param_shapes
 from llmc import ops
+from llmc import switches
 from llmc.errors import LLMCError
 
 # environment variables that MPI launchers set in the processes they start: Open MPI, MPICH and
@@ -58,7 +59,7 @@ DEFAULT_TIMEOUT = 120.0
 
 
 def launched_by_mpi() -> bool:
-    return os.environ.get("LLMC_MPI") == "1" or any(v in os.environ for v in MPI_ENV)
+    return switches.on("LLMC_MPI") or any(v in os.environ for v in MPI_ENV)
 
 
 def _env_rank() -> int:
@@ -70,14 +71,8 @@ def _env_rank() -> int:
 
 
 def timeout_seconds() -> float:
-    raw = os.environ.get("LLMC_DIST_TIMEOUT", str(DEFAULT_TIMEOUT))
-    try:
-        t = float(raw)
-        if t > 0:
-            return t
-    except ValueError:
-        pass
-    raise LLMCError(f"LLMC_DIST_TIMEOUT={raw!r}: expected a positive number of seconds")
+    t = switches.value("LLMC_DIST_TIMEOUT")
+    return DEFAULT_TIMEOUT if t is None else t
 
 
 class DistError(LLMCError):
@@ -558,23 +553,19 @@ class DataParallel:
         self.trace = None  # list of (label, stream name, start event, end event) when profiling
         # where a layer's gradient reduction starts: "attention" (the next layer's attention backward)
         # or "layer" (as soon as the layer's backward is launched); LLMC_DP_LAUNCH overrides
-        where = os.environ.get("LLMC_DP_LAUNCH", "attention")
-        if where not in ("attention", "layer"):
-            raise LLMCError(f"LLMC_DP_LAUNCH={where!r}: expected 'attention' or 'layer'")
+        where = switches.value("LLMC_DP_LAUNCH")
         self.delay, self._pending = where == "attention", None
         # -z 1: where the updated weights are all-gathered: "forward" (on the second stream, layer by
         # layer, each waited for just before the next forward reads it) or "update" (at the end of
         # the update, on the compute stream); LLMC_DP_GATHER overrides
-        gather = os.environ.get("LLMC_DP_GATHER", "update")
-        if gather not in ("forward", "update"):
-            raise LLMCError(f"LLMC_DP_GATHER={gather!r}: expected 'forward' or 'update'")
+        gather = switches.value("LLMC_DP_GATHER")
         self.gather_in_forward, self._gathered = gather == "forward", {}
         # the reducing micro-step as a CUDA graph of its own (forward, backward, the NCCL calls on the
         # second stream and the events between them), like the single-GPU step; LLMC_DP_GRAPH=0
         # launches it kernel by kernel (measured on 2 H200s, bf16 d12 B=16: ~0.75 ms a step of Python
         # launches that the GPU waits for). The forward's waits for ZeRO-1's all-gathers in flight
         # (LLMC_DP_GATHER=forward) wait on events of the previous step: those steps launch directly.
-        self.graph = os.environ.get("LLMC_DP_GRAPH", "1") != "0" and not self.gather_in_forward
+        self.graph = switches.on("LLMC_DP_GRAPH") and not self.gather_in_forward
         self._reduced = None
         if self.world == 1:
             return

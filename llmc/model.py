@@ -43,14 +43,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 
 import numpy as np
 
 from llmc.bf16 import BF16, from_bf16, to_bf16
 from llmc.checkpoint import LLMC_RNG_INIT as SR_RNG_INIT  # llm.c's initial stochastic-rounding RNG state
 from llmc.config import DECAYED, GPT2Config, param_layout, param_shapes
-from llmc import ops
+from llmc import ops, switches
 from llmc.errors import LLMCError
 from llmc.ops.adamw import hyperparams
 
@@ -153,7 +152,7 @@ class GPT2:
         # Decided before the memory check: in place, the one-layer qkv scratch is not allocated
         att_shape = dict(B=B, T=T, C=C, NH=NH)
         in_place = {}
-        if training and os.environ.get("LLMC_QKV_IN_PLACE", "1") != "0":
+        if training and switches.on("LLMC_QKV_IN_PLACE"):
             in_place = {d: be.fuses(d, dict(qkv_in_place=True), **att_shape) for d in ("attention_forward",
                                                                                       "attention_backward")}
         self.qkv_in_place = bool(in_place) and None not in in_place.values()
@@ -204,7 +203,7 @@ class GPT2:
         # on the H100 the fused GEMM is 16-33 us faster than the pair at B=16, but the d12 step is not
         # (bf16 B=16 37.01 vs 37.02 ms, fp32 74.55 vs 74.33: docs/ops.md), so the default stays the pair
         if fuse_gelu is None:
-            fuse_gelu = os.environ.get("LLMC_FUSED_GELU", "0") != "0"
+            fuse_gelu = switches.on("LLMC_FUSED_GELU")
         fc = dict(N=N, C=C, OC=4 * C, has_bias=True)
         fc_fused = be.fuses("matmul_forward", dict(gelu_pre=True), **fc) if fuse_gelu else None
         self.fused_gelu = fc_fused is not None
@@ -219,7 +218,7 @@ class GPT2:
         # GELU math and column sums, which the tensor cores wait for, cost more than the separate pass:
         # docs/ops.md). LLMC_FUSED_DGELU=1 / 0 or fuse_dgelu=True / False: either way (the A/B)
         if fuse_bias is None:
-            fuse_bias = os.environ.get("LLMC_FUSED_BIAS", "1") != "0"
+            fuse_bias = switches.on("LLMC_FUSED_BIAS")
         fcp = dict(N=N, C=4 * C, OC=C)
         # Backward's GELU recompute in one pass with GELU's backward (-r >= 1, with the fused bias
         # gradients): mmb_fcproj's dinp GEMM first, then gelu_backward's recompute form, which reads fch
@@ -228,7 +227,7 @@ class GPT2:
         # same bits. Where the variants have the forms; fuse_gelu_recompute=False or
         # LLMC_FUSED_GELU_RECOMPUTE=0: not. It takes the place of the dgelu form (fuse_dgelu below).
         if fuse_gelu_recompute is None:
-            fuse_gelu_recompute = os.environ.get("LLMC_FUSED_GELU_RECOMPUTE", "1") != "0"
+            fuse_gelu_recompute = switches.on("LLMC_FUSED_GELU_RECOMPUTE")
         rc = {}
         if training and recompute >= 1 and fuse_bias and fuse_gelu_recompute:
             rc = {"gelu": be.fuses("gelu_backward", dict(colsum=True, recompute=True, OC=4 * C), N=N * 4 * C),
@@ -236,8 +235,8 @@ class GPT2:
                   "dweight": be.fuses("matmul_backward", dict(dweight_only=True), **fcp)}
         self.fused_gelu_recompute = bool(rc) and None not in rc.values()
         if fuse_dgelu is None:
-            env = os.environ.get("LLMC_FUSED_DGELU")
-            fuse_dgelu = (env != "0") if env is not None else not self.bf16
+            fuse_dgelu = switches.flag("LLMC_FUSED_DGELU")
+            fuse_dgelu = not self.bf16 if fuse_dgelu is None else fuse_dgelu
         dg = (be.fuses("matmul_backward", dict(dgelu=True), **fcp)
               if training and fuse_dgelu and not self.fused_gelu_recompute else None)
         self.fused_dgelu = dg is not None
@@ -294,10 +293,7 @@ class GPT2:
             # fp32 67.36 against 68.96 and 19.30 against 19.76. Where a variant has no dinp_only /
             # dweight_only form: one stream.
             if side_stream is None:
-                env = os.environ.get("LLMC_SIDE_STREAM", "1")
-                if env not in ("0", "1"):
-                    raise LLMCError(f"LLMC_SIDE_STREAM={env!r}: expected 0 or 1")
-                side_stream = env == "1"
+                side_stream = switches.on("LLMC_SIDE_STREAM")
             split = {"fc": dict(N=N, C=C, OC=4 * C), "attproj": dict(N=N, C=C, OC=C), "qkv": dict(N=N, C=C, OC=3 * C)}
             forms = {(key, f): be.fuses("matmul_backward", {f: True}, **shp)
                      for key, shp in split.items() for f in ("dinp_only", "dweight_only")} if side_stream else {}
@@ -313,7 +309,7 @@ class GPT2:
             # 30.54 against 30.57; zeroed before it: B=4 9.06 against 9.15, B=16 31.11 against 30.47;
             # docs/ops.md, "attention_backward 5")
             self.att_side_zero = False
-            if self.side and os.environ.get("LLMC_ATT5_SIDE_ZERO", "0") == "1":
+            if self.side and switches.on("LLMC_ATT5_SIDE_ZERO"):
                 att = self.built["attention_backward"]
                 num = be.fuses("attention_backward", dict(caller_zeroes=True), **att.shape)
                 if num is not None:
@@ -335,7 +331,7 @@ class GPT2:
             # the form (0, the numpy backend's, adds at once: nothing to defer); not with per-layer hooks
             # (data parallel reads each layer's gradients as soon as its backward is launched), nor with
             # LLMC_LN_DEFERRED=0.
-            if training and ln_fused is not None and os.environ.get("LLMC_LN_DEFERRED", "1") != "0":
+            if training and ln_fused is not None and switches.on("LLMC_LN_DEFERRED"):
                 slots = 2 * cfg.num_layers  # lnf, then each layer's ln2 and (but layer 0's) ln1
                 dfr = be.fuses("layernorm_backward", dict(colsum=True, deferred=slots), N=N, C=C)
                 if dfr:
@@ -356,7 +352,7 @@ class GPT2:
             # micro-step no longer read theirs back. Where a GEMM's variant has no such form, its
             # gradient is zeroed with the rest; LLMC_FIRST_WRITE=0: the memset and += throughout (the A/B).
             self.built_first = {}
-            if os.environ.get("LLMC_FIRST_WRITE", "1") != "0":
+            if switches.on("LLMC_FIRST_WRITE"):
                 fcproj = ("mmb_fcproj_dweight" if self.fused_gelu_recompute else
                           "mmb_fcproj_dgelu" if self.fused_dgelu else "mmb_fcproj")
                 keys = ["mmb_lmhead", fcproj] + [f"mmb_{n}_dweight" if self.side else f"mmb_{n}"

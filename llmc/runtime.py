@@ -40,6 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
+from llmc import switches
 from llmc.errors import LLMCError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,7 +57,7 @@ def _cuda_dir() -> Path:
 
 CUDA_DIR = _cuda_dir()
 _said_compiling = False
-CACHE_DIR = Path(os.environ.get("LLMC_CACHE", Path.home() / ".cache" / "llmc"))
+CACHE_DIR = Path(switches.value("LLMC_CACHE") or Path.home() / ".cache" / "llmc")
 
 # -O3 and C++17 everywhere; no --use_fast_math: kernels that want intrinsics (__expf) say so, and the
 # numpy oracle stays meaningful. -lineinfo keeps source lines for ncu/compute-sanitizer.
@@ -529,22 +530,18 @@ def parse_defines(items, source: str = "--define") -> dict:
     """`MODULE:NAME=VALUE` strings (the lab's --define, or LLMC_DEFINES split at spaces) -> {module:
     {NAME: VALUE}}: extra -D defines for every build of cuda/<module>.cu (a kernel's tunable macros,
     e.g. encoder:ENC7_COMB_BATCH=8). A malformed item or an unknown module: LLMCError naming `source`."""
-    out: dict = {}
-    for item in items or ():
-        mod, _, rest = item.partition(":")
-        name, eq, value = rest.partition("=")
-        if not (mod and name and eq and value) or not name.replace("_", "").isalnum():
-            raise LLMCError(f"{source} {item!r}: expected MODULE:NAME=VALUE, e.g. encoder:ENC7_COMB_BATCH=8")
+    out = switches.define_items(items, source)
+    for mod in out:
         if not (CUDA_DIR / f"{mod}.cu").exists():
+            item = next(i for i in items if i.startswith(mod + ":"))
             raise LLMCError(f"{source} {item!r}: there is no cuda/{mod}.cu")
-        out.setdefault(mod, {})[name] = value
     return out
 
 
 def env_defines() -> dict:
     """LLMC_DEFINES="MODULE:NAME=VALUE ...": the extra defines every Runtime starts with (so that a whole
     training step can be timed with a kernel's macro changed: dev/bench_ab.py --env LLMC_DEFINES=...)."""
-    return parse_defines(os.environ.get(DEFINES_ENV, "").split(), DEFINES_ENV)
+    return parse_defines((switches.value(DEFINES_ENV) or "").split(), DEFINES_ENV)
 
 
 class Runtime:
@@ -581,15 +578,15 @@ class Runtime:
         self.max_smem_optin = self.device.get_attribute(
             drv.device_attribute.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
         self.stream = drv.Stream()
-        self.sync = (os.environ.get("LLMC_SYNC", "0") == "1") if sync is None else sync
+        self.sync = switches.on("LLMC_SYNC") if sync is None else sync
         self.capturing = False  # inside capture()
         self._modules: dict = {}
         self._kernels: dict = {}
         self.extra_defines: dict = env_defines()
         # programmatic dependent launch (PDL_ENV; Hopper or newer, not under LLMC_SYNC=1): possible in
         # captures here (self.pdl), on in the one running now (self.pdl_active)
-        self.pdl_env = os.environ.get(PDL_ENV)
-        self.pdl = self.pdl_env != "0" and major >= 9 and not self.sync
+        self.pdl_env = switches.flag(PDL_ENV)  # (None: each capture's own choice)
+        self.pdl = self.pdl_env is not False and major >= 9 and not self.sync
         self.pdl_active = False
         self._cu_modules: dict = {}
         self._cubins: dict = {}
@@ -719,7 +716,7 @@ class Runtime:
     def graphs_available(self) -> str | None:
         """None when graphs can be captured here, else why not (LLMC_GRAPHS=0 turns them off;
         LLMC_SYNC=1 too, since a synchronisation after each launch cannot be captured)."""
-        if os.environ.get("LLMC_GRAPHS", "1") == "0":
+        if not switches.on("LLMC_GRAPHS"):
             return "LLMC_GRAPHS=0"
         if self.sync:
             return "LLMC_SYNC=1"
@@ -739,7 +736,7 @@ class Runtime:
         mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
         _cu_check(cu, cu.cuStreamBeginCapture(stream, mode), "cuStreamBeginCapture")
         self.capturing = True  # (a launcher that must upload first refuses under capture)
-        self.pdl_active = self.pdl and (pdl if self.pdl_env is None else self.pdl_env != "0")
+        self.pdl_active = self.pdl and (pdl if self.pdl_env is None else self.pdl_env)
         try:
             fn()
         finally:

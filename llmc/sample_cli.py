@@ -27,6 +27,7 @@ import time
 
 import numpy as np
 
+from llmc import switches
 from llmc.errors import LLMCError
 
 EOT_TEXT = "<|endoftext|>"
@@ -122,6 +123,7 @@ def _utf8_prefix(b: bytes):
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    switches.check_environment()
     from llmc.hf import read_any_model
     from llmc.tokenizer import get_encoding
     if args.model is not None:

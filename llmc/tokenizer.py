@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from llmc.checkpoint import HEADER_BYTES, atomic_open, make_header, read_header
+from llmc import switches
 from llmc.errors import LLMCError
 
 TOKENIZER_MAGIC = 20240328
@@ -151,7 +152,7 @@ def get_encoding():
     if d is not None:
         encoding_source = f"shipped copy ({d})"
         return _encoding_from_files(d / "vocab.bpe", d / "encoder.json")
-    if os.environ.get("LLMC_OFFLINE", "0") not in ("", "0"):
+    if switches.on("LLMC_OFFLINE"):
         raise LLMCError("tokenizer: no local copy of the GPT-2 BPE files and LLMC_OFFLINE is set; "
                         "llmc/vocab/ (shipped with the package) is missing them: reinstall llmc-py")
     _download_to_tiktoken_cache()

@@ -26,6 +26,7 @@ import time
 
 import numpy as np
 
+from llmc import switches
 from llmc.errors import LLMCError
 
 DEFAULT_TRAIN = "dev/data/tinyshakespeare/tiny_shakespeare_train.bin"
@@ -383,6 +384,7 @@ def main(argv=None, group=None) -> int:
     if not group.is_main:  # rank 0 alone prints (errors are agreed on and printed by rank 0)
         sys.stdout = open(os.devnull, "w")
         _QUIET_RANK = True
+    switches.check_environment(notes=group.is_main)  # (a bad value: every rank stops, rank 0 says why)
     kernels = {k[len("kernel_"):]: v for k, v in vars(args).items() if k.startswith("kernel_") and v is not None}
     if args.deterministic:
         kernels = deterministic_kernels(kernels, args.precision)
@@ -584,7 +586,8 @@ def main(argv=None, group=None) -> int:
     # reports it first. On the numpy backend, which computes as it launches, there is nothing to
     # overlap (and a step's time would land on the one before it): each step is read at once there.
     # LLMC_PIPELINE_STEPS=1|0 forces either.
-    pipeline = os.environ.get("LLMC_PIPELINE_STEPS", "1" if be.name == "cuda" else "0") != "0"
+    pipeline = switches.flag("LLMC_PIPELINE_STEPS")
+    pipeline = be.name == "cuda" if pipeline is None else pipeline
     pending = None     # (step, lr, t0, StepRead) of the last launched step not yet reported
     last_done = 0.0    # when the last reported step's results were in
 

@@ -56,7 +56,11 @@ def test_flags_of_one_configuration(tmp_path):
 
 
 @pytest.mark.parametrize("args,why", [(["--env", "X=0"], "two or more"), (["--env", "X", "--env", "X=1"], "NAME=VALUE"),
-                                      (["--env", "X=0", "--env", "X=fail"], "failed (exit 3)")])
+                                      (["--env", "X=0", "--env", "X=fail"], "failed (exit 3)"),
+                                      (["--env", "X=0", "--env", "X=1,LLMC_GRAPHS=yes"],
+                                       "--env 'X=1,LLMC_GRAPHS=yes': LLMC_GRAPHS='yes': expected 0 or 1")])
 def test_bad_input_is_one_line(tmp_path, args, why):
-    r, _ = _run(tmp_path, *args)
+    r, log = _run(tmp_path, *args)
     assert r.returncode != 0 and why in r.stderr and "Traceback (most recent call last)" not in r.stderr, r.stderr
+    if "LLMC_" in why:
+        assert log == [], "a switch's bad value must stop bench_ab before its first round"

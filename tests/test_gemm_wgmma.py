@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from llmc.bf16 import from_bf16, to_bf16
+from llmc import switches
 from llmc.errors import LLMCError
 from llmc.ops import gemm_wgmma as gw
 
@@ -837,7 +838,7 @@ def test_tf32_pp128_takes_the_128_wide_tma_store_plans(monkeypatch, env):
     assert L.smem <= 227 * 1024 and L.grid[0] == 132 and bool(L.args[2])   # C's tensor map: the TMA store
     assert maps == [("tf32", 16384, 768, 128), ("tf32", 50304, 768, 128), ("tf32t", 16384, 50304, 64)]
     assert gw.wgmma_build(rt, "tf32", 16384, 768, 2304, plan_only=True).plan[1] == ("128x128+ts+pp" if on else "128x192")
-    assert gw.TF32_PP128_DEFAULT == "1"
+    assert switches.SWITCHES[gw.TF32_PP128_ENV].default is True
     # plans that stay as they were, either way
     assert "+pp" not in gw.wgmma_build(rt, "tf32", 4096, 768, 768, plan_only=True).plan[1]          # 192 wide
     assert "+pp" not in gw.wgmma_build(rt, "tf32", 4096, 768, 3072, plan_only=True).plan[1]         # direct stores

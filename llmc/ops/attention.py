@@ -53,10 +53,10 @@ forward 2, 3 or 4. Another GPU refuses 4 and gets 3 and 3 with one note.
 from __future__ import annotations
 
 import math
-import os
 
 import numpy as np
 
+from llmc import switches
 from llmc.errors import LLMCError
 from llmc.ops import Built, OpSpec, Variant, check_block_size, get, note_once, ptr as _ptr, refuse, softmax
 from llmc.ops.softmax import _causal_mask
@@ -600,9 +600,9 @@ def _tf32_smem_transpose(B, T, NH, copies: int) -> bool:
     and the separate passes cost less). H100, d12 fp32 step, backward (3 copies): B=4 (37.7 MB) 19.82
     ms against 19.98 in shared memory; B=16 (151 MB) 70.26 against 69.96. LLMC_TF32_SMEM_TRANSPOSE=1|0
     forces one form (whole-step A/Bs)."""
-    env = os.environ.get("LLMC_TF32_SMEM_TRANSPOSE")
-    if env is not None:
-        return env != "0"
+    asked = switches.flag("LLMC_TF32_SMEM_TRANSPOSE")
+    if asked is not None:
+        return asked
     return copies * _tf32_transposed_bytes(B, T, NH) > TF32_GLOBAL_TRANSPOSE_MAX
 
 
@@ -632,9 +632,9 @@ def build_flash_attention_forward_wgmma_tf32(rt, B, T, C, NH, qkv_in_place=False
     vt = None if smt else rt.empty((BNH, FLASH_HS, Tp))
     kvt = None if smt else rt.kernel(WGMMA_MODULE, "attention_vt_kernel", "PPiiiiiq", label="attention_forward 4 tf32: v^T")
     if pingpong is None:
-        pingpong = os.environ.get("LLMC_TF32_PINGPONG", "1") != "0"
+        pingpong = switches.on("LLMC_TF32_PINGPONG")
     if persistent is None:
-        persistent = os.environ.get("LLMC_TF32_PERSISTENT", "1") != "0"
+        persistent = switches.on("LLMC_TF32_PERSISTENT")
     persistent = bool(persistent and pingpong and qkv_in_place)
     sfx = (("_btc" if qkv_in_place else "") + ("_smt" if smt else "") + ("_pp" if pingpong and qkv_in_place else "")
            + ("_persistent" if persistent else ""))
@@ -720,10 +720,7 @@ def build_flash_attention_backward_wgmma(rt, B, T, C, NH, overlap=False, qkv_in_
     _check_attention(B, T, C, NH)
     assert not (overlap and qkv_in_place), "the overlap dq kernel reads the permuted qkvr only"
     assert not pingpong or qkv_in_place, "the ping-pong kernels are built for the in-place form only"
-    env = os.environ.get("LLMC_ATT_BWD_STAGES", "")
-    if env and env not in ("2", "3", "4"):
-        raise LLMCError(f"LLMC_ATT_BWD_STAGES={env!r}: expected 2, 3 or 4 (the bf16 backward's ring depth)")
-    stages = int(env or WGMMA_BWD_STAGES)
+    stages = int(switches.value("LLMC_ATT_BWD_STAGES") or WGMMA_BWD_STAGES)
     defines = {} if stages == WGMMA_BWD_STAGES else {"LLMC_ATT_BWD_STAGES": stages}
     dq_smem, dkdv_smem = wgmma_bwd_smem(stages)
     for name, smem in (("dq", dq_smem), ("dk dv", dkdv_smem)):
@@ -807,10 +804,7 @@ def build_flash_attention_backward_wgmma5(rt, B, T, C, NH, qkv_in_place=False, p
     # within 1/16 of the L2 (G = 12 at T = 1024 on an H100). Main kernel, H100, G = 1 / 12 / 24 / 48 /
     # 100 / all: B=16 0.2518 / - / 0.2558 / 0.2544 / 0.3569 / 0.3368 ms; B=4 0.0824 / 0.0707 / 0.0715 /
     # 0.0719 (all) ms. LLMC_ATT5_HEAD_GROUP sets G for the lab's A/B
-    env = os.environ.get("LLMC_ATT5_HEAD_GROUP", "")
-    if env and not env.isdigit() or env == "0":
-        raise LLMCError(f"LLMC_ATT5_HEAD_GROUP={env!r}: expected a number of heads >= 1")
-    G = min(B * NH, int(env) if env else max(1, rt.l2_bytes // 16 // (T * FLASH_HS * 4)))
+    G = min(B * NH, switches.value("LLMC_ATT5_HEAD_GROUP") or max(1, rt.l2_bytes // 16 // (T * FLASH_HS * 4)))
     grid, block = (ceil_div(T, WGMMA_BQ) * B * NH, 1, 1), (384, 1, 1)
     args = (np.int32(B), np.int32(NH), np.int32(T))
     prep_grid = (ceil_div(B * T * NH * 4, 256), 1, 1)

@@ -26,11 +26,10 @@ pass adds them in order (deterministic).
 from __future__ import annotations
 
 import ctypes
-import os
-import re
 
 import numpy as np
 
+from llmc import switches
 from llmc.errors import LLMCError
 
 MODULE = "gemm_wgmma"
@@ -76,13 +75,8 @@ TS_MAX_K = {"fp32": 1024, "bf16": 1 << 30}
 
 
 def ts_max_k(out: str) -> int:
-    env = os.environ.get("LLMC_WGMMA_TS_MAX_K")
-    if env:
-        try:
-            return int(env)
-        except ValueError:
-            raise LLMCError(f"LLMC_WGMMA_TS_MAX_K={env!r}: expected an integer K") from None
-    return TS_MAX_K[out]
+    k = switches.value("LLMC_WGMMA_TS_MAX_K")
+    return TS_MAX_K[out] if k is None else k
 
 
 SWIZZLE_128B = 3
@@ -257,19 +251,14 @@ MC_ENV = "LLMC_WGMMA_MC"        # the default of wgmma_build's multicast: 0 off,
 
 
 def multicast_default() -> bool:
-    env = os.environ.get(MC_ENV, "")
-    if env not in ("", "0", "1"):
-        raise LLMCError(f"{MC_ENV}={env!r}: expected 0 (no clusters) or 1 (the multicast instances where built)")
-    return env == "1"
+    return switches.on(MC_ENV)
 
 
 def layout_widths(ty: str, out: str, layout: str, ts: bool, K: int = 0, beside: bool = False) -> tuple:
     """The tile widths the planner may take for a layout (INSTANCES): the built ones, 160 only as
     above (N160_ENV, N160_MIN_K), 64 only up to N64_MAX_K."""
-    env = os.environ.get(N160_ENV, "")
-    if env not in ("", "0", "1"):
-        raise LLMCError(f"{N160_ENV}={env!r}: expected 0 (no 160-wide tiles) or 1 (at any K)")
-    n160 = ts and (env == "1" or (env == "" and not beside and K >= N160_MIN_K))
+    asked = switches.flag(N160_ENV)
+    n160 = ts and (asked or (asked is None and not beside and K >= N160_MIN_K))
     return tuple(w for w in sorted(INSTANCES.get((ty, out, layout, ts), {}))
                  if (w != 160 or n160) and (w != 64 or K <= N64_MAX_K))
 
@@ -426,7 +415,7 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
     direct_widths = tuple(GELU_INSTANCES[(ty, out, False)]) if gelu else layout_widths(ty, out, layout, False, K, beside)
     # (beta != 0: C's old tile comes in through the TMA as well; LLMC_WGMMA_TS_BETA=0 keeps such GEMMs on
     # direct stores, the A/B of that choice)
-    ts_ok = ((beta == 0.0 or os.environ.get("LLMC_WGMMA_TS_BETA", "1") != "0") and not trans_c
+    ts_ok = ((beta == 0.0 or switches.on("LLMC_WGMMA_TS_BETA")) and not trans_c
              and (ldc * obytes) % 16 == 0 and has_ts)
     if store not in ("auto", "tma", "direct"):
         raise LLMCError(f"gemm engine 5: store={store!r}; expected auto, tma or direct")
@@ -465,11 +454,7 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
         if use_ts:  # the TMA store needs the whole tile at once: no split-K
             # the planner's widths: LLMC_WGMMA_TS_WIDTHS (e.g. "128,192", the A/B of the 256-wide instance)
             # narrows them; 256 only up to TS256_MAX_K
-            env = os.environ.get("LLMC_WGMMA_TS_WIDTHS")
-            try:  # (any separator but a comma works too: "128:192" inside bench_ab's comma-separated --env)
-                allowed = tuple(int(w) for w in re.split(r"[,:/ ]+", env.strip())) if env else ts_widths
-            except ValueError:
-                raise LLMCError(f"LLMC_WGMMA_TS_WIDTHS={env!r}: expected tile widths such as 128,192") from None
+            allowed = switches.value("LLMC_WGMMA_TS_WIDTHS") or ts_widths
             widths = tuple(w for w in ts_widths if w in allowed and (w != 256 or K <= TS256_MAX_K)) or TS_WIDTHS
             pbn, psplits = plan(rt.sm_count, M, N, K, dtype, allow_split=False, widths=widths, eff=TS_BN_EFF[out])
             splits = 1 if splits is None else splits
@@ -664,17 +649,8 @@ SPLIT_OVER_TS_ENV = "LLMC_WGMMA_SPLIT_OVER_TS"
 
 
 def split_over_ts() -> float:
-    env = os.environ.get(SPLIT_OVER_TS_ENV)
-    if not env:
-        return SPLIT_OVER_TS
-    try:
-        r = float(env)
-    except ValueError:
-        r = float("nan")
-    if not r >= 0:
-        raise LLMCError(f"{SPLIT_OVER_TS_ENV}={env!r}: expected a ratio of estimates >= 0 (0: split wherever the "
-                        f"planner splits)")
-    return r
+    r = switches.value(SPLIT_OVER_TS_ENV)
+    return SPLIT_OVER_TS if r is None else r
 
 
 def _split_beats_ts(sm_count: int, M: int, N: int, K: int, dtype: str, out: str, ts_widths,
@@ -693,9 +669,9 @@ def _split_beats_ts(sm_count: int, M: int, N: int, K: int, dtype: str, out: str,
 def _pp128_for_256(ty: str, out: str, layout: str, schedule) -> bool:
     """Whether a cooperative 256-wide TMA-store plan becomes 128 x 128 ping-pong (see PP128_ENV): only
     when no schedule is asked for (argument or LLMC_WGMMA_SCHEDULE) and the instance is built."""
-    asked = schedule if schedule is not None else os.environ.get(SCHEDULE_ENV)
+    asked = schedule if schedule is not None else switches.value(SCHEDULE_ENV)
     return (asked is None and (ty, out, layout) in PP_TS_INSTANCES and (128, 128) in PP_TS_INSTANCES[(ty, out, layout)]
-            and os.environ.get(PP128_ENV, "1") != "0")
+            and switches.on(PP128_ENV))
 
 
 # tf32 -> fp32 with the TMA store: the cooperative 128 x 128 tile runs its epilogue with both consumers
@@ -709,7 +685,6 @@ def _pp128_for_256(ty: str, out: str, layout: str, schedule) -> bool:
 # 192-wide plan stays ahead (B=4 qkv dinp 0.0550 against 0.0637, 192 tiles). LLMC_WGMMA_TF32_PP128=0
 # keeps the cooperative plans (the A/B).
 TF32_PP128_ENV = "LLMC_WGMMA_TF32_PP128"
-TF32_PP128_DEFAULT = "1"
 TF32_PP128_WAVES = 4
 
 
@@ -717,15 +692,15 @@ def _tf32_pp128(ty: str, out: str, layout: str, schedule) -> bool:
     """Whether tf32 -> fp32 plans may become 128 x 128 ping-pong with the TMA store (TF32_PP128_ENV): no
     schedule asked (argument or LLMC_WGMMA_SCHEDULE), the instance built, the switch not 0. wgmma_build
     decides which plans (the 128-wide TMA-store ones, and those with TF32_PP128_WAVES waves of tiles)."""
-    asked = schedule if schedule is not None else os.environ.get(SCHEDULE_ENV)
+    asked = schedule if schedule is not None else switches.value(SCHEDULE_ENV)
     return (ty == "tf32" and asked is None and (ty, out, layout) in PP_TS_INSTANCES
-            and os.environ.get(TF32_PP128_ENV, TF32_PP128_DEFAULT) != "0")
+            and switches.on(TF32_PP128_ENV))
 
 
 def _pick_schedule(rt, dtype, ty, out, layout, M, N, K, schedule, store, bn, rm, splits):
     """(ping-pong?, tile rows) for wgmma_build: the schedule asked for (argument, else the environment),
     checked against the instances that exist; "auto" compares the planner's two estimates."""
-    asked = schedule if schedule is not None else os.environ.get(SCHEDULE_ENV, "coop")
+    asked = schedule if schedule is not None else (switches.value(SCHEDULE_ENV) or "coop")
     if asked not in SCHEDULES:
         where = "schedule" if schedule is not None else SCHEDULE_ENV
         raise LLMCError(f"gemm engine 5: {where}={asked!r}; expected one of {', '.join(SCHEDULES)}")
