@@ -109,8 +109,8 @@ _TABLE = [
           "matmul_backward_bias passes, not in layernorm_backward / gelu_backward", "model"),
     _flag("LLMC_FUSED_GELU", False, "0", "1: the fc GEMM's epilogue writes the GELU (no gelu_forward launch)",
           "model"),
-    _flag("LLMC_FUSED_DGELU", None, "1 in fp32, 0 in bf16", "gelu_backward inside fcproj's dinp GEMM "
-          "(with -r 0; -r 1 / 2 take LLMC_FUSED_GELU_RECOMPUTE)", "model"),
+    _flag("LLMC_FUSED_DGELU", None, "1 in fp32, 0 in bf16", "1 / 0: gelu_backward inside fcproj's dinp GEMM "
+          "(where GELU is not recomputed in gelu_backward: -r 0 or LLMC_FUSED_GELU_RECOMPUTE=0)", "model"),
     _flag("LLMC_FUSED_GELU_RECOMPUTE", True, "1", "0: with -r 1 / 2, GELU recomputed in its own pass, not in "
           "gelu_backward's", "model"),
     _flag("LLMC_SIDE_STREAM", True, "1", "0: the backward's weight-gradient GEMMs on the one stream, not on a "
