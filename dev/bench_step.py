@@ -27,8 +27,10 @@ import time
 
 import numpy as np
 
+from llmc import switches
 from llmc.backend import CudaBackend
 from llmc.config import config_from_name
+from llmc.errors import LLMCError
 from llmc.model import GPT2
 from llmc.train import kernel_flags
 from power import PowerSampler
@@ -105,6 +107,10 @@ def main():
     for flag, name, h in kernel_flags():
         p.add_argument(flag, type=int, default=None, dest=f"kernel_{name}", help=h)
     args = p.parse_args()
+    try:  # an LLMC_* switch's bad value: one line (bench_ab's runs show it), before the model is built
+        switches.check_environment()
+    except LLMCError as e:
+        p.error(str(e))
     kernels = {k[7:]: v for k, v in vars(args).items() if k.startswith("kernel_") and v is not None}
 
     be = CudaBackend(kernels, precision=args.precision)

@@ -113,3 +113,14 @@ def test_the_trainer_and_the_sampler_stop_in_one_line_on_a_bad_value(tmp_path):
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 1, (script, r.stdout, r.stderr)
         assert r.stderr.strip() == "error: LLMC_GRAPHS='yes': expected 0 or 1", (script, r.stderr)
+
+
+@pytest.mark.parametrize("script", ["dev/bench_step.py", "dev/cuda/encoder_forward.py"])
+def test_the_step_bench_and_the_lab_stop_in_one_line_on_a_bad_value(tmp_path, script):
+    """Before any GPU work (so also here, without one): the usage line and one error line, exit 2."""
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "LLMC_SYNC": "true"}
+    r = subprocess.run([sys.executable, str(ROOT / script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert r.stderr.strip().splitlines()[-1].endswith("error: LLMC_SYNC='true': expected 0 or 1"), r.stderr
+    assert "Traceback" not in r.stderr

@@ -60,12 +60,14 @@ class Lab:
         if self.args.quick:
             self.args.repeat = min(self.args.repeat, 10)
         self.op = op
+        from llmc import switches
         from llmc.errors import LLMCError
         from llmc.runtime import Runtime, parse_defines
         try:
+            switches.check_environment()  # (an LLMC_* switch's bad value: one line, before any build)
             defines = parse_defines(self.args.define)
             self.rt = Runtime()  # (LLMC_DEFINES: parsed as it starts)
-        except LLMCError as e:  # a bad define: one line and exit 2
+        except LLMCError as e:  # a bad define or switch: one line and exit 2
             p.error(str(e))
         for m, d in defines.items():  # on top of LLMC_DEFINES's
             self.rt.extra_defines.setdefault(m, {}).update(d)
