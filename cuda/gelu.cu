@@ -238,12 +238,23 @@ __device__ __forceinline__ void gelu_backward_colsum_t(T* dinp, T* colsum, float
     // the last block of this column block: chunks ty, ty+8, ... then the row-lanes in order
 #pragma unroll
     for (int k = 0; k < V; k++) s[k] = 0.0f;
+    // (plain loads, 16 bytes at a time where the row allows: the ticket's fences order them after the
+    // other blocks' partial stores, as in matmul_backward_bias 4, whose ld.global.cg loads were strong
+    // loads that ptxas kept fewer of in flight; these were 4-byte ld.global.cg loads)
     if (ncol > 0) {
 #pragma unroll 4
         for (int c = ty; c < (int)gridDim.y; c += 8) {  // (unrolled: several chunks' loads in flight)
             const float* p = partial + (size_t)c * OC + col;
+            if (vec) {
 #pragma unroll
-            for (int k = 0; k < V; k++) if (k < ncol) s[k] += __ldcg(p + k);
+                for (int q = 0; q < V / 4; q++) {
+                    const float4 v = *reinterpret_cast<const float4*>(p + 4 * q);
+                    s[4 * q] += v.x; s[4 * q + 1] += v.y; s[4 * q + 2] += v.z; s[4 * q + 3] += v.w;
+                }
+            } else {
+#pragma unroll
+                for (int k = 0; k < V; k++) if (k < ncol) s[k] += p[k];
+            }
         }
     }
     sum_row_lanes<V>(s, sh, tx, ty);

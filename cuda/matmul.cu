@@ -435,6 +435,23 @@ extern "C" __global__ void matmul_backward_bias_kernel3(float* partial, const fl
     bias_chunk_partial(partial, dout, N, OC, rows_per_chunk, sh);
 }
 
+// version 4's bf16 rows: BIAS4_ROWS_BATCH rows at a time per thread, their loads issued before the first
+// add (the adds in row order: the same bits as one row at a time). Its pragma-unrolled loop had ptxas add
+// each row before loading the next, and read each row as four 4-byte loads. H200 lab (session 31), bf16,
+// N = 4096, OC = 768 / 2304 / 3072: 0.0114 / 0.0142 / 0.0161 ms batched by 4 against 0.0112 / 0.0148 /
+// 0.0172 one row at a time (--define matmul:BIAS4_ROWS_BATCH=1). The finishing block's partials batched
+// the same way (8 chunks' loads, then their adds) were slower than one at a time (0.0114 / 0.0142 /
+// 0.0161 against 0.0104 / 0.0137 / 0.0160).
+//
+// The finishing block reads the partials with plain loads. They were ld.global.cg (__ldcg: L2 only),
+// which ptxas issues as strong loads (LDG.E.128.STRONG.GPU) and keeps fewer of in flight: 0.0111 /
+// 0.0139 / 0.0159 ms against 0.0097 / 0.0130 / 0.0150 (bf16, chunks of >= 128 rows, session 31). Plain
+// loads see the other blocks' partials by the memory model: each block's stores, then its fence, then its
+// ticket (a release); the last block's ticket read, then its fence (an acquire), then the loads.
+#ifndef BIAS4_ROWS_BATCH
+#define BIAS4_ROWS_BATCH 4
+#endif
+
 // version 4: version 3's pass and its finishing pass in one launch. Every block writes its partial
 // (chunk blockIdx.y, its 128 columns), fences, and takes a ticket on the counter of its column block;
 // the block that takes the last ticket sums the gridDim.y partials of those columns, thread (tx, ty)
@@ -453,7 +470,7 @@ extern "C" __global__ void matmul_backward_bias_kernel4(float* dbias, float* par
     float4 t = make_float4(0.f, 0.f, 0.f, 0.f);
     if (col < OC) {
         for (int k = ty; k < (int)gridDim.y; k += 8) {
-            const float4 v = __ldcg(reinterpret_cast<const float4*>(partial + (ll)k * OC + col));
+            const float4 v = load4(partial + (ll)k * OC + col);
             t.x += v.x; t.y += v.y; t.z += v.z; t.w += v.w;
         }
     }
@@ -480,12 +497,27 @@ extern "C" __global__ void matmul_backward_bias_kernel4_bf16(__nv_bfloat16* dbia
     const int r0 = blockIdx.y * rows_per_chunk, r1 = min(N, r0 + rows_per_chunk);
     float4 s0 = make_float4(0.f, 0.f, 0.f, 0.f), s1 = s0;
     if (col < OC) {
-#pragma unroll 4
-        for (int n = r0 + ty; n < r1; n += 8) {
+        // BIAS4_ROWS_BATCH rows at a time (above), then the chunk's last rows one at a time. Each row is
+        // loaded into a register copy: bf16x8_to_float takes a reference, and handed the global word
+        // itself it read it as four 4-byte loads (LDG.E, not LDG.E.128).
+        constexpr int R = BIAS4_ROWS_BATCH;
+        auto add_row = [&](const uint4& raw) {
             float2 f[4];
-            bf16x8_to_float(*reinterpret_cast<const uint4*>(dout + (ll)n * OC + col), f);
+            bf16x8_to_float(raw, f);
             s0.x += f[0].x; s0.y += f[0].y; s0.z += f[1].x; s0.w += f[1].y;
             s1.x += f[2].x; s1.y += f[2].y; s1.z += f[3].x; s1.w += f[3].y;
+        };
+        int n = r0 + ty;
+        for (; n + 8 * (R - 1) < r1; n += 8 * R) {
+            uint4 raw[R];
+#pragma unroll
+            for (int r = 0; r < R; r++) raw[r] = *reinterpret_cast<const uint4*>(dout + (ll)(n + 8 * r) * OC + col);
+#pragma unroll
+            for (int r = 0; r < R; r++) add_row(raw[r]);
+        }
+        for (; n < r1; n += 8) {
+            const uint4 raw = *reinterpret_cast<const uint4*>(dout + (ll)n * OC + col);
+            add_row(raw);
         }
     }
     s0 = bias_reduce_rows(s0, sh[0], tx, ty);
@@ -498,8 +530,8 @@ extern "C" __global__ void matmul_backward_bias_kernel4_bf16(__nv_bfloat16* dbia
     float4 t0 = make_float4(0.f, 0.f, 0.f, 0.f), t1 = t0;
     if (col < OC) {
         for (int k = ty; k < (int)gridDim.y; k += 8) {
-            const float4 v0 = __ldcg(reinterpret_cast<const float4*>(partial + (ll)k * OC + col));
-            const float4 v1 = __ldcg(reinterpret_cast<const float4*>(partial + (ll)k * OC + col + 4));
+            const float4 v0 = load4(partial + (ll)k * OC + col);
+            const float4 v1 = load4(partial + (ll)k * OC + col + 4);
             t0.x += v0.x; t0.y += v0.y; t0.z += v0.z; t0.w += v0.w;
             t1.x += v1.x; t1.y += v1.y; t1.z += v1.z; t1.w += v1.w;
         }

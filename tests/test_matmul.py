@@ -411,6 +411,66 @@ def test_matmul_backward_bias_bf16_gpu(rt, rng, N, OC):
     assert ran
 
 
+def bias4_in_order(dout32, db0_32, rows_per_chunk):
+    """Version 4's sums in its order, in float32: per chunk, row-lane ty adds rows ty, ty+8, ... one
+    after the other, the 8 row-lanes are added in lane order into the chunk's partial; the finishing
+    block's lane ty adds chunks ty, ty+8, ..., the lanes in order, then dbias + that total. The kernel's
+    batched loads must not change this order: it matches bit for bit."""
+    N, OC = dout32.shape
+    nchunks = -(-N // rows_per_chunk)
+
+    def lanes_in_order(rows_of_lane):
+        lanes = []
+        for ty in range(8):
+            s = np.zeros(OC, np.float32)
+            for r in rows_of_lane(ty):
+                s = s + r
+            lanes.append(s)
+        total = lanes[0]
+        for s in lanes[1:]:
+            total = total + s
+        return total
+
+    partial = np.stack([lanes_in_order(lambda ty, c=c: (dout32[n] for n in range(c * rows_per_chunk + ty,
+                                                                         min(N, (c + 1) * rows_per_chunk), 8)))
+                        for c in range(nchunks)])
+    total = lanes_in_order(lambda ty: (partial[k] for k in range(ty, nchunks, 8)))
+    return db0_32 + total
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("min_rows", [32, 64, 128])
+@pytest.mark.parametrize("N,OC", [(4 * 1024, 768), (4 * 65, 2304), (2 * 1024 + 3, 776), (7, 8), (1000, 264)])
+def test_matmul_backward_bias4_order_gpu(rt, rng, dtype, min_rows, N, OC):
+    """Version 4 at each chunk size the lab times: the rows' loads batched (BIAS4_ROWS_BATCH), the
+    finishing block's partials batched (BIAS4_FINISH_BATCH), chunks whose rows and chunk counts leave
+    a partial batch. The result is the in-order float32 sum bit for bit (bf16: then rounded once)."""
+    from llmc.bf16 import from_bf16, to_bf16
+    spec = ops.get("matmul_backward_bias")
+    if dtype == "bf16":
+        (dout, _), (db0, _) = bf16_values(rng, N, OC), bf16_values(rng, OC)
+        dout32, db32 = from_bf16(dout).astype(np.float32), from_bf16(db0).astype(np.float32)
+    else:
+        dout, db0 = rnd(rng, N, OC), rnd(rng, OC)
+        dout32, db32 = dout, db0
+    if spec.refuse_reason(4, dtype, rt.arch, N=N, OC=OC):
+        pytest.skip(spec.refuse_reason(4, dtype, rt.arch, N=N, OC=OC))
+    _, _, rows = mm._bias_chunks(rt, N, OC, 256 if dtype == "bf16" else 128, min_rows)
+    want = bias4_in_order(dout32, db32, rows)
+    if dtype == "bf16":
+        want = to_bf16(want)
+    d_dout, d_db = rt.to_device(dout), rt.to_device(db0)
+    launch = spec.build(rt, 4, dtype, N=N, OC=OC, min_rows=min_rows)
+    for _ in range(2):  # twice: the finishing block resets its counter
+        d_db.set(db0)
+        launch(d_db, d_dout)
+        got = d_db.get()
+        assert np.array_equal(got.view(np.uint16 if dtype == "bf16" else np.uint32),
+                              want.view(np.uint16 if dtype == "bf16" else np.uint32)), \
+            f"matmul_backward_bias 4 {dtype} min_rows={min_rows} N={N} OC={OC}: not the in-order sum"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("N,OC", [(1, 96), (65, 1600), (4 * 65, 2304), (7, 8), (2 * 1024 + 3, 776)])

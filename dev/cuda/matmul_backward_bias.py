@@ -6,7 +6,8 @@
     python dev/cuda/matmul_backward_bias.py 4 5 --batch 16   # N = 16 * 1024
 
 Variant 5 (clusters, sm_90) is timed at its default width ("5", 8 16-byte column lanes a block) and
-at 4 lanes ("5/l4").
+at 4 lanes ("5/l4"); variant 4 with its default chunks (>= 128 rows) and with chunks of >= 32 and >= 64 rows
+("4/r32", "4/r64": more partials for the finishing block to add).
 
 Reads N*OC floats once (the bytes of the op's cost model): judged in GB/s against 2.98 TB/s.
 bf16 rows ("4 bf16 OC=..."): the bf16 build (dout and dbias bf16, fp32 sums, one rounding) reads N*OC
@@ -31,6 +32,10 @@ def widths(numbers, dtype):
         if n == 5 and spec.refuse_reason(5, dtype, rt.arch, N=N, OC=OC) is None:
             yield n, {}, ""
             yield n, {"lanes": 4}, "/l4"
+        elif n == 4:  # also with chunks of >= 32 and >= 64 rows (the default: >= 128; more partials to finish)
+            yield n, {}, ""
+            yield n, {"min_rows": 32}, "/r32"
+            yield n, {"min_rows": 64}, "/r64"
         else:
             yield n, {}, ""
 
