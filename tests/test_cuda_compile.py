@@ -89,13 +89,14 @@ def test_arch_specific_targets(monkeypatch):
 
 
 def _sass_functions(module: str) -> dict:
-    """{entry point: its SASS} of cuda/<module>.cu built for its sm_90a target (cuobjdump; skips
-    where cuobjdump is missing: the GPU machine has it, CI's doesn't)."""
+    """{entry point: its SASS} of cuda/<module>.cu built for its Hopper target (sm_90a for the wgmma
+    modules, else sm_90; cuobjdump; skips where cuobjdump is missing: the GPU machine has it, CI's
+    doesn't)."""
     import shutil
     import subprocess
     if shutil.which("cuobjdump") is None:
         pytest.skip("cuobjdump not installed")
-    cubin, _ = compile_cubin(module, ARCH_SPECIFIC[module])
+    cubin, _ = compile_cubin(module, ARCH_SPECIFIC.get(module, "sm_90"))
     sass = subprocess.run(["cuobjdump", "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
     funcs = {}
     for block in sass.split("Function : ")[1:]:
@@ -135,6 +136,19 @@ def test_attention4_sass_has_hgmma_and_tma():
     kernels = [f for f in funcs if f.startswith("flash_attention_") and "kernel4" in f]
     assert sum("tf32" in f for f in kernels) >= 12 and sum("bf16" in f for f in kernels) >= 12, sorted(funcs)
     _assert_wgmma_tma(funcs, kernels)
+
+
+@pytest.mark.gpu  # cuobjdump, as above
+def test_matmul_backward_bias4_sass_loads_16_bytes_plain():
+    """matmul_backward_bias 4 reads dout and the partials 16 bytes a load and with plain loads: every
+    global load in its SASS is LDG.E.128 (in bf16 a conversion helper that took the row's 16-byte word
+    by reference once made it four 4-byte LDG.E, and ld.global.cg partials were LDG.E.128.STRONG.GPU,
+    fewer in flight: session 31)."""
+    import re
+    funcs = _sass_functions("matmul")
+    for f in ("matmul_backward_bias_kernel4", "matmul_backward_bias_kernel4_bf16"):
+        loads = re.findall(r"\bLDG\S*", funcs[f])
+        assert loads and set(loads) == {"LDG.E.128"}, f"{f}: {sorted(set(loads))}"
 
 
 def test_every_entry_point_waits_for_its_predecessor_first():
