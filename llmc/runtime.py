@@ -90,6 +90,34 @@ def nvcc_path() -> str | None:
         "/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").exists() else None)
 
 
+def cuobjdump_env() -> tuple[str, dict] | None:
+    """(cuobjdump, its environment) for reading a cubin's SASS, or None: from PATH, the CUDA install
+    beside nvcc, or the pip wheels nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm (requirements-test.txt:
+    CI has no CUDA toolkit but nvcc, and cuobjdump needs nvdisasm, found through NVDISASM_PATH)."""
+    import glob
+    dirs = [str(Path(p).parent) for p in (shutil.which("cuobjdump"), nvcc_path()) if p]
+    try:
+        import nvidia  # the namespace package of NVIDIA's pip wheels
+        dirs += sorted(d for base in nvidia.__path__ for d in glob.glob(f"{base}/cu*/bin"))
+    except ImportError:
+        pass
+    tool = next((f"{d}/cuobjdump" for d in dirs if os.access(f"{d}/cuobjdump", os.X_OK)), None)
+    disasm = next((f"{d}/nvdisasm" for d in dirs if os.access(f"{d}/nvdisasm", os.X_OK)), None)
+    if tool is None or disasm is None:
+        return None
+    return tool, {**os.environ, "NVDISASM_PATH": str(Path(disasm).parent),
+                  "PATH": f"{Path(disasm).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+
+
+def sass(cubin) -> str | None:
+    """cuobjdump -sass of a cubin (every function), or None where no cuobjdump is found."""
+    found = cuobjdump_env()
+    if found is None:
+        return None
+    tool, env = found
+    return subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True, env=env).stdout
+
+
 def cuda_sources() -> list[str]:
     """Module names, one per cuda/<name>.cu."""
     return sorted(p.stem for p in CUDA_DIR.glob("*.cu"))

@@ -1,6 +1,8 @@
 """Every cuda/*.cu compiles with nvcc for sm_90 (H100) and sm_80 (A100), with no register spills
 and no local-memory stack frame in any kernel (ptxas -v report parsed), and no wgmma pipeline that
-ptxas serialized (its C7515 note). No GPU needed."""
+ptxas serialized (its C7515 note). The SASS of some kernels (cuobjdump, where found) shows the
+instructions they were written for: HGMMA and TMA in engine 5 and attention 4, 16-byte plain loads in
+matmul_backward_bias 4. No GPU needed."""
 import pytest
 
 from llmc.runtime import ARCH_SPECIFIC, CUDA_DIR, compile_cubin, cuda_sources, nvcc_path, resource_report
@@ -90,19 +92,34 @@ def test_arch_specific_targets(monkeypatch):
 
 def _sass_functions(module: str) -> dict:
     """{entry point: its SASS} of cuda/<module>.cu built for its Hopper target (sm_90a for the wgmma
-    modules, else sm_90; cuobjdump; skips where cuobjdump is missing: the GPU machine has it, CI's
-    doesn't)."""
-    import shutil
-    import subprocess
-    if shutil.which("cuobjdump") is None:
-        pytest.skip("cuobjdump not installed")
+    modules, else sm_90), by cuobjdump (llmc.runtime.sass: PATH, the CUDA install, or the pip wheels
+    requirements-test.txt installs); skips where none is found."""
+    from llmc.runtime import sass
     cubin, _ = compile_cubin(module, ARCH_SPECIFIC.get(module, "sm_90"))
-    sass = subprocess.run(["cuobjdump", "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    text = sass(cubin)
+    if text is None:
+        pytest.skip("cuobjdump (or nvdisasm) not found: pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm")
     funcs = {}
-    for block in sass.split("Function : ")[1:]:
+    for block in text.split("Function : ")[1:]:
         name, body = block.split("\n", 1)
         funcs[name.strip()] = body
     return funcs
+
+
+def test_cuobjdump_is_found_where_its_wheels_are_installed():
+    """Where requirements-test.txt's wheels are installed (CI), llmc.runtime finds cuobjdump and nvdisasm
+    there, so the SASS tests below run instead of skipping."""
+    import os
+    from importlib import metadata
+    from llmc.runtime import cuobjdump_env
+    try:
+        metadata.version("nvidia-cuda-cuobjdump"), metadata.version("nvidia-cuda-nvdisasm")
+    except metadata.PackageNotFoundError:
+        pytest.skip("the nvidia-cuda-cuobjdump / nvidia-cuda-nvdisasm wheels are not installed")
+    found = cuobjdump_env()
+    assert found is not None
+    tool, env = found
+    assert os.access(os.path.join(env["NVDISASM_PATH"], "nvdisasm"), os.X_OK), env["NVDISASM_PATH"]
 
 
 def _assert_wgmma_tma(funcs: dict, names: list) -> None:
@@ -115,7 +132,6 @@ def _assert_wgmma_tma(funcs: dict, names: list) -> None:
         assert (".TF32" in body) == ("tf32" in f) and (".BF16" in body) == ("bf16" in f), f
 
 
-@pytest.mark.gpu  # needs no GPU, but cuobjdump: the GPU machine has it, CI's doesn't
 def test_engine5_sass_has_hgmma_and_tma():
     """Engine 5's kernels really run on Hopper's wgmma (HGMMA in the SASS, not HMMA/FFMA) with TMA
     loads (UTMALDG), and none touches local memory (LDL/STL)."""
@@ -127,7 +143,6 @@ def test_engine5_sass_has_hgmma_and_tma():
     _assert_wgmma_tma(funcs, engines)
 
 
-@pytest.mark.gpu  # cuobjdump, as above
 def test_attention4_sass_has_hgmma_and_tma():
     """attention 4's kernels, bf16 and TF32 (forward, dq, dk/dv; every schedule, layout and transpose
     form), run on wgmma with TMA loads and no local memory (attention_vt_kernel, the transposes in
@@ -138,7 +153,6 @@ def test_attention4_sass_has_hgmma_and_tma():
     _assert_wgmma_tma(funcs, kernels)
 
 
-@pytest.mark.gpu  # cuobjdump, as above
 def test_matmul_backward_bias4_sass_loads_16_bytes_plain():
     """matmul_backward_bias 4 reads dout and the partials 16 bytes a load and with plain loads: every
     global load in its SASS is LDG.E.128 (in bf16 a conversion helper that took the row's 16-byte word

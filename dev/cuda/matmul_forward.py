@@ -101,7 +101,12 @@ def sass_steady_loop(sass: str) -> collections.Counter:
 
 
 def sass_report():
-    from llmc.runtime import compile_cubin
+    from llmc.runtime import compile_cubin, cuobjdump_env
+    found = cuobjdump_env()
+    if found is None:
+        raise SystemExit("matmul_forward.py --sass: cuobjdump (and nvdisasm) not found: install the CUDA toolkit or "
+                         "pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm")
+    tool, env = found
     print("## TF32 engines: SASS instructions per warp per k-tile (main loop, steady state) / HMMA")
     for arch in ("sm_90", "sm_80"):
         cubin, _ = compile_cubin("gemm", arch)
@@ -112,8 +117,8 @@ def sass_report():
             for lay in ("nn", "nt", "tn", "tt"):
                 counts = []
                 for fn in (f"gemm_tf32_{cfg}_v4_{lay}", f"gemm_tf32_e4_{cfg}_{lay}"):
-                    sass = subprocess.run(["cuobjdump", "-sass", "-fun", fn, str(cubin)], capture_output=True,
-                                          text=True, check=True).stdout
+                    sass = subprocess.run([tool, "-sass", "-fun", fn, str(cubin)], capture_output=True,
+                                          text=True, check=True, env=env).stdout
                     c = sass_steady_loop(sass)
                     counts.append((sum(c.values()), c["HMMA.1688.F32.TF32"], c))
                 (n2, h2, _), (n4, h4, c4) = counts
