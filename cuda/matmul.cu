@@ -26,7 +26,9 @@
 //   version 4: version 3 in one launch: the last block of each column block to finish (a ticket on
 //              a per-column-block counter) adds the partials up in chunk order (deterministic; the
 //              default: 13.0 / 23.8 / 29.4 us at OC = 768 / 2304 / 3072, N = 4096, against version 3's
-//              14.9 / 26.3 / 31.4, docs/lab/matmul_backward.md)
+//              14.9 / 26.3 / 31.4, docs/lab/matmul_backward.md). Since session 31: chunks of >= 128 rows
+//              (were >= 32), the finishing block's partials by plain loads, bf16 rows four at a time
+//              (H200 bf16, N = 4096: 11.0 / 13.7 / 15.8 us, were 11.5 / 14.0 / 15.9)
 //   version 5: sm_90: clusters of 8 blocks over the rows of a column slice, their sums added in rank
 //              order through distributed shared memory (no partials, no counters; fp32 and bf16).
 //              Faster alone in bf16, slower in the step beside the side stream's GEMMs (docs/matmul_notes.md)
