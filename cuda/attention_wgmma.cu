@@ -9,7 +9,11 @@
 //       part 1: D (B,NH,T) = rowsum(dout * out) fp32 scratch; dq -> dinp[..., 0:C]
 //   flash_attention_backward_dkdv_kernel4_bf16[_btc[_pingpong]]   part 2: dk, dv -> dinp[..., C:3C]
 //       (reads D). _btc: q, k, v from the (B,T,3C) qkv tensor (the model's in-place form; with
-//       _pingpong, its default), else from the permuted qkvr; the backward's design is below
+//       _pingpong, its default), else from the permuted qkvr; the backward's design is below.
+//       With a partials pointer (colsum form, dbias(3C) += dinp's column sums: qkv's bias gradient)
+//       each warpgroup also sums the 64 rows it stores into a row of partials, which
+//       flash_attention_backward_colsum_finish_kernel_bf16 adds into dbias (variant 5: the same, with
+//       its convert pass as flash_attention_backward_convert_colsum_kernel5_bf16_rg{8,4})
 //   flash_attention_forward_kernel4_tf32[_btc][_smt], flash_attention_backward_{dq,dkdv}_kernel4_tf32
 //       [_btc][_smt]: variant 4's fp32 builds (TF32 wgmma; fp32 in and out), the same algorithms with
 //       v (forward), k, q, dout (backward) transposed for TF32's K-major operands, either by
@@ -162,6 +166,8 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {  // lo in th
     const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<const uint32_t*>(&v);
 }
+__device__ __forceinline__ float unpack_lo(uint32_t w) { return __uint_as_float(w << 16); }          // its lower column
+__device__ __forceinline__ float unpack_hi(uint32_t w) { return __uint_as_float(w & 0xFFFF0000u); }  // its upper one
 
 // ------------------------------------------------------------------------------------------------
 // the consumers' pieces
@@ -718,7 +724,7 @@ __device__ __forceinline__ float d_partial(const bf16* dout, const bf16* out, si
 // 0.0808 against 0.0867 at B=4 (with the dq reduction's .read wait).
 __device__ __forceinline__ void store_rows_staged(bf16* dinp, const float (&x)[32], float sx, unsigned char* buf,
                                                   bool first, int b, int T, int C, int row64, int col0, int tid,
-                                                  int cw) {
+                                                  int cw, float* part = nullptr) {
     const int warp = tid >> 5, g = (tid >> 2) & 7, t = tid & 3;
     if (!first) wg_barrier(1 + cw);  // the previous rows all read back before they are overwritten
 #pragma unroll
@@ -730,20 +736,51 @@ __device__ __forceinline__ void store_rows_staged(bf16* dinp, const float (&x)[3
                 pack_bf16(x[4 * j + 2 * hh] * sx, x[4 * j + 2 * hh + 1] * sx);
     }
     wg_barrier(1 + cw);
+    float s[8];  // part: this thread's column sums (columns 8q.., its 4 rows r, r + 16, ...) of the values stored
+#pragma unroll
+    for (int e = 0; e < 8; e++) s[e] = 0.0f;
 #pragma unroll
     for (int k = 0; k < 4; k++) {
         const int c = tid + 128 * k, r = c >> 3, q = c & 7, row = row64 + r;
         const uint4 v = *reinterpret_cast<const uint4*>(buf + r * ROW_BYTES + ((q ^ (r & 7)) << 4));
-        if (row < T) *reinterpret_cast<uint4*>(dinp + ((size_t)b * T + row) * 3 * C + col0 + 8 * q) = v;
+        if (row < T) {
+            *reinterpret_cast<uint4*>(dinp + ((size_t)b * T + row) * 3 * C + col0 + 8 * q) = v;
+            if (part != nullptr) {
+                s[0] += unpack_lo(v.x); s[1] += unpack_hi(v.x); s[2] += unpack_lo(v.y); s[3] += unpack_hi(v.y);
+                s[4] += unpack_lo(v.z); s[5] += unpack_hi(v.z); s[6] += unpack_lo(v.w); s[7] += unpack_hi(v.w);
+            }
+        }
+    }
+    if (part != nullptr) {  // (the same for the whole warpgroup) the 64 rows' column sums into part[0..63]
+        // lanes l, l ^ 8, l ^ 16, l ^ 24 hold the same 8 columns: after two xor steps each has the warp's
+        // 16 rows; then the 4 warps' sums through buf (read back above by all: a barrier first), in order
+#pragma unroll
+        for (int e = 0; e < 8; e++) {
+            s[e] += __shfl_xor_sync(0xffffffffu, s[e], 8);
+            s[e] += __shfl_xor_sync(0xffffffffu, s[e], 16);
+        }
+        wg_barrier(1 + cw);
+        float* sf = reinterpret_cast<float*>(buf);
+        if ((tid & 31) < 8) {
+#pragma unroll
+            for (int e = 0; e < 8; e++) sf[(tid >> 5) * 64 + 8 * (tid & 7) + e] = s[e];
+        }
+        wg_barrier(1 + cw);
+        if (tid < 64) part[tid] = ((sf[tid] + sf[64 + tid]) + sf[128 + tid]) + sf[192 + tid];
     }
 }
 
 // dk * scale -> dinp[..., C:2C], dv -> dinp[..., 2C:3C] (head h), one bf16 rounding each, through buf:
 // the warpgroup's own rows of the v tile, which only its own dP^T products read, all completed by now
+// part (attention_backward 5's colsum form; nullptr: none): the row of column-sum partials of these 64
+// keys (B T / 64 rows of 3C fp32): its dk and dv columns get the sums of the values as stored
 __device__ __forceinline__ void store_dkdv(bf16* dinp, const float (&dk)[32], const float (&dv)[32], unsigned char* buf,
-                                           int b, int h, int T, int C, int k64, int tid, int cw, float scale) {
-    store_rows_staged(dinp, dk, scale, buf, true, b, T, C, k64, C + h * HS, tid, cw);
-    store_rows_staged(dinp, dv, 1.0f, buf, false, b, T, C, k64, 2 * C + h * HS, tid, cw);
+                                           int b, int h, int T, int C, int k64, int tid, int cw, float scale,
+                                           float* part = nullptr) {
+    store_rows_staged(dinp, dk, scale, buf, true, b, T, C, k64, C + h * HS, tid, cw,
+                      part != nullptr ? part + C + h * HS : nullptr);
+    store_rows_staged(dinp, dv, 1.0f, buf, false, b, T, C, k64, 2 * C + h * HS, tid, cw,
+                      part != nullptr ? part + 2 * C + h * HS : nullptr);
 }
 
 // Backward, part 1: per (b, h, 128 query rows), D = rowsum(dout * out) (written for part 2) and
@@ -757,7 +794,7 @@ __device__ __forceinline__ void store_dkdv(bf16* dinp, const float (&dk)[32], co
 template <bool OVERLAP, bool BTC, bool PINGPONG = false>
 __device__ __forceinline__ void flash_backward_dq_wgmma(bf16* dinp, float* Dbuf, const bf16* dout, const bf16* out,
                                                         const CUtensorMap* tm, const float* lse, int B, int NH, int T,
-                                                        float scale) {
+                                                        float scale, float* part) {
     extern __shared__ unsigned char smem_bwd[];
     unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_bwd) + 1023) & ~uintptr_t(1023));
     unsigned char* sq = smem;                    // q (128 x 64)
@@ -891,38 +928,41 @@ __device__ __forceinline__ void flash_backward_dq_wgmma(bf16* dinp, float* Dbuf,
 
     // dq * scale -> dinp[..., 0:C], one bf16 rounding, through the warpgroup's own rows of the q tile
     // (only its own S products read them, all completed by now)
-    store_rows_staged(dinp, dq, scale, const_cast<unsigned char*>(sqw), true, b, T, C, q0 + 64 * cw, h * HS, tid, cw);
+    // (colsum form: part, the partials; else nullptr) this warpgroup's 64 rows' q column sums into their row
+    const int r64 = q0 + 64 * cw;
+    float* prow = part != nullptr && r64 < T ? part + ((size_t)b * ((T + 63) / 64) + r64 / 64) * 3 * C + h * HS : nullptr;
+    store_rows_staged(dinp, dq, scale, const_cast<unsigned char*>(sqw), true, b, T, C, r64, h * HS, tid, cw, prow);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_backward_dq_kernel4_bf16(bf16* dinp, float* Dbuf, const bf16* dout, const bf16* out,
-                                         const CUtensorMap* tm, const float* lse, int B, int NH, int T, float scale) {
+                                         const CUtensorMap* tm, const float* lse, int B, int NH, int T, float scale, float* part) {
     LLMC_PDL_WAIT();
-    flash_backward_dq_wgmma<false, false>(dinp, Dbuf, dout, out, tm, lse, B, NH, T, scale);
+    flash_backward_dq_wgmma<false, false>(dinp, Dbuf, dout, out, tm, lse, B, NH, T, scale, part);
 }
 // q, k, v from the (B,T,3C) qkv tensor itself (the build with qkv_in_place=True)
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_backward_dq_kernel4_bf16_btc(bf16* dinp, float* Dbuf, const bf16* dout, const bf16* out,
                                              const CUtensorMap* tm, const float* lse, int B, int NH, int T,
-                                             float scale) {
+                                             float scale, float* part) {
     LLMC_PDL_WAIT();
-    flash_backward_dq_wgmma<false, true>(dinp, Dbuf, dout, out, tm, lse, B, NH, T, scale);
+    flash_backward_dq_wgmma<false, true>(dinp, Dbuf, dout, out, tm, lse, B, NH, T, scale, part);
 }
 // the lab's in-place pingpong=True build (the consumers take turns issuing; the same bits)
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_backward_dq_kernel4_bf16_btc_pingpong(bf16* dinp, float* Dbuf, const bf16* dout, const bf16* out,
                                                       const CUtensorMap* tm, const float* lse, int B, int NH, int T,
-                                                      float scale) {
+                                                      float scale, float* part) {
     LLMC_PDL_WAIT();
-    flash_backward_dq_wgmma<false, true, true>(dinp, Dbuf, dout, out, tm, lse, B, NH, T, scale);
+    flash_backward_dq_wgmma<false, true, true>(dinp, Dbuf, dout, out, tm, lse, B, NH, T, scale, part);
 }
 // the lab's overlap=True build (llmc/ops/attention.py); the same bits as the plain one
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_backward_dq_kernel4_bf16_overlap(bf16* dinp, float* Dbuf, const bf16* dout, const bf16* out,
                                                  const CUtensorMap* tm, const float* lse, int B, int NH, int T,
-                                                 float scale) {
+                                                 float scale, float* part) {
     LLMC_PDL_WAIT();
-    flash_backward_dq_wgmma<true, false>(dinp, Dbuf, dout, out, tm, lse, B, NH, T, scale);
+    flash_backward_dq_wgmma<true, false>(dinp, Dbuf, dout, out, tm, lse, B, NH, T, scale, part);
 }
 
 // The dk/dv kernels' producer (attention_backward 4 and 5; thread 0 of warpgroup 0): k and v of the
@@ -975,7 +1015,8 @@ __device__ __forceinline__ const unsigned char* dkdv_tile_scores(float (&sc)[64]
 // PINGPONG: the consumers take turns issuing, 2 nt turns each (S^T and dP^T of a tile, then dv and dk).
 template <bool BTC, bool PINGPONG = false>
 __device__ __forceinline__ void flash_backward_dkdv_wgmma(bf16* dinp, const CUtensorMap* tm, const float* lse,
-                                                          const float* Dbuf, int B, int NH, int T, float scale) {
+                                                          const float* Dbuf, int B, int NH, int T, float scale,
+                                                          float* part) {
     extern __shared__ unsigned char smem_bwd[];
     unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_bwd) + 1023) & ~uintptr_t(1023));
     unsigned char* sk = smem;                      // k (128 keys x 64)
@@ -1067,26 +1108,30 @@ __device__ __forceinline__ void flash_backward_dkdv_wgmma(bf16* dinp, const CUte
         if (lane == 0) mbar_arrive(&empty[i % BF_BWD_STAGES]);
     }
 
-    store_dkdv(dinp, dk, dv, const_cast<unsigned char*>(svw), b, h, T, C, k0 + 64 * cw, tid, cw, scale);
+    const int k64 = k0 + 64 * cw;  // (colsum form) this warpgroup's 64 keys' row of partials: dk's and dv's sums
+    float* prow = part != nullptr && k64 < T ? part + ((size_t)b * ((T + 63) / 64) + k64 / 64) * 3 * C : nullptr;
+    store_dkdv(dinp, dk, dv, const_cast<unsigned char*>(svw), b, h, T, C, k64, tid, cw, scale, prow);
 }
 
+// part (the dq and dk/dv kernels): the colsum form's partials (B ceil(T / 64), 3C) fp32, or nullptr
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_backward_dkdv_kernel4_bf16(bf16* dinp, const CUtensorMap* tm, const float* lse, const float* Dbuf,
-                                           int B, int NH, int T, float scale) {
+                                           int B, int NH, int T, float scale, float* part) {
     LLMC_PDL_WAIT();
-    flash_backward_dkdv_wgmma<false>(dinp, tm, lse, Dbuf, B, NH, T, scale);
+    flash_backward_dkdv_wgmma<false>(dinp, tm, lse, Dbuf, B, NH, T, scale, part);
 }
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_backward_dkdv_kernel4_bf16_btc(bf16* dinp, const CUtensorMap* tm, const float* lse, const float* Dbuf,
-                                               int B, int NH, int T, float scale) {
+                                               int B, int NH, int T, float scale, float* part) {
     LLMC_PDL_WAIT();
-    flash_backward_dkdv_wgmma<true>(dinp, tm, lse, Dbuf, B, NH, T, scale);
+    flash_backward_dkdv_wgmma<true>(dinp, tm, lse, Dbuf, B, NH, T, scale, part);
 }
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_backward_dkdv_kernel4_bf16_btc_pingpong(bf16* dinp, const CUtensorMap* tm, const float* lse,
-                                                        const float* Dbuf, int B, int NH, int T, float scale) {
+                                                        const float* Dbuf, int B, int NH, int T, float scale,
+                                                        float* part) {
     LLMC_PDL_WAIT();
-    flash_backward_dkdv_wgmma<true, true>(dinp, tm, lse, Dbuf, B, NH, T, scale);
+    flash_backward_dkdv_wgmma<true, true>(dinp, tm, lse, Dbuf, B, NH, T, scale, part);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -1192,7 +1237,7 @@ flash_attention_backward_convert_kernel5_bf16(bf16* dinp, const float* dq_acc, i
 template <bool BTC, bool PINGPONG = false>
 __device__ __forceinline__ void flash_backward_dkdvq_wgmma(bf16* dinp, float* dq_acc, const CUtensorMap* tm,
                                                            const float* lse, const float* Dbuf, int B, int NH, int T,
-                                                           float scale, int G) {
+                                                           float scale, int G, float* part) {
     extern __shared__ unsigned char smem_bwd[];
     unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_bwd) + 1023) & ~uintptr_t(1023));
     unsigned char* sk = smem;                      // k (128 keys x 64)
@@ -1378,27 +1423,141 @@ __device__ __forceinline__ void flash_backward_dkdvq_wgmma(bf16* dinp, float* dq
         if (tid == 0) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
     }
 
-    store_dkdv(dinp, dk, dv, const_cast<unsigned char*>(svw), b, h, T, C, k0 + 64 * cw, tid, cw, scale);
+    // (colsum form) this warpgroup's 64 keys' row of partials: dk's and dv's column sums (keys past T: none)
+    const int k64 = k0 + 64 * cw;
+    float* prow = part != nullptr && k64 < T ? part + ((size_t)b * ((T + 63) / 64) + k64 / 64) * 3 * C : nullptr;
+    store_dkdv(dinp, dk, dv, const_cast<unsigned char*>(svw), b, h, T, C, k64, tid, cw, scale, prow);
 }
 
+// part: the colsum form's partials (B ceil(T / 64), 3C) fp32, or nullptr
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_backward_dkdvq_kernel5_bf16(bf16* dinp, float* dq_acc, const CUtensorMap* tm, const float* lse,
-                                            const float* Dbuf, int B, int NH, int T, float scale, int G) {
+                                            const float* Dbuf, int B, int NH, int T, float scale, int G, float* part) {
     LLMC_PDL_WAIT();
-    flash_backward_dkdvq_wgmma<false>(dinp, dq_acc, tm, lse, Dbuf, B, NH, T, scale, G);
+    flash_backward_dkdvq_wgmma<false>(dinp, dq_acc, tm, lse, Dbuf, B, NH, T, scale, G, part);
 }
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_backward_dkdvq_kernel5_bf16_btc(bf16* dinp, float* dq_acc, const CUtensorMap* tm, const float* lse,
-                                                const float* Dbuf, int B, int NH, int T, float scale, int G) {
+                                                const float* Dbuf, int B, int NH, int T, float scale, int G,
+                                                float* part) {
     LLMC_PDL_WAIT();
-    flash_backward_dkdvq_wgmma<true>(dinp, dq_acc, tm, lse, Dbuf, B, NH, T, scale, G);
+    flash_backward_dkdvq_wgmma<true>(dinp, dq_acc, tm, lse, Dbuf, B, NH, T, scale, G, part);
 }
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_backward_dkdvq_kernel5_bf16_btc_pingpong(bf16* dinp, float* dq_acc, const CUtensorMap* tm,
                                                          const float* lse, const float* Dbuf, int B, int NH, int T,
-                                                         float scale, int G) {
+                                                         float scale, int G, float* part) {
     LLMC_PDL_WAIT();
-    flash_backward_dkdvq_wgmma<true, true>(dinp, dq_acc, tm, lse, Dbuf, B, NH, T, scale, G);
+    flash_backward_dkdvq_wgmma<true, true>(dinp, dq_acc, tm, lse, Dbuf, B, NH, T, scale, G, part);
+}
+
+// The colsum form's last two passes (attention_backward 5 with colsum=True: dbias(3C) += the column
+// sums of dinp viewed as (B T, 3C), qkv's bias gradient, without matmul_backward_bias re-reading dinp).
+// The main kernel wrote the dk and dv columns of part's rows (a row per 64 keys of a batch row, the
+// sums of the bf16 values as stored). convert_colsum: convert's work (dinp[..., 0:C] = bf16(scale
+// dq_acc)) by a block per (b, 64 rows): thread (x, y) converts columns 8x..8x+7 of rows y, y + RG, ...
+// and sums the values it stores; the RG row groups' sums are added in order (y = 0, 1, ...) through
+// shared memory ((RG - 1) C floats, dynamic) into the q columns of the block's row of part.
+template <int RG>
+__device__ __forceinline__ void convert_colsum_t(bf16* __restrict__ dinp, float* __restrict__ part,
+                                                 const float* __restrict__ dq_acc, int B, int NH, int T, float scale) {
+    extern __shared__ float red[];  // [RG - 1][C]
+    const int C = NH * HS, nq64 = (T + 63) / 64;
+    const int b = blockIdx.x / nq64, t64 = blockIdx.x % nq64;
+    const int c = 8 * threadIdx.x, h = c / HS, d = c % HS, y = threadIdx.y;
+    const float* src = dq_acc + (size_t)(b * NH + h) * T * HS + d;
+    float s[8];
+#pragma unroll
+    for (int e = 0; e < 8; e++) s[e] = 0.0f;
+    // rows 4 at a time: their loads issued, then converted, stored and summed in row order
+#pragma unroll
+    for (int i0 = 0; i0 < 64 / RG; i0 += 4) {
+        float4 ld[4][2];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int t = t64 * 64 + y + RG * (i0 + i);
+            if (t < T) {
+                ld[i][0] = *reinterpret_cast<const float4*>(src + (size_t)t * HS);
+                ld[i][1] = *reinterpret_cast<const float4*>(src + (size_t)t * HS + 4);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int t = t64 * 64 + y + RG * (i0 + i);
+            if (t >= T) continue;
+            const float4 a = ld[i][0], a2 = ld[i][1];
+            uint4 o;
+            o.x = pack_bf16(a.x * scale, a.y * scale);
+            o.y = pack_bf16(a.z * scale, a.w * scale);
+            o.z = pack_bf16(a2.x * scale, a2.y * scale);
+            o.w = pack_bf16(a2.z * scale, a2.w * scale);
+            *reinterpret_cast<uint4*>(dinp + ((size_t)b * T + t) * 3 * C + c) = o;
+            s[0] += unpack_lo(o.x); s[1] += unpack_hi(o.x); s[2] += unpack_lo(o.y); s[3] += unpack_hi(o.y);
+            s[4] += unpack_lo(o.z); s[5] += unpack_hi(o.z); s[6] += unpack_lo(o.w); s[7] += unpack_hi(o.w);
+        }
+    }
+    if (y > 0) {
+#pragma unroll
+        for (int e = 0; e < 8; e++) red[(y - 1) * C + c + e] = s[e];
+    }
+    __syncthreads();
+    if (y == 0) {
+        for (int k = 0; k < RG - 1; k++) {
+#pragma unroll
+            for (int e = 0; e < 8; e++) s[e] += red[k * C + c + e];
+        }
+        float* dst = part + ((size_t)b * nq64 + t64) * 3 * C + c;
+        *reinterpret_cast<float4*>(dst) = make_float4(s[0], s[1], s[2], s[3]);
+        *reinterpret_cast<float4*>(dst + 4) = make_float4(s[4], s[5], s[6], s[7]);
+    }
+}
+// RG = 8 where 8 C / 8 threads fit a block (C <= 1024), else 4 (C <= 2048; the build refuses more)
+extern "C" __global__ void __launch_bounds__(1024)
+flash_attention_backward_convert_colsum_kernel5_bf16_rg8(bf16* dinp, float* part, const float* dq_acc, int B, int NH,
+                                                         int T, float scale) {
+    LLMC_PDL_WAIT();
+    convert_colsum_t<8>(dinp, part, dq_acc, B, NH, T, scale);
+}
+extern "C" __global__ void __launch_bounds__(1024)
+flash_attention_backward_convert_colsum_kernel5_bf16_rg4(bf16* dinp, float* part, const float* dq_acc, int B, int NH,
+                                                         int T, float scale) {
+    LLMC_PDL_WAIT();
+    convert_colsum_t<4>(dinp, part, dq_acc, B, NH, T, scale);
+}
+
+// finish: dbias[c] = bf16(dbias[c] + the sum of part's R rows), one rounding. Block (16, 64): thread x
+// takes 4 columns (a float4), thread y rows y, y + 64, ... (R / 64 of them: all its loads in flight at
+// once); the 64 partial sums then added pairwise through shared memory (y += y + 32, + 16, ...): a fixed
+// order. 3C % 4 == 0 (C = 64 NH). (A first form, 16 row groups summed in a loop, took 6.6 us at d12 B=16.)
+extern "C" __global__ void __launch_bounds__(1024)
+flash_attention_backward_colsum_finish_kernel_bf16(bf16* dbias, const float* part, int R, int C3) {
+    LLMC_PDL_WAIT();
+    __shared__ float4 red[64][16];
+    const int x = threadIdx.x, y = threadIdx.y, c = 4 * (blockIdx.x * 16 + x);
+    float4 s = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (c < C3) {
+#pragma unroll 8
+        for (int r = y; r < R; r += 64) {
+            const float4 v = *reinterpret_cast<const float4*>(part + (size_t)r * C3 + c);
+            s.x += v.x; s.y += v.y; s.z += v.z; s.w += v.w;
+        }
+    }
+    red[y][x] = s;
+#pragma unroll
+    for (int h = 32; h > 0; h >>= 1) {
+        __syncthreads();
+        if (y < h) {
+            const float4 v = red[y + h][x];
+            s.x += v.x; s.y += v.y; s.z += v.z; s.w += v.w;
+            red[y][x] = s;
+        }
+    }
+    if (y == 0 && c < C3) {
+        uint2 w = *reinterpret_cast<const uint2*>(dbias + c);
+        w.x = pack_bf16(unpack_lo(w.x) + s.x, unpack_hi(w.x) + s.y);
+        w.y = pack_bf16(unpack_lo(w.y) + s.z, unpack_hi(w.y) + s.w);
+        *reinterpret_cast<uint2*>(dbias + c) = w;
+    }
 }
 
 // ------------------------------------------------------------------------------------------------

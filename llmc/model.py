@@ -35,6 +35,8 @@ Bias gradients: fcproj's, attproj's and fc's are column sums of dres and dfch, w
 backward and GELU backward write just before; where the chosen variants have the fused form
 (colsum=True: layernorm_backward 5, gelu_backward 2) those kernels add the sums as they write, and
 no matmul_backward_bias runs for them (fuse_bias=False or LLMC_FUSED_BIAS=0: the separate passes).
+qkv's is the column sums of dqkv, which attention_backward writes: its variant 5 (the bf16 default on
+Hopper) has the fused form too (colsum=True); elsewhere matmul_backward_bias sums dqkv.
 The fc layer's GELU can be fused likewise (fuse_gelu=True or LLMC_FUSED_GELU=1; off by default, not
 faster in the step): where the chosen matmul_forward variant has the fused form (gelu_pre=True: engine
 5 writes fch and gelu(fch) from one epilogue) no gelu_forward runs in the forward.
@@ -245,6 +247,10 @@ class GPT2:
         self.first_write = False  # (training: below)
         self.att_side_zero = False  # (training: below)
         if training:
+            # qkv's bias gradient, the column sums of dqkv, summed by attention_backward as it writes dqkv
+            # where the chosen variant has that form (5's colsum=True); else matmul_backward_bias re-reads
+            # dqkv (fuse_bias=False, LLMC_FUSED_BIAS=0: that pass, the A/B)
+            att_cs = be.fuses("attention_backward", dict(colsum=True, **att_kw), **att_shape) if fuse_bias else None
             self.built.update({
                 "mmb_lmhead": op("matmul_backward", N=N, C=C, OC=Vp),
                 "layernorm_backward": op("layernorm_backward", N=N, C=C),
@@ -252,10 +258,11 @@ class GPT2:
                 "mmb_fc": op("matmul_backward", N=N, C=C, OC=4 * C),
                 "mmb_attproj": op("matmul_backward", N=N, C=C, OC=C),
                 "mmb_qkv": op("matmul_backward", N=N, C=C, OC=3 * C),
-                "bias_3C": op("matmul_backward_bias", N=N, OC=3 * C),
                 "gelu_backward": op("gelu_backward", N=N * 4 * C),
-                "attention_backward": op("attention_backward", prefer=in_place.get("attention_backward"),
-                                         **att_shape, **att_kw),
+                "attention_backward": (op("attention_backward", prefer=att_cs, **att_shape, **att_kw, colsum=True)
+                                       if att_cs is not None else
+                                       op("attention_backward", prefer=in_place.get("attention_backward"),
+                                          **att_shape, **att_kw)),
                 "encoder_backward": op("encoder_backward", B=B, T=T, C=C),
                 "global_norm": op("global_norm", n=self.num_params),
             })
@@ -272,7 +279,10 @@ class GPT2:
             # form, or by the dgelu GEMM's epilogue when fused_dgelu)
             self.fused_bias = {"layernorm_backward": ln_fused is not None,
                                "gelu_backward": (gelu_fused is not None or (self.fused_dgelu and fuse_bias)
-                                                 or self.fused_gelu_recompute)}
+                                                 or self.fused_gelu_recompute),
+                               "attention_backward": att_cs is not None}
+            if att_cs is None:
+                self.built["bias_3C"] = op("matmul_backward_bias", N=N, OC=3 * C)
             if self.fused_gelu_recompute:
                 self.built["mmb_fcproj_dinp"] = op("matmul_backward", prefer=rc["dinp"], **fcp, dinp_only=True)
                 self.built["mmb_fcproj_dweight"] = op("matmul_backward", prefer=rc["dweight"], **fcp, dweight_only=True)
@@ -802,17 +812,22 @@ class GPT2:
                 before_attention(l)
             if self.att_side_zero:  # the accumulator zeroed after the previous layer's attention backward
                 be.side_wait("att_zero")
-            k["attention_backward"](dqkv, dbtc, a["qkvr"][l], a["att"][l], a["atty"][l])  # d qkv (B,T,3C)
+            if self.fused_bias["attention_backward"]:  # d qkv (B,T,3C); qkvb += its column sums
+                k["attention_backward"](dqkv, g["qkvb"][l], dbtc, a["qkvr"][l], a["att"][l], a["atty"][l])
+            else:
+                k["attention_backward"](dqkv, dbtc, a["qkvr"][l], a["att"][l], a["atty"][l])  # d qkv (B,T,3C)
             if self.recompute == 2:                                                 # recompute ln1 (B,T,C)
                 k["layernorm_forward"](ln1[l], a["rc_mean"], a["rc_rstd"], residual, p["ln1w"][l], p["ln1b"][l])
             if "qkv" in side:
                 with be.side("qkv_dw"):
                     k["mmb_qkv_dweight"](g["qkvw"][l], dqkv, ln1[l])
-                k["bias_3C"](g["qkvb"][l], dqkv)  # (on the main stream: measured a little faster there)
+                if not self.fused_bias["attention_backward"]:
+                    k["bias_3C"](g["qkvb"][l], dqkv)  # (on the main stream: measured a little faster there)
                 k["mmb_qkv_dinp"](dbtc, dqkv, p["qkvw"][l])                         # d ln1 (B,T,C)
             else:
                 k["mmb_qkv"](dbtc, g["qkvw"][l], dqkv, ln1[l], p["qkvw"][l])       # d ln1 (B,T,C)
-                k["bias_3C"](g["qkvb"][l], dqkv)
+                if not self.fused_bias["attention_backward"]:
+                    k["bias_3C"](g["qkvb"][l], dqkv)
             if self.att_side_zero:  # after qkv's dweight on the side stream, not before it: ahead of it the
                 with be.side("att_zero"):  # zeroing held the side stream's GEMMs up (bf16 B=16 +0.64 ms)
                     self.built["attention_backward"].info["rezero"]()

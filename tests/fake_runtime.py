@@ -281,6 +281,8 @@ class FakeCudaBackend(CudaBackend):
             run = self._bf16_adamw_chunks(shape["chunks"])
         elif dt == "bf16" and name == "matmul_forward" and shape.get("gelu_pre"):
             run = self._bf16_gelu_pre(shape)
+        elif dt == "bf16" and name == "attention_backward" and shape.get("colsum"):
+            run = self._bf16_attention_colsum(shape)
         elif dt == "bf16":
             run = self._bf16_adamw(run) if name == "adamw" else self._bf16(run)
         else:
@@ -407,6 +409,20 @@ class FakeCudaBackend(CudaBackend):
         def run(out, pre, inp, weight, bias=None):
             plain(pre, inp, weight, bias)
             gelu(out, pre)
+        return run
+
+    def _bf16_attention_colsum(self, shape):
+        """attention_backward's colsum form in bf16: the plain form (dinp rounded on the store), then
+        dbias += the column sums of dinp as stored, as matmul_backward_bias's bf16 build adds them (read,
+        add in fp32, round once): the GPU's sums run in another order (within fp32 rounding of these),
+        here the bits of the two launches it replaces."""
+        plain = self._bf16(ops.get("attention_backward").build_cpu(**{k: v for k, v in shape.items() if k != "colsum"}).launch)
+        B, T, C = shape["B"], shape["T"], shape["C"]
+        bias = self._bf16(ops.get("matmul_backward_bias").build_cpu(N=B * T, OC=3 * C).launch)
+
+        def run(dinp, dbias, *rest):
+            plain(dinp, *rest)
+            bias(dbias, dinp)
         return run
 
     def _bf16_adamw(self, ref):

@@ -844,6 +844,101 @@ def test_flash_attention_wgmma5_backward_gpu(rt, B, T, C, NH):
     assert np.allclose(stale[..., :C], 2 * want[..., :C], rtol=2.0 ** -6, atol=1e-5 * np.abs(want[..., :C]).max())
 
 
+# attention_backward 5's colsum form (qkv's bias gradient: dbias += the column sums of dinp as stored,
+# summed by the main kernel (dk, dv) and convert (dq) into a row of partials per 64 rows, then added in
+# order and rounded once). dinp: the plain form's (dk, dv bit for bit, dq within a bf16 rounding, as 5's
+# dq is not deterministic); dbias against the float64 sums of the dinp the same launch wrote, which the
+# kernel adds in fp32: within one bf16 rounding of the exact total plus 2^-16 of the sum of magnitudes
+# (a row summed twice or left out is ~1 of a row's magnitude, far outside it). Every element of dinp and
+# of the partials poisoned first. T = 1, 64 (the second 64 keys of a block past T), 65, 127, 1000 ...
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,T,C,NH", WGMMA_BWD_SHAPES)
+def test_flash_attention_wgmma5_backward_colsum_gpu(rt, B, T, C, NH):
+    from llmc.bf16 import from_bf16, round_bf16, to_bf16
+    if rt.arch != "sm_90":
+        pytest.skip(f"attention_backward 5 needs an sm_90 GPU (this one is {rt.arch})")
+    dout, qkvr64, att64, ref, d_inp, d_dout, d_out, d_qkvr, d_lse, d_dinp = _wgmma_bwd_case(rt, B, T, C, NH, 29)
+    ops.get("attention_forward").build(rt, 4, "bf16", B=B, T=T, C=C, NH=NH)(d_out, d_qkvr, d_lse, d_inp)
+    plain = ops.get("attention_backward").build(rt, 5, "bf16", B=B, T=T, C=C, NH=NH)
+    plain(d_dinp, d_dout, d_qkvr, d_lse, d_out)
+    want = from_bf16(d_dinp.get())
+    bias0 = round_bf16(np.random.default_rng(T).standard_normal(3 * C) * 0.1)  # dbias before the "+="
+    d_bias = rt.to_device(to_bf16(bias0))
+
+    def check(form, dinp, got):
+        assert np.isfinite(dinp).all(), f"{form}: dinp has unwritten (NaN) elements"
+        assert np.array_equal(dinp[..., C:], want[..., C:]), f"{form}: dk or dv differs from the plain form"
+        tol = 2.0 ** -7 * np.abs(want[..., :C]) + 1e-6 * np.abs(want[..., :C]).max()
+        assert np.all(np.abs(dinp[..., :C] - want[..., :C]) <= tol), f"{form}: dq off the plain form's"
+        rows = dinp.reshape(B * T, 3 * C).astype(np.float64)
+        exact = bias0 + rows.sum(axis=0)
+        bound = 2.0 ** -8 * np.abs(exact) + 2.0 ** -16 * (np.abs(bias0) + np.abs(rows).sum(axis=0)) + 1e-30
+        err = np.abs(got.astype(np.float64) - exact)
+        assert np.all(err <= bound), f"{form}: dbias off the column sums by {err.max():.3g} (column {err.argmax()})"
+
+    for form, kw, qkv in (("permuted qkvr", {}, d_qkvr), ("in place", dict(qkv_in_place=True), d_inp)):
+        cs = ops.get("attention_backward").build(rt, 5, "bf16", B=B, T=T, C=C, NH=NH, colsum=True, **kw)
+        assert set(cs.scratch) == {"D", "dq", "part"} and list(cs.info["passes"]) == ["prep", "main", "convert", "finish"]
+        assert cs.scratch["part"].shape == (B * -(-T // 64), 3 * C)
+        for run in range(2):
+            poison(d_dinp, *cs.scratch.values())
+            d_bias.set(to_bf16(bias0))
+            cs(d_dinp, d_bias, d_dout, qkv, d_lse, d_out)
+            check(f"{form}, run {run}", from_bf16(d_dinp.get()), from_bf16(d_bias.get()))
+    # variant 4's colsum form (--deterministic's): dinp its plain form's bits, dbias as above and the same
+    # bits on every run (4 is deterministic)
+    plain4 = ops.get("attention_backward").build(rt, 4, "bf16", B=B, T=T, C=C, NH=NH, qkv_in_place=True)
+    plain4(d_dinp, d_dout, d_inp, d_lse, d_out)
+    want4 = from_bf16(d_dinp.get())
+    cs4 = ops.get("attention_backward").build(rt, 4, "bf16", B=B, T=T, C=C, NH=NH, colsum=True, qkv_in_place=True)
+    assert set(cs4.scratch) == {"D", "part"}
+    first = None
+    for run in range(2):
+        poison(d_dinp, *cs4.scratch.values())
+        d_bias.set(to_bf16(bias0))
+        cs4(d_dinp, d_bias, d_dout, d_inp, d_lse, d_out)
+        dinp, got = from_bf16(d_dinp.get()), from_bf16(d_bias.get())
+        assert np.array_equal(dinp, want4), f"attention_backward 4 colsum, run {run}: dinp differs from the plain form"
+        check(f"attention_backward 4 colsum, run {run}", dinp, got)
+        assert first is None or np.array_equal(got, first), "attention_backward 4 colsum: dbias not deterministic"
+        first = got
+    if rt.graphs_available() is None:  # its four launches under graph replay
+        graph = rt.capture(lambda: cs(d_dinp, d_bias, d_dout, d_inp, d_lse, d_out))
+        poison(d_dinp, *cs.scratch.values())
+        d_bias.set(to_bf16(bias0))
+        graph()
+        rt.synchronize()
+        check("graph replay", from_bf16(d_dinp.get()), from_bf16(d_bias.get()))
+
+
+def test_attention_backward_colsum_is_an_option_of_the_hopper_bf16_builds_and_the_cpu_sums_as_the_bias_pass():
+    """colsum: variants 4 (its bf16 build) and 5 take it; 4's fp32 build and 1-3 refuse it (the model then
+    launches the bias pass); the numpy launcher's colsum form is the plain launch then
+    matmul_backward_bias's sum, bit for bit."""
+    spec = ops.get("attention_backward")
+    shape = dict(B=2, T=65, C=128, NH=2)
+    for n in (4, 5):
+        assert spec.refuse_reason(n, "bf16", "sm_90", **shape, colsum=True) is None
+    assert "bf16 build only" in spec.refuse_reason(4, "fp32", "sm_90", **shape, colsum=True)
+    assert spec.refuse_reason(5, "bf16", "sm_90", B=1, T=8, C=64 * 40, NH=40, colsum=True) is not None
+    for n in (1, 2, 3):
+        for dt in spec.variants[n].dtypes:
+            assert "has no colsum option" in spec.refuse_reason(n, dt, "sm_90", **shape, colsum=True)
+    rng = np.random.default_rng(4)
+    B, T, C, NH = 2, 9, 32, 2
+    inp = rng.standard_normal((B, T, 3 * C)).astype(np.float32)
+    dout = rng.standard_normal((B, T, C)).astype(np.float32)
+    _, qkvr, att = A.attention_forward_ref(inp, NH)
+    dinp, dinp2 = np.empty((B, T, 3 * C), np.float32), np.empty((B, T, 3 * C), np.float32)
+    db = rng.standard_normal(3 * C).astype(np.float32)
+    db2 = db.copy()
+    spec.build_cpu(B=B, T=T, C=C, NH=NH, colsum=True).launch(dinp, db, dout, qkvr, att)
+    spec.build_cpu(B=B, T=T, C=C, NH=NH).launch(dinp2, dout, qkvr, att)
+    ops.get("matmul_backward_bias").build_cpu(N=B * T, OC=3 * C).launch(db2, dinp2)
+    np.testing.assert_array_equal(dinp, dinp2)
+    np.testing.assert_array_equal(db, db2)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("version", [1, 2])
 @pytest.mark.parametrize("B,T,C,NH,maxT", [(2, 65, 96, 2, 128), (1, 1, 64, 1, 16), (4, 1024, 768, 12, 1024),

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from llmc.backend import CpuBackend
-from llmc.config import GPT2Config
+from llmc.config import GPT2Config, param_layout
 from llmc.model import GPT2
 from tests.fake_runtime import FakeCudaBackend
 
@@ -44,10 +44,10 @@ def _train(be, B=2, T=16, steps=2, accum=2):
 
 
 @pytest.mark.parametrize("kernels,fused", [
-    (None, {"layernorm_backward": True, "gelu_backward": True}),
-    (UNFUSED, {"layernorm_backward": False, "gelu_backward": False}),
-    ({"layernorm_backward": 3}, {"layernorm_backward": False, "gelu_backward": True}),
-    ({"gelu_backward": 1}, {"layernorm_backward": True, "gelu_backward": False}),
+    (None, {"layernorm_backward": True, "gelu_backward": True, "attention_backward": False}),
+    (UNFUSED, {"layernorm_backward": False, "gelu_backward": False, "attention_backward": False}),
+    ({"layernorm_backward": 3}, {"layernorm_backward": False, "gelu_backward": True, "attention_backward": False}),
+    ({"gelu_backward": 1}, {"layernorm_backward": True, "gelu_backward": False, "attention_backward": False}),
 ])
 def test_fused_and_unfused_give_the_same_gradients(kernels, fused):
     """Default variants: fused; a named variant without the form: that op unfused. The bias passes
@@ -76,7 +76,7 @@ def test_a_refused_shape_falls_back_to_the_unfused_launches():
     B, T = 1, 3
     be = FakeCudaBackend(quiet=True)
     m = GPT2(cfg, be, B, T, fuse_dgelu=False, fuse_gelu_recompute=False)
-    assert m.fused_bias == {"layernorm_backward": False, "gelu_backward": True}
+    assert m.fused_bias == {"layernorm_backward": False, "gelu_backward": True, "attention_backward": False}
     assert "bias_C" in m.built and "layernorm_backward_colsum" not in m.built
     assert "gelu_backward_colsum" in m.built and "bias_4C" not in m.built
     rng = np.random.default_rng(3)
@@ -112,7 +112,7 @@ def test_fuse_bias_false_keeps_the_variants_and_launches_the_bias_passes(monkeyp
     the fusion alone); the gradients are the same bits on both backends."""
     be = FakeCudaBackend(quiet=True)
     m = GPT2(CFG, be, 2, 16, fuse_bias=False, fuse_dgelu=False, fuse_gelu_recompute=False)
-    assert m.fused_bias == {"layernorm_backward": False, "gelu_backward": False}
+    assert m.fused_bias == {"layernorm_backward": False, "gelu_backward": False, "attention_backward": False}
     assert m.built["layernorm_backward"].number == 5 and m.built["gelu_backward"].number == 2
     monkeypatch.setenv("LLMC_FUSED_BIAS", "0")
     _, grads = _train(FakeCudaBackend(quiet=True))
@@ -122,6 +122,61 @@ def test_fuse_bias_false_keeps_the_variants_and_launches_the_bias_passes(monkeyp
     for g, c, f in zip(grads, cpu, fused):
         np.testing.assert_array_equal(g, c)
         np.testing.assert_array_equal(c, f)
+
+
+# head size 64 (attention_backward 5, the bf16 default on Hopper, takes only that), bf16-friendly widths
+HS64_CFG = GPT2Config(max_seq_len=32, vocab_size=97, padded_vocab_size=128, num_layers=2, num_heads=2, channels=128)
+
+
+def _train_bf16(kernels=None, fuse_bias=None, B=2, T=16, steps=2, accum=2):
+    """_train on the fake GPU backend in bf16 at HS64_CFG (every launch counted in be.launches)."""
+    be = FakeCudaBackend(kernels, quiet=True, precision="bf16", nbytes=1 << 27)
+    rng = np.random.default_rng(9)
+    m = GPT2(HS64_CFG, be, B, T, fuse_bias=fuse_bias)
+    m.stochastic_rounding = False
+    m.init_params(3)
+    m.grad_accum_steps = accum
+    out = []
+    for step in range(1, steps + 1):
+        m.zero_grad()
+        for _ in range(accum):
+            x = rng.integers(0, HS64_CFG.vocab_size, (B, T)).astype(np.int32)
+            m.train_micro_step(x, np.roll(x, -1, axis=1))
+        out.append(m.get_grads().copy())
+        m.update(lr=1e-3, step=step)
+    out.append(m.get_params().copy())
+    return be, m, out
+
+
+def test_qkv_bias_gradient_summed_by_attention_backward():
+    """bf16 with attention_backward 5 (the default) or 4 (--deterministic's): qkv's bias gradient comes
+    from their colsum form and no matmul_backward_bias runs at all (fcproj's, attproj's and fc's are
+    fused too); named 3, which has no such form, or fuse_bias=False: the bias pass sums dqkv. With 4
+    and 3 the gradients and the updated weights are the same bits (the fake backend's colsum form is
+    the plain backward then the bias pass's sum of dinp as stored; the GPU's order differs:
+    tests/test_attention.py); with fuse_bias=False the first step's qkv bias gradient is (the other bias
+    gradients then differ: the fake's bf16 layernorm and GELU colsum forms sum before the store's
+    rounding)."""
+    L = HS64_CFG.num_layers
+    be5, m5, fused = _train_bf16()
+    assert m5.fused_bias == {"layernorm_backward": True, "gelu_backward": True, "attention_backward": True}
+    att = m5.built["attention_backward"]
+    assert att.number == 5 and att.shape.get("colsum") is True and "bias_3C" not in m5.built
+    assert be5.launches.count("matmul_backward_bias") == 0
+    be4, m4, named4 = _train_bf16({"attention_backward": 4})
+    assert m4.fused_bias["attention_backward"] and m4.built["attention_backward"].number == 4
+    assert be4.launches.count("matmul_backward_bias") == 0
+    be3, m3, named3 = _train_bf16({"attention_backward": 3})
+    assert not m3.fused_bias["attention_backward"] and "colsum" not in m3.built["attention_backward"].shape
+    assert be3.launches.count("matmul_backward_bias") == L * 2 * 2  # qkv's, 2 steps x 2 micro-steps
+    be0, m0, unfused = _train_bf16(fuse_bias=False)
+    assert m0.built["attention_backward"].number == 5 and not m0.fused_bias["attention_backward"]
+    assert "bias_3C" in m0.built and be0.launches.count("matmul_backward_bias") == 4 * L * 2 * 2
+    for a, b, c in zip(fused, named4, named3):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a, c)
+    off, n = next((o, n) for name, o, n in param_layout(HS64_CFG) if name == "qkvb")
+    np.testing.assert_array_equal(fused[0][off:off + n], unfused[0][off:off + n])
 
 
 def test_fused_forms_cost_the_plain_bytes_plus_colsum():
@@ -167,7 +222,9 @@ def test_gpu_fused_matches_unfused_and_replays_bit_exactly(rt, precision):
         # (--deterministic's kernels: the default fp32 encoder backward adds with float atomics)
         be = CudaBackend(deterministic_kernels({}, precision), quiet=True, precision=precision)
         m, steps, _ = train_steps(GPU_CFG, be, B, T, fuse_bias=fuse, fuse_gelu_recompute=False)
-        assert m.fused_bias == {"layernorm_backward": fuse, "gelu_backward": fuse}
+        # (--deterministic: attention_backward 4, whose bf16 build sums qkv's bias gradient too)
+        assert m.fused_bias == {"layernorm_backward": fuse, "gelu_backward": fuse,
+                                "attention_backward": fuse and precision == "bf16"}
         runs.append([grads for _, grads, _ in steps])
     for a, b in zip(runs[0], runs[1]):
         np.testing.assert_array_equal(a, b)

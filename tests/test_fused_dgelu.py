@@ -63,7 +63,8 @@ def test_fused_by_default_and_the_same_bits_as_the_pair(monkeypatch):
     monkeypatch.delenv("LLMC_FUSED_DGELU", raising=False)
     be = FakeCudaBackend(quiet=True)
     m, fused = _train(be)
-    assert m.fused_dgelu and m.fused_bias == {"layernorm_backward": True, "gelu_backward": True}
+    assert m.fused_dgelu and m.fused_bias == {"layernorm_backward": True, "gelu_backward": True,
+                                                 "attention_backward": False}
     b = m.built["mmb_fcproj_dgelu"]
     assert b.number == m.built["mmb_fcproj"].number == 5 and b.shape == dict(N=32, C=128, OC=32, dgelu=True)
     assert "gelu_backward_colsum" not in m.built and "bias_4C" not in m.built
@@ -81,7 +82,8 @@ def test_fused_by_default_and_the_same_bits_as_the_pair(monkeypatch):
     monkeypatch.delenv("LLMC_FUSED_DGELU")
     be4 = FakeCudaBackend(quiet=True)
     m4, nobias = _train(be4, fuse_bias=False)
-    assert m4.fused_dgelu and m4.fused_bias == {"layernorm_backward": False, "gelu_backward": False}
+    assert m4.fused_dgelu and m4.fused_bias == {"layernorm_backward": False, "gelu_backward": False,
+                                                   "attention_backward": False}
     assert "bias_4C" in m4.built and be4.launches.count("matmul_backward_bias") == 4 * L * 2 * 2
     _same(fused, nobias)
     m5, cpu = _train(CpuBackend(np.float32))

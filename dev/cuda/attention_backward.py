@@ -195,6 +195,42 @@ for form in (("plain", "in place, pingpong") if "bf16" in DTYPES and rt.arch == 
             L.time(f"  attention_backward 5 bf16, {name} alone", lambda f=f: f(d_dinp_b, d_dout_b, qkv5, d_lse_b, d_out_b),
                    bytes=nbytes, flops=None if nbytes else 5 * 2 * B * NH * (nt4 * (nt4 + 1) // 2) * 128 * 128 * hs,
                    ceiling="dram" if nbytes else None)
+# attention_backward 5's colsum form (the bf16 trainer's: qkv's bias gradient summed as dqkv is written)
+# against the pair it replaces, 5 then matmul_backward_bias 4 re-reading dqkv; the check: dbias against
+# float64 column sums of the dinp the same launch wrote (one bf16 rounding of the total allowed)
+if "bf16" in DTYPES and rt.arch == "sm_90":
+    plain5 = A.build_flash_attention_backward_wgmma5(rt, B=B, T=T, C=C, NH=NH, qkv_in_place=True)
+    cs5 = A.build_flash_attention_backward_wgmma5(rt, B=B, T=T, C=C, NH=NH, qkv_in_place=True, colsum=True)
+    bias4 = llmc.ops.get("matmul_backward_bias").build(rt, 4, "bf16", N=B * T, OC=3 * C).launch
+    bias0 = round_bf16(np.random.default_rng(1).standard_normal(3 * C) * 0.1)
+    d_bias = rt.to_device(to_bf16(bias0))
+    d_dinp_b.fill_bytes(0xFF)
+    for x in cs5.scratch.values():
+        x.fill_bytes(0xFF)
+    cs5.launch(d_dinp_b, d_bias, d_dout_b, d_inp_b, d_lse_b, d_out_b)
+    rt.synchronize()
+    rows = from_bf16(d_dinp_b.get()).reshape(B * T, 3 * C).astype(np.float64)
+    exact = bias0 + rows.sum(axis=0)
+    err = np.abs(from_bf16(d_bias.get()) - exact)
+    ok = np.isfinite(rows).all() and np.all(err <= 2.0 ** -8 * np.abs(exact) + 2.0 ** -16 * np.abs(rows).sum(axis=0))
+    print(f"  attention_backward 5 bf16 colsum: {'OK' if ok else 'MISMATCH'}  dbias max err {err.max():.2e} "
+          f"(exact column sums of the dinp written)")
+    if not ok:
+        L.failed.append("attention_backward 5 bf16 colsum")
+    L.time("attention_backward 5 bf16 in place + matmul_backward_bias 4 (the pair)",
+           lambda: (plain5.launch(d_dinp_b, d_dout_b, d_inp_b, d_lse_b, d_out_b), bias4(d_bias, d_dinp_b)),
+           flops=flops4, ceiling=None)
+    L.time("attention_backward 5 bf16 in place, colsum (qkv's bias summed as dinp is written)",
+           lambda: cs5.launch(d_dinp_b, d_bias, d_dout_b, d_inp_b, d_lse_b, d_out_b), flops=flops4, ceiling=None)
+    L.time("  matmul_backward_bias 4 bf16 alone (the pass it replaces)", lambda: bias4(d_bias, d_dinp_b),
+           bytes=2 * B * T * 3 * C + 4 * 3 * C, ceiling="dram")
+    for name in ("main", "convert", "finish"):
+        nbytes = {"convert": 4 * B * T * C + 2 * B * T * C, "finish": cs5.scratch["part"].nbytes + 4 * 3 * C}.get(name)
+        f = cs5.info["passes"][name]
+        L.time(f"  attention_backward 5 bf16 colsum, {name} alone",
+               lambda f=f: f(d_dinp_b, d_bias, d_dout_b, d_inp_b, d_lse_b, d_out_b), bytes=nbytes,
+               flops=None if nbytes else 5 * 2 * B * NH * (nt4 * (nt4 + 1) // 2) * 128 * 128 * hs,
+               ceiling="dram" if nbytes else None)
 if "bf16" in DTYPES and rt.arch != "sm_90":
     print(f"attention_backward 4, 5 skipped: they need an sm_90 GPU (this one is {rt.arch})")
 

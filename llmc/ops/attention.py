@@ -135,14 +135,19 @@ def attention_forward_cpu(B, T, C, NH, qkv_in_place=False, **_):
     return launch
 
 
-def attention_backward_cpu(B, T, C, NH, qkv_in_place=False, **_):
-    """qkv_in_place: qkvr is the forward's inp (B,T,3C), unpermuted."""
+def attention_backward_cpu(B, T, C, NH, qkv_in_place=False, colsum=False, **_):
+    """qkv_in_place: qkvr is the forward's inp (B,T,3C), unpermuted. colsum: launch(dinp, dbias, ...),
+    dbias += dinp's column sums (matmul_backward_bias's cpu sum: the same bits as the two launches)."""
     def launch(dinp, dout, qkvr, att, out=None):
         qk = qkvr.reshape(B, T, 3 * C)
         if qkv_in_place:
             qk = np.ascontiguousarray(_split_heads(qk, NH)).reshape(B, T, 3 * C)
         dinp[...] = attention_backward_ref(dout.reshape(B, T, C), qk, att.reshape(B, NH, T, T), NH).reshape(dinp.shape)
-    return launch
+
+    def launch_colsum(dinp, dbias, dout, qkvr, att, out=None):
+        launch(dinp, dout, qkvr, att, out)
+        dbias += dinp.reshape(B * T, 3 * C).sum(axis=0)
+    return launch_colsum if colsum else launch
 
 
 def attention_lse_ref(inp, NH):
@@ -700,7 +705,25 @@ def wgmma_bwd_smem(stages: int = WGMMA_BWD_STAGES) -> tuple[int, int]:
 WGMMA_DQ_SMEM, WGMMA_DKDV_SMEM = wgmma_bwd_smem()
 
 
-def build_flash_attention_backward_wgmma(rt, B, T, C, NH, overlap=False, qkv_in_place=False, pingpong=None, **_):
+def _colsum_finish(rt, B, T, C, label, defines):
+    """The colsum forms' partials (a row of 3C fp32 column sums per 64 rows of dinp: B ceil(T/64) rows)
+    and finish(dbias), which adds them in order into dbias(3C) bf16, rounded once (cuda/attention_wgmma.cu,
+    flash_attention_backward_colsum_finish_kernel_bf16)."""
+    R = B * ceil_div(T, 64)
+    part = rt.empty((R, 3 * C))
+    kf = rt.kernel(WGMMA_MODULE, "flash_attention_backward_colsum_finish_kernel_bf16", "PPii",
+                   label=label + " colsum finish", defines=defines)
+    grid = (ceil_div(3 * C // 4, 16), 1, 1)
+
+    def finish(dbias):
+        if _ptr(dbias) & 7:
+            raise LLMCError(f"{label}: dbias must be 8-byte aligned (0x{_ptr(dbias):x})")
+        kf(grid, (16, 64, 1), _ptr(dbias), part.ptr, np.int32(R), np.int32(3 * C))
+    return part, finish
+
+
+def build_flash_attention_backward_wgmma(rt, B, T, C, NH, overlap=False, qkv_in_place=False, pingpong=None,
+                                         colsum=False, **_):
     """Variant 4's bf16 build: launch(dinp (B,T,3C), dout (B,T,C), qkvr (B,T,3C), lse (B,NH,T), out (B,T,C))
     like the bf16 builds of 2, 3 (dinp, dout, qkvr, out bf16; lse and the scratch D fp32; the lse of
     attention_forward 2, 3 or 4): a dq kernel (also writing D = rowsum(dout * out)) then a dk/dv
@@ -714,7 +737,12 @@ def build_flash_attention_backward_wgmma(rt, B, T, C, NH, overlap=False, qkv_in_
     overlap: the dq kernel that leaves tile i's dq product running while it issues tile i + 1's S and
     dP (the same bits; the lab times both; permuted qkvr only). pingpong (in place only; None: whenever
     in place): both kernels' consumer warpgroups take turns issuing their products (the same bits;
-    H100, B=16: 0.383 ms against 0.397 without)."""
+    H100, B=16: 0.383 ms against 0.397 without).
+    colsum=True: launch(dinp, dbias, dout, qkvr, lse, out), dbias(3C) += the column sums of dinp as stored
+    (qkv's bias gradient): each kernel's consumers sum the 64 rows they store into a row of partials
+    (the dq kernel the q columns, the dk/dv kernel the k and v columns), and a third launch adds the rows
+    in order into dbias, rounded once (as variant 5's colsum form, which sums the same values: dk, dv
+    and D are 4's bits there, dq within a rounding). Deterministic, like the rest of 4."""
     if pingpong is None:
         pingpong = qkv_in_place
     _check_attention(B, T, C, NH)
@@ -731,11 +759,12 @@ def build_flash_attention_backward_wgmma(rt, B, T, C, NH, overlap=False, qkv_in_
     label = "attention_backward 4 (flash, wgmma) bf16"
     pp = "_pingpong" if pingpong else ""
     sfx = "_overlap" if overlap else "_btc" + pp if qkv_in_place else ""
-    kq = rt.kernel(WGMMA_MODULE, "flash_attention_backward_dq_kernel4_bf16" + sfx, "PPPPPPiiif",
+    kq = rt.kernel(WGMMA_MODULE, "flash_attention_backward_dq_kernel4_bf16" + sfx, "PPPPPPiiifP",
                    label=label + " dq" + sfx.replace("_", " "), defines=defines)
     sfx = "_btc" + pp if qkv_in_place else ""
-    kkv = rt.kernel(WGMMA_MODULE, "flash_attention_backward_dkdv_kernel4_bf16" + sfx, "PPPPiiif",
+    kkv = rt.kernel(WGMMA_MODULE, "flash_attention_backward_dkdv_kernel4_bf16" + sfx, "PPPPiiifP",
                     label=label + " dk dv" + sfx.replace("_", " "), defines=defines)
+    part, finish = _colsum_finish(rt, B, T, C, label, defines) if colsum else (None, None)
     qkv_map = (lambda p: qkv_tensor_map(p, B, T, NH)) if qkv_in_place else (lambda p: qkvr_tensor_map(p, B, NH, T))
     kq.set_max_dynamic_smem(dq_smem)
     kkv.set_max_dynamic_smem(dkdv_smem)
@@ -752,8 +781,15 @@ def build_flash_attention_backward_wgmma(rt, B, T, C, NH, overlap=False, qkv_in_
                     raise LLMCError(f"attention_backward 4: {name} must be 16-byte aligned (0x{p:x})")
             two = qkv_map(qp) + btc_tensor_map(dp, B, T, NH)  # tm[0], tm[1]
             dm = maps[(qp, dp)] = rt.to_device(np.frombuffer(two, np.uint8))
-        kq(grid, block, _ptr(dinp), _ptr(D), dp, _ptr(out), dm.ptr, _ptr(lse), *args, smem=dq_smem)
-        kkv(grid, block, _ptr(dinp), dm.ptr, _ptr(lse), _ptr(D), *args, smem=dkdv_smem)
+        kq(grid, block, _ptr(dinp), _ptr(D), dp, _ptr(out), dm.ptr, _ptr(lse), *args, _ptr(part), smem=dq_smem)
+        kkv(grid, block, _ptr(dinp), dm.ptr, _ptr(lse), _ptr(D), *args, _ptr(part), smem=dkdv_smem)
+    if colsum:
+        plain = launch
+
+        def launch(dinp, dbias, dout, qkvr, lse, out):  # noqa: F811
+            plain(dinp, dout, qkvr, lse, out)
+            finish(dbias)
+        return Built(launch, scratch={"D": D, "part": part})
     return Built(launch, scratch={"D": D})
 
 
@@ -764,7 +800,8 @@ def wgmma5_smem(stages: int = 2) -> int:
     return wgmma_bwd_smem(stages)[1] + 2 * 2 * WGMMA_BQ * 128 + 2 * 64 * FLASH_HS * 4 + 8 * 2 * 2
 
 
-def build_flash_attention_backward_wgmma5(rt, B, T, C, NH, qkv_in_place=False, pingpong=None, caller_zeroes=False, **_):
+def build_flash_attention_backward_wgmma5(rt, B, T, C, NH, qkv_in_place=False, pingpong=None, caller_zeroes=False,
+                                          colsum=False, **_):
     """Variant 5 (bf16, Hopper): launch(dinp, dout, qkvr, lse, out) as variant 4's bf16 build, in one
     pass over the tile pairs instead of two (cuda/attention_wgmma.cu, "attention_backward variant 5"):
       prep     D = rowsum(dout * out) (variant 4's bits) and the fp32 dq accumulator (B,NH,T,64) zeroed
@@ -776,7 +813,13 @@ def build_flash_attention_backward_wgmma5(rt, B, T, C, NH, qkv_in_place=False, p
     caller_zeroes=True: prep leaves the accumulator alone (it only reads dout and out: half its bytes),
     which the build zeroes once and the caller zeroes again after each launch, before the next, with
     `Built.info["rezero"]()` (a memset on the current stream: the model puts it on its side stream,
-    off the backward's critical path)."""
+    off the backward's critical path).
+    colsum=True: launch(dinp, dbias, dout, qkvr, lse, out), and dbias(3C) += the column sums of dinp
+    viewed as (B T, 3C) as stored (qkv's bias gradient, instead of matmul_backward_bias re-reading
+    dinp): the main kernel sums each 64 keys' dk and dv columns, convert becomes convert_colsum (a block
+    per 64 rows sums the dq columns it writes), both into a row of fp32 partials per 64 rows of dinp,
+    and a fourth pass, finish, adds the rows in order into dbias, rounded once. Deterministic given
+    dinp (which is not: dq)."""
     if pingpong is None:
         pingpong = qkv_in_place
     _check_attention(B, T, C, NH)
@@ -793,11 +836,18 @@ def build_flash_attention_backward_wgmma5(rt, B, T, C, NH, qkv_in_place=False, p
     kp = rt.kernel(WGMMA_MODULE, "flash_attention_backward_prep_kernel5_bf16", "PPPPiiii", label=label + " prep",
                    defines=defines)
     sfx = ("_btc" + ("_pingpong" if pingpong else "")) if qkv_in_place else ""
-    km = rt.kernel(WGMMA_MODULE, "flash_attention_backward_dkdvq_kernel5_bf16" + sfx, "PPPPPiiifi",
+    km = rt.kernel(WGMMA_MODULE, "flash_attention_backward_dkdvq_kernel5_bf16" + sfx, "PPPPPiiifiP",
                    label=label + " dk dv dq" + sfx.replace("_", " "), defines=defines)
     kc = rt.kernel(WGMMA_MODULE, "flash_attention_backward_convert_kernel5_bf16", "PPiiif", label=label + " convert",
                    defines=defines)
     km.set_max_dynamic_smem(smem)
+    part = None
+    if colsum:  # a row of fp32 column sums per 64 rows of dinp; convert_colsum's row groups (see the .cu)
+        rg = _att5_colsum_rg(C)
+        part, finish_bias = _colsum_finish(rt, B, T, C, label, defines)
+        kcs = rt.kernel(WGMMA_MODULE, f"flash_attention_backward_convert_colsum_kernel5_bf16_rg{rg}", "PPPiiif",
+                        label=label + " convert colsum", defines=defines)
+        cs_block, cs_smem = (C // 8, rg, 1), 4 * (rg - 1) * C
     qkv_map = (lambda p: qkv_tensor_map(p, B, T, NH)) if qkv_in_place else (lambda p: qkvr_tensor_map(p, B, NH, T))
     scale = np.float32(1.0 / math.sqrt(FLASH_HS))
     # the CTAs' start order (the .cu): groups of G heads, each group's dq rows (T x 256 bytes a head)
@@ -832,7 +882,8 @@ def build_flash_attention_backward_wgmma5(rt, B, T, C, NH, qkv_in_place=False, p
 
     def main(dinp, dout, qkvr, lse, out):
         dm = tensor_maps(dinp, dout, qkvr, out)
-        km(grid, block, _ptr(dinp), _ptr(dq), dm.ptr, _ptr(lse), _ptr(D), *args, scale, np.int32(G), smem=smem)
+        km(grid, block, _ptr(dinp), _ptr(dq), dm.ptr, _ptr(lse), _ptr(D), *args, scale, np.int32(G), _ptr(part),
+           smem=smem)
 
     def convert(dinp, dout, qkvr, lse, out):
         kc(conv_grid, (256, 1, 1), _ptr(dinp), _ptr(dq), *args, scale)
@@ -843,12 +894,49 @@ def build_flash_attention_backward_wgmma5(rt, B, T, C, NH, qkv_in_place=False, p
         tensor_maps(dinp, dout, qkvr, out)  # (a misaligned argument is refused before prep runs)
         for f in passes.values():
             f(dinp, dout, qkvr, lse, out)
-    # info["passes"]: the three launches alone (the lab times each; each takes launch's arguments)
+    if colsum:
+        R = B * ceil_div(T, 64)
+
+        def convert_colsum(dinp, dbias, dout, qkvr, lse, out):
+            kcs((R, 1, 1), cs_block, _ptr(dinp), part.ptr, _ptr(dq), *args, scale, smem=cs_smem)
+
+        def finish(dinp, dbias, dout, qkvr, lse, out):
+            finish_bias(dbias)
+
+        def plain(f):
+            return lambda dinp, dbias, dout, qkvr, lse, out: f(dinp, dout, qkvr, lse, out)
+        passes = {"prep": plain(prep), "main": plain(main), "convert": convert_colsum, "finish": finish}
+
+        def launch(dinp, dbias, dout, qkvr, lse, out):  # noqa: F811
+            tensor_maps(dinp, dout, qkvr, out)
+            if _ptr(dbias) & 7:  # (before any pass runs)
+                raise LLMCError(f"{label}: dbias must be 8-byte aligned (0x{_ptr(dbias):x})")
+            for f in passes.values():
+                f(dinp, dbias, dout, qkvr, lse, out)
+    # info["passes"]: the launches alone (the lab times each; each takes launch's arguments)
     info = {"passes": passes}
     if caller_zeroes:
         info["rezero"] = dq.zero
-    return Built(launch, scratch={"D": D, "dq": dq}, keep=frozenset({"dq"}) if caller_zeroes else frozenset(),
-                 info=info)
+    return Built(launch, scratch={"D": D, "dq": dq, **({"part": part} if colsum else {})},
+                 keep=frozenset({"dq"}) if caller_zeroes else frozenset(), info=info)
+
+
+def _att5_colsum_rg(C):
+    """convert_colsum's row groups (blockDim.y): 8 where a block of C/8 x 8 threads fits, else 4."""
+    return 8 if C <= 1024 else 4
+
+
+def _check_backward4_tf32(B, T, C, NH, colsum=False, **kw):
+    if colsum:
+        return "colsum: the bf16 build only (fp32 sums qkv's bias gradient with matmul_backward_bias)"
+    return _check_flash_tf32(B, T, C, NH, **kw)
+
+
+def _check_backward5(B, T, C, NH, colsum=False, **kw):
+    bad = _check_flash(B, T, C, NH, **kw)
+    if bad is None and colsum and C > 2048:
+        return f"C={C}: the colsum form's convert takes C <= 2048 (a block of C/8 x 4 threads)"
+    return bad
 
 
 # the TF32 backward's kernels (TB_DQ_SMEM, TB_DKDV_SMEM in the .cu): 1 KB of slack, two resident 128-row
@@ -1171,13 +1259,15 @@ ATTENTION_BACKWARD_VARIANTS = {
                scratch_bytes=lambda B, T, C, NH, dtype="fp32", **_: _scratch_flash_backward(B, T, C, NH) + (
                    0 if dtype != "fp32" or _tf32_smem_transpose(B, T, NH, 3) else 3 * _tf32_transposed_bytes(B, T, NH)),
                arch="sm_90",
-               options=("qkv_in_place",), **dict(_FUSED, check={"fp32": _check_flash_tf32, "bf16": _check_flash})),
+               options=("qkv_in_place", "colsum"),
+               **dict(_FUSED, check={"fp32": _check_backward4_tf32, "bf16": _check_flash})),
     5: Variant(5, "4's dk/dv kernel also forming dq = ds k per tile pair, added into an fp32 buffer by TMA "
                   "reductions (5 products per tile pair instead of 7; dq not deterministic), with a D / "
                   "zeroing pass before and a bf16 conversion after (bf16, sm_90a, head size 64)",
                {"bf16": build_flash_attention_backward_wgmma5},
                scratch_bytes=lambda B, T, C, NH, **_: _scratch_flash_backward(B, T, C, NH) + 4 * B * T * C,
-               arch="sm_90", options=("qkv_in_place", "caller_zeroes"), **_FUSED),
+               arch="sm_90", options=("qkv_in_place", "caller_zeroes", "colsum"),
+               **dict(_FUSED, check=_check_backward5)),
 }
 ATTENTION_DECODE_VARIANTS = {
     1: Variant(1, "one block per (b, h): scores in shared memory, block softmax, att @ v; appends k, v",
@@ -1235,9 +1325,10 @@ OPS = [
                "lse(B,NH,T) (2, 3): Built.saved_shape; build(B, T, C, NH)"),
     OpSpec("attention_backward", attention_backward_cpu, ATTENTION_BACKWARD_VARIANTS, default=4, defaults={"bf16": 5},
            flag="--attention-backward-kernel", pair="attention_forward", saves=_saves_att, cost=cost_backward,
-           options=("qkv_in_place", "caller_zeroes"),
+           options=("qkv_in_place", "caller_zeroes", "colsum"),
            doc="dinp(B,T,3C)=, dout(B,T,C), qkvr(B,T,3C), saved, out(B,T,C); build(B, T, C, NH); "
-               "caller_zeroes=True (variant 5): Built.info['rezero']() after each launch, before the next"),
+               "caller_zeroes=True (variant 5): Built.info['rezero']() after each launch, before the next; "
+               "colsum=True (variant 5): dinp, dbias(3C)+=, dout, ...: dbias += dinp's column sums"),
     OpSpec("attention_decode", attention_decode_cpu, ATTENTION_DECODE_VARIANTS, default=2,
            flag="--attention-decode-kernel", cost=cost_decode,
            doc="out(B,C)=, qkv(B,3C), kcache(B,NH,maxT,hs)+=, vcache+=, pos(1,) int32; build(B, C, NH, maxT)"),
