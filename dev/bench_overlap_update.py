@@ -9,20 +9,19 @@ Graphs timed (median of --reps replays, CUDA events):
   fwd+adam/sK    the same with AdamW's grid cut to K SMs' worth of blocks
   ordered/sK     AdamW per layer in the forward's order on the side stream (1-D tensors and wpe, wte,
                  then each layer's four GEMM weights), the forward waiting for each layer's
+("/s0": the full grid.) Measured on an H200 (session 32, docs/results/session32_h200_2026-11-29.txt), bf16
+B=4: the two in turn 3.46 ms, fwd+adam 3.43, fwd+adam/s66 3.28, ordered 3.48-3.49: at most 0.2 ms of
+AdamW's 0.92 hides beside the forward, none in the order the forward reads the weights. So the trainer
+does not defer its update (docs/history.md, session 32).
 """
 import argparse
 import statistics
-import sys
-
-import numpy as np
 
 from llmc import ops
 from llmc.backend import CudaBackend
 from llmc.config import DECAYED, config_from_name, param_layout
-from llmc.model import GPT2
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from bench_step import training_step  # noqa: E402
+from bench_step import training_step  # (run as a script: dev/ is importable)
 
 
 def main():
