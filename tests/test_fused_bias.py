@@ -128,24 +128,13 @@ def test_fuse_bias_false_keeps_the_variants_and_launches_the_bias_passes(monkeyp
 HS64_CFG = GPT2Config(max_seq_len=32, vocab_size=97, padded_vocab_size=128, num_layers=2, num_heads=2, channels=128)
 
 
-def _train_bf16(kernels=None, fuse_bias=None, B=2, T=16, steps=2, accum=2):
-    """_train on the fake GPU backend in bf16 at HS64_CFG (every launch counted in be.launches)."""
+def _train_bf16(kernels=None, fuse_bias=None):
+    """train_steps (2 steps of 2 micro-steps) on the fake GPU backend in bf16 at HS64_CFG: (backend, with
+    every launch counted in be.launches, model, [each step's gradients, then the last weights])."""
+    from tests.llmc_fixtures import train_steps
     be = FakeCudaBackend(kernels, quiet=True, precision="bf16", nbytes=1 << 27)
-    rng = np.random.default_rng(9)
-    m = GPT2(HS64_CFG, be, B, T, fuse_bias=fuse_bias)
-    m.stochastic_rounding = False
-    m.init_params(3)
-    m.grad_accum_steps = accum
-    out = []
-    for step in range(1, steps + 1):
-        m.zero_grad()
-        for _ in range(accum):
-            x = rng.integers(0, HS64_CFG.vocab_size, (B, T)).astype(np.int32)
-            m.train_micro_step(x, np.roll(x, -1, axis=1))
-        out.append(m.get_grads().copy())
-        m.update(lr=1e-3, step=step)
-    out.append(m.get_params().copy())
-    return be, m, out
+    m, steps, _ = train_steps(HS64_CFG, be, 2, 16, fuse_bias=fuse_bias)
+    return be, m, [grads for _, grads, _ in steps] + [steps[-1][2]]
 
 
 def test_qkv_bias_gradient_summed_by_attention_backward():
