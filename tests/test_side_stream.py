@@ -118,6 +118,7 @@ def test_attention_accumulator_zeroed_on_the_side_stream(monkeypatch):
     monkeypatch.setenv("LLMC_ATT5_SIDE_ZERO", "1")
     m, be, on = run()
     assert m.att_side_zero and m.built["attention_backward"].number == 5
+    assert m.built["attention_backward"].shape.get("colsum")  # (rebuilt keeping qkv's fused bias gradient)
     assert be.side_launches.count("attention_backward (rezero)") == 2 * 2 * CFG64.num_layers
     monkeypatch.setenv("LLMC_ATT5_SIDE_ZERO", "0")
     m0, _, off = run()
