@@ -317,7 +317,7 @@ class GPT2:
             # of the accumulator for the next layer runs beside other work. Off unless LLMC_ATT5_SIDE_ZERO=1:
             # not faster on the H100 (bf16, zeroed after qkv's dweight: B=4 9.01 against 8.97 ms, B=16
             # 30.54 against 30.57; zeroed before it: B=4 9.06 against 9.15, B=16 31.11 against 30.47;
-            # docs/ops.md, "attention_backward 5")
+            # docs/ops.md, "attention_backward 5"; H200, session 32: B=4 8.40 against 8.38, B=16 29.34 against 29.12)
             self.att_side_zero = False
             if self.side and switches.on("LLMC_ATT5_SIDE_ZERO"):
                 att = self.built["attention_backward"]
