@@ -939,6 +939,48 @@ def test_attention_backward_colsum_is_an_option_of_the_hopper_bf16_builds_and_th
     np.testing.assert_array_equal(db, db2)
 
 
+@pytest.mark.parametrize("C,NH", [(768, 12), (1600, 25)])
+def test_attention_backward_colsum_launches_without_gpu(C, NH, monkeypatch):
+    """The colsum builds' launches on the fake runtime (argument lists checked against the .cu's entry
+    points where nvcc is found): 4 runs its dq and dk/dv kernels with the partials pointer, then finish;
+    5 prep, main with the partials, convert_colsum (RG = 8 row groups at C = 768, 4 at C = 1600: a block of
+    C/8 x RG threads, (RG - 1) C floats of shared memory), finish over B ceil(T/64) rows; a dbias not
+    8-byte aligned is refused before any launch."""
+    from llmc.bf16 import BF16
+    from tests.fake_runtime import FakeRuntime
+    for enc in ("qkv_tensor_map", "btc_tensor_map", "_bf16_tensor_map"):  # (the driver encodes these)
+        monkeypatch.setattr(A, enc, lambda *a, **k: bytes(128))
+    B, T = 2, 130
+    R = B * -(-T // 64)
+    for n in (4, 5):
+        rt = FakeRuntime()
+        built = ops.get("attention_backward").build(rt, n, "bf16", B=B, T=T, C=C, NH=NH, colsum=True, qkv_in_place=True)
+        part = built.scratch["part"]
+        assert part.shape == (R, 3 * C)
+        dinp, dbias = rt.empty((B, T, 3 * C), BF16), rt.empty((3 * C,), BF16)
+        args = (rt.empty((B, T, C), BF16), rt.empty((B, T, 3 * C), BF16), rt.empty((B, NH, T)), rt.empty((B, T, C), BF16))
+        with pytest.raises(LLMCError, match="8-byte aligned"):
+            built.launch(dinp, dbias.ptr + 2, *args)
+        assert not rt.launches
+        built.launch(dinp, dbias, *args)
+        names = [x.func for x in rt.launches]
+        fin = rt.launches[-1]
+        assert fin.func == "flash_attention_backward_colsum_finish_kernel_bf16"
+        assert fin.block == (16, 64, 1) and fin.args[:4] == (dbias.ptr, part.ptr, R, 3 * C)
+        assert fin.grid == (-(-3 * C // 64), 1, 1)
+        if n == 4:
+            assert [f.split("_kernel4")[0] for f in names[:2]] == ["flash_attention_backward_dq",
+                                                                   "flash_attention_backward_dkdv"]
+            assert all(x.args[-1] == part.ptr for x in rt.launches[:2]) and len(names) == 3
+        else:
+            rg = 8 if C <= 1024 else 4
+            assert names[1].startswith("flash_attention_backward_dkdvq_kernel5") and rt.launches[1].args[-1] == part.ptr
+            cs = rt.launches[2]
+            assert cs.func == f"flash_attention_backward_convert_colsum_kernel5_bf16_rg{rg}"
+            assert cs.grid == (R, 1, 1) and cs.block == (C // 8, rg, 1) and cs.smem == 4 * (rg - 1) * C
+            assert len(names) == 4
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("version", [1, 2])
 @pytest.mark.parametrize("B,T,C,NH,maxT", [(2, 65, 96, 2, 128), (1, 1, 64, 1, 16), (4, 1024, 768, 12, 1024),

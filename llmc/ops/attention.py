@@ -708,18 +708,21 @@ WGMMA_DQ_SMEM, WGMMA_DKDV_SMEM = wgmma_bwd_smem()
 def _colsum_finish(rt, B, T, C, label, defines):
     """The colsum forms' partials (a row of 3C fp32 column sums per 64 rows of dinp: B ceil(T/64) rows)
     and finish(dbias), which adds them in order into dbias(3C) bf16, rounded once (cuda/attention_wgmma.cu,
-    flash_attention_backward_colsum_finish_kernel_bf16)."""
+    flash_attention_backward_colsum_finish_kernel_bf16), and check(dbias), which refuses a dbias the finish
+    kernel can't take (the launchers call it before their first pass)."""
     R = B * ceil_div(T, 64)
     part = rt.empty((R, 3 * C))
     kf = rt.kernel(WGMMA_MODULE, "flash_attention_backward_colsum_finish_kernel_bf16", "PPii",
                    label=label + " colsum finish", defines=defines)
     grid = (ceil_div(3 * C // 4, 16), 1, 1)
 
-    def finish(dbias):
+    def check(dbias):
         if _ptr(dbias) & 7:
             raise LLMCError(f"{label}: dbias must be 8-byte aligned (0x{_ptr(dbias):x})")
+
+    def finish(dbias):
         kf(grid, (16, 64, 1), _ptr(dbias), part.ptr, np.int32(R), np.int32(3 * C))
-    return part, finish
+    return part, finish, check
 
 
 def build_flash_attention_backward_wgmma(rt, B, T, C, NH, overlap=False, qkv_in_place=False, pingpong=None,
@@ -764,7 +767,7 @@ def build_flash_attention_backward_wgmma(rt, B, T, C, NH, overlap=False, qkv_in_
     sfx = "_btc" + pp if qkv_in_place else ""
     kkv = rt.kernel(WGMMA_MODULE, "flash_attention_backward_dkdv_kernel4_bf16" + sfx, "PPPPiiifP",
                     label=label + " dk dv" + sfx.replace("_", " "), defines=defines)
-    part, finish = _colsum_finish(rt, B, T, C, label, defines) if colsum else (None, None)
+    part, finish, check = _colsum_finish(rt, B, T, C, label, defines) if colsum else (None, None, None)
     qkv_map = (lambda p: qkv_tensor_map(p, B, T, NH)) if qkv_in_place else (lambda p: qkvr_tensor_map(p, B, NH, T))
     kq.set_max_dynamic_smem(dq_smem)
     kkv.set_max_dynamic_smem(dkdv_smem)
@@ -787,6 +790,7 @@ def build_flash_attention_backward_wgmma(rt, B, T, C, NH, overlap=False, qkv_in_
         plain = launch
 
         def launch(dinp, dbias, dout, qkvr, lse, out):  # noqa: F811
+            check(dbias)
             plain(dinp, dout, qkvr, lse, out)
             finish(dbias)
         return Built(launch, scratch={"D": D, "part": part})
@@ -844,7 +848,7 @@ def build_flash_attention_backward_wgmma5(rt, B, T, C, NH, qkv_in_place=False, p
     part = None
     if colsum:  # a row of fp32 column sums per 64 rows of dinp; convert_colsum's row groups (see the .cu)
         rg = _att5_colsum_rg(C)
-        part, finish_bias = _colsum_finish(rt, B, T, C, label, defines)
+        part, finish_bias, check_bias = _colsum_finish(rt, B, T, C, label, defines)
         kcs = rt.kernel(WGMMA_MODULE, f"flash_attention_backward_convert_colsum_kernel5_bf16_rg{rg}", "PPPiiif",
                         label=label + " convert colsum", defines=defines)
         cs_block, cs_smem = (C // 8, rg, 1), 4 * (rg - 1) * C
@@ -909,8 +913,7 @@ def build_flash_attention_backward_wgmma5(rt, B, T, C, NH, qkv_in_place=False, p
 
         def launch(dinp, dbias, dout, qkvr, lse, out):  # noqa: F811
             tensor_maps(dinp, dout, qkvr, out)
-            if _ptr(dbias) & 7:  # (before any pass runs)
-                raise LLMCError(f"{label}: dbias must be 8-byte aligned (0x{_ptr(dbias):x})")
+            check_bias(dbias)  # (before any pass runs)
             for f in passes.values():
                 f(dinp, dbias, dout, qkvr, lse, out)
     # info["passes"]: the launches alone (the lab times each; each takes launch's arguments)
