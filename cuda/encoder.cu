@@ -795,7 +795,7 @@ __device__ __forceinline__ void encoder_partial_add(float (&f)[V], const float* 
 #endif
 template <typename T>
 __device__ __forceinline__ void encoder_backward7_sum_t(T* dwte, const T* dout, const int4* place_rec,
-        float* partial, int* tickets, int N, int C, int blk, const int* inp = nullptr) {
+        float* partial, int* tickets, int N, int C, int blk, const int* inp = nullptr, int others_above = INT_MAX) {
     constexpr int V = Vec16<T>::N;
     const int lane = threadIdx.x % WARP_SIZE;
     const int t = blk * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
@@ -806,8 +806,9 @@ __device__ __forceinline__ void encoder_backward7_sum_t(T* dwte, const T* dout, 
     const int start = __shfl_sync(0xffffffffu, rec.y, 0), count = __shfl_sync(0xffffffffu, rec.z, 0);
     const int tok = __shfl_sync(0xffffffffu, rec.w, 0), d = t - start;
     if (d % ENC7_K) return;  // (the same in the whole warp)
+    if (count > others_above) return;  // (variant 9: the tokens of more rows are summed by other warps)
     const int n = min(ENC7_K, count - d), npieces = ceil_div(count, ENC7_K), q = d / ENC7_K;
-    const bool single = npieces == 1;
+    const bool single = others_above <= ENC7_K || npieces == 1;  // (9: the compiler drops the pieces' paths)
     const int mypos = rec.x;
     // variant 8: the id at each row's position, checked against the token before this warp's first store
     // (records of another batch trap). Its load is issued here and waited for there, under the rows'
@@ -984,6 +985,172 @@ extern "C" __global__ void ENC7_REGS encoder_backward_kernel8_bf16(bf16* dwte, b
         const int4* place_rec, float* partial, int* tickets, int B, int T, int C, int dwpe_blocks) {
     LLMC_PDL_WAIT();
     encoder_backward8_t<bf16>(dwte, dwpe, dout, inp, place_rec, partial, tickets, B, T, C, dwpe_blocks);
+}
+
+// ----------------------------------------------------------------------------------------------
+// encoder_backward 9: 8's records, pieces and orders (the same bits), with the frequent tokens' work
+// cut finer. On text ids 8's time is the most frequent token's latency chain: ~9% of the positions in
+// the lab's Zipf ids, ~1450 rows at B=16, 45 pieces of 32 rows, each a warp adding its rows two at a time
+// over all C columns (16 round trips), then one warp adding the 45 partial rows four at a time, 32
+// columns after another (36 round trips). Here the pieces of tokens of more than ENC9_MIN rows are taken
+// by their own warps, one per (piece, slice of 32 16-byte columns: 256 bf16 or 128 fp32 columns; C = 768
+// in bf16 is 3 slices): a slice's row is one 16-byte load a lane, ENC9_ROWS rows' loads at a time (4
+// round trips for 32 rows), and its combine adds ENC9_PARTS partials at a time (6 round trips for 45
+// pieces), a ticket per (token, slice). Those warps find their pieces themselves: warp (k, j, s) reads
+// the records of the 32 places of window k and takes the j-th place there that heads a piece of such a
+// token (j < H, the launch's heads a window: 1 + ceil(32 / (ENC9_MIN + 1)), at most one of them a
+// token's short last piece), then that piece's records; a window with more heads traps. The other
+// tokens (at most ENC9_MIN rows: one piece) stay with 8's warps (a warp per place, all C columns, 8's
+// registers and bytes in flight, which a uniform batch needs). Grid: the sliced warps first (the
+// longest chains), then the dwpe warps, then 8's. Slicing every token instead was measured: uniform ids
+// B=16 0.039-0.064 ms against 8's 0.036 (a third of the bytes in flight a warp).
+#ifndef ENC9_MIN
+#define ENC9_MIN 32
+#endif
+#ifndef ENC9_ROWS
+#define ENC9_ROWS 8
+#endif
+#ifndef ENC9_PARTS
+#define ENC9_PARTS 8
+#endif
+template <typename T>
+__device__ __forceinline__ void encoder_backward9_piece_t(T* dwte, const T* dout, const int* inp, const int4* place_rec,
+        float* partial, int* tickets, int N, int C, int H, int w) {
+    constexpr int V = Vec16<T>::N;
+    const bool vec = C % V == 0;
+    const int W = vec ? V : 1, G = C / W, S = ceil_div(G, WARP_SIZE);
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int s = w % S, j = (w / S) % H, base = (w / (H * S)) * ENC7_K;  // slice, which head, window
+    if (base >= N) return;
+    bool head = false;
+    if (base + lane < N) {
+        const int4 r = place_rec[base + lane];  // (position, start, count, token)
+        head = r.z > ENC9_MIN && (base + lane - r.y) % ENC7_K == 0;
+    }
+    unsigned heads = __ballot_sync(0xffffffffu, head);
+    if (__popc(heads) > H) __trap();  // (the launch's H is too small for ENC9_MIN: never silently skipped)
+    for (int i = 0; i < j; i++) heads &= heads - 1;  // (drop the first j)
+    if (heads == 0) return;
+    const int t = base + __ffs(heads) - 1;  // this warp's piece starts at place t
+    const int4 rec = place_rec[min(t + lane, N - 1)];  // lane l: the record of the piece's row l
+    const int start = __shfl_sync(0xffffffffu, rec.y, 0), count = __shfl_sync(0xffffffffu, rec.z, 0);
+    const int tok = __shfl_sync(0xffffffffu, rec.w, 0), d = t - start;
+    const int n = min(ENC7_K, count - d), npieces = ceil_div(count, ENC7_K), q = d / ENC7_K;
+    const bool single = npieces == 1;  // (a token of ENC9_MIN < count <= 32 rows: dwte's row first, np.add.at's order)
+    const int mypos = rec.x;
+    const int seen = lane < n ? inp[mypos] : tok;  // checked before the first store (records of another batch trap)
+    const int g = s * WARP_SIZE + lane;
+    const bool live = g < G;
+    T* wrow = dwte + (size_t)tok * C + (size_t)g * W;
+    float a[V];
+    if (single && live) {
+        load_vec<T>(a, wrow, vec, W);
+    } else {
+#pragma unroll
+        for (int k = 0; k < V; k++) a[k] = 0.0f;
+    }
+    if (vec) {  // ENC9_ROWS rows' 16-byte loads issued, then added in row order (8's order: the same bits)
+        constexpr int R = ENC9_ROWS;
+        for (int j0 = 0; j0 < n; j0 += R) {
+            typename Vec16<T>::raw buf[R];
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                const int p = __shfl_sync(0xffffffffu, mypos, min(j0 + r, WARP_SIZE - 1));
+                if (j0 + r < n && live) buf[r] = Vec16<T>::ld(dout + (size_t)p * C + g * V);
+            }
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                if (j0 + r < n && live) {
+                    float x[V];
+                    Vec16<T>::unpack(x, buf[r]);
+#pragma unroll
+                    for (int k = 0; k < V; k++) a[k] += x[k];
+                }
+            }
+        }
+    } else {
+        for (int r = 0; r < n; r++) {
+            const int p = __shfl_sync(0xffffffffu, mypos, r);
+            if (live) a[0] += to_f32(dout[(size_t)p * C + g]);
+        }
+    }
+    if (seen != tok) __trap();  // records of another batch: nothing stored
+    if (single) {
+        if (live) store_vec<T>(wrow, a, vec, W);
+        return;
+    }
+    if (live) encoder_partial_store<V>(partial + (size_t)(2 * (t / ENC7_K) + (q == npieces - 1 ? 1 : 0)) * C + g * W,
+                                       a, vec);
+    __threadfence();  // this piece's partial is visible before its ticket
+    __syncwarp();
+    int ticket = 0;
+    if (lane == 0) ticket = atomicAdd(&tickets[(size_t)start * S + s], 1);
+    ticket = __shfl_sync(0xffffffffu, ticket, 0);
+    if (ticket != npieces - 1) return;
+    __threadfence();  // (the other pieces' partials, fenced before their tickets)
+    if (live) {
+        load_vec<T>(a, wrow, vec, W);
+        if (vec) {  // ENC9_PARTS partials' loads issued, then added in piece order (8's order: the same bits)
+            constexpr int P = ENC9_PARTS;
+            for (int q0 = 0; q0 < npieces; q0 += P) {
+                float4 buf[P][V / 4];
+#pragma unroll
+                for (int r = 0; r < P; r++) {
+                    const int qq = q0 + r;
+                    const float* pp = partial + (size_t)(2 * ((start + qq * ENC7_K) / ENC7_K) +
+                                                         (qq == npieces - 1 ? 1 : 0)) * C + g * V;
+#pragma unroll
+                    for (int k = 0; k < V / 4; k++)  // (L2: written by other SMs' warps)
+                        if (qq < npieces) buf[r][k] = __ldcg(reinterpret_cast<const float4*>(pp + 4 * k));
+                }
+#pragma unroll
+                for (int r = 0; r < P; r++) {
+#pragma unroll
+                    for (int k = 0; k < V / 4; k++) {
+                        if (q0 + r < npieces) {
+                            a[4 * k] += buf[r][k].x; a[4 * k + 1] += buf[r][k].y;
+                            a[4 * k + 2] += buf[r][k].z; a[4 * k + 3] += buf[r][k].w;
+                        }
+                    }
+                }
+            }
+        } else {
+            for (int qq = 0; qq < npieces; qq++)
+                a[0] += __ldcg(partial + (size_t)(2 * ((start + qq * ENC7_K) / ENC7_K) + (qq == npieces - 1 ? 1 : 0)) * C + g);
+        }
+        store_vec<T>(wrow, a, vec, W);
+    }
+    __syncwarp();
+    if (lane == 0) tickets[(size_t)start * S + s] = 0;
+}
+
+// grid: piece_blocks (a warp per (window of 32 places, j < H, slice)), dwpe_blocks, then 8's warps
+template <typename T>
+__device__ __forceinline__ void encoder_backward9_t(T* dwte, T* dwpe, const T* dout, const int* inp,
+        const int4* place_rec, float* partial, int* tickets, int B, int TT, int C, int H, int piece_blocks,
+        int dwpe_blocks) {
+    const int wpb = blockDim.x / WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    if ((int)blockIdx.x < piece_blocks) {
+        encoder_backward9_piece_t<T>(dwte, dout, inp, place_rec, partial, tickets, B * TT, C, H, blockIdx.x * wpb + warp);
+        return;
+    }
+    const int b = blockIdx.x - piece_blocks;
+    if (b < dwpe_blocks) {
+        encoder_dwpe_warp_t<T>(dwpe, dout, B, TT, C, b * wpb + warp);
+        return;
+    }
+    encoder_backward7_sum_t<T>(dwte, dout, place_rec, partial, tickets, B * TT, C, b - dwpe_blocks, inp, ENC9_MIN);
+}
+
+extern "C" __global__ void ENC7_REGS encoder_backward_kernel9(float* dwte, float* dwpe, const float* dout, const int* inp,
+        const int4* place_rec, float* partial, int* tickets, int B, int T, int C, int H, int piece_blocks, int dwpe_blocks) {
+    LLMC_PDL_WAIT();
+    encoder_backward9_t<float>(dwte, dwpe, dout, inp, place_rec, partial, tickets, B, T, C, H, piece_blocks, dwpe_blocks);
+}
+extern "C" __global__ void ENC7_REGS encoder_backward_kernel9_bf16(bf16* dwte, bf16* dwpe, const bf16* dout, const int* inp,
+        const int4* place_rec, float* partial, int* tickets, int B, int T, int C, int H, int piece_blocks, int dwpe_blocks) {
+    LLMC_PDL_WAIT();
+    encoder_backward9_t<bf16>(dwte, dwpe, dout, inp, place_rec, partial, tickets, B, T, C, H, piece_blocks, dwpe_blocks);
 }
 
 extern "C" __global__ void encoder_forward_kernel1_bf16(bf16* out, const int* inp, const bf16* wte,

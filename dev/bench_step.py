@@ -9,6 +9,7 @@
     LLMC_FUSED_BIAS=0 python dev/bench_step.py      # bias grads by matmul_backward_bias, not fused (same variants)
     LLMC_FUSED_GELU=1 python dev/bench_step.py      # the fc layer's GELU in its GEMM's epilogue (default: gelu_forward)
     python dev/bench_step.py --precision bf16 -b 16 --power   # + board power, SM clock, clock-limit reasons
+    python dev/bench_step.py --tokens dev/data/tinyshakespeare/tiny_shakespeare_val.bin  # a batch of text
 
 Times forward + backward + clip + AdamW + the loss and norm read, exactly the trainer's step (after
 the first step, the micro-step and the update are CUDA graph replays where cuda-python is
@@ -21,6 +22,7 @@ included). --sync: each step read before the next is launched (events around the
 read, as sessions before 22 timed it; LLMC_PIPELINE_STEPS=0 in the trainer).
 """
 import argparse
+import os
 import statistics
 import time
 
@@ -30,21 +32,29 @@ import numpy as np
 from llmc import switches
 from llmc.backend import CudaBackend
 from llmc.config import config_from_name
+from llmc.data import read_shard
 from llmc.errors import LLMCError
 from llmc.model import GPT2
 from llmc.train import kernel_flags
 from power import PowerSampler
 
 
-def training_step(be, cfg, B, T, recompute: int = 1):
+def training_step(be, cfg, B, T, recompute: int = 1, tokens=None):
     """(model, step): the GPT-2 of `cfg` built and initialised (seed 0) on `be` with the trainer's
-    -r `recompute`, and step(i), the trainer's step i on one fixed random batch (zero_grad, forward +
-    backward, clip + AdamW at lr 3e-4, the loss read)."""
+    -r `recompute`, and step(i), the trainer's step i on one fixed batch (zero_grad, forward +
+    backward, clip + AdamW at lr 3e-4, the loss read): random ids (uniform over the vocabulary), or
+    the first B*T + 1 of `tokens` (text: a few frequent tokens, which encoder_backward feels)."""
+    if tokens is not None and tokens.size < B * T + 1:
+        raise LLMCError(f"--tokens: {tokens.size:,} tokens, a batch needs B*T + 1 = {B * T + 1:,}")
     model = GPT2(cfg, be, B, T, recompute=recompute)
     model.init_params(0)
-    rng = np.random.default_rng(0)
-    x = rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32)
-    y = rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32)
+    if tokens is None:
+        rng = np.random.default_rng(0)
+        x = rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32)
+        y = rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32)
+    else:
+        x = np.asarray(tokens[:B * T], np.int32).reshape(B, T)
+        y = np.asarray(tokens[1:B * T + 1], np.int32).reshape(B, T)
 
     def step(i):
         """Launch step i; returns its StepRead (the loss and norm on their way to the host)."""
@@ -104,11 +114,14 @@ def main():
                    help="read each step's loss before launching the next (the trainer with LLMC_PIPELINE_STEPS=0)")
     p.add_argument("--power", action="store_true",
                    help="sample board power, SM clock and clock-limit reasons (nvidia-smi) during the timed steps")
+    p.add_argument("--tokens", metavar="SHARD",
+                   help="the batch from this llm.c token shard (its first B*T + 1 tokens) instead of random ids")
     for flag, name, h in kernel_flags():
         p.add_argument(flag, type=int, default=None, dest=f"kernel_{name}", help=h)
     args = p.parse_args()
-    try:  # an LLMC_* switch's bad value: one line (bench_ab's runs show it), before the model is built
+    try:  # an LLMC_* switch's bad value or a bad shard: one line (bench_ab's runs show it), before the model is built
         switches.check_environment()
+        tokens = read_shard(args.tokens) if args.tokens else None
     except LLMCError as e:
         p.error(str(e))
     kernels = {k[7:]: v for k, v in vars(args).items() if k.startswith("kernel_") and v is not None}
@@ -119,7 +132,10 @@ def main():
     cfg = config_from_name(args.model)
     B, T = args.batch_size, args.seq_len
     t0 = time.perf_counter()
-    model, step = training_step(be, cfg, B, T, args.recompute)
+    try:
+        model, step = training_step(be, cfg, B, T, args.recompute, tokens)
+    except LLMCError as e:
+        p.error(str(e))
     build_s = time.perf_counter() - t0
 
     for i in range(args.warmup):
@@ -129,7 +145,8 @@ def main():
     power = sampler.stop() if sampler is not None else None
     free1, _ = rt.mem_info()
     ms = statistics.median(times)
-    print(f"device: {rt.name} | model {cfg.describe()} | B={B} T={T} | {args.precision} | -r {args.recompute} | build {build_s:.1f} s")
+    print(f"device: {rt.name} | model {cfg.describe()} | B={B} T={T} | {args.precision} | -r {args.recompute} | "
+          f"{'ids of ' + os.path.basename(args.tokens) if args.tokens else 'random ids'} | build {build_s:.1f} s")
     print("kernels: " + ", ".join(f"{k}={v}" for k, v in sorted(be.kernels_for().items())))
     print("bias grads fused into: " + (", ".join(k for k, v in model.fused_bias.items() if v) or "none (matmul_backward_bias)"))
     print("fc GELU: " + ("fused into the fc GEMM's epilogue" if model.fused_gelu else "mm_fc + gelu_forward"))

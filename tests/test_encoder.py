@@ -11,13 +11,14 @@ import pytest
 from llmc import ops
 from llmc.bf16 import BF16, from_bf16, to_bf16
 from llmc.errors import LLMCError, VariantRefused
-from llmc.ops.encoder import encoder_backward8_records, encoder_backward_ref, encoder_decode_ref, encoder_forward_ref
+from llmc.ops.encoder import (encoder_backward8_records, encoder_backward_ref, encoder_decode_ref, encoder_forward_ref,
+                               heads_per_window9)
 from llmc.testing import assert_close, poison
 
 FWD = ops.get("encoder_forward")
 BWD = ops.get("encoder_backward")
 DEC = ops.get("encoder_decode")
-DETERMINISTIC = (2, 3, 6, 7, 8)
+DETERMINISTIC = (2, 3, 6, 7, 8, 9)
 
 
 def inputs(rng, B, T, C, Vp, maxT, vocab=None, dtype=np.float64):
@@ -94,7 +95,7 @@ def test_variants_table():
         for n, v in spec.variants.items():
             assert v.number == n and v.description
         with pytest.raises(LLMCError, match="have 1, 2"):
-            spec.variant(9)
+            spec.variant(99)
     for n in DETERMINISTIC:
         assert "deterministic" in BWD.variants[n].description
         assert "non-deterministic" not in BWD.variants[n].description
@@ -146,14 +147,57 @@ def test_variant7_scratch_is_declared():
         assert got == BWD.variants[7].scratch_bytes(B=B, T=T, C=C)
 
 
-def test_variant8_scratch_is_declared():
-    """Variant 8's build allocates what scratch_bytes says; its records come from the host (host_inputs)."""
+@pytest.mark.parametrize("number", [8, 9])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_variant8_scratch_is_declared(number, dtype):
+    """Variants 8's and 9's builds allocate what scratch_bytes says (9: a ticket per place and slice of
+    32 16-byte columns, 32 scalars at a C without 16-byte rows); their records come from the host
+    (host_inputs)."""
     from tests.fake_runtime import FakeRuntime
-    for B, T, C in ((4, 1024, 768), (1, 1, 80), (16, 1024, 768)):
-        built = BWD.build(FakeRuntime(free=80 << 30), 8, "bf16", B=B, T=T, C=C)
-        assert sum(a.nbytes for a in built.scratch.values()) == BWD.variants[8].scratch_bytes(B=B, T=T, C=C)
+    for B, T, C in ((4, 1024, 768), (1, 1, 80), (16, 1024, 768), (2, 5, 66)):
+        built = BWD.build(FakeRuntime(free=80 << 30), number, dtype, B=B, T=T, C=C)
+        got = sum(a.nbytes for a in built.scratch.values())
+        assert got == BWD.variants[number].scratch_bytes(B=B, T=T, C=C, dtype=dtype)
         prep, buf = built.host_inputs
         assert buf is built.scratch["place_rec"] and buf.shape == (B * T, 4) and prep is encoder_backward8_records
+        if number == 9:  # 768 columns: 192 float4 or 96 vectors of 8 bf16; 80: 20 or 10; 66: 66 scalars
+            slices = {768: 6 if dtype == "fp32" else 3, 80: 1, 66: 3}[C]
+            assert built.scratch["tickets"].shape == (B * T * slices,)
+
+
+class _Defines:
+    def __init__(self, **d):
+        self.extra_defines = {"encoder": {k: str(v) for k, v in d.items()}} if d else {}
+
+
+@pytest.mark.parametrize("m", [0, 1, 5, 8, 16, 31, 32])
+def test_variant9_heads_a_window_bound(rng, m):
+    """Variant 9's sliced warps look for at most H = heads_per_window9 pieces of tokens of more than
+    ENC9_MIN rows among each 32 places of the token-major order (the kernel traps on more). H from
+    the records of adversarial and random batches: short last pieces, tokens of exactly m + 1 rows
+    packed back to back, Zipf ids; H must cover the worst window seen and be tight for the packed case."""
+    H = heads_per_window9(_Defines(ENC9_MIN=m)) if m != 32 else heads_per_window9(_Defines())
+    assert H == heads_per_window9(_Defines(ENC9_MIN=m))
+    cases = []
+    k = min(m + 1, 32)  # the fewest rows a sliced token has (a piece of it at most 32)
+    packed = np.concatenate([[0] * 33] + [[t] * k for t in range(1, 70)])  # a 1-row last piece, then k-row tokens
+    cases.append(packed)
+    for vocab in (40, 300, 50257):
+        zipf = 1.0 / np.arange(1, vocab + 1)
+        cases.append(rng.choice(vocab, 8192, p=zipf / zipf.sum()))
+    worst = 0
+    for ids in cases:
+        rec = encoder_backward8_records(np.asarray(ids, np.int32).reshape(1, -1))
+        place = np.arange(len(rec))
+        head = (rec[:, 2] > m) & ((place - rec[:, 1]) % 32 == 0)
+        per_window = np.bincount(place[head] // 32, minlength=1)
+        worst = max(worst, int(per_window.max()))
+    assert worst <= H
+    if m < 32:  # the packed batch reaches the bound: H is not larger than it must be
+        rec = encoder_backward8_records(packed.astype(np.int32).reshape(1, -1))
+        place = np.arange(len(rec))
+        head = (rec[:, 2] > m) & ((place - rec[:, 1]) % 32 == 0)
+        assert np.bincount(place[head] // 32).max() == H
 
 
 def _build_bwd(rt, number, dtype="fp32", inp=None, **shape):
@@ -346,11 +390,12 @@ def test_backward7_against_6(rt, rng, dtype, B, T, C, vocab):
     fp32/bf16 tolerance of the float64 sums; bit-identical to 6 (np.add.at's order) on every row of a
     token with at most 32 rows and on dwpe; the tickets are back to 0 after the call; a second call
     on the same inputs gives the same bits. Variant 8 (7's records from the host): 7's bits, its
-    records the ones 7's rank kernel wrote, its tickets back to 0 too."""
+    records the ones 7's rank kernel wrote, its tickets back to 0 too. Variant 9 (8's records, a warp
+    per place and slice of the row): 7's bits, on two calls, and its tickets back to 0."""
     inp, dout, dwte0, dwpe0, conv, back = _zipf_case(rng, B, T, C, vocab, dtype)
     d_dout, d_inp = rt.to_device(conv(dout)), rt.to_device(inp)
     res, built = {}, {}
-    for number, runs in ((6, 1), (7, 2), (8, 2)):
+    for number, runs in ((6, 1), (7, 2), (8, 2), (9, 2)):
         built[number] = _build_bwd(rt, number, dtype, inp=inp, B=B, T=T, C=C)
         for r in range(runs):
             dwte, dwpe = rt.to_device(conv(dwte0)), rt.to_device(conv(dwpe0))
@@ -358,11 +403,14 @@ def test_backward7_against_6(rt, rng, dtype, B, T, C, vocab):
             res[number, r] = dwte.get(), dwpe.get()
     np.testing.assert_array_equal(built[7].scratch["tickets"].get(), 0)
     np.testing.assert_array_equal(built[8].scratch["tickets"].get(), 0)
+    np.testing.assert_array_equal(built[9].scratch["tickets"].get(), 0)
     np.testing.assert_array_equal(built[8].scratch["place_rec"].get(), built[7].scratch["place_rec"].get())
     for k in (0, 1):
         np.testing.assert_array_equal(res[7, 0][k], res[7, 1][k])
         np.testing.assert_array_equal(res[8, 0][k], res[7, 0][k])
         np.testing.assert_array_equal(res[8, 1][k], res[7, 0][k])
+        np.testing.assert_array_equal(res[9, 0][k], res[7, 0][k])
+        np.testing.assert_array_equal(res[9, 1][k], res[7, 0][k])
     want_wte, want_wpe = encoder_backward_ref(back(conv(dwte0)).astype(np.float64), back(conv(dwpe0)).astype(np.float64),
                                               back(conv(dout)).astype(np.float64), inp)
     for name, got, want in (("dwte", res[7, 0][0], want_wte), ("dwpe", res[7, 0][1], want_wpe)):
@@ -375,6 +423,38 @@ def test_backward7_against_6(rt, rng, dtype, B, T, C, vocab):
     np.testing.assert_array_equal(res[7, 0][1], res[6, 0][1])
     if B * T > 2048 and vocab <= 5000:
         assert (counts > 32).any()  # the multi-piece path ran
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [0, 8, 16])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("B,T,C,vocab", [(16, 1024, 768, 50257), (3, 1000, 100, 300), (2, 40, 66, 3)])
+def test_backward9_slices_any_token_size_with_8s_bits(rt, rng, dtype, B, T, C, vocab, m):
+    """Variant 9 built with --define encoder:ENC9_MIN=m (the lab's knob): the tokens of more than m rows,
+    single pieces too, summed by its sliced warps, the others by 8's; the same bits as 8 (np.add.at's
+    order for the single pieces, the same pieces and combine for the rest), the tickets back to 0."""
+    inp, dout, dwte0, dwpe0, conv, back = _zipf_case(rng, B, T, C, vocab, dtype)
+    d_dout, d_inp = rt.to_device(conv(dout)), rt.to_device(inp)
+    res = {}
+    saved = rt.extra_defines.get("encoder")
+    try:
+        for number, define in ((8, None), (9, m)):
+            if define is not None:
+                rt.extra_defines["encoder"] = {**(saved or {}), "ENC9_MIN": str(define)}
+            built = _build_bwd(rt, number, dtype, inp=inp, B=B, T=T, C=C)
+            dwte, dwpe = rt.to_device(conv(dwte0)), rt.to_device(conv(dwpe0))
+            built(dwte, dwpe, d_dout, d_inp)
+            res[number] = dwte.get(), dwpe.get()
+            np.testing.assert_array_equal(built.scratch["tickets"].get(), 0)
+    finally:
+        if saved is None:
+            rt.extra_defines.pop("encoder", None)
+        else:
+            rt.extra_defines["encoder"] = saved
+    counts = np.bincount(inp.ravel())
+    assert (counts > m).any() and ((counts > 0) & (counts <= 32)).any()  # both kinds of warps had tokens
+    for k in (0, 1):
+        np.testing.assert_array_equal(res[9][k], res[8][k])
 
 
 @pytest.mark.gpu
@@ -478,7 +558,7 @@ def test_backward_gpu_bf16_accumulates(rt, rng, number, B, T, C):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("number", [3, 7, 8])
+@pytest.mark.parametrize("number", [3, 7, 8, 9])
 def test_backward_bf16_rounds_each_row_once(rt, number):
     """One token at every position, dout = 2^-9 everywhere: adding it to dwte = 1.0 with a rounding
     after each add would leave 1.0 every time (a quarter of bf16's ulp at 1.0 rounds away); the fp32
@@ -521,7 +601,7 @@ rt = Runtime()
 B, T, C, V = 2, 64, 768, 50304
 rng = np.random.default_rng(0)
 ids = rng.integers(0, 50257, (B, T)).astype(np.int32)
-built = ops.get("encoder_backward").build(rt, 8, sys.argv[1], B=B, T=T, C=C)
+built = ops.get("encoder_backward").build(rt, int(sys.argv[3]), sys.argv[1], B=B, T=T, C=C)
 built.put_host_inputs(ids if sys.argv[2] == "same" else (ids + 1) % 50257)   # the records of this batch or another
 dt = BF16 if sys.argv[1] == "bf16" else np.float32
 dwte, dwpe, dout = rt.zeros((V, C), dt), rt.zeros((T, C), dt), rt.zeros((B, T, C), dt)
@@ -532,16 +612,17 @@ print("launch finished")
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("number", [8, 9])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_variant8_traps_on_records_of_another_batch(rt, dtype):
-    """Variant 8 checks each row's id against its record's token before the warp's first store (the id's
+def test_variant8_traps_on_records_of_another_batch(rt, dtype, number):
+    """Variants 8 and 9 check each row's id against its record's token before the warp's first store (the id's
     load issued with the record's, so the check adds no round trip): records uploaded for another batch
     must stop the launch with an error, not sum the wrong rows. In a subprocess: the trap leaves the CUDA
     context unusable. The same script with the batch's own records finishes (the control)."""
     import subprocess
     import sys
     from conftest import ROOT
-    runs = {which: subprocess.run([sys.executable, "-c", _TRAP_SCRIPT, dtype, which], cwd=ROOT, capture_output=True,
+    runs = {which: subprocess.run([sys.executable, "-c", _TRAP_SCRIPT, dtype, which, str(number)], cwd=ROOT, capture_output=True,
                                   text=True, timeout=300) for which in ("same", "other")}
     assert runs["same"].returncode == 0 and "launch finished" in runs["same"].stdout, runs["same"].stderr[-2000:]
     assert runs["other"].returncode != 0 and "launch finished" not in runs["other"].stdout, runs["other"].stdout

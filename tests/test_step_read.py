@@ -234,3 +234,25 @@ def test_bench_step_builds_the_model_with_its_recompute(monkeypatch, r):
     model, step = bench_step.training_step(CpuBackend(), CFG, 2, 8, recompute=r)
     assert model.recompute == r and model.activation_bytes() != GPT2(CFG, CpuBackend(), 2, 8).activation_bytes()
     assert np.isfinite(step(0).loss())
+
+
+def test_bench_step_takes_its_batch_from_a_token_shard(monkeypatch, tmp_path):
+    """bench_step --tokens: the batch is the shard's first B*T + 1 tokens (x, then y shifted by one),
+    so that a step can be timed on text ids; a shard too short for a batch is one clear error."""
+    from llmc.data import write_shard
+    from llmc.errors import LLMCError
+    monkeypatch.syspath_prepend(str(ROOT / "dev"))
+    import importlib
+    bench_step = importlib.import_module("bench_step")
+    toks = (np.arange(40) * 7 % CFG.vocab_size).astype(np.uint16)
+    write_shard(tmp_path / "t.bin", toks)
+    shard = bench_step.read_shard(tmp_path / "t.bin")
+    seen = []
+    model, step = bench_step.training_step(CpuBackend(), CFG, 2, 8, tokens=shard)
+    real = model.train_micro_step
+    monkeypatch.setattr(model, "train_micro_step", lambda x, y: (seen.append((x.copy(), y.copy())), real(x, y))[1])
+    assert np.isfinite(step(0).loss())
+    np.testing.assert_array_equal(seen[0][0], toks[:16].reshape(2, 8))
+    np.testing.assert_array_equal(seen[0][1], toks[1:17].reshape(2, 8))
+    with pytest.raises(LLMCError, match="--tokens: 40 tokens, a batch needs B\\*T \\+ 1 = 41"):
+        bench_step.training_step(CpuBackend(), CFG, 5, 8, tokens=shard)

@@ -13,7 +13,7 @@ each output element is rounded once (rtol 2^-8, atol 1e-5 of the output's rms fo
 Bytes counted: dout and the ids read once; each used dwte row and the T dwpe rows read and written
 once ("+="), 4 bytes an element in fp32, 2 in bf16 (variant 6's 20 bytes of scratch a position, in
 L2, not counted). Timed repeats keep accumulating into dwte/dwpe
-(the values don't matter to the time). Variant 8 reads records computed on the host from the ids
+(the values don't matter to the time). Variants 8 and 9 read records computed on the host from the ids
 (uploaded before its rows are timed): the GPU time is the launch alone, and the host's time for the
 records is printed after the table.
 """
@@ -74,19 +74,19 @@ for n in L.selected(spec):
                 except VariantRefused as e:
                     print(f"  {e}")
                     continue
-                built.put_host_inputs(ids[tag])  # (8: the records of these ids, computed on the host)
+                built.put_host_inputs(ids[tag])  # (8, 9: the records of these ids, computed on the host)
                 launch = built.launch  # the bare closure
                 fn = lambda: launch(outs["dwte"], outs["dwpe"], d_dout, d_inp)  # noqa: E731
                 key = label if label != str(n) else n
                 L.validate(key, fn, outputs=outs, refs=refs, atol=max(atol.values()), rtol=rtol, init=init)
                 L.time(key, fn, block_size=bs or "default", bytes=nbytes, ceiling="dram")
-if 8 in L.selected(spec):  # variant 8's host part, not in its GPU time: what the trainer's set_batch adds
+if {8, 9} & set(L.selected(spec)):  # 8's and 9's host part, not in their GPU time: what the trainer's set_batch adds
     for tag, inp in ids.items():
         ms = []
         for _ in range(20):
             t0 = time.perf_counter()
             encoder_backward8_records(inp)
             ms.append(1e3 * (time.perf_counter() - t0))
-        print(f"  variant 8's records on the host (numpy), ids{' ' + tag if tag else ''}: {np.median(ms):.3f} ms "
+        print(f"  variant 8's and 9's records on the host (numpy), ids{' ' + tag if tag else ''}: {np.median(ms):.3f} ms "
               f"(median of 20; beside the GPU's work in the pipelined training loop)")
 L.finish()

@@ -315,6 +315,54 @@ def _host_ranked(dtype):
     return build
 
 
+def _slices(C, dtype):
+    """Variant 9's slices of a row: 32 16-byte vectors each (32 scalars without 16-byte rows)."""
+    vw = 4 if dtype == "fp32" else 8  # elements per 16-byte vector
+    return ceil_div(C // vw if C % vw == 0 else C, 32)
+
+
+def scratch_bytes9(B, T, C, dtype="fp32", **_):
+    """Variant 9's scratch: 8's records and partial rows, a ticket per (place, slice of the row)."""
+    N = B * T
+    return 16 * N + 4 * N * _slices(C, dtype) + 4 * 2 * ceil_div(N, ENC7_PIECE) * C
+
+
+def heads_per_window9(rt) -> int:
+    """How many pieces of variant 9's sliced tokens (more than ENC9_MIN rows; 32 unless the lab's
+    --define encoder:ENC9_MIN=M says otherwise) can start among 32 places: at most one token's short
+    last piece, then pieces of at least min(32, M + 1) rows (the kernel traps on a window with more)."""
+    m = int(getattr(rt, "extra_defines", {}).get(MODULE, {}).get("ENC9_MIN", 32))
+    return min(ENC7_PIECE, 1 + ceil_div(ENC7_PIECE, min(ENC7_PIECE, m + 1)))
+
+
+def _host_ranked_sliced(dtype):
+    """Variant 9: 8's records (host_inputs), pieces and orders (the same bits); the pieces of tokens of
+    more than 32 rows taken by their own warps, one per (piece, slice of 32 16-byte columns), a ticket
+    per (token, slice); the other tokens by 8's warps. One launch with the dwpe sums (cuda/encoder.cu)."""
+    def build(rt, B, T, C, block_size=None):
+        bs = block_size or 64
+        N = B * T
+        S = _slices(C, dtype)
+        H = heads_per_window9(rt)
+        wpb = bs // 32
+        piece_blocks = ceil_div(ceil_div(N, ENC7_PIECE) * H * S, wpb)  # a warp per (window of 32 places, j < H, slice)
+        dwpe_blocks = ceil_div(T * S, wpb)                             # a warp per (t, 32 columns)
+        grid = (piece_blocks + dwpe_blocks + ceil_div(N, wpb), 1, 1)  # then 8's warps, one per place
+        k = rt.kernel(MODULE, f"encoder_backward_kernel9{_sfx(dtype)}", "PPPPPPPiiiiii", label=f"encoder_backward 9 {dtype}")
+        _fits("encoder_backward", 9, k, bs)
+        place_rec = rt.empty((N, 4), np.int32)  # written by the host (put_host_inputs, the model's set_batch)
+        tickets = rt.zeros((N * S,), np.int32)  # each frequent token's finisher puts its slice's ticket back to 0
+        partial = rt.empty((2 * ceil_div(N, ENC7_PIECE), C))
+        b_, t_, c_, h_, p_, d_ = (np.int32(x) for x in (B, T, C, H, piece_blocks, dwpe_blocks))
+
+        def launch(dwte, dwpe, dout, inp):
+            k(grid, (bs, 1, 1), dwte.ptr, dwpe.ptr, dout.ptr, inp.ptr, place_rec.ptr, partial.ptr, tickets.ptr,
+              b_, t_, c_, h_, p_, d_)
+        return Built(launch, scratch={"place_rec": place_rec, "tickets": tickets, "partial": partial},
+                     keep=frozenset({"place_rec", "tickets"}), host_inputs=(encoder_backward8_records, place_rec))
+    return build
+
+
 encoder_forward1 = _elementwise("encoder_forward", 1, 1, 256)
 encoder_forward2 = _elementwise("encoder_forward", 2, 4, 256)
 encoder_forward3 = _warp_per_row(3, 256)
@@ -332,6 +380,8 @@ encoder_backward7 = _ranked("fp32")
 encoder_backward7_bf16 = _ranked("bf16")
 encoder_backward8 = _host_ranked("fp32")
 encoder_backward8_bf16 = _host_ranked("bf16")
+encoder_backward9 = _host_ranked_sliced("fp32")
+encoder_backward9_bf16 = _host_ranked_sliced("bf16")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -419,6 +469,10 @@ OPS = [
                           "the batch's ids and uploaded with it, then one launch: the dwpe sums and 7's pieces in "
                           "one grid (any C)", {"fp32": encoder_backward8, "bf16": encoder_backward8_bf16}, check_any,
                        scratch_bytes=scratch_bytes8),
+            9: Variant(9, "deterministic, 8's records and bits: the pieces of tokens of > 32 rows by a warp per "
+                          "(piece, slice of 32 16-byte columns), their partials combined per slice, 8 loads at a "
+                          "time; the other tokens by 8's warps (any C)", {"fp32": encoder_backward9, "bf16": encoder_backward9_bf16}, check_any,
+                       scratch_bytes=scratch_bytes9),
         }),
     OpSpec(
         name="encoder_decode", flag="--encoder-decode-kernel", default=1,
