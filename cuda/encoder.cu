@@ -26,7 +26,11 @@
 //   7  deterministic, no atomics on data: 6's chunk sort beside the dwpe sums, every position ranked
 //      in one token-major order by binary searches of the chunks, a warp per piece of <= 32 rows of a
 //      token; a frequent token's pieces summed into fp32 partials and combined in a fixed order by
-//      the last to finish (any C; fp32 and bf16; the bf16 default). See "encoder_backward 7" below.
+//      the last to finish (any C; fp32 and bf16). See "encoder_backward 7" below.
+//   8  7's records computed on the host with the batch, then one launch: the dwpe sums and 7's pieces
+//      (7's bits). See "encoder_backward 8" below.
+//   9  8's records, pieces and bits; the pieces of tokens of more than 16 rows by a warp per (piece,
+//      slice of 32 16-byte columns), the rest by 8's warps (the bf16 default). See "encoder_backward 9".
 // encoder_decode (sampling with a KV cache, not a training variant):
 //   1  out[b,:] = wte[inp[b],:] + wpe[inp[B],:]: B new tokens at the position stored after them in
 //      inp (B+1 ints), so that a captured CUDA graph reads the position from the device each step
@@ -1004,11 +1008,16 @@ extern "C" __global__ void ENC7_REGS encoder_backward_kernel8_bf16(bf16* dwte, b
 // registers and bytes in flight, which a uniform batch needs). Grid: the sliced warps first (the
 // longest chains), then the dwpe warps, then 8's. Slicing every token instead was measured: uniform ids
 // B=16 0.039-0.064 ms against 8's 0.036 (a third of the bytes in flight a warp).
+// H200 lab (session 33), bf16, ms, uniform / Zipf / text (tiny shakespeare) ids: B=16 0.0335 / 0.0280 /
+// 0.0293 against 8's 0.0360 / 0.0447 / 0.0441; B=4 0.0124 / 0.0142 / 0.0142 against 0.0143 / 0.0219 /
+// 0.0220. The knobs (--define encoder:NAME=V), B=16 Zipf / text: ENC9_MIN 8 0.0280 / 0.0275 (uniform
+// 0.0351), 24 0.0309 / 0.0300, 32 0.0324 (R 8); ENC9_ROWS 2 0.0321 / 0.0346, 8 0.0299 (MIN 16, 100
+// registers against 96: uniform 0.0378); ENC9_PARTS 4 0.0278 / 0.0288 (level). 96 registers, no spills.
 #ifndef ENC9_MIN
-#define ENC9_MIN 32
+#define ENC9_MIN 16
 #endif
 #ifndef ENC9_ROWS
-#define ENC9_ROWS 8
+#define ENC9_ROWS 4
 #endif
 #ifndef ENC9_PARTS
 #define ENC9_PARTS 8

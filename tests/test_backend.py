@@ -365,7 +365,7 @@ def test_the_kernels_line_names_the_variants_of_the_element_type():
         assert fp32[name] == spec.default and shown[name] == spec.default_for("bf16") != spec.default, name
     assert shown["layernorm_backward"] == bf16.choose("layernorm_backward", N=4096, C=768)
     named = CudaBackend(rt=FakeRuntime(), quiet=True, precision="bf16", kernels={"layernorm_backward": 5})
-    assert named.kernels_for()["layernorm_backward"] == 5 and named.kernels_for()["encoder_backward"] == 8
+    assert named.kernels_for()["layernorm_backward"] == 5 and named.kernels_for()["encoder_backward"] == 9
 
 
 def test_scratch_pool_shares_across_blocks_not_within_one():

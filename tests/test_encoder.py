@@ -104,24 +104,24 @@ def test_variants_table():
 def test_bf16_builds():
     """bf16: the forward default, the decoder's kernel and the deterministic backward variants have
     builds; the atomic backward variants don't (bf16 atomics would round in a varying order), so a
-    bf16 build has its own default, the deterministic 7 (OpSpec.defaults), chosen without a note."""
+    bf16 build has its own default, the deterministic 9 (OpSpec.defaults), chosen without a note."""
     assert "bf16" in FWD.variants[FWD.default].dtypes and "bf16" in DEC.variants[DEC.default].dtypes
     assert "bf16" in FWD.variants[1].dtypes  # any C
     have = {n for n, v in BWD.variants.items() if "bf16" in v.dtypes}
     assert have == set(DETERMINISTIC)
     assert "no bf16 kernels" in BWD.refuse_reason(BWD.default, "bf16", B=4, T=64, C=768)
-    assert BWD.default_for("fp32") == BWD.default == 5 and BWD.default_for("bf16") == 8
+    assert BWD.default_for("fp32") == BWD.default == 5 and BWD.default_for("bf16") == 9
 
 
 def test_bf16_model_takes_the_bf16_default_without_a_note(capsys):
-    """The real CudaBackend over the fake runtime: a bf16 build of encoder_backward selects 8 and
+    """The real CudaBackend over the fake runtime: a bf16 build of encoder_backward selects 9 and
     prints nothing (before, it fell back from the atomic 5 to 3 with a note on every bf16 run); fp32
     keeps 5; a variant the user names is still taken as named."""
     from llmc.backend import CudaBackend
     from tests.fake_runtime import FakeRuntime
     shape = dict(B=4, T=1024, C=768)
     b16 = CudaBackend(precision="bf16", rt=FakeRuntime(free=80 << 30))
-    assert b16.build("encoder_backward", **shape).number == 8
+    assert b16.build("encoder_backward", **shape).number == 9
     assert b16.build("encoder_backward", **shape).dtype == "bf16"
     assert CudaBackend(rt=FakeRuntime(free=80 << 30)).build("encoder_backward", **shape).number == 5
     named = CudaBackend({"encoder_backward": 6}, precision="bf16", rt=FakeRuntime(free=80 << 30))
@@ -170,14 +170,27 @@ class _Defines:
         self.extra_defines = {"encoder": {k: str(v) for k, v in d.items()}} if d else {}
 
 
+def test_host_constants_are_the_kernels():
+    """The launchers' copies of cuda/encoder.cu's constants (the sort chunk, the piece size, variant 9's
+    default ENC9_MIN, which sets the grid's heads a window) are the kernel's #define values."""
+    import re
+    from conftest import ROOT
+    from llmc.ops import encoder
+    src = (ROOT / "cuda" / "encoder.cu").read_text()
+    for name, value in (("ENC_S", encoder.SORT_CHUNK), ("ENC7_K", encoder.ENC7_PIECE), ("ENC9_MIN", encoder.ENC9_MIN)):
+        found = re.findall(rf"^#define {name} (\d+)$", src, re.M)
+        assert found == [str(value)], (name, found)
+
+
 @pytest.mark.parametrize("m", [0, 1, 5, 8, 16, 31, 32])
 def test_variant9_heads_a_window_bound(rng, m):
     """Variant 9's sliced warps look for at most H = heads_per_window9 pieces of tokens of more than
     ENC9_MIN rows among each 32 places of the token-major order (the kernel traps on more). H from
     the records of adversarial and random batches: short last pieces, tokens of exactly m + 1 rows
     packed back to back, Zipf ids; H must cover the worst window seen and be tight for the packed case."""
-    H = heads_per_window9(_Defines(ENC9_MIN=m)) if m != 32 else heads_per_window9(_Defines())
-    assert H == heads_per_window9(_Defines(ENC9_MIN=m))
+    H = heads_per_window9(_Defines(ENC9_MIN=m))
+    if m == 16:
+        assert heads_per_window9(_Defines()) == H == 3  # (16: the kernel's default)
     cases = []
     k = min(m + 1, 32)  # the fewest rows a sliced token has (a piece of it at most 32)
     packed = np.concatenate([[0] * 33] + [[t] * k for t in range(1, 70)])  # a 1-row last piece, then k-row tokens

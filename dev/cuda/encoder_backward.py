@@ -4,11 +4,12 @@
     python dev/cuda/encoder_backward.py 2 3 6     # the deterministic ones
     python dev/cuda/encoder_backward.py 3 6 --dtype bf16 --batch 16 --quick
 
-Two id distributions: uniform over the vocab (almost every token distinct) and Zipf over the vocab
-(p(k) ~ 1/k: the most frequent token at ~9% of positions, somewhat more skewed than GPT-2 text, where
-the top tokens are at 3-5%), which is where the owner variants (2, 3) pay for summing one token's
-rows in one block. Rows labelled "z" use the Zipf ids. Only the deterministic owner variants have
-bf16 builds (rows "3 bf16", "7 bf16 z", ...; 7 is the bf16 default): inputs are bf16 copies, the reference float64 on them, and
+Id distributions: uniform over the vocab (almost every token distinct), Zipf over the vocab (p(k) ~ 1/k:
+the most frequent token at ~9% of positions), which is where the owner variants (2, 3) pay for summing
+one token's rows in one block (rows labelled "z"), and text (rows "t"): the first B*T tokens of tiny
+shakespeare's val split when prepro_tinyshakespeare.py has written it (its most frequent token at 8% of
+the first 4096 and 16384 positions, 69 tokens of more than 32 rows holding 54% of the 16384). Only the deterministic owner variants have
+bf16 builds (rows "3 bf16", "9 bf16 z", ...; 9 is the bf16 default): inputs are bf16 copies, the reference float64 on them, and
 each output element is rounded once (rtol 2^-8, atol 1e-5 of the output's rms for the fp32 sums).
 Bytes counted: dout and the ids read once; each used dwte row and the T dwpe rows read and written
 once ("+="), 4 bytes an element in fp32, 2 in bf16 (variant 6's 20 bytes of scratch a position, in
@@ -19,12 +20,14 @@ records is printed after the table.
 """
 
 import time
+from pathlib import Path
 
 import numpy as np
 
 import lab
 from llmc import ops
 from llmc.bf16 import BF16, round_bf16, to_bf16
+from llmc.data import read_shard, shard_num_tokens
 from llmc.errors import VariantRefused
 from llmc.ops.encoder import encoder_backward8_records, encoder_backward_ref
 
@@ -37,6 +40,9 @@ rt, rng = L.rt, np.random.default_rng(0)
 zipf = 1.0 / np.arange(1, V + 1)
 ids = {"": rng.integers(0, V, (B, T)).astype(np.int32),
        "z": rng.choice(V, (B, T), p=zipf / zipf.sum()).astype(np.int32)}
+TEXT = Path(__file__).resolve().parents[1] / "data" / "tinyshakespeare" / "tiny_shakespeare_val.bin"
+if TEXT.exists() and shard_num_tokens(TEXT) >= N:  # rows "t": text (prepro_tinyshakespeare.py), when it is there
+    ids["t"] = np.asarray(read_shard(TEXT)[:N], np.int32).reshape(B, T)
 dout = lab.rand(rng, (B, T, C))
 init32 = {"dwte": lab.rand(rng, (Vp, C)), "dwpe": lab.rand(rng, (maxT, C))}
 per_dtype = {}  # dtype: (outs, init, d_dout, dout as float64, init as float64, bytes per element)

@@ -11,19 +11,21 @@ Semantics (docs/ops.md):
                       dwte[inp[b,t]] += dout[b,t]; dwpe[t] += sum_b dout[b,t]; only the rows of
                       dwte whose tokens occur (and the first T rows of dwpe) are touched
 
-Variants 2, 3, 6, 7 and 8 of encoder_backward are deterministic without atomics (same inputs, same
-bits on every run; 2, 3 and 6 in np.add.at's order, 7 and 8 too for tokens of at most 32 rows); 1, 4
+Variants 2, 3, 6, 7, 8 and 9 of encoder_backward are deterministic without atomics (same inputs, same
+bits on every run; 2, 3 and 6 in np.add.at's order, 7, 8 and 9 too for tokens of at most 32 rows); 1, 4
 and 5 use atomics and are not. 8 is 7 with the token-major order computed on the host from the
-batch's ids (Built.host_inputs: the model uploads it with each batch) and one launch instead of three. The fp32
+batch's ids (Built.host_inputs: the model uploads it with each batch) and one launch instead of three. 9
+is 8 (its records, pieces and bits) with the tokens of more than 16 rows summed by a warp per (piece,
+slice of 32 16-byte columns), so that a frequent token's chain of loads is short. The fp32
 default is the fastest (5, 21.6 us on the H100 at the trainer's shape); --encoder-backward-kernel 3
-(36 us, 58 us on Zipf-distributed ids), 6, 7 or 8 makes runs bit-reproducible. 6 replaces 2/3's id scans
+(36 us, 58 us on Zipf-distributed ids), 6, 7, 8 or 9 makes runs bit-reproducible. 6 replaces 2/3's id scans
 (N^2 id reads in all) by a per-chunk sort and a link pass.
 
 bf16 builds (entry points <kernel>_bf16): wte, wpe, out, dout, dwte, dwpe bf16; the ids int32. Sums
 in fp32, each output element rounded once. encoder_forward 1 and 3, encoder_decode 1, and the
-deterministic encoder_backward variants 2, 3, 6, 7 and 8 (no bf16 atomics: their order would change the
-rounding from run to run); a bf16 model's encoder_backward defaults to 8 (OpSpec.defaults: the fastest
-deterministic one at B=4 and B=16 on both uniform and Zipf-distributed ids).
+deterministic encoder_backward variants 2, 3, 6, 7, 8 and 9 (no bf16 atomics: their order would change the
+rounding from run to run); a bf16 model's encoder_backward defaults to 9 (OpSpec.defaults: the fastest
+deterministic one at B=4 and B=16 on uniform, Zipf-distributed and text ids).
 The owner block keeps its dwte row in fp32 in shared memory (C floats, no scratch in device memory).
 """
 from __future__ import annotations
@@ -214,6 +216,7 @@ def _sorted_owner(dtype):
 
 
 ENC7_PIECE = 32  # ENC7_K in cuda/encoder.cu: rows per piece of a token's sum in variant 7
+ENC9_MIN = 16  # ENC9_MIN in cuda/encoder.cu: variant 9 slices the tokens of more rows (the lab may --define another)
 
 
 def scratch_bytes7(B, T, C, **_):
@@ -331,7 +334,7 @@ def heads_per_window9(rt) -> int:
     """How many pieces of variant 9's sliced tokens (more than ENC9_MIN rows; 32 unless the lab's
     --define encoder:ENC9_MIN=M says otherwise) can start among 32 places: at most one token's short
     last piece, then pieces of at least min(32, M + 1) rows (the kernel traps on a window with more)."""
-    m = int(getattr(rt, "extra_defines", {}).get(MODULE, {}).get("ENC9_MIN", 32))
+    m = int(getattr(rt, "extra_defines", {}).get(MODULE, {}).get("ENC9_MIN", ENC9_MIN))
     return min(ENC7_PIECE, 1 + ceil_div(ENC7_PIECE, min(ENC7_PIECE, m + 1)))
 
 
@@ -437,11 +440,13 @@ OPS = [
         }),
     OpSpec(
         # fp32: the atomic 5 is fastest; bf16 has no atomics (their order would change the rounding),
-        # so its default is a deterministic one: 8, 7's bits in one launch from host-computed records
-        # (H200 lab, bf16 B=16: 0.035 ms on uniform ids, 0.086 on Zipf ids, against 7's 0.054 / 0.110;
-        # B=4 0.013 / 0.038 against 0.037 / 0.066; whole bf16 steps at B=4 8.45 against 8.48 ms; 7 on
-        # the H100 against 3: B=16 0.061 / 0.116 against 0.225 / 0.250)
-        name="encoder_backward", flag="--encoder-backward-kernel", default=5, defaults={"bf16": 8},
+        # so its default is a deterministic one: 9 (session 33), 8's bits with a frequent token's pieces
+        # cut into column slices (H200 lab, bf16, uniform / Zipf / text ids: B=16 0.0335 / 0.0280 / 0.0293
+        # ms against 8's 0.0360 / 0.0447 / 0.0441, B=4 0.0124 / 0.0142 / 0.0142 against 0.0143 / 0.0219 /
+        # 0.0220; whole bf16 steps on text level: B=16 29.10 against 29.10 ms, B=4 8.36 against 8.39).
+        # 8 against 7 (session 26): B=16 0.035 / 0.086 against 0.054 / 0.110; 7 on the H100 against 3:
+        # B=16 0.061 / 0.116 against 0.225 / 0.250
+        name="encoder_backward", flag="--encoder-backward-kernel", default=5, defaults={"bf16": 9},
         # dout read, dwte/dwpe rows read and written (counted as one (B,T,C) pass); the int32 ids
         cost=lambda B, T, C, dtype="fp32", **_: (0, esize(dtype) * 2 * B * T * C + 4 * B * T),
         cpu=encoder_backward_cpu,
