@@ -797,7 +797,7 @@ __device__ __forceinline__ void encoder_partial_add(float (&f)[V], const float* 
 #else
 #define ENC7_REGS
 #endif
-template <typename T>
+template <typename T, int ROWS = ENC7_ROWS_UNROLL>
 __device__ __forceinline__ void encoder_backward7_sum_t(T* dwte, const T* dout, const int4* place_rec,
         float* partial, int* tickets, int N, int C, int blk, const int* inp = nullptr, int others_above = INT_MAX) {
     constexpr int V = Vec16<T>::N;
@@ -835,8 +835,8 @@ __device__ __forceinline__ void encoder_backward7_sum_t(T* dwte, const T* dout, 
                 for (int k = 0; k < V; k++) a[h][k] = 0.0f;
             }
         }
-        if (vec) {  // ENC7_ROWS_UNROLL rows' 16-byte loads issued, then added in row order
-            constexpr int R = ENC7_ROWS_UNROLL;
+        if (vec) {  // ROWS (ENC7_ROWS_UNROLL; 9: ENC9_SINGLE_ROWS) rows' 16-byte loads issued, then added in row order
+            constexpr int R = ROWS;
             for (int j0 = 0; j0 < n; j0 += R) {
                 typename Vec16<T>::raw buf[R][ENC7_CH];
 #pragma unroll
@@ -1012,7 +1012,9 @@ extern "C" __global__ void ENC7_REGS encoder_backward_kernel8_bf16(bf16* dwte, b
 // 0.0293 against 8's 0.0360 / 0.0447 / 0.0441; B=4 0.0124 / 0.0142 / 0.0142 against 0.0143 / 0.0219 /
 // 0.0220. The knobs (--define encoder:NAME=V), B=16 Zipf / text: ENC9_MIN 8 0.0280 / 0.0275 (uniform
 // 0.0351), 24 0.0309 / 0.0300, 32 0.0324 (R 8); ENC9_ROWS 2 0.0321 / 0.0346, 8 0.0299 (MIN 16, 100
-// registers against 96: uniform 0.0378); ENC9_PARTS 4 0.0278 / 0.0288 (level). 96 registers, no spills.
+// registers against 96: uniform 0.0378); ENC9_PARTS 4 0.0278 / 0.0288 (level). Then 8's warps one row at a
+// time (ENC9_SINGLE_ROWS 1, with ENC9_PARTS 4: 72 registers against 96, more warps an SM): B=16 0.0307 /
+// 0.0275 / 0.0276, B=4 0.0115 / 0.0135 / 0.0140 (ENC9_PARTS 2 level). No spills.
 #ifndef ENC9_MIN
 #define ENC9_MIN 16
 #endif
@@ -1020,7 +1022,11 @@ extern "C" __global__ void ENC7_REGS encoder_backward_kernel8_bf16(bf16* dwte, b
 #define ENC9_ROWS 4
 #endif
 #ifndef ENC9_PARTS
-#define ENC9_PARTS 8
+#define ENC9_PARTS 4
+#endif
+// 8's warps in 9 (the tokens of at most ENC9_MIN rows) read ENC9_SINGLE_ROWS rows at a time (8: 2)
+#ifndef ENC9_SINGLE_ROWS
+#define ENC9_SINGLE_ROWS 1
 #endif
 template <typename T>
 __device__ __forceinline__ void encoder_backward9_piece_t(T* dwte, const T* dout, const int* inp, const int4* place_rec,
@@ -1148,7 +1154,8 @@ __device__ __forceinline__ void encoder_backward9_t(T* dwte, T* dwpe, const T* d
         encoder_dwpe_warp_t<T>(dwpe, dout, B, TT, C, b * wpb + warp);
         return;
     }
-    encoder_backward7_sum_t<T>(dwte, dout, place_rec, partial, tickets, B * TT, C, b - dwpe_blocks, inp, ENC9_MIN);
+    encoder_backward7_sum_t<T, ENC9_SINGLE_ROWS>(dwte, dout, place_rec, partial, tickets, B * TT, C, b - dwpe_blocks, inp,
+                                                 ENC9_MIN);
 }
 
 extern "C" __global__ void ENC7_REGS encoder_backward_kernel9(float* dwte, float* dwpe, const float* dout, const int* inp,
