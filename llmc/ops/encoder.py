@@ -441,9 +441,9 @@ OPS = [
     OpSpec(
         # fp32: the atomic 5 is fastest; bf16 has no atomics (their order would change the rounding),
         # so its default is a deterministic one: 9 (session 33), 8's bits with a frequent token's pieces
-        # cut into column slices (H200 lab, bf16, uniform / Zipf / text ids: B=16 0.0335 / 0.0280 / 0.0293
-        # ms against 8's 0.0360 / 0.0447 / 0.0441, B=4 0.0124 / 0.0142 / 0.0142 against 0.0143 / 0.0219 /
-        # 0.0220; whole bf16 steps on text level: B=16 29.10 against 29.10 ms, B=4 8.36 against 8.39).
+        # cut into column slices (H200 lab, bf16, uniform / Zipf / text ids: B=16 0.0306 / 0.0273 / 0.0277
+        # ms against 8's 0.0357 / 0.0451 / 0.0449, B=4 0.0115 / 0.0134 / 0.0135 against 0.0144 / 0.0220 /
+        # 0.0220; whole bf16 steps on text level: B=16 29.10 against 29.10 ms, B=4 8.46 against 8.47).
         # 8 against 7 (session 26): B=16 0.035 / 0.086 against 0.054 / 0.110; 7 on the H100 against 3:
         # B=16 0.061 / 0.116 against 0.225 / 0.250
         name="encoder_backward", flag="--encoder-backward-kernel", default=5, defaults={"bf16": 9},
