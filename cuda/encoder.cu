@@ -1022,7 +1022,11 @@ extern "C" __global__ void ENC7_REGS encoder_backward_kernel8_bf16(bf16* dwte, b
 #define ENC9_ROWS 4
 #endif
 #ifndef ENC9_PARTS
-#define ENC9_PARTS 4
+#define ENC9_PARTS 8
+#endif
+// the sliced warps' columns a lane (4 or 8; 16-byte loads of bf16 at 8): a slice is 32 * ENC9_LANE columns
+#ifndef ENC9_LANE
+#define ENC9_LANE 4
 #endif
 // 8's warps in 9 (the tokens of at most ENC9_MIN rows) read ENC9_SINGLE_ROWS rows at a time (8: 2)
 #ifndef ENC9_SINGLE_ROWS
@@ -1031,9 +1035,11 @@ extern "C" __global__ void ENC7_REGS encoder_backward_kernel8_bf16(bf16* dwte, b
 template <typename T>
 __device__ __forceinline__ void encoder_backward9_piece_t(T* dwte, const T* dout, const int* inp, const int4* place_rec,
         float* partial, int* tickets, int N, int C, int H, int w) {
-    constexpr int V = Vec16<T>::N;
-    const bool vec = C % V == 0;
-    const int W = vec ? V : 1, G = C / W, S = ceil_div(G, WARP_SIZE);
+    // columns a lane: one load a row of E * sizeof(T) bytes (at most 16), one float4 per 4 of a partial
+    constexpr int E = ENC9_LANE * (int)sizeof(T) > 16 ? 16 / (int)sizeof(T) : ENC9_LANE;
+    typedef typename RawVec<E * sizeof(T)>::type Raw;
+    const bool vec = C % E == 0;
+    const int W = vec ? E : 1, G = C / W, S = ceil_div(G, WARP_SIZE);
     const int lane = threadIdx.x % WARP_SIZE;
     const int s = w % S, j = (w / S) % H, base = (w / (H * S)) * ENC7_K;  // slice, which head, window
     if (base >= N) return;
@@ -1057,29 +1063,29 @@ __device__ __forceinline__ void encoder_backward9_piece_t(T* dwte, const T* dout
     const int g = s * WARP_SIZE + lane;
     const bool live = g < G;
     T* wrow = dwte + (size_t)tok * C + (size_t)g * W;
-    float a[V];
-    if (single && live) {
-        load_vec<T>(a, wrow, vec, W);
-    } else {
+    float a[E];
 #pragma unroll
-        for (int k = 0; k < V; k++) a[k] = 0.0f;
+    for (int k = 0; k < E; k++) a[k] = 0.0f;
+    if (single && live) {
+        if (vec) load_vec<T, E>(wrow, a);
+        else a[0] = to_f32(*wrow);
     }
-    if (vec) {  // ENC9_ROWS rows' 16-byte loads issued, then added in row order (8's order: the same bits)
+    if (vec) {  // ENC9_ROWS rows' loads issued, then added in row order (8's order: the same bits)
         constexpr int R = ENC9_ROWS;
         for (int j0 = 0; j0 < n; j0 += R) {
-            typename Vec16<T>::raw buf[R];
+            Raw buf[R];
 #pragma unroll
             for (int r = 0; r < R; r++) {
                 const int p = __shfl_sync(0xffffffffu, mypos, min(j0 + r, WARP_SIZE - 1));
-                if (j0 + r < n && live) buf[r] = Vec16<T>::ld(dout + (size_t)p * C + g * V);
+                if (j0 + r < n && live) buf[r] = ld_raw<LD_PLAIN>(reinterpret_cast<const Raw*>(dout + (size_t)p * C + g * E));
             }
 #pragma unroll
             for (int r = 0; r < R; r++) {
                 if (j0 + r < n && live) {
-                    float x[V];
-                    Vec16<T>::unpack(x, buf[r]);
+                    float x[E];
+                    unpack_vec<T, E>(buf[r], x);
 #pragma unroll
-                    for (int k = 0; k < V; k++) a[k] += x[k];
+                    for (int k = 0; k < E; k++) a[k] += x[k];
                 }
             }
         }
@@ -1090,12 +1096,22 @@ __device__ __forceinline__ void encoder_backward9_piece_t(T* dwte, const T* dout
         }
     }
     if (seen != tok) __trap();  // records of another batch: nothing stored
+    float* part = partial + (size_t)(2 * (t / ENC7_K) + (q == npieces - 1 ? 1 : 0)) * C + g * W;
     if (single) {
-        if (live) store_vec<T>(wrow, a, vec, W);
+        if (live) {
+            if (vec) store_vec<T, E>(wrow, a);
+            else *wrow = from_f32<T>(a[0]);
+        }
         return;
     }
-    if (live) encoder_partial_store<V>(partial + (size_t)(2 * (t / ENC7_K) + (q == npieces - 1 ? 1 : 0)) * C + g * W,
-                                       a, vec);
+    if (live) {
+        if (vec) {
+#pragma unroll
+            for (int k = 0; k < E; k += 4) store4(part + k, make_float4(a[k], a[k + 1], a[k + 2], a[k + 3]));
+        } else {
+            part[0] = a[0];
+        }
+    }
     __threadfence();  // this piece's partial is visible before its ticket
     __syncwarp();
     int ticket = 0;
@@ -1104,24 +1120,25 @@ __device__ __forceinline__ void encoder_backward9_piece_t(T* dwte, const T* dout
     if (ticket != npieces - 1) return;
     __threadfence();  // (the other pieces' partials, fenced before their tickets)
     if (live) {
-        load_vec<T>(a, wrow, vec, W);
+        if (vec) load_vec<T, E>(wrow, a);
+        else a[0] = to_f32(*wrow);
         if (vec) {  // ENC9_PARTS partials' loads issued, then added in piece order (8's order: the same bits)
             constexpr int P = ENC9_PARTS;
             for (int q0 = 0; q0 < npieces; q0 += P) {
-                float4 buf[P][V / 4];
+                float4 buf[P][E / 4];
 #pragma unroll
                 for (int r = 0; r < P; r++) {
                     const int qq = q0 + r;
                     const float* pp = partial + (size_t)(2 * ((start + qq * ENC7_K) / ENC7_K) +
-                                                         (qq == npieces - 1 ? 1 : 0)) * C + g * V;
+                                                         (qq == npieces - 1 ? 1 : 0)) * C + g * E;
 #pragma unroll
-                    for (int k = 0; k < V / 4; k++)  // (L2: written by other SMs' warps)
+                    for (int k = 0; k < E / 4; k++)  // (L2: written by other SMs' warps)
                         if (qq < npieces) buf[r][k] = __ldcg(reinterpret_cast<const float4*>(pp + 4 * k));
                 }
 #pragma unroll
                 for (int r = 0; r < P; r++) {
 #pragma unroll
-                    for (int k = 0; k < V / 4; k++) {
+                    for (int k = 0; k < E / 4; k++) {
                         if (q0 + r < npieces) {
                             a[4 * k] += buf[r][k].x; a[4 * k + 1] += buf[r][k].y;
                             a[4 * k + 2] += buf[r][k].z; a[4 * k + 3] += buf[r][k].w;
@@ -1129,11 +1146,12 @@ __device__ __forceinline__ void encoder_backward9_piece_t(T* dwte, const T* dout
                     }
                 }
             }
+            store_vec<T, E>(wrow, a);
         } else {
             for (int qq = 0; qq < npieces; qq++)
                 a[0] += __ldcg(partial + (size_t)(2 * ((start + qq * ENC7_K) / ENC7_K) + (qq == npieces - 1 ? 1 : 0)) * C + g);
+            *wrow = from_f32<T>(a[0]);
         }
-        store_vec<T>(wrow, a, vec, W);
     }
     __syncwarp();
     if (lane == 0) tickets[(size_t)start * S + s] = 0;

@@ -151,7 +151,7 @@ def test_variant7_scratch_is_declared():
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_variant8_scratch_is_declared(number, dtype):
     """Variants 8's and 9's builds allocate what scratch_bytes says (9: a ticket per place and slice of
-    32 16-byte columns, 32 scalars at a C without 16-byte rows); their records come from the host
+    32 lanes of 4 columns, of 1 at a C that is not a multiple of 4); their records come from the host
     (host_inputs)."""
     from tests.fake_runtime import FakeRuntime
     for B, T, C in ((4, 1024, 768), (1, 1, 80), (16, 1024, 768), (2, 5, 66)):
@@ -160,8 +160,8 @@ def test_variant8_scratch_is_declared(number, dtype):
         assert got == BWD.variants[number].scratch_bytes(B=B, T=T, C=C, dtype=dtype)
         prep, buf = built.host_inputs
         assert buf is built.scratch["place_rec"] and buf.shape == (B * T, 4) and prep is encoder_backward8_records
-        if number == 9:  # 768 columns: 192 float4 or 96 vectors of 8 bf16; 80: 20 or 10; 66: 66 scalars
-            slices = {768: 6 if dtype == "fp32" else 3, 80: 1, 66: 3}[C]
+        if number == 9:  # 768 columns: 192 lanes' 4 columns; 80: 20; 66: 66 scalars
+            slices = {768: 6, 80: 1, 66: 3}[C]
             assert built.scratch["tickets"].shape == (B * T * slices,)
 
 
@@ -177,7 +177,8 @@ def test_host_constants_are_the_kernels():
     from conftest import ROOT
     from llmc.ops import encoder
     src = (ROOT / "cuda" / "encoder.cu").read_text()
-    for name, value in (("ENC_S", encoder.SORT_CHUNK), ("ENC7_K", encoder.ENC7_PIECE), ("ENC9_MIN", encoder.ENC9_MIN)):
+    for name, value in (("ENC_S", encoder.SORT_CHUNK), ("ENC7_K", encoder.ENC7_PIECE), ("ENC9_MIN", encoder.ENC9_MIN),
+                        ("ENC9_LANE", encoder.ENC9_LANE)):
         found = re.findall(rf"^#define {name} (\d+)$", src, re.M)
         assert found == [str(value)], (name, found)
 
@@ -439,21 +440,24 @@ def test_backward7_against_6(rt, rng, dtype, B, T, C, vocab):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [0, 8, 16])
+@pytest.mark.parametrize("defines", [{"ENC9_MIN": 0}, {"ENC9_MIN": 8}, {"ENC9_LANE": 8, "ENC9_PARTS": 3},
+                                     {"ENC9_MIN": 32, "ENC9_ROWS": 3}])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("B,T,C,vocab", [(16, 1024, 768, 50257), (3, 1000, 100, 300), (2, 40, 66, 3)])
-def test_backward9_slices_any_token_size_with_8s_bits(rt, rng, dtype, B, T, C, vocab, m):
-    """Variant 9 built with --define encoder:ENC9_MIN=m (the lab's knob): the tokens of more than m rows,
-    single pieces too, summed by its sliced warps, the others by 8's; the same bits as 8 (np.add.at's
-    order for the single pieces, the same pieces and combine for the rest), the tickets back to 0."""
+def test_backward9_slices_any_token_size_with_8s_bits(rt, rng, dtype, B, T, C, vocab, defines):
+    """Variant 9 built with the lab's knobs (--define encoder:ENC9_MIN=m: the tokens of more than m rows,
+    single pieces too, summed by its sliced warps, the others by 8's; ENC9_LANE 8: 16-byte bf16 loads in
+    half as many slices; odd batches of rows and partials): the same bits as 8 (np.add.at's order for
+    the single pieces, the same pieces and combine for the rest), the tickets back to 0."""
+    m = defines.get("ENC9_MIN", 16)
     inp, dout, dwte0, dwpe0, conv, back = _zipf_case(rng, B, T, C, vocab, dtype)
     d_dout, d_inp = rt.to_device(conv(dout)), rt.to_device(inp)
     res = {}
     saved = rt.extra_defines.get("encoder")
     try:
-        for number, define in ((8, None), (9, m)):
-            if define is not None:
-                rt.extra_defines["encoder"] = {**(saved or {}), "ENC9_MIN": str(define)}
+        for number in (8, 9):
+            if number == 9:
+                rt.extra_defines["encoder"] = {**(saved or {}), **{k: str(v) for k, v in defines.items()}}
             built = _build_bwd(rt, number, dtype, inp=inp, B=B, T=T, C=C)
             dwte, dwpe = rt.to_device(conv(dwte0)), rt.to_device(conv(dwpe0))
             built(dwte, dwpe, d_dout, d_inp)

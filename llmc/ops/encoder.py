@@ -318,16 +318,24 @@ def _host_ranked(dtype):
     return build
 
 
-def _slices(C, dtype):
-    """Variant 9's slices of a row: 32 16-byte vectors each (32 scalars without 16-byte rows)."""
-    vw = 4 if dtype == "fp32" else 8  # elements per 16-byte vector
-    return ceil_div(C // vw if C % vw == 0 else C, 32)
+def _slices(C, per_lane):
+    """A row's slices of 32 lanes, per_lane columns a lane (1 a lane where C % per_lane != 0)."""
+    return ceil_div(C // per_lane if C % per_lane == 0 else C, 32)
+
+
+ENC9_LANE = 4  # ENC9_LANE in cuda/encoder.cu: columns a lane in variant 9's sliced warps (8 bytes of bf16)
+
+
+def _lane9(rt, dtype):
+    """Columns a lane of variant 9's sliced warps: ENC9_LANE (the lab may --define another), at most 16 bytes."""
+    lane = int(getattr(rt, "extra_defines", {}).get(MODULE, {}).get("ENC9_LANE", ENC9_LANE))
+    return min(lane, 4 if dtype == "fp32" else 8)
 
 
 def scratch_bytes9(B, T, C, dtype="fp32", **_):
-    """Variant 9's scratch: 8's records and partial rows, a ticket per (place, slice of the row)."""
+    """Variant 9's scratch: 8's records and partial rows, a ticket per (place, slice of 32 * 4 columns)."""
     N = B * T
-    return 16 * N + 4 * N * _slices(C, dtype) + 4 * 2 * ceil_div(N, ENC7_PIECE) * C
+    return 16 * N + 4 * N * _slices(C, ENC9_LANE) + 4 * 2 * ceil_div(N, ENC7_PIECE) * C
 
 
 def heads_per_window9(rt) -> int:
@@ -345,11 +353,12 @@ def _host_ranked_sliced(dtype):
     def build(rt, B, T, C, block_size=None):
         bs = block_size or 64
         N = B * T
-        S = _slices(C, dtype)
+        S = _slices(C, _lane9(rt, dtype))              # the sliced warps' slices of a row
+        S16 = _slices(C, 4 if dtype == "fp32" else 8)  # the dwpe warps': 32 16-byte vectors
         H = heads_per_window9(rt)
         wpb = bs // 32
         piece_blocks = ceil_div(ceil_div(N, ENC7_PIECE) * H * S, wpb)  # a warp per (window of 32 places, j < H, slice)
-        dwpe_blocks = ceil_div(T * S, wpb)                             # a warp per (t, 32 columns)
+        dwpe_blocks = ceil_div(T * S16, wpb)                           # a warp per (t, 32 16-byte columns)
         grid = (piece_blocks + dwpe_blocks + ceil_div(N, wpb), 1, 1)  # then 8's warps, one per place
         k = rt.kernel(MODULE, f"encoder_backward_kernel9{_sfx(dtype)}", "PPPPPPPiiiiii", label=f"encoder_backward 9 {dtype}")
         _fits("encoder_backward", 9, k, bs)
