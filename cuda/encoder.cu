@@ -1022,11 +1022,13 @@ extern "C" __global__ void ENC7_REGS encoder_backward_kernel8_bf16(bf16* dwte, b
 #define ENC9_ROWS 4
 #endif
 #ifndef ENC9_PARTS
-#define ENC9_PARTS 8
+#define ENC9_PARTS 4
 #endif
-// the sliced warps' columns a lane (4 or 8; 16-byte loads of bf16 at 8): a slice is 32 * ENC9_LANE columns
+// the sliced warps' columns a lane (at most 16 bytes: fp32 takes 4 at 8): a slice is 32 lanes' columns.
+// 4 (8-byte bf16 loads, one float4 a partial, ENC9_PARTS 8: 76 registers) was measured slower: B=16 0.0334
+// / 0.0289 / 0.0306 ms against 0.0309 / 0.0276 / 0.0283 (session 33)
 #ifndef ENC9_LANE
-#define ENC9_LANE 4
+#define ENC9_LANE 8
 #endif
 // 8's warps in 9 (the tokens of at most ENC9_MIN rows) read ENC9_SINGLE_ROWS rows at a time (8: 2)
 #ifndef ENC9_SINGLE_ROWS

@@ -323,7 +323,7 @@ def _slices(C, per_lane):
     return ceil_div(C // per_lane if C % per_lane == 0 else C, 32)
 
 
-ENC9_LANE = 4  # ENC9_LANE in cuda/encoder.cu: columns a lane in variant 9's sliced warps (8 bytes of bf16)
+ENC9_LANE = 8  # ENC9_LANE in cuda/encoder.cu: columns a lane in variant 9's sliced warps (at most 16 bytes)
 
 
 def _lane9(rt, dtype):
@@ -333,9 +333,10 @@ def _lane9(rt, dtype):
 
 
 def scratch_bytes9(B, T, C, dtype="fp32", **_):
-    """Variant 9's scratch: 8's records and partial rows, a ticket per (place, slice of 32 * 4 columns)."""
+    """Variant 9's scratch: 8's records and partial rows, a ticket per (place, slice of 32 lanes' columns:
+    16 bytes a lane)."""
     N = B * T
-    return 16 * N + 4 * N * _slices(C, ENC9_LANE) + 4 * 2 * ceil_div(N, ENC7_PIECE) * C
+    return 16 * N + 4 * N * _slices(C, min(ENC9_LANE, 4 if dtype == "fp32" else 8)) + 4 * 2 * ceil_div(N, ENC7_PIECE) * C
 
 
 def heads_per_window9(rt) -> int:
