@@ -997,10 +997,10 @@ extern "C" __global__ void ENC7_REGS encoder_backward_kernel8_bf16(bf16* dwte, b
 // the lab's Zipf ids, ~1450 rows at B=16, 45 pieces of 32 rows, each a warp adding its rows two at a time
 // over all C columns (16 round trips), then one warp adding the 45 partial rows four at a time, 32
 // columns after another (36 round trips). Here the pieces of tokens of more than ENC9_MIN rows are taken
-// by their own warps, one per (piece, slice of 32 16-byte columns: 256 bf16 or 128 fp32 columns; C = 768
-// in bf16 is 3 slices): a slice's row is one 16-byte load a lane, ENC9_ROWS rows' loads at a time (4
-// round trips for 32 rows), and its combine adds ENC9_PARTS partials at a time (6 round trips for 45
-// pieces), a ticket per (token, slice). Those warps find their pieces themselves: warp (k, j, s) reads
+// by their own warps, one per (piece, slice of 32 lanes of ENC9_LANE columns, 16 bytes: 256 bf16 or 128
+// fp32 columns; C = 768 in bf16 is 3 slices): a slice's row is one 16-byte load a lane, ENC9_ROWS rows'
+// loads at a time (8 round trips for 32 rows), and its combine adds ENC9_PARTS partials at a time (12
+// round trips for 45 pieces), a ticket per (token, slice). Those warps find their pieces themselves: warp (k, j, s) reads
 // the records of the 32 places of window k and takes the j-th place there that heads a piece of such a
 // token (j < H, the launch's heads a window: 1 + ceil(32 / (ENC9_MIN + 1)), at most one of them a
 // token's short last piece), then that piece's records; a window with more heads traps. The other
@@ -1008,9 +1008,10 @@ extern "C" __global__ void ENC7_REGS encoder_backward_kernel8_bf16(bf16* dwte, b
 // registers and bytes in flight, which a uniform batch needs). Grid: the sliced warps first (the
 // longest chains), then the dwpe warps, then 8's. Slicing every token instead was measured: uniform ids
 // B=16 0.039-0.064 ms against 8's 0.036 (a third of the bytes in flight a warp).
-// H200 lab (session 33), bf16, ms, uniform / Zipf / text (tiny shakespeare) ids: B=16 0.0335 / 0.0280 /
-// 0.0293 against 8's 0.0360 / 0.0447 / 0.0441; B=4 0.0124 / 0.0142 / 0.0142 against 0.0143 / 0.0219 /
-// 0.0220. The knobs (--define encoder:NAME=V), B=16 Zipf / text: ENC9_MIN 8 0.0280 / 0.0275 (uniform
+// H200 lab (session 33), bf16, ms, uniform / Zipf / text (tiny shakespeare) ids, the final build: B=16
+// 0.0306 / 0.0273 / 0.0277 against 8's 0.0357 / 0.0451 / 0.0449; B=4 0.0115 / 0.0134 / 0.0135 against
+// 0.0144 / 0.0220 / 0.0220. On the way (ENC9_SINGLE_ROWS 2, ENC9_PARTS 8): B=16 0.0335 / 0.0280 / 0.0293,
+// B=4 0.0124 / 0.0142 / 0.0142. The knobs (--define encoder:NAME=V), B=16 Zipf / text: ENC9_MIN 8 0.0280 / 0.0275 (uniform
 // 0.0351), 24 0.0309 / 0.0300, 32 0.0324 (R 8); ENC9_ROWS 2 0.0321 / 0.0346, 8 0.0299 (MIN 16, 100
 // registers against 96: uniform 0.0378); ENC9_PARTS 4 0.0278 / 0.0288 (level). Then 8's warps one row at a
 // time (ENC9_SINGLE_ROWS 1, with ENC9_PARTS 4: 72 registers against 96, more warps an SM): B=16 0.0307 /
