@@ -283,6 +283,8 @@ class FakeCudaBackend(CudaBackend):
             run = self._bf16_gelu_pre(shape)
         elif dt == "bf16" and name == "attention_backward" and shape.get("colsum"):
             run = self._bf16_attention_colsum(shape)
+        elif dt == "bf16" and name in ("layernorm_backward", "gelu_backward") and shape.get("colsum"):
+            run = self._bf16_colsum_as_stored(name, shape)
         elif dt == "bf16":
             run = self._bf16_adamw(run) if name == "adamw" else self._bf16(run)
         else:
@@ -424,6 +426,36 @@ class FakeCudaBackend(CudaBackend):
             plain(dinp, *rest)
             bias(dbias, dinp)
         return run
+
+    def _bf16_colsum_as_stored(self, name, shape):
+        """layernorm_backward's and gelu_backward's colsum forms in bf16: the plain form (dinp rounded on
+        the store; gelu's recompute form: gelu_forward's too), then colsum += the column sums of dinp as
+        stored (docs/ops.md: what the GPU sums), as matmul_backward_bias's bf16 build adds them (read, add
+        in fp32, round once; the deferred form's fp32 slot sums: added). The GPU's sums run in another
+        order (within fp32 rounding of these); here the bits of the plain launch and the bias pass."""
+        plain_shape = {k: v for k, v in shape.items() if k not in ("colsum", "recompute", "OC", "deferred")}
+        plain = self._bf16(ops.get(name).build_cpu(**plain_shape).launch)
+        if name == "layernorm_backward":
+            rows, cols = shape["N"], shape["C"]
+        else:
+            rows, cols = shape["N"] // shape["OC"], shape["OC"]
+        bias = self._bf16(ops.get("matmul_backward_bias").build_cpu(N=rows, OC=cols).launch)
+        if name == "layernorm_backward":
+            def run(dinp, dweight, dbias, colsum, *rest):
+                plain(dinp, dweight, dbias, *rest)
+                bias(colsum, dinp)
+            return run
+        gelu = self._bf16(ops.get("gelu_forward").build_cpu(N=shape["N"]).launch) if shape.get("recompute") else None
+
+        def run_gelu(dinp, colsum, *rest):
+            if gelu is not None:  # (dinp, colsum, gout, inp, dout)
+                gout, inp, dout = rest
+                gelu(gout, inp)
+            else:
+                inp, dout = rest
+            plain(dinp, inp, dout)
+            bias(colsum, dinp)
+        return run_gelu
 
     def _bf16_adamw(self, ref):
         """AdamW's bf16 build: the fp32 reference on the master weights, then the bf16 weights from

@@ -141,11 +141,9 @@ def test_qkv_bias_gradient_summed_by_attention_backward():
     """bf16 with attention_backward 5 (the default) or 4 (--deterministic's): qkv's bias gradient comes
     from their colsum form and no matmul_backward_bias runs at all (fcproj's, attproj's and fc's are
     fused too); named 3, which has no such form, or fuse_bias=False: the bias pass sums dqkv. With 4
-    and 3 the gradients and the updated weights are the same bits (the fake backend's colsum form is
+    and 3 the gradients and the updated weights are the same bits (the fake backend's colsum forms are
     the plain backward then the bias pass's sum of dinp as stored; the GPU's order differs:
-    tests/test_attention.py); with fuse_bias=False the first step's qkv bias gradient is (the other bias
-    gradients then differ: the fake's bf16 layernorm and GELU colsum forms sum before the store's
-    rounding)."""
+    tests/test_attention.py), and with fuse_bias=False (every bias gradient by the bias pass) too."""
     L = HS64_CFG.num_layers
     be5, m5, fused = _train_bf16()
     assert m5.fused_bias == {"layernorm_backward": True, "gelu_backward": True, "attention_backward": True}
@@ -164,8 +162,28 @@ def test_qkv_bias_gradient_summed_by_attention_backward():
     for a, b, c in zip(fused, named4, named3):
         np.testing.assert_array_equal(a, b)
         np.testing.assert_array_equal(a, c)
+    for a, b in zip(fused, unfused):
+        np.testing.assert_array_equal(a, b)
     off, n = next((o, n) for name, o, n in param_layout(HS64_CFG) if name == "qkvb")
-    np.testing.assert_array_equal(fused[0][off:off + n], unfused[0][off:off + n])
+    assert np.abs(fused[0][off:off + n]).max() > 0  # (a gradient, not zeros)
+
+
+def test_bf16_colsum_forms_sum_dinp_as_stored():
+    """The fake GPU backend's bf16 layernorm_backward and gelu_backward colsum forms (deferred or not,
+    GELU's recompute form too) sum dinp as stored, rounded to bf16, as the GPU kernels do (docs/ops.md):
+    fused and unfused (fuse_bias=False: the bias pass) give the same bits at every step. A fake that
+    summed the fp32 values before the store's rounding (what the generic bf16 wrapper of the numpy
+    launchers does) fails this."""
+    from tests.llmc_fixtures import train_steps
+    for recompute in (0, 1):
+        runs = {}
+        for fuse in (True, False):
+            be = FakeCudaBackend(None, quiet=True, precision="bf16", nbytes=1 << 27)
+            m, steps, _ = train_steps(HS64_CFG, be, 2, 16, fuse_bias=fuse, recompute=recompute)
+            assert m.fused_bias["layernorm_backward"] == m.fused_bias["gelu_backward"] == fuse
+            runs[fuse] = [g for _, g, _ in steps] + [steps[-1][2]]
+        for a, b in zip(runs[True], runs[False]):
+            np.testing.assert_array_equal(a, b)
 
 
 def test_fused_forms_cost_the_plain_bytes_plus_colsum():
