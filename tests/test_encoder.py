@@ -613,19 +613,38 @@ import sys
 import numpy as np
 from llmc import ops
 from llmc.bf16 import BF16
+from llmc.ops import encoder
 from llmc.runtime import Runtime
+dtype, number, case = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 rt = Runtime()
-B, T, C, V = 2, 64, 768, 50304
-rng = np.random.default_rng(0)
-ids = rng.integers(0, 50257, (B, T)).astype(np.int32)
-built = ops.get("encoder_backward").build(rt, int(sys.argv[3]), sys.argv[1], B=B, T=T, C=C)
-built.put_host_inputs(ids if sys.argv[2] == "same" else (ids + 1) % 50257)   # the records of this batch or another
-dt = BF16 if sys.argv[1] == "bf16" else np.float32
+C, V = 768, 50304
+if case.startswith("heads"):  # token 5's 40 rows (pieces at places 0 and 32), token 7's 20 (at 40): two heads in window 1
+    ids = np.array([5] * 40 + [7] * 20 + [9] * 4, np.int32).reshape(1, 64)
+    if case == "heads-short":  # a launch that looks for fewer heads a window than ENC9_MIN allows
+        encoder.heads_per_window9 = lambda rt: 1
+else:
+    ids = np.random.default_rng(0).integers(0, 50257, (2, 64)).astype(np.int32)
+B, T = ids.shape
+built = ops.get("encoder_backward").build(rt, number, dtype, B=B, T=T, C=C)
+built.put_host_inputs((ids + 1) % 50257 if case == "other" else ids)   # the records of this batch or another
+dt = BF16 if dtype == "bf16" else np.float32
 dwte, dwpe, dout = rt.zeros((V, C), dt), rt.zeros((T, C), dt), rt.zeros((B, T, C), dt)
 built(dwte, dwpe, dout, rt.to_device(ids))
 rt.synchronize()
 print("launch finished")
 """
+
+
+def _finishes_and_traps(dtype, number, control, trapped):
+    """_TRAP_SCRIPT's `control` case finishes its launch and its `trapped` case stops with an error. In
+    subprocesses: a trap leaves the CUDA context unusable."""
+    import subprocess
+    import sys
+    from conftest import ROOT
+    runs = {case: subprocess.run([sys.executable, "-c", _TRAP_SCRIPT, dtype, str(number), case], cwd=ROOT,
+                                 capture_output=True, text=True, timeout=300) for case in (control, trapped)}
+    assert runs[control].returncode == 0 and "launch finished" in runs[control].stdout, runs[control].stderr[-2000:]
+    assert runs[trapped].returncode != 0 and "launch finished" not in runs[trapped].stdout, runs[trapped].stdout
 
 
 @pytest.mark.gpu
@@ -634,37 +653,9 @@ print("launch finished")
 def test_variant8_traps_on_records_of_another_batch(rt, dtype, number):
     """Variants 8 and 9 check each row's id against its record's token before the warp's first store (the id's
     load issued with the record's, so the check adds no round trip): records uploaded for another batch
-    must stop the launch with an error, not sum the wrong rows. In a subprocess: the trap leaves the CUDA
-    context unusable. The same script with the batch's own records finishes (the control)."""
-    import subprocess
-    import sys
-    from conftest import ROOT
-    runs = {which: subprocess.run([sys.executable, "-c", _TRAP_SCRIPT, dtype, which, str(number)], cwd=ROOT, capture_output=True,
-                                  text=True, timeout=300) for which in ("same", "other")}
-    assert runs["same"].returncode == 0 and "launch finished" in runs["same"].stdout, runs["same"].stderr[-2000:]
-    assert runs["other"].returncode != 0 and "launch finished" not in runs["other"].stdout, runs["other"].stdout
-
-
-_HEADS_SCRIPT = """
-import sys
-import numpy as np
-from llmc import ops
-from llmc.bf16 import BF16
-from llmc.ops import encoder
-from llmc.runtime import Runtime
-rt = Runtime()
-if sys.argv[2] == "short":  # a launch that looks for fewer heads a window than ENC9_MIN allows
-    encoder.heads_per_window9 = lambda rt: 1
-B, T, C, V = 1, 64, 768, 50304
-ids = np.array([5] * 40 + [7] * 20 + [9] * 4, np.int32).reshape(B, T)  # places 32 and 40 head pieces of sliced tokens
-built = ops.get("encoder_backward").build(rt, 9, sys.argv[1], B=B, T=T, C=C)
-built.put_host_inputs(ids)
-dt = BF16 if sys.argv[1] == "bf16" else np.float32
-dwte, dwpe, dout = rt.zeros((V, C), dt), rt.zeros((T, C), dt), rt.zeros((B, T, C), dt)
-built(dwte, dwpe, dout, rt.to_device(ids))
-rt.synchronize()
-print("launch finished")
-"""
+    must stop the launch with an error, not sum the wrong rows. The same script with the batch's own
+    records finishes (the control)."""
+    _finishes_and_traps(dtype, number, "same", "other")
 
 
 @pytest.mark.gpu
@@ -673,12 +664,5 @@ def test_variant9_traps_on_a_window_with_more_heads_than_its_launch(rt, dtype):
     """Variant 9's sliced warps look for H pieces of frequent tokens among each 32 places; a window with
     more (a launch built with too small an H for its ENC9_MIN) must stop with an error, never skip a
     piece's rows. Token 5's 40 rows (pieces at places 0 and 32) then token 7's 20 (at 40): two heads in
-    the second window, against H = 1. In a subprocess (the trap leaves the context unusable); the same
-    batch with the build's own H finishes (the control)."""
-    import subprocess
-    import sys
-    from conftest import ROOT
-    runs = {which: subprocess.run([sys.executable, "-c", _HEADS_SCRIPT, dtype, which], cwd=ROOT, capture_output=True,
-                                  text=True, timeout=300) for which in ("own", "short")}
-    assert runs["own"].returncode == 0 and "launch finished" in runs["own"].stdout, runs["own"].stderr[-2000:]
-    assert runs["short"].returncode != 0 and "launch finished" not in runs["short"].stdout, runs["short"].stdout
+    the second window, against H = 1. The same batch with the build's own H finishes (the control)."""
+    _finishes_and_traps(dtype, 9, "heads-own", "heads-short")
