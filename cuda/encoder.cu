@@ -1000,10 +1000,11 @@ extern "C" __global__ void ENC7_REGS encoder_backward_kernel8_bf16(bf16* dwte, b
 // by their own warps, one per (piece, slice of 32 lanes of ENC9_LANE columns, 16 bytes: 256 bf16 or 128
 // fp32 columns; C = 768 in bf16 is 3 slices): a slice's row is one 16-byte load a lane, ENC9_ROWS rows'
 // loads at a time (8 round trips for 32 rows), and its combine adds ENC9_PARTS partials at a time (12
-// round trips for 45 pieces), a ticket per (token, slice). Those warps find their pieces themselves: warp (k, j, s) reads
-// the records of the 32 places of window k and takes the j-th place there that heads a piece of such a
-// token (j < H, the launch's heads a window: 1 + ceil(32 / (ENC9_MIN + 1)), at most one of them a
-// token's short last piece), then that piece's records; a window with more heads traps. The other
+// round trips for 45 pieces), a ticket per (token, slice). Those warps find their pieces themselves:
+// warp (k, j, s) reads the records of the 32 places of window k and takes the j-th place there that
+// heads a piece of such a token (j < H, the launch's heads a window: 1 + ceil(32 / (ENC9_MIN + 1)), at
+// most 32, at most one of them a token's short last piece), then that piece's records; a window with
+// more heads traps. The other
 // tokens (at most ENC9_MIN rows: one piece) stay with 8's warps (a warp per place, all C columns, 8's
 // registers and bytes in flight, which a uniform batch needs). Grid: the sliced warps first (the
 // longest chains), then the dwpe warps, then 8's. Slicing every token instead was measured: uniform ids
@@ -1011,9 +1012,9 @@ extern "C" __global__ void ENC7_REGS encoder_backward_kernel8_bf16(bf16* dwte, b
 // H200 lab (session 33), bf16, ms, uniform / Zipf / text (tiny shakespeare) ids, the final build: B=16
 // 0.0306 / 0.0273 / 0.0277 against 8's 0.0357 / 0.0451 / 0.0449; B=4 0.0115 / 0.0134 / 0.0135 against
 // 0.0144 / 0.0220 / 0.0220. On the way (ENC9_SINGLE_ROWS 2, ENC9_PARTS 8): B=16 0.0335 / 0.0280 / 0.0293,
-// B=4 0.0124 / 0.0142 / 0.0142. The knobs (--define encoder:NAME=V), B=16 Zipf / text: ENC9_MIN 8 0.0280 / 0.0275 (uniform
-// 0.0351), 24 0.0309 / 0.0300, 32 0.0324 (R 8); ENC9_ROWS 2 0.0321 / 0.0346, 8 0.0299 (MIN 16, 100
-// registers against 96: uniform 0.0378); ENC9_PARTS 4 0.0278 / 0.0288 (level). Then 8's warps one row at a
+// B=4 0.0124 / 0.0142 / 0.0142. The knobs (--define encoder:NAME=V), B=16 Zipf / text: ENC9_MIN 8
+// 0.0280 / 0.0275 (uniform 0.0351), 24 0.0309 / 0.0300, 32 0.0324 (R 8); ENC9_ROWS 2 0.0321 / 0.0346, 8
+// 0.0299 (MIN 16, 100 registers against 96: uniform 0.0378); ENC9_PARTS 4 0.0278 / 0.0288 (level). Then 8's warps one row at a
 // time (ENC9_SINGLE_ROWS 1, with ENC9_PARTS 4: 72 registers against 96, more warps an SM): B=16 0.0307 /
 // 0.0275 / 0.0276, B=4 0.0115 / 0.0135 / 0.0140 (ENC9_PARTS 2 level). No spills.
 #ifndef ENC9_MIN
@@ -1025,7 +1026,7 @@ extern "C" __global__ void ENC7_REGS encoder_backward_kernel8_bf16(bf16* dwte, b
 #ifndef ENC9_PARTS
 #define ENC9_PARTS 4
 #endif
-// the sliced warps' columns a lane (at most 16 bytes: fp32 takes 4 at 8): a slice is 32 lanes' columns.
+// the sliced warps' columns a lane (4 or 8; at most 16 bytes: fp32 takes 4 at 8): a slice is 32 lanes'.
 // 4 (8-byte bf16 loads, one float4 a partial, ENC9_PARTS 8: 76 registers) was measured slower: B=16 0.0334
 // / 0.0289 / 0.0306 ms against 0.0309 / 0.0276 / 0.0283 (session 33)
 #ifndef ENC9_LANE

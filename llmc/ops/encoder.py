@@ -340,7 +340,7 @@ def scratch_bytes9(B, T, C, dtype="fp32", **_):
 
 
 def heads_per_window9(rt) -> int:
-    """How many pieces of variant 9's sliced tokens (more than ENC9_MIN rows; 32 unless the lab's
+    """How many pieces of variant 9's sliced tokens (more than ENC9_MIN rows; 16 unless the lab's
     --define encoder:ENC9_MIN=M says otherwise) can start among 32 places: at most one token's short
     last piece, then pieces of at least min(32, M + 1) rows (the kernel traps on a window with more)."""
     m = int(getattr(rt, "extra_defines", {}).get(MODULE, {}).get("ENC9_MIN", ENC9_MIN))
@@ -349,8 +349,9 @@ def heads_per_window9(rt) -> int:
 
 def _host_ranked_sliced(dtype):
     """Variant 9: 8's records (host_inputs), pieces and orders (the same bits); the pieces of tokens of
-    more than 32 rows taken by their own warps, one per (piece, slice of 32 16-byte columns), a ticket
-    per (token, slice); the other tokens by 8's warps. One launch with the dwpe sums (cuda/encoder.cu)."""
+    more than ENC9_MIN (16) rows taken by their own warps, one per (piece, slice of 32 16-byte columns),
+    a ticket per (token, slice); the other tokens by 8's warps. One launch with the dwpe sums
+    (cuda/encoder.cu, "encoder_backward 9")."""
     def build(rt, B, T, C, block_size=None):
         bs = block_size or 64
         N = B * T
@@ -484,10 +485,10 @@ OPS = [
                           "the batch's ids and uploaded with it, then one launch: the dwpe sums and 7's pieces in "
                           "one grid (any C)", {"fp32": encoder_backward8, "bf16": encoder_backward8_bf16}, check_any,
                        scratch_bytes=scratch_bytes8),
-            9: Variant(9, "deterministic, 8's records and bits: the pieces of tokens of > 32 rows by a warp per "
-                          "(piece, slice of 32 16-byte columns), their partials combined per slice, 8 loads at a "
-                          "time; the other tokens by 8's warps (any C)", {"fp32": encoder_backward9, "bf16": encoder_backward9_bf16}, check_any,
-                       scratch_bytes=scratch_bytes9),
+            9: Variant(9, "deterministic, 8's records and bits: the pieces of tokens of > 16 rows by a warp per "
+                          "(piece, slice of 32 16-byte columns), their partials combined per slice; the other "
+                          "tokens by 8's warps (any C)", {"fp32": encoder_backward9, "bf16": encoder_backward9_bf16},
+                       check_any, scratch_bytes=scratch_bytes9),
         }),
     OpSpec(
         name="encoder_decode", flag="--encoder-decode-kernel", default=1,
