@@ -145,8 +145,8 @@ extern "C" __global__ void gelu_backward_kernel2_bf16(bf16* dinp, const bf16* in
 //   the rounded values, what a bias kernel would read back)
 // Layout (matmul_backward_bias 4's): block (32, 8) owns 32*V columns (lane tx: the V adjacent
 // columns of one 16-byte vector) of one chunk of rows; row-lane ty takes rows ty, ty+8, ... of the
-// chunk, four at a time with all eight loads issued before the first store (dinp may be dout, so the
-// compiler may not hoist a later row's loads above a store: the source order does it). Its V column
+// chunk, GELU_CS_UNROLL (2) at a time, all their loads issued before the first store (dinp may be
+// dout, so the compiler may not hoist a later row's loads above a store: the source order does it). Its V column
 // sums stay in registers (fp32); the block adds its 8 row-lanes in order into one partial row
 // (chunks, OC) fp32; the last block of each column block (an integer ticket, as bias 4) adds the
 // chunks' partials in chunk order and does colsum "+=" (read, add in fp32, round once). Every sum
@@ -156,7 +156,16 @@ extern "C" __global__ void gelu_backward_kernel2_bf16(bf16* dinp, const bf16* in
 // d12, B=16) and nothing over (rows, OC): the bias pass's N*OC read is gone.
 
 
-#define GELU_CS_UNROLL 4
+// GELU_CS_UNROLL: rows a row-lane loads (both inputs) before its first store. 2 since session 34 (was
+// 4; the bits do not depend on it: a lane adds its rows in row order either way). H200, lab (L2
+// flushed, medians), bf16 colsum / colsum + gelu (-r 1's form): B=4 0.0284 / 0.0344 ms against 4's
+// 0.0303 / 0.0352 (91% / 92% of a copy, was 83% / 89%), B=16 0.0861 / 0.1131 against 0.0896 / 0.1156;
+// 1 gave 0.0290 / 0.0345 at B=4, 8 twice the time. bf16 steps on text ids: B=4 8.39 against 8.46 ms,
+// B=16 29.11 against 29.21. (fp32: colsum level or faster, colsum + gelu B=4 0.0595 against 0.0583.)
+// A lab knob: --define gelu:GELU_CS_UNROLL=U (tests/test_gelu.py checks other values give the same bits).
+#ifndef GELU_CS_UNROLL
+#define GELU_CS_UNROLL 2
+#endif
 
 // thread (tx, 0) ends with the sum of the 8 row-lanes' s, added in row-lane order (the same bits on
 // every run); every thread of the block must call it

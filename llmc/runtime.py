@@ -448,13 +448,17 @@ class Kernel:
         self._ctypes = [_CTYPES_OF[c] for c in argtypes] if all(c in _CTYPES_OF for c in argtypes) else None
 
     def set_max_dynamic_smem(self, nbytes: int) -> None:
-        """Opt in to more than 48 KB of dynamic shared memory (Hopper allows up to 227 KB)."""
+        """Opt in to more than 48 KB of dynamic shared memory (Hopper allows up to 227 KB). The opt-in
+        only grows: builds of one entry point share its function, so a build that asks for less
+        (layernorm_backward 7's deferred form, 2 stages, after its ticketed form, 3) must not take
+        back what an earlier build's launches need."""
+        if int(nbytes) <= self.max_dynamic_smem:
+            return
         import pycuda.driver as drv
-        if nbytes > 48 * 1024:
-            self.func.set_attribute(drv.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, int(nbytes))
-            if self._cu:
-                self._cu_smem(nbytes)
-        self.max_dynamic_smem = max(self.max_dynamic_smem, int(nbytes))
+        self.func.set_attribute(drv.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, int(nbytes))
+        if self._cu:
+            self._cu_smem(nbytes)
+        self.max_dynamic_smem = int(nbytes)
 
     def _cu_smem(self, nbytes: int) -> None:
         self.rt._cu_call("cuFuncSetAttribute", ctypes.c_void_p(self._cu),

@@ -389,3 +389,30 @@ def test_scratch_pool_shares_across_blocks_not_within_one():
     be = CudaBackend(rt=FakeRuntime(), quiet=True)
     built = be.build("matmul_backward", prefer=5, N=64, C=32, OC=96)
     assert built.pool is not None and len(built.pool["bufs"]) == 2  # weight^T and the transposed narrow operand
+
+
+def test_a_kernels_shared_memory_opt_in_only_grows(monkeypatch):
+    """Kernel.set_max_dynamic_smem raises the function's opt-in and never lowers it: two builds of one
+    entry point (layernorm_backward 7's ticketed form, 3 stages, then its deferred form, 2) share the
+    function, and the first build's launches need its larger opt-in after the second build asked for less
+    (before this, the second call set the attribute down and the first form's launch failed)."""
+    import types
+    from llmc.runtime import Kernel
+
+    drv = types.ModuleType("pycuda.driver")
+    drv.function_attribute = types.SimpleNamespace(MAX_DYNAMIC_SHARED_SIZE_BYTES="max_dynamic_smem")
+    pkg = types.ModuleType("pycuda")
+    pkg.driver = drv
+    monkeypatch.setitem(sys.modules, "pycuda", pkg)
+    monkeypatch.setitem(sys.modules, "pycuda.driver", drv)
+    sets = []
+    func = types.SimpleNamespace(prepare=lambda a: None, prepared_async_call=None,
+                                 set_attribute=lambda attr, v: sets.append((attr, v)))
+    k = Kernel(None, func, "PPi", "layernorm_backward 7 bf16 colsum")
+    k.set_max_dynamic_smem(40 * 1024)  # under the 48 KB every kernel has: nothing to opt in to
+    assert sets == [] and k.max_dynamic_smem == 48 * 1024
+    k.set_max_dynamic_smem(165904)
+    k.set_max_dynamic_smem(110608)
+    assert sets == [("max_dynamic_smem", 165904)] and k.max_dynamic_smem == 165904
+    k.set_max_dynamic_smem(200000)
+    assert sets[-1] == ("max_dynamic_smem", 200000) and k.max_dynamic_smem == 200000

@@ -313,3 +313,44 @@ def test_backward_colsum_deterministic_replays_and_rounds_once(rt, rng, number, 
     BWD.build(rt, number, dtype, N=rows * OC, OC=OC, colsum=True)(d, colsum, up(np.full(rows * OC, 10.0)), d)
     got = from_bf16(colsum.get()) if bf else colsum.get()
     np.testing.assert_array_equal(got, np.full(OC, 2.0, np.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("unroll", [1, 3, 4])
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_backward_colsum_unroll_knob_keeps_the_bits(rt, rng, dtype, recompute, unroll):
+    """GELU_CS_UNROLL (cuda/gelu.cu; the lab's --define gelu:GELU_CS_UNROLL=U) only changes how many
+    rows a lane loads ahead: other values give the default build's bits for dinp, colsum and gout, on
+    rows that do not fill the last group, an OC with the scalar path, and GPT-2's 4C."""
+    bf = dtype == "bf16"
+    up = (lambda a: rt.to_device(to_bf16(a))) if bf else (lambda a: rt.to_device(a.astype(np.float32)))
+    for rows, OC in ((4099, 3072), (65, 66), (131, 80)):
+        N = rows * OC
+        x, dout = inputs(rng, N, np.float32)
+        cs0 = rng.standard_normal(OC)
+        d_x = up(x)
+        res = []
+        saved = rt.extra_defines.get("gelu")
+        try:
+            for d in ({}, {"GELU_CS_UNROLL": str(unroll)}):
+                rt.extra_defines["gelu"] = {**(saved or {}), **d}
+                built = BWD.build(rt, 2, dtype, N=N, OC=OC, colsum=True, recompute=recompute)
+                dinp, colsum = up(dout), up(cs0)  # in place, as the model runs it
+                outs = [dinp, colsum]
+                if recompute:
+                    gout = rt.empty(N, BF16 if bf else np.float32)
+                    poison(gout)
+                    built(dinp, colsum, gout, d_x, dinp)
+                    outs.append(gout)
+                else:
+                    built(dinp, colsum, d_x, dinp)
+                res.append([o.get() for o in outs])
+                np.testing.assert_array_equal(built.scratch["counters"].get(), 0)
+        finally:
+            if saved is None:
+                rt.extra_defines.pop("gelu", None)
+            else:
+                rt.extra_defines["gelu"] = saved
+        for a, b in zip(*res):
+            np.testing.assert_array_equal(a, b)

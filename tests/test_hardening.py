@@ -172,7 +172,7 @@ def test_deterministic_kernel_choice():
     from llmc.errors import LLMCError
     from llmc.train import NONDETERMINISTIC, deterministic_kernels
     got = deterministic_kernels({})
-    assert got == {"encoder_backward": 3, "layernorm_backward": 5, "global_norm": 3, "attention_backward": 4}
+    assert got == {"encoder_backward": 9, "layernorm_backward": 5, "global_norm": 3, "attention_backward": 4}
     assert all(got[k] not in bad for k, bad in NONDETERMINISTIC.items())
     assert deterministic_kernels({"encoder_backward": 2})["encoder_backward"] == 2
     with pytest.raises(LLMCError, match="--encoder-backward-kernel 5: uses atomics"):

@@ -15,6 +15,8 @@ The fused form (colsum=True with OC = 4C; variants that have it): "<n> colsum" a
 then matmul_backward_bias (its default) over the same dinp: what the model launches without the
 fusion (once a layer). Both run in place, as the model does (dout is dinp); bytes counted for both
 rows: the plain op's 3N plus colsum read and written, so "+ bias" shows the bias pass's N more as time.
+"<n> colsum + gelu": the recompute form (the trainer's at -r 1, its default), gout = gelu(inp) written
+too (4N bytes and colsum's).
 """
 
 import numpy as np
@@ -88,4 +90,17 @@ for n in L.selected(spec):
                        init=init)
             # (timed in place over whatever d_out holds: the time does not depend on the values)
             L.time(label, f, bytes=nbytes, ceiling="dram")
+        # the recompute form (the trainer's at -r >= 1, its default): gout = gelu(inp) written too
+        fused_rc = spec.build(rt, n, dt, N=N, OC=OC, colsum=True, recompute=True)
+        gout = rt.empty(N, np.float32 if dt == "fp32" else BF16)
+        g_ref = gelu_forward_ref(val(x).astype(np.float64))
+        g_atol = (1e-5 if dt == "fp32" else 1e-5 * float(np.sqrt(np.mean(g_ref * g_ref))))
+        label = f"{n} colsum + gelu {dt}"
+        f = lambda: fused_rc(d_out, colsum, gout, d_x, d_out)  # noqa: E731
+        init = {"dinp": up(val(dout)), "colsum": up(cs_init)}
+        for o, r, a in (("dinp", ref, atol), ("gout", g_ref, g_atol), ("colsum", cs_ref, cs_atol)):
+            d_out.set(init["dinp"])  # (in place: every check starts from dout)
+            L.validate(label, f, outputs={o: {"dinp": d_out, "gout": gout, "colsum": colsum}[o]}, refs={o: r},
+                       atol=a, rtol=rtol, init=init)
+        L.time(label, f, bytes=spec.cost(N=N, OC=OC, dtype=dt, colsum=True, recompute=True)[1], ceiling="dram")
 L.finish()

@@ -5,6 +5,9 @@ each warp's ring; a persistent grid or more blocks than are resident), beside 5 
 and colsum forms. Every configuration is validated against the float64 reference first.
 
     python dev/cuda/layernorm_sweep7.py --batch 16          # (--quick: 10 repeats)
+
+Last, the deferred form (the bf16 trainer's: 24 calls, then one flush of their column sums) in a few of
+the same configurations.
 """
 import numpy as np
 
@@ -79,4 +82,28 @@ for bs, P, f, rpw in [(256, 3, 0, None), (256, 3, 0, 2), (256, 2, 0, 4), (128, 3
                                        rows_per_warp=rpw).launch, True)
     except VariantRefused as e:
         print(f"  {e}")
+# the deferred form (the bf16 trainer's): 24 calls (d12's fused layernorm backwards a step), then the flush
+L.section("backward colsum deferred x24 + flush")
+S = 24
+for bs, P, rpw in [(384, 3, None), (384, 2, None), (256, 3, None), (384, 2, 4), (256, 2, 4), (384, 3, 4),
+                   (384, 2, 8), (512, 2, 4)]:
+    label = f"bwd 7 colsum deferred bs{bs} P{P}" + (f" R{rpw}" if rpw else "")
+    try:
+        dfr = ln._backward7("bf16")(rt, N, C, block_size=bs, colsum=True, stages=P, rows_per_warp=rpw, deferred=S)
+    except VariantRefused as e:
+        print(f"  {e}")
+        continue
+    args = lambda: (outs["dinp"], outs["dweight"], outs["dbias"], outs["colsum"], d_dout, d_x, d_w, d_mean, d_rstd)  # noqa: E731
+    one = lambda: (dfr(0, *args()), dfr.flush())  # noqa: E731
+    L.validate(label, one, outputs={"dinp": outs["dinp"]}, refs=refs, atol=1e-4, rtol=2.0 ** -8, init=up)
+    L.validate(label, one, outputs={"dweight": outs["dweight"], "dbias": outs["dbias"]}, refs=refs, atol=1e-3,
+               rtol=2.0 ** -8, init=up)
+    outs["dinp"].set(up["dinp"])
+    L.validate(label, one, outputs={"colsum": outs["colsum"]}, refs=refs, atol=cs_atol, rtol=2.0 ** -8, init=up)
+
+    def many():
+        for slot in range(S):
+            dfr(slot, *args())
+        dfr.flush()
+    L.time(f"{label} x{S}", many, bytes=S * cs_bytes, ceiling="dram")
 L.finish()

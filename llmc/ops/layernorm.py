@@ -453,13 +453,15 @@ def scratch_bytes_backward7(N, C, colsum=False, deferred=0, **_):
 
 def _backward7(dtype):
     """384 threads (one block an SM at C = 768 bf16: 12 warps, 128 / 162 registers) and 3 stages a
-    warp: the fastest of the sweep (dev/cuda/layernorm_sweep7.py). The lab's comparisons only: flags
+    warp: the fastest of the sweep (dev/cuda/layernorm_sweep7.py); 2 stages in the deferred form (the
+    bf16 trainer's), whose 24 calls and flush took 0.2487 ms against 0.2607 at B=4 and 0.7350 against
+    0.7624 at B=16 (H200, bf16, the sweep's deferred rows, session 34). The lab's comparisons only: flags
     LN7_CHUNKED, LN7_SPLIT (the reduce kernel sums the partials, as for 3-6); stages: rows per warp in
     the shared-memory ring (stages - 1 in flight); rows_per_warp: R consecutive rows per warp and as
     many blocks as that takes (more than are resident: the hardware hands out the blocks)."""
     def build(rt, N, C, block_size=None, colsum=False, flags=0, stages=None, rows_per_warp=None, deferred=0):
         bs = block_size or 384
-        P = stages or 3
+        P = stages or (2 if deferred else 3)
         assert 2 <= P <= 6
         nv = ceil_div(C, 32 * V16[dtype])
         label = f"layernorm_backward 7 {dtype}" + (" colsum" if colsum else "")
