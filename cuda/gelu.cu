@@ -229,8 +229,11 @@ __device__ __forceinline__ void gelu_backward_colsum_t(T* dinp, T* colsum, float
 #pragma unroll
                     for (int k = 0; k < V; k++) x[k] = gelu_bwd_as<T>(x[k], d[k]);
                     round_to<T, V>(x);
+                    // (__fadd_rn: never contracted with gelu_bwd's last multiply into an FMA, which in fp32
+                    // would add the unrounded product, not dinp as stored, and do so or not as the
+                    // unrolling lets the compiler: GELU_CS_UNROLL 1, 3 and 4 gave other fp32 bits than 2)
 #pragma unroll
-                    for (int k = 0; k < V; k++) s[k] += x[k];  // (past OC: 0 * gelu'(0) = 0, never stored)
+                    for (int k = 0; k < V; k++) s[k] = __fadd_rn(s[k], x[k]);  // (past OC: 0 * gelu'(0) = 0, never stored)
                     store_vec<T>(dinp + (size_t)r * OC + col, x, vec, ncol);
                 }
             }
