@@ -157,12 +157,13 @@ extern "C" __global__ void gelu_backward_kernel2_bf16(bf16* dinp, const bf16* in
 
 
 // GELU_CS_UNROLL: rows a row-lane loads (both inputs) before its first store. 2 since session 34 (was
-// 4; the bits do not depend on it: a lane adds its rows in row order either way). H200, lab (L2
+// 4; a lane adds its rows in row order either way). H200, lab (L2
 // flushed, medians), bf16 colsum / colsum + gelu (-r 1's form): B=4 0.0284 / 0.0344 ms against 4's
 // 0.0303 / 0.0352 (91% / 92% of a copy, was 83% / 89%), B=16 0.0861 / 0.1131 against 0.0896 / 0.1156;
 // 1 gave 0.0290 / 0.0345 at B=4, 8 twice the time. bf16 steps on text ids: B=4 8.39 against 8.46 ms,
 // B=16 29.11 against 29.21. (fp32: colsum level or faster, colsum + gelu B=4 0.0595 against 0.0583.)
-// A lab knob: --define gelu:GELU_CS_UNROLL=U (tests/test_gelu.py checks other values give the same bits).
+// A lab knob: --define gelu:GELU_CS_UNROLL=U (tests/test_gelu.py: other values give the same bits where
+// the build takes the same chunks of rows; the chunks follow the blocks resident an SM, so the registers).
 #ifndef GELU_CS_UNROLL
 #define GELU_CS_UNROLL 2
 #endif
@@ -230,8 +231,7 @@ __device__ __forceinline__ void gelu_backward_colsum_t(T* dinp, T* colsum, float
                     for (int k = 0; k < V; k++) x[k] = gelu_bwd_as<T>(x[k], d[k]);
                     round_to<T, V>(x);
                     // (__fadd_rn: never contracted with gelu_bwd's last multiply into an FMA, which in fp32
-                    // would add the unrounded product, not dinp as stored, and do so or not as the
-                    // unrolling lets the compiler: GELU_CS_UNROLL 1, 3 and 4 gave other fp32 bits than 2)
+                    // would add the unrounded product instead of dinp as stored)
 #pragma unroll
                     for (int k = 0; k < V; k++) s[k] = __fadd_rn(s[k], x[k]);  // (past OC: 0 * gelu'(0) = 0, never stored)
                     store_vec<T>(dinp + (size_t)r * OC + col, x, vec, ncol);

@@ -321,8 +321,11 @@ def test_backward_colsum_deterministic_replays_and_rounds_once(rt, rng, number, 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_backward_colsum_unroll_knob_keeps_the_bits(rt, rng, dtype, recompute, unroll):
     """GELU_CS_UNROLL (cuda/gelu.cu; the lab's --define gelu:GELU_CS_UNROLL=U) only changes how many
-    rows a lane loads ahead: other values give the default build's bits for dinp, colsum and gout, on
-    rows that do not fill the last group, an OC with the scalar path, and GPT-2's 4C."""
+    rows a lane loads ahead: other values give the default build's bits for dinp and gout, and for
+    colsum where both builds take the same chunks of rows (the chunks follow the blocks resident an SM,
+    so the registers: fp32 builds of other unrollings can take other chunks, and then colsum adds in
+    another order: within fp32 rounding). On rows that do not fill the last group, an OC with the
+    scalar path, and GPT-2's 4C."""
     bf = dtype == "bf16"
     up = (lambda a: rt.to_device(to_bf16(a))) if bf else (lambda a: rt.to_device(a.astype(np.float32)))
     for rows, OC in ((4099, 3072), (65, 66), (131, 80)):
@@ -330,7 +333,7 @@ def test_backward_colsum_unroll_knob_keeps_the_bits(rt, rng, dtype, recompute, u
         x, dout = inputs(rng, N, np.float32)
         cs0 = rng.standard_normal(OC)
         d_x = up(x)
-        res = []
+        res, chunks = [], []
         saved = rt.extra_defines.get("gelu")
         try:
             for d in ({}, {"GELU_CS_UNROLL": str(unroll)}):
@@ -346,11 +349,17 @@ def test_backward_colsum_unroll_knob_keeps_the_bits(rt, rng, dtype, recompute, u
                 else:
                     built(dinp, colsum, d_x, dinp)
                 res.append([o.get() for o in outs])
+                chunks.append(built.info["rows_per_chunk"])
                 np.testing.assert_array_equal(built.scratch["counters"].get(), 0)
         finally:
             if saved is None:
                 rt.extra_defines.pop("gelu", None)
             else:
                 rt.extra_defines["gelu"] = saved
-        for a, b in zip(*res):
-            np.testing.assert_array_equal(a, b)
+        for name, a, b in zip(("dinp", "colsum", "gout"), *res):
+            if name == "colsum" and chunks[0] != chunks[1]:  # (another order: within a rounding)
+                conv = (lambda v: from_bf16(v).astype(np.float64)) if bf else (lambda v: v.astype(np.float64))
+                np.testing.assert_allclose(conv(a), conv(b), rtol=2.0 ** -7 if bf else 1e-5,
+                                           atol=1e-5 * np.sqrt(rows), err_msg=name)
+            else:
+                np.testing.assert_array_equal(a, b, err_msg=f"{name}, {rows} x {OC}")

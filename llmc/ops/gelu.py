@@ -154,7 +154,7 @@ def _colsum_variant(number, dtype="fp32", recompute=False):
         def launch_recompute(dinp, colsum, gout, inp, dout):
             k(grid, (32, 8, 1), dinp.ptr, colsum.ptr, gout.ptr, partial.ptr, counters.ptr, inp.ptr, dout.ptr, *args)
         return Built(launch_recompute if recompute else launch, scratch={"partials": partial, "counters": counters},
-                     keep=frozenset({"counters"}))
+                     keep=frozenset({"counters"}), info={"rows_per_chunk": rows_per_chunk})
     return build
 
 
