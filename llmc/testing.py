@@ -2,12 +2,30 @@
 
     poison(dev_array)                      # every byte 0xFF: fp32 NaN, int32 -1
     report = compare(got, ref, atol, rtol) # None if close, else a message with the first mismatches
+    with module_defines(rt, "gelu", {"GELU_CS_UNROLL": 4}): ...   # builds with a lab knob, then as before
 """
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 
 POISON_BYTE = 0xFF  # 0xFFFFFFFF is a NaN in fp32: any element a kernel forgets to write stays NaN
+
+
+@contextlib.contextmanager
+def module_defines(rt, module: str, defines: dict):
+    """Inside the block, rt's builds of cuda/<module>.cu take `defines` (the lab's --define knobs) over
+    the extra defines it already has; after it, those are as they were (none: the module's entry gone)."""
+    saved = rt.extra_defines.get(module)
+    rt.extra_defines[module] = {**(saved or {}), **{k: str(v) for k, v in defines.items()}}
+    try:
+        yield
+    finally:
+        if saved is None:
+            rt.extra_defines.pop(module, None)
+        else:
+            rt.extra_defines[module] = saved
 
 
 def poison(*arrays) -> None:

@@ -13,7 +13,7 @@ from llmc.bf16 import BF16, from_bf16, to_bf16
 from llmc.errors import LLMCError, VariantRefused
 from llmc.ops.encoder import (encoder_backward8_records, encoder_backward_ref, encoder_decode_ref, encoder_forward_ref,
                                heads_per_window9)
-from llmc.testing import assert_close, poison
+from llmc.testing import assert_close, module_defines, poison
 
 FWD = ops.get("encoder_forward")
 BWD = ops.get("encoder_backward")
@@ -453,21 +453,13 @@ def test_backward9_slices_any_token_size_with_8s_bits(rt, rng, dtype, B, T, C, v
     inp, dout, dwte0, dwpe0, conv, back = _zipf_case(rng, B, T, C, vocab, dtype)
     d_dout, d_inp = rt.to_device(conv(dout)), rt.to_device(inp)
     res = {}
-    saved = rt.extra_defines.get("encoder")
-    try:
-        for number in (8, 9):
-            if number == 9:
-                rt.extra_defines["encoder"] = {**(saved or {}), **{k: str(v) for k, v in defines.items()}}
+    for number in (8, 9):
+        with module_defines(rt, "encoder", defines if number == 9 else {}):
             built = _build_bwd(rt, number, dtype, inp=inp, B=B, T=T, C=C)
-            dwte, dwpe = rt.to_device(conv(dwte0)), rt.to_device(conv(dwpe0))
-            built(dwte, dwpe, d_dout, d_inp)
-            res[number] = dwte.get(), dwpe.get()
-            np.testing.assert_array_equal(built.scratch["tickets"].get(), 0)
-    finally:
-        if saved is None:
-            rt.extra_defines.pop("encoder", None)
-        else:
-            rt.extra_defines["encoder"] = saved
+        dwte, dwpe = rt.to_device(conv(dwte0)), rt.to_device(conv(dwpe0))
+        built(dwte, dwpe, d_dout, d_inp)
+        res[number] = dwte.get(), dwpe.get()
+        np.testing.assert_array_equal(built.scratch["tickets"].get(), 0)
     counts = np.bincount(inp.ravel())
     assert (counts > m).any() and ((counts > 0) & (counts <= 32)).any()  # both kinds of warps had tokens
     for k in (0, 1):

@@ -11,7 +11,7 @@ from llmc import ops
 from llmc.bf16 import BF16, from_bf16, to_bf16
 from llmc.errors import LLMCError, VariantRefused
 from llmc.ops.gelu import gelu_backward_ref, gelu_forward_ref
-from llmc.testing import assert_close, poison
+from llmc.testing import assert_close, module_defines, poison
 
 FWD = ops.get("gelu_forward")
 BWD = ops.get("gelu_backward")
@@ -334,28 +334,21 @@ def test_backward_colsum_unroll_knob_keeps_the_bits(rt, rng, dtype, recompute, u
         cs0 = rng.standard_normal(OC)
         d_x = up(x)
         res, chunks = [], []
-        saved = rt.extra_defines.get("gelu")
-        try:
-            for d in ({}, {"GELU_CS_UNROLL": str(unroll)}):
-                rt.extra_defines["gelu"] = {**(saved or {}), **d}
+        for d in ({}, {"GELU_CS_UNROLL": unroll}):
+            with module_defines(rt, "gelu", d):
                 built = BWD.build(rt, 2, dtype, N=N, OC=OC, colsum=True, recompute=recompute)
-                dinp, colsum = up(dout), up(cs0)  # in place, as the model runs it
-                outs = [dinp, colsum]
-                if recompute:
-                    gout = rt.empty(N, BF16 if bf else np.float32)
-                    poison(gout)
-                    built(dinp, colsum, gout, d_x, dinp)
-                    outs.append(gout)
-                else:
-                    built(dinp, colsum, d_x, dinp)
-                res.append([o.get() for o in outs])
-                chunks.append(built.info["rows_per_chunk"])
-                np.testing.assert_array_equal(built.scratch["counters"].get(), 0)
-        finally:
-            if saved is None:
-                rt.extra_defines.pop("gelu", None)
+            dinp, colsum = up(dout), up(cs0)  # in place, as the model runs it
+            outs = [dinp, colsum]
+            if recompute:
+                gout = rt.empty(N, BF16 if bf else np.float32)
+                poison(gout)
+                built(dinp, colsum, gout, d_x, dinp)
+                outs.append(gout)
             else:
-                rt.extra_defines["gelu"] = saved
+                built(dinp, colsum, d_x, dinp)
+            res.append([o.get() for o in outs])
+            chunks.append(built.info["rows_per_chunk"])
+            np.testing.assert_array_equal(built.scratch["counters"].get(), 0)
         for name, a, b in zip(("dinp", "colsum", "gout"), *res):
             if name == "colsum" and chunks[0] != chunks[1]:  # (another order: within a rounding)
                 conv = (lambda v: from_bf16(v).astype(np.float64)) if bf else (lambda v: v.astype(np.float64))

@@ -152,3 +152,23 @@ def test_llmc_defines_env_gives_every_runtime_its_extra_defines(monkeypatch):
     monkeypatch.setenv("LLMC_DEFINES", "encoder:ENC7_COMB_BATCH")
     with pytest.raises(LLMCError, match="^LLMC_DEFINES 'encoder:ENC7_COMB_BATCH': expected MODULE:NAME=VALUE"):
         env_defines()
+
+
+def test_module_defines_sets_a_modules_knobs_for_a_block_and_puts_them_back():
+    """llmc.testing.module_defines (the GPU tests' builds with a lab knob): inside the block the
+    module's defines are the ones already there with the new ones over them (as strings); after it,
+    as before, also when the block raises; a module that had none has no entry again."""
+    import pytest
+    from llmc.testing import module_defines
+    rt = types.SimpleNamespace(extra_defines={"encoder": {"ENC9_MIN": "8", "ENC9_LANE": "4"}})
+    with module_defines(rt, "encoder", {"ENC9_MIN": 0}):
+        assert rt.extra_defines["encoder"] == {"ENC9_MIN": "0", "ENC9_LANE": "4"}
+    assert rt.extra_defines == {"encoder": {"ENC9_MIN": "8", "ENC9_LANE": "4"}}
+    with pytest.raises(RuntimeError):
+        with module_defines(rt, "gelu", {"GELU_CS_UNROLL": 4}):
+            assert rt.extra_defines["gelu"] == {"GELU_CS_UNROLL": "4"}
+            raise RuntimeError("a failed build")
+    assert rt.extra_defines == {"encoder": {"ENC9_MIN": "8", "ENC9_LANE": "4"}}
+    with module_defines(rt, "gelu", {}):
+        assert rt.extra_defines["gelu"] == {}
+    assert "gelu" not in rt.extra_defines
