@@ -146,8 +146,8 @@ extern "C" __global__ void gelu_backward_kernel2_bf16(bf16* dinp, const bf16* in
 // Layout (matmul_backward_bias 4's): block (32, 8) owns 32*V columns (lane tx: the V adjacent
 // columns of one 16-byte vector) of one chunk of rows; row-lane ty takes rows ty, ty+8, ... of the
 // chunk, GELU_CS_UNROLL (2) at a time, all their loads issued before the first store (dinp may be
-// dout, so the compiler may not hoist a later row's loads above a store: the source order does it). Its V column
-// sums stay in registers (fp32); the block adds its 8 row-lanes in order into one partial row
+// dout, so the compiler may not hoist a later row's loads above a store: the source order does it).
+// Its V column sums stay in registers (fp32); the block adds its 8 row-lanes in order into one partial row
 // (chunks, OC) fp32; the last block of each column block (an integer ticket, as bias 4) adds the
 // chunks' partials in chunk order and does colsum "+=" (read, add in fp32, round once). Every sum
 // has a fixed order: the same bits on every run, and graph replays (the counters are reset by the
@@ -157,8 +157,8 @@ extern "C" __global__ void gelu_backward_kernel2_bf16(bf16* dinp, const bf16* in
 
 
 // GELU_CS_UNROLL: rows a row-lane loads (both inputs) before its first store. 2 since session 34 (was
-// 4; a lane adds its rows in row order either way). H200, lab (L2
-// flushed, medians), bf16 colsum / colsum + gelu (-r 1's form): B=4 0.0284 / 0.0344 ms against 4's
+// 4; a lane adds its rows in row order either way). H200, lab (L2 flushed, medians), bf16 colsum /
+// colsum + gelu (-r 1's form): B=4 0.0284 / 0.0344 ms against 4's
 // 0.0303 / 0.0352 (91% / 92% of a copy, was 83% / 89%), B=16 0.0861 / 0.1131 against 0.0896 / 0.1156;
 // 1 gave 0.0290 / 0.0345 at B=4, 8 twice the time. bf16 steps on text ids: B=4 8.39 against 8.46 ms,
 // B=16 29.11 against 29.21. (fp32: colsum level or faster, colsum + gelu B=4 0.0595 against 0.0583.)
@@ -283,8 +283,8 @@ extern "C" __global__ void gelu_backward_kernel2_colsum(float* dinp, float* cols
     LLMC_PDL_WAIT();
     gelu_backward_colsum_t<float>(dinp, colsum, partial, counters, inp, dout, rows, OC, rows_per_chunk);
 }
-// (256, 4): 64 registers, 4 blocks (32 warps) an SM, each warp with 4 rows of 2 x 512 bytes in flight;
-// unbounded it took 72 (3 blocks); the fp32 build is at 64 by itself
+// (256, 4): 63 registers, 4 blocks (32 warps) an SM, each warp with GELU_CS_UNROLL (2) rows of 2 x 512
+// bytes in flight (at 4 rows: 64 registers; unbounded it took 72, 3 blocks); the fp32 build: 48 by itself
 extern "C" __global__ void __launch_bounds__(256, 4) gelu_backward_kernel2_colsum_bf16(bf16* dinp, bf16* colsum, float* partial,
         unsigned int* counters, const bf16* inp, const bf16* dout, int rows, int OC, int rows_per_chunk) {
     LLMC_PDL_WAIT();
@@ -296,8 +296,8 @@ extern "C" __global__ void gelu_backward_kernel2_colsum_rc(float* dinp, float* c
     LLMC_PDL_WAIT();
     gelu_backward_colsum_t<float, true>(dinp, colsum, partial, counters, inp, dout, rows, OC, rows_per_chunk, gout);
 }
-// (256, 3): the GELU's 8 more values and the second store need more than 64 registers (ptxas spilled
-// 324 bytes at (256, 4)); 3 blocks an SM, each warp still 4 rows of 3 x 512 bytes in flight
+// (256, 3): the GELU's 8 more values and the second store need more than 64 registers (69 at 2 rows, 80
+// at 4, where ptxas spilled 324 bytes at (256, 4)); 3 blocks an SM, each warp 2 rows of 3 x 512 bytes in flight
 extern "C" __global__ void __launch_bounds__(256, 3) gelu_backward_kernel2_colsum_rc_bf16(bf16* dinp, bf16* colsum,
         bf16* gout, float* partial, unsigned int* counters, const bf16* inp, const bf16* dout, int rows, int OC,
         int rows_per_chunk) {
