@@ -60,6 +60,7 @@
 //   At B=4, T=1024, C=768 the bytes halve: forward ~14 MB (4.7 us), backward ~19 MB (6.3 us).
 #include "common.cuh"
 #include "elem.cuh"
+#include "mma.cuh"  // cp_async16_full, cp_async_commit/wait, lds128, smem_u32 (variant 9's staged loads)
 
 // ----------------------------------------------------------------------------------------------
 // encoder_forward: out (B,T,C) =, inp (B,T) int32, wte (Vp,C), wpe (maxT,C)
@@ -1017,8 +1018,13 @@ extern "C" __global__ void ENC7_REGS encoder_backward_kernel8_bf16(bf16* dwte, b
 // 0.0299 (MIN 16, 100 registers against 96: uniform 0.0378); ENC9_PARTS 4 0.0278 / 0.0288 (level). Then 8's warps one row at a
 // time (ENC9_SINGLE_ROWS 1, with ENC9_PARTS 4: 72 registers against 96, more warps an SM): B=16 0.0307 /
 // 0.0275 / 0.0276, B=4 0.0115 / 0.0135 / 0.0140 (ENC9_PARTS 2 level). No spills.
+// ENC9_MIN: 8 since session 35 (was 16), with the bf16 loads staged (ENC9_STAGE). Same-run H200 lab, bf16,
+// uniform / Zipf / text ids: B=16 0.0321 / 0.0258 / 0.0245 ms against 0.0313 / 0.0272 / 0.0275; B=4 0.0117
+// / 0.0130 / 0.0127 against 0.0117 / 0.0132 / 0.0136. fp32 (registers): B=16 0.0571 / 0.0439 / 0.0428
+// against 0.0543 / 0.0500 / 0.0477, B=4 0.0189 / 0.0180 / 0.0167 against 0.0182 / 0.0201 / 0.0197.
+// 12: bf16 B=16 0.0316 / 0.0256 / 0.0261.
 #ifndef ENC9_MIN
-#define ENC9_MIN 16
+#define ENC9_MIN 8
 #endif
 #ifndef ENC9_ROWS
 #define ENC9_ROWS 4
@@ -1035,6 +1041,23 @@ extern "C" __global__ void ENC7_REGS encoder_backward_kernel8_bf16(bf16* dwte, b
 // 8's warps in 9 (the tokens of at most ENC9_MIN rows) read ENC9_SINGLE_ROWS rows at a time (8: 2)
 #ifndef ENC9_SINGLE_ROWS
 #define ENC9_SINGLE_ROWS 1
+#endif
+// ENC9_STAGE (bf16 builds): the sliced warps' loads go through shared memory, ENC9_STAGE 16-byte slots a
+// lane (a warp: ENC9_STAGE * 512 bytes of the block's dynamic shared memory, llmc/ops/encoder.py sizes
+// it): up to ENC9_STAGE rows of a piece, or ENC9_STAGE / 2 partials of the combine, issued by cp.async at
+// once and waited for once, where registers held ENC9_ROWS rows / ENC9_PARTS partials. Each lane copies
+// and reads back only its own slots (no barrier). The adds keep their order: the same bits. 0: the
+// register loads (ENC9_ROWS, ENC9_PARTS), as fp32 builds and 8-byte lanes (ENC9_LANE 4) always. Same-run
+// H200 lab (session 35), uniform / Zipf / text ids, at ENC9_MIN 8: bf16 B=16 0.0321 / 0.0258 / 0.0245 ms
+// against the registers' 0.0318 / 0.0255 / 0.0254, B=4 0.0117 / 0.0130 / 0.0127 against 0.0117 / 0.0132 /
+// 0.0134; at ENC9_MIN 16 level (B=16 0.0313 / 0.0275 / 0.0274 against 0.0305 / 0.0277 / 0.0277). fp32
+// staged was slower: B=16 0.0602 / 0.0458 / 0.0440 against 0.0571 / 0.0439 / 0.0428. 8 (4 KB a warp)
+// level with 16; 32 (16 KB a warp, fewer blocks an SM) slower.
+#ifndef ENC9_STAGE
+#define ENC9_STAGE 16
+#endif
+#if ENC9_STAGE == 1
+#error "ENC9_STAGE: 0 (registers) or at least 2 (a bf16 partial takes two 16-byte slots)"
 #endif
 template <typename T>
 __device__ __forceinline__ void encoder_backward9_piece_t(T* dwte, const T* dout, const int* inp, const int4* place_rec,
@@ -1074,7 +1097,34 @@ __device__ __forceinline__ void encoder_backward9_piece_t(T* dwte, const T* dout
         if (vec) load_vec<T, E>(wrow, a);
         else a[0] = to_f32(*wrow);
     }
-    if (vec) {  // ENC9_ROWS rows' loads issued, then added in row order (8's order: the same bits)
+    constexpr bool staged = ENC9_STAGE > 0 && sizeof(T) == 2 && E * sizeof(T) == 16;  // (bf16, 16-byte lanes)
+#if ENC9_STAGE > 0
+    extern __shared__ uint4 enc9_stage[];  // [warps][ENC9_STAGE][32 lanes]: slot r of this lane at st + 512 r
+    const uint32_t st = smem_u32(enc9_stage + (threadIdx.x / WARP_SIZE) * ENC9_STAGE * WARP_SIZE + lane);
+#else
+    const uint32_t st = 0;
+#endif
+    if (vec && staged) {  // ENC9_STAGE rows' cp.async copies issued, waited for once, added in row order
+        constexpr int R = ENC9_STAGE > 0 ? ENC9_STAGE : 1;
+        for (int j0 = 0; j0 < n; j0 += R) {
+#pragma unroll 1  // (cp.async does not wait: the issue loop needs no unrolling, nor its registers)
+            for (int r = 0; r < R; r++) {
+                const int p = __shfl_sync(0xffffffffu, mypos, min(j0 + r, WARP_SIZE - 1));
+                if (j0 + r < n && live) cp_async16_full(st + 512u * r, dout + (size_t)p * C + g * E);
+            }
+            cp_async_commit();
+            cp_async_wait<0>();
+#pragma unroll 4
+            for (int r = 0; r < R; r++) {
+                if (j0 + r < n && live) {
+                    float x[E];
+                    unpack_vec<T, E>(lds128(st + 512u * r), x);
+#pragma unroll
+                    for (int k = 0; k < E; k++) a[k] += x[k];
+                }
+            }
+        }
+    } else if (vec) {  // ENC9_ROWS rows' loads issued, then added in row order (8's order: the same bits)
         constexpr int R = ENC9_ROWS;
         for (int j0 = 0; j0 < n; j0 += R) {
             Raw buf[R];
@@ -1126,7 +1176,34 @@ __device__ __forceinline__ void encoder_backward9_piece_t(T* dwte, const T* dout
     if (live) {
         if (vec) load_vec<T, E>(wrow, a);
         else a[0] = to_f32(*wrow);
-        if (vec) {  // ENC9_PARTS partials' loads issued, then added in piece order (8's order: the same bits)
+        if (vec && staged) {  // the partials (E / 4 slots each) by cp.async, a stage at a time, added in piece order
+            constexpr int K4 = E / 4, P = ENC9_STAGE / K4 > 0 ? ENC9_STAGE / K4 : 1;
+            for (int q0 = 0; q0 < npieces; q0 += P) {
+#pragma unroll 1
+                for (int r = 0; r < P; r++) {
+                    const int qq = q0 + r;
+                    const float* pp = partial + (size_t)(2 * ((start + qq * ENC7_K) / ENC7_K) +
+                                                         (qq == npieces - 1 ? 1 : 0)) * C + g * E;
+#pragma unroll
+                    for (int k = 0; k < K4; k++)  // (.cg: from L2, where other SMs' warps wrote them)
+                        if (qq < npieces) cp_async16_full(st + 512u * (r * K4 + k), pp + 4 * k);
+                }
+                cp_async_commit();
+                cp_async_wait<0>();
+#pragma unroll 2
+                for (int r = 0; r < P; r++) {
+#pragma unroll
+                    for (int k = 0; k < K4; k++) {
+                        if (q0 + r < npieces) {
+                            const uint4 v = lds128(st + 512u * (r * K4 + k));
+                            a[4 * k] += __uint_as_float(v.x); a[4 * k + 1] += __uint_as_float(v.y);
+                            a[4 * k + 2] += __uint_as_float(v.z); a[4 * k + 3] += __uint_as_float(v.w);
+                        }
+                    }
+                }
+            }
+            store_vec<T, E>(wrow, a);
+        } else if (vec) {  // ENC9_PARTS partials' loads issued, then added in piece order (8's order: the same bits)
             constexpr int P = ENC9_PARTS;
             for (int q0 = 0; q0 < npieces; q0 += P) {
                 float4 buf[P][E / 4];

@@ -297,8 +297,13 @@ extern "C" __global__ void gelu_backward_kernel2_colsum_rc(float* dinp, float* c
     gelu_backward_colsum_t<float, true>(dinp, colsum, partial, counters, inp, dout, rows, OC, rows_per_chunk, gout);
 }
 // (256, 3): the GELU's 8 more values and the second store need more than 64 registers (69 at 2 rows, 80
-// at 4, where ptxas spilled 324 bytes at (256, 4)); 3 blocks an SM, each warp 2 rows of 3 x 512 bytes in flight
-extern "C" __global__ void __launch_bounds__(256, 3) gelu_backward_kernel2_colsum_rc_bf16(bf16* dinp, bf16* colsum,
+// at 4, where ptxas spilled 324 bytes at (256, 4)); 3 blocks an SM, each warp 2 rows of 3 x 512 bytes in flight.
+// GELU_RC_MIN_BLOCKS: the bound's blocks an SM, a lab knob (--define gelu:GELU_RC_MIN_BLOCKS=4: 64 registers
+// at 2 rows, no spills)
+#ifndef GELU_RC_MIN_BLOCKS
+#define GELU_RC_MIN_BLOCKS 3
+#endif
+extern "C" __global__ void __launch_bounds__(256, GELU_RC_MIN_BLOCKS) gelu_backward_kernel2_colsum_rc_bf16(bf16* dinp, bf16* colsum,
         bf16* gout, float* partial, unsigned int* counters, const bf16* inp, const bf16* dout, int rows, int OC,
         int rows_per_chunk) {
     LLMC_PDL_WAIT();

@@ -178,7 +178,7 @@ def test_host_constants_are_the_kernels():
     from llmc.ops import encoder
     src = (ROOT / "cuda" / "encoder.cu").read_text()
     for name, value in (("ENC_S", encoder.SORT_CHUNK), ("ENC7_K", encoder.ENC7_PIECE), ("ENC9_MIN", encoder.ENC9_MIN),
-                        ("ENC9_LANE", encoder.ENC9_LANE)):
+                        ("ENC9_LANE", encoder.ENC9_LANE), ("ENC9_STAGE", encoder.ENC9_STAGE)):
         found = re.findall(rf"^#define {name} (\d+)$", src, re.M)
         assert found == [str(value)], (name, found)
 
@@ -190,8 +190,8 @@ def test_variant9_heads_a_window_bound(rng, m):
     the records of adversarial and random batches: short last pieces, tokens of exactly m + 1 rows
     packed back to back, Zipf ids; H must cover the worst window seen and be tight for the packed case."""
     H = heads_per_window9(_Defines(ENC9_MIN=m))
-    if m == 16:
-        assert heads_per_window9(_Defines()) == H == 3  # (16: the kernel's default)
+    if m == 8:
+        assert heads_per_window9(_Defines()) == H == 5  # (8: the kernel's default)
     cases = []
     k = min(m + 1, 32)  # the fewest rows a sliced token has (a piece of it at most 32)
     packed = np.concatenate([[0] * 33] + [[t] * k for t in range(1, 70)])  # a 1-row last piece, then k-row tokens
@@ -440,16 +440,18 @@ def test_backward7_against_6(rt, rng, dtype, B, T, C, vocab):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("defines", [{"ENC9_MIN": 0}, {"ENC9_MIN": 8}, {"ENC9_LANE": 4, "ENC9_PARTS": 3},
-                                     {"ENC9_MIN": 32, "ENC9_ROWS": 3}])
+@pytest.mark.parametrize("defines", [{"ENC9_MIN": 0}, {"ENC9_MIN": 16}, {"ENC9_LANE": 4, "ENC9_PARTS": 3},
+                                     {"ENC9_MIN": 32, "ENC9_ROWS": 3, "ENC9_STAGE": 0}, {"ENC9_STAGE": 3},
+                                     {"ENC9_MIN": 4, "ENC9_STAGE": 2}])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("B,T,C,vocab", [(16, 1024, 768, 50257), (3, 1000, 100, 300), (2, 40, 66, 3)])
 def test_backward9_slices_any_token_size_with_8s_bits(rt, rng, dtype, B, T, C, vocab, defines):
     """Variant 9 built with the lab's knobs (--define encoder:ENC9_MIN=m: the tokens of more than m rows,
     single pieces too, summed by its sliced warps, the others by 8's; ENC9_LANE 4: 8-byte bf16 loads in
-    twice as many slices; odd batches of rows and partials): the same bits as 8 (np.add.at's order for
-    the single pieces, the same pieces and combine for the rest), the tickets back to 0."""
-    m = defines.get("ENC9_MIN", 16)
+    twice as many slices, through registers; ENC9_STAGE 0: the register loads for 16-byte lanes too;
+    odd batches of rows and partials, staged or not): the same bits as 8 (np.add.at's order for the
+    single pieces, the same pieces and combine for the rest), the tickets back to 0."""
+    m = defines.get("ENC9_MIN", 8)
     inp, dout, dwte0, dwpe0, conv, back = _zipf_case(rng, B, T, C, vocab, dtype)
     d_dout, d_inp = rt.to_device(conv(dout)), rt.to_device(inp)
     res = {}

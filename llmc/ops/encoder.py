@@ -15,8 +15,9 @@ Variants 2, 3, 6, 7, 8 and 9 of encoder_backward are deterministic without atomi
 bits on every run; 2, 3 and 6 in np.add.at's order, 7, 8 and 9 too for tokens of at most 32 rows); 1, 4
 and 5 use atomics and are not. 8 is 7 with the token-major order computed on the host from the
 batch's ids (Built.host_inputs: the model uploads it with each batch) and one launch instead of three. 9
-is 8 (its records, pieces and bits) with the tokens of more than 16 rows summed by a warp per (piece,
-slice of 32 16-byte columns), so that a frequent token's chain of loads is short. The fp32
+is 8 (its records, pieces and bits) with the tokens of more than 8 rows summed by a warp per (piece,
+slice of 32 16-byte columns), so that a frequent token's chain of loads is short (bf16: the rows staged
+in shared memory by cp.async). The fp32
 default is the fastest (5, 21.6 us on the H100 at the trainer's shape); --encoder-backward-kernel 3
 (36 us, 58 us on Zipf-distributed ids), 6, 7, 8 or 9 makes runs bit-reproducible. 6 replaces 2/3's id scans
 (N^2 id reads in all) by a per-chunk sort and a link pass.
@@ -216,7 +217,7 @@ def _sorted_owner(dtype):
 
 
 ENC7_PIECE = 32  # ENC7_K in cuda/encoder.cu: rows per piece of a token's sum in variant 7
-ENC9_MIN = 16  # ENC9_MIN in cuda/encoder.cu: variant 9 slices the tokens of more rows (the lab may --define another)
+ENC9_MIN = 8  # ENC9_MIN in cuda/encoder.cu: variant 9 slices the tokens of more rows (the lab may --define another)
 
 
 def scratch_bytes7(B, T, C, **_):
@@ -339,8 +340,16 @@ def scratch_bytes9(B, T, C, dtype="fp32", **_):
     return 16 * N + 4 * N * _slices(C, min(ENC9_LANE, 4 if dtype == "fp32" else 8)) + 4 * 2 * ceil_div(N, ENC7_PIECE) * C
 
 
+ENC9_STAGE = 16  # ENC9_STAGE in cuda/encoder.cu: 16-byte shared-memory slots a lane of variant 9's sliced warps
+
+
+def _stage9(rt) -> int:
+    """Variant 9's staged slots a lane: ENC9_STAGE (the lab may --define another; 0: register loads)."""
+    return int(getattr(rt, "extra_defines", {}).get(MODULE, {}).get("ENC9_STAGE", ENC9_STAGE))
+
+
 def heads_per_window9(rt) -> int:
-    """How many pieces of variant 9's sliced tokens (more than ENC9_MIN rows; 16 unless the lab's
+    """How many pieces of variant 9's sliced tokens (more than ENC9_MIN rows; 8 unless the lab's
     --define encoder:ENC9_MIN=M says otherwise) can start among 32 places: at most one token's short
     last piece, then pieces of at least min(32, M + 1) rows (the kernel traps on a window with more)."""
     m = int(getattr(rt, "extra_defines", {}).get(MODULE, {}).get("ENC9_MIN", ENC9_MIN))
@@ -349,7 +358,7 @@ def heads_per_window9(rt) -> int:
 
 def _host_ranked_sliced(dtype):
     """Variant 9: 8's records (host_inputs), pieces and orders (the same bits); the pieces of tokens of
-    more than ENC9_MIN (16) rows taken by their own warps, one per (piece, slice of 32 16-byte columns),
+    more than ENC9_MIN (8) rows taken by their own warps, one per (piece, slice of 32 16-byte columns),
     a ticket per (token, slice); the other tokens by 8's warps. One launch with the dwpe sums
     (cuda/encoder.cu, "encoder_backward 9")."""
     def build(rt, B, T, C, block_size=None):
@@ -364,6 +373,13 @@ def _host_ranked_sliced(dtype):
         grid = (piece_blocks + dwpe_blocks + ceil_div(N, wpb), 1, 1)  # then 8's warps, one per place
         k = rt.kernel(MODULE, f"encoder_backward_kernel9{_sfx(dtype)}", "PPPPPPPiiiiii", label=f"encoder_backward 9 {dtype}")
         _fits("encoder_backward", 9, k, bs)
+        # the bf16 sliced warps' stages: ENC9_STAGE 16-byte slots a lane (16-byte lanes only; fp32: registers)
+        smem = wpb * _stage9(rt) * 512 if dtype == "bf16" and _lane9(rt, dtype) == 8 else 0
+        if smem > 48 * 1024:
+            if smem > rt.max_smem_optin:
+                refuse("encoder_backward", 9, f"block_size={bs}: {wpb} warps' load stages take {smem} bytes of "
+                       f"shared memory, the device allows {rt.max_smem_optin}")
+            k.set_max_dynamic_smem(smem)
         place_rec = rt.empty((N, 4), np.int32)  # written by the host (put_host_inputs, the model's set_batch)
         tickets = rt.zeros((N * S,), np.int32)  # each frequent token's finisher puts its slice's ticket back to 0
         partial = rt.empty((2 * ceil_div(N, ENC7_PIECE), C))
@@ -371,7 +387,7 @@ def _host_ranked_sliced(dtype):
 
         def launch(dwte, dwpe, dout, inp):
             k(grid, (bs, 1, 1), dwte.ptr, dwpe.ptr, dout.ptr, inp.ptr, place_rec.ptr, partial.ptr, tickets.ptr,
-              b_, t_, c_, h_, p_, d_)
+              b_, t_, c_, h_, p_, d_, smem=smem)
         return Built(launch, scratch={"place_rec": place_rec, "tickets": tickets, "partial": partial},
                      keep=frozenset({"place_rec", "tickets"}), host_inputs=(encoder_backward8_records, place_rec))
     return build
@@ -485,7 +501,7 @@ OPS = [
                           "the batch's ids and uploaded with it, then one launch: the dwpe sums and 7's pieces in "
                           "one grid (any C)", {"fp32": encoder_backward8, "bf16": encoder_backward8_bf16}, check_any,
                        scratch_bytes=scratch_bytes8),
-            9: Variant(9, "deterministic, 8's records and bits: the pieces of tokens of > 16 rows by a warp per "
+            9: Variant(9, "deterministic, 8's records and bits: the pieces of tokens of > 8 rows by a warp per "
                           "(piece, slice of 32 16-byte columns), their partials combined per slice; the other "
                           "tokens by 8's warps (any C)", {"fp32": encoder_backward9, "bf16": encoder_backward9_bf16},
                        check_any, scratch_bytes=scratch_bytes9),
