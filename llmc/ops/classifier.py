@@ -129,11 +129,9 @@ def _aligned(logits, number, nbytes=16):
                         f"({nbytes}-byte vector loads)")
 
 
-def _build_row_kernel(rt, number, N, V, Vp, block_size, default_bs, smem=0, vec_bytes=0, func=None):
-    """The launch of a one-block-per-row kernel (versions 1-3; vec_bytes: the width of its vector
-    loads, whose alignment the logits pointer must have)."""
-    bs = block_size or default_bs
-    func = func or f"classifier_kernel{number}"
+def _row_kernel(rt, number, func, V, smem):
+    """The entry point `func` of version `number`, opted in to `smem` bytes of dynamic shared memory
+    (a row of V logits; refused in one line where the GPU allows less)."""
     dt = " (bf16)" if "bf16" in func else ""
     k = rt.kernel(MODULE, func, ARGTYPES, label=f"{OP} {number}{dt}")
     if smem > 48 * 1024:
@@ -141,6 +139,14 @@ def _build_row_kernel(rt, number, N, V, Vp, block_size, default_bs, smem=0, vec_
             refuse(OP, number, f"a row of V={V}{dt} needs {smem:,} bytes of shared memory; "
                                f"this GPU allows {rt.max_smem_optin:,} per block")
         k.set_max_dynamic_smem(smem)
+    return k
+
+
+def _build_row_kernel(rt, number, N, V, Vp, block_size, default_bs, smem=0, vec_bytes=0, func=None):
+    """The launch of a one-block-per-row kernel (versions 1-3; vec_bytes: the width of its vector
+    loads, whose alignment the logits pointer must have)."""
+    bs = block_size or default_bs
+    k = _row_kernel(rt, number, func or f"classifier_kernel{number}", V, smem)
     grid, block = (N, 1, 1), (bs, 1, 1)
     n32, V32, Vp32 = np.int32(N), np.int32(V), np.int32(Vp)
 
@@ -158,10 +164,6 @@ def classifier1(rt, N, V, Vp, block_size=None):
 
 def classifier2(rt, N, V, Vp, block_size=None):
     return _build_row_kernel(rt, 2, N, V, Vp, block_size, 1024, vec_bytes=16)
-
-
-def classifier3(rt, N, V, Vp, block_size=None):
-    return _build_row_kernel(rt, 3, N, V, Vp, block_size, 1024, smem=_smem_bytes(V), vec_bytes=16)
 
 
 # bf16 builds: the same kernels instantiated for bf16 logits. A chunk is 8 bf16 (16-byte loads) when
@@ -188,45 +190,30 @@ def classifier2_bf16(rt, N, V, Vp, block_size=None):
                              func=f"classifier_kernel2{suffix}")
 
 
-def classifier3_bf16(rt, N, V, Vp, block_size=None):
-    # 1024 threads: with a 100.5 KB row and 32 registers, two blocks share an SM (the kernel's
-    # __launch_bounds__(1024, 2)), so one row's loads overlap the other's reductions and stores
-    vec, suffix = _bf16_vec(Vp)
-    return _build_row_kernel(rt, 3, N, V, Vp, block_size, 1024, smem=_smem_bytes_bf16(V, Vp),
-                             vec_bytes=2 * vec, func=f"classifier_kernel3{suffix}")
+def _row_in_smem(number):
+    """Versions 3, 5 and 7 (the row in shared memory, 1024 threads), fp32 and bf16 builds. 3 in bf16: with
+    a 100.5 KB row and 32 registers, two blocks share an SM (the kernel's __launch_bounds__(1024, 2)), so
+    one row's loads overlap the other's reductions and stores."""
+    def fp32(rt, N, V, Vp, block_size=None):
+        return _build_row_kernel(rt, number, N, V, Vp, block_size, 1024, smem=_smem_bytes(V), vec_bytes=16)
+
+    def bf16(rt, N, V, Vp, block_size=None):
+        vec, suffix = _bf16_vec(Vp)
+        return _build_row_kernel(rt, number, N, V, Vp, block_size, 1024, smem=_smem_bytes_bf16(V, Vp),
+                                 vec_bytes=2 * vec, func=f"classifier_kernel{number}{suffix}")
+    return fp32, bf16
 
 
-def classifier5(rt, N, V, Vp, block_size=None):
-    return _build_row_kernel(rt, 5, N, V, Vp, block_size, 1024, smem=_smem_bytes(V), vec_bytes=16)
-
-
-def classifier5_bf16(rt, N, V, Vp, block_size=None):
-    vec, suffix = _bf16_vec(Vp)
-    return _build_row_kernel(rt, 5, N, V, Vp, block_size, 1024, smem=_smem_bytes_bf16(V, Vp),
-                             vec_bytes=2 * vec, func=f"classifier_kernel5{suffix}")
-
-
-def classifier7(rt, N, V, Vp, block_size=None):
-    return _build_row_kernel(rt, 7, N, V, Vp, block_size, 1024, smem=_smem_bytes(V), vec_bytes=16)
-
-
-def classifier7_bf16(rt, N, V, Vp, block_size=None):
-    vec, suffix = _bf16_vec(Vp)
-    return _build_row_kernel(rt, 7, N, V, Vp, block_size, 1024, smem=_smem_bytes_bf16(V, Vp),
-                             vec_bytes=2 * vec, func=f"classifier_kernel7{suffix}")
+classifier3, classifier3_bf16 = _row_in_smem(3)
+classifier5, classifier5_bf16 = _row_in_smem(5)
+classifier7, classifier7_bf16 = _row_in_smem(7)
 
 
 def _build_persistent(rt, number, N, V, Vp, block_size, smem, vec_bytes, func):
     """The launch of a persistent kernel (versions 4 and 6): as many blocks as fit at once (shared
     memory or threads decide), never more than N; each prefetches its next row."""
     bs = block_size or 1024
-    dt = " (bf16)" if "bf16" in func else ""
-    k = rt.kernel(MODULE, func, ARGTYPES, label=f"{OP} {number}{dt}")
-    if smem > 48 * 1024:
-        if smem > rt.max_smem_optin:
-            refuse(OP, number, f"a row of V={V}{dt} needs {smem:,} bytes of shared memory; "
-                               f"this GPU allows {rt.max_smem_optin:,} per block")
-        k.set_max_dynamic_smem(smem)
+    k = _row_kernel(rt, number, func, V, smem)
     smem_sm = rt.device.get_attribute(rt.drv.device_attribute.MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)
     per_sm = max(1, min(2048 // bs, smem_sm // (smem + 1024 + 256)))  # 1 KB per block reserved by the driver
     grid, block = (min(N, rt.sm_count * per_sm), 1, 1), (bs, 1, 1)

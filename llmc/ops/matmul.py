@@ -466,32 +466,31 @@ matmul_backward_bias2 = _bias_two_pass(2, 32, 64)    # a column per lane, chunks
 matmul_backward_bias3 = _bias_two_pass(3, 128, 32)   # 4 columns per lane (float4), >= 4 rows per thread
 
 
-def matmul_backward_bias4(rt, N, OC, block_size=None, min_rows=128):
-    """min_rows: the least rows a chunk (the lab also times 32, version 3's chunks and version 4's until
-    session 31, and 64): fewer chunks, fewer partials for the finishing block to add (H200, N = 4096, OC =
-    768: 0.0107 ms against 0.0112 with 32 in fp32, 0.0097 against 0.0104 in bf16; no slower elsewhere)"""
-    k = rt.kernel(MODULE, "matmul_backward_bias_kernel4", "PPPPiii", label="matmul_backward_bias 4")
-    col_blocks, nchunks, rows = _bias_chunks(rt, N, OC, 128, min_rows)
-    partial = rt.empty((nchunks, OC), np.float32)
-    counters = rt.zeros((col_blocks,), np.uint32)  # each finishing block resets its own
-    args = (np.int32(N), np.int32(OC), np.int32(rows))
+def _bias4(dtype):
+    """Version 4, one launch: per-chunk partials, the last block of each column block (an integer ticket)
+    adds them in order. fp32: 4 columns a lane (128 a block); bf16: 8 (256 a block), partials fp32, dbias
+    rounded once. min_rows: the least rows a chunk (the lab also times 32, version 3's chunks and version
+    4's until session 31, and 64): fewer chunks, fewer partials for the finishing block to add (H200, N =
+    4096, OC = 768: 0.0107 ms against 0.0112 with 32 in fp32, 0.0097 against 0.0104 in bf16; no slower
+    elsewhere)"""
+    sfx, cols = ("", 128) if dtype == "fp32" else (f"_{dtype}", 256)
 
-    def launch(dbias, dout):
-        k((col_blocks, nchunks, 1), (32, 8, 1), dbias.ptr, partial.ptr, counters.ptr, dout.ptr, *args)
-    return launch
+    def build(rt, N, OC, block_size=None, min_rows=128):
+        k = rt.kernel(MODULE, f"matmul_backward_bias_kernel4{sfx}", "PPPPiii",
+                      label="matmul_backward_bias 4" + (f" {dtype}" if sfx else ""))
+        col_blocks, nchunks, rows = _bias_chunks(rt, N, OC, cols, min_rows)
+        partial = rt.empty((nchunks, OC), np.float32)
+        counters = rt.zeros((col_blocks,), np.uint32)  # each finishing block resets its own
+        args = (np.int32(N), np.int32(OC), np.int32(rows))
+
+        def launch(dbias, dout):
+            k((col_blocks, nchunks, 1), (32, 8, 1), dbias.ptr, partial.ptr, counters.ptr, dout.ptr, *args)
+        return launch
+    return build
 
 
-def matmul_backward_bias4_bf16(rt, N, OC, block_size=None, min_rows=128):
-    # version 4 with 8 bf16 columns per lane (256 per block); partials fp32, dbias rounded once
-    k = rt.kernel(MODULE, "matmul_backward_bias_kernel4_bf16", "PPPPiii", label="matmul_backward_bias 4 bf16")
-    col_blocks, nchunks, rows = _bias_chunks(rt, N, OC, 256, min_rows)
-    partial = rt.empty((nchunks, OC), np.float32)
-    counters = rt.zeros((col_blocks,), np.uint32)  # each finishing block resets its own
-    args = (np.int32(N), np.int32(OC), np.int32(rows))
-
-    def launch(dbias, dout):
-        k((col_blocks, nchunks, 1), (32, 8, 1), dbias.ptr, partial.ptr, counters.ptr, dout.ptr, *args)
-    return launch
+matmul_backward_bias4 = _bias4("fp32")
+matmul_backward_bias4_bf16 = _bias4("bf16")
 
 
 def _bias_cluster(dtype):
