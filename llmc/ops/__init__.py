@@ -200,6 +200,18 @@ def check_block_size(block_size) -> str | None:
     return None
 
 
+def check_elementwise(N, block_size=None) -> str | None:
+    """An elementwise op's shape check (gelu, residual): any N elements, whole warps."""
+    return check_block_size(block_size)
+
+
+def check_elementwise_float4(N, block_size=None) -> str | None:
+    """An elementwise op's vector variants: N a multiple of 4 (float4 loads), whole warps."""
+    if N % 4:
+        return f"N={N} is not a multiple of 4 (float4 loads)"
+    return check_block_size(block_size)
+
+
 def as_view(a, shape):
     """`a` reshaped without copying: the cpu launchers write their outputs through such views, so
     a reshape that would need a copy (and silently drop the writes) raises instead."""

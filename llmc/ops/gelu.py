@@ -25,7 +25,7 @@ import math
 
 import numpy as np
 
-from llmc.ops import Built, OpSpec, Variant, check_block_size, as_view, esize
+from llmc.ops import Built, OpSpec, Variant, as_view, check_elementwise, check_elementwise_float4, esize
 from llmc.runtime import ceil_div
 
 MODULE = "gelu"  # cuda/gelu.cu
@@ -79,17 +79,7 @@ def gelu_backward_cpu(N, block_size=None, colsum=False, OC=None, recompute=False
 # ----------------------------------------------------------------------------------------------
 # shape checks and GPU variants
 
-_check_block = check_block_size  # whole warps, <= 1024 threads
-
-
-def check_any(N, block_size=None):
-    return _check_block(block_size)
-
-
-def check_float4(N, block_size=None):
-    if N % 4:
-        return f"N={N} is not a multiple of 4 (float4 loads)"
-    return _check_block(block_size)
+check_any, check_float4 = check_elementwise, check_elementwise_float4  # (llmc/ops: any N; N % 4 == 0)
 
 
 def check_colsum(N, OC, block_size=None):

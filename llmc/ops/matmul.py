@@ -104,20 +104,19 @@ matmul_forward8 = _gemv("fp32")
 matmul_forward8_bf16 = _gemv("bf16")
 
 
-def _gemv_check_bf16(N, C, OC, block_size=None, **_):
-    if N > 8:
-        return f"N={N} rows > 8 (a GEMV for decoding: each warp keeps all N row sums in registers)"
-    if C % 8:
-        return f"16-byte loads of 8 bf16 need C % 8 == 0 (C={C})"
-    return check_block_size(block_size)
+def _gemv_checker(vec, what):
+    """Variant 8's shape check: at most 8 rows, C a multiple of its 16-byte loads' vec elements."""
+    def check(N, C, OC, block_size=None, **_):
+        if N > 8:
+            return f"N={N} rows > 8 (a GEMV for decoding: each warp keeps all N row sums in registers)"
+        if C % vec:
+            return f"{what} need C % {vec} == 0 (C={C})"
+        return check_block_size(block_size)
+    return check
 
 
-def _gemv_check(N, C, OC, block_size=None, **_):
-    if N > 8:
-        return f"N={N} rows > 8 (a GEMV for decoding: each warp keeps all N row sums in registers)"
-    if C % 4:
-        return f"float4 loads need C % 4 == 0 (C={C})"
-    return check_block_size(block_size)
+_gemv_check = _gemv_checker(4, "float4 loads")
+_gemv_check_bf16 = _gemv_checker(8, "16-byte loads of 8 bf16")
 
 
 def _fwd_tiled(n, tile, block):
