@@ -165,6 +165,28 @@ def test_variant8_scratch_is_declared(number, dtype):
             assert built.scratch["tickets"].shape == (B * T * slices,)
 
 
+@pytest.mark.parametrize("defines,block_size,want", [
+    ({}, None, {"fp32": 0, "bf16": 2 * 16 * 512}),                      # bf16 stages 16 slots a lane
+    ({}, 256, {"fp32": 0, "bf16": 8 * 16 * 512}),                       # (64 KB: past 48 KB, opted in)
+    ({"ENC9_STAGE": 0}, None, {"fp32": 0, "bf16": 0}),                  # register loads
+    ({"ENC9_STAGE": 3}, 128, {"fp32": 0, "bf16": 4 * 3 * 512}),
+    ({"ENC9_LANE": 4}, None, {"fp32": 0, "bf16": 0}),                   # 8-byte bf16 lanes: registers
+])
+def test_variant9_launch_gives_the_staged_warps_their_shared_memory(defines, block_size, want):
+    """cuda/encoder.cu stages the sliced warps' loads (ENC9_STAGE 16-byte slots a lane) in bf16 builds with
+    16-byte lanes only, in the block's dynamic shared memory: the launch must ask for exactly a warp's
+    ENC9_STAGE * 512 bytes per warp there (less would let the warps write past the block's memory), and
+    for none in the fp32 build and the register forms."""
+    from tests.fake_runtime import FakeRuntime
+    for dtype in ("fp32", "bf16"):
+        rt = FakeRuntime(free=80 << 30)
+        rt.extra_defines = {"encoder": {k: str(v) for k, v in defines.items()}} if defines else {}
+        built = BWD.build(rt, 9, dtype, B=2, T=64, C=768, block_size=block_size)
+        dt = BF16 if dtype == "bf16" else np.float32  # (made-up addresses: the launch is recorded, not run)
+        built(rt.empty((50304, 768), dt), rt.empty((64, 768), dt), rt.empty((2, 64, 768), dt), rt.empty((2, 64), np.int32))
+        assert rt.launches[-1].smem == want[dtype], (dtype, rt.launches[-1].smem)
+
+
 class _Defines:
     def __init__(self, **d):
         self.extra_defines = {"encoder": {k: str(v) for k, v in d.items()}} if d else {}
