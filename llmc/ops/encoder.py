@@ -319,6 +319,12 @@ def _host_ranked(dtype):
     return build
 
 
+def _knob(rt, name, default) -> int:
+    """A cuda/encoder.cu macro's value for rt's builds: the lab's --define (rt.extra_defines), else the
+    kernel's default that the launcher keeps a copy of."""
+    return int(getattr(rt, "extra_defines", {}).get(MODULE, {}).get(name, default))
+
+
 def _slices(C, per_lane):
     """A row's slices of 32 lanes, per_lane columns a lane (1 a lane where C % per_lane != 0)."""
     return ceil_div(C // per_lane if C % per_lane == 0 else C, 32)
@@ -329,7 +335,7 @@ ENC9_LANE = 8  # ENC9_LANE in cuda/encoder.cu: columns a lane in variant 9's sli
 
 def _lane9(rt, dtype):
     """Columns a lane of variant 9's sliced warps: ENC9_LANE (the lab may --define another), at most 16 bytes."""
-    lane = int(getattr(rt, "extra_defines", {}).get(MODULE, {}).get("ENC9_LANE", ENC9_LANE))
+    lane = _knob(rt, "ENC9_LANE", ENC9_LANE)
     return min(lane, 4 if dtype == "fp32" else 8)
 
 
@@ -345,14 +351,14 @@ ENC9_STAGE = 16  # ENC9_STAGE in cuda/encoder.cu: 16-byte shared-memory slots a 
 
 def _stage9(rt) -> int:
     """Variant 9's staged slots a lane: ENC9_STAGE (the lab may --define another; 0: register loads)."""
-    return int(getattr(rt, "extra_defines", {}).get(MODULE, {}).get("ENC9_STAGE", ENC9_STAGE))
+    return _knob(rt, "ENC9_STAGE", ENC9_STAGE)
 
 
 def heads_per_window9(rt) -> int:
     """How many pieces of variant 9's sliced tokens (more than ENC9_MIN rows; 8 unless the lab's
     --define encoder:ENC9_MIN=M says otherwise) can start among 32 places: at most one token's short
     last piece, then pieces of at least min(32, M + 1) rows (the kernel traps on a window with more)."""
-    m = int(getattr(rt, "extra_defines", {}).get(MODULE, {}).get("ENC9_MIN", ENC9_MIN))
+    m = _knob(rt, "ENC9_MIN", ENC9_MIN)
     return min(ENC7_PIECE, 1 + ceil_div(ENC7_PIECE, min(ENC7_PIECE, m + 1)))
 
 
