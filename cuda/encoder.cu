@@ -755,6 +755,12 @@ __device__ __forceinline__ void encoder_partial_store(float* p, const float (&f)
         p[0] = f[0];
     }
 }
+// the offset of the fp32 partial row of the piece that begins at place `first` (last: a token's last
+// piece): two rows a window of ENC7_K places, the second for last pieces (see above)
+__device__ __forceinline__ size_t encoder_partial_row(int first, bool last, int C) {
+    return (size_t)(2 * (first / ENC7_K) + (last ? 1 : 0)) * C;
+}
+
 template <int V>
 __device__ __forceinline__ void encoder_partial_add(float (&f)[V], const float* p, bool vec) {
     if (vec) {
@@ -823,7 +829,7 @@ __device__ __forceinline__ void encoder_backward7_sum_t(T* dwte, const T* dout, 
     const bool vec = C % V == 0;
     const int W = vec ? V : 1, G = C / W;
     T* wrow = dwte + (size_t)tok * C;
-    float* part = partial + (size_t)(2 * (t / ENC7_K) + (q == npieces - 1 ? 1 : 0)) * C;
+    float* part = partial + encoder_partial_row(t, q == npieces - 1, C);
     for (int c0 = 0; c0 < G; c0 += ENC7_CH * WARP_SIZE) {
         float a[ENC7_CH][V];
 #pragma unroll
@@ -914,8 +920,7 @@ __device__ __forceinline__ void encoder_backward7_sum_t(T* dwte, const T* dout, 
 #pragma unroll
                     for (int r = 0; r < P; r++) {
                         const int qq = q0 + r;
-                        const float* pp = partial + (size_t)(2 * ((start + qq * ENC7_K) / ENC7_K) +
-                                                             (qq == npieces - 1 ? 1 : 0)) * C + g * V;
+                        const float* pp = partial + encoder_partial_row(start + qq * ENC7_K, qq == npieces - 1, C) + g * V;
 #pragma unroll
                         for (int k = 0; k < V / 4; k++)  // (L2: written by other SMs' warps)
                             if (qq < npieces) buf[r][k] = __ldcg(reinterpret_cast<const float4*>(pp + 4 * k));
@@ -934,8 +939,7 @@ __device__ __forceinline__ void encoder_backward7_sum_t(T* dwte, const T* dout, 
             }
         } else {
             for (int qq = 0; qq < npieces; qq++) {
-                const int pst = start + qq * ENC7_K;
-                const float* pp = partial + (size_t)(2 * (pst / ENC7_K) + (qq == npieces - 1 ? 1 : 0)) * C;
+                const float* pp = partial + encoder_partial_row(start + qq * ENC7_K, qq == npieces - 1, C);
 #pragma unroll
                 for (int h = 0; h < ENC7_CH; h++) {
                     const int g = c0 + h * WARP_SIZE + lane;
@@ -1150,7 +1154,7 @@ __device__ __forceinline__ void encoder_backward9_piece_t(T* dwte, const T* dout
         }
     }
     if (seen != tok) __trap();  // records of another batch: nothing stored
-    float* part = partial + (size_t)(2 * (t / ENC7_K) + (q == npieces - 1 ? 1 : 0)) * C + g * W;
+    float* part = partial + encoder_partial_row(t, q == npieces - 1, C) + g * W;
     if (single) {
         if (live) {
             if (vec) store_vec<T, E>(wrow, a);
@@ -1182,8 +1186,7 @@ __device__ __forceinline__ void encoder_backward9_piece_t(T* dwte, const T* dout
 #pragma unroll 1
                 for (int r = 0; r < P; r++) {
                     const int qq = q0 + r;
-                    const float* pp = partial + (size_t)(2 * ((start + qq * ENC7_K) / ENC7_K) +
-                                                         (qq == npieces - 1 ? 1 : 0)) * C + g * E;
+                    const float* pp = partial + encoder_partial_row(start + qq * ENC7_K, qq == npieces - 1, C) + g * E;
 #pragma unroll
                     for (int k = 0; k < K4; k++)  // (.cg: from L2, where other SMs' warps wrote them)
                         if (qq < npieces) cp_async16_full(st + 512u * (r * K4 + k), pp + 4 * k);
@@ -1210,8 +1213,7 @@ __device__ __forceinline__ void encoder_backward9_piece_t(T* dwte, const T* dout
 #pragma unroll
                 for (int r = 0; r < P; r++) {
                     const int qq = q0 + r;
-                    const float* pp = partial + (size_t)(2 * ((start + qq * ENC7_K) / ENC7_K) +
-                                                         (qq == npieces - 1 ? 1 : 0)) * C + g * E;
+                    const float* pp = partial + encoder_partial_row(start + qq * ENC7_K, qq == npieces - 1, C) + g * E;
 #pragma unroll
                     for (int k = 0; k < E / 4; k++)  // (L2: written by other SMs' warps)
                         if (qq < npieces) buf[r][k] = __ldcg(reinterpret_cast<const float4*>(pp + 4 * k));
@@ -1230,7 +1232,7 @@ __device__ __forceinline__ void encoder_backward9_piece_t(T* dwte, const T* dout
             store_vec<T, E>(wrow, a);
         } else {
             for (int qq = 0; qq < npieces; qq++)
-                a[0] += __ldcg(partial + (size_t)(2 * ((start + qq * ENC7_K) / ENC7_K) + (qq == npieces - 1 ? 1 : 0)) * C + g);
+                a[0] += __ldcg(partial + encoder_partial_row(start + qq * ENC7_K, qq == npieces - 1, C) + g);
             *wrow = from_f32<T>(a[0]);
         }
     }
