@@ -761,6 +761,36 @@ __device__ __forceinline__ size_t encoder_partial_row(int first, bool last, int 
     return (size_t)(2 * (first / ENC7_K) + (last ? 1 : 0)) * C;
 }
 
+// a[0..V) += the partial rows of a token's npieces pieces (rows start.., see encoder_partial_row) at
+// column col, in piece order (so the same bits wherever it runs): P rows' 16-byte loads issued (.cg:
+// from L2, where other SMs' warps wrote them), then added, P at a time. Variant 7's combine, and
+// variant 9's on register loads.
+template <int P, int V>
+__device__ __forceinline__ void encoder_partials_add(float (&a)[V], const float* partial, int start, int npieces,
+                                                     int C, int col) {
+    for (int q0 = 0; q0 < npieces; q0 += P) {
+        float4 buf[P][V / 4];
+#pragma unroll
+        for (int r = 0; r < P; r++) {
+            const int qq = q0 + r;
+            const float* pp = partial + encoder_partial_row(start + qq * ENC7_K, qq == npieces - 1, C) + col;
+#pragma unroll
+            for (int k = 0; k < V / 4; k++)
+                if (qq < npieces) buf[r][k] = __ldcg(reinterpret_cast<const float4*>(pp + 4 * k));
+        }
+#pragma unroll
+        for (int r = 0; r < P; r++) {
+#pragma unroll
+            for (int k = 0; k < V / 4; k++) {
+                if (q0 + r < npieces) {
+                    a[4 * k] += buf[r][k].x; a[4 * k + 1] += buf[r][k].y;
+                    a[4 * k + 2] += buf[r][k].z; a[4 * k + 3] += buf[r][k].w;
+                }
+            }
+        }
+    }
+}
+
 template <int V>
 __device__ __forceinline__ void encoder_partial_add(float (&f)[V], const float* p, bool vec) {
     if (vec) {
@@ -914,28 +944,7 @@ __device__ __forceinline__ void encoder_backward7_sum_t(T* dwte, const T* dout, 
 #pragma unroll
             for (int h = 0; h < ENC7_CH; h++) {
                 const int g = c0 + h * WARP_SIZE + lane;
-                if (g >= G) continue;
-                for (int q0 = 0; q0 < npieces; q0 += P) {
-                    float4 buf[P][V / 4];
-#pragma unroll
-                    for (int r = 0; r < P; r++) {
-                        const int qq = q0 + r;
-                        const float* pp = partial + encoder_partial_row(start + qq * ENC7_K, qq == npieces - 1, C) + g * V;
-#pragma unroll
-                        for (int k = 0; k < V / 4; k++)  // (L2: written by other SMs' warps)
-                            if (qq < npieces) buf[r][k] = __ldcg(reinterpret_cast<const float4*>(pp + 4 * k));
-                    }
-#pragma unroll
-                    for (int r = 0; r < P; r++) {
-#pragma unroll
-                        for (int k = 0; k < V / 4; k++) {
-                            if (q0 + r < npieces) {
-                                a[h][4 * k] += buf[r][k].x; a[h][4 * k + 1] += buf[r][k].y;
-                                a[h][4 * k + 2] += buf[r][k].z; a[h][4 * k + 3] += buf[r][k].w;
-                            }
-                        }
-                    }
-                }
+                if (g < G) encoder_partials_add<P>(a[h], partial, start, npieces, C, g * V);
             }
         } else {
             for (int qq = 0; qq < npieces; qq++) {
@@ -1207,28 +1216,7 @@ __device__ __forceinline__ void encoder_backward9_piece_t(T* dwte, const T* dout
             }
             store_vec<T, E>(wrow, a);
         } else if (vec) {  // ENC9_PARTS partials' loads issued, then added in piece order (8's order: the same bits)
-            constexpr int P = ENC9_PARTS;
-            for (int q0 = 0; q0 < npieces; q0 += P) {
-                float4 buf[P][E / 4];
-#pragma unroll
-                for (int r = 0; r < P; r++) {
-                    const int qq = q0 + r;
-                    const float* pp = partial + encoder_partial_row(start + qq * ENC7_K, qq == npieces - 1, C) + g * E;
-#pragma unroll
-                    for (int k = 0; k < E / 4; k++)  // (L2: written by other SMs' warps)
-                        if (qq < npieces) buf[r][k] = __ldcg(reinterpret_cast<const float4*>(pp + 4 * k));
-                }
-#pragma unroll
-                for (int r = 0; r < P; r++) {
-#pragma unroll
-                    for (int k = 0; k < E / 4; k++) {
-                        if (q0 + r < npieces) {
-                            a[4 * k] += buf[r][k].x; a[4 * k + 1] += buf[r][k].y;
-                            a[4 * k + 2] += buf[r][k].z; a[4 * k + 3] += buf[r][k].w;
-                        }
-                    }
-                }
-            }
+            encoder_partials_add<ENC9_PARTS>(a, partial, start, npieces, C, g * E);
             store_vec<T, E>(wrow, a);
         } else {
             for (int qq = 0; qq < npieces; qq++)
