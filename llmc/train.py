@@ -141,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("-x", "--max-steps", type=number(int, 0, also=(-1,)), default=-1,
       help="optimizer steps (-1 = one epoch of the train data; 0 = only evaluate)")
     # optimization
-    a("-l", "--learning-rate", type=number(float, 0.0), default=3e-4, help="peak learning rate")
+    a("-l", "--learning-rate", "--lr", type=number(float, 0.0), default=3e-4, help="peak learning rate")
     a("-u", "--warmup-steps", type=number(int, 0), default=0, help="linear warmup steps")
     a("-k", "--lr-schedule", default="cosine", choices=SCHEDULES, help="learning-rate schedule")
     a("-q", "--final-lr-frac", type=number(float, 0.0, 1.0), default=1.0,

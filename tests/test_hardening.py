@@ -65,6 +65,14 @@ def test_flag_ranges(flag, value, name, capsys):
     assert err.count("\n") == 1 and name in err and repr(value) in err, err
 
 
+def test_lr_is_the_learning_rate_not_a_prefix_of_lr_schedule():
+    """`--lr 6e-4` (nanoGPT's and many trainers' spelling) sets the learning rate; before it was an alias,
+    argparse took it as an abbreviation of --lr-schedule and refused '6e-4' as a schedule."""
+    args = build_parser().parse_args(["--lr", "6e-4", "--lr-schedule", "linear"])
+    assert args.learning_rate == 6e-4 and args.lr_schedule == "linear"
+    assert build_parser().parse_args(["-l", "1e-3"]).learning_rate == 1e-3
+
+
 def test_help_shows_each_default_once_and_every_flag_has_help():
     text = build_parser().format_help()
     assert "(default: None)" not in text
