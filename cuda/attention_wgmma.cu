@@ -17,7 +17,9 @@
 //   flash_attention_forward_kernel4_tf32[_btc][_smt], flash_attention_backward_{dq,dkdv}_kernel4_tf32
 //       [_btc][_smt]: variant 4's fp32 builds (TF32 wgmma; fp32 in and out), the same algorithms with
 //       v (forward), k, q, dout (backward) transposed for TF32's K-major operands, either by
-//       attention_vt_kernel in global memory or (_smt) in shared memory; the TF32 sections below
+//       attention_vt_kernel in global memory or (_smt) in shared memory; the TF32 sections below.
+//       Their colsum form: each warp sums the 16 rows it stores into a row of partials (one per 16 rows),
+//       which flash_attention_backward_colsum_finish_kernel_fp32 adds into the fp32 dbias
 //
 // Build: nvcc -gencode=arch=compute_90a,code=sm_90a (llmc/runtime.py: ARCH_SPECIFIC).
 // Lab:   python dev/cuda/attention_forward.py 4 --dtype bf16 (or fp32: the TF32 rows)
@@ -1525,15 +1527,14 @@ flash_attention_backward_convert_colsum_kernel5_bf16_rg4(bf16* dinp, float* part
     convert_colsum_t<4>(dinp, part, dq_acc, B, NH, T, scale);
 }
 
-// finish: dbias[c] = bf16(dbias[c] + the sum of part's R rows), one rounding. Block (16, 64): thread x
-// takes 4 columns (a float4), thread y rows y, y + 64, ... (R / 64 of them: all its loads in flight at
-// once); the 64 partial sums then added pairwise through shared memory (y += y + 32, + 16, ...): a fixed
-// order. 3C % 4 == 0 (C = 64 NH). (A first form, 16 row groups summed in a loop, took 6.6 us at d12 B=16.)
-extern "C" __global__ void __launch_bounds__(1024)
-flash_attention_backward_colsum_finish_kernel_bf16(bf16* dbias, const float* part, int R, int C3) {
-    LLMC_PDL_WAIT();
+// finish: dbias[c] = dbias[c] + the sum of part's R rows, rounded once (bf16, or fp32 for the TF32 build's
+// dbias). Block (16, 64): thread x takes 4 columns (a float4), thread y rows y, y + 64, ... (R / 64 of them:
+// all its loads in flight at once); the 64 partial sums then added pairwise through shared memory (y += y +
+// 32, + 16, ...): a fixed order. 3C % 4 == 0 (C = 64 NH). (A first form, 16 row groups summed in a loop,
+// took 6.6 us at d12 B=16.) Returns, in thread y = 0, its 4 columns' sums (c < C3 only: else zeros).
+__device__ __forceinline__ float4 colsum_finish_rows(const float* part, int R, int C3, int c) {
     __shared__ float4 red[64][16];
-    const int x = threadIdx.x, y = threadIdx.y, c = 4 * (blockIdx.x * 16 + x);
+    const int x = threadIdx.x, y = threadIdx.y;
     float4 s = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     if (c < C3) {
 #pragma unroll 8
@@ -1552,11 +1553,32 @@ flash_attention_backward_colsum_finish_kernel_bf16(bf16* dbias, const float* par
             red[y][x] = s;
         }
     }
-    if (y == 0 && c < C3) {
+    return s;
+}
+
+extern "C" __global__ void __launch_bounds__(1024)
+flash_attention_backward_colsum_finish_kernel_bf16(bf16* dbias, const float* part, int R, int C3) {
+    LLMC_PDL_WAIT();
+    const int c = 4 * (blockIdx.x * 16 + threadIdx.x);
+    const float4 s = colsum_finish_rows(part, R, C3, c);
+    if (threadIdx.y == 0 && c < C3) {
         uint2 w = *reinterpret_cast<const uint2*>(dbias + c);
         w.x = pack_bf16(unpack_lo(w.x) + s.x, unpack_hi(w.x) + s.y);
         w.y = pack_bf16(unpack_lo(w.y) + s.z, unpack_hi(w.y) + s.w);
         *reinterpret_cast<uint2*>(dbias + c) = w;
+    }
+}
+
+// the TF32 build's finish (attention_backward 4 fp32, colsum form): dbias fp32, 16-byte aligned
+extern "C" __global__ void __launch_bounds__(1024)
+flash_attention_backward_colsum_finish_kernel_fp32(float* dbias, const float* part, int R, int C3) {
+    LLMC_PDL_WAIT();
+    const int c = 4 * (blockIdx.x * 16 + threadIdx.x);
+    const float4 s = colsum_finish_rows(part, R, C3, c);
+    if (threadIdx.y == 0 && c < C3) {
+        float4 w = *reinterpret_cast<const float4*>(dbias + c);
+        w.x += s.x; w.y += s.y; w.z += s.z; w.w += s.w;
+        *reinterpret_cast<float4*>(dbias + c) = w;
     }
 }
 
@@ -1989,12 +2011,34 @@ __device__ __forceinline__ void issue_o_tf32(float (&acc)[32], const uint32_t (&
     for (int j = 0; j < 8; j++) wgmma_tf32_rs_n64(acc, a[j], desc_k(bt + (j >> 2) * TB_HALF + 32 * (j & 3)), 1);
 }
 
+// (the colsum form) this warp's 16 rows' column sums of x as stored (x * sx, register 4j + 2hh + c: row
+// r16 + g + 8hh, column 8j + 2t + c of the head; rows past T not stored, not summed): the two rows, then
+// the 8 lanes g of each t (xor 4, 8, 16: a fixed order); lanes 0-3 write their 16 columns into prow,
+// this warp's row of partials at the head's first column. Products and adds rounded as the stores are.
+__device__ __forceinline__ void colsum_rows16_tf32(float* prow, const float (&x)[32], float sx, bool ok0, bool ok1,
+                                                   int lane) {
+    float s[16];
+#pragma unroll
+    for (int j = 0; j < 8; j++)
+#pragma unroll
+        for (int c = 0; c < 2; c++)
+            s[2 * j + c] = __fadd_rn(ok0 ? __fmul_rn(x[4 * j + c], sx) : 0.0f, ok1 ? __fmul_rn(x[4 * j + 2 + c], sx) : 0.0f);
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1)
+#pragma unroll
+        for (int e = 0; e < 16; e++) s[e] = __fadd_rn(s[e], __shfl_xor_sync(0xffffffffu, s[e], o));
+    if (lane < 4) {
+#pragma unroll
+        for (int j = 0; j < 8; j++) *reinterpret_cast<float2*>(prow + 8 * j + 2 * lane) = make_float2(s[2 * j], s[2 * j + 1]);
+    }
+}
+
 // maps: [0] qkvr (64 dims, T, 3 B NH) box (32, 64, 1); [1] dout (64 dims, NH, T, B) box (32, 1, 64, 1);
 // [2] kt (Tp, 64, B NH) box (32, 64, 1) (not with SMT)
 template <bool BTC, bool SMT>
 __device__ __forceinline__ void flash_backward_dq_wgmma_tf32(float* dinp, float* Dbuf, const float* dout, const float* out,
                                                              const CUtensorMap* maps, const float* lse, int B, int NH,
-                                                             int T, float scale) {
+                                                             int T, float scale, float* part) {
     extern __shared__ unsigned char smem_bwd[];
     unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_bwd) + 1023) & ~uintptr_t(1023));
     unsigned char* sq = smem;                // consumer cw's 64 rows: sq + cw * TB_TILE (two halves)
@@ -2142,43 +2186,50 @@ __device__ __forceinline__ void flash_backward_dq_wgmma_tf32(float* dinp, float*
         for (int j = 0; j < 8; j++)
             *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(dq[4 * j + 2 * hh] * scale, dq[4 * j + 2 * hh + 1] * scale);
     }
+    // (colsum form) the q columns of this warp's row of partials: 8 rows of 16 per query block of 128
+    if (part != nullptr)
+        colsum_rows16_tf32(part + ((size_t)b * gridDim.y * 8 + (row0 - g) / 16) * 3 * C + h * HS, dq, scale, row0 < T,
+                           row0 + 8 < T, lane);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_backward_dq_kernel4_tf32(float* dinp, float* Dbuf, const float* dout, const float* out,
-                                         const CUtensorMap* maps, const float* lse, int B, int NH, int T, float scale) {
+                                         const CUtensorMap* maps, const float* lse, int B, int NH, int T, float scale,
+                                         float* part) {
     LLMC_PDL_WAIT();
-    flash_backward_dq_wgmma_tf32<false, false>(dinp, Dbuf, dout, out, maps, lse, B, NH, T, scale);
+    flash_backward_dq_wgmma_tf32<false, false>(dinp, Dbuf, dout, out, maps, lse, B, NH, T, scale, part);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_backward_dq_kernel4_tf32_smt(float* dinp, float* Dbuf, const float* dout, const float* out,
-                                             const CUtensorMap* maps, const float* lse, int B, int NH, int T, float scale) {
+                                             const CUtensorMap* maps, const float* lse, int B, int NH, int T, float scale,
+                                         float* part) {
     LLMC_PDL_WAIT();
-    flash_backward_dq_wgmma_tf32<false, true>(dinp, Dbuf, dout, out, maps, lse, B, NH, T, scale);
+    flash_backward_dq_wgmma_tf32<false, true>(dinp, Dbuf, dout, out, maps, lse, B, NH, T, scale, part);
 }
 
 // q, k, v from the forward's inp in place (maps[0]: 4D (64 dims, 3 NH, T, B), box (32, 1, 64, 1))
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_backward_dq_kernel4_tf32_btc(float* dinp, float* Dbuf, const float* dout, const float* out,
                                              const CUtensorMap* maps, const float* lse, int B, int NH, int T,
-                                             float scale) {
+                                             float scale, float* part) {
     LLMC_PDL_WAIT();
-    flash_backward_dq_wgmma_tf32<true, false>(dinp, Dbuf, dout, out, maps, lse, B, NH, T, scale);
+    flash_backward_dq_wgmma_tf32<true, false>(dinp, Dbuf, dout, out, maps, lse, B, NH, T, scale, part);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_backward_dq_kernel4_tf32_btc_smt(float* dinp, float* Dbuf, const float* dout, const float* out,
                                                  const CUtensorMap* maps, const float* lse, int B, int NH, int T,
-                                                 float scale) {
+                                                 float scale, float* part) {
     LLMC_PDL_WAIT();
-    flash_backward_dq_wgmma_tf32<true, true>(dinp, Dbuf, dout, out, maps, lse, B, NH, T, scale);
+    flash_backward_dq_wgmma_tf32<true, true>(dinp, Dbuf, dout, out, maps, lse, B, NH, T, scale, part);
 }
 
 // maps: [0] qkvr, [1] dout (as the dq kernel), [2] qt, [3] dot (Tp, 64, B NH) box (32, 64, 1) (not with SMT)
 template <bool BTC, bool SMT>
 __device__ __forceinline__ void flash_backward_dkdv_wgmma_tf32(float* dinp, const CUtensorMap* maps, const float* lse,
-                                                               const float* Dbuf, int B, int NH, int T, float scale) {
+                                                               const float* Dbuf, int B, int NH, int T, float scale,
+                                                               float* part) {
     extern __shared__ unsigned char smem_bwd[];
     unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_bwd) + 1023) & ~uintptr_t(1023));
     unsigned char* sk = smem;                  // consumer cw's 64 keys: sk + cw * TB_TILE (two halves)
@@ -2341,32 +2392,38 @@ __device__ __forceinline__ void flash_backward_dkdv_wgmma_tf32(float* dinp, cons
             *reinterpret_cast<float2*>(dst + 2 * C + 8 * j) = make_float2(dv[4 * j + 2 * hh], dv[4 * j + 2 * hh + 1]);
         }
     }
+    // (colsum form) the k and v columns of this warp's row of partials (the dq kernel's rows: keys are rows)
+    if (part != nullptr) {
+        float* prow = part + ((size_t)b * gridDim.y * 8 + (key0 - g) / 16) * 3 * C + h * HS;
+        colsum_rows16_tf32(prow + C, dk, scale, key0 < T, key0 + 8 < T, lane);
+        colsum_rows16_tf32(prow + 2 * C, dv, 1.0f, key0 < T, key0 + 8 < T, lane);
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_backward_dkdv_kernel4_tf32(float* dinp, const CUtensorMap* maps, const float* lse, const float* Dbuf,
-                                           int B, int NH, int T, float scale) {
+                                           int B, int NH, int T, float scale, float* part) {
     LLMC_PDL_WAIT();
-    flash_backward_dkdv_wgmma_tf32<false, false>(dinp, maps, lse, Dbuf, B, NH, T, scale);
+    flash_backward_dkdv_wgmma_tf32<false, false>(dinp, maps, lse, Dbuf, B, NH, T, scale, part);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_backward_dkdv_kernel4_tf32_smt(float* dinp, const CUtensorMap* maps, const float* lse, const float* Dbuf,
-                                               int B, int NH, int T, float scale) {
+                                               int B, int NH, int T, float scale, float* part) {
     LLMC_PDL_WAIT();
-    flash_backward_dkdv_wgmma_tf32<false, true>(dinp, maps, lse, Dbuf, B, NH, T, scale);
+    flash_backward_dkdv_wgmma_tf32<false, true>(dinp, maps, lse, Dbuf, B, NH, T, scale, part);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_backward_dkdv_kernel4_tf32_btc(float* dinp, const CUtensorMap* maps, const float* lse, const float* Dbuf,
-                                               int B, int NH, int T, float scale) {
+                                               int B, int NH, int T, float scale, float* part) {
     LLMC_PDL_WAIT();
-    flash_backward_dkdv_wgmma_tf32<true, false>(dinp, maps, lse, Dbuf, B, NH, T, scale);
+    flash_backward_dkdv_wgmma_tf32<true, false>(dinp, maps, lse, Dbuf, B, NH, T, scale, part);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_attention_backward_dkdv_kernel4_tf32_btc_smt(float* dinp, const CUtensorMap* maps, const float* lse,
-                                                   const float* Dbuf, int B, int NH, int T, float scale) {
+                                                   const float* Dbuf, int B, int NH, int T, float scale, float* part) {
     LLMC_PDL_WAIT();
-    flash_backward_dkdv_wgmma_tf32<true, true>(dinp, maps, lse, Dbuf, B, NH, T, scale);
+    flash_backward_dkdv_wgmma_tf32<true, true>(dinp, maps, lse, Dbuf, B, NH, T, scale, part);
 }

@@ -35,8 +35,9 @@ Bias gradients: fcproj's, attproj's and fc's are column sums of dres and dfch, w
 backward and GELU backward write just before; where the chosen variants have the fused form
 (colsum=True: layernorm_backward 5, gelu_backward 2) those kernels add the sums as they write, and
 no matmul_backward_bias runs for them (fuse_bias=False or LLMC_FUSED_BIAS=0: the separate passes).
-qkv's is the column sums of dqkv, which attention_backward writes: its Hopper bf16 builds (variant 5,
-the bf16 default, and 4) have the fused form too (colsum=True); elsewhere matmul_backward_bias sums dqkv.
+qkv's is the column sums of dqkv, which attention_backward writes: its Hopper builds (variant 5, the
+bf16 default, and 4, bf16 and fp32) have the fused form too (colsum=True); elsewhere matmul_backward_bias
+sums dqkv.
 The fc layer's GELU can be fused likewise (fuse_gelu=True or LLMC_FUSED_GELU=1; off by default, not
 faster in the step): where the chosen matmul_forward variant has the fused form (gelu_pre=True: engine
 5 writes fch and gelu(fch) from one epilogue) no gelu_forward runs in the forward.
@@ -248,7 +249,7 @@ class GPT2:
         self.att_side_zero = False  # (training: below)
         if training:
             # qkv's bias gradient, the column sums of dqkv, summed by attention_backward as it writes dqkv
-            # where the chosen variant has that form (4's and 5's bf16 colsum=True); else matmul_backward_bias re-reads
+            # where the chosen variant has that form (4's and 5's colsum=True); else matmul_backward_bias re-reads
             # dqkv (fuse_bias=False, LLMC_FUSED_BIAS=0: that pass, the A/B)
             att_cs = be.fuses("attention_backward", dict(colsum=True, **att_kw), **att_shape) if fuse_bias else None
             self.built.update({

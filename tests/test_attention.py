@@ -195,7 +195,10 @@ def test_declared_scratch_is_what_the_builds_allocate(B, T, C, NH, monkeypatch):
     monkeypatch.setattr(mm, "gemm_build", _fake_gemm_build)
     shapes = {"attention_forward": dict(B=B, T=T, C=C, NH=NH), "attention_backward": dict(B=B, T=T, C=C, NH=NH),
               "attention_decode": dict(B=B, C=C, NH=NH, maxT=T)}
-    for name, shape in shapes.items():
+    # (and attention_backward's colsum forms, whose partials are scratch too)
+    shapes = [(name, shape) for name, shape in shapes.items()] + [("attention_backward", dict(B=B, T=T, C=C, NH=NH,
+                                                                                             colsum=True))]
+    for name, shape in shapes:
         spec = ops.get(name)
         for num, v in spec.variants.items():
             for dtype in v.dtypes:  # the bf16 builds' scratch (D, decode's chunk states) is fp32 too
@@ -518,6 +521,39 @@ def test_flash_attention_wgmma_tf32_gpu(rt, B, T, C, NH):
             poison(d_dinp, *other.scratch.values())
             other(d_dinp, d_dout, q, d_lse, d_out)
             assert np.array_equal(d_dinp.get(), dinp4), f"smem transposes {smt}, in place {in_place}: other bits"
+    # the colsum form (qkv's bias gradient in fp32: dbias += the column sums of dinp as stored, one row of
+    # partials per 16 rows, added in order): dinp the plain form's bits; dbias against the float64 sums of
+    # those rows within fp32's rounding of the sum of magnitudes (a row left out or summed twice is ~1 of a
+    # row's magnitude, far outside it); the same bits on every run and under graph replay
+    bias0 = np.random.default_rng(T).standard_normal(3 * C).astype(np.float32)
+    rows = dinp4.reshape(B * T, 3 * C).astype(np.float64)
+    exact = bias0 + rows.sum(axis=0)
+    bound = 2.0 ** -20 * (np.abs(bias0) + np.abs(rows).sum(axis=0)) + 1e-30
+    d_bias = rt.to_device(bias0)
+    for in_place, q in ((False, d_qkvr), (True, d_inp)):
+        for smt in (True, False):
+            cs = A.build_flash_attention_backward_wgmma_tf32(rt, B=B, T=T, C=C, NH=NH, qkv_in_place=in_place,
+                                                             smem_transpose=smt, colsum=True)
+            assert cs.scratch["part"].shape == (B * -(-T // 128) * 8, 3 * C)
+            first = None
+            for run in range(2):
+                poison(d_dinp, *cs.scratch.values())
+                d_bias.set(bias0)
+                cs(d_dinp, d_bias, d_dout, q, d_lse, d_out)
+                got = d_bias.get()
+                form = f"colsum (smem transposes {smt}, in place {in_place}), run {run}"
+                assert np.array_equal(d_dinp.get(), dinp4), f"{form}: dinp differs from the plain form"
+                err = np.abs(got.astype(np.float64) - exact)
+                assert np.all(err <= bound), f"{form}: dbias off the column sums by {err.max():.3g} (column {err.argmax()})"
+                assert first is None or np.array_equal(got, first), f"{form}: dbias not deterministic"
+                first = got
+            if rt.graphs_available() is None:
+                graph = rt.capture(lambda: cs(d_dinp, d_bias, d_dout, q, d_lse, d_out))
+                poison(d_dinp, *cs.scratch.values())
+                d_bias.set(bias0)
+                graph()
+                rt.synchronize()
+                assert np.array_equal(d_bias.get(), first), f"colsum (smt {smt}, in place {in_place}): graph replay"
 
 
 # bf16 builds of the fused variants. Inputs are bf16 values (round_bf16), so the float64 reference
@@ -911,15 +947,15 @@ def test_flash_attention_wgmma5_backward_colsum_gpu(rt, B, T, C, NH):
         check("graph replay", from_bf16(d_dinp.get()), from_bf16(d_bias.get()))
 
 
-def test_attention_backward_colsum_is_an_option_of_the_hopper_bf16_builds_and_the_cpu_sums_as_the_bias_pass():
-    """colsum: variants 4 (its bf16 build) and 5 take it; 4's fp32 build and 1-3 refuse it (the model then
-    launches the bias pass); the numpy launcher's colsum form is the plain launch then
-    matmul_backward_bias's sum, bit for bit."""
+def test_attention_backward_colsum_is_an_option_of_the_hopper_builds_and_the_cpu_sums_as_the_bias_pass():
+    """colsum: variants 4 (both builds) and 5 take it; 1-3 refuse it (the model then launches the bias
+    pass); the numpy launcher's colsum form is the plain launch then matmul_backward_bias's sum, bit for
+    bit."""
     spec = ops.get("attention_backward")
     shape = dict(B=2, T=65, C=128, NH=2)
     for n in (4, 5):
         assert spec.refuse_reason(n, "bf16", "sm_90", **shape, colsum=True) is None
-    assert "bf16 build only" in spec.refuse_reason(4, "fp32", "sm_90", **shape, colsum=True)
+    assert spec.refuse_reason(4, "fp32", "sm_90", **shape, colsum=True) is None
     assert spec.refuse_reason(5, "bf16", "sm_90", B=1, T=8, C=64 * 40, NH=40, colsum=True) is not None
     for n in (1, 2, 3):
         for dt in spec.variants[n].dtypes:
@@ -979,6 +1015,29 @@ def test_attention_backward_colsum_launches_without_gpu(C, NH, monkeypatch):
             assert cs.func == f"flash_attention_backward_convert_colsum_kernel5_bf16_rg{rg}"
             assert cs.grid == (R, 1, 1) and cs.block == (C // 8, rg, 1) and cs.smem == 4 * (rg - 1) * C
             assert len(names) == 4
+    # 4's fp32 build (TF32): its dq and dk/dv kernels with the partials (a row per 16 rows of each
+    # 128-row block), then the fp32 finish; dbias needs 16-byte alignment (float4s)
+    for smt in (True, False):
+        rt = FakeRuntime()
+        built = A.build_flash_attention_backward_wgmma_tf32(rt, B=B, T=T, C=C, NH=NH, qkv_in_place=True,
+                                                            smem_transpose=smt, colsum=True)
+        R = B * -(-T // 128) * 8
+        part = built.scratch["part"]
+        assert part.shape == (R, 3 * C)
+        dinp, dbias = rt.empty((B, T, 3 * C)), rt.empty((3 * C,))
+        args = (rt.empty((B, T, C)), rt.empty((B, T, 3 * C)), rt.empty((B, NH, T)), rt.empty((B, T, C)))
+        with pytest.raises(LLMCError, match="16-byte aligned"):
+            built.launch(dinp, dbias.ptr + 8, *args)
+        assert not rt.launches
+        built.launch(dinp, dbias, *args)
+        names = [x.func for x in rt.launches]
+        sfx = "_btc_smt" if smt else "_btc"
+        assert names[-3:] == ["flash_attention_backward_dq_kernel4_tf32" + sfx,
+                              "flash_attention_backward_dkdv_kernel4_tf32" + sfx,
+                              "flash_attention_backward_colsum_finish_kernel_fp32"]
+        assert all(x.args[-1] == part.ptr for x in rt.launches[-3:-1])
+        fin = rt.launches[-1]
+        assert fin.block == (16, 64, 1) and fin.args[:4] == (dbias.ptr, part.ptr, R, 3 * C)
 
 
 @pytest.mark.gpu

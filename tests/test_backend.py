@@ -92,6 +92,9 @@ def model_op_shapes(cfg, B, T):
     # the softmax ops run inside the composite attention, which builds them through the registry
     hs = cfg.channels // cfg.num_heads
     seen += [(n, dict(BNH=B * cfg.num_heads, T=T, scale=hs ** -0.5)) for n in ("softmax_forward", "softmax_backward")]
+    # the default variants sum every bias gradient in their fused forms; matmul_backward_bias runs where
+    # they don't (fuse_bias=False, older variants): qkv's shape, the widest
+    seen.append(("matmul_backward_bias", dict(N=B * T, OC=3 * cfg.channels)))
     return seen
 
 

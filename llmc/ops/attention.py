@@ -705,20 +705,22 @@ def wgmma_bwd_smem(stages: int = WGMMA_BWD_STAGES) -> tuple[int, int]:
 WGMMA_DQ_SMEM, WGMMA_DKDV_SMEM = wgmma_bwd_smem()
 
 
-def _colsum_finish(rt, B, T, C, label, defines):
-    """The colsum forms' partials (a row of 3C fp32 column sums per 64 rows of dinp: B ceil(T/64) rows)
-    and finish(dbias), which adds them in order into dbias(3C) bf16, rounded once (cuda/attention_wgmma.cu,
-    flash_attention_backward_colsum_finish_kernel_bf16), and check(dbias), which refuses a dbias the finish
-    kernel can't take (the launchers call it before their first pass)."""
-    R = B * ceil_div(T, 64)
+def _colsum_finish(rt, B, T, C, label, defines, dtype="bf16"):
+    """The colsum forms' partials (a row of 3C fp32 column sums per 64 rows of dinp: B ceil(T/64) rows;
+    the TF32 build's, dtype="fp32": one per 16 rows of each 128-row block, B ceil(T/128) 8 rows) and
+    finish(dbias), which adds them in order into dbias(3C), rounded once (cuda/attention_wgmma.cu,
+    flash_attention_backward_colsum_finish_kernel_{bf16,fp32}), and check(dbias), which refuses a dbias the
+    finish kernel can't take (the launchers call it before their first pass)."""
+    R = B * ceil_div(T, 64) if dtype == "bf16" else B * ceil_div(T, WGMMA_BQ) * (WGMMA_BQ // 16)
     part = rt.empty((R, 3 * C))
-    kf = rt.kernel(WGMMA_MODULE, "flash_attention_backward_colsum_finish_kernel_bf16", "PPii",
+    kf = rt.kernel(WGMMA_MODULE, f"flash_attention_backward_colsum_finish_kernel_{dtype}", "PPii",
                    label=label + " colsum finish", defines=defines)
     grid = (ceil_div(3 * C // 4, 16), 1, 1)
+    align = 8 if dtype == "bf16" else 16  # (4 columns a thread: a uint2 of bf16, a float4 of fp32)
 
     def check(dbias):
-        if _ptr(dbias) & 7:
-            raise LLMCError(f"{label}: dbias must be 8-byte aligned (0x{_ptr(dbias):x})")
+        if _ptr(dbias) & (align - 1):
+            raise LLMCError(f"{label}: dbias must be {align}-byte aligned (0x{_ptr(dbias):x})")
 
     def finish(dbias):
         kf(grid, (16, 64, 1), _ptr(dbias), part.ptr, np.int32(R), np.int32(3 * C))
@@ -930,8 +932,6 @@ def _att5_colsum_rg(C):
 
 
 def _check_backward4_tf32(B, T, C, NH, colsum=False, **kw):
-    if colsum:
-        return "colsum: the bf16 build only (fp32 sums qkv's bias gradient with matmul_backward_bias)"
     return _check_flash_tf32(B, T, C, NH, **kw)
 
 
@@ -949,7 +949,8 @@ WGMMA_TF32_DQ_SMEM = 1024 + 2 * 32768 + WGMMA_BWD_STAGES * 3 * 16384 + 8 * (1 + 
 WGMMA_TF32_DKDV_SMEM = 1024 + 2 * 32768 + WGMMA_BWD_STAGES * 4 * 16384 + 2 * 2 * 2 * 64 * 4 + 8 * (1 + 3 * WGMMA_BWD_STAGES)
 
 
-def build_flash_attention_backward_wgmma_tf32(rt, B, T, C, NH, qkv_in_place=False, smem_transpose=None, **_):
+def build_flash_attention_backward_wgmma_tf32(rt, B, T, C, NH, qkv_in_place=False, smem_transpose=None, colsum=False,
+                                              **_):
     """Variant 4's fp32 build (TF32 wgmma): launch(dinp (B,T,3C), dout (B,T,C), qkvr (B,T,3C), lse
     (B,NH,T), out (B,T,C)) like 2, 3: the dq kernel (which also writes D = rowsum(dout * out)) and the
     dk/dv kernel, both on 64-row swept tiles (cuda/attention_wgmma.cu). Their products over positions
@@ -958,7 +959,11 @@ def build_flash_attention_backward_wgmma_tf32(rt, B, T, C, NH, qkv_in_place=Fals
     tiles in shared memory; without, attention_vt_kernel writes kt, qt, dot to global scratch
     (B*NH, 64, Tp) first and the TMA loads their tiles (the same bits). None (the variant's build):
     shared memory unless those buffers fit in the L2 (_tf32_smem_transpose). qkv_in_place: qkvr is the forward's inp
-    itself, (B,T,3C) unpermuted, read through a 4D map (the _btc entry points)."""
+    itself, (B,T,3C) unpermuted, read through a 4D map (the _btc entry points).
+    colsum=True: launch(dinp, dbias, dout, qkvr, lse, out), dbias(3C) += the column sums of dinp as stored
+    (qkv's bias gradient, fp32): each consumer warp of the two kernels sums the 16 rows it stores (the dq
+    kernel the q columns, the dk/dv kernel the k and v columns) into a row of partials, and a third launch
+    adds the rows in order into dbias, rounded once. Deterministic, like the rest of 4."""
     _check_attention(B, T, C, NH)
     for name, smem in (("dq", WGMMA_TF32_DQ_SMEM), ("dk dv", WGMMA_TF32_DKDV_SMEM)):
         if smem > rt.max_smem_optin:
@@ -972,10 +977,11 @@ def build_flash_attention_backward_wgmma_tf32(rt, B, T, C, NH, qkv_in_place=Fals
                                      label="attention_backward 4 tf32: transpose")
     label = "attention_backward 4 (flash, wgmma) tf32"
     sfx = ("_btc" if qkv_in_place else "") + ("_smt" if smt else "")
-    kq = rt.kernel(WGMMA_MODULE, "flash_attention_backward_dq_kernel4_tf32" + sfx, "PPPPPPiiif",
+    kq = rt.kernel(WGMMA_MODULE, "flash_attention_backward_dq_kernel4_tf32" + sfx, "PPPPPPiiifP",
                    label=label + " dq" + sfx.replace("_", " "))
-    kkv = rt.kernel(WGMMA_MODULE, "flash_attention_backward_dkdv_kernel4_tf32" + sfx, "PPPPiiif",
+    kkv = rt.kernel(WGMMA_MODULE, "flash_attention_backward_dkdv_kernel4_tf32" + sfx, "PPPPiiifP",
                     label=label + " dk dv" + sfx.replace("_", " "))
+    part, finish, check = _colsum_finish(rt, B, T, C, label, {}, "fp32") if colsum else (None, None, None)
     # q, k of qkvr: (part offset in bytes, head stride, row stride, batch stride) for the transposes
     if qkv_in_place:
         q_at, k_at, qk_layout = 0, C * 4, (FLASH_HS, 3 * C, T * 3 * C)
@@ -1015,9 +1021,19 @@ def build_flash_attention_backward_wgmma_tf32(rt, B, T, C, NH, qkv_in_place=Fals
                   for x, n in ((kt, "kt"), (qt, "qt"), (dot, "dot"))]  # (SMT: unused, never acquired)
             blob = mq + md + mt[0] + mq + md + mt[1] + mt[2]
             dm = maps[(qp, dp)] = rt.to_device(np.frombuffer(blob, np.uint8))
-        kq(grid, block, _ptr(dinp), _ptr(D), dp, _ptr(out), dm.ptr, _ptr(lse), *args, smem=WGMMA_TF32_DQ_SMEM)
-        kkv(grid, block, _ptr(dinp), dm.ptr + 3 * 128, _ptr(lse), _ptr(D), *args, smem=WGMMA_TF32_DKDV_SMEM)
-    return Built(launch, scratch={"D": D} if smt else {"D": D, "kt": kt, "qt": qt, "dot": dot})
+        kq(grid, block, _ptr(dinp), _ptr(D), dp, _ptr(out), dm.ptr, _ptr(lse), *args, _ptr(part),
+           smem=WGMMA_TF32_DQ_SMEM)
+        kkv(grid, block, _ptr(dinp), dm.ptr + 3 * 128, _ptr(lse), _ptr(D), *args, _ptr(part), smem=WGMMA_TF32_DKDV_SMEM)
+    scratch = {"D": D} if smt else {"D": D, "kt": kt, "qt": qt, "dot": dot}
+    if colsum:
+        plain = launch
+
+        def launch(dinp, dbias, dout, qkvr, lse, out):  # noqa: F811
+            check(dbias)
+            plain(dinp, dout, qkvr, lse, out)
+            finish(dbias)
+        scratch["part"] = part
+    return Built(launch, scratch=scratch)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1259,8 +1275,10 @@ ATTENTION_BACKWARD_VARIANTS = {
                   "from registers; reads the lse of forward 2, 3 or 4 (head size 64)",
                {"fp32": build_flash_attention_backward_wgmma_tf32, "bf16": build_flash_attention_backward_wgmma},
                # (the fp32 build: D, and kt, qt, dot where it transposes in global memory)
-               scratch_bytes=lambda B, T, C, NH, dtype="fp32", **_: _scratch_flash_backward(B, T, C, NH) + (
-                   0 if dtype != "fp32" or _tf32_smem_transpose(B, T, NH, 3) else 3 * _tf32_transposed_bytes(B, T, NH)),
+               scratch_bytes=lambda B, T, C, NH, dtype="fp32", colsum=False, **_: _scratch_flash_backward(B, T, C, NH) + (
+                   0 if dtype != "fp32" or _tf32_smem_transpose(B, T, NH, 3) else 3 * _tf32_transposed_bytes(B, T, NH))
+               + (0 if not colsum else 4 * 3 * C * (B * ceil_div(T, 64) if dtype != "fp32" else
+                                                   B * ceil_div(T, WGMMA_BQ) * (WGMMA_BQ // 16))),
                arch="sm_90",
                options=("qkv_in_place", "colsum"),
                **dict(_FUSED, check={"fp32": _check_backward4_tf32, "bf16": _check_flash})),
@@ -1268,7 +1286,8 @@ ATTENTION_BACKWARD_VARIANTS = {
                   "reductions (5 products per tile pair instead of 7; dq not deterministic), with a D / "
                   "zeroing pass before and a bf16 conversion after (bf16, sm_90a, head size 64)",
                {"bf16": build_flash_attention_backward_wgmma5},
-               scratch_bytes=lambda B, T, C, NH, **_: _scratch_flash_backward(B, T, C, NH) + 4 * B * T * C,
+               scratch_bytes=lambda B, T, C, NH, colsum=False, **_: _scratch_flash_backward(B, T, C, NH) + 4 * B * T * C
+               + (4 * 3 * C * B * ceil_div(T, 64) if colsum else 0),
                arch="sm_90", options=("qkv_in_place", "caller_zeroes", "colsum"),
                **dict(_FUSED, check=_check_backward5)),
 }
