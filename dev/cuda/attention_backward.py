@@ -98,6 +98,34 @@ if "fp32" in DTYPES and rt.arch == "sm_90":
                  + ("" if smt else ", global transposes"))
         L.validate(label, fn, outputs={"dinp": d_dinp}, refs={"dinp": ref}, atol=2e-3 * scale, rtol=2e-2)
         L.time(label, fn, flops=7 * 2 * B * NH * (nt * (nt + 1) // 2) * 64 * 64 * hs, ceiling="tf32")
+    # the colsum form (the fp32 trainer's: qkv's bias gradient summed as dqkv is stored) against the pair
+    # it replaces, 4 then matmul_backward_bias 4 re-reading dqkv; the check: dbias against float64 column
+    # sums of the dinp the same launch wrote (fp32 sums: 2^-20 of the sum of magnitudes allowed)
+    ip4 = A.build_flash_attention_backward_wgmma_tf32(rt, B=B, T=T, C=C, NH=NH, qkv_in_place=True).launch
+    cs4 = A.build_flash_attention_backward_wgmma_tf32(rt, B=B, T=T, C=C, NH=NH, qkv_in_place=True, colsum=True)
+    bias4f = llmc.ops.get("matmul_backward_bias").build(rt, 4, "fp32", N=B * T, OC=3 * C).launch
+    bias0f = np.random.default_rng(1).standard_normal(3 * C).astype(np.float32)
+    d_biasf = rt.to_device(bias0f)
+    d_dinp.fill_bytes(0xFF)
+    for x in cs4.scratch.values():
+        x.fill_bytes(0xFF)
+    cs4.launch(d_dinp, d_biasf, d_dout, d_inpf, d_lse, d_outf)
+    rt.synchronize()
+    rows = d_dinp.get().reshape(B * T, 3 * C).astype(np.float64)
+    err = np.abs(d_biasf.get() - (bias0f + rows.sum(axis=0)))
+    ok = np.isfinite(rows).all() and np.all(err <= 2.0 ** -20 * (np.abs(bias0f) + np.abs(rows).sum(axis=0)))
+    print(f"  attention_backward 4 tf32 colsum: {'OK' if ok else 'MISMATCH'}  dbias max err {err.max():.2e} "
+          f"(exact column sums of the dinp written)")
+    if not ok:
+        L.failed.append("attention_backward 4 tf32 colsum")
+    L.time("attention_backward 4 TF32 in place + matmul_backward_bias 4 (the pair)",
+           lambda: (ip4(d_dinp, d_dout, d_inpf, d_lse, d_outf), bias4f(d_biasf, d_dinp)),
+           flops=7 * 2 * B * NH * (nt * (nt + 1) // 2) * 64 * 64 * hs, ceiling="tf32")
+    L.time("attention_backward 4 TF32 in place, colsum (qkv's bias summed as dinp is stored)",
+           lambda: cs4.launch(d_dinp, d_biasf, d_dout, d_inpf, d_lse, d_outf),
+           flops=7 * 2 * B * NH * (nt * (nt + 1) // 2) * 64 * 64 * hs, ceiling="tf32")
+    L.time("  matmul_backward_bias 4 fp32 alone (the pass it replaces)", lambda: bias4f(d_biasf, d_dinp),
+           bytes=4 * B * T * 3 * C + 4 * 3 * C, ceiling="dram")
 
 # the bf16 builds of 2 and 3: dinp, dout, qkvr, out bf16; lse and the scratch D fp32. Inputs are
 # bf16 values, out and lse the exact forward's (out rounded to bf16): the check isolates backward.
