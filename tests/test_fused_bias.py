@@ -229,9 +229,8 @@ def test_gpu_fused_matches_unfused_and_replays_bit_exactly(rt, precision):
         # (--deterministic's kernels: the default fp32 encoder backward adds with float atomics)
         be = CudaBackend(deterministic_kernels({}, precision), quiet=True, precision=precision)
         m, steps, _ = train_steps(GPU_CFG, be, B, T, fuse_bias=fuse, fuse_gelu_recompute=False)
-        # (--deterministic: attention_backward 4, whose bf16 build sums qkv's bias gradient too)
-        assert m.fused_bias == {"layernorm_backward": fuse, "gelu_backward": fuse,
-                                "attention_backward": fuse and precision == "bf16"}
+        # (--deterministic: attention_backward 4, whose builds sum qkv's bias gradient too)
+        assert m.fused_bias == {"layernorm_backward": fuse, "gelu_backward": fuse, "attention_backward": fuse}
         runs.append([grads for _, grads, _ in steps])
     for a, b in zip(runs[0], runs[1]):
         np.testing.assert_array_equal(a, b)
