@@ -541,7 +541,7 @@ class GPT2:
         for name in ("attention_forward", "attention_backward") if self.training else ("attention_forward",):
             num = self.be.choose(name, **shape)
             v = ops.get(name).variants.get(num)
-            scratch += (v.scratch_bytes(**shape, dtype=getattr(self.be, 'precision', 'fp32'))
+            scratch += (v.scratch_bytes(**shape, dtype=getattr(self.be, 'precision', 'fp32'), rt=getattr(self.be, "rt", None))
                         if v is not None and v.scratch_bytes else 0)
         self.be.require_free(nbytes + scratch, what=f"model ({cfg.describe()}, B={B}, T={T}, "
                                                     f"{getattr(self.be, 'precision', 'fp32')})")

@@ -609,6 +609,14 @@ class Runtime:
         self.l2_bytes = self.device.get_attribute(drv.device_attribute.L2_CACHE_SIZE)
         self.max_smem_optin = self.device.get_attribute(
             drv.device_attribute.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+        # the DRAM's peak bytes/s from its clock (kHz, double data rate) and bus width (bits): H100 SXM
+        # 3.35e12, H200 4.8e12 (the attention_forward/backward 4 fp32 builds pick a form by it)
+        # (None where the driver no longer reports them)
+        try:
+            self.dram_peak = (2 * 1000 * self.device.get_attribute(drv.device_attribute.MEMORY_CLOCK_RATE)
+                              * self.device.get_attribute(drv.device_attribute.GLOBAL_MEMORY_BUS_WIDTH) // 8) or None
+        except (AttributeError, drv.Error):
+            self.dram_peak = None
         self.stream = drv.Stream()
         self.sync = switches.on("LLMC_SYNC") if sync is None else sync
         self.capturing = False  # inside capture()

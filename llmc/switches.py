@@ -122,7 +122,7 @@ _TABLE = [
     _flag("LLMC_ATT5_SIDE_ZERO", False, "0", "1: bf16 attention_backward 5's dq accumulator zeroed on the side "
           "stream, not in its prep pass", "model"),
     # attention
-    _flag("LLMC_TF32_SMEM_TRANSPOSE", None, "shared memory where the copies would not fit in the L2",
+    _flag("LLMC_TF32_SMEM_TRANSPOSE", None, "shared memory where the copies would not fit in the L2 and the DRAM is below 4 TB/s",
           "1 / 0: fp32 attention 4 transposes in shared memory, or in passes over global memory",
           "attention"),
     _flag("LLMC_TF32_PINGPONG", True, "1", "0: fp32 attention 4's forward without its consumers' turns",

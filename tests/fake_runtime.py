@@ -111,7 +111,7 @@ class FakeRuntime:
         self.stream = None  # (events are recorded "on" it: see event())
         self.top, self.free, self.allocated_bytes = 0, free, 0
         self.max_smem_optin, self.sm_count, self.l2_bytes, self.arch = 227 * 1024, 132, 50 << 20, "sm_90"
-        self.name, self.sync = "fake H100", False
+        self.name, self.sync, self.dram_peak = "fake H100", False, 3_352_320_000_000
         self.device, self.drv = _Device(), type("drv", (), {"device_attribute": _AnyAttr()})()
         self.check_ptx = nvcc_path() is not None if check_ptx is None else check_ptx
         self.built: list[str] = []         # entry points fetched, in order

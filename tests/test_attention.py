@@ -1765,9 +1765,24 @@ def test_wgmma_tf32_builds_launch_in_order(monkeypatch):
     with pytest.raises(LLMCError, match="qkvr must be inp"):
         fwd(out, qkvr, lse, inp)
     # the variant's form: global transposes while kt, qt, dot fit in the L2 (d12 B=4: 37.7 MB), else in
-    # shared memory (B=16); LLMC_TF32_SMEM_TRANSPOSE=1|0 forces one; the declared scratch follows
+    # shared memory (B=16), unless the DRAM is at least TF32_GLOBAL_TRANSPOSE_BPS fast (the H200: global
+    # at any size; a device without the figure takes the H100's rule); LLMC_TF32_SMEM_TRANSPOSE=1|0
+    # forces one; the declared scratch follows
     assert not A._tf32_smem_transpose(4, 1024, 12, 3) and A._tf32_smem_transpose(16, 1024, 12, 3)
     assert not A._tf32_smem_transpose(8, 1024, 12, 1) and A._tf32_smem_transpose(16, 1024, 12, 1)  # the forward's vt
+    assert A._tf32_smem_transpose(16, 1024, 12, 3, rt) and rt.dram_peak < A.TF32_GLOBAL_TRANSPOSE_BPS  # (fake H100)
+    h200 = type("h200", (), {"dram_peak": 4_800_000_000_000})()
+    for copies in (1, 3):
+        assert not A._tf32_smem_transpose(16, 1024, 12, copies, h200)
+        assert not A._tf32_smem_transpose(64, 1024, 12, copies, h200)
+    assert A._tf32_smem_transpose(16, 1024, 12, 3, type("old", (), {"dram_peak": None})())
+    for num, copies in (("attention_forward", 1), ("attention_backward", 3)):
+        v = ops.get(num).variants[4]
+        assert (v.scratch_bytes(B=16, T=1024, C=768, NH=12, dtype="fp32", rt=h200)
+                - v.scratch_bytes(B=16, T=1024, C=768, NH=12, dtype="fp32")) == copies * A._tf32_transposed_bytes(16, 1024, 12)
+    monkeypatch.setenv("LLMC_TF32_SMEM_TRANSPOSE", "1")
+    assert A._tf32_smem_transpose(4, 1024, 12, 3, h200)
+    monkeypatch.delenv("LLMC_TF32_SMEM_TRANSPOSE")
     bwd = ops.get("attention_backward").build(rt, 4, "fp32", B=B, T=T, C=C, NH=NH)
     assert set(bwd.scratch) == {"D", "kt", "qt", "dot"}
     assert sum(a.nbytes for a in bwd.scratch.values()) == \

@@ -592,6 +592,7 @@ WGMMA_TF32_FWD_SMEM = 1024 + WGMMA_BQ * 256 + WGMMA_STAGES * (WGMMA_BQ * 256 + 6
 WGMMA_TF32_FWD_SMEM_SMT = WGMMA_TF32_FWD_SMEM + WGMMA_STAGES * WGMMA_BQ * 256
 
 TF32_GLOBAL_TRANSPOSE_MAX = 40 << 20  # bytes of transposed copies that the H100's 50 MB L2 keeps
+TF32_GLOBAL_TRANSPOSE_BPS = 4.0e12    # a DRAM peak from which the global passes win at any size (the H200's)
 
 
 def _tf32_transposed_bytes(B, T, NH) -> int:
@@ -599,15 +600,20 @@ def _tf32_transposed_bytes(B, T, NH) -> int:
     return 4 * B * NH * FLASH_HS * ceil_div(T, 8) * 8
 
 
-def _tf32_smem_transpose(B, T, NH, copies: int) -> bool:
-    """The TF32 kernels' default form: transposes in shared memory (the _smt kernels), unless the
-    global transposes' `copies` buffers fit in the L2 (then the kernels' TMA loads of them are L2 hits
-    and the separate passes cost less). H100, d12 fp32 step, backward (3 copies): B=4 (37.7 MB) 19.82
-    ms against 19.98 in shared memory; B=16 (151 MB) 70.26 against 69.96. LLMC_TF32_SMEM_TRANSPOSE=1|0
-    forces one form (whole-step A/Bs)."""
+def _tf32_smem_transpose(B, T, NH, copies: int, rt=None) -> bool:
+    """The TF32 kernels' default form: transposes in shared memory (the _smt kernels) where the global
+    transposes' `copies` buffers would not fit in the L2 and the DRAM is slower than
+    TF32_GLOBAL_TRANSPOSE_BPS; else separate passes over global memory. H100 (3.35 TB/s), d12 fp32 step
+    (session 11), backward (3 copies): B=4 (37.7 MB) 19.82 ms global against 19.98 in shared memory;
+    B=16 (151 MB) 69.64 global against 68.62. H200 (4.8 TB/s; session 37, both forms of forward and
+    backward, in turn): B=16 58.65 global against 59.22, B=4 16.26 against 16.49. rt: the device
+    (rt.dram_peak, bytes/s), None or without it: the H100's rule. LLMC_TF32_SMEM_TRANSPOSE=1|0 forces
+    one form (whole-step A/Bs)."""
     asked = switches.flag("LLMC_TF32_SMEM_TRANSPOSE")
     if asked is not None:
         return asked
+    if (getattr(rt, "dram_peak", None) or 0) >= TF32_GLOBAL_TRANSPOSE_BPS:
+        return False
     return copies * _tf32_transposed_bytes(B, T, NH) > TF32_GLOBAL_TRANSPOSE_MAX
 
 
@@ -633,7 +639,7 @@ def build_flash_attention_forward_wgmma_tf32(rt, B, T, C, NH, qkv_in_place=False
     _check_attention(B, T, C, NH)
     permute = None if qkv_in_place else _build_permute(rt, "permute", B, T, 3, NH, FLASH_HS, "fp32")
     BNH, Tp = B * NH, ceil_div(T, 8) * 8
-    smt = _tf32_smem_transpose(B, T, NH, 1) if smem_transpose is None else bool(smem_transpose)
+    smt = _tf32_smem_transpose(B, T, NH, 1, rt) if smem_transpose is None else bool(smem_transpose)
     vt = None if smt else rt.empty((BNH, FLASH_HS, Tp))
     kvt = None if smt else rt.kernel(WGMMA_MODULE, "attention_vt_kernel", "PPiiiiiq", label="attention_forward 4 tf32: v^T")
     if pingpong is None:
@@ -971,7 +977,7 @@ def build_flash_attention_backward_wgmma_tf32(rt, B, T, C, NH, qkv_in_place=Fals
                                             f"device allows {rt.max_smem_optin}")
     BNH, Tp = B * NH, ceil_div(T, 8) * 8
     D = rt.empty((B, NH, T))
-    smt = _tf32_smem_transpose(B, T, NH, 3) if smem_transpose is None else bool(smem_transpose)
+    smt = _tf32_smem_transpose(B, T, NH, 3, rt) if smem_transpose is None else bool(smem_transpose)
     kt, qt, dot = (None, None, None) if smt else (rt.empty((BNH, FLASH_HS, Tp)) for _ in range(3))
     kvt = None if smt else rt.kernel(WGMMA_MODULE, "attention_vt_kernel", "PPiiiiiq",
                                      label="attention_backward 4 tf32: transpose")
@@ -1254,8 +1260,9 @@ ATTENTION_FORWARD_VARIANTS = {
                   "registers; keeps the log-sum-exp for backward 2/3 (head size 64)",
                {"fp32": build_flash_attention_forward_wgmma_tf32, "bf16": build_flash_attention_forward_wgmma},
                # (the fp32 build's vt, v transposed, where it transposes in global memory; bf16: none)
-               scratch_bytes=lambda B, T, C, NH, dtype="fp32", **_: (
-                   _tf32_transposed_bytes(B, T, NH) if dtype == "fp32" and not _tf32_smem_transpose(B, T, NH, 1) else 0),
+               scratch_bytes=lambda B, T, C, NH, dtype="fp32", rt=None, **_: (
+                   _tf32_transposed_bytes(B, T, NH) if dtype == "fp32" and not _tf32_smem_transpose(B, T, NH, 1, rt)
+                   else 0),
                arch="sm_90",
                options=("qkv_in_place",), **dict(_FUSED, check={"fp32": _check_flash_tf32, "bf16": _check_flash})),
 }
@@ -1275,8 +1282,9 @@ ATTENTION_BACKWARD_VARIANTS = {
                   "from registers; reads the lse of forward 2, 3 or 4 (head size 64)",
                {"fp32": build_flash_attention_backward_wgmma_tf32, "bf16": build_flash_attention_backward_wgmma},
                # (the fp32 build: D, and kt, qt, dot where it transposes in global memory)
-               scratch_bytes=lambda B, T, C, NH, dtype="fp32", colsum=False, **_: _scratch_flash_backward(B, T, C, NH) + (
-                   0 if dtype != "fp32" or _tf32_smem_transpose(B, T, NH, 3) else 3 * _tf32_transposed_bytes(B, T, NH))
+               scratch_bytes=lambda B, T, C, NH, dtype="fp32", colsum=False, rt=None, **_: _scratch_flash_backward(
+                   B, T, C, NH) + (0 if dtype != "fp32" or _tf32_smem_transpose(B, T, NH, 3, rt)
+                                   else 3 * _tf32_transposed_bytes(B, T, NH))
                + (0 if not colsum else 4 * 3 * C * (B * ceil_div(T, 64) if dtype != "fp32" else
                                                    B * ceil_div(T, WGMMA_BQ) * (WGMMA_BQ // 16))),
                arch="sm_90",
