@@ -149,7 +149,7 @@ _TABLE = [
           "tile in any one-split plan, or never", "gemm"),
     _flag("LLMC_WGMMA_MC", False, "0", "1: the bf16 dweights' TMA-store plans on clusters of two CTAs sharing B "
           "by TMA multicast", "gemm"),
-    Switch("LLMC_WGMMA_TS_MAX_K", "int", "1024 for fp32 output, no limit for bf16", "the largest K that takes "
+    Switch("LLMC_WGMMA_TS_MAX_K", "int", "4096 for fp32 output, no limit for bf16", "the largest K that takes "
            "the TMA-store epilogue", expect="an integer K", group="gemm"),
     _flag("LLMC_WGMMA_TS_BETA", True, "1", "0: the accumulating dweight GEMMs on direct stores, not the TMA "
           "store", "gemm"),

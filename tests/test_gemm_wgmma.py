@@ -428,11 +428,11 @@ def test_split_over_ts_env_must_be_a_ratio(monkeypatch, env):
                        b_major="n", out="bf16")
 
 
-@pytest.mark.parametrize("out,K,env,want_ts", [("fp32", 1024, None, True), ("fp32", 1028, None, False),
+@pytest.mark.parametrize("out,K,env,want_ts", [("fp32", 4096, None, True), ("fp32", 4100, None, False),
                                                ("bf16", 50304, None, True), ("bf16", 1032, "1024", False),
-                                               ("fp32", 4096, "100000", True)])
+                                               ("fp32", 8192, "100000", True), ("fp32", 2048, "1024", False)])
 def test_tma_store_k_limit_per_output_type(monkeypatch, out, K, env, want_ts):
-    """fp32 out: direct stores past K = 1024 (the TMA-store instances' fewer stages lose there); bf16
+    """fp32 out: direct stores past K = 4096 (the TMA-store instances' fewer stages lose there); bf16
     out: no limit; LLMC_WGMMA_TS_MAX_K overrides both."""
     from tests.fake_runtime import FakeRuntime
     if env is None:
@@ -817,8 +817,8 @@ def test_schedule_tf32_and_auto(monkeypatch):
 @pytest.mark.parametrize("env", ["0", "1"])
 def test_tf32_pp128_takes_the_128_wide_tma_store_plans(monkeypatch, env):
     """LLMC_WGMMA_TF32_PP128: the tf32 GEMMs the planner puts on the cooperative 128-wide TMA-store tile
-    (d12's lm head forward), and plain ones with at least 4 waves of 128 x 128 tiles (qkv's dinp at
-    B=16, planned 192 wide with direct stores), run on the 128 x 128 ping-pong TMA-store instance when
+    (d12's lm head forward; qkv's dinp at B=16, K = 2304, since the TMA store's K limit became 4096), and
+    plain ones with at least 4 waves of 128 x 128 tiles, run on the 128 x 128 ping-pong TMA-store instance when
     it is 1 (the default), on the cooperative plans when 0; fewer tiles on a 192-wide plan, the fused
     GELU and dgelu forms, an asked width, split or schedule, beta, and bf16 stay as they were."""
     from tests.fake_runtime import FakeRuntime
@@ -837,11 +837,14 @@ def test_tf32_pp128_takes_the_128_wide_tma_store_plans(monkeypatch, env):
     assert L.smem == (gw.pp_smem_bytes(128, 128, 5, True, "fp32") if on else gw.smem_bytes(128, 5, True, "fp32"))
     assert L.smem <= 227 * 1024 and L.grid[0] == 132 and bool(L.args[2])   # C's tensor map: the TMA store
     assert maps == [("tf32", 16384, 768, 128), ("tf32", 50304, 768, 128), ("tf32t", 16384, 50304, 64)]
+    assert gw.wgmma_build(rt, "tf32", 16384, 768, 2304, plan_only=True).plan[1] == ("128x128+ts+pp" if on else "128x128+ts")
+    monkeypatch.setenv("LLMC_WGMMA_TS_MAX_K", "1024")  # (past the TMA store's K limit: planned 192 wide, direct)
     assert gw.wgmma_build(rt, "tf32", 16384, 768, 2304, plan_only=True).plan[1] == ("128x128+ts+pp" if on else "128x192")
+    monkeypatch.delenv("LLMC_WGMMA_TS_MAX_K")
     assert switches.SWITCHES[gw.TF32_PP128_ENV].default is True
     # plans that stay as they were, either way
     assert "+pp" not in gw.wgmma_build(rt, "tf32", 4096, 768, 768, plan_only=True).plan[1]          # 192 wide
-    assert "+pp" not in gw.wgmma_build(rt, "tf32", 4096, 768, 3072, plan_only=True).plan[1]         # direct stores
+    assert "+pp" not in gw.wgmma_build(rt, "tf32", 4096, 768, 3072, plan_only=True).plan[1]         # 192 wide
     assert "+pp" not in gw.wgmma_build(rt, "tf32", 4096, 768, 2304, plan_only=True).plan[1]         # 192 tiles
     assert "+pp" not in gw.wgmma_build(rt, "tf32", 16384, 768, 2304, splits=1, plan_only=True).plan[1]
     assert "+pp" not in gw.wgmma_build(rt, "tf32", 16384, 768, 2304, beta=1.0, plan_only=True).plan[1]
