@@ -733,6 +733,16 @@ def _colsum_finish(rt, B, T, C, label, defines, dtype="bf16"):
     return part, finish, check
 
 
+def _colsum_launch(plain, check, finish):
+    """Variant 4's colsum form over its plain launch (whose kernels write the partials): launch(dinp, dbias,
+    dout, qkvr, lse, out) checks dbias, runs the plain passes, then finish adds the partials into dbias."""
+    def launch(dinp, dbias, dout, qkvr, lse, out):
+        check(dbias)
+        plain(dinp, dout, qkvr, lse, out)
+        finish(dbias)
+    return launch
+
+
 def build_flash_attention_backward_wgmma(rt, B, T, C, NH, overlap=False, qkv_in_place=False, pingpong=None,
                                          colsum=False, **_):
     """Variant 4's bf16 build: launch(dinp (B,T,3C), dout (B,T,C), qkvr (B,T,3C), lse (B,NH,T), out (B,T,C))
@@ -795,13 +805,7 @@ def build_flash_attention_backward_wgmma(rt, B, T, C, NH, overlap=False, qkv_in_
         kq(grid, block, _ptr(dinp), _ptr(D), dp, _ptr(out), dm.ptr, _ptr(lse), *args, _ptr(part), smem=dq_smem)
         kkv(grid, block, _ptr(dinp), dm.ptr, _ptr(lse), _ptr(D), *args, _ptr(part), smem=dkdv_smem)
     if colsum:
-        plain = launch
-
-        def launch(dinp, dbias, dout, qkvr, lse, out):  # noqa: F811
-            check(dbias)
-            plain(dinp, dout, qkvr, lse, out)
-            finish(dbias)
-        return Built(launch, scratch={"D": D, "part": part})
+        return Built(_colsum_launch(launch, check, finish), scratch={"D": D, "part": part})
     return Built(launch, scratch={"D": D})
 
 
@@ -1032,13 +1036,8 @@ def build_flash_attention_backward_wgmma_tf32(rt, B, T, C, NH, qkv_in_place=Fals
         kkv(grid, block, _ptr(dinp), dm.ptr + 3 * 128, _ptr(lse), _ptr(D), *args, _ptr(part), smem=WGMMA_TF32_DKDV_SMEM)
     scratch = {"D": D} if smt else {"D": D, "kt": kt, "qt": qt, "dot": dot}
     if colsum:
-        plain = launch
-
-        def launch(dinp, dbias, dout, qkvr, lse, out):  # noqa: F811
-            check(dbias)
-            plain(dinp, dout, qkvr, lse, out)
-            finish(dbias)
         scratch["part"] = part
+        launch = _colsum_launch(launch, check, finish)
     return Built(launch, scratch=scratch)
 
 
