@@ -160,7 +160,15 @@ class GPT2:
                                                                                       "attention_backward")}
         self.qkv_in_place = bool(in_place) and None not in in_place.values()
         att_kw = dict(qkv_in_place=True) if self.qkv_in_place else {}
-        self._check_memory()
+        if fuse_bias is None:
+            fuse_bias = switches.on("LLMC_FUSED_BIAS")
+        # qkv's bias gradient, the column sums of dqkv, summed by attention_backward as it writes dqkv
+        # where the chosen variant has that form (4's and 5's colsum=True); else matmul_backward_bias re-reads
+        # dqkv (fuse_bias=False, LLMC_FUSED_BIAS=0: that pass, the A/B). Decided before the memory check:
+        # the form's partials are scratch
+        att_cs = (be.fuses("attention_backward", dict(colsum=True, **att_kw), **att_shape)
+                  if training and fuse_bias else None)
+        self._check_memory(att_colsum=att_cs is not None)
 
         # -- parameters (and their gradients, AdamW state): one flat buffer each, views per tensor
         self.num_params = cfg.num_parameters
@@ -220,8 +228,6 @@ class GPT2:
         # H100 (d12, B=16: fp32 74.23 vs 74.52 ms a step; bf16 36.63 vs 36.17: there the epilogue's
         # GELU math and column sums, which the tensor cores wait for, cost more than the separate pass:
         # docs/ops.md). LLMC_FUSED_DGELU=1 / 0 or fuse_dgelu=True / False: either way (the A/B)
-        if fuse_bias is None:
-            fuse_bias = switches.on("LLMC_FUSED_BIAS")
         fcp = dict(N=N, C=4 * C, OC=C)
         # Backward's GELU recompute in one pass with GELU's backward (-r >= 1, with the fused bias
         # gradients): mmb_fcproj's dinp GEMM first, then gelu_backward's recompute form, which reads fch
@@ -248,10 +254,7 @@ class GPT2:
         self.first_write = False  # (training: below)
         self.att_side_zero = False  # (training: below)
         if training:
-            # qkv's bias gradient, the column sums of dqkv, summed by attention_backward as it writes dqkv
-            # where the chosen variant has that form (4's and 5's colsum=True); else matmul_backward_bias re-reads
-            # dqkv (fuse_bias=False, LLMC_FUSED_BIAS=0: that pass, the A/B)
-            att_cs = be.fuses("attention_backward", dict(colsum=True, **att_kw), **att_shape) if fuse_bias else None
+            # (att_cs: qkv's bias gradient in attention_backward's colsum form, decided above)
             self.built.update({
                 "mmb_lmhead": op("matmul_backward", N=N, C=C, OC=Vp),
                 "layernorm_backward": op("layernorm_backward", N=N, C=C),
@@ -521,7 +524,7 @@ class GPT2:
     def activation_bytes(self) -> int:
         return sum(buf.size * buf.dtype.itemsize for buf in self.acts_bufs.values())
 
-    def _check_memory(self):
+    def _check_memory(self, att_colsum: bool = False):
         """Fail early, in one line, when the GPU can't hold the model (before allocating anything).
         Bytes are counted per dtype (bf16 mode: 2 per parameter, gradient and most activations; 4
         per AdamW moment, master weight and fp32 activation). What attention keeps per layer and the
@@ -541,7 +544,10 @@ class GPT2:
         for name in ("attention_forward", "attention_backward") if self.training else ("attention_forward",):
             num = self.be.choose(name, **shape)
             v = ops.get(name).variants.get(num)
-            scratch += (v.scratch_bytes(**shape, dtype=getattr(self.be, 'precision', 'fp32'), rt=getattr(self.be, "rt", None))
+            # (att_colsum: the backward's colsum form, whose partials its build allocates too)
+            extra = dict(colsum=True) if att_colsum and name == "attention_backward" else {}
+            scratch += (v.scratch_bytes(**shape, **extra, dtype=getattr(self.be, 'precision', 'fp32'),
+                                        rt=getattr(self.be, "rt", None))
                         if v is not None and v.scratch_bytes else 0)
         self.be.require_free(nbytes + scratch, what=f"model ({cfg.describe()}, B={B}, T={T}, "
                                                     f"{getattr(self.be, 'precision', 'fp32')})")

@@ -170,7 +170,8 @@ def test_every_built_op_has_a_cost_model():
 
 def test_memory_estimate_follows_the_chosen_attention():
     """What attention keeps per layer and its scratch come from the variants that will run: the
-    composite needs (B,NH,T,T) per layer and T x T scratch, the fused variant a (B,NH,T) lse."""
+    composite needs (B,NH,T,T) per layer and T x T scratch, the fused variant a (B,NH,T) lse (and its
+    backward, in its colsum form, the partials of qkv's bias gradient)."""
     cfg = config_from_name("d12")
     need = {}
     for kernels in (None, {"attention_forward": 1}):
@@ -182,7 +183,7 @@ def test_memory_estimate_follows_the_chosen_attention():
     extra = 4 * (L * B * NH * T * (T - 1)) + ops.get("attention_forward").variant(1).scratch_bytes(B=B, T=T, C=768, NH=NH) \
         + ops.get("attention_backward").variant(1).scratch_bytes(B=B, T=T, C=768, NH=NH) \
         - ops.get("attention_forward").variant(4).scratch_bytes(B=B, T=T, C=768, NH=NH, dtype="fp32") \
-        - ops.get("attention_backward").variant(4).scratch_bytes(B=B, T=T, C=768, NH=NH, dtype="fp32") \
+        - ops.get("attention_backward").variant(4).scratch_bytes(B=B, T=T, C=768, NH=NH, dtype="fp32", colsum=True) \
         + 4 * B * T * 3 * 768  # the composite's one-layer qkv buffer (4/4 read each layer's qkv in place)
     assert need[1] - need[2] == extra
 
