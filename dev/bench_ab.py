@@ -10,7 +10,8 @@ Each --env is one configuration: comma-separated NAME=VALUE pairs set in bench_s
 fresh process, so a drift of the machine (clocks, other tenants) lands on all of them alike; the
 table gives every round's median step time (CUDA events, bench_step's own) and, per configuration,
 the median over rounds and its difference from the first. Differences smaller than the rounds'
-spread are noise.
+spread are noise. A configuration whose run fails (a variant refusing the shape, a crash) says why in
+one line and drops out; the others finish their rounds, and the exit status is 1.
 """
 import argparse
 import os
@@ -44,13 +45,14 @@ def parse_env(spec: str) -> tuple[dict, list]:
     return out, flags
 
 
-def run_once(cmd, env: dict) -> float:
+def run_once(cmd, env: dict) -> float | str:
+    """bench_step's median step (ms), or the one line saying why the run failed."""
     r = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True)
     m = STEP.search(r.stdout)
     if r.returncode != 0 or m is None:
         tail = (r.stdout + r.stderr).strip().splitlines()[-3:]
-        raise SystemExit(f"bench_ab: {' '.join(cmd)} with {env or 'the defaults'} failed (exit {r.returncode}): "
-                         + " | ".join(tail))
+        return (f"bench_ab: {' '.join(cmd)} with {env or 'the defaults'} failed (exit {r.returncode}): "
+                + " | ".join(tail))
     return float(m.group(1))
 
 
@@ -70,17 +72,34 @@ def main(argv=None):
     envs = [parse_env(e) for e in args.env]
     base = [sys.executable, args.cmd] if args.cmd else [sys.executable, str(Path(__file__).with_name("bench_step.py"))]
     cmd = base + ["-b", str(args.batch_size), "--precision", args.precision] + args.rest
-    times = [[] for _ in envs]
+    # a configuration whose run fails (a variant that refuses the shape, a crash) says why in one line on
+    # stderr and drops out; the others go on, and bench_ab exits 1 after their table
+    times, failed = [[] for _ in envs], [None] * len(envs)
     for r in range(args.rounds):
         for i, (env, flags) in enumerate(envs):
-            times[i].append(run_once(cmd + flags, env))
-        print(f"round {r + 1}: " + "  ".join(f"{t[-1]:.2f}" for t in times), flush=True)
+            if failed[i] is None:
+                t = run_once(cmd + flags, env)
+                if isinstance(t, str):
+                    failed[i] = t
+                    print(t, file=sys.stderr, flush=True)
+                else:
+                    times[i].append(t)
+        print(f"round {r + 1}: " + "  ".join(f"{t[-1]:.2f}" if f is None else "  -  " for t, f in zip(times, failed)),
+              flush=True)
+    if failed[0] is not None:
+        raise SystemExit(f"bench_ab: the first configuration ({args.env[0] or 'the defaults'}), the one the others are "
+                         "compared with, failed (above)")
     first = statistics.median(times[0])
     print(f"B={args.batch_size} {args.precision} {' '.join(args.rest)}".rstrip())
-    for env, t in zip(args.env, times):
+    for env, t, f in zip(args.env, times, failed):
+        if f is not None:
+            print(f"  {env or '(defaults)':50s} failed (its line on stderr)")
+            continue
         med = statistics.median(t)
         print(f"  {env or '(defaults)':50s} median {med:8.2f} ms  ({med - first:+.2f} ms, {100 * (med / first - 1):+.1f}%)"
               f"  rounds {min(t):.2f}-{max(t):.2f}")
+    if any(f is not None for f in failed):
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -55,8 +55,20 @@ def test_flags_of_one_configuration(tmp_path):
         assert line.split()[1:] == want
 
 
+def test_a_failing_configuration_drops_out_and_the_others_finish(tmp_path):
+    """A configuration whose run fails says why in one line and runs no more; the others finish every
+    round and get their table rows; the exit status is 1."""
+    r, log = _run(tmp_path, "--rounds", "3", "--env", "X=0", "--env", "X=fail", "--env", "X=2")
+    assert r.returncode == 1 and r.stderr.count("failed (exit 3)") == 1, r.stderr
+    assert "Traceback (most recent call last)" not in r.stderr
+    assert [line.split()[0] for line in log] == ["0", "fail", "2", "0", "2", "0", "2"]
+    assert "round 3:" in r.stdout and "X=fail" in r.stdout and "failed (its line on stderr)" in r.stdout
+    assert "X=2" in r.stdout and "(+2.0" in r.stdout
+
+
 @pytest.mark.parametrize("args,why", [(["--env", "X=0"], "two or more"), (["--env", "X", "--env", "X=1"], "NAME=VALUE"),
                                       (["--env", "X=0", "--env", "X=fail"], "failed (exit 3)"),
+                                      (["--env", "X=fail", "--env", "X=0"], "the first configuration"),
                                       (["--env", "X=0", "--env", "X=1,LLMC_GRAPHS=yes"],
                                        "--env 'X=1,LLMC_GRAPHS=yes': LLMC_GRAPHS='yes': expected 0 or 1")])
 def test_bad_input_is_one_line(tmp_path, args, why):
