@@ -69,7 +69,8 @@ DTYPES = {  # name -> (numpy dtype of the operands, element bytes, CUtensorMapDa
 # TMA-store instances have fewer stages (their staging buffer takes shared memory). fp32 out (3-5
 # stages): H100, lm head dinp, K = 50304, 0.98 ms direct vs 1.32 with the TMA store; 1024 until session
 # 37, when 4096 measured faster in the H200's fp32 step at B=4 (16.12 against 16.27 ms, 3 rounds in turn:
-# the B=4 dweights, K = 4096, and the K = 2304-3072 forwards and dinps) and level at B=16. bf16 out (the
+# B=4's qkv and fc dinps and fcproj forward, K = 2304 / 3072, move to the 192-wide TMA-store tile; the B=16
+# plans are the same either way: ping-pong with the TMA store already) and level at B=16. bf16 out (the
 # staging buffer is half, 4-6 stages): the TMA store won or tied at every d12 K (768-50304) in
 # session 13 (docs/matmul_notes.md, "The TMA store at long K"), so there is no limit.
 # LLMC_WGMMA_TS_MAX_K overrides both (the A/B of that measurement).
