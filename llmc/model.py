@@ -254,14 +254,28 @@ class GPT2:
         self.first_write = False  # (training: below)
         self.att_side_zero = False  # (training: below)
         if training:
+            # The weight gradients on a second stream (side_stream=None: LLMC_SIDE_STREAM, default 1).
+            # dweight += dout^T @ inp of fcproj (with the GELU recompute form), fc, attproj and qkv are
+            # needed by nothing else in the backward, and each is one wave of long tiles (72-96 tiles of
+            # 128 x 192 for an H100's 132 SMs at d12, whatever B is). On the side stream they run beside
+            # the main stream's next launches (dinp GEMMs, layernorm and GELU backward, attention),
+            # which take the SMs they leave idle. _launch_backward's waits keep the side stream's reads
+            # of dres, d fch, dqkv and the -r scratch ahead of the main stream's rewrites. Same bits as
+            # one stream (the same kernels; each gradient written by one launch). Measured on the H100
+            # against LLMC_SIDE_STREAM=0 in the same call (docs/matmul_notes.md, "The weight gradients
+            # on a second stream"): bf16 32.50 against 33.09 ms at B=16, 9.79 against 10.35 at B=4;
+            # fp32 67.36 against 68.96 and 19.30 against 19.76. Where a variant has no dinp_only /
+            # dweight_only form: one stream.
+            if side_stream is None:
+                side_stream = switches.on("LLMC_SIDE_STREAM")
+            split = {"fc": dict(N=N, C=C, OC=4 * C), "attproj": dict(N=N, C=C, OC=C), "qkv": dict(N=N, C=C, OC=3 * C)}
+            forms = {(key, f): be.fuses("matmul_backward", {f: True}, **shp)
+                     for key, shp in split.items() for f in ("dinp_only", "dweight_only")} if side_stream else {}
+            self.side = bool(forms) and None not in forms.values()
             # (att_cs: qkv's bias gradient in attention_backward's colsum form, decided above)
             self.built.update({
                 "mmb_lmhead": op("matmul_backward", N=N, C=C, OC=Vp),
                 "layernorm_backward": op("layernorm_backward", N=N, C=C),
-                "mmb_fcproj": op("matmul_backward", N=N, C=4 * C, OC=C),
-                "mmb_fc": op("matmul_backward", N=N, C=C, OC=4 * C),
-                "mmb_attproj": op("matmul_backward", N=N, C=C, OC=C),
-                "mmb_qkv": op("matmul_backward", N=N, C=C, OC=3 * C),
                 "gelu_backward": op("gelu_backward", N=N * 4 * C),
                 "attention_backward": (op("attention_backward", prefer=att_cs, **att_shape, **att_kw, colsum=True)
                                        if att_cs is not None else
@@ -270,6 +284,15 @@ class GPT2:
                 "encoder_backward": op("encoder_backward", B=B, T=T, C=C),
                 "global_norm": op("global_norm", n=self.num_params),
             })
+            # Each layer GEMM's two-GEMM form only where the backward launches it (its transposes' scratch and
+            # split-K partials are allocated with the build: fp32 B=16 0.24 GiB for the four unused ones):
+            # fcproj's where neither the GELU recompute form nor the dgelu form takes its place, the other
+            # three's without the side stream's one-GEMM forms
+            if not (self.fused_gelu_recompute or self.fused_dgelu):
+                self.built["mmb_fcproj"] = op("matmul_backward", **fcp)
+            if not self.side:
+                for key, shp in split.items():
+                    self.built[f"mmb_{key}"] = op("matmul_backward", **shp)
             # The bias gradients of fcproj, attproj (C) and fc (4C) are column sums of tensors that the
             # kernel just before them writes: dres (a layernorm backward's dinp) and dfch (GELU
             # backward's dinp). Where the chosen variant has the op's fused form (colsum=True), it sums
@@ -294,24 +317,6 @@ class GPT2:
                                                            colsum=True, recompute=True)
             if self.fused_dgelu:
                 self.built["mmb_fcproj_dgelu"] = op("matmul_backward", prefer=dg, **fcp, dgelu=True)
-            # The weight gradients on a second stream (side_stream=None: LLMC_SIDE_STREAM, default 1).
-            # dweight += dout^T @ inp of fcproj (with the GELU recompute form), fc, attproj and qkv are
-            # needed by nothing else in the backward, and each is one wave of long tiles (72-96 tiles of
-            # 128 x 192 for an H100's 132 SMs at d12, whatever B is). On the side stream they run beside
-            # the main stream's next launches (dinp GEMMs, layernorm and GELU backward, attention),
-            # which take the SMs they leave idle. _launch_backward's waits keep the side stream's reads
-            # of dres, d fch, dqkv and the -r scratch ahead of the main stream's rewrites. Same bits as
-            # one stream (the same kernels; each gradient written by one launch). Measured on the H100
-            # against LLMC_SIDE_STREAM=0 in the same call (docs/matmul_notes.md, "The weight gradients
-            # on a second stream"): bf16 32.50 against 33.09 ms at B=16, 9.79 against 10.35 at B=4;
-            # fp32 67.36 against 68.96 and 19.30 against 19.76. Where a variant has no dinp_only /
-            # dweight_only form: one stream.
-            if side_stream is None:
-                side_stream = switches.on("LLMC_SIDE_STREAM")
-            split = {"fc": dict(N=N, C=C, OC=4 * C), "attproj": dict(N=N, C=C, OC=C), "qkv": dict(N=N, C=C, OC=3 * C)}
-            forms = {(key, f): be.fuses("matmul_backward", {f: True}, **shp)
-                     for key, shp in split.items() for f in ("dinp_only", "dweight_only")} if side_stream else {}
-            self.side = bool(forms) and None not in forms.values()
             if self.side:
                 for key, shp in split.items():
                     for f, part in (("dinp_only", "dinp"), ("dweight_only", "dweight")):

@@ -546,3 +546,32 @@ def test_encoder_backward_8_gets_each_batch_records(precision):
     m.forward(*batches[1])
     with pytest.raises(AssertionError, match="records are not this batch's"):
         m.backward()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("side,recompute", [(True, 0), (True, 1), (True, 2), (False, 1)])
+def test_every_backward_build_is_launched(precision, side, recompute):
+    """The model builds (and allocates scratch for) only what its steps launch: each layer GEMM's
+    two-GEMM matmul_backward form only where no one-GEMM, dgelu or recompute form takes its place (fp32
+    B=16 at d12: 0.24 GiB of transposes and split-K partials, session 38). Two builds stay unlaunched by
+    design: layernorm_backward's non-deferred colsum form (data parallel's per-layer hooks launch it) and
+    gelu_backward's plain form (the op's record for the profile and tests; it allocates nothing)."""
+    m = GPT2(CFG, FakeCudaBackend(quiet=True, precision=precision), 2, 16, recompute=recompute, side_stream=side)
+    m.init_params(1)
+    used = set()
+
+    def record(d):
+        for key, fn in list(d.items()):
+            d[key] = (lambda key, fn: lambda *a: (used.add(key), fn(*a))[1])(key, fn)
+    record(m.k)
+    record(m.k_first)
+    x = np.zeros((2, 16), np.int32)
+    for step in (1, 2):
+        m.zero_grad()
+        for _ in range(2):
+            m.train_micro_step(x, x)
+        m.update(lr=1e-3, step=step)
+    m.forward(x)
+    assert set(m.built) - used == {"gelu_backward", "layernorm_backward_colsum"}
+    assert set(m.built_first) <= used
+    assert all(f"mmb_{n}" in m.built for n in ("fc", "attproj", "qkv")) == (not side)
