@@ -4,22 +4,31 @@
     python dev/bench_ab.py -b 4 --rounds 5 --env "" --env LLMC_QKV_IN_PLACE=0,LLMC_FUSED_BIAS=0
     python dev/bench_ab.py --env "" --env "" -- --attention-kernel 3     # flags after -- go to bench_step
     python dev/bench_ab.py --precision bf16 --env "" --env "LLMC_PDL=0 -- --encoder-backward-kernel 7"
+    python dev/bench_ab.py -b 16 --env "tree=c40942d" --env ""           # an older commit against this tree
 
 Each --env is one configuration: comma-separated NAME=VALUE pairs set in bench_step's environment
 ("" = the defaults); bench_step flags of that configuration alone follow a " -- " inside it. The configurations run in turn, round after round (A B A B ...), each in a
 fresh process, so a drift of the machine (clocks, other tenants) lands on all of them alike; the
 table gives every round's median step time (CUDA events, bench_step's own) and, per configuration,
 the median over rounds and its difference from the first. Differences smaller than the rounds'
-spread are noise. A configuration whose run fails (a variant refusing the shape, a crash) says why in
+spread are noise. `tree=REV` (or `tree=DIR`) in a configuration runs that configuration's bench_step
+from another tree of the repository: a git revision of this one, extracted once into a temporary
+directory (`git archive`), or a directory holding a checkout; its llmc and cuda/ sources come first on
+PYTHONPATH (the kernel cache is keyed by the sources, so the trees share it). A configuration whose run fails (a variant refusing the shape, a crash) says why in
 one line and drops out; the others finish their rounds, and the exit status is 1.
 """
 import argparse
+import atexit
+import io
 import os
 import re
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
+import tarfile
+import tempfile
 from pathlib import Path
 
 from llmc import switches
@@ -28,21 +37,56 @@ from llmc.errors import LLMCError
 STEP = re.compile(r"step: median ([0-9.]+) ms")
 
 
-def parse_env(spec: str) -> tuple[dict, list]:
-    """'A=1,B=x' -> ({'A': '1', 'B': 'x'}, []); '' -> ({}, []); 'A=1 -- --flag 7' -> ({'A': '1'}, ['--flag', '7'])."""
-    out = {}
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def parse_env(spec: str) -> tuple[dict, list, str | None]:
+    """'A=1,B=x' -> ({'A': '1', 'B': 'x'}, [], None); '' -> ({}, [], None); 'A=1 -- --flag 7' -> ({'A': '1'},
+    ['--flag', '7'], None); 'tree=abc123,A=1' -> ({'A': '1'}, [], 'abc123')."""
+    out, tree = {}, None
     pairs, sep, flags = spec.partition("--")
     flags = shlex.split(sep + flags)[1:] if sep else []
     for part in filter(None, (p.strip() for p in pairs.split(","))):
         name, sep, value = part.partition("=")
         if not sep or not name:
             raise SystemExit(f"bench_ab: --env {spec!r}: expected NAME=VALUE pairs separated by commas")
+        if name == "tree":
+            tree = value
+            continue
         out[name] = value
     try:  # each LLMC_* value checked here, before any round runs (an unknown name: a note on stderr)
         switches.check_environment(out)
     except LLMCError as e:
         raise SystemExit(f"bench_ab: --env {spec!r}: {e}") from None
-    return out, flags
+    return out, flags, tree
+
+
+def resolve_tree(tree: str, spec: str, tmp: Path) -> Path:
+    """The directory of a configuration's tree=: an existing checkout (with dev/bench_step.py), else a git
+    revision of this repository, extracted under tmp once."""
+    d = Path(tree)
+    if d.is_dir():
+        if not (d / "dev" / "bench_step.py").is_file():
+            raise SystemExit(f"bench_ab: --env {spec!r}: {tree} has no dev/bench_step.py (expected a checkout of "
+                             "this repository)")
+        return d.resolve()
+    if shutil.which("git") is None:
+        raise SystemExit(f"bench_ab: --env {spec!r}: {tree} is not a directory, and there is no git to read it as a "
+                         "revision")
+    rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--verify", "--quiet", tree + "^{commit}"],
+                         capture_output=True, text=True)
+    if rev.returncode != 0:
+        raise SystemExit(f"bench_ab: --env {spec!r}: {tree!r} is neither a directory nor a git revision of {ROOT}")
+    d = tmp / rev.stdout.strip()
+    if not d.is_dir():
+        arc = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", rev.stdout.strip()], capture_output=True)
+        if arc.returncode != 0:
+            raise SystemExit(f"bench_ab: --env {spec!r}: git archive {tree} failed: "
+                             f"{arc.stderr.decode(errors='replace').strip()}")
+        d.mkdir(parents=True)
+        with tarfile.open(fileobj=io.BytesIO(arc.stdout)) as t:
+            t.extractall(d, filter="data")
+    return d
 
 
 def run_once(cmd, env: dict) -> float | str:
@@ -70,15 +114,25 @@ def main(argv=None):
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
     envs = [parse_env(e) for e in args.env]
-    base = [sys.executable, args.cmd] if args.cmd else [sys.executable, str(Path(__file__).with_name("bench_step.py"))]
-    cmd = base + ["-b", str(args.batch_size), "--precision", args.precision] + args.rest
+    tmp = Path(tempfile.mkdtemp(prefix="bench_ab_"))  # (the extracted trees; removed at exit)
+    atexit.register(shutil.rmtree, tmp, True)
+    common = ["-b", str(args.batch_size), "--precision", args.precision] + args.rest
+    cmds = []  # per configuration: bench_step (this tree's, or the tests' stand-in) or another tree's
+    for spec, (env, flags, tree) in zip(args.env, envs):
+        if tree is None:
+            script = args.cmd or str(Path(__file__).with_name("bench_step.py"))
+        else:
+            d = resolve_tree(tree, spec, tmp)
+            script = str(d / "dev" / "bench_step.py")
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(d), os.environ.get("PYTHONPATH")]))
+        cmds.append([sys.executable, script] + common + flags)
     # a configuration whose run fails (a variant that refuses the shape, a crash) says why in one line on
     # stderr and drops out; the others go on, and bench_ab exits 1 after their table
     times, failed = [[] for _ in envs], [None] * len(envs)
     for r in range(args.rounds):
-        for i, (env, flags) in enumerate(envs):
+        for i, (env, _flags, _tree) in enumerate(envs):
             if failed[i] is None:
-                t = run_once(cmd + flags, env)
+                t = run_once(cmds[i], env)
                 if isinstance(t, str):
                     failed[i] = t
                     print(t, file=sys.stderr, flush=True)

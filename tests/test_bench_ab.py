@@ -76,3 +76,47 @@ def test_bad_input_is_one_line(tmp_path, args, why):
     assert r.returncode != 0 and why in r.stderr and "Traceback (most recent call last)" not in r.stderr, r.stderr
     if "LLMC_" in why:
         assert log == [], "a switch's bad value must stop bench_ab before its first round"
+
+
+TREE_STEP = '''
+import os, sys
+with open(os.environ["AB_LOG"], "a") as f:
+    f.write("tree " + os.environ["PYTHONPATH"].split(os.pathsep)[0] + " " + " ".join(sys.argv[1:]) + "\\n")
+print("step: median 9.00 ms (GPU events)")
+'''
+
+
+def test_a_configuration_from_another_tree(tmp_path):
+    """tree=DIR runs that directory's dev/bench_step.py with DIR first on PYTHONPATH (its llmc and cuda/),
+    in turn with the others, and labels its row with the configuration as given."""
+    tree = tmp_path / "old"
+    (tree / "dev").mkdir(parents=True)
+    (tree / "dev" / "bench_step.py").write_text(TREE_STEP)
+    r, log = _run(tmp_path, "--rounds", "2", "--env", f"tree={tree}", "--env", "X=1", "--", "--tokens", "t.bin")
+    assert r.returncode == 0, r.stderr
+    assert [line.split()[0] for line in log] == ["tree", "1"] * 2
+    assert all(line.split()[1:] == [str(tree), "-b", "4", "--precision", "fp32", "--tokens", "t.bin"]
+               for line in log[::2])
+    assert f"tree={tree}" in r.stdout and "median     9.00 ms  (+0.00 ms" in r.stdout
+
+
+def test_a_tree_from_a_git_revision(tmp_path):
+    """tree=REV extracts that commit of this repository once (git archive) and runs its bench_step."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bench_ab", ROOT / "dev" / "bench_ab.py")
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    d = ab.resolve_tree("HEAD", "tree=HEAD", tmp_path)
+    assert (d / "dev" / "bench_step.py").is_file() and (d / "llmc" / "model.py").is_file()
+    stamp = (d / "llmc" / "model.py").stat().st_mtime_ns
+    assert ab.resolve_tree("HEAD", "tree=HEAD", tmp_path) == d  # (extracted once)
+    assert (d / "llmc" / "model.py").stat().st_mtime_ns == stamp
+    assert ab.resolve_tree(str(d), "tree=...", tmp_path) == d.resolve()
+
+
+@pytest.mark.parametrize("tree,why", [("no-such-rev", "neither a directory nor a git revision"),
+                                      (".", "no dev/bench_step.py")])
+def test_a_bad_tree_is_one_line(tmp_path, tree, why):
+    r, log = _run(tmp_path, "--env", f"tree={tmp_path if tree == '.' else tree}", "--env", "X=0")
+    assert r.returncode != 0 and why in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert log == []
