@@ -84,9 +84,19 @@ def resolve_tree(tree: str, spec: str, tmp: Path) -> Path:
             raise SystemExit(f"bench_ab: --env {spec!r}: git archive {tree} failed: "
                              f"{arc.stderr.decode(errors='replace').strip()}")
         d.mkdir(parents=True)
-        with tarfile.open(fileobj=io.BytesIO(arc.stdout)) as t:
-            t.extractall(d, filter="data")
+        with tarfile.open(fileobj=io.BytesIO(arc.stdout)) as t:  # (the "data" filter where tarfile has it)
+            t.extractall(d, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
     return d
+
+
+def check_tree_import(d: Path, env: dict, spec: str) -> None:
+    """The tree's llmc must be the one its bench_step imports (an installed llmc must not shadow it)."""
+    r = subprocess.run([sys.executable, "-c", "import llmc; print(llmc.__file__)"], env={**os.environ, **env},
+                       capture_output=True, text=True, cwd=d)
+    got = r.stdout.strip()
+    if r.returncode != 0 or not Path(got).resolve().is_relative_to(d.resolve()):
+        raise SystemExit(f"bench_ab: --env {spec!r}: its bench_step would import llmc from {got or '(nothing)'}, "
+                         f"not from {d}")
 
 
 def run_once(cmd, env: dict) -> float | str:
@@ -125,6 +135,8 @@ def main(argv=None):
             d = resolve_tree(tree, spec, tmp)
             script = str(d / "dev" / "bench_step.py")
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(d), os.environ.get("PYTHONPATH")]))
+            if args.cmd is None:  # (the tests' stand-in trees hold no llmc)
+                check_tree_import(d, env, spec)
         cmds.append([sys.executable, script] + common + flags)
     # a configuration whose run fails (a variant that refuses the shape, a crash) says why in one line on
     # stderr and drops out; the others go on, and bench_ab exits 1 after their table

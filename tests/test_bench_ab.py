@@ -120,3 +120,19 @@ def test_a_bad_tree_is_one_line(tmp_path, tree, why):
     r, log = _run(tmp_path, "--env", f"tree={tmp_path if tree == '.' else tree}", "--env", "X=0")
     assert r.returncode != 0 and why in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert log == []
+
+
+def test_a_tree_imports_its_own_llmc(tmp_path):
+    """An extracted revision's bench_step imports that tree's llmc (PYTHONPATH first), and a tree whose llmc
+    would come from elsewhere stops with one line."""
+    import importlib.util
+    import os
+    spec = importlib.util.spec_from_file_location("bench_ab", ROOT / "dev" / "bench_ab.py")
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    d = ab.resolve_tree("HEAD", "tree=HEAD", tmp_path)
+    ab.check_tree_import(d, {"PYTHONPATH": str(d)}, "tree=HEAD")
+    other = tmp_path / "empty"
+    other.mkdir()
+    with pytest.raises(SystemExit, match="would import llmc from"):
+        ab.check_tree_import(other, {"PYTHONPATH": os.pathsep.join([str(other), str(ROOT)])}, "tree=x")
