@@ -43,6 +43,7 @@
 // other's reductions and stores, which matters more than in fp32 since each row's fixed cost
 // (two block reductions, the launch of a block) is spread over half the bytes.
 #include "elem.cuh"
+#include "fold.cuh"  // fold_exp: the fold kernels at the end
 
 // 16-byte loads each thread issues before using the first (version 2)
 #define UNROLL 4
@@ -541,4 +542,224 @@ extern "C" __global__ void __launch_bounds__(1024, 2) classifier_kernel6_bf16_ve
         float* losses, bf16* logits, const int* targets, float dloss, int write_dlogits, int N, int V, int Vp) {
     LLMC_PDL_WAIT();
     classifier4_rows<bf16, 4, true>(losses, logits, targets, dloss, write_dlogits, N, V, Vp);  // Vp % 4 == 0
+}
+
+// ----------------------------------------------------------------------------------------------
+// The classifier folded into the lm head's GEMMs (the model's `fold` form, LLMC_CLASSIFIER_FOLD;
+// docs/matmul_notes.md, "The classifier folded into the lm head"). The lm head's forward (GEMM engine
+// 5's _fold instances) wrote P = p' = fold_exp(logit, k) (cuda/fold.cuh: 2^(logit log2 e - k)) over
+// the logits, 0 in the padded columns, and per row and 128-wide tile the sum of p' in FS. Per row:
+//   S = the tile sums added in a fixed order = m 2^e (m in [0.5, 1)); p'_t (the target's) = mt 2^et:
+//   loss = (log2 m - log2 mt + e - et) ln 2        (lse - the target's logit)
+//   c = (dloss / m) 2^-e = dloss / S               (softmax = P / S: dlogits = (P - onehot S) c)
+//   P[target] -= S     (the one-hot folded into one element of P)
+//   X = c * lnf        (the lm head's dweight GEMM reads X where it read lnf: dwte += P^T @ X)
+//   cs[row] = c        (dinp = c * (P @ wte): classifier_fold_scale after the dinp GEMM)
+// k only keeps p' in range; the results move with it by the FFMA's rounding of logit log2 e - k (~5e-6
+// relative). In range: S in [2^FOLD_LO, 2^FOLD_HI] (the largest p' is at least S / Vp, so normal; S, c
+// and X far from overflow) and p'_t at least 2^-120 (its logarithm exact enough). A row out of range
+// (or not finite) goes on the list `flagged`, and classifier_fold_fix recomputes it from lnf and wte
+// with its own k. ctl (int32): [0] k, [1] flagged rows, [2] / [3] the largest / smallest floor(log2 S) +
+// k (the rows' lse in log2 units, rounded down), [4] the fix kernel's finished blocks; its last block
+// sets the next k (the middle of [3] and [2] put FOLD_MID below it, the middle of the window) and
+// resets [1]-[4]. Integer atomics only, and a row's results depend on that row alone: deterministic.
+// k is part of the run's state (the trainer's state file keeps it): resume continues with the same k.
+#define FOLD_LO (-84)
+#define FOLD_HI 64
+#define FOLD_MID (-10)
+#define FOLD_LN2 0.6931471805599453f
+
+// row r's scale, folded target element and X by one warp; loss and cs by lane 0
+template <typename T>
+__device__ __forceinline__ void fold_finish_row(int r, float S, float loss, float* losses, T* P, const int* targets,
+                                                const T* lnf, T* X, float* cs, float dloss, int Vp, int C) {
+    const int lane = threadIdx.x & 31;
+    int e;
+    const float m = frexpf(S, &e);
+    const float c = ldexpf(dloss / m, -e);
+    if (lane == 0) {
+        losses[r] = loss;
+        cs[r] = c;
+        T* pt = P + (size_t)r * Vp + targets[r];
+        *pt = from_f32<T>(to_f32(*pt) - S);
+    }
+    const T* x = lnf + (size_t)r * C;
+    T* xo = X + (size_t)r * C;
+    for (int i = lane; i < C; i += 32) xo[i] = from_f32<T>(c * to_f32(x[i]));
+}
+
+// a warp per row (grid-stride); one pair of global atomics per block for ctl[2], ctl[3]
+template <typename T>
+__device__ __forceinline__ void fold_combine(float* losses, T* P, const float* FS, const int* targets, const T* lnf,
+                                             T* X, float* cs, int* ctl, int* flagged, float dloss, int N, int Vp,
+                                             int C, int tiles) {
+    __shared__ int sh_hi, sh_lo;
+    if (threadIdx.x == 0) { sh_hi = -(1 << 30); sh_lo = 1 << 30; }
+    __syncthreads();
+    const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    const int k = ctl[0];
+    for (int r = blockIdx.x * warps + (threadIdx.x >> 5); r < N; r += gridDim.x * warps) {
+        const float* row = FS + (size_t)r * tiles;
+        float s = 0.0f;
+        for (int i = lane; i < tiles; i += 32) s += __ldcs(row + i);
+#pragma unroll
+        for (int x = 16; x >= 1; x >>= 1) s += __shfl_xor_sync(0xffffffffu, s, x);  // (every lane: the same bits)
+        const float pt = to_f32(P[(size_t)r * Vp + targets[r]]);
+        int e, et;
+        const float m = frexpf(s, &e), mt = frexpf(pt, &et);
+        const bool ok = s >= 0x1p-84f && s <= 0x1p80f && pt >= 0x1p-120f && pt <= 0x1p80f;  // (NaN: not ok)
+        if (ok) {
+            const float loss = (log2f(m) - log2f(mt) + (float)(e - et)) * FOLD_LN2;
+            fold_finish_row<T>(r, s, loss, losses, P, targets, lnf, X, cs, dloss, Vp, C);
+        } else if (lane == 0) {
+            const int at = atomicAdd(&ctl[1], 1);
+            if (at < N) flagged[at] = r;  // (more only if a combine ran twice without the fix between)
+        }
+        if (lane == 0 && s > 0.0f && s <= 3e38f) {  // (a row with p' out of range still says where its lse is)
+            const int top = e - 1 + k;
+            atomicMax(&sh_hi, top);
+            atomicMin(&sh_lo, top);
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0 && sh_lo <= sh_hi) {
+        atomicMax(&ctl[2], sh_hi);
+        atomicMin(&ctl[3], sh_lo);
+    }
+}
+
+extern "C" __global__ void classifier_fold_combine(float* losses, float* P, const float* FS, const int* targets,
+                                                   const float* lnf, float* X, float* cs, int* ctl, int* flagged,
+                                                   float dloss, int N, int Vp, int C, int tiles) {
+    LLMC_PDL_WAIT();
+    fold_combine<float>(losses, P, FS, targets, lnf, X, cs, ctl, flagged, dloss, N, Vp, C, tiles);
+}
+extern "C" __global__ void classifier_fold_combine_bf16(float* losses, bf16* P, const float* FS, const int* targets,
+                                                        const bf16* lnf, bf16* X, float* cs, int* ctl, int* flagged,
+                                                        float dloss, int N, int Vp, int C, int tiles) {
+    LLMC_PDL_WAIT();
+    fold_combine<bf16>(losses, P, FS, targets, lnf, X, cs, ctl, flagged, dloss, N, Vp, C, tiles);
+}
+
+// block reductions over blockDim.x threads (a multiple of 32, at most 1024) in a fixed order; every
+// thread gets the result
+__device__ __forceinline__ float fold_block_sum(float v, float* sh) {
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+#pragma unroll
+    for (int x = 16; x >= 1; x >>= 1) v += __shfl_xor_sync(0xffffffffu, v, x);
+    __syncthreads();
+    if (lane == 0) sh[w] = v;
+    __syncthreads();
+    float t = 0.0f;
+    for (int i = 0; i < nw; i++) t += sh[i];
+    return t;
+}
+__device__ __forceinline__ float fold_block_max(float v, float* sh) {
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+#pragma unroll
+    for (int x = 16; x >= 1; x >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, x));
+    __syncthreads();
+    if (lane == 0) sh[w] = v;
+    __syncthreads();
+    float t = sh[0];
+    for (int i = 1; i < nw; i++) t = fmaxf(t, sh[i]);
+    return t;
+}
+
+// The flagged rows, recomputed (a block each, grid-stride over the list; none on most steps): the
+// row's logits as a GEMV of its lnf row against wte (a warp per vocabulary row, fp32 sums, stored in
+// P as T), its own k (the max logit's floor(. log2 e)), p' in place and their sum, the loss from the
+// sum and the target's fp32 logit, then fold_finish_row as the combine. The last block to finish sets
+// the next k and resets the step's counters. Dynamic shared memory: C floats (the lnf row).
+template <typename T>
+__device__ __forceinline__ void fold_fix(float* losses, T* P, const int* targets, const T* lnf, const T* wte, T* X,
+                                         float* cs, int* ctl, const int* flagged, float dloss, int N, int V, int Vp,
+                                         int C) {
+    extern __shared__ float xrow[];
+    __shared__ float sh[32];
+    __shared__ float sh_t;
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int count = min(ctl[1], N);
+    for (int i = blockIdx.x; i < count; i += gridDim.x) {
+        const int r = flagged[i], t = targets[r];
+        T* prow = P + (size_t)r * Vp;
+        __syncthreads();  // (the previous row's readers of xrow are done)
+        for (int c = threadIdx.x; c < C; c += blockDim.x) xrow[c] = to_f32(lnf[(size_t)r * C + c]);
+        __syncthreads();
+        float mx = __int_as_float(0xff800000);
+        for (int v = w; v < V; v += nw) {
+            const T* wr = wte + (size_t)v * C;
+            float acc = 0.0f;
+            for (int c = lane; c < C; c += 32) acc += xrow[c] * to_f32(wr[c]);
+#pragma unroll
+            for (int x = 16; x >= 1; x >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, x);
+            if (lane == 0) {
+                prow[v] = from_f32<T>(acc);
+                if (v == t) sh_t = acc;
+            }
+            mx = fmaxf(mx, to_f32(from_f32<T>(acc)));
+        }
+        mx = fold_block_max(mx, sh);  // (its barriers also order the logits' stores before the reads below)
+        const int kr = (int)fmaxf(fminf(floorf((fabsf(mx) < 1e30f ? mx : 0.0f) * 1.4426950408889634f), 4096.0f), -4096.0f);
+        float s = 0.0f;
+        for (int v = threadIdx.x; v < Vp; v += blockDim.x) {
+            const float p = v < V ? fold_exp(to_f32(prow[v]), (float)kr) : 0.0f;
+            prow[v] = from_f32<T>(p);
+            s += p;
+        }
+        s = fold_block_sum(s, sh);  // (and orders the p' stores, and sh_t, before the reads below)
+        int e;
+        frexpf(s, &e);
+        if (threadIdx.x == 0 && s > 0.0f && s <= 3e38f) {
+            atomicMax(&ctl[2], e - 1 + kr);
+            atomicMin(&ctl[3], e - 1 + kr);
+        }
+        const float loss = (log2f(s) + (float)kr) * FOLD_LN2 - sh_t;
+        if (w == 0) fold_finish_row<T>(r, s, loss, losses, P, targets, lnf, X, cs, dloss, Vp, C);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        if (atomicAdd(&ctl[4], 1) == gridDim.x - 1) {  // the last block: every row of the step is done
+            __threadfence();
+            const int hi = atomicAdd(&ctl[2], 0), lo = atomicAdd(&ctl[3], 0);
+            if (lo <= hi) ctl[0] = max(-2048, min(2048, ((hi + lo) >> 1) - FOLD_MID));
+            ctl[1] = 0;
+            ctl[2] = -(1 << 30);
+            ctl[3] = 1 << 30;
+            ctl[4] = 0;
+        }
+    }
+}
+
+extern "C" __global__ void classifier_fold_fix(float* losses, float* P, const int* targets, const float* lnf,
+                                               const float* wte, float* X, float* cs, int* ctl, const int* flagged,
+                                               float dloss, int N, int V, int Vp, int C) {
+    LLMC_PDL_WAIT();
+    fold_fix<float>(losses, P, targets, lnf, wte, X, cs, ctl, flagged, dloss, N, V, Vp, C);
+}
+extern "C" __global__ void classifier_fold_fix_bf16(float* losses, bf16* P, const int* targets, const bf16* lnf,
+                                                    const bf16* wte, bf16* X, float* cs, int* ctl, const int* flagged,
+                                                    float dloss, int N, int V, int Vp, int C) {
+    LLMC_PDL_WAIT();
+    fold_fix<bf16>(losses, P, targets, lnf, wte, X, cs, ctl, flagged, dloss, N, V, Vp, C);
+}
+
+// dinp (N, C) *= cs (N), per row: the dinp GEMM ran on P without the rows' scales
+template <typename T>
+__device__ __forceinline__ void fold_scale(T* x, const float* cs, int N, int C) {
+    const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    for (int r = blockIdx.x * warps + (threadIdx.x >> 5); r < N; r += gridDim.x * warps) {
+        const float c = cs[r];
+        T* xr = x + (size_t)r * C;
+        for (int i = lane; i < C; i += 32) xr[i] = from_f32<T>(c * to_f32(xr[i]));
+    }
+}
+extern "C" __global__ void classifier_fold_scale(float* x, const float* cs, int N, int C) {
+    LLMC_PDL_WAIT();
+    fold_scale<float>(x, cs, N, C);
+}
+extern "C" __global__ void classifier_fold_scale_bf16(bf16* x, const float* cs, int N, int C) {
+    LLMC_PDL_WAIT();
+    fold_scale<bf16>(x, cs, N, C);
 }

@@ -51,6 +51,7 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 #include "elem.cuh"    // gelu_fwd_as: the GELU of the fused fc epilogue (the _gelu instances)
+#include "fold.cuh"    // fold_exp: the _fold instances (the classifier folded into the lm head)
 #include "hopper.cuh"
 #include "wgmma.cuh"
 
@@ -220,6 +221,10 @@ struct GemmArgs {
     OUT* G = nullptr;    // the _gelu instances: G = gelu(C) as C is stored, (M, ldc) like C
     float* S = nullptr;  // the _dgelu instances, or nullptr: column sums of C as stored, one row per
                          // 16 rows of C (a warp's: (M rounded up to 128) / 16, N), for gemm_wgmma_colsum_finish
+    // the _fold instances (the lm head's forward in the folded classifier; see fold_tile):
+    float* FS = nullptr;           // (M, tiles_n): per row and BN-wide tile, the sum of p'
+    const int* fold_k = nullptr;   // the device scalar k: p' = 2^(logit log2(e) - k)
+    int V = 0;                     // columns >= V (llm.c's vocabulary padding) give p' = 0
 };
 
 // The bias. Read in the epilogue, it cost 7-22% of a d12 forward GEMM's time (H100, 2026-11-26): the
@@ -510,6 +515,46 @@ __device__ __forceinline__ void colsum_warp(const float (&v)[BN / 2], const Gemm
     }
 }
 
+// FOLD (the _fold instances: the lm head's forward when the classifier is folded into the lm head's
+// GEMMs; docs/matmul_notes.md, "The classifier folded into the lm head"). The tile's logits become
+// p' = fold_exp(logit, k) (cuda/fold.cuh: 2^(logit log2(e) - k)), k the device scalar *a.fold_k, and 0
+// in the columns >= V (llm.c's vocabulary padding: only the last column tile has them, so the others
+// take no select). Per row of the tile, one thread of the row's quad writes the sum of its p' to a.FS
+// (M, tiles_n): all the classifier's combine needs besides the p' themselves.
+template <typename OUT, int BN, bool PAD>
+__device__ __forceinline__ void fold_rows(float (&d)[BN / 2], const GemmArgs<OUT>& a, int r0, int vc, float k,
+                                          int tile) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        float s = 0.0f;
+#pragma unroll
+        for (int j = 0; j < BN / 8; j++)
+#pragma unroll
+            for (int c = 0; c < 2; c++) {
+                const int i = 4 * j + 2 * h + c;
+                const float p = fold_exp(d[i], k);
+                d[i] = !PAD || 8 * j + c < vc ? p : 0.0f;
+                s += d[i];
+            }
+        s += __shfl_xor_sync(0xffffffffu, s, 1);  // the row's quad, in a fixed order
+        s += __shfl_xor_sync(0xffffffffu, s, 2);
+        const int r = r0 + 8 * h;
+        if ((lane & 3) == 0 && r < a.M) a.FS[(ll)r * ((a.N + BN - 1) / BN) + tile] = s;
+    }
+}
+
+template <typename OUT, int BN>
+__device__ __forceinline__ void fold_tile(float (&d)[BN / 2], const GemmArgs<OUT>& a, int m0, int n0) {
+    const int lane = threadIdx.x & 31, warp = (threadIdx.x & 127) >> 5;
+    const int r0 = m0 + warp * 16 + (lane >> 2), c0 = n0 + 2 * (lane & 3);
+    const float k = (float)*a.fold_k;
+    if (n0 + BN <= a.V)  // (the same for the whole warpgroup)
+        fold_rows<OUT, BN, false>(d, a, r0, a.V - c0, k, n0 / BN);
+    else  // column 8j + c of this thread is real where 8j + c < V - c0
+        fold_rows<OUT, BN, true>(d, a, r0, a.V - c0, k, n0 / BN);
+}
+
 // The TMA-store epilogue: the tile's values (alpha, bias) staged and stored through tmC. GELU: then
 // gelu(C as stored) through tmG, out of the same staging buffer: the GELU is computed in registers
 // while the TMA is still reading C's tile, and the buffer is rewritten once that read is done.
@@ -521,7 +566,8 @@ __device__ __forceinline__ void colsum_warp(const float (&v)[BN / 2], const Gemm
 // DGELU: P's tile is already on its way into the buffer (load_pre, on `pre_bar` with this parity); the
 // results replace it there, and with a.S the column sums go out before the store.
 // BETA: C's old tile is on its way into the buffer the same way (load_pre on C's map); see beta_staged.
-template <typename OUT, int BN, bool GELU = false, bool DGELU = false, bool BETA = false, typename BF>
+template <typename OUT, int BN, bool GELU = false, bool DGELU = false, bool BETA = false, bool FOLD = false,
+          typename BF>
 __device__ __forceinline__ void epilogue_tma(float (&d)[BN / 2], const GemmArgs<OUT>& a, const BF& bf,
                                              const CUtensorMap* tmC, const CUtensorMap* tmG, unsigned char* stg, int m0,
                                              int n0, int wg,
@@ -552,6 +598,7 @@ __device__ __forceinline__ void epilogue_tma(float (&d)[BN / 2], const GemmArgs<
         dgelu_staged<OUT, BN>(d, stg);
         if (a.S) colsum_warp<OUT, BN>(d, a, m0 / 16 + ((threadIdx.x & 127) >> 5), n0);
     } else {
+        if constexpr (FOLD) fold_tile<OUT, BN>(d, a, m0, n0);  // (before the wait: overlaps the stores' reads)
         if (tid == 0) bulk_wait_read();  // the previous tile's stores have read the staging buffer
         wg_barrier(wg);
         stage_tile<OUT, BN>(d, stg);
@@ -981,7 +1028,8 @@ __device__ __forceinline__ void ring_advance(int& stage, int& phase, int n) {
 // own after the stages and writes it with the TMA (epilogue_tma), during the other consumer's mainloop;
 // plain outputs only (one K split, beta = 0, C not transposed: the launcher's conditions), else the
 // epilogue stores from registers as in the other instances.
-template <typename T, typename OUT, int RM, int BN, int STAGES, bool B_T = false, bool TMA_STORE = false>
+template <typename T, typename OUT, int RM, int BN, int STAGES, bool B_T = false, bool TMA_STORE = false,
+          bool FOLD = false>
 __device__ __forceinline__ void gemm_wgmma_pp_body(const CUtensorMap* tmA, const CUtensorMap* tmB, const CUtensorMap* tmC,
                                                    const GemmArgs<OUT>& a) {
     constexpr int BK = ROW_BYTES / sizeof(T);        // K per stage: 32 tf32 or 64 bf16
@@ -990,6 +1038,7 @@ __device__ __forceinline__ void gemm_wgmma_pp_body(const CUtensorMap* tmA, const
     constexpr int A_BYTES = RM * ROW_BYTES, B_BYTES = BN * ROW_BYTES, STAGE_BYTES = A_BYTES + B_BYTES;
     static_assert(RM == 64 || RM == 128, "a consumer's tile is 64 or 128 rows");
     static_assert(!B_T || (sizeof(T) == 2 && BK == BK_T && BN % 64 == 0), "MN-major B: 16-bit inputs, 64-wide boxes");
+    static_assert(!FOLD || TMA_STORE, "the fold epilogue is the TMA-store one's");
     extern __shared__ unsigned char smem_raw[];
     unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
     constexpr int STG_BYTES = TMA_STORE ? 64 * BN * (int)sizeof(OUT) : 0;  // a consumer's staging buffer
@@ -1073,7 +1122,8 @@ __device__ __forceinline__ void gemm_wgmma_pp_body(const CUtensorMap* tmA, const
 #pragma unroll
             for (int s = 0; s < SUB; s++) {
                 if (use_tma)  // (waits for its previous stores to have read the buffer first)
-                    epilogue_tma<OUT, BN>(d[s], a, bf, tmC, nullptr, stg, tm * RM + 64 * s, tn * BN, wg);
+                    epilogue_tma<OUT, BN, false, false, false, FOLD>(d[s], a, bf, tmC, nullptr, stg, tm * RM + 64 * s,
+                                                                     tn * BN, wg);
                 else
                     epilogue<OUT, BN>(d[s], a, bf, tm * RM + 64 * s, tn * BN, split);
             }
@@ -1121,6 +1171,20 @@ GEMM_WGMMA_PP_ENTRY(gemm_wgmma_bf16_n128_bt_ts_pp128_bf16, __nv_bfloat16, __nv_b
 // ... and tf32 -> fp32, 128 x 128 only (fp32 staging: 2 x 32 KB beside 5 stages; the cooperative 128-wide
 // TMA-store instance has the same 5 stages and 64 KB of staging, so the two differ only in the schedule)
 GEMM_WGMMA_PP_ENTRY(gemm_wgmma_tf32_n128_ts_pp128, float, float, 128, 128, 5, false, true)
+
+// The lm head's forward when the classifier is folded into it (FOLD above): C gets p', FS the tile
+// sums; k is read from fold_k. One K split, beta = 0, no bias (llmc/ops/gemm_wgmma.py: FOLD_INSTANCES).
+#define GEMM_WGMMA_FOLD_ENTRY(NAME, T, OUT, STAGES)                                                      \
+    extern "C" __global__ void __launch_bounds__(THREADS, 1)                                             \
+    NAME(const CUtensorMap* tmA, const CUtensorMap* tmB, const CUtensorMap* tmC, OUT* C, float* FS,     \
+         const int* fold_k, int M, int N, int K, int ldc, int V) { LLMC_PDL_WAIT();                      \
+        const int kb = (K + ROW_BYTES / (int)sizeof(T) - 1) / (ROW_BYTES / (int)sizeof(T));             \
+        GemmArgs<OUT> a{C, nullptr, nullptr, M, N, K, ldc, 0, 1, kb, 1.0f, 0.0f, 0};                     \
+        a.FS = FS; a.fold_k = fold_k; a.V = V;                                                           \
+        gemm_wgmma_pp_body<T, OUT, 128, 128, STAGES, false, true, true>(tmA, tmB, tmC, a);               \
+    }
+GEMM_WGMMA_FOLD_ENTRY(gemm_wgmma_tf32_n128_ts_pp128_fold, float, float, 5)
+GEMM_WGMMA_FOLD_ENTRY(gemm_wgmma_bf16_n128_ts_pp128_fold_bf16, __nv_bfloat16, __nv_bfloat16, 6)
 
 // ------------------------------------------------------------------------------------------------
 // helpers the engine's launcher uses

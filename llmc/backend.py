@@ -37,6 +37,7 @@ class Backend(Protocol):
     def op(self, name, prefer=None, **shape): ...                   # build(...).launch
     def choose(self, name, prefer=None, precision=None, **shape) -> int: ...  # the variant build() would take
     def fuses(self, name, form, **shape) -> int | None: ...        # the chosen variant, if it takes the fused form
+    def fold_build(self, N, V, Vp, C): ...                          # the folded classifier (cuda), or None
     def named(self, name) -> bool: ...                              # the user chose this op's variant
     def memset0(self, buf): ...
     def upload(self, buf, host): ...
@@ -289,6 +290,14 @@ class CudaBackend(_Choosing):
 
     def _arch(self):
         return self.rt.arch
+
+    def fold_build(self, N, V, Vp, C):
+        """The classifier folded into the lm head's GEMMs (llmc/ops/classifier.py: Fold) for N rows, or
+        None where the lm head's matmul_forward is not GEMM engine 5 (variant 9)."""
+        if self.choose("matmul_forward", None, self.precision, N=N, C=C, OC=Vp, has_bias=False) != 9:
+            return None
+        from llmc.ops.classifier import fold_build
+        return fold_build(self.rt, N, V, Vp, C, self.precision)
 
     def empty(self, shape, dtype=None):
         return self.rt.empty(shape, dtype or self.dtype)

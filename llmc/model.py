@@ -127,7 +127,8 @@ class GPT2:
     def __init__(self, cfg: GPT2Config, backend, B: int, T: int, training: bool = True, params_buf=None,
                  optimizer: bool = True, recompute: int = 1, fuse_bias: bool | None = None,
                  fuse_gelu: bool | None = None, fuse_dgelu: bool | None = None,
-                 fuse_gelu_recompute: bool | None = None, side_stream: bool | None = None):
+                 fuse_gelu_recompute: bool | None = None, side_stream: bool | None = None,
+                 fold: bool | None = None):
         if T > cfg.max_seq_len:
             raise LLMCError(f"-t/--seq-len {T}: longer than the model's max sequence length {cfg.max_seq_len}")
         if B < 1 or T < 1:
@@ -284,6 +285,21 @@ class GPT2:
                 "encoder_backward": op("encoder_backward", B=B, T=T, C=C),
                 "global_norm": op("global_norm", n=self.num_params),
             })
+            # The classifier folded into the lm head's GEMMs (docs/matmul_notes.md, "The classifier folded into
+            # the lm head"): a training forward's lm head GEMM (engine 5, matmul_forward 9) writes p' = exp(logit
+            # - k ln 2) and its row sums per tile in place of the logits; a combine kernel makes the losses, each
+            # row's scale c and X = c * lnf, and folds the one-hot into the target's element; the backward's GEMMs
+            # run on p' (dinp, then its rows scaled by c) and X (dwte). No classifier pass over the (B,T,Vp)
+            # logits. Evaluation and sampling keep the logits. On where the lm head runs on engine 5 and no
+            # classifier variant was named (fold=False or LLMC_CLASSIFIER_FOLD=0: the pass, the A/B). H200, same
+            # call: fp32 15.78 against 16.14 ms at B=4, 58.14 against 59.63 at B=16; bf16 8.15 against 8.37 and
+            # 28.50 against 29.10 (docs/results/session39_h200_2026-11-29.txt).
+            self.fold = None
+            if fold is None:  # (a classifier variant named on the command line runs in training: no fold)
+                fold = switches.on("LLMC_CLASSIFIER_FOLD") and not be.named("classifier")
+            if fold:
+                build = getattr(be, "fold_build", None)
+                self.fold = build(N, V, Vp, C) if build is not None else None
             # Each layer GEMM's two-GEMM form only where the backward launches it (its transposes' scratch and
             # split-K partials are allocated with the build: fp32 B=16 0.24 GiB for the four unused ones):
             # fcproj's where neither the GELU recompute form nor the dgelu form takes its place, the other
@@ -682,12 +698,21 @@ class GPT2:
             else:
                 ln, mean, rstd, w, b = a["lnf"], a["lnf_mean"], a["lnf_rstd"], p["lnfw"], p["lnfb"]
             k["residual_layernorm"](a["residual3"][l], ln, mean, rstd, a["residual2"][l], a["fcproj"], w, b)
+        dloss = 1.0 / (self.B * self.T * self.grad_accum_steps)
+        self.folded = bool(self.fold and write_dlogits)
+        if self.folded:  # p' and tile sums; losses, scales, X; the rows out of range recomputed
+            f = self.fold
+            f.forward(a["logits"], a["lnf"], p["wte"])                                          # (B,T,Vp)
+            f.combine(a["losses_N"], a["logits"], self.targets, a["lnf"], dloss)               # (N,)
+            f.fix(a["losses_N"], a["logits"], self.targets, a["lnf"], p["wte"], dloss)
+            return
         k["mm_lmhead"](a["logits"], a["lnf"], p["wte"], None)                                 # (B,T,Vp)
         if with_targets:
-            dloss = 1.0 / (self.B * self.T * self.grad_accum_steps)
             k["classifier"](a["losses_N"], a["logits"], self.targets, dloss, int(write_dlogits))  # (N,)
 
     has_targets_loaded = False
+    fold = None      # the folded classifier (training with LLMC_CLASSIFIER_FOLD=1), or None
+    folded = False   # the last forward ran it: the backward reads p' and fold.X
     grad_accum_steps = 1
     dlogits_ready = False
 
@@ -756,7 +781,11 @@ class GPT2:
         # running loss sum for logging: loss_acc += losses (the residual op, elementwise)
         k["loss_acc"](a["loss_acc"], a["loss_acc"], a["losses"])
 
-        k["mmb_lmhead"](dbtc, g["wte"], a["logits"], a["lnf"], p["wte"])       # dlnf (B,T,C); dwte +=
+        if self.folded:  # dwte += p'^T @ X (X = c * lnf), dlnf = c * (p' @ wte)
+            k["mmb_lmhead"](dbtc, g["wte"], a["logits"], self.fold.X, p["wte"])
+            self.fold.scale(dbtc)
+        else:
+            k["mmb_lmhead"](dbtc, g["wte"], a["logits"], a["lnf"], p["wte"])   # dlnf (B,T,C); dwte +=
         self.be.memset0(dres)
         defer = self.ln_deferred and on_layer_grads is None and before_attention is None
         self._ln_slot = 0 if defer else None

@@ -113,6 +113,9 @@ _TABLE = [
           "(where GELU is not recomputed in gelu_backward: -r 0 or LLMC_FUSED_GELU_RECOMPUTE=0)", "model"),
     _flag("LLMC_FUSED_GELU_RECOMPUTE", True, "1", "0: with -r 1 / 2, GELU recomputed in its own pass, not in "
           "gelu_backward's", "model"),
+    _flag("LLMC_CLASSIFIER_FOLD", True, "1", "0: the training step's classifier as its own pass over the logits "
+          "(the lm head GEMM writes them, the classifier kernel reads them and writes dlogits), not folded into the "
+          "lm head's GEMMs", "model"),
     _flag("LLMC_SIDE_STREAM", True, "1", "0: the backward's weight-gradient GEMMs on the one stream, not on a "
           "second one beside the critical path (same bits)", "model"),
     _flag("LLMC_FIRST_WRITE", True, "1", "0: zero_grad() clears every gradient and the first micro-step's "

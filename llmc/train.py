@@ -306,6 +306,8 @@ def save_checkpoint(out_dir, step, model, loader, rng, detectors, hparams, sr_rn
     from llmc.runfiles import save_checkpoint as save
     extra = {"rng": rng.bit_generator.state, "hparams": hparams,
              "detectors": [d.state() for d in detectors]}
+    if model.fold is not None:  # the folded classifier's exponent offset k (this rank's)
+        extra["fold"] = model.fold.state()
     if dp is not None:
         m, v = dp.optimizer_state()
         master = dp.master_state()
@@ -527,6 +529,8 @@ def main(argv=None, group=None) -> int:
                 rng.bit_generator.state = extra["rng"]
             if "detectors" in extra:
                 loss_z, grad_z = (OutlierDetector(s) for s in extra["detectors"])
+            if "fold" in extra and model.fold is not None:
+                model.fold.load_state(extra["fold"])
             for flag, key in HPARAMS:
                 old = extra.get("hparams", {}).get(key)
                 if old is not None and old != hparams[key]:

@@ -234,6 +234,14 @@ class FakeCudaBackend(CudaBackend):
         self._side_done = 0    # launches of the queue run so far
         self.side_launches = []  # the op names launched on the side stream, in order
 
+    emulate_fold = False  # True: fold_build returns FakeFold (the folded classifier in numpy), else None
+
+    def fold_build(self, N, V, Vp, C):
+        if not self.emulate_fold or self.choose("matmul_forward", None, self.precision, N=N, C=C, OC=Vp,
+                                                has_bias=False) != 9:
+            return None
+        return FakeFold(self, N, V, Vp, C)
+
     def side(self, mark=None):
         import contextlib
 
@@ -518,3 +526,113 @@ class FakeCudaBackend(CudaBackend):
 
     def describe(self):
         return "fake cuda (numpy ops over DevArrays)"
+
+
+class FakeFold:
+    """llmc.ops.classifier.Fold's launches in numpy on the fake heap (FakeCudaBackend.emulate_fold): the
+    lm head's _fold GEMM (p' = 2^(logit log2 e - k) stored in P's dtype, 0 on the padding, the 128-wide
+    tiles' fp32 sums), the combine (losses, c, the one-hot folded into P, X = c * lnf), the fix (rows out
+    of range recomputed with their own k; the next k) and the row scale: the model's plumbing of the fold
+    (which buffers, in which order, X for dwte, the scale after dinp) against the numpy backend."""
+
+    def __init__(self, be, N, V, Vp, C):
+        from llmc.ops.classifier import FOLD_INIT
+        self.be, self.rt, self.N, self.V, self.Vp, self.C = be, be.rt, N, V, Vp, C
+        self.bf16 = be.precision == "bf16"
+        tdt = BF16 if self.bf16 else np.float32
+        self.tiles = -(-Vp // 128)
+        self.X = self.rt.empty((N, C), tdt)
+        self.cs = self.rt.empty((N,), np.float32)
+        self.FS = self.rt.empty((N, self.tiles), np.float32)
+        self.ctl = self.rt.to_device(np.array(FOLD_INIT, np.int32))
+        self.flagged = []
+
+    def _get(self, a):
+        x = self.rt.np(a)
+        return from_bf16(x).reshape(x.shape).astype(np.float32) if self.bf16 else x.astype(np.float32)
+
+    def _put(self, a, v):
+        self.rt.np(a)[...] = to_bf16(v).reshape(a.shape) if self.bf16 else v
+
+    def _launch(self, label, fn, *args):
+        self.be.launches.append(label)
+        fn(*args)
+
+    def forward(self, P, lnf, wte):
+        def run():
+            k = float(self.rt.np(self.ctl)[0])
+            logits = self._get(lnf).reshape(self.N, self.C) @ self._get(wte).reshape(self.Vp, self.C).T
+            p = np.exp2(logits * np.float32(1.4426950408889634) - np.float32(k)).astype(np.float32)
+            p[:, self.V:] = 0.0
+            self._put(P, p.reshape(P.shape))
+            pad = np.zeros((self.N, self.tiles * 128), np.float32)
+            pad[:, :self.Vp] = p
+            self.rt.np(self.FS)[...] = pad.reshape(self.N, self.tiles, 128).sum(axis=2, dtype=np.float32)
+        self._launch("classifier fold gemm", run)
+
+    def _finish(self, r, S, loss, losses, P, t, lnf, dloss):
+        Pr = self._get(P).reshape(self.N, self.Vp)
+        c = np.float32(dloss / np.float64(S))
+        self.rt.np(losses).reshape(-1)[r] = loss
+        self.rt.np(self.cs)[r] = c
+        row = Pr[r].copy()
+        row[t] = row[t] - np.float32(S)
+        full = Pr.copy()
+        full[r] = row
+        self._put(P, full.reshape(P.shape))
+        x = self._get(self.X).reshape(self.N, self.C)
+        x[r] = c * self._get(lnf).reshape(self.N, self.C)[r]
+        self._put(self.X, x.reshape(self.X.shape))
+
+    def combine(self, losses, P, targets, lnf, dloss):
+        def run():
+            ctl = self.rt.np(self.ctl)
+            k = int(ctl[0])
+            S = self.rt.np(self.FS).sum(axis=1, dtype=np.float64)
+            Pr = self._get(P).reshape(self.N, self.Vp)
+            tg = self.rt.np(targets).reshape(-1)
+            for r in range(self.N):
+                pt = float(Pr[r, tg[r]])
+                if not (2.0 ** -84 <= S[r] <= 2.0 ** 64 and 2.0 ** -120 <= pt <= 2.0 ** 80):
+                    self.flagged.append(r)
+                else:
+                    self._finish(r, S[r], np.log(S[r] / pt), losses, P, tg[r], lnf, dloss)
+                if 0 < S[r] < 3e38:
+                    top = int(np.floor(np.log2(S[r]))) + k
+                    ctl[2], ctl[3] = max(ctl[2], top), min(ctl[3], top)
+        self._launch("classifier fold combine", run)
+
+    def fix(self, losses, P, targets, lnf, wte, dloss):
+        def run():
+            ctl = self.rt.np(self.ctl)
+            tg = self.rt.np(targets).reshape(-1)
+            for r in self.flagged:
+                logit = (self._get(wte).reshape(self.Vp, self.C)[:self.V] @ self._get(lnf).reshape(self.N, self.C)[r])
+                mx = float(logit.max())
+                p = np.exp(logit.astype(np.float64) - mx)
+                S = p.sum()
+                Pr = self._get(P).reshape(self.N, self.Vp)
+                Pr[r] = 0.0
+                Pr[r, :self.V] = p
+                self._put(P, Pr.reshape(P.shape))
+                self._finish(r, S, np.log(S) + mx - float(logit[tg[r]]), losses, P, tg[r], lnf, dloss)
+            self.flagged = []
+            if ctl[3] <= ctl[2]:
+                ctl[0] = max(-2048, min(2048, ((int(ctl[2]) + int(ctl[3])) >> 1) + 10))
+            ctl[1:] = (0, -(1 << 30), 1 << 30, 0)
+        self._launch("classifier fold fix", run)
+
+    def scale(self, dinp):
+        def run():
+            x = self._get(dinp).reshape(self.N, self.C) * self.rt.np(self.cs)[:, None]
+            self._put(dinp, x.reshape(dinp.shape))
+        self._launch("classifier fold scale", run)
+
+    def state(self):
+        return {"k": int(self.rt.np(self.ctl)[0])}
+
+    def load_state(self, st):
+        from llmc.ops.classifier import FOLD_INIT
+        init = np.array(FOLD_INIT, np.int32)
+        init[0] = int(st.get("k", 0))
+        self.rt.np(self.ctl)[...] = init

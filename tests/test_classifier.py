@@ -287,3 +287,130 @@ def test_gpu_variant7_any_dloss(rt, dtype, dloss):
     else:
         assert_bf16_rounded(from_bf16(got), dlogits_ref, f"dlogits v7 bf16 dloss={dloss}")
     assert not got[:, V:].any(), "padded columns not zeroed"
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: the classifier folded into the lm head's GEMMs (fold_build; the model's LLMC_CLASSIFIER_FOLD=1)
+
+def _tf32(x):
+    """x with 10 mantissa bits (round to nearest): exact through the TMA's tf32 copy and the tensor cores."""
+    b = np.ascontiguousarray(x, np.float32).view(np.uint32)
+    return ((b + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)
+
+
+@functools.lru_cache(maxsize=4)
+def _fold_case(N, V, Vp, C, dtype, spread):
+    """lnf, wte (device dtype, exactly representable in the GEMM's input type), their float64 values, the
+    targets, and the float64 reference: losses, dlogits (softmax - onehot) * dloss (N, Vp), dinp, dwte."""
+    rng = np.random.default_rng(N * 31 + V + C)
+    lnf = rng.standard_normal((N, C)).astype(np.float32)
+    lnf *= (1.0 + spread * rng.random((N, 1))).astype(np.float32)  # rows whose logits spread differently
+    wte = (0.3 * rng.standard_normal((Vp, C))).astype(np.float32)
+    wte[V:] = 0.0  # llm.c's padding rows
+    if dtype == "bf16":
+        lnf, wte = to_bf16(lnf), to_bf16(wte)
+        x64, w64 = from_bf16(lnf).astype(np.float64), from_bf16(wte).astype(np.float64)
+    else:
+        lnf, wte = _tf32(lnf), _tf32(wte)
+        x64, w64 = lnf.astype(np.float64), wte.astype(np.float64)
+    targets = rng.integers(0, V, N).astype(np.int32)
+    logits = x64 @ w64.T
+    losses, probs = cls.classifier_forward_ref(logits, targets, V)
+    dl = cls.classifier_backward_ref(probs, targets, FOLD_DLOSS, Vp)
+    return lnf, wte, x64, w64, targets, losses, dl, dl @ w64, dl.T @ x64
+
+
+FOLD_DLOSS = 2.0 ** -9
+
+
+def _run_fold(rt, N, V, Vp, C, dtype, k, spread=0.0):
+    """The fold's launches at k; returns host copies (losses, P, X, cs, dinp, dwte, ctl after) and the case."""
+    from llmc.testing import poison
+    case = _fold_case(N, V, Vp, C, dtype, spread)
+    lnf, wte, x64, w64, targets = case[:5]
+    f = cls.fold_build(rt, N, V, Vp, C, dtype)
+    f.load_state({"k": k})
+    tdt = BF16 if dtype == "bf16" else np.float32
+    d_lnf, d_wte, d_t = rt.to_device(lnf), rt.to_device(wte), rt.to_device(targets)
+    P, losses = rt.empty((N, Vp), tdt), rt.empty((N,))
+    poison(P, losses, f.X, f.cs, f.FS)
+    f.forward(P, d_lnf, d_wte)
+    f.combine(losses, P, d_t, d_lnf, FOLD_DLOSS)
+    f.fix(losses, P, d_t, d_lnf, d_wte, FOLD_DLOSS)
+    h = lambda a: from_bf16(a.get()).astype(np.float64) if dtype == "bf16" else a.get().astype(np.float64)
+    Ph, Xh, cs = h(P), h(f.X), f.cs.get().astype(np.float64)
+    # the backward's two GEMMs, in float64 on what the kernels left: dinp = c * (P @ wte), dwte = P^T @ X;
+    # dinp's row scale through the fold's own kernel
+    y = rng_y = np.random.default_rng(5).standard_normal((N, C)).astype(np.float32)
+    d_y = rt.to_device(to_bf16(y) if dtype == "bf16" else y)
+    f.scale(d_y)
+    yv = from_bf16(to_bf16(y)).astype(np.float64) if dtype == "bf16" else y.astype(np.float64)
+    return dict(losses=losses.get(), P=P.get(), Ph=Ph, X=f.X.get(), Xh=Xh, cs=cs, ctl=f.ctl.get(),
+                dinp=cs[:, None] * (Ph @ w64), dwte=Ph.T @ Xh, scaled=h(d_y), scaled_ref=cs[:, None] * yv), case
+
+
+FOLD_SHAPES = [(130, 50257, 50304, 96), (65, 1000, 1024, 72), (1, 300, 384, 64)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("shape", FOLD_SHAPES, ids=lambda s: "N%d-V%d-Vp%d-C%d" % s)
+def test_gpu_fold(rt, shape, dtype):
+    """The fold's losses, its gradients as the backward's GEMMs see them (c * P, P^T @ X, the row scale)
+    against float64, every output written; at another k, P and X scaled by 2^-k and 2^k; every row forced
+    through the recompute path (k far off) against float64 too; the next k from the rows' sums."""
+    N, V, Vp, C = shape
+    r0, case = _run_fold(rt, N, V, Vp, C, dtype, 0)
+    _, _, x64, w64, targets, losses_ref, dl_ref, dinp_ref, dwte_ref = case
+    bf = dtype == "bf16"
+    tol = 2e-2 if bf else 2e-4  # relative to the largest reference value: bf16 p' carries 2^-9
+    for r, how in ((r0, "combine"), ):
+        assert np.isfinite(r["losses"]).all() and np.isfinite(r["cs"]).all()
+        assert_close(r["losses"], losses_ref, 1e-2 if bf else 1e-4, 0, f"fold losses {dtype} ({how})")
+        dl = r["cs"][:, None] * r["Ph"]
+        assert not r["Ph"][:, V:].any(), "padded columns of P not zero"
+        for name, got, ref in (("dlogits", dl, dl_ref), ("dinp", r["dinp"], dinp_ref), ("dwte", r["dwte"], dwte_ref)):
+            err = np.abs(got - ref).max() / np.abs(ref).max()
+            assert err < tol, f"fold {name} {dtype} ({how}): {err:.2e} of the largest value"
+        assert_close(r["Xh"], r["cs"][:, None] * x64, 1e-30, 1e-2 if bf else 1e-6, f"fold X {dtype}")
+        assert_close(r["scaled"], r["scaled_ref"], 1e-30, 1e-2 if bf else 1e-6, f"fold scale {dtype}")
+    assert r0["ctl"][1] == 0 and r0["ctl"][4] == 0, f"counters not reset: {r0['ctl']}"
+    lse2 = np.floor(np.log2(np.exp(losses_ref + (x64 @ w64.T)[np.arange(N), targets])))
+    assert abs(int(r0["ctl"][0]) - (int((lse2.max() + lse2.min()) // 2) + 10)) <= 1, f"next k {r0['ctl'][0]}"
+    # another k: P and X scaled by 2^-k and 2^k, the losses the same (up to the rounding of logit log2 e - k)
+    k = 7
+    r1, _ = _run_fold(rt, N, V, Vp, C, dtype, k)
+    assert_close(r1["losses"], r0["losses"], 1e-5, 1e-5, f"fold losses at k = {k} against k = 0")
+    rel = 2.0 ** -7 if bf else 1e-5  # (bf16: a value next to a rounding boundary may round the other way)
+    assert_close(r1["Ph"] * 2.0 ** k, r0["Ph"], 1e-30, rel, f"fold P at k = {k}, times 2^{k}")
+    assert_close(r1["Xh"], r0["Xh"] * 2.0 ** k, 1e-30, rel, f"fold X at k = {k}, times 2^-{k}")
+    # k far from every row: each row recomputed by classifier_fold_fix (its own GEMV logits)
+    rf, _ = _run_fold(rt, N, V, Vp, C, dtype, 400)
+    ftol = 4e-2 if bf else 2e-4  # bf16: the recomputed logits are stored as bf16 before their exps
+    assert_close(rf["losses"], losses_ref, 2e-2 if bf else 1e-4, 0, f"fold losses {dtype} (fix)")
+    for name, got, ref in (("dlogits", rf["cs"][:, None] * rf["Ph"], dl_ref), ("dinp", rf["dinp"], dinp_ref),
+                           ("dwte", rf["dwte"], dwte_ref)):
+        err = np.abs(got - ref).max() / np.abs(ref).max()
+        assert err < ftol, f"fold {name} {dtype} (fix): {err:.2e} of the largest value"
+    assert rf["ctl"][1] == 0 and abs(int(rf["ctl"][0]) - int(r0["ctl"][0])) <= 1, f"fix path's next k: {rf['ctl']}"
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_fold_build_matches_the_kernels(dtype):
+    """fold_build on the fake runtime (tests/fake_runtime.py): every entry point it asks for exists in
+    cuda/gemm_wgmma.cu and cuda/classifier.cu with the argument types it passes (checked against their
+    PTX), and the combine, fix and scale launches pass as many arguments as the kernels take."""
+    from tests.fake_runtime import FakeRuntime
+    rt = FakeRuntime(1 << 24)
+    N, V, Vp, C = 65, 1000, 1024, 72
+    f = cls.fold_build(rt, N, V, Vp, C, dtype)
+    assert f.tiles == Vp // 128 and f.FS.shape == (N, f.tiles) and f.X.shape == (N, C)
+    assert list(rt.np(f.ctl)) == list(cls.FOLD_INIT)
+    tdt = BF16 if dtype == "bf16" else np.float32
+    P, lnf, wte = rt.empty((N, Vp), tdt), rt.empty((N, C), tdt), rt.empty((Vp, C), tdt)
+    losses, targets = rt.empty((N,)), rt.empty((N,), np.int32)
+    f.combine(losses, P, targets, lnf, 0.5)
+    f.fix(losses, P, targets, lnf, wte, 0.5)
+    f.scale(lnf)
+    assert [la.func for la in rt.launches][-3:] == [f"classifier_fold_{n}{'_bf16' if dtype == 'bf16' else ''}"
+                                                        for n in ("combine", "fix", "scale")]

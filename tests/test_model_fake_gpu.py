@@ -575,3 +575,51 @@ def test_every_backward_build_is_launched(precision, side, recompute):
     assert set(m.built) - used == {"gelu_backward", "layernorm_backward_colsum"}
     assert set(m.built_first) <= used
     assert all(f"mmb_{n}" in m.built for n in ("fc", "attproj", "qkv")) == (not side)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_folded_classifier_plumbing(precision):
+    """The classifier folded into the lm head (fold_build; emulated in numpy by tests/fake_runtime.py's
+    FakeFold): training steps through the graph path with gradient accumulation give the losses, gradients
+    and weights of the same model without the fold, within fp32 rounding (bf16: bf16's); the training
+    forward launches the fold (no classifier pass), the backward its row scale, and a forward without
+    targets or an evaluation forward the plain lm head and classifier. So the model feeds the fold the
+    right buffers in the right order: X (not lnf) to dwte, the scale after dinp and before lnf's backward."""
+    B, T, accum = 2, 8, 2
+    rng = np.random.default_rng(2)
+    batches = [(rng.integers(0, CFG.vocab_size, (B, T)).astype(np.int32),
+                rng.integers(0, CFG.vocab_size, (B, T)).astype(np.int32)) for _ in range(3 * accum)]
+    runs = []
+    for fold in (False, True):
+        be = FakeCudaBackend(precision=precision)
+        be.emulate_fold = fold
+        m = GPT2(CFG, be, B, T, fold=fold)
+        assert (m.fold is not None) == fold
+        m.init_params(5)
+        m.grad_accum_steps = accum
+        out = []
+        for step in range(1, 4):
+            m.zero_grad()
+            for x, y in batches[(step - 1) * accum:step * accum]:
+                m.train_micro_step(x, y)
+            out.append(np.array([m.step_loss()]))
+            out.append(m.get_grads())
+            m.update(lr=1e-3, step=step, weight_decay=0.1)
+        out.append(m.get_params())
+        names = list(be.launches)
+        if fold:
+            assert "classifier" not in names, "a training step ran the classifier"
+            assert names.count("classifier fold gemm") == 3 * accum and names.count("classifier fold scale") == 3 * accum
+            i = names.index("classifier fold scale")
+            assert names[i - 1] == "matmul_backward" and names[i + 1] == "layernorm_backward", names[i - 2:i + 2]
+            be.launches.clear()
+            m.forward(batches[0][0], batches[0][1], grad=False)  # evaluation: the logits and the classifier
+            assert "classifier" in be.launches and "classifier fold gemm" not in be.launches
+            assert isinstance(m.fold.state()["k"], int)
+        runs.append(out)
+    for i, (a, b) in enumerate(zip(*runs)):
+        if precision == "fp32":
+            np.testing.assert_allclose(b, a, rtol=2e-4, atol=2e-6, err_msg=f"item {i} (fold against no fold)")
+        else:  # bf16 gradients round at other points: within 5% of each tensor's largest value (seen: 0.5-2%)
+            err = np.abs(b - a).max() / np.abs(a).max()
+            assert err < 5e-2, f"item {i}: fold against no fold in bf16, {err:.2e} of the largest value"

@@ -280,3 +280,74 @@ OPS = [
            doc="losses(N)=, logits(N,Vp) in/out, targets(N) int32, dloss, write_dlogits: fused softmax "
                "+ cross-entropy; the logit gradient overwrites the logits, padded columns zeroed"),
 ]
+
+
+# ----------------------------------------------------------------------------------------------
+# The classifier folded into the lm head's GEMMs (a form of the model, not a variant of this op: its
+# launches take the lm head's operands; docs/matmul_notes.md, "The classifier folded into the lm head")
+
+FOLD_INIT = (0, 0, -(1 << 30), 1 << 30, 0)  # ctl: k, flagged rows, largest / smallest lse (log2), done blocks
+
+
+class Fold:
+    """The folded classifier's state and launches, for N rows of V classes (Vp padded), model width C,
+    dtype "fp32" (with the TF32 GEMMs) or "bf16":
+
+        f = fold_build(rt, N, V, Vp, C, "bf16")
+        f.forward(P, lnf, wte, targets)      # P (N, Vp) = p' (the lm head's _fold GEMM), f.FS the tile sums
+        f.combine(losses, P, targets, lnf, dloss)   # losses, P's folded target elements, f.X, f.cs
+        f.fix(losses, P, targets, lnf, wte, dloss)  # the rows out of range, recomputed; the next k
+        # backward: dinp = P @ wte, dwte += P^T @ f.X (the usual GEMMs), then
+        f.scale(dinp)                        # dinp rows *= f.cs
+
+    k (f.ctl[0]) only keeps p' in range: results are the same bits for every k that does. It moves to
+    the middle of each step's rows (the fix kernel's last block); state() / load_state() carry it."""
+
+    def __init__(self, rt, N, V, Vp, C, dtype):
+        from llmc.ops.gemm_wgmma import wgmma_fold_build
+        if dtype not in ("fp32", "bf16"):
+            raise LLMCError(f"classifier fold: dtype {dtype!r}; expected fp32 or bf16")
+        self.rt, self.N, self.V, self.Vp, self.C, self.dtype = rt, N, V, Vp, C, dtype
+        tdt = np.float32 if dtype == "fp32" else BF16
+        self.gemm = wgmma_fold_build(rt, "bf16" if dtype == "bf16" else "tf32", N, Vp, C, V,
+                                     out="bf16" if dtype == "bf16" else "fp32")
+        self.tiles = self.gemm.tiles
+        self.FS = rt.empty((N, self.tiles), np.float32)
+        self.X = rt.empty((N, C), tdt)
+        self.cs = rt.empty((N,), np.float32)
+        self.flagged = rt.empty((N,), np.int32)
+        self.ctl = rt.to_device(np.array(FOLD_INIT, np.int32))
+        sfx = "_bf16" if dtype == "bf16" else ""
+        self._combine = rt.kernel(MODULE, "classifier_fold_combine" + sfx, "PPPPPPPPPfiiii", label=f"classifier fold combine{sfx}")
+        self._fix = rt.kernel(MODULE, "classifier_fold_fix" + sfx, "PPPPPPPPPfiiii", label=f"classifier fold fix{sfx}")
+        self._scale = rt.kernel(MODULE, "classifier_fold_scale" + sfx, "PPii", label=f"classifier fold scale{sfx}")
+        self.grid_rows = (max(1, min(-(-N // 8), rt.sm_count * 8)), 1, 1)  # 8 warps a block, a warp a row
+        self.grid_fix = (rt.sm_count, 1, 1)
+
+    def forward(self, P, lnf, wte, targets=None):
+        self.gemm(P, lnf, wte, self.FS, self.ctl)
+
+    def combine(self, losses, P, targets, lnf, dloss):
+        self._combine(self.grid_rows, (256, 1, 1), losses.ptr, P.ptr, self.FS.ptr, targets.ptr, lnf.ptr, self.X.ptr,
+                      self.cs.ptr, self.ctl.ptr, self.flagged.ptr, np.float32(dloss), np.int32(self.N),
+                      np.int32(self.Vp), np.int32(self.C), np.int32(self.tiles))
+
+    def fix(self, losses, P, targets, lnf, wte, dloss):
+        self._fix(self.grid_fix, (1024, 1, 1), losses.ptr, P.ptr, targets.ptr, lnf.ptr, wte.ptr, self.X.ptr,
+                  self.cs.ptr, self.ctl.ptr, self.flagged.ptr, np.float32(dloss), np.int32(self.N), np.int32(self.V),
+                  np.int32(self.Vp), np.int32(self.C), smem=4 * self.C)
+
+    def scale(self, dinp):
+        self._scale(self.grid_rows, (256, 1, 1), dinp.ptr, self.cs.ptr, np.int32(self.N), np.int32(self.C))
+
+    def state(self) -> dict:
+        return {"k": int(self.ctl.get()[0])}
+
+    def load_state(self, st: dict) -> None:
+        init = np.array(FOLD_INIT, np.int32)
+        init[0] = int(st.get("k", 0))
+        self.ctl.set(init)
+
+
+def fold_build(rt, N, V, Vp, C, dtype="fp32") -> Fold:
+    return Fold(rt, N, V, Vp, C, dtype)

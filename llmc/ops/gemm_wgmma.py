@@ -589,6 +589,64 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
     return launch
 
 
+# The lm head's forward when the classifier is folded into the lm head's GEMMs (cuda/gemm_wgmma.cu,
+# GEMM_WGMMA_FOLD_ENTRY): the 128 x 128 ping-pong TMA-store tile, which the planner picks for the lm head's
+# forward in both precisions. (input, output) -> stages.
+FOLD_INSTANCES = {("tf32", "fp32"): 5, ("bf16", "bf16"): 6}
+FOLD_BN = 128
+
+
+def fold_instance_name(ty: str, out: str) -> str:
+    return f"gemm_wgmma_{ty}_n{FOLD_BN}_ts_pp128_fold{'_bf16' if out == 'bf16' else ''}"
+
+
+def wgmma_fold_build(rt, dtype: str, M: int, N: int, K: int, V: int, out: str = "fp32"):
+    """The lm head's forward for the folded classifier (llmc/ops/classifier.py: fold_build): instead of
+    the logits A(M,K) @ B(N,K)^T, C gets p' = 2^(logit log2(e) - k) (k: the int32 device scalar at
+    fold_k; columns >= V: 0), and FS (M, ceil(N / 128)) fp32 the sum of p' per row and 128-wide tile.
+    Both operands K-major (lnf and wte as they lie), tf32 -> fp32 or bf16 -> bf16, C (M, N) contiguous.
+    Returns launch(C, A, B, FS, fold_k); launch.tiles is FS's row length."""
+    ty = "bf16" if dtype == "bf16" else "tf32"
+    if (ty, out) not in FOLD_INSTANCES:
+        raise LLMCError(f"gemm engine 5: the fold instances are tf32 -> fp32 and bf16 -> bf16 (asked {ty} -> {out})")
+    if not 0 < V <= N:
+        raise LLMCError(f"gemm engine 5: fold with V={V} outside (0, N={N}]")
+    why = check(dtype, M, N, K, K, K)
+    if why:
+        raise LLMCError(f"gemm engine 5 refuses M={M} N={N} K={K}: {why}")
+    obytes = OUT_BYTES[out]
+    if (N * obytes) % 16:
+        raise LLMCError(f"gemm engine 5: the fold's TMA store needs 16-byte rows of C (N={N})")
+    stages = FOLD_INSTANCES[(ty, out)]
+    smem = pp_smem_bytes(128, FOLD_BN, stages, True, out)
+    name = fold_instance_name(ty, out)
+    k = rt.kernel(MODULE, name, "PPPPPPiiiii",
+                  label=f"gemm 5 ({ty}{' -> bf16' if out == 'bf16' else ''}, 128x{FOLD_BN} ping-pong, TMA store + fold)")
+    k.set_max_dynamic_smem(smem)
+    tiles_n = -(-N // FOLD_BN)
+    units = -(-M // 128) * tiles_n
+    grid, block = (min(units, rt.sm_count), 1, 1), (384, 1, 1)
+    maps: dict = {}
+
+    def _p(x):
+        return int(x if isinstance(x, (int, np.integer)) else x.ptr)
+
+    def launch(C, A, B, FS, fold_k):
+        a, b, c = _p(A), _p(B), _p(C)
+        if (a | b | c) & 15:
+            raise LLMCError(f"gemm engine 5: fold operands must be 16-byte aligned (A=0x{a:x}, B=0x{b:x}, C=0x{c:x})")
+        dm = maps.get((a, b, c))
+        if dm is None:
+            blob = (tensor_map(a, dtype, M, K, K, 128) + tensor_map(b, dtype, N, K, K, FOLD_BN)
+                    + tensor_map(c, "bf16" if out == "bf16" else "tf32t", M, N, N, 64, box_bytes(FOLD_BN * obytes)))
+            dm = maps[(a, b, c)] = rt.to_device(np.frombuffer(blob, np.uint8))
+        k(grid, block, dm.ptr, dm.ptr + 128, dm.ptr + 256, c, _p(FS), _p(fold_k), np.int32(M), np.int32(N),
+          np.int32(K), np.int32(N), np.int32(V), smem=smem)
+    launch.plan = (5, f"128x{FOLD_BN}+ts+pp+fold", 1)
+    launch.tiles = tiles_n
+    return launch
+
+
 def _dgelu_launch(rt, name, label, smem, dtype, out, M, N, K, lda, ldb, ldc, alpha, bn, b_major, colsum, plan_):
     """wgmma_build's launch for the dgelu instances: launch(C, A, B, P, colsum=None)."""
     k = rt.kernel(MODULE, name, "PPPPPPiiiif", label=label)
