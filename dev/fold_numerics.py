@@ -1,15 +1,16 @@
-"""Numerics of the classifier folded into the lm head (a lead, docs/matmul_notes.md, session 38), simulated in numpy
-against float64 and against today's bf16 path.
+"""Numerics of the classifier folded into the lm head (docs/matmul_notes.md; designed in session 38, built in 39),
+simulated in numpy against float64 and against the bf16 path without the fold (LLMC_CLASSIFIER_FOLD=0).
 
     python dev/fold_numerics.py                 # 256 rows, C = 96, GPT-2's vocabulary
     python dev/fold_numerics.py --rows 64 --offsets 0 40
 
-Today (bf16): the lm head stores bf16 logits, the classifier takes the softmax in fp32 from them and rounds
-dlogits to bf16, and the backward GEMMs read those. Folded: the forward's epilogue stores p' = exp(logit - B) in
-bf16 (B one scalar), sums it per 128-wide tile in fp32 and keeps the target's fp32 logit; a combine step takes
-lse = B + log(sum), the loss, one scale per row c = exp(B - lse) * dloss, writes p' - exp(lse - B) at the target
-(so that c times it is (p - 1) * dloss) and X' = c * lnf in bf16; then dinp = c * (stored @ wte) and
-dwte = stored^T @ X'. Every GEMM here is bf16 operands with fp32 accumulation, as the tensor cores do.
+"today" (the unfolded bf16 path): the lm head stores bf16 logits, the classifier takes the softmax in fp32 from
+them and rounds dlogits to bf16, and the backward GEMMs read those. Folded, as built: the forward's epilogue stores
+p' = exp(logit - B) in bf16 (B = k ln 2, one scalar), sums it per 128-wide tile in fp32; the combine takes the sum
+S, the loss log S - log p'_target (p'_target as stored), one scale per row c = dloss / S, writes p' - S at the
+target (so that c times it is (p - 1) * dloss) and X = c * lnf in bf16; then dinp = c * (stored @ wte), the GEMM's
+output rounded to bf16 before the scale and again after it, and dwte = stored^T @ X. Every GEMM here is bf16
+operands with fp32 accumulation, as the tensor cores do.
 """
 import argparse
 
@@ -61,12 +62,13 @@ def errors(rows: int = 256, C: int = 96, V: int = 50257, Vp: int = 50304, tile: 
         pp = np.exp(acc - B)
         pp[:, V:] = 0
         ssum = pp.reshape(N, -1, tile).sum(2, dtype=np.float32).sum(1, dtype=np.float32)
-        lse = B + np.log(ssum)
-        c = np.exp(B - lse) * np.float32(dloss)
+        c = (np.float32(dloss) / ssum).astype(np.float32)
         st = round_bf16(pp)
-        st[rows_, tgt] = round_bf16((st[rows_, tgt] - np.exp(lse - B)).astype(np.float32))
+        loss = np.log(ssum.astype(np.float64)) - np.log(st[rows_, tgt].astype(np.float64))
+        st[rows_, tgt] = round_bf16((st[rows_, tgt] - ssum).astype(np.float32))
         xs = round_bf16((c[:, None] * xb).astype(np.float32))
-        out[f"B={float(B):.1f}"] = rel((lse - acc[rows_, tgt], c[:, None] * (st @ Wb), st.T @ xs))
+        dinp = round_bf16((c[:, None] * round_bf16((st @ Wb).astype(np.float32))).astype(np.float32))
+        out[f"B={float(B):.1f}"] = rel((loss, dinp, st.T @ xs))
     return out
 
 
