@@ -296,6 +296,9 @@ class CudaBackend(_Choosing):
         None where the lm head's matmul_forward is not GEMM engine 5 (variant 9)."""
         if self.choose("matmul_forward", None, self.precision, N=N, C=C, OC=Vp, has_bias=False) != 9:
             return None
+        esize = 2 if self.precision == "bf16" else 4
+        if (Vp * esize) % 16 or (C * esize) % 16:  # (the fold's TMA loads and store: 16-byte rows)
+            return None
         from llmc.ops.classifier import fold_build
         return fold_build(self.rt, N, V, Vp, C, self.precision)
 

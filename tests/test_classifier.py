@@ -414,3 +414,18 @@ def test_fold_build_matches_the_kernels(dtype):
     f.scale(lnf)
     assert [la.func for la in rt.launches][-3:] == [f"classifier_fold_{n}{'_bf16' if dtype == 'bf16' else ''}"
                                                         for n in ("combine", "fix", "scale")]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_fold_only_where_it_runs(precision):
+    """CudaBackend.fold_build (on the fake H100): the fold where the lm head runs on GEMM engine 5 (matmul_forward
+    9) and its rows are 16-byte multiples; None (the model keeps the classifier pass) on a vocabulary or width
+    the TMA can't take, or with another matmul_forward variant named."""
+    from llmc.backend import CudaBackend
+    from tests.fake_runtime import FakeRuntime
+    be = CudaBackend(quiet=True, rt=FakeRuntime(1 << 24), precision=precision)
+    assert isinstance(be.fold_build(64, 1000, 1024, 72), cls.Fold)
+    assert be.fold_build(64, 1000, 1001, 72) is None  # Vp's rows not 16-byte multiples
+    assert be.fold_build(64, 1000, 1024, 70 if precision == "bf16" else 66) is None
+    named = CudaBackend({"matmul_forward": 7}, quiet=True, rt=FakeRuntime(1 << 24), precision=precision)
+    assert named.fold_build(64, 1000, 1024, 72) is None
