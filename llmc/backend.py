@@ -212,6 +212,9 @@ class CpuBackend(_Choosing):
     def fuses(self, name, form, precision=None, **shape) -> int | None:
         return 0  # the numpy launchers implement every form of their op
 
+    def fold_build(self, N, V, Vp, C):
+        return None  # (the folded classifier is GPU kernels only: numpy runs the classifier op)
+
     def build(self, name, prefer=None, precision=None, **shape) -> ops.Built:
         return ops.get(name).build_cpu(**shape)  # (one dtype: self.dtype)
 

@@ -298,8 +298,7 @@ class GPT2:
             if fold is None:  # (a classifier variant named on the command line runs in training: no fold)
                 fold = switches.on("LLMC_CLASSIFIER_FOLD") and not be.named("classifier")
             if fold:
-                build = getattr(be, "fold_build", None)
-                self.fold = build(N, V, Vp, C) if build is not None else None
+                self.fold = be.fold_build(N, V, Vp, C)
             # Each layer GEMM's two-GEMM form only where the backward launches it (its transposes' scratch and
             # split-K partials are allocated with the build: fp32 B=16 0.24 GiB for the four unused ones):
             # fcproj's where neither the GELU recompute form nor the dgelu form takes its place, the other

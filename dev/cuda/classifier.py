@@ -81,6 +81,57 @@ for dtype in DTYPES:
         L.time(f"{n}{sfx} loss only", lambda: launch(d_losses, d_logits, d_targets, DLOSS, 0), bytes=bytes_loss)
     del dlogits_ref  # host memory: 1.6 GB of float64
 
+# The classifier folded into the lm head (the trainer's training steps; docs/matmul_notes.md, "The classifier folded
+# into the lm head"): the pair it replaces, the lm head GEMM (engine 5) then variant 7 over its logits, against the
+# fold's forward: the GEMM writing p' and its row sums, the combine, the fix (no rows to redo here after the first
+# run). Both rows count the GEMM's FLOPs (2 N Vp C, C = 768). The fold's losses are checked against float64 on its
+# first 256 rows; its gradients: tests/test_classifier.py's GPU tests.
+if rt.arch == "sm_90":
+    from llmc.bf16 import BF16
+    from llmc.ops.gemm_wgmma import wgmma_build
+    C = 768
+    frng = np.random.default_rng(1)
+    lnf = frng.standard_normal((N, C)).astype(np.float32)
+    wte = (0.3 * frng.standard_normal((Vp, C))).astype(np.float32)
+    wte[V:] = 0.0
+    flops = 2 * N * Vp * C
+    for dtype in DTYPES:
+        L.section(dtype)
+        print(f"\n## {dtype}: the lm head + classifier 7, and the fold")
+        sfx = "" if dtype == "fp32" else " bf16"
+        if dtype == "bf16":
+            h_lnf, h_wte = to_bf16(lnf), to_bf16(wte)
+            x64, w64 = from_bf16(h_lnf).astype(np.float64), from_bf16(h_wte).astype(np.float64)
+        else:
+            h_lnf, h_wte = lnf, wte
+            x64, w64 = lnf.astype(np.float64), wte.astype(np.float64)
+        d_lnf, d_wte = rt.to_device(h_lnf), rt.to_device(h_wte)
+        P = rt.empty((N, Vp), BF16 if dtype == "bf16" else np.float32)
+        gemm = wgmma_build(rt, "bf16" if dtype == "bf16" else "tf32", N, Vp, C, out=dtype)
+        c7 = spec.build(rt, 7, dtype, N=N, V=V, Vp=Vp).launch
+        fold = op_module.fold_build(rt, N, V, Vp, C, dtype)
+
+        def pair():
+            gemm(P, d_lnf, d_wte, None)
+            c7(d_losses, P, d_targets, DLOSS, 1)
+
+        def folded():
+            fold.forward(P, d_lnf, d_wte)
+            fold.combine(d_losses, P, d_targets, d_lnf, DLOSS)
+            fold.fix(d_losses, P, d_targets, d_lnf, d_wte, DLOSS)
+        folded()
+        rows = 256
+        ref, _ = classifier_forward_ref(x64[:rows] @ w64.T, targets[:rows], V)
+        err = float(np.abs(d_losses.get()[:rows] - ref).max())
+        ok = err < 2e-2  # (TF32 logits carry ~1e-3 of |logit| ~ 10; bf16's p' 2^-9 of the target's)
+        print(f"  fold{sfx}: losses of the first {rows} rows within {err:.2e} of float64: {'OK' if ok else 'FAIL'}")
+        if not ok:
+            L.failed.append(f"fold{sfx}")
+        ceiling = "tf32" if dtype == "fp32" else None
+        L.time(f"lm head GEMM + classifier 7{sfx}", pair, flops=flops, ceiling=ceiling)
+        L.time(f"fold: lm head GEMM + combine + fix{sfx}", folded, flops=flops, ceiling=ceiling)
+        del P, d_lnf, d_wte, fold
+
 try:
     import torch
     if not torch.cuda.is_available():
