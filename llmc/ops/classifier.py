@@ -294,14 +294,15 @@ class Fold:
     dtype "fp32" (with the TF32 GEMMs) or "bf16":
 
         f = fold_build(rt, N, V, Vp, C, "bf16")
-        f.forward(P, lnf, wte, targets)      # P (N, Vp) = p' (the lm head's _fold GEMM), f.FS the tile sums
+        f.forward(P, lnf, wte)               # P (N, Vp) = p' (the lm head's _fold GEMM), f.FS the tile sums
         f.combine(losses, P, targets, lnf, dloss)   # losses, P's folded target elements, f.X, f.cs
         f.fix(losses, P, targets, lnf, wte, dloss)  # the rows out of range, recomputed; the next k
         # backward: dinp = P @ wte, dwte += P^T @ f.X (the usual GEMMs), then
         f.scale(dinp)                        # dinp rows *= f.cs
 
-    k (f.ctl[0]) only keeps p' in range: results are the same bits for every k that does. It moves to
-    the middle of each step's rows (the fix kernel's last block); state() / load_state() carry it."""
+    k (f.ctl[0]) keeps p' = 2^(logit log2 e - k) in range; the results move with it only by the rounding
+    of logit log2 e - k (~5e-6 relative). It moves to the middle of each step's rows (the fix kernel's last
+    block); state() / load_state() carry it (the trainer's state file keeps it, so resume is exact)."""
 
     def __init__(self, rt, N, V, Vp, C, dtype):
         from llmc.ops.gemm_wgmma import wgmma_fold_build
@@ -324,7 +325,7 @@ class Fold:
         self.grid_rows = (max(1, min(-(-N // 8), rt.sm_count * 8)), 1, 1)  # 8 warps a block, a warp a row
         self.grid_fix = (rt.sm_count, 1, 1)
 
-    def forward(self, P, lnf, wte, targets=None):
+    def forward(self, P, lnf, wte):
         self.gemm(P, lnf, wte, self.FS, self.ctl)
 
     def combine(self, losses, P, targets, lnf, dloss):
