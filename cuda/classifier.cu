@@ -569,10 +569,45 @@ extern "C" __global__ void __launch_bounds__(1024, 2) classifier_kernel6_bf16_ve
 #define FOLD_MID (-10)
 #define FOLD_LN2 0.6931471805599453f
 
+// X's row r = c * lnf's row by one warp, in 16-byte vectors (the fold needs rows of 16-byte multiples:
+// Fold checks C), FOLD_U of them a lane in flight: all a chunk's loads, then its stores. `pre` holds the
+// first chunk's loads when the caller issued them early (fold_combine), else nullptr.
+#ifndef FOLD_U
+#define FOLD_U 8  // (the lab sweeps it: --define classifier:FOLD_U=4)
+#endif
+template <typename T, int U = FOLD_U>
+__device__ __forceinline__ void fold_row_x(int r, float c, const T* lnf, T* X, int C,
+                                           const typename Vec16<T>::raw* pre) {
+    typedef Vec16<T> V16;
+    const int lane = threadIdx.x & 31, nv = C / V16::N;
+    const T* x = lnf + (size_t)r * C;
+    T* xo = X + (size_t)r * C;
+    for (int i0 = 0; i0 < nv; i0 += 32 * U) {
+        typename V16::raw v[U];
+#pragma unroll
+        for (int j = 0; j < U; j++) {
+            const int i = i0 + j * 32 + lane;
+            if (i < nv) v[j] = (pre && i0 == 0) ? pre[j] : V16::ld(x + (size_t)i * V16::N);
+        }
+#pragma unroll
+        for (int j = 0; j < U; j++) {
+            const int i = i0 + j * 32 + lane;
+            if (i < nv) {
+                float f[V16::N];
+                V16::unpack(f, v[j]);
+#pragma unroll
+                for (int q = 0; q < V16::N; q++) f[q] *= c;
+                V16::st(xo + (size_t)i * V16::N, V16::pack(f));
+            }
+        }
+    }
+}
+
 // row r's scale, folded target element and X by one warp; loss and cs by lane 0
 template <typename T>
-__device__ __forceinline__ void fold_finish_row(int r, float S, float loss, float* losses, T* P, const int* targets,
-                                                const T* lnf, T* X, float* cs, float dloss, int Vp, int C) {
+__device__ __forceinline__ void fold_finish_row(int r, float S, float loss, float* losses, T* P, int t, float pt,
+                                                const T* lnf, T* X, float* cs, float dloss, int Vp, int C,
+                                                const typename Vec16<T>::raw* pre) {
     const int lane = threadIdx.x & 31;
     int e;
     const float m = frexpf(S, &e);
@@ -580,37 +615,44 @@ __device__ __forceinline__ void fold_finish_row(int r, float S, float loss, floa
     if (lane == 0) {
         losses[r] = loss;
         cs[r] = c;
-        T* pt = P + (size_t)r * Vp + targets[r];
-        *pt = from_f32<T>(to_f32(*pt) - S);
+        P[(size_t)r * Vp + t] = from_f32<T>(pt - S);
     }
-    const T* x = lnf + (size_t)r * C;
-    T* xo = X + (size_t)r * C;
-    for (int i = lane; i < C; i += 32) xo[i] = from_f32<T>(c * to_f32(x[i]));
+    if (pre) fold_row_x<T>(r, c, lnf, X, C, pre);
+    else fold_row_x<T, 2>(r, c, lnf, X, C, nullptr);  // (the fix: 1024 threads, 64 registers)
 }
 
-// a warp per row (grid-stride); one pair of global atomics per block for ctl[2], ctl[3]
+// a warp per row (grid-stride); one pair of global atomics per block for ctl[2], ctl[3]. A row's loads
+// are issued together (its target and p'_t, the tile sums, the first chunk of its lnf row) so that it
+// waits about two memory latencies, not one per step.
 template <typename T>
 __device__ __forceinline__ void fold_combine(float* losses, T* P, const float* FS, const int* targets, const T* lnf,
                                              T* X, float* cs, int* ctl, int* flagged, float dloss, int N, int Vp,
                                              int C, int tiles) {
+    typedef Vec16<T> V16;
     __shared__ int sh_hi, sh_lo;
     if (threadIdx.x == 0) { sh_hi = -(1 << 30); sh_lo = 1 << 30; }
     __syncthreads();
-    const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    const int lane = threadIdx.x & 31, warps = blockDim.x >> 5, nv = C / V16::N;
     const int k = ctl[0];
     for (int r = blockIdx.x * warps + (threadIdx.x >> 5); r < N; r += gridDim.x * warps) {
+        const int t = targets[r];  // (every lane: one broadcast load)
+        const float pt = to_f32(P[(size_t)r * Vp + t]);
+        typename V16::raw pre[FOLD_U];
+        const T* x = lnf + (size_t)r * C;
+#pragma unroll
+        for (int j = 0; j < FOLD_U; j++)
+            if (j * 32 + lane < nv) pre[j] = V16::ld(x + (size_t)(j * 32 + lane) * V16::N);
         const float* row = FS + (size_t)r * tiles;
         float s = 0.0f;
         for (int i = lane; i < tiles; i += 32) s += __ldcs(row + i);
 #pragma unroll
         for (int x = 16; x >= 1; x >>= 1) s += __shfl_xor_sync(0xffffffffu, s, x);  // (every lane: the same bits)
-        const float pt = to_f32(P[(size_t)r * Vp + targets[r]]);
         int e, et;
         const float m = frexpf(s, &e), mt = frexpf(pt, &et);
         const bool ok = s >= 0x1p-84f && s <= 0x1p80f && pt >= 0x1p-120f && pt <= 0x1p80f;  // (NaN: not ok)
         if (ok) {
             const float loss = (log2f(m) - log2f(mt) + (float)(e - et)) * FOLD_LN2;
-            fold_finish_row<T>(r, s, loss, losses, P, targets, lnf, X, cs, dloss, Vp, C);
+            fold_finish_row<T>(r, s, loss, losses, P, t, pt, lnf, X, cs, dloss, Vp, C, pre);
         } else if (lane == 0) {
             const int at = atomicAdd(&ctl[1], 1);
             if (at < N) flagged[at] = r;  // (more only if a combine ran twice without the fix between)
@@ -675,6 +717,7 @@ template <typename T>
 __device__ __forceinline__ void fold_fix(float* losses, T* P, const int* targets, const T* lnf, const T* wte, T* X,
                                          float* cs, int* ctl, const int* flagged, float dloss, int N, int V, int Vp,
                                          int C) {
+    typedef Vec16<T> V16;
     extern __shared__ float xrow[];
     __shared__ float sh[32];
     __shared__ float sh_t;
@@ -690,7 +733,12 @@ __device__ __forceinline__ void fold_fix(float* losses, T* P, const int* targets
         for (int v = w; v < V; v += nw) {
             const T* wr = wte + (size_t)v * C;
             float acc = 0.0f;
-            for (int c = lane; c < C; c += 32) acc += xrow[c] * to_f32(wr[c]);
+            for (int i = lane; i < C / V16::N; i += 32) {  // (16-byte vectors: Fold checks C)
+                float f[V16::N];
+                V16::unpack(f, V16::ld(wr + (size_t)i * V16::N));
+#pragma unroll
+                for (int q = 0; q < V16::N; q++) acc += xrow[i * V16::N + q] * f[q];
+            }
 #pragma unroll
             for (int x = 16; x >= 1; x >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, x);
             if (lane == 0) {
@@ -715,7 +763,7 @@ __device__ __forceinline__ void fold_fix(float* losses, T* P, const int* targets
             atomicMin(&ctl[3], e - 1 + kr);
         }
         const float loss = (log2f(s) + (float)kr) * FOLD_LN2 - sh_t;
-        if (w == 0) fold_finish_row<T>(r, s, loss, losses, P, targets, lnf, X, cs, dloss, Vp, C);
+        if (w == 0) fold_finish_row<T>(r, s, loss, losses, P, t, to_f32(prow[t]), lnf, X, cs, dloss, Vp, C, nullptr);
     }
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -732,28 +780,26 @@ __device__ __forceinline__ void fold_fix(float* losses, T* P, const int* targets
     }
 }
 
-extern "C" __global__ void classifier_fold_fix(float* losses, float* P, const int* targets, const float* lnf,
+extern "C" __global__ void __launch_bounds__(1024) classifier_fold_fix(float* losses, float* P, const int* targets, const float* lnf,
                                                const float* wte, float* X, float* cs, int* ctl, const int* flagged,
                                                float dloss, int N, int V, int Vp, int C) {
     LLMC_PDL_WAIT();
     fold_fix<float>(losses, P, targets, lnf, wte, X, cs, ctl, flagged, dloss, N, V, Vp, C);
 }
-extern "C" __global__ void classifier_fold_fix_bf16(float* losses, bf16* P, const int* targets, const bf16* lnf,
+extern "C" __global__ void __launch_bounds__(1024) classifier_fold_fix_bf16(float* losses, bf16* P, const int* targets, const bf16* lnf,
                                                     const bf16* wte, bf16* X, float* cs, int* ctl, const int* flagged,
                                                     float dloss, int N, int V, int Vp, int C) {
     LLMC_PDL_WAIT();
     fold_fix<bf16>(losses, P, targets, lnf, wte, X, cs, ctl, flagged, dloss, N, V, Vp, C);
 }
 
-// dinp (N, C) *= cs (N), per row: the dinp GEMM ran on P without the rows' scales
+// dinp (N, C) *= cs (N), per row: the dinp GEMM ran on P without the rows' scales. A warp per row,
+// 16-byte vectors, FOLD_U a lane in flight (all a chunk's loads, then its stores: in place)
 template <typename T>
 __device__ __forceinline__ void fold_scale(T* x, const float* cs, int N, int C) {
-    const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
-    for (int r = blockIdx.x * warps + (threadIdx.x >> 5); r < N; r += gridDim.x * warps) {
-        const float c = cs[r];
-        T* xr = x + (size_t)r * C;
-        for (int i = lane; i < C; i += 32) xr[i] = from_f32<T>(c * to_f32(xr[i]));
-    }
+    const int warps = blockDim.x >> 5;
+    for (int r = blockIdx.x * warps + (threadIdx.x >> 5); r < N; r += gridDim.x * warps)
+        fold_row_x<T>(r, cs[r], x, x, C, nullptr);
 }
 extern "C" __global__ void classifier_fold_scale(float* x, const float* cs, int N, int C) {
     LLMC_PDL_WAIT();

@@ -86,6 +86,40 @@ for dtype in DTYPES:
 # fold's forward: the GEMM writing p' and its row sums, the combine, the fix (no rows to redo here after the first
 # run). Both rows count the GEMM's FLOPs (2 N Vp C, C = 768). The fold's losses are checked against float64 on its
 # first 256 rows; its gradients: tests/test_classifier.py's GPU tests.
+def fold_kernels(dtype, sfx):
+    """The fold's memory-bound kernels alone, at B=4's rows and B=16's (16384), against a copy of their bytes:
+    the combine over every row (bytes: the tile sums, lnf read and X written, targets, losses, cs and the two
+    touches of p'_t), the row scale (dinp read and written in place, cs); then the fix with every row of B=4
+    flagged (a GEMV of each row against wte: FLOPs 2 N V C, CUDA cores). The combine runs on filled values that
+    keep every row in range and leave p'_t as it was (p'_t ~ 2^37, S ~ 1), so each repeat does the same work."""
+    es = 4 if dtype == "fp32" else 2
+    tdt = np.float32 if dtype == "fp32" else BF16
+    for n in (N, 4 * N):
+        f = op_module.fold_build(rt, n, V, Vp, C, dtype)
+        tg = rt.to_device(np.random.default_rng(2).integers(0, V, n).astype(np.int32))
+        P, x, ls = rt.empty((n, Vp), tdt), rt.empty((n, C), tdt), rt.empty((n,))
+        P.fill_bytes(0x52)  # p' ~ 2.3e11 (fp32 0x52525252, bf16 0x5252)
+        f.FS.fill_bytes(0x3B)  # 0.0029 a tile: S ~ 1.1
+        x.fill_bytes(0x3F)
+        cbytes = n * f.tiles * 4 + 2 * n * C * es + 3 * n * 4 + 2 * n * es
+        L.time(f"fold combine{sfx}, N={n}", lambda: f.combine(ls, P, tg, x, DLOSS), bytes=cbytes)
+        flagged = int(f.ctl.get()[1])
+        if flagged:
+            print(f"  fold combine{sfx}, N={n}: {flagged} rows flagged (expected none): FAIL")
+            L.failed.append(f"fold combine{sfx}")
+        L.time(f"fold scale{sfx}, N={n}", lambda: f.scale(x), bytes=2 * n * C * es + n * 4)
+        if n == N:  # every row through the fix: the ctl a combine leaves when it flags them all
+            f.flagged.set(np.arange(n, dtype=np.int32))
+            ctl = np.array(op_module.FOLD_INIT, np.int32)
+            ctl[1] = n
+            d_wte = rt.to_device(to_bf16(wte) if dtype == "bf16" else wte)
+            ms = L.time(f"fold fix{sfx}, all {n} rows flagged", lambda: (f.ctl.set(ctl), f.fix(ls, P, tg, x, d_wte, DLOSS)),
+                        flops=2 * n * V * C, ceiling="fp32")
+            print(f"  fold fix{sfx}: {1e3 * ms / n:.2f} us a flagged row ({rt.sm_count} blocks, a row each at a time)")
+            del d_wte
+        del f, P, x, tg, ls
+
+
 if rt.arch == "sm_90":
     from llmc.bf16 import BF16
     from llmc.ops.gemm_wgmma import wgmma_build
@@ -131,6 +165,7 @@ if rt.arch == "sm_90":
         L.time(f"lm head GEMM + classifier 7{sfx}", pair, flops=flops, ceiling=ceiling)
         L.time(f"fold: lm head GEMM + combine + fix{sfx}", folded, flops=flops, ceiling=ceiling)
         del P, d_lnf, d_wte, fold
+        fold_kernels(dtype, sfx)
 
 try:
     import torch

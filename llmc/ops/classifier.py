@@ -308,6 +308,9 @@ class Fold:
         from llmc.ops.gemm_wgmma import wgmma_fold_build
         if dtype not in ("fp32", "bf16"):
             raise LLMCError(f"classifier fold: dtype {dtype!r}; expected fp32 or bf16")
+        esize = 4 if dtype == "fp32" else 2
+        if (C * esize) % 16 or (Vp * esize) % 16:  # (the GEMM's TMA rows; the combine and scale: 16-byte vectors)
+            raise LLMCError(f"classifier fold: rows of C={C} and Vp={Vp} {dtype} values must be multiples of 16 bytes")
         self.rt, self.N, self.V, self.Vp, self.C, self.dtype = rt, N, V, Vp, C, dtype
         tdt = np.float32 if dtype == "fp32" else BF16
         self.gemm = wgmma_fold_build(rt, "bf16" if dtype == "bf16" else "tf32", N, Vp, C, V,
