@@ -573,7 +573,7 @@ extern "C" __global__ void __launch_bounds__(1024, 2) classifier_kernel6_bf16_ve
 // Fold checks C), FOLD_U of them a lane in flight: all a chunk's loads, then its stores. `pre` holds the
 // first chunk's loads when the caller issued them early (fold_combine), else nullptr.
 #ifndef FOLD_U
-#define FOLD_U 8  // (the lab sweeps it: --define classifier:FOLD_U=4)
+#define FOLD_U 4  // (the lab sweeps it: --define classifier:FOLD_U=8)
 #endif
 template <typename T, int U = FOLD_U>
 __device__ __forceinline__ void fold_row_x(int r, float c, const T* lnf, T* X, int C,
@@ -603,11 +603,11 @@ __device__ __forceinline__ void fold_row_x(int r, float c, const T* lnf, T* X, i
     }
 }
 
-// row r's scale, folded target element and X by one warp; loss and cs by lane 0
+// row r's scale, folded target element and (write_x) X by one warp; loss and cs by lane 0
 template <typename T>
 __device__ __forceinline__ void fold_finish_row(int r, float S, float loss, float* losses, T* P, int t, float pt,
                                                 const T* lnf, T* X, float* cs, float dloss, int Vp, int C,
-                                                const typename Vec16<T>::raw* pre) {
+                                                const typename Vec16<T>::raw* pre, bool write_x = true) {
     const int lane = threadIdx.x & 31;
     int e;
     const float m = frexpf(S, &e);
@@ -617,8 +617,7 @@ __device__ __forceinline__ void fold_finish_row(int r, float S, float loss, floa
         cs[r] = c;
         P[(size_t)r * Vp + t] = from_f32<T>(pt - S);
     }
-    if (pre) fold_row_x<T>(r, c, lnf, X, C, pre);
-    else fold_row_x<T, 2>(r, c, lnf, X, C, nullptr);  // (the fix: 1024 threads, 64 registers)
+    if (write_x) fold_row_x<T, 2>(r, c, lnf, X, C, pre);  // (the fix: 1024 threads, 64 registers)
 }
 
 // a warp per row (grid-stride); one pair of global atomics per block for ctl[2], ctl[3]. A row's loads
@@ -649,10 +648,14 @@ __device__ __forceinline__ void fold_combine(float* losses, T* P, const float* F
         for (int x = 16; x >= 1; x >>= 1) s += __shfl_xor_sync(0xffffffffu, s, x);  // (every lane: the same bits)
         int e, et;
         const float m = frexpf(s, &e), mt = frexpf(pt, &et);
-        const bool ok = s >= 0x1p-84f && s <= 0x1p80f && pt >= 0x1p-120f && pt <= 0x1p80f;  // (NaN: not ok)
+        const bool s_ok = s >= 0x1p-84f && s <= 0x1p80f;  // (NaN: not ok)
+        const bool ok = s_ok && pt >= 0x1p-120f && pt <= 0x1p80f;
+        // X from S alone, so its stores need not wait for p'_t (a row flagged for its p'_t alone is redone
+        // whole by the fix, X included)
+        if (s_ok) fold_row_x<T>(r, ldexpf(dloss / m, -e), lnf, X, C, pre);
         if (ok) {
             const float loss = (log2f(m) - log2f(mt) + (float)(e - et)) * FOLD_LN2;
-            fold_finish_row<T>(r, s, loss, losses, P, t, pt, lnf, X, cs, dloss, Vp, C, pre);
+            fold_finish_row<T>(r, s, loss, losses, P, t, pt, lnf, X, cs, dloss, Vp, C, nullptr, false);
         } else if (lane == 0) {
             const int at = atomicAdd(&ctl[1], 1);
             if (at < N) flagged[at] = r;  // (more only if a combine ran twice without the fix between)
@@ -791,6 +794,20 @@ extern "C" __global__ void __launch_bounds__(1024) classifier_fold_fix_bf16(floa
                                                     float dloss, int N, int V, int Vp, int C) {
     LLMC_PDL_WAIT();
     fold_fix<bf16>(losses, P, targets, lnf, wte, X, cs, ctl, flagged, dloss, N, V, Vp, C);
+}
+
+// A run's first folded step when k came from no state (Fold.prime): n rows spread over the batch put on
+// the list, as a combine that flagged them would, so that the fix that follows recomputes them and sets
+// k from their lse range before the lm head's forward runs. One block.
+extern "C" __global__ void classifier_fold_prime(int* ctl, int* flagged, int N, int n) {
+    LLMC_PDL_WAIT();
+    for (int i = threadIdx.x; i < n; i += blockDim.x) flagged[i] = (int)(((long long)i * N) / n);
+    if (threadIdx.x == 0) {
+        ctl[1] = n;
+        ctl[2] = -(1 << 30);
+        ctl[3] = 1 << 30;
+        ctl[4] = 0;
+    }
 }
 
 // dinp (N, C) *= cs (N), per row: the dinp GEMM ran on P without the rows' scales. A warp per row,

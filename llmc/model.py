@@ -701,6 +701,8 @@ class GPT2:
         self.folded = bool(self.fold and write_dlogits)
         if self.folded:  # p' and tile sums; losses, scales, X; the rows out of range recomputed
             f = self.fold
+            if not f.primed:  # (a run's first folded step without k from a state file: once, never captured)
+                f.prime(a["losses_N"], a["logits"], self.targets, a["lnf"], p["wte"])
             f.forward(a["logits"], a["lnf"], p["wte"])                                          # (B,T,Vp)
             f.combine(a["losses_N"], a["logits"], self.targets, a["lnf"], dloss)               # (N,)
             f.fix(a["losses_N"], a["logits"], self.targets, a["lnf"], p["wte"], dloss)

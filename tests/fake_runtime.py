@@ -546,6 +546,7 @@ class FakeFold:
         self.FS = self.rt.empty((N, self.tiles), np.float32)
         self.ctl = self.rt.to_device(np.array(FOLD_INIT, np.int32))
         self.flagged = []
+        self.primed = False
 
     def _get(self, a):
         x = self.rt.np(a)
@@ -616,11 +617,22 @@ class FakeFold:
                 Pr[r, :self.V] = p
                 self._put(P, Pr.reshape(P.shape))
                 self._finish(r, S, np.log(S) + mx - float(logit[tg[r]]), losses, P, tg[r], lnf, dloss)
+                top = int(np.floor((np.log(S) + mx) / np.log(2.0)))  # (the row's lse in log2 units, rounded down)
+                ctl[2], ctl[3] = max(ctl[2], top), min(ctl[3], top)
             self.flagged = []
             if ctl[3] <= ctl[2]:
                 ctl[0] = max(-2048, min(2048, ((int(ctl[2]) + int(ctl[3])) >> 1) + 10))
             ctl[1:] = (0, -(1 << 30), 1 << 30, 0)
         self._launch("classifier fold fix", run)
+
+    def prime(self, losses, P, targets, lnf, wte):
+        n = min(self.N, self.rt.sm_count)
+        def run():
+            self.flagged = [int(i * self.N // n) for i in range(n)]
+            self.rt.np(self.ctl)[1:] = (n, -(1 << 30), 1 << 30, 0)
+        self._launch("classifier fold prime", run)
+        self.fix(losses, P, targets, lnf, wte, 1.0)
+        self.primed = True
 
     def scale(self, dinp):
         def run():
@@ -636,3 +648,4 @@ class FakeFold:
         init = np.array(FOLD_INIT, np.int32)
         init[0] = int(st.get("k", 0))
         self.rt.np(self.ctl)[...] = init
+        self.primed = True

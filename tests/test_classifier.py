@@ -299,13 +299,20 @@ def _tf32(x):
 
 
 @functools.lru_cache(maxsize=4)
-def _fold_case(N, V, Vp, C, dtype, spread):
+def _fold_case(N, V, Vp, C, dtype, spread, shift=0.0):
     """lnf, wte (device dtype, exactly representable in the GEMM's input type), their float64 values, the
-    targets, and the float64 reference: losses, dlogits (softmax - onehot) * dloss (N, Vp), dinp, dwte."""
+    targets, and the float64 reference: losses, dlogits (softmax - onehot) * dloss (N, Vp), dinp, dwte.
+    shift: every row's logits moved by about that much (a vector u added to each wte row, -u to each lnf row,
+    |u|^2 = -shift), as a pretrained GPT-2's are far below 0."""
     rng = np.random.default_rng(N * 31 + V + C)
     lnf = rng.standard_normal((N, C)).astype(np.float32)
     lnf *= (1.0 + spread * rng.random((N, 1))).astype(np.float32)  # rows whose logits spread differently
     wte = (0.3 * rng.standard_normal((Vp, C))).astype(np.float32)
+    if shift:
+        u = rng.standard_normal(C)
+        u *= np.sqrt(-shift) / np.linalg.norm(u)
+        wte += u.astype(np.float32)
+        lnf -= u.astype(np.float32)
     wte[V:] = 0.0  # llm.c's padding rows
     if dtype == "bf16":
         lnf, wte = to_bf16(lnf), to_bf16(wte)
@@ -395,6 +402,42 @@ def test_gpu_fold(rt, shape, dtype):
     assert rf["ctl"][1] == 0 and abs(int(rf["ctl"][0]) - int(r0["ctl"][0])) <= 1, f"fix path's next k: {rf['ctl']}"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_gpu_fold_prime(rt, dtype):
+    """Logits ~130 below 0 (a pretrained GPT-2's are far below 0): at k = 0 every row leaves the range and
+    goes through the fix; primed first (a run without k from a state file), none does, the losses match
+    float64 and k sits where the fix's would."""
+    from llmc.testing import poison
+    N, V, Vp, C = 300, 50257, 50304, 64
+    lnf, wte, x64, w64, targets, losses_ref = _fold_case(N, V, Vp, C, dtype, 0.0, -130.0)[:6]
+    lse = losses_ref + (x64 @ w64.T)[np.arange(N), targets]
+    assert lse.max() < -70, f"case: lse up to {lse.max():.1f}"  # (below 2^-84 * e^0: out of range at k = 0)
+    tdt = BF16 if dtype == "bf16" else np.float32
+    d_lnf, d_wte, d_t = rt.to_device(lnf), rt.to_device(wte), rt.to_device(targets)
+    counts, ks = [], []
+    for primed in (False, True):
+        f = cls.fold_build(rt, N, V, Vp, C, dtype)
+        P, losses = rt.empty((N, Vp), tdt), rt.empty((N,))
+        poison(P, losses, f.X, f.cs, f.FS)
+        assert not f.primed
+        if primed:
+            f.prime(losses, P, d_t, d_lnf, d_wte)
+            assert f.primed and f.ctl.get()[1] == 0
+            ks.append(int(f.ctl.get()[0]))
+        f.forward(P, d_lnf, d_wte)
+        f.combine(losses, P, d_t, d_lnf, FOLD_DLOSS)
+        counts.append(int(f.ctl.get()[1]))
+        f.fix(losses, P, d_t, d_lnf, d_wte, FOLD_DLOSS)
+        # (fp32: logits of ~-130 carry the GEMM's fp32 sums' rounding, ~1e-5 of them)
+        assert_close(losses.get(), losses_ref, 2e-2 if dtype == "bf16" else 2e-3, 0, f"fold losses (primed {primed})")
+        ks.append(int(f.ctl.get()[0]))
+    assert counts == [N, 0], f"rows flagged by the combine, at k = 0 and primed: {counts}"
+    lse2 = np.floor(lse / np.log(2.0))
+    assert abs(ks[0] - (int((lse2.max() + lse2.min()) // 2) + 10)) <= 1, f"k after the fix: {ks}"
+    assert abs(ks[1] - ks[0]) <= 24 and abs(ks[2] - ks[0]) <= 1, f"k after the fix, after prime, then the fix: {ks}"
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_fold_build_matches_the_kernels(dtype):
     """fold_build on the fake runtime (tests/fake_runtime.py): every entry point it asks for exists in
@@ -414,6 +457,9 @@ def test_fold_build_matches_the_kernels(dtype):
     f.scale(lnf)
     assert [la.func for la in rt.launches][-3:] == [f"classifier_fold_{n}{'_bf16' if dtype == 'bf16' else ''}"
                                                         for n in ("combine", "fix", "scale")]
+    f.prime(losses, P, targets, lnf, wte)
+    assert f.primed and [la.func for la in rt.launches][-2:] == [
+        "classifier_fold_prime", f"classifier_fold_fix{'_bf16' if dtype == 'bf16' else ''}"]
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

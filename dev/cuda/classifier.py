@@ -91,7 +91,8 @@ def fold_kernels(dtype, sfx):
     the combine over every row (bytes: the tile sums, lnf read and X written, targets, losses, cs and the two
     touches of p'_t), the row scale (dinp read and written in place, cs); then the fix with every row of B=4
     flagged (a GEMV of each row against wte: FLOPs 2 N V C, CUDA cores). The combine runs on filled values that
-    keep every row in range and leave p'_t as it was (p'_t ~ 2^37, S ~ 1), so each repeat does the same work."""
+    keep every row in range and leave p'_t as it was (p'_t ~ 2^37, S ~ 1), so each repeat does the same work.
+    Then prime (the first step of a run without k from a state file: min(N, SMs) rows through the fix)."""
     es = 4 if dtype == "fp32" else 2
     tdt = np.float32 if dtype == "fp32" else BF16
     for n in (N, 4 * N):
@@ -116,6 +117,8 @@ def fold_kernels(dtype, sfx):
             ms = L.time(f"fold fix{sfx}, all {n} rows flagged", lambda: (f.ctl.set(ctl), f.fix(ls, P, tg, x, d_wte, DLOSS)),
                         flops=2 * n * V * C, ceiling="fp32")
             print(f"  fold fix{sfx}: {1e3 * ms / n:.2f} us a flagged row ({rt.sm_count} blocks, a row each at a time)")
+            L.time(f"fold prime{sfx} (a run's first step: {min(n, rt.sm_count)} rows through the fix)",
+                   lambda: f.prime(ls, P, tg, x, d_wte), flops=2 * min(n, rt.sm_count) * V * C, ceiling="fp32")
             del d_wte
         del f, P, x, tg, ls
 

@@ -294,6 +294,7 @@ class Fold:
     dtype "fp32" (with the TF32 GEMMs) or "bf16":
 
         f = fold_build(rt, N, V, Vp, C, "bf16")
+        f.prime(losses, P, targets, lnf, wte)  # once, unless load_state gave k: k from a sample of rows
         f.forward(P, lnf, wte)               # P (N, Vp) = p' (the lm head's _fold GEMM), f.FS the tile sums
         f.combine(losses, P, targets, lnf, dloss)   # losses, P's folded target elements, f.X, f.cs
         f.fix(losses, P, targets, lnf, wte, dloss)  # the rows out of range, recomputed; the next k
@@ -302,7 +303,8 @@ class Fold:
 
     k (f.ctl[0]) keeps p' = 2^(logit log2 e - k) in range; the results move with it only by the rounding
     of logit log2 e - k (~5e-6 relative). It moves to the middle of each step's rows (the fix kernel's last
-    block); state() / load_state() carry it (the trainer's state file keeps it, so resume is exact)."""
+    block); state() / load_state() carry it (the trainer's state file keeps it, so resume is exact). A run
+    that starts without it primes it from the first batch (prime)."""
 
     def __init__(self, rt, N, V, Vp, C, dtype):
         from llmc.ops.gemm_wgmma import wgmma_fold_build
@@ -325,6 +327,8 @@ class Fold:
         self._combine = rt.kernel(MODULE, "classifier_fold_combine" + sfx, "PPPPPPPPPfiiii", label=f"classifier fold combine{sfx}")
         self._fix = rt.kernel(MODULE, "classifier_fold_fix" + sfx, "PPPPPPPPPfiiii", label=f"classifier fold fix{sfx}")
         self._scale = rt.kernel(MODULE, "classifier_fold_scale" + sfx, "PPii", label=f"classifier fold scale{sfx}")
+        self._prime = rt.kernel(MODULE, "classifier_fold_prime", "PPii", label="classifier fold prime")
+        self.primed = False  # k came from a fix (prime's or a step's) or from load_state
         self.grid_rows = (max(1, min(-(-N // 8), rt.sm_count * 8)), 1, 1)  # 8 warps a block, a warp a row
         self.grid_fix = (rt.sm_count, 1, 1)
 
@@ -341,6 +345,17 @@ class Fold:
                   self.cs.ptr, self.ctl.ptr, self.flagged.ptr, np.float32(dloss), np.int32(self.N), np.int32(self.V),
                   np.int32(self.Vp), np.int32(self.C), smem=4 * self.C)
 
+    def prime(self, losses, P, targets, lnf, wte):
+        """Before a run's first forward when k came from no state: k from min(N, SMs) of the batch's rows,
+        recomputed by the fix kernel (~2 ms once), so that the step's rows start in range whatever the
+        weights' logits are (a pretrained GPT-2's lse can be far from 0; at k = 0 its rows would all go
+        through the fix, 17-19 us each on an H200). What it writes in P, losses, X and cs, the forward's
+        GEMM and combine overwrite."""
+        n = min(self.N, self.rt.sm_count)
+        self._prime((1, 1, 1), (256, 1, 1), self.ctl.ptr, self.flagged.ptr, np.int32(self.N), np.int32(n))
+        self.fix(losses, P, targets, lnf, wte, 1.0)
+        self.primed = True
+
     def scale(self, dinp):
         self._scale(self.grid_rows, (256, 1, 1), dinp.ptr, self.cs.ptr, np.int32(self.N), np.int32(self.C))
 
@@ -351,6 +366,7 @@ class Fold:
         init = np.array(FOLD_INIT, np.int32)
         init[0] = int(st.get("k", 0))
         self.ctl.set(init)
+        self.primed = True
 
 
 def fold_build(rt, N, V, Vp, C, dtype="fp32") -> Fold:
