@@ -573,7 +573,10 @@ extern "C" __global__ void __launch_bounds__(1024, 2) classifier_kernel6_bf16_ve
 // Fold checks C), FOLD_U of them a lane in flight: all a chunk's loads, then its stores. `pre` holds the
 // first chunk's loads when the caller issued them early (fold_combine), else nullptr.
 #ifndef FOLD_U
-#define FOLD_U 4  // (the lab sweeps it: --define classifier:FOLD_U=8)
+#define FOLD_U 3  // (the lab sweeps it: --define classifier:FOLD_U=4)
+#endif
+#ifndef FOLD_FS
+#define FOLD_FS 13  // the combine's tile sums a lane loads at once (the rest in a loop): GPT-2's 393 tiles
 #endif
 template <typename T, int U = FOLD_U>
 __device__ __forceinline__ void fold_row_x(int r, float c, const T* lnf, T* X, int C,
@@ -632,18 +635,25 @@ __device__ __forceinline__ void fold_combine(float* losses, T* P, const float* F
     if (threadIdx.x == 0) { sh_hi = -(1 << 30); sh_lo = 1 << 30; }
     __syncthreads();
     const int lane = threadIdx.x & 31, warps = blockDim.x >> 5, nv = C / V16::N;
-    const int k = ctl[0];
-    for (int r = blockIdx.x * warps + (threadIdx.x >> 5); r < N; r += gridDim.x * warps) {
-        const int t = targets[r];  // (every lane: one broadcast load)
-        const float pt = to_f32(P[(size_t)r * Vp + t]);
+    const int k = ctl[0], stride = gridDim.x * warps;
+    int r = blockIdx.x * warps + (threadIdx.x >> 5);
+    int t = r < N ? targets[r] : 0;  // (every lane: one broadcast load; the next row's, a row ahead)
+    for (; r < N; r += stride) {
         typename V16::raw pre[FOLD_U];
         const T* x = lnf + (size_t)r * C;
 #pragma unroll
         for (int j = 0; j < FOLD_U; j++)
             if (j * 32 + lane < nv) pre[j] = V16::ld(x + (size_t)(j * 32 + lane) * V16::N);
         const float* row = FS + (size_t)r * tiles;
+        float fs[FOLD_FS];
+#pragma unroll
+        for (int j = 0; j < FOLD_FS; j++) fs[j] = j * 32 + lane < tiles ? __ldcs(row + j * 32 + lane) : 0.0f;
+        const float pt = to_f32(P[(size_t)r * Vp + t]);
+        const int tn = r + stride < N ? targets[r + stride] : 0;
         float s = 0.0f;
-        for (int i = lane; i < tiles; i += 32) s += __ldcs(row + i);
+#pragma unroll
+        for (int j = 0; j < FOLD_FS; j++) s += fs[j];
+        for (int i = FOLD_FS * 32 + lane; i < tiles; i += 32) s += __ldcs(row + i);
 #pragma unroll
         for (int x = 16; x >= 1; x >>= 1) s += __shfl_xor_sync(0xffffffffu, s, x);  // (every lane: the same bits)
         int e, et;
@@ -665,6 +675,7 @@ __device__ __forceinline__ void fold_combine(float* losses, T* P, const float* F
             atomicMax(&sh_hi, top);
             atomicMin(&sh_lo, top);
         }
+        t = tn;
     }
     __syncthreads();
     if (threadIdx.x == 0 && sh_lo <= sh_hi) {
@@ -673,13 +684,13 @@ __device__ __forceinline__ void fold_combine(float* losses, T* P, const float* F
     }
 }
 
-extern "C" __global__ void classifier_fold_combine(float* losses, float* P, const float* FS, const int* targets,
+extern "C" __global__ void __launch_bounds__(256, 4) classifier_fold_combine(float* losses, float* P, const float* FS, const int* targets,
                                                    const float* lnf, float* X, float* cs, int* ctl, int* flagged,
                                                    float dloss, int N, int Vp, int C, int tiles) {
     LLMC_PDL_WAIT();
     fold_combine<float>(losses, P, FS, targets, lnf, X, cs, ctl, flagged, dloss, N, Vp, C, tiles);
 }
-extern "C" __global__ void classifier_fold_combine_bf16(float* losses, bf16* P, const float* FS, const int* targets,
+extern "C" __global__ void __launch_bounds__(256, 4) classifier_fold_combine_bf16(float* losses, bf16* P, const float* FS, const int* targets,
                                                         const bf16* lnf, bf16* X, float* cs, int* ctl, int* flagged,
                                                         float dloss, int N, int Vp, int C, int tiles) {
     LLMC_PDL_WAIT();
@@ -711,11 +722,31 @@ __device__ __forceinline__ float fold_block_max(float v, float* sh) {
     return t;
 }
 
+// logit v of the row in xrow (fp32, shared memory): a warp's dot product with wte's row v in 16-byte
+// vectors (Fold checks C), summed across the warp by xor shuffles (every lane: the same bits)
+template <typename T>
+__device__ __forceinline__ float fold_gemv(const T* wte, int v, const float* xrow, int C) {
+    typedef Vec16<T> V16;
+    const int lane = threadIdx.x & 31;
+    const T* wr = wte + (size_t)v * C;
+    float acc = 0.0f;
+    for (int i = lane; i < C / V16::N; i += 32) {
+        float f[V16::N];
+        V16::unpack(f, V16::ld(wr + (size_t)i * V16::N));
+#pragma unroll
+        for (int q = 0; q < V16::N; q++) acc += xrow[i * V16::N + q] * f[q];
+    }
+#pragma unroll
+    for (int x = 16; x >= 1; x >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, x);
+    return acc;
+}
+
 // The flagged rows, recomputed (a block each, grid-stride over the list; none on most steps): the
-// row's logits as a GEMV of its lnf row against wte (a warp per vocabulary row, fp32 sums, stored in
-// P as T), its own k (the max logit's floor(. log2 e)), p' in place and their sum, the loss from the
-// sum and the target's fp32 logit, then fold_finish_row as the combine. The last block to finish sets
-// the next k and resets the step's counters. Dynamic shared memory: C floats (the lnf row).
+// row's logits as a GEMV of its lnf row against wte (a warp per vocabulary row, fp32 sums), its own k
+// (the max logit's floor(. log2 e)), p' from the fp32 logits and their sum (fp32: the logits stored in
+// P's row, then p' in place; bf16: the GEMV run again, as a bf16 logit would carry 2^-9 of itself), the
+// loss from the sum and the target's fp32 logit, then fold_finish_row as the combine. The last block to
+// finish sets the next k and resets the step's counters. Dynamic shared memory: C floats (the lnf row).
 template <typename T>
 __device__ __forceinline__ void fold_fix(float* losses, T* P, const int* targets, const T* lnf, const T* wte, T* X,
                                          float* cs, int* ctl, const int* flagged, float dloss, int N, int V, int Vp,
@@ -732,31 +763,35 @@ __device__ __forceinline__ void fold_fix(float* losses, T* P, const int* targets
         __syncthreads();  // (the previous row's readers of xrow are done)
         for (int c = threadIdx.x; c < C; c += blockDim.x) xrow[c] = to_f32(lnf[(size_t)r * C + c]);
         __syncthreads();
+        // pass 1: the logits' max (and the target's fp32 logit); fp32 stores the logits in P's row for the p'
+        // pass, bf16 recomputes them there (a bf16 logit of ~100 would be off by up to 0.25)
         float mx = __int_as_float(0xff800000);
         for (int v = w; v < V; v += nw) {
-            const T* wr = wte + (size_t)v * C;
-            float acc = 0.0f;
-            for (int i = lane; i < C / V16::N; i += 32) {  // (16-byte vectors: Fold checks C)
-                float f[V16::N];
-                V16::unpack(f, V16::ld(wr + (size_t)i * V16::N));
-#pragma unroll
-                for (int q = 0; q < V16::N; q++) acc += xrow[i * V16::N + q] * f[q];
-            }
-#pragma unroll
-            for (int x = 16; x >= 1; x >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, x);
+            const float acc = fold_gemv<T>(wte, v, xrow, C);
             if (lane == 0) {
-                prow[v] = from_f32<T>(acc);
+                if constexpr (sizeof(T) == 4) prow[v] = acc;
                 if (v == t) sh_t = acc;
             }
-            mx = fmaxf(mx, to_f32(from_f32<T>(acc)));
+            mx = fmaxf(mx, acc);
         }
         mx = fold_block_max(mx, sh);  // (its barriers also order the logits' stores before the reads below)
         const int kr = (int)fmaxf(fminf(floorf((fabsf(mx) < 1e30f ? mx : 0.0f) * 1.4426950408889634f), 4096.0f), -4096.0f);
         float s = 0.0f;
-        for (int v = threadIdx.x; v < Vp; v += blockDim.x) {
-            const float p = v < V ? fold_exp(to_f32(prow[v]), (float)kr) : 0.0f;
-            prow[v] = from_f32<T>(p);
-            s += p;
+        if constexpr (sizeof(T) == 4) {
+            for (int v = threadIdx.x; v < Vp; v += blockDim.x) {
+                const float p = v < V ? fold_exp(to_f32(prow[v]), (float)kr) : 0.0f;
+                prow[v] = from_f32<T>(p);
+                s += p;
+            }
+        } else {
+            for (int v = w; v < V; v += nw) {
+                const float p = fold_exp(fold_gemv<T>(wte, v, xrow, C), (float)kr);
+                if (lane == 0) {
+                    prow[v] = from_f32<T>(p);
+                    s += p;
+                }
+            }
+            for (int v = V + threadIdx.x; v < Vp; v += blockDim.x) prow[v] = from_f32<T>(0.0f);
         }
         s = fold_block_sum(s, sh);  // (and orders the p' stores, and sh_t, before the reads below)
         int e;

@@ -104,6 +104,11 @@ def fold_kernels(dtype, sfx):
         x.fill_bytes(0x3F)
         cbytes = n * f.tiles * 4 + 2 * n * C * es + 3 * n * 4 + 2 * n * es
         L.time(f"fold combine{sfx}, N={n}", lambda: f.combine(ls, P, tg, x, DLOSS), bytes=cbytes)
+        if L.args.define:  # (a sweep: the combine also on 4 blocks an SM, what stays resident at 64 registers)
+            g = f.grid_rows
+            f.grid_rows = (max(1, min(-(-n // 8), rt.sm_count * 4)), 1, 1)
+            L.time(f"fold combine{sfx}, N={n}, {f.grid_rows[0]} blocks", lambda: f.combine(ls, P, tg, x, DLOSS), bytes=cbytes)
+            f.grid_rows = g
         flagged = int(f.ctl.get()[1])
         if flagged:
             print(f"  fold combine{sfx}, N={n}: {flagged} rows flagged (expected none): FAIL")
