@@ -565,7 +565,8 @@ extern "C" __global__ void __launch_bounds__(1024, 2) classifier_kernel6_bf16_ve
 // resets [1]-[4]. Integer atomics only, and a row's results depend on that row alone: deterministic.
 // k is part of the run's state (the trainer's state file keeps it): resume continues with the same k.
 #define FOLD_LO (-84)
-#define FOLD_HI 64
+#define FOLD_HI 80
+static_assert(FOLD_LO == -84 && FOLD_HI == 80, "fold_combine's range checks spell them out");
 #define FOLD_MID (-10)
 #define FOLD_LN2 0.6931471805599453f
 
@@ -658,7 +659,7 @@ __device__ __forceinline__ void fold_combine(float* losses, T* P, const float* F
         for (int x = 16; x >= 1; x >>= 1) s += __shfl_xor_sync(0xffffffffu, s, x);  // (every lane: the same bits)
         int e, et;
         const float m = frexpf(s, &e), mt = frexpf(pt, &et);
-        const bool s_ok = s >= 0x1p-84f && s <= 0x1p80f;  // (NaN: not ok)
+        const bool s_ok = s >= 0x1p-84f && s <= 0x1p80f;  // [2^FOLD_LO, 2^FOLD_HI] (NaN: not ok)
         const bool ok = s_ok && pt >= 0x1p-120f && pt <= 0x1p80f;
         // X from S alone, so its stores need not wait for p'_t (a row flagged for its p'_t alone is redone
         // whole by the fix, X included)
