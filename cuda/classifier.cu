@@ -9,6 +9,7 @@
 // version 5: version 3 with the exponentials as __expf (FMUL + MUFU.EX2) instead of expf (fp32 and bf16)
 // version 6: version 4 with version 5's __expf (fp32 and bf16)
 // version 7: version 5 with each exponential one FFMA + MUFU.EX2, 1/s and dloss folded into its offset
+// version 8: version 7; its loss-only form (evaluation) streamed through registers, 256-thread blocks, no shared memory
 //
 // bf16 builds (issue 13) of versions 1, 2 and 3: the same bodies instantiated for bf16 logits
 // (entry points <name>_bf16). The row is read as bf16 and widened exactly; max, sum of exp, the
@@ -472,6 +473,75 @@ extern "C" __global__ void __launch_bounds__(1024, 2) classifier_kernel7_bf16_ve
         float* losses, bf16* logits, const int* targets, float dloss, int write_dlogits, int N, int V, int Vp) {
     LLMC_PDL_WAIT();
     classifier7_row<bf16, 4>(losses, logits, targets, dloss, write_dlogits, N, V, Vp);  // Vp % 4 == 0
+}
+
+// version 8: version 7, whose loss-only form (write_dlogits = 0: evaluation) ran at 75% of a copy of its
+// bytes in bf16 (H200): it staged the whole row in shared memory (100.5 KB), so two rows an SM, each
+// waiting for all its bytes before any arithmetic. Without a gradient to write nothing needs the row twice:
+// this kernel streams it from global memory into registers, CLS8_U 16-byte chunks a thread in flight, with
+// 7's online (m, s), in blocks of 256 (no shared memory: many rows an SM). The gradient form is 7's kernel.
+#ifndef CLS8_U
+#define CLS8_U 4
+#endif
+template <typename T, int VEC>
+__device__ __forceinline__ void classifier8_loss_row(float* losses, const T* logits, const int* targets, int V, int Vp) {
+    typedef typename RawVec<VEC * sizeof(T)>::type R;
+    __shared__ float sh_m[32], sh_s[32];
+    const int row = blockIdx.x, tid = threadIdx.x, bd = blockDim.x;
+    const R* x = reinterpret_cast<const R*>(logits + (size_t)row * Vp);  // (Vp / VEC,) chunks
+    const int target = targets[row];
+    const int nv = ceil_div(V, VEC);
+    float m = -FLT_MAX, ml = -FLT_MAX, s = 0.0f, xt = 0.0f;
+    for (int i0 = tid; i0 < nv; i0 += CLS8_U * bd) {
+        R r[CLS8_U];
+#pragma unroll
+        for (int u = 0; u < CLS8_U; u++)
+            if (i0 + u * bd < nv) r[u] = ld_raw<LD_CS>(x + i0 + u * bd);
+#pragma unroll
+        for (int u = 0; u < CLS8_U; u++) {
+            const int i = i0 + u * bd;
+            if (i >= nv) break;
+            float v[VEC];
+            unpack_vec<T, VEC>(r[u], v);
+            if (target / VEC == i) {
+                const int k = target % VEC;
+#pragma unroll
+                for (int j = 0; j < VEC; j++)
+                    if (k == j) xt = v[j];
+            }
+            mask_vec<VEC>(v, VEC * i, V);
+            float t = v[0];
+#pragma unroll
+            for (int k = 1; k < VEC; k++) t = fmaxf(t, v[k]);
+            if (t > m) {
+                s *= cls_ex2((m - t) * CLS_LOG2E);
+                m = t;
+                ml = m * CLS_LOG2E;
+            }
+            float e = 0.0f;
+#pragma unroll
+            for (int k = 0; k < VEC; k++) e += cls_ex2(fmaf(v[k], CLS_LOG2E, -ml));
+            s += e;
+        }
+    }
+    block_reduce_ms(m, s, sh_m, sh_s);
+    if ((target / VEC) % bd == tid) losses[row] = logf(s) + m - xt;  // the target's owner
+}
+
+extern "C" __global__ void __launch_bounds__(256) classifier_kernel8_loss(float* losses, float* logits,
+        const int* targets, float dloss, int write_dlogits, int N, int V, int Vp) {
+    LLMC_PDL_WAIT();
+    classifier8_loss_row<float, 4>(losses, logits, targets, V, Vp);
+}
+extern "C" __global__ void __launch_bounds__(256) classifier_kernel8_loss_bf16(float* losses, bf16* logits,
+        const int* targets, float dloss, int write_dlogits, int N, int V, int Vp) {
+    LLMC_PDL_WAIT();
+    classifier8_loss_row<bf16, 8>(losses, logits, targets, V, Vp);  // Vp % 8 == 0
+}
+extern "C" __global__ void __launch_bounds__(256) classifier_kernel8_loss_bf16_vec4(float* losses, bf16* logits,
+        const int* targets, float dloss, int write_dlogits, int N, int V, int Vp) {
+    LLMC_PDL_WAIT();
+    classifier8_loss_row<bf16, 4>(losses, logits, targets, V, Vp);  // Vp % 4 == 0
 }
 
 // version 4 (fp32): persistent. Block b handles rows b, b + gridDim, ...; right after a thread

@@ -168,21 +168,23 @@ def test_variant_checks():
 
 
 def test_bf16_builds():
-    """Variants 1-3 and 5-7 have bf16 builds (the default among them) and take every shape their fp32 build
+    """Variants 1-3 and 5-8 have bf16 builds (the default among them) and take every shape their fp32 build
     takes: 16-byte chunks of 8 bf16 when Vp % 8 == 0, else the 8-byte _vec4 kernels; version 3's row
-    needs half the shared memory of fp32 (GPT-2: 100,528 bytes, so two blocks per H100 SM), and the
-    persistent 6 runs two blocks an SM."""
+    needs half the shared memory of fp32 (GPT-2: 100,528 bytes, so two blocks per H100 SM), the
+    persistent 6 runs two blocks an SM, and 8 launches 7's kernel for the gradient and its own, in
+    256-thread blocks without shared memory, for the loss alone."""
     from fake_runtime import FakeRuntime
     spec = cls.OPS[0]
-    assert {n for n, v in spec.variants.items() if "bf16" in v.dtypes} == {1, 2, 3, 5, 6, 7}
+    assert {n for n, v in spec.variants.items() if "bf16" in v.dtypes} == {1, 2, 3, 5, 6, 7, 8}
     assert "bf16" in spec.variants[spec.default].dtypes
     for Vp, suffix in ((GPT2[1], "_bf16"), (100, "_bf16_vec4"), (1000, "_bf16")):
         rt = FakeRuntime(check_ptx=False)
         V = min(GPT2[0], Vp - 3)
-        for num in (1, 2, 3, 5, 6, 7):
+        for num in (1, 2, 3, 5, 6, 7, 8):
             spec.build(rt, num, "bf16", N=4, V=V, Vp=Vp)
         assert rt.built == ["classifier_kernel1_bf16", f"classifier_kernel2{suffix}", f"classifier_kernel3{suffix}",
-                            f"classifier_kernel5{suffix}", f"classifier_kernel6{suffix}", f"classifier_kernel7{suffix}"]
+                            f"classifier_kernel5{suffix}", f"classifier_kernel6{suffix}", f"classifier_kernel7{suffix}",
+                            f"classifier_kernel7{suffix}", f"classifier_kernel8_loss{suffix}"]
     assert cls._smem_bytes_bf16(*GPT2) == 100_528 and cls._smem_bytes(GPT2[0]) == 201_040
     rt = FakeRuntime(check_ptx=False)
     losses, targets = rt.empty((4,)), rt.empty((4,), np.int32)
@@ -197,6 +199,14 @@ def test_bf16_builds():
     assert rt.launches[-1].grid == (2 * rt.sm_count, 1, 1) and rt.launches[-1].smem == 100_528
     with pytest.raises(LLMCError, match="16-byte aligned"):
         launch6(losses, logits.view(4, (4 * GPT2[1],)), targets, 1.0, 1)
+    launch8 = spec.build(rt, 8, "bf16", N=4, V=GPT2[0], Vp=GPT2[1])
+    launch8(losses, logits, targets, 1.0, 0)
+    assert rt.launches[-1].func == "classifier_kernel8_loss_bf16" and rt.launches[-1].block == (256, 1, 1)
+    assert rt.launches[-1].smem == 0 and rt.launches[-1].grid == (4, 1, 1)
+    launch8(losses, logits, targets, 1.0, 1)
+    assert rt.launches[-1].func == "classifier_kernel7_bf16" and rt.launches[-1].smem == 100_528
+    with pytest.raises(LLMCError, match="16-byte aligned"):
+        launch8(losses, logits.view(4, (4 * GPT2[1],)), targets, 1.0, 0)
 
 
 # ----------------------------------------------------------------------------------------------

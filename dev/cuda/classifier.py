@@ -29,9 +29,9 @@ from llmc.ops.classifier import classifier_backward_ref, classifier_forward_ref
 N, V, Vp = 4 * 1024, 50257, 50304
 DLOSS = 1.0 / N  # the trainer's mean-loss gradient scale
 BLOCK_SIZES = {1: (1024, 512, 256), 2: (1024, 512, 256), 3: (1024, 512), 4: (1024, 512), 5: (1024, 512), 6: (1024, 512),
-               7: (1024, 512)}
+               7: (1024, 512), 8: (None,)}
 BLOCK_SIZES_BF16 = {1: (1024, 512, 256), 2: (1024, 512, 256), 3: (1024, 512, 256), 5: (1024, 512, 256),
-                    6: (1024, 512, 256), 7: (1024, 512, 256)}  # the default first; a variant missing here: its default block only
+                    6: (1024, 512, 256), 7: (1024, 512, 256), 8: (None,)}  # the default first; a variant missing here: its default block only
 
 
 L = lab.Lab("classifier")

@@ -242,6 +242,33 @@ def classifier6_bf16(rt, N, V, Vp, block_size=None):
                              f"classifier_kernel6{suffix}")
 
 
+def _with_loss_kernel(number, grad_build, loss_func):
+    """Version 8: version `number`'s build for the gradient form, and for the loss-only form (write_dlogits
+    = 0) the streaming kernel `loss_func`, one 256-thread block a row (block_size, if given, for both)."""
+    def build(rt, N, V, Vp, block_size=None):
+        grad = grad_build(rt, N, V, Vp, block_size)
+        k = rt.kernel(MODULE, loss_func, ARGTYPES, label=f"{OP} 8 loss{' (bf16)' if 'bf16' in loss_func else ''}")
+        vec_bytes = 8 if loss_func.endswith("_vec4") else 16
+        grid, block = (N, 1, 1), (block_size or 256, 1, 1)
+        n32, V32, Vp32 = np.int32(N), np.int32(V), np.int32(Vp)
+
+        def launch(losses, logits, targets, dloss, write_dlogits):
+            if write_dlogits:
+                return grad(losses, logits, targets, dloss, write_dlogits)
+            _aligned(logits, 8, vec_bytes)
+            k(grid, block, losses.ptr, logits.ptr, targets.ptr, np.float32(dloss), np.int32(0), n32, V32, Vp32)
+        return launch
+    return build
+
+
+classifier8 = _with_loss_kernel(7, classifier7, "classifier_kernel8_loss")
+
+
+def classifier8_bf16(rt, N, V, Vp, block_size=None):
+    _, suffix = _bf16_vec(Vp)
+    return _with_loss_kernel(7, classifier7_bf16, f"classifier_kernel8_loss{suffix}")(rt, N, V, Vp, block_size)
+
+
 VARIANTS = {
     1: Variant(1, "one block per row, three passes over global memory (max, sum, write), scalar loads",
                {"fp32": classifier1, "bf16": classifier1_bf16}, _check_common),
@@ -260,6 +287,9 @@ VARIANTS = {
     7: Variant(7, "version 5 with each exponential one FFMA + MUFU.EX2 (log2e folded in), and 1/s and dloss folded "
                   "into the exponent's offset on the chunks without the target or padding (~10 instructions a logit, 5: ~19)",
                {"fp32": classifier7, "bf16": classifier7_bf16}, _check_smem),
+    8: Variant(8, "version 7 (its kernel for the gradient), with the loss-only form (evaluation) streamed from global "
+                  "memory through registers by 256-thread blocks: no row staged in shared memory",
+               {"fp32": classifier8, "bf16": classifier8_bf16}, _check_smem),
 }
 
 # default 3: fastest on the H100 (0.565 ms at N=4096, Vp=50304: 98% of the copy ceiling). It needs
@@ -272,8 +302,10 @@ VARIANTS = {
 # of expf's): H200 lab, N=4096, bf16 0.212 ms against 5's 0.279 (92% against 70% of a copy), fp32
 # 0.411 against 3's 0.442 (94% against 88%); whole steps, bf16 8.33 against 8.46 ms at B=4 and 29.03
 # against 29.29 at B=16, fp32 16.67 against 16.80 at B=4 (docs/results/session28_h200_2026-11-28.txt).
+# Since session 40 the default is 8: 7's kernel for the gradient (training without the fold), and the
+# loss-only form (evaluation; training steps run the fold) streamed through registers.
 OPS = [
-    OpSpec("classifier", cpu=classifier_cpu, variants=VARIANTS, default=7, flag="--classifier-kernel",
+    OpSpec("classifier", cpu=classifier_cpu, variants=VARIANTS, default=8, flag="--classifier-kernel",
            # logits read once, dlogits written once (the build's dtype); targets int32 read, losses
            # fp32 written (fp32 in both)
            cost=lambda N, V, Vp, dtype="fp32", **_: (0, esize(dtype) * 2 * N * Vp + 4 * 2 * N),
