@@ -480,6 +480,8 @@ extern "C" __global__ void __launch_bounds__(1024, 2) classifier_kernel7_bf16_ve
 // waiting for all its bytes before any arithmetic. Without a gradient to write nothing needs the row twice:
 // this kernel streams it from global memory into registers, CLS8_U 16-byte chunks a thread in flight, with
 // 7's online (m, s), in blocks of 256 (no shared memory: many rows an SM). The gradient form is 7's kernel.
+// H200, N=4096, loss only: bf16 0.114 ms against 7's 0.133 (89% against 76% of a copy of the same bytes),
+// fp32 0.214 against 0.229 (91% against 85%); CLS8_U 2 or 8: bf16 86%.
 #ifndef CLS8_U
 #define CLS8_U 4
 #endif
