@@ -610,12 +610,23 @@ def test_folded_classifier_plumbing(precision):
         if fold:
             assert "classifier" not in names, "a training step ran the classifier"
             assert names.count("classifier fold gemm") == 3 * accum and names.count("classifier fold scale") == 3 * accum
+            # k primed once, from the first batch, before the first folded forward (never again, graphs or not)
+            assert names.count("classifier fold prime") == 1, names.count("classifier fold prime")
+            assert names.index("classifier fold prime") < names.index("classifier fold gemm")
+            assert names[names.index("classifier fold prime") + 1] == "classifier fold fix"
             i = names.index("classifier fold scale")
             assert names[i - 1] == "matmul_backward" and names[i + 1] == "layernorm_backward", names[i - 2:i + 2]
             be.launches.clear()
             m.forward(batches[0][0], batches[0][1], grad=False)  # evaluation: the logits and the classifier
             assert "classifier" in be.launches and "classifier fold gemm" not in be.launches
             assert isinstance(m.fold.state()["k"], int)
+            # a model whose k came from a state file (the trainer's resume) does not prime
+            m2 = GPT2(CFG, be, B, T, fold=True)
+            m2.init_params(5)
+            m2.fold.load_state(m.fold.state())
+            be.launches.clear()
+            m2.train_micro_step(*batches[0])
+            assert "classifier fold gemm" in be.launches and "classifier fold prime" not in be.launches
         runs.append(out)
     for i, (a, b) in enumerate(zip(*runs)):
         if precision == "fp32":
