@@ -397,6 +397,36 @@ __device__ __forceinline__ float cls_ex2(float x) {  // 2^x; 2^-inf = +0
 }
 #define CLS_LOG2E 1.4426950408889634f
 
+// chunk i (columns VEC i ..) of a row into a thread's online (m, ml = m log2e, s) in version 7's form, and
+// the target's logit into xt when the chunk holds it (versions 7 and 8)
+template <int VEC>
+__device__ __forceinline__ void cls7_chunk_stats(float (&v)[VEC], int i, int target, int V, float& m, float& ml,
+                                                 float& s, float& xt) {
+    if (target / VEC == i) {  // selects, not v[k]: a run-time index would put v in local memory
+        const int k = target % VEC;
+#pragma unroll
+        for (int j = 0; j < VEC; j++)
+            if (k == j) xt = v[j];
+    }
+    mask_vec<VEC>(v, VEC * i, V);
+    float t[VEC];
+#pragma unroll
+    for (int k = 0; k < VEC; k++) t[k] = v[k];
+#pragma unroll
+    for (int w = 1; w < VEC; w *= 2)
+#pragma unroll
+        for (int k = 0; k < VEC; k += 2 * w) t[k] = fmaxf(t[k], t[k + w]);
+    if (t[0] > m) {
+        s *= cls_ex2((m - t[0]) * CLS_LOG2E);
+        m = t[0];
+        ml = m * CLS_LOG2E;
+    }
+    float e = 0.0f;
+#pragma unroll
+    for (int k = 0; k < VEC; k++) e += cls_ex2(fmaf(v[k], CLS_LOG2E, -ml));
+    s += e;
+}
+
 template <typename T, int VEC>
 __device__ __forceinline__ void classifier7_row(float* losses, T* logits, const int* targets,
                                                 float dloss, int write_dlogits, int N, int V, int Vp) {
@@ -414,29 +444,7 @@ __device__ __forceinline__ void classifier7_row(float* losses, T* logits, const 
     for (int i = tid; i < nv; i += bd) {
         float v[VEC];
         load_vec<T, VEC>(srow + VEC * i, v);
-        if (target / VEC == i) {  // selects, not v[k]: a run-time index would put v in local memory
-            const int k = target % VEC;
-#pragma unroll
-            for (int j = 0; j < VEC; j++)
-                if (k == j) xt = v[j];
-        }
-        mask_vec<VEC>(v, VEC * i, V);
-        float t[VEC];
-#pragma unroll
-        for (int k = 0; k < VEC; k++) t[k] = v[k];
-#pragma unroll
-        for (int w = 1; w < VEC; w *= 2)
-#pragma unroll
-            for (int k = 0; k < VEC; k += 2 * w) t[k] = fmaxf(t[k], t[k + w]);
-        if (t[0] > m) {
-            s *= cls_ex2((m - t[0]) * CLS_LOG2E);
-            m = t[0];
-            ml = m * CLS_LOG2E;
-        }
-        float e = 0.0f;
-#pragma unroll
-        for (int k = 0; k < VEC; k++) e += cls_ex2(fmaf(v[k], CLS_LOG2E, -ml));
-        s += e;
+        cls7_chunk_stats<VEC>(v, i, target, V, m, ml, s, xt);
     }
     block_reduce_ms(m, s, sh_m, sh_s);
     if ((target / VEC) % bd == tid) losses[row] = logf(s) + m - xt;  // the target's owner
@@ -505,25 +513,7 @@ __device__ __forceinline__ void classifier8_loss_row(float* losses, const T* log
             if (i >= nv) break;
             float v[VEC];
             unpack_vec<T, VEC>(r[u], v);
-            if (target / VEC == i) {
-                const int k = target % VEC;
-#pragma unroll
-                for (int j = 0; j < VEC; j++)
-                    if (k == j) xt = v[j];
-            }
-            mask_vec<VEC>(v, VEC * i, V);
-            float t = v[0];
-#pragma unroll
-            for (int k = 1; k < VEC; k++) t = fmaxf(t, v[k]);
-            if (t > m) {
-                s *= cls_ex2((m - t) * CLS_LOG2E);
-                m = t;
-                ml = m * CLS_LOG2E;
-            }
-            float e = 0.0f;
-#pragma unroll
-            for (int k = 0; k < VEC; k++) e += cls_ex2(fmaf(v[k], CLS_LOG2E, -ml));
-            s += e;
+            cls7_chunk_stats<VEC>(v, i, target, V, m, ml, s, xt);
         }
     }
     block_reduce_ms(m, s, sh_m, sh_s);
