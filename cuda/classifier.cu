@@ -297,6 +297,18 @@ __device__ __forceinline__ void zero_padding(T* x, int nv, int Vp) {
     for (int i = nv + threadIdx.x; i < Vp / VEC; i += blockDim.x) store_vec<T, VEC, ST_CS>(x + VEC * i, zero);
 }
 
+// the target's logit into xt when chunk i (columns VEC i ..) holds it: selects, not v[k] (a run-time
+// index would put v in local memory)
+template <int VEC>
+__device__ __forceinline__ void pick_target(const float (&v)[VEC], int i, int target, float& xt) {
+    if (target / VEC == i) {
+        const int k = target % VEC;
+#pragma unroll
+        for (int j = 0; j < VEC; j++)
+            if (k == j) xt = v[j];
+    }
+}
+
 // pass 1 over a row held in shared memory: this thread's chunks, online (m, s); the thread that
 // owns the target's chunk also picks up the target logit.
 template <typename T, int VEC, bool FAST = false>
@@ -306,12 +318,7 @@ __device__ __forceinline__ void smem_row_stats(const T* srow, int nv, int V, int
     for (int i = threadIdx.x; i < nv; i += blockDim.x) {
         float v[VEC];
         load_vec<T, VEC>(srow + VEC * i, v);
-        if (target / VEC == i) {  // selects, not v[k]: a run-time index would put v in local memory
-            const int k = target % VEC;
-#pragma unroll
-            for (int j = 0; j < VEC; j++)
-                if (k == j) xt = v[j];
-        }
+        pick_target<VEC>(v, i, target, xt);
         mask_vec<VEC>(v, VEC * i, V);
         ms_update<VEC, FAST>(m, s, v);
     }
@@ -402,12 +409,7 @@ __device__ __forceinline__ float cls_ex2(float x) {  // 2^x; 2^-inf = +0
 template <int VEC>
 __device__ __forceinline__ void cls7_chunk_stats(float (&v)[VEC], int i, int target, int V, float& m, float& ml,
                                                  float& s, float& xt) {
-    if (target / VEC == i) {  // selects, not v[k]: a run-time index would put v in local memory
-        const int k = target % VEC;
-#pragma unroll
-        for (int j = 0; j < VEC; j++)
-            if (k == j) xt = v[j];
-    }
+    pick_target<VEC>(v, i, target, xt);
     mask_vec<VEC>(v, VEC * i, V);
     float t[VEC];
 #pragma unroll
