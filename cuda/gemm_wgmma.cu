@@ -883,6 +883,8 @@ GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n192_bt_bf16, __nv_bfloat16, __nv_bfloat16, 192
 GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n256_bt_bf16, __nv_bfloat16, __nv_bfloat16, 256, 4, false, false, false, true)
 GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n128_bt_ts_bf16, __nv_bfloat16, __nv_bfloat16, 128, 6, true, false, false, true)
 GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n192_bt_ts_bf16, __nv_bfloat16, __nv_bfloat16, 192, 4, true, false, false, true)
+// (256 wide with the TMA store: 3 stages + 2 x 32 KB of staging, as the forward layout's; planned only with LLMC_WGMMA_BT256=1)
+GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n256_bt_ts_bf16, __nv_bfloat16, __nv_bfloat16, 256, 3, true, false, false, true)
 // A M-major and B N-major (A^T and B^T stored): dweight (OC,C) += dout^T @ inp, both read as they lie
 GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n128_at_bt_bf16, __nv_bfloat16, __nv_bfloat16, 128, 6, false, false, true, true)
 // (160 wide: 5 tiles across GPT-2's 768 columns, so fc's and fcproj's dweights are 120 tiles, not 96 of 192)

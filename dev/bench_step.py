@@ -8,7 +8,7 @@
     LLMC_GRAPHS=0 python dev/bench_step.py          # kernel by kernel instead of CUDA graph replays
     LLMC_FUSED_BIAS=0 python dev/bench_step.py      # bias grads by matmul_backward_bias, not fused (same variants)
     LLMC_FUSED_GELU=1 python dev/bench_step.py      # the fc layer's GELU in its GEMM's epilogue (default: gelu_forward)
-    python dev/bench_step.py --precision bf16 -b 16 --power   # + board power, SM clock, clock-limit reasons
+    python dev/bench_step.py --precision bf16 -b 16 --power   # + board power, SM clock, clock-limit reasons, J a step
     python dev/bench_step.py --tokens dev/data/tinyshakespeare/tiny_shakespeare_val.bin  # a batch of text
 
 Times forward + backward + clip + AdamW + the loss and norm read, exactly the trainer's step (after
@@ -36,7 +36,7 @@ from llmc.data import read_shard
 from llmc.errors import LLMCError
 from llmc.model import GPT2
 from llmc.train import kernel_flags
-from power import PowerSampler
+from power import Energy, PowerSampler, describe_energy
 
 
 def training_step(be, cfg, B, T, recompute: int = 1, tokens=None):
@@ -113,7 +113,8 @@ def main():
     p.add_argument("--sync", action="store_true",
                    help="read each step's loss before launching the next (the trainer with LLMC_PIPELINE_STEPS=0)")
     p.add_argument("--power", action="store_true",
-                   help="sample board power, SM clock and clock-limit reasons (nvidia-smi) during the timed steps")
+                   help="sample board power, SM clock and clock-limit reasons (nvidia-smi) during the timed steps, "
+                        "and read the board's energy counter around them (joules a step)")
     p.add_argument("--tokens", metavar="SHARD",
                    help="the batch from this llm.c token shard (its first B*T + 1 tokens) instead of random ids")
     for flag, name, h in kernel_flags():
@@ -141,7 +142,10 @@ def main():
     for i in range(args.warmup):
         step(i).loss()
     sampler = PowerSampler(rt.device.pci_bus_id()) if args.power else None
+    meter = Energy(rt.device.pci_bus_id()) if args.power else None
+    e0, w0 = (meter.read(), time.perf_counter()) if meter else (None, 0.0)
     times, walls, loss = (time_synced if args.sync else time_pipelined)(rt, step, args.warmup, args.steps)
+    e1, w1 = (meter.read(), time.perf_counter()) if meter else (None, 0.0)
     power = sampler.stop() if sampler is not None else None
     free1, _ = rt.mem_info()
     ms = statistics.median(times)
@@ -164,6 +168,8 @@ def main():
           f"{B * T / (ms / 1000):,.0f} tokens/s | last loss {loss:.4f}")
     if power:
         print(power)
+        joules = None if e0 is None or e1 is None else e1 - e0
+        print(describe_energy(joules, w1 - w0, args.steps, "step", meter.why))
     print(f"memory: {rt.allocated_bytes / 2**30:.2f} GiB allocated by the model "
           f"({model.activation_bytes() / 2**30:.2f} GiB activations) | "
           f"{(total - free1) / 2**30:.2f} GiB used on the device (context included; "

@@ -141,8 +141,12 @@ _TABLE = [
     Switch("LLMC_WGMMA_SCHEDULE", "choice", "coop (with the PP128 swaps below)", "pingpong / auto: the forward "
            "and dinp GEMMs on the ping-pong instances, or by the planner's estimates", choices=("coop", "pingpong",
            "auto"), group="gemm"),
-    _flag("LLMC_WGMMA_PP128", True, "1", "0: bf16 plans of the 256-wide TMA-store tile stay cooperative, not "
-          "128 x 128 ping-pong", "gemm"),
+    _flag("LLMC_WGMMA_PP128", False, "0", "1: bf16 plans of the 256-wide TMA-store tile run as 128 x 128 "
+          "ping-pong, not cooperative (the default before session 41)", "gemm"),
+    _flag("LLMC_WGMMA_BT256", True, "1", "0: the bf16 dinp GEMMs (B N-major) never plan the 256-wide TMA-store "
+          "tile", "gemm"),
+    Switch("LLMC_WGMMA_TS256_MAX_K", "int", "no limit", "the largest K whose plans may take the 256-wide "
+           "TMA-store tile (3 stages; 1024 before session 41)", minimum=1, expect="an integer K >= 1", group="gemm"),
     _flag("LLMC_WGMMA_TF32_PP128", True, "1", "0: tf32 plans stay cooperative, not 128 x 128 ping-pong",
           "gemm"),
     Switch("LLMC_WGMMA_SPLIT_OVER_TS", "float", "2", "an accumulating GEMM runs split over K only where the "

@@ -161,7 +161,8 @@ def test_dgelu_instance_table_matches_the_kernels():
     ctype = {"tf32": "float", "bf16": "__nv_bfloat16", "fp32": "float"}
     want = {}
     for (ty, out, layout), widths in gw.DGELU_INSTANCES.items():
-        assert widths == gw.INSTANCES[(ty, out, layout, True)]
+        # (the plain TMA-store instances' stages; dinp's 256-wide tile has no dgelu twin)
+        assert widths == {bn: st for bn, st in gw.INSTANCES[(ty, out, layout, True)].items() if bn != 256}
         for bn, stages in widths.items():
             want[gw.instance_name(ty, out, layout, True, bn, dgelu=True)] = (ctype[ty], ctype[out], bn, stages,
                                                                             layout == "kn")

@@ -645,14 +645,19 @@ def test_bf16_dweight_multicast_pairs(hopper, rng, M, N, K, beta, bn):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bn", sorted(gw.INSTANCES[("bf16", "bf16", "kk", True)]))
-def test_bf16_out_tma_store_every_width(hopper, rng, bn):
-    """Every TMA-store instance of the bf16 forward layout (128, 192 and the 3-stage 256), with bias,
-    against float64 on a shape of several ragged tiles."""
+@pytest.mark.parametrize("layout,bn", [(lay, bn) for lay in ("kk", "kn")
+                                       for bn in sorted(gw.INSTANCES[("bf16", "bf16", lay, True)])])
+@pytest.mark.parametrize("M,N,K", [(300, 520, 520), (65, 8, 16), (1, 776, 72), (257, 1000, 1040)])
+def test_bf16_out_tma_store_every_width(hopper, rng, layout, bn, M, N, K):
+    """Every TMA-store instance of the bf16 forward layout and of dinp's (B N-major): 128, 192 and the
+    3-stage 256 (dinp's since session 41), with bias, against float64 on shapes of ragged tiles, a poisoned C
+    (every element written). (Not bit-equal to the direct-store instances with a bias: the two epilogues
+    add it in different orders; session 41 checked.)"""
     from llmc.testing import bf16_close
-    out, ref, g = _run_bf16(hopper, rng, 300, 520, 520, has_bias=True, bn=bn, store="tma")
+    out, ref, g = _run_bf16(hopper, rng, M, N, K, "k", layout[1], has_bias=True, bn=bn, store="tma")
     assert g.plan[1].startswith(f"128x{bn}+ts"), g.plan
-    bf16_close(out, ref, f"bf16 kk tma bn={bn}")
+    assert np.isfinite(out).all()
+    bf16_close(out, ref, f"bf16 {layout} tma bn={bn} {M}x{N}x{K}")
 
 
 @pytest.mark.gpu
@@ -1268,7 +1273,7 @@ def test_gelu_fused_equals_gemm_then_gelu_forward(hopper, rng, dtype, bias_alpha
 @pytest.mark.parametrize("M,N,K,env,want", [
     (16384, 50304, 768, None, 256),       # the lm head forward at B=16: 256 wide (3 stages) at short K
     (4096, 2304, 768, None, 192),         # qkv at B=4: 256-wide tiles would take a third wave for little
-    (16384, 768, 3072, None, 192),        # fcproj at K = 3072: past TS256_MAX_K, 3 stages are too few
+    (16384, 768, 3072, None, 256),        # fcproj at K = 3072 (no K limit since session 41: TS256_MAX_K)
     (16384, 50304, 768, "128,192", 192),  # LLMC_WGMMA_TS_WIDTHS narrows the planner's widths
     (16384, 50304, 768, "128:192", 192),  # (any separator)
 ])
@@ -1291,13 +1296,17 @@ def test_bf16_forward_tma_store_widths(monkeypatch, M, N, K, env, want):
 
 @pytest.mark.parametrize("M,N,K,has_bias", [(16384, 50304, 768, False), (16384, 2304, 768, True), (4096, 3072, 768, True)])
 def test_bf16_256_wide_plans_run_as_pp128(monkeypatch, M, N, K, has_bias):
-    """Where the cooperative planner picks the 256-wide TMA-store tile, the build runs 128 x 128
-    ping-pong tiles with the TMA store instead (PP128_ENV); the fused GELU form takes the cooperative
-    128-wide instance (the same m64n128 products); an explicit width, schedule or LLMC_WGMMA_PP128=0
-    keeps 256; other plans and other types are untouched."""
+    """With LLMC_WGMMA_PP128=1 (the default before session 41; unset, 256 stays cooperative), where the
+    cooperative planner picks the 256-wide TMA-store tile, the build runs 128 x 128 ping-pong tiles with
+    the TMA store instead (PP128_ENV); the fused GELU form takes the cooperative 128-wide instance (the
+    same m64n128 products); an explicit width, schedule or LLMC_WGMMA_PP128=0 keeps 256; other plans and
+    other types are untouched."""
     from tests.fake_runtime import FakeRuntime
-    for var in (gw.PP128_ENV, gw.SCHEDULE_ENV, "LLMC_WGMMA_TS_WIDTHS"):
+    for var in (gw.PP128_ENV, gw.SCHEDULE_ENV, "LLMC_WGMMA_TS_WIDTHS", "LLMC_WGMMA_TS256_MAX_K"):
         monkeypatch.delenv(var, raising=False)
+    assert gw.wgmma_build(FakeRuntime(), "bf16", M, N, K, has_bias=has_bias, out="bf16").plan == (5, "128x256+ts", 1)
+    monkeypatch.setenv(gw.PP128_ENV, "1")
+    monkeypatch.setenv("LLMC_WGMMA_TS256_MAX_K", "1024")
     rt = FakeRuntime()
     g = gw.wgmma_build(rt, "bf16", M, N, K, has_bias=has_bias, out="bf16")
     assert g.plan == (5, "128x128+ts+pp", 1) and rt.built == ["gemm_wgmma_bf16_n128_ts_pp128_bf16"]
@@ -1314,10 +1323,41 @@ def test_bf16_256_wide_plans_run_as_pp128(monkeypatch, M, N, K, has_bias):
         assert gw.wgmma_build(rt, "bf16", M, N, K, has_bias=has_bias, out="bf16", **kw).plan == (5, "128x256+ts", 1)
     monkeypatch.setenv(gw.PP128_ENV, "0")
     assert gw.wgmma_build(rt, "bf16", M, N, K, has_bias=has_bias, out="bf16").plan == (5, "128x256+ts", 1)
-    monkeypatch.delenv(gw.PP128_ENV)
+    monkeypatch.setenv(gw.PP128_ENV, "1")
     # plans of 128 / 192 stay cooperative (qkv at B=4, fcproj at K = 3072); tf32 has its own rule
     # (TF32_PP128_ENV, test_tf32_pp128_takes_the_128_wide_tma_store_plans), which LLMC_WGMMA_PP128 leaves alone
     assert gw.wgmma_build(rt, "bf16", 4096, 2304, 768, out="bf16").plan == (5, "128x192+ts", 1)
     assert gw.wgmma_build(rt, "bf16", 16384, 768, 3072, out="bf16").plan == (5, "128x192+ts", 1)
     monkeypatch.setenv(gw.PP128_ENV, "0")
     assert "+pp" in gw.wgmma_build(rt, "tf32", M, N, K).plan[1]
+
+
+def test_bf16_dinp_256_wide_tile_and_ts256_max_k(monkeypatch):
+    """dinp's 256-wide TMA-store tile (B N-major, session 41) is planned by default (LLMC_WGMMA_BT256=0
+    leaves it out; bn=256 still asks for it), swapped for 128 x 128 ping-pong only with LLMC_WGMMA_PP128=1;
+    any K may plan 256 unless LLMC_WGMMA_TS256_MAX_K sets a limit; the fused dgelu keeps its own widths."""
+    from tests.fake_runtime import FakeRuntime
+    for var in (gw.PP128_ENV, gw.SCHEDULE_ENV, gw.BT256_ENV, "LLMC_WGMMA_TS_WIDTHS", "LLMC_WGMMA_TS256_MAX_K"):
+        monkeypatch.delenv(var, raising=False)
+    rt = FakeRuntime()
+    fcproj_dinp = dict(M=16384, N=3072, K=768, ldb=3072, b_major="n", out="bf16")
+    assert gw.wgmma_build(rt, "bf16", **fcproj_dinp).plan == (5, "128x256+ts+bt", 1)
+    assert rt.built[-1] == "gemm_wgmma_bf16_n256_bt_ts_bf16"
+    assert gw.wgmma_build(rt, "bf16", **fcproj_dinp, dgelu=True).plan == (5, "128x192+ts+bt+dgelu", 1)
+    monkeypatch.setenv(gw.PP128_ENV, "1")
+    assert gw.wgmma_build(rt, "bf16", **fcproj_dinp).plan == (5, "128x128+ts+pp+bt", 1)
+    monkeypatch.delenv(gw.PP128_ENV)
+    monkeypatch.setenv(gw.BT256_ENV, "0")
+    assert gw.wgmma_build(rt, "bf16", **fcproj_dinp).plan == (5, "128x192+ts+bt", 1)
+    assert gw.wgmma_build(rt, "bf16", **fcproj_dinp, bn=256).plan == (5, "128x256+ts+bt", 1)
+    monkeypatch.delenv(gw.BT256_ENV)
+    # fc's dinp and fcproj's forward at K = 3072: 256 unless a K limit is set
+    fc_dinp = dict(M=16384, N=768, K=3072, ldb=768, b_major="n", out="bf16")
+    fcproj_fwd = dict(M=16384, N=768, K=3072, out="bf16", has_bias=True)
+    assert gw.ts256_max_k() is None
+    assert gw.wgmma_build(rt, "bf16", **fc_dinp).plan == (5, "128x256+ts+bt", 1)
+    assert gw.wgmma_build(rt, "bf16", **fcproj_fwd).plan == (5, "128x256+ts", 1)
+    monkeypatch.setenv("LLMC_WGMMA_TS256_MAX_K", "1024")
+    assert gw.ts256_max_k() == 1024
+    assert gw.wgmma_build(rt, "bf16", **fc_dinp).plan == (5, "128x192+ts+bt", 1)
+    assert gw.wgmma_build(rt, "bf16", **fcproj_fwd).plan == (5, "128x192+ts", 1)

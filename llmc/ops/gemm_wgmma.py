@@ -50,9 +50,13 @@ BN_EFF = {128: 0.85, 192: 1.0, 256: 0.84, 160: 0.95, 64: 0.6}
 # shapes whose 128-wide tiles would take an extra wave (attproj forward B=4: 0.0315 against 0.0346)
 # bf16 256 wide (3 stages, built for the forward layout only): interleaved against 192 at K = 768, lm head
 # B=16 2.170 against 2.262 ms, B=4 0.544 against 0.561; qkv B=16 0.1021 against 0.1039; but 0.1296
-# against 0.1199 at fcproj's K = 3072, where 3 stages are too few: only up to TS256_MAX_K
+# against 0.1199 at fcproj's K = 3072, where 3 stages are too few (timed alone, at full clock). Under a
+# sustained load, the board at its power cap (session 41, H200, dev/bench_energy.py: ~1 s of calls each,
+# in turn with cuBLAS), 256 is the fastest bf16 forward at every d12 shape, fcproj's K = 3072 included
+# (B=16, over cuBLAS: 1.017x against 192's 1.045x), and whole bf16 steps at B=16 agree (below, PP128_ENV),
+# so the limit is gone: TS256_MAX_K None (LLMC_WGMMA_TS256_MAX_K puts one back, the A/B)
 TS_BN_EFF = {"fp32": {128: 1.0, 192: 0.88}, "bf16": {**BN_EFF, 256: 1.04}}
-TS256_MAX_K = 1024
+TS256_MAX_K = None
 TILE_OVERHEAD_KB = 2            # epilogue + pipeline fill of a work unit, in k-blocks
 SM_TF32_FLOPS = 3.0e12          # per-SM rate assumed by the planner (~80% of 494 TFLOP/s / 132); bf16 twice
 DRAM_BPS = 2.5e12
@@ -75,6 +79,18 @@ DTYPES = {  # name -> (numpy dtype of the operands, element bytes, CUtensorMapDa
 # session 13 (docs/matmul_notes.md, "The TMA store at long K"), so there is no limit.
 # LLMC_WGMMA_TS_MAX_K overrides both (the A/B of that measurement).
 TS_MAX_K = {"fp32": 4096, "bf16": 1 << 30}
+
+
+def ts256_max_k() -> int | None:
+    """The largest K whose plans may take the 256-wide TMA-store tile (LLMC_WGMMA_TS256_MAX_K, else
+    TS256_MAX_K; None: any K)."""
+    k = switches.value("LLMC_WGMMA_TS256_MAX_K")
+    return TS256_MAX_K if k is None else k
+
+
+def _k256_ok(K: int) -> bool:
+    m = ts256_max_k()
+    return m is None or K <= m
 
 
 def ts_max_k(out: str) -> int:
@@ -218,7 +234,7 @@ INSTANCES = {
     ("tf32", "fp32", "mk", False): _DIRECT,
     ("bf16", "fp32", "kk", False): _DIRECT, ("bf16", "fp32", "kk", True): {128: 5, 192: 3},
     ("bf16", "bf16", "kk", False): _DIRECT, ("bf16", "bf16", "kk", True): {128: 6, 192: 4, 256: 3},
-    ("bf16", "bf16", "kn", False): _DIRECT, ("bf16", "bf16", "kn", True): {128: 6, 192: 4},
+    ("bf16", "bf16", "kn", False): _DIRECT, ("bf16", "bf16", "kn", True): {128: 6, 192: 4, 256: 3},
     ("bf16", "bf16", "mn", False): {**_DIRECT, 160: 5}, ("bf16", "bf16", "mn", True): {64: 8, 128: 6, 160: 4, 192: 4},
 }
 # The 160-wide tile of the bf16 dweight layout: GPT-2's 768 columns are 5 tiles of 160, so fc's and
@@ -237,6 +253,11 @@ INSTANCES = {
 # B=4 8.58 against 8.46). LLMC_WGMMA_N160=0 leaves it out everywhere; =1 lets the planner take it in any
 # one-split TMA-store plan (any K, beside other work too: the A/B of both rules).
 N160_ENV = "LLMC_WGMMA_N160"
+# dinp's 256-wide TMA-store tile (B N-major, 3 stages: the forward layout's 256 twin, session 41). Under a
+# sustained load (H200, B=16, over cuBLAS, time / energy): fcproj's dinp 1.055x / 1.094x against 192's
+# 1.115x / 1.130x, attproj's 1.073x / 1.012x against 1.094x / 1.033x; in whole steps see PP128_ENV.
+# Planned by default; LLMC_WGMMA_BT256=0 leaves it out of dinp's plans (the A/B)
+BT256_ENV = "LLMC_WGMMA_BT256"
 N160_MIN_K = 4096
 # The 64-wide TMA-store tile of the bf16 dweight layout: for a dweight of few tiles (attproj's 768 x 768:
 # 36 tiles of 128 x 128) twice the CTAs. H200, session 29, bf16, beta 1, in turn, 20 back to back:
@@ -259,11 +280,13 @@ def multicast_default() -> bool:
 
 def layout_widths(ty: str, out: str, layout: str, ts: bool, K: int = 0, beside: bool = False) -> tuple:
     """The tile widths the planner may take for a layout (INSTANCES): the built ones, 160 only as
-    above (N160_ENV, N160_MIN_K), 64 only up to N64_MAX_K."""
+    above (N160_ENV, N160_MIN_K), 64 only up to N64_MAX_K, dinp's 256-wide TMA-store tile only with
+    BT256_ENV."""
     asked = switches.flag(N160_ENV)
     n160 = ts and (asked or (asked is None and not beside and K >= N160_MIN_K))
+    bt256 = not (ts and layout == "kn") or switches.on(BT256_ENV)
     return tuple(w for w in sorted(INSTANCES.get((ty, out, layout, ts), {}))
-                 if (w != 160 or n160) and (w != 64 or K <= N64_MAX_K))
+                 if (w != 160 or n160) and (w != 64 or K <= N64_MAX_K) and (w != 256 or bt256))
 
 
 LAYOUT_SUFFIX = {"kk": "", "mk": "_am", "kn": "_bt", "mn": "_at_bt"}
@@ -415,6 +438,8 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
     ts_built = tuple(GELU_INSTANCES[(ty, out, True)] if gelu else INSTANCES[(ty, out, layout, True)]) if has_ts else ()
     direct_built = tuple(GELU_INSTANCES[(ty, out, False)] if gelu else INSTANCES[(ty, out, layout, False)])
     ts_widths = (tuple(GELU_INSTANCES[(ty, out, True)]) if gelu else layout_widths(ty, out, layout, True, K, beside)) if has_ts else ()
+    if dgelu:  # (the dgelu epilogue is built for fewer widths than its layout's plain instances)
+        ts_widths = tuple(w for w in ts_widths if w in DGELU_INSTANCES.get((ty, out, layout), {}))
     direct_widths = tuple(GELU_INSTANCES[(ty, out, False)]) if gelu else layout_widths(ty, out, layout, False, K, beside)
     # (beta != 0: C's old tile comes in through the TMA as well; LLMC_WGMMA_TS_BETA=0 keeps such GEMMs on
     # direct stores, the A/B of that choice)
@@ -456,9 +481,9 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
             use_ts = False
         if use_ts:  # the TMA store needs the whole tile at once: no split-K
             # the planner's widths: LLMC_WGMMA_TS_WIDTHS (e.g. "128,192", the A/B of the 256-wide instance)
-            # narrows them; 256 only up to TS256_MAX_K
+            # narrows them; 256 only up to ts256_max_k()
             allowed = switches.value("LLMC_WGMMA_TS_WIDTHS") or ts_widths
-            widths = tuple(w for w in ts_widths if w in allowed and (w != 256 or K <= TS256_MAX_K)) or TS_WIDTHS
+            widths = tuple(w for w in ts_widths if w in allowed and (w != 256 or _k256_ok(K))) or TS_WIDTHS
             pbn, psplits = plan(rt.sm_count, M, N, K, dtype, allow_split=False, widths=widths, eff=TS_BN_EFF[out])
             splits = 1 if splits is None else splits
             if splits > 1 and store == "auto":
@@ -693,7 +718,15 @@ def _dgelu_launch(rt, name, label, smem, dtype, out, M, N, K, lda, ldb, ldc, alp
 # mainloop) measured faster (H100, session 18, interleaved medians, with bias): qkv forward B=16 0.1248
 # against 0.1378 ms, attproj B=16 0.0536 against 0.0564, fc B=16 0.1548 against 0.1597, fc B=4 0.0516
 # against 0.0547; where it picks 128 or 192 wide, the cooperative tiles stayed ahead (qkv B=4 0.0465
-# against 0.0483, fcproj B=4 0.0457 against 0.0514). LLMC_WGMMA_PP128=0 turns the swap off (the A/B).
+# against 0.0483, fcproj B=4 0.0457 against 0.0514). Those were timed alone, at full clock. Under a
+# sustained load, the board at its 700 W cap as in the trainer's steps (session 41, H200,
+# dev/bench_energy.py, B=16, over cuBLAS, time / energy), 256 wins back every forward: qkv 1.040x /
+# 1.040x against ping-pong's 1.080x / 1.011x, attproj 1.049x / 0.955x against 1.102x / 1.061x, fc 1.042x
+# / 1.115x against 1.091x / 1.231x, the lm head 1.058x / 1.054x against 1.068x / 1.059x; and whole bf16
+# steps (bench_ab, 3 rounds, 40 steps): B=16 29.09 against 29.43 ms with the swap off alone, 28.62 with
+# dinp's 256 tile (BT256_ENV) and 256 up to K = 4096 too, 28.16-28.23 against 28.62 in the next call;
+# B=4 8.31 against 8.28 (the rounds touch). So the swap is off by default since session 41;
+# LLMC_WGMMA_PP128=1 turns it back on (the A/B).
 PP128_ENV = "LLMC_WGMMA_PP128"
 
 
@@ -719,7 +752,7 @@ def _split_beats_ts(sm_count: int, M: int, N: int, K: int, dtype: str, out: str,
     """Whether an accumulating GEMM the planner splits over K takes the split (direct stores) rather than
     one split with the TMA store: where the split's estimate is under 1 / split_over_ts() of the other's."""
     r = split_over_ts()
-    widths = [w for w in ts_widths if w != 256 or K <= TS256_MAX_K]
+    widths = [w for w in ts_widths if w != 256 or _k256_ok(K)]
     if r == 0 or not widths:
         return True
     t_ts = _estimate(sm_count, M, N, K, dtype, False, [(BM, w) for w in widths], False, TS_BN_EFF[out])[0]
