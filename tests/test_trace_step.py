@@ -101,3 +101,111 @@ def test_power_parse_and_describe(power):
 def test_power_sampler_without_nvidia_smi(power, monkeypatch):
     monkeypatch.setattr(power.shutil, "which", lambda _: None)
     assert power.PowerSampler("0").stop() == "power: nvidia-smi not found"
+
+
+def test_power_sampler_falls_back_without_the_instant_draw(power, monkeypatch):
+    """nvidia-smi without power.draw.instant (older drivers) refuses the query: the sampler then asks for
+    power.draw (a one-second average) instead."""
+    calls = []
+
+    class Probe:
+        def __init__(self, rc):
+            self.returncode = rc
+
+    def run(cmd, **_):
+        calls.append(cmd)
+        return Probe(2)  # "Field power.draw.instant is not a valid field to query"
+
+    class Popen:
+        def __init__(self, cmd, **_):
+            calls.append(cmd)
+
+    monkeypatch.setattr(power.shutil, "which", lambda _: "/usr/bin/nvidia-smi")
+    monkeypatch.setattr(power.subprocess, "run", run)
+    monkeypatch.setattr(power.subprocess, "Popen", Popen)
+    power.PowerSampler("0000:19:00.0")
+    assert f"--query-gpu={power.FIELDS}" in calls[0] and f"--query-gpu={power.FIELDS_OLD}" in calls[1]
+    assert "power.draw.instant" in power.FIELDS and "instant" not in power.FIELDS_OLD
+
+
+def test_energy_counter_absent_and_described(power, monkeypatch):
+    def no_lib(_):
+        raise OSError("libnvidia-ml.so.1: cannot open shared object file")
+    monkeypatch.setattr(power.ctypes, "CDLL", no_lib)
+    e = power.Energy("0000:19:00.0")
+    assert e.read() is None and e.sm_clock() is None and "libnvidia-ml" in e.why
+    assert power.describe_energy(None, 1.0, 20, why=e.why) == f"energy: no counter ({e.why})"
+    line = power.describe_energy(390.0, 0.56, 20)
+    assert line == "energy: 19.500 J a step (390.0 J over 20 in 0.56 s: mean 696 W)"
+
+
+def test_energy_counter_through_nvml(power, monkeypatch):
+    """Energy reads NVML's millijoule counter (nvmlDeviceGetTotalEnergyConsumption) as joules; a device
+    NVML does not know, or a counter it does not support, leaves it without one and says why."""
+    import ctypes
+
+    class Lib:
+        def __init__(self, handle_rc=0, energy_rc=0):
+            self.mj, self.handle_rc, self.energy_rc = 123456, handle_rc, energy_rc
+
+        def nvmlInit_v2(self):
+            return 0
+
+        def nvmlDeviceGetHandleByPciBusId_v2(self, bus, ref):
+            assert bus == b"0000:19:00.0"
+            return self.handle_rc
+
+        def nvmlDeviceGetTotalEnergyConsumption(self, handle, ref):
+            ctypes.cast(ref, ctypes.POINTER(ctypes.c_ulonglong))[0] = self.mj
+            return self.energy_rc
+
+        def nvmlDeviceGetClockInfo(self, handle, which, ref):
+            assert which == 1  # NVML_CLOCK_SM
+            ctypes.cast(ref, ctypes.POINTER(ctypes.c_uint))[0] = 1605
+            return 0
+
+    lib = Lib()
+    monkeypatch.setattr(power.ctypes, "CDLL", lambda _: lib)
+    e = power.Energy("0000:19:00.0")
+    assert e.why is None and e.read() == 123.456 and e.sm_clock() == 1605
+    lib.mj = 143456
+    assert e.read() == 143.456
+    monkeypatch.setattr(power.ctypes, "CDLL", lambda _: Lib(handle_rc=999))
+    assert "no NVML device" in power.Energy("0000:19:00.0").why
+    monkeypatch.setattr(power.ctypes, "CDLL", lambda _: Lib(energy_rc=3))
+    e = power.Energy("0000:19:00.0")
+    assert e.read() is None and "not supported" in e.why
+
+
+def test_bench_energy_sustained_spell(monkeypatch):
+    """dev/bench_energy.py's measurement: the calls of the measured spell between two reads of the counter
+    (each after the queue drained), J and ms a call from them, the mean power, the clocks sampled."""
+    monkeypatch.syspath_prepend(str(ROOT / "dev"))
+    be = _load("bench_energy")
+    clock = {"t": 0.0}
+    monkeypatch.setattr(be.time, "perf_counter", lambda: clock["t"])
+
+    class Meter:
+        joules = 1000.0
+
+        def read(self):
+            return self.joules
+
+        def sm_clock(self):
+            return 1500
+
+    meter = Meter()
+    calls = {"n": 0, "synced": 0}
+
+    def fn():  # each call: 0.1 ms and 0.07 J (700 W)
+        calls["n"] += 1
+        clock["t"] += 1e-4
+        meter.joules += 0.07
+
+    def sync():
+        calls["synced"] += 1
+
+    r = be.sustained(fn, sync, meter, seconds=0.05, ramp=0.01)
+    assert calls["synced"] == 3
+    assert r["n"] in (499, 500) and abs(r["ms"] - 0.1) < 1e-9 and abs(r["J"] - 0.07) < 1e-9
+    assert abs(r["W"] - 700) < 1e-6 and r["MHz"] == 1500
