@@ -6,7 +6,7 @@ PIP ?= $(PY) -m pip
 # make bench PRECISION=bf16: our bf16 step and torch.compile's bf16-autocast step
 PRECISION ?= fp32
 
-.PHONY: setup setup-test data train sample test gpu-test lab bench profile trace clean
+.PHONY: setup setup-test data train sample test gpu-test lab bench energy profile trace clean
 
 setup:            ## runtime dependencies, llmc itself (editable: dev/ scripts import it); with a GPU also PyCUDA
 	$(PIP) install -q -r requirements.txt
@@ -40,6 +40,9 @@ bench:            ## on a GPU machine: d12 training step at B=4 and B=16, T=1024
 	$(PY) dev/bench_step.py -b 4 --precision $(PRECISION) --power
 	$(PY) dev/bench_step.py -b 16 --precision $(PRECISION) --power
 	$(PY) dev/bench_torch.py -b 4 16 --precision $(PRECISION)
+
+energy:           ## on a GPU machine: the bf16 step's GEMMs and cuBLAS's, ms and joules a call under a sustained load, every plan
+	$(PY) dev/bench_energy.py --plans
 
 profile:          ## on a GPU machine: per-kernel profile of one d12 training step
 	$(PY) dev/profile_step.py
