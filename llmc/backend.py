@@ -38,6 +38,7 @@ class Backend(Protocol):
     def choose(self, name, prefer=None, precision=None, **shape) -> int: ...  # the variant build() would take
     def fuses(self, name, form, **shape) -> int | None: ...        # the chosen variant, if it takes the fused form
     def fold_build(self, N, V, Vp, C): ...                          # the folded classifier (cuda), or None
+    def fold_bytes(self, N, V, Vp, C) -> int: ...                   # what fold_build would allocate (0: none)
     def named(self, name) -> bool: ...                              # the user chose this op's variant
     def memset0(self, buf): ...
     def upload(self, buf, host): ...
@@ -215,6 +216,9 @@ class CpuBackend(_Choosing):
     def fold_build(self, N, V, Vp, C):
         return None  # (the folded classifier is GPU kernels only: numpy runs the classifier op)
 
+    def fold_bytes(self, N, V, Vp, C) -> int:
+        return 0
+
     def build(self, name, prefer=None, precision=None, **shape) -> ops.Built:
         return ops.get(name).build_cpu(**shape)  # (one dtype: self.dtype)
 
@@ -294,16 +298,26 @@ class CudaBackend(_Choosing):
     def _arch(self):
         return self.rt.arch
 
+    def _fold_runs(self, N, V, Vp, C) -> bool:
+        """Whether fold_build builds the fold here: the lm head's matmul_forward is GEMM engine 5 (variant 9)
+        and rows of C and Vp values are 16-byte multiples (the fold's TMA loads and store)."""
+        if self.choose("matmul_forward", None, self.precision, N=N, C=C, OC=Vp, has_bias=False) != 9:
+            return False
+        esize = 2 if self.precision == "bf16" else 4
+        return (Vp * esize) % 16 == 0 and (C * esize) % 16 == 0
+
     def fold_build(self, N, V, Vp, C):
         """The classifier folded into the lm head's GEMMs (llmc/ops/classifier.py: Fold) for N rows, or
-        None where the lm head's matmul_forward is not GEMM engine 5 (variant 9)."""
-        if self.choose("matmul_forward", None, self.precision, N=N, C=C, OC=Vp, has_bias=False) != 9:
-            return None
-        esize = 2 if self.precision == "bf16" else 4
-        if (Vp * esize) % 16 or (C * esize) % 16:  # (the fold's TMA loads and store: 16-byte rows)
+        None where it does not run here (_fold_runs)."""
+        if not self._fold_runs(N, V, Vp, C):
             return None
         from llmc.ops.classifier import fold_build
         return fold_build(self.rt, N, V, Vp, C, self.precision)
+
+    def fold_bytes(self, N, V, Vp, C) -> int:
+        """The device memory fold_build would allocate (0 where it builds nothing): the model's early check."""
+        from llmc.ops.classifier import fold_bytes
+        return fold_bytes(N, V, Vp, C, self.precision) if self._fold_runs(N, V, Vp, C) else 0
 
     def empty(self, shape, dtype=None):
         return self.rt.empty(shape, dtype or self.dtype)

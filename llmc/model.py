@@ -169,7 +169,11 @@ class GPT2:
         # the form's partials are scratch
         att_cs = (be.fuses("attention_backward", dict(colsum=True, **att_kw), **att_shape)
                   if training and fuse_bias else None)
-        self._check_memory(att_colsum=att_cs is not None)
+        # the folded classifier (below, with the backward's builds): decided here, its buffers counted in the check
+        if fold is None:  # (a classifier variant named on the command line runs in training: no fold)
+            fold = switches.on("LLMC_CLASSIFIER_FOLD") and not be.named("classifier")
+        fold = bool(training and fold)
+        self._check_memory(att_colsum=att_cs is not None, fold_bytes=be.fold_bytes(N, V, Vp, C) if fold else 0)
 
         # -- parameters (and their gradients, AdamW state): one flat buffer each, views per tensor
         self.num_params = cfg.num_parameters
@@ -294,11 +298,7 @@ class GPT2:
             # classifier variant was named (fold=False or LLMC_CLASSIFIER_FOLD=0: the pass, the A/B). H200, same
             # call: fp32 15.78 against 16.14 ms at B=4, 58.14 against 59.63 at B=16; bf16 8.15 against 8.37 and
             # 28.50 against 29.10 (docs/results/session39_h200_2026-11-29.txt).
-            self.fold = None
-            if fold is None:  # (a classifier variant named on the command line runs in training: no fold)
-                fold = switches.on("LLMC_CLASSIFIER_FOLD") and not be.named("classifier")
-            if fold:
-                self.fold = be.fold_build(N, V, Vp, C)
+            self.fold = be.fold_build(N, V, Vp, C) if fold else None
             # Each layer GEMM's two-GEMM form only where the backward launches it (its transposes' scratch and
             # split-K partials are allocated with the build: fp32 B=16 0.24 GiB for the four unused ones):
             # fcproj's where neither the GELU recompute form nor the dgelu form takes its place, the other
@@ -544,12 +544,14 @@ class GPT2:
     def activation_bytes(self) -> int:
         return sum(buf.size * buf.dtype.itemsize for buf in self.acts_bufs.values())
 
-    def _check_memory(self, att_colsum: bool = False):
+    def _check_memory(self, att_colsum: bool = False, fold_bytes: int = 0):
         """Fail early, in one line, when the GPU can't hold the model (before allocating anything).
         Bytes are counted per dtype (bf16 mode: 2 per parameter, gradient and most activations; 4
         per AdamW moment, master weight and fp32 activation). What attention keeps per layer and the
         scratch its builds allocate are declared by the variants that will run (Variant.saves,
-        Variant.scratch_bytes)."""
+        Variant.scratch_bytes); fold_bytes: the folded classifier's buffers (backend.fold_bytes). Not
+        counted: the other builds' scratch (the GEMMs' split-K partials and tf32 transposes, the
+        layernorm and encoder backwards' partials); an allocation that fails still ends in one line."""
         cfg, B, T = self.cfg, self.B, self.T
         L, C, NH = cfg.num_layers, cfg.channels, cfg.num_heads
         P, el, f4 = cfg.num_parameters, np.dtype(self.be.dtype).itemsize, self.f32.itemsize
@@ -569,7 +571,7 @@ class GPT2:
             scratch += (v.scratch_bytes(**shape, **extra, dtype=getattr(self.be, 'precision', 'fp32'),
                                         rt=getattr(self.be, "rt", None))
                         if v is not None and v.scratch_bytes else 0)
-        self.be.require_free(nbytes + scratch, what=f"model ({cfg.describe()}, B={B}, T={T}, "
+        self.be.require_free(nbytes + scratch + fold_bytes, what=f"model ({cfg.describe()}, B={B}, T={T}, "
                                                     f"{getattr(self.be, 'precision', 'fp32')})")
 
     def init_params(self, seed: int = 1337) -> np.ndarray:

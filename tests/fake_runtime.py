@@ -242,6 +242,13 @@ class FakeCudaBackend(CudaBackend):
             return None
         return FakeFold(self, N, V, Vp, C)
 
+    def fold_bytes(self, N, V, Vp, C) -> int:  # (where fold_build above builds its FakeFold: what a Fold would allocate)
+        from llmc.ops.classifier import fold_bytes
+        if not self.emulate_fold or self.choose("matmul_forward", None, self.precision, N=N, C=C, OC=Vp,
+                                                has_bias=False) != 9:
+            return 0
+        return fold_bytes(N, V, Vp, C, self.precision)
+
     def side(self, mark=None):
         import contextlib
 

@@ -485,3 +485,11 @@ def test_fold_only_where_it_runs(precision):
     assert be.fold_build(64, 1000, 1024, 70 if precision == "bf16" else 66) is None
     named = CudaBackend({"matmul_forward": 7}, quiet=True, rt=FakeRuntime(1 << 24), precision=precision)
     assert named.fold_build(64, 1000, 1024, 72) is None
+    # fold_bytes: what fold_build allocates, counted before it does (the model's memory check); 0 where it builds nothing
+    rt = FakeRuntime(1 << 28)
+    be = CudaBackend(quiet=True, rt=rt, precision=precision)
+    for N, V, Vp, C in ((64, 1000, 1024, 72), (65, 1000, 1040, 80), (4096, 50257, 50304, 768)):
+        before = rt.allocated_bytes
+        be.fold_build(N, V, Vp, C)
+        assert rt.allocated_bytes - before == be.fold_bytes(N, V, Vp, C) > 0
+    assert be.fold_bytes(64, 1000, 1001, 72) == 0 and named.fold_bytes(64, 1000, 1024, 72) == 0

@@ -628,6 +628,17 @@ def test_folded_classifier_plumbing(precision):
             m2.train_micro_step(*batches[0])
             assert "classifier fold gemm" in be.launches and "classifier fold prime" not in be.launches
         runs.append(out)
+    # the early memory check counts the fold's buffers where the model will build it (and only there)
+    checked = {}
+    for fold in (False, True):
+        be = FakeCudaBackend(precision=precision)
+        be.emulate_fold = True
+        asked = []
+        be.require_free = lambda nbytes, what="model", asked=asked: asked.append(nbytes)
+        GPT2(CFG, be, B, T, fold=fold)
+        checked[fold] = asked[0]
+    assert checked[True] - checked[False] == be.fold_bytes(B * T, CFG.vocab_size, CFG.padded_vocab_size,
+                                                           CFG.channels) > 0
     for i, (a, b) in enumerate(zip(*runs)):
         if precision == "fp32":
             np.testing.assert_allclose(b, a, rtol=2e-4, atol=2e-6, err_msg=f"item {i} (fold against no fold)")
