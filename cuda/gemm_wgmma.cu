@@ -897,6 +897,7 @@ GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n64_at_bt_ts_bf16, __nv_bfloat16, __nv_bfloat16
 GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n128_at_bt_ts_bf16, __nv_bfloat16, __nv_bfloat16, 128, 6, true, false, true, true)
 GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n160_at_bt_ts_bf16, __nv_bfloat16, __nv_bfloat16, 160, 4, true, false, true, true)
 GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n192_at_bt_ts_bf16, __nv_bfloat16, __nv_bfloat16, 192, 4, true, false, true, true)
+GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n256_at_bt_ts_bf16, __nv_bfloat16, __nv_bfloat16, 256, 3, true, false, true, true)
 
 // The dweight layout in clusters of two CTAs (`__cluster_dims__(2, 1, 1)`; the grid is a multiple of 2):
 // the two tiles of a pair, stacked along M, share their B tile, each CTA's producer loading half of it by

@@ -145,6 +145,8 @@ _TABLE = [
           "ping-pong, not cooperative (the default before session 41)", "gemm"),
     _flag("LLMC_WGMMA_BT256", True, "1", "0: the bf16 dinp GEMMs (B N-major) never plan the 256-wide TMA-store "
           "tile", "gemm"),
+    _flag("LLMC_WGMMA_MN256", False, "0", "1: the bf16 dweight GEMMs may plan their 256-wide TMA-store tile "
+          "(untested on a GPU: branch wip/mn256)", "gemm"),
     Switch("LLMC_WGMMA_TS256_MAX_K", "int", "no limit", "the largest K whose plans may take the 256-wide "
            "TMA-store tile (3 stages; 1024 before session 41)", minimum=1, expect="an integer K >= 1", group="gemm"),
     _flag("LLMC_WGMMA_TF32_PP128", True, "1", "0: tf32 plans stay cooperative, not 128 x 128 ping-pong",

@@ -235,7 +235,7 @@ INSTANCES = {
     ("bf16", "fp32", "kk", False): _DIRECT, ("bf16", "fp32", "kk", True): {128: 5, 192: 3},
     ("bf16", "bf16", "kk", False): _DIRECT, ("bf16", "bf16", "kk", True): {128: 6, 192: 4, 256: 3},
     ("bf16", "bf16", "kn", False): _DIRECT, ("bf16", "bf16", "kn", True): {128: 6, 192: 4, 256: 3},
-    ("bf16", "bf16", "mn", False): {**_DIRECT, 160: 5}, ("bf16", "bf16", "mn", True): {64: 8, 128: 6, 160: 4, 192: 4},
+    ("bf16", "bf16", "mn", False): {**_DIRECT, 160: 5}, ("bf16", "bf16", "mn", True): {64: 8, 128: 6, 160: 4, 192: 4, 256: 3},
 }
 # The 160-wide tile of the bf16 dweight layout: GPT-2's 768 columns are 5 tiles of 160, so fc's and
 # fcproj's dweights are 120 tiles, filling 120 of an H100's 132 SMs where 4 tiles of 192 fill 96 (H200,
@@ -258,6 +258,9 @@ N160_ENV = "LLMC_WGMMA_N160"
 # 1.115x / 1.130x, attproj's 1.073x / 1.012x against 1.094x / 1.033x; in whole steps see PP128_ENV.
 # Planned by default; LLMC_WGMMA_BT256=0 leaves it out of dinp's plans (the A/B)
 BT256_ENV = "LLMC_WGMMA_BT256"
+# the dweights' 256-wide TMA-store tile (A and B transposed, 3 stages; branch wip/mn256, not yet measured on a GPU):
+# planned only with LLMC_WGMMA_MN256=1 (bn=256 asks for it)
+MN256_ENV = "LLMC_WGMMA_MN256"
 N160_MIN_K = 4096
 # The 64-wide TMA-store tile of the bf16 dweight layout: for a dweight of few tiles (attproj's 768 x 768:
 # 36 tiles of 128 x 128) twice the CTAs. H200, session 29, bf16, beta 1, in turn, 20 back to back:
@@ -284,7 +287,8 @@ def layout_widths(ty: str, out: str, layout: str, ts: bool, K: int = 0, beside: 
     BT256_ENV."""
     asked = switches.flag(N160_ENV)
     n160 = ts and (asked or (asked is None and not beside and K >= N160_MIN_K))
-    bt256 = not (ts and layout == "kn") or switches.on(BT256_ENV)
+    bt256 = ((not (ts and layout == "kn") or switches.on(BT256_ENV))
+             and (not (ts and layout == "mn") or switches.on(MN256_ENV)))
     return tuple(w for w in sorted(INSTANCES.get((ty, out, layout, ts), {}))
                  if (w != 160 or n160) and (w != 64 or K <= N64_MAX_K) and (w != 256 or bt256))
 
