@@ -623,17 +623,19 @@ __device__ __forceinline__ void epilogue_tma(float (&d)[BN / 2], const GemmArgs<
 // loading every k-block of each into the next stage of the ring once the stage is free. ROWS: the A
 // box's rows (BM for the cooperative schedule, a consumer's RM for ping-pong). A_MN, A_T, B_T: how
 // A and B lie in global memory (the instances' flags; ping-pong has only B_T).
-// CL = 2 (the _mc instances, cooperative, B^T stored): a work unit is two tiles stacked along M, one per
-// CTA of the cluster (rank r: tile row 2 tm + r; tiles_m counts the pairs), which share the B tile: each
-// CTA's producer loads its own A and every other box of B, multicast into both CTAs' stages, so each CTA
-// asks the L2 for half of B. A stage is refilled only when the consumers of both CTAs have freed it (the
+// CL = 2 (the _mc instances, cooperative): a work unit is two tiles stacked along M, one per CTA of the
+// cluster (rank r: tile row 2 tm + r; tiles_m counts the pairs), which share the B tile: each CTA's
+// producer loads its own A and half of B (every other 64-wide box of B^T stored, or K-major B's rows
+// r BN / 2 to (r + 1) BN / 2 through a map whose box is BN / 2 rows), multicast into both CTAs' stages,
+// so each CTA asks the L2 for half of B. A stage is refilled only when the consumers of both CTAs have freed it (the
 // `empty` barriers count both CTAs' consumer warps). A pair's second tile past M loads the last real tile
 // row's A (its products are dropped: the consumers store nothing for it).
 template <typename T, int ROWS, int BN, int STAGES, bool A_MN, bool A_T, bool B_T, int CL = 1, typename OUT>
 __device__ __forceinline__ void producer(const CUtensorMap* tmA, const CUtensorMap* tmB, const GemmArgs<OUT>& a,
                                          unsigned char* smem, uint64_t* full, uint64_t* empty, int tiles_m,
                                          int tiles_n) {
-    static_assert(CL == 1 || (B_T && !A_MN), "multicast: B^T's boxes split between the cluster's CTAs");
+    static_assert(CL == 1 || (!A_MN && (B_T || (BN / CL) % 8 == 0)),
+                  "multicast: B's boxes (B^T's 64-wide ones, or K-major B's rows) split between the cluster's CTAs");
     constexpr int BK = ROW_BYTES / sizeof(T);
     constexpr int B_ROWS = b_rows<BN, B_T>();
     constexpr int A_BYTES = ROWS * ROW_BYTES, STAGE_BYTES = A_BYTES + B_ROWS * ROW_BYTES;
@@ -675,8 +677,11 @@ __device__ __forceinline__ void producer(const CUtensorMap* tmA, const CUtensorM
                         tma_load_2d_mc(sa + A_BYTES + b * BOX_T, tmB, &full[stage], tn * BN + 64 * b, kb * BK,
                                        (1 << CL) - 1);
                 }
-            } else {
+            } else if (CL == 1) {
                 tma_load_2d(sa + A_BYTES, tmB, &full[stage], kb * BK, tn * BN);
+            } else {  // B K-major: the B map's box is BN / CL rows; this CTA's share lands in both CTAs
+                tma_load_2d_mc(sa + A_BYTES + rank * (BN / CL) * ROW_BYTES, tmB, &full[stage], kb * BK,
+                               tn * BN + rank * (BN / CL), (1 << CL) - 1);
             }
             if (++stage == STAGES) { stage = 0; phase ^= 1; }
         }
@@ -899,21 +904,24 @@ GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n160_at_bt_ts_bf16, __nv_bfloat16, __nv_bfloat1
 GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n192_at_bt_ts_bf16, __nv_bfloat16, __nv_bfloat16, 192, 4, true, false, true, true)
 GEMM_WGMMA_ENTRY(gemm_wgmma_bf16_n256_at_bt_ts_bf16, __nv_bfloat16, __nv_bfloat16, 256, 3, true, false, true, true)
 
-// The dweight layout in clusters of two CTAs (`__cluster_dims__(2, 1, 1)`; the grid is a multiple of 2):
-// the two tiles of a pair, stacked along M, share their B tile, each CTA's producer loading half of it by
-// TMA multicast into both (see producer<>); with the TMA store (beta through it), as the plain _ts ones.
-#define GEMM_WGMMA_MC_ENTRY(NAME, BN, STAGES)                                                             \
+// Clusters of two CTAs (`__cluster_dims__(2, 1, 1)`; the grid is a multiple of 2): the two tiles of a
+// pair, stacked along M, share their B tile, each CTA's producer loading half of it by TMA multicast into
+// both (see producer<>); with the TMA store (beta through it), as the plain _ts ones. The dweight layout
+// (A_T, B_T) at its TMA-store widths; the forward's (K-major) and dinp's (B_T) 256-wide tile (session 42).
+#define GEMM_WGMMA_MC_ENTRY(NAME, BN, STAGES, A_T, B_T)                                                   \
     extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(THREADS, 1)                   \
     NAME(const CUtensorMap* tmA, const CUtensorMap* tmB, const CUtensorMap* tmC, __nv_bfloat16* C,       \
          const __nv_bfloat16* bias, float* W, int M, int N, int K, int ldc, int ldw, int splits,        \
          int kb_per_split, float alpha, float beta, int trans_c) { LLMC_PDL_WAIT();                       \
         const GemmArgs<__nv_bfloat16> a{C, bias, W, M, N, K, ldc, ldw, splits, kb_per_split, alpha, beta, trans_c}; \
-        gemm_wgmma_body<__nv_bfloat16, __nv_bfloat16, BN, STAGES, true, false, true, true, false, false, 2>(   \
+        gemm_wgmma_body<__nv_bfloat16, __nv_bfloat16, BN, STAGES, true, false, A_T, B_T, false, false, 2>(     \
             tmA, tmB, tmC, nullptr, a);                                                                  \
     }
-GEMM_WGMMA_MC_ENTRY(gemm_wgmma_bf16_n128_at_bt_ts_mc_bf16, 128, 6)
-GEMM_WGMMA_MC_ENTRY(gemm_wgmma_bf16_n160_at_bt_ts_mc_bf16, 160, 4)
-GEMM_WGMMA_MC_ENTRY(gemm_wgmma_bf16_n192_at_bt_ts_mc_bf16, 192, 4)
+GEMM_WGMMA_MC_ENTRY(gemm_wgmma_bf16_n128_at_bt_ts_mc_bf16, 128, 6, true, true)
+GEMM_WGMMA_MC_ENTRY(gemm_wgmma_bf16_n160_at_bt_ts_mc_bf16, 160, 4, true, true)
+GEMM_WGMMA_MC_ENTRY(gemm_wgmma_bf16_n192_at_bt_ts_mc_bf16, 192, 4, true, true)
+GEMM_WGMMA_MC_ENTRY(gemm_wgmma_bf16_n256_ts_mc_bf16, 256, 3, false, false)
+GEMM_WGMMA_MC_ENTRY(gemm_wgmma_bf16_n256_bt_ts_mc_bf16, 256, 3, false, true)
 
 // The fc layer's fused form (matmul_forward with gelu_pre=True): both K-major, C = the pre-activation
 // (fch, which gelu_backward reads) and G = gelu(C) (fch_gelu) from one epilogue, instead of a

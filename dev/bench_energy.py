@@ -8,6 +8,7 @@ full clock (dev/power.py).
     python dev/bench_energy.py --B 4 --seconds 2 --rounds 3
     python dev/bench_energy.py --only fc lmhead   # some layers
     python dev/bench_energy.py --plans --only fc  # + every other plan engine 5 has built for each GEMM
+    python dev/bench_energy.py --plans mc         # + only the 2-CTA multicast plan, where one is built
 
 For each GEMM, each side in turn (--rounds rounds): --ramp seconds of calls (the board's power and
 clock settle), then the GPU's queue drained, the board's energy counter read (NVML), calls for about
@@ -17,8 +18,8 @@ sampled as the calls run), TFLOP per kJ; and ours over cuBLAS in time and in ene
 operands as dev/bench_gemm.py (random, bf16 in and out; dweight accumulates into a bf16 gradient).
 A device-to-device copy of 1 GB is measured the same way first: the joules a byte of DRAM traffic
 costs, for the memory-bound kernels. --plans: each GEMM also on every other tile plan built for its
-layout (cooperative 128 x 128 / 192 / 256, ping-pong 128 x 128 and 64 x 256, the dweights' clusters
-of two with multicast), in the same turns, each printed against cuBLAS.
+layout (cooperative 128 x 128 / 192 / 256, ping-pong 128 x 128 and 64 x 256, clusters of two CTAs
+sharing B by multicast), or only the plans named after it, in the same turns, each printed against cuBLAS.
 """
 import argparse
 import statistics
@@ -71,7 +72,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--only", nargs="*", choices=list(LAYERS), help="these layers only")
     ap.add_argument("--kinds", nargs="*", choices=("fwd", "dinp", "dweight"), default=["fwd", "dinp", "dweight"])
-    ap.add_argument("--plans", action="store_true", help="also every other tile plan built for each GEMM")
+    ap.add_argument("--plans", nargs="*", choices=[label for label, _ in PLANS], default=None,
+                    help="also every other tile plan built for each GEMM (or those named: e.g. --plans mc)")
     args = ap.parse_args()
 
     import torch
@@ -146,7 +148,9 @@ def main():
                 g = gw.wgmma_build(rt, "bf16", out="bf16", **shape)
                 sides["ours"] = (lambda g=g: g(*ptrs))
                 plans = [f"ours={g.plan}"]
-                for label, kw in (PLANS if args.plans else ()):
+                for label, kw in (PLANS if args.plans is not None else ()):
+                    if args.plans and label not in args.plans:
+                        continue
                     try:
                         alt = gw.wgmma_build(rt, "bf16", out="bf16", **shape, **kw)
                     except LLMCError:

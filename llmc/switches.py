@@ -145,8 +145,8 @@ _TABLE = [
           "ping-pong, not cooperative (the default before session 41)", "gemm"),
     _flag("LLMC_WGMMA_BT256", True, "1", "0: the bf16 dinp GEMMs (B N-major) never plan the 256-wide TMA-store "
           "tile", "gemm"),
-    _flag("LLMC_WGMMA_MN256", False, "0", "1: the bf16 dweight GEMMs may plan their 256-wide TMA-store tile "
-          "(untested on a GPU: branch wip/mn256)", "gemm"),
+    _flag("LLMC_WGMMA_MN256", True, "1", "0: the bf16 dweight GEMMs (A and B transposed) never plan the 256-wide "
+          "TMA-store tile", "gemm"),
     Switch("LLMC_WGMMA_TS256_MAX_K", "int", "no limit", "the largest K whose plans may take the 256-wide "
            "TMA-store tile (3 stages; 1024 before session 41)", minimum=1, expect="an integer K >= 1", group="gemm"),
     _flag("LLMC_WGMMA_TF32_PP128", True, "1", "0: tf32 plans stay cooperative, not 128 x 128 ping-pong",
@@ -156,8 +156,8 @@ _TABLE = [
            minimum=0, expect="a ratio of estimates >= 0", group="gemm"),
     _flag("LLMC_WGMMA_N160", None, "alone, one K split and K >= 4096", "1 / 0: the bf16 dweights' 128 x 160 "
           "tile in any one-split plan, or never", "gemm"),
-    _flag("LLMC_WGMMA_MC", False, "0", "1: the bf16 dweights' TMA-store plans on clusters of two CTAs sharing B "
-          "by TMA multicast", "gemm"),
+    _flag("LLMC_WGMMA_MC", False, "0", "1: the bf16 TMA-store plans built for it (the dweights', the 256-wide "
+          "forward and dinp tiles) on clusters of two CTAs sharing B by TMA multicast", "gemm"),
     Switch("LLMC_WGMMA_TS_MAX_K", "int", "4096 for fp32 output, no limit for bf16", "the largest K that takes "
            "the TMA-store epilogue", expect="an integer K", group="gemm"),
     _flag("LLMC_WGMMA_TS_BETA", True, "1", "0: the accumulating dweight GEMMs on direct stores, not the TMA "

@@ -231,19 +231,22 @@ def test_instance_table_matches_the_kernels():
 
 
 def test_multicast_table_matches_the_kernels():
-    """MC_INSTANCES against the .cu's GEMM_WGMMA_MC_ENTRY lines (names and stages), and every one a
-    cluster-of-2 kernel of the dweight layout's TMA-store body."""
+    """MC_INSTANCES against the .cu's GEMM_WGMMA_MC_ENTRY lines (names, stages, A^T / B^T flags of the
+    layout), and every one a cluster-of-2 kernel of the TMA-store body."""
     import re
     from llmc.runtime import CUDA_DIR
     src = (CUDA_DIR / "gemm_wgmma.cu").read_text()
-    entries = {m.group(1): (int(m.group(2)), int(m.group(3)))
-               for m in re.finditer(r"^GEMM_WGMMA_MC_ENTRY\((\w+), (\d+), (\d+)\)$", src, re.M)}
-    want = {gw.instance_name(ty, out, lay, True, bn, mc=True): (bn, stages)
+    entries = {m.group(1): (int(m.group(2)), int(m.group(3)), m.group(4), m.group(5))
+               for m in re.finditer(r"^GEMM_WGMMA_MC_ENTRY\((\w+), (\d+), (\d+), (true|false), (true|false)\)$",
+                                    src, re.M)}
+    flag = lambda b: "true" if b else "false"  # noqa: E731
+    want = {gw.instance_name(ty, out, lay, True, bn, mc=True): (bn, stages, flag(lay[0] == "m"), flag(lay[1] == "n"))
             for (ty, out, lay), widths in gw.MC_INSTANCES.items() for bn, stages in widths.items()}
     assert entries == want and entries
+    assert {lay for _, _, lay in gw.MC_INSTANCES} == {"mn", "kk", "kn"}
     macro = src[src.index("#define GEMM_WGMMA_MC_ENTRY"):]
     macro = macro[:macro.index("GEMM_WGMMA_MC_ENTRY(gemm")]
-    assert "__cluster_dims__(2, 1, 1)" in macro and "true, false, true, true, false, false, 2>" in macro
+    assert "__cluster_dims__(2, 1, 1)" in macro and "true, false, A_T, B_T, false, false, 2>" in macro
     # the same stages as the plain TMA-store instances of the layout (the same shared memory)
     for (ty, out, lay), widths in gw.MC_INSTANCES.items():
         for bn, stages in widths.items():
@@ -274,8 +277,9 @@ def test_multicast_builds_pick_the_cluster_instance(monkeypatch, M, bn, want_gri
     assert "+mc" not in g.plan[1]
 
 
-@pytest.mark.parametrize("kw", [dict(store="direct"), dict(splits=2, store="direct"), dict(a_major="k", b_major="n"),
-                                dict(a_major="k", b_major="k")])
+@pytest.mark.parametrize("kw", [dict(store="direct"), dict(splits=2, store="direct"),
+                                dict(a_major="k", b_major="n", bn=192), dict(a_major="k", b_major="k", bn=128),
+                                dict(a_major="k", b_major="k", bn=256, gelu=True, beta=0.0)])
 def test_multicast_refuses_what_is_not_built(kw):
     from tests.fake_runtime import FakeRuntime
     args = dict(a_major="m", b_major="n", out="bf16", beta=1.0)
@@ -284,6 +288,37 @@ def test_multicast_refuses_what_is_not_built(kw):
         gw.wgmma_build(FakeRuntime(), "bf16", 3072, 768, 4096, multicast=True, **args)
     args["multicast"] = None  # the environment's default leaves such plans as they are
     gw.wgmma_build(FakeRuntime(), "bf16", 3072, 768, 4096, **args)
+
+
+@pytest.mark.parametrize("layout,M,N,K,want_grid", [("kk", 16384, 768, 3072, 132), ("kn", 16384, 768, 3072, 132),
+                                                     ("kk", 300, 2304, 768, 36), ("kn", 136, 520, 3072, 6)])
+def test_multicast_256_forward_and_dinp(monkeypatch, layout, M, N, K, want_grid):
+    """The forward's (K-major) and dinp's (B N-major) 256-wide tile in clusters: multicast=True or
+    LLMC_WGMMA_MC=1 takes the _mc instance, whole pairs of tiles stacked along M (an odd number of tile
+    rows rounds up to pairs); a K-major B's map has boxes of 128 rows (each CTA loads half of B's 256),
+    B N-major keeps its 64-wide boxes; without multicast the box is the whole 256."""
+    from tests.fake_runtime import FakeRuntime
+    boxes = []
+    monkeypatch.setattr(gw, "tensor_map", lambda *a, **k: (boxes.append(a), bytes(128))[1])
+    kw = dict(b_major=layout[1], out="bf16", bn=256, store="tma", has_bias=layout == "kk")
+    if layout == "kn":
+        kw["ldb"] = N
+    for mc in (True, False):
+        for how in ("arg", "env"):
+            rt = FakeRuntime()
+            monkeypatch.setenv(gw.MC_ENV, "1" if how == "env" and mc else "0")
+            g = gw.wgmma_build(rt, "bf16", M, N, K, multicast=mc if how == "arg" else None, **kw)
+            assert g.plan == (5, f"128x256+ts{'+bt' if layout == 'kn' else ''}{'+mc' if mc else ''}", 1)
+            boxes.clear()
+            B = rt.empty((K, N) if layout == "kn" else (N, K), np.uint16)
+            bias = rt.empty((N,), np.uint16) if layout == "kk" else None
+            g(rt.empty((M, N), np.uint16), rt.empty((M, K), np.uint16), B, bias)
+            name, grid = rt.launches[-1].func, rt.launches[-1].grid
+            assert name == f"gemm_wgmma_bf16_n256{'_bt' if layout == 'kn' else ''}_ts{'_mc' if mc else ''}_bf16"
+            b_box = boxes[1][-1]
+            assert b_box == (64 if layout == "kn" else 128 if mc else 256)
+            if mc:
+                assert grid[0] == want_grid and grid[0] % 2 == 0
 
 
 @pytest.mark.parametrize("env", ["2", "yes", "on"])
@@ -369,6 +404,32 @@ def test_accumulating_dweight_splits_where_the_split_is_under_half(monkeypatch, 
         assert f"{g.plan[1]}/{g.plan[2]}" == want, (overwrite, g.plan)
 
 
+def test_dweight_256_wide_tile_plans(monkeypatch):
+    """The dweights' 256-wide TMA-store tile (session 42): planned by default and taken where it makes
+    enough tiles (the lm head's dweight, at B=4 and 16; 192 with LLMC_WGMMA_MN256=0); qkv's, fc's and
+    fcproj's keep their widths either way; bn=256 asks for it with the switch off too."""
+    from tests.fake_runtime import FakeRuntime
+    for var in ("LLMC_WGMMA_TS_MAX_K", "LLMC_WGMMA_TS_WIDTHS", "LLMC_WGMMA_TS_BETA", gw.SCHEDULE_ENV,
+                gw.SPLIT_OVER_TS_ENV, gw.N160_ENV, gw.MN256_ENV, gw.MC_ENV):
+        monkeypatch.delenv(var, raising=False)
+    layers = {"qkv": (768, 2304, 128), "fc": (768, 3072, 160), "fcproj": (3072, 768, 160), "lmhead": (768, 50304, 256)}
+
+    def plan(C, OC, B, **kw):
+        rt = FakeRuntime()
+        g = gw.wgmma_build(rt, "bf16", OC, C, B * 1024, lda=OC, ldb=C, ldc=C, beta=1.0, a_major="m", b_major="n",
+                           out="bf16", plan_only=True, **kw)
+        return g.plan
+    for B in (4, 16):
+        for layer, (C, OC, want) in layers.items():
+            assert plan(C, OC, B) == (5, f"128x{want}+ts+at+bt", 1), (layer, B)
+    monkeypatch.setenv(gw.MN256_ENV, "0")
+    for B in (4, 16):
+        for layer, (C, OC, want) in layers.items():
+            assert plan(C, OC, B) == (5, f"128x{192 if want == 256 else want}+ts+at+bt", 1), (layer, B)
+    assert plan(768, 50304, 16, bn=256) == (5, "128x256+ts+at+bt", 1)
+    assert gw.instance_name("bf16", "bf16", "mn", True, 256) == "gemm_wgmma_bf16_n256_at_bt_ts_bf16"
+
+
 @pytest.mark.parametrize("layer,B,env,beside,want", [
     ("fc", 16, None, False, 160),       # K >= N160_MIN_K, alone: 5 tiles of 160 across 768 (120 CTAs)
     ("fcproj", 16, None, False, 160),   # (768 x 3072: 6 x 20 tiles)
@@ -381,14 +442,15 @@ def test_accumulating_dweight_splits_where_the_split_is_under_half(monkeypatch, 
     ("fc", 4, "1", False, 160),         # LLMC_WGMMA_N160=1: any K, beside too
     ("fc", 4, "1", True, 160),
     ("qkv", 16, None, False, 128),      # (qkv's 2304 x 768: 108 tiles of 128 x 128 fill the GPU already)
-    ("lmhead", 16, None, False, 192),   # (12 waves of 192 against 15 of 160)
+    ("lmhead", 16, None, False, 256),   # (the dweights' 256, session 42: 393 x 3 tiles; 192 without it)
 ])
 def test_dweight_160_wide_tile_plans(monkeypatch, layer, B, env, beside, want):
     """Where the planner takes the dweight layout's 160-wide tile (bf16, one K split, the TMA store): a
     GEMM alone with K >= N160_MIN_K, never beside other work; and matmul_backward 5's dweight_only form
     (the trainer's side stream) builds beside=True while its two-GEMM form does not."""
     from tests.fake_runtime import FakeRuntime
-    for var in ("LLMC_WGMMA_TS_MAX_K", "LLMC_WGMMA_TS_WIDTHS", "LLMC_WGMMA_TS_BETA", gw.SCHEDULE_ENV, gw.SPLIT_OVER_TS_ENV):
+    for var in ("LLMC_WGMMA_TS_MAX_K", "LLMC_WGMMA_TS_WIDTHS", "LLMC_WGMMA_TS_BETA", gw.SCHEDULE_ENV, gw.SPLIT_OVER_TS_ENV,
+                gw.MN256_ENV):
         monkeypatch.delenv(var, raising=False)
     if env is None:
         monkeypatch.delenv(gw.N160_ENV, raising=False)
@@ -641,6 +703,28 @@ def test_bf16_dweight_multicast_pairs(hopper, rng, M, N, K, beta, bn):
     plain, _, gp = _run_bf16(hopper, np.random.default_rng(seed), M, N, K, "m", "n", beta=beta, store="tma",
                              splits=1, bn=bn, multicast=False)
     assert gp.plan[1] == f"128x{bn}+ts+at+bt", gp.plan
+    assert np.array_equal(out, plain)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout,bn", [(lay, bn) for (_, _, lay), widths in sorted(gw.MC_INSTANCES.items())
+                                       if lay in ("kk", "kn") for bn in sorted(widths)])
+@pytest.mark.parametrize("M,N,K", [(1, 8, 16), (65, 264, 64), (300, 520, 520), (384, 776, 1000), (640, 768, 3072)])
+def test_bf16_multicast_pairs_forward_and_dinp(hopper, rng, layout, bn, M, N, K):
+    """The forward's (K-major, with bias) and dinp's (B N-major) TMA-store tiles in 2-CTA clusters sharing
+    B by multicast: against float64 on a poisoned C (every element written), with an odd number of tile
+    rows (1, 3, 5: the last pair's second CTA computes past M and stores nothing), ragged N (a K-major
+    B's second half box partly or wholly past N) and ragged K; bit-equal to the same width without clusters."""
+    from llmc.testing import bf16_close
+    seed = int(rng.integers(1 << 30))
+    out, ref, g = _run_bf16(hopper, np.random.default_rng(seed), M, N, K, "k", layout[1], has_bias=layout == "kk",
+                            store="tma", splits=1, bn=bn, multicast=True)
+    assert g.plan[1] == f"128x{bn}+ts{'+bt' if layout == 'kn' else ''}+mc", g.plan
+    assert np.isfinite(out).all()
+    bf16_close(out, ref, f"bf16 {layout} multicast {bn} {M}x{N}x{K}")
+    plain, _, gp = _run_bf16(hopper, np.random.default_rng(seed), M, N, K, "k", layout[1], has_bias=layout == "kk",
+                             store="tma", splits=1, bn=bn, multicast=False)
+    assert "+mc" not in gp.plan[1]
     assert np.array_equal(out, plain)
 
 

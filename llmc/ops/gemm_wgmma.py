@@ -258,8 +258,11 @@ N160_ENV = "LLMC_WGMMA_N160"
 # 1.115x / 1.130x, attproj's 1.073x / 1.012x against 1.094x / 1.033x; in whole steps see PP128_ENV.
 # Planned by default; LLMC_WGMMA_BT256=0 leaves it out of dinp's plans (the A/B)
 BT256_ENV = "LLMC_WGMMA_BT256"
-# the dweights' 256-wide TMA-store tile (A and B transposed, 3 stages; branch wip/mn256, not yet measured on a GPU):
-# planned only with LLMC_WGMMA_MN256=1 (bn=256 asks for it)
+# The dweights' 256-wide TMA-store tile (A and B transposed, 3 stages, session 42). The planner takes it for
+# the lm head's dweight (393 x 3 tiles; qkv's, fc's and fcproj's have too few tiles of 256 and keep 128 /
+# 160). Under a sustained load (H200, B=16, over cuBLAS, time / energy): the lm head's 1.014x / 1.064x
+# against 192's 1.028x / 1.082x; whole bf16 steps at B=16, 3 calls of interleaved rounds: -0.7%, -0.9%,
+# -0.4%; B=4 level. Planned by default; LLMC_WGMMA_MN256=0 leaves it out of the dweights' plans (the A/B)
 MN256_ENV = "LLMC_WGMMA_MN256"
 N160_MIN_K = 4096
 # The 64-wide TMA-store tile of the bf16 dweight layout: for a dweight of few tiles (attproj's 768 x 768:
@@ -269,11 +272,14 @@ N160_MIN_K = 4096
 # In whole bf16 steps at B=4 (on the side stream) no difference: 8.43 against 8.42 ms without it.
 N64_MAX_K = 4096
 
-# The dweight layout's TMA-store instances in clusters of two CTAs (GEMM_WGMMA_MC_ENTRY, "_mc"): the two
-# tiles of a pair, stacked along M, share their B tile, each CTA loading half of it by TMA multicast into
-# both, so each asks the L2 for 128 + BN / 2 rows of operands a k-block instead of 128 + BN. The grid is
-# a whole number of pairs. (input, output, layout) -> {tile width: stages}, the plain _ts instances'.
-MC_INSTANCES = {("bf16", "bf16", "mn"): {128: 6, 160: 4, 192: 4}}
+# TMA-store instances in clusters of two CTAs (GEMM_WGMMA_MC_ENTRY, "_mc"): the two tiles of a pair,
+# stacked along M, share their B tile, each CTA loading half of it by TMA multicast into both, so each
+# asks the L2 for 128 + BN / 2 rows of operands a k-block instead of 128 + BN. The grid is a whole number
+# of pairs. The dweight layout's widths (session 29), and the forward's and dinp's 256-wide tile (session
+# 42: cuBLAS's bf16 kernels at d12's shapes run 2-CTA clusters; under the board's power cap the L2 reads
+# they save may count). (input, output, layout) -> {tile width: stages}, the plain _ts instances'.
+MC_INSTANCES = {("bf16", "bf16", "mn"): {128: 6, 160: 4, 192: 4}, ("bf16", "bf16", "kk"): {256: 3},
+                ("bf16", "bf16", "kn"): {256: 3}}
 MC_ENV = "LLMC_WGMMA_MC"        # the default of wgmma_build's multicast: 0 off, 1 on where built
 
 
@@ -401,7 +407,7 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
     beside=True: the GEMM runs beside other work (the trainer's weight gradients on the side stream), so
     the planner leaves out tiles that buy its own time with SM time (the 160-wide tile: N160_ENV).
     multicast: run a cooperative TMA-store plan on the instances in clusters of two CTAs that share B tiles
-    (MC_INSTANCES: the bf16 dweight layout); None reads LLMC_WGMMA_MC (unset: off). True where they are not
+    (MC_INSTANCES: the bf16 dweight layout's widths, the forward's and dinp's 256); None reads LLMC_WGMMA_MC (unset: off). True where they are not
     built, or with split-K or direct stores asked for, is refused; a plan the planner makes without the TMA
     store stays as it is."""
     if a_major not in ("k", "m") or b_major not in ("k", "n") or out not in OUT_BYTES:
@@ -592,8 +598,8 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
         if dm is None:  # first launch with these operands: encode the maps, copy them to the device
             # an M-/N-major operand comes in boxes of 128 bytes of MN x BK k rows (tf32 32 x 32, bf16 64 x 64)
             ta = tensor_map(a, dtype, K, M, lda, bk) if a_major == "m" else tensor_map(a, dtype, M, K, lda, tile_rows)
-            tb = (tensor_map(b, dtype, K, N, ldb, bk) if b_major == "n"
-                  else tensor_map(b, dtype, N, K, ldb, bn))
+            tb = (tensor_map(b, dtype, K, N, ldb, bk) if b_major == "n"  # (K-major B multicast: BN / 2 rows a CTA)
+                  else tensor_map(b, dtype, N, K, ldb, bn // 2 if mc else bn))
             blob = ta + tb
             if ts:  # C (and G) in boxes of 64 rows x 128 bytes (64: the 160-wide bf16 tile; fp32 copied as is)
                 blob += tensor_map(c, "bf16" if out == "bf16" else "tf32t", M, N, ldc, 64, box_bytes(bn * obytes))
