@@ -627,8 +627,8 @@ __device__ __forceinline__ void epilogue_tma(float (&d)[BN / 2], const GemmArgs<
 // cluster (rank r: tile row 2 tm + r; tiles_m counts the pairs), which share the B tile: each CTA's
 // producer loads its own A and half of B (every other 64-wide box of B^T stored, or K-major B's rows
 // r BN / 2 to (r + 1) BN / 2 through a map whose box is BN / 2 rows), multicast into both CTAs' stages,
-// so each CTA asks the L2 for half of B. A stage is refilled only when the consumers of both CTAs have freed it (the
-// `empty` barriers count both CTAs' consumer warps). A pair's second tile past M loads the last real tile
+// so each CTA asks the L2 for half of B. A stage is refilled only when the consumers of both CTAs have
+// freed it (the `empty` barriers count both CTAs' consumer warps). A pair's second tile past M loads the last real tile
 // row's A (its products are dropped: the consumers store nothing for it).
 template <typename T, int ROWS, int BN, int STAGES, bool A_MN, bool A_T, bool B_T, int CL = 1, typename OUT>
 __device__ __forceinline__ void producer(const CUtensorMap* tmA, const CUtensorMap* tmB, const GemmArgs<OUT>& a,

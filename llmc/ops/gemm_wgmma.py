@@ -276,8 +276,9 @@ N64_MAX_K = 4096
 # stacked along M, share their B tile, each CTA loading half of it by TMA multicast into both, so each
 # asks the L2 for 128 + BN / 2 rows of operands a k-block instead of 128 + BN. The grid is a whole number
 # of pairs. The dweight layout's widths (session 29), and the forward's and dinp's 256-wide tile (session
-# 42: cuBLAS's bf16 kernels at d12's shapes run 2-CTA clusters; under the board's power cap the L2 reads
-# they save may count). (input, output, layout) -> {tile width: stages}, the plain _ts instances'.
+# 42, as cuBLAS's bf16 kernels at d12's shapes run 2-CTA clusters: under the power cap no less energy a
+# GEMM, whole B=16 steps 0.8% slower; docs/matmul_notes.md). Opt-in (MC_ENV). (input, output, layout) ->
+# {tile width: stages}, the plain _ts instances'.
 MC_INSTANCES = {("bf16", "bf16", "mn"): {128: 6, 160: 4, 192: 4}, ("bf16", "bf16", "kk"): {256: 3},
                 ("bf16", "bf16", "kn"): {256: 3}}
 MC_ENV = "LLMC_WGMMA_MC"        # the default of wgmma_build's multicast: 0 off, 1 on where built
@@ -290,7 +291,7 @@ def multicast_default() -> bool:
 def layout_widths(ty: str, out: str, layout: str, ts: bool, K: int = 0, beside: bool = False) -> tuple:
     """The tile widths the planner may take for a layout (INSTANCES): the built ones, 160 only as
     above (N160_ENV, N160_MIN_K), 64 only up to N64_MAX_K, dinp's 256-wide TMA-store tile only with
-    BT256_ENV."""
+    BT256_ENV and the dweights' only with MN256_ENV (both on by default)."""
     asked = switches.flag(N160_ENV)
     n160 = ts and (asked or (asked is None and not beside and K >= N160_MIN_K))
     bt256 = ((not (ts and layout == "kn") or switches.on(BT256_ENV))
@@ -407,9 +408,9 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
     beside=True: the GEMM runs beside other work (the trainer's weight gradients on the side stream), so
     the planner leaves out tiles that buy its own time with SM time (the 160-wide tile: N160_ENV).
     multicast: run a cooperative TMA-store plan on the instances in clusters of two CTAs that share B tiles
-    (MC_INSTANCES: the bf16 dweight layout's widths, the forward's and dinp's 256); None reads LLMC_WGMMA_MC (unset: off). True where they are not
-    built, or with split-K or direct stores asked for, is refused; a plan the planner makes without the TMA
-    store stays as it is."""
+    (MC_INSTANCES: the bf16 dweight layout's widths, the forward's and dinp's 256); None reads LLMC_WGMMA_MC
+    (unset: off). True where they are not built, or with split-K or direct stores asked for, is refused; a
+    plan the planner makes without the TMA store stays as it is."""
     if a_major not in ("k", "m") or b_major not in ("k", "n") or out not in OUT_BYTES:
         raise LLMCError(f"gemm engine 5: a_major={a_major!r} b_major={b_major!r} out={out!r}; expected k/m, k/n, fp32/bf16")
     ty = "bf16" if dtype == "bf16" else "tf32"
