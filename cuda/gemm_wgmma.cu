@@ -429,6 +429,24 @@ __device__ __forceinline__ void store_tile(const CUtensorMap* tm, unsigned char*
     bulk_commit();
 }
 
+// PARTS > 1 (the _s4 instances): the tile goes out in PARTS column slices of BN / PARTS through a
+// staging buffer of 64 x BN / PARTS, slice P's columns [P BN / PARTS, (P + 1) BN / PARTS) staged as a
+// tile of that width (the same boxes and swizzle: a slice is whole 128-byte boxes)
+template <typename OUT, int BN, int PARTS, int P>
+__device__ __forceinline__ void stage_part(const float (&v)[BN / 2], unsigned char* stg) {
+    using O = Out<OUT>;
+    constexpr int W = BN / PARTS, J0 = P * W / 8;
+    static_assert(W % 64 == 0, "a slice is whole 64-wide column groups");
+    const int lane = threadIdx.x & 31, warp = (threadIdx.x & 127) >> 5;
+#pragma unroll
+    for (int j = J0; j < J0 + W / 8; j++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int r = warp * 16 + (lane >> 2) + 8 * h, c = 8 * (j - J0) + 2 * (lane & 3);
+            O::put2(staged_at<OUT, W>(stg, r, c), v[4 * j + 2 * h], v[4 * j + 2 * h + 1]);
+        }
+}
+
 // DGELU (the fcproj layer's fused form, matmul_backward with dgelu=True): C = gelu'(P) * (the GEMM's
 // value as stored), P the pre-activation (fch), what gelu_backward computes from the plain GEMM's C.
 // P's tile comes in by the TMA into this warpgroup's staging buffer, in the layout stage_tile writes
@@ -567,12 +585,13 @@ __device__ __forceinline__ void fold_tile(float (&d)[BN / 2], const GemmArgs<OUT
 // results replace it there, and with a.S the column sums go out before the store.
 // BETA: C's old tile is on its way into the buffer the same way (load_pre on C's map); see beta_staged.
 template <typename OUT, int BN, bool GELU = false, bool DGELU = false, bool BETA = false, bool FOLD = false,
-          typename BF>
+          int PARTS = 1, typename BF>
 __device__ __forceinline__ void epilogue_tma(float (&d)[BN / 2], const GemmArgs<OUT>& a, const BF& bf,
                                              const CUtensorMap* tmC, const CUtensorMap* tmG, unsigned char* stg, int m0,
                                              int n0, int wg,
                                              uint64_t* pre_bar = nullptr, int pre_parity = 0) {
     static_assert(!(BETA && (GELU || DGELU)), "beta * C with the plain TMA-store epilogue only");
+    static_assert(PARTS == 1 || !(GELU || DGELU || BETA || FOLD), "column slices: the plain epilogue only");
     using O = Out<OUT>;
     const int tid = threadIdx.x & 127;
 #pragma unroll
@@ -597,6 +616,21 @@ __device__ __forceinline__ void epilogue_tma(float (&d)[BN / 2], const GemmArgs<
         mbar_wait(pre_bar, pre_parity);  // P's tile has landed
         dgelu_staged<OUT, BN>(d, stg);
         if (a.S) colsum_warp<OUT, BN>(d, a, m0 / 16 + ((threadIdx.x & 127) >> 5), n0);
+    } else if constexpr (PARTS == 2) {
+        // slice 0 staged and stored, then slice 1 once the TMA has read slice 0 out of the buffer
+        if (tid == 0) bulk_wait_read();  // the previous tile's last slice has been read
+        wg_barrier(wg);
+        stage_part<OUT, BN, 2, 0>(d, stg);
+        fence_async_smem();
+        wg_barrier(wg);
+        if (tid == 0) store_tile<OUT, BN / 2>(tmC, stg, m0, n0);
+        if (tid == 0) bulk_wait_read();
+        wg_barrier(wg);
+        stage_part<OUT, BN, 2, 1>(d, stg);
+        fence_async_smem();
+        wg_barrier(wg);
+        if (tid == 0) store_tile<OUT, BN / 2>(tmC, stg, m0, n0 + BN / 2);
+        return;
     } else {
         if constexpr (FOLD) fold_tile<OUT, BN>(d, a, m0, n0);  // (before the wait: overlaps the stores' reads)
         if (tid == 0) bulk_wait_read();  // the previous tile's stores have read the staging buffer
@@ -703,7 +737,7 @@ __device__ __forceinline__ void producer(const CUtensorMap* tmA, const CUtensorM
 // with one K split, beta = 0, C not transposed: the launcher's conditions for the TMA store)
 // CL = 2: the _mc instances (clusters of 2 CTAs sharing B tiles; see producer<>)
 template <typename T, typename OUT, int BN, int STAGES, bool TMA_STORE, bool A_MN = false, bool A_T = false,
-          bool B_T = false, bool GELU = false, bool DGELU = false, int CL = 1>
+          bool B_T = false, bool GELU = false, bool DGELU = false, int CL = 1, int PARTS = 1>
 __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CUtensorMap* tmB, const CUtensorMap* tmC,
                                                 const CUtensorMap* tmG, const GemmArgs<OUT>& a) {
     static_assert(!DGELU || (TMA_STORE && !GELU), "the dgelu epilogue stages P where the TMA store stages C");
@@ -717,7 +751,9 @@ __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CU
     // stages need 1024-byte alignment for the swizzle; the launcher asks for 1 KB extra
     unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
     // with TMA_STORE, each consumer warpgroup's staging buffer (64 x BN outputs) follows the stages
-    constexpr int STG_BYTES = TMA_STORE ? 64 * BN * (int)sizeof(OUT) : 0;
+    // (PARTS > 1: a buffer of 64 x BN / PARTS, the tile stored in column slices; the plain epilogue only)
+    static_assert(PARTS == 1 || (TMA_STORE && !GELU && !DGELU && CL == 1), "column slices: plain TMA-store instances");
+    constexpr int STG_BYTES = TMA_STORE ? 64 * BN * (int)sizeof(OUT) / PARTS : 0;
     uint64_t* full = reinterpret_cast<uint64_t*>(smem + STAGES * STAGE_BYTES + 2 * STG_BYTES);
     uint64_t* empty = full + STAGES;
     uint64_t* pre_bar = empty + STAGES;  // TMA store: P's (DGELU) or C's old (beta) tile in each consumer's staging buffer
@@ -747,7 +783,8 @@ __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CU
         int stage = 0, phase = 0;
         int tiles_done = 0;  // DGELU, beta with the TMA store: the parity of pre_bar
         // beta * C through the TMA (C's old tile loaded into the staging buffer): the TMA store's conditions
-        const bool beta_tma = TMA_STORE && !GELU && !DGELU && tmC && a.splits == 1 && a.beta != 0.0f && !a.trans_c;
+        const bool beta_tma = TMA_STORE && PARTS == 1 && !GELU && !DGELU && tmC && a.splits == 1 && a.beta != 0.0f &&
+                              !a.trans_c;  // (PARTS > 1: beta * C by the direct stores)
         unsigned char* stg = smem + STAGES * STAGE_BYTES + (wg - 1) * STG_BYTES;
         if (DGELU && (threadIdx.x & 127) == 0) tensormap_acquire(tmG);
         const int rank = CL > 1 ? cta_rank() : 0;
@@ -830,7 +867,8 @@ __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CU
                 epilogue_tma<OUT, BN, false, true>(d, a, bf, tmC, nullptr, stg, tm * BM + (wg - 1) * 64, tn * BN, wg,
                                                    &pre_bar[wg - 1], tiles_done & 1);
             else if (TMA_STORE && tmC && (!GELU || tmG) && a.splits == 1 && a.beta == 0.0f && !a.trans_c)
-                epilogue_tma<OUT, BN, GELU>(d, a, bf, tmC, tmG, stg, tm * BM + (wg - 1) * 64, tn * BN, wg);
+                epilogue_tma<OUT, BN, GELU, false, false, false, PARTS>(d, a, bf, tmC, tmG, stg, tm * BM + (wg - 1) * 64,
+                                                                       tn * BN, wg);
             else if (beta_tma)
                 epilogue_tma<OUT, BN, false, false, !GELU && !DGELU>(d, a, bf, tmC, nullptr, stg, tm * BM + (wg - 1) * 64,
                                                                      tn * BN, wg, &pre_bar[wg - 1], tiles_done & 1);
@@ -922,6 +960,22 @@ GEMM_WGMMA_MC_ENTRY(gemm_wgmma_bf16_n160_at_bt_ts_mc_bf16, 160, 4, true, true)
 GEMM_WGMMA_MC_ENTRY(gemm_wgmma_bf16_n192_at_bt_ts_mc_bf16, 192, 4, true, true)
 GEMM_WGMMA_MC_ENTRY(gemm_wgmma_bf16_n256_ts_mc_bf16, 256, 3, false, false)
 GEMM_WGMMA_MC_ENTRY(gemm_wgmma_bf16_n256_bt_ts_mc_bf16, 256, 3, false, true)
+
+// The bf16 forward's (K-major) and dinp's (B_T) 256-wide TMA-store tile with 4 stages (_s4): the tile
+// stored in two column slices of 128 through a staging buffer of 64 x 128 a consumer (16 KB, not 32),
+// which frees the fourth stage (4 x 48 KB + 32 KB of staging). Plain outputs (beta * C by the direct
+// stores); the planner takes them with LLMC_WGMMA_TS256_S4=1 (branch wip/ts256-s4: not yet run on a GPU).
+#define GEMM_WGMMA_S4_ENTRY(NAME, B_T)                                                                    \
+    extern "C" __global__ void __launch_bounds__(THREADS, 1)                                             \
+    NAME(const CUtensorMap* tmA, const CUtensorMap* tmB, const CUtensorMap* tmC, __nv_bfloat16* C,       \
+         const __nv_bfloat16* bias, float* W, int M, int N, int K, int ldc, int ldw, int splits,        \
+         int kb_per_split, float alpha, float beta, int trans_c) { LLMC_PDL_WAIT();                       \
+        const GemmArgs<__nv_bfloat16> a{C, bias, W, M, N, K, ldc, ldw, splits, kb_per_split, alpha, beta, trans_c}; \
+        gemm_wgmma_body<__nv_bfloat16, __nv_bfloat16, 256, 4, true, false, false, B_T, false, false, 1, 2>(   \
+            tmA, tmB, tmC, nullptr, a);                                                                  \
+    }
+GEMM_WGMMA_S4_ENTRY(gemm_wgmma_bf16_n256_ts_s4_bf16, false)
+GEMM_WGMMA_S4_ENTRY(gemm_wgmma_bf16_n256_bt_ts_s4_bf16, true)
 
 // The fc layer's fused form (matmul_forward with gelu_pre=True): both K-major, C = the pre-activation
 // (fch, which gelu_backward reads) and G = gelu(C) (fch_gelu) from one epilogue, instead of a

@@ -253,6 +253,50 @@ def test_multicast_table_matches_the_kernels():
             assert gw.INSTANCES[(ty, out, lay, True)][bn] == stages
 
 
+def test_s4_table_matches_the_kernels():
+    """S4_INSTANCES against the .cu's GEMM_WGMMA_S4_ENTRY lines (names, B^T flag), the macro's 256 wide, 4
+    stages, 2 slices; every one fits in shared memory with its half-size staging, and would not with whole
+    staging."""
+    import re
+    from llmc.runtime import CUDA_DIR
+    src = (CUDA_DIR / "gemm_wgmma.cu").read_text()
+    entries = {m.group(1): m.group(2) for m in re.finditer(r"^GEMM_WGMMA_S4_ENTRY\((\w+), (true|false)\)$", src, re.M)}
+    want = {gw.instance_name(ty, out, lay, True, bn, s4=True): "true" if lay[1] == "n" else "false"
+            for (ty, out, lay), widths in gw.S4_INSTANCES.items() for bn in widths}
+    assert entries == want and entries
+    macro = src[src.index("#define GEMM_WGMMA_S4_ENTRY"):]
+    macro = macro[:macro.index("GEMM_WGMMA_S4_ENTRY(gemm")]
+    assert f"256, 4, true, false, false, B_T, false, false, 1, {gw.S4_PARTS}>" in macro
+    for (ty, out, lay), widths in gw.S4_INSTANCES.items():
+        for bn, stages in widths.items():
+            assert gw.smem_bytes(bn, stages, True, out, parts=gw.S4_PARTS) <= 227 * 1024
+            assert gw.smem_bytes(bn, stages, True, out) > 227 * 1024
+            assert stages == gw.INSTANCES[(ty, out, lay, True)][bn] + 1
+
+
+def test_s4_plans(monkeypatch):
+    """LLMC_WGMMA_TS256_S4=1: the bf16 forward's and dinp's plain 256-wide TMA-store plans take the 4-stage
+    instance; not with the switch off, not the fused GELU, clusters, beta, split-K or another width."""
+    from tests.fake_runtime import FakeRuntime
+    for var in (gw.PP128_ENV, gw.SCHEDULE_ENV, gw.BT256_ENV, gw.MC_ENV, "LLMC_WGMMA_TS_WIDTHS", "LLMC_WGMMA_TS256_MAX_K"):
+        monkeypatch.delenv(var, raising=False)
+    qkv = dict(M=16384, N=2304, K=768, has_bias=True, out="bf16")
+    fcproj_dinp = dict(M=16384, N=3072, K=768, ldb=3072, b_major="n", out="bf16")
+    monkeypatch.setenv(gw.S4_ENV, "0")
+    assert gw.wgmma_build(FakeRuntime(), "bf16", **qkv).plan == (5, "128x256+ts", 1)
+    monkeypatch.setenv(gw.S4_ENV, "1")
+    rt = FakeRuntime()
+    assert gw.wgmma_build(rt, "bf16", **qkv).plan == (5, "128x256+ts+s4", 1)
+    assert rt.built[-1] == "gemm_wgmma_bf16_n256_ts_s4_bf16"
+    assert gw.wgmma_build(rt, "bf16", **fcproj_dinp).plan == (5, "128x256+ts+bt+s4", 1)
+    assert rt.built[-1] == "gemm_wgmma_bf16_n256_bt_ts_s4_bf16"
+    assert gw.wgmma_build(rt, "bf16", **qkv, gelu=True).plan == (5, "128x256+ts+gelu", 1)
+    assert gw.wgmma_build(rt, "bf16", **qkv, multicast=True).plan == (5, "128x256+ts+mc", 1)
+    assert gw.wgmma_build(rt, "bf16", **qkv, bn=192).plan == (5, "128x192+ts", 1)
+    assert "+s4" not in gw.wgmma_build(rt, "bf16", **qkv, beta=1.0).plan[1]
+    assert "+s4" not in gw.wgmma_build(rt, "bf16", **qkv, splits=2).plan[1]
+
+
 @pytest.mark.parametrize("M,bn,want_grid", [(3072, 160, 120), (768, 160, 120), (3072, 192, 96), (136, 128, 12),
                                               (16384, 192, 132)])
 def test_multicast_builds_pick_the_cluster_instance(monkeypatch, M, bn, want_grid):
@@ -703,6 +747,29 @@ def test_bf16_dweight_multicast_pairs(hopper, rng, M, N, K, beta, bn):
     plain, _, gp = _run_bf16(hopper, np.random.default_rng(seed), M, N, K, "m", "n", beta=beta, store="tma",
                              splits=1, bn=bn, multicast=False)
     assert gp.plan[1] == f"128x{bn}+ts+at+bt", gp.plan
+    assert np.array_equal(out, plain)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", sorted(lay for _, _, lay in gw.S4_INSTANCES))
+@pytest.mark.parametrize("M,N,K", [(1, 8, 16), (65, 264, 64), (300, 520, 520), (257, 1000, 1040), (640, 768, 3072)])
+def test_bf16_s4_tile_stored_in_slices(hopper, rng, monkeypatch, layout, M, N, K):
+    """The 4-stage 256-wide instances (the tile stored in two column slices through a half-size buffer):
+    the forward's (K-major, with bias) and dinp's (B N-major) against float64 on a poisoned C (every
+    element written; N = 8 and 264: the second slice wholly or partly past N), bit-equal to the 3-stage
+    instance (the same products and epilogue)."""
+    from llmc.testing import bf16_close
+    seed = int(rng.integers(1 << 30))
+    monkeypatch.setenv(gw.S4_ENV, "1")
+    out, ref, g = _run_bf16(hopper, np.random.default_rng(seed), M, N, K, "k", layout[1], has_bias=layout == "kk",
+                            store="tma", splits=1, bn=256)
+    assert g.plan[1] == f"128x256+ts{'+bt' if layout == 'kn' else ''}+s4", g.plan
+    assert np.isfinite(out).all()
+    bf16_close(out, ref, f"bf16 {layout} s4 {M}x{N}x{K}")
+    monkeypatch.setenv(gw.S4_ENV, "0")
+    plain, _, gp = _run_bf16(hopper, np.random.default_rng(seed), M, N, K, "k", layout[1], has_bias=layout == "kk",
+                             store="tma", splits=1, bn=256)
+    assert "+s4" not in gp.plan[1]
     assert np.array_equal(out, plain)
 
 

@@ -283,6 +283,16 @@ MC_INSTANCES = {("bf16", "bf16", "mn"): {128: 6, 160: 4, 192: 4}, ("bf16", "bf16
                 ("bf16", "bf16", "kn"): {256: 3}}
 MC_ENV = "LLMC_WGMMA_MC"        # the default of wgmma_build's multicast: 0 off, 1 on where built
 
+# The 256-wide TMA-store tile with 4 stages (GEMM_WGMMA_S4_ENTRY, "_s4"): the tile goes out in two column
+# slices of 128 through a staging buffer of half the size, which frees a fourth stage (the plain 256
+# instances have 3). bf16 forward (kk) and dinp (kn), plain outputs: one K split, beta = 0 (with beta the
+# kernel falls back to direct stores), C not transposed, no GELU / dgelu / clusters. Taken in place of the
+# plain 256 instance with LLMC_WGMMA_TS256_S4=1 (branch wip/ts256-s4: not yet run on a GPU).
+# (input, output, layout) -> {tile width: stages}
+S4_INSTANCES = {("bf16", "bf16", "kk"): {256: 4}, ("bf16", "bf16", "kn"): {256: 4}}
+S4_PARTS = 2
+S4_ENV = "LLMC_WGMMA_TS256_S4"
+
 
 def multicast_default() -> bool:
     return switches.on(MC_ENV)
@@ -344,10 +354,11 @@ OUT_BYTES = {"fp32": 4, "bf16": 2}
 
 
 def instance_name(ty: str, out: str, layout: str, ts: bool, bn: int, gelu: bool = False, dgelu: bool = False,
-                  mc: bool = False) -> str:
-    """The entry point of one instance: gemm_wgmma_<in>_n<BN><layout>[_ts][_mc][_gelu|_dgelu][_bf16 for bf16
-    output]."""
+                  mc: bool = False, s4: bool = False) -> str:
+    """The entry point of one instance: gemm_wgmma_<in>_n<BN><layout>[_ts][_mc|_s4][_gelu|_dgelu][_bf16 for
+    bf16 output]."""
     return (f"gemm_wgmma_{ty}_n{bn}{LAYOUT_SUFFIX[layout]}{'_ts' if ts else ''}{'_mc' if mc else ''}"
+            f"{'_s4' if s4 else ''}"
             f"{'_gelu' if gelu else ''}{'_dgelu' if dgelu else ''}{'_bf16' if out == 'bf16' else ''}")
 
 
@@ -362,11 +373,13 @@ def pp_smem_bytes(rm: int, bn: int, stages: int, ts: bool = False, out: str = "f
     return stages * (rm + bn) * 128 + (2 * 64 * bn * OUT_BYTES[out] if ts else 0) + 2 * 8 * stages + 1024
 
 
-def smem_bytes(bn: int, stages: int, ts: bool, out: str = "fp32") -> int:
-    """Dynamic shared memory of an instance: the stages, the two TMA-store staging buffers and the two
-    mbarriers of the tiles loaded into them (P for dgelu, C's old tile for beta), the stages' mbarriers,
-    1 KB for the 1024-byte alignment. (A stage holds B in whole 64-wide boxes: 192 columns for 160.)"""
-    return stages * (BM + -(-bn // 64) * 64) * 128 + (2 * 64 * bn * OUT_BYTES[out] + 16 if ts else 0) + 2 * 8 * stages + 1024
+def smem_bytes(bn: int, stages: int, ts: bool, out: str = "fp32", parts: int = 1) -> int:
+    """Dynamic shared memory of an instance: the stages, the two TMA-store staging buffers (of 64 x bn /
+    parts outputs: the _s4 instances store in slices) and the two mbarriers of the tiles loaded into them
+    (P for dgelu, C's old tile for beta), the stages' mbarriers, 1 KB for the 1024-byte alignment. (A stage
+    holds B in whole 64-wide boxes: 192 columns for 160.)"""
+    return (stages * (BM + -(-bn // 64) * 64) * 128 + (2 * 64 * bn * OUT_BYTES[out] // parts + 16 if ts else 0)
+            + 2 * 8 * stages + 1024)
 
 
 def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, ldb: int | None = None,
@@ -539,6 +552,9 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
                             f"{'TMA store' if use_ts else 'direct stores'}, {splits} split(s)"
                             f"{', ping-pong' if use_pp else ''}")
         mc = False
+    # the 4-stage 256 instances (S4_INSTANCES): plain cooperative TMA-store plans, in place of the 3-stage ones
+    s4 = (switches.on(S4_ENV) and use_ts and not use_pp and not mc and not gelu and not dgelu and splits == 1
+          and beta == 0.0 and not trans_c and bn in S4_INSTANCES.get((ty, out, layout), {}))
     what = {"kk": "", "mk": ", A M-major", "kn": ", B N-major", "mn": ", A M-major, B N-major"}[layout]
     fused = gelu and splits == 1  # (split-K: the plain instance writes the partials; the reduce applies the GELU)
     if dgelu:
@@ -555,14 +571,15 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
         label = (f"gemm 5 ({ty}{' -> bf16' if out == 'bf16' else ''}, {tile_rows}x{bn} ping-pong"
                  f"{', TMA store' if use_ts else ''}{what})")
     else:
-        stages = (MC_INSTANCES[(ty, out, layout)] if mc else GELU_INSTANCES[(ty, out, use_ts)] if fused
-                  else INSTANCES[(ty, out, layout, use_ts)])[bn]
-        smem = smem_bytes(bn, stages, use_ts, out)
-        name = instance_name(ty, out, layout, use_ts, bn, fused, mc=mc)
+        stages = (MC_INSTANCES[(ty, out, layout)] if mc else S4_INSTANCES[(ty, out, layout)] if s4
+                  else GELU_INSTANCES[(ty, out, use_ts)] if fused else INSTANCES[(ty, out, layout, use_ts)])[bn]
+        smem = smem_bytes(bn, stages, use_ts, out, parts=S4_PARTS if s4 else 1)
+        name = instance_name(ty, out, layout, use_ts, bn, fused, mc=mc, s4=s4)
         label = (f"gemm 5 ({ty}{' -> bf16' if out == 'bf16' else ''}, 128x{bn}{', TMA store' if use_ts else ''}{what}"
-                 f"{', 2-CTA clusters' if mc else ''}{' + gelu' if gelu else ''})")
+                 f"{', 2-CTA clusters' if mc else ''}{', 4 stages, stored in 2 slices' if s4 else ''}"
+                 f"{' + gelu' if gelu else ''})")
     plan_ = (5, f"{tile_rows}x{bn}{'+ts' if use_ts else ''}{'+pp' if use_pp else ''}"
-                f"{LAYOUT_SUFFIX[layout].replace('_', '+')}{'+mc' if mc else ''}{'+gelu' if gelu else ''}", splits)
+                f"{LAYOUT_SUFFIX[layout].replace('_', '+')}{'+mc' if mc else ''}{'+s4' if s4 else ''}{'+gelu' if gelu else ''}", splits)
     if plan_only:  # the plan alone (what the planner picks here): no kernel, no workspace
 
         def no_launch(*_a, **_k):
