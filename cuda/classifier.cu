@@ -612,7 +612,8 @@ extern "C" __global__ void __launch_bounds__(1024, 2) classifier_kernel6_bf16_ve
 // The classifier folded into the lm head's GEMMs (the model's `fold` form, LLMC_CLASSIFIER_FOLD;
 // docs/matmul_notes.md, "The classifier folded into the lm head"). The lm head's forward (GEMM engine
 // 5's _fold instances) wrote P = p' = fold_exp(logit, k) (cuda/fold.cuh: 2^(logit log2 e - k)) over
-// the logits, 0 in the padded columns, and per row and 128-wide tile the sum of p' in FS. Per row:
+// the logits, 0 in the padded columns, and per row and tile (128 wide; 256 with LLMC_WGMMA_FOLD256) the
+// sum of p' in FS. Per row:
 //   S = the tile sums added in a fixed order = m 2^e (m in [0.5, 1)); p'_t (the target's) = mt 2^et:
 //   loss = (log2 m - log2 mt + e - et) ln 2        (lse - the target's logit)
 //   c = (dloss / m) 2^-e = dloss / S               (softmax = P / S: dlogits = (P - onehot S) c)

@@ -736,8 +736,9 @@ __device__ __forceinline__ void producer(const CUtensorMap* tmA, const CUtensorM
 // DGELU: C = gelu'(P) * the product, P through tmG (loaded, not stored; TMA-store instances only, run
 // with one K split, beta = 0, C not transposed: the launcher's conditions for the TMA store)
 // CL = 2: the _mc instances (clusters of 2 CTAs sharing B tiles; see producer<>)
+// FOLD: the cooperative _fold instance (the lm head's forward of the folded classifier; see fold_rows)
 template <typename T, typename OUT, int BN, int STAGES, bool TMA_STORE, bool A_MN = false, bool A_T = false,
-          bool B_T = false, bool GELU = false, bool DGELU = false, int CL = 1, int PARTS = 1>
+          bool B_T = false, bool GELU = false, bool DGELU = false, int CL = 1, int PARTS = 1, bool FOLD = false>
 __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CUtensorMap* tmB, const CUtensorMap* tmC,
                                                 const CUtensorMap* tmG, const GemmArgs<OUT>& a) {
     static_assert(!DGELU || (TMA_STORE && !GELU), "the dgelu epilogue stages P where the TMA store stages C");
@@ -753,6 +754,7 @@ __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CU
     // with TMA_STORE, each consumer warpgroup's staging buffer (64 x BN outputs) follows the stages
     // (PARTS > 1: a buffer of 64 x BN / PARTS, the tile stored in column slices; the plain epilogue only)
     static_assert(PARTS == 1 || (TMA_STORE && !GELU && !DGELU && CL == 1), "column slices: plain TMA-store instances");
+    static_assert(!FOLD || (TMA_STORE && !GELU && !DGELU && CL == 1 && PARTS == 1), "the fold: the plain TMA-store epilogue's");
     constexpr int STG_BYTES = TMA_STORE ? 64 * BN * (int)sizeof(OUT) / PARTS : 0;
     uint64_t* full = reinterpret_cast<uint64_t*>(smem + STAGES * STAGE_BYTES + 2 * STG_BYTES);
     uint64_t* empty = full + STAGES;
@@ -867,8 +869,8 @@ __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CU
                 epilogue_tma<OUT, BN, false, true>(d, a, bf, tmC, nullptr, stg, tm * BM + (wg - 1) * 64, tn * BN, wg,
                                                    &pre_bar[wg - 1], tiles_done & 1);
             else if (TMA_STORE && tmC && (!GELU || tmG) && a.splits == 1 && a.beta == 0.0f && !a.trans_c)
-                epilogue_tma<OUT, BN, GELU, false, false, false, PARTS>(d, a, bf, tmC, tmG, stg, tm * BM + (wg - 1) * 64,
-                                                                       tn * BN, wg);
+                epilogue_tma<OUT, BN, GELU, false, false, FOLD, PARTS>(d, a, bf, tmC, tmG, stg, tm * BM + (wg - 1) * 64,
+                                                                      tn * BN, wg);
             else if (beta_tma)
                 epilogue_tma<OUT, BN, false, false, !GELU && !DGELU>(d, a, bf, tmC, nullptr, stg, tm * BM + (wg - 1) * 64,
                                                                      tn * BN, wg, &pre_bar[wg - 1], tiles_done & 1);
@@ -964,7 +966,8 @@ GEMM_WGMMA_MC_ENTRY(gemm_wgmma_bf16_n256_bt_ts_mc_bf16, 256, 3, false, true)
 // The bf16 forward's (K-major) and dinp's (B_T) 256-wide TMA-store tile with 4 stages (_s4): the tile
 // stored in two column slices of 128 through a staging buffer of 64 x 128 a consumer (16 KB, not 32),
 // which frees the fourth stage (4 x 48 KB + 32 KB of staging). Plain outputs (beta * C by the direct
-// stores); the planner takes them with LLMC_WGMMA_TS256_S4=1 (branch wip/ts256-s4: not yet run on a GPU).
+// stores); the planner takes them with LLMC_WGMMA_TS256_S4=1 (session 43, H200: whole bf16 steps +0.5% at
+// B=16, level at B=4; opt-in).
 #define GEMM_WGMMA_S4_ENTRY(NAME, B_T)                                                                    \
     extern "C" __global__ void __launch_bounds__(THREADS, 1)                                             \
     NAME(const CUtensorMap* tmA, const CUtensorMap* tmB, const CUtensorMap* tmC, __nv_bfloat16* C,       \
@@ -1250,6 +1253,18 @@ GEMM_WGMMA_PP_ENTRY(gemm_wgmma_tf32_n128_ts_pp128, float, float, 128, 128, 5, fa
     }
 GEMM_WGMMA_FOLD_ENTRY(gemm_wgmma_tf32_n128_ts_pp128_fold, float, float, 5)
 GEMM_WGMMA_FOLD_ENTRY(gemm_wgmma_bf16_n128_ts_pp128_fold_bf16, __nv_bfloat16, __nv_bfloat16, 6)
+// ... and on the cooperative 128 x 256 TMA-store tile (the plain bf16 forward's 256-wide instance: 3 stages;
+// FS then holds a sum per 256-wide tile), taken with LLMC_WGMMA_FOLD256=1
+#define GEMM_WGMMA_COOP_FOLD_ENTRY(NAME, T, OUT, BN, STAGES)                                              \
+    extern "C" __global__ void __launch_bounds__(THREADS, 1)                                             \
+    NAME(const CUtensorMap* tmA, const CUtensorMap* tmB, const CUtensorMap* tmC, OUT* C, float* FS,     \
+         const int* fold_k, int M, int N, int K, int ldc, int V) { LLMC_PDL_WAIT();                      \
+        const int kb = (K + ROW_BYTES / (int)sizeof(T) - 1) / (ROW_BYTES / (int)sizeof(T));             \
+        GemmArgs<OUT> a{C, nullptr, nullptr, M, N, K, ldc, 0, 1, kb, 1.0f, 0.0f, 0};                     \
+        a.FS = FS; a.fold_k = fold_k; a.V = V;                                                           \
+        gemm_wgmma_body<T, OUT, BN, STAGES, true, false, false, false, false, false, 1, 1, true>(tmA, tmB, tmC, nullptr, a); \
+    }
+GEMM_WGMMA_COOP_FOLD_ENTRY(gemm_wgmma_bf16_n256_ts_fold_bf16, __nv_bfloat16, __nv_bfloat16, 256, 3)
 
 // ------------------------------------------------------------------------------------------------
 // helpers the engine's launcher uses

@@ -6,6 +6,7 @@ launcher's in-place semantics, variant shape checks, and (with -m gpu) every var
 """
 import functools
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -370,12 +371,17 @@ FOLD_SHAPES = [(130, 50257, 50304, 96), (65, 1000, 1024, 72), (1, 300, 384, 64)]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "bf16-256"])
 @pytest.mark.parametrize("shape", FOLD_SHAPES, ids=lambda s: "N%d-V%d-Vp%d-C%d" % s)
-def test_gpu_fold(rt, shape, dtype):
+def test_gpu_fold(rt, shape, dtype, monkeypatch):
     """The fold's losses, its gradients as the backward's GEMMs see them (c * P, P^T @ X, the row scale)
     against float64, every output written; at another k, P and X scaled by 2^-k and 2^k; every row forced
-    through the recompute path (k far off) against float64 too; the next k from the rows' sums."""
+    through the recompute path (k far off) against float64 too; the next k from the rows' sums.
+    bf16-256: bf16 on the cooperative 128 x 256 tile (LLMC_WGMMA_FOLD256=1; Vp = 384 and 50304: a last tile
+    partly past Vp, and padding columns inside it)."""
+    from llmc.ops import gemm_wgmma as gw
+    monkeypatch.setenv(gw.FOLD256_ENV, "1" if dtype == "bf16-256" else "0")
+    dtype = dtype[:4]
     N, V, Vp, C = shape
     r0, case = _run_fold(rt, N, V, Vp, C, dtype, 0)
     _, _, x64, w64, targets, losses_ref, dl_ref, dinp_ref, dwte_ref = case
@@ -448,16 +454,36 @@ def test_gpu_fold_prime(rt, dtype):
     assert abs(ks[1] - ks[0]) <= 24 and abs(ks[2] - ks[0]) <= 1, f"k after the fix, after prime, then the fix: {ks}"
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_fold_build_matches_the_kernels(dtype):
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "bf16-256"])
+def test_fold_build_matches_the_kernels(dtype, monkeypatch):
     """fold_build on the fake runtime (tests/fake_runtime.py): every entry point it asks for exists in
     cuda/gemm_wgmma.cu and cuda/classifier.cu with the argument types it passes (checked against their
-    PTX), and the combine, fix and scale launches pass as many arguments as the kernels take."""
+    PTX), and the combine, fix and scale launches pass as many arguments as the kernels take. bf16-256:
+    LLMC_WGMMA_FOLD256=1, the cooperative 128 x 256 instance, a tile sum per 256 columns (fp32 keeps 128)."""
     from tests.fake_runtime import FakeRuntime
+    from llmc.ops import gemm_wgmma as gw
+    wide = dtype == "bf16-256"
+    monkeypatch.setenv(gw.FOLD256_ENV, "1" if wide else "0")
+    monkeypatch.setattr(gw, "tensor_map", lambda *a, **k: bytes(128))  # (no driver to encode the maps)
+    dtype = dtype[:4]
     rt = FakeRuntime(1 << 24)
     N, V, Vp, C = 65, 1000, 1024, 72
     f = cls.fold_build(rt, N, V, Vp, C, dtype)
-    assert f.tiles == Vp // 128 and f.FS.shape == (N, f.tiles) and f.X.shape == (N, C)
+    bn = 256 if wide else 128
+    assert f.tiles == Vp // bn and f.FS.shape == (N, f.tiles) and f.X.shape == (N, C)
+    assert f.gemm.plan == (5, "128x256+ts+fold" if wide else "128x128+ts+pp+fold", 1)
+    f.forward(rt.empty((N, Vp), BF16 if dtype == "bf16" else np.float32), rt.empty((N, C), BF16 if dtype == "bf16"
+              else np.float32), rt.empty((Vp, C), BF16 if dtype == "bf16" else np.float32))
+    launch = rt.launches[-1]
+    assert launch.func == (f"gemm_wgmma_bf16_n256_ts_fold_bf16" if wide else
+                           f"gemm_wgmma_{'bf16' if dtype == 'bf16' else 'tf32'}_n128_ts_pp128_fold"
+                           f"{'_bf16' if dtype == 'bf16' else ''}")
+    assert launch.grid[0] == min(-(-N // 128) * f.tiles, rt.sm_count)
+    # the cooperative instance's stages are the plain 256-wide bf16 forward's (the same shared memory)
+    if wide:
+        assert gw.FOLD256_INSTANCES[("bf16", "bf16")] == gw.INSTANCES[("bf16", "bf16", "kk", True)][256]
+        assert "GEMM_WGMMA_COOP_FOLD_ENTRY(gemm_wgmma_bf16_n256_ts_fold_bf16, __nv_bfloat16, __nv_bfloat16, 256, 3)" \
+            in (Path(__file__).resolve().parent.parent / "cuda" / "gemm_wgmma.cu").read_text()
     assert list(rt.np(f.ctl)) == list(cls.FOLD_INIT)
     tdt = BF16 if dtype == "bf16" else np.float32
     P, lnf, wte = rt.empty((N, Vp), tdt), rt.empty((N, C), tdt), rt.empty((Vp, C), tdt)
@@ -473,7 +499,7 @@ def test_fold_build_matches_the_kernels(dtype):
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_fold_only_where_it_runs(precision):
+def test_fold_only_where_it_runs(precision, monkeypatch):
     """CudaBackend.fold_build (on the fake H100): the fold where the lm head runs on GEMM engine 5 (matmul_forward
     9) and its rows are 16-byte multiples; None (the model keeps the classifier pass) on a vocabulary or width
     the TMA can't take, or with another matmul_forward variant named."""
@@ -486,10 +512,13 @@ def test_fold_only_where_it_runs(precision):
     named = CudaBackend({"matmul_forward": 7}, quiet=True, rt=FakeRuntime(1 << 24), precision=precision)
     assert named.fold_build(64, 1000, 1024, 72) is None
     # fold_bytes: what fold_build allocates, counted before it does (the model's memory check); 0 where it builds nothing
-    rt = FakeRuntime(1 << 28)
-    be = CudaBackend(quiet=True, rt=rt, precision=precision)
-    for N, V, Vp, C in ((64, 1000, 1024, 72), (65, 1000, 1040, 80), (4096, 50257, 50304, 768)):
-        before = rt.allocated_bytes
-        be.fold_build(N, V, Vp, C)
-        assert rt.allocated_bytes - before == be.fold_bytes(N, V, Vp, C) > 0
+    from llmc.ops import gemm_wgmma as gw
+    for wide in ("0", "1"):  # (LLMC_WGMMA_FOLD256: bf16's row sums per 256-wide tile, fewer of them)
+        monkeypatch.setenv(gw.FOLD256_ENV, wide)
+        rt = FakeRuntime(1 << 28)
+        be = CudaBackend(quiet=True, rt=rt, precision=precision)
+        for N, V, Vp, C in ((64, 1000, 1024, 72), (65, 1000, 1040, 80), (4096, 50257, 50304, 768)):
+            before = rt.allocated_bytes
+            be.fold_build(N, V, Vp, C)
+            assert rt.allocated_bytes - before == be.fold_bytes(N, V, Vp, C) > 0
     assert be.fold_bytes(64, 1000, 1001, 72) == 0 and named.fold_bytes(64, 1000, 1024, 72) == 0

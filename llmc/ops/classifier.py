@@ -408,7 +408,7 @@ def fold_build(rt, N, V, Vp, C, dtype="fp32") -> Fold:
 def fold_bytes(N, V, Vp, C, dtype="fp32") -> int:
     """The device memory a Fold allocates (FS, X, cs, flagged, ctl): for the model's early memory check,
     before anything is allocated (bf16 d12 at B=16: 51 MB; fp32: 76 MB)."""
-    from llmc.ops.gemm_wgmma import FOLD_BN
-    tiles = -(-Vp // FOLD_BN)
+    from llmc.ops.gemm_wgmma import fold_bn
+    tiles = -(-Vp // fold_bn(dtype))
     esize = 4 if dtype == "fp32" else 2
     return N * tiles * 4 + N * C * esize + N * 4 + N * 4 + len(FOLD_INIT) * 4

@@ -287,7 +287,7 @@ MC_ENV = "LLMC_WGMMA_MC"        # the default of wgmma_build's multicast: 0 off,
 # slices of 128 through a staging buffer of half the size, which frees a fourth stage (the plain 256
 # instances have 3). bf16 forward (kk) and dinp (kn), plain outputs: one K split, beta = 0 (with beta the
 # kernel falls back to direct stores), C not transposed, no GELU / dgelu / clusters. Taken in place of the
-# plain 256 instance with LLMC_WGMMA_TS256_S4=1 (branch wip/ts256-s4: not yet run on a GPU).
+# plain 256 instance with LLMC_WGMMA_TS256_S4=1 (session 43: bf16 B=16 steps +0.5%, B=4 level; opt-in).
 # (input, output, layout) -> {tile width: stages}
 S4_INSTANCES = {("bf16", "bf16", "kk"): {256: 4}, ("bf16", "bf16", "kn"): {256: 4}}
 S4_PARTS = 2
@@ -643,20 +643,33 @@ def wgmma_build(rt, dtype: str, M: int, N: int, K: int, lda: int | None = None, 
 
 
 # The lm head's forward when the classifier is folded into the lm head's GEMMs (cuda/gemm_wgmma.cu,
-# GEMM_WGMMA_FOLD_ENTRY): the 128 x 128 ping-pong TMA-store tile, which the planner picks for the lm head's
-# forward in both precisions. (input, output) -> stages.
+# GEMM_WGMMA_FOLD_ENTRY): the 128 x 128 ping-pong TMA-store tile, which the planner picked for the lm head's
+# forward in both precisions when the fold was built (session 38). (input, output) -> stages.
 FOLD_INSTANCES = {("tf32", "fp32"): 5, ("bf16", "bf16"): 6}
 FOLD_BN = 128
+# ... and bf16's on the cooperative 128 x 256 TMA-store tile (GEMM_WGMMA_COOP_FOLD_ENTRY, session 43), the
+# forwards' best tile under the power cap (session 41); FS then has a sum per 256-wide tile.
+FOLD256_INSTANCES = {("bf16", "bf16"): 3}
+FOLD256_ENV = "LLMC_WGMMA_FOLD256"
 
 
-def fold_instance_name(ty: str, out: str) -> str:
+def fold_bn(dtype: str) -> int:
+    """The width of the fold's tiles (FS's sums are per tile): 256 for bf16 with LLMC_WGMMA_FOLD256=1, else 128."""
+    ty = "bf16" if dtype == "bf16" else "tf32"
+    return 256 if (ty, "bf16" if ty == "bf16" else "fp32") in FOLD256_INSTANCES and switches.on(FOLD256_ENV) else FOLD_BN
+
+
+def fold_instance_name(ty: str, out: str, bn: int = FOLD_BN) -> str:
+    if bn == 256:
+        return f"gemm_wgmma_{ty}_n256_ts_fold{'_bf16' if out == 'bf16' else ''}"
     return f"gemm_wgmma_{ty}_n{FOLD_BN}_ts_pp128_fold{'_bf16' if out == 'bf16' else ''}"
 
 
 def wgmma_fold_build(rt, dtype: str, M: int, N: int, K: int, V: int, out: str = "fp32"):
     """The lm head's forward for the folded classifier (llmc/ops/classifier.py: fold_build): instead of
     the logits A(M,K) @ B(N,K)^T, C gets p' = 2^(logit log2(e) - k) (k: the int32 device scalar at
-    fold_k; columns >= V: 0), and FS (M, ceil(N / 128)) fp32 the sum of p' per row and 128-wide tile.
+    fold_k; columns >= V: 0), and FS (M, ceil(N / bn)) fp32 the sum of p' per row and bn-wide tile (bn:
+    fold_bn, 128 for the ping-pong 128 x 128 tile, 256 for bf16's cooperative 128 x 256 one).
     Both operands K-major (lnf and wte as they lie), tf32 -> fp32 or bf16 -> bf16, C (M, N) contiguous.
     Returns launch(C, A, B, FS, fold_k); launch.tiles is FS's row length."""
     ty = "bf16" if dtype == "bf16" else "tf32"
@@ -670,13 +683,17 @@ def wgmma_fold_build(rt, dtype: str, M: int, N: int, K: int, V: int, out: str = 
     obytes = OUT_BYTES[out]
     if (N * obytes) % 16:
         raise LLMCError(f"gemm engine 5: the fold's TMA store needs 16-byte rows of C (N={N})")
-    stages = FOLD_INSTANCES[(ty, out)]
-    smem = pp_smem_bytes(128, FOLD_BN, stages, True, out)
-    name = fold_instance_name(ty, out)
-    k = rt.kernel(MODULE, name, "PPPPPPiiiii",
-                  label=f"gemm 5 ({ty}{' -> bf16' if out == 'bf16' else ''}, 128x{FOLD_BN} ping-pong, TMA store + fold)")
+    bn = fold_bn(dtype)
+    if bn == 256:
+        smem = smem_bytes(256, FOLD256_INSTANCES[(ty, out)], True, out)
+        how = "128x256, TMA store + fold"
+    else:
+        smem = pp_smem_bytes(128, FOLD_BN, FOLD_INSTANCES[(ty, out)], True, out)
+        how = f"128x{FOLD_BN} ping-pong, TMA store + fold"
+    name = fold_instance_name(ty, out, bn)
+    k = rt.kernel(MODULE, name, "PPPPPPiiiii", label=f"gemm 5 ({ty}{' -> bf16' if out == 'bf16' else ''}, {how})")
     k.set_max_dynamic_smem(smem)
-    tiles_n = -(-N // FOLD_BN)
+    tiles_n = -(-N // bn)
     units = -(-M // 128) * tiles_n
     grid, block = (min(units, rt.sm_count), 1, 1), (384, 1, 1)
     maps: dict = {}
@@ -690,12 +707,12 @@ def wgmma_fold_build(rt, dtype: str, M: int, N: int, K: int, V: int, out: str = 
             raise LLMCError(f"gemm engine 5: fold operands must be 16-byte aligned (A=0x{a:x}, B=0x{b:x}, C=0x{c:x})")
         dm = maps.get((a, b, c))
         if dm is None:
-            blob = (tensor_map(a, dtype, M, K, K, 128) + tensor_map(b, dtype, N, K, K, FOLD_BN)
-                    + tensor_map(c, "bf16" if out == "bf16" else "tf32t", M, N, N, 64, box_bytes(FOLD_BN * obytes)))
+            blob = (tensor_map(a, dtype, M, K, K, 128) + tensor_map(b, dtype, N, K, K, bn)
+                    + tensor_map(c, "bf16" if out == "bf16" else "tf32t", M, N, N, 64, box_bytes(bn * obytes)))
             dm = maps[(a, b, c)] = rt.to_device(np.frombuffer(blob, np.uint8))
         k(grid, block, dm.ptr, dm.ptr + 128, dm.ptr + 256, c, _p(FS), _p(fold_k), np.int32(M), np.int32(N),
           np.int32(K), np.int32(N), np.int32(V), smem=smem)
-    launch.plan = (5, f"128x{FOLD_BN}+ts+pp+fold", 1)
+    launch.plan = (5, f"128x{bn}+ts+fold" if bn == 256 else f"128x{FOLD_BN}+ts+pp+fold", 1)
     launch.tiles = tiles_n
     return launch
 
