@@ -1,21 +1,77 @@
-"""Profile a few engine-5 GEMMs under Nsight Compute (one launch each, after a warm-up).
+"""The bf16 step's GEMMs, ours (engine 5, the planner's default plan) and cuBLAS's (through torch), one launch
+each inside a profiler range, for Nsight Compute to count what each moves and issues:
 
-    ncu --target-processes all -k regex:gemm_wgmma --launch-skip 0 --launch-count 4 \
-        --metrics <list> python dev/ncu_gemm.py
+    ncu --profile-from-start off --target-processes all --section SpeedOfLight \
+        --section MemoryWorkloadAnalysis --section InstructionStats --page raw \
+        python dev/ncu_gemm.py --B 16 --only qkv lmhead
+
+Every GEMM runs a few times first (warm-up, outside the range), then ours and cuBLAS's once each between
+cudaProfilerStart and cudaProfilerStop, in that order, so the profiled kernels come in pairs: ours
+(gemm_wgmma_*), then cuBLAS's (nvjet_* or another name). The same operands as dev/bench_energy.py (random,
+bf16 in and out; dweight accumulates into a bf16 gradient). Prints each GEMM's plan before its pair.
 """
+import argparse
+
 import numpy as np
 
-from llmc.ops import gemm_wgmma as gw
-from llmc.runtime import Runtime
+LAYERS = {"qkv": (768, 2304), "attproj": (768, 768), "fc": (768, 3072), "fcproj": (3072, 768), "lmhead": (768, 50304)}
 
-rt = Runtime()
-rng = np.random.default_rng(0)
-for M, N, K, name in [(4096, 2304, 768, "qkv fwd"), (2304, 768, 4096, "qkv dweight (K-major copies)"),
-                      (4096, 50304, 768, "lm head fwd"), (4096, 768, 50304, "lm head dinp")]:
-    A = rt.to_device(rng.standard_normal((M, K)).astype(np.float32))
-    B = rt.to_device(rng.standard_normal((N, K)).astype(np.float32))
-    C = rt.empty((M, N), np.float32)
-    g = gw.wgmma_build(rt, "tf32", M, N, K)
-    g(C, A, B)
-    rt.synchronize()
-    print(name, g.plan, flush=True)
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--B", type=int, default=16)
+    ap.add_argument("--T", type=int, default=1024)
+    ap.add_argument("--only", nargs="*", choices=list(LAYERS), help="these layers only")
+    ap.add_argument("--kinds", nargs="*", choices=("fwd", "dinp", "dweight"), default=["fwd", "dinp", "dweight"])
+    args = ap.parse_args()
+
+    import torch
+    from llmc.ops import gemm_wgmma as gw
+    from llmc.runtime import Runtime
+    rt = Runtime()
+    N = args.B * args.T
+    P = lambda t: t.data_ptr()  # noqa: E731
+    todo = []
+    for name, (C, OC) in LAYERS.items():
+        if args.only and name not in args.only:
+            continue
+        x = torch.randn(N, C, device="cuda").bfloat16()
+        w = (torch.randn(OC, C, device="cuda") * 0.02).bfloat16()
+        dout = torch.randn(N, OC, device="cuda").bfloat16()
+        y = torch.empty(N, OC, device="cuda", dtype=torch.bfloat16)
+        dx = torch.empty(N, C, device="cuda", dtype=torch.bfloat16)
+        dw = (torch.randn(OC, C, device="cuda") * 0.01).bfloat16()
+        kinds = {
+            "fwd": (dict(M=N, N=OC, K=C), lambda x=x, w=w, y=y: torch.matmul(x, w.t(), out=y), (y, x, w)),
+            "dinp": (dict(M=N, N=C, K=OC, ldb=C, b_major="n"), lambda d=dout, w=w, dx=dx: torch.matmul(d, w, out=dx),
+                     (dx, dout, w)),
+            "dweight": (dict(M=OC, N=C, K=N, lda=OC, ldb=C, ldc=C, beta=1.0, a_major="m", b_major="n"),
+                        lambda d=dout, x=x, dw=dw: dw.addmm_(d.t(), x), (dw, dout, x)),
+        }
+        for kind in args.kinds:
+            shape, cublas, ops_ = kinds[kind]
+            g = gw.wgmma_build(rt, "bf16", out="bf16", **shape)
+            ptrs = tuple(P(t) for t in ops_)
+            todo.append((f"{name} {kind}", g.plan, lambda g=g, p=ptrs: g(*p), cublas))
+
+    def sync():
+        rt.synchronize()
+        torch.cuda.synchronize()
+
+    for _, _, ours, cublas in todo:  # warm-up: builds, tensor maps, cuBLAS's heuristics
+        for _ in range(3):
+            ours()
+            cublas()
+    sync()
+    torch.cuda.profiler.start()
+    for label, plan, ours, cublas in todo:
+        print(f"pair: {label}: ours {plan}, then cuBLAS", flush=True)
+        ours()
+        sync()
+        cublas()
+        sync()
+    torch.cuda.profiler.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -4,6 +4,7 @@ cache (LLMC_CACHE, default ~/.cache/llmc), without a GPU.
     python dev/prebuild.py                              # d12, fp32 and bf16, B=4 and 16, default variants
     python dev/prebuild.py --precision bf16 -b 16 -j 16 # one configuration, 16 nvcc processes
     LLMC_CACHE=.llmc_cache python dev/prebuild.py -- --attention-kernel 4   # flags after -- pick variants
+    LLMC_DEFINES="gemm_wgmma:NAME=VALUE" python dev/prebuild.py   # the modules as a run with those defines builds them
 
 The model is built over the CPU tests' fake runtime (tests/fake_runtime.py: H100 attributes, sm_90),
 which records each (module, defines) that a kernel is asked from; one step (forward, backward,
@@ -26,7 +27,7 @@ from llmc.backend import CudaBackend
 from llmc.config import config_from_name
 from llmc.errors import LLMCError
 from llmc.model import GPT2
-from llmc.runtime import CACHE_DIR, DevArray, compile_cubin, module_target, nvcc_path
+from llmc.runtime import CACHE_DIR, DevArray, compile_cubin, env_defines, module_target, nvcc_path
 from llmc.train import kernel_flags
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,10 +46,12 @@ def wanted_modules(model: str, precision: str, B: int, T: int, kernels: dict) ->
             self.wanted = set()
 
         def kernel(self, module, func, argtypes, label=None, defines=None):
-            self.wanted.add((module, tuple(sorted((defines or {}).items()))))
+            merged = {**(defines or {}), **self.extra_defines.get(module, {})}
+            self.wanted.add((module, tuple(sorted(merged.items()))))
             return super().kernel(module, func, argtypes, label, defines)
 
     rt = Recorder()
+    rt.extra_defines = env_defines()  # (LLMC_DEFINES: what a real Runtime adds to every build of a module)
     # no device memory behind the fake runtime's arrays: copies and memsets do nothing
     for name in ("set", "set_async", "fill_bytes", "get_into"):
         setattr(DevArray, name, lambda self, *a, **k: self)

@@ -29,3 +29,14 @@ def test_prebuild_sees_every_module_of_a_step(precision):
     if precision == "fp32":
         composite = {m for m, _ in _prebuild().wanted_modules("d12", precision, 4, 64, {"softmax_forward": 5})}
         assert "softmax" in composite and "softmax" not in modules, sorted(composite)
+
+
+@pytest.mark.skipif(nvcc_path() is None, reason="the fake runtime checks entry points against nvcc's PTX")
+def test_prebuild_adds_llmc_defines(monkeypatch):
+    """LLMC_DEFINES (what a Runtime adds to every build of a module) reaches the builds prebuild asks for:
+    the cubins a `dev/bench_ab.py --env LLMC_DEFINES=...` run will look up, and no other module's."""
+    monkeypatch.setenv("LLMC_DEFINES", "gemm_wgmma:LLMC_TEST_DEFINE=3")
+    wanted = _prebuild().wanted_modules("d12", "bf16", 4, 64, {})
+    gemm = [dict(d) for m, d in wanted if m == "gemm_wgmma"]
+    assert gemm and all(d.get("LLMC_TEST_DEFINE") == "3" for d in gemm), gemm
+    assert not any("LLMC_TEST_DEFINE" in dict(d) for m, d in wanted if m != "gemm_wgmma")
