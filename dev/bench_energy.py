@@ -36,6 +36,24 @@ PLANS = (("co128", dict(schedule="coop", bn=128)), ("co192", dict(schedule="coop
 LAYERS = {"qkv": (768, 2304), "attproj": (768, 768), "fc": (768, 3072), "fcproj": (3072, 768), "lmhead": (768, 50304)}
 
 
+def gemm_cases(torch, N: int, C: int, OC: int) -> dict:
+    """One layer's three bf16 GEMMs at N rows (random operands; dweight accumulates into a bf16 gradient):
+    {kind: (wgmma_build's shape arguments, cuBLAS's call through torch, (C, A, B) for ours)}. Also
+    dev/ncu_gemm.py's."""
+    x = torch.randn(N, C, device="cuda").bfloat16()
+    w = (torch.randn(OC, C, device="cuda") * 0.02).bfloat16()
+    dout = torch.randn(N, OC, device="cuda").bfloat16()
+    y = torch.empty(N, OC, device="cuda", dtype=torch.bfloat16)
+    dx = torch.empty(N, C, device="cuda", dtype=torch.bfloat16)
+    dw = (torch.randn(OC, C, device="cuda") * 0.01).bfloat16()
+    return {
+        "fwd": (dict(M=N, N=OC, K=C), lambda: torch.matmul(x, w.t(), out=y), (y, x, w)),
+        "dinp": (dict(M=N, N=C, K=OC, ldb=C, b_major="n"), lambda: torch.matmul(dout, w, out=dx), (dx, dout, w)),
+        "dweight": (dict(M=OC, N=C, K=N, lda=OC, ldb=C, ldc=C, beta=1.0, a_major="m", b_major="n"),
+                    lambda: dw.addmm_(dout.t(), x), (dw, dout, x)),
+    }
+
+
 def sustained(fn, sync, meter, seconds: float, ramp: float) -> dict:
     """Run fn() (one call, queued) for `ramp` s, then for about `seconds` s between two reads of the
     energy counter, each after sync(). Returns ms a call, J a call, mean W and mean SM MHz."""
@@ -129,18 +147,7 @@ def main():
         for name, (C, OC) in LAYERS.items():
             if args.only and name not in args.only:
                 continue
-            x = torch.randn(N, C, device="cuda").bfloat16()
-            w = (torch.randn(OC, C, device="cuda") * 0.02).bfloat16()
-            dout = torch.randn(N, OC, device="cuda").bfloat16()
-            y = torch.empty(N, OC, device="cuda", dtype=torch.bfloat16)
-            dx = torch.empty(N, C, device="cuda", dtype=torch.bfloat16)
-            dw = (torch.randn(OC, C, device="cuda") * 0.01).bfloat16()
-            kinds = {
-                "fwd": (dict(M=N, N=OC, K=C), lambda: torch.matmul(x, w.t(), out=y), (y, x, w)),
-                "dinp": (dict(M=N, N=C, K=OC, ldb=C, b_major="n"), lambda: torch.matmul(dout, w, out=dx), (dx, dout, w)),
-                "dweight": (dict(M=OC, N=C, K=N, lda=OC, ldb=C, ldc=C, beta=1.0, a_major="m", b_major="n"),
-                            lambda: dw.addmm_(dout.t(), x), (dw, dout, x)),
-            }
+            kinds = gemm_cases(torch, N, C, OC)
             for kind in args.kinds:
                 shape, cublas, ops_ = kinds[kind]
                 ptrs = tuple(P(t) for t in ops_)
@@ -160,7 +167,7 @@ def main():
                         plans.append(f"{label}={alt.plan}")
                 row(f"{name} {kind}", turns(sides), flops=2.0 * N * C * OC)
                 print("    plans: " + " ".join(plans), flush=True)
-            del x, w, dout, y, dx, dw
+            kinds = sides = g = None  # (the closures hold the operands: let them go)
             torch.cuda.empty_cache()
 
 

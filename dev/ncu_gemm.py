@@ -12,9 +12,7 @@ bf16 in and out; dweight accumulates into a bf16 gradient). Prints each GEMM's p
 """
 import argparse
 
-import numpy as np
-
-LAYERS = {"qkv": (768, 2304), "attproj": (768, 768), "fc": (768, 3072), "fcproj": (3072, 768), "lmhead": (768, 50304)}
+from bench_energy import LAYERS, gemm_cases  # (dev/: the same layers and operands)
 
 
 def main():
@@ -35,19 +33,7 @@ def main():
     for name, (C, OC) in LAYERS.items():
         if args.only and name not in args.only:
             continue
-        x = torch.randn(N, C, device="cuda").bfloat16()
-        w = (torch.randn(OC, C, device="cuda") * 0.02).bfloat16()
-        dout = torch.randn(N, OC, device="cuda").bfloat16()
-        y = torch.empty(N, OC, device="cuda", dtype=torch.bfloat16)
-        dx = torch.empty(N, C, device="cuda", dtype=torch.bfloat16)
-        dw = (torch.randn(OC, C, device="cuda") * 0.01).bfloat16()
-        kinds = {
-            "fwd": (dict(M=N, N=OC, K=C), lambda x=x, w=w, y=y: torch.matmul(x, w.t(), out=y), (y, x, w)),
-            "dinp": (dict(M=N, N=C, K=OC, ldb=C, b_major="n"), lambda d=dout, w=w, dx=dx: torch.matmul(d, w, out=dx),
-                     (dx, dout, w)),
-            "dweight": (dict(M=OC, N=C, K=N, lda=OC, ldb=C, ldc=C, beta=1.0, a_major="m", b_major="n"),
-                        lambda d=dout, x=x, dw=dw: dw.addmm_(d.t(), x), (dw, dout, x)),
-        }
+        kinds = gemm_cases(torch, N, C, OC)
         for kind in args.kinds:
             shape, cublas, ops_ = kinds[kind]
             g = gw.wgmma_build(rt, "bf16", out="bf16", **shape)
