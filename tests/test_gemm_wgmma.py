@@ -1512,3 +1512,49 @@ def test_bf16_dinp_256_wide_tile_and_ts256_max_k(monkeypatch):
     assert gw.ts256_max_k() == 1024
     assert gw.wgmma_build(rt, "bf16", **fc_dinp).plan == (5, "128x192+ts+bt", 1)
     assert gw.wgmma_build(rt, "bf16", **fcproj_fwd).plan == (5, "128x192+ts", 1)
+
+
+# GEMM_STMATRIX / GEMM_ALPHA1_SKIP (cuda/gemm_wgmma.cu, branch wip/epilogue-stmatrix): the bf16 TMA-store
+# epilogue's staging by stmatrix, and no pass over the accumulators at alpha = 1 without a bias
+_EPILOGUE_OFF = {"GEMM_STMATRIX": 0, "GEMM_ALPHA1_SKIP": 0}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout,bn,schedule,rm", [("kk", 128, "coop", None), ("kk", 192, "coop", None),
+                                                   ("kk", 256, "coop", None), ("kn", 192, "coop", None),
+                                                   ("kn", 256, "coop", None), ("mn", 128, "coop", None),
+                                                   ("mn", 160, "coop", None), ("mn", 256, "coop", None),
+                                                   ("kk", 128, "pingpong", 128), ("kk", 256, "pingpong", 64)])
+@pytest.mark.parametrize("alpha,has_bias", [(1.0, False), (1.0, True), (0.5, False)])
+def test_bf16_epilogue_stmatrix_keeps_the_bits(hopper, rng, layout, bn, schedule, rm, alpha, has_bias):
+    """The bf16 TMA-store tiles (cooperative 128 / 160 / 192 / 256 wide, ping-pong 128 x 128 and 64 x 256) with
+    the stmatrix staging and the alpha-1 skip (the defaults) against both off: the same bits on a poisoned C
+    (every element written), and against float64; ragged M, N, K (the last tiles partly past the edges)."""
+    from llmc.bf16 import BF16, from_bf16, to_bf16
+    from llmc.testing import bf16_close, module_defines, poison
+    if has_bias and layout == "mn":
+        pytest.skip("the dweight layout takes no bias")
+    M, N, K = 300, 520, 200
+    A, B = to_bf16(rng.standard_normal((M, K))), to_bf16(rng.standard_normal((N, K)))
+    As, lda = _stored(from_bf16(A), layout[0] == "m", rng)
+    Bs, ldb = _stored(from_bf16(B), layout[1] == "n", rng)
+    bias = to_bf16(rng.standard_normal(N)) if has_bias else None
+    dA, dB = hopper.to_device(to_bf16(As)), hopper.to_device(to_bf16(Bs))
+    dbias = hopper.to_device(bias) if has_bias else None
+    outs = []
+    for defines in (_EPILOGUE_OFF, {}):
+        with module_defines(hopper, "gemm_wgmma", defines):
+            g = gw.wgmma_build(hopper, "bf16", M, N, K, lda=lda, ldb=ldb, alpha=alpha, has_bias=has_bias,
+                               store="tma", bn=bn, a_major=layout[0], b_major=layout[1], out="bf16",
+                               schedule=schedule, rm=rm, multicast=False)
+            assert "+ts" in g.plan[1] and (("+pp" in g.plan[1]) == (schedule == "pingpong")), g.plan
+            dC = hopper.empty((M, N), BF16)
+            poison(dC)
+            g(dC, dA, dB, dbias)
+            outs.append(from_bf16(dC.get()))
+    ref = alpha * (from_bf16(A).astype(np.float64) @ from_bf16(B).astype(np.float64).T)
+    if has_bias:
+        ref = ref + from_bf16(bias)
+    assert np.isfinite(outs[1]).all()
+    bf16_close(outs[1], ref, f"bf16 {layout} {bn} {schedule} stmatrix")
+    assert np.array_equal(outs[0], outs[1]), "stmatrix staging / alpha-1 skip changed the bits"
