@@ -420,10 +420,6 @@ __device__ __forceinline__ OUT* staged_at(unsigned char* stg, int r, int c) {
 #ifndef GEMM_ALPHA1_SKIP
 #define GEMM_ALPHA1_SKIP 1
 #endif
-__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
-    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);  // (lo at the lower address, as Out::put2)
-    return *reinterpret_cast<const uint32_t*>(&h);
-}
 __device__ __forceinline__ void stmatrix_x4(const void* p, const uint32_t (&x)[4]) {
     asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n"
                  ::"r"(smem_u32(p)), "r"(x[0]), "r"(x[1]), "r"(x[2]), "r"(x[3]) : "memory");
@@ -440,7 +436,7 @@ __device__ __forceinline__ void stage_tile(const float (&v)[BN / 2], unsigned ch
         for (int q = 0; q < BN / 16; q++) {
             uint32_t x[4];
 #pragma unroll
-            for (int i = 0; i < 4; i++) x[i] = pack_bf16x2(v[8 * q + 2 * i], v[8 * q + 2 * i + 1]);
+            for (int i = 0; i < 4; i++) x[i] = pack_bf16x2(v[8 * q + 2 * i], v[8 * q + 2 * i + 1]);  // (elem.cuh)
             stmatrix_x4(staged_at<OUT, BN>(stg, r, 8 * (2 * q + (blk >> 1))), x);
         }
     } else {
