@@ -40,14 +40,27 @@ __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
 }
 
 // wait until the phase with this parity has completed (a fresh barrier counts phase "-1", parity 1,
-// as completed: that is how the producer's first pass over the empty stages goes straight through)
+// as completed: that is how the producer's first pass over the empty stages goes straight through).
+// LLMC_MBAR_SUSPEND (a -D define, nanoseconds; 0, the default: none): the try_wait's suspend-time hint,
+// how long the hardware may hold the waiting thread before try_wait returns false; without one it
+// returns after a time of the hardware's choosing and the loop issues again (session 43's ncu: engine 5
+// issues ~1.8x cuBLAS's instructions at d12's shapes, its ALU pipe 13-23% busy against 2-4%).
+#ifndef LLMC_MBAR_SUSPEND
+#define LLMC_MBAR_SUSPEND 0
+#endif
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {
     const uint32_t addr = smem_u32(bar);
     uint32_t done;
     do {
+#if LLMC_MBAR_SUSPEND > 0
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2, %3;\n"
+                     "selp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done) : "r"(addr), "r"(parity), "r"((unsigned)LLMC_MBAR_SUSPEND) : "memory");
+#else
         asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
                      "selp.u32 %0, 1, 0, p;\n}\n"
                      : "=r"(done) : "r"(addr), "r"(parity) : "memory");
+#endif
     } while (!done);
 }
 
