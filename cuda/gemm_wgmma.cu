@@ -127,6 +127,23 @@ __device__ __forceinline__ uint64_t smem_desc(const void* p) { return wgmma_desc
 constexpr int BK_T = 64;  // k rows per MN-major box (= bf16's BK)
 __device__ __forceinline__ uint64_t smem_desc_mn(const void* p) { return wgmma_desc_sw128(p, BK_T * ROW_BYTES); }
 
+// The mainloops' descriptors in two words. The high one (SBO = 1024 in bits 32-45, SW128 in 62-63) is the
+// same for every operand here; the low one (start address >> 4, LBO >> 4 in bits 16-29) is made once per
+// kernel for stage 0 (desc_lo) and stepped by adding (stage * STAGE_BYTES + the k-step's offset) >> 4,
+// one 32-bit add an operand a wgmma, where rebuilding the descriptor from the address takes ~5 integer
+// instructions (the address field stays below 2^14: shared memory ends at 228 KB, 0x3900 << 4).
+// GEMM_DESC_STEP (a -D define; 1, the default): 0 gives the rebuilt form (the same descriptors).
+#ifndef GEMM_DESC_STEP
+#define GEMM_DESC_STEP 1
+#endif
+constexpr uint32_t DESC_HI = (1024u >> 4) | (1u << 30);
+__device__ __forceinline__ uint32_t desc_lo(const void* p, uint32_t lbo) {
+    return ((smem_u32(p) & 0x3FFFF) >> 4) | (((lbo & 0x3FFFF) >> 4) << 16);
+}
+__device__ __forceinline__ uint64_t desc_of(uint32_t lo) { return (uint64_t(DESC_HI) << 32) | lo; }
+// the k-step's offset >> 4: K-major +32 bytes (16 bf16 / 8 tf32 of k), MN-major +16 k rows (2048 bytes)
+template <bool MN> __host__ __device__ constexpr uint32_t desc_kstep(int ks) { return MN ? ks * (16 * ROW_BYTES >> 4) : ks * 2; }
+
 // bf16's 160-wide tile of the dweight layout (5 tiles across GPT-2's 768 columns). Its B^T comes in as
 // three 64-wide boxes (192 columns: the last 32 are the next tile's, or zeros past N) in the same SW128
 // layout as every MN-major operand, and the n160 wgmma reads the first 160 of them: 2.5 swizzle atoms
@@ -833,6 +850,9 @@ __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CU
                 for (int r = 0; r < CL; r++) mbar_arrive_cluster(bar, r);
             }
         };
+        // stage 0's descriptors (GEMM_DESC_STEP): this warpgroup's 64 rows of A, and B
+        const uint32_t a_lo0 = desc_lo(smem + (wg - 1) * 64 * ROW_BYTES, A_T ? BK_T * ROW_BYTES : 16);
+        const uint32_t b_lo0 = desc_lo(smem + A_BYTES, B_T ? BK_T * ROW_BYTES : 16);
         for (int u = blockIdx.x / CL; u < units; u += gridDim.x / CL) {
             const int split = u % a.splits, t = u / a.splits;
             int tm, tn;
@@ -856,9 +876,17 @@ __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CU
 #pragma unroll
                     for (int ks = 0; ks < KSTEPS; ks++)
                         WgmmaRS<BN>::run(d, af[ks], smem_desc(sb + 32 * ks), (kb > kb0 || ks > 0) ? 1 : 0);
+                } else if constexpr (GEMM_DESC_STEP) {
+                    // (A_T, B_T: an MN-major operand advances 16 k rows, two 1024-byte atoms, per k-step;
+                    // this warpgroup's 64 rows of an MN-major A are box wg - 1, the same 8 KB offset as K-major)
+                    const uint32_t so = stage * (STAGE_BYTES >> 4);
+                    wgmma_fence();
+#pragma unroll
+                    for (int ks = 0; ks < KSTEPS; ks++)
+                        Wgmma<T, BN, A_T, B_T>::run(d, desc_of(a_lo0 + so + desc_kstep<A_T>(ks)),
+                                                    desc_of(b_lo0 + so + desc_kstep<B_T>(ks)),
+                                                    (kb > kb0 || ks > 0) ? 1 : 0);
                 } else if constexpr (A_T || B_T) {
-                    // an MN-major operand advances 16 k rows (two 1024-byte atoms) per k-step; this
-                    // warpgroup's 64 rows of an MN-major A are box wg - 1 (the same 8 KB offset as K-major)
                     wgmma_fence();
 #pragma unroll
                     for (int ks = 0; ks < KSTEPS; ks++)
@@ -1170,6 +1198,7 @@ __device__ __forceinline__ void gemm_wgmma_pp_body(const CUtensorMap* tmA, const
         int stage = 0, phase = 0;
         const bool use_tma = TMA_STORE && tmC && a.splits == 1 && a.beta == 0.0f && !a.trans_c;
         unsigned char* stg = smem + STAGES * STAGE_BYTES + c * STG_BYTES;
+        const uint32_t a_lo0 = desc_lo(smem, 16), b_lo0 = desc_lo(smem + A_BYTES, B_T ? BK_T * ROW_BYTES : 16);
         int j = 0;
         for (int u = blockIdx.x; u < units; u += gridDim.x, j++) {
             const int split = u % a.splits, t = u / a.splits;
@@ -1193,14 +1222,20 @@ __device__ __forceinline__ void gemm_wgmma_pp_body(const CUtensorMap* tmA, const
                 mbar_wait(&full[stage], phase);
                 const unsigned char* sa = smem + stage * STAGE_BYTES;
                 const unsigned char* sb = sa + A_BYTES;
+                const uint32_t so = stage * (STAGE_BYTES >> 4);
                 wgmma_fence();
 #pragma unroll
                 for (int ks = 0; ks < KSTEPS; ks++)
 #pragma unroll
-                    for (int s = 0; s < SUB; s++)
-                        Wgmma<T, BN, 0, B_T>::run(d[s], smem_desc(sa + s * 64 * ROW_BYTES + 32 * ks),
-                                                  B_T ? smem_desc_mn(sb + ks * 16 * ROW_BYTES) : smem_desc(sb + 32 * ks),
-                                                  (kb > kb0 || ks > 0) ? 1 : 0);
+                    for (int s = 0; s < SUB; s++) {
+                        if constexpr (GEMM_DESC_STEP)  // (smem_desc_mn's note above; A: sub-tile s, 64 rows on)
+                            Wgmma<T, BN, 0, B_T>::run(d[s], desc_of(a_lo0 + so + (s * 64 * ROW_BYTES >> 4) + desc_kstep<false>(ks)),
+                                                      desc_of(b_lo0 + so + desc_kstep<B_T>(ks)), (kb > kb0 || ks > 0) ? 1 : 0);
+                        else
+                            Wgmma<T, BN, 0, B_T>::run(d[s], smem_desc(sa + s * 64 * ROW_BYTES + 32 * ks),
+                                                      B_T ? smem_desc_mn(sb + ks * 16 * ROW_BYTES) : smem_desc(sb + 32 * ks),
+                                                      (kb > kb0 || ks > 0) ? 1 : 0);
+                    }
                 wgmma_commit();
                 wgmma_wait<1>();  // the previous k-block's products are done: its stage can be refilled
                 if (prev >= 0 && lane == 0) mbar_arrive(&empty[prev]);

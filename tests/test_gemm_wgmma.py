@@ -1514,8 +1514,8 @@ def test_bf16_dinp_256_wide_tile_and_ts256_max_k(monkeypatch):
     assert gw.wgmma_build(rt, "bf16", **fcproj_fwd).plan == (5, "128x192+ts", 1)
 
 
-# GEMM_STMATRIX / GEMM_ALPHA1_SKIP (cuda/gemm_wgmma.cu, branch wip/epilogue-stmatrix): the bf16 TMA-store
-# epilogue's staging by stmatrix, and no pass over the accumulators at alpha = 1 without a bias
+# GEMM_STMATRIX / GEMM_ALPHA1_SKIP (cuda/gemm_wgmma.cu, both 1 by default): the bf16 TMA-store epilogue's
+# staging by stmatrix, and no pass over the accumulators at alpha = 1 without a bias
 _EPILOGUE_OFF = {"GEMM_STMATRIX": 0, "GEMM_ALPHA1_SKIP": 0}
 
 
@@ -1558,3 +1558,44 @@ def test_bf16_epilogue_stmatrix_keeps_the_bits(hopper, rng, layout, bn, schedule
     assert np.isfinite(outs[1]).all()
     bf16_close(outs[1], ref, f"bf16 {layout} {bn} {schedule} stmatrix")
     assert np.array_equal(outs[0], outs[1]), "stmatrix staging / alpha-1 skip changed the bits"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,layout,bn,schedule,rm,out", [
+    ("bf16", "kk", 256, "coop", None, "bf16"), ("bf16", "kn", 192, "coop", None, "bf16"),
+    ("bf16", "mn", 160, "coop", None, "bf16"), ("bf16", "kk", 128, "coop", None, "fp32"),
+    ("bf16", "kk", 128, "pingpong", 128, "bf16"), ("bf16", "kn", 192, "pingpong", 64, "bf16"),
+    ("tf32", "kk", 128, "coop", None, "fp32"), ("tf32", "kk", 128, "pingpong", 128, "fp32")])
+def test_desc_step_keeps_the_bits(hopper, rng, dtype, layout, bn, schedule, rm, out):
+    """GEMM_DESC_STEP (the mainloops' wgmma descriptors stepped by 32-bit adds, the default) against 0 (each
+    rebuilt from its address): the same bits, every element written, and close to float64, for K-major and
+    MN-major operands, both schedules, tf32 and bf16, K over several turns of the stage ring."""
+    from llmc.bf16 import BF16, from_bf16, to_bf16
+    from llmc.testing import bf16_close, module_defines, poison
+    M, N, K = 260, 300, 1000
+    A, B = rng.standard_normal((M, K)).astype(np.float32), rng.standard_normal((N, K)).astype(np.float32)
+    if dtype == "bf16":
+        A, B = from_bf16(to_bf16(A)), from_bf16(to_bf16(B))
+    As, lda = _stored(A, layout[0] == "m", rng)
+    Bs, ldb = _stored(B, layout[1] == "n", rng)
+    conv = to_bf16 if dtype == "bf16" else (lambda x: x)
+    dA, dB = hopper.to_device(conv(As)), hopper.to_device(conv(Bs))
+    outs = []
+    for defines in ({"GEMM_DESC_STEP": 0}, {}):
+        with module_defines(hopper, "gemm_wgmma", defines):
+            g = gw.wgmma_build(hopper, dtype, M, N, K, lda=lda, ldb=ldb, bn=bn, a_major=layout[0],
+                               b_major=layout[1], out=out, schedule=schedule, rm=rm, splits=1, multicast=False)
+            assert ("+pp" in g.plan[1]) == (schedule == "pingpong"), g.plan
+            dC = hopper.empty((M, N), BF16 if out == "bf16" else np.float32)
+            poison(dC)
+            g(dC, dA, dB, None)
+            c = dC.get()
+            outs.append(from_bf16(c) if out == "bf16" else c)
+    ref = A.astype(np.float64) @ B.astype(np.float64).T
+    assert np.isfinite(outs[1]).all()
+    if out == "bf16":
+        bf16_close(outs[1], ref, f"{dtype} {layout} {bn} {schedule}")
+    else:  # (tf32: 10-bit mantissas in; bf16 -> fp32: exact products, fp32 sums)
+        tol = 2e-2 if dtype == "tf32" else 1e-3
+        assert np.abs(outs[1] - ref).max() <= tol * np.abs(ref).max(), (dtype, layout, np.abs(outs[1] - ref).max())
+    assert np.array_equal(outs[0], outs[1]), "the stepped descriptors changed the bits"
