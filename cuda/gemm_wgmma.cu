@@ -423,7 +423,7 @@ __device__ __forceinline__ OUT* staged_at(unsigned char* stg, int r, int c) {
     return reinterpret_cast<OUT*>(stg + box * (64 * RB) + ur * RB + ((ch ^ swz) << 4)) + (uc % EPC);
 }
 
-// GEMM_STMATRIX (a -D define; 1, the default on branch wip/epilogue-stmatrix): bf16 tiles staged by
+// GEMM_STMATRIX (a -D define; 1, the default; 0 gives the plain form): bf16 tiles staged by
 // stmatrix, four 8 x 8 blocks of b16 a warp instruction (16 bytes a thread), where the plain form stores
 // each pair of a thread's accumulators alone (4 bytes; 64 stores a thread for a 64 x 256 tile, 16 here).
 // The blocks are the accumulators' own fragments: block i of stmatrix q holds column group j = 2q + i / 2,
@@ -509,11 +509,39 @@ __device__ __forceinline__ void load_pre(const CUtensorMap* tmP, unsigned char* 
     for (int b = 0; b < BN / EPB; b++) tma_load_2d(stg + b * (64 * RB), tmP, bar, n0 + EPB * b, m0);
 }
 
-// v: the products in, the results as stored out (for the column sums)
+// v: the products in, the results as stored out (for the column sums). bf16 with GEMM_STMATRIX: P's
+// values come in by ldmatrix (the inverse of stage_tile's stmatrix: lane t gets the pair at row t / 4,
+// columns 2 (t % 4) + {0, 1} of each 8 x 8 block, the positions of its own accumulators) and the
+// results go back by stmatrix at the same addresses: 2 x 16-byte shared-memory instructions a thread
+// for 8 pairs, where the plain form below takes 2 loads and a store per pair.
+__device__ __forceinline__ void ldmatrix_x4(const void* p, uint32_t (&x)[4]) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(x[0]), "=r"(x[1]), "=r"(x[2]), "=r"(x[3]) : "r"(smem_u32(p)) : "memory");
+}
 template <typename OUT, int BN>
 __device__ __forceinline__ void dgelu_staged(float (&v)[BN / 2], unsigned char* stg) {
     using O = Out<OUT>;
     const int lane = threadIdx.x & 31, warp = (threadIdx.x & 127) >> 5;
+    if constexpr (sizeof(OUT) == 2 && GEMM_STMATRIX && BN % 16 == 0) {
+        const int blk = lane >> 3, r = warp * 16 + 8 * (blk & 1) + (lane & 7);  // (stage_tile's addresses)
+#pragma unroll
+        for (int q = 0; q < BN / 16; q++) {
+            OUT* p = staged_at<OUT, BN>(stg, r, 8 * (2 * q + (blk >> 1)));
+            uint32_t x[4];
+            ldmatrix_x4(p, x);
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const int k = 8 * q + 2 * i;
+                const float g0 = gelu_bwd_as<OUT>(bf16_lo(x[i]), O::stored(v[k]));
+                const float g1 = gelu_bwd_as<OUT>(bf16_hi(x[i]), O::stored(v[k + 1]));
+                x[i] = pack_bf16x2(g0, g1);
+                v[k] = O::stored(g0);
+                v[k + 1] = O::stored(g1);
+            }
+            stmatrix_x4(p, x);
+        }
+        return;
+    }
 #pragma unroll
     for (int j = 0; j < BN / 8; j++)
 #pragma unroll
@@ -641,7 +669,7 @@ __device__ __forceinline__ void epilogue_tma(float (&d)[BN / 2], const GemmArgs<
     static_assert(PARTS == 1 || !(GELU || DGELU || BETA || FOLD), "column slices: the plain epilogue only");
     using O = Out<OUT>;
     const int tid = threadIdx.x & 127;
-    // GEMM_ALPHA1_SKIP (a -D define; 1, the default on branch wip/epilogue-stmatrix): no pass over the
+    // GEMM_ALPHA1_SKIP (a -D define; 1, the default; 0: the pass always): no pass over the
     // accumulators when alpha = 1 and there is no bias (1 * x = x: the same bits); the test is uniform
     if (!GEMM_ALPHA1_SKIP || a.alpha != 1.0f || a.bias) {
 #pragma unroll
