@@ -673,7 +673,9 @@ __device__ __forceinline__ void epilogue_tma(float (&d)[BN / 2], const GemmArgs<
     const int tid = threadIdx.x & 127;
     // GEMM_ALPHA1_SKIP (a -D define; 1, the default; 0: the pass always): no pass over the
     // accumulators when alpha = 1 and there is no bias (1 * x = x: the same bits); the test is uniform
-    if (!GEMM_ALPHA1_SKIP || a.alpha != 1.0f || a.bias) {
+    // (not in the fused-GELU instances, opt-in LLMC_FUSED_GELU: with it, with or without stmatrix, ptxas spilled
+    // 8 bytes in the 192-wide one)
+    if (!GEMM_ALPHA1_SKIP || GELU || a.alpha != 1.0f || a.bias) {
 #pragma unroll
         for (int j = 0; j < (BETA ? 0 : BN / 8); j++) {
             const float2 b = a.bias ? bf.at(j) : make_float2(0.0f, 0.0f);  // (past N: + 0, clipped by the store)
