@@ -6,7 +6,8 @@
     python dev/profile_step.py --precision bf16                 # the bf16 step (GB/s column: see below)
 
 One step of GPT-2 124M at B=4, T=1024 (no sampling, no validation), after warm-up. Every launch
-of the model's plan is bracketed by a pair of events; the table (sorted by time) shows the op, the
+of the model's plan is bracketed by a pair of events (the folded classifier's too: its lm head GEMM in the
+mm_lmhead row, its small kernels in "fold ..." rows, time only); the table (sorted by time) shows the op, the
 variant, calls, total ms, % of the step and the achieved TFLOP/s (matmuls, attention) or GB/s
 (everything else, counting each input read once and each output written once): the cost model each
 op declares (OpSpec.cost, llmc/ops/<family>.py), at the shape and in the element type the model
@@ -25,6 +26,35 @@ from llmc.backend import CudaBackend
 from llmc.config import config_from_name
 from llmc.model import GPT2
 from llmc.train import kernel_flags
+
+
+def instrument(model, rt) -> list:
+    """Brackets every launch of `model`'s step with a pair of events (rt.event(), recorded on rt.stream):
+    the planned ops (model.k, the first micro-step's dweight twins model.k_first), AdamW's per-range launches,
+    the deferred layernorm flush, and the folded classifier's launches (model.fold: the lm head's GEMM and
+    the combine, fix and scale kernels, which are not in model.k). Returns the list that each call appends
+    (key, op name, start event, end event) to."""
+    records = []
+
+    def wrap(key, fn, opname):
+        def timed(*a, **kw):
+            s, e = rt.event(), rt.event()
+            s.record(rt.stream); fn(*a, **kw); e.record(rt.stream)
+            records.append((key, opname, s, e))
+        return timed
+    for key in list(model.k):
+        model.k[key] = wrap(key, model.k[key], model.built[key].op)
+    for key in list(model.k_first):  # the first micro-step's dweight GEMMs (first_write): their call sites' rows
+        model.k_first[key] = wrap(key + "/first", model.k_first[key], model.built_first[key].op)
+    model.adamw_plan = [(wrap("adamw", pl[0], "adamw"), *pl[1:]) for pl in model.adamw_plan]
+    if model._ln_flush is not None:  # the deferred layernorm backwards' flush: its time joins their row
+        model._ln_flush = wrap("layernorm_backward_colsum_deferred/flush", model._ln_flush, "layernorm_backward")
+    if model.fold is not None:  # (instance attributes over the methods: prime's own call of fix is timed too)
+        f = model.fold
+        f.forward = wrap("fold/forward", f.forward, "matmul_forward")
+        for part in ("combine", "fix", "scale"):
+            setattr(f, part, wrap(f"fold/{part}", getattr(f, part), "classifier"))
+    return records
 
 
 def main():
@@ -58,22 +88,7 @@ def main():
     for i in range(3):
         step(i)
 
-    # wrap every planned op (and AdamW's per-range launches) with a pair of events
-    records = []
-
-    def wrap(key, fn, opname):
-        def timed(*a, **kw):
-            s, e = rt.event(), rt.event()
-            s.record(rt.stream); fn(*a, **kw); e.record(rt.stream)
-            records.append((key, opname, s, e))
-        return timed
-    for key in list(model.k):
-        model.k[key] = wrap(key, model.k[key], model.built[key].op)
-    for key in list(model.k_first):  # the first micro-step's dweight GEMMs (first_write): their call sites' rows
-        model.k_first[key] = wrap(key + "/first", model.k_first[key], model.built_first[key].op)
-    model.adamw_plan = [(wrap("adamw", pl[0], "adamw"), *pl[1:]) for pl in model.adamw_plan]
-    if model._ln_flush is not None:  # the deferred layernorm backwards' flush: its time joins their row
-        model._ln_flush = wrap("layernorm_backward_colsum_deferred/flush", model._ln_flush, "layernorm_backward")
+    records = instrument(model, rt)
     s_all, e_all = rt.event(), rt.event()
     s_all.record(rt.stream)
     step(3)
@@ -90,6 +105,13 @@ def main():
         spec = ops.get(opname)
         if key == "adamw":  # one launch per contiguous range of the flat buffer
             variant, shape = be.kernels["adamw"], None
+        elif key.startswith("fold/"):  # the folded classifier: the lm head's GEMM, then its small kernels
+            part = key.removeprefix("fold/")
+            if part == "forward":
+                built = model.built["mm_lmhead"]  # (its shape and cost: the same GEMM, the fold's epilogue)
+                variant, shape, key = f"{built.number} (folded classifier)", built.shape, "mm_lmhead"
+            else:  # (time only: no cost model of their own)
+                variant, shape, key, built = "fold", None, f"fold {part}", None
         else:
             built = (model.built_first if first else model.built)[key]
             variant, shape = built.number, built.shape
@@ -98,7 +120,7 @@ def main():
                 variant = f"{variant}: " + ", ".join(f"{kw} {be.kernels[op]}" for kw, op in uses.items())
             elif opname.startswith("attention"):
                 variant = f"{variant} (fused)"
-        row = agg[(opname, key if key.startswith(("mm", "bias")) else opname, variant)]
+        row = agg[(opname, key if key.startswith(("mm", "bias", "fold")) else opname, variant)]
         flops, nbytes = spec.cost(**shape, dtype=built.dtype) if shape is not None and not flush else (0, 0)
         row[0] += 0 if flush else 1; row[1] += ms; row[2] += flops; row[3] += nbytes
     for k, v in agg.items():  # AdamW over all ranges
