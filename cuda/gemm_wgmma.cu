@@ -487,6 +487,17 @@ __device__ __forceinline__ void stage_part(const float (&v)[BN / 2], unsigned ch
     constexpr int W = BN / PARTS, J0 = P * W / 8;
     static_assert(W % 64 == 0, "a slice is whole 64-wide column groups");
     const int lane = threadIdx.x & 31, warp = (threadIdx.x & 127) >> 5;
+    if constexpr (sizeof(OUT) == 2 && GEMM_STMATRIX) {  // (stage_tile's stmatrix form, on the slice's columns)
+        const int blk = lane >> 3, r = warp * 16 + 8 * (blk & 1) + (lane & 7);
+#pragma unroll
+        for (int q = 0; q < W / 16; q++) {
+            uint32_t x[4];
+#pragma unroll
+            for (int i = 0; i < 4; i++) x[i] = pack_bf16x2(v[4 * J0 + 8 * q + 2 * i], v[4 * J0 + 8 * q + 2 * i + 1]);
+            stmatrix_x4(staged_at<OUT, W>(stg, r, 8 * (2 * q + (blk >> 1))), x);
+        }
+        return;
+    }
 #pragma unroll
     for (int j = J0; j < J0 + W / 8; j++)
 #pragma unroll
