@@ -150,7 +150,7 @@ _TABLE = [
     _flag("LLMC_WGMMA_FOLD256", False, "0", "1: the bf16 lm head's forward with the classifier folded in on the "
           "cooperative 128 x 256 TMA-store tile (else the 128 x 128 ping-pong one)", "gemm"),
     _flag("LLMC_WGMMA_TS256_S4", False, "0", "1: the bf16 forward's and dinp's 256-wide TMA-store plans on the "
-          "4-stage instances that store the tile in two slices (session 43: B=16 steps +0.5%)", "gemm"),
+          "4-stage instances that store the tile in two slices (session 44, with stmatrix: B=16 steps +0.3%)", "gemm"),
     Switch("LLMC_WGMMA_TS256_MAX_K", "int", "no limit", "the largest K whose plans may take the 256-wide "
            "TMA-store tile (3 stages; 1024 before session 41)", minimum=1, expect="an integer K >= 1", group="gemm"),
     _flag("LLMC_WGMMA_TF32_PP128", True, "1", "0: tf32 plans stay cooperative, not 128 x 128 ping-pong",
