@@ -127,21 +127,17 @@ __device__ __forceinline__ uint64_t smem_desc(const void* p) { return wgmma_desc
 constexpr int BK_T = 64;  // k rows per MN-major box (= bf16's BK)
 __device__ __forceinline__ uint64_t smem_desc_mn(const void* p) { return wgmma_desc_sw128(p, BK_T * ROW_BYTES); }
 
-// The mainloops' descriptors in two words. The high one (SBO = 1024 in bits 32-45, SW128 in 62-63) is the
-// same for every operand here; the low one (start address >> 4, LBO >> 4 in bits 16-29) is made once per
-// kernel for stage 0 (desc_lo) and stepped by adding (stage * STAGE_BYTES + the k-step's offset) >> 4,
-// one 32-bit add an operand a wgmma, where rebuilding the descriptor from the address takes ~5 integer
-// instructions (the address field stays below 2^14: shared memory ends at 228 KB, 0x3900 << 4).
+// The mainloops' descriptors in two words (hopper.cuh's halves). The high one (SBO = 1024 in bits 32-45, SW128
+// in 62-63: wgmma_desc_hi()) is the same for every operand here; the low one (start address >> 4, LBO >> 4 in
+// bits 16-29) is made once per kernel for stage 0 (wgmma_desc_lo) and stepped by adding (stage * STAGE_BYTES
+// + the k-step's offset) >> 4, one 32-bit add an operand a wgmma, where rebuilding the descriptor from the
+// address takes ~5 integer instructions (the address field stays below 2^14: shared memory ends at 228 KB).
 // GEMM_DESC_STEP (a -D define; 1, the default): 0 gives the rebuilt form (the same descriptors). Session 44,
 // H200: 23-28% fewer warp instructions in the d12 forwards and dinps, the same time (docs/matmul_notes.md).
 #ifndef GEMM_DESC_STEP
 #define GEMM_DESC_STEP 1
 #endif
-constexpr uint32_t DESC_HI = (1024u >> 4) | (1u << 30);
-__device__ __forceinline__ uint32_t desc_lo(const void* p, uint32_t lbo) {
-    return ((smem_u32(p) & 0x3FFFF) >> 4) | (((lbo & 0x3FFFF) >> 4) << 16);
-}
-__device__ __forceinline__ uint64_t desc_of(uint32_t lo) { return (uint64_t(DESC_HI) << 32) | lo; }
+__device__ __forceinline__ uint64_t desc_of(uint32_t lo) { return (uint64_t(wgmma_desc_hi()) << 32) | lo; }
 // the k-step's offset >> 4: K-major +32 bytes (16 bf16 / 8 tf32 of k), MN-major +16 k rows (2048 bytes)
 template <bool MN> __host__ __device__ constexpr uint32_t desc_kstep(int ks) { return MN ? ks * (16 * ROW_BYTES >> 4) : ks * 2; }
 
@@ -444,56 +440,26 @@ __device__ __forceinline__ void stmatrix_x4(const void* p, const uint32_t (&x)[4
                  ::"r"(smem_u32(p)), "r"(x[0]), "r"(x[1]), "r"(x[2]), "r"(x[3]) : "memory");
 }
 
-template <typename OUT, int BN>
-__device__ __forceinline__ void stage_tile(const float (&v)[BN / 2], unsigned char* stg) {
-    using O = Out<OUT>;
-    static_assert(sizeof(OUT) == 4 || sizeof(OUT) == 2, "fp32 or 16-bit outputs");
-    const int lane = threadIdx.x & 31, warp = (threadIdx.x & 127) >> 5;
-    if constexpr (sizeof(OUT) == 2 && GEMM_STMATRIX && BN % 16 == 0) {
-        const int blk = lane >> 3, r = warp * 16 + 8 * (blk & 1) + (lane & 7);  // this lane's row of block blk
-#pragma unroll
-        for (int q = 0; q < BN / 16; q++) {
-            uint32_t x[4];
-#pragma unroll
-            for (int i = 0; i < 4; i++) x[i] = pack_bf16x2(v[8 * q + 2 * i], v[8 * q + 2 * i + 1]);  // (elem.cuh)
-            stmatrix_x4(staged_at<OUT, BN>(stg, r, 8 * (2 * q + (blk >> 1))), x);
-        }
-    } else {
-#pragma unroll
-        for (int j = 0; j < BN / 8; j++)
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const int r = warp * 16 + (lane >> 2) + 8 * h, c = 8 * j + 2 * (lane & 3);
-                O::put2(staged_at<OUT, BN>(stg, r, c), v[4 * j + 2 * h], v[4 * j + 2 * h + 1]);
-            }
-    }
-}
-
-// The staged tile out through the TMA (thread 0 of the warpgroup), one bulk group
-template <typename OUT, int BN>
-__device__ __forceinline__ void store_tile(const CUtensorMap* tm, unsigned char* stg, int m0, int n0) {
-    constexpr int RB = box_bytes<BN * (int)sizeof(OUT)>(), EPB = RB / sizeof(OUT);
-#pragma unroll
-    for (int b = 0; b < BN / EPB; b++) tma_store_2d(tm, stg + b * (64 * RB), n0 + EPB * b, m0);
-    bulk_commit();
-}
-
-// PARTS > 1 (the _s4 instances): the tile goes out in PARTS column slices of BN / PARTS through a
-// staging buffer of 64 x BN / PARTS, slice P's columns [P BN / PARTS, (P + 1) BN / PARTS) staged as a
-// tile of that width (the same boxes and swizzle: a slice is whole 128-byte boxes)
+// The tile's values (as stored: rounded to OUT) into the staging buffer, in the swizzled layout of C's
+// TMA boxes. PARTS > 1 (the _s4 instances): the tile goes out in PARTS column slices of BN / PARTS
+// through a staging buffer of 64 x BN / PARTS, slice P's columns [P BN / PARTS, (P + 1) BN / PARTS)
+// staged as a tile of that width (the same boxes and swizzle: a slice is whole 128-byte boxes).
+// bf16 with GEMM_STMATRIX: stmatrix.x4 writes four 8 x 8 blocks of the warp's 16 rows a step (lane t gives
+// the row address of block t / 8), each block a fragment of the accumulators; else a pair a store.
 template <typename OUT, int BN, int PARTS, int P>
 __device__ __forceinline__ void stage_part(const float (&v)[BN / 2], unsigned char* stg) {
     using O = Out<OUT>;
     constexpr int W = BN / PARTS, J0 = P * W / 8;
-    static_assert(W % 64 == 0, "a slice is whole 64-wide column groups");
+    static_assert(sizeof(OUT) == 4 || sizeof(OUT) == 2, "fp32 or 16-bit outputs");
+    static_assert(PARTS == 1 || W % 64 == 0, "a slice is whole 64-wide column groups");
     const int lane = threadIdx.x & 31, warp = (threadIdx.x & 127) >> 5;
-    if constexpr (sizeof(OUT) == 2 && GEMM_STMATRIX) {  // (stage_tile's stmatrix form, on the slice's columns)
-        const int blk = lane >> 3, r = warp * 16 + 8 * (blk & 1) + (lane & 7);
+    if constexpr (sizeof(OUT) == 2 && GEMM_STMATRIX && W % 16 == 0) {
+        const int blk = lane >> 3, r = warp * 16 + 8 * (blk & 1) + (lane & 7);  // this lane's row of block blk
 #pragma unroll
         for (int q = 0; q < W / 16; q++) {
             uint32_t x[4];
 #pragma unroll
-            for (int i = 0; i < 4; i++) x[i] = pack_bf16x2(v[4 * J0 + 8 * q + 2 * i], v[4 * J0 + 8 * q + 2 * i + 1]);
+            for (int i = 0; i < 4; i++) x[i] = pack_bf16x2(v[4 * J0 + 8 * q + 2 * i], v[4 * J0 + 8 * q + 2 * i + 1]);  // (elem.cuh)
             stmatrix_x4(staged_at<OUT, W>(stg, r, 8 * (2 * q + (blk >> 1))), x);
         }
         return;
@@ -505,6 +471,19 @@ __device__ __forceinline__ void stage_part(const float (&v)[BN / 2], unsigned ch
             const int r = warp * 16 + (lane >> 2) + 8 * h, c = 8 * (j - J0) + 2 * (lane & 3);
             O::put2(staged_at<OUT, W>(stg, r, c), v[4 * j + 2 * h], v[4 * j + 2 * h + 1]);
         }
+}
+template <typename OUT, int BN>
+__device__ __forceinline__ void stage_tile(const float (&v)[BN / 2], unsigned char* stg) {
+    stage_part<OUT, BN, 1, 0>(v, stg);
+}
+
+// The staged tile out through the TMA (thread 0 of the warpgroup), one bulk group
+template <typename OUT, int BN>
+__device__ __forceinline__ void store_tile(const CUtensorMap* tm, unsigned char* stg, int m0, int n0) {
+    constexpr int RB = box_bytes<BN * (int)sizeof(OUT)>(), EPB = RB / sizeof(OUT);
+#pragma unroll
+    for (int b = 0; b < BN / EPB; b++) tma_store_2d(tm, stg + b * (64 * RB), n0 + EPB * b, m0);
+    bulk_commit();
 }
 
 // DGELU (the fcproj layer's fused form, matmul_backward with dgelu=True): C = gelu'(P) * (the GEMM's
@@ -894,8 +873,8 @@ __device__ __forceinline__ void gemm_wgmma_body(const CUtensorMap* tmA, const CU
             }
         };
         // stage 0's descriptors (GEMM_DESC_STEP): this warpgroup's 64 rows of A, and B
-        const uint32_t a_lo0 = desc_lo(smem + (wg - 1) * 64 * ROW_BYTES, A_T ? BK_T * ROW_BYTES : 16);
-        const uint32_t b_lo0 = desc_lo(smem + A_BYTES, B_T ? BK_T * ROW_BYTES : 16);
+        const uint32_t a_lo0 = wgmma_desc_lo(smem + (wg - 1) * 64 * ROW_BYTES, A_T ? BK_T * ROW_BYTES : 16);
+        const uint32_t b_lo0 = wgmma_desc_lo(smem + A_BYTES, B_T ? BK_T * ROW_BYTES : 16);
         for (int u = blockIdx.x / CL; u < units; u += gridDim.x / CL) {
             const int split = u % a.splits, t = u / a.splits;
             int tm, tn;
@@ -1241,7 +1220,7 @@ __device__ __forceinline__ void gemm_wgmma_pp_body(const CUtensorMap* tmA, const
         int stage = 0, phase = 0;
         const bool use_tma = TMA_STORE && tmC && a.splits == 1 && a.beta == 0.0f && !a.trans_c;
         unsigned char* stg = smem + STAGES * STAGE_BYTES + c * STG_BYTES;
-        const uint32_t a_lo0 = desc_lo(smem, 16), b_lo0 = desc_lo(smem + A_BYTES, B_T ? BK_T * ROW_BYTES : 16);
+        const uint32_t a_lo0 = wgmma_desc_lo(smem, 16), b_lo0 = wgmma_desc_lo(smem + A_BYTES, B_T ? BK_T * ROW_BYTES : 16);
         int j = 0;
         for (int u = blockIdx.x; u < units; u += gridDim.x, j++) {
             const int split = u % a.splits, t = u / a.splits;
@@ -1354,28 +1333,25 @@ GEMM_WGMMA_PP_ENTRY(gemm_wgmma_tf32_n128_ts_pp128, float, float, 128, 128, 5, fa
 
 // The lm head's forward when the classifier is folded into it (FOLD above): C gets p', FS the tile
 // sums; k is read from fold_k. One K split, beta = 0, no bias (llmc/ops/gemm_wgmma.py: FOLD_INSTANCES).
-#define GEMM_WGMMA_FOLD_ENTRY(NAME, T, OUT, STAGES)                                                      \
+// (one entry macro for both schedules: BODY is the body's call, with a the GemmArgs)
+#define GEMM_WGMMA_FOLD_ENTRY_(NAME, T, OUT, BODY)                                                        \
     extern "C" __global__ void __launch_bounds__(THREADS, 1)                                             \
     NAME(const CUtensorMap* tmA, const CUtensorMap* tmB, const CUtensorMap* tmC, OUT* C, float* FS,     \
          const int* fold_k, int M, int N, int K, int ldc, int V) { LLMC_PDL_WAIT();                      \
         const int kb = (K + ROW_BYTES / (int)sizeof(T) - 1) / (ROW_BYTES / (int)sizeof(T));             \
         GemmArgs<OUT> a{C, nullptr, nullptr, M, N, K, ldc, 0, 1, kb, 1.0f, 0.0f, 0};                     \
         a.FS = FS; a.fold_k = fold_k; a.V = V;                                                           \
-        gemm_wgmma_pp_body<T, OUT, 128, 128, STAGES, false, true, true>(tmA, tmB, tmC, a);               \
+        BODY;                                                                                            \
     }
+#define GEMM_WGMMA_FOLD_ENTRY(NAME, T, OUT, STAGES)                                                      \
+    GEMM_WGMMA_FOLD_ENTRY_(NAME, T, OUT, (gemm_wgmma_pp_body<T, OUT, 128, 128, STAGES, false, true, true>(tmA, tmB, tmC, a)))
 GEMM_WGMMA_FOLD_ENTRY(gemm_wgmma_tf32_n128_ts_pp128_fold, float, float, 5)
 GEMM_WGMMA_FOLD_ENTRY(gemm_wgmma_bf16_n128_ts_pp128_fold_bf16, __nv_bfloat16, __nv_bfloat16, 6)
 // ... and on the cooperative 128 x 256 TMA-store tile (the plain bf16 forward's 256-wide instance: 3 stages;
 // FS then holds a sum per 256-wide tile), taken with LLMC_WGMMA_FOLD256=1
 #define GEMM_WGMMA_COOP_FOLD_ENTRY(NAME, T, OUT, BN, STAGES)                                              \
-    extern "C" __global__ void __launch_bounds__(THREADS, 1)                                             \
-    NAME(const CUtensorMap* tmA, const CUtensorMap* tmB, const CUtensorMap* tmC, OUT* C, float* FS,     \
-         const int* fold_k, int M, int N, int K, int ldc, int V) { LLMC_PDL_WAIT();                      \
-        const int kb = (K + ROW_BYTES / (int)sizeof(T) - 1) / (ROW_BYTES / (int)sizeof(T));             \
-        GemmArgs<OUT> a{C, nullptr, nullptr, M, N, K, ldc, 0, 1, kb, 1.0f, 0.0f, 0};                     \
-        a.FS = FS; a.fold_k = fold_k; a.V = V;                                                           \
-        gemm_wgmma_body<T, OUT, BN, STAGES, true, false, false, false, false, false, 1, 1, true>(tmA, tmB, tmC, nullptr, a); \
-    }
+    GEMM_WGMMA_FOLD_ENTRY_(NAME, T, OUT, (gemm_wgmma_body<T, OUT, BN, STAGES, true, false, false, false, false, false, \
+                                                          1, 1, true>(tmA, tmB, tmC, nullptr, a)))
 GEMM_WGMMA_COOP_FOLD_ENTRY(gemm_wgmma_bf16_n256_ts_fold_bf16, __nv_bfloat16, __nv_bfloat16, 256, 3)
 
 // ------------------------------------------------------------------------------------------------

@@ -95,8 +95,12 @@ __device__ __forceinline__ void keep_in_regs(float (&d)[NREG]) {
 //     mn (when N or M > 64), sbo = 1024 (the next 8 k rows); a k16 step is +2048 bytes (two atoms).
 // cuda/gemm_wgmma.cu: smem_desc(p) = wgmma_desc_sw128(p, 16), smem_desc_mn(p) =
 // wgmma_desc_sw128(p, BK_T * ROW_BYTES).
+// The two 32-bit halves: the low one (start address, lbo) and the high one (sbo, layout type), which
+// engine 5's mainloops keep apart (cuda/gemm_wgmma.cu: a stage's descriptor is stepped by adding to the low half).
+__device__ __forceinline__ uint32_t wgmma_desc_lo(const void* p, uint32_t lbo) {
+    return ((smem_u32(p) & 0x3FFFF) >> 4) | (((lbo & 0x3FFFF) >> 4) << 16);
+}
+__host__ __device__ constexpr uint32_t wgmma_desc_hi(uint32_t sbo = 1024) { return ((sbo & 0x3FFFF) >> 4) | (1u << 30); }
 __device__ __forceinline__ uint64_t wgmma_desc_sw128(const void* p, uint32_t lbo, uint32_t sbo = 1024) {
-    const uint64_t addr = smem_u32(p);
-    return ((addr & 0x3FFFF) >> 4) | (uint64_t((lbo & 0x3FFFF) >> 4) << 16) | (uint64_t((sbo & 0x3FFFF) >> 4) << 32) |
-           (uint64_t(1) << 62);
+    return (uint64_t(wgmma_desc_hi(sbo)) << 32) | wgmma_desc_lo(p, lbo);
 }

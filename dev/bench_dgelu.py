@@ -9,6 +9,10 @@ median of --reps after warm-up, inputs random):
                   place, fc's bias gradient as column sums)
   dgelu           the dgelu instance without column sums
   dgelu+colsum    the dgelu instance with them, and the finishing kernel (what the model runs fused)
+bf16 also:
+  pair rc         the GEMM, then gelu_backward's recompute form (colsum + gout = gelu(fch)): what the default
+                  -r 1 step runs in fcproj's backward before its dweight GEMM (the dgelu form applies to -r 0
+                  only: with -r >= 1 the recompute form takes its place)
 The memory floor of the pair's gelu_backward: it reads d fch and fch and writes d fch (3 x M x N
 elements); the fused form reads fch once more inside the GEMM and writes nothing extra.
 """
@@ -49,18 +53,22 @@ def main():
             plain = wgmma_build(rt, dtype, M, N, K, store="tma", bn=bn, **kw)
             gb = ops.get("gelu_backward").build(rt, 2, "bf16" if bf else "fp32", N=M * N, OC=N, colsum=True)
             rows = {
-                "gemm": lambda: plain(C, A, W),
-                "pair": lambda: (plain(C, A, W), gb(C, dbias, P, C)),
-                "dgelu": lambda: fused(C, A, W, P),
-                "dgelu+colsum": lambda: fused(C, A, W, P, dbias),
+                "gemm": (lambda: plain(C, A, W), plain),
+                "pair": (lambda: (plain(C, A, W), gb(C, dbias, P, C)), plain),
+                "dgelu": (lambda: fused(C, A, W, P), fused),
+                "dgelu+colsum": (lambda: fused(C, A, W, P, dbias), fused),
             }
+            if bf:
+                G = rt.empty((M, N), et)
+                rc = ops.get("gelu_backward").build(rt, 2, "bf16", N=M * N, OC=N, colsum=True, recompute=True)
+                rows["pair rc"] = (lambda: (plain(C, A, W), rc(C, dbias, G, P, C)), plain)
             flops = 2 * M * N * K
             base = None
-            for name, fn in rows.items():
+            for name, (fn, built) in rows.items():
                 ms = statistics.median(rt.time_ms(fn, warmup=5, repeat=args.reps))
                 base = base or ms
-                print(f"B={B:2d} {dtype}  {name:13s} {ms:8.4f} ms  {flops / ms / 1e9:6.1f} TFLOP/s  "
-                      f"(+{ms - base:.4f} ms over the GEMM)  plan {fused.plan[1] if 'dgelu' in name else plain.plan[1]}")
+                print(f"B={B:2d} {dtype}  {name:18s} {ms:8.4f} ms  {flops / ms / 1e9:6.1f} TFLOP/s  "
+                      f"(+{ms - base:.4f} ms over the GEMM)  plan {built.plan[1]}")
             esz = 2 if bf else 4
             print(f"B={B:2d} {dtype}  gelu_backward's floor: {3 * M * N * esz / 2.98e12 * 1e3:.4f} ms at 2.98 TB/s")
 
