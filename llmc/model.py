@@ -123,6 +123,16 @@ class StepRead:
         return self._values[1]
 
 
+_noted: set = set()
+
+
+def _note_once(msg: str) -> None:
+    """A note on stdout, once a process (models are built many times: graphs, tests, the eval model)."""
+    if msg not in _noted:
+        _noted.add(msg)
+        print(msg)
+
+
 class GPT2:
     def __init__(self, cfg: GPT2Config, backend, B: int, T: int, training: bool = True, params_buf=None,
                  optimizer: bool = True, recompute: int = 1, fuse_bias: bool | None = None,
@@ -248,12 +258,15 @@ class GPT2:
                   "dinp": be.fuses("matmul_backward", dict(dinp_only=True), **fcp),
                   "dweight": be.fuses("matmul_backward", dict(dweight_only=True), **fcp)}
         self.fused_gelu_recompute = bool(rc) and None not in rc.values()
-        if fuse_dgelu is None:
-            fuse_dgelu = switches.flag("LLMC_FUSED_DGELU")
-            fuse_dgelu = not self.bf16 if fuse_dgelu is None else fuse_dgelu
+        asked_dgelu = fuse_dgelu if fuse_dgelu is not None else switches.flag("LLMC_FUSED_DGELU")
+        fuse_dgelu = not self.bf16 if asked_dgelu is None else asked_dgelu
         dg = (be.fuses("matmul_backward", dict(dgelu=True), **fcp)
               if training and fuse_dgelu and not self.fused_gelu_recompute else None)
         self.fused_dgelu = dg is not None
+        if asked_dgelu and training and self.fused_gelu_recompute:
+            # (an A/B of LLMC_FUSED_DGELU=1 at -r 1 compares one step with itself: sessions 44-45 did)
+            _note_once("note: LLMC_FUSED_DGELU=1 changes nothing with -r 1 or 2: gelu_backward's recompute form "
+                       "takes the dgelu form's place (-r 0 or LLMC_FUSED_GELU_RECOMPUTE=0 for the dgelu form)")
         self.side = False  # (training: below)
         self.ln_deferred = False  # (training: below)
         self.first_write = False  # (training: below)

@@ -92,6 +92,30 @@ def test_fused_by_default_and_the_same_bits_as_the_pair(monkeypatch):
     _same(fused, cpu)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_asking_for_dgelu_where_the_recompute_form_runs_says_so(monkeypatch, capsys, precision):
+    """LLMC_FUSED_DGELU=1 (or fuse_dgelu=True) with -r 1 and gelu_backward's recompute form: the dgelu form is
+    not taken, and one note says so (once a process); with -r 0 it is taken, silently; unset, no note."""
+    from llmc import model as M
+    monkeypatch.setattr(M, "_noted", set())
+    be = FakeCudaBackend(precision=precision)
+    monkeypatch.setenv("LLMC_FUSED_DGELU", "1")
+    m = GPT2(CFG, be, 2, 16, recompute=1)
+    assert m.fused_gelu_recompute and not m.fused_dgelu
+    GPT2(CFG, be, 2, 16, recompute=2)
+    out = capsys.readouterr().out
+    assert out.count("LLMC_FUSED_DGELU=1 changes nothing with -r 1 or 2") == 1
+    M._noted.clear()
+    m = GPT2(CFG, be, 2, 16, recompute=0)
+    assert m.fused_dgelu and "LLMC_FUSED_DGELU" not in capsys.readouterr().out
+    monkeypatch.delenv("LLMC_FUSED_DGELU")
+    GPT2(CFG, be, 2, 16, recompute=1)
+    GPT2(CFG, be, 2, 16, recompute=1, fuse_dgelu=False)
+    assert "LLMC_FUSED_DGELU" not in capsys.readouterr().out
+    GPT2(CFG, be, 2, 16, recompute=1, fuse_dgelu=True)
+    assert "changes nothing with -r 1 or 2" in capsys.readouterr().out
+
+
 def test_bf16_fake_backend_fuses_and_stays_close():
     """bf16 on the fake GPU backend: off by default, fused when asked. Its stand-in runs the fp32 reference and rounds
     what it wrote once at the end, so the fused form's d fch is gelu' times the unrounded product where
