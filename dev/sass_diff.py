@@ -24,7 +24,6 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 FUNC = re.compile(r"^\s*Function : (\S+)\s*$", re.M)
 
