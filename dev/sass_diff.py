@@ -16,10 +16,12 @@ by the trainer. Session 45 checked its clean-up of cuda/gemm_wgmma.cu and cuda/h
 builds of gemm_wgmma and attention_wgmma identical to the previous commit's).
 """
 import argparse
+import io
 import os
 import re
 import subprocess
 import sys
+import tarfile
 import tempfile
 from pathlib import Path
 
@@ -120,10 +122,10 @@ def main(argv=None) -> int:
         return 0
     status = 0
     with tempfile.TemporaryDirectory() as tmp:
-        arch_proc = subprocess.run(f"git archive {args.base} cuda llmc | tar -x -C {tmp}", shell=True, cwd=ROOT,
-                                   capture_output=True, text=True)
-        if arch_proc.returncode != 0:
-            raise SystemExit(f"sass_diff: git archive {args.base}: {arch_proc.stderr.strip()}")
+        tar = subprocess.run(["git", "archive", "--format=tar", args.base, "cuda", "llmc"], cwd=ROOT, capture_output=True)
+        if tar.returncode != 0:
+            raise SystemExit(f"sass_diff: git archive {args.base}: {tar.stderr.decode().strip()}")
+        tarfile.open(fileobj=io.BytesIO(tar.stdout)).extractall(tmp)
         for m in mods:
             arch = ARCH_SPECIFIC.get(m, "sm_90")
             d = defines.get(m, {})
