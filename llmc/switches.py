@@ -134,6 +134,8 @@ _TABLE = [
           "attention"),
     Switch("LLMC_ATT_BWD_STAGES", "choice", "2", "the bf16 attention backward's k/v ring depth",
            choices=("2", "3", "4"), group="attention"),
+    _flag("LLMC_ATT5_MAIN_ZERO", False, "0", "1: bf16 attention_backward 5's dq accumulator zeroed by its main "
+          "kernel, each head's rows just before the reductions into them, not by its prep pass", "attention"),
     Switch("LLMC_ATT5_HEAD_GROUP", "int", "heads whose dq rows take 1/16 of the L2",
            "bf16 attention_backward 5's heads per group", minimum=1, expect="a number of heads >= 1",
            group="attention"),

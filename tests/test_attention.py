@@ -851,18 +851,34 @@ def test_flash_attention_wgmma5_backward_gpu(rt, B, T, C, NH):
         tol = 2.0 ** -7 * np.abs(dq4) + 1e-6 * np.abs(dq4).max()
         assert np.all(np.abs(dq5 - dq4) <= tol), f"{form}: dq more than a bf16 rounding from attention_backward 4's"
 
+    # main_zeroes: the main kernel zeroes the (poisoned) accumulator itself, each head's tiles just before
+    # the reductions into them; its sync words must be back to zero after every launch
+    mz = A.build_flash_attention_backward_wgmma5(rt, B=B, T=T, C=C, NH=NH, qkv_in_place=True, main_zeroes=True)
+    mz_no_pp = A.build_flash_attention_backward_wgmma5(rt, B=B, T=T, C=C, NH=NH, qkv_in_place=True, pingpong=False,
+                                                       main_zeroes=True)
+    assert mz.info["main_zeroes"] and not in_place.info["main_zeroes"]
     for form, bwd, qkv in (("permuted qkvr", bwd5, d_qkvr), ("in place", in_place, d_inp),
-                           ("in place, no ping-pong", no_pp, d_inp)):
-        for run in range(2):
+                           ("in place, no ping-pong", no_pp, d_inp), ("in place, main zeroes", mz, d_inp),
+                           ("in place, no ping-pong, main zeroes", mz_no_pp, d_inp)):
+        for run in range(3 if bwd.info["main_zeroes"] else 2):
             poison(d_dinp, *bwd.scratch.values())  # every element of dinp, D and the accumulator is written
             bwd(d_dinp, d_dout, qkv, d_lse, d_out)
             check(f"{form}, run {run}", from_bf16(d_dinp.get()), bwd.scratch["D"].get())
+            if bwd.info["main_zeroes"]:
+                zs = bwd.info["zsync"].get()
+                assert not zs.any(), f"{form}, run {run}: the sync words were not reset ({np.count_nonzero(zs)} set)"
     if rt.graphs_available() is None:  # its three launches under graph replay
         graph = rt.capture(lambda: bwd5(d_dinp, d_dout, d_qkvr, d_lse, d_out))
         poison(d_dinp, *bwd5.scratch.values())
         graph()
         rt.synchronize()
         check("graph replay", from_bf16(d_dinp.get()), None)
+        graph = rt.capture(lambda: mz(d_dinp, d_dout, d_inp, d_lse, d_out))
+        for run in range(2):
+            poison(d_dinp, *mz.scratch.values())
+            graph()
+            rt.synchronize()
+            check(f"main zeroes, graph replay {run}", from_bf16(d_dinp.get()), None)
     # caller_zeroes: prep leaves the accumulator alone; the build zeroed it, the caller zeroes it again
     # (info["rezero"]) after each launch. Three launches with the rezero between them pass; without it,
     # the next launch adds onto the last one's dq (and only dq differs)
@@ -912,7 +928,9 @@ def test_flash_attention_wgmma5_backward_colsum_gpu(rt, B, T, C, NH):
         err = np.abs(got.astype(np.float64) - exact)
         assert np.all(err <= bound), f"{form}: dbias off the column sums by {err.max():.3g} (column {err.argmax()})"
 
-    for form, kw, qkv in (("permuted qkvr", {}, d_qkvr), ("in place", dict(qkv_in_place=True), d_inp)):
+    for form, kw, qkv in (("permuted qkvr", dict(main_zeroes=False), d_qkvr),
+                          ("in place, main zeroes", dict(qkv_in_place=True, main_zeroes=True), d_inp),
+                          ("in place", dict(qkv_in_place=True, main_zeroes=False), d_inp)):
         cs = ops.get("attention_backward").build(rt, 5, "bf16", B=B, T=T, C=C, NH=NH, colsum=True, **kw)
         assert set(cs.scratch) == {"D", "dq", "part"} and list(cs.info["passes"]) == ["prep", "main", "convert", "finish"]
         assert cs.scratch["part"].shape == (B * -(-T // 64), 3 * C)
@@ -973,6 +991,48 @@ def test_attention_backward_colsum_is_an_option_of_the_hopper_builds_and_the_cpu
     ops.get("matmul_backward_bias").build_cpu(N=B * T, OC=3 * C).launch(db2, dinp2)
     np.testing.assert_array_equal(dinp, dinp2)
     np.testing.assert_array_equal(db, db2)
+
+
+@pytest.mark.parametrize("switch", ["0", "1", None])
+def test_attention_backward5_main_zeroes_launches_without_gpu(switch, monkeypatch):
+    """attention_backward 5's main_zeroes form on the fake runtime (argument lists checked against the
+    .cu's entry points where nvcc is found): prep is told to leave the accumulator alone (zero_acc = 0)
+    and the _mz main kernel gets the sync words (2 a head, zeroed at build, kept out of the scratch that
+    tests poison); the plain form zeroes in prep and runs the kernel without them; caller_zeroes wins
+    over it; it needs the in-place form. LLMC_ATT5_MAIN_ZERO picks the form when the build does not say."""
+    from llmc.bf16 import BF16
+    from tests.fake_runtime import FakeRuntime
+    for enc in ("qkv_tensor_map", "btc_tensor_map", "_bf16_tensor_map"):  # (the driver encodes these)
+        monkeypatch.setattr(A, enc, lambda *a, **k: bytes(128))
+    if switch is None:
+        monkeypatch.delenv("LLMC_ATT5_MAIN_ZERO", raising=False)
+    else:
+        monkeypatch.setenv("LLMC_ATT5_MAIN_ZERO", switch)
+    B, T, C, NH = 2, 130, 768, 12
+    default = switch == "1"
+    with pytest.raises(LLMCError, match="in-place form"):
+        A.build_flash_attention_backward_wgmma5(FakeRuntime(), B=B, T=T, C=C, NH=NH, main_zeroes=True)
+    # (the switch leaves the permuted form as it is)
+    assert not A.build_flash_attention_backward_wgmma5(FakeRuntime(), B=B, T=T, C=C, NH=NH).info["main_zeroes"]
+    for opts, want in (({}, default), ({"main_zeroes": True}, True), ({"main_zeroes": False}, False),
+                       ({"main_zeroes": True, "caller_zeroes": True}, False)):
+        rt = FakeRuntime(1 << 24)
+        built = ops.get("attention_backward").build(rt, 5, "bf16", B=B, T=T, C=C, NH=NH, qkv_in_place=True, **opts)
+        assert built.info["main_zeroes"] is want and set(built.scratch) == {"D", "dq"}, opts
+        args = (rt.empty((B, T, 3 * C), BF16), rt.empty((B, T, C), BF16), rt.empty((B, T, 3 * C), BF16),
+                rt.empty((B, NH, T)), rt.empty((B, T, C), BF16))
+        built.launch(*args)
+        prep, main = rt.launches[0], rt.launches[1]
+        assert prep.func == "flash_attention_backward_prep_kernel5_bf16"
+        assert main.func == "flash_attention_backward_dkdvq_kernel5_bf16_btc_pingpong" + ("_mz" if want else "")
+        zero_acc = 0 if (want or opts.get("caller_zeroes")) else 1
+        assert prep.args[-1] == zero_acc, opts
+        if want:
+            zs = built.info["zsync"]
+            assert zs.shape == (2 * B * NH,) and main.args[-1] == zs.ptr and len(main.args) == 12
+            assert not rt.np(zs).any(), "the sync words start zeroed"
+        else:
+            assert len(main.args) == 11 and "zsync" not in built.info
 
 
 @pytest.mark.parametrize("C,NH", [(768, 12), (1600, 25)])

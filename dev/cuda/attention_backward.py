@@ -210,17 +210,22 @@ for form in (("plain", "dq overlap", "in place", "in place, pingpong") if "bf16"
                          built, d_inp_b if "in place" in form else d_qkvr_b)
 # attention_backward 5: 4's dk/dv kernel also forming dq per tile pair, added by fp32 reductions into a
 # buffer (5 products per tile pair; dq's sums in no fixed order: not bit-stable from run to run), with
-# a D / zeroing pass before and a conversion pass after. FLOPs on 4's 7-product basis (the times compare)
-for form in (("plain", "in place, pingpong") if "bf16" in DTYPES and rt.arch == "sm_90" else ()):
-    built = A.build_flash_attention_backward_wgmma5(rt, B=B, T=T, C=C, NH=NH, qkv_in_place="in place" in form)
+# a D / zeroing pass before and a conversion pass after. FLOPs on 4's 7-product basis (the times compare).
+# "main zeroes": the main kernel zeroes each head's accumulator rows just before its reductions (prep
+# only writes D)
+for form in (("plain", "in place, pingpong", "in place, pingpong, main zeroes") if "bf16" in DTYPES and rt.arch == "sm_90"
+             else ()):
+    built = A.build_flash_attention_backward_wgmma5(rt, B=B, T=T, C=C, NH=NH, qkv_in_place="in place" in form,
+                                                    main_zeroes="main zeroes" in form)
     qkv5 = d_inp_b if "in place" in form else d_qkvr_b
     check_and_time_wgmma(f"attention_backward 5 bf16 (dq by reductions{'' if form == 'plain' else ', ' + form})",
                          built, qkv5, bit_stable_dq=False)
     if "in place" in form:  # its three launches alone: the main kernel, and the two passes against a copy
         for name, f in built.info["passes"].items():
-            nbytes = {"prep": 2 * 2 * B * T * C + 4 * B * T * C + 4 * B * NH * T,  # dout, out; zeros; D
+            zeros = 0 if built.info["main_zeroes"] else 4 * B * T * C
+            nbytes = {"prep": 2 * 2 * B * T * C + zeros + 4 * B * NH * T,  # dout, out; zeros; D
                       "convert": 4 * B * T * C + 2 * B * T * C}.get(name)          # dq fp32 in, bf16 out
-            L.time(f"  attention_backward 5 bf16, {name} alone", lambda f=f: f(d_dinp_b, d_dout_b, qkv5, d_lse_b, d_out_b),
+            L.time(f"  attention_backward 5 bf16{', main zeroes' if built.info['main_zeroes'] else ''}, {name} alone", lambda f=f: f(d_dinp_b, d_dout_b, qkv5, d_lse_b, d_out_b),
                    bytes=nbytes, flops=None if nbytes else 5 * 2 * B * NH * (nt4 * (nt4 + 1) // 2) * 128 * 128 * hs,
                    ceiling="dram" if nbytes else None)
 # attention_backward 5's colsum form (the bf16 trainer's: qkv's bias gradient summed as dqkv is written)
@@ -229,6 +234,8 @@ for form in (("plain", "in place, pingpong") if "bf16" in DTYPES and rt.arch == 
 if "bf16" in DTYPES and rt.arch == "sm_90":
     plain5 = A.build_flash_attention_backward_wgmma5(rt, B=B, T=T, C=C, NH=NH, qkv_in_place=True)
     cs5 = A.build_flash_attention_backward_wgmma5(rt, B=B, T=T, C=C, NH=NH, qkv_in_place=True, colsum=True)
+    cs5z = A.build_flash_attention_backward_wgmma5(rt, B=B, T=T, C=C, NH=NH, qkv_in_place=True, colsum=True,
+                                                   main_zeroes=not cs5.info["main_zeroes"])
     bias4 = llmc.ops.get("matmul_backward_bias").build(rt, 4, "bf16", N=B * T, OC=3 * C).launch
     bias0 = round_bf16(np.random.default_rng(1).standard_normal(3 * C) * 0.1)
     d_bias = rt.to_device(to_bf16(bias0))
@@ -250,6 +257,8 @@ if "bf16" in DTYPES and rt.arch == "sm_90":
            flops=flops4, ceiling=None)
     L.time("attention_backward 5 bf16 in place, colsum (qkv's bias summed as dinp is written)",
            lambda: cs5.launch(d_dinp_b, d_bias, d_dout_b, d_inp_b, d_lse_b, d_out_b), flops=flops4, ceiling=None)
+    L.time(f"attention_backward 5 bf16 in place, colsum, main_zeroes={cs5z.info['main_zeroes']}",
+           lambda: cs5z.launch(d_dinp_b, d_bias, d_dout_b, d_inp_b, d_lse_b, d_out_b), flops=flops4, ceiling=None)
     L.time("  matmul_backward_bias 4 bf16 alone (the pass it replaces)", lambda: bias4(d_bias, d_dinp_b),
            bytes=2 * B * T * 3 * C + 4 * 3 * C, ceiling="dram")
     for name in ("main", "convert", "finish"):

@@ -811,13 +811,13 @@ def build_flash_attention_backward_wgmma(rt, B, T, C, NH, overlap=False, qkv_in_
 
 def wgmma5_smem(stages: int = 2) -> int:
     """Variant 5's main kernel (DKDVQ_SMEM in the .cu): the dk/dv kernel's bytes, a ring of two 32 KB
-    buffers of a tile's dS^T (128 keys x 128 queries bf16) and their 4 mbarriers, and each consumer's
-    16 KB of dq rows (fp32) staged for the TMA."""
-    return wgmma_bwd_smem(stages)[1] + 2 * 2 * WGMMA_BQ * 128 + 2 * 64 * FLASH_HS * 4 + 8 * 2 * 2
+    buffers of a tile's dS^T (128 keys x 128 queries bf16) and their 4 mbarriers, each consumer's 16 KB
+    of dq rows (fp32) staged for the TMA, and the main_zeroes form's zero_ready mbarrier."""
+    return wgmma_bwd_smem(stages)[1] + 2 * 2 * WGMMA_BQ * 128 + 2 * 64 * FLASH_HS * 4 + 8 * 2 * 2 + 8
 
 
 def build_flash_attention_backward_wgmma5(rt, B, T, C, NH, qkv_in_place=False, pingpong=None, caller_zeroes=False,
-                                          colsum=False, **_):
+                                          colsum=False, main_zeroes=None, **_):
     """Variant 5 (bf16, Hopper): launch(dinp, dout, qkvr, lse, out) as variant 4's bf16 build, in one
     pass over the tile pairs instead of two (cuda/attention_wgmma.cu, "attention_backward variant 5"):
       prep     D = rowsum(dout * out) (variant 4's bits) and the fp32 dq accumulator (B,NH,T,64) zeroed
@@ -830,6 +830,12 @@ def build_flash_attention_backward_wgmma5(rt, B, T, C, NH, qkv_in_place=False, p
     which the build zeroes once and the caller zeroes again after each launch, before the next, with
     `Built.info["rezero"]()` (a memset on the current stream: the model puts it on its side stream,
     off the backward's critical path).
+    main_zeroes=True (None: LLMC_ATT5_MAIN_ZERO where in place; in place only; never with caller_zeroes):
+    prep leaves the accumulator alone and the main kernel zeroes each head's rows just before its reductions add into them (key
+    block 0's CTA of the head, with the producer warpgroup's idle warps; the others wait for the tiles
+    they add into), so the zeros meet the reductions in the L2 instead of going out to DRAM and back
+    (cuda/attention_wgmma.cu, dq_zero_head). Two words a head of sync, zeroed here and reset by the
+    kernel's last consumer of each head.
     colsum=True: launch(dinp, dbias, dout, qkvr, lse, out), and dbias(3C) += the column sums of dinp
     viewed as (B T, 3C) as stored (qkv's bias gradient, instead of matmul_backward_bias re-reading
     dinp): the main kernel sums each 64 keys' dk and dv columns, convert becomes convert_colsum (a block
@@ -845,14 +851,23 @@ def build_flash_attention_backward_wgmma5(rt, B, T, C, NH, qkv_in_place=False, p
     if smem > rt.max_smem_optin:
         refuse("attention_backward", 5, f"the main kernel needs {smem} bytes of shared memory, the device "
                                         f"allows {rt.max_smem_optin}")
+    if main_zeroes is None:
+        main_zeroes = switches.on("LLMC_ATT5_MAIN_ZERO") and qkv_in_place
+    main_zeroes = bool(main_zeroes) and not caller_zeroes
+    if main_zeroes and not qkv_in_place:
+        raise LLMCError("attention_backward 5: main_zeroes needs the in-place form (qkv_in_place=True)")
     D = rt.empty((B, NH, T))             # fp32
-    # fp32: the dq accumulator, zeroed by prep at every call (caller_zeroes: here, then by the caller)
+    # fp32: the dq accumulator, zeroed by prep at every call (caller_zeroes: here, then by the caller;
+    # main_zeroes: by the main kernel)
     dq = rt.zeros((B, NH, T, FLASH_HS)) if caller_zeroes else rt.empty((B, NH, T, FLASH_HS))
+    zsync = rt.zeros((2 * B * NH,), np.uint32) if main_zeroes else None  # (main_zeroes) a head: zeroed, CTAs past
     label = "attention_backward 5 (flash, wgmma, dq by reductions) bf16"
     kp = rt.kernel(WGMMA_MODULE, "flash_attention_backward_prep_kernel5_bf16", "PPPPiiii", label=label + " prep",
                    defines=defines)
     sfx = ("_btc" + ("_pingpong" if pingpong else "")) if qkv_in_place else ""
-    km = rt.kernel(WGMMA_MODULE, "flash_attention_backward_dkdvq_kernel5_bf16" + sfx, "PPPPPiiifiP",
+    sfx += "_mz" if main_zeroes else ""
+    km = rt.kernel(WGMMA_MODULE, "flash_attention_backward_dkdvq_kernel5_bf16" + sfx,
+                   "PPPPPiiifiPP" if main_zeroes else "PPPPPiiifiP",
                    label=label + " dk dv dq" + sfx.replace("_", " "), defines=defines)
     kc = rt.kernel(WGMMA_MODULE, "flash_attention_backward_convert_kernel5_bf16", "PPiiif", label=label + " convert",
                    defines=defines)
@@ -878,7 +893,8 @@ def build_flash_attention_backward_wgmma5(rt, B, T, C, NH, qkv_in_place=False, p
     maps: dict = {}
 
     def prep(dinp, dout, qkvr, lse, out):
-        kp(prep_grid, (256, 1, 1), _ptr(D), _ptr(dq), _ptr(dout), _ptr(out), *args, np.int32(0 if caller_zeroes else 1))
+        kp(prep_grid, (256, 1, 1), _ptr(D), _ptr(dq), _ptr(dout), _ptr(out), *args,
+           np.int32(0 if caller_zeroes or main_zeroes else 1))
 
     def tensor_maps(dinp, dout, qkvr, out):
         """The main kernel's three maps on the device (encoded and copied at the first launch on each
@@ -899,7 +915,7 @@ def build_flash_attention_backward_wgmma5(rt, B, T, C, NH, qkv_in_place=False, p
     def main(dinp, dout, qkvr, lse, out):
         dm = tensor_maps(dinp, dout, qkvr, out)
         km(grid, block, _ptr(dinp), _ptr(dq), dm.ptr, _ptr(lse), _ptr(D), *args, scale, np.int32(G), _ptr(part),
-           smem=smem)
+           *((_ptr(zsync),) if main_zeroes else ()), smem=smem)
 
     def convert(dinp, dout, qkvr, lse, out):
         kc(conv_grid, (256, 1, 1), _ptr(dinp), _ptr(dq), *args, scale)
@@ -929,9 +945,11 @@ def build_flash_attention_backward_wgmma5(rt, B, T, C, NH, qkv_in_place=False, p
             for f in passes.values():
                 f(dinp, dbias, dout, qkvr, lse, out)
     # info["passes"]: the launches alone (the lab times each; each takes launch's arguments)
-    info = {"passes": passes}
+    info = {"passes": passes, "main_zeroes": main_zeroes}
     if caller_zeroes:
         info["rezero"] = dq.zero
+    if main_zeroes:  # (not in scratch, which tests poison: its words must stay zero between launches)
+        info["zsync"] = zsync
     return Built(launch, scratch={"D": D, "dq": dq, **({"part": part} if colsum else {})},
                  keep=frozenset({"dq"}) if caller_zeroes else frozenset(), info=info)
 
