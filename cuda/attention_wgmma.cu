@@ -149,6 +149,23 @@ __device__ __forceinline__ void tma_load_head(void* dst, const CUtensorMap* map,
     else tma_load_3d(dst, map, bar, 0, row, (which * B + b) * NH + h);
 }
 
+// The producer's k/v ring (thread 0 of warpgroup 0; the forward and the bf16 dq kernel): key tiles 0..nkt-1
+// of head (b, h) into the ST-deep ring (stage s: k at skv + s * STAGE_BYTES, v KV_BYTES after it), each
+// once its stage is free. (The persistent forward's walk, ring slots running on across items, keeps its own
+// loop: through this helper its SASS differs.)
+template <bool BTC, int ST>
+__device__ __forceinline__ void load_kv_tiles(unsigned char* skv, const CUtensorMap* tm, uint64_t* full,
+                                              uint64_t* empty, int nkt, int B, int NH, int b, int h) {
+    for (int i = 0; i < nkt; i++) {
+        const int s = i % ST, use = i / ST;
+        mbar_wait(&empty[s], (use & 1) ^ 1);
+        mbar_expect_tx(&full[s], STAGE_BYTES);
+        unsigned char* sk = skv + s * STAGE_BYTES;
+        tma_load_head<BTC>(sk, tm, &full[s], 1, i * BKV, B, NH, b, h);             // k
+        tma_load_head<BTC>(sk + KV_BYTES, tm, &full[s], 2, i * BKV, B, NH, b, h);  // v
+    }
+}
+
 // Descriptors (cuda/hopper.cuh: wgmma_desc_sw128). K-major tile (q, k; dout, v in the backward's
 // dout v^T): SBO 1024 (next 8 rows), LBO unused (16).
 __device__ __forceinline__ uint64_t desc_k(const void* p) { return wgmma_desc_sw128(p, 16); }
@@ -403,8 +420,9 @@ __device__ __forceinline__ void forward_block_overlap(float (&o)[32], float (&m)
     release(nkt - 1);
 }
 
-// out = O / l (bf16, one rounding), lse = (m + log2 l) ln 2, of this thread's two rows row0, row0 + 8
-__device__ __forceinline__ void forward_store(bf16* out, float* lse, const float (&o)[32], const float (&m)[2],
+// out = O / l (bf16 or fp32), lse = (m + log2 l) ln 2, of this thread's two rows row0, row0 + 8
+template <typename OUT>
+__device__ __forceinline__ void forward_store(OUT* out, float* lse, const float (&o)[32], const float (&m)[2],
                                               const float (&l)[2], int row0, int t, int b, int h, int NH, int T) {
     const int C = NH * HS;
 #pragma unroll
@@ -415,10 +433,15 @@ __device__ __forceinline__ void forward_store(bf16* out, float* lse, const float
         lr += __shfl_xor_sync(0xffffffffu, lr, 2);
         if (row >= T) continue;
         const float inv = 1.0f / lr;
-        bf16* dst = out + ((size_t)b * T + row) * C + h * HS + 2 * t;
+        OUT* dst = out + ((size_t)b * T + row) * C + h * HS + 2 * t;
 #pragma unroll
-        for (int j = 0; j < 8; j++)
-            *reinterpret_cast<uint32_t*>(dst + 8 * j) = pack_bf16(o[4 * j + 2 * hh] * inv, o[4 * j + 2 * hh + 1] * inv);
+        for (int j = 0; j < 8; j++) {
+            const float x = o[4 * j + 2 * hh] * inv, y = o[4 * j + 2 * hh + 1] * inv;
+            if constexpr (sizeof(OUT) == 2)
+                *reinterpret_cast<uint32_t*>(dst + 8 * j) = pack_bf16(x, y);
+            else
+                *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(x, y);
+        }
         if (t == 0) lse[((size_t)b * NH + h) * T + row] = (m[hh] + __log2f(lr)) * LN2;
     }
 }
@@ -453,14 +476,7 @@ __device__ __forceinline__ void flash_forward_wgmma(bf16* out, float* lse, const
             tensormap_acquire(tm);
             mbar_expect_tx(q_full, Q_BYTES);
             tma_load_head<true>(sq, tm, q_full, 0, q0, B, NH, b, h);  // q
-            for (int i = 0; i < nkt; i++) {
-                const int s = i % STAGES, use = i / STAGES;
-                mbar_wait(&empty[s], (use & 1) ^ 1);
-                mbar_expect_tx(&full[s], STAGE_BYTES);
-                unsigned char* sk = skv + s * STAGE_BYTES;
-                tma_load_head<true>(sk, tm, &full[s], 1, i * BKV, B, NH, b, h);             // k
-                tma_load_head<true>(sk + KV_BYTES, tm, &full[s], 2, i * BKV, B, NH, b, h);  // v
-            }
+            load_kv_tiles<true, STAGES>(skv, tm, full, empty, nkt, B, NH, b, h);
         }
         return;
     }
@@ -488,33 +504,26 @@ __device__ __forceinline__ void flash_forward_wgmma(bf16* out, float* lse, const
     forward_store(out, lse, o, m, l, row0, t, b, h, NH, T);
 }
 
-// tm: the 4D map of the (B,T,3C) qkv tensor the forward reads (see Layouts: BTC)
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
-flash_attention_forward_kernel4_bf16(bf16* out, float* lse, const CUtensorMap* tm, int B, int NH, int T, float scale) {
-    LLMC_PDL_WAIT();
-    flash_forward_wgmma<false>(out, lse, tm, B, NH, T, scale);
-}
+// The forward's entry points (bf16 and TF32, every schedule): NAME(out, lse, tm, B, NH, T, scale) runs
+// FN<TARGS...> on the same arguments. DT: out's type (bf16, or float in the TF32 builds). tm: the bf16
+// builds' 4D map of the (B,T,3C) qkv tensor the forward reads (see Layouts: BTC); the TF32 builds' array of
+// maps (flash_forward_wgmma_tf32's maps)
+#define FWD4_ENTRY(NAME, DT, FN, ...)                                                                   \
+    extern "C" __global__ void __launch_bounds__(THREADS, 1)                                            \
+    NAME(DT* out, float* lse, const CUtensorMap* tm, int B, int NH, int T, float scale) {               \
+        LLMC_PDL_WAIT();                                                                                \
+        FN<__VA_ARGS__>(out, lse, tm, B, NH, T, scale);                                                 \
+    }
+// flash_attention_forward_kernel4_bf16<SFX>: flash_forward_wgmma<OVERLAP[, PINGPONG]>
+#define FWD4_BF16(SFX, ...)                                                                             \
+    FWD4_ENTRY(flash_attention_forward_kernel4_bf16##SFX, bf16, flash_forward_wgmma, __VA_ARGS__)
+FWD4_BF16(, false)
 // the lab's overlap=True build (llmc/ops/attention.py); the same bits as the plain one
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
-flash_attention_forward_kernel4_bf16_overlap(bf16* out, float* lse, const CUtensorMap* tm, int B, int NH, int T,
-                                             float scale) {
-    LLMC_PDL_WAIT();
-    flash_forward_wgmma<true>(out, lse, tm, B, NH, T, scale);
-}
+FWD4_BF16(_overlap, true)
 // the lab's pingpong=True builds: the two consumers taking turns issuing, plain or with overlap; the
 // same bits (measured on the H100, B=16: overlap + ping-pong 0.151 ms against the plain kernel's 0.136)
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
-flash_attention_forward_kernel4_bf16_pingpong(bf16* out, float* lse, const CUtensorMap* tm, int B, int NH, int T,
-                                              float scale) {
-    LLMC_PDL_WAIT();
-    flash_forward_wgmma<false, true>(out, lse, tm, B, NH, T, scale);
-}
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
-flash_attention_forward_kernel4_bf16_overlap_pingpong(bf16* out, float* lse, const CUtensorMap* tm, int B, int NH,
-                                                      int T, float scale) {
-    LLMC_PDL_WAIT();
-    flash_forward_wgmma<true, true>(out, lse, tm, B, NH, T, scale);
-}
+FWD4_BF16(_pingpong, false, true)
+FWD4_BF16(_overlap_pingpong, true, true)
 
 // The persistent forward: one CTA per SM walking (b, h, query block) work items, so the producer
 // loads the next block's q and first k/v tiles while the consumers finish this one (no CTA start,
@@ -612,12 +621,8 @@ __device__ __forceinline__ void flash_forward_wgmma_persistent(bf16* out, float*
 // The persistent builds (grid: one CTA per SM; the same bits as the plain kernel), named by their
 // schedule: _overlap (forward_block_overlap), _pingpong (turns), _sN (an N-deep k/v ring; 2 without).
 // attention_forward 4's default is _overlap_pingpong_s4; the others are the lab's rows.
-#define FWD_PERSISTENT(name, PP, OV, ST)                                                                       \
-    extern "C" __global__ void __launch_bounds__(THREADS, 1)                                                   \
-    flash_attention_forward_kernel4_bf16_persistent##name(bf16* out, float* lse, const CUtensorMap* tm, int B,  \
-                                                          int NH, int T, float scale) { LLMC_PDL_WAIT();       \
-        flash_forward_wgmma_persistent<PP, OV, ST>(out, lse, tm, B, NH, T, scale);                              \
-    }
+#define FWD_PERSISTENT(name, PP, OV, ST)                                                                \
+    FWD4_ENTRY(flash_attention_forward_kernel4_bf16_persistent##name, bf16, flash_forward_wgmma_persistent, PP, OV, ST)
 FWD_PERSISTENT(, false, false, 2)
 FWD_PERSISTENT(_pingpong, true, false, 2)
 FWD_PERSISTENT(_pingpong_s4, true, false, 4)
@@ -824,14 +829,7 @@ __device__ __forceinline__ void flash_backward_dq_wgmma(bf16* dinp, float* Dbuf,
             mbar_expect_tx(qd_full, 2 * Q_BYTES);
             tma_load_head<BTC>(sq, tm, qd_full, 0, q0, B, NH, b, h);  // q
             tma_load_4d(sdo, tm + 1, qd_full, 0, h, q0, b);    // dout
-            for (int i = 0; i < nkt; i++) {
-                const int s = i % BF_BWD_STAGES, use = i / BF_BWD_STAGES;
-                mbar_wait(&empty[s], (use & 1) ^ 1);
-                mbar_expect_tx(&full[s], STAGE_BYTES);
-                unsigned char* sk = skv + s * STAGE_BYTES;
-                tma_load_head<BTC>(sk, tm, &full[s], 1, i * BKV, B, NH, b, h);             // k
-                tma_load_head<BTC>(sk + KV_BYTES, tm, &full[s], 2, i * BKV, B, NH, b, h);  // v
-            }
+            load_kv_tiles<BTC, BF_BWD_STAGES>(skv, tm, full, empty, nkt, B, NH, b, h);
         }
         return;
     }
@@ -936,36 +934,27 @@ __device__ __forceinline__ void flash_backward_dq_wgmma(bf16* dinp, float* Dbuf,
     store_rows_staged(dinp, dq, scale, const_cast<unsigned char*>(sqw), true, b, T, C, r64, h * HS, tid, cw, prow);
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
-flash_attention_backward_dq_kernel4_bf16(bf16* dinp, float* Dbuf, const bf16* dout, const bf16* out,
-                                         const CUtensorMap* tm, const float* lse, int B, int NH, int T, float scale, float* part) {
-    LLMC_PDL_WAIT();
-    flash_backward_dq_wgmma<false, false>(dinp, Dbuf, dout, out, tm, lse, B, NH, T, scale, part);
-}
+// The dq kernels' entry points (bf16 and TF32): NAME(dinp, Dbuf, dout, out, tm, lse, B, NH, T, scale, part)
+// runs FN<TARGS...> on the same arguments. DT: the type of dinp, dout and out (bf16, or float in the TF32
+// builds); tm: the bf16 builds' pair of maps (qkvr or qkv, dout), the TF32 builds' array of maps (maps in
+// flash_backward_dq_wgmma_tf32 and flash_backward_dkdv_wgmma_tf32)
+#define BWD4_DQ_ENTRY(NAME, DT, FN, ...)                                                                \
+    extern "C" __global__ void __launch_bounds__(THREADS, 1)                                            \
+    NAME(DT* dinp, float* Dbuf, const DT* dout, const DT* out, const CUtensorMap* tm, const float* lse, \
+         int B, int NH, int T, float scale, float* part) {                                              \
+        LLMC_PDL_WAIT();                                                                                \
+        FN<__VA_ARGS__>(dinp, Dbuf, dout, out, tm, lse, B, NH, T, scale, part);                         \
+    }
+// flash_attention_backward_dq_kernel4_bf16<SFX>: flash_backward_dq_wgmma<OVERLAP, BTC[, PINGPONG]>
+#define BWD4_DQ_BF16(SFX, ...)                                                                          \
+    BWD4_DQ_ENTRY(flash_attention_backward_dq_kernel4_bf16##SFX, bf16, flash_backward_dq_wgmma, __VA_ARGS__)
+BWD4_DQ_BF16(, false, false)
 // q, k, v from the (B,T,3C) qkv tensor itself (the build with qkv_in_place=True)
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
-flash_attention_backward_dq_kernel4_bf16_btc(bf16* dinp, float* Dbuf, const bf16* dout, const bf16* out,
-                                             const CUtensorMap* tm, const float* lse, int B, int NH, int T,
-                                             float scale, float* part) {
-    LLMC_PDL_WAIT();
-    flash_backward_dq_wgmma<false, true>(dinp, Dbuf, dout, out, tm, lse, B, NH, T, scale, part);
-}
+BWD4_DQ_BF16(_btc, false, true)
 // the lab's in-place pingpong=True build (the consumers take turns issuing; the same bits)
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
-flash_attention_backward_dq_kernel4_bf16_btc_pingpong(bf16* dinp, float* Dbuf, const bf16* dout, const bf16* out,
-                                                      const CUtensorMap* tm, const float* lse, int B, int NH, int T,
-                                                      float scale, float* part) {
-    LLMC_PDL_WAIT();
-    flash_backward_dq_wgmma<false, true, true>(dinp, Dbuf, dout, out, tm, lse, B, NH, T, scale, part);
-}
+BWD4_DQ_BF16(_btc_pingpong, false, true, true)
 // the lab's overlap=True build (llmc/ops/attention.py); the same bits as the plain one
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
-flash_attention_backward_dq_kernel4_bf16_overlap(bf16* dinp, float* Dbuf, const bf16* dout, const bf16* out,
-                                                 const CUtensorMap* tm, const float* lse, int B, int NH, int T,
-                                                 float scale, float* part) {
-    LLMC_PDL_WAIT();
-    flash_backward_dq_wgmma<true, false>(dinp, Dbuf, dout, out, tm, lse, B, NH, T, scale, part);
-}
+BWD4_DQ_BF16(_overlap, true, false)
 
 // The dk/dv kernels' producer (attention_backward 4 and 5; thread 0 of warpgroup 0): k and v of the
 // key block once, then q and dout of query tiles kb..kb + nt - 1 into the ST-deep ring
@@ -1115,26 +1104,22 @@ __device__ __forceinline__ void flash_backward_dkdv_wgmma(bf16* dinp, const CUte
     store_dkdv(dinp, dk, dv, const_cast<unsigned char*>(svw), b, h, T, C, k64, tid, cw, scale, prow);
 }
 
+// The dk/dv kernels' entry points (bf16 and TF32): NAME(dinp, tm, lse, Dbuf, B, NH, T, scale, part) runs
+// FN<TARGS...> on the same arguments; DT, tm: as the dq kernels'.
 // part (the dq and dk/dv kernels): the colsum form's partials (B ceil(T / 64), 3C) fp32, or nullptr
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
-flash_attention_backward_dkdv_kernel4_bf16(bf16* dinp, const CUtensorMap* tm, const float* lse, const float* Dbuf,
-                                           int B, int NH, int T, float scale, float* part) {
-    LLMC_PDL_WAIT();
-    flash_backward_dkdv_wgmma<false>(dinp, tm, lse, Dbuf, B, NH, T, scale, part);
-}
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
-flash_attention_backward_dkdv_kernel4_bf16_btc(bf16* dinp, const CUtensorMap* tm, const float* lse, const float* Dbuf,
-                                               int B, int NH, int T, float scale, float* part) {
-    LLMC_PDL_WAIT();
-    flash_backward_dkdv_wgmma<true>(dinp, tm, lse, Dbuf, B, NH, T, scale, part);
-}
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
-flash_attention_backward_dkdv_kernel4_bf16_btc_pingpong(bf16* dinp, const CUtensorMap* tm, const float* lse,
-                                                        const float* Dbuf, int B, int NH, int T, float scale,
-                                                        float* part) {
-    LLMC_PDL_WAIT();
-    flash_backward_dkdv_wgmma<true, true>(dinp, tm, lse, Dbuf, B, NH, T, scale, part);
-}
+#define BWD4_DKDV_ENTRY(NAME, DT, FN, ...)                                                              \
+    extern "C" __global__ void __launch_bounds__(THREADS, 1)                                            \
+    NAME(DT* dinp, const CUtensorMap* tm, const float* lse, const float* Dbuf, int B, int NH, int T,    \
+         float scale, float* part) {                                                                    \
+        LLMC_PDL_WAIT();                                                                                \
+        FN<__VA_ARGS__>(dinp, tm, lse, Dbuf, B, NH, T, scale, part);                                    \
+    }
+// flash_attention_backward_dkdv_kernel4_bf16<SFX>: flash_backward_dkdv_wgmma<BTC[, PINGPONG]>
+#define BWD4_DKDV_BF16(SFX, ...)                                                                        \
+    BWD4_DKDV_ENTRY(flash_attention_backward_dkdv_kernel4_bf16##SFX, bf16, flash_backward_dkdv_wgmma, __VA_ARGS__)
+BWD4_DKDV_BF16(, false)
+BWD4_DKDV_BF16(_btc, true)
+BWD4_DKDV_BF16(_btc_pingpong, true, true)
 
 // ------------------------------------------------------------------------------------------------
 // attention_backward variant 5 (bf16): one pass over the tile pairs, dq by fp32 reductions in global
@@ -1478,42 +1463,31 @@ __device__ __forceinline__ void flash_backward_dkdvq_wgmma(bf16* dinp, float* dq
     store_dkdv(dinp, dk, dv, const_cast<unsigned char*>(svw), b, h, T, C, k64, tid, cw, scale, prow);
 }
 
+// The main kernel's entry points: flash_attention_backward_dkdvq_kernel5_bf16<SFX>(BWD5_DKDVQ_PARAMS) runs
+// flash_backward_dkdvq_wgmma<BTC[, PINGPONG[, ZERO]]> on them and zs: nullptr, but in the _mz builds
+// (BWD5_DKDVQ_MZ), which take zs as a last parameter.
 // part: the colsum form's partials (B ceil(T / 64), 3C) fp32, or nullptr
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
-flash_attention_backward_dkdvq_kernel5_bf16(bf16* dinp, float* dq_acc, const CUtensorMap* tm, const float* lse,
-                                            const float* Dbuf, int B, int NH, int T, float scale, int G, float* part) {
-    LLMC_PDL_WAIT();
-    flash_backward_dkdvq_wgmma<false>(dinp, dq_acc, tm, lse, Dbuf, B, NH, T, scale, G, part, nullptr);
-}
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
-flash_attention_backward_dkdvq_kernel5_bf16_btc(bf16* dinp, float* dq_acc, const CUtensorMap* tm, const float* lse,
-                                                const float* Dbuf, int B, int NH, int T, float scale, int G,
-                                                float* part) {
-    LLMC_PDL_WAIT();
-    flash_backward_dkdvq_wgmma<true>(dinp, dq_acc, tm, lse, Dbuf, B, NH, T, scale, G, part, nullptr);
-}
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
-flash_attention_backward_dkdvq_kernel5_bf16_btc_pingpong(bf16* dinp, float* dq_acc, const CUtensorMap* tm,
-                                                         const float* lse, const float* Dbuf, int B, int NH, int T,
-                                                         float scale, int G, float* part) {
-    LLMC_PDL_WAIT();
-    flash_backward_dkdvq_wgmma<true, true>(dinp, dq_acc, tm, lse, Dbuf, B, NH, T, scale, G, part, nullptr);
-}
+#define BWD5_DKDVQ_PARAMS                                                                                        \
+    bf16* dinp, float* dq_acc, const CUtensorMap* tm, const float* lse, const float* Dbuf, int B, int NH, int T, \
+        float scale, int G, float* part
+#define BWD5_DKDVQ(SFX, ...)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(THREADS, 1)                                                     \
+    flash_attention_backward_dkdvq_kernel5_bf16##SFX(BWD5_DKDVQ_PARAMS) {                                        \
+        LLMC_PDL_WAIT();                                                                                         \
+        flash_backward_dkdvq_wgmma<__VA_ARGS__>(dinp, dq_acc, tm, lse, Dbuf, B, NH, T, scale, G, part, nullptr); \
+    }
+#define BWD5_DKDVQ_MZ(SFX, ...)                                                                             \
+    extern "C" __global__ void __launch_bounds__(THREADS, 1)                                                \
+    flash_attention_backward_dkdvq_kernel5_bf16##SFX(BWD5_DKDVQ_PARAMS, unsigned* zs) {                     \
+        LLMC_PDL_WAIT();                                                                                    \
+        flash_backward_dkdvq_wgmma<__VA_ARGS__>(dinp, dq_acc, tm, lse, Dbuf, B, NH, T, scale, G, part, zs); \
+    }
+BWD5_DKDVQ(, false)
+BWD5_DKDVQ(_btc, true)
+BWD5_DKDVQ(_btc_pingpong, true, true)
 // the main_zeroes form (in place only): zs, the sync words (2 a head, zero between launches)
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
-flash_attention_backward_dkdvq_kernel5_bf16_btc_mz(bf16* dinp, float* dq_acc, const CUtensorMap* tm, const float* lse,
-                                                   const float* Dbuf, int B, int NH, int T, float scale, int G,
-                                                   float* part, unsigned* zs) {
-    LLMC_PDL_WAIT();
-    flash_backward_dkdvq_wgmma<true, false, true>(dinp, dq_acc, tm, lse, Dbuf, B, NH, T, scale, G, part, zs);
-}
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
-flash_attention_backward_dkdvq_kernel5_bf16_btc_pingpong_mz(bf16* dinp, float* dq_acc, const CUtensorMap* tm,
-                                                            const float* lse, const float* Dbuf, int B, int NH, int T,
-                                                            float scale, int G, float* part, unsigned* zs) {
-    LLMC_PDL_WAIT();
-    flash_backward_dkdvq_wgmma<true, true, true>(dinp, dq_acc, tm, lse, Dbuf, B, NH, T, scale, G, part, zs);
-}
+BWD5_DKDVQ_MZ(_btc_mz, true, false, true)
+BWD5_DKDVQ_MZ(_btc_pingpong_mz, true, true, true)
 
 // The colsum form's last two passes (attention_backward 5 with colsum=True: dbias(3C) += the column
 // sums of dinp viewed as (B T, 3C), qkv's bias gradient, without matmul_backward_bias re-reading dinp).
@@ -1576,18 +1550,14 @@ __device__ __forceinline__ void convert_colsum_t(bf16* __restrict__ dinp, float*
     }
 }
 // RG = 8 where 8 C / 8 threads fit a block (C <= 1024), else 4 (C <= 2048; the build refuses more)
-extern "C" __global__ void __launch_bounds__(1024)
-flash_attention_backward_convert_colsum_kernel5_bf16_rg8(bf16* dinp, float* part, const float* dq_acc, int B, int NH,
-                                                         int T, float scale) {
-    LLMC_PDL_WAIT();
-    convert_colsum_t<8>(dinp, part, dq_acc, B, NH, T, scale);
-}
-extern "C" __global__ void __launch_bounds__(1024)
-flash_attention_backward_convert_colsum_kernel5_bf16_rg4(bf16* dinp, float* part, const float* dq_acc, int B, int NH,
-                                                         int T, float scale) {
-    LLMC_PDL_WAIT();
-    convert_colsum_t<4>(dinp, part, dq_acc, B, NH, T, scale);
-}
+#define CONVERT_COLSUM5(RG)                                                                                         \
+    extern "C" __global__ void __launch_bounds__(1024) flash_attention_backward_convert_colsum_kernel5_bf16_rg##RG( \
+        bf16* dinp, float* part, const float* dq_acc, int B, int NH, int T, float scale) {                          \
+        LLMC_PDL_WAIT();                                                                                            \
+        convert_colsum_t<RG>(dinp, part, dq_acc, B, NH, T, scale);                                                  \
+    }
+CONVERT_COLSUM5(8)
+CONVERT_COLSUM5(4)
 
 // finish: dbias[c] = dbias[c] + the sum of part's R rows, rounded once (bf16, or fp32 for the TF32 build's
 // dbias). Block (16, 64): thread x takes 4 columns (a float4), thread y rows y, y + 64, ... (R / 64 of them:
@@ -1939,84 +1909,25 @@ __device__ __forceinline__ void flash_forward_wgmma_tf32(float* out, float* lse,
             if (lane == 0) mbar_arrive(&empty[u % STAGES]);
         }
 
-        // out = O / l, lse = (m + log2 l) ln 2, of this thread's rows row0, row0 + 8
-        const int C = NH * HS;
-#pragma unroll
-        for (int hh = 0; hh < 2; hh++) {
-            const int row = row0 + 8 * hh;
-            float lr = l[hh];
-            lr += __shfl_xor_sync(0xffffffffu, lr, 1);
-            lr += __shfl_xor_sync(0xffffffffu, lr, 2);
-            if (row >= T) continue;
-            const float inv = 1.0f / lr;
-            float* dst = out + ((size_t)b * T + row) * C + h * HS + 2 * t;
-#pragma unroll
-            for (int j = 0; j < 8; j++)
-                *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(o[4 * j + 2 * hh] * inv, o[4 * j + 2 * hh + 1] * inv);
-            if (t == 0) lse[((size_t)b * NH + h) * T + row] = (m[hh] + __log2f(lr)) * LN2;
-        }
+        forward_store(out, lse, o, m, l, row0, t, b, h, NH, T);  // out = O / l, lse = (m + log2 l) ln 2
     }
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
-flash_attention_forward_kernel4_tf32(float* out, float* lse, const CUtensorMap* maps, int B, int NH, int T,
-                                     float scale) {
-    LLMC_PDL_WAIT();
-    flash_forward_wgmma_tf32<false, false>(out, lse, maps, B, NH, T, scale);
-}
-
-// v transposed in shared memory (SMT) instead of by attention_vt_kernel
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
-flash_attention_forward_kernel4_tf32_smt(float* out, float* lse, const CUtensorMap* maps, int B, int NH, int T,
-                                         float scale) {
-    LLMC_PDL_WAIT();
-    flash_forward_wgmma_tf32<false, true>(out, lse, maps, B, NH, T, scale);
-}
-
-// q, k from the qkv matmul's output in place (maps[0], [1]: 4D, boxes (32, 1, 64 or 128, 1))
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
-flash_attention_forward_kernel4_tf32_btc(float* out, float* lse, const CUtensorMap* maps, int B, int NH, int T,
-                                         float scale) {
-    LLMC_PDL_WAIT();
-    flash_forward_wgmma_tf32<true, false>(out, lse, maps, B, NH, T, scale);
-}
-
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
-flash_attention_forward_kernel4_tf32_btc_smt(float* out, float* lse, const CUtensorMap* maps, int B, int NH, int T,
-                                             float scale) {
-    LLMC_PDL_WAIT();
-    flash_forward_wgmma_tf32<true, true>(out, lse, maps, B, NH, T, scale);
-}
-
+// The four layouts of the TF32 kernels (forward, dq, dk/dv), M(name suffix, BTC, SMT) each: q, k, v from
+// qkvr or in place (_btc), v transposed by attention_vt_kernel or in shared memory (_smt)
+#define TF32_LAYOUTS(M) M(, false, false) M(_smt, false, true) M(_btc, true, false) M(_btc_smt, true, true)
+// flash_attention_forward_kernel4_tf32<SFX>: flash_forward_wgmma_tf32<BTC, SMT[, PP[, PERSIST]]> (FWD4_ENTRY)
+#define FWD4_TF32(SFX, ...)                                                                             \
+    FWD4_ENTRY(flash_attention_forward_kernel4_tf32##SFX, float, flash_forward_wgmma_tf32, __VA_ARGS__)
+// _smt: v transposed in shared memory (SMT) instead of by attention_vt_kernel; _btc: q, k from the qkv
+// matmul's output in place (maps[0], [1]: 4D, boxes (32, 1, 64 or 128, 1))
+TF32_LAYOUTS(FWD4_TF32)
 // in place, the consumers taking turns issuing (_pp; with v transposed globally or in shared memory)
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
-flash_attention_forward_kernel4_tf32_btc_pp(float* out, float* lse, const CUtensorMap* maps, int B, int NH, int T,
-                                            float scale) {
-    LLMC_PDL_WAIT();
-    flash_forward_wgmma_tf32<true, false, true>(out, lse, maps, B, NH, T, scale);
-}
-
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
-flash_attention_forward_kernel4_tf32_btc_smt_pp(float* out, float* lse, const CUtensorMap* maps, int B, int NH, int T,
-                                                float scale) {
-    LLMC_PDL_WAIT();
-    flash_forward_wgmma_tf32<true, true, true>(out, lse, maps, B, NH, T, scale);
-}
-
+FWD4_TF32(_btc_pp, true, false, true)
+FWD4_TF32(_btc_smt_pp, true, true, true)
 // persistent (grid: one CTA per SM, at most one per item), in place, taking turns
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
-flash_attention_forward_kernel4_tf32_btc_pp_persistent(float* out, float* lse, const CUtensorMap* maps, int B, int NH,
-                                                       int T, float scale) {
-    LLMC_PDL_WAIT();
-    flash_forward_wgmma_tf32<true, false, true, true>(out, lse, maps, B, NH, T, scale);
-}
-
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
-flash_attention_forward_kernel4_tf32_btc_smt_pp_persistent(float* out, float* lse, const CUtensorMap* maps, int B,
-                                                           int NH, int T, float scale) {
-    LLMC_PDL_WAIT();
-    flash_forward_wgmma_tf32<true, true, true, true>(out, lse, maps, B, NH, T, scale);
-}
+FWD4_TF32(_btc_pp_persistent, true, false, true, true)
+FWD4_TF32(_btc_smt_pp_persistent, true, true, true, true)
 
 // ------------------------------------------------------------------------------------------------
 // The TF32 backward (attention_backward 4's fp32 build): the two kernels of the bf16 backward above
@@ -2254,38 +2165,11 @@ __device__ __forceinline__ void flash_backward_dq_wgmma_tf32(float* dinp, float*
                            row0 + 8 < T, lane);
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
-flash_attention_backward_dq_kernel4_tf32(float* dinp, float* Dbuf, const float* dout, const float* out,
-                                         const CUtensorMap* maps, const float* lse, int B, int NH, int T, float scale,
-                                         float* part) {
-    LLMC_PDL_WAIT();
-    flash_backward_dq_wgmma_tf32<false, false>(dinp, Dbuf, dout, out, maps, lse, B, NH, T, scale, part);
-}
-
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
-flash_attention_backward_dq_kernel4_tf32_smt(float* dinp, float* Dbuf, const float* dout, const float* out,
-                                             const CUtensorMap* maps, const float* lse, int B, int NH, int T, float scale,
-                                         float* part) {
-    LLMC_PDL_WAIT();
-    flash_backward_dq_wgmma_tf32<false, true>(dinp, Dbuf, dout, out, maps, lse, B, NH, T, scale, part);
-}
-
-// q, k, v from the forward's inp in place (maps[0]: 4D (64 dims, 3 NH, T, B), box (32, 1, 64, 1))
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
-flash_attention_backward_dq_kernel4_tf32_btc(float* dinp, float* Dbuf, const float* dout, const float* out,
-                                             const CUtensorMap* maps, const float* lse, int B, int NH, int T,
-                                             float scale, float* part) {
-    LLMC_PDL_WAIT();
-    flash_backward_dq_wgmma_tf32<true, false>(dinp, Dbuf, dout, out, maps, lse, B, NH, T, scale, part);
-}
-
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
-flash_attention_backward_dq_kernel4_tf32_btc_smt(float* dinp, float* Dbuf, const float* dout, const float* out,
-                                                 const CUtensorMap* maps, const float* lse, int B, int NH, int T,
-                                                 float scale, float* part) {
-    LLMC_PDL_WAIT();
-    flash_backward_dq_wgmma_tf32<true, true>(dinp, Dbuf, dout, out, maps, lse, B, NH, T, scale, part);
-}
+// flash_attention_backward_dq_kernel4_tf32<SFX>: flash_backward_dq_wgmma_tf32<BTC, SMT> (BWD4_DQ_ENTRY)
+#define BWD4_DQ_TF32(SFX, ...)                                                                          \
+    BWD4_DQ_ENTRY(flash_attention_backward_dq_kernel4_tf32##SFX, float, flash_backward_dq_wgmma_tf32, __VA_ARGS__)
+// _btc: q, k, v from the forward's inp in place (maps[0]: 4D (64 dims, 3 NH, T, B), box (32, 1, 64, 1))
+TF32_LAYOUTS(BWD4_DQ_TF32)
 
 // maps: [0] qkvr, [1] dout (as the dq kernel), [2] qt, [3] dot (Tp, 64, B NH) box (32, 64, 1) (not with SMT)
 template <bool BTC, bool SMT>
@@ -2462,30 +2346,7 @@ __device__ __forceinline__ void flash_backward_dkdv_wgmma_tf32(float* dinp, cons
     }
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
-flash_attention_backward_dkdv_kernel4_tf32(float* dinp, const CUtensorMap* maps, const float* lse, const float* Dbuf,
-                                           int B, int NH, int T, float scale, float* part) {
-    LLMC_PDL_WAIT();
-    flash_backward_dkdv_wgmma_tf32<false, false>(dinp, maps, lse, Dbuf, B, NH, T, scale, part);
-}
-
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
-flash_attention_backward_dkdv_kernel4_tf32_smt(float* dinp, const CUtensorMap* maps, const float* lse, const float* Dbuf,
-                                               int B, int NH, int T, float scale, float* part) {
-    LLMC_PDL_WAIT();
-    flash_backward_dkdv_wgmma_tf32<false, true>(dinp, maps, lse, Dbuf, B, NH, T, scale, part);
-}
-
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
-flash_attention_backward_dkdv_kernel4_tf32_btc(float* dinp, const CUtensorMap* maps, const float* lse, const float* Dbuf,
-                                               int B, int NH, int T, float scale, float* part) {
-    LLMC_PDL_WAIT();
-    flash_backward_dkdv_wgmma_tf32<true, false>(dinp, maps, lse, Dbuf, B, NH, T, scale, part);
-}
-
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
-flash_attention_backward_dkdv_kernel4_tf32_btc_smt(float* dinp, const CUtensorMap* maps, const float* lse,
-                                                   const float* Dbuf, int B, int NH, int T, float scale, float* part) {
-    LLMC_PDL_WAIT();
-    flash_backward_dkdv_wgmma_tf32<true, true>(dinp, maps, lse, Dbuf, B, NH, T, scale, part);
-}
+// flash_attention_backward_dkdv_kernel4_tf32<SFX>: flash_backward_dkdv_wgmma_tf32<BTC, SMT> (BWD4_DKDV_ENTRY)
+#define BWD4_DKDV_TF32(SFX, ...)                                                                        \
+    BWD4_DKDV_ENTRY(flash_attention_backward_dkdv_kernel4_tf32##SFX, float, flash_backward_dkdv_wgmma_tf32, __VA_ARGS__)
+TF32_LAYOUTS(BWD4_DKDV_TF32)
