@@ -683,10 +683,17 @@ __device__ __forceinline__ void fa_load_q_dout(E* s, float* r, const E* q, const
 // Dynamic shared memory (sized by llmc/ops/attention.py, _flash_smem): forward and dq hold (k, v)
 // tiles x stages (+ 64 floats of D for dq); dkdv holds its own k, v and (q, dout) tiles x stages
 // plus 64 lse and 64 D per stage. Stages: 1 without PIPE, 2 with it.
+// The TF32 kernels address it as floats (fa_smem), the bf16 kernels as bytes cast to their tiles
+// (fb_smem; the TF32 dkdv kernel 3 compiles to other machine code on a byte array); fa_tiles<E> is
+// either one as E.
+extern __shared__ __align__(16) float fa_smem[];
+extern __shared__ __align__(16) unsigned char fb_smem[];
+template <typename E> __device__ __forceinline__ E* fa_tiles();
+template <> __device__ __forceinline__ float* fa_tiles<float>() { return fa_smem; }
+template <> __device__ __forceinline__ bf16* fa_tiles<bf16>() { return reinterpret_cast<bf16*>(fb_smem); }
 
 template <bool PIPE>
 __device__ __forceinline__ void flash_forward(float* out, float* lse, const float* qkvr, int B, int NH, int T, float scale) {
-    extern __shared__ __align__(16) float fa_smem[];
     float* kv = fa_smem;  // stage i: k at kv + 2i*TILE, v at kv + (2i+1)*TILE
     const int qt = gridDim.x - 1 - blockIdx.x;  // the query tiles with the most key tiles first
     const int bh = blockIdx.y, b = bh / NH, h = bh % NH, C = NH * FA_D;
@@ -720,152 +727,6 @@ __device__ __forceinline__ void flash_forward(float* out, float* lse, const floa
     fa_forward_store(out, lse, o, m, l, row0, b, h, bh, T, C, t);
 }
 
-// Backward, part 1: per query tile, D = rowsum(dout * out) (written for part 2) and
-// dq = scale * sum over key tiles of (p * (dp - D)) k, with p = exp(scale q k^T - lse), dp = dout v^T.
-template <bool PIPE>
-__device__ __forceinline__ void flash_backward_dq(float* dinp, float* Dbuf, const float* dout, const float* out,
-                                                  const float* qkvr, const float* lse, int B, int NH, int T, float scale) {
-    extern __shared__ __align__(16) float fa_smem[];
-    float* kv = fa_smem;
-    float* dsm = fa_smem + (PIPE ? 4 : 2) * FA_TILE_FLOATS;
-    const int qt = gridDim.x - 1 - blockIdx.x;
-    const int bh = blockIdx.y, b = bh / NH, h = bh % NH, C = NH * FA_D;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const float *q = fa_head(qkvr, 0, B, NH, T), *k = fa_head(qkvr, 1, B, NH, T), *v = fa_head(qkvr, 2, B, NH, T);
-    const int q0 = qt * FA_TILE, w0 = warp * 16;
-    const int row[2] = {q0 + w0 + g, q0 + w0 + g + 8};
-    const float c2 = scale * FA_LOG2E;
-    const size_t rowbase = (size_t)b * T * C + h * FA_D;  // + t * C: row t of this head in out / dout
-    auto load = [&](int kt, int buf) { fa_load_kv<PIPE>(kv + 2 * buf * FA_TILE_FLOATS, k, v, kt * FA_TILE, T); };
-    if (PIPE) { load(0, 0); cp_async_commit(); }
-
-    fa_rows_D(dsm, Dbuf, dout, out, rowbase, q0, w0, T, C, bh, lane);  // D for the warp's 16 rows
-    // q and dout into registers once, through the buffers a PIPE sweep fills last
-    float* qs = kv + (PIPE ? 2 : 0) * FA_TILE_FLOATS;
-    fa_stage(qs, q, q0, T, FA_D);
-    fa_stage(qs + FA_TILE_FLOATS, dout + rowbase, q0, T, C);
-    __syncthreads();
-    uint32_t qa[8][4], da[8][4];
-#pragma unroll
-    for (int kk = 0; kk < 8; kk++) {
-        fa_frag_a(qa[kk], qs, w0, kk, g, t);
-        fa_frag_a(da[kk], qs + FA_TILE_FLOATS, w0, kk, g, t);
-    }
-    float lr[2], Dr[2];
-    fa_rows_lse_D(lr, Dr, lse, dsm, row, w0, g, bh, T);
-
-    float dq[8][4], s[8][4], dp[8][4];
-#pragma unroll
-    for (int n = 0; n < 8; n++) dq[n][0] = dq[n][1] = dq[n][2] = dq[n][3] = 0.f;
-    int kt = 0;
-    fa_sweep<PIPE>(qt + 1, load, [&](int buf) {
-        const float* ks = kv + 2 * buf * FA_TILE_FLOATS;
-        fa_mma_dim<PIPE>(s, qa, ks, g, t);                   // q k^T
-        fa_mma_dim<PIPE>(dp, da, ks + FA_TILE_FLOATS, g, t);  // dout v^T
-        fa_dq_ds(s, dp, lr, Dr, row, c2, scale, kt == qt, kt, t);  // s = d preatt
-        fa_mma_pos<PIPE>(dq, s, ks, g, t);  // dq += dpreatt k
-        kt++;
-    });
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        if (row[r] >= T) continue;
-        float* dst = dinp + ((size_t)b * T + row[r]) * 3 * C + h * FA_D + 2 * t;
-#pragma unroll
-        for (int n = 0; n < 8; n++) fa_store2(dst + 8 * n, dq[n][2 * r], dq[n][2 * r + 1]);
-    }
-}
-
-// Backward, part 2: per key tile, over the query tiles at and below the diagonal,
-// dv = sum p^T dout and dk = sum (p * (dp - D))^T q * scale, computed transposed (keys as rows):
-// p^T = exp(scale k q^T - lse), dp^T = v dout^T.
-template <bool PIPE>
-__device__ __forceinline__ void flash_backward_dkdv(float* dinp, const float* dout, const float* qkvr, const float* lse,
-                                                    const float* Dbuf, int B, int NH, int T, float scale) {
-    extern __shared__ __align__(16) float fa_smem[];
-    float* ks = fa_smem;                       // this block's keys (all of the loop)
-    float* vs = ks + FA_TILE_FLOATS;           // and values
-    float* qd = vs + FA_TILE_FLOATS;           // stage i: q tile at qd + 2i*TILE, dout rows after it
-    float* rows = qd + (PIPE ? 4 : 2) * FA_TILE_FLOATS;  // stage i: lse at rows + 2i*64, D after it
-    const int kt = blockIdx.x, nqt = gridDim.x;  // the key tiles with the most query tiles first
-    const int bh = blockIdx.y, b = bh / NH, h = bh % NH, C = NH * FA_D;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const float *q = fa_head(qkvr, 0, B, NH, T), *k = fa_head(qkvr, 1, B, NH, T), *v = fa_head(qkvr, 2, B, NH, T);
-    const float* dO = dout + (size_t)b * T * C + h * FA_D;
-    const float* lseh = lse + (size_t)bh * T;
-    const float* Dh = Dbuf + (size_t)bh * T;
-    const int k0 = kt * FA_TILE, w0 = warp * 16;
-    const int key[2] = {k0 + w0 + g, k0 + w0 + g + 8};  // this lane's two key positions
-    const float c2 = scale * FA_LOG2E;
-    auto load = [&](int it, int buf) {
-        fa_load_q_dout<PIPE>(qd + 2 * buf * FA_TILE_FLOATS, rows + 2 * buf * FA_TILE, q, dO, lseh, Dh, (kt + it) * FA_TILE, T, C);
-    };
-    if (PIPE) { load(0, 0); cp_async_commit(); }
-    fa_stage(ks, k, k0, T, FA_D);
-    fa_stage(vs, v, k0, T, FA_D);
-    float dk[8][4], dv[8][4], s[8][4], dp[8][4];
-#pragma unroll
-    for (int n = 0; n < 8; n++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) dk[n][e] = dv[n][e] = 0.f;
-    int qt = kt;
-    fa_sweep<PIPE>(nqt - kt, load, [&](int buf) {
-        const float* qs = qd + 2 * buf * FA_TILE_FLOATS;
-        const float* dos = qs + FA_TILE_FLOATS;
-        const float* lsm = rows + 2 * buf * FA_TILE;
-        const float* dsm = lsm + FA_TILE;
-        const int q0 = qt * FA_TILE;
-#pragma unroll
-        for (int j = 0; j < 8; j++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) s[j][e] = dp[j][e] = 0.f;
-#pragma unroll
-        for (int kk = 0; kk < 8; kk++) {  // s = k q^T, dp = v dout^T (16 keys x 64 queries per warp)
-            uint32_t ka[4], va[4];
-            fa_frag_a(ka, ks, w0, kk, g, t);
-            fa_frag_a(va, vs, w0, kk, g, t);
-#pragma unroll
-            for (int j = 0; j < 8; j++) {
-                uint32_t bq[2], bd[2];
-                fa_frag_b_dim<PIPE>(bq, qs, 8 * j, kk, g, t);
-                fa_frag_b_dim<PIPE>(bd, dos, 8 * j, kk, g, t);
-                mma_tf32(s[j], ka, bq);
-                mma_tf32(dp[j], va, bd);
-            }
-        }
-        fa_dkdv_p_ds(s, dp, lsm, dsm, key, q0, T, c2, scale, t);  // s = p^T, dp = d preatt^T
-        fa_mma_pos<PIPE>(dv, s, dos, g, t);  // dv += p^T dout
-        fa_mma_pos<PIPE>(dk, dp, qs, g, t);  // dk += dpreatt^T q
-        qt++;
-    });
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        if (key[r] >= T) continue;
-        float* dst = dinp + ((size_t)b * T + key[r]) * 3 * C + h * FA_D + 2 * t;
-#pragma unroll
-        for (int n = 0; n < 8; n++) {
-            fa_store2(dst + C + 8 * n, dk[n][2 * r], dk[n][2 * r + 1]);
-            fa_store2(dst + 2 * C + 8 * n, dv[n][2 * r], dv[n][2 * r + 1]);
-        }
-    }
-}
-
-#define FLASH_ENTRIES(N, PIPE)                                                                              \
-    extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_attention_forward_kernel##N(              \
-        float* out, float* lse, const float* qkvr, int B, int NH, int T, float scale) { LLMC_PDL_WAIT();    \
-        flash_forward<PIPE>(out, lse, qkvr, B, NH, T, scale);                                               \
-    }                                                                                                       \
-    extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_attention_backward_dq_kernel##N(          \
-        float* dinp, float* Dbuf, const float* dout, const float* out, const float* qkvr, const float* lse, \
-        int B, int NH, int T, float scale) { LLMC_PDL_WAIT();                                               \
-        flash_backward_dq<PIPE>(dinp, Dbuf, dout, out, qkvr, lse, B, NH, T, scale);                         \
-    }                                                                                                       \
-    extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_attention_backward_dkdv_kernel##N(        \
-        float* dinp, const float* dout, const float* qkvr, const float* lse, const float* Dbuf, int B,      \
-        int NH, int T, float scale) { LLMC_PDL_WAIT();                                                      \
-        flash_backward_dkdv<PIPE>(dinp, dout, qkvr, lse, Dbuf, B, NH, T, scale);                            \
-    }
-FLASH_ENTRIES(2, false)
-FLASH_ENTRIES(3, true)
 
 // ----------------------------------------------------------------------------------------------
 // Fused causal attention in bf16: the bf16 builds of attention variants 2 and 3 (entry points
@@ -991,7 +852,6 @@ __device__ __forceinline__ void fb_mma_pos_m(float (&acc)[MT][8][4], const float
 // Dynamic shared memory (llmc/ops/attention.py, _flash_smem with bf16): as the TF32 kernels' in
 // tiles of FB_TILE_BYTES: forward 2 tiles (4 with PIPE), dq 2 (4) + 64 floats of D, dkdv 4 (6)
 // + 2 (4) x 64 floats of lse and D.
-extern __shared__ __align__(16) unsigned char fb_smem[];
 
 // The forward, MT = 1: blocks of 64 query rows like the TF32 kernel; MT = 2 (entry points
 // _rows128): blocks of 128 query rows, a warp owning 32 (two m-tiles), each k, v tile read from
@@ -1046,35 +906,83 @@ __device__ __forceinline__ void flash_forward_bf16(bf16* out, float* lse, const 
     for (int mt = 0; mt < MT; mt++) fa_forward_store(out, lse, o[mt], m[mt], l[mt], q0 + w0 + 16 * mt + g, b, h, bh, T, C, t);
 }
 
-// Backward, part 1 (bf16): per query tile, D = rowsum(dout * out) (fp32, written for part 2) and
+// ----------------------------------------------------------------------------------------------
+// The backward kernels of both element types are written once, templated on E. FaMma<E, PIPE>
+// gives them their products: for float the TF32 helpers above (fa_*, m16n8k8, fragments read from
+// the staged fp32 tiles; with PIPE the tiles are raw and rounded to tf32 as they are read), for
+// bf16 the ldmatrix / m16n8k16 ones (fb_*). They take the lane's two fragment coordinates x, y,
+// which a kernel computes once (FaMma::x(lane), FaMma::y(lane)). dkdv's k q^T and v dout^T, whose
+// operands differ between the types (bf16 keeps the keys' fragments in registers), are written out
+// per type in the kernel. Staging, sweeps, masks, lse and D and the stores are shared code.
+template <typename E, bool PIPE> struct FaMma;
+template <bool PIPE> struct FaMma<float, PIPE> {
+    typedef uint32_t FragsA[8][4];  // 16 rows x 64 head dims as A: 8 k-steps
+    // x, y = g = lane / 4, t = lane % 4 (the mapping at "Fragments" above)
+    static __device__ __forceinline__ int x(int lane) { return lane >> 2; }
+    static __device__ __forceinline__ int y(int lane) { return lane & 3; }
+    // dq's A fragments of rows row0..row0+15 of q (the tile at s) and dout (the tile after it)
+    static __device__ __forceinline__ void frags_a(FragsA& qa, FragsA& da, const float* s, int row0, int g, int t) {
+#pragma unroll
+        for (int kk = 0; kk < 8; kk++) {
+            fa_frag_a(qa[kk], s, row0, kk, g, t);
+            fa_frag_a(da[kk], s + FA_TILE_FLOATS, row0, kk, g, t);
+        }
+    }
+    static __device__ __forceinline__ void dim(float (&S)[8][4], const FragsA& a, const float* tile, int g, int t) {
+        fa_mma_dim<PIPE>(S, a, tile, g, t);
+    }
+    static __device__ __forceinline__ void pos(float (&acc)[8][4], const float (&S)[8][4], const float* tile, int g,
+                                               int t) {
+        fa_mma_pos<PIPE>(acc, S, tile, g, t);
+    }
+};
+template <bool PIPE> struct FaMma<bf16, PIPE> {
+    typedef uint32_t FragsA[4][4];  // 16 rows x 64 head dims as A: 4 k-steps
+    // x, y = la, lb: the lane's ldmatrix offsets in the A / transposed-B pattern and in the B pattern
+    static __device__ __forceinline__ int x(int lane) { return fb_lane_a(lane); }
+    static __device__ __forceinline__ int y(int lane) { return fb_lane_b(lane); }
+    static __device__ __forceinline__ void frags_a(FragsA& qa, FragsA& da, const bf16* s, int row0, int la, int) {
+        fb_frags_a(qa, s, row0, la);
+        fb_frags_a(da, s + FB_TILE_ELEMS, row0, la);
+    }
+    static __device__ __forceinline__ void dim(float (&S)[8][4], const FragsA& a, const bf16* tile, int, int lb) {
+        fb_mma_dim(S, a, tile, lb);
+    }
+    static __device__ __forceinline__ void pos(float (&acc)[8][4], const float (&S)[8][4], const bf16* tile, int la,
+                                               int) {
+        fb_mma_pos(acc, S, tile, la);
+    }
+};
+
+// Backward, part 1: per query tile, D = rowsum(dout * out) (fp32, written for part 2) and
 // dq = scale * sum over key tiles of (p * (dp - D)) k, with p = exp(scale q k^T - lse), dp = dout v^T.
-template <bool PIPE>
-__device__ __forceinline__ void flash_backward_dq_bf16(bf16* dinp, float* Dbuf, const bf16* dout, const bf16* out,
-                                                       const bf16* qkvr, const float* lse, int B, int NH, int T,
-                                                       float scale) {
-    bf16* kv = reinterpret_cast<bf16*>(fb_smem);
-    float* dsm = reinterpret_cast<float*>(fb_smem + (PIPE ? 4 : 2) * FB_TILE_BYTES);
+template <bool PIPE, typename E>
+__device__ __forceinline__ void flash_backward_dq(E* dinp, float* Dbuf, const E* dout, const E* out, const E* qkvr,
+                                                  const float* lse, int B, int NH, int T, float scale) {
+    using M = FaMma<E, PIPE>;
+    constexpr int TE = FA_TILE_ELEMS<E>;
+    E* kv = fa_tiles<E>();
+    float* dsm = reinterpret_cast<float*>(kv + (PIPE ? 4 : 2) * TE);
     const int qt = gridDim.x - 1 - blockIdx.x;
     const int bh = blockIdx.y, b = bh / NH, h = bh % NH, C = NH * FA_D;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int la = fb_lane_a(lane), lb = fb_lane_b(lane);
-    const bf16 *q = fa_head(qkvr, 0, B, NH, T), *k = fa_head(qkvr, 1, B, NH, T), *v = fa_head(qkvr, 2, B, NH, T);
+    const int x = M::x(lane), y = M::y(lane);
+    const E *q = fa_head(qkvr, 0, B, NH, T), *k = fa_head(qkvr, 1, B, NH, T), *v = fa_head(qkvr, 2, B, NH, T);
     const int q0 = qt * FA_TILE, w0 = warp * 16;
     const int row[2] = {q0 + w0 + g, q0 + w0 + g + 8};
     const float c2 = scale * FA_LOG2E;
     const size_t rowbase = (size_t)b * T * C + h * FA_D;  // + t * C: row t of this head in out / dout
-    auto load = [&](int kt, int buf) { fa_load_kv<PIPE>(kv + 2 * buf * FB_TILE_ELEMS, k, v, kt * FA_TILE, T); };
+    auto load = [&](int kt, int buf) { fa_load_kv<PIPE>(kv + 2 * buf * TE, k, v, kt * FA_TILE, T); };
     if (PIPE) { load(0, 0); cp_async_commit(); }
 
     fa_rows_D(dsm, Dbuf, dout, out, rowbase, q0, w0, T, C, bh, lane);  // D for the warp's 16 rows
     // q and dout into registers once, through the buffers a PIPE sweep fills last
-    bf16* qs = kv + (PIPE ? 2 : 0) * FB_TILE_ELEMS;
+    E* qs = kv + (PIPE ? 2 : 0) * TE;
     fa_stage(qs, q, q0, T, FA_D);
-    fa_stage(qs + FB_TILE_ELEMS, dout + rowbase, q0, T, C);
+    fa_stage(qs + TE, dout + rowbase, q0, T, C);
     __syncthreads();
-    uint32_t qa[4][4], da[4][4];
-    fb_frags_a(qa, qs, w0, la);
-    fb_frags_a(da, qs + FB_TILE_ELEMS, w0, la);
+    typename M::FragsA qa, da;
+    M::frags_a(qa, da, qs, w0, x, y);
     float lr[2], Dr[2];
     fa_rows_lse_D(lr, Dr, lse, dsm, row, w0, g, bh, T);
 
@@ -1083,54 +991,59 @@ __device__ __forceinline__ void flash_backward_dq_bf16(bf16* dinp, float* Dbuf, 
     for (int n = 0; n < 8; n++) dq[n][0] = dq[n][1] = dq[n][2] = dq[n][3] = 0.f;
     int kt = 0;
     fa_sweep<PIPE>(qt + 1, load, [&](int buf) {
-        const bf16* ks = kv + 2 * buf * FB_TILE_ELEMS;
-        fb_mma_dim(s, qa, ks, lb);                   // q k^T
-        fb_mma_dim(dp, da, ks + FB_TILE_ELEMS, lb);  // dout v^T
+        const E* ks = kv + 2 * buf * TE;
+        M::dim(s, qa, ks, x, y);        // q k^T
+        M::dim(dp, da, ks + TE, x, y);  // dout v^T
         fa_dq_ds(s, dp, lr, Dr, row, c2, scale, kt == qt, kt, t);  // s = d preatt
-        fb_mma_pos(dq, s, ks, la);  // dq += dpreatt k
+        M::pos(dq, s, ks, x, y);  // dq += dpreatt k
         kt++;
     });
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         if (row[r] >= T) continue;
-        bf16* dst = dinp + ((size_t)b * T + row[r]) * 3 * C + h * FA_D + 2 * t;
+        E* dst = dinp + ((size_t)b * T + row[r]) * 3 * C + h * FA_D + 2 * t;
 #pragma unroll
         for (int n = 0; n < 8; n++) fa_store2(dst + 8 * n, dq[n][2 * r], dq[n][2 * r + 1]);
     }
 }
 
-// Backward, part 2 (bf16): per key tile, over the query tiles at and below the diagonal,
+// Backward, part 2: per key tile, over the query tiles at and below the diagonal,
 // dv = sum p^T dout and dk = sum (p * (dp - D))^T q * scale, computed transposed (keys as rows):
 // p^T = exp(scale k q^T - lse), dp^T = v dout^T.
-template <bool PIPE>
-__device__ __forceinline__ void flash_backward_dkdv_bf16(bf16* dinp, const bf16* dout, const bf16* qkvr,
-                                                         const float* lse, const float* Dbuf, int B, int NH, int T,
-                                                         float scale) {
-    bf16* ks = reinterpret_cast<bf16*>(fb_smem);  // this block's keys (all of the loop)
-    bf16* vs = ks + FB_TILE_ELEMS;                // and values
-    bf16* qd = vs + FB_TILE_ELEMS;                // stage i: q tile at qd + 2i*TILE, dout rows after it
-    float* rows = reinterpret_cast<float*>(qd + (PIPE ? 4 : 2) * FB_TILE_ELEMS);  // stage i: lse at rows + 2i*64, D after
-    const int kt = blockIdx.x, nqt = gridDim.x;   // the key tiles with the most query tiles first
+template <bool PIPE, typename E>
+__device__ __forceinline__ void flash_backward_dkdv(E* dinp, const E* dout, const E* qkvr, const float* lse,
+                                                    const float* Dbuf, int B, int NH, int T, float scale) {
+    using M = FaMma<E, PIPE>;
+    constexpr int TE = FA_TILE_ELEMS<E>;
+    E* ks = fa_tiles<E>();  // this block's keys (all of the loop)
+    E* vs = ks + TE;        // and values
+    E* qd = vs + TE;        // stage i: q tile at qd + 2i*TILE, dout rows after it
+    float* rows = reinterpret_cast<float*>(qd + (PIPE ? 4 : 2) * TE);  // stage i: lse at rows + 2i*64, D after it
+    const int kt = blockIdx.x, nqt = gridDim.x;  // the key tiles with the most query tiles first
     const int bh = blockIdx.y, b = bh / NH, h = bh % NH, C = NH * FA_D;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int la = fb_lane_a(lane), lb = fb_lane_b(lane);
-    const bf16 *q = fa_head(qkvr, 0, B, NH, T), *k = fa_head(qkvr, 1, B, NH, T), *v = fa_head(qkvr, 2, B, NH, T);
-    const bf16* dO = dout + (size_t)b * T * C + h * FA_D;
+    const int x = M::x(lane), y = M::y(lane);
+    const E *q = fa_head(qkvr, 0, B, NH, T), *k = fa_head(qkvr, 1, B, NH, T), *v = fa_head(qkvr, 2, B, NH, T);
+    const E* dO = dout + (size_t)b * T * C + h * FA_D;
     const float* lseh = lse + (size_t)bh * T;
     const float* Dh = Dbuf + (size_t)bh * T;
     const int k0 = kt * FA_TILE, w0 = warp * 16;
     const int key[2] = {k0 + w0 + g, k0 + w0 + g + 8};  // this lane's two key positions
     const float c2 = scale * FA_LOG2E;
     auto load = [&](int it, int buf) {
-        fa_load_q_dout<PIPE>(qd + 2 * buf * FB_TILE_ELEMS, rows + 2 * buf * FA_TILE, q, dO, lseh, Dh, (kt + it) * FA_TILE, T, C);
+        fa_load_q_dout<PIPE>(qd + 2 * buf * TE, rows + 2 * buf * FA_TILE, q, dO, lseh, Dh, (kt + it) * FA_TILE, T, C);
     };
     if (PIPE) { load(0, 0); cp_async_commit(); }
     fa_stage(ks, k, k0, T, FA_D);
     fa_stage(vs, v, k0, T, FA_D);
-    __syncthreads();
-    uint32_t ka[4][4], va[4][4];  // this warp's 16 keys and values as A fragments, for the whole sweep
-    fb_frags_a(ka, ks, w0, la);
-    fb_frags_a(va, vs, w0, la);
+    // bf16 holds this warp's 16 keys and values as A fragments for the whole sweep (loaded after a
+    // barrier: the sweep's first one comes too late for them); TF32 reads them at every k-step
+    uint32_t ka[4][4], va[4][4];
+    if constexpr (sizeof(E) == 2) {
+        __syncthreads();
+        fb_frags_a(ka, ks, w0, x);
+        fb_frags_a(va, vs, w0, x);
+    }
     float dk[8][4], dv[8][4], s[8][4], dp[8][4];
 #pragma unroll
     for (int n = 0; n < 8; n++)
@@ -1138,38 +1051,57 @@ __device__ __forceinline__ void flash_backward_dkdv_bf16(bf16* dinp, const bf16*
         for (int e = 0; e < 4; e++) dk[n][e] = dv[n][e] = 0.f;
     int qt = kt;
     fa_sweep<PIPE>(nqt - kt, load, [&](int buf) {
-        const bf16* qs = qd + 2 * buf * FB_TILE_ELEMS;
-        const bf16* dos = qs + FB_TILE_ELEMS;
+        const E* qs = qd + 2 * buf * TE;
+        const E* dos = qs + TE;
         const float* lsm = rows + 2 * buf * FA_TILE;
         const float* dsm = lsm + FA_TILE;
         const int q0 = qt * FA_TILE;
-        const uint32_t qb = smem_u32(qs) + 2 * lb, db = smem_u32(dos) + 2 * lb;
 #pragma unroll
         for (int j = 0; j < 8; j++)
 #pragma unroll
             for (int e = 0; e < 4; e++) s[j][e] = dp[j][e] = 0.f;
+        // s = k q^T, dp = v dout^T (16 keys x 64 queries per warp); written out here, not as FaMma
+        // helpers: so the TF32 kernel 3 compiles to the same machine code as before the fold
+        if constexpr (sizeof(E) == 2) {
+            const uint32_t qb = smem_u32(qs) + 2 * y, db = smem_u32(dos) + 2 * y;
 #pragma unroll
-        for (int kk = 0; kk < 4; kk++) {  // s = k q^T, dp = v dout^T (16 keys x 64 queries per warp)
+            for (int kk = 0; kk < 4; kk++) {
 #pragma unroll
-            for (int jp = 0; jp < 4; jp++) {
-                uint32_t bq[4], bd[4];
-                ldsm_x4(bq, qb + 2 * (16 * jp * FB_LD + 16 * kk));
-                ldsm_x4(bd, db + 2 * (16 * jp * FB_LD + 16 * kk));
-                mma_bf16_16816(s[2 * jp], ka[kk], bq);
-                mma_bf16_16816(s[2 * jp + 1], ka[kk], bq + 2);
-                mma_bf16_16816(dp[2 * jp], va[kk], bd);
-                mma_bf16_16816(dp[2 * jp + 1], va[kk], bd + 2);
+                for (int jp = 0; jp < 4; jp++) {
+                    uint32_t bq[4], bd[4];
+                    ldsm_x4(bq, qb + 2 * (16 * jp * FB_LD + 16 * kk));
+                    ldsm_x4(bd, db + 2 * (16 * jp * FB_LD + 16 * kk));
+                    mma_bf16_16816(s[2 * jp], ka[kk], bq);
+                    mma_bf16_16816(s[2 * jp + 1], ka[kk], bq + 2);
+                    mma_bf16_16816(dp[2 * jp], va[kk], bd);
+                    mma_bf16_16816(dp[2 * jp + 1], va[kk], bd + 2);
+                }
+            }
+        } else {
+#pragma unroll
+            for (int kk = 0; kk < 8; kk++) {
+                uint32_t ak[4], av[4];  // k-step kk of the keys and values
+                fa_frag_a(ak, ks, w0, kk, g, t);
+                fa_frag_a(av, vs, w0, kk, g, t);
+#pragma unroll
+                for (int j = 0; j < 8; j++) {
+                    uint32_t bq[2], bd[2];
+                    fa_frag_b_dim<PIPE>(bq, qs, 8 * j, kk, g, t);
+                    fa_frag_b_dim<PIPE>(bd, dos, 8 * j, kk, g, t);
+                    mma_tf32(s[j], ak, bq);
+                    mma_tf32(dp[j], av, bd);
+                }
             }
         }
         fa_dkdv_p_ds(s, dp, lsm, dsm, key, q0, T, c2, scale, t);  // s = p^T, dp = d preatt^T
-        fb_mma_pos(dv, s, dos, la);  // dv += p^T dout
-        fb_mma_pos(dk, dp, qs, la);  // dk += dpreatt^T q
+        M::pos(dv, s, dos, x, y);  // dv += p^T dout
+        M::pos(dk, dp, qs, x, y);  // dk += dpreatt^T q
         qt++;
     });
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         if (key[r] >= T) continue;
-        bf16* dst = dinp + ((size_t)b * T + key[r]) * 3 * C + h * FA_D + 2 * t;
+        E* dst = dinp + ((size_t)b * T + key[r]) * 3 * C + h * FA_D + 2 * t;
 #pragma unroll
         for (int n = 0; n < 8; n++) {
             fa_store2(dst + C + 8 * n, dk[n][2 * r], dk[n][2 * r + 1]);
@@ -1178,6 +1110,23 @@ __device__ __forceinline__ void flash_backward_dkdv_bf16(bf16* dinp, const bf16*
     }
 }
 
+#define FLASH_ENTRIES(N, PIPE)                                                                              \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_attention_forward_kernel##N(              \
+        float* out, float* lse, const float* qkvr, int B, int NH, int T, float scale) { LLMC_PDL_WAIT();    \
+        flash_forward<PIPE>(out, lse, qkvr, B, NH, T, scale);                                               \
+    }                                                                                                       \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_attention_backward_dq_kernel##N(          \
+        float* dinp, float* Dbuf, const float* dout, const float* out, const float* qkvr, const float* lse, \
+        int B, int NH, int T, float scale) { LLMC_PDL_WAIT();                                               \
+        flash_backward_dq<PIPE>(dinp, Dbuf, dout, out, qkvr, lse, B, NH, T, scale);                         \
+    }                                                                                                       \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_attention_backward_dkdv_kernel##N(        \
+        float* dinp, const float* dout, const float* qkvr, const float* lse, const float* Dbuf, int B,      \
+        int NH, int T, float scale) { LLMC_PDL_WAIT();                                                      \
+        flash_backward_dkdv<PIPE>(dinp, dout, qkvr, lse, Dbuf, B, NH, T, scale);                            \
+    }
+FLASH_ENTRIES(2, false)
+FLASH_ENTRIES(3, true)
 #define FLASH_ENTRIES_BF16(N, PIPE)                                                                          \
     extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_attention_forward_kernel##N##_bf16(       \
         bf16* out, float* lse, const bf16* qkvr, int B, int NH, int T, float scale) { LLMC_PDL_WAIT();       \
@@ -1186,12 +1135,12 @@ __device__ __forceinline__ void flash_backward_dkdv_bf16(bf16* dinp, const bf16*
     extern "C" __global__ void __launch_bounds__(FA_THREADS) flash_attention_backward_dq_kernel##N##_bf16(   \
         bf16* dinp, float* Dbuf, const bf16* dout, const bf16* out, const bf16* qkvr, const float* lse,      \
         int B, int NH, int T, float scale) { LLMC_PDL_WAIT();                                                \
-        flash_backward_dq_bf16<PIPE>(dinp, Dbuf, dout, out, qkvr, lse, B, NH, T, scale);                     \
+        flash_backward_dq<PIPE>(dinp, Dbuf, dout, out, qkvr, lse, B, NH, T, scale);                     \
     }                                                                                                        \
     extern "C" __global__ void __launch_bounds__(FA_THREADS, 2) flash_attention_backward_dkdv_kernel##N##_bf16( \
         bf16* dinp, const bf16* dout, const bf16* qkvr, const float* lse, const float* Dbuf, int B, int NH,  \
         int T, float scale) { LLMC_PDL_WAIT();                                                               \
-        flash_backward_dkdv_bf16<PIPE>(dinp, dout, qkvr, lse, Dbuf, B, NH, T, scale);                        \
+        flash_backward_dkdv<PIPE>(dinp, dout, qkvr, lse, Dbuf, B, NH, T, scale);                        \
     }
 FLASH_ENTRIES_BF16(2, false)
 FLASH_ENTRIES_BF16(3, true)

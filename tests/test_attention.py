@@ -1208,7 +1208,7 @@ def test_bf16_flash_fragment_mapping(rng):
                  "ldsm_x4(b, base + 2 * (16 * jp * FB_LD + 16 * kk));",
                  "ldsm_x4_trans(b, base + 2 * (16 * j * FB_LD + 16 * np));",
                  "ldsm_x4(bq, qb + 2 * (16 * jp * FB_LD + 16 * kk));",
-                 "fb_frags_a(ka, ks, w0, la);",
+                 "fb_frags_a(ka, ks, w0, x);",
                  "mma_bf16_16816(s[2 * jp + 1], ka[kk], bq + 2);",
                  "pack_bf16x2(S[2 * j][0], S[2 * j][1]), pack_bf16x2(S[2 * j][2], S[2 * j][3]), "
                  "pack_bf16x2(S[2 * j + 1][0], S[2 * j + 1][1]), pack_bf16x2(S[2 * j + 1][2], S[2 * j + 1][3])",
