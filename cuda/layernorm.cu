@@ -190,6 +190,23 @@ extern "C" __global__ void layernorm_backward_kernel1(float* dinp, float* dweigh
     }
 }
 
+// a = mean_c(dnorm) and b = mean_c(dnorm * norm) of one row, the two row terms of
+// dinp += s * (dnorm - a - norm * b): one warp per row, lane l summing channels l, l + 32, ..., then the
+// warp's sums (backward 2 and 3; in fp32 whatever T is)
+template <typename T>
+__device__ __forceinline__ void ln_bwd_ab(const T* d, const T* x, const T* weight, float m, float s, int lane,
+        int C, float& a, float& b) {
+    a = 0.0f;
+    b = 0.0f;
+    for (int c = lane; c < C; c += WARP_SIZE) {
+        float n = (to_f32(x[c]) - m) * s, dn = to_f32(d[c]) * to_f32(weight[c]);
+        a += dn;
+        b += dn * n;
+    }
+    a = warp_reduce_sum(a) / C;
+    b = warp_reduce_sum(b) / C;
+}
+
 // One warp per row, rows strided over the whole grid. Dynamic smem: 2*C floats (dweight | dbias).
 extern "C" __global__ void layernorm_backward_kernel2(float* dinp, float* dweight, float* dbias,
         const float* dout, const float* inp, const float* weight, const float* mean, const float* rstd,
@@ -206,14 +223,8 @@ extern "C" __global__ void layernorm_backward_kernel2(float* dinp, float* dweigh
         const float* x = inp + (size_t)row * C;
         float* g = dinp + (size_t)row * C;
         const float m = mean[row], s = rstd[row];
-        float a = 0.0f, b = 0.0f;
-        for (int c = lane; c < C; c += WARP_SIZE) {
-            float n = (x[c] - m) * s, dn = d[c] * weight[c];
-            a += dn;
-            b += dn * n;
-        }
-        a = warp_reduce_sum(a) / C;
-        b = warp_reduce_sum(b) / C;
+        float a, b;
+        ln_bwd_ab<float>(d, x, weight, m, s, lane, C, a, b);
         for (int c = lane; c < C; c += WARP_SIZE) {
             float dc = d[c], n = (x[c] - m) * s, dn = dc * weight[c];
             atomicAdd(&acc_b[c], dc);
@@ -457,14 +468,8 @@ __device__ __forceinline__ void layernorm_backward3_t(T* dinp, float* scratch,
         const T* x = inp + (size_t)row * C;
         T* g = dinp + (size_t)row * C;
         const float m = mean[row], s = rstd[row];
-        float a = 0.0f, b = 0.0f;
-        for (int c = lane; c < C; c += WARP_SIZE) {
-            float n = (to_f32(x[c]) - m) * s, dn = to_f32(d[c]) * to_f32(weight[c]);
-            a += dn;
-            b += dn * n;
-        }
-        a = warp_reduce_sum(a) / C;
-        b = warp_reduce_sum(b) / C;
+        float a, b;
+        ln_bwd_ab<T>(d, x, weight, m, s, lane, C, a, b);
         for (int c = lane; c < C; c += WARP_SIZE) {
             float dc = to_f32(d[c]), n = (to_f32(x[c]) - m) * s, dn = dc * to_f32(weight[c]);
             acc_b[c] += dc;
@@ -795,7 +800,9 @@ __device__ __forceinline__ void layernorm_forward6_t(T* __restrict__ out, float*
     }
 }
 
-// dynamic shared memory: (nwarps, 2, C) floats, the warps' dweight | dbias sums, once at the end
+// dynamic shared memory: (nwarps, 2, C) floats, the warps' dweight | dbias sums, once at the end.
+// (The two passes over a row are also 5's and 7's, written out in each: moved into shared helpers they
+// changed the machine code of some builds, 7's nv1 among them (dev/sass_diff.py), so they stay.)
 template <typename T, int NV>
 __device__ __forceinline__ void layernorm_backward6_t(T* __restrict__ dinp, float* __restrict__ scratch,
         const T* __restrict__ dout, const T* __restrict__ inp, const T* __restrict__ weight,
@@ -958,16 +965,6 @@ LN6_BWD(bf16, _bf16, 1) LN6_BWD(bf16, _bf16, 2) LN6_BWD(bf16, _bf16, 3) LN6_BWD(
 __device__ __forceinline__ void ln7_rows(int flags, int gw, int W, int N, int R, int& row, int& end, int& step) {
     if (flags & LN7_CHUNKED) { row = gw * R; end = min(N, row + R); step = 1; }
     else { row = gw; end = N; step = W; }
-}
-
-template <typename T, int NV>
-__device__ __forceinline__ void ln7_load_row(typename Vec16<T>::raw (&r)[NV], const T* p, int lane, int C) {
-    constexpr int V = Vec16<T>::N;
-#pragma unroll
-    for (int i = 0; i < NV; i++) {
-        const int c0 = V * (lane + i * WARP_SIZE);
-        if (c0 < C) r[i] = Vec16<T>::ld(p + c0);
-    }
 }
 
 // cp.async (16-byte global -> shared copies, L2 only) and 128-bit shared loads, written out here
