@@ -1154,8 +1154,9 @@ constexpr int DS_BYTES = 2 * DS_HALF_BYTES;      // one tile's dS^T
 constexpr int DS_RING = 2;                      // dS^T buffers (see the main kernel's schedule above)
 constexpr int DQ_STAGE_BYTES = 64 * HS * 4;     // a consumer's 64 dq rows, fp32: 16 KB
 constexpr int V5_STAGES = 2;                    // the q / dout ring (not LLMC_ATT_BWD_STAGES: 3 would not fit)
+constexpr int ZERO_TILES = 16;                  // (main_zeroes form) its zero_ready mbarriers: T <= 16 BQ
 constexpr int DKDVQ_SMEM = 1024 + 2 * KV_BYTES + V5_STAGES * STAGE_BYTES + DS_RING * DS_BYTES + 2 * DQ_STAGE_BYTES +
-                           2 * 2 * ROWS_FLOATS * 4 + 8 * (1 + 2 * V5_STAGES + 2 * DS_RING + 1);
+                           2 * 2 * ROWS_FLOATS * 4 + 8 * (1 + 2 * V5_STAGES + 2 * DS_RING + ZERO_TILES);
 static_assert(DKDVQ_SMEM <= 227 * 1024, "fits one SM's shared memory");
 
 // the box at (c0 = dim, c1 = row, c2 = head bh) of dq_acc += the staged box in shared memory (fp32 add
@@ -1167,43 +1168,45 @@ __device__ __forceinline__ void tma_reduce_add_3d(const CUtensorMap* map, const 
 __device__ __forceinline__ void bulk_wait_read_att() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
 
 // The main kernel's own zeroing of dq_acc (the _mz entry points: the build's main_zeroes form, in place
-// only; prep then only writes D). Prep's zeroing wrote the whole accumulator (50 MB at d12 B=16, as large as the L2) long
-// before the reductions into it, so the zeros went out to DRAM and the reductions' first touches read
-// them back. Here key block 0's CTA of each head (the first of the head's CTAs to start: a group's key
-// block 0s come first in the grid) zeroes the head's T rows with the producer warpgroup's three idle
-// warps just before the reductions into them, and sets zs[2 bh] (release). In the head's other CTAs
-// thread 32 (the producer warpgroup's warp 1) waits for that (acquire); in every CTA it then arrives on
-// the CTA's zero_ready mbarrier, which the consumers wait on before their first reduction (the first
-// comes after two tiles' products, so they rarely wait; the spin stays out of the consumers, where a
-// divergent loop made ptxas serialize their wgmma). A CTA only ever waits for one that started before
-// it. zs[2 bh + 1] counts the head's CTAs past that point; the last resets both words for the next launch.
+// only; prep then only writes D). Prep's zeroing wrote the whole accumulator (50 MB at d12 B=16, as large
+// as the L2) long before the reductions into it, so the zeros went out to DRAM and the reductions' first
+// touches read them back. Here the CTA of key block kb zeroes query tile kb of its head (its diagonal
+// tile, the first it adds into) with the producer warpgroup's three idle warps as it starts, and sets
+// the tile's flag zs[kb] (release). Thread 32 (the producer warpgroup's warp 1) then takes the tiles the
+// CTA adds into, kb..nqb-1, in order: waits for each tile's flag (acquire; another CTA's) and arrives on
+// the tile's mbarrier zero_ready[q - kb], which the consumers wait on before their reductions into it (the
+// spin stays out of the consumers: a divergent loop there made ptxas serialize their wgmma). A CTA waits
+// for CTAs of its own head and group, which the host keeps to at most one CTA per SM (G nqb <= SMs), so
+// all of them can be resident together. zs[nqb] counts the head's CTAs past their waits; the last resets
+// the head's nqb + 1 words for the next launch. (Session 46's first form, key block 0's CTA zeroing the
+// whole head: main kernel +5.5% in the lab, B=16.)
 constexpr int ZERO_THREADS = 96;  // the producer warpgroup's warps 1-3 (named barrier 5)
-__device__ __forceinline__ void dq_zero_ready(float* dq_head, unsigned* zs, uint64_t* zero_ready, bool zeroer,
-                                              int T, int nqb, int tz) {
-    if (zeroer) {
-        float4* p = reinterpret_cast<float4*>(dq_head);
-        const int n4 = T * HS / 4;
+__device__ __forceinline__ void dq_zero_ready(float* dq_head, unsigned* zs, uint64_t* zero_ready, int kb, int T,
+                                              int nqb, int tz) {
+    {  // query tile kb of this head
+        float4* p = reinterpret_cast<float4*>(dq_head + (size_t)kb * BQ * HS);
+        const int n4 = min(BQ, T - kb * BQ) * HS / 4;
         for (int i = tz; i < n4; i += ZERO_THREADS) p[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         // (generic-proxy stores, read by TMA reductions: the async proxy)
         asm volatile("fence.proxy.async.global;" ::: "memory");
         __threadfence();
         asm volatile("bar.sync 5, %0;" ::"n"(ZERO_THREADS) : "memory");
-        if (tz == 0) asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(zs), "r"(1u) : "memory");
-    } else if (tz == 0) {
+    }
+    if (tz != 0) return;
+    asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(zs + kb), "r"(1u) : "memory");
+    mbar_arrive(&zero_ready[0]);
+    for (int q = kb + 1; q < nqb; q++) {
         for (;;) {
             unsigned v;
-            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(zs) : "memory");
+            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(zs + q) : "memory");
             if (v != 0u) break;
             __nanosleep(64);
         }
         asm volatile("fence.proxy.async.global;" ::: "memory");
+        mbar_arrive(&zero_ready[q - kb]);
     }
-    if (tz == 0) {
-        mbar_arrive(zero_ready);
-        if (atomicAdd(zs + 1, 1u) == (unsigned)nqb - 1) {  // the head's last CTA here: reset for the next launch
-            zs[0] = 0u;
-            zs[1] = 0u;
-        }
+    if (atomicAdd(zs + nqb, 1u) == (unsigned)nqb - 1) {  // the head's last CTA here: reset for the next launch
+        for (int q = 0; q <= nqb; q++) zs[q] = 0u;
     }
 }
 
@@ -1279,7 +1282,7 @@ __device__ __forceinline__ void flash_backward_dkdvq_wgmma(bf16* dinp, float* dq
     uint64_t* empty = full + V5_STAGES;
     uint64_t* ds_full = empty + V5_STAGES;  // a dS^T buffer written (both consumers' warps arrive)
     uint64_t* ds_empty = ds_full + DS_RING;     // a dS^T buffer read by both consumers' dq products
-    uint64_t* zero_ready = ds_empty + DS_RING;  // (main_zeroes form) the head's dq rows are zeroed
+    uint64_t* zero_ready = ds_empty + DS_RING;  // (main_zeroes form) ZERO_TILES: query tile kb + u is zeroed
 
     const int C = NH * HS;
     // The order the CTAs start in (a 1D grid of nqb x B NH): groups of G heads one after the other, in
@@ -1300,7 +1303,8 @@ __device__ __forceinline__ void flash_backward_dkdvq_wgmma(bf16* dinp, float* dq
             mbar_init(&ds_full[u], CONSUMER_WARPS);
             mbar_init(&ds_empty[u], CONSUMER_WARPS);
         }
-        if constexpr (ZERO) mbar_init(zero_ready, 1);
+        if constexpr (ZERO)
+            for (int u = 0; u < nt; u++) mbar_init(&zero_ready[u], 1);
         mbar_init_pipeline(kv_full, full, empty, V5_STAGES, CONSUMER_WARPS);  // (its fence covers these)
     }
     __syncthreads();
@@ -1311,7 +1315,8 @@ __device__ __forceinline__ void flash_backward_dkdvq_wgmma(bf16* dinp, float* dq
         if (threadIdx.x == 0)
             dkdv_producer<BTC, V5_STAGES>(sk, sv, sqd, kv_full, full, empty, tm, B, NH, b, h, kb, nt);
         else if (ZERO && threadIdx.x >= 32)
-            dq_zero_ready(dq_acc + (size_t)bh * T * HS, zs + 2 * bh, zero_ready, kb == 0, T, nqb, threadIdx.x - 32);
+            dq_zero_ready(dq_acc + (size_t)bh * T * HS, zs + (size_t)bh * (nqb + 1), zero_ready, kb, T, nqb,
+                          threadIdx.x - 32);
         return;
     }
     asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
@@ -1354,7 +1359,7 @@ __device__ __forceinline__ void flash_backward_dkdvq_wgmma(bf16* dinp, float* dq
     // box j / 4, 16-byte chunk 2 (j % 4) + t / 2 of the row, bytes 8 (t % 2) into it; row % 8 = g.
     const uint32_t st0 = smem_u32(sdq + cw * DQ_STAGE_BYTES) + (16 * warp + g) * 128 + 8 * (t & 1);
     auto dq_out = [&](const float (&dq)[32], int u) {
-        if (ZERO && u == 0) mbar_wait(zero_ready, 0);  // (main_zeroes form) before the first reduction
+        if (ZERO) mbar_wait(&zero_ready[u], 0);  // (main_zeroes form) before the reductions into tile kb + u
         __syncwarp();
         if (lane == 0) mbar_arrive(&ds_empty[u % DS_RING]);
         if (tid == 0) bulk_wait_read_att();  // the previous tile's reductions have read the staging buffer

@@ -1012,6 +1012,9 @@ def test_attention_backward5_main_zeroes_launches_without_gpu(switch, monkeypatc
     default = switch == "1"
     with pytest.raises(LLMCError, match="in-place form"):
         A.build_flash_attention_backward_wgmma5(FakeRuntime(), B=B, T=T, C=C, NH=NH, main_zeroes=True)
+    with pytest.raises(LLMCError, match="T <= 2048"):
+        A.build_flash_attention_backward_wgmma5(FakeRuntime(), B=1, T=2049, C=C, NH=NH, qkv_in_place=True,
+                                                main_zeroes=True)
     # (the switch leaves the permuted form as it is)
     assert not A.build_flash_attention_backward_wgmma5(FakeRuntime(), B=B, T=T, C=C, NH=NH).info["main_zeroes"]
     for opts, want in (({}, default), ({"main_zeroes": True}, True), ({"main_zeroes": False}, False),
@@ -1029,10 +1032,20 @@ def test_attention_backward5_main_zeroes_launches_without_gpu(switch, monkeypatc
         assert prep.args[-1] == zero_acc, opts
         if want:
             zs = built.info["zsync"]
-            assert zs.shape == (2 * B * NH,) and main.args[-1] == zs.ptr and len(main.args) == 12
+            assert zs.shape == (B * NH * (-(-T // 128) + 1),) and main.args[-1] == zs.ptr and len(main.args) == 12
+            G = main.args[9]  # (the head group: capped so its CTAs, G ceil(T/128), fit the SMs at once)
+            assert G * -(-T // 128) <= rt.sm_count
             assert not rt.np(zs).any(), "the sync words start zeroed"
         else:
             assert len(main.args) == 11 and "zsync" not in built.info
+    # many heads at a short T: the L2's head group (98 heads of 2 query tiles) is capped at 132 // 2 = 66
+    rt = FakeRuntime(1 << 26)
+    B, T = 16, 130
+    for z, G in ((False, 98), (True, 66)):
+        built = A.build_flash_attention_backward_wgmma5(rt, B=B, T=T, C=C, NH=NH, qkv_in_place=True, main_zeroes=z)
+        built.launch(rt.empty((B, T, 3 * C), BF16), rt.empty((B, T, C), BF16), rt.empty((B, T, 3 * C), BF16),
+                     rt.empty((B, NH, T)), rt.empty((B, T, C), BF16))
+        assert rt.launches[-2].args[9] == G, (z, rt.launches[-2].args[9])
 
 
 @pytest.mark.parametrize("C,NH", [(768, 12), (1600, 25)])

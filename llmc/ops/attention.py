@@ -812,8 +812,8 @@ def build_flash_attention_backward_wgmma(rt, B, T, C, NH, overlap=False, qkv_in_
 def wgmma5_smem(stages: int = 2) -> int:
     """Variant 5's main kernel (DKDVQ_SMEM in the .cu): the dk/dv kernel's bytes, a ring of two 32 KB
     buffers of a tile's dS^T (128 keys x 128 queries bf16) and their 4 mbarriers, each consumer's 16 KB
-    of dq rows (fp32) staged for the TMA, and the main_zeroes form's zero_ready mbarrier."""
-    return wgmma_bwd_smem(stages)[1] + 2 * 2 * WGMMA_BQ * 128 + 2 * 64 * FLASH_HS * 4 + 8 * 2 * 2 + 8
+    of dq rows (fp32) staged for the TMA, and the main_zeroes form's ZERO_TILES = 16 zero_ready mbarriers."""
+    return wgmma_bwd_smem(stages)[1] + 2 * 2 * WGMMA_BQ * 128 + 2 * 64 * FLASH_HS * 4 + 8 * 2 * 2 + 8 * 16
 
 
 def build_flash_attention_backward_wgmma5(rt, B, T, C, NH, qkv_in_place=False, pingpong=None, caller_zeroes=False,
@@ -830,12 +830,13 @@ def build_flash_attention_backward_wgmma5(rt, B, T, C, NH, qkv_in_place=False, p
     which the build zeroes once and the caller zeroes again after each launch, before the next, with
     `Built.info["rezero"]()` (a memset on the current stream: the model puts it on its side stream,
     off the backward's critical path).
-    main_zeroes=True (None: LLMC_ATT5_MAIN_ZERO where in place; in place only; never with caller_zeroes):
-    prep leaves the accumulator alone and the main kernel zeroes each head's rows just before its reductions add into them (key
-    block 0's CTA of the head, with the producer warpgroup's idle warps; the others wait for the tiles
-    they add into), so the zeros meet the reductions in the L2 instead of going out to DRAM and back
-    (cuda/attention_wgmma.cu, dq_zero_head). Two words a head of sync, zeroed here and reset by the
-    kernel's last consumer of each head.
+    main_zeroes=True (None: LLMC_ATT5_MAIN_ZERO where it applies; in place only, T <= 2048, never with
+    caller_zeroes): prep leaves the accumulator alone and the main kernel zeroes it just before its
+    reductions add into it: each CTA its diagonal query tile, with the producer warpgroup's idle warps,
+    the others waiting (outside the consumers) for the tiles they add into, so the zeros meet the
+    reductions in the L2 instead of going out to DRAM and back (cuda/attention_wgmma.cu, dq_zero_ready).
+    Its head groups are capped at SMs / ceil(T/128) heads, so a group's CTAs are resident together. Sync
+    words: a flag per query tile and a counter per head, zeroed here, reset by each head's last CTA.
     colsum=True: launch(dinp, dbias, dout, qkvr, lse, out), and dbias(3C) += the column sums of dinp
     viewed as (B T, 3C) as stored (qkv's bias gradient, instead of matmul_backward_bias re-reading
     dinp): the main kernel sums each 64 keys' dk and dv columns, convert becomes convert_colsum (a block
@@ -851,16 +852,20 @@ def build_flash_attention_backward_wgmma5(rt, B, T, C, NH, qkv_in_place=False, p
     if smem > rt.max_smem_optin:
         refuse("attention_backward", 5, f"the main kernel needs {smem} bytes of shared memory, the device "
                                         f"allows {rt.max_smem_optin}")
+    nqb = ceil_div(T, WGMMA_BQ)
     if main_zeroes is None:
-        main_zeroes = switches.on("LLMC_ATT5_MAIN_ZERO") and qkv_in_place
+        main_zeroes = switches.on("LLMC_ATT5_MAIN_ZERO") and qkv_in_place and nqb <= 16
     main_zeroes = bool(main_zeroes) and not caller_zeroes
     if main_zeroes and not qkv_in_place:
         raise LLMCError("attention_backward 5: main_zeroes needs the in-place form (qkv_in_place=True)")
+    if main_zeroes and nqb > 16:
+        raise LLMCError(f"attention_backward 5: main_zeroes takes T <= {16 * WGMMA_BQ} (got T={T})")
     D = rt.empty((B, NH, T))             # fp32
     # fp32: the dq accumulator, zeroed by prep at every call (caller_zeroes: here, then by the caller;
     # main_zeroes: by the main kernel)
     dq = rt.zeros((B, NH, T, FLASH_HS)) if caller_zeroes else rt.empty((B, NH, T, FLASH_HS))
-    zsync = rt.zeros((2 * B * NH,), np.uint32) if main_zeroes else None  # (main_zeroes) a head: zeroed, CTAs past
+    # (main_zeroes) a head's words: a flag per query tile (zeroed), then its CTAs past their waits
+    zsync = rt.zeros((B * NH * (nqb + 1),), np.uint32) if main_zeroes else None
     label = "attention_backward 5 (flash, wgmma, dq by reductions) bf16"
     kp = rt.kernel(WGMMA_MODULE, "flash_attention_backward_prep_kernel5_bf16", "PPPPiiii", label=label + " prep",
                    defines=defines)
@@ -886,6 +891,8 @@ def build_flash_attention_backward_wgmma5(rt, B, T, C, NH, qkv_in_place=False, p
     # 100 / all: B=16 0.2518 / - / 0.2558 / 0.2544 / 0.3569 / 0.3368 ms; B=4 0.0824 / 0.0707 / 0.0715 /
     # 0.0719 (all) ms. LLMC_ATT5_HEAD_GROUP sets G for the lab's A/B
     G = min(B * NH, switches.value("LLMC_ATT5_HEAD_GROUP") or max(1, rt.l2_bytes // 16 // (T * FLASH_HS * 4)))
+    if main_zeroes:  # a CTA waits for its head's others in the group: all of a group resident at once
+        G = max(1, min(G, rt.sm_count // nqb))
     grid, block = (ceil_div(T, WGMMA_BQ) * B * NH, 1, 1), (384, 1, 1)
     args = (np.int32(B), np.int32(NH), np.int32(T))
     prep_grid = (ceil_div(B * T * NH * 4, 256), 1, 1)
