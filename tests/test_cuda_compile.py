@@ -52,8 +52,10 @@ def test_compiles_without_spills(module, arch, built_in_parallel):
     bad = {k: r for k, r in report.items() if r["spill_stores"] or r["spill_loads"] or r["stack"]}
     assert not bad, f"cuda/{module}.cu for {arch}: spills or local memory in {bad}"
     # ptxas waits for every wgmma in turn when other instructions write its accumulators mid-pipeline
-    # (2026-11-27: accumulators started from the bias, 1.6x slower); it says so as a C7515 "info"
-    serial = [line.strip() for line in log.splitlines() if "C7515" in line]
+    # (2026-11-27: accumulators started from the bias, 1.6x slower); it says so as a C7515 "info", and as
+    # C7520 when a warpgroup arrive it had to insert sits in a divergent path (session 46: a consumer's
+    # spin loop under `if (tid == 0)` in attention_backward 5's main kernel)
+    serial = [line.strip() for line in log.splitlines() if "C7515" in line or "C7520" in line]
     assert not serial, f"cuda/{module}.cu for {arch}: serialized wgmmas: {serial[:3]}"
 
 
@@ -183,4 +185,26 @@ def test_every_entry_point_waits_for_its_predecessor_first():
             body = src[i + 1:i + 200].lstrip(" \\\n")
             assert body.startswith("LLMC_PDL_WAIT();"), f"{f.name}: {src[m.start():i + 40]!r}"
             n += 1
-    assert n >= 190
+    assert n >= 150  # (entry points made by a macro count once: the PTX test below counts them all)
+
+
+def test_every_entry_point_waits_for_its_predecessor_in_its_ptx():
+    """The same rule on what nvcc makes of it, macro-made entry points included: in the sm_90 PTX of every
+    module each .entry runs griddepcontrol.wait before its first global-memory instruction (a load, store,
+    atomic, reduction or bulk copy)."""
+    import re
+    from llmc.runtime import compile_ptx
+    mem = re.compile(r"^\s*(@%p\d+\s+)?(ld|st|atom|red|cp|multimem|prefetch)\.[\w:.]*global", re.M)
+    n = 0
+    for module in cuda_sources():
+        ptx = compile_ptx(module, "sm_90")
+        starts = [m.start() for m in re.finditer(r"^\.(visible\s+)?\.entry\s", ptx, re.M)] + [len(ptx)]
+        for a, b in zip(starts, starts[1:]):
+            body = ptx[a:b]
+            name = re.search(r"\.entry\s+(\w+)", body).group(1)
+            wait, first = body.find("griddepcontrol.wait"), mem.search(body)
+            assert wait >= 0, f"cuda/{module}.cu: {name} never waits (griddepcontrol.wait)"
+            assert first is None or wait < first.start(), \
+                f"cuda/{module}.cu: {name} touches global memory before it waits: {first.group(0).strip()!r}"
+            n += 1
+    assert n >= 190, n
