@@ -352,42 +352,30 @@ __device__ __forceinline__ void classifier3_row(float* losses, T* logits, const 
     zero_padding<T, VEC>(x, nv, Vp);
 }
 
-extern "C" __global__ void classifier_kernel3(float* losses, float* logits, const int* targets,
-                                              float dloss, int write_dlogits, int N, int V, int Vp) {
-    LLMC_PDL_WAIT();
-    classifier3_row<float, 4>(losses, logits, targets, dloss, write_dlogits, N, V, Vp);
-}
-// two resident blocks of 1024 threads per SM need <= 32 registers per thread
-extern "C" __global__ void __launch_bounds__(1024, 2) classifier_kernel3_bf16(
-        float* losses, bf16* logits, const int* targets, float dloss, int write_dlogits, int N, int V, int Vp) {
-    LLMC_PDL_WAIT();
-    classifier3_row<bf16, 8>(losses, logits, targets, dloss, write_dlogits, N, V, Vp);  // Vp % 8 == 0
-}
-extern "C" __global__ void __launch_bounds__(1024, 2) classifier_kernel3_bf16_vec4(
-        float* losses, bf16* logits, const int* targets, float dloss, int write_dlogits, int N, int V, int Vp) {
-    LLMC_PDL_WAIT();
-    classifier3_row<bf16, 4>(losses, logits, targets, dloss, write_dlogits, N, V, Vp);  // Vp % 4 == 0
-}
+// The entry points of versions 3, 5, 6 and 7: classifier_kernel<ID> (fp32, VEC 4), <ID>_bf16 (VEC 8,
+// Vp % 8 == 0) and <ID>_bf16_vec4 (VEC 4, Vp % 4 == 0), each running ROW<T, VEC, ...> on its arguments.
+// The bf16 ones' launch bounds: two resident blocks of 1024 threads per SM need <= 32 registers per thread.
+#define CLS_ROW_ENTRY_BF16(NAME, VEC, ROW, ...)                                                            \
+    extern "C" __global__ void __launch_bounds__(1024, 2) NAME(float* losses, bf16* logits,                \
+            const int* targets, float dloss, int write_dlogits, int N, int V, int Vp) {                    \
+        LLMC_PDL_WAIT();                                                                                   \
+        ROW<bf16, VEC, ##__VA_ARGS__>(losses, logits, targets, dloss, write_dlogits, N, V, Vp);            \
+    }
+#define CLS_ROW_ENTRIES(ID, ROW, ...)                                                                      \
+    extern "C" __global__ void classifier_kernel##ID(float* losses, float* logits, const int* targets,     \
+            float dloss, int write_dlogits, int N, int V, int Vp) {                                        \
+        LLMC_PDL_WAIT();                                                                                   \
+        ROW<float, 4, ##__VA_ARGS__>(losses, logits, targets, dloss, write_dlogits, N, V, Vp);             \
+    }                                                                                                      \
+    CLS_ROW_ENTRY_BF16(classifier_kernel##ID##_bf16, 8, ROW, ##__VA_ARGS__)                                \
+    CLS_ROW_ENTRY_BF16(classifier_kernel##ID##_bf16_vec4, 4, ROW, ##__VA_ARGS__)
+CLS_ROW_ENTRIES(3, classifier3_row)
 
 // version 5: version 3 with the exponentials on the SFU (cls_exp<true>: __expf). At GPT-2's shape in
 // bf16 a row is ~2 exponentials per logit; with expf that is ~35 instructions per logit in all, which
 // at ~30 T lane-instructions/s on an H100 is 0.23 ms for N = 4096: most of the 0.28 ms the bytes take,
 // so the kernel was issue-bound beside its memory traffic. __expf brings it to ~20.
-extern "C" __global__ void classifier_kernel5(float* losses, float* logits, const int* targets,
-                                              float dloss, int write_dlogits, int N, int V, int Vp) {
-    LLMC_PDL_WAIT();
-    classifier3_row<float, 4, true>(losses, logits, targets, dloss, write_dlogits, N, V, Vp);
-}
-extern "C" __global__ void __launch_bounds__(1024, 2) classifier_kernel5_bf16(
-        float* losses, bf16* logits, const int* targets, float dloss, int write_dlogits, int N, int V, int Vp) {
-    LLMC_PDL_WAIT();
-    classifier3_row<bf16, 8, true>(losses, logits, targets, dloss, write_dlogits, N, V, Vp);
-}
-extern "C" __global__ void __launch_bounds__(1024, 2) classifier_kernel5_bf16_vec4(
-        float* losses, bf16* logits, const int* targets, float dloss, int write_dlogits, int N, int V, int Vp) {
-    LLMC_PDL_WAIT();
-    classifier3_row<bf16, 4, true>(losses, logits, targets, dloss, write_dlogits, N, V, Vp);
-}
+CLS_ROW_ENTRIES(5, classifier3_row, true)
 
 // version 7: version 5 with each exponential as one FFMA and one MUFU.EX2: e^(x - m) = 2^(x log2e -
 // m log2e), with m log2e kept beside m, and in the write pass 1/s and dloss folded into the offset
@@ -469,21 +457,7 @@ __device__ __forceinline__ void classifier7_row(float* losses, T* logits, const 
     zero_padding<T, VEC>(x, nv, Vp);
 }
 
-extern "C" __global__ void classifier_kernel7(float* losses, float* logits, const int* targets,
-                                              float dloss, int write_dlogits, int N, int V, int Vp) {
-    LLMC_PDL_WAIT();
-    classifier7_row<float, 4>(losses, logits, targets, dloss, write_dlogits, N, V, Vp);
-}
-extern "C" __global__ void __launch_bounds__(1024, 2) classifier_kernel7_bf16(
-        float* losses, bf16* logits, const int* targets, float dloss, int write_dlogits, int N, int V, int Vp) {
-    LLMC_PDL_WAIT();
-    classifier7_row<bf16, 8>(losses, logits, targets, dloss, write_dlogits, N, V, Vp);  // Vp % 8 == 0
-}
-extern "C" __global__ void __launch_bounds__(1024, 2) classifier_kernel7_bf16_vec4(
-        float* losses, bf16* logits, const int* targets, float dloss, int write_dlogits, int N, int V, int Vp) {
-    LLMC_PDL_WAIT();
-    classifier7_row<bf16, 4>(losses, logits, targets, dloss, write_dlogits, N, V, Vp);  // Vp % 4 == 0
-}
+CLS_ROW_ENTRIES(7, classifier7_row)
 
 // version 8: version 7, whose loss-only form (write_dlogits = 0: evaluation) ran at 75% of a copy of its
 // bytes in bf16 (H200): it staged the whole row in shared memory (100.5 KB), so two rows an SM, each
@@ -592,21 +566,7 @@ extern "C" __global__ void classifier_kernel4(float* losses, float* logits, cons
     LLMC_PDL_WAIT();
     classifier4_rows<float, 4>(losses, logits, targets, dloss, write_dlogits, N, V, Vp);
 }
-extern "C" __global__ void classifier_kernel6(float* losses, float* logits, const int* targets,
-                                              float dloss, int write_dlogits, int N, int V, int Vp) {
-    LLMC_PDL_WAIT();
-    classifier4_rows<float, 4, true>(losses, logits, targets, dloss, write_dlogits, N, V, Vp);
-}
-extern "C" __global__ void __launch_bounds__(1024, 2) classifier_kernel6_bf16(
-        float* losses, bf16* logits, const int* targets, float dloss, int write_dlogits, int N, int V, int Vp) {
-    LLMC_PDL_WAIT();
-    classifier4_rows<bf16, 8, true>(losses, logits, targets, dloss, write_dlogits, N, V, Vp);  // Vp % 8 == 0
-}
-extern "C" __global__ void __launch_bounds__(1024, 2) classifier_kernel6_bf16_vec4(
-        float* losses, bf16* logits, const int* targets, float dloss, int write_dlogits, int N, int V, int Vp) {
-    LLMC_PDL_WAIT();
-    classifier4_rows<bf16, 4, true>(losses, logits, targets, dloss, write_dlogits, N, V, Vp);  // Vp % 4 == 0
-}
+CLS_ROW_ENTRIES(6, classifier4_rows, true)
 
 // ----------------------------------------------------------------------------------------------
 // The classifier folded into the lm head's GEMMs (the model's `fold` form, LLMC_CLASSIFIER_FOLD;

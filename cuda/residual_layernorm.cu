@@ -23,31 +23,40 @@
 // C % 8 != 0. 25.2 MB at N = 4096, C = 768 (8.4 us at 2.98 TB/s).
 #include "layernorm.cuh"  // LN_EPS, hsum4, ln_row_stats, the templated row helpers (common.cuh, elem.cuh)
 
+// variant 2: scalar, any C; passes 2 and 3 re-read this lane's own residual values (L1 hits). T: float
+// or bf16 (to_f32 and from_f32 of a float are the value itself)
+template <typename T>
+__device__ __forceinline__ void residual_layernorm_forward2_t(T* residual, T* out, float* mean,
+        float* rstd, const T* inp1, const T* inp2, const T* weight, const T* bias, int N, int C) {
+    int lane = threadIdx.x % WARP_SIZE;
+    int row = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
+    if (row >= N) return;
+    const size_t off = (size_t)row * C;
+    const T* a = inp1 + off;
+    const T* b = inp2 + off;
+    T* r = residual + off;
+    float sum = 0.0f;
+    for (int c = lane; c < C; c += WARP_SIZE) {
+        T v = from_f32<T>(to_f32(a[c]) + to_f32(b[c]));
+        r[c] = v;
+        sum += to_f32(v);
+    }
+    const float m = warp_reduce_sum(sum) / C;
+    float var = 0.0f;
+    for (int c = lane; c < C; c += WARP_SIZE) { float d = to_f32(r[c]) - m; var += d * d; }
+    const float s = rsqrtf(warp_reduce_sum(var) / C + LN_EPS);
+    T* o = out + off;
+    for (int c = lane; c < C; c += WARP_SIZE)
+        o[c] = from_f32<T>((to_f32(r[c]) - m) * s * to_f32(weight[c]) + to_f32(bias[c]));
+    if (lane == 0) { mean[row] = m; rstd[row] = s; }
+}
+
 // residual (N,C) =, out (N,C) =, mean (N) =, rstd (N) =, inp1 (N,C), inp2 (N,C), weight (C), bias (C)
 extern "C" __global__ void residual_layernorm_forward_kernel2(float* residual, float* out, float* mean,
         float* rstd, const float* inp1, const float* inp2, const float* weight, const float* bias,
         int N, int C) {
     LLMC_PDL_WAIT();
-    int lane = threadIdx.x % WARP_SIZE;
-    int row = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
-    if (row >= N) return;
-    const size_t off = (size_t)row * C;
-    const float* a = inp1 + off;
-    const float* b = inp2 + off;
-    float* r = residual + off;
-    float sum = 0.0f;
-    for (int c = lane; c < C; c += WARP_SIZE) {
-        float v = a[c] + b[c];
-        r[c] = v;
-        sum += v;
-    }
-    const float m = warp_reduce_sum(sum) / C;
-    float var = 0.0f;
-    for (int c = lane; c < C; c += WARP_SIZE) { float d = r[c] - m; var += d * d; }
-    const float s = rsqrtf(warp_reduce_sum(var) / C + LN_EPS);
-    float* o = out + off;
-    for (int c = lane; c < C; c += WARP_SIZE) o[c] = (r[c] - m) * s * weight[c] + bias[c];
-    if (lane == 0) { mean[row] = m; rstd[row] = s; }
+    residual_layernorm_forward2_t<float>(residual, out, mean, rstd, inp1, inp2, weight, bias, N, C);
 }
 
 template <int NV>
@@ -100,34 +109,7 @@ RLN_ENTRY(9) RLN_ENTRY(10) RLN_ENTRY(11) RLN_ENTRY(12) RLN_ENTRY(13) RLN_ENTRY(1
 RLN_ENTRY(16)
 
 // ----------------------------------------------------------------------------------------------
-// bf16 builds, templated on the element type T (only the bf16 instantiations have entry points)
-
-// variant 2: scalar, any C; passes 2 and 3 re-read this lane's own residual values (L1 hits)
-template <typename T>
-__device__ __forceinline__ void residual_layernorm_forward2_t(T* residual, T* out, float* mean,
-        float* rstd, const T* inp1, const T* inp2, const T* weight, const T* bias, int N, int C) {
-    int lane = threadIdx.x % WARP_SIZE;
-    int row = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
-    if (row >= N) return;
-    const size_t off = (size_t)row * C;
-    const T* a = inp1 + off;
-    const T* b = inp2 + off;
-    T* r = residual + off;
-    float sum = 0.0f;
-    for (int c = lane; c < C; c += WARP_SIZE) {
-        T v = from_f32<T>(to_f32(a[c]) + to_f32(b[c]));
-        r[c] = v;
-        sum += to_f32(v);
-    }
-    const float m = warp_reduce_sum(sum) / C;
-    float var = 0.0f;
-    for (int c = lane; c < C; c += WARP_SIZE) { float d = to_f32(r[c]) - m; var += d * d; }
-    const float s = rsqrtf(warp_reduce_sum(var) / C + LN_EPS);
-    T* o = out + off;
-    for (int c = lane; c < C; c += WARP_SIZE)
-        o[c] = from_f32<T>((to_f32(r[c]) - m) * s * to_f32(weight[c]) + to_f32(bias[c]));
-    if (lane == 0) { mean[row] = m; rstd[row] = s; }
-}
+// bf16 builds, templated on the element type T (variant 3's template has bf16 entry points only)
 
 // variant 3: the residual row in registers (as fp32 of its rounded values), residual and out written
 // once. All 2*NV 16-byte loads of the row are issued (held packed) before the first residual store:
