@@ -295,6 +295,17 @@ __device__ __forceinline__ void gemm_store_staged(float (&acc)[WM / 16][WN / 8][
     }
 }
 
+// The mma accumulators, zeroed element by element (`= {}` instead changes the SASS of some tn kernels).
+template <int MI, int NI>
+__device__ __forceinline__ void zero_acc(float (&acc)[MI][NI][4]) {
+#pragma unroll
+    for (int i = 0; i < MI; i++)
+#pragma unroll
+        for (int j = 0; j < NI; j++)
+#pragma unroll
+            for (int r = 0; r < 4; r++) acc[i][j][r] = 0.0f;
+}
+
 template <bool TA, bool TB, int BM, int BN, int WM, int WN, int STAGES, int VEC>
 __device__ __forceinline__ void gemm_tf32_body(float* C, const float* A, const float* B, const float* bias,
                                                float* W, int M, int N, int K, int lda, int ldb, int ldc,
@@ -328,12 +339,7 @@ __device__ __forceinline__ void gemm_tf32_body(float* C, const float* A, const f
     };
 
     float acc[MI][NI][4];
-#pragma unroll
-    for (int i = 0; i < MI; i++)
-#pragma unroll
-        for (int j = 0; j < NI; j++)
-#pragma unroll
-            for (int r = 0; r < 4; r++) acc[i][j][r] = 0.0f;
+    zero_acc(acc);
 
 #pragma unroll
     for (int s = 0; s < STAGES - 1; s++) {
@@ -737,12 +743,7 @@ __device__ __forceinline__ void gemm_e4_body(float* C, const float* A, const flo
     E4Loader<TileB> lb(B, ldb, n0, N, tid, sb0, kt0 * BK);
 
     float acc[MI][NI][4];
-#pragma unroll
-    for (int i = 0; i < MI; i++)
-#pragma unroll
-        for (int j = 0; j < NI; j++)
-#pragma unroll
-            for (int r = 0; r < 4; r++) acc[i][j][r] = 0.0f;
+    zero_acc(acc);
 
 #pragma unroll
     for (int s = 0; s < STAGES - 1; s++) {
