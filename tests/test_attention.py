@@ -1008,6 +1008,10 @@ def test_attention_backward5_main_zeroes_launches_without_gpu(switch, monkeypatc
         monkeypatch.delenv("LLMC_ATT5_MAIN_ZERO", raising=False)
     else:
         monkeypatch.setenv("LLMC_ATT5_MAIN_ZERO", switch)
+    import re
+    from llmc.runtime import CUDA_DIR
+    cu = (CUDA_DIR / "attention_wgmma.cu").read_text()  # the .cu's mbarriers and the smem the build asks for
+    assert int(re.search(r"constexpr int ZERO_TILES = (\d+);", cu).group(1)) == A.WGMMA5_ZERO_TILES
     B, T, C, NH = 2, 130, 768, 12
     default = switch == "1"
     with pytest.raises(LLMCError, match="in-place form"):

@@ -809,11 +809,15 @@ def build_flash_attention_backward_wgmma(rt, B, T, C, NH, overlap=False, qkv_in_
     return Built(launch, scratch={"D": D})
 
 
+WGMMA5_ZERO_TILES = 16  # (main_zeroes form) ZERO_TILES in the .cu: its zero_ready mbarriers, T <= 16 x 128
+
+
 def wgmma5_smem(stages: int = 2) -> int:
     """Variant 5's main kernel (DKDVQ_SMEM in the .cu): the dk/dv kernel's bytes, a ring of two 32 KB
     buffers of a tile's dS^T (128 keys x 128 queries bf16) and their 4 mbarriers, each consumer's 16 KB
-    of dq rows (fp32) staged for the TMA, and the main_zeroes form's ZERO_TILES = 16 zero_ready mbarriers."""
-    return wgmma_bwd_smem(stages)[1] + 2 * 2 * WGMMA_BQ * 128 + 2 * 64 * FLASH_HS * 4 + 8 * 2 * 2 + 8 * 16
+    of dq rows (fp32) staged for the TMA, and the main_zeroes form's zero_ready mbarriers."""
+    return (wgmma_bwd_smem(stages)[1] + 2 * 2 * WGMMA_BQ * 128 + 2 * 64 * FLASH_HS * 4 + 8 * 2 * 2
+            + 8 * WGMMA5_ZERO_TILES)
 
 
 def build_flash_attention_backward_wgmma5(rt, B, T, C, NH, qkv_in_place=False, pingpong=None, caller_zeroes=False,
@@ -854,12 +858,12 @@ def build_flash_attention_backward_wgmma5(rt, B, T, C, NH, qkv_in_place=False, p
                                         f"allows {rt.max_smem_optin}")
     nqb = ceil_div(T, WGMMA_BQ)
     if main_zeroes is None:
-        main_zeroes = switches.on("LLMC_ATT5_MAIN_ZERO") and qkv_in_place and nqb <= 16
+        main_zeroes = switches.on("LLMC_ATT5_MAIN_ZERO") and qkv_in_place and nqb <= WGMMA5_ZERO_TILES
     main_zeroes = bool(main_zeroes) and not caller_zeroes
     if main_zeroes and not qkv_in_place:
         raise LLMCError("attention_backward 5: main_zeroes needs the in-place form (qkv_in_place=True)")
-    if main_zeroes and nqb > 16:
-        raise LLMCError(f"attention_backward 5: main_zeroes takes T <= {16 * WGMMA_BQ} (got T={T})")
+    if main_zeroes and nqb > WGMMA5_ZERO_TILES:
+        raise LLMCError(f"attention_backward 5: main_zeroes takes T <= {WGMMA5_ZERO_TILES * WGMMA_BQ} (got T={T})")
     D = rt.empty((B, NH, T))             # fp32
     # fp32: the dq accumulator, zeroed by prep at every call (caller_zeroes: here, then by the caller;
     # main_zeroes: by the main kernel)
