@@ -14,6 +14,12 @@ module compared is identical, 1 when any differs, 2 when a build fails or a tool
 to the kernel cache (LLMC_CACHE), keyed by the sources, so both sides' builds are reused by the next run and
 by the trainer. Session 45 checked its clean-up of cuda/gemm_wgmma.cu and cuda/hopper.cuh this way (three
 builds of gemm_wgmma and attention_wgmma identical to the previous commit's).
+
+ptxas is not always deterministic: on a loaded machine the same source can come out in more than one form
+(session 46: layernorm_backward_kernel5_colsum_bf16_nv5 in two forms over four builds at once on 2 CPUs; one
+after the other, four builds gave one). So a module with functions that differ is built again, --rebuilds
+times a side (default 2), one build at a time, each into an empty cache; a function whose forms on the two
+sides overlap is reported as "varies" (the same code the base can produce), not as a difference.
 """
 import argparse
 import io
@@ -52,6 +58,20 @@ def compare(new: dict, old: dict) -> dict:
             differ[name] = sum(x != y for x, y in zip(a, b)) + abs(len(a) - len(b))
     return {"same": same, "differ": differ, "added": sorted(set(new) - set(old)),
             "removed": sorted(set(old) - set(new))}
+
+
+def settle(differ: dict, new_builds: list, old_builds: list) -> tuple:
+    """After rebuilds: differ ({name: lines}) split into (still differing, varying), where a name varies when
+    some build of the tree and some build of the base gave it the same SASS (function maps, one a build)."""
+    still, varies = {}, []
+    for name, n in differ.items():
+        forms_new = {b.get(name) for b in new_builds}
+        forms_old = {b.get(name) for b in old_builds}
+        if (forms_new & forms_old) - {None}:
+            varies.append(name)
+        else:
+            still[name] = n
+    return still, varies
 
 
 def includes(text: str) -> set:
@@ -98,12 +118,27 @@ def build(tree: Path | None, module: str, arch: str, defines: dict) -> Path:
     return Path(r.stdout.strip().splitlines()[-1])
 
 
+def rebuild_sass(tree: Path, module: str, arch: str, defines: dict) -> str:
+    """One more build of tree's cuda/<module>.cu into an empty cache (ptxas afresh), its SASS listing."""
+    from llmc.runtime import sass
+    with tempfile.TemporaryDirectory() as cache:
+        code = (f"from llmc.runtime import compile_cubin\n"
+                f"print(compile_cubin({module!r}, {arch!r}, {defines!r})[0])")
+        r = subprocess.run([sys.executable, "-c", code], cwd=tree, capture_output=True, text=True,
+                           env={**os.environ, "PYTHONPATH": str(tree), "LLMC_CACHE": cache})
+        if r.returncode != 0:
+            raise RuntimeError(r.stderr.strip().splitlines()[-1] if r.stderr.strip() else f"exit {r.returncode}")
+        return sass(Path(r.stdout.strip().splitlines()[-1]))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("modules", nargs="*", help="modules of cuda/ (default: those whose sources differ from --base)")
     ap.add_argument("--base", default="HEAD", help="the revision to compare with (default HEAD)")
     ap.add_argument("--define", action="append", default=[], metavar="MODULE:NAME=VALUE",
                     help="a -D define for that module's builds on both sides (repeatable)")
+    ap.add_argument("--rebuilds", type=int, default=2,
+                    help="builds of each side again where functions differ (ptxas may vary; default 2)")
     args = ap.parse_args(argv)
     from llmc.runtime import ARCH_SPECIFIC, CUDA_DIR, CudaError, nvcc_path, sass
     if nvcc_path() is None:
@@ -145,11 +180,25 @@ def main(argv=None) -> int:
                       "nvidia-cuda-nvdisasm", file=sys.stderr)
                 return 2
             c = compare(functions(new_sass), functions(old_sass))
+            varies: list = []
+            if c["differ"] and args.rebuilds > 0:  # ptxas may vary: more builds of both sides, one at a time
+                try:
+                    news = [functions(new_sass)] + [functions(rebuild_sass(ROOT, m, arch, d))
+                                                    for _ in range(args.rebuilds)]
+                    olds = [functions(old_sass)] + [functions(rebuild_sass(Path(tmp), m, arch, d))
+                                                    for _ in range(args.rebuilds)]
+                except RuntimeError as e:
+                    print(f"{what}: rebuild failed: {e}", file=sys.stderr)
+                    return 2
+                c["differ"], varies = settle(c["differ"], news, olds)
+                c["same"] = sorted(c["same"] + varies)
             ok = not (c["differ"] or c["added"] or c["removed"])
             print(f"{what}: {len(c['same'])} functions identical to {args.base}'s"
                   + ("" if ok else f", {len(c['differ'])} differ, {len(c['added'])} new, {len(c['removed'])} gone"))
+            for name in varies:
+                print(f"  varies: {name} (ptxas gave it more than one form; the tree's and the base's overlap)")
             for name, n in c["differ"].items():
-                print(f"  differs: {name} ({n} instruction lines)")
+                print(f"  differs: {name} ({n} instruction lines, in {1 + args.rebuilds} builds of each side)")
             for name in c["added"]:
                 print(f"  new: {name}")
             for name in c["removed"]:

@@ -42,6 +42,17 @@ def test_functions_and_compare():
     assert c["same"] == [] and c["differ"] == {"k1": 1} and c["added"] == ["k3"] and c["removed"] == ["k2"]
 
 
+def test_a_function_ptxas_varies_is_settled_by_overlapping_forms():
+    """settle(): a differing function whose forms over the rebuilds overlap on the two sides varies (not a
+    difference); one whose forms never meet still differs; a function one build lacks is no form."""
+    a, b, c = "LDC R1", "S2R R2", "EXIT"
+    news = [{"k1": a, "k2": c}, {"k1": b, "k2": c}]
+    olds = [{"k1": b, "k2": a}, {"k2": b}]
+    still, varies = sd.settle({"k1": 1, "k2": 1}, news, olds)
+    assert varies == ["k1"] and still == {"k2": 1}
+    assert sd.settle({"k3": 2}, [{"k3": a}], [{}]) == ({"k3": 2}, [])
+
+
 def test_a_header_reaches_the_modules_that_include_it():
     cuda = ROOT / "cuda"
     assert sd.modules_touching({"hopper.cuh"}, cuda) == ["attention_wgmma", "gemm_wgmma"]
