@@ -213,8 +213,8 @@ for form in (("plain", "dq overlap", "in place", "in place, pingpong") if "bf16"
 # a D / zeroing pass before and a conversion pass after. FLOPs on 4's 7-product basis (the times compare).
 # "main zeroes": the main kernel zeroes each head's accumulator rows just before its reductions (prep
 # only writes D)
-for form in (("plain", "in place, pingpong", "in place, pingpong, main zeroes") if "bf16" in DTYPES and rt.arch == "sm_90"
-             else ()):
+FORMS5 = ("plain", "in place, pingpong", "in place, pingpong, main zeroes")
+for form in (FORMS5 if "bf16" in DTYPES and rt.arch == "sm_90" else ()):
     built = A.build_flash_attention_backward_wgmma5(rt, B=B, T=T, C=C, NH=NH, qkv_in_place="in place" in form,
                                                     main_zeroes="main zeroes" in form)
     qkv5 = d_inp_b if "in place" in form else d_qkvr_b
@@ -225,7 +225,9 @@ for form in (("plain", "in place, pingpong", "in place, pingpong, main zeroes") 
             zeros = 0 if built.info["main_zeroes"] else 4 * B * T * C
             nbytes = {"prep": 2 * 2 * B * T * C + zeros + 4 * B * NH * T,  # dout, out; zeros; D
                       "convert": 4 * B * T * C + 2 * B * T * C}.get(name)          # dq fp32 in, bf16 out
-            L.time(f"  attention_backward 5 bf16{', main zeroes' if built.info['main_zeroes'] else ''}, {name} alone", lambda f=f: f(d_dinp_b, d_dout_b, qkv5, d_lse_b, d_out_b),
+            mz = ", main zeroes" if built.info["main_zeroes"] else ""
+            L.time(f"  attention_backward 5 bf16{mz}, {name} alone",
+                   lambda f=f: f(d_dinp_b, d_dout_b, qkv5, d_lse_b, d_out_b),
                    bytes=nbytes, flops=None if nbytes else 5 * 2 * B * NH * (nt4 * (nt4 + 1) // 2) * 128 * 128 * hs,
                    ceiling="dram" if nbytes else None)
 # attention_backward 5's colsum form (the bf16 trainer's: qkv's bias gradient summed as dqkv is written)
