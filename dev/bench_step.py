@@ -31,7 +31,7 @@ import numpy as np
 
 from llmc import switches
 from llmc.backend import CudaBackend
-from llmc.config import config_from_name
+from llmc.config import config_from_name, llmc_train_bytes
 from llmc.data import read_shard
 from llmc.errors import LLMCError
 from llmc.model import GPT2
@@ -174,6 +174,10 @@ def main():
           f"({model.activation_bytes() / 2**30:.2f} GiB activations) | "
           f"{(total - free1) / 2**30:.2f} GiB used on the device (context included; "
           f"{(total - free0) / 2**30:.2f} GiB before the model)")
+    if args.precision == "bf16":  # (issue 13: memory below llm.c's at the same settings)
+        ref = sum(llmc_train_bytes(cfg, B, T, args.recompute).values())
+        print(f"llm.c's bf16 trainer at these settings allocates {ref / 2**30:.2f} GiB (its tensor sizes with cuDNN "
+              f"attention, llmc.config.llmc_train_bytes; its context and cuDNN's workspace not counted)")
 
 
 if __name__ == "__main__":

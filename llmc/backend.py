@@ -49,6 +49,7 @@ class Backend(Protocol):
     def download_async(self, host, buf): ...                       # queue buf -> host; .wait() for it
     def graph(self, fn, pdl=False): ...                            # pdl: programmatic launches inside
     def scratch_pool(self, pool): ...                               # context: builds share scratch (see Runtime)
+    def scratch_arena(self, buf, start): ...                        # context: builds' scratch cut from buf (see Runtime)
     def side(self, mark=None): ...                                 # context: launches on the side stream
     def side_wait(self, mark): ...                                  # main waits for the side up to mark
     def side_join(self): ...                                        # main waits for all of the side
@@ -254,6 +255,10 @@ class CpuBackend(_Choosing):
         """(numpy builds keep no scratch)"""
         return contextlib.nullcontext()
 
+    def scratch_arena(self, buf, start):
+        """(numpy builds keep no scratch)"""
+        return contextlib.nullcontext()
+
     def side_wait(self, mark):
         pass
 
@@ -397,6 +402,11 @@ class CudaBackend(_Choosing):
         """Context: the op builds inside share their scratch buffers with earlier builds under the same
         pool (Runtime.scratch_pool): only for builds that never run at the same time."""
         return self.rt.scratch_pool(pool)
+
+    def scratch_arena(self, buf, start):
+        """Context: the op builds inside cut their new scratch buffers from buf's bytes past `start`
+        while they fit (Runtime.scratch_arena)."""
+        return self.rt.scratch_arena(buf, start)
 
     @contextlib.contextmanager
     def side(self, mark=None):

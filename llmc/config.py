@@ -101,3 +101,31 @@ def param_layout(cfg: GPT2Config) -> list[tuple[str, int, int]]:
         out.append((name, off, size))
         off += size
     return out
+
+
+def llmc_train_bytes(cfg: GPT2Config, B: int, T: int, recompute: int = 1, cudnn: bool = True) -> dict[str, int]:
+    """The bytes llm.c's bf16 trainer (train_gpt2.cu, master weights on, single GPU) allocates on the
+    device for this model and batch, by part, from the sizes of its tensors; for comparing memory at the
+    same settings (issue 13), since llm.c itself is not run here. Parameters and their gradients in
+    bf16; AdamW's m and v and the master weights in fp32; its 21 activation tensors (bf16 but the
+    layernorm statistics, the losses and cuDNN's per-row softmax statistics, fp32) with its recompute
+    rule: -r 1 keeps one layer's GELU output, -r 2 keeps no layernorm output (it recomputes into
+    another buffer); its (B, T, max(3C, NH*T, Vp)) output buffer; without cuDNN the (L, B, NH, T, T)
+    attention matrix instead of the statistics. Plus cuBLASLt's 32 MiB workspace and the (B, T) inputs
+    and targets. Not counted: cuDNN's own workspace (sized by cuDNN at run time) and the CUDA context
+    with the cuBLAS and cuDNN libraries, which the device's memory-in-use figure includes."""
+    L, C, NH, Vp = cfg.num_layers, cfg.channels, cfg.num_heads, cfg.padded_vocab_size
+    N, P = B * T, cfg.num_parameters
+    ln = L * N * C if recompute < 2 else 0
+    bf16 = {"encoded": N * C, "ln1": ln, "atty": L * N * C, "residual2": L * N * C, "ln2": ln,
+            "fch": L * N * 4 * C, "fch_gelu": (L if recompute < 1 else 1) * N * 4 * C, "residual3": L * N * C,
+            "lnf": N * C, "qkvr": L * N * 3 * C, "output": N * max(3 * C, NH * T, Vp),
+            "scratch_bt4c": N * 4 * C, "scratch_btc": N * C}
+    fp32 = {"ln1, ln2 mean and rstd": 4 * L * N, "lnf mean and rstd, losses": 3 * N}
+    if cudnn:
+        fp32["att (softmax statistics)"] = L * B * NH * T
+    else:
+        bf16["att"] = L * B * NH * T * T
+    return {"params": 2 * P, "grads": 2 * P, "adamw": 8 * P, "master": 4 * P,
+            "activations": 2 * sum(bf16.values()) + 4 * sum(fp32.values()), "workspace": 32 << 20,
+            "batch": 2 * 4 * N}

@@ -138,7 +138,7 @@ class GPT2:
                  optimizer: bool = True, recompute: int = 1, fuse_bias: bool | None = None,
                  fuse_gelu: bool | None = None, fuse_dgelu: bool | None = None,
                  fuse_gelu_recompute: bool | None = None, side_stream: bool | None = None,
-                 fold: bool | None = None):
+                 fold: bool | None = None, share_scratch: bool | None = None):
         if T > cfg.max_seq_len:
             raise LLMCError(f"-t/--seq-len {T}: longer than the model's max sequence length {cfg.max_seq_len}")
         if B < 1 or T < 1:
@@ -183,6 +183,13 @@ class GPT2:
         if fold is None:  # (a classifier variant named on the command line runs in training: no fold)
             fold = switches.on("LLMC_CLASSIFIER_FOLD") and not be.named("classifier")
         fold = bool(training and fold)
+        # The one-layer scratch views (the attproj and fcproj outputs, -r's recomputed GELU and layernorm
+        # outputs, the backward's d residual, d qkv and d fch) live inside the logits' (B, T, Vp) buffer,
+        # which holds logits only from the lm head's forward to its backward (share_scratch=None:
+        # LLMC_SHARE_SCRATCH, default 1; _scratch_phase, _layout). Decided before the memory check
+        if share_scratch is None:
+            share_scratch = switches.on("LLMC_SHARE_SCRATCH")
+        self.share_scratch = bool(share_scratch)
         self._check_memory(att_colsum=att_cs is not None, fold_bytes=be.fold_bytes(N, V, Vp, C) if fold else 0)
 
         # -- parameters (and their gradients, AdamW state): one flat buffer each, views per tensor
@@ -267,6 +274,14 @@ class GPT2:
             # (an A/B of LLMC_FUSED_DGELU=1 at -r 1 compares one step with itself: sessions 44-45 did)
             _note_once("note: LLMC_FUSED_DGELU=1 changes nothing with -r 1 or 2: gelu_backward's recompute form "
                        "takes the dgelu form's place (-r 0 or LLMC_FUSED_GELU_RECOMPUTE=0 for the dgelu form)")
+        # -- activations: one flat buffer per dtype (bf16 mode: the bf16 one and the fp32 one; fp32
+        # mode: one) and, with share_scratch, the logits' place ("arena"), views into them (shape comments
+        # are per view, in _activation_spec). Before the backward's builds, whose scratch may lie in the arena
+        spec = self._activation_spec(self.built["attention_forward"].saved_shape)
+        sizes, where = self._layout(spec)
+        self.acts_bufs = {buf: be.empty((n,), be.dtype if buf == "arena" else buf) for buf, n in sizes.items()}
+        self.a = {name: be.view(self.acts_bufs[where[name][0]], where[name][1], shape) for name, shape, _ in spec}
+
         self.side = False  # (training: below)
         self.ln_deferred = False  # (training: below)
         self.first_write = False  # (training: below)
@@ -284,6 +299,16 @@ class GPT2:
             # on a second stream"): bf16 32.50 against 33.09 ms at B=16, 9.79 against 10.35 at B=4;
             # fp32 67.36 against 68.96 and 19.30 against 19.76. Where a variant has no dinp_only /
             # dweight_only form: one stream.
+            # The backward's builds but the lm head's cut their scratch (GEMM partials, attention's dq
+            # accumulator, the layernorm backwards' partials, ...: what each launch writes before it reads)
+            # from the arena past the backward's views while it has room: the logits live there only from
+            # the lm head's forward to its backward, which reads them (so its own build stays out), and the
+            # next forward writes the arena only after the backward's side stream is joined
+            self.built["mmb_lmhead"] = op("matmul_backward", N=N, C=C, OC=Vp)
+            in_arena = contextlib.ExitStack()
+            if "arena" in self.acts_bufs:
+                in_arena.enter_context(be.scratch_arena(self.acts_bufs["arena"],
+                                                        self._arena_views_end * np.dtype(be.dtype).itemsize))
             if side_stream is None:
                 side_stream = switches.on("LLMC_SIDE_STREAM")
             split = {"fc": dict(N=N, C=C, OC=4 * C), "attproj": dict(N=N, C=C, OC=C), "qkv": dict(N=N, C=C, OC=3 * C)}
@@ -292,7 +317,6 @@ class GPT2:
             self.side = bool(forms) and None not in forms.values()
             # (att_cs: qkv's bias gradient in attention_backward's colsum form, decided above)
             self.built.update({
-                "mmb_lmhead": op("matmul_backward", N=N, C=C, OC=Vp),
                 "layernorm_backward": op("layernorm_backward", N=N, C=C),
                 "gelu_backward": op("gelu_backward", N=N * 4 * C),
                 "attention_backward": (op("attention_backward", prefer=att_cs, **att_shape, **att_kw, colsum=True)
@@ -398,6 +422,7 @@ class GPT2:
             # memset of every gradient (250 MB in bf16 at d12) and the dweight GEMMs of its first
             # micro-step no longer read theirs back. Where a GEMM's variant has no such form, its
             # gradient is zeroed with the rest; LLMC_FIRST_WRITE=0: the memset and += throughout (the A/B).
+            in_arena.close()  # (the first micro-step's twins below share their builds' scratch, nothing more)
             self.built_first = {}
             if switches.on("LLMC_FIRST_WRITE"):
                 fcproj = ("mmb_fcproj_dweight" if self.fused_gelu_recompute else
@@ -461,16 +486,6 @@ class GPT2:
                 raise LLMCError(f"attention: forward keeps {att_saved} for backward but backward needs {need}: "
                                 "give --attention-kernel and --attention-backward-kernel the same number")
 
-        # -- activations: one flat buffer per dtype (bf16 mode: the bf16 one and the fp32 one; fp32
-        # mode: one), views into them (shape comments are per view, in _activation_spec)
-        spec = self._activation_spec(att_saved)
-        self.acts_bufs = {dt: be.empty((sum(_align(_size(s)) for _, s, d in spec if d == dt),), dt)
-                          for dt in dict.fromkeys(d for _, _, d in spec)}
-        self.a = {}
-        offs = dict.fromkeys(self.acts_bufs, 0)
-        for name, shape, dt in spec:
-            self.a[name] = be.view(self.acts_bufs[dt], offs[dt], shape)
-            offs[dt] += _align(_size(shape))
         # per-layer activations that -r may turn into one-layer scratch: lay[name][l] is layer l's
         # view either way (the same scratch view for every l when recomputed)
         self.lay = {name: [self.a[name][l] if len(self.a[name].shape) == 4 else self.a[name] for l in range(L)]
@@ -554,6 +569,55 @@ class GPT2:
             spec += [("rc_mean", (B, T), "f32"), ("rc_rstd", (B, T), "f32")]
         return [(e[0], e[1], self.f32 if len(e) > 2 else np.dtype(self.be.dtype)) for e in spec]
 
+    def _scratch_phase(self, name: str) -> str | None:
+        """Where a one-layer scratch view lives with share_scratch: inside the logits' buffer, which holds
+        the logits only from the lm head's forward (the forward's last launches) to its backward (the
+        backward's first). "fwd": written and read by the forward's layers only (the attproj and fcproj
+        outputs; the qkv output when not in place); "bwd": by the backward's layers only, after the lm
+        head's backward has read the logits (d residual, d qkv, d fch; d btc is written by the lm head's
+        backward itself, so it keeps its own memory); "both": scratch that the forward and the backward
+        each write before they read it (-r 1 and 2: the GELU output; -r 2: ln1 and ln2). None: its own
+        memory. The backward ends with the side stream joined, so the next forward's writes come after
+        the side stream's last reads (the dweight GEMMs read d qkv, d fch, d residual and the GELU output)."""
+        r = self.recompute if self.training else 1
+        if name in ("attproj", "fcproj", "qkv"):
+            return "fwd"
+        if self.training and name in ("dresidual", "dqkv", "dfch"):
+            return "bwd"
+        if (name == "fch_gelu" and r >= 1) or (name in ("ln1", "ln2") and r == 2):
+            return "both"
+        return None
+
+    def _layout(self, spec) -> tuple[dict, dict]:
+        """({buffer: elements}, {name: (buffer, offset)}) of the activation views. A buffer is a dtype
+        (its views one after another, each 64-aligned) or, with share_scratch, "arena": the logits'
+        place, which also holds the scratch views (_scratch_phase) at the times the logits do not live:
+        the "both" views first, then the "fwd" views, and the "bwd" views again from the end of the
+        "both" ones (the two never live at the same time); as large as the largest of the three. The
+        backward's builds may cut their scratch from the arena past the views (GPT2.__init__)."""
+        shared = {name for name, _, _ in spec if self.share_scratch and self._scratch_phase(name)}
+        sizes, where = {}, {}
+        for name, shape, dt in spec:
+            if name in shared:
+                continue
+            if name == "logits" and shared:
+                end = {"both": 0}
+                for phase in ("both", "fwd", "bwd"):
+                    pos = end["both"] if phase != "both" else 0
+                    for sname, sshape, sdt in spec:
+                        if sname in shared and self._scratch_phase(sname) == phase:
+                            assert sdt == dt, (sname, sdt, dt)
+                            where[sname] = ("arena", pos)
+                            pos += _align(_size(sshape))
+                    end[phase] = pos
+                where[name] = ("arena", 0)
+                sizes["arena"] = max(_align(_size(shape)), end["fwd"], end["bwd"])
+                self._arena_views_end = end["bwd"]  # (elements: where the backward builds' scratch may start)
+                continue
+            where[name] = (dt, sizes.get(dt, 0))
+            sizes[dt] = sizes.get(dt, 0) + _align(_size(shape))
+        return sizes, where
+
     def activation_bytes(self) -> int:
         return sum(buf.size * buf.dtype.itemsize for buf in self.acts_bufs.values())
 
@@ -574,7 +638,8 @@ class GPT2:
         shape = dict(B=B, T=T, C=C, NH=NH)
         fwd = self.be.choose("attention_forward", **shape)
         att_saved = ops.get("attention_forward").saved_shape(fwd or None, **shape)
-        nbytes += sum(_align(_size(s)) * d.itemsize for _, s, d in self._activation_spec(att_saved))
+        nbytes += sum(n * np.dtype(self.be.dtype if d == "arena" else d).itemsize
+                      for d, n in self._layout(self._activation_spec(att_saved))[0].items())
         scratch = 0
         for name in ("attention_forward", "attention_backward") if self.training else ("attention_forward",):
             num = self.be.choose(name, **shape)

@@ -284,7 +284,13 @@ def take_scratch(rt, shape, dtype=np.float32):
             if i not in pool["taken"] and a.nbytes == nbytes:
                 pool["taken"].add(i)
                 return DevArray(rt, a.ptr, shape, dtype, a.owner)
-    a = rt.empty(shape, dtype)
+    arena = getattr(rt, "_scratch_arena", None)
+    start = -(-arena["used"] // 256) * 256 if arena is not None else 0
+    if arena is not None and start + nbytes <= arena["base"].nbytes:  # a piece of the arena, else its own
+        arena["used"] = start + nbytes
+        a = DevArray(rt, arena["base"].ptr + start, shape, dtype, arena["base"].owner or arena["base"])
+    else:
+        a = rt.empty(shape, dtype)
     if pool is not None:
         pool["taken"].add(len(pool["bufs"]))
         pool["bufs"].append(a)
@@ -302,6 +308,17 @@ def scratch_pool(rt, pool: dict):
         yield pool
     finally:
         rt._scratch_pool = prev
+
+
+@contextlib.contextmanager
+def scratch_arena(rt, base: "DevArray", start: int):
+    """Runtime.scratch_arena (also the fake runtime's)."""
+    prev = getattr(rt, "_scratch_arena", None)
+    rt._scratch_arena = {"base": base, "used": start}
+    try:
+        yield rt._scratch_arena
+    finally:
+        rt._scratch_arena = prev
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -738,6 +755,13 @@ class Runtime:
         pool (a dict the caller keeps), each buffer taken once per block. For builds that never run
         at the same time (the model's GEMM of one call site and its first micro-step's twin)."""
         return scratch_pool(self, pool)
+
+    def scratch_arena(self, base: DevArray, start: int):
+        """Context: the scratch() buffers that the builds inside allocate (not those a pool hands out
+        again) are cut from base's bytes past `start`, one after another (256-aligned), while they fit;
+        then empty(). For builds whose scratch lives only while memory that base holds at other times
+        is free (the model's backward builds in the logits' buffer: GPT2, share_scratch)."""
+        return scratch_arena(self, base, start)
 
     def to_device(self, host: np.ndarray) -> DevArray:
         host = np.ascontiguousarray(host)

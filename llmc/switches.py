@@ -122,6 +122,8 @@ _TABLE = [
           "dweight GEMMs add onto it, instead of writing it", "model"),
     _flag("LLMC_LN_DEFERRED", True, "1", "0: each fused layernorm backward finishes its column sums itself, "
           "not in one flush at the end of the backward", "model"),
+    _flag("LLMC_SHARE_SCRATCH", True, "1", "0: the forward's and the backward's one-layer scratch buffers and "
+          "the backward builds' scratch in memory of their own, not in the logits' buffer outside the lm head", "model"),
     _flag("LLMC_ATT5_SIDE_ZERO", False, "0", "1: bf16 attention_backward 5's dq accumulator zeroed on the side "
           "stream, not in its prep pass", "model"),
     # attention

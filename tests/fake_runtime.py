@@ -152,6 +152,10 @@ class FakeRuntime:
         from llmc.runtime import scratch_pool
         return scratch_pool(self, pool)
 
+    def scratch_arena(self, base, start):
+        from llmc.runtime import scratch_arena
+        return scratch_arena(self, base, start)
+
     def to_device(self, host) -> DevArray:
         host = np.ascontiguousarray(host)
         a = self.empty(host.shape, host.dtype)

@@ -438,7 +438,7 @@ def build_flash_attention_backward(rt, B, T, C, NH, version=2, defines=None, dty
     "bf16": dinp, dout, qkvr, out bf16; lse and the scratch D fp32; dq, dk, dv accumulate in fp32
     registers and are rounded once on the store."""
     _check_attention(B, T, C, NH)
-    D = rt.empty((B, NH, T))  # fp32 in both builds
+    D = rt.scratch((B, NH, T))  # fp32 in both builds
     label = f"attention_backward {version} (flash)"
     kq, smq = _flash_kernel(rt, "flash_attention_backward_dq_kernel", "PPPPPPiiif", "dq", version, label + " dq",
                             defines, dtype)
@@ -718,7 +718,7 @@ def _colsum_finish(rt, B, T, C, label, defines, dtype="bf16"):
     flash_attention_backward_colsum_finish_kernel_{bf16,fp32}), and check(dbias), which refuses a dbias the
     finish kernel can't take (the launchers call it before their first pass)."""
     R = B * ceil_div(T, 64) if dtype == "bf16" else B * ceil_div(T, WGMMA_BQ) * (WGMMA_BQ // 16)
-    part = rt.empty((R, 3 * C))
+    part = rt.scratch((R, 3 * C))
     kf = rt.kernel(WGMMA_MODULE, f"flash_attention_backward_colsum_finish_kernel_{dtype}", "PPii",
                    label=label + " colsum finish", defines=defines)
     grid = (ceil_div(3 * C // 4, 16), 1, 1)
@@ -776,7 +776,7 @@ def build_flash_attention_backward_wgmma(rt, B, T, C, NH, overlap=False, qkv_in_
         if smem > rt.max_smem_optin:
             refuse("attention_backward", 4, f"the {name} kernel needs {smem} bytes of shared memory, the device "
                                             f"allows {rt.max_smem_optin}")
-    D = rt.empty((B, NH, T))  # fp32
+    D = rt.scratch((B, NH, T))  # fp32
     label = "attention_backward 4 (flash, wgmma) bf16"
     pp = "_pingpong" if pingpong else ""
     sfx = "_overlap" if overlap else "_btc" + pp if qkv_in_place else ""
@@ -864,10 +864,10 @@ def build_flash_attention_backward_wgmma5(rt, B, T, C, NH, qkv_in_place=False, p
         raise LLMCError("attention_backward 5: main_zeroes needs the in-place form (qkv_in_place=True)")
     if main_zeroes and nqb > WGMMA5_ZERO_TILES:
         raise LLMCError(f"attention_backward 5: main_zeroes takes T <= {WGMMA5_ZERO_TILES * WGMMA_BQ} (got T={T})")
-    D = rt.empty((B, NH, T))             # fp32
+    D = rt.scratch((B, NH, T))           # fp32
     # fp32: the dq accumulator, zeroed by prep at every call (caller_zeroes: here, then by the caller;
     # main_zeroes: by the main kernel)
-    dq = rt.zeros((B, NH, T, FLASH_HS)) if caller_zeroes else rt.empty((B, NH, T, FLASH_HS))
+    dq = rt.zeros((B, NH, T, FLASH_HS)) if caller_zeroes else rt.scratch((B, NH, T, FLASH_HS))
     # (main_zeroes) a head's words: a flag per query tile (zeroed), then its CTAs past their waits
     zsync = rt.zeros((B * NH * (nqb + 1),), np.uint32) if main_zeroes else None
     label = "attention_backward 5 (flash, wgmma, dq by reductions) bf16"
@@ -1009,9 +1009,9 @@ def build_flash_attention_backward_wgmma_tf32(rt, B, T, C, NH, qkv_in_place=Fals
             refuse("attention_backward", 4, f"the tf32 {name} kernel needs {smem} bytes of shared memory, the "
                                             f"device allows {rt.max_smem_optin}")
     BNH, Tp = B * NH, ceil_div(T, 8) * 8
-    D = rt.empty((B, NH, T))
+    D = rt.scratch((B, NH, T))
     smt = _tf32_smem_transpose(B, T, NH, 3, rt) if smem_transpose is None else bool(smem_transpose)
-    kt, qt, dot = (None, None, None) if smt else (rt.empty((BNH, FLASH_HS, Tp)) for _ in range(3))
+    kt, qt, dot = (None, None, None) if smt else (rt.scratch((BNH, FLASH_HS, Tp)) for _ in range(3))
     kvt = None if smt else rt.kernel(WGMMA_MODULE, "attention_vt_kernel", "PPiiiiiq",
                                      label="attention_backward 4 tf32: transpose")
     label = "attention_backward 4 (flash, wgmma) tf32"

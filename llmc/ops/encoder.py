@@ -251,7 +251,7 @@ def _ranked(dtype):
         stok, spos, srun, slen = (rt.empty((S,), np.int32) for _ in range(4))
         place_rec = rt.empty((N, 4), np.int32)  # per place: position, start, count, token
         tickets = rt.zeros((N,), np.int32)  # each multi-piece token's finisher puts its ticket back to 0
-        partial = rt.empty((2 * ceil_div(N, ENC7_PIECE), C))
+        partial = rt.scratch((2 * ceil_div(N, ENC7_PIECE), C))
         n_, g_, gp_, b_, t_, c_ = (np.int32(x) for x in (N, G, GP, B, T, C))
         rank_grid = (ceil_div(S * GP, 256), 1, 1)
         sum_grid = (ceil_div(N, bs // 32), 1, 1)
@@ -308,7 +308,7 @@ def _host_ranked(dtype):
         _fits("encoder_backward", 8, k, bs)
         place_rec = rt.empty((N, 4), np.int32)  # written by the host (put_host_inputs, the model's set_batch)
         tickets = rt.zeros((N,), np.int32)      # each multi-piece token's finisher puts its ticket back to 0
-        partial = rt.empty((2 * ceil_div(N, ENC7_PIECE), C))
+        partial = rt.scratch((2 * ceil_div(N, ENC7_PIECE), C))
         b_, t_, c_, d_ = (np.int32(x) for x in (B, T, C, dwpe_blocks))
 
         def launch(dwte, dwpe, dout, inp):
@@ -388,7 +388,7 @@ def _host_ranked_sliced(dtype):
             k.set_max_dynamic_smem(smem)
         place_rec = rt.empty((N, 4), np.int32)  # written by the host (put_host_inputs, the model's set_batch)
         tickets = rt.zeros((N * S,), np.int32)  # each frequent token's finisher puts its slice's ticket back to 0
-        partial = rt.empty((2 * ceil_div(N, ENC7_PIECE), C))
+        partial = rt.scratch((2 * ceil_div(N, ENC7_PIECE), C))
         b_, t_, c_, h_, p_, d_ = (np.int32(x) for x in (B, T, C, H, piece_blocks, dwpe_blocks))
 
         def launch(dwte, dwpe, dout, inp):

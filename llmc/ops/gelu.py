@@ -134,7 +134,7 @@ def _colsum_variant(number, dtype="fp32", recompute=False):
         target = max(1, rt.sm_count * k.resident_blocks(256) // col_blocks)  # chunks for one full wave
         rows_per_chunk = 8 * ceil_div(ceil_div(rows, target), 8)
         nchunks = ceil_div(rows, rows_per_chunk)
-        partial = rt.empty((nchunks, OC), np.float32)
+        partial = rt.scratch((nchunks, OC), np.float32)
         counters = rt.zeros((col_blocks,), np.uint32)
         grid, args = (col_blocks, nchunks, 1), (np.int32(rows), np.int32(OC), np.int32(rows_per_chunk))
 

@@ -327,7 +327,7 @@ def _backward_deterministic(number, default_bs, per_nv, dtype="fp32"):
                 ins = rest[1:] if colsum else rest
                 k((G, 1, 1), (bs, 1, 1), dinp.ptr, part, *(a.ptr for a in ins), n_, c_, r_, smem=smem)
             return _deferred(rt, dtype, G, C, colsum, deferred, main, label)
-        scratch = rt.empty((min(N, MAX_BLOCKS), K, C), np.float32)  # per-block dweight | dbias (| colsum) partials
+        scratch = rt.scratch((min(N, MAX_BLOCKS), K, C), np.float32)  # per-block dweight | dbias (| colsum) partials
         grid_r = (ceil_div(C, 32), 1, 1)
 
         def launch(dinp, dweight, dbias, dout, inp, weight, mean, rstd):
@@ -410,7 +410,7 @@ def _backward6(dtype):
         R, W = _persistent_rows(rt, k, bs, smem, N, max_warps=MAX_BLOCKS * (bs // 32))
         G = ceil_div(W, bs // 32)
         assert G <= min(N, MAX_BLOCKS)
-        scratch = rt.empty((min(N, MAX_BLOCKS), 2, C), np.float32)  # per-block dweight | dbias partials
+        scratch = rt.scratch((min(N, MAX_BLOCKS), 2, C), np.float32)  # per-block dweight | dbias partials
         n_, c_, r_, g_ = _i32(N, C, R, G)
         grid_r = (ceil_div(C, 32), 1, 1)
 
@@ -495,7 +495,7 @@ def _backward7(dtype):
             b = _deferred(rt, dtype, G, C, colsum, deferred, main, label)
             b.scratch["tickets"] = tickets
             return b
-        scratch = rt.empty((min(N, MAX_BLOCKS), K, C), np.float32)  # per-block dweight | dbias (| colsum)
+        scratch = rt.scratch((min(N, MAX_BLOCKS), K, C), np.float32)  # per-block dweight | dbias (| colsum)
         split = bool(flags & LN7_SPLIT)
         if split:
             reduce_name = "layernorm_backward_reduce_colsum_kernel" if colsum else "layernorm_backward_reduce_kernel"
@@ -527,7 +527,7 @@ def _deferred(rt, dtype, G, C, colsum, slots, main, label):
     outputs' addresses go to the device in a table of S x 3 pointers, uploaded by a flush that finds
     them changed: the first of a captured sequence must run uncaptured (as the model's first step
     does), and a changed table under capture is an error."""
-    scratch = rt.empty((slots, G, 3, C), np.float32)  # slot s at s * G * 3 * C floats
+    scratch = rt.scratch((slots, G, 3, C), np.float32)  # slot s at s * G * 3 * C floats
     slot_bytes = G * 3 * C * 4
     kd = rt.kernel(MODULE, f"layernorm_backward_reduce_deferred_kernel{_sfx(dtype)}", "PPii",
                    label=label + " (deferred reduce)")
