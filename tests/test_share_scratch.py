@@ -16,31 +16,19 @@ from llmc.backend import CpuBackend, CudaBackend
 from llmc.config import GPT2Config, config_from_name, llmc_train_bytes
 from llmc.model import GPT2
 from tests.fake_runtime import FakeCudaBackend, FakeRuntime
+from tests.llmc_fixtures import train_steps
 
 CFG = GPT2Config(max_seq_len=32, vocab_size=250, padded_vocab_size=256, num_layers=3, num_heads=2, channels=32)
 B, T = 2, 16
 
 
-def _train(be, share, recompute=1, fold=False, steps=2, micro=2):
-    """steps of micro micro-steps (train_micro_step: the graph path), then a forward without targets:
-    every loss, gradient, updated weight and the last logits."""
+def _train(be, share, recompute=1, fold=False, steps=2):
+    """train_steps (steps of 2 micro-steps through train_micro_step: the graph path): every loss, gradient
+    and updated weight, then the logits of a forward without targets."""
     be.emulate_fold = fold
-    m = GPT2(CFG, be, B, T, recompute=recompute, share_scratch=share, fold=fold)
-    m.stochastic_rounding = False
-    m.init_params(11)
-    rng = np.random.default_rng(4)
-    out = []
-    for step in range(1, steps + 1):
-        m.zero_grad()
-        for _ in range(micro):
-            x = rng.integers(0, CFG.vocab_size, (B, T)).astype(np.int32)
-            m.train_micro_step(x, np.roll(x, -1, axis=1))
-        out += [np.float64(m.step_loss()), np.asarray(m.get_grads(), np.float32).copy()]
-        m.update(lr=1e-3, step=step, weight_decay=0.1)
-        out.append(np.asarray(m.get_params(), np.float32).copy())
-    m.forward(x)
-    out.append(m.logits().copy())
-    return m, out
+    m, out, logits = train_steps(CFG, be, B, T, steps=steps, logits=True, recompute=recompute, share_scratch=share,
+                                 fold=fold)
+    return m, [x for step in out for x in step] + [logits]
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -184,7 +172,6 @@ def test_gpu_shared_scratch_step_is_bit_identical(rt, precision, recompute):
     with --deterministic's kernels, sharing on and off: losses, gradients, updated weights and the logits
     of a last forward the same bits; with sharing the backward builds' scratch lies in the arena."""
     from llmc.train import deterministic_kernels
-    from tests.llmc_fixtures import train_steps
     runs = []
     for share in (True, False):
         be = CudaBackend(deterministic_kernels({}, precision), quiet=True, precision=precision)
@@ -202,7 +189,6 @@ def test_gpu_shared_scratch_step_is_bit_identical(rt, precision, recompute):
 def test_gpu_shared_scratch_default_kernels(rt):
     """bf16 with the default kernels (attention_backward 5, whose dq sums land in the order the blocks
     run, its accumulator in the arena): sharing on and off agree within that order's rounding."""
-    from tests.llmc_fixtures import train_steps
     runs = []
     for share in (True, False):
         m, steps, logits = train_steps(GPU_CFG, CudaBackend(quiet=True, precision="bf16"), 4, 64, logits=True,
