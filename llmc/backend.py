@@ -49,7 +49,7 @@ class Backend(Protocol):
     def download_async(self, host, buf): ...                       # queue buf -> host; .wait() for it
     def graph(self, fn, pdl=False): ...                            # pdl: programmatic launches inside
     def scratch_pool(self, pool): ...                               # context: builds share scratch (see Runtime)
-    def scratch_arena(self, buf, start): ...                        # context: builds' scratch cut from buf (see Runtime)
+    def scratch_arena(self, arena): ...                             # context: builds' scratch cut from an arena (see Runtime)
     def side(self, mark=None): ...                                 # context: launches on the side stream
     def side_wait(self, mark): ...                                  # main waits for the side up to mark
     def side_join(self): ...                                        # main waits for all of the side
@@ -255,7 +255,7 @@ class CpuBackend(_Choosing):
         """(numpy builds keep no scratch)"""
         return contextlib.nullcontext()
 
-    def scratch_arena(self, buf, start):
+    def scratch_arena(self, arena):
         """(numpy builds keep no scratch)"""
         return contextlib.nullcontext()
 
@@ -403,10 +403,10 @@ class CudaBackend(_Choosing):
         pool (Runtime.scratch_pool): only for builds that never run at the same time."""
         return self.rt.scratch_pool(pool)
 
-    def scratch_arena(self, buf, start):
-        """Context: the op builds inside cut their new scratch buffers from buf's bytes past `start`
-        while they fit (Runtime.scratch_arena)."""
-        return self.rt.scratch_arena(buf, start)
+    def scratch_arena(self, arena):
+        """Context: the op builds inside cut their new scratch buffers from arena["base"] past
+        arena["used"] while they fit (Runtime.scratch_arena)."""
+        return self.rt.scratch_arena(arena)
 
     @contextlib.contextmanager
     def side(self, mark=None):

@@ -188,9 +188,10 @@ class GPT2:
             fold = switches.on("LLMC_CLASSIFIER_FOLD") and not be.named("classifier")
         fold = bool(training and fold)
         # The one-layer scratch views (the attproj and fcproj outputs, -r's recomputed GELU and layernorm
-        # outputs, the backward's d residual, d qkv and d fch) live inside the logits' (B, T, Vp) buffer,
-        # which holds logits only from the lm head's forward to its backward (share_scratch=None:
-        # LLMC_SHARE_SCRATCH, default 1; _scratch_phase, _layout). Decided before the memory check
+        # outputs, the backward's d residual, d qkv and d fch) and the backward builds' scratch live inside
+        # the logits' (B, T, Vp) buffer, which holds logits only from the lm head's forward to its backward
+        # (share_scratch=None: LLMC_SHARE_SCRATCH, default 1; _scratch_phase, _layout). Decided before the
+        # memory check (which counts attention's scratch apart: with sharing, an overcount)
         if share_scratch is None:
             share_scratch = switches.on("LLMC_SHARE_SCRATCH")
         self.share_scratch = bool(share_scratch)
@@ -307,12 +308,15 @@ class GPT2:
             # accumulator, the layernorm backwards' partials, ...: what each launch writes before it reads)
             # from the arena past the backward's views while it has room: the logits live there only from
             # the lm head's forward to its backward, which reads them (so its own build stays out), and the
-            # next forward writes the arena only after the backward's side stream is joined
+            # next forward writes the arena only after the backward's side stream is joined. Each build
+            # enters the arena on its own (nothing stays set on the runtime if one refuses)
             self.built["mmb_lmhead"] = op("matmul_backward", N=N, C=C, OC=Vp)
-            in_arena = contextlib.ExitStack()
-            if "arena" in self.acts_bufs:
-                in_arena.enter_context(be.scratch_arena(self.acts_bufs["arena"],
-                                                        self._arena_views_end * np.dtype(be.dtype).itemsize))
+            arena = ({"base": self.acts_bufs["arena"], "used": self._arena_views_end * np.dtype(be.dtype).itemsize}
+                     if "arena" in self.acts_bufs else None)
+
+            def op(name, **kw):
+                with be.scratch_arena(arena) if arena else contextlib.nullcontext():
+                    return be.build(name, **kw)
             if side_stream is None:
                 side_stream = switches.on("LLMC_SIDE_STREAM")
             split = {"fc": dict(N=N, C=C, OC=4 * C), "attproj": dict(N=N, C=C, OC=C), "qkv": dict(N=N, C=C, OC=3 * C)}
@@ -426,7 +430,7 @@ class GPT2:
             # memset of every gradient (250 MB in bf16 at d12) and the dweight GEMMs of its first
             # micro-step no longer read theirs back. Where a GEMM's variant has no such form, its
             # gradient is zeroed with the rest; LLMC_FIRST_WRITE=0: the memset and += throughout (the A/B).
-            in_arena.close()  # (the first micro-step's twins below share their builds' scratch, nothing more)
+            op = be.build  # (the first micro-step's twins below share their builds' scratch, nothing more)
             self.built_first = {}
             if switches.on("LLMC_FIRST_WRITE"):
                 fcproj = ("mmb_fcproj_dweight" if self.fused_gelu_recompute else

@@ -311,12 +311,12 @@ def scratch_pool(rt, pool: dict):
 
 
 @contextlib.contextmanager
-def scratch_arena(rt, base: "DevArray", start: int):
+def scratch_arena(rt, arena: dict):
     """Runtime.scratch_arena (also the fake runtime's)."""
     prev = getattr(rt, "_scratch_arena", None)
-    rt._scratch_arena = {"base": base, "used": start}
+    rt._scratch_arena = arena
     try:
-        yield rt._scratch_arena
+        yield arena
     finally:
         rt._scratch_arena = prev
 
@@ -756,12 +756,13 @@ class Runtime:
         at the same time (the model's GEMM of one call site and its first micro-step's twin)."""
         return scratch_pool(self, pool)
 
-    def scratch_arena(self, base: DevArray, start: int):
+    def scratch_arena(self, arena: dict):
         """Context: the scratch() buffers that the builds inside allocate (not those a pool hands out
-        again) are cut from base's bytes past `start`, one after another (256-aligned), while they fit;
-        then empty(). For builds whose scratch lives only while memory that base holds at other times
-        is free (the model's backward builds in the logits' buffer: GPT2, share_scratch)."""
-        return scratch_arena(self, base, start)
+        again) are cut from arena["base"]'s bytes past arena["used"], one after another (256-aligned,
+        "used" moving on: the caller's dict carries it from one block to the next), while they fit; then
+        empty(). For builds whose scratch lives only while memory that base holds at other times is
+        free (the model's backward builds in the logits' buffer: GPT2, share_scratch)."""
+        return scratch_arena(self, arena)
 
     def to_device(self, host: np.ndarray) -> DevArray:
         host = np.ascontiguousarray(host)

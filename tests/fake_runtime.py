@@ -152,9 +152,9 @@ class FakeRuntime:
         from llmc.runtime import scratch_pool
         return scratch_pool(self, pool)
 
-    def scratch_arena(self, base, start):
+    def scratch_arena(self, arena):
         from llmc.runtime import scratch_arena
-        return scratch_arena(self, base, start)
+        return scratch_arena(self, arena)
 
     def to_device(self, host) -> DevArray:
         host = np.ascontiguousarray(host)

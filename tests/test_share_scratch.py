@@ -141,6 +141,22 @@ def test_d12_memory_below_llmc_and_the_builds_in_the_arena(B_):
         assert rt.allocated_bytes > sum(llmc_train_bytes(cfg, B_, 1024, 1).values())
 
 
+def test_a_refused_build_leaves_no_arena_on_the_runtime(monkeypatch):
+    """Each backward build enters the arena on its own: one that raises leaves the runtime as it was, so
+    a later model's builds do not cut their scratch from a dead model's buffer."""
+    be = FakeCudaBackend(precision="bf16")
+    real = be.build
+
+    def build(name, **kw):
+        if name == "encoder_backward":
+            raise RuntimeError("refused")
+        return real(name, **kw)
+    monkeypatch.setattr(be, "build", build)
+    with pytest.raises(RuntimeError, match="refused"):
+        GPT2(CFG, be, B, T)
+    assert getattr(be.rt, "_scratch_arena", None) is None
+
+
 def test_share_scratch_env(monkeypatch):
     monkeypatch.setenv("LLMC_SHARE_SCRATCH", "0")
     assert not GPT2(CFG, FakeCudaBackend(), B, T).share_scratch
