@@ -298,27 +298,26 @@ def take_scratch(rt, shape, dtype=np.float32):
 
 
 @contextlib.contextmanager
+def _set_for_block(rt, attr: str, value):
+    """rt.attr = value inside the block, what it was after it (whatever ends the block)."""
+    prev = getattr(rt, attr, None)
+    setattr(rt, attr, value)
+    try:
+        yield value
+    finally:
+        setattr(rt, attr, prev)
+
+
 def scratch_pool(rt, pool: dict):
     """Runtime.scratch_pool (also the fake runtime's)."""
     pool.setdefault("bufs", [])
     pool["taken"] = set()
-    prev = getattr(rt, "_scratch_pool", None)
-    rt._scratch_pool = pool
-    try:
-        yield pool
-    finally:
-        rt._scratch_pool = prev
+    return _set_for_block(rt, "_scratch_pool", pool)
 
 
-@contextlib.contextmanager
 def scratch_arena(rt, arena: dict):
     """Runtime.scratch_arena (also the fake runtime's)."""
-    prev = getattr(rt, "_scratch_arena", None)
-    rt._scratch_arena = arena
-    try:
-        yield arena
-    finally:
-        rt._scratch_arena = prev
+    return _set_for_block(rt, "_scratch_arena", arena)
 
 
 def ceil_div(a: int, b: int) -> int:
