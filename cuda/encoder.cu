@@ -29,8 +29,11 @@
 //      the last to finish (any C; fp32 and bf16). See "encoder_backward 7" below.
 //   8  7's records computed on the host with the batch, then one launch: the dwpe sums and 7's pieces
 //      (7's bits). See "encoder_backward 8" below.
-//   9  8's records, pieces and bits; the pieces of tokens of more than 16 rows by a warp per (piece,
-//      slice of 32 16-byte columns), the rest by 8's warps (the bf16 default). See "encoder_backward 9".
+//   9  8's records, pieces and bits; the pieces of tokens of more than 8 rows by a warp per (piece,
+//      slice of 32 16-byte columns), the rest by 8's warps. See "encoder_backward 9".
+//  10  9's pieces and bits from a work list the host writes with the records, on a persistent grid; the
+//      dwpe sums and the rows of the tokens seen once from one read of dout (C % 16 bytes == 0; the
+//      fastest at B=16, 9 at B=4). See "encoder_backward 10".
 // encoder_decode (sampling with a KV cache, not a training variant):
 //   1  out[b,:] = wte[inp[b],:] + wpe[inp[B],:]: B new tokens at the position stored after them in
 //      inp (B+1 ints), so that a captured CUDA graph reads the position from the device each step
@@ -1072,27 +1075,23 @@ extern "C" __global__ void ENC7_REGS encoder_backward_kernel8_bf16(bf16* dwte, b
 #if ENC9_STAGE == 1
 #error "ENC9_STAGE: 0 (registers) or at least 2 (a bf16 partial takes two 16-byte slots)"
 #endif
+// columns a lane of the sliced warps: one load a row of E * sizeof(T) bytes (at most 16), one float4 per
+// 4 of a partial
 template <typename T>
-__device__ __forceinline__ void encoder_backward9_piece_t(T* dwte, const T* dout, const int* inp, const int4* place_rec,
-        float* partial, int* tickets, int N, int C, int H, int w) {
-    // columns a lane: one load a row of E * sizeof(T) bytes (at most 16), one float4 per 4 of a partial
-    constexpr int E = ENC9_LANE * (int)sizeof(T) > 16 ? 16 / (int)sizeof(T) : ENC9_LANE;
+struct Enc9Lane { static constexpr int E = ENC9_LANE * (int)sizeof(T) > 16 ? 16 / (int)sizeof(T) : ENC9_LANE; };
+
+// The piece of a token that begins at place t, slice s of its columns (variants 9 and 10): its rows
+// summed (a single-piece token: onto dwte's row, np.add.at's order) or its partial written and its
+// ticket taken, the last ticket's warp adding the token's partials onto dwte's row in piece order.
+// st: this lane's first staging slot in shared memory (ENC9_STAGE slots, 512 bytes apart).
+template <typename T>
+__device__ __forceinline__ void encoder_piece_slice_t(T* dwte, const T* dout, const int* inp, const int4* place_rec,
+        float* partial, int* tickets, int N, int C, int t, int s, uint32_t st) {
+    constexpr int E = Enc9Lane<T>::E;
     typedef typename RawVec<E * sizeof(T)>::type Raw;
     const bool vec = C % E == 0;
     const int W = vec ? E : 1, G = C / W, S = ceil_div(G, WARP_SIZE);
     const int lane = threadIdx.x % WARP_SIZE;
-    const int s = w % S, j = (w / S) % H, base = (w / (H * S)) * ENC7_K;  // slice, which head, window
-    if (base >= N) return;
-    bool head = false;
-    if (base + lane < N) {
-        const int4 r = place_rec[base + lane];  // (position, start, count, token)
-        head = r.z > ENC9_MIN && (base + lane - r.y) % ENC7_K == 0;
-    }
-    unsigned heads = __ballot_sync(0xffffffffu, head);
-    if (__popc(heads) > H) __trap();  // (the launch's H is too small for ENC9_MIN: never silently skipped)
-    for (int i = 0; i < j; i++) heads &= heads - 1;  // (drop the first j)
-    if (heads == 0) return;
-    const int t = base + __ffs(heads) - 1;  // this warp's piece starts at place t
     const int4 rec = place_rec[min(t + lane, N - 1)];  // lane l: the record of the piece's row l
     const int start = __shfl_sync(0xffffffffu, rec.y, 0), count = __shfl_sync(0xffffffffu, rec.z, 0);
     const int tok = __shfl_sync(0xffffffffu, rec.w, 0), d = t - start;
@@ -1111,12 +1110,6 @@ __device__ __forceinline__ void encoder_backward9_piece_t(T* dwte, const T* dout
         else a[0] = to_f32(*wrow);
     }
     constexpr bool staged = ENC9_STAGE > 0 && sizeof(T) == 2 && E * sizeof(T) == 16;  // (bf16, 16-byte lanes)
-#if ENC9_STAGE > 0
-    extern __shared__ uint4 enc9_stage[];  // [warps][ENC9_STAGE][32 lanes]: slot r of this lane at st + 512 r
-    const uint32_t st = smem_u32(enc9_stage + (threadIdx.x / WARP_SIZE) * ENC9_STAGE * WARP_SIZE + lane);
-#else
-    const uint32_t st = 0;
-#endif
     if (vec && staged) {  // ENC9_STAGE rows' cp.async copies issued, waited for once, added in row order
         constexpr int R = ENC9_STAGE > 0 ? ENC9_STAGE : 1;
         for (int j0 = 0; j0 < n; j0 += R) {
@@ -1228,6 +1221,35 @@ __device__ __forceinline__ void encoder_backward9_piece_t(T* dwte, const T* dout
     if (lane == 0) tickets[(size_t)start * S + s] = 0;
 }
 
+// variant 9's sliced warp w: (window of 32 places, j < H, slice) finds the j-th piece head of a token of
+// more than ENC9_MIN rows in its window, if there is one, and sums that piece's slice
+template <typename T>
+__device__ __forceinline__ void encoder_backward9_piece_t(T* dwte, const T* dout, const int* inp, const int4* place_rec,
+        float* partial, int* tickets, int N, int C, int H, int w) {
+    constexpr int E = Enc9Lane<T>::E;
+    const int G = C % E == 0 ? C / E : C, S = ceil_div(G, WARP_SIZE);
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int s = w % S, j = (w / S) % H, base = (w / (H * S)) * ENC7_K;  // slice, which head, window
+    if (base >= N) return;
+    bool head = false;
+    if (base + lane < N) {
+        const int4 r = place_rec[base + lane];  // (position, start, count, token)
+        head = r.z > ENC9_MIN && (base + lane - r.y) % ENC7_K == 0;
+    }
+    unsigned heads = __ballot_sync(0xffffffffu, head);
+    if (__popc(heads) > H) __trap();  // (the launch's H is too small for ENC9_MIN: never silently skipped)
+    for (int i = 0; i < j; i++) heads &= heads - 1;  // (drop the first j)
+    if (heads == 0) return;
+    const int t = base + __ffs(heads) - 1;  // this warp's piece starts at place t
+#if ENC9_STAGE > 0
+    extern __shared__ uint4 enc9_stage[];  // [warps][ENC9_STAGE][32 lanes]: slot r of this lane at st + 512 r
+    const uint32_t st = smem_u32(enc9_stage + (threadIdx.x / WARP_SIZE) * ENC9_STAGE * WARP_SIZE + lane);
+#else
+    const uint32_t st = 0;
+#endif
+    encoder_piece_slice_t<T>(dwte, dout, inp, place_rec, partial, tickets, N, C, t, s, st);
+}
+
 // grid: piece_blocks (a warp per (window of 32 places, j < H, slice)), dwpe_blocks, then 8's warps
 template <typename T>
 __device__ __forceinline__ void encoder_backward9_t(T* dwte, T* dwpe, const T* dout, const int* inp,
@@ -1256,6 +1278,142 @@ extern "C" __global__ void ENC7_REGS encoder_backward_kernel9_bf16(bf16* dwte, b
         const int4* place_rec, float* partial, int* tickets, int B, int T, int C, int H, int piece_blocks, int dwpe_blocks) {
     LLMC_PDL_WAIT();
     encoder_backward9_t<bf16>(dwte, dwpe, dout, inp, place_rec, partial, tickets, B, T, C, H, piece_blocks, dwpe_blocks);
+}
+
+// ----------------------------------------------------------------------------------------------
+// encoder_backward 10: 9's pieces and bits, with no warp launched to find no work. On text ids at B=16
+// most of 9's 27k warps (a warp per place for the tokens of at most ENC9_MIN rows, H a window for the
+// others) read a record and leave, and its time is waves of them, not a frequent token's chain (a
+// uniform batch with one token at 1300 places takes 9 as long as a uniform one); and the dwpe warps read
+// dout a second time. Here the host (llmc/ops/encoder.py, encoder_backward10_records) writes, after 8's
+// place records, the places where a piece begins, of every token of at least 2 rows (the pieces of
+// tokens of more than 32 rows first, the tokens of the most rows first), and per position its token if
+// the token occurs only there. A persistent grid (as many warps as fit at once) takes the units: each
+// piece's 16-byte slices (9's sliced piece: encoder_piece_slice_t), then a unit per (position t, 32
+// 16-byte columns) that sums dwpe (8's order) and adds the rows of the tokens seen once onto dwte from
+// the same loads (8's sum of a one-row token). The same bits as 8 and 9; every position's id is checked
+// against the records before a warp's first store (pieces: 9's check; the single rows: here).
+// Measured (H200 lab, bf16, L2 flushed, ms; uniform / Zipf / text ids; session 48): B=16 0.0281 / 0.0251
+// / 0.0242 against 9's 0.0324 / 0.0259 / 0.0250 (uniform: 78% of a copy of its bytes against 67%); B=4
+// 0.0125 / 0.0139 / 0.0140 against 0.0120 / 0.0130 / 0.0127 (a warp's units one after another, where 9's
+// warps overlap). On the way: the multi-piece units round the warps with the others (the warp that adds
+// a token's partials then has more units to do): text B=16 0.0310; the next unit from an atomic counter
+// instead of round the warps: slower everywhere (uniform B=16 0.0326, B=4 0.0165). And 9 itself with the
+// single tokens' rows moved to its dwpe warps (no work list): B=16 0.0306 / 0.0245 / 0.0249, B=4 0.0116 /
+// 0.0135 / 0.0134 (branch wip/encoder10-singles).
+#ifndef ENC10_ROWS
+#define ENC10_ROWS 8
+#endif
+#define ENC10_SLOTS (2 * ENC10_ROWS)  // 16-byte slots a lane of a dwpe warp
+
+// position t, columns [E g, E g + E) of slice s (16-byte lanes): dwpe += the B rows summed in order;
+// the rows of single tokens onto their dwte rows. st: this lane's ENC10_SLOTS staging slots.
+template <typename T>
+__device__ __forceinline__ void encoder_dwpe_single_t(T* dwte, T* dwpe, const T* dout, const int* inp,
+        const int* tok_single, int B, int TT, int C, int t, int s, uint32_t st) {
+    constexpr int E = 16 / (int)sizeof(T);
+    const int lane = threadIdx.x % WARP_SIZE, G = C / E, g = s * WARP_SIZE + lane;
+    const bool live = g < G;
+    float acc[E], d[E];
+#pragma unroll
+    for (int k = 0; k < E; k++) acc[k] = 0.0f;
+    T* prow = dwpe + (size_t)t * C + (size_t)g * E;
+    if (live) load_vec<T, E>(prow, d);  // (waited for at the end)
+    for (int b0 = 0; b0 < B; b0 += WARP_SIZE) {
+        const int nb = min(WARP_SIZE, B - b0);
+        int ts = -1, id = -1;
+        if (lane < nb) {
+            const size_t p = (size_t)(b0 + lane) * TT + t;
+            ts = tok_single[p];
+            id = inp[p];
+        }
+        for (int r0 = 0; r0 < nb; r0 += ENC10_ROWS) {
+#pragma unroll 1
+            for (int r = 0; r < ENC10_ROWS; r++)  // the rows first: they wait for nothing
+                if (r0 + r < nb && live)
+                    cp_async16_full(st + 512u * r, dout + ((size_t)(b0 + r0 + r) * TT + t) * C + (size_t)g * E);
+            if (r0 == 0 && __any_sync(0xffffffffu, ts >= 0 && ts != id)) __trap();  // records of another batch
+#pragma unroll 1
+            for (int r = 0; r < ENC10_ROWS; r++) {  // then the rows of dwte the ids name
+                const int tk = __shfl_sync(0xffffffffu, ts, min(r0 + r, WARP_SIZE - 1));
+                if (r0 + r < nb && live && tk >= 0)
+                    cp_async16_full(st + 512u * (ENC10_ROWS + r), dwte + (size_t)tk * C + (size_t)g * E);
+            }
+            cp_async_commit();
+            cp_async_wait<0>();
+#pragma unroll
+            for (int r = 0; r < ENC10_ROWS; r++) {
+                const int tk = __shfl_sync(0xffffffffu, ts, min(r0 + r, WARP_SIZE - 1));
+                if (r0 + r < nb && live) {
+                    float x[E];
+                    unpack_vec<T, E>(lds128(st + 512u * r), x);
+#pragma unroll
+                    for (int k = 0; k < E; k++) acc[k] += x[k];
+                    if (tk >= 0) {  // dwte's row + this row, rounded once: 8's sum of a one-row token
+                        float w[E];
+                        unpack_vec<T, E>(lds128(st + 512u * (ENC10_ROWS + r)), w);
+#pragma unroll
+                        for (int k = 0; k < E; k++) w[k] += x[k];
+                        store_vec<T, E>(dwte + (size_t)tk * C + (size_t)g * E, w);
+                    }
+                }
+            }
+        }
+    }
+    if (live) {
+#pragma unroll
+        for (int k = 0; k < E; k++) d[k] += acc[k];
+        store_vec<T, E>(prow, d);
+    }
+}
+
+// recs: 8's place records (N int4); nheads, nmulti (and 2 unused ints); the N piece heads; the N single
+// tokens. Units: u < nheads * S: the piece at heads[u / S], slice u % S; then (t, slice) of the dwpe
+// units. The multi-piece units (the first nmulti * S), whose last piece adds the token's partials, get
+// a warp each (warp u, unit u alone) when they are fewer than half the warps; the other units go round
+// the other warps in order (unit u by warp um + (u - um) % (W - um)). A warp loads its next unit's head
+// under the current unit.
+template <typename T>
+__device__ __forceinline__ void encoder_backward10_t(T* dwte, T* dwpe, const T* dout, const int* inp, const int* recs,
+        float* partial, int* tickets, int B, int TT, int C) {
+    const int N = B * TT;
+    const int4* place_rec = reinterpret_cast<const int4*>(recs);
+    const int* hdr = recs + 4 * (size_t)N;
+    const int* heads = hdr + 4;
+    const int* tok_single = heads + N;
+    constexpr int E9 = Enc9Lane<T>::E, E16 = 16 / (int)sizeof(T);
+    const int S = ceil_div(C / E9, WARP_SIZE), S16 = ceil_div(C / E16, WARP_SIZE);
+    const int wpb = blockDim.x / WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    extern __shared__ uint4 enc10_stage[];  // [warps][max(ENC9_STAGE, ENC10_SLOTS)][32 lanes]
+    constexpr int slots = ENC9_STAGE > ENC10_SLOTS ? ENC9_STAGE : ENC10_SLOTS;
+    const uint32_t st = smem_u32(enc10_stage + warp * slots * WARP_SIZE + threadIdx.x % WARP_SIZE);
+    const int up = hdr[0] * S, um = hdr[1] * S, total = up + TT * S16, W = gridDim.x * wpb;
+    const int gw = blockIdx.x * wpb + warp;
+    int u, stride, last;
+    if (2 * um < W) {  // warps of their own for the multi-piece units
+        if (gw < um) { u = gw; stride = W; last = gw + 1; }
+        else { u = gw; stride = W - um; last = total; }  // (gw + k (W - um): every unit from um once)
+    } else {
+        u = gw; stride = W; last = total;
+    }
+    int head = u < up ? heads[u / S] : 0;
+    for (; u < last; u += stride) {
+        const int t = head;
+        if (u + stride < up && u + stride < last) head = heads[(u + stride) / S];  // the next unit's, under this one
+        if (u < up) encoder_piece_slice_t<T>(dwte, dout, inp, place_rec, partial, tickets, N, C, t, u % S, st);
+        else encoder_dwpe_single_t<T>(dwte, dwpe, dout, inp, tok_single, B, TT, C, (u - up) / S16, (u - up) % S16, st);
+    }
+}
+
+extern "C" __global__ void encoder_backward_kernel10(float* dwte, float* dwpe, const float* dout, const int* inp,
+        const int* recs, float* partial, int* tickets, int B, int T, int C) {
+    LLMC_PDL_WAIT();
+    encoder_backward10_t<float>(dwte, dwpe, dout, inp, recs, partial, tickets, B, T, C);
+}
+extern "C" __global__ void encoder_backward_kernel10_bf16(bf16* dwte, bf16* dwpe, const bf16* dout, const int* inp,
+        const int* recs, float* partial, int* tickets, int B, int T, int C) {
+    LLMC_PDL_WAIT();
+    encoder_backward10_t<bf16>(dwte, dwpe, dout, inp, recs, partial, tickets, B, T, C);
 }
 
 extern "C" __global__ void encoder_forward_kernel1_bf16(bf16* out, const int* inp, const bf16* wte,

@@ -11,14 +11,14 @@ import pytest
 from llmc import ops
 from llmc.bf16 import BF16, from_bf16, to_bf16
 from llmc.errors import LLMCError, VariantRefused
-from llmc.ops.encoder import (encoder_backward8_records, encoder_backward_ref, encoder_decode_ref, encoder_forward_ref,
-                               heads_per_window9)
+from llmc.ops.encoder import (encoder_backward8_records, encoder_backward10_records, encoder_backward_ref,
+                               encoder_decode_ref, encoder_forward_ref, heads_per_window9)
 from llmc.testing import assert_close, module_defines, poison
 
 FWD = ops.get("encoder_forward")
 BWD = ops.get("encoder_backward")
 DEC = ops.get("encoder_decode")
-DETERMINISTIC = (2, 3, 6, 7, 8, 9)
+DETERMINISTIC = (2, 3, 6, 7, 8, 9, 10)
 
 
 def inputs(rng, B, T, C, Vp, maxT, vocab=None, dtype=np.float64):
@@ -165,6 +165,80 @@ def test_variant8_scratch_is_declared(number, dtype):
             assert built.scratch["tickets"].shape == (B * T * slices,)
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_variant10_scratch_is_declared(dtype):
+    """Variant 10's build allocates what scratch_bytes10 says: 9's, with its records (the host's, host_inputs)
+    followed by a single token per position; it refuses a C its 16-byte loads can't take."""
+    from tests.fake_runtime import FakeRuntime
+    for B, T, C in ((4, 1024, 768), (1, 1, 80), (16, 1024, 768), (3, 5, 1600)):
+        built = BWD.build(FakeRuntime(free=80 << 30), 10, dtype, B=B, T=T, C=C)
+        got = sum(a.nbytes for a in built.scratch.values())
+        assert got == BWD.variants[10].scratch_bytes(B=B, T=T, C=C, dtype=dtype)
+        prep, buf = built.host_inputs
+        assert buf is built.scratch["records"] and buf.shape == (6 * B * T + 4,) and prep is encoder_backward10_records
+    reason = BWD.refuse_reason(10, dtype, None, B=2, T=5, C=66 if dtype == "fp32" else 100)
+    assert reason and "16-byte" in reason
+
+
+@pytest.mark.parametrize("block_size,defines", [(None, {}), (256, {}), (128, {"ENC9_STAGE": 24}), (None, {"ENC10_ROWS": 4})])
+def test_variant10_launch_is_persistent_with_its_stages(block_size, defines):
+    """Variant 10's launch: as many blocks as fit on the GPU at once (by registers, threads and its stages'
+    shared memory), never more than its units could use, and each warp's max(ENC9_STAGE (bf16), 2
+    ENC10_ROWS) 16-byte slots a lane of dynamic shared memory, in both dtypes."""
+    from tests.fake_runtime import FakeRuntime
+    for dtype in ("fp32", "bf16"):
+        for B, T in ((16, 1024), (1, 3)):
+            rt = FakeRuntime(free=80 << 30)
+            rt.extra_defines = {"encoder": {k: str(v) for k, v in defines.items()}} if defines else {}
+            built = BWD.build(rt, 10, dtype, B=B, T=T, C=768, block_size=block_size)
+            dt = BF16 if dtype == "bf16" else np.float32
+            built(rt.empty((50304, 768), dt), rt.empty((T, 768), dt), rt.empty((B, T, 768), dt), rt.empty((B, T), np.int32))
+            launch = rt.launches[-1]
+            wpb = (block_size or 64) // 32
+            slots = max(defines.get("ENC9_STAGE", 16) if dtype == "bf16" else 0, 2 * defines.get("ENC10_ROWS", 8))
+            assert launch.smem == wpb * slots * 512
+            S = 6 if dtype == "fp32" else 3
+            kern = rt.kernel("encoder", "encoder_backward_kernel10" + ("_bf16" if dtype == "bf16" else ""), "PPPPPPPiii")
+            per_sm = min(kern.resident_blocks(32 * wpb), (228 * 1024) // (launch.smem + 1024))
+            assert launch.grid[0] == min(rt.sm_count * per_sm, -(-(B * T * S + T * S) // wpb)), (dtype, B, T, launch.grid)
+
+
+@pytest.mark.parametrize("B,T,vocab,zipf", [(4, 1024, 50257, False), (16, 1024, 50257, True), (2, 65, 7, False),
+                                            (1, 1, 5, False), (3, 700, 300, True)])
+def test_variant10_records(rng, B, T, vocab, zipf):
+    """Variant 10's work list: 8's records, then every piece head of every token of at least 2 rows exactly
+    once (places start + 32 q), the multi-piece tokens' first (their count in the header), the tokens of
+    the most rows first, and the tokens seen once at their positions (-1 elsewhere): every position is
+    in a listed piece or a single, never both."""
+    if zipf:
+        p = 1.0 / np.arange(1, vocab + 1)
+        inp = rng.choice(vocab, (B, T), p=p / p.sum()).astype(np.int32)
+    else:
+        inp = rng.integers(0, vocab, (B, T)).astype(np.int32)
+    N = B * T
+    out = encoder_backward10_records(inp)
+    assert out.dtype == np.int32 and out.shape == (6 * N + 4,)
+    rec = encoder_backward8_records(inp)
+    np.testing.assert_array_equal(out[:4 * N].reshape(N, 4), rec)
+    n, nmulti = out[4 * N], out[4 * N + 1]
+    heads = out[4 * N + 4:4 * N + 4 + n]
+    np.testing.assert_array_equal(out[4 * N + 4 + n:5 * N + 4], 0)
+    ids = inp.ravel()
+    counts = np.bincount(ids)
+    want = sorted((t, q) for t in np.flatnonzero(counts >= 2) for q in range(-(-counts[t] // 32)))
+    got = sorted((rec[h, 3], (h - rec[h, 1]) // 32) for h in heads)
+    assert got == want and all((h - rec[h, 1]) % 32 == 0 for h in heads)
+    assert list(rec[heads, 2]) == sorted(rec[heads, 2], reverse=True)  # the most rows first
+    assert nmulti == (rec[heads, 2] > 32).sum()
+    single = out[5 * N + 4:]
+    np.testing.assert_array_equal(single, np.where(counts[ids] == 1, ids, -1))
+    covered = np.zeros(N, int)
+    for h in heads:
+        covered[rec[h:h + min(32, rec[h, 2] - (h - rec[h, 1])), 0]] += 1
+    covered[single >= 0] += 1
+    np.testing.assert_array_equal(covered, 1)
+
+
 @pytest.mark.parametrize("defines,block_size,want", [
     ({}, None, {"fp32": 0, "bf16": 2 * 16 * 512}),                      # bf16 stages 16 slots a lane
     ({}, 256, {"fp32": 0, "bf16": 8 * 16 * 512}),                       # (64 KB: past 48 KB, opted in)
@@ -200,7 +274,8 @@ def test_host_constants_are_the_kernels():
     from llmc.ops import encoder
     src = (ROOT / "cuda" / "encoder.cu").read_text()
     for name, value in (("ENC_S", encoder.SORT_CHUNK), ("ENC7_K", encoder.ENC7_PIECE), ("ENC9_MIN", encoder.ENC9_MIN),
-                        ("ENC9_LANE", encoder.ENC9_LANE), ("ENC9_STAGE", encoder.ENC9_STAGE)):
+                        ("ENC9_LANE", encoder.ENC9_LANE), ("ENC9_STAGE", encoder.ENC9_STAGE),
+                        ("ENC10_ROWS", encoder.ENC10_ROWS)):
         found = re.findall(rf"^#define {name} (\d+)$", src, re.M)
         assert found == [str(value)], (name, found)
 
@@ -427,11 +502,14 @@ def test_backward7_against_6(rt, rng, dtype, B, T, C, vocab):
     token with at most 32 rows and on dwpe; the tickets are back to 0 after the call; a second call
     on the same inputs gives the same bits. Variant 8 (7's records from the host): 7's bits, its
     records the ones 7's rank kernel wrote, its tickets back to 0 too. Variant 9 (8's records, a warp
-    per place and slice of the row): 7's bits, on two calls, and its tickets back to 0."""
+    per place and slice of the row) and 10 (9 with the single tokens' rows in the dwpe warps, where C
+    allows it): 7's bits, on two calls, and their tickets back to 0."""
     inp, dout, dwte0, dwpe0, conv, back = _zipf_case(rng, B, T, C, vocab, dtype)
     d_dout, d_inp = rt.to_device(conv(dout)), rt.to_device(inp)
     res, built = {}, {}
-    for number, runs in ((6, 1), (7, 2), (8, 2), (9, 2)):
+    for number, runs in ((6, 1), (7, 2), (8, 2), (9, 2), (10, 2)):
+        if number == 10 and BWD.refuse_reason(10, dtype, B=B, T=T, C=C):
+            continue  # (C % 16 bytes)
         built[number] = _build_bwd(rt, number, dtype, inp=inp, B=B, T=T, C=C)
         for r in range(runs):
             dwte, dwpe = rt.to_device(conv(dwte0)), rt.to_device(conv(dwpe0))
@@ -447,6 +525,11 @@ def test_backward7_against_6(rt, rng, dtype, B, T, C, vocab):
         np.testing.assert_array_equal(res[8, 1][k], res[7, 0][k])
         np.testing.assert_array_equal(res[9, 0][k], res[7, 0][k])
         np.testing.assert_array_equal(res[9, 1][k], res[7, 0][k])
+        if 10 in built:
+            np.testing.assert_array_equal(res[10, 0][k], res[7, 0][k])
+            np.testing.assert_array_equal(res[10, 1][k], res[7, 0][k])
+    if 10 in built:
+        np.testing.assert_array_equal(built[10].scratch["tickets"].get(), 0)
     want_wte, want_wpe = encoder_backward_ref(back(conv(dwte0)).astype(np.float64), back(conv(dwpe0)).astype(np.float64),
                                               back(conv(dout)).astype(np.float64), inp)
     for name, got, want in (("dwte", res[7, 0][0], want_wte), ("dwpe", res[7, 0][1], want_wpe)):
@@ -472,13 +555,16 @@ def test_backward9_slices_any_token_size_with_8s_bits(rt, rng, dtype, B, T, C, v
     single pieces too, summed by its sliced warps, the others by 8's; ENC9_LANE 4: 8-byte bf16 loads in
     twice as many slices, through registers; ENC9_STAGE 0: the register loads for 16-byte lanes too;
     odd batches of rows and partials, staged or not): the same bits as 8 (np.add.at's order for the
-    single pieces, the same pieces and combine for the rest), the tickets back to 0."""
+    single pieces, the same pieces and combine for the rest), the tickets back to 0. Variant 10 with the
+    same knobs (9's warps, the tokens of one row summed by its dwpe warps): 8's bits too."""
     m = defines.get("ENC9_MIN", 8)
     inp, dout, dwte0, dwpe0, conv, back = _zipf_case(rng, B, T, C, vocab, dtype)
     d_dout, d_inp = rt.to_device(conv(dout)), rt.to_device(inp)
     res = {}
-    for number in (8, 9):
-        with module_defines(rt, "encoder", defines if number == 9 else {}):
+    for number in (8, 9, 10):
+        if number == 10 and BWD.refuse_reason(10, dtype, B=B, T=T, C=C):
+            continue  # (C % 16 bytes)
+        with module_defines(rt, "encoder", defines if number >= 9 else {}):
             built = _build_bwd(rt, number, dtype, inp=inp, B=B, T=T, C=C)
         dwte, dwpe = rt.to_device(conv(dwte0)), rt.to_device(conv(dwpe0))
         built(dwte, dwpe, d_dout, d_inp)
@@ -488,6 +574,8 @@ def test_backward9_slices_any_token_size_with_8s_bits(rt, rng, dtype, B, T, C, v
     assert (counts > m).any() and ((counts > 0) & (counts <= 32)).any()  # both kinds of warps had tokens
     for k in (0, 1):
         np.testing.assert_array_equal(res[9][k], res[8][k])
+        if 10 in res:
+            np.testing.assert_array_equal(res[10][k], res[8][k])
 
 
 @pytest.mark.gpu
@@ -570,7 +658,7 @@ def test_decode_gpu(rt, rng, dtype, B, C):
 @pytest.mark.parametrize("B,T,C", SHAPES_BF16)
 @pytest.mark.parametrize("number", _bf16_variants(BWD))
 def test_backward_gpu_bf16_accumulates(rt, rng, number, B, T, C):
-    if _refused(BWD, number, B, T, C):
+    if _refused(BWD, number, B, T, C, "bf16"):
         return
     maxT = T + 3
     inp, _, _, dout = _bf16_inputs(rng, B, T, C, VP, maxT)
@@ -591,7 +679,7 @@ def test_backward_gpu_bf16_accumulates(rt, rng, number, B, T, C):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("number", [3, 7, 8, 9])
+@pytest.mark.parametrize("number", [3, 7, 8, 9, 10])
 def test_backward_bf16_rounds_each_row_once(rt, number):
     """One token at every position, dout = 2^-9 everywhere: adding it to dwte = 1.0 with a rounding
     after each add would leave 1.0 every time (a quarter of bf16's ulp at 1.0 rounds away); the fp32
@@ -664,7 +752,7 @@ def _finishes_and_traps(dtype, number, control, trapped):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("number", [8, 9])
+@pytest.mark.parametrize("number", [8, 9, 10])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_variant8_traps_on_records_of_another_batch(rt, dtype, number):
     """Variants 8 and 9 check each row's id against its record's token before the warp's first store (the id's

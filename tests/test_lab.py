@@ -172,3 +172,22 @@ def test_module_defines_sets_a_modules_knobs_for_a_block_and_puts_them_back():
     with module_defines(rt, "gelu", {}):
         assert rt.extra_defines["gelu"] == {}
     assert "gelu" not in rt.extra_defines
+
+
+def test_sets_option_names_a_labs_input_sets():
+    """--sets NAME[,NAME...]: the input sets a lab script runs (encoder_backward's id distributions), checked
+    against the script's own names (an unknown one is argparse's one-line error, exit 2); without it, the
+    script's default."""
+    import pytest
+    lab = _load_lab()
+    assert lab.parser("op").parse_args(["9", "--sets", "u,h,,t32"]).sets == ["u", "h", "t32"]
+    L = object.__new__(lab.Lab)
+    L._parser = lab.parser("op")
+    L.args = L._parser.parse_args([])
+    assert L.chosen_sets(("u", "z", "t", "h"), ("u", "z")) == ["u", "z"]
+    L.args = L._parser.parse_args(["--sets", "h,u"])
+    assert L.chosen_sets(("u", "z", "t", "h"), ("u", "z")) == ["h", "u"]
+    L.args = L._parser.parse_args(["--sets", "u,x"])
+    with pytest.raises(SystemExit) as e:
+        L.chosen_sets(("u", "z"), ("u",))
+    assert e.value.code == 2

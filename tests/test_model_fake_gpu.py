@@ -515,7 +515,7 @@ def test_qkv_in_place_when_both_attention_directions_take_it(monkeypatch):
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_encoder_backward_8_gets_each_batch_records(precision):
-    """--encoder-backward-kernel 8 reads records the host computes from each batch's ids: the model's
+    """--encoder-backward-kernel 8 (9, 10) reads records the host computes from each batch's ids: the model's
     set_batch uploads them beside the batch (the fake launch checks the buffer holds the current
     batch's records), through the graph path with accumulation too; the same results as variant 7.
     Without the upload the launch fails."""
@@ -524,11 +524,11 @@ def test_encoder_backward_8_gets_each_batch_records(precision):
     batches = [(rng.integers(0, CFG.vocab_size, (B, T)).astype(np.int32),
                 rng.integers(0, CFG.vocab_size, (B, T)).astype(np.int32)) for _ in range(2 * accum)]
     runs = {}
-    for number in (7, 8, 9):
+    for number in (7, 8, 9, 10):
         be = FakeCudaBackend({"encoder_backward": number}, precision=precision)
         m = GPT2(CFG, be, B, T)
         assert m.built["encoder_backward"].number == number
-        assert bool(m._host_inputs) == (number in (8, 9))
+        assert bool(m._host_inputs) == (number in (8, 9, 10))
         m.init_params(5)
         m.grad_accum_steps = accum
         for step in (1, 2):
@@ -539,6 +539,7 @@ def test_encoder_backward_8_gets_each_batch_records(precision):
         runs[number] = m.get_params()
     np.testing.assert_array_equal(runs[7], runs[8])
     np.testing.assert_array_equal(runs[7], runs[9])
+    np.testing.assert_array_equal(runs[7], runs[10])
     m = GPT2(CFG, FakeCudaBackend({"encoder_backward": 9}, precision=precision), B, T)
     m.init_params(5)
     m.forward(*batches[0])

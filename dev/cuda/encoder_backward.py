@@ -3,12 +3,16 @@
     python dev/cuda/encoder_backward.py           # every variant and dtype, block-size sweep, table
     python dev/cuda/encoder_backward.py 2 3 6     # the deterministic ones
     python dev/cuda/encoder_backward.py 3 6 --dtype bf16 --batch 16 --quick
+    python dev/cuda/encoder_backward.py 9 10 --dtype bf16 --batch 16 --sets u,h,t,t32   # the id sets by name
 
 Id distributions: uniform over the vocab (almost every token distinct), Zipf over the vocab (p(k) ~ 1/k:
 the most frequent token at ~9% of positions), which is where the owner variants (2, 3) pay for summing
 one token's rows in one block (rows labelled "z"), and text (rows "t"): the first B*T tokens of tiny
 shakespeare's val split when prepro_tinyshakespeare.py has written it (its most frequent token at 8% of
-the first 4096 and 16384 positions, 69 tokens of more than 32 rows holding 54% of the 16384). Only the deterministic owner variants have
+the first 4096 and 16384 positions, 69 tokens of more than 32 rows holding 54% of the 16384). Two more
+sets, run when --sets names them (the default is u,z,t): "h", uniform ids with one token at 8% of the
+positions (a frequent token's chain alone: rows "h"), and "t32", the text with the tokens of more than 32
+rows replaced by uniform ids (text without a multi-piece token: rows "t32"). Only the deterministic owner variants have
 bf16 builds (rows "3 bf16", "9 bf16 z", ...; 9 is the bf16 default): inputs are bf16 copies, the reference float64 on them, and
 each output element is rounded once (rtol 2^-8, atol 1e-5 of the output's rms for the fp32 sums).
 Bytes counted: dout and the ids read once; each used dwte row and the T dwpe rows read and written
@@ -38,11 +42,30 @@ BLOCK_SIZES = [None, 64, 128, 256, 512, 1024]
 
 rt, rng = L.rt, np.random.default_rng(0)
 zipf = 1.0 / np.arange(1, V + 1)
-ids = {"": rng.integers(0, V, (B, T)).astype(np.int32),
-       "z": rng.choice(V, (B, T), p=zipf / zipf.sum()).astype(np.int32)}
 TEXT = Path(__file__).resolve().parents[1] / "data" / "tinyshakespeare" / "tiny_shakespeare_val.bin"
-if TEXT.exists() and shard_num_tokens(TEXT) >= N:  # rows "t": text (prepro_tinyshakespeare.py), when it is there
-    ids["t"] = np.asarray(read_shard(TEXT)[:N], np.int32).reshape(B, T)
+have_text = TEXT.exists() and shard_num_tokens(TEXT) >= N  # (prepro_tinyshakespeare.py writes it)
+SETS = L.chosen_sets(("u", "z", "t", "h", "t32"), ("u", "z", "t") if have_text else ("u", "z"))
+if {"t", "t32"} & set(SETS) and not have_text:
+    L._parser.error(f"--sets t, t32: need {TEXT.name} with at least {N} tokens (run prepro_tinyshakespeare.py)")
+uniform = rng.integers(0, V, (B, T)).astype(np.int32)
+text = np.asarray(read_shard(TEXT)[:N], np.int32).reshape(B, T) if have_text else None
+ids = {}  # the row label's tag: the set (uniform rows unlabelled)
+for name in SETS:
+    if name == "u":
+        ids[""] = uniform
+    elif name == "z":
+        ids["z"] = rng.choice(V, (B, T), p=zipf / zipf.sum()).astype(np.int32)
+    elif name == "t":
+        ids["t"] = text
+    elif name == "h":  # one token (11) at 8% of the positions of the uniform batch
+        a = uniform.copy().reshape(-1)
+        a[rng.choice(N, N * 8 // 100, replace=False)] = 11
+        ids["h"] = a.reshape(B, T)
+    else:  # "t32": the text's tokens of more than 32 rows replaced by uniform ids
+        a = text.copy().reshape(-1)
+        big = np.bincount(a)[a] > 32
+        a[big] = rng.integers(0, V, int(big.sum()))
+        ids["t32"] = a.reshape(B, T)
 dout = lab.rand(rng, (B, T, C))
 init32 = {"dwte": lab.rand(rng, (Vp, C)), "dwpe": lab.rand(rng, (maxT, C))}
 per_dtype = {}  # dtype: (outs, init, d_dout, dout as float64, init as float64, bytes per element)

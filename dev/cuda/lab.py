@@ -41,21 +41,30 @@ CEILINGS = {
 }
 
 
+def parser(op: str) -> argparse.ArgumentParser:
+    """The command line every lab script takes (Lab parses it)."""
+    p = argparse.ArgumentParser(description=f"kernel lab: {op}")
+    p.add_argument("variants", nargs="*", type=int, help="variant numbers to run (default: all)")
+    p.add_argument("--repeat", type=int, default=50, help="timed repeats per configuration")
+    p.add_argument("--quick", action="store_true", help="fewer repeats, default block size only")
+    p.add_argument("--md", help="append the results table (markdown) to this file")
+    p.add_argument("--png", help="write a bar chart of the results to this PNG")
+    p.add_argument("--no-l2-flush", action="store_true", help="time with a warm L2 (llm.c's way)")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "both"), default="both",
+                   help="element type of the builds to run (scripts that have bf16 rows)")
+    p.add_argument("--batch", type=int, help="batch size B (scripts that take it; default theirs)")
+    p.add_argument("--sets", type=lambda v: [x for x in v.split(",") if x], metavar="NAME[,NAME...]",
+                   help="the input sets to run, by name (scripts that have several, e.g. encoder_backward's id "
+                        "distributions; default theirs)")
+    p.add_argument("--define", action="append", default=[], metavar="MODULE:NAME=VALUE",
+                   help="an extra -D define for every build of cuda/MODULE.cu (a kernel's tunable macro, "
+                        "e.g. encoder:ENC7_COMB_BATCH=8); repeatable")
+    return p
+
+
 class Lab:
     def __init__(self, op: str, argv=None):
-        p = argparse.ArgumentParser(description=f"kernel lab: {op}")
-        p.add_argument("variants", nargs="*", type=int, help="variant numbers to run (default: all)")
-        p.add_argument("--repeat", type=int, default=50, help="timed repeats per configuration")
-        p.add_argument("--quick", action="store_true", help="fewer repeats, default block size only")
-        p.add_argument("--md", help="append the results table (markdown) to this file")
-        p.add_argument("--png", help="write a bar chart of the results to this PNG")
-        p.add_argument("--no-l2-flush", action="store_true", help="time with a warm L2 (llm.c's way)")
-        p.add_argument("--dtype", choices=("fp32", "bf16", "both"), default="both",
-                       help="element type of the builds to run (scripts that have bf16 rows)")
-        p.add_argument("--batch", type=int, help="batch size B (scripts that take it; default theirs)")
-        p.add_argument("--define", action="append", default=[], metavar="MODULE:NAME=VALUE",
-                       help="an extra -D define for every build of cuda/MODULE.cu (a kernel's tunable macro, "
-                            "e.g. encoder:ENC7_COMB_BATCH=8); repeatable")
+        p = self._parser = parser(op)
         self.args = p.parse_args(argv)
         if self.args.quick:
             self.args.repeat = min(self.args.repeat, 10)
@@ -95,6 +104,14 @@ class Lab:
             sys.exit(2)
         return [v for v in have if v in self.args.variants]
 
+    def chosen_sets(self, have, default):
+        """The input sets to run, by name: --sets's (each one of `have`), else `default`. An unknown name
+        is argparse's one-line error (exit 2)."""
+        names = self.args.sets or list(default)
+        bad = [n for n in names if n not in have]
+        if bad:
+            self._parser.error(f"--sets {','.join(bad)}: this lab has {', '.join(have)}")
+        return names
     def dtypes(self, variant) -> list[str]:
         """The element types to run for this Variant: those it has builds for, less --dtype's filter."""
         want = ("fp32", "bf16") if self.args.dtype == "both" else (self.args.dtype,)

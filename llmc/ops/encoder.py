@@ -11,13 +11,15 @@ Semantics (docs/ops.md):
                       dwte[inp[b,t]] += dout[b,t]; dwpe[t] += sum_b dout[b,t]; only the rows of
                       dwte whose tokens occur (and the first T rows of dwpe) are touched
 
-Variants 2, 3, 6, 7, 8 and 9 of encoder_backward are deterministic without atomics (same inputs, same
-bits on every run; 2, 3 and 6 in np.add.at's order, 7, 8 and 9 too for tokens of at most 32 rows); 1, 4
-and 5 use atomics and are not. 8 is 7 with the token-major order computed on the host from the
+Variants 2, 3, 6, 7, 8, 9 and 10 of encoder_backward are deterministic without atomics (same inputs, same
+bits on every run; 2, 3 and 6 in np.add.at's order, 7, 8, 9 and 10 too for tokens of at most 32 rows); 1,
+4 and 5 use atomics and are not. 8 is 7 with the token-major order computed on the host from the
 batch's ids (Built.host_inputs: the model uploads it with each batch) and one launch instead of three. 9
 is 8 (its records, pieces and bits) with the tokens of more than 8 rows summed by a warp per (piece,
 slice of 32 16-byte columns), so that a frequent token's chain of loads is short (bf16: the rows staged
-in shared memory by cp.async). The fp32
+in shared memory by cp.async). 10 is 9's pieces and bits from a work list the host writes with the
+records, on a persistent grid, the dwpe sums and the tokens seen once from one read of dout: the fastest
+at B=16 (lab), slower than 9 at B=4. The fp32
 default is the fastest (5, 21.6 us on the H100 at the trainer's shape); --encoder-backward-kernel 3
 (36 us, 58 us on Zipf-distributed ids), 6, 7, 8 or 9 makes runs bit-reproducible. 6 replaces 2/3's id scans
 (N^2 id reads in all) by a per-chunk sort and a link pass.
@@ -399,6 +401,82 @@ def _host_ranked_sliced(dtype):
     return build
 
 
+def encoder_backward10_records(inp) -> np.ndarray:
+    """Variant 10's work list from the batch's ids (B, T) on the host, one int32 array of 6 N + 4: 8's
+    place records (N x 4); the number of piece heads, of them the pieces of tokens of more than 32 rows,
+    and 2 zeros; the N places where a piece of a token of at least 2 rows begins (the multi-piece
+    tokens' first, the tokens of the most rows first, places ascending within; zeros after the last);
+    per position its token if the token occurs only there, else -1."""
+    rec = encoder_backward8_records(inp)
+    N = len(rec)
+    out = np.zeros(6 * N + 4, np.int32)
+    out[:4 * N] = rec.reshape(-1)
+    start, count = rec[:, 1], rec[:, 2]
+    heads = np.flatnonzero((count >= 2) & ((np.arange(N) - start) % ENC7_PIECE == 0))
+    heads = heads[np.argsort(-count[heads], kind="stable")]
+    out[4 * N] = len(heads)
+    out[4 * N + 1] = int((count[heads] > ENC7_PIECE).sum())
+    out[4 * N + 4:4 * N + 4 + len(heads)] = heads
+    single = out[5 * N + 4:]
+    single[:] = -1
+    once = count == 1
+    single[rec[once, 0]] = rec[once, 3]
+    return out
+
+
+def scratch_bytes10(B, T, C, dtype="fp32", **_):
+    """Variant 10's scratch: its work list (6 N + 4 int32), 9's tickets and partial rows."""
+    return scratch_bytes9(B, T, C, dtype=dtype) - 16 * B * T + 4 * (6 * B * T + 4)
+
+
+ENC10_ROWS = 8  # ENC10_ROWS in cuda/encoder.cu: rows a dwpe warp of variant 10 stages at a time (with their single tokens' rows)
+
+
+def check_vec16_10(B, T, C, dtype="fp32", block_size=None):
+    """Variant 10's dwpe warps have only 16-byte paths: C a multiple of 4 (fp32) or 8 (bf16)."""
+    e = 4 if dtype == "fp32" else 8
+    if C % e:
+        return f"C={C} is not a multiple of {e} (16-byte loads of each row{', float4' if e == 4 else ''})"
+    return _check_block(block_size)
+
+
+def _worklist(dtype):
+    """Variant 10: 9's pieces and bits from a work list computed on the host with 8's records (host_inputs:
+    encoder_backward10_records), a persistent grid of as many warps as fit at once; the pieces of tokens
+    of more than 32 rows on warps of their own, the rest (the other pieces, then a unit per (position,
+    16-byte slice) that sums dwpe and adds the rows of the tokens seen once onto dwte from the same
+    loads) round the other warps (cuda/encoder.cu, "encoder_backward 10")."""
+    def build(rt, B, T, C, block_size=None):
+        bs = block_size or 64
+        N = B * T
+        S = _slices(C, _lane9(rt, dtype))              # the pieces' slices (9's sliced warps)
+        S16 = _slices(C, 4 if dtype == "fp32" else 8)  # the dwpe units'
+        wpb = bs // 32
+        k = rt.kernel(MODULE, f"encoder_backward_kernel10{_sfx(dtype)}", "PPPPPPPiii", label=f"encoder_backward 10 {dtype}")
+        _fits("encoder_backward", 10, k, bs)
+        stage9 = _stage9(rt) if dtype == "bf16" and _lane9(rt, dtype) == 8 else 0
+        smem = wpb * max(stage9, 2 * _knob(rt, "ENC10_ROWS", ENC10_ROWS)) * 512
+        if smem > rt.max_smem_optin:
+            refuse("encoder_backward", 10, f"block_size={bs}: {wpb} warps' load stages take {smem} bytes of "
+                   f"shared memory, the device allows {rt.max_smem_optin}")
+        if smem > 48 * 1024:
+            k.set_max_dynamic_smem(smem)
+        smem_sm = rt.device.get_attribute(rt.drv.device_attribute.MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)
+        per_sm = max(1, min(k.resident_blocks(bs), smem_sm // (smem + 1024)))  # (1 KB a block the driver keeps)
+        grid = (max(1, min(rt.sm_count * per_sm, ceil_div(N * S + T * S16, wpb))), 1, 1)
+        recs = rt.empty((6 * N + 4,), np.int32)  # written by the host (put_host_inputs, the model's set_batch)
+        tickets = rt.zeros((N * S,), np.int32)   # each frequent token's finisher puts its slice's ticket back to 0
+        partial = rt.scratch((2 * ceil_div(N, ENC7_PIECE), C))
+        b_, t_, c_ = (np.int32(x) for x in (B, T, C))
+
+        def launch(dwte, dwpe, dout, inp):
+            k(grid, (bs, 1, 1), dwte.ptr, dwpe.ptr, dout.ptr, inp.ptr, recs.ptr, partial.ptr, tickets.ptr,
+              b_, t_, c_, smem=smem)
+        return Built(launch, scratch={"records": recs, "tickets": tickets, "partial": partial},
+                     keep=frozenset({"records", "tickets"}), host_inputs=(encoder_backward10_records, recs))
+    return build
+
+
 encoder_forward1 = _elementwise("encoder_forward", 1, 1, 256)
 encoder_forward2 = _elementwise("encoder_forward", 2, 4, 256)
 encoder_forward3 = _warp_per_row(3, 256)
@@ -418,6 +496,8 @@ encoder_backward8 = _host_ranked("fp32")
 encoder_backward8_bf16 = _host_ranked("bf16")
 encoder_backward9 = _host_ranked_sliced("fp32")
 encoder_backward9_bf16 = _host_ranked_sliced("bf16")
+encoder_backward10 = _worklist("fp32")
+encoder_backward10_bf16 = _worklist("bf16")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -511,6 +591,12 @@ OPS = [
                           "(piece, slice of 32 16-byte columns), their partials combined per slice; the other "
                           "tokens by 8's warps (any C)", {"fp32": encoder_backward9, "bf16": encoder_backward9_bf16},
                        check_any, scratch_bytes=scratch_bytes9),
+            10: Variant(10, "deterministic, 9's pieces and bits: a work list from the host with 8's records on a "
+                            "persistent grid (the multi-piece tokens' pieces on warps of their own), the dwpe sums "
+                            "and the rows of tokens seen once from one read of dout (C % 4, bf16 C % 8)",
+                        {"fp32": encoder_backward10, "bf16": encoder_backward10_bf16},
+                        {"fp32": lambda **k: check_vec16_10(dtype="fp32", **k),
+                         "bf16": lambda **k: check_vec16_10(dtype="bf16", **k)}, scratch_bytes=scratch_bytes10),
         }),
     OpSpec(
         name="encoder_decode", flag="--encoder-decode-kernel", default=1,
