@@ -182,12 +182,12 @@ def test_sets_option_names_a_labs_input_sets():
     lab = _load_lab()
     assert lab.parser("op").parse_args(["9", "--sets", "u,h,,t32"]).sets == ["u", "h", "t32"]
     L = object.__new__(lab.Lab)
-    L._parser = lab.parser("op")
-    L.args = L._parser.parse_args([])
+    L.parser = lab.parser("op")
+    L.args = L.parser.parse_args([])
     assert L.chosen_sets(("u", "z", "t", "h"), ("u", "z")) == ["u", "z"]
-    L.args = L._parser.parse_args(["--sets", "h,u"])
+    L.args = L.parser.parse_args(["--sets", "h,u"])
     assert L.chosen_sets(("u", "z", "t", "h"), ("u", "z")) == ["h", "u"]
-    L.args = L._parser.parse_args(["--sets", "u,x"])
+    L.args = L.parser.parse_args(["--sets", "u,x"])
     with pytest.raises(SystemExit) as e:
         L.chosen_sets(("u", "z"), ("u",))
     assert e.value.code == 2

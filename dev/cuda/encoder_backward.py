@@ -46,7 +46,7 @@ TEXT = Path(__file__).resolve().parents[1] / "data" / "tinyshakespeare" / "tiny_
 have_text = TEXT.exists() and shard_num_tokens(TEXT) >= N  # (prepro_tinyshakespeare.py writes it)
 SETS = L.chosen_sets(("u", "z", "t", "h", "t32"), ("u", "z", "t") if have_text else ("u", "z"))
 if {"t", "t32"} & set(SETS) and not have_text:
-    L._parser.error(f"--sets t, t32: need {TEXT.name} with at least {N} tokens (run prepro_tinyshakespeare.py)")
+    L.parser.error(f"--sets t, t32: need {TEXT.name} with at least {N} tokens (run prepro_tinyshakespeare.py)")
 uniform = rng.integers(0, V, (B, T)).astype(np.int32)
 text = np.asarray(read_shard(TEXT)[:N], np.int32).reshape(B, T) if have_text else None
 ids = {}  # the row label's tag: the set (uniform rows unlabelled)

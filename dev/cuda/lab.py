@@ -64,7 +64,7 @@ def parser(op: str) -> argparse.ArgumentParser:
 
 class Lab:
     def __init__(self, op: str, argv=None):
-        p = self._parser = parser(op)
+        p = self.parser = parser(op)
         self.args = p.parse_args(argv)
         if self.args.quick:
             self.args.repeat = min(self.args.repeat, 10)
@@ -110,8 +110,9 @@ class Lab:
         names = self.args.sets or list(default)
         bad = [n for n in names if n not in have]
         if bad:
-            self._parser.error(f"--sets {','.join(bad)}: this lab has {', '.join(have)}")
+            self.parser.error(f"--sets {','.join(bad)}: this lab has {', '.join(have)}")
         return names
+
     def dtypes(self, variant) -> list[str]:
         """The element types to run for this Variant: those it has builds for, less --dtype's filter."""
         want = ("fp32", "bf16") if self.args.dtype == "both" else (self.args.dtype,)
