@@ -928,14 +928,19 @@ LN6_BWD(bf16, _bf16, 1) LN6_BWD(bf16, _bf16, 2) LN6_BWD(bf16, _bf16, 3) LN6_BWD(
 // the copy ceiling in bf16 at B=16 (N = 16384, C = 768), where 5 reached 63% of the measured copy
 // bandwidth (57% in its fused colsum form, which the model runs 24 times a step) and 6 69%:
 //   * one launch: the dweight | dbias (| colsum) partials go to scratch (G, K, C) per block as before,
-//     then each block takes a ticket (one integer atomicAdd); the last S blocks to arrive
+//     then each block takes a ticket (one integer atomicInc, acq_rel); the last S blocks to arrive
 //     (S = min(G, K*C/32)) wait until all G have written theirs and each sums 32-column slices over
-//     the G blocks, in block order, onto the outputs (read, add, round once). The order of every sum
-//     is fixed (it does not depend on which block arrives when): the same bits on every run, and no
-//     float atomics (--deterministic allows it). Waiting cannot deadlock: when u blocks have not
-//     arrived, at most S - u wait, so S resident blocks are all it needs (the grid is sized to what is
-//     resident anyway); the last of the S resets the two counters for the next launch (graph
-//     replays included);
+//     the G blocks, in block order, onto the outputs (add in fp32 to the old value, round once). The
+//     order of every sum is fixed (it does not depend on which block arrives when): the same bits on
+//     every run, and no float atomics (--deterministic allows it). Waiting cannot deadlock: when u
+//     blocks have not arrived, at most S - u wait, so S resident blocks are all it needs (the grid is
+//     sized to what is resident anyway). Nothing is reset after a launch (graph replays included):
+//     the count grows by G a launch and wraps at a multiple of G, so a launch's base is the count it
+//     finds rounded down to G (session 49; before, the last summer reset two counters, one more fence
+//     and atomic on the launch's last path). The outputs' old values come into shared memory with
+//     the first rows (cp.async), so the final "+=" does not wait on global memory. The tail after the
+//     last row: 2.3-2.5 us at d12 B=4 (H200: 0.0153 ms against 0.0128 for the rows alone), 3.3 us in
+//     session 34's form;
 //   * the rows come through a per-warp shared-memory ring of P rows (dout | inp | dinp) that cp.async
 //     fills P - 1 rows ahead, so the bytes in flight cost no registers; dweight/dbias/colsum sums in
 //     registers per lane (lane l owns its channels in every row), one block-wide pass at the end;
@@ -959,6 +964,8 @@ LN6_BWD(bf16, _bf16, 1) LN6_BWD(bf16, _bf16, 2) LN6_BWD(bf16, _bf16, 3) LN6_BWD(
 
 #define LN7_CHUNKED 1  // flags (the lab's comparisons): rows of a warp consecutive (6's split), not strided
 #define LN7_SPLIT 2    // flags: leave the partials in scratch for the reduce kernel (no tickets)
+#define LN7_RESET 4    // flags (the lab's comparison): session 34's tail, both counters reset by the last summer
+#define LN7_OUTS 8     // flags: dweight, dbias (, colsum) 16-byte aligned: their old values staged in shared memory
                        // (flags >> 8: P, the stages of each warp's ring)
 
 // the rows of global warp gw of W: [row, end) by step
@@ -993,6 +1000,21 @@ __device__ __forceinline__ void ln7_cp_wait_stages(int P) {  // all but the newe
         case 5: ln7_cp_wait<4>(); break;
         default: ln7_cp_wait<5>(); break;
     }
+}
+__device__ __forceinline__ unsigned ln7_ld_acquire(const unsigned* p) {
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ unsigned ln7_ld_relaxed(const unsigned* p) {
+    unsigned v;
+    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ unsigned ln7_atom_inc_acq_rel(unsigned* p, unsigned limit) {
+    unsigned old;
+    asm volatile("atom.acq_rel.gpu.global.inc.u32 %0, [%1], %2;\n" : "=r"(old) : "l"(p), "r"(limit) : "memory");
+    return old;
 }
 template <typename T>
 __device__ __forceinline__ typename Vec16<T>::raw ln7_lds(uint32_t addr) {
@@ -1057,6 +1079,25 @@ __device__ __forceinline__ void layernorm_backward7_t(T* __restrict__ dinp, T* d
     for (int i = 0; i < (HOIST_W ? NV : 0); i++) {
         const int c0 = V * (lane + i * WARP_SIZE);
         if (c0 < C) wv[HOIST_W ? i : 0] = Vec16<T>::ld(weight + c0);
+    }
+    // the ticketed form's tail, set up off its path. The count of arrivals only ever grows by G a launch
+    // (modulo G * floor((2^32 - 1) / G), where atomicInc wraps it), and fewer than G of this launch's
+    // blocks (not this one) have arrived yet: so this launch's base is the count rounded down to G.
+    // With LN7_OUTS the outputs' old values come into shared memory (after the stages and the ticket)
+    // in a cp.async group ahead of the rows', so the final "+=" reads them there.
+    const bool tickets = !(flags & (LN7_SPLIT | LN7_RESET));
+    const unsigned G = gridDim.x;
+    unsigned c0 = 0;  // (relaxed, and not used before the tail: the load does not hold the warp up here)
+    if (tickets && threadIdx.x == 0) c0 = ln7_ld_relaxed(&sync[0]);
+    const T* outs_s = reinterpret_cast<const T*>(reinterpret_cast<unsigned char*>(smem7) + (size_t)nwarps * P * stage_bytes + 16);
+    if (tickets && (flags & LN7_OUTS)) {
+        const int pieces = C / V;  // 16-byte pieces an output (C % V == 0)
+        for (int i = threadIdx.x; i < K * pieces; i += blockDim.x) {
+            const int r = i / pieces;
+            const T* o = r == 0 ? dweight : r == 1 ? dbias : colsum;
+            ln7_cp16(ln7_smem_u32(outs_s + i * V), o + (i - r * pieces) * V);
+        }
+        ln7_cp_commit();
     }
     for (int p = 0; p < P - 1; p++) issue(row + p * step, p);
     float mc = 0.0f, sc = 0.0f;
@@ -1158,13 +1199,24 @@ __device__ __forceinline__ void layernorm_backward7_t(T* __restrict__ dinp, T* d
         }
     }
     if (flags & LN7_SPLIT) return;
-    // the ticket: every thread's partials fenced, then one atomicAdd per block
+    // the ticket: the block's partials stored, then thread 0's fence and one atomicInc (in this launch's
+    // arrival order: rank = count - base). The last S to arrive sum the slices, once the count reaches
+    // base + G; the last to arrive sees that in its own ticket. Nothing to reset: the next launch's base
+    // is base + G. (LN7_RESET: session 34's tail, every thread fenced, the count waited for to reach G,
+    // and the last summer resetting both counters: one more fence and atomic on the launch's last path.)
     unsigned* ticket7 = reinterpret_cast<unsigned*>(reinterpret_cast<unsigned char*>(smem7) + (size_t)nwarps * P * stage_bytes);
-    __threadfence();
+    const unsigned wrap = G * (0xFFFFFFFFu / G);  // the count runs 0 .. wrap - 1
+    const unsigned base = c0 - c0 % G;
+    if (!tickets) __threadfence();
     __syncthreads();
-    if (threadIdx.x == 0) *ticket7 = atomicAdd(&sync[0], 1u);
+    if (threadIdx.x == 0) {
+        if (tickets) {  // (acq_rel: the block's partials released, through the barrier; the others' acquired)
+            *ticket7 = ln7_atom_inc_acq_rel(&sync[0], wrap - 1u) - base;
+        } else {
+            *ticket7 = atomicAdd(&sync[0], 1u);
+        }
+    }
     __syncthreads();
-    const unsigned G = gridDim.x;
     const int KC4 = K * C / 4;               // float4 columns of a scratch row (C % 4 == 0)
     const int Q = ceil_div(KC4, 8);          // slices of 8 float4 = 32 columns
     const unsigned S = min(G, (unsigned)Q);  // the blocks that sum the slices: the last S to arrive
@@ -1172,8 +1224,14 @@ __device__ __forceinline__ void layernorm_backward7_t(T* __restrict__ dinp, T* d
     if (ticket < G - S) return;
     const int j0 = ticket - (G - S);
     if (threadIdx.x == 0) {
-        while (*reinterpret_cast<volatile unsigned*>(&sync[0]) < G) __nanosleep(32);
-        __threadfence();
+        if (tickets) {
+            const unsigned target = base + G == wrap ? 0u : base + G;
+            if (ticket != G - 1)
+                while (ln7_ld_acquire(&sync[0]) != target) __nanosleep(32);
+        } else {
+            while (*reinterpret_cast<volatile unsigned*>(&sync[0]) < G) __nanosleep(32);
+            __threadfence();
+        }
     }
     __syncthreads();
     // slice q: lane l reads float4 column 8q + (l % 8) of blocks g = l/8 + 4*warp + 4*nwarps*t, ...
@@ -1207,14 +1265,15 @@ __device__ __forceinline__ void layernorm_backward7_t(T* __restrict__ dinp, T* d
             }
             const int r = (4 * col4) / C, c = 4 * col4 - r * C;  // (C % 4 == 0: one output row)
             T* o = (r == 0 ? dweight : r == 1 ? dbias : colsum) + c;
-            o[0] = from_f32<T>(to_f32(o[0]) + tot.x);
-            o[1] = from_f32<T>(to_f32(o[1]) + tot.y);
-            o[2] = from_f32<T>(to_f32(o[2]) + tot.z);
-            o[3] = from_f32<T>(to_f32(o[3]) + tot.w);
+            const T* old = tickets && (flags & LN7_OUTS) ? outs_s + 4 * col4 : o;
+            o[0] = from_f32<T>(to_f32(old[0]) + tot.x);
+            o[1] = from_f32<T>(to_f32(old[1]) + tot.y);
+            o[2] = from_f32<T>(to_f32(old[2]) + tot.z);
+            o[3] = from_f32<T>(to_f32(old[3]) + tot.w);
         }
     }
-    // the last of the S resets both counters for the next launch
-    if (threadIdx.x == 0) {
+    // LN7_RESET: the last of the S resets both counters for the next launch
+    if (!tickets && threadIdx.x == 0) {
         __threadfence();
         if (atomicAdd(&sync[1], 1u) == S - 1) {
             sync[0] = 0u;

@@ -368,12 +368,17 @@ def test_variant6_many_rows_per_warp(rt, rng, number, dtype, N, C):
                                        ("bf16", 3, 64), ("fp32", 5001, 384)])
 def test_backward7_one_launch_repeats_and_replays(rt, rng, dtype, N, C, colsum):
     """Variant 7 sums the blocks' partials in its own launch: the last blocks to take a ticket wait for
-    the rest, then sum 32-column slices in block order; the last of them resets the two counters. So:
-    against the float64 reference with the partials poisoned first; five launches of one build from the
-    same starting values give the same bits every time (a counter left set would skip the final sums
-    or let them read unwritten partials); a CUDA graph replay the same bits again; and the lab's two
-    alternatives (6's consecutive rows per warp; the separate reduce kernel) the same dinp bit for bit
-    (a row's dinp does not depend on which warp takes it) and the sums within their rounding."""
+    the rest (the count of arrivals grows by G a launch, the launch's base the count rounded down to G,
+    wrapping to 0 at G * floor((2^32 - 1) / G)), then sum 32-column slices in block order, the outputs'
+    old values staged in shared memory where they are 16-byte aligned. So: against the float64 reference
+    with the partials poisoned first; five launches of one build from the same starting values give the
+    same bits every time (a wrong base would skip the final sums or let them read unwritten partials),
+    and leave the count at 5 G; a launch from the count's last base (it wraps to 0) and from an odd
+    multiple of G the same bits; dweight, dbias (, colsum) an element off 16-byte alignment (read from global
+    memory) the same bits; a CUDA graph replay the same bits again; session 34's tail (LN7_RESET: the counters reset by the
+    last summer) every bit the same; and the lab's two alternatives (6's consecutive rows per warp; the
+    separate reduce kernel) the same dinp bit for bit (a row's dinp does not depend on which warp takes
+    it) and the sums within their rounding."""
     bf = dtype == "bf16"
     val = round_bf16 if bf else (lambda a: a.astype(np.float32))
     x, w, b, dout = (val(a) for a in inputs(rng, N, C))
@@ -405,6 +410,20 @@ def test_backward7_one_launch_repeats_and_replays(rt, rng, dtype, N, C, colsum):
     for _ in range(4):
         for a, b_ in zip(first, run(built)):
             np.testing.assert_array_equal(a, b_)
+    G, tickets = built.info["grid"], built.scratch["tickets"]
+    assert tickets.get().tolist() == [5 * G, 0], "the count: G a launch"
+    wrap = G * (0xFFFFFFFF // G)
+    for start, after in ((wrap - G, 0), (7 * G, 8 * G)):
+        tickets.set(np.array([start, 0], np.uint32))
+        for a, b_ in zip(first, run(built)):
+            np.testing.assert_array_equal(a, b_, err_msg=f"count from {start}")
+        assert tickets.get().tolist() == [after, 0]
+    if built.info["outs_smem"]:  # (the sums' old values from global memory: views an element in)
+        plain = outs
+        outs = plain[:1] + [rt.zeros(o.size + 1, o.dtype).view(1, o.shape) for o in plain[1:]]
+        for name, a, b_ in zip(("dinp", "dweight", "dbias", "colsum"), first, run(built)):
+            np.testing.assert_array_equal(a, b_, err_msg=f"{name}, unaligned outputs")
+        outs = plain
     if rt.graphs_available() is None:
         graph = rt.capture(lambda: built(*outs, *ins))
         for _ in range(2):
@@ -415,6 +434,11 @@ def test_backward7_one_launch_repeats_and_replays(rt, rng, dtype, N, C, colsum):
             for a, o in zip(first, outs):
                 np.testing.assert_array_equal(a, o.get(), err_msg="graph replay")
     from llmc.ops import layernorm as ln
+    reset = ln._backward7(dtype)(rt, N, C, colsum=colsum, flags=ln.LN7_RESET)
+    for _ in range(2):  # (twice: its counters back to 0)
+        for name, a, b_ in zip(("dinp", "dweight", "dbias", "colsum"), first, run(reset)):
+            np.testing.assert_array_equal(a, b_, err_msg=f"{name}, session 34's tail")
+    assert reset.scratch["tickets"].get().tolist() == [0, 0]
     # (and other ring depths: 2 stages, one row in flight; 6 in blocks of 4 warps; and more blocks than
     # are resident, 2 or 4 consecutive rows a warp)
     for flags, stages, bs, rpw in ((ln.LN7_CHUNKED, None, None, None), (ln.LN7_SPLIT, 2, None, None),
@@ -444,8 +468,8 @@ def test_backward_deferred_sums_at_the_flush(rt, rng, number, dtype, N, C, colsu
     capture is refused. The sums: within rounding of the plain form's (another order)."""
     bf = dtype == "bf16"
     val = round_bf16 if bf else (lambda a: a.astype(np.float32))
-    # the ticketed build first: 7's deferred form asks for less shared memory (2 stages, not 3) of the
-    # same entry point, and must not take back the ticketed launches' opt-in (Kernel.set_max_dynamic_smem)
+    # the ticketed build first: 7's deferred form asks for less shared memory (no staging of the outputs'
+    # old values) of the same entry point, and must not take back the ticketed launches' opt-in (Kernel.set_max_dynamic_smem)
     ticketed = BWD.build(rt, number, dtype, N=N, C=C, colsum=colsum)  # (5: with its reduce launch)
     built = BWD.build(rt, number, dtype, N=N, C=C, colsum=colsum, deferred=4)
     poison(built.scratch["partials"])

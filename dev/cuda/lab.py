@@ -152,7 +152,7 @@ class Lab:
         return ok
 
     # -- timing
-    def _record(self, label, ms_list, block_size, bytes, flops, ceiling, kind="ours"):
+    def _record(self, label, ms_list, block_size, bytes, flops, ceiling, kind="ours", copies=1):
         med = statistics.median(ms_list)
         row = {"variant": label, "block": block_size if block_size is not None else "",
                "ms": med, "spread": (max(ms_list) - min(ms_list)) / med if med else 0.0, "kind": kind,
@@ -166,8 +166,8 @@ class Lab:
             row["unit"] = "GB/s"
         if "rate" in row and peak and unit == row["unit"]:
             row["frac"] = row["rate"] / peak
-        if kind != "copy" and bytes and ceiling == "dram" and not flops and bytes in self.copy_ms:
-            row["copy_frac"] = self.copy_ms[bytes] / med
+        if kind != "copy" and bytes and ceiling == "dram" and not flops and (bytes, copies) in self.copy_ms:
+            row["copy_frac"] = self.copy_ms[bytes, copies] / med
         self.rows.append(row)
         rate = f"{row['rate']:9.1f} {row['unit']}" if "rate" in row else ""
         frac = f" ({100 * row['frac']:.0f}% of {ceiling}" if "frac" in row else ""
@@ -177,28 +177,35 @@ class Lab:
         print(f"  {label}{bs}: {med:.4f} ms {rate}{frac}")
         return med
 
-    def time(self, variant, fn, block_size=None, bytes=None, flops=None, ceiling="dram"):
-        """Median of CUDA-event times over --repeat runs, L2 flushed before each."""
+    def time(self, variant, fn, block_size=None, bytes=None, flops=None, ceiling="dram", copies=1):
+        """Median of CUDA-event times over --repeat runs, L2 flushed before each. A memory-bound row is
+        compared with a copy of its bytes: one copy, or (copies=n, for a sequence of n launches on
+        buffers of their own) n copies of bytes / n each, back to back, each between buffers of its own."""
         if variant not in self.validated and str(variant) not in self.failed and not isinstance(variant, str):
             print(f"  warning: variant {variant} timed without validate()")
         if bytes and ceiling == "dram" and not flops:
-            self.copy_floor(bytes)
+            self.copy_floor(bytes, copies)
         ms = self.rt.time_ms(fn, warmup=3, repeat=self.args.repeat, flush_l2=not self.args.no_l2_flush)
-        return self._record(str(variant), ms, block_size, bytes, flops, ceiling)
+        return self._record(str(variant), ms, block_size, bytes, flops, ceiling, copies=copies)
 
-    def copy_floor(self, nbytes: int) -> float:
-        """Time (once per size) a device-to-device copy moving nbytes (nbytes // 2 read and written),
-        L2 flushed as for the rows; adds a "copy" row. Returns its median ms."""
-        if nbytes not in self.copy_ms:
-            half = max(1, nbytes // 2)
-            src, dst = self.rt.empty((half,), np.uint8), self.rt.empty((half,), np.uint8)
-            src.fill_bytes(0x3C)
+    def copy_floor(self, nbytes: int, copies: int = 1) -> float:
+        """Time (once per size and count) device-to-device copies moving nbytes in all (each nbytes //
+        (2 copies) read and written), L2 flushed as for the rows; adds a "copy" row. Returns its median ms."""
+        if (nbytes, copies) not in self.copy_ms:
+            half = max(1, nbytes // (2 * copies))
+            pairs = [(self.rt.empty((half,), np.uint8), self.rt.empty((half,), np.uint8)) for _ in range(copies)]
+            for src, _ in pairs:
+                src.fill_bytes(0x3C)
             drv, stream = self.rt.drv, self.rt.stream
-            ms = self.rt.time_ms(lambda: drv.memcpy_dtod_async(dst.ptr, src.ptr, half, stream),
-                                 warmup=3, repeat=self.args.repeat, flush_l2=not self.args.no_l2_flush)
-            self.copy_ms[nbytes] = self._record(f"copy, same bytes ({nbytes / 1e6:.1f} MB)", ms, None, 2 * half,
-                                                None, "dram", kind="copy")
-        return self.copy_ms[nbytes]
+
+            def run():
+                for src, dst in pairs:
+                    drv.memcpy_dtod_async(dst.ptr, src.ptr, half, stream)
+            ms = self.rt.time_ms(run, warmup=3, repeat=self.args.repeat, flush_l2=not self.args.no_l2_flush)
+            what = f"{nbytes / 1e6:.1f} MB" if copies == 1 else f"{copies} x {nbytes / copies / 1e6:.1f} MB"
+            self.copy_ms[nbytes, copies] = self._record(f"copy, same bytes ({what})", ms, None, 2 * half * copies,
+                                                        None, "dram", kind="copy")
+        return self.copy_ms[nbytes, copies]
 
     def reference(self, label, fn, bytes=None, flops=None, ceiling="dram"):
         """A vendor-library line (cuBLAS via torch, ...), timed with torch's CUDA events."""

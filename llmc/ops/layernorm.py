@@ -427,7 +427,9 @@ def _backward6(dtype):
 # shared-memory ring filled by cp.async, the blocks' partials summed in the same launch by the last
 # blocks to finish, in a fixed order (cuda/layernorm.cu, "Backward variant 7")
 
-LN7_CHUNKED, LN7_SPLIT = 1, 2  # kernel flags (the lab's comparisons): 6's consecutive rows; the reduce kernel
+# kernel flags (the lab's comparisons): 6's consecutive rows; the reduce kernel; session 34's ticketed tail
+LN7_CHUNKED, LN7_SPLIT, LN7_RESET = 1, 2, 4
+LN7_OUTS = 8  # (set per launch: the outputs' old values staged in shared memory, where they are 16-byte aligned)
 NV7 = {"fp32": 3, "bf16": 4}   # vectors per lane, at most (the entry points; registers)
 
 
@@ -452,16 +454,19 @@ def scratch_bytes_backward7(N, C, colsum=False, deferred=0, **_):
 
 
 def _backward7(dtype):
-    """384 threads (one block an SM at C = 768 bf16: 12 warps, 128 / 162 registers) and 3 stages a
-    warp: the fastest of the sweep (dev/cuda/layernorm_sweep7.py); 2 stages in the deferred form (the
-    bf16 trainer's), whose 24 calls and flush took 0.2487 ms against 0.2607 at B=4 and 0.7350 against
-    0.7624 at B=16 (H200, bf16, the sweep's deferred rows, session 34). The lab's comparisons only: flags
-    LN7_CHUNKED, LN7_SPLIT (the reduce kernel sums the partials, as for 3-6); stages: rows per warp in
+    """384 threads (one block an SM at C = 768 bf16: 12 warps, 167 registers) and 2 stages a warp: the
+    fastest of the sweep (dev/cuda/layernorm_sweep7.py). The deferred form (the trainer's): its 24 calls
+    and flush took 0.2487 ms against 0.2607 with 3 stages at B=4 and 0.7350 against 0.7624 at B=16 (H200,
+    bf16, session 34). The ticketed form, since session 49's shorter tail: B=4 0.0153 ms against 0.0159
+    (colsum 0.0161 against 0.0173), B=16 0.0345 against 0.0349 (0.0355 against 0.0367) (H200, bf16, L2
+    flushed, the sweep's "backward tails"; session 34 had chosen 3 stages with the old tail). The lab's comparisons only: flags
+    LN7_CHUNKED, LN7_SPLIT (the reduce kernel sums the partials, as for 3-6), LN7_RESET (session 34's tail:
+    the summers wait for the count to reach G and the last resets both counters); stages: rows per warp in
     the shared-memory ring (stages - 1 in flight); rows_per_warp: R consecutive rows per warp and as
     many blocks as that takes (more than are resident: the hardware hands out the blocks)."""
     def build(rt, N, C, block_size=None, colsum=False, flags=0, stages=None, rows_per_warp=None, deferred=0):
         bs = block_size or 384
-        P = stages or (2 if deferred else 3)
+        P = stages or 2
         assert 2 <= P <= 6
         nv = ceil_div(C, 32 * V16[dtype])
         label = f"layernorm_backward 7 {dtype}" + (" colsum" if colsum else "")
@@ -473,6 +478,11 @@ def _backward7(dtype):
         smem = (bs // 32) * P * 3 * C * esize(dtype) + 16  # each warp's ring of P (dout|inp|dinp) rows; ticket
         if smem > rt.max_smem_optin:
             refuse("layernorm_backward", 7, f"C={C}, block_size={bs}: {smem} bytes of row stages exceed shared memory")
+        # the ticketed form: the outputs' old values after the ticket, where they fit (LN7_OUTS)
+        ticketed = not (deferred or flags & (LN7_SPLIT | LN7_RESET))
+        outs_smem = ticketed and smem + K * C * esize(dtype) <= rt.max_smem_optin
+        if outs_smem:
+            smem += K * C * esize(dtype)
         k.set_max_dynamic_smem(smem)
         # persistent: no more blocks than are resident at once (the last blocks wait for the others),
         # at most MAX_BLOCKS (the scratch rows)
@@ -502,18 +512,24 @@ def _backward7(dtype):
             kr = rt.kernel(MODULE, reduce_name + _sfx(dtype), "PPPPii" if colsum else "PPPii", label=label + " (reduce)")
         grid_r = (ceil_div(C, 32), 1, 1)
 
+        f_outs = _i32(flags | LN7_OUTS | (P << 8))[0]
+
+        def fl(*outs):  # LN7_OUTS where every output is 16-byte aligned (cp.async's pieces)
+            return f_outs if outs_smem and not any(o.ptr % 16 for o in outs) else f_
+
         def launch(dinp, dweight, dbias, dout, inp, weight, mean, rstd):
             k((G, 1, 1), (bs, 1, 1), dinp.ptr, dweight.ptr, dbias.ptr, scratch.ptr, tickets.ptr, dout.ptr,
-              inp.ptr, weight.ptr, mean.ptr, rstd.ptr, n_, c_, r_, f_, smem=smem)
+              inp.ptr, weight.ptr, mean.ptr, rstd.ptr, n_, c_, r_, fl(dweight, dbias), smem=smem)
             if split:
                 kr(grid_r, (32, 32, 1), dweight.ptr, dbias.ptr, scratch.ptr, g_, c_)
 
         def launch_colsum(dinp, dweight, dbias, colsum, dout, inp, weight, mean, rstd):
             k((G, 1, 1), (bs, 1, 1), dinp.ptr, dweight.ptr, dbias.ptr, colsum.ptr, scratch.ptr, tickets.ptr,
-              dout.ptr, inp.ptr, weight.ptr, mean.ptr, rstd.ptr, n_, c_, r_, f_, smem=smem)
+              dout.ptr, inp.ptr, weight.ptr, mean.ptr, rstd.ptr, n_, c_, r_, fl(dweight, dbias, colsum), smem=smem)
             if split:
                 kr(grid_r, (32, 32, 1), dweight.ptr, dbias.ptr, colsum.ptr, scratch.ptr, g_, c_)
-        return Built(launch_colsum if colsum else launch, scratch={"partials": scratch, "tickets": tickets})
+        return Built(launch_colsum if colsum else launch, scratch={"partials": scratch, "tickets": tickets},
+                     info={"grid": G, "outs_smem": outs_smem})
     return build
 
 
