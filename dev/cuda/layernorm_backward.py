@@ -23,7 +23,8 @@ Variant 7's deferred form (deferred=S, the model's): "7 colsum deferred x24 + fl
 into their own slots then one flush of their column sums, beside "7 colsum x24", 24 ticketed calls:
 a step's worth of d12's fused layernorm backwards each way (bytes: 24 calls' count), each call on
 tensors of its own as a layer's are, against 24 copies of one call's bytes (each between buffers of
-its own) back to back.
+its own) back to back; and "deferred, one call", a call alone with its sums left for the flush (the
+flush reads G x 3 x C fp32 partials a slot, not counted).
 """
 
 import numpy as np
@@ -125,6 +126,22 @@ for n in L.selected(spec):
         L.validate(label, one, outputs={"colsum": colsum}, refs={"colsum": cs_ref}, atol=cs_atol, rtol=rtol,
                    init={"colsum": up(cs_init)})
 
+        # one call alone, as each of the model's: its dinp written, its sums left in a slot for the flush
+        # (a slot a timed call; the flush, untimed, when they run out)
+        SL = 128
+        dfr1 = spec.build(rt, n, dt, N=N, C=C, colsum=True, deferred=SL)
+        used = [0]
+
+        def one_call():
+            if used[0] == SL:
+                dfr1.flush()  # noqa: B023
+                used[0] = 0
+            dfr1(used[0], outs["dinp"], outs["dweight"], outs["dbias"], colsum, *ins)  # noqa: B023
+            used[0] += 1
+        L.time(f"{n} colsum deferred {dt}, one call (its sums left for the flush)", one_call, bytes=nbytes,
+               ceiling="dram")
+        dfr1.flush()
+        del dfr1
         # as the model runs them: each call on tensors of its own (a layer's: dinp, dout, inp, mean, rstd,
         # weight and its sums), so the L2 holds little of one call's bytes for the next; against S copies
         # of one call's bytes, each between buffers of its own
