@@ -63,6 +63,9 @@
 //   At B=4, T=1024, C=768 the bytes halve: forward ~14 MB (4.7 us), backward ~19 MB (6.3 us).
 #include "common.cuh"
 #include "elem.cuh"
+#ifndef ENC_FLOOR_BENCH
+#define ENC_FLOOR_BENCH 0
+#endif
 #include "mma.cuh"  // cp_async16_full, cp_async_commit/wait, lds128, smem_u32 (variant 9's staged loads)
 
 // ----------------------------------------------------------------------------------------------
@@ -1367,8 +1370,86 @@ __device__ __forceinline__ void encoder_dwpe_single_t(T* dwte, T* dwpe, const T*
     }
 }
 
-// recs: 8's place records (N int4); nheads, nmulti (and 2 unused ints); the N piece heads; the N single
-// tokens. Units: u < nheads * S: the piece at heads[u / S], slice u % S; then (t, slice) of the dwpe
+// ENC10_WHOLE (session 51): a token of 2 to 32 rows (one piece) whose head is among the last of the work
+// list's (the host puts there the tokens of at most ENC10_WHOLE_MAX rows, llmc/ops/encoder.py) is summed by
+// one warp over its whole row (up to ENC10_WHOLE_CW 16-byte columns a lane), its rows staged by cp.async ENC10_SLOTS /
+// columns at a time, where 9's sliced piece takes a warp per 512-byte slice, each reading the records and
+// waiting for them before its rows. The same order per column (dwte's row, then the rows in place order:
+// 8's sum of a one-piece token), the same bits. bf16 builds only.
+#ifndef ENC10_WHOLE
+#define ENC10_WHOLE 1
+#endif
+#ifndef ENC10_WHOLE_CW
+#define ENC10_WHOLE_CW 3  // at most this many 16-byte columns a lane (bf16: C <= 768), else the slices
+#endif
+template <typename T>
+__device__ __forceinline__ void encoder_single_whole_t(T* dwte, const T* dout, const int* inp, const int4* place_rec,
+        int N, int C, int t, uint32_t st, int nslots) {
+    constexpr int E = 16 / (int)sizeof(T);
+    const int lane = threadIdx.x % WARP_SIZE, G = C / E, CW = ceil_div(G, WARP_SIZE);
+    const int4 rec = place_rec[min(t + lane, N - 1)];  // lane l: the record of the token's row l
+    const int n = __shfl_sync(0xffffffffu, rec.z, 0), tok = __shfl_sync(0xffffffffu, rec.w, 0);
+    const int mypos = rec.x;
+    const int seen = lane < n ? inp[mypos] : tok;  // checked before the first store (records of another batch trap)
+    T* wrow = dwte + (size_t)tok * C;
+    if ((n + 1) * CW <= nslots) {  // one round: dwte's row in slots [0, CW), row r's columns at CW (r + 1) + c
+#pragma unroll 1
+        for (int r = -1; r < n; r++) {
+            const T* row = r < 0 ? wrow : dout + (size_t)__shfl_sync(0xffffffffu, mypos, max(r, 0)) * C;
+            for (int c = 0; c < CW; c++) {
+                const int g = c * WARP_SIZE + lane;
+                if (g < G) cp_async16_full(st + 512u * ((r + 1) * CW + c), row + (size_t)g * E);
+            }
+        }
+        cp_async_commit();
+        cp_async_wait<0>();
+        if (seen != tok) __trap();
+#pragma unroll 1
+        for (int c = 0; c < CW; c++) {
+            const int g = c * WARP_SIZE + lane;
+            if (g >= G) continue;
+            float a[E], x[E];
+            unpack_vec<T, E>(lds128(st + 512u * c), a);
+            for (int r = 0; r < n; r++) {
+                unpack_vec<T, E>(lds128(st + 512u * ((r + 1) * CW + c)), x);
+#pragma unroll
+                for (int k = 0; k < E; k++) a[k] += x[k];
+            }
+            store_vec<T, E>(wrow + (size_t)g * E, a);
+        }
+        return;
+    }
+    // (more rows than one round's slots, where the host's boundary allows it: a column at a time)
+    if (seen != tok) __trap();
+#pragma unroll 1
+    for (int c = 0; c < CW; c++) {
+        const int g = c * WARP_SIZE + lane;
+        const bool live = g < G;
+        float a[E];
+        if (live) load_vec<T, E>(wrow + (size_t)g * E, a);
+        for (int j0 = 0; j0 < n; j0 += nslots) {
+#pragma unroll 1
+            for (int r = 0; r < nslots && j0 + r < n; r++) {
+                const int p = __shfl_sync(0xffffffffu, mypos, j0 + r);
+                if (live) cp_async16_full(st + 512u * r, dout + (size_t)p * C + (size_t)g * E);
+            }
+            cp_async_commit();
+            cp_async_wait<0>();
+            for (int r = 0; r < nslots && j0 + r < n; r++) {
+                if (live) {
+                    float x[E];
+                    unpack_vec<T, E>(lds128(st + 512u * r), x);
+#pragma unroll
+                    for (int k = 0; k < E; k++) a[k] += x[k];
+                }
+            }
+        }
+        if (live) store_vec<T, E>(wrow + (size_t)g * E, a);
+    }
+}
+
+// recs: 8's place records (N int4); nheads, nmulti, of the others those of more than ENC10_WHOLE_MAX rows
+// (and an unused int); the N piece heads; the N single tokens. Units: u < nheads * S: the piece at heads[u / S], slice u % S; then (t, slice) of the dwpe
 // units. The multi-piece units (the first nmulti * S), whose last piece adds the token's partials, get
 // a warp each (warp u, unit u alone) when they are fewer than half the warps; the other units go round
 // the other warps in order (unit u by warp um + (u - um) % (W - um)). A warp loads its next unit's head
@@ -1387,7 +1468,13 @@ __device__ __forceinline__ void encoder_backward10_t(T* dwte, T* dwpe, const T* 
     extern __shared__ uint4 enc10_stage[];  // [warps][max(ENC9_STAGE, ENC10_SLOTS)][32 lanes]
     constexpr int slots = ENC9_STAGE > ENC10_SLOTS ? ENC9_STAGE : ENC10_SLOTS;
     const uint32_t st = smem_u32(enc10_stage + warp * slots * WARP_SIZE + threadIdx.x % WARP_SIZE);
-    const int up = hdr[0] * S, um = hdr[1] * S, total = up + TT * S16, W = gridDim.x * wpb;
+    // units: [0, us) a piece's 16-byte slice (9's), [us, up) a one-piece token's whole row (ENC10_WHOLE, the
+    // last hdr[0] - hdr[1] - hdr[2] heads), then (t, slice) of the dwpe units
+    const int nh = hdr[0], nmulti = hdr[1];
+    const bool whole = ENC10_WHOLE && sizeof(T) == 2 && ceil_div(C / E16, WARP_SIZE) <= ENC10_WHOLE_CW && C % E16 == 0;
+    const int nsl = whole ? hdr[2] : nh - nmulti;  // the one-piece tokens on slices
+    const int us = (nmulti + nsl) * S, up = us + (nh - nmulti - nsl), um = nmulti * S, total = up + TT * S16;
+    const int W = gridDim.x * wpb;
     const int gw = blockIdx.x * wpb + warp;
     int u, stride, last;
     if (2 * um < W) {  // warps of their own for the multi-piece units
@@ -1396,25 +1483,172 @@ __device__ __forceinline__ void encoder_backward10_t(T* dwte, T* dwpe, const T* 
     } else {
         u = gw; stride = W; last = total;
     }
-    int head = u < up ? heads[u / S] : 0;
+    auto head_of = [&](int v) { return heads[v < us ? v / S : nmulti + nsl + (v - us)]; };
+    int head = u < up && u < last ? head_of(u) : 0;
     for (; u < last; u += stride) {
         const int t = head;
-        if (u + stride < up && u + stride < last) head = heads[(u + stride) / S];  // the next unit's, under this one
-        if (u < up) encoder_piece_slice_t<T>(dwte, dout, inp, place_rec, partial, tickets, N, C, t, u % S, st);
+        if (u + stride < up && u + stride < last) head = head_of(u + stride);  // the next unit's, under this one
+        if (u < us) encoder_piece_slice_t<T>(dwte, dout, inp, place_rec, partial, tickets, N, C, t, u % S, st);
+        else if (u < up) encoder_single_whole_t<T>(dwte, dout, inp, place_rec, N, C, t, st, slots);
         else encoder_dwpe_single_t<T>(dwte, dwpe, dout, inp, tok_single, B, TT, C, (u - up) / S16, (u - up) % S16, st);
     }
 }
 
-extern "C" __global__ void encoder_backward_kernel10(float* dwte, float* dwpe, const float* dout, const int* inp,
+// ENC10_MAXNREG (unset by default): a register cap on kernel 10 (__maxnreg__), the lab's knob
+#ifdef ENC10_MAXNREG
+#define ENC10_REGS __maxnreg__(ENC10_MAXNREG)
+#else
+#define ENC10_REGS
+#endif
+extern "C" __global__ void ENC10_REGS encoder_backward_kernel10(float* dwte, float* dwpe, const float* dout, const int* inp,
         const int* recs, float* partial, int* tickets, int B, int T, int C) {
     LLMC_PDL_WAIT();
     encoder_backward10_t<float>(dwte, dwpe, dout, inp, recs, partial, tickets, B, T, C);
 }
-extern "C" __global__ void encoder_backward_kernel10_bf16(bf16* dwte, bf16* dwpe, const bf16* dout, const int* inp,
+extern "C" __global__ void ENC10_REGS encoder_backward_kernel10_bf16(bf16* dwte, bf16* dwpe, const bf16* dout, const int* inp,
         const int* recs, float* partial, int* tickets, int B, int T, int C) {
     LLMC_PDL_WAIT();
     encoder_backward10_t<bf16>(dwte, dwpe, dout, inp, recs, partial, tickets, B, T, C);
 }
+
+// ----------------------------------------------------------------------------------------------
+// encoder_backward's floor (session 51; built only with -DENC_FLOOR_BENCH=1, for
+// dev/cuda/encoder_backward_floor.py): bare kernels moving whole rows of C bf16 the way encoder_backward
+// must, against a copy of the same bytes. A warp per R rows (lanes over 16-byte columns, up to 3 a lane:
+// C <= 768), a grid of N / R warps. MODE 0: out[i] = in[i]; 1: out[idx[i]] += in[i] (idx distinct: the
+// dwte rows of tokens seen once); 2: out[i] = in[idx[i]] (encoder_forward's gather); 3: out[idx[i]] =
+// in[i]; 4: out[i] += in[i]. And the position units without a work list: a warp per (t, 512-byte slice)
+// (or per t, whole rows) summing the B rows of dout into dwpe[t] and adding each onto dwte[idx] (every
+// id distinct).
+#if ENC_FLOOR_BENCH
+__device__ __forceinline__ uint4 enc_floor_add8(uint4 a, uint4 b) {
+    float x[8], y[8];
+    unpack_vec<bf16, 8>(a, x);
+    unpack_vec<bf16, 8>(b, y);
+#pragma unroll
+    for (int k = 0; k < 8; k++) x[k] += y[k];
+    uint4 r;
+    pack_vec<bf16, 8>(x, r);
+    return r;
+}
+
+template <int MODE, int R>
+__device__ __forceinline__ void enc_floor_rows(const uint4* __restrict__ in, uint4* __restrict__ out,
+        const int* __restrict__ idx, int N, int C16) {
+    constexpr int CW = 3;
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int i0 = ((blockIdx.x * blockDim.x + threadIdx.x) / WARP_SIZE) * R;
+    if (i0 >= N) return;
+    constexpr bool indexed = MODE == 1 || MODE == 2 || MODE == 3, rmw = MODE == 1 || MODE == 4;
+    int src[R], dst[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        const int i = min(i0 + r, N - 1), j = indexed ? idx[i] : i;
+        src[r] = MODE == 2 ? j : i;
+        dst[r] = MODE == 2 ? i : j;
+    }
+    uint4 a[R][CW], b[R][CW];
+#pragma unroll
+    for (int r = 0; r < R; r++)
+#pragma unroll
+        for (int c = 0; c < CW; c++) {
+            const int col = lane + WARP_SIZE * c;
+            if (col < C16) {
+                a[r][c] = __ldcs(in + (size_t)src[r] * C16 + col);
+                if (rmw) b[r][c] = out[(size_t)dst[r] * C16 + col];
+            }
+        }
+#pragma unroll
+    for (int r = 0; r < R; r++)
+#pragma unroll
+        for (int c = 0; c < CW; c++) {
+            const int col = lane + WARP_SIZE * c;
+            if (col < C16 && i0 + r < N) out[(size_t)dst[r] * C16 + col] = rmw ? enc_floor_add8(a[r][c], b[r][c]) : a[r][c];
+        }
+}
+
+#define ENC_FLOOR_ROWS(MODE, R) \
+extern "C" __global__ void encoder_floor_m##MODE##_r##R(const uint4* in, uint4* out, const int* idx, int N, int C16) { \
+    LLMC_PDL_WAIT(); \
+    enc_floor_rows<MODE, R>(in, out, idx, N, C16); }
+ENC_FLOOR_ROWS(0, 1) ENC_FLOOR_ROWS(0, 4) ENC_FLOOR_ROWS(1, 1) ENC_FLOOR_ROWS(1, 4) ENC_FLOOR_ROWS(2, 1)
+ENC_FLOOR_ROWS(2, 4) ENC_FLOOR_ROWS(3, 1) ENC_FLOOR_ROWS(3, 4) ENC_FLOOR_ROWS(4, 1) ENC_FLOOR_ROWS(4, 4)
+
+// a warp per (t, slice s of CW 16-byte columns a lane): dwpe[t] += the B rows of dout at t (in b order),
+// each row also onto dwte[idx[b, t]]; rows RB at a time, their dout and old dwte loads issued together
+template <int CW, int RB>
+__device__ __forceinline__ void enc_floor_pos(const uint4* __restrict__ dout, uint4* __restrict__ dwte,
+        uint4* __restrict__ dwpe, const int* __restrict__ idx, int B, int T, int C16, int t, int s) {
+    const int lane = threadIdx.x % WARP_SIZE, col0 = s * WARP_SIZE * CW;
+    float acc[CW][8];
+#pragma unroll
+    for (int c = 0; c < CW; c++)
+#pragma unroll
+        for (int k = 0; k < 8; k++) acc[c][k] = 0.0f;
+    uint4 pold[CW];
+#pragma unroll
+    for (int c = 0; c < CW; c++) pold[c] = dwpe[(size_t)t * C16 + col0 + lane + WARP_SIZE * c];
+    const int myid = lane < B ? idx[(size_t)lane * T + t] : 0;  // (B <= 32)
+    for (int b0 = 0; b0 < B; b0 += RB) {
+        uint4 x[RB][CW], w[RB][CW];
+        int id[RB];
+#pragma unroll
+        for (int r = 0; r < RB; r++) id[r] = __shfl_sync(0xffffffffu, myid, min(b0 + r, B - 1));
+#pragma unroll
+        for (int r = 0; r < RB; r++)
+#pragma unroll
+            for (int c = 0; c < CW; c++) {
+                const int col = col0 + lane + WARP_SIZE * c;
+                if (b0 + r < B) {
+                    x[r][c] = __ldcs(dout + ((size_t)(b0 + r) * T + t) * C16 + col);
+                    w[r][c] = dwte[(size_t)id[r] * C16 + col];
+                }
+            }
+#pragma unroll
+        for (int r = 0; r < RB; r++)
+#pragma unroll
+            for (int c = 0; c < CW; c++) {
+                if (b0 + r >= B) continue;
+                const int col = col0 + lane + WARP_SIZE * c;
+                float fx[8], fw[8];
+                unpack_vec<bf16, 8>(x[r][c], fx);
+                unpack_vec<bf16, 8>(w[r][c], fw);
+#pragma unroll
+                for (int k = 0; k < 8; k++) {
+                    acc[c][k] += fx[k];
+                    fw[k] += fx[k];
+                }
+                uint4 o;
+                pack_vec<bf16, 8>(fw, o);
+                dwte[(size_t)id[r] * C16 + col] = o;
+            }
+    }
+#pragma unroll
+    for (int c = 0; c < CW; c++) {
+        float fp[8];
+        unpack_vec<bf16, 8>(pold[c], fp);
+#pragma unroll
+        for (int k = 0; k < 8; k++) fp[k] += acc[c][k];
+        uint4 o;
+        pack_vec<bf16, 8>(fp, o);
+        dwpe[(size_t)t * C16 + col0 + lane + WARP_SIZE * c] = o;
+    }
+}
+
+// C16 = 96 (C = 768): 3 slices of one column a lane, or one warp of 3 columns a lane
+extern "C" __global__ void encoder_floor_pos_slices(const uint4* dout, uint4* dwte, uint4* dwpe, const int* idx,
+        int B, int T, int C16) {
+    LLMC_PDL_WAIT();
+    const int u = (blockIdx.x * blockDim.x + threadIdx.x) / WARP_SIZE, S = C16 / WARP_SIZE;
+    if (u < T * S) enc_floor_pos<1, 8>(dout, dwte, dwpe, idx, B, T, C16, u / S, u % S);
+}
+extern "C" __global__ void encoder_floor_pos_whole(const uint4* dout, uint4* dwte, uint4* dwpe, const int* idx,
+        int B, int T, int C16) {
+    LLMC_PDL_WAIT();
+    const int u = (blockIdx.x * blockDim.x + threadIdx.x) / WARP_SIZE;
+    if (u < T) enc_floor_pos<3, 2>(dout, dwte, dwpe, idx, B, T, C16, u, 0);
+}
+#endif
 
 extern "C" __global__ void encoder_forward_kernel1_bf16(bf16* out, const int* inp, const bf16* wte,
         const bf16* wpe, int B, int T, int C) {

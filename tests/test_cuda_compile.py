@@ -59,6 +59,21 @@ def test_compiles_without_spills(module, arch, built_in_parallel):
     assert not serial, f"cuda/{module}.cu for {arch}: serialized wgmmas: {serial[:3]}"
 
 
+def test_encoder_floor_bench_builds_without_spills():
+    """dev/cuda/encoder_backward_floor.py's bare kernels (cuda/encoder.cu under -DENC_FLOOR_BENCH=1, absent
+    from the default build) compile, the 12 the script launches, with no spills."""
+    _, log = compile_cubin("encoder", "sm_90", {"ENC_FLOOR_BENCH": "1"})
+    report = resource_report(log)
+    floor = {k: r for k, r in report.items() if k.startswith("encoder_floor_")}
+    want = {f"encoder_floor_m{m}_r{r}" for m in range(5) for r in (1, 4)} | {"encoder_floor_pos_slices",
+                                                                              "encoder_floor_pos_whole"}
+    assert set(floor) == want
+    bad = {k: r for k, r in floor.items() if r["spill_stores"] or r["spill_loads"] or r["stack"]}
+    assert not bad, bad
+    _, plain = compile_cubin("encoder", "sm_90")
+    assert not any(k.startswith("encoder_floor_") for k in resource_report(plain))
+
+
 def test_cache_key_covers_only_the_headers_a_module_includes(tmp_path):
     """Editing a header rebuilds the modules that include it (directly or through another header)
     and no other: a GEMV edit (cuda/matmul.cu) or a layernorm header edit leaves the GEMM engines'

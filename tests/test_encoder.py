@@ -11,7 +11,7 @@ import pytest
 from llmc import ops
 from llmc.bf16 import BF16, from_bf16, to_bf16
 from llmc.errors import LLMCError, VariantRefused
-from llmc.ops.encoder import (encoder_backward8_records, encoder_backward10_records, encoder_backward_ref,
+from llmc.ops.encoder import (ENC10_WHOLE_MAX, encoder_backward8_records, encoder_backward10_records, encoder_backward_ref,
                                encoder_decode_ref, encoder_forward_ref, heads_per_window9)
 from llmc.testing import assert_close, module_defines, poison
 
@@ -230,6 +230,20 @@ def test_variant10_records(rng, B, T, vocab, zipf):
     assert got == want and all((h - rec[h, 1]) % 32 == 0 for h in heads)
     assert list(rec[heads, 2]) == sorted(rec[heads, 2], reverse=True)  # the most rows first
     assert nmulti == (rec[heads, 2] > 32).sum()
+    # of the one-piece tokens' heads, the first hdr[2] have more than ENC10_WHOLE_MAX rows; the others
+    # (summed a whole row a warp) at most that many; none of them in a batch with a multi-piece token;
+    # hdr[3] is 0
+    nsl = out[4 * N + 2]
+    assert out[4 * N + 3] == 0 and 0 <= nsl <= n - nmulti
+    if nmulti:
+        assert nsl == n - nmulti
+    else:
+        assert (rec[heads[nmulti:nmulti + nsl], 2] > ENC10_WHOLE_MAX).all()
+        assert (rec[heads[nmulti + nsl:], 2] <= ENC10_WHOLE_MAX).all()
+    for whole_max in (1, 3, 32):  # the host's choice alone: the same heads, another boundary
+        other = encoder_backward10_records(inp, whole_max=whole_max)
+        np.testing.assert_array_equal(np.delete(other, 4 * N + 2), np.delete(out, 4 * N + 2))
+        assert other[4 * N + 2] == (rec[heads[nmulti:], 2] > whole_max).sum()
     single = out[5 * N + 4:]
     np.testing.assert_array_equal(single, np.where(counts[ids] == 1, ids, -1))
     covered = np.zeros(N, int)
@@ -576,6 +590,48 @@ def test_backward9_slices_any_token_size_with_8s_bits(rt, rng, dtype, B, T, C, v
         np.testing.assert_array_equal(res[9][k], res[8][k])
         if 10 in res:
             np.testing.assert_array_equal(res[10][k], res[8][k])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("defines", [{}, {"ENC10_WHOLE_MAX": 1}, {"ENC10_WHOLE_MAX": 8}, {"ENC10_WHOLE_MAX": 32},
+                                     {"ENC10_WHOLE": 0}, {"ENC10_WHOLE_CW": 1}])
+@pytest.mark.parametrize("B,T,C,vocab,zipf", [(16, 1024, 768, 50257, False), (16, 1024, 768, 50257, True),
+                                              (4, 256, 520, 2000, False), (2, 64, 264, 50, False),
+                                              (1, 1, 768, 10, False), (3, 700, 768, 300, True)])
+def test_variant10_whole_rows_keep_8s_bits(rt, rng, B, T, C, vocab, zipf, defines):
+    """Variant 10 in bf16 with its one-piece tokens of at most ENC10_WHOLE_MAX rows summed a whole row a
+    warp (ENC10_WHOLE, session 51; by default in batches without a token of more than 32 rows, with the
+    lab's knob in any): 8's bits on dwte and dwpe whatever the host's boundary (none of them
+    whole; up to 8 and every one whole, so more rows than one round of the warp's slots holds: the
+    column-at-a-time path), with it off, and where the row is too wide for it (ENC10_WHOLE_CW 1); odd
+    widths (C = 520: 65 16-byte columns, a partial third column a lane; 264: 33), T = 1, uniform and Zipf
+    ids; the tickets back to 0, dwte's untouched rows untouched."""
+    if zipf:
+        inp, dout, dwte0, dwpe0, conv, back = _zipf_case(rng, B, T, C, vocab, "bf16")
+    else:
+        inp = rng.integers(0, vocab, (B, T)).astype(np.int32)
+        dout = rng.standard_normal((B, T, C)).astype(np.float32)
+        dwte0 = rng.standard_normal((vocab, C)).astype(np.float32)
+        dwpe0 = rng.standard_normal((T, C)).astype(np.float32)
+        conv = to_bf16
+    d_dout, d_inp = rt.to_device(conv(dout)), rt.to_device(inp)
+    res = {}
+    for number in (8, 10):
+        with module_defines(rt, "encoder", defines if number == 10 else {}):
+            built = _build_bwd(rt, number, "bf16", inp=inp, B=B, T=T, C=C)
+        for run in range(2):
+            dwte, dwpe = rt.to_device(conv(dwte0)), rt.to_device(conv(dwpe0))
+            built(dwte, dwpe, d_dout, d_inp)
+            res[number, run] = dwte.get(), dwpe.get()
+        np.testing.assert_array_equal(built.scratch["tickets"].get(), 0)
+    counts = np.bincount(inp.ravel(), minlength=vocab)
+    if B * T >= 1000:
+        assert ((counts >= 2) & (counts <= ENC10_WHOLE_MAX)).any()  # the whole-row path had tokens
+        # (Zipf ids: tokens of more than 32 rows, so only an explicit ENC10_WHOLE_MAX sums some whole)
+    for k in (0, 1):
+        np.testing.assert_array_equal(res[10, 0][k], res[8, 0][k])
+        np.testing.assert_array_equal(res[10, 1][k], res[8, 0][k])
+    np.testing.assert_array_equal(res[10, 0][0][counts == 0], conv(dwte0)[counts == 0])
 
 
 @pytest.mark.gpu

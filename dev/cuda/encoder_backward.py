@@ -12,7 +12,8 @@ shakespeare's val split when prepro_tinyshakespeare.py has written it (its most 
 the first 4096 and 16384 positions, 69 tokens of more than 32 rows holding 54% of the 16384). Two more
 sets, run when --sets names them (the default is u,z,t): "h", uniform ids with one token at 8% of the
 positions (a frequent token's chain alone: rows "h"), and "t32", the text with the tokens of more than 32
-rows replaced by uniform ids (text without a multi-piece token: rows "t32"). Only the deterministic owner variants have
+rows replaced by uniform ids (text without a multi-piece token: rows "t32"), and "d", every id distinct
+(no token twice: the dwpe sums and one row a token alone; B*T <= V). Only the deterministic owner variants have
 bf16 builds (rows "3 bf16", "9 bf16 z", ...; 9 is the bf16 default): inputs are bf16 copies, the reference float64 on them, and
 each output element is rounded once (rtol 2^-8, atol 1e-5 of the output's rms for the fp32 sums).
 Bytes counted: dout and the ids read once; each used dwte row and the T dwpe rows read and written
@@ -44,9 +45,11 @@ rt, rng = L.rt, np.random.default_rng(0)
 zipf = 1.0 / np.arange(1, V + 1)
 TEXT = Path(__file__).resolve().parents[1] / "data" / "tinyshakespeare" / "tiny_shakespeare_val.bin"
 have_text = TEXT.exists() and shard_num_tokens(TEXT) >= N  # (prepro_tinyshakespeare.py writes it)
-SETS = L.chosen_sets(("u", "z", "t", "h", "t32"), ("u", "z", "t") if have_text else ("u", "z"))
+SETS = L.chosen_sets(("u", "z", "t", "h", "t32", "d"), ("u", "z", "t") if have_text else ("u", "z"))
 if {"t", "t32"} & set(SETS) and not have_text:
     L.parser.error(f"--sets t, t32: need {TEXT.name} with at least {N} tokens (run prepro_tinyshakespeare.py)")
+if "d" in SETS and N > V:
+    L.parser.error(f"--sets d: every id distinct needs B*T <= {V} (B={B}, T={T})")
 uniform = rng.integers(0, V, (B, T)).astype(np.int32)
 text = np.asarray(read_shard(TEXT)[:N], np.int32).reshape(B, T) if have_text else None
 ids = {}  # the row label's tag: the set (uniform rows unlabelled)
@@ -61,6 +64,8 @@ for name in SETS:
         a = uniform.copy().reshape(-1)
         a[rng.choice(N, N * 8 // 100, replace=False)] = 11
         ids["h"] = a.reshape(B, T)
+    elif name == "d":  # every id distinct
+        ids["d"] = rng.choice(V, N, replace=False).astype(np.int32).reshape(B, T)
     else:  # "t32": the text's tokens of more than 32 rows replaced by uniform ids
         a = text.copy().reshape(-1)
         big = np.bincount(a)[a] > 32

@@ -33,6 +33,8 @@ The owner block keeps its dwte row in fp32 in shared memory (C floats, no scratc
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from llmc.ops import Built, OpSpec, Variant, refuse, check_block_size, as_view, esize
@@ -401,12 +403,21 @@ def _host_ranked_sliced(dtype):
     return build
 
 
-def encoder_backward10_records(inp) -> np.ndarray:
+# variant 10: the one-piece tokens of at most this many rows are summed a whole row a warp (ENC10_WHOLE in
+# cuda/encoder.cu), in batches without a token of more than 32 rows (session 51, H200 lab, bf16: uniform
+# ids B=16 0.0271 ms against 0.0281, B=4 0.0112 against 0.0124; with them, Zipf and text ids were 5-9%
+# slower at B=16, so such batches keep 9's slices)
+ENC10_WHOLE_MAX = 4
+
+
+def encoder_backward10_records(inp, whole_max: int | None = None) -> np.ndarray:
     """Variant 10's work list from the batch's ids (B, T) on the host, one int32 array of 6 N + 4: 8's
     place records (N x 4); the number of piece heads, of them the pieces of tokens of more than 32 rows,
-    and 2 zeros; the N places where a piece of a token of at least 2 rows begins (the multi-piece
-    tokens' first, the tokens of the most rows first, places ascending within; zeros after the last);
-    per position its token if the token occurs only there, else -1."""
+    of the others those of tokens of more than `whole_max` rows (the rest, the last heads, are summed a
+    whole row a warp: ENC10_WHOLE in cuda/encoder.cu; None: ENC10_WHOLE_MAX if no token has more than 32
+    rows, else none), and a zero; the N places where a piece of a token of at least 2 rows begins (the
+    multi-piece tokens' first, the tokens of the most rows first, places ascending within; zeros after
+    the last); per position its token if the token occurs only there, else -1."""
     rec = encoder_backward8_records(inp)
     N = len(rec)
     out = np.zeros(6 * N + 4, np.int32)
@@ -415,7 +426,10 @@ def encoder_backward10_records(inp) -> np.ndarray:
     heads = np.flatnonzero((count >= 2) & ((np.arange(N) - start) % ENC7_PIECE == 0))
     heads = heads[np.argsort(-count[heads], kind="stable")]
     out[4 * N] = len(heads)
-    out[4 * N + 1] = int((count[heads] > ENC7_PIECE).sum())
+    out[4 * N + 1] = nmulti = int((count[heads] > ENC7_PIECE).sum())
+    if whole_max is None:
+        whole_max = ENC10_WHOLE_MAX if nmulti == 0 else 1
+    out[4 * N + 2] = int((count[heads] > max(1, whole_max)).sum()) - nmulti
     out[4 * N + 4:4 * N + 4 + len(heads)] = heads
     single = out[5 * N + 4:]
     single[:] = -1
@@ -465,6 +479,9 @@ def _worklist(dtype):
         per_sm = max(1, min(k.resident_blocks(bs), smem_sm // (smem + 1024)))  # (1 KB a block the driver keeps)
         grid = (max(1, min(rt.sm_count * per_sm, ceil_div(N * S + T * S16, wpb))), 1, 1)
         recs = rt.empty((6 * N + 4,), np.int32)  # written by the host (put_host_inputs, the model's set_batch)
+        whole_max = _knob(rt, "ENC10_WHOLE_MAX", -1)  # (the lab's knob, for every batch; the host's choice alone)
+        records = (encoder_backward10_records if whole_max < 0
+                   else functools.partial(encoder_backward10_records, whole_max=whole_max))
         tickets = rt.zeros((N * S,), np.int32)   # each frequent token's finisher puts its slice's ticket back to 0
         partial = rt.scratch((2 * ceil_div(N, ENC7_PIECE), C))
         b_, t_, c_ = (np.int32(x) for x in (B, T, C))
@@ -473,7 +490,7 @@ def _worklist(dtype):
             k(grid, (bs, 1, 1), dwte.ptr, dwpe.ptr, dout.ptr, inp.ptr, recs.ptr, partial.ptr, tickets.ptr,
               b_, t_, c_, smem=smem)
         return Built(launch, scratch={"records": recs, "tickets": tickets, "partial": partial},
-                     keep=frozenset({"records", "tickets"}), host_inputs=(encoder_backward10_records, recs))
+                     keep=frozenset({"records", "tickets"}), host_inputs=(records, recs))
     return build
 
 
