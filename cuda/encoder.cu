@@ -1448,9 +1448,10 @@ __device__ __forceinline__ void encoder_single_whole_t(T* dwte, const T* dout, c
     }
 }
 
-// recs: 8's place records (N int4); nheads, nmulti, of the others those of more than ENC10_WHOLE_MAX rows
-// (and an unused int); the N piece heads; the N single tokens. Units: u < nheads * S: the piece at heads[u / S], slice u % S; then (t, slice) of the dwpe
-// units. The multi-piece units (the first nmulti * S), whose last piece adds the token's partials, get
+// recs: 8's place records (N int4); nheads, nmulti, of the other heads those the host leaves on slices
+// (the tokens of more than its boundary's rows; an unused int); the N piece heads; the N single tokens.
+// Units: u < us: the piece at heads[u / S], slice u % S; [us, up): a one-piece token's whole row
+// (ENC10_WHOLE); then (t, slice) of the dwpe units. The multi-piece units (the first nmulti * S), whose last piece adds the token's partials, get
 // a warp each (warp u, unit u alone) when they are fewer than half the warps; the other units go round
 // the other warps in order (unit u by warp um + (u - um) % (W - um)). A warp loads its next unit's head
 // under the current unit.
