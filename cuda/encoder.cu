@@ -1372,8 +1372,9 @@ __device__ __forceinline__ void encoder_dwpe_single_t(T* dwte, T* dwpe, const T*
 
 // ENC10_WHOLE (session 51): a token of 2 to 32 rows (one piece) whose head is among the last of the work
 // list's (the host puts there the tokens of at most ENC10_WHOLE_MAX rows, llmc/ops/encoder.py) is summed by
-// one warp over its whole row (up to ENC10_WHOLE_CW 16-byte columns a lane), its rows staged by cp.async ENC10_SLOTS /
-// columns at a time, where 9's sliced piece takes a warp per 512-byte slice, each reading the records and
+// one warp over its whole row (up to ENC10_WHOLE_CW 16-byte columns a lane): dwte's row and the token's
+// rows staged by cp.async in one round where they fit the warp's slots (C = 768: up to 4 rows), else a
+// column at a time; where 9's sliced piece takes a warp per 512-byte slice, each reading the records and
 // waiting for them before its rows. The same order per column (dwte's row, then the rows in place order:
 // 8's sum of a one-piece token), the same bits. bf16 builds only.
 #ifndef ENC10_WHOLE
@@ -1495,18 +1496,12 @@ __device__ __forceinline__ void encoder_backward10_t(T* dwte, T* dwpe, const T* 
     }
 }
 
-// ENC10_MAXNREG (unset by default): a register cap on kernel 10 (__maxnreg__), the lab's knob
-#ifdef ENC10_MAXNREG
-#define ENC10_REGS __maxnreg__(ENC10_MAXNREG)
-#else
-#define ENC10_REGS
-#endif
-extern "C" __global__ void ENC10_REGS encoder_backward_kernel10(float* dwte, float* dwpe, const float* dout, const int* inp,
+extern "C" __global__ void encoder_backward_kernel10(float* dwte, float* dwpe, const float* dout, const int* inp,
         const int* recs, float* partial, int* tickets, int B, int T, int C) {
     LLMC_PDL_WAIT();
     encoder_backward10_t<float>(dwte, dwpe, dout, inp, recs, partial, tickets, B, T, C);
 }
-extern "C" __global__ void ENC10_REGS encoder_backward_kernel10_bf16(bf16* dwte, bf16* dwpe, const bf16* dout, const int* inp,
+extern "C" __global__ void encoder_backward_kernel10_bf16(bf16* dwte, bf16* dwpe, const bf16* dout, const int* inp,
         const int* recs, float* partial, int* tickets, int B, int T, int C) {
     LLMC_PDL_WAIT();
     encoder_backward10_t<bf16>(dwte, dwpe, dout, inp, recs, partial, tickets, B, T, C);
