@@ -666,6 +666,25 @@ def test_tree_combine_is_deterministic_and_close(rt, rng, B, T, C, vocab, G):
                                        back(conv(dout)).astype(np.float64), inp)
     rms = float(np.sqrt(np.mean(np.square(want_wte))))
     assert_close(back(res[9, 0][0]).astype(np.float64), want_wte, 1e-5 * rms, BF16_RTOL, "dwte")
+    # the order, bit for bit: pieces of 32 rows in place order summed from 0 in fp32, each group's partials
+    # from 0, then dwte's row + the groups' sums in group order, rounded once
+    rows32, old32 = back(conv(dout)).reshape(-1, C).astype(np.float32), back(conv(dwte0)).astype(np.float32)
+    ids = inp.ravel()
+    for tok in np.flatnonzero(tree):
+        places = np.flatnonzero(ids == tok)  # (positions ascending: the token-major order's)
+        parts = []
+        for q0 in range(0, len(places), 32):
+            a = np.zeros(C, np.float32)
+            for p in places[q0:q0 + 32]:
+                a = a + rows32[p]
+            parts.append(a)
+        acc = old32[tok].copy()
+        for k0 in range(0, len(parts), G):
+            g = np.zeros(C, np.float32)
+            for a in parts[k0:k0 + G]:
+                g = g + a
+            acc = acc + g
+        np.testing.assert_array_equal(res[9, 0][0][tok], conv(acc[None])[0])
 
 
 @pytest.mark.gpu
