@@ -1083,6 +1083,95 @@ extern "C" __global__ void ENC7_REGS encoder_backward_kernel8_bf16(bf16* dwte, b
 template <typename T>
 struct Enc9Lane { static constexpr int E = ENC9_LANE * (int)sizeof(T) > 16 ? 16 / (int)sizeof(T) : ENC9_LANE; };
 
+// ENC_TREE_G (G > 0; 0, off, by default): a token of more than G pieces has its partials added in two
+// levels, where the last piece to finish added all of them, npieces / ENC9_STAGE * 2 rounds of loads
+// one after another (the top token of text at B=16: 41 pieces, 6 rounds). The pieces form groups of G
+// consecutive ones; the last of a group to finish (a ticket per group, at its first piece's place) adds
+// the group's partials in piece order, from 0, and writes the sum over the group's first partial row;
+// the last group to finish (a ticket at place start + 1, never a piece's head) adds the group sums in
+// group order onto dwte's row. One round of loads each for G <= ENC9_STAGE / 2 (bf16's staged path
+// only). Other bits than 9's for those tokens (the same on every run); the others' are unchanged.
+#ifndef ENC_TREE_G
+#define ENC_TREE_G 0
+#endif
+#if ENC_TREE_G > 0
+static_assert(2 * ENC_TREE_G <= ENC9_STAGE, "ENC_TREE_G: a group's partials take 2 slots each of ENC9_STAGE");
+template <typename T>
+__device__ __forceinline__ void encoder_tree_combine_t(T* dwte, float* partial, int* tickets, T* wrow, int start,
+        int npieces, int q, int s, int S, int C, int g, bool live, uint32_t st) {
+    constexpr int E = Enc9Lane<T>::E, K4 = E / 4, P = ENC9_STAGE / K4;
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int q0 = (q / ENC_TREE_G) * ENC_TREE_G, gk = min(ENC_TREE_G, npieces - q0);
+    const int ngroups = ceil_div(npieces, ENC_TREE_G);
+    int* gticket = &tickets[(size_t)(start + q0 * ENC7_K) * S + s];
+    int* fticket = &tickets[(size_t)(start + 1) * S + s];
+    int ticket = 0;
+    if (lane == 0) ticket = atomicAdd(gticket, 1);
+    ticket = __shfl_sync(0xffffffffu, ticket, 0);
+    if (ticket != gk - 1) return;
+    __threadfence();  // (the group's partials, fenced before their tickets)
+    if (live) {
+#pragma unroll 1
+        for (int r = 0; r < gk; r++) {
+            const int qq = q0 + r;
+            const float* pp = partial + encoder_partial_row(start + qq * ENC7_K, qq == npieces - 1, C) + (size_t)g * E;
+#pragma unroll
+            for (int k = 0; k < K4; k++) cp_async16_full(st + 512u * (r * K4 + k), pp + 4 * k);
+        }
+        cp_async_commit();
+        cp_async_wait<0>();
+        float b[E];
+#pragma unroll
+        for (int k = 0; k < E; k++) b[k] = 0.0f;
+        for (int r = 0; r < gk; r++) {
+#pragma unroll
+            for (int k = 0; k < K4; k++) {
+                const uint4 v = lds128(st + 512u * (r * K4 + k));
+                b[4 * k] += __uint_as_float(v.x); b[4 * k + 1] += __uint_as_float(v.y);
+                b[4 * k + 2] += __uint_as_float(v.z); b[4 * k + 3] += __uint_as_float(v.w);
+            }
+        }
+        float* gp = partial + encoder_partial_row(start + q0 * ENC7_K, q0 == npieces - 1, C) + (size_t)g * E;
+#pragma unroll
+        for (int k = 0; k < E; k += 4) store4(gp + k, make_float4(b[k], b[k + 1], b[k + 2], b[k + 3]));
+    }
+    __syncwarp();
+    if (lane == 0) *gticket = 0;  // (every piece of the group has taken it)
+    __threadfence();  // the group's sum is visible before the group's ticket
+    __syncwarp();
+    if (lane == 0) ticket = atomicAdd(fticket, 1);
+    ticket = __shfl_sync(0xffffffffu, ticket, 0);
+    if (ticket != ngroups - 1) return;
+    __threadfence();
+    if (live) {
+        float a[E];
+        load_vec<T, E>(wrow, a);
+        for (int k0 = 0; k0 < ngroups; k0 += P) {
+#pragma unroll 1
+            for (int r = 0; r < P && k0 + r < ngroups; r++) {
+                const int qq = (k0 + r) * ENC_TREE_G;
+                const float* pp = partial + encoder_partial_row(start + qq * ENC7_K, qq == npieces - 1, C) + (size_t)g * E;
+#pragma unroll
+                for (int k = 0; k < K4; k++) cp_async16_full(st + 512u * (r * K4 + k), pp + 4 * k);
+            }
+            cp_async_commit();
+            cp_async_wait<0>();
+            for (int r = 0; r < P && k0 + r < ngroups; r++) {
+#pragma unroll
+                for (int k = 0; k < K4; k++) {
+                    const uint4 v = lds128(st + 512u * (r * K4 + k));
+                    a[4 * k] += __uint_as_float(v.x); a[4 * k + 1] += __uint_as_float(v.y);
+                    a[4 * k + 2] += __uint_as_float(v.z); a[4 * k + 3] += __uint_as_float(v.w);
+                }
+            }
+        }
+        store_vec<T, E>(wrow, a);
+    }
+    __syncwarp();
+    if (lane == 0) *fticket = 0;
+}
+#endif
+
 // The piece of a token that begins at place t, slice s of its columns (variants 9 and 10): its rows
 // summed (a single-piece token: onto dwte's row, np.add.at's order) or its partial written and its
 // ticket taken, the last ticket's warp adding the token's partials onto dwte's row in piece order.
@@ -1178,6 +1267,12 @@ __device__ __forceinline__ void encoder_piece_slice_t(T* dwte, const T* dout, co
     __threadfence();  // this piece's partial is visible before its ticket
     __syncwarp();
     int ticket = 0;
+#if ENC_TREE_G > 0
+    if (vec && staged && npieces > ENC_TREE_G) {  // two levels (below): a token of more than G pieces
+        encoder_tree_combine_t<T>(dwte, partial, tickets, wrow, start, npieces, q, s, S, C, g, live, st);
+        return;
+    }
+#endif
     if (lane == 0) ticket = atomicAdd(&tickets[(size_t)start * S + s], 1);
     ticket = __shfl_sync(0xffffffffu, ticket, 0);
     if (ticket != npieces - 1) return;

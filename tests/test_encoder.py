@@ -635,6 +635,59 @@ def test_variant10_whole_rows_keep_8s_bits(rt, rng, B, T, C, vocab, zipf, define
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("G", [1, 4, 8])
+@pytest.mark.parametrize("B,T,C,vocab", [(16, 1024, 768, 50257), (4, 1024, 768, 50), (3, 700, 264, 300)])
+def test_tree_combine_is_deterministic_and_close(rt, rng, B, T, C, vocab, G):
+    """9 and 10 built with ENC_TREE_G=G (bf16): a token of more than G pieces (Zipf ids: the top one has
+    hundreds of rows) adds its partials in groups of G, then the groups' sums: within bf16's rounding of the
+    float64 sums, the same bits on two calls and from 9 and 10 (the same pieces and order), 8's bits on
+    every other token's row and on dwpe, the tickets back to 0."""
+    inp, dout, dwte0, dwpe0, conv, back = _zipf_case(rng, B, T, C, vocab, "bf16")
+    d_dout, d_inp = rt.to_device(conv(dout)), rt.to_device(inp)
+    res = {}
+    for number in (8, 9, 10):
+        with module_defines(rt, "encoder", {"ENC_TREE_G": G} if number >= 9 else {}):
+            built = _build_bwd(rt, number, "bf16", inp=inp, B=B, T=T, C=C)
+        for run in range(2):
+            dwte, dwpe = rt.to_device(conv(dwte0)), rt.to_device(conv(dwpe0))
+            built(dwte, dwpe, d_dout, d_inp)
+            res[number, run] = dwte.get(), dwpe.get()
+        np.testing.assert_array_equal(built.scratch["tickets"].get(), 0)
+    counts = np.bincount(inp.ravel(), minlength=vocab)
+    tree = counts > 32 * G
+    assert tree.any()
+    for k in (0, 1):
+        np.testing.assert_array_equal(res[9, 1][k], res[9, 0][k])
+        np.testing.assert_array_equal(res[10, 0][k], res[9, 0][k])
+        np.testing.assert_array_equal(res[10, 1][k], res[9, 0][k])
+    np.testing.assert_array_equal(res[9, 0][0][~tree], res[8, 0][0][~tree])
+    np.testing.assert_array_equal(res[9, 0][1], res[8, 0][1])
+    want_wte, _ = encoder_backward_ref(back(conv(dwte0)).astype(np.float64), back(conv(dwpe0)).astype(np.float64),
+                                       back(conv(dout)).astype(np.float64), inp)
+    rms = float(np.sqrt(np.mean(np.square(want_wte))))
+    assert_close(back(res[9, 0][0]).astype(np.float64), want_wte, 1e-5 * rms, BF16_RTOL, "dwte")
+    # the order, bit for bit: pieces of 32 rows in place order summed from 0 in fp32, each group's partials
+    # from 0, then dwte's row + the groups' sums in group order, rounded once
+    rows32, old32 = back(conv(dout)).reshape(-1, C).astype(np.float32), back(conv(dwte0)).astype(np.float32)
+    ids = inp.ravel()
+    for tok in np.flatnonzero(tree):
+        places = np.flatnonzero(ids == tok)  # (positions ascending: the token-major order's)
+        parts = []
+        for q0 in range(0, len(places), 32):
+            a = np.zeros(C, np.float32)
+            for p in places[q0:q0 + 32]:
+                a = a + rows32[p]
+            parts.append(a)
+        acc = old32[tok].copy()
+        for k0 in range(0, len(parts), G):
+            g = np.zeros(C, np.float32)
+            for a in parts[k0:k0 + G]:
+                g = g + a
+            acc = acc + g
+        np.testing.assert_array_equal(res[9, 0][0][tok], conv(acc[None])[0])
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("number", DETERMINISTIC)
 def test_backward_deterministic_bit_identical(rt, rng, number):
     # many repeats (8 tokens over 4096 positions): atomics would add them in a varying order
