@@ -1089,8 +1089,11 @@ struct Enc9Lane { static constexpr int E = ENC9_LANE * (int)sizeof(T) > 16 ? 16 
 // consecutive ones; the last of a group to finish (a ticket per group, at its first piece's place) adds
 // the group's partials in piece order, from 0, and writes the sum over the group's first partial row;
 // the last group to finish (a ticket at place start + 1, never a piece's head) adds the group sums in
-// group order onto dwte's row. One round of loads each for G <= ENC9_STAGE / 2 (bf16's staged path
-// only). Other bits than 9's for those tokens (the same on every run); the others' are unchanged.
+// group order onto dwte's row. A group's sum is one round of loads (G <= ENC9_STAGE / 2), the last level
+// one round per ENC9_STAGE / 2 groups (bf16's staged path only). Other bits than 9's for those tokens (the
+// same on every run); the others' are unchanged. H200 lab, bf16, B=16, ms (session 52): 10 at G = 4 Zipf /
+// text / uniform + one token at 8% 0.0243 / 0.0238 / 0.0271 against 0.0261 / 0.0242 / 0.0301, uniform
+// level; 9 0-3% faster; at B=4 level or slower. Off: 9, the default, barely moves (docs/ops.md).
 #ifndef ENC_TREE_G
 #define ENC_TREE_G 0
 #endif
