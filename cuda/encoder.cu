@@ -1406,6 +1406,11 @@ extern "C" __global__ void ENC7_REGS encoder_backward_kernel9_bf16(bf16* dwte, b
 #define ENC10_ROWS 8
 #endif
 #define ENC10_SLOTS (2 * ENC10_ROWS)  // 16-byte slots a lane of a dwpe warp
+// ENC10_NO_DWPE (a measurement build, 0 by default; never the op): the dwpe units leave dwpe alone and read only
+// the rows of the tokens seen once, so dout is read once: what 10 would cost if dwpe were summed elsewhere
+#ifndef ENC10_NO_DWPE
+#define ENC10_NO_DWPE 0
+#endif
 
 // position t, columns [E g, E g + E) of slice s (16-byte lanes): dwpe += the B rows summed in order;
 // the rows of single tokens onto their dwte rows. st: this lane's ENC10_SLOTS staging slots.
@@ -1419,7 +1424,7 @@ __device__ __forceinline__ void encoder_dwpe_single_t(T* dwte, T* dwpe, const T*
 #pragma unroll
     for (int k = 0; k < E; k++) acc[k] = 0.0f;
     T* prow = dwpe + (size_t)t * C + (size_t)g * E;
-    if (live) load_vec<T, E>(prow, d);  // (waited for at the end)
+    if (live && !ENC10_NO_DWPE) load_vec<T, E>(prow, d);  // (waited for at the end)
     for (int b0 = 0; b0 < B; b0 += WARP_SIZE) {
         const int nb = min(WARP_SIZE, B - b0);
         int ts = -1, id = -1;
@@ -1430,9 +1435,13 @@ __device__ __forceinline__ void encoder_dwpe_single_t(T* dwte, T* dwpe, const T*
         }
         for (int r0 = 0; r0 < nb; r0 += ENC10_ROWS) {
 #pragma unroll 1
-            for (int r = 0; r < ENC10_ROWS; r++)  // the rows first: they wait for nothing
-                if (r0 + r < nb && live)
+            for (int r = 0; r < ENC10_ROWS; r++) {  // the rows first: they wait for nothing
+                bool take = r0 + r < nb && live;
+                if (ENC10_NO_DWPE)  // (every lane shuffles, then tests its own columns)
+                    take = __shfl_sync(0xffffffffu, ts, min(r0 + r, WARP_SIZE - 1)) >= 0 && take;
+                if (take)
                     cp_async16_full(st + 512u * r, dout + ((size_t)(b0 + r0 + r) * TT + t) * C + (size_t)g * E);
+            }
             if (r0 == 0 && __any_sync(0xffffffffu, ts >= 0 && ts != id)) __trap();  // records of another batch
 #pragma unroll 1
             for (int r = 0; r < ENC10_ROWS; r++) {  // then the rows of dwte the ids name
@@ -1461,7 +1470,7 @@ __device__ __forceinline__ void encoder_dwpe_single_t(T* dwte, T* dwpe, const T*
             }
         }
     }
-    if (live) {
+    if (live && !ENC10_NO_DWPE) {
 #pragma unroll
         for (int k = 0; k < E; k++) d[k] += acc[k];
         store_vec<T, E>(prow, d);

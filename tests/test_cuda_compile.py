@@ -74,6 +74,20 @@ def test_encoder_floor_bench_builds_without_spills():
     assert not any(k.startswith("encoder_floor_") for k in resource_report(plain))
 
 
+def test_encoder10_no_dwpe_measurement_build_compiles_without_spills():
+    """cuda/encoder.cu under -DENC10_NO_DWPE=1 (dev/cuda/encoder_backward.py's "(dwte only)" rows: variant 10
+    without its dwpe sums) compiles without spills, and variant 10's kernels differ from the default build's
+    (the flag reaches them)."""
+    _, log = compile_cubin("encoder", "sm_90", {"ENC10_NO_DWPE": "1"})
+    report = resource_report(log)
+    ten = {k: r for k, r in report.items() if k.startswith("encoder_backward_kernel10")}
+    assert set(ten) == {"encoder_backward_kernel10", "encoder_backward_kernel10_bf16"}
+    bad = {k: r for k, r in ten.items() if r["spill_stores"] or r["spill_loads"] or r["stack"]}
+    assert not bad, bad
+    _, plain = compile_cubin("encoder", "sm_90")
+    assert any(ten[k]["regs"] != r["regs"] for k, r in resource_report(plain).items() if k in ten)
+
+
 def test_cache_key_covers_only_the_headers_a_module_includes(tmp_path):
     """Editing a header rebuilds the modules that include it (directly or through another header)
     and no other: a GEMV edit (cuda/matmul.cu) or a layernorm header edit leaves the GEMM engines'

@@ -635,6 +635,36 @@ def test_variant10_whole_rows_keep_8s_bits(rt, rng, B, T, C, vocab, zipf, define
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("defines", [{}, {"ENC10_WHOLE_MAX": 4}])
+@pytest.mark.parametrize("B,T,C,vocab,zipf", [(16, 1024, 768, 50257, False), (16, 1024, 768, 50257, True),
+                                              (3, 700, 264, 300, True)])
+def test_variant10_no_dwpe_measurement_build(rt, rng, B, T, C, vocab, zipf, defines, dtype):
+    """Variant 10 built with ENC10_NO_DWPE=1 (the lab's measurement of 10 without its dwpe sums, session 52):
+    dwte with 8's bits (its dwpe units still add the rows of the tokens seen once), dwpe untouched; with
+    the whole-row path forced on too; uniform and Zipf ids."""
+    if zipf:
+        inp, dout, dwte0, dwpe0, conv, back = _zipf_case(rng, B, T, C, vocab, dtype)
+    else:
+        inp = rng.integers(0, vocab, (B, T)).astype(np.int32)
+        dout = rng.standard_normal((B, T, C)).astype(np.float32)
+        dwte0 = rng.standard_normal((vocab, C)).astype(np.float32)
+        dwpe0 = rng.standard_normal((T, C)).astype(np.float32)
+        conv = to_bf16 if dtype == "bf16" else (lambda a: a)
+    d_dout, d_inp = rt.to_device(conv(dout)), rt.to_device(inp)
+    res = {}
+    for number in (8, 10):
+        with module_defines(rt, "encoder", {"ENC10_NO_DWPE": 1, **defines} if number == 10 else {}):
+            built = _build_bwd(rt, number, dtype, inp=inp, B=B, T=T, C=C)
+        dwte, dwpe = rt.to_device(conv(dwte0)), rt.to_device(conv(dwpe0))
+        built(dwte, dwpe, d_dout, d_inp)
+        res[number] = dwte.get(), dwpe.get()
+    assert (np.bincount(inp.ravel(), minlength=vocab) == 1).any()  # rows the dwpe units add onto dwte
+    np.testing.assert_array_equal(res[10][0], res[8][0])
+    np.testing.assert_array_equal(res[10][1], conv(dwpe0))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("G", [1, 4, 8])
 @pytest.mark.parametrize("B,T,C,vocab", [(16, 1024, 768, 50257), (4, 1024, 768, 50), (3, 700, 264, 300)])
 def test_tree_combine_is_deterministic_and_close(rt, rng, B, T, C, vocab, G):

@@ -22,6 +22,12 @@ L2, not counted). Timed repeats keep accumulating into dwte/dwpe
 (the values don't matter to the time). Variants 8 and 9 read records computed on the host from the ids
 (uploaded before its rows are timed): the GPU time is the launch alone, and the host's time for the
 records is printed after the table.
+
+    python dev/cuda/encoder_backward.py 10 --dtype bf16 --batch 16 --define encoder:ENC10_NO_DWPE=1
+
+measures what 10 would cost if dwpe were summed elsewhere (a measurement build, never the op): its dwpe units
+read only the rows of the tokens seen once and leave dwpe alone, so dout is read once; its rows are labelled
+"(dwte only)", count no dwpe bytes, and check dwpe untouched (session 52).
 """
 
 import time
@@ -89,6 +95,12 @@ for tag, inp in ids.items():
         refs = dict(zip(("dwte", "dwpe"), encoder_backward_ref(init64["dwte"].copy(), init64["dwpe"].copy(), dout64, inp)))
         cases[tag, dt] = (rt.to_device(inp), refs, 4 * N + size * (N * C + 2 * U * C + 2 * T * C))
 
+no_dwpe = str(L.rt.extra_defines.get("encoder", {}).get("ENC10_NO_DWPE", "0")) not in ("0", "")
+dwte_only = {}  # tag, dtype: (refs with dwpe untouched, bytes without dwpe): variant 10 under ENC10_NO_DWPE
+for (tag, dt), (d_inp, refs, nbytes) in cases.items():
+    size = per_dtype[dt][5]
+    dwte_only[tag, dt] = ({"dwte": refs["dwte"], "dwpe": per_dtype[dt][4]["dwpe"]}, nbytes - size * 2 * T * C)
+
 spec = ops.get("encoder_backward")
 for n in L.selected(spec):
     for dt in L.dtypes(spec.variants[n]):
@@ -96,6 +108,9 @@ for n in L.selected(spec):
         for tag in ids:
             d_inp, refs, nbytes = cases[tag, dt]
             label = " ".join(str(x) for x in (n, "" if dt == "fp32" else dt, tag) if x != "")
+            if n == 10 and no_dwpe:
+                refs, nbytes = dwte_only[tag, dt]
+                label += " (dwte only)"
             if dt == "fp32":
                 atol = {"dwte": 1e-4, "dwpe": 1e-4}
                 rtol = 1e-5
