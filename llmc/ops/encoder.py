@@ -407,7 +407,7 @@ def _host_ranked_sliced(dtype):
 # cuda/encoder.cu), in batches without a token of more than 32 rows (session 51, H200 lab, bf16: uniform
 # ids B=16 0.0271 ms against 0.0281, B=4 0.0112 against 0.0124; with them, Zipf and text ids were 5-9%
 # slower at B=16, so such batches keep 9's slices; with the two-level combine, ENC_TREE_G=4, they were faster
-# (session 52: Zipf / text 0.0233 / 0.0219 ms against 0.0244 / 0.0236), a pairing of two knobs left to the lab:
+# (session 52: Zipf / text 0.0233 / 0.0219 ms against 0.0245 / 0.0236), a pairing of two knobs left to the lab:
 # --define encoder:ENC_TREE_G=4 --define encoder:ENC10_WHOLE_MAX=4)
 ENC10_WHOLE_MAX = 4
 
