@@ -477,6 +477,34 @@ def _zipf_case(rng, B, T, C, vocab, dtype):
     return inp, dout, dwte0, dwpe0, to_bf16, from_bf16
 
 
+def _uniform_case(rng, B, T, C, vocab, dtype):
+    """_zipf_case's tuple with uniform ids."""
+    inp = rng.integers(0, vocab, (B, T)).astype(np.int32)
+    dout = rng.standard_normal((B, T, C)).astype(np.float32)
+    dwte0 = rng.standard_normal((vocab, C)).astype(np.float32)
+    dwpe0 = rng.standard_normal((T, C)).astype(np.float32)
+    if dtype == "fp32":
+        return inp, dout, dwte0, dwpe0, (lambda a: a), (lambda a: a)
+    return inp, dout, dwte0, dwpe0, to_bf16, from_bf16
+
+
+def _bwd_runs(rt, case, dtype, defines_of, numbers, runs, B, T, C):
+    """{(number, run): (dwte, dwpe)}: each variant built with defines_of(number) (lab knobs of cuda/encoder.cu)
+    and run `runs` times on fresh copies of the case's outputs; its tickets back to 0 after them."""
+    inp, dout, dwte0, dwpe0, conv, _ = case
+    d_dout, d_inp = rt.to_device(conv(dout)), rt.to_device(inp)
+    res = {}
+    for number in numbers:
+        with module_defines(rt, "encoder", defines_of(number)):
+            built = _build_bwd(rt, number, dtype, inp=inp, B=B, T=T, C=C)
+        for run in range(runs):
+            dwte, dwpe = rt.to_device(conv(dwte0)), rt.to_device(conv(dwpe0))
+            built(dwte, dwpe, d_dout, d_inp)
+            res[number, run] = dwte.get(), dwpe.get()
+        np.testing.assert_array_equal(built.scratch["tickets"].get(), 0)
+    return res
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("B,T,C,vocab", [(5, 1024, 768, 40), (3, 1000, 100, 5000), (16, 1024, 768, 50257),
@@ -606,24 +634,9 @@ def test_variant10_whole_rows_keep_8s_bits(rt, rng, B, T, C, vocab, zipf, define
     column-at-a-time path), with it off, and where the row is too wide for it (ENC10_WHOLE_CW 1); odd
     widths (C = 520: 65 16-byte columns, a partial third column a lane; 264: 33), T = 1, uniform and Zipf
     ids; the tickets back to 0, dwte's untouched rows untouched."""
-    if zipf:
-        inp, dout, dwte0, dwpe0, conv, back = _zipf_case(rng, B, T, C, vocab, "bf16")
-    else:
-        inp = rng.integers(0, vocab, (B, T)).astype(np.int32)
-        dout = rng.standard_normal((B, T, C)).astype(np.float32)
-        dwte0 = rng.standard_normal((vocab, C)).astype(np.float32)
-        dwpe0 = rng.standard_normal((T, C)).astype(np.float32)
-        conv = to_bf16
-    d_dout, d_inp = rt.to_device(conv(dout)), rt.to_device(inp)
-    res = {}
-    for number in (8, 10):
-        with module_defines(rt, "encoder", defines if number == 10 else {}):
-            built = _build_bwd(rt, number, "bf16", inp=inp, B=B, T=T, C=C)
-        for run in range(2):
-            dwte, dwpe = rt.to_device(conv(dwte0)), rt.to_device(conv(dwpe0))
-            built(dwte, dwpe, d_dout, d_inp)
-            res[number, run] = dwte.get(), dwpe.get()
-        np.testing.assert_array_equal(built.scratch["tickets"].get(), 0)
+    case = (_zipf_case if zipf else _uniform_case)(rng, B, T, C, vocab, "bf16")
+    inp, dwte0, conv = case[0], case[2], case[4]
+    res = _bwd_runs(rt, case, "bf16", lambda n: defines if n == 10 else {}, (8, 10), 2, B, T, C)
     counts = np.bincount(inp.ravel(), minlength=vocab)
     if B * T >= 1000:
         assert ((counts >= 2) & (counts <= ENC10_WHOLE_MAX)).any()  # the whole-row path had tokens
@@ -643,25 +656,13 @@ def test_variant10_no_dwpe_measurement_build(rt, rng, B, T, C, vocab, zipf, defi
     """Variant 10 built with ENC10_NO_DWPE=1 (the lab's measurement of 10 without its dwpe sums, session 52):
     dwte with 8's bits (its dwpe units still add the rows of the tokens seen once), dwpe untouched; with
     the whole-row path forced on too; uniform and Zipf ids."""
-    if zipf:
-        inp, dout, dwte0, dwpe0, conv, back = _zipf_case(rng, B, T, C, vocab, dtype)
-    else:
-        inp = rng.integers(0, vocab, (B, T)).astype(np.int32)
-        dout = rng.standard_normal((B, T, C)).astype(np.float32)
-        dwte0 = rng.standard_normal((vocab, C)).astype(np.float32)
-        dwpe0 = rng.standard_normal((T, C)).astype(np.float32)
-        conv = to_bf16 if dtype == "bf16" else (lambda a: a)
-    d_dout, d_inp = rt.to_device(conv(dout)), rt.to_device(inp)
-    res = {}
-    for number in (8, 10):
-        with module_defines(rt, "encoder", {"ENC10_NO_DWPE": 1, **defines} if number == 10 else {}):
-            built = _build_bwd(rt, number, dtype, inp=inp, B=B, T=T, C=C)
-        dwte, dwpe = rt.to_device(conv(dwte0)), rt.to_device(conv(dwpe0))
-        built(dwte, dwpe, d_dout, d_inp)
-        res[number] = dwte.get(), dwpe.get()
+    case = (_zipf_case if zipf else _uniform_case)(rng, B, T, C, vocab, dtype)
+    inp, dwpe0, conv = case[0], case[3], case[4]
+    res = _bwd_runs(rt, case, dtype, lambda n: {"ENC10_NO_DWPE": 1, **defines} if n == 10 else {}, (8, 10), 1,
+                    B, T, C)
     assert (np.bincount(inp.ravel(), minlength=vocab) == 1).any()  # rows the dwpe units add onto dwte
-    np.testing.assert_array_equal(res[10][0], res[8][0])
-    np.testing.assert_array_equal(res[10][1], conv(dwpe0))
+    np.testing.assert_array_equal(res[10, 0][0], res[8, 0][0])
+    np.testing.assert_array_equal(res[10, 0][1], conv(dwpe0))
 
 
 @pytest.mark.gpu
@@ -672,17 +673,9 @@ def test_tree_combine_is_deterministic_and_close(rt, rng, B, T, C, vocab, G):
     hundreds of rows) adds its partials in groups of G, then the groups' sums: within bf16's rounding of the
     float64 sums, the same bits on two calls and from 9 and 10 (the same pieces and order), 8's bits on
     every other token's row and on dwpe, the tickets back to 0."""
-    inp, dout, dwte0, dwpe0, conv, back = _zipf_case(rng, B, T, C, vocab, "bf16")
-    d_dout, d_inp = rt.to_device(conv(dout)), rt.to_device(inp)
-    res = {}
-    for number in (8, 9, 10):
-        with module_defines(rt, "encoder", {"ENC_TREE_G": G} if number >= 9 else {}):
-            built = _build_bwd(rt, number, "bf16", inp=inp, B=B, T=T, C=C)
-        for run in range(2):
-            dwte, dwpe = rt.to_device(conv(dwte0)), rt.to_device(conv(dwpe0))
-            built(dwte, dwpe, d_dout, d_inp)
-            res[number, run] = dwte.get(), dwpe.get()
-        np.testing.assert_array_equal(built.scratch["tickets"].get(), 0)
+    case = _zipf_case(rng, B, T, C, vocab, "bf16")
+    inp, dout, dwte0, dwpe0, conv, back = case
+    res = _bwd_runs(rt, case, "bf16", lambda n: {"ENC_TREE_G": G} if n >= 9 else {}, (8, 9, 10), 2, B, T, C)
     counts = np.bincount(inp.ravel(), minlength=vocab)
     tree = counts > 32 * G
     assert tree.any()
