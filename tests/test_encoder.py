@@ -468,18 +468,17 @@ def _zipf_case(rng, B, T, C, vocab, dtype):
     """Zipf-distributed ids (frequent tokens in every sort chunk), random dout and "+=" outputs (maxT =
     T), and the dtype's conversions: (inp, dout, dwte0, dwpe0, to the dtype, back to float32)."""
     zipf = 1.0 / np.arange(1, vocab + 1)
-    inp = rng.choice(vocab, (B, T), p=zipf / zipf.sum()).astype(np.int32)
-    dout = rng.standard_normal((B, T, C)).astype(np.float32)
-    dwte0 = rng.standard_normal((vocab, C)).astype(np.float32)
-    dwpe0 = rng.standard_normal((T, C)).astype(np.float32)
-    if dtype == "fp32":
-        return inp, dout, dwte0, dwpe0, (lambda a: a), (lambda a: a)
-    return inp, dout, dwte0, dwpe0, to_bf16, from_bf16
+    return _case_of(rng, rng.choice(vocab, (B, T), p=zipf / zipf.sum()).astype(np.int32), C, vocab, dtype)
 
 
 def _uniform_case(rng, B, T, C, vocab, dtype):
     """_zipf_case's tuple with uniform ids."""
-    inp = rng.integers(0, vocab, (B, T)).astype(np.int32)
+    return _case_of(rng, rng.integers(0, vocab, (B, T)).astype(np.int32), C, vocab, dtype)
+
+
+def _case_of(rng, inp, C, vocab, dtype):
+    """The cases' tuple for ids inp (B, T): random dout and "+=" outputs drawn after them."""
+    B, T = inp.shape
     dout = rng.standard_normal((B, T, C)).astype(np.float32)
     dwte0 = rng.standard_normal((vocab, C)).astype(np.float32)
     dwpe0 = rng.standard_normal((T, C)).astype(np.float32)
