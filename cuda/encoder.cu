@@ -1411,6 +1411,27 @@ extern "C" __global__ void ENC7_REGS encoder_backward_kernel9_bf16(bf16* dwte, b
 #ifndef ENC10_NO_DWPE
 #define ENC10_NO_DWPE 0
 #endif
+// ENC10_TRACE (a measurement build, 0 by default; never the op): each unit's start and end (%globaltimer, ns, and
+// clock64), the SM and the warp, written by lane 0 to enc10_trace[u] (6 words a unit, the first ENC10_TRACE_MAX
+// units), which the host reads after the launch (dev/cuda/encoder_backward_trace.py): where a launch's time goes,
+// unit by unit.
+#ifndef ENC10_TRACE
+#define ENC10_TRACE 0
+#endif
+#if ENC10_TRACE
+#define ENC10_TRACE_MAX 65536
+__device__ unsigned long long enc10_trace[ENC10_TRACE_MAX * 6];
+__device__ __forceinline__ unsigned long long enc10_globaltimer() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+__device__ __forceinline__ unsigned enc10_smid() {
+    unsigned s;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(s));
+    return s;
+}
+#endif
 
 // position t, columns [E g, E g + E) of slice s (16-byte lanes): dwpe += the B rows summed in order;
 // the rows of single tokens onto their dwte rows. st: this lane's ENC10_SLOTS staging slots.
@@ -1595,11 +1616,21 @@ __device__ __forceinline__ void encoder_backward10_t(T* dwte, T* dwpe, const T* 
     auto head_of = [&](int v) { return heads[v < us ? v / S : nmulti + nsl + (v - us)]; };
     int head = u < up && u < last ? head_of(u) : 0;
     for (; u < last; u += stride) {
+#if ENC10_TRACE
+        const unsigned long long g0 = enc10_globaltimer(), c0 = clock64();
+#endif
         const int t = head;
         if (u + stride < up && u + stride < last) head = head_of(u + stride);  // the next unit's, under this one
         if (u < us) encoder_piece_slice_t<T>(dwte, dout, inp, place_rec, partial, tickets, N, C, t, u % S, st);
         else if (u < up) encoder_single_whole_t<T>(dwte, dout, inp, place_rec, N, C, t, st, slots);
         else encoder_dwpe_single_t<T>(dwte, dwpe, dout, inp, tok_single, B, TT, C, (u - up) / S16, (u - up) % S16, st);
+#if ENC10_TRACE
+        __syncwarp();
+        if (threadIdx.x % WARP_SIZE == 0 && u < ENC10_TRACE_MAX) {
+            unsigned long long* r = enc10_trace + (size_t)u * 6;
+            r[0] = g0; r[1] = enc10_globaltimer(); r[2] = c0; r[3] = clock64(); r[4] = enc10_smid(); r[5] = gw;
+        }
+#endif
     }
 }
 
