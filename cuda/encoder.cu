@@ -1577,6 +1577,22 @@ __device__ __forceinline__ void encoder_single_whole_t(T* dwte, const T* dout, c
     }
 }
 
+// ENC10_DYN (session 53; 0, off, by default): each warp's first unit as before, the rest handed out by a counter
+// (tickets[N S], one atomicAdd a unit, issued when the warp's current unit starts), in the order of the list,
+// so that a warp that finishes early takes more. The warp that takes the launch's last count puts the counter
+// back to 0 (every warp with a first unit takes exactly one count past the end). ENC10_DWPE_MID (0, off, by
+// default): the position units before the one-piece tokens' whole rows (ENC10_WHOLE) in the list, so that the
+// short whole-row units (one round of loads) come last and fill the end of the launch, where the position
+// units (two rounds) had run last. The trace (ENC10_TRACE, session 53) showed 10 at B=16 moving ~4-4.8 TB/s
+// for its first 60% and then draining for 7-8 us on the position units that started in the second round of
+// the static order.
+#ifndef ENC10_DYN
+#define ENC10_DYN 0
+#endif
+#ifndef ENC10_DWPE_MID
+#define ENC10_DWPE_MID 0
+#endif
+
 // recs: 8's place records (N int4); nheads, nmulti, of the other heads those the host leaves on slices
 // (the tokens of more than its boundary's rows; an unused int); the N piece heads; the N single tokens.
 // Units: u < us: the piece at heads[u / S], slice u % S; [us, up): a one-piece token's whole row
@@ -1606,6 +1622,11 @@ __device__ __forceinline__ void encoder_backward10_t(T* dwte, T* dwpe, const T* 
     const int us = (nmulti + nsl) * S, up = us + (nh - nmulti - nsl), um = nmulti * S, total = up + TT * S16;
     const int W = gridDim.x * wpb;
     const int gw = blockIdx.x * wpb + warp;
+    const int nd = TT * S16;  // the position units
+    // the units: the pieces' slices [0, us), then the whole rows [us, up) and the position units, or
+    // (ENC10_DWPE_MID) the position units [us, us + nd) and then the whole rows
+    auto has_head = [&](int v) { return ENC10_DWPE_MID ? v < us || v >= us + nd : v < up; };
+    auto head_of = [&](int v) { return heads[v < us ? v / S : nmulti + nsl + (v - (ENC10_DWPE_MID ? us + nd : us))]; };
     int u, stride, last;
     if (2 * um < W) {  // warps of their own for the multi-piece units
         if (gw < um) { u = gw; stride = W; last = gw + 1; }
@@ -1613,17 +1634,33 @@ __device__ __forceinline__ void encoder_backward10_t(T* dwte, T* dwpe, const T* 
     } else {
         u = gw; stride = W; last = total;
     }
-    auto head_of = [&](int v) { return heads[v < us ? v / S : nmulti + nsl + (v - us)]; };
-    int head = u < up && u < last ? head_of(u) : 0;
-    for (; u < last; u += stride) {
+    int* counter = tickets + (size_t)N * S;  // (ENC10_DYN)
+    const bool dyn = ENC10_DYN && !(2 * um < W && gw < um);
+    const int own = 2 * um < W ? um : 0;  // (ENC10_DYN: every warp with a first unit takes one count past the end)
+    const int fetches = min(W, total) - own + max(0, total - W);
+    int head = has_head(u) && u < last ? head_of(u) : 0;
+    for (int next; u < last; u = next) {
 #if ENC10_TRACE
         const unsigned long long g0 = enc10_globaltimer(), c0 = clock64();
 #endif
         const int t = head;
-        if (u + stride < up && u + stride < last) head = head_of(u + stride);  // the next unit's, under this one
+        next = u + stride;
+        int got = 0;
+        if (dyn) {  // the next unit's count, taken as this one starts (waited for after it)
+            if (threadIdx.x % WARP_SIZE == 0) got = atomicAdd(counter, 1);
+        } else if (has_head(next) && next < last) {
+            head = head_of(next);  // the next unit's, under this one
+        }
+        const int kd = ENC10_DWPE_MID ? u - us : u - up;  // (a position unit's index)
         if (u < us) encoder_piece_slice_t<T>(dwte, dout, inp, place_rec, partial, tickets, N, C, t, u % S, st);
-        else if (u < up) encoder_single_whole_t<T>(dwte, dout, inp, place_rec, N, C, t, st, slots);
-        else encoder_dwpe_single_t<T>(dwte, dwpe, dout, inp, tok_single, B, TT, C, (u - up) / S16, (u - up) % S16, st);
+        else if (has_head(u)) encoder_single_whole_t<T>(dwte, dout, inp, place_rec, N, C, t, st, slots);
+        else encoder_dwpe_single_t<T>(dwte, dwpe, dout, inp, tok_single, B, TT, C, kd / S16, kd % S16, st);
+        if (dyn) {
+            got = __shfl_sync(0xffffffffu, got, 0);
+            if (got == fetches - 1 && threadIdx.x % WARP_SIZE == 0) *counter = 0;  // the launch's last count
+            next = W + got;
+            if (has_head(next) && next < last) head = head_of(next);
+        }
 #if ENC10_TRACE
         __syncwarp();
         if (threadIdx.x % WARP_SIZE == 0 && u < ENC10_TRACE_MAX) {

@@ -710,6 +710,56 @@ def test_tree_combine_is_deterministic_and_close(rt, rng, B, T, C, vocab, G):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("defines", [{"ENC10_DYN": 1}, {"ENC10_DWPE_MID": 1}, {"ENC10_DYN": 1, "ENC10_DWPE_MID": 1},
+                                     {"ENC10_DYN": 1, "ENC10_DWPE_MID": 1, "ENC10_WHOLE_MAX": 4}])
+@pytest.mark.parametrize("B,T,C,vocab,zipf", [(16, 1024, 768, 50257, False), (16, 1024, 768, 50257, True),
+                                              (4, 256, 520, 2000, False), (2, 64, 264, 50, False),
+                                              (1, 1, 768, 10, False), (32, 1024, 768, 50, True)])
+def test_variant10_unit_order_and_counter_keep_8s_bits(rt, rng, B, T, C, vocab, zipf, defines):
+    """Variant 10 (bf16) with its units handed out by a counter after each warp's first (ENC10_DYN) and the
+    position units before the whole rows (ENC10_DWPE_MID), session 53: 8's bits on dwte and dwpe over two
+    calls (the second starts from the counter the first put back), the tickets and the counter back to 0;
+    batches with fewer units than warps (T = 1, B T = 128), and one whose multi-piece units are more than
+    half the warps (B = 32 over 50 tokens: every warp takes units from the counter, those too)."""
+    case = (_zipf_case if zipf else _uniform_case)(rng, B, T, C, vocab, "bf16")
+    res = _bwd_runs(rt, case, "bf16", lambda n: defines if n == 10 else {}, (8, 10), 2, B, T, C)
+    for k in (0, 1):
+        np.testing.assert_array_equal(res[10, 0][k], res[8, 0][k])
+        np.testing.assert_array_equal(res[10, 1][k], res[8, 0][k])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("defines", [{}, {"ENC10_DYN": 1, "ENC10_DWPE_MID": 1}])
+def test_variant10_trace_build_writes_every_unit(rt, rng, defines):
+    """Variant 10 built with ENC10_TRACE=1 (dev/cuda/encoder_backward_trace.py's measurement build): 8's bits,
+    and a trace row for every unit of the launch, none past them: an end at or after its start, a warp of
+    the grid, an SM of the GPU."""
+    B, T, C, vocab = 4, 1024, 768, 50257
+    case = _zipf_case(rng, B, T, C, vocab, "bf16")
+    inp = case[0]
+    with module_defines(rt, "encoder", {"ENC10_TRACE": 1, **defines}):
+        mod = rt.module("encoder")
+        ptr, size = mod.get_global("enc10_trace")
+        rt.drv.memset_d8(ptr, 0, size)
+        res = _bwd_runs(rt, case, "bf16", lambda n: {"ENC10_TRACE": 1, **defines} if n == 10 else {}, (8, 10), 1,
+                        B, T, C)
+    for k in (0, 1):
+        np.testing.assert_array_equal(res[10, 0][k], res[8, 0][k])
+    tr = np.empty(size // 8, np.uint64)
+    rt.drv.memcpy_dtoh(tr, ptr)
+    tr = tr.reshape(-1, 6)
+    recs = encoder_backward10_records(inp)
+    N, S = B * T, C // 8 // 32
+    nh, nmulti, nsl = (int(x) for x in recs[4 * N:4 * N + 3])
+    total = (nmulti + nsl) * S + (nh - nmulti - nsl) + T * S
+    done = tr[:, 1] > 0
+    assert done[:total].all() and not done[total:].any()
+    t = tr[:total].astype(np.int64)
+    assert (t[:, 1] >= t[:, 0]).all() and (t[:, 3] >= t[:, 2]).all()
+    assert (t[:, 4] < rt.sm_count).all() and len(np.unique(t[:, 5])) > 1
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("number", DETERMINISTIC)
 def test_backward_deterministic_bit_identical(rt, rng, number):
     # many repeats (8 tokens over 4096 positions): atomics would add them in a varying order

@@ -33,7 +33,7 @@ pre.add_argument("--npz", help="write the raw traces (kind, start ns, end ns, cy
 own, rest = pre.parse_known_args()
 L = lab.Lab("encoder_backward_trace", rest)
 rt = L.rt
-rt.extra_defines.setdefault("encoder", {})["ENC10_TRACE"] = 1
+rt.extra_defines.setdefault("encoder", {})["ENC10_TRACE"] = "1"  # (a string, as --define gives)
 B, T, C, V, Vp = L.args.batch or 16, 1024, 768, 50257, 50304
 N = B * T
 rng = np.random.default_rng(0)
@@ -93,7 +93,10 @@ for name, inp in ids.items():
     if (tr[:, 1] == 0).any():
         print(f"  {name}: {(tr[:, 1] == 0).sum()} of {total} units left no trace (more than the trace holds?)")
     kind = np.full(total, 3)
-    kind[:up] = 2
+    if str(rt.extra_defines["encoder"].get("ENC10_DWPE_MID", "0")) not in ("0", ""):  # position units before whole rows
+        kind[us + T * S16:] = 2
+    else:
+        kind[:up] = 2
     kind[:us] = 1
     kind[:um] = 0
     g0, g1, c0, c1 = (tr[:, i].astype(np.int64) for i in range(4))
