@@ -1577,18 +1577,12 @@ __device__ __forceinline__ void encoder_single_whole_t(T* dwte, const T* dout, c
     }
 }
 
-// ENC10_DYN (session 53; 0, off, by default): each warp's first unit as before, the rest handed out by a counter
-// (tickets[N S], one atomicAdd a unit, issued when the warp's current unit starts), in the order of the list,
-// so that a warp that finishes early takes more. The warp that takes the launch's last count puts the counter
-// back to 0 (every warp with a first unit takes exactly one count past the end). ENC10_DWPE_MID (0, off, by
-// default): the position units before the one-piece tokens' whole rows (ENC10_WHOLE) in the list, so that the
-// short whole-row units (one round of loads) come last and fill the end of the launch, where the position
-// units (two rounds) had run last. The trace (ENC10_TRACE, session 53) showed 10 at B=16 moving ~4-4.8 TB/s
-// for its first 60% and then draining for 7-8 us on the position units that started in the second round of
-// the static order.
-#ifndef ENC10_DYN
-#define ENC10_DYN 0
-#endif
+// ENC10_DWPE_MID (session 53; 0, off, by default): the position units before the one-piece tokens' whole rows
+// (ENC10_WHOLE) in the work list, so that the short whole-row units (one round of loads) come last and fill
+// the end of the launch, where the position units (two rounds) had run last. The trace (ENC10_TRACE) showed
+// 10 at B=16 moving 4-4.8 TB/s for its first 60% and then draining for 7-8 us on the position units that
+// had started in the second round of the order. Handing out the units after each warp's first by a counter
+// (branch wip/enc10-dyn) was slower: uniform B=16 0.0283 ms against 0.0270, B=4 0.0126 against 0.0111.
 #ifndef ENC10_DWPE_MID
 #define ENC10_DWPE_MID 0
 #endif
@@ -1634,10 +1628,6 @@ __device__ __forceinline__ void encoder_backward10_t(T* dwte, T* dwpe, const T* 
     } else {
         u = gw; stride = W; last = total;
     }
-    int* counter = tickets + (size_t)N * S;  // (ENC10_DYN)
-    const bool dyn = ENC10_DYN && !(2 * um < W && gw < um);
-    const int own = 2 * um < W ? um : 0;  // (ENC10_DYN: every warp with a first unit takes one count past the end)
-    const int fetches = min(W, total) - own + max(0, total - W);
     int head = has_head(u) && u < last ? head_of(u) : 0;
     for (int next; u < last; u = next) {
 #if ENC10_TRACE
@@ -1645,22 +1635,11 @@ __device__ __forceinline__ void encoder_backward10_t(T* dwte, T* dwpe, const T* 
 #endif
         const int t = head;
         next = u + stride;
-        int got = 0;
-        if (dyn) {  // the next unit's count, taken as this one starts (waited for after it)
-            if (threadIdx.x % WARP_SIZE == 0) got = atomicAdd(counter, 1);
-        } else if (has_head(next) && next < last) {
-            head = head_of(next);  // the next unit's, under this one
-        }
+        if (has_head(next) && next < last) head = head_of(next);  // the next unit's, under this one
         const int kd = ENC10_DWPE_MID ? u - us : u - up;  // (a position unit's index)
         if (u < us) encoder_piece_slice_t<T>(dwte, dout, inp, place_rec, partial, tickets, N, C, t, u % S, st);
         else if (has_head(u)) encoder_single_whole_t<T>(dwte, dout, inp, place_rec, N, C, t, st, slots);
         else encoder_dwpe_single_t<T>(dwte, dwpe, dout, inp, tok_single, B, TT, C, kd / S16, kd % S16, st);
-        if (dyn) {
-            got = __shfl_sync(0xffffffffu, got, 0);
-            if (got == fetches - 1 && threadIdx.x % WARP_SIZE == 0) *counter = 0;  // the launch's last count
-            next = W + got;
-            if (has_head(next) && next < last) head = head_of(next);
-        }
 #if ENC10_TRACE
         __syncwarp();
         if (threadIdx.x % WARP_SIZE == 0 && u < ENC10_TRACE_MAX) {

@@ -710,26 +710,28 @@ def test_tree_combine_is_deterministic_and_close(rt, rng, B, T, C, vocab, G):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("defines", [{"ENC10_DYN": 1}, {"ENC10_DWPE_MID": 1}, {"ENC10_DYN": 1, "ENC10_DWPE_MID": 1},
-                                     {"ENC10_DYN": 1, "ENC10_DWPE_MID": 1, "ENC10_WHOLE_MAX": 4}])
+@pytest.mark.parametrize("defines", [{"ENC10_DWPE_MID": 1}, {"ENC10_DWPE_MID": 1, "ENC10_WHOLE_MAX": 4},
+                                     {"ENC10_DWPE_MID": 1, "ENC_TREE_G": 4, "ENC10_WHOLE_MAX": 4}])
 @pytest.mark.parametrize("B,T,C,vocab,zipf", [(16, 1024, 768, 50257, False), (16, 1024, 768, 50257, True),
                                               (4, 256, 520, 2000, False), (2, 64, 264, 50, False),
                                               (1, 1, 768, 10, False), (32, 1024, 768, 50, True)])
-def test_variant10_unit_order_and_counter_keep_8s_bits(rt, rng, B, T, C, vocab, zipf, defines):
-    """Variant 10 (bf16) with its units handed out by a counter after each warp's first (ENC10_DYN) and the
-    position units before the whole rows (ENC10_DWPE_MID), session 53: 8's bits on dwte and dwpe over two
-    calls (the second starts from the counter the first put back), the tickets and the counter back to 0;
-    batches with fewer units than warps (T = 1, B T = 128), and one whose multi-piece units are more than
-    half the warps (B = 32 over 50 tokens: every warp takes units from the counter, those too)."""
+def test_variant10_dwpe_mid_keeps_8s_bits(rt, rng, B, T, C, vocab, zipf, defines):
+    """Variant 10 (bf16) with the position units before the whole rows in its work list (ENC10_DWPE_MID,
+    session 53), alone, with every one-piece token of up to 4 rows whole, and with the two-level combine:
+    8's bits on dwte and dwpe over two calls (the tree's tokens: equal to 10's own without the knob), the
+    tickets back to 0; batches with fewer units than warps (T = 1, B T = 128), and one whose multi-piece
+    units are more than half the warps (B = 32 over 50 tokens: every warp strides over every unit)."""
     case = (_zipf_case if zipf else _uniform_case)(rng, B, T, C, vocab, "bf16")
-    res = _bwd_runs(rt, case, "bf16", lambda n: defines if n == 10 else {}, (8, 10), 2, B, T, C)
+    base = {k: v for k, v in defines.items() if k != "ENC10_DWPE_MID"}
+    res = _bwd_runs(rt, case, "bf16", lambda n: defines if n == 10 else base, (8, 10), 2, B, T, C)
+    ref = _bwd_runs(rt, case, "bf16", lambda n: base, (10,), 1, B, T, C) if "ENC_TREE_G" in base else res
     for k in (0, 1):
-        np.testing.assert_array_equal(res[10, 0][k], res[8, 0][k])
-        np.testing.assert_array_equal(res[10, 1][k], res[8, 0][k])
+        np.testing.assert_array_equal(res[10, 0][k], ref[10, 0][k] if "ENC_TREE_G" in base else res[8, 0][k])
+        np.testing.assert_array_equal(res[10, 1][k], res[10, 0][k])
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("defines", [{}, {"ENC10_DYN": 1, "ENC10_DWPE_MID": 1}])
+@pytest.mark.parametrize("defines", [{}, {"ENC10_DWPE_MID": 1}])
 def test_variant10_trace_build_writes_every_unit(rt, rng, defines):
     """Variant 10 built with ENC10_TRACE=1 (dev/cuda/encoder_backward_trace.py's measurement build): 8's bits,
     and a trace row for every unit of the launch, none past them: an end at or after its start, a warp of

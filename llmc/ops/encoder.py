@@ -441,8 +441,8 @@ def encoder_backward10_records(inp, whole_max: int | None = None) -> np.ndarray:
 
 
 def scratch_bytes10(B, T, C, dtype="fp32", **_):
-    """Variant 10's scratch: its work list (6 N + 4 int32), 9's tickets and partial rows, a counter."""
-    return scratch_bytes9(B, T, C, dtype=dtype) - 16 * B * T + 4 * (6 * B * T + 4) + 4
+    """Variant 10's scratch: its work list (6 N + 4 int32), 9's tickets and partial rows."""
+    return scratch_bytes9(B, T, C, dtype=dtype) - 16 * B * T + 4 * (6 * B * T + 4)
 
 
 ENC10_ROWS = 8  # ENC10_ROWS in cuda/encoder.cu: rows a dwpe warp of variant 10 stages at a time (with their single tokens' rows)
@@ -484,9 +484,7 @@ def _worklist(dtype):
         whole_max = _knob(rt, "ENC10_WHOLE_MAX", -1)  # (the lab's knob, for every batch; the host's choice alone)
         records = (encoder_backward10_records if whole_max < 0
                    else functools.partial(encoder_backward10_records, whole_max=whole_max))
-        # each frequent token's finisher puts its slice's ticket back to 0; then ENC10_DYN's counter (back to 0
-        # after each launch)
-        tickets = rt.zeros((N * S + 1,), np.int32)
+        tickets = rt.zeros((N * S,), np.int32)   # each frequent token's finisher puts its slice's ticket back to 0
         partial = rt.scratch((2 * ceil_div(N, ENC7_PIECE), C))
         b_, t_, c_ = (np.int32(x) for x in (B, T, C))
 
