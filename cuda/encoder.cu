@@ -1577,14 +1577,18 @@ __device__ __forceinline__ void encoder_single_whole_t(T* dwte, const T* dout, c
     }
 }
 
-// ENC10_DWPE_MID (session 53; 0, off, by default): the position units before the one-piece tokens' whole rows
+// ENC10_DWPE_MID (session 53; 1, on, by default): the position units before the one-piece tokens' whole rows
 // (ENC10_WHOLE) in the work list, so that the short whole-row units (one round of loads) come last and fill
-// the end of the launch, where the position units (two rounds) had run last. The trace (ENC10_TRACE) showed
-// 10 at B=16 moving 4-4.8 TB/s for its first 60% and then draining for 7-8 us on the position units that
-// had started in the second round of the order. Handing out the units after each warp's first by a counter
-// (branch wip/enc10-dyn) was slower: uniform B=16 0.0283 ms against 0.0270, B=4 0.0126 against 0.0111.
+// the end of the launch, where the position units (two rounds) had run last (0: that order). The trace
+// (ENC10_TRACE) showed 10 at B=16 moving 4-4.8 TB/s for its first 60% and then draining for 7-8 us on the
+// position units that had started in the second round of the order. H200 lab, bf16, B=16, three runs in two
+// calls: uniform 0.0259-0.0261 ms against 0.0268-0.0271, Zipf 0.0246-0.0248 against 0.0256-0.0262, text
+// level (0.0242 against 0.0242-0.0245; one run 0.0290); with ENC_TREE_G=4 and ENC10_WHOLE_MAX=4 uniform /
+// Zipf / text 0.0259-0.0265 / 0.0226-0.0228 / 0.0213-0.0215 against 0.0270-0.0271 / 0.0233 / 0.0218-0.0220;
+// B=4 level. Handing out the units after each warp's first by a counter (branch wip/enc10-dyn) was slower:
+// uniform B=16 0.0283 ms against 0.0270, B=4 0.0126 against 0.0111.
 #ifndef ENC10_DWPE_MID
-#define ENC10_DWPE_MID 0
+#define ENC10_DWPE_MID 1
 #endif
 
 // recs: 8's place records (N int4); nheads, nmulti, of the other heads those the host leaves on slices

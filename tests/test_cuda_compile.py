@@ -5,7 +5,7 @@ instructions they were written for: HGMMA and TMA in engine 5 and attention 4, 1
 matmul_backward_bias 4. No GPU needed."""
 import pytest
 
-from llmc.runtime import ARCH_SPECIFIC, CUDA_DIR, compile_cubin, cuda_sources, nvcc_path, resource_report
+from llmc.runtime import ARCH_SPECIFIC, CUDA_DIR, compile_cubin, compile_ptx, cuda_sources, nvcc_path, resource_report
 
 pytestmark = pytest.mark.skipif(nvcc_path() is None, reason="nvcc not installed")
 ARCHS = ("sm_90", "sm_80")
@@ -86,6 +86,18 @@ def test_encoder10_no_dwpe_measurement_build_compiles_without_spills():
     assert not bad, bad
     _, plain = compile_cubin("encoder", "sm_90")
     assert any(ten[k]["regs"] != r["regs"] for k, r in resource_report(plain).items() if k in ten)
+
+
+def test_encoder10_trace_measurement_build_compiles_without_spills():
+    """cuda/encoder.cu under -DENC10_TRACE=1 (dev/cuda/encoder_backward_trace.py's build: each unit of variant
+    10 timed into the device array enc10_trace) compiles without spills in variant 10's kernels, and only
+    that build declares the array (the flag reaches the source; the op's build has no trace)."""
+    _, log = compile_cubin("encoder", "sm_90", {"ENC10_TRACE": "1"})
+    ten = {k: r for k, r in resource_report(log).items() if k.startswith("encoder_backward_kernel10")}
+    assert set(ten) == {"encoder_backward_kernel10", "encoder_backward_kernel10_bf16"}
+    assert not {k: r for k, r in ten.items() if r["spill_stores"] or r["spill_loads"] or r["stack"]}
+    assert "enc10_trace" in compile_ptx("encoder", "sm_90", {"ENC10_TRACE": "1"})
+    assert "enc10_trace" not in compile_ptx("encoder", "sm_90")
 
 
 def test_cache_key_covers_only_the_headers_a_module_includes(tmp_path):

@@ -289,7 +289,7 @@ def test_host_constants_are_the_kernels():
     src = (ROOT / "cuda" / "encoder.cu").read_text()
     for name, value in (("ENC_S", encoder.SORT_CHUNK), ("ENC7_K", encoder.ENC7_PIECE), ("ENC9_MIN", encoder.ENC9_MIN),
                         ("ENC9_LANE", encoder.ENC9_LANE), ("ENC9_STAGE", encoder.ENC9_STAGE),
-                        ("ENC10_ROWS", encoder.ENC10_ROWS)):
+                        ("ENC10_ROWS", encoder.ENC10_ROWS), ("ENC10_DWPE_MID", encoder.ENC10_DWPE_MID)):
         found = re.findall(rf"^#define {name} (\d+)$", src, re.M)
         assert found == [str(value)], (name, found)
 
@@ -710,15 +710,16 @@ def test_tree_combine_is_deterministic_and_close(rt, rng, B, T, C, vocab, G):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("defines", [{"ENC10_DWPE_MID": 1}, {"ENC10_DWPE_MID": 1, "ENC10_WHOLE_MAX": 4},
-                                     {"ENC10_DWPE_MID": 1, "ENC_TREE_G": 4, "ENC10_WHOLE_MAX": 4}])
+@pytest.mark.parametrize("defines", [{"ENC10_DWPE_MID": 0}, {"ENC10_DWPE_MID": 0, "ENC10_WHOLE_MAX": 4},
+                                     {"ENC10_DWPE_MID": 0, "ENC_TREE_G": 4, "ENC10_WHOLE_MAX": 4}])
 @pytest.mark.parametrize("B,T,C,vocab,zipf", [(16, 1024, 768, 50257, False), (16, 1024, 768, 50257, True),
                                               (4, 256, 520, 2000, False), (2, 64, 264, 50, False),
                                               (1, 1, 768, 10, False), (32, 1024, 768, 50, True)])
 def test_variant10_dwpe_mid_keeps_8s_bits(rt, rng, B, T, C, vocab, zipf, defines):
-    """Variant 10 (bf16) with the position units before the whole rows in its work list (ENC10_DWPE_MID,
-    session 53), alone, with every one-piece token of up to 4 rows whole, and with the two-level combine:
-    8's bits on dwte and dwpe over two calls (the tree's tokens: equal to 10's own without the knob), the
+    """Variant 10 (bf16) with the whole rows before the position units in its work list (ENC10_DWPE_MID=0,
+    the order before session 53), alone, with every one-piece token of up to 4 rows whole, and with the
+    two-level combine: 8's bits on dwte and dwpe over two calls (the tree's tokens: equal to the default
+    order's), the
     tickets back to 0; batches with fewer units than warps (T = 1, B T = 128), and one whose multi-piece
     units are more than half the warps (B = 32 over 50 tokens: every warp strides over every unit)."""
     case = (_zipf_case if zipf else _uniform_case)(rng, B, T, C, vocab, "bf16")
@@ -731,7 +732,7 @@ def test_variant10_dwpe_mid_keeps_8s_bits(rt, rng, B, T, C, vocab, zipf, defines
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("defines", [{}, {"ENC10_DWPE_MID": 1}])
+@pytest.mark.parametrize("defines", [{}, {"ENC10_DWPE_MID": 0}])
 def test_variant10_trace_build_writes_every_unit(rt, rng, defines):
     """Variant 10 built with ENC10_TRACE=1 (dev/cuda/encoder_backward_trace.py's measurement build): 8's bits,
     and a trace row for every unit of the launch, none past them: an end at or after its start, a warp of

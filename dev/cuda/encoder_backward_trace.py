@@ -6,7 +6,8 @@
 
 Variant 10 (bf16) walks a work list on a persistent grid: the pieces of the tokens of more than 32 rows
 ("multi", on warps of their own), the slices of the other pieces ("piece"), the one-piece tokens a whole row
-a warp ("whole") and the position units ("dwpe"; they also add the rows of the tokens seen once). Built with
+a warp ("whole") and the position units ("dwpe"; they also add the rows of the tokens seen once; since session 53
+before the whole rows, ENC10_DWPE_MID). Built with
 ENC10_TRACE=1, each unit's warp writes the unit's start and end (%globaltimer and clock64), its SM and warp
 to a device array, read back after one launch on a flushed L2. The tables: per kind of unit, how many, how
 long (clock64 cycles at the SM's clock, as us), when they start and end after the first unit's start; how
@@ -27,6 +28,7 @@ import lab
 from llmc import ops
 from llmc.bf16 import BF16, to_bf16
 from llmc.data import read_shard, shard_num_tokens
+from llmc.ops.encoder import ENC10_DWPE_MID
 
 pre = argparse.ArgumentParser(add_help=False)
 pre.add_argument("--npz", help="write the raw traces (kind, start ns, end ns, cycles, SM, warp a unit) here")
@@ -93,7 +95,7 @@ for name, inp in ids.items():
     if (tr[:, 1] == 0).any():
         print(f"  {name}: {(tr[:, 1] == 0).sum()} of {total} units left no trace (more than the trace holds?)")
     kind = np.full(total, 3)
-    if str(rt.extra_defines["encoder"].get("ENC10_DWPE_MID", "0")) not in ("0", ""):  # position units before whole rows
+    if str(rt.extra_defines["encoder"].get("ENC10_DWPE_MID", ENC10_DWPE_MID)) not in ("0", ""):  # position units first
         kind[us + T * S16:] = 2
     else:
         kind[:up] = 2

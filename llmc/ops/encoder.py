@@ -445,6 +445,7 @@ def scratch_bytes10(B, T, C, dtype="fp32", **_):
     return scratch_bytes9(B, T, C, dtype=dtype) - 16 * B * T + 4 * (6 * B * T + 4)
 
 
+ENC10_DWPE_MID = 1  # ENC10_DWPE_MID in cuda/encoder.cu: variant 10's position units before its whole rows (session 53)
 ENC10_ROWS = 8  # ENC10_ROWS in cuda/encoder.cu: rows a dwpe warp of variant 10 stages at a time (with their single tokens' rows)
 
 
