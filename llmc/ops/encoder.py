@@ -462,7 +462,8 @@ def _worklist(dtype):
     encoder_backward10_records), a persistent grid of as many warps as fit at once; the pieces of tokens
     of more than 32 rows on warps of their own, the rest (the other pieces, then a unit per (position,
     16-byte slice) that sums dwpe and adds the rows of the tokens seen once onto dwte from the same
-    loads) round the other warps (cuda/encoder.cu, "encoder_backward 10")."""
+    loads, then the one-piece tokens summed a whole row a warp: ENC10_DWPE_MID) round the other warps
+    (cuda/encoder.cu, "encoder_backward 10")."""
     def build(rt, B, T, C, block_size=None):
         bs = block_size or 64
         N = B * T
