@@ -1413,7 +1413,7 @@ extern "C" __global__ void ENC7_REGS encoder_backward_kernel9_bf16(bf16* dwte, b
 #endif
 // ENC10_TRACE (a measurement build, 0 by default; never the op): each unit's start and end (%globaltimer, ns, and
 // clock64), the SM and the warp, written by lane 0 to enc10_trace[u] (6 words a unit, the first ENC10_TRACE_MAX
-// units), which the host reads after the launch (dev/cuda/encoder_backward_trace.py): where a launch's time goes,
+// units), and each warp's own start to enc10_entry[warp], which the host reads after the launch (dev/cuda/encoder_backward_trace.py): where a launch's time goes,
 // unit by unit.
 #ifndef ENC10_TRACE
 #define ENC10_TRACE 0
@@ -1421,6 +1421,8 @@ extern "C" __global__ void ENC7_REGS encoder_backward_kernel9_bf16(bf16* dwte, b
 #if ENC10_TRACE
 #define ENC10_TRACE_MAX 65536
 __device__ unsigned long long enc10_trace[ENC10_TRACE_MAX * 6];
+#define ENC10_TRACE_WARPS 8192
+__device__ unsigned long long enc10_entry[ENC10_TRACE_WARPS];  // each warp's start, before it reads the work list
 __device__ __forceinline__ unsigned long long enc10_globaltimer() {
     unsigned long long t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -1601,6 +1603,10 @@ __device__ __forceinline__ void encoder_single_whole_t(T* dwte, const T* dout, c
 template <typename T>
 __device__ __forceinline__ void encoder_backward10_t(T* dwte, T* dwpe, const T* dout, const int* inp, const int* recs,
         float* partial, int* tickets, int B, int TT, int C) {
+#if ENC10_TRACE
+    if (threadIdx.x % WARP_SIZE == 0 && blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE < ENC10_TRACE_WARPS)
+        enc10_entry[blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE] = enc10_globaltimer();
+#endif
     const int N = B * TT;
     const int4* place_rec = reinterpret_cast<const int4*>(recs);
     const int* hdr = recs + 4 * (size_t)N;

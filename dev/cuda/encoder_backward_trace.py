@@ -64,6 +64,7 @@ d_dout = rt.to_device(to_bf16(rng.standard_normal((B, T, C)).astype(np.float32) 
 dwte, dwpe = rt.zeros((Vp, C), BF16), rt.zeros((T, C), BF16)
 mod = rt.module("encoder")
 tptr, tsize = mod.get_global("enc10_trace")
+eptr, esize = mod.get_global("enc10_entry")
 clock_khz = rt.device.get_attribute(rt.drv.device_attribute.CLOCK_RATE)
 KINDS = ("multi", "piece", "whole", "dwpe")
 saved = {}
@@ -80,11 +81,14 @@ for name, inp in ids.items():
     fn = lambda: built.launch(dwte, dwpe, d_dout, d_inp)  # noqa: E731
     ms = float(np.median(rt.time_ms(fn, warmup=3, repeat=L.args.repeat, flush_l2=True)))
     rt.drv.memset_d8(tptr, 0, tsize)
+    rt.drv.memset_d8(eptr, 0, esize)
     rt.time_ms(fn, warmup=0, repeat=1, flush_l2=True)  # the traced launch: one, on a flushed L2
     rt.synchronize()
     tr = np.empty(tsize // 8, np.uint64)
     rt.drv.memcpy_dtoh(tr, tptr)
     tr = tr.reshape(-1, 6)
+    entry = np.empty(esize // 8, np.uint64)
+    rt.drv.memcpy_dtoh(entry, eptr)
     recs = built.scratch["records"].get()
     nh, nmulti, nsl = (int(x) for x in recs[4 * N:4 * N + 3])
     S = S16 = C // 8 // 32
@@ -118,6 +122,13 @@ for name, inp in ids.items():
     print(f"\n== ids {name}, B={B}: {len(np.unique(inp))} distinct, top token {counts.max()} rows; launch {ms:.4f} ms "
           f"(traced build, median of {L.args.repeat}); units {total} on {W} warps (heads {nh}, multi-piece "
           f"tokens' {nmulti}); globaltimer's smallest step {steps[0] if len(steps) else 0} ns")
+    has = entry[:W] > 0
+    e_us = (entry[:W].astype(np.int64) - base) / 1e3  # each warp's entry, from the first unit's start
+    lead = first - e_us
+    ok = has & np.isfinite(first)
+    print(f"  warps' entry (before the work list is read): first {e_us[has].min():+.2f}, median {np.median(e_us[has]):+.2f}, "
+          f"last {e_us[has].max():+.2f} us; entry to the warp's first unit: median {np.median(lead[ok]):.2f}, "
+          f"max {lead[ok].max():.2f} us")
     print(f"  first unit to last end: {span:.2f} us; warps' first start: median {q(first, 50):.2f}, max "
           f"{first.max():.2f} us; warps' last end: p10 {q(lastend, 10):.2f}, median {q(lastend, 50):.2f}, p90 "
           f"{q(lastend, 90):.2f} us; warps busy {busy.sum() / (W * span):.0%} of warps x span")
