@@ -1083,6 +1083,30 @@ extern "C" __global__ void ENC7_REGS encoder_backward_kernel8_bf16(bf16* dwte, b
 template <typename T>
 struct Enc9Lane { static constexpr int E = ENC9_LANE * (int)sizeof(T) > 16 ? 16 / (int)sizeof(T) : ENC9_LANE; };
 
+// ENC9_ACQREL (session 53; 0, off, by default): a piece's (and a group's) ticket taken by lane 0's acq_rel atomic
+// after the warp's __syncwarp, where every lane fenced (__threadfence) before it and the winner's lanes after it:
+// the release of the warp's partial and the acquire of the others' in the atomic (as layernorm_backward 7's
+// tail since session 49), the winner's lanes ordered after it by __syncwarp. For 9's and 10's pieces.
+#ifndef ENC9_ACQREL
+#define ENC9_ACQREL 0
+#endif
+__device__ __forceinline__ int enc9_ticket_add(int* p) {
+#if ENC9_ACQREL
+    int old;
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;\n" : "=r"(old) : "l"(p) : "memory");
+    return old;
+#else
+    return atomicAdd(p, 1);
+#endif
+}
+#if ENC9_ACQREL
+#define ENC9_FENCE_BEFORE_TICKET()  // (the ticket's atomic releases the warp's stores, after its __syncwarp)
+#define ENC9_FENCE_AFTER_TICKET() __syncwarp()
+#else
+#define ENC9_FENCE_BEFORE_TICKET() __threadfence()
+#define ENC9_FENCE_AFTER_TICKET() __threadfence()
+#endif
+
 // ENC_TREE_G (G > 0; 0, off, by default): a token of more than G pieces has its partials added in two
 // levels, where the last piece to finish added all of them, npieces / ENC9_STAGE * 2 rounds of loads
 // one after another (the top token of text at B=16: 41 pieces, 6 rounds). The pieces form groups of G
@@ -1109,10 +1133,10 @@ __device__ __forceinline__ void encoder_tree_combine_t(T* dwte, float* partial, 
     int* gticket = &tickets[(size_t)(start + q0 * ENC7_K) * S + s];
     int* fticket = &tickets[(size_t)(start + 1) * S + s];
     int ticket = 0;
-    if (lane == 0) ticket = atomicAdd(gticket, 1);
+    if (lane == 0) ticket = enc9_ticket_add(gticket);
     ticket = __shfl_sync(0xffffffffu, ticket, 0);
     if (ticket != gk - 1) return;
-    __threadfence();  // (the group's partials, fenced before their tickets)
+    ENC9_FENCE_AFTER_TICKET();  // (the group's partials, fenced before their tickets)
     if (live) {
 #pragma unroll 1
         for (int r = 0; r < gk; r++) {
@@ -1140,12 +1164,12 @@ __device__ __forceinline__ void encoder_tree_combine_t(T* dwte, float* partial, 
     }
     __syncwarp();
     if (lane == 0) *gticket = 0;  // (every piece of the group has taken it)
-    __threadfence();  // the group's sum is visible before the group's ticket
+    ENC9_FENCE_BEFORE_TICKET();  // the group's sum is visible before the group's ticket
     __syncwarp();
-    if (lane == 0) ticket = atomicAdd(fticket, 1);
+    if (lane == 0) ticket = enc9_ticket_add(fticket);
     ticket = __shfl_sync(0xffffffffu, ticket, 0);
     if (ticket != ngroups - 1) return;
-    __threadfence();
+    ENC9_FENCE_AFTER_TICKET();
     if (live) {
         float a[E];
         load_vec<T, E>(wrow, a);
@@ -1267,7 +1291,7 @@ __device__ __forceinline__ void encoder_piece_slice_t(T* dwte, const T* dout, co
             part[0] = a[0];
         }
     }
-    __threadfence();  // this piece's partial is visible before its ticket
+    ENC9_FENCE_BEFORE_TICKET();  // this piece's partial is visible before its ticket
     __syncwarp();
     int ticket = 0;
 #if ENC_TREE_G > 0
@@ -1276,10 +1300,10 @@ __device__ __forceinline__ void encoder_piece_slice_t(T* dwte, const T* dout, co
         return;
     }
 #endif
-    if (lane == 0) ticket = atomicAdd(&tickets[(size_t)start * S + s], 1);
+    if (lane == 0) ticket = enc9_ticket_add(&tickets[(size_t)start * S + s]);
     ticket = __shfl_sync(0xffffffffu, ticket, 0);
     if (ticket != npieces - 1) return;
-    __threadfence();  // (the other pieces' partials, fenced before their tickets)
+    ENC9_FENCE_AFTER_TICKET();  // (the other pieces' partials, fenced before their tickets)
     if (live) {
         if (vec) load_vec<T, E>(wrow, a);
         else a[0] = to_f32(*wrow);
@@ -1620,12 +1644,16 @@ __device__ __forceinline__ void encoder_backward10_t(T* dwte, T* dwpe, const T* 
     const uint32_t st = smem_u32(enc10_stage + warp * slots * WARP_SIZE + threadIdx.x % WARP_SIZE);
     // units: [0, us) a piece's 16-byte slice (9's), [us, up) a one-piece token's whole row (ENC10_WHOLE, the
     // last hdr[0] - hdr[1] - hdr[2] heads), then (t, slice) of the dwpe units
+    const int W = gridDim.x * wpb;
+    const int gw = blockIdx.x * wpb + warp;
+    // the first unit's head, read beside the header rather than after it: a warp's first unit is gw whatever
+    // the header says, and if it is a piece's slice, its head is heads[gw / S] (session 53: a warp waited
+    // 0.9-1.9 us from its start to its first unit, two reads one after the other)
+    const int head0 = heads[min(gw / S, N - 1)];
     const int nh = hdr[0], nmulti = hdr[1];
     const bool whole = ENC10_WHOLE && sizeof(T) == 2 && ceil_div(C / E16, WARP_SIZE) <= ENC10_WHOLE_CW && C % E16 == 0;
     const int nsl = whole ? hdr[2] : nh - nmulti;  // the one-piece tokens on slices
     const int us = (nmulti + nsl) * S, up = us + (nh - nmulti - nsl), um = nmulti * S, total = up + TT * S16;
-    const int W = gridDim.x * wpb;
-    const int gw = blockIdx.x * wpb + warp;
     const int nd = TT * S16;  // the position units
     // the units: the pieces' slices [0, us), then the whole rows [us, up) and the position units, or
     // (ENC10_DWPE_MID) the position units [us, us + nd) and then the whole rows
@@ -1638,7 +1666,7 @@ __device__ __forceinline__ void encoder_backward10_t(T* dwte, T* dwpe, const T* 
     } else {
         u = gw; stride = W; last = total;
     }
-    int head = has_head(u) && u < last ? head_of(u) : 0;
+    int head = has_head(u) && u < last ? (u < us ? head0 : head_of(u)) : 0;  // (u = gw here)
     for (int next; u < last; u = next) {
 #if ENC10_TRACE
         const unsigned long long g0 = enc10_globaltimer(), c0 = clock64();

@@ -100,6 +100,18 @@ def test_encoder10_trace_measurement_build_compiles_without_spills():
     assert "enc10_trace" not in compile_ptx("encoder", "sm_90")
 
 
+@pytest.mark.parametrize("defines", [{"ENC9_ACQREL": "1"}, {"ENC9_ACQREL": "1", "ENC_TREE_G": "4"}])
+def test_encoder9_acqrel_tickets_compile_without_spills(defines):
+    """cuda/encoder.cu under -DENC9_ACQREL=1 (9's and 10's tickets taken by one acq_rel atomic a warp, a lab
+    knob), alone and with the two-level combine: 9's and 10's kernels compile without spills, and the
+    atomic is there (its PTX: atom.acq_rel.gpu)."""
+    _, log = compile_cubin("encoder", "sm_90", defines)
+    ks = {k: r for k, r in resource_report(log).items() if k.startswith(("encoder_backward_kernel9", "encoder_backward_kernel10"))}
+    assert len(ks) == 4 and not {k: r for k, r in ks.items() if r["spill_stores"] or r["spill_loads"] or r["stack"]}
+    assert "atom.acq_rel.gpu" in compile_ptx("encoder", "sm_90", defines)
+    assert "atom.acq_rel.gpu" not in compile_ptx("encoder", "sm_90")
+
+
 def test_cache_key_covers_only_the_headers_a_module_includes(tmp_path):
     """Editing a header rebuilds the modules that include it (directly or through another header)
     and no other: a GEMV edit (cuda/matmul.cu) or a layernorm header edit leaves the GEMM engines'
