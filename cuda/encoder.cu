@@ -1437,8 +1437,8 @@ extern "C" __global__ void ENC7_REGS encoder_backward_kernel9_bf16(bf16* dwte, b
 #endif
 // ENC10_TRACE (a measurement build, 0 by default; never the op): each unit's start and end (%globaltimer, ns, and
 // clock64), the SM and the warp, written by lane 0 to enc10_trace[u] (6 words a unit, the first ENC10_TRACE_MAX
-// units), and each warp's own start to enc10_entry[warp], which the host reads after the launch (dev/cuda/encoder_backward_trace.py): where a launch's time goes,
-// unit by unit.
+// units), and each warp's own start to enc10_entry[warp], which the host reads after the launch
+// (dev/cuda/encoder_backward_trace.py): where a launch's time goes, unit by unit.
 #ifndef ENC10_TRACE
 #define ENC10_TRACE 0
 #endif
@@ -1627,10 +1627,6 @@ __device__ __forceinline__ void encoder_single_whole_t(T* dwte, const T* dout, c
 template <typename T>
 __device__ __forceinline__ void encoder_backward10_t(T* dwte, T* dwpe, const T* dout, const int* inp, const int* recs,
         float* partial, int* tickets, int B, int TT, int C) {
-#if ENC10_TRACE
-    if (threadIdx.x % WARP_SIZE == 0 && blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE < ENC10_TRACE_WARPS)
-        enc10_entry[blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE] = enc10_globaltimer();
-#endif
     const int N = B * TT;
     const int4* place_rec = reinterpret_cast<const int4*>(recs);
     const int* hdr = recs + 4 * (size_t)N;
@@ -1642,10 +1638,11 @@ __device__ __forceinline__ void encoder_backward10_t(T* dwte, T* dwpe, const T* 
     extern __shared__ uint4 enc10_stage[];  // [warps][max(ENC9_STAGE, ENC10_SLOTS)][32 lanes]
     constexpr int slots = ENC9_STAGE > ENC10_SLOTS ? ENC9_STAGE : ENC10_SLOTS;
     const uint32_t st = smem_u32(enc10_stage + warp * slots * WARP_SIZE + threadIdx.x % WARP_SIZE);
-    // units: [0, us) a piece's 16-byte slice (9's), [us, up) a one-piece token's whole row (ENC10_WHOLE, the
-    // last hdr[0] - hdr[1] - hdr[2] heads), then (t, slice) of the dwpe units
     const int W = gridDim.x * wpb;
     const int gw = blockIdx.x * wpb + warp;
+#if ENC10_TRACE
+    if (threadIdx.x % WARP_SIZE == 0 && gw < ENC10_TRACE_WARPS) enc10_entry[gw] = enc10_globaltimer();
+#endif
     // the first unit's head, read beside the header rather than after it: a warp's first unit is gw whatever
     // the header says, and if it is a piece's slice, its head is heads[gw / S] (session 53: a warp waited
     // 0.9-1.9 us from its start to its first unit, two reads one after the other)
@@ -1655,8 +1652,9 @@ __device__ __forceinline__ void encoder_backward10_t(T* dwte, T* dwpe, const T* 
     const int nsl = whole ? hdr[2] : nh - nmulti;  // the one-piece tokens on slices
     const int us = (nmulti + nsl) * S, up = us + (nh - nmulti - nsl), um = nmulti * S, total = up + TT * S16;
     const int nd = TT * S16;  // the position units
-    // the units: the pieces' slices [0, us), then the whole rows [us, up) and the position units, or
-    // (ENC10_DWPE_MID) the position units [us, us + nd) and then the whole rows
+    // the units: [0, us) a piece's 16-byte slice (9's), then the position units (t, slice) [us, us + nd) and the
+    // one-piece tokens' whole rows (ENC10_WHOLE, the last hdr[0] - hdr[1] - hdr[2] heads), or (ENC10_DWPE_MID=0)
+    // the whole rows [us, up) and then the position units
     auto has_head = [&](int v) { return ENC10_DWPE_MID ? v < us || v >= us + nd : v < up; };
     auto head_of = [&](int v) { return heads[v < us ? v / S : nmulti + nsl + (v - (ENC10_DWPE_MID ? us + nd : us))]; };
     int u, stride, last;

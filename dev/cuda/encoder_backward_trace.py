@@ -5,21 +5,21 @@
         --define encoder:ENC10_WHOLE_MAX=4 --npz trace.npz
 
 Variant 10 (bf16) walks a work list on a persistent grid: the pieces of the tokens of more than 32 rows
-("multi", on warps of their own), the slices of the other pieces ("piece"), the one-piece tokens a whole row
-a warp ("whole") and the position units ("dwpe"; they also add the rows of the tokens seen once; since session 53
-before the whole rows, ENC10_DWPE_MID). Built with
-ENC10_TRACE=1, each unit's warp writes the unit's start and end (%globaltimer and clock64), its SM and warp
-to a device array, read back after one launch on a flushed L2. The tables: per kind of unit, how many, how
-long (clock64 cycles at the SM's clock, as us), when they start and end after the first unit's start; how
-busy the warps were over the launch; the units that ended last. Beside them the traced build's own time
-(CUDA events, median of --repeat launches; its trace stores make it a little slower than the op).
+("multi", on warps of their own), the slices of the other pieces ("piece"), the position units ("dwpe"; they
+also add the rows of the tokens seen once) and the one-piece tokens a whole row a warp ("whole"; after the
+position units since session 53, ENC10_DWPE_MID). Built with ENC10_TRACE=1, each unit's warp writes the
+unit's start and end (%globaltimer and clock64), its SM and warp to a device array, and each warp its own
+start, read back after one launch on a flushed L2. The tables: when the warps started and how long they took
+to reach their first unit; per kind of unit, how many, how long (clock64 cycles at the SM's clock, as us),
+when they start and end after the first unit's start; how many were in flight in each tenth of the launch;
+how busy the warps were; the units that ended last. Beside them the traced build's own time (CUDA events,
+median of --repeat launches; its trace stores make it a little slower than the op).
 
 Id sets as in dev/cuda/encoder_backward.py: u (uniform), z (Zipf), t (tiny shakespeare's val split, when
 prepro_tinyshakespeare.py has written it), h (uniform with one token at 8% of the places).
 """
 
 import argparse
-import sys
 from pathlib import Path
 
 import numpy as np
