@@ -11,7 +11,8 @@ import pytest
 from llmc import ops
 from llmc.bf16 import BF16, from_bf16, to_bf16
 from llmc.errors import LLMCError, VariantRefused
-from llmc.ops.encoder import (ENC10_WHOLE_MAX, encoder_backward8_records, encoder_backward10_records, encoder_backward_ref,
+from llmc.ops.encoder import (ENC10_DWPE_MID, ENC10_WHOLE_MAX, encoder_backward8_records, encoder_backward10_records,
+                               encoder_backward10_unit_kinds, encoder_backward_ref,
                                encoder_decode_ref, encoder_forward_ref, heads_per_window9)
 from llmc.testing import assert_close, module_defines, poison
 
@@ -292,6 +293,30 @@ def test_host_constants_are_the_kernels():
                         ("ENC10_ROWS", encoder.ENC10_ROWS), ("ENC10_DWPE_MID", encoder.ENC10_DWPE_MID)):
         found = re.findall(rf"^#define {name} (\d+)$", src, re.M)
         assert found == [str(value)], (name, found)
+
+
+def test_variant10_unit_kinds_follow_the_kernels_order(rng):
+    """encoder_backward10_unit_kinds (the trace script's and the trace test's map of 10's work list): the
+    multi-piece tokens' slices first, then the other pieces' slices, then the position units and the whole rows
+    (ENC10_DWPE_MID, the kernel's default) or the whole rows first; no whole rows in fp32 or past C = 768."""
+    B, T, C = 4, 256, 768
+    inp = rng.integers(0, 300, (B, T)).astype(np.int32)
+    inp[0, :100] = 7  # a token of more than 32 rows
+    recs = encoder_backward10_records(inp, whole_max=4)
+    N, S = B * T, 3
+    nh, nmulti, nsl = (int(x) for x in recs[4 * N:4 * N + 3])
+    assert nmulti > 0 and nh - nmulti - nsl > 0
+    for mid in (1, 0):
+        k = encoder_backward10_unit_kinds(recs, B, T, C, dwpe_mid=mid)
+        want = [0] * (nmulti * S) + [1] * (nsl * S)
+        rest = [3] * (T * S) + [2] * (nh - nmulti - nsl)
+        want += rest if mid else rest[T * S:] + rest[:T * S]
+        np.testing.assert_array_equal(k, want)
+    np.testing.assert_array_equal(encoder_backward10_unit_kinds(recs, B, T, C), encoder_backward10_unit_kinds(
+        recs, B, T, C, dwpe_mid=ENC10_DWPE_MID))
+    for dtype, c in (("fp32", 768), ("bf16", 1024)):
+        k = encoder_backward10_unit_kinds(recs, B, T, c, dtype)
+        assert 2 not in k and (k == 1).sum() == (nh - nmulti) * ((c // (4 if dtype == "fp32" else 8) + 31) // 32)
 
 
 @pytest.mark.parametrize("m", [0, 1, 5, 8, 16, 31, 32])
@@ -767,10 +792,7 @@ def test_variant10_trace_build_writes_every_unit(rt, rng, defines):
     tr = np.empty(size // 8, np.uint64)
     rt.drv.memcpy_dtoh(tr, ptr)
     tr = tr.reshape(-1, 6)
-    recs = encoder_backward10_records(inp)
-    N, S = B * T, C // 8 // 32
-    nh, nmulti, nsl = (int(x) for x in recs[4 * N:4 * N + 3])
-    total = (nmulti + nsl) * S + (nh - nmulti - nsl) + T * S
+    total = len(encoder_backward10_unit_kinds(encoder_backward10_records(inp), B, T, C))
     done = tr[:, 1] > 0
     assert done[:total].all() and not done[total:].any()
     t = tr[:total].astype(np.int64)

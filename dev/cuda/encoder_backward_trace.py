@@ -28,7 +28,7 @@ import lab
 from llmc import ops
 from llmc.bf16 import BF16, to_bf16
 from llmc.data import read_shard, shard_num_tokens
-from llmc.ops.encoder import ENC10_DWPE_MID
+from llmc.ops.encoder import ENC10_DWPE_MID, encoder_backward10_unit_kinds
 
 pre = argparse.ArgumentParser(add_help=False)
 pre.add_argument("--npz", help="write the raw traces (kind, start ns, end ns, cycles, SM, warp a unit) here")
@@ -90,21 +90,13 @@ for name, inp in ids.items():
     entry = np.empty(esize // 8, np.uint64)
     rt.drv.memcpy_dtoh(entry, eptr)
     recs = built.scratch["records"].get()
-    nh, nmulti, nsl = (int(x) for x in recs[4 * N:4 * N + 3])
-    S = S16 = C // 8 // 32
-    us, um = (nmulti + nsl) * S, nmulti * S
-    up = us + (nh - nmulti - nsl)
-    total = up + T * S16
+    nh, nmulti = (int(x) for x in recs[4 * N:4 * N + 2])
+    mid = int(rt.extra_defines["encoder"].get("ENC10_DWPE_MID", ENC10_DWPE_MID))
+    kind = encoder_backward10_unit_kinds(recs, B, T, C, "bf16", mid)  # (the kernel's order: KINDS)
+    total = len(kind)
     tr = tr[:total]
     if (tr[:, 1] == 0).any():
         print(f"  {name}: {(tr[:, 1] == 0).sum()} of {total} units left no trace (more than the trace holds?)")
-    kind = np.full(total, 3)
-    if str(rt.extra_defines["encoder"].get("ENC10_DWPE_MID", ENC10_DWPE_MID)) not in ("0", ""):  # position units first
-        kind[us + T * S16:] = 2
-    else:
-        kind[:up] = 2
-    kind[:us] = 1
-    kind[:um] = 0
     g0, g1, c0, c1 = (tr[:, i].astype(np.int64) for i in range(4))
     sm, warp = tr[:, 4].astype(np.int64), tr[:, 5].astype(np.int64)
     base = g0.min()
