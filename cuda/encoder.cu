@@ -1083,12 +1083,15 @@ extern "C" __global__ void ENC7_REGS encoder_backward_kernel8_bf16(bf16* dwte, b
 template <typename T>
 struct Enc9Lane { static constexpr int E = ENC9_LANE * (int)sizeof(T) > 16 ? 16 / (int)sizeof(T) : ENC9_LANE; };
 
-// ENC9_ACQREL (session 53; 0, off, by default): a piece's (and a group's) ticket taken by lane 0's acq_rel atomic
-// after the warp's __syncwarp, where every lane fenced (__threadfence) before it and the winner's lanes after it:
-// the release of the warp's partial and the acquire of the others' in the atomic (as layernorm_backward 7's
-// tail since session 49), the winner's lanes ordered after it by __syncwarp. For 9's and 10's pieces.
+// ENC9_ACQREL (session 53; 1, on, by default since session 54): a piece's (and a group's) ticket taken by lane 0's
+// acq_rel atomic after the warp's __syncwarp, where every lane fenced (__threadfence) before it and the winner's
+// lanes after it (0: that form): the release of the warp's partial and the acquire of the others' in the atomic
+// (as layernorm_backward 7's tail since session 49), the winner's lanes ordered after it by __syncwarp. For 9's
+// and 10's pieces; the same bits. H200 lab, bf16, B=4, Zipf / text ids, against the fenced build in the same
+// call, two calls (sessions 53 and 54): 9 0.0128 / 0.0125 and 0.0127 / 0.0124 ms against 0.0129 / 0.0128 and
+// 0.0132 / 0.0128; B=16 level.
 #ifndef ENC9_ACQREL
-#define ENC9_ACQREL 0
+#define ENC9_ACQREL 1
 #endif
 __device__ __forceinline__ int enc9_ticket_add(int* p) {
 #if ENC9_ACQREL

@@ -117,16 +117,17 @@ def test_encoder10_dwpe_first_order_compiles_without_spills():
     assert body(compile_ptx("encoder", "sm_90", {"ENC10_DWPE_FIRST": "1"})) != body(compile_ptx("encoder", "sm_90"))
 
 
-@pytest.mark.parametrize("defines", [{"ENC9_ACQREL": "1"}, {"ENC9_ACQREL": "1", "ENC_TREE_G": "4"}])
+@pytest.mark.parametrize("defines", [{}, {"ENC_TREE_G": "4"}, {"ENC9_ACQREL": "0"}])
 def test_encoder9_acqrel_tickets_compile_without_spills(defines):
-    """cuda/encoder.cu under -DENC9_ACQREL=1 (9's and 10's tickets taken by one acq_rel atomic a warp, a lab
-    knob), alone and with the two-level combine: 9's and 10's kernels compile without spills, and the
-    atomic is there (its PTX: atom.acq_rel.gpu)."""
+    """cuda/encoder.cu with 9's and 10's tickets taken by one acq_rel atomic a warp (ENC9_ACQREL, the default
+    since session 54), alone and with the two-level combine, and with the fenced tickets (ENC9_ACQREL=0): 9's
+    and 10's kernels compile without spills, and the atomic (its PTX: atom.acq_rel.gpu) is there in the
+    default builds and not in the fenced one."""
     _, log = compile_cubin("encoder", "sm_90", defines)
     ks = {k: r for k, r in resource_report(log).items() if k.startswith(("encoder_backward_kernel9", "encoder_backward_kernel10"))}
     assert len(ks) == 4 and not {k: r for k, r in ks.items() if r["spill_stores"] or r["spill_loads"] or r["stack"]}
-    assert "atom.acq_rel.gpu" in compile_ptx("encoder", "sm_90", defines)
-    assert "atom.acq_rel.gpu" not in compile_ptx("encoder", "sm_90")
+    fenced = defines.get("ENC9_ACQREL") == "0"
+    assert ("atom.acq_rel.gpu" in compile_ptx("encoder", "sm_90", defines)) != fenced
 
 
 def test_cache_key_covers_only_the_headers_a_module_includes(tmp_path):

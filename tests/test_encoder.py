@@ -618,16 +618,16 @@ def test_backward7_against_6(rt, rng, dtype, B, T, C, vocab):
 @pytest.mark.gpu
 @pytest.mark.parametrize("defines", [{"ENC9_MIN": 0}, {"ENC9_MIN": 16}, {"ENC9_LANE": 4, "ENC9_PARTS": 3},
                                      {"ENC9_MIN": 32, "ENC9_ROWS": 3, "ENC9_STAGE": 0}, {"ENC9_STAGE": 3},
-                                     {"ENC9_MIN": 4, "ENC9_STAGE": 2}, {"ENC9_ACQREL": 1},
-                                     {"ENC9_ACQREL": 1, "ENC9_STAGE": 0}])
+                                     {"ENC9_MIN": 4, "ENC9_STAGE": 2}, {"ENC9_ACQREL": 0},
+                                     {"ENC9_ACQREL": 0, "ENC9_STAGE": 0}])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("B,T,C,vocab", [(16, 1024, 768, 50257), (3, 1000, 100, 300), (2, 40, 66, 3)])
 def test_backward9_slices_any_token_size_with_8s_bits(rt, rng, dtype, B, T, C, vocab, defines):
     """Variant 9 built with the lab's knobs (--define encoder:ENC9_MIN=m: the tokens of more than m rows,
     single pieces too, summed by its sliced warps, the others by 8's; ENC9_LANE 4: 8-byte bf16 loads in
     twice as many slices, through registers; ENC9_STAGE 0: the register loads for 16-byte lanes too;
-    odd batches of rows and partials, staged or not; ENC9_ACQREL, the tickets taken by one acq_rel atomic
-    a warp): the same bits as 8 (np.add.at's order for the
+    odd batches of rows and partials, staged or not; ENC9_ACQREL=0, the tickets fenced on every lane, the
+    form before session 54, where one acq_rel atomic a warp takes them): the same bits as 8 (np.add.at's order for the
     single pieces, the same pieces and combine for the rest), the tickets back to 0. Variant 10 with the
     same knobs (9's warps, the tokens of one row summed by its dwpe warps): 8's bits too."""
     m = defines.get("ENC9_MIN", 8)
@@ -745,10 +745,11 @@ def test_tree_combine_is_deterministic_and_close(rt, rng, B, T, C, vocab, G):
 @pytest.mark.parametrize("B,T,C,vocab", [(16, 1024, 768, 50257), (4, 1024, 768, 50), (3, 700, 264, 300)])
 def test_tree_combine_with_acqrel_tickets_keeps_its_bits(rt, rng, B, T, C, vocab):
     """9 and 10 with the two-level combine (ENC_TREE_G=4) and their tickets taken by one acq_rel atomic a warp
-    (ENC9_ACQREL=1, session 53): the same bits as with the fences, on two calls, the tickets back to 0."""
+    (ENC9_ACQREL, session 53; the default since session 54): the same bits as with the fences (ENC9_ACQREL=0),
+    on two calls, the tickets back to 0."""
     case = _zipf_case(rng, B, T, C, vocab, "bf16")
-    fenced = _bwd_runs(rt, case, "bf16", lambda n: {"ENC_TREE_G": 4}, (9,), 1, B, T, C)
-    res = _bwd_runs(rt, case, "bf16", lambda n: {"ENC_TREE_G": 4, "ENC9_ACQREL": 1}, (9, 10), 2, B, T, C)
+    fenced = _bwd_runs(rt, case, "bf16", lambda n: {"ENC_TREE_G": 4, "ENC9_ACQREL": 0}, (9,), 1, B, T, C)
+    res = _bwd_runs(rt, case, "bf16", lambda n: {"ENC_TREE_G": 4}, (9, 10), 2, B, T, C)
     assert (np.bincount(case[0].ravel()) > 32 * 4).any()
     for key in ((9, 0), (9, 1), (10, 0), (10, 1)):
         for k in (0, 1):
