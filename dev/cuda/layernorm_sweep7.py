@@ -5,6 +5,7 @@ each warp's ring; a persistent grid or more blocks than are resident), beside 5 
 and colsum forms. Every configuration is validated against the float64 reference first.
 
     python dev/cuda/layernorm_sweep7.py --batch 16          # (--quick: 10 repeats)
+    python dev/cuda/layernorm_sweep7.py --batch 4 --sets tails --quick   # one section: backward, colsum, tails, deferred
 
 Last, the deferred form (the bf16 trainer's: 24 calls, then one flush of their column sums) in a few of
 the same configurations.
@@ -19,6 +20,7 @@ from llmc.ops import layernorm as ln
 from llmc.ops.layernorm import layernorm_backward_ref, layernorm_forward_ref
 
 L = lab.Lab("layernorm (variant 7 options)")
+SECTIONS = L.chosen_sets(("backward", "colsum", "tails", "deferred"), ("backward", "colsum", "tails", "deferred"))
 B, T, C = L.args.batch or 16, 1024, 768
 N = B * T
 rt, rng = L.rt, np.random.default_rng(0)
@@ -57,82 +59,87 @@ def bwd_case(label, launch, colsum):
 
 def flag_name(f):
     return (("chunked" if f & ln.LN7_CHUNKED else "strided") + (" +reduce" if f & ln.LN7_SPLIT else "")
-            + (" reset-tail" if f & ln.LN7_RESET else ""))
+            + (" reset-tail" if f & ln.LN7_RESET else "") + (" polled-tail" if f & ln.LN7_POLL else ""))
 
 
-L.section("backward")
-for n in (5, 6, 7):
-    bwd_case(f"bwd {n}", BWD.build(rt, n, "bf16", N=N, C=C).launch, False)
-# (block size, stages, flags, rows per warp): persistent (rows_per_warp None) or as many blocks of R
-# consecutive rows a warp as that takes (the hardware hands them out)
-CASES = [(256, 4, 0, None), (256, 4, ln.LN7_CHUNKED, None), (384, 3, ln.LN7_SPLIT, None), (512, 2, 0, None),
-         (256, 3, 0, 2), (256, 2, 0, 4), (128, 3, 0, 4), (256, 3, 0, 8), (384, 2, 0, 4), (384, 3, 0, 4),
-         (384, 2, 0, 6), (384, 3, 0, 6), (512, 2, 0, 4), (384, 4, 0, 4), (384, 2, 0, 3), (384, 2, 0, 8)]
-for bs, P, f, rpw in CASES:
-    try:
-        bwd_case(f"bwd 7 bs{bs} P{P} {flag_name(f)}" + (f" R{rpw}" if rpw else ""),
-                 ln._backward7("bf16")(rt, N, C, block_size=bs, flags=f, stages=P, rows_per_warp=rpw).launch, False)
-    except VariantRefused as e:
-        print(f"  {e}")
-L.section("backward colsum")
-for n in (5, 7):
-    bwd_case(f"bwd {n} colsum", BWD.build(rt, n, "bf16", N=N, C=C, colsum=True).launch, True)
-for bs, P, f, rpw in [(256, 3, 0, None), (256, 3, 0, 2), (256, 2, 0, 4), (128, 3, 0, 4), (384, 2, 0, 4),
-                      (384, 3, 0, 4), (384, 2, 0, 6)]:
-    try:
-        bwd_case(f"bwd 7 colsum bs{bs} P{P} {flag_name(f)}" + (f" R{rpw}" if rpw else ""),
-                 ln._backward7("bf16")(rt, N, C, block_size=bs, colsum=True, flags=f, stages=P,
-                                       rows_per_warp=rpw).launch, True)
-    except VariantRefused as e:
-        print(f"  {e}")
+if "backward" in SECTIONS:
+    L.section("backward")
+    for n in (5, 6, 7):
+        bwd_case(f"bwd {n}", BWD.build(rt, n, "bf16", N=N, C=C).launch, False)
+    # (block size, stages, flags, rows per warp): persistent (rows_per_warp None) or as many blocks of R
+    # consecutive rows a warp as that takes (the hardware hands them out)
+    CASES = [(256, 4, 0, None), (256, 4, ln.LN7_CHUNKED, None), (384, 3, ln.LN7_SPLIT, None), (512, 2, 0, None),
+             (256, 3, 0, 2), (256, 2, 0, 4), (128, 3, 0, 4), (256, 3, 0, 8), (384, 2, 0, 4), (384, 3, 0, 4),
+             (384, 2, 0, 6), (384, 3, 0, 6), (512, 2, 0, 4), (384, 4, 0, 4), (384, 2, 0, 3), (384, 2, 0, 8)]
+    for bs, P, f, rpw in CASES:
+        try:
+            bwd_case(f"bwd 7 bs{bs} P{P} {flag_name(f)}" + (f" R{rpw}" if rpw else ""),
+                     ln._backward7("bf16")(rt, N, C, block_size=bs, flags=f, stages=P, rows_per_warp=rpw).launch, False)
+        except VariantRefused as e:
+            print(f"  {e}")
+if "colsum" in SECTIONS:
+    L.section("backward colsum")
+    for n in (5, 7):
+        bwd_case(f"bwd {n} colsum", BWD.build(rt, n, "bf16", N=N, C=C, colsum=True).launch, True)
+    for bs, P, f, rpw in [(256, 3, 0, None), (256, 3, 0, 2), (256, 2, 0, 4), (128, 3, 0, 4), (384, 2, 0, 4),
+                          (384, 3, 0, 4), (384, 2, 0, 6)]:
+        try:
+            bwd_case(f"bwd 7 colsum bs{bs} P{P} {flag_name(f)}" + (f" R{rpw}" if rpw else ""),
+                     ln._backward7("bf16")(rt, N, C, block_size=bs, colsum=True, flags=f, stages=P,
+                                           rows_per_warp=rpw).launch, True)
+        except VariantRefused as e:
+            print(f"  {e}")
 # the ticketed tail: the default (the generation barrier, outputs prefetched into L2), session 34's (the
-# summers wait for the count, the last resets both counters), and none: the deferred form's call alone
-# (its partials left in a slot, no flush), the floor a one-launch tail can reach
-L.section("backward tails")
-for colsum in (False, True):
-    cs = " colsum" if colsum else ""
-    for bs, P, rpw in ((384, 3, None), (384, 2, None), (384, 2, 4), (384, 3, 4), (384, 2, 3), (256, 2, 3)):
-        cfg = f"bs{bs} P{P}" + (f" R{rpw}" if rpw else "")
-        for f in (0, ln.LN7_RESET) if rpw is None and P == 3 else (0,):
-            bwd_case(f"bwd 7{cs} {cfg} {flag_name(f)}", ln._backward7("bf16")(
-                rt, N, C, block_size=bs, colsum=colsum, flags=f, stages=P, rows_per_warp=rpw).launch, colsum)
-        SLOTS = 128  # (a slot a timed call; a flush, untimed, when they run out)
-        alone = ln._backward7("bf16")(rt, N, C, block_size=bs, colsum=colsum, stages=P, rows_per_warp=rpw,
-                                      deferred=SLOTS)
-        names = ["dinp", "dweight", "dbias"] + (["colsum"] if colsum else [])
-        used = [0]
+# summers wait for the count, the last resets both counters), session 54's polled tail (no ticket: fixed
+# summers wait on the partials themselves), and none: the deferred form's call alone (its partials left in a
+# slot, no flush), the floor a one-launch tail can reach
+if "tails" in SECTIONS:
+    L.section("backward tails")
+    for colsum in (False, True):
+        cs = " colsum" if colsum else ""
+        for bs, P, rpw in ((384, 3, None), (384, 2, None), (384, 2, 4), (384, 3, 4), (384, 2, 3), (256, 2, 3)):
+            cfg = f"bs{bs} P{P}" + (f" R{rpw}" if rpw else "")
+            for f in ((0, ln.LN7_POLL) + ((ln.LN7_RESET,) if P == 3 else ())) if rpw is None else (0,):
+                bwd_case(f"bwd 7{cs} {cfg} {flag_name(f)}", ln._backward7("bf16")(
+                    rt, N, C, block_size=bs, colsum=colsum, flags=f, stages=P, rows_per_warp=rpw).launch, colsum)
+            SLOTS = 128  # (a slot a timed call; a flush, untimed, when they run out)
+            alone = ln._backward7("bf16")(rt, N, C, block_size=bs, colsum=colsum, stages=P, rows_per_warp=rpw,
+                                          deferred=SLOTS)
+            names = ["dinp", "dweight", "dbias"] + (["colsum"] if colsum else [])
+            used = [0]
 
-        def main_alone():
-            if used[0] == SLOTS:
-                alone.flush()  # noqa: B023
-                used[0] = 0
-            alone(used[0], *(outs[k] for k in names), d_dout, d_x, d_w, d_mean, d_rstd)  # noqa: B023
-            used[0] += 1
-        L.time(f"bwd 7{cs} {cfg} main alone (no column sums)", main_alone,
-               bytes=cs_bytes if colsum else bwd_bytes, ceiling="dram")
-        alone.flush()
+            def main_alone():
+                if used[0] == SLOTS:
+                    alone.flush()  # noqa: B023
+                    used[0] = 0
+                alone(used[0], *(outs[k] for k in names), d_dout, d_x, d_w, d_mean, d_rstd)  # noqa: B023
+                used[0] += 1
+            L.time(f"bwd 7{cs} {cfg} main alone (no column sums)", main_alone,
+                   bytes=cs_bytes if colsum else bwd_bytes, ceiling="dram")
+            alone.flush()
 # the deferred form (the bf16 trainer's): 24 calls (d12's fused layernorm backwards a step), then the flush
-L.section("backward colsum deferred x24 + flush")
-S = 24
-for bs, P, rpw in [(384, 3, None), (384, 2, None), (256, 3, None), (384, 2, 4), (256, 2, 4), (384, 3, 4),
-                   (384, 2, 8), (512, 2, 4)]:
-    label = f"bwd 7 colsum deferred bs{bs} P{P}" + (f" R{rpw}" if rpw else "")
-    try:
-        dfr = ln._backward7("bf16")(rt, N, C, block_size=bs, colsum=True, stages=P, rows_per_warp=rpw, deferred=S)
-    except VariantRefused as e:
-        print(f"  {e}")
-        continue
-    args = lambda: (outs["dinp"], outs["dweight"], outs["dbias"], outs["colsum"], d_dout, d_x, d_w, d_mean, d_rstd)  # noqa: E731
-    one = lambda: (dfr(0, *args()), dfr.flush())  # noqa: E731
-    L.validate(label, one, outputs={"dinp": outs["dinp"]}, refs=refs, atol=1e-4, rtol=2.0 ** -8, init=up)
-    L.validate(label, one, outputs={"dweight": outs["dweight"], "dbias": outs["dbias"]}, refs=refs, atol=1e-3,
-               rtol=2.0 ** -8, init=up)
-    outs["dinp"].set(up["dinp"])
-    L.validate(label, one, outputs={"colsum": outs["colsum"]}, refs=refs, atol=cs_atol, rtol=2.0 ** -8, init=up)
+if "deferred" in SECTIONS:
+    L.section("backward colsum deferred x24 + flush")
+    S = 24
+    for bs, P, rpw in [(384, 3, None), (384, 2, None), (256, 3, None), (384, 2, 4), (256, 2, 4), (384, 3, 4),
+                       (384, 2, 8), (512, 2, 4)]:
+        label = f"bwd 7 colsum deferred bs{bs} P{P}" + (f" R{rpw}" if rpw else "")
+        try:
+            dfr = ln._backward7("bf16")(rt, N, C, block_size=bs, colsum=True, stages=P, rows_per_warp=rpw, deferred=S)
+        except VariantRefused as e:
+            print(f"  {e}")
+            continue
+        args = lambda: (outs["dinp"], outs["dweight"], outs["dbias"], outs["colsum"], d_dout, d_x, d_w, d_mean, d_rstd)  # noqa: E731
+        one = lambda: (dfr(0, *args()), dfr.flush())  # noqa: E731
+        L.validate(label, one, outputs={"dinp": outs["dinp"]}, refs=refs, atol=1e-4, rtol=2.0 ** -8, init=up)
+        L.validate(label, one, outputs={"dweight": outs["dweight"], "dbias": outs["dbias"]}, refs=refs, atol=1e-3,
+                   rtol=2.0 ** -8, init=up)
+        outs["dinp"].set(up["dinp"])
+        L.validate(label, one, outputs={"colsum": outs["colsum"]}, refs=refs, atol=cs_atol, rtol=2.0 ** -8, init=up)
 
-    def many():
-        for slot in range(S):
-            dfr(slot, *args())
-        dfr.flush()
-    L.time(f"{label} x{S}", many, bytes=S * cs_bytes, ceiling="dram")
+        def many():
+            for slot in range(S):
+                dfr(slot, *args())
+            dfr.flush()
+        L.time(f"{label} x{S}", many, bytes=S * cs_bytes, ceiling="dram")
 L.finish()
