@@ -966,8 +966,6 @@ LN6_BWD(bf16, _bf16, 1) LN6_BWD(bf16, _bf16, 2) LN6_BWD(bf16, _bf16, 3) LN6_BWD(
 #define LN7_SPLIT 2    // flags: leave the partials in scratch for the reduce kernel (no tickets)
 #define LN7_RESET 4    // flags (the lab's comparison): session 34's tail, both counters reset by the last summer
 #define LN7_OUTS 8     // flags: dweight, dbias (, colsum) 16-byte aligned: their old values staged in shared memory
-#define LN7_POLL 16    // flags: no ticket; the summers are the last S blocks by index and poll the partials
-                       // themselves, which hold LN7_EMPTY until written (session 54; below)
                        // (flags >> 8: P, the stages of each warp's ring)
 
 // the rows of global warp gw of W: [row, end) by step
@@ -1013,22 +1011,6 @@ __device__ __forceinline__ unsigned ln7_ld_relaxed(const unsigned* p) {
     asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p));
     return v;
 }
-// LN7_POLL: an unwritten partial's bits (a NaN with every payload bit set: no float arithmetic gives it, the
-// GPU's NaN results being 0x7fffffff), polled with relaxed gpu-scope loads, written by relaxed stores
-#define LN7_EMPTY 0xffffffffu
-__device__ __forceinline__ float4 ln7_ld_relaxed4(const float4* p) {
-    float4 v;
-    asm volatile("ld.relaxed.gpu.global.v4.f32 {%0,%1,%2,%3}, [%4];\n"
-                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p) : "memory");
-    return v;
-}
-__device__ __forceinline__ void ln7_st_relaxed(float* p, float v) {
-    asm volatile("st.relaxed.gpu.global.f32 [%0], %1;\n" ::"l"(p), "f"(v) : "memory");
-}
-__device__ __forceinline__ bool ln7_empty(float4 v) {
-    return __float_as_uint(v.x) == LN7_EMPTY || __float_as_uint(v.y) == LN7_EMPTY ||
-           __float_as_uint(v.z) == LN7_EMPTY || __float_as_uint(v.w) == LN7_EMPTY;
-}
 __device__ __forceinline__ unsigned ln7_atom_inc_acq_rel(unsigned* p, unsigned limit) {
     unsigned old;
     asm volatile("atom.acq_rel.gpu.global.inc.u32 %0, [%1], %2;\n" : "=r"(old) : "l"(p), "r"(limit) : "memory");
@@ -1038,84 +1020,6 @@ template <typename T>
 __device__ __forceinline__ typename Vec16<T>::raw ln7_lds(uint32_t addr) {
     uint4 v = ln7_lds128(addr);
     return *reinterpret_cast<typename Vec16<T>::raw*>(&v);
-}
-
-// LN7_POLL (session 54): the ticketed tail without the ticket. The summers are fixed, the last S blocks by
-// index (summer j sums slices j, j + S, ...; the blocks of the highest index have the fewest rows where the
-// rows do not divide evenly, so they finish first and wait), and they wait on the partials themselves: the
-// scratch holds LN7_EMPTY until a block's relaxed stores write its row, a lane loads its 16-byte columns of
-// its blocks four at a time and loads again those still empty, then puts LN7_EMPTY back for the next launch
-// (the launches of one build follow one another: the next one's stores come after this one ends). So the last
-// block's partial reaches the summers in one store and one load, where the ticket's atomic came between:
-// one round trip less on the launch's last path. The same sums in the same order as the ticketed tail (the
-// same bits). Needs every block resident at once or the summers launched last (the persistent grid: the
-// host refuses it with more blocks than are resident) and the scratch filled with LN7_EMPTY before the first
-// launch (the host does).
-template <typename T, int K>
-__device__ __forceinline__ void layernorm_backward7_poll_tail(T* dweight, T* dbias, T* colsum, float* scratch,
-        const T* outs_s, int C, int flags) {
-    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE, nwarps = blockDim.x / WARP_SIZE;
-    const int G = gridDim.x;
-    const int KC4 = K * C / 4;          // float4 columns of a scratch row (C % 4 == 0)
-    const int Q = ceil_div(KC4, 8);     // slices of 8 float4 = 32 columns
-    const int S = min(G, Q);            // the summers: blocks G - S .. G - 1
-    const int j0 = (int)blockIdx.x - (G - S);
-    if (j0 < 0) return;
-    float4* part = reinterpret_cast<float4*>(scratch);
-    extern __shared__ float4 smem7[];
-    float4* sh = smem7;  // (nwarps, 8) float4: the warps' sums of one slice
-    const float4 empty = make_float4(__uint_as_float(LN7_EMPTY), __uint_as_float(LN7_EMPTY),
-                                     __uint_as_float(LN7_EMPTY), __uint_as_float(LN7_EMPTY));
-    for (int q = j0; q < Q; q += S) {
-        const int col4 = 8 * q + lane % 8;
-        float4 t = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (col4 < KC4) {
-            const int gstep = 4 * nwarps;
-            for (int g0 = lane / 8 + 4 * warp; g0 < G; g0 += 4 * gstep) {  // 4 blocks' loads at a time
-                float4 v[4];
-#pragma unroll
-                for (int k = 0; k < 4; k++)
-                    if (g0 + k * gstep < G) v[k] = ln7_ld_relaxed4(part + (size_t)(g0 + k * gstep) * KC4 + col4);
-#pragma unroll
-                for (int k = 0; k < 4; k++) {
-                    const int g = g0 + k * gstep;
-                    if (g < G) {
-                        float4* pp = part + (size_t)g * KC4 + col4;
-                        while (ln7_empty(v[k])) {
-                            __nanosleep(32);
-                            v[k] = ln7_ld_relaxed4(pp);
-                        }
-                        t.x += v[k].x; t.y += v[k].y; t.z += v[k].z; t.w += v[k].w;
-                        *pp = empty;
-                    }
-                }
-            }
-        }
-#pragma unroll
-        for (int off = 16; off >= 8; off /= 2) {  // the 4 lane groups, a fixed tree
-            t.x += __shfl_xor_sync(0xffffffffu, t.x, off);
-            t.y += __shfl_xor_sync(0xffffffffu, t.y, off);
-            t.z += __shfl_xor_sync(0xffffffffu, t.z, off);
-            t.w += __shfl_xor_sync(0xffffffffu, t.w, off);
-        }
-        __syncthreads();  // (the block's own sums, then the previous slice's, may still be read in sh)
-        if (lane < 8) sh[warp * 8 + lane] = t;
-        __syncthreads();
-        if (warp == 0 && lane < 8 && col4 < KC4) {
-            float4 tot = sh[lane];
-            for (int w = 1; w < nwarps; w++) {
-                const float4 v = sh[w * 8 + lane];
-                tot.x += v.x; tot.y += v.y; tot.z += v.z; tot.w += v.w;
-            }
-            const int r = (4 * col4) / C, c = 4 * col4 - r * C;  // (C % 4 == 0: one output row)
-            T* o = (r == 0 ? dweight : r == 1 ? dbias : colsum) + c;
-            const T* old = (flags & LN7_OUTS) ? outs_s + 4 * col4 : o;
-            o[0] = from_f32<T>(to_f32(old[0]) + tot.x);
-            o[1] = from_f32<T>(to_f32(old[1]) + tot.y);
-            o[2] = from_f32<T>(to_f32(old[2]) + tot.z);
-            o[3] = from_f32<T>(to_f32(old[3]) + tot.w);
-        }
-    }
 }
 
 // Backward 7. The rows come through shared memory: each warp has a ring of P stages of (3, C) T
@@ -1184,7 +1088,7 @@ __device__ __forceinline__ void layernorm_backward7_t(T* __restrict__ dinp, T* d
     const bool tickets = !(flags & (LN7_SPLIT | LN7_RESET));
     const unsigned G = gridDim.x;
     unsigned c0 = 0;  // (relaxed, and not used before the tail: the load does not hold the warp up here)
-    if (tickets && !(flags & LN7_POLL) && threadIdx.x == 0) c0 = ln7_ld_relaxed(&sync[0]);
+    if (tickets && threadIdx.x == 0) c0 = ln7_ld_relaxed(&sync[0]);
     const T* outs_s = reinterpret_cast<const T*>(reinterpret_cast<unsigned char*>(smem7) + (size_t)nwarps * P * stage_bytes + 16);
     if (tickets && (flags & LN7_OUTS)) {
         const int pieces = C / V;  // 16-byte pieces an output (C % V == 0)
@@ -1291,15 +1195,10 @@ __device__ __forceinline__ void layernorm_backward7_t(T* __restrict__ dinp, T* d
         for (int c = threadIdx.x; c < K * C; c += blockDim.x) {
             float sum = 0.0f;
             for (int w = 0; w < nwarps; w++) sum += acc[w * wstride + c];
-            if (flags & LN7_POLL) ln7_st_relaxed(out + c, sum);  // (the summers poll these very words)
-            else out[c] = sum;
+            out[c] = sum;
         }
     }
     if (flags & LN7_SPLIT) return;
-    if (flags & LN7_POLL) {
-        layernorm_backward7_poll_tail<T, K>(dweight, dbias, colsum, scratch, outs_s, C, flags);
-        return;
-    }
     // the ticket: the block's partials stored, then thread 0's fence and one atomicInc (in this launch's
     // arrival order: rank = count - base). The last S to arrive sum the slices, once the count reaches
     // base + G; the last to arrive sees that in its own ticket. Nothing to reset: the next launch's base

@@ -131,27 +131,6 @@ def test_variant7_refuses_in_one_line_and_declares_its_scratch():
                 assert grid * (3 if colsum else 2) * C * 4 <= built.scratch["partials"].nbytes and grid <= N
 
 
-def test_variant7_polled_tail_flags_and_refusal():
-    """LN7_POLL (session 54's polled tail): the host's flag and sentinel are cuda/layernorm.cu's; its summers
-    wait on every block, so more blocks than are resident (rows_per_warp) is refused in one line; a build
-    fills its partials with LN7_EMPTY (uploaded before any launch) and keeps them."""
-    import re
-    from conftest import ROOT
-    from llmc.ops import layernorm as ln
-    from tests.fake_runtime import FakeRuntime
-    src = (ROOT / "cuda" / "layernorm.cu").read_text()
-    assert re.findall(r"^#define LN7_POLL (\d+)", src, re.M) == [str(ln.LN7_POLL)]
-    assert re.findall(r"^#define LN7_EMPTY (0x[0-9a-f]+)u", src, re.M) == [hex(ln.LN7_EMPTY)]
-    with pytest.raises(VariantRefused, match="rows_per_warp=4.*persistent grid") as e:
-        ln._backward7("bf16")(FakeRuntime(), 4096, 768, flags=ln.LN7_POLL, rows_per_warp=4)
-    assert "\n" not in str(e.value)
-    rt = FakeRuntime(heap_bytes=8 << 20)
-    built = ln._backward7("bf16")(rt, 4096, 768, colsum=True, flags=ln.LN7_POLL)
-    part = built.scratch["partials"]
-    assert part.shape == (built.info["grid"], 3, 768) and "partials" in built.keep
-    assert (rt.np(part).view(np.uint32) == ln.LN7_EMPTY).all()
-
-
 @pytest.mark.parametrize("number,dtype", [(7, "bf16"), (5, "fp32"), (5, "bf16")])
 def test_deferred_form_builds_and_refuses(number, dtype):
     """deferred=S (variants 5 and 7): S slots of partials (declared), launch(slot, ...) runs the main
@@ -397,7 +376,7 @@ def test_backward7_one_launch_repeats_and_replays(rt, rng, dtype, N, C, colsum):
     and leave the count at 5 G; a launch from the count's last base (it wraps to 0) and from an odd
     multiple of G the same bits; dweight, dbias (, colsum) an element off 16-byte alignment (read from global
     memory) the same bits; a CUDA graph replay the same bits again; session 34's tail (LN7_RESET: the counters reset by the
-    last summer) every bit the same; session 54's polled tail (LN7_POLL) every bit the same, launch after launch; and the lab's two alternatives (6's consecutive rows per warp; the
+    last summer) every bit the same; and the lab's two alternatives (6's consecutive rows per warp; the
     separate reduce kernel) the same dinp bit for bit (a row's dinp does not depend on which warp takes
     it) and the sums within their rounding."""
     bf = dtype == "bf16"
@@ -460,33 +439,6 @@ def test_backward7_one_launch_repeats_and_replays(rt, rng, dtype, N, C, colsum):
         for name, a, b_ in zip(("dinp", "dweight", "dbias", "colsum"), first, run(reset)):
             np.testing.assert_array_equal(a, b_, err_msg=f"{name}, session 34's tail")
     assert reset.scratch["tickets"].get().tolist() == [0, 0]
-    # session 54's polled tail (LN7_POLL: no ticket; the last blocks by index wait on the partials themselves,
-    # which hold LN7_EMPTY until written and get it back after the sums): every bit the same, three launches
-    # in a row (a partial not put back would let the next launch's summers read it before it is written), the
-    # tickets untouched, every partial LN7_EMPTY after each launch; outputs off 16-byte alignment; a graph replay
-    polled = ln._backward7(dtype)(rt, N, C, colsum=colsum, flags=ln.LN7_POLL)
-    part = polled.scratch["partials"]
-    assert (part.get().view(np.uint32) == ln.LN7_EMPTY).all()
-    for i in range(3):
-        for name, a, b_ in zip(("dinp", "dweight", "dbias", "colsum"), first, run(polled)):
-            np.testing.assert_array_equal(a, b_, err_msg=f"{name}, the polled tail, launch {i}")
-        assert (part.get().view(np.uint32) == ln.LN7_EMPTY).all(), "every partial put back"
-    assert polled.scratch["tickets"].get().tolist() == [0, 0]
-    if polled.info["outs_smem"]:
-        plain = outs
-        outs = plain[:1] + [rt.zeros(o.size + 1, o.dtype).view(1, o.shape) for o in plain[1:]]
-        for name, a, b_ in zip(("dinp", "dweight", "dbias", "colsum"), first, run(polled)):
-            np.testing.assert_array_equal(a, b_, err_msg=f"{name}, the polled tail, unaligned outputs")
-        outs = plain
-    if rt.graphs_available() is None:
-        graph = rt.capture(lambda: polled(*outs, *ins))
-        for _ in range(2):
-            for o, a in zip(outs, init):
-                o.set(to_bf16(a) if bf else a)
-            graph()
-            rt.synchronize()
-            for a, o in zip(first, outs):
-                np.testing.assert_array_equal(a, o.get(), err_msg="the polled tail, graph replay")
     # (and other ring depths: 2 stages, one row in flight; 6 in blocks of 4 warps; and more blocks than
     # are resident, 2 or 4 consecutive rows a warp)
     for flags, stages, bs, rpw in ((ln.LN7_CHUNKED, None, None, None), (ln.LN7_SPLIT, 2, None, None),

@@ -59,7 +59,7 @@ def bwd_case(label, launch, colsum):
 
 def flag_name(f):
     return (("chunked" if f & ln.LN7_CHUNKED else "strided") + (" +reduce" if f & ln.LN7_SPLIT else "")
-            + (" reset-tail" if f & ln.LN7_RESET else "") + (" polled-tail" if f & ln.LN7_POLL else ""))
+            + (" reset-tail" if f & ln.LN7_RESET else ""))
 
 
 if "backward" in SECTIONS:
@@ -90,16 +90,16 @@ if "colsum" in SECTIONS:
         except VariantRefused as e:
             print(f"  {e}")
 # the ticketed tail: the default (the generation barrier, outputs prefetched into L2), session 34's (the
-# summers wait for the count, the last resets both counters), session 54's polled tail (no ticket: fixed
-# summers wait on the partials themselves), and none: the deferred form's call alone (its partials left in a
-# slot, no flush), the floor a one-launch tail can reach
+# summers wait for the count, the last resets both counters), and none: the deferred form's call alone (its
+# partials left in a slot, no flush), the floor a one-launch tail can reach (session 54's polled tail, no
+# ticket, was slower: branch wip/ln7-poll)
 if "tails" in SECTIONS:
     L.section("backward tails")
     for colsum in (False, True):
         cs = " colsum" if colsum else ""
         for bs, P, rpw in ((384, 3, None), (384, 2, None), (384, 2, 4), (384, 3, 4), (384, 2, 3), (256, 2, 3)):
             cfg = f"bs{bs} P{P}" + (f" R{rpw}" if rpw else "")
-            for f in ((0, ln.LN7_POLL) + ((ln.LN7_RESET,) if P == 3 else ())) if rpw is None else (0,):
+            for f in (0, ln.LN7_RESET) if rpw is None and P == 3 else (0,):
                 bwd_case(f"bwd 7{cs} {cfg} {flag_name(f)}", ln._backward7("bf16")(
                     rt, N, C, block_size=bs, colsum=colsum, flags=f, stages=P, rows_per_warp=rpw).launch, colsum)
             SLOTS = 128  # (a slot a timed call; a flush, untimed, when they run out)

@@ -430,8 +430,6 @@ def _backward6(dtype):
 # kernel flags (the lab's comparisons): 6's consecutive rows; the reduce kernel; session 34's ticketed tail
 LN7_CHUNKED, LN7_SPLIT, LN7_RESET = 1, 2, 4
 LN7_OUTS = 8  # (set per launch: the outputs' old values staged in shared memory, where they are 16-byte aligned)
-LN7_POLL = 16  # the summers fixed (the last blocks), polling the partials themselves: no ticket (session 54)
-LN7_EMPTY = 0xFFFFFFFF  # an unwritten partial's bits under LN7_POLL (LN7_EMPTY in cuda/layernorm.cu)
 NV7 = {"fp32": 3, "bf16": 4}   # vectors per lane, at most (the entry points; registers)
 
 
@@ -490,9 +488,6 @@ def _backward7(dtype):
         # at most MAX_BLOCKS (the scratch rows)
         R, W = _persistent_rows(rt, k, bs, smem, N, max_warps=MAX_BLOCKS * (bs // 32))
         if rows_per_warp:
-            if flags & LN7_POLL:  # (its summers wait on every block: all resident, or launched before them)
-                refuse("layernorm_backward", 7, f"rows_per_warp={rows_per_warp}: the polled tail (LN7_POLL) needs "
-                       "the persistent grid, every block resident at once")
             flags |= LN7_CHUNKED
             R, W = rows_per_warp, ceil_div(N, rows_per_warp)
         G = ceil_div(W, bs // 32)
@@ -510,11 +505,7 @@ def _backward7(dtype):
             b = _deferred(rt, dtype, G, C, colsum, deferred, main, label)
             b.scratch["tickets"] = tickets
             return b
-        poll = bool(flags & LN7_POLL) and not flags & (LN7_SPLIT | LN7_RESET)
-        if poll:  # kept from one launch to the next: LN7_EMPTY until a block writes its row, put back by the summers
-            scratch = rt.to_device(np.full((G, K, C), LN7_EMPTY, np.uint32).view(np.float32))
-        else:
-            scratch = rt.scratch((min(N, MAX_BLOCKS), K, C), np.float32)  # per-block dweight | dbias (| colsum)
+        scratch = rt.scratch((min(N, MAX_BLOCKS), K, C), np.float32)  # per-block dweight | dbias (| colsum)
         split = bool(flags & LN7_SPLIT)
         if split:
             reduce_name = "layernorm_backward_reduce_colsum_kernel" if colsum else "layernorm_backward_reduce_kernel"
@@ -538,7 +529,7 @@ def _backward7(dtype):
             if split:
                 kr(grid_r, (32, 32, 1), dweight.ptr, dbias.ptr, colsum.ptr, scratch.ptr, g_, c_)
         return Built(launch_colsum if colsum else launch, scratch={"partials": scratch, "tickets": tickets},
-                     info={"grid": G, "outs_smem": outs_smem}, keep=frozenset({"partials", "tickets"} if poll else {"tickets"}))
+                     info={"grid": G, "outs_smem": outs_smem})
     return build
 
 
