@@ -763,8 +763,8 @@ __device__ __forceinline__ void encoder_partial_store(float* p, const float (&f)
 }
 // the offset of the fp32 partial row of the piece that begins at place `first` (last: a token's last
 // piece): two rows a window of ENC7_K places, the second for last pieces (see above)
-__device__ __forceinline__ size_t encoder_partial_row(int first, bool last, int C, int K = ENC7_K) {
-    return (size_t)(2 * (first / K) + (last ? 1 : 0)) * C;  // (K: the token's piece size, ENC10_K)
+__device__ __forceinline__ size_t encoder_partial_row(int first, bool last, int C) {
+    return (size_t)(2 * (first / ENC7_K) + (last ? 1 : 0)) * C;
 }
 
 // a[0..V) += the partial rows of a token's npieces pieces (rows start.., see encoder_partial_row) at
@@ -773,13 +773,13 @@ __device__ __forceinline__ size_t encoder_partial_row(int first, bool last, int 
 // variant 9's on register loads.
 template <int P, int V>
 __device__ __forceinline__ void encoder_partials_add(float (&a)[V], const float* partial, int start, int npieces,
-                                                     int C, int col, int K = ENC7_K) {
+                                                     int C, int col) {
     for (int q0 = 0; q0 < npieces; q0 += P) {
         float4 buf[P][V / 4];
 #pragma unroll
         for (int r = 0; r < P; r++) {
             const int qq = q0 + r;
-            const float* pp = partial + encoder_partial_row(start + qq * K, qq == npieces - 1, C, K) + col;
+            const float* pp = partial + encoder_partial_row(start + qq * ENC7_K, qq == npieces - 1, C) + col;
 #pragma unroll
             for (int k = 0; k < V / 4; k++)
                 if (qq < npieces) buf[r][k] = __ldcg(reinterpret_cast<const float4*>(pp + 4 * k));
@@ -1128,12 +1128,12 @@ __device__ __forceinline__ int enc9_ticket_add(int* p) {
 static_assert(2 * ENC_TREE_G <= ENC9_STAGE, "ENC_TREE_G: a group's partials take 2 slots each of ENC9_STAGE");
 template <typename T>
 __device__ __forceinline__ void encoder_tree_combine_t(T* dwte, float* partial, int* tickets, T* wrow, int start,
-        int npieces, int q, int s, int S, int C, int g, bool live, uint32_t st, int pk) {
+        int npieces, int q, int s, int S, int C, int g, bool live, uint32_t st) {
     constexpr int E = Enc9Lane<T>::E, K4 = E / 4, P = ENC9_STAGE / K4;
     const int lane = threadIdx.x % WARP_SIZE;
     const int q0 = (q / ENC_TREE_G) * ENC_TREE_G, gk = min(ENC_TREE_G, npieces - q0);
     const int ngroups = ceil_div(npieces, ENC_TREE_G);
-    int* gticket = &tickets[(size_t)(start + q0 * pk) * S + s];
+    int* gticket = &tickets[(size_t)(start + q0 * ENC7_K) * S + s];
     int* fticket = &tickets[(size_t)(start + 1) * S + s];
     int ticket = 0;
     if (lane == 0) ticket = enc9_ticket_add(gticket);
@@ -1144,7 +1144,7 @@ __device__ __forceinline__ void encoder_tree_combine_t(T* dwte, float* partial, 
 #pragma unroll 1
         for (int r = 0; r < gk; r++) {
             const int qq = q0 + r;
-            const float* pp = partial + encoder_partial_row(start + qq * pk, qq == npieces - 1, C, pk) + (size_t)g * E;
+            const float* pp = partial + encoder_partial_row(start + qq * ENC7_K, qq == npieces - 1, C) + (size_t)g * E;
 #pragma unroll
             for (int k = 0; k < K4; k++) cp_async16_full(st + 512u * (r * K4 + k), pp + 4 * k);
         }
@@ -1161,7 +1161,7 @@ __device__ __forceinline__ void encoder_tree_combine_t(T* dwte, float* partial, 
                 b[4 * k + 2] += __uint_as_float(v.z); b[4 * k + 3] += __uint_as_float(v.w);
             }
         }
-        float* gp = partial + encoder_partial_row(start + q0 * pk, q0 == npieces - 1, C, pk) + (size_t)g * E;
+        float* gp = partial + encoder_partial_row(start + q0 * ENC7_K, q0 == npieces - 1, C) + (size_t)g * E;
 #pragma unroll
         for (int k = 0; k < E; k += 4) store4(gp + k, make_float4(b[k], b[k + 1], b[k + 2], b[k + 3]));
     }
@@ -1180,7 +1180,7 @@ __device__ __forceinline__ void encoder_tree_combine_t(T* dwte, float* partial, 
 #pragma unroll 1
             for (int r = 0; r < P && k0 + r < ngroups; r++) {
                 const int qq = (k0 + r) * ENC_TREE_G;
-                const float* pp = partial + encoder_partial_row(start + qq * pk, qq == npieces - 1, C, pk) + (size_t)g * E;
+                const float* pp = partial + encoder_partial_row(start + qq * ENC7_K, qq == npieces - 1, C) + (size_t)g * E;
 #pragma unroll
                 for (int k = 0; k < K4; k++) cp_async16_full(st + 512u * (r * K4 + k), pp + 4 * k);
             }
@@ -1208,7 +1208,7 @@ __device__ __forceinline__ void encoder_tree_combine_t(T* dwte, float* partial, 
 // st: this lane's first staging slot in shared memory (ENC9_STAGE slots, 512 bytes apart).
 template <typename T>
 __device__ __forceinline__ void encoder_piece_slice_t(T* dwte, const T* dout, const int* inp, const int4* place_rec,
-        float* partial, int* tickets, int N, int C, int t, int s, uint32_t st, int kmulti = ENC7_K) {
+        float* partial, int* tickets, int N, int C, int t, int s, uint32_t st) {
     constexpr int E = Enc9Lane<T>::E;
     typedef typename RawVec<E * sizeof(T)>::type Raw;
     const bool vec = C % E == 0;
@@ -1217,8 +1217,7 @@ __device__ __forceinline__ void encoder_piece_slice_t(T* dwte, const T* dout, co
     const int4 rec = place_rec[min(t + lane, N - 1)];  // lane l: the record of the piece's row l
     const int start = __shfl_sync(0xffffffffu, rec.y, 0), count = __shfl_sync(0xffffffffu, rec.z, 0);
     const int tok = __shfl_sync(0xffffffffu, rec.w, 0), d = t - start;
-    const int pk = count > ENC7_K ? kmulti : ENC7_K;  // the token's piece size (kmulti: ENC10_K, variant 10's)
-    const int n = min(pk, count - d), npieces = ceil_div(count, pk), q = d / pk;
+    const int n = min(ENC7_K, count - d), npieces = ceil_div(count, ENC7_K), q = d / ENC7_K;
     const bool single = npieces == 1;  // (a token of ENC9_MIN < count <= 32 rows: dwte's row first, np.add.at's order)
     const int mypos = rec.x;
     const int seen = lane < n ? inp[mypos] : tok;  // checked before the first store (records of another batch trap)
@@ -1279,7 +1278,7 @@ __device__ __forceinline__ void encoder_piece_slice_t(T* dwte, const T* dout, co
         }
     }
     if (seen != tok) __trap();  // records of another batch: nothing stored
-    float* part = partial + encoder_partial_row(t, q == npieces - 1, C, pk) + g * W;
+    float* part = partial + encoder_partial_row(t, q == npieces - 1, C) + g * W;
     if (single) {
         if (live) {
             if (vec) store_vec<T, E>(wrow, a);
@@ -1300,7 +1299,7 @@ __device__ __forceinline__ void encoder_piece_slice_t(T* dwte, const T* dout, co
     int ticket = 0;
 #if ENC_TREE_G > 0
     if (vec && staged && npieces > ENC_TREE_G) {  // two levels (below): a token of more than G pieces
-        encoder_tree_combine_t<T>(dwte, partial, tickets, wrow, start, npieces, q, s, S, C, g, live, st, pk);
+        encoder_tree_combine_t<T>(dwte, partial, tickets, wrow, start, npieces, q, s, S, C, g, live, st);
         return;
     }
 #endif
@@ -1317,7 +1316,7 @@ __device__ __forceinline__ void encoder_piece_slice_t(T* dwte, const T* dout, co
 #pragma unroll 1
                 for (int r = 0; r < P; r++) {
                     const int qq = q0 + r;
-                    const float* pp = partial + encoder_partial_row(start + qq * pk, qq == npieces - 1, C, pk) + g * E;
+                    const float* pp = partial + encoder_partial_row(start + qq * ENC7_K, qq == npieces - 1, C) + g * E;
 #pragma unroll
                     for (int k = 0; k < K4; k++)  // (.cg: from L2, where other SMs' warps wrote them)
                         if (qq < npieces) cp_async16_full(st + 512u * (r * K4 + k), pp + 4 * k);
@@ -1338,11 +1337,11 @@ __device__ __forceinline__ void encoder_piece_slice_t(T* dwte, const T* dout, co
             }
             store_vec<T, E>(wrow, a);
         } else if (vec) {  // ENC9_PARTS partials' loads issued, then added in piece order (8's order: the same bits)
-            encoder_partials_add<ENC9_PARTS>(a, partial, start, npieces, C, g * E, pk);
+            encoder_partials_add<ENC9_PARTS>(a, partial, start, npieces, C, g * E);
             store_vec<T, E>(wrow, a);
         } else {
             for (int qq = 0; qq < npieces; qq++)
-                a[0] += __ldcg(partial + encoder_partial_row(start + qq * pk, qq == npieces - 1, C, pk) + g);
+                a[0] += __ldcg(partial + encoder_partial_row(start + qq * ENC7_K, qq == npieces - 1, C) + g);
             *wrow = from_f32<T>(a[0]);
         }
     }
@@ -1629,16 +1628,6 @@ __device__ __forceinline__ void encoder_single_whole_t(T* dwte, const T* dout, c
 #ifndef ENC10_DWPE_FIRST
 #define ENC10_DWPE_FIRST 0
 #endif
-// ENC10_K (session 54; 32, 8's pieces, by default): the piece size of 10's tokens of more than 32 rows (the host
-// puts their heads ENC10_K places apart: llmc/ops/encoder.py reads the knob). At 16 a piece's rows are one round of
-// ENC9_STAGE loads where 32 took two, one after the other, on the frequent tokens' chains that end the launch at
-// B=4 and run 9-12 us at B=16 (the trace); twice the pieces, partials and tickets. Other bits than 8's for those
-// tokens (each piece's rows summed in place order, the partials in piece order or by ENC_TREE_G's groups: the
-// same on every run); the others' unchanged.
-#ifndef ENC10_K
-#define ENC10_K 32
-#endif
-static_assert(ENC10_K >= 2 && ENC10_K <= ENC7_K, "ENC10_K: 2 .. 32 rows a piece");
 
 // recs: 8's place records (N int4); nheads, nmulti, of the other heads those the host leaves on slices
 // (the tokens of more than its boundary's rows; an unused int); the N piece heads; the N single tokens.
@@ -1708,7 +1697,7 @@ __device__ __forceinline__ void encoder_backward10_t(T* dwte, T* dwpe, const T* 
         next = u + stride;
         if (has_head(next) && next < last) head = head_of(next);  // the next unit's, under this one
         const int kd = u - pos0, sv = slice_of(u);  // (a position unit's index; a slice's)
-        if (sv >= 0) encoder_piece_slice_t<T>(dwte, dout, inp, place_rec, partial, tickets, N, C, t, sv % S, st, ENC10_K);
+        if (sv >= 0) encoder_piece_slice_t<T>(dwte, dout, inp, place_rec, partial, tickets, N, C, t, sv % S, st);
         else if (has_head(u)) encoder_single_whole_t<T>(dwte, dout, inp, place_rec, N, C, t, st, slots);
         else encoder_dwpe_single_t<T>(dwte, dwpe, dout, inp, tok_single, B, TT, C, kd / S16, kd % S16, st);
 #if ENC10_TRACE

@@ -117,24 +117,6 @@ def test_encoder10_dwpe_first_order_compiles_without_spills():
     assert body(compile_ptx("encoder", "sm_90", {"ENC10_DWPE_FIRST": "1"})) != body(compile_ptx("encoder", "sm_90"))
 
 
-def test_encoder10_piece_size_knob_compiles_and_checks_its_range():
-    """cuda/encoder.cu under -DENC10_K=16 (variant 10's tokens of more than 32 rows in pieces of 16 rows, a lab
-    knob): 10's kernels compile without spills and the bf16 one's code differs from the default build's; a
-    piece size past 2..32 rows stops the build with the knob's name."""
-    import re
-    from llmc.runtime import CudaError
-    _, log = compile_cubin("encoder", "sm_90", {"ENC10_K": "16"})
-    ten = {k: r for k, r in resource_report(log).items() if k.startswith("encoder_backward_kernel10")}
-    assert set(ten) == {"encoder_backward_kernel10", "encoder_backward_kernel10_bf16"}
-    assert not {k: r for k, r in ten.items() if r["spill_stores"] or r["spill_loads"] or r["stack"]}
-
-    def body(ptx):
-        return re.search(r"\.entry encoder_backward_kernel10_bf16\(.*?\n}\n", ptx, re.S).group(0)
-    assert body(compile_ptx("encoder", "sm_90", {"ENC10_K": "16"})) != body(compile_ptx("encoder", "sm_90"))
-    with pytest.raises(CudaError, match="ENC10_K"):
-        compile_cubin("encoder", "sm_90", {"ENC10_K": "33"}, use_cache=False)
-
-
 @pytest.mark.parametrize("defines", [{}, {"ENC_TREE_G": "4"}, {"ENC9_ACQREL": "0"}])
 def test_encoder9_acqrel_tickets_compile_without_spills(defines):
     """cuda/encoder.cu with 9's and 10's tickets taken by one acq_rel atomic a warp (ENC9_ACQREL, the default

@@ -252,20 +252,6 @@ def test_variant10_records(rng, B, T, vocab, zipf):
         covered[rec[h:h + min(32, rec[h, 2] - (h - rec[h, 1])), 0]] += 1
     covered[single >= 0] += 1
     np.testing.assert_array_equal(covered, 1)
-    for piece in (16, 8):  # ENC10_K: the tokens of more than 32 rows in pieces of `piece` rows, the others as before
-        other = encoder_backward10_records(inp, piece=piece)
-        n2, nm2 = other[4 * N], other[4 * N + 1]
-        h2 = other[4 * N + 4:4 * N + 4 + n2]
-        k = np.where(rec[h2, 2] > 32, piece, 32)
-        want = sorted((t, q) for t in np.flatnonzero(counts >= 2)
-                      for q in range(-(-counts[t] // (piece if counts[t] > 32 else 32))))
-        assert sorted(zip(rec[h2, 3], (h2 - rec[h2, 1]) // k)) == want and ((h2 - rec[h2, 1]) % k == 0).all()
-        assert nm2 == (rec[h2, 2] > 32).sum() and list(h2[nm2:]) == list(heads[nmulti:])
-        covered[:] = 0
-        for h, kk in zip(h2, k):
-            covered[rec[h:h + min(kk, rec[h, 2] - (h - rec[h, 1])), 0]] += 1
-        covered[single >= 0] += 1
-        np.testing.assert_array_equal(covered, 1)
 
 
 @pytest.mark.parametrize("defines,block_size,want", [
@@ -793,62 +779,6 @@ def test_variant10_dwpe_mid_keeps_8s_bits(rt, rng, B, T, C, vocab, zipf, defines
     for k in (0, 1):
         np.testing.assert_array_equal(res[10, 0][k], ref[10, 0][k] if "ENC_TREE_G" in base else res[8, 0][k])
         np.testing.assert_array_equal(res[10, 1][k], res[10, 0][k])
-
-
-def _frequent_tokens_model(case, piece, tree_g):
-    """dwte's rows of the tokens of more than 32 rows as variant 10 sums them with ENC10_K = piece (and
-    ENC_TREE_G = tree_g, 0: off), in fp32 numpy: each piece's rows (piece consecutive places of the token, in
-    place order) added from 0, then dwte's row plus the partials in piece order, or, for a token of more than
-    tree_g pieces, plus each group of tree_g pieces' sum (added from 0) in group order; rounded once."""
-    inp, dout, dwte0, _, conv, back = case
-    C = dout.shape[-1]
-    rows, w0, ids = back(conv(dout)).reshape(-1, C), back(conv(dwte0)), inp.ravel()
-    order = np.argsort(ids, kind="stable")
-    out = {}
-    for t in np.flatnonzero(np.bincount(ids) > 32):
-        pos = order[ids[order] == t]
-        parts = []
-        for q0 in range(0, len(pos), piece):
-            acc = np.zeros(C, np.float32)
-            for r in pos[q0:q0 + piece]:
-                acc = acc + rows[r]
-            parts.append(acc)
-        if tree_g and len(parts) > tree_g:
-            sums = []
-            for g0 in range(0, len(parts), tree_g):
-                b = np.zeros(C, np.float32)
-                for x in parts[g0:g0 + tree_g]:
-                    b = b + x
-                sums.append(b)
-            parts = sums
-        a = w0[t].copy()
-        for x in parts:
-            a = a + x
-        out[t] = conv(a)
-    return out
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("piece,tree_g", [(16, 0), (16, 4), (8, 0), (8, 4)])
-@pytest.mark.parametrize("B,T,C,vocab", [(16, 1024, 768, 50257), (4, 1024, 768, 50257), (3, 700, 264, 300)])
-def test_variant10_frequent_tokens_in_smaller_pieces(rt, rng, B, T, C, vocab, piece, tree_g):
-    """Variant 10 (bf16) with the tokens of more than 32 rows in pieces of ENC10_K rows (session 54; 32, 8's
-    pieces, by default), alone and with the two-level combine: those tokens' dwte rows bit for bit as the
-    numpy model of that order (_frequent_tokens_model), every other row of dwte and all of dwpe 8's bits,
-    two calls the same, the tickets back to 0."""
-    case = _zipf_case(rng, B, T, C, vocab, "bf16")
-    defines = {"ENC10_K": piece, **({"ENC_TREE_G": tree_g} if tree_g else {})}
-    res = _bwd_runs(rt, case, "bf16", lambda n: defines if n == 10 else {}, (8, 10), 2, B, T, C)
-    model = _frequent_tokens_model(case, piece, tree_g)
-    assert model and max(np.bincount(case[0].ravel())) > 32 * max(tree_g, 1) * piece // 32
-    for run in (0, 1):
-        dwte, dwpe = res[10, run]
-        np.testing.assert_array_equal(dwpe, res[8, 0][1])
-        others = np.ones(len(dwte), bool)
-        for t, want in model.items():
-            np.testing.assert_array_equal(dwte[t], want, err_msg=f"token {t}, run {run}")
-            others[t] = False
-        np.testing.assert_array_equal(dwte[others], res[8, 0][0][others])
 
 
 @pytest.mark.gpu

@@ -412,22 +412,20 @@ def _host_ranked_sliced(dtype):
 ENC10_WHOLE_MAX = 4
 
 
-def encoder_backward10_records(inp, whole_max: int | None = None, piece: int = ENC7_PIECE) -> np.ndarray:
+def encoder_backward10_records(inp, whole_max: int | None = None) -> np.ndarray:
     """Variant 10's work list from the batch's ids (B, T) on the host, one int32 array of 6 N + 4: 8's
     place records (N x 4); the number of piece heads, of them the pieces of tokens of more than 32 rows,
     of the others those of tokens of more than `whole_max` rows (the rest, the last heads, are summed a
     whole row a warp: ENC10_WHOLE in cuda/encoder.cu; None: ENC10_WHOLE_MAX if no token has more than 32
     rows, else none), and a zero; the N places where a piece of a token of at least 2 rows begins (the
     multi-piece tokens' first, the tokens of the most rows first, places ascending within; zeros after
-    the last); per position its token if the token occurs only there, else -1. piece: the pieces' rows for
-    the tokens of more than 32 rows (ENC10_K in cuda/encoder.cu; the others' one piece is at most 32)."""
+    the last); per position its token if the token occurs only there, else -1."""
     rec = encoder_backward8_records(inp)
     N = len(rec)
     out = np.zeros(6 * N + 4, np.int32)
     out[:4 * N] = rec.reshape(-1)
     start, count = rec[:, 1], rec[:, 2]
-    k = np.where(count > ENC7_PIECE, piece, ENC7_PIECE)
-    heads = np.flatnonzero((count >= 2) & ((np.arange(N) - start) % k == 0))
+    heads = np.flatnonzero((count >= 2) & ((np.arange(N) - start) % ENC7_PIECE == 0))
     heads = heads[np.argsort(-count[heads], kind="stable")]
     out[4 * N] = len(heads)
     out[4 * N + 1] = nmulti = int((count[heads] > ENC7_PIECE).sum())
@@ -508,11 +506,10 @@ def _worklist(dtype):
         grid = (max(1, min(rt.sm_count * per_sm, ceil_div(N * S + T * S16, wpb))), 1, 1)
         recs = rt.empty((6 * N + 4,), np.int32)  # written by the host (put_host_inputs, the model's set_batch)
         whole_max = _knob(rt, "ENC10_WHOLE_MAX", -1)  # (the lab's knob, for every batch; the host's choice alone)
-        piece = _knob(rt, "ENC10_K", ENC7_PIECE)  # (the lab's knob: the frequent tokens' piece size, kernel and host)
-        records = (encoder_backward10_records if whole_max < 0 and piece == ENC7_PIECE else functools.partial(
-            encoder_backward10_records, whole_max=None if whole_max < 0 else whole_max, piece=piece))
+        records = (encoder_backward10_records if whole_max < 0
+                   else functools.partial(encoder_backward10_records, whole_max=whole_max))
         tickets = rt.zeros((N * S,), np.int32)   # each frequent token's finisher puts its slice's ticket back to 0
-        partial = rt.scratch((2 * ceil_div(N, piece), C))  # (scratch_bytes10 counts 32-row pieces, the default)
+        partial = rt.scratch((2 * ceil_div(N, ENC7_PIECE), C))
         b_, t_, c_ = (np.int32(x) for x in (B, T, C))
 
         def launch(dwte, dwpe, dout, inp):
