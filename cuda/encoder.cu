@@ -1619,15 +1619,6 @@ __device__ __forceinline__ void encoder_single_whole_t(T* dwte, const T* dout, c
 #ifndef ENC10_DWPE_MID
 #define ENC10_DWPE_MID 1
 #endif
-// ENC10_DWPE_FIRST (session 54; 0, off, by default): the position units right after the multi-piece tokens'
-// slices, before the other pieces' slices (then the whole rows): the longest units of the rest (two rounds
-// of loads, B rows and their single tokens' dwte rows) in the other warps' first round, the short one-piece
-// slices after them, as a longest-first schedule would have it. At B=16 on Zipf ids the other warps take
-// 2.6 units each, and the position units had fallen in their second and third rounds. Supersedes
-// ENC10_DWPE_MID. The same bits (the order of the units is not the order of any sum).
-#ifndef ENC10_DWPE_FIRST
-#define ENC10_DWPE_FIRST 0
-#endif
 
 // recs: 8's place records (N int4); nheads, nmulti, of the other heads those the host leaves on slices
 // (the tokens of more than its boundary's rows; an unused int); the N piece heads; the N single tokens.
@@ -1659,24 +1650,16 @@ __device__ __forceinline__ void encoder_backward10_t(T* dwte, T* dwpe, const T* 
     // the header says, and if it is a piece's slice, its head is heads[gw / S] (session 53: a warp waited
     // 0.9-1.9 us from its start to its first unit, two reads one after the other)
     const int head0 = heads[min(gw / S, N - 1)];
-    const int nd = TT * S16;  // the position units
-    // (ENC10_DWPE_FIRST: a warp's first unit past the position units is the slice gw - nd; its head read here too)
-    const int head0f = ENC10_DWPE_FIRST ? heads[min(max(gw - nd, 0) / S, N - 1)] : 0;
     const int nh = hdr[0], nmulti = hdr[1];
     const bool whole = ENC10_WHOLE && sizeof(T) == 2 && ceil_div(C / E16, WARP_SIZE) <= ENC10_WHOLE_CW && C % E16 == 0;
     const int nsl = whole ? hdr[2] : nh - nmulti;  // the one-piece tokens on slices
     const int us = (nmulti + nsl) * S, up = us + (nh - nmulti - nsl), um = nmulti * S, total = up + TT * S16;
-    // the units, in three orders: [0, um) the multi-piece tokens' slices; the other pieces' slices [sl2, sl2 + us - um),
-    // the position units (t, slice) [pos0, pos0 + nd) and the one-piece tokens' whole rows (ENC10_WHOLE, the last
-    // hdr[0] - hdr[1] - hdr[2] heads) [wh0, wh0 + up - us), in the order slices, positions, whole rows
-    // (ENC10_DWPE_MID, the default), slices, whole rows, positions (ENC10_DWPE_MID=0), or positions, slices,
-    // whole rows (ENC10_DWPE_FIRST)
-    const int sl2 = ENC10_DWPE_FIRST ? um + nd : um;
-    const int pos0 = ENC10_DWPE_FIRST ? um : ENC10_DWPE_MID ? us : up;
-    const int wh0 = ENC10_DWPE_FIRST || ENC10_DWPE_MID ? us + nd : us;
-    auto slice_of = [&](int v) { return v < um ? v : v >= sl2 && v < sl2 + us - um ? v - sl2 + um : -1; };
-    auto has_head = [&](int v) { return v < pos0 || v >= pos0 + nd; };
-    auto head_of = [&](int v) { const int sv = slice_of(v); return heads[sv >= 0 ? sv / S : nmulti + nsl + (v - wh0)]; };
+    const int nd = TT * S16;  // the position units
+    // the units: [0, us) a piece's 16-byte slice (9's), then the position units (t, slice) [us, us + nd) and the
+    // one-piece tokens' whole rows (ENC10_WHOLE, the last hdr[0] - hdr[1] - hdr[2] heads), or (ENC10_DWPE_MID=0)
+    // the whole rows [us, up) and then the position units
+    auto has_head = [&](int v) { return ENC10_DWPE_MID ? v < us || v >= us + nd : v < up; };
+    auto head_of = [&](int v) { return heads[v < us ? v / S : nmulti + nsl + (v - (ENC10_DWPE_MID ? us + nd : us))]; };
     int u, stride, last;
     if (2 * um < W) {  // warps of their own for the multi-piece units
         if (gw < um) { u = gw; stride = W; last = gw + 1; }
@@ -1684,11 +1667,7 @@ __device__ __forceinline__ void encoder_backward10_t(T* dwte, T* dwpe, const T* 
     } else {
         u = gw; stride = W; last = total;
     }
-    int head = 0;  // (u = gw here)
-    if (has_head(u) && u < last) {
-        const int sv = slice_of(u);
-        head = sv == gw ? head0 : ENC10_DWPE_FIRST && sv == gw - nd ? head0f : head_of(u);
-    }
+    int head = has_head(u) && u < last ? (u < us ? head0 : head_of(u)) : 0;  // (u = gw here)
     for (int next; u < last; u = next) {
 #if ENC10_TRACE
         const unsigned long long g0 = enc10_globaltimer(), c0 = clock64();
@@ -1696,8 +1675,8 @@ __device__ __forceinline__ void encoder_backward10_t(T* dwte, T* dwpe, const T* 
         const int t = head;
         next = u + stride;
         if (has_head(next) && next < last) head = head_of(next);  // the next unit's, under this one
-        const int kd = u - pos0, sv = slice_of(u);  // (a position unit's index; a slice's)
-        if (sv >= 0) encoder_piece_slice_t<T>(dwte, dout, inp, place_rec, partial, tickets, N, C, t, sv % S, st);
+        const int kd = ENC10_DWPE_MID ? u - us : u - up;  // (a position unit's index)
+        if (u < us) encoder_piece_slice_t<T>(dwte, dout, inp, place_rec, partial, tickets, N, C, t, u % S, st);
         else if (has_head(u)) encoder_single_whole_t<T>(dwte, dout, inp, place_rec, N, C, t, st, slots);
         else encoder_dwpe_single_t<T>(dwte, dwpe, dout, inp, tok_single, B, TT, C, kd / S16, kd % S16, st);
 #if ENC10_TRACE

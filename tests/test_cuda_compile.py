@@ -100,23 +100,6 @@ def test_encoder10_trace_measurement_build_compiles_without_spills():
     assert "enc10_trace" not in compile_ptx("encoder", "sm_90")
 
 
-def test_encoder10_dwpe_first_order_compiles_without_spills():
-    """cuda/encoder.cu under -DENC10_DWPE_FIRST=1 (variant 10's position units right after the multi-piece
-    tokens' slices, a lab knob): 10's kernels compile without spills, and the bf16 one's code differs from the
-    default build's (the flag reaches it)."""
-    import re
-    _, log = compile_cubin("encoder", "sm_90", {"ENC10_DWPE_FIRST": "1"})
-    ten = {k: r for k, r in resource_report(log).items() if k.startswith("encoder_backward_kernel10")}
-    assert set(ten) == {"encoder_backward_kernel10", "encoder_backward_kernel10_bf16"}
-    assert not {k: r for k, r in ten.items() if r["spill_stores"] or r["spill_loads"] or r["stack"]}
-
-    def body(ptx):  # the bf16 entry's PTX
-        m = re.search(r"\.entry encoder_backward_kernel10_bf16\(.*?\n}\n", ptx, re.S)
-        assert m
-        return m.group(0)
-    assert body(compile_ptx("encoder", "sm_90", {"ENC10_DWPE_FIRST": "1"})) != body(compile_ptx("encoder", "sm_90"))
-
-
 @pytest.mark.parametrize("defines", [{}, {"ENC_TREE_G": "4"}, {"ENC9_ACQREL": "0"}])
 def test_encoder9_acqrel_tickets_compile_without_spills(defines):
     """cuda/encoder.cu with 9's and 10's tickets taken by one acq_rel atomic a warp (ENC9_ACQREL, the default

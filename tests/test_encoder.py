@@ -11,7 +11,7 @@ import pytest
 from llmc import ops
 from llmc.bf16 import BF16, from_bf16, to_bf16
 from llmc.errors import LLMCError, VariantRefused
-from llmc.ops.encoder import (ENC10_DWPE_FIRST, ENC10_DWPE_MID, ENC10_WHOLE_MAX, encoder_backward8_records, encoder_backward10_records,
+from llmc.ops.encoder import (ENC10_DWPE_MID, ENC10_WHOLE_MAX, encoder_backward8_records, encoder_backward10_records,
                                encoder_backward10_unit_kinds, encoder_backward_ref,
                                encoder_decode_ref, encoder_forward_ref, heads_per_window9)
 from llmc.testing import assert_close, module_defines, poison
@@ -290,8 +290,7 @@ def test_host_constants_are_the_kernels():
     src = (ROOT / "cuda" / "encoder.cu").read_text()
     for name, value in (("ENC_S", encoder.SORT_CHUNK), ("ENC7_K", encoder.ENC7_PIECE), ("ENC9_MIN", encoder.ENC9_MIN),
                         ("ENC9_LANE", encoder.ENC9_LANE), ("ENC9_STAGE", encoder.ENC9_STAGE),
-                        ("ENC10_ROWS", encoder.ENC10_ROWS), ("ENC10_DWPE_MID", encoder.ENC10_DWPE_MID),
-                        ("ENC10_DWPE_FIRST", encoder.ENC10_DWPE_FIRST)):
+                        ("ENC10_ROWS", encoder.ENC10_ROWS), ("ENC10_DWPE_MID", encoder.ENC10_DWPE_MID)):
         found = re.findall(rf"^#define {name} (\d+)$", src, re.M)
         assert found == [str(value)], (name, found)
 
@@ -314,11 +313,7 @@ def test_variant10_unit_kinds_follow_the_kernels_order(rng):
         want += rest if mid else rest[T * S:] + rest[:T * S]
         np.testing.assert_array_equal(k, want)
     np.testing.assert_array_equal(encoder_backward10_unit_kinds(recs, B, T, C), encoder_backward10_unit_kinds(
-        recs, B, T, C, dwpe_mid=ENC10_DWPE_MID, dwpe_first=ENC10_DWPE_FIRST))
-    for mid in (1, 0):  # ENC10_DWPE_FIRST: the position units right after the multi-piece tokens', whatever MID says
-        k = encoder_backward10_unit_kinds(recs, B, T, C, dwpe_mid=mid, dwpe_first=1)
-        want = [0] * (nmulti * S) + [3] * (T * S) + [1] * (nsl * S) + [2] * (nh - nmulti - nsl)
-        np.testing.assert_array_equal(k, want)
+        recs, B, T, C, dwpe_mid=ENC10_DWPE_MID))
     for dtype, c in (("fp32", 768), ("bf16", 1024)):
         k = encoder_backward10_unit_kinds(recs, B, T, c, dtype)
         assert 2 not in k and (k == 1).sum() == (nh - nmulti) * ((c // (4 if dtype == "fp32" else 8) + 31) // 32)
@@ -758,22 +753,19 @@ def test_tree_combine_with_acqrel_tickets_keeps_its_bits(rt, rng, B, T, C, vocab
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("defines", [{"ENC10_DWPE_MID": 0}, {"ENC10_DWPE_MID": 0, "ENC10_WHOLE_MAX": 4},
-                                     {"ENC10_DWPE_MID": 0, "ENC_TREE_G": 4, "ENC10_WHOLE_MAX": 4},
-                                     {"ENC10_DWPE_FIRST": 1}, {"ENC10_DWPE_FIRST": 1, "ENC10_WHOLE_MAX": 4},
-                                     {"ENC10_DWPE_FIRST": 1, "ENC_TREE_G": 4, "ENC10_WHOLE_MAX": 4}])
+                                     {"ENC10_DWPE_MID": 0, "ENC_TREE_G": 4, "ENC10_WHOLE_MAX": 4}])
 @pytest.mark.parametrize("B,T,C,vocab,zipf", [(16, 1024, 768, 50257, False), (16, 1024, 768, 50257, True),
                                               (4, 256, 520, 2000, False), (2, 64, 264, 50, False),
                                               (1, 1, 768, 10, False), (32, 1024, 768, 50, True)])
 def test_variant10_dwpe_mid_keeps_8s_bits(rt, rng, B, T, C, vocab, zipf, defines):
     """Variant 10 (bf16) with the whole rows before the position units in its work list (ENC10_DWPE_MID=0,
-    the order before session 53) or the position units right after the multi-piece tokens' slices
-    (ENC10_DWPE_FIRST=1, session 54), alone, with every one-piece token of up to 4 rows whole, and with the
+    the order before session 53), alone, with every one-piece token of up to 4 rows whole, and with the
     two-level combine: 8's bits on dwte and dwpe over two calls (the tree's tokens: equal to the default
     order's), the
     tickets back to 0; batches with fewer units than warps (T = 1, B T = 128), and one whose multi-piece
     units are more than half the warps (B = 32 over 50 tokens: every warp strides over every unit)."""
     case = (_zipf_case if zipf else _uniform_case)(rng, B, T, C, vocab, "bf16")
-    base = {k: v for k, v in defines.items() if k not in ("ENC10_DWPE_MID", "ENC10_DWPE_FIRST")}
+    base = {k: v for k, v in defines.items() if k != "ENC10_DWPE_MID"}
     res = _bwd_runs(rt, case, "bf16", lambda n: defines if n == 10 else base, (8, 10), 2, B, T, C)
     ref = _bwd_runs(rt, case, "bf16", lambda n: base, (10,), 1, B, T, C) if "ENC_TREE_G" in base else res
     for k in (0, 1):
@@ -782,7 +774,7 @@ def test_variant10_dwpe_mid_keeps_8s_bits(rt, rng, B, T, C, vocab, zipf, defines
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("defines", [{}, {"ENC10_DWPE_MID": 0}, {"ENC10_DWPE_FIRST": 1}])
+@pytest.mark.parametrize("defines", [{}, {"ENC10_DWPE_MID": 0}])
 def test_variant10_trace_build_writes_every_unit(rt, rng, defines):
     """Variant 10 built with ENC10_TRACE=1 (dev/cuda/encoder_backward_trace.py's measurement build): 8's bits,
     and a trace row for every unit of the launch, none past them: an end at or after its start, a warp of

@@ -28,7 +28,7 @@ import lab
 from llmc import ops
 from llmc.bf16 import BF16, to_bf16
 from llmc.data import read_shard, shard_num_tokens
-from llmc.ops.encoder import ENC10_DWPE_FIRST, ENC10_DWPE_MID, encoder_backward10_unit_kinds
+from llmc.ops.encoder import ENC10_DWPE_MID, encoder_backward10_unit_kinds
 
 pre = argparse.ArgumentParser(add_help=False)
 pre.add_argument("--npz", help="write the raw traces (kind, start ns, end ns, cycles, SM, warp a unit) here")
@@ -92,8 +92,7 @@ for name, inp in ids.items():
     recs = built.scratch["records"].get()
     nh, nmulti = (int(x) for x in recs[4 * N:4 * N + 2])
     mid = int(rt.extra_defines["encoder"].get("ENC10_DWPE_MID", ENC10_DWPE_MID))
-    first = int(rt.extra_defines["encoder"].get("ENC10_DWPE_FIRST", ENC10_DWPE_FIRST))
-    kind = encoder_backward10_unit_kinds(recs, B, T, C, "bf16", mid, first)  # (the kernel's order: KINDS)
+    kind = encoder_backward10_unit_kinds(recs, B, T, C, "bf16", mid)  # (the kernel's order: KINDS)
     total = len(kind)
     tr = tr[:total]
     if (tr[:, 1] == 0).any():

@@ -445,29 +445,24 @@ def scratch_bytes10(B, T, C, dtype="fp32", **_):
     return scratch_bytes9(B, T, C, dtype=dtype) - 16 * B * T + 4 * (6 * B * T + 4)
 
 
-def encoder_backward10_unit_kinds(recs, B, T, C, dtype="bf16", dwpe_mid=None, dwpe_first=None) -> np.ndarray:
+def encoder_backward10_unit_kinds(recs, B, T, C, dtype="bf16", dwpe_mid=None) -> np.ndarray:
     """Variant 10's work list as the kernel walks it, from the records it reads: one int a unit, in unit
     order: 0 a slice of a piece of a token of more than 32 rows (warps of their own), 1 a slice of another
     piece, 2 a one-piece token's whole row (ENC10_WHOLE: bf16, C <= 768), 3 a position unit. dwpe_mid:
-    ENC10_DWPE_MID (None: the kernel's default), the position units before the whole rows; dwpe_first:
-    ENC10_DWPE_FIRST (None: the kernel's default), the position units right after the multi-piece tokens'."""
+    ENC10_DWPE_MID (None: the kernel's default), the position units before the whole rows."""
     N = B * T
     nh, nmulti, nsl = (int(x) for x in recs[4 * N:4 * N + 3])
     e9, e16 = (8, 8) if dtype == "bf16" else (min(ENC9_LANE, 4), 4)
     S, S16 = _slices(C, e9), _slices(C, e16)
     if not (dtype == "bf16" and C % 8 == 0 and ceil_div(C // 8, 32) <= 3):  # (no whole rows: every piece sliced)
         nsl = nh - nmulti
-    multi, pieces = np.zeros(nmulti * S, int), np.ones(nsl * S, int)
+    pieces = np.repeat([0, 1], [nmulti * S, nsl * S])
     whole, pos = np.full(nh - nmulti - nsl, 2), np.full(T * S16, 3)
     mid = ENC10_DWPE_MID if dwpe_mid is None else dwpe_mid
-    first = ENC10_DWPE_FIRST if dwpe_first is None else dwpe_first
-    if first:
-        return np.concatenate([multi, pos, pieces, whole])
-    return np.concatenate([multi, pieces, pos, whole] if mid else [multi, pieces, whole, pos])
+    return np.concatenate([pieces, pos, whole] if mid else [pieces, whole, pos])
 
 
 ENC10_DWPE_MID = 1  # ENC10_DWPE_MID in cuda/encoder.cu: variant 10's position units before its whole rows (session 53)
-ENC10_DWPE_FIRST = 0  # ENC10_DWPE_FIRST in cuda/encoder.cu: its position units right after the multi-piece tokens' slices
 ENC10_ROWS = 8  # ENC10_ROWS in cuda/encoder.cu: rows a dwpe warp of variant 10 stages at a time (with their single tokens' rows)
 
 
