@@ -1088,8 +1088,8 @@ struct Enc9Lane { static constexpr int E = ENC9_LANE * (int)sizeof(T) > 16 ? 16 
 // lanes after it (0: that form): the release of the warp's partial and the acquire of the others' in the atomic
 // (as layernorm_backward 7's tail since session 49), the winner's lanes ordered after it by __syncwarp. For 9's
 // and 10's pieces; the same bits. H200 lab, bf16, B=4, Zipf / text ids, against the fenced build in the same
-// call, two calls (sessions 53 and 54): 9 0.0128 / 0.0125 and 0.0127 / 0.0124 ms against 0.0129 / 0.0128 and
-// 0.0132 / 0.0128; B=16 level.
+// call, three calls (session 53, session 54's 1 and 2): 9 0.0128 / 0.0125, 0.0127 / 0.0124 and 0.0125 / 0.0124 ms
+// against 0.0129 / 0.0128, 0.0132 / 0.0128 and 0.0130 / 0.0126; B=16 level (Zipf 0.0252 against 0.0255).
 #ifndef ENC9_ACQREL
 #define ENC9_ACQREL 1
 #endif
