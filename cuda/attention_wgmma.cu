@@ -368,6 +368,13 @@ __device__ __forceinline__ void forward_block_plain(float (&o)[32], float (&m)[2
 // of tile i, then the last p v. A consumer holds two stages at once (tile i's v, tile i + 1's k), so the
 // producer runs ahead only with a ring deeper than 2: lab, bf16, B=16, 2 stages 0.149 ms (one CTA per
 // block), persistent 4 stages 0.1025 against the plain persistent ping-pong kernel's 0.1108.
+// What the SASS does (session 56, docs/ops.md "The forward's wait for p v"): ptxas moves the
+// wait_group 0 up to the start of the softmax's basic block (right after the diagonal mask), so each
+// consumer waits for its p v before its softmax; the gain over the plain loop is the earlier issue of
+// q k^T, and the softmax overlaps the other consumer's products only. Holding the wait after the
+// exponentials (a branch between them ends ptxas's block: 66 MUFU.EX2 between the two waits instead of
+// 0, the same bits) measured slower: B=16 0.0957 against 0.0932 ms, B=4 0.0297 against 0.0290 (the two
+// consumers' softmaxes then collide on the MUFU and issue slots); without ping-pong, 0.0928 / 0.0304.
 template <bool PINGPONG, int ST, typename F>
 __device__ __forceinline__ void forward_block_overlap(float (&o)[32], float (&m)[2], float (&l)[2], const unsigned char* sqw,
                                                       unsigned char* skv, uint64_t* full, uint64_t* empty, int u0, int nkt,

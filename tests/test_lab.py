@@ -207,3 +207,26 @@ def test_sets_option_names_a_labs_input_sets():
     with pytest.raises(SystemExit) as e:
         L.chosen_sets(("u", "z"), ("u",))
     assert e.value.code == 2
+
+
+def test_sdpa_reference_lines_are_named_after_the_backend_that_ran():
+    """The attention labs' torch lines say which SDPA kernel they time: torch's own choice is named from
+    the kernels it launched (session 56: the line called "flash" was cuDNN's kernel), and a forced
+    backend that cannot run is left out, not timed as something else."""
+    lab = _load_lab()
+    name = lab.sdpa_backend_name
+    assert name(["cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x64"]) == "cuDNN"
+    assert name(["void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 128, 4>>"]) == "FlashAttention-2"
+    assert name(["flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel", "flash_bwd_convert_dq_kernel"]) == "FlashAttention-2"
+    assert name(["fmha_cutlassF_bf16_aligned_64x64_rf_sm80"]) == "memory-efficient"
+    assert name(["ampere_bf16_s16816gemm", "softmax_warp_forward"]) == "math"
+
+    import pytest
+    torch = pytest.importorskip("torch")
+    F = torch.nn.functional
+    q = torch.randn(1, 2, 8, 16)
+    lines = lab.sdpa_backends(torch, lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True))
+    labels = [label for label, _ in lines]
+    assert labels[0].startswith("default backend") and "cuDNN forced" not in labels  # (no cuDNN on a CPU)
+    for _, fn in lines:
+        assert torch.allclose(fn(), lines[0][1](), atol=1e-5)

@@ -2,8 +2,8 @@
 (unpermute-backward, dv = att^T dy, datt = dy v^T, softmax backward, dq = dpreatt k, dk = dpreatt^T q,
 permute-backward), and variants 2, 3, the fused (flash) kernels that recompute att from the log-sum-exp,
 in TF32 and in their bf16 builds (bf16 mma.sync m16n8k16; lse and D fp32), variant 4 (bf16 only, the
-fused kernels on Hopper wgmma + TMA; sm_90 GPUs), with torch SDPA's backward (fp32 and bf16 flash) as
-reference lines.
+fused kernels on Hopper wgmma + TMA; sm_90 GPUs), with torch SDPA's backward (fp32; bf16 with torch's
+choice of backend, and FlashAttention-2's and cuDNN's forced) as reference lines.
 
     python dev/cuda/attention_backward.py         # default softmax_backward variant at several causal_chunks
                                                   # (wide, narrow), plus softmax_backward 5; torch lines
@@ -285,13 +285,17 @@ try:
         L.reference("torch SDPA causal backward (fp32, TF32 allowed)",
                     lambda: torch.autograd.grad(o, (q, k, v), g, retain_graph=True))
     qb, kb, vb = (x.detach().to(torch.bfloat16).requires_grad_() for x in (q, k, v))
-    ob = Fn.scaled_dot_product_attention(qb, kb, vb, is_causal=True)
     gb = g.to(torch.bfloat16)
     # FLOPs counted as ours (the 5 products FlashAttention-2 does, plus our 2 recomputed ones: q k^T
     # and dout v^T run in both of our kernels), so the TFLOP/s columns compare times directly
-    L.reference("torch SDPA causal backward bf16 (flash)",
-                lambda: torch.autograd.grad(ob, (qb, kb, vb), gb, retain_graph=True),
-                flops=7 * 2 * B * NH * (nt * (nt + 1) // 2) * 64 * 64 * hs, ceiling=None)
+    # each backend's backward runs on the forward that backend made (its saved tensors are its own)
+    def sdpa_bwd():
+        ob = Fn.scaled_dot_product_attention(qb, kb, vb, is_causal=True)
+        return lambda: torch.autograd.grad(ob, (qb, kb, vb), gb, retain_graph=True)
+    backends = lab.sdpa_backends(torch, sdpa_bwd)  # (named by the kernels of the forward: the same backend)
+    for label, make in backends:
+        L.reference(f"torch SDPA causal backward bf16 ({label})", make(),
+                    flops=7 * 2 * B * NH * (nt * (nt + 1) // 2) * 64 * 64 * hs, ceiling=None)
 except Exception as e:
     print(f"WARNING: no torch reference ({e})")
 L.finish()

@@ -1,8 +1,8 @@
 """Kernel lab: attention forward at the trainer's shape, B=4, T=1024, C=768, NH=12: variant 1, the
 composite (permute, q k^T, causal softmax, att v, unpermute), and variants 2, 3, the fused (flash)
 kernels, in TF32 and in their bf16 builds (bf16 mma.sync m16n8k16; inp/qkvr/out bf16, lse fp32),
-and variant 4, the Hopper wgmma + TMA kernel (sm_90a; bf16, and its TF32 build), with torch SDPA (fp32 and bf16
-flash) as reference lines.
+and variant 4, the Hopper wgmma + TMA kernel (sm_90a; bf16, and its TF32 build), with torch SDPA (fp32; bf16 with torch's
+choice of backend, and FlashAttention-2's and cuDNN's forced) as reference lines.
 
     python dev/cuda/attention_forward.py          # default softmax variant at several causal_chunks
                                                   # (wide, narrow),
@@ -177,9 +177,10 @@ try:
         return torch.softmax(a.masked_fill(~mask, float("-inf")), dim=-1) @ v
     L.reference("torch math: q k^T, masked softmax, att v", torch_math)
     qb, kb, vb = (x.to(torch.bfloat16) for x in (q, k, v))
-    # the same FLOP count as ours (only the causal half), so the TFLOP/s columns compare
-    L.reference("torch SDPA causal bf16 (flash)", lambda: Fn.scaled_dot_product_attention(qb, kb, vb, is_causal=True),
-                flops=FUSED_FLOPS, ceiling=None)
+    # the same FLOP count as ours (only the causal half), so the TFLOP/s columns compare; torch's own choice
+    # of kernel, and FlashAttention-2's and cuDNN's forced (lab.sdpa_backends)
+    for label, fn in lab.sdpa_backends(torch, lambda: Fn.scaled_dot_product_attention(qb, kb, vb, is_causal=True)):
+        L.reference(f"torch SDPA causal bf16 ({label})", fn, flops=FUSED_FLOPS, ceiling=None)
 except Exception as e:
     print(f"WARNING: no torch reference ({e})")
 L.finish()

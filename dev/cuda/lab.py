@@ -286,3 +286,44 @@ class Lab:
 def rand(rng, shape, dtype=np.float32, scale=1.0):
     """Random normal inputs (never zeros)."""
     return (rng.standard_normal(shape) * scale).astype(dtype)
+
+
+def sdpa_backend_name(kernel_names) -> str:
+    """Which SDPA backend ran, from the names of the CUDA kernels it launched."""
+    text = " ".join(kernel_names).lower()
+    return ("cuDNN" if "cudnn" in text else "FlashAttention-2" if "flash_fwd" in text or "flash_bwd" in text
+            else "memory-efficient" if "fmha" in text or "efficient" in text else "math")
+
+
+def sdpa_backends(torch, fn):
+    """The torch SDPA reference lines of an attention lab: [(label, fn)] for torch's own choice of backend
+    (named after the kernel it ran, found with torch's profiler: cuDNN's fused kernel on Hopper with
+    recent torch, where it once was FlashAttention-2) and for the FlashAttention-2 and cuDNN backends
+    forced, each left out with a note where it cannot run. fn() runs the SDPA call being timed."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def kernels(f):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            f()
+            torch.cuda.synchronize()
+        return [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+
+    out = []
+    try:
+        out.append((f"default backend: {sdpa_backend_name(kernels(fn))}", fn))
+    except Exception as e:  # (the profiler unavailable: the line without its backend's name)
+        print(f"note: torch's profiler could not name SDPA's default kernel ({str(e).splitlines()[0][:80]})")
+        out.append(("default backend", fn))
+    for label, backend in (("FlashAttention-2", SDPBackend.FLASH_ATTENTION), ("cuDNN", SDPBackend.CUDNN_ATTENTION)):
+        def forced(backend=backend):
+            with sdpa_kernel(backend):
+                return fn()
+        try:
+            forced()
+            torch.cuda.synchronize()
+        except Exception as e:
+            print(f"note: torch SDPA with the {label} backend forced is not available here "
+                  f"({str(e).splitlines()[0][:80]})")
+            continue
+        out.append((f"{label} forced", forced))
+    return out
