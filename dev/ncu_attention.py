@@ -41,7 +41,8 @@ def main():
     inp = rng.standard_normal((B, T, 3 * C)).astype(np.float32)
     d_inp = rt.to_device(to_bf16(inp))
     d_out, d_lse = rt.empty((B, T, C), BF16), rt.empty((B, NH, T))
-    d_dout = rt.to_device(to_bf16(rng.standard_normal((B, T, C)).astype(np.float32) * 0.1))
+    dout = rng.standard_normal((B, T, C)).astype(np.float32) * 0.1
+    d_dout = rt.to_device(to_bf16(dout))
     d_dinp = rt.empty((B, T, 3 * C), BF16)
     fwd = A.build_flash_attention_forward_wgmma(rt, B=B, T=T, C=C, NH=NH, qkv_in_place=True)
     bwd = A.build_flash_attention_backward_wgmma5(rt, B=B, T=T, C=C, NH=NH, qkv_in_place=True)
@@ -50,7 +51,7 @@ def main():
 
     x = torch.from_numpy(inp).cuda().to(torch.bfloat16).view(B, T, 3, NH, hs).permute(2, 0, 3, 1, 4)
     q, k, v = (t.contiguous().requires_grad_() for t in x)
-    g = torch.randn(B, NH, T, hs, device="cuda", dtype=torch.bfloat16) * 0.1
+    g = torch.from_numpy(dout).cuda().to(torch.bfloat16).view(B, T, NH, hs).transpose(1, 2).contiguous()
     from contextlib import nullcontext
     from torch.nn.attention import SDPBackend, sdpa_kernel
     backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}.get(args.sdpa)
