@@ -1052,6 +1052,70 @@ def test_attention_backward5_main_zeroes_launches_without_gpu(switch, monkeypatc
         assert rt.launches[-2].args[9] == G, (z, rt.launches[-2].args[9])
 
 
+def colsum_finish_model(part, bias):
+    """The colsum finish kernels' order of sums in numpy float32 (cuda/attention_wgmma.cu, colsum_finish_rows):
+    s[y] = rows y, y + 64, ... added in turn from 0 (y < 64), then s[y] += s[y + h] for h = 32, 16, ..., 1;
+    dbias + s[0], one float32 add (rounded to bf16 by the caller for the bf16 build)."""
+    s = np.zeros((64, part.shape[1]), np.float32)
+    for r in range(part.shape[0]):
+        s[r % 64] += part[r]
+    for h in (32, 16, 8, 4, 2, 1):
+        s[:h] = s[:h] + s[h:2 * h]
+    return bias.astype(np.float32) + s[0]
+
+
+# the finish kernel alone, on random partials: bit for bit the order above (a row left out, added twice or
+# in another order changes the bits), every column of dbias written (the rest of its buffer poisoned and
+# left alone); R = 1 (T <= 64), 2, 48, 64 (d12 B=4), 65, 256 (d12 B=16) in bf16, and the TF32 build's rows
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,B,T,C", [("bf16", 1, 64, 64), ("bf16", 1, 65, 192), ("bf16", 3, 1000, 128),
+                                          ("bf16", 4, 1024, 768), ("bf16", 65, 64, 1600), ("bf16", 16, 1024, 768),
+                                          ("fp32", 1, 1, 64), ("fp32", 3, 130, 192), ("fp32", 4, 1024, 768)])
+def test_attention_backward_colsum_finish_order_gpu(rt, dtype, B, T, C):
+    from llmc.bf16 import from_bf16, to_bf16
+    if rt.arch != "sm_90":
+        pytest.skip(f"the colsum finish is built with the wgmma kernels, sm_90 only (this GPU is {rt.arch})")
+    part, finish, check = A._colsum_finish(rt, B, T, C, "test", {}, dtype=dtype)
+    R, C3 = part.shape
+    rng = np.random.default_rng(R * 7 + C)
+    vals = (rng.standard_normal((R, C3)) * np.exp(rng.uniform(-4, 4, (R, 1)))).astype(np.float32)
+    part.set(vals)
+    bias = rng.standard_normal(C3).astype(np.float32)
+    want = colsum_finish_model(vals, from_bf16(to_bf16(bias)) if dtype == "bf16" else bias)
+    pad = 8  # dbias inside a poisoned buffer: nothing before or after it is written
+    if dtype == "bf16":
+        buf = rt.to_device(np.concatenate([np.full(pad, 0x7FC1, np.uint16), to_bf16(bias), np.full(pad, 0x7FC1, np.uint16)]))
+        dbias = buf.ptr + 2 * pad
+    else:
+        buf = rt.to_device(np.concatenate([np.full(pad, np.nan, np.float32), bias, np.full(pad, np.nan, np.float32)]))
+        dbias = buf.ptr + 4 * pad
+    check(dbias)
+    finish(dbias)
+    rt.synchronize()
+    got = buf.get()
+    if dtype == "bf16":
+        assert np.all(got[:pad] == 0x7FC1) and np.all(got[-pad:] == 0x7FC1), "finish wrote outside dbias"
+        assert np.array_equal(got[pad:-pad], to_bf16(want)), f"R={R}: dbias differs from the model's order"
+    else:
+        assert np.isnan(got[:pad]).all() and np.isnan(got[-pad:]).all(), "finish wrote outside dbias"
+        assert np.array_equal(got[pad:-pad], want), f"R={R}: dbias differs from the model's order"
+
+
+def test_colsum_finish_model_is_the_pairwise_tree():
+    """The numpy model above against a plain float64 sum (CPU): the same total within float32 rounding, and
+    its order is not the row order's (so the GPU test above pins the tree, not just a sum)."""
+    rng = np.random.default_rng(3)
+    vals = (rng.standard_normal((200, 40)) * np.exp(rng.uniform(-6, 6, (200, 1)))).astype(np.float32)
+    bias = rng.standard_normal(40).astype(np.float32)
+    got = colsum_finish_model(vals, bias)
+    exact = bias.astype(np.float64) + vals.astype(np.float64).sum(axis=0)
+    assert np.allclose(got, exact, rtol=1e-5, atol=1e-5 * np.abs(vals).sum(axis=0).max())
+    serial = bias.copy()
+    for r in range(200):
+        serial = serial + vals[r]
+    assert not np.array_equal(got, serial)
+
+
 @pytest.mark.parametrize("C,NH", [(768, 12), (1600, 25)])
 def test_attention_backward_colsum_launches_without_gpu(C, NH, monkeypatch):
     """The colsum builds' launches on the fake runtime (argument lists checked against the .cu's entry
