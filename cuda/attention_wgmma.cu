@@ -1572,15 +1572,23 @@ CONVERT_COLSUM5(8)
 CONVERT_COLSUM5(4)
 
 // finish: dbias[c] = dbias[c] + the sum of part's R rows, rounded once (bf16, or fp32 for the TF32 build's
-// dbias). Block (16, 64): thread x takes 4 columns (a float4), thread y rows y, y + 64, ... (R / 64 of them:
-// all its loads in flight at once); the 64 partial sums then added pairwise through shared memory (y += y +
-// 32, + 16, ...): a fixed order. 3C % 4 == 0 (C = 64 NH). (A first form, 16 row groups summed in a loop,
-// took 6.6 us at d12 B=16.) Returns, in thread y = 0, its 4 columns' sums (c < C3 only: else zeros).
+// dbias). Block (FINISH_X, 64): thread x takes 4 columns (a float4), thread y rows y, y + 64, ... (R / 64 of
+// them: all its loads in flight at once); the 64 partial sums then added pairwise through shared memory (y +=
+// y + 32, + 16, ...): a fixed order, whatever FINISH_X is. 3C % 4 == 0 (C = 64 NH). (A first form, 16 row
+// groups summed in a loop, took 6.6 us at d12 B=16.) Returns, in thread y = 0, its 4 columns' sums (c < C3
+// only: else zeros).
 // The finish kernels read dbias before the sums (session 56): read after them, its load's latency came
 // after the partials' and the tree's, and the kernel took 0.0050 ms at d12 B=4 against a 0.0040 ms copy of
-// its bytes (79%).
+// its bytes (79%). FINISH_X was 16 until session 57: 8 (twice the blocks, half the warps at each of the
+// tree's six barriers) took d12 B=4's finish from 4.58-4.64 us to 4.42-4.48 against a 3.81-3.89 us copy, and
+// was level or faster at 256 and 1024 rows; 4 was as fast at B=4 in one call, slower in the next, and up to
+// 4% slower at 1024 rows. Two forms with fewer threads, each holding several y (levels in registers, then
+// shuffles or one barrier), were slower at every R (docs/ops.md).
+#ifndef FINISH_X
+#define FINISH_X 8
+#endif
 __device__ __forceinline__ float4 colsum_finish_rows(const float* part, int R, int C3, int c) {
-    __shared__ float4 red[64][16];
+    __shared__ float4 red[64][FINISH_X];
     const int x = threadIdx.x, y = threadIdx.y;
     float4 s = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     if (c < C3) {
@@ -1603,10 +1611,10 @@ __device__ __forceinline__ float4 colsum_finish_rows(const float* part, int R, i
     return s;
 }
 
-extern "C" __global__ void __launch_bounds__(1024)
+extern "C" __global__ void __launch_bounds__(64 * FINISH_X)
 flash_attention_backward_colsum_finish_kernel_bf16(bf16* dbias, const float* part, int R, int C3) {
     LLMC_PDL_WAIT();
-    const int c = 4 * (blockIdx.x * 16 + threadIdx.x);
+    const int c = 4 * (blockIdx.x * FINISH_X + threadIdx.x);
     const bool mine = threadIdx.y == 0 && c < C3;
     uint2 w = make_uint2(0u, 0u);
     if (mine) w = *reinterpret_cast<const uint2*>(dbias + c);  // (before the sums: see above)
@@ -1619,10 +1627,10 @@ flash_attention_backward_colsum_finish_kernel_bf16(bf16* dbias, const float* par
 }
 
 // the TF32 build's finish (attention_backward 4 fp32, colsum form): dbias fp32, 16-byte aligned
-extern "C" __global__ void __launch_bounds__(1024)
+extern "C" __global__ void __launch_bounds__(64 * FINISH_X)
 flash_attention_backward_colsum_finish_kernel_fp32(float* dbias, const float* part, int R, int C3) {
     LLMC_PDL_WAIT();
-    const int c = 4 * (blockIdx.x * 16 + threadIdx.x);
+    const int c = 4 * (blockIdx.x * FINISH_X + threadIdx.x);
     const bool mine = threadIdx.y == 0 && c < C3;
     float4 w = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     if (mine) w = *reinterpret_cast<const float4*>(dbias + c);  // (as the bf16 build: before the sums)

@@ -1143,8 +1143,9 @@ def test_attention_backward_colsum_launches_without_gpu(C, NH, monkeypatch):
         names = [x.func for x in rt.launches]
         fin = rt.launches[-1]
         assert fin.func == "flash_attention_backward_colsum_finish_kernel_bf16"
-        assert fin.block == (16, 64, 1) and fin.args[:4] == (dbias.ptr, part.ptr, R, 3 * C)
-        assert fin.grid == (-(-3 * C // 64), 1, 1)
+        X = A.FINISH_X  # (block (X, 64): X float4 columns a block)
+        assert fin.block == (X, 64, 1) and fin.args[:4] == (dbias.ptr, part.ptr, R, 3 * C)
+        assert fin.grid == (-(-3 * C // (4 * X)), 1, 1)
         if n == 4:
             assert [f.split("_kernel4")[0] for f in names[:2]] == ["flash_attention_backward_dq",
                                                                    "flash_attention_backward_dkdv"]
@@ -1178,7 +1179,22 @@ def test_attention_backward_colsum_launches_without_gpu(C, NH, monkeypatch):
                               "flash_attention_backward_colsum_finish_kernel_fp32"]
         assert all(x.args[-1] == part.ptr for x in rt.launches[-3:-1])
         fin = rt.launches[-1]
-        assert fin.block == (16, 64, 1) and fin.args[:4] == (dbias.ptr, part.ptr, R, 3 * C)
+        X = A.FINISH_X
+        assert fin.block == (X, 64, 1) and fin.args[:4] == (dbias.ptr, part.ptr, R, 3 * C)
+        assert fin.grid == (-(-3 * C // (4 * X)), 1, 1)
+    # the finish's block width: the .cu's FINISH_X default, which the launcher mirrors, and a define of that
+    # name (the lab's A/B) moving both
+    import re
+
+    from llmc.runtime import CUDA_DIR
+    src = (CUDA_DIR / "attention_wgmma.cu").read_text()
+    assert int(re.search(r"#define FINISH_X (\d+)", src).group(1)) == A.FINISH_X
+    for defines, X in (({}, A.FINISH_X), ({"FINISH_X": 16}, 16)):
+        rt = FakeRuntime(1 << 26)
+        part, finish, check = A._colsum_finish(rt, 4, 1024, C, "t", defines)
+        finish(rt.empty((3 * C,), BF16))
+        fin = rt.launches[-1]
+        assert fin.block == (X, 64, 1) and fin.grid == (-(-3 * C // (4 * X)), 1, 1)
 
 
 @pytest.mark.gpu

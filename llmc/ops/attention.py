@@ -711,6 +711,11 @@ def wgmma_bwd_smem(stages: int = WGMMA_BWD_STAGES) -> tuple[int, int]:
 WGMMA_DQ_SMEM, WGMMA_DKDV_SMEM = wgmma_bwd_smem()
 
 
+# the colsum finish kernels' float4 columns a block: block (FINISH_X, 64) (cuda/attention_wgmma.cu's FINISH_X,
+# 16 until session 57; a define of that name overrides both, for the lab's A/B)
+FINISH_X = 8
+
+
 def _colsum_finish(rt, B, T, C, label, defines, dtype="bf16"):
     """The colsum forms' partials (a row of 3C fp32 column sums per 64 rows of dinp: B ceil(T/64) rows;
     the TF32 build's, dtype="fp32": one per 16 rows of each 128-row block, B ceil(T/128) 8 rows) and
@@ -721,7 +726,8 @@ def _colsum_finish(rt, B, T, C, label, defines, dtype="bf16"):
     part = rt.scratch((R, 3 * C))
     kf = rt.kernel(WGMMA_MODULE, f"flash_attention_backward_colsum_finish_kernel_{dtype}", "PPii",
                    label=label + " colsum finish", defines=defines)
-    grid = (ceil_div(3 * C // 4, 16), 1, 1)
+    fx = int((defines or {}).get("FINISH_X", FINISH_X))
+    grid = (ceil_div(3 * C // 4, fx), 1, 1)
     align = 8 if dtype == "bf16" else 16  # (4 columns a thread: a uint2 of bf16, a float4 of fp32)
 
     def check(dbias):
@@ -729,7 +735,7 @@ def _colsum_finish(rt, B, T, C, label, defines, dtype="bf16"):
             raise LLMCError(f"{label}: dbias must be {align}-byte aligned (0x{_ptr(dbias):x})")
 
     def finish(dbias):
-        kf(grid, (16, 64, 1), _ptr(dbias), part.ptr, np.int32(R), np.int32(3 * C))
+        kf(grid, (fx, 64, 1), _ptr(dbias), part.ptr, np.int32(R), np.int32(3 * C))
     return part, finish, check
 
 
