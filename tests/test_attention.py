@@ -896,6 +896,74 @@ def test_flash_attention_wgmma5_backward_gpu(rt, B, T, C, NH):
     assert np.allclose(stale[..., :C], 2 * want[..., :C], rtol=2.0 ** -6, atol=1e-5 * np.abs(want[..., :C]).max())
 
 
+# ATT_DIAG_SKIP (cuda/attention_wgmma.cu, 1 by default): the diagonal tile's all-masked quarter (queries
+# 0..63 of the tile, keys 64..127) is left out of forward 4's and backward 5's products. What is left out
+# adds exact zeros, so every output keeps the bits of the build that forms it (ATT_DIAG_SKIP=0): out and
+# lse of each forward schedule, and backward 5's dk, dv and D (its plain and colsum forms, with and without
+# ping-pong); dq's fp32 sums land in no fixed order, so dq is held to within a bf16 rounding of the other
+# build's, and the colsum form's dbias to the float64 sums of the dinp it wrote. T = 1 and 65 (one
+# diagonal tile, keys past T), 128, 129, 384 and 1000 (ragged last block), B NH > 1.
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,T,C,NH", [(1, 1, 64, 1), (2, 65, 128, 2), (2, 128, 128, 2), (1, 129, 64, 1),
+                                      (2, 384, 192, 3), (1, 1000, 128, 2)])
+def test_attention_diag_skip_keeps_the_bits_gpu(rt, B, T, C, NH):
+    from llmc.bf16 import BF16, from_bf16, round_bf16, to_bf16
+    from llmc.testing import module_defines
+    if rt.arch != "sm_90":
+        pytest.skip(f"attention 4 / 5 need an sm_90 GPU (this one is {rt.arch})")
+    dout, qkvr64, att64, ref, d_inp, d_dout, d_out, d_qkvr, d_lse, d_dinp = _wgmma_bwd_case(rt, B, T, C, NH, 29)
+    fwd_forms = (dict(), dict(persistent=False, overlap=False, pingpong=False), dict(overlap=False),
+                 dict(persistent=False))
+    d_dbias = rt.empty((3 * C,), BF16)
+    bias0 = round_bf16(np.random.default_rng(T).standard_normal(3 * C) * 0.1)
+    res = {}
+    for skip in (1, 0):
+        with module_defines(rt, "attention_wgmma", {"ATT_DIAG_SKIP": skip}):
+            fwds = [A.build_flash_attention_forward_wgmma(rt, B=B, T=T, C=C, NH=NH, qkv_in_place=True, **kw)
+                    for kw in fwd_forms]
+            bwds = [A.build_flash_attention_backward_wgmma5(rt, B=B, T=T, C=C, NH=NH, qkv_in_place=True, pingpong=pp,
+                                                            colsum=cs) for pp in (True, False) for cs in (False, True)]
+        outs = []
+        for f in fwds:
+            poison(d_out, d_lse)
+            f(d_out, d_inp, d_lse, d_inp)
+            outs.append((from_bf16(d_out.get()), d_lse.get()))
+        # every backward reads the skip build's default forward: the same out and lse on both sides
+        fwd0 = res[1]["fwd"][0] if skip == 0 else outs[0]
+        d_out.set(to_bf16(fwd0[0]))
+        d_lse.set(fwd0[1])
+        grads = []
+        for bwd, cs in zip(bwds, (False, True, False, True)):
+            poison(d_dinp, *bwd.scratch.values())
+            if cs:
+                d_dbias.set(to_bf16(bias0))
+                bwd(d_dinp, d_dbias, d_dout, d_inp, d_lse, d_out)
+            else:
+                bwd(d_dinp, d_dout, d_inp, d_lse, d_out)
+            grads.append((from_bf16(d_dinp.get()), bwd.scratch["D"].get(), from_bf16(d_dbias.get()) if cs else None))
+        res[skip] = {"fwd": outs, "bwd": grads}
+    for k, kw in enumerate(fwd_forms):
+        (o1, l1), (o0, l0) = res[1]["fwd"][k], res[0]["fwd"][k]
+        assert np.isfinite(o1).all() and np.isfinite(l1).all(), f"forward {kw}: unwritten (NaN) elements"
+        assert np.array_equal(o1, o0), f"forward {kw}: out differs from the build without the skip"
+        assert np.array_equal(l1, l0), f"forward {kw}: lse differs from the build without the skip"
+    for k, form in enumerate(("ping-pong", "ping-pong colsum", "no ping-pong", "no ping-pong colsum")):
+        (g1, D1, b1), (g0, D0, b0) = res[1]["bwd"][k], res[0]["bwd"][k]
+        assert np.isfinite(g1).all(), f"backward 5 {form}: dinp has unwritten (NaN) elements"
+        assert np.array_equal(g1[..., C:], g0[..., C:]), f"backward 5 {form}: dk or dv differs without the skip"
+        assert np.array_equal(D1, D0), f"backward 5 {form}: D differs without the skip"
+        tol = 2.0 ** -7 * np.abs(g0[..., :C]) + 1e-6 * np.abs(g0[..., :C]).max()
+        assert np.all(np.abs(g1[..., :C] - g0[..., :C]) <= tol), f"backward 5 {form}: dq more than a bf16 rounding off"
+        for part, err in zip(("dq", "dk", "dv"), _part_errors(g1, ref, C)):
+            assert err < 2.0 ** -6, f"backward 5 {form}: {part} relative error {err:.2e}"
+        if b1 is not None:  # dbias: bias0 + the column sums of the dinp this launch wrote
+            rows = g1.reshape(-1, 3 * C).astype(np.float64)
+            exact = bias0 + rows.sum(axis=0)
+            bound = 2.0 ** -8 * np.abs(exact) + 2.0 ** -16 * (np.abs(bias0) + np.abs(rows).sum(axis=0)) + 1e-30
+            assert np.all(np.abs(b1.astype(np.float64) - exact) <= bound), \
+                f"backward 5 {form}: dbias off the column sums of its dinp"
+
+
 # attention_backward 5's colsum form (qkv's bias gradient: dbias += the column sums of dinp as stored,
 # summed by the main kernel (dk, dv) and convert (dq) into a row of partials per 64 rows, then added in
 # order and rounded once). dinp: the plain form's (dk, dv bit for bit, dq within a bf16 rounding, as 5's
