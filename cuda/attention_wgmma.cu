@@ -203,64 +203,31 @@ __device__ __forceinline__ void issue_pv(float (&o)[32], const uint32_t (&pa)[8]
     for (int kk = 0; kk < BKV / 16; kk++) wgmma_bf16_rs_n64<1>(o, pa[kk], desc_mn(sv + kk * 2048), 1);
 }
 
-// The diagonal tile's all-masked quarter (ATT_DIAG_SKIP, 1 unless defined 0). In a 128 x 128 diagonal tile
-// the 64 x 64 block of (queries 0..63 of the tile, keys 64..127) is all masked (every key after every
-// query): P = 0 and dS = 0 there, for any T (a key >= T is after every query too). Its products are left
-// out: the forward's consumer 0 (queries 0..63) forms S of keys 0..63 only (m64n64, the other half of its
-// scores set to -inf, which the mask would have made them) and adds p v over keys 0..63 only; in attention_backward
-// 5's main kernel consumer 1 (keys 64..127) forms S^T and dP^T of queries 64..127 only and adds dv and dk over
-// them only, and consumer 0's dq of the tile adds over keys 0..63 only. A product left out adds exact zeros
-// (acc + 0 = acc), so every output has the same bits: a quarter of the diagonal tile's products, 8 of 36
-// tiles a head at T = 1024 (5.6% of the tensor work of the causal forward and backward).
+// The diagonal tile's all-masked quarter (ATT_DIAG_SKIP: 1 unless defined 0). In a 128 x 128 diagonal tile
+// the 64 x 64 block of (queries 0..63 of the tile, keys 64..127) is all masked, for any T (a key >= T comes
+// after every query too): P = 0 and dS = 0 there. The products that only add that block are left out:
+// the forward's p v of consumer 0 (queries 0..63) over keys 0..63 only; in backward 5's main kernel, dv and
+// dk of consumer 1 (keys 64..127) over queries 64..127 only, and consumer 0's dq of the tile over keys
+// 0..63 only. What is left out adds exact zeros (acc + 0 = acc), so every output keeps its bits. Not left
+// out: S and dP of that block, which the forward's consumer 0 and the backward's consumer 1 could form as
+// m64n64 instead of m64n128. With a branch between the two shapes ptxas serialized every wgmma of the
+// kernel, a wait after each (C7515 / C7520; forward +16-18%, backward 5's main kernel +40% in the lab,
+// session 58), in every form of the branch tried: around the issue alone, or fence to wait in each arm,
+// the half into its own registers. Branches between k-step counts of one shape, fence to wait in each
+// arm of the backward's, keep the pipeline (tests/test_cuda_compile.py counts the waits in the SASS).
 #ifndef ATT_DIAG_SKIP
 #define ATT_DIAG_SKIP 1
 #endif
 
-// m64n64k16 into one half of an S-shape accumulator, d[OFF .. OFF + 31] (OFF = 0: columns 0..63, 32: 64..127),
-// both operands K-major: the diagonal tile's half that is not all masked (ATT_DIAG_SKIP)
-template <int OFF>
-__device__ __forceinline__ void wgmma_bf16_n64_half(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int scale_d) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[OFF + 0]), "+f"(d[OFF + 1]), "+f"(d[OFF + 2]), "+f"(d[OFF + 3]), "+f"(d[OFF + 4]), "+f"(d[OFF + 5]), "+f"(d[OFF + 6]), "+f"(d[OFF + 7]), "+f"(d[OFF + 8]), "+f"(d[OFF + 9]), "+f"(d[OFF + 10]), "+f"(d[OFF + 11]), "+f"(d[OFF + 12]), "+f"(d[OFF + 13]), "+f"(d[OFF + 14]), "+f"(d[OFF + 15]), "+f"(d[OFF + 16]), "+f"(d[OFF + 17]), "+f"(d[OFF + 18]), "+f"(d[OFF + 19]), "+f"(d[OFF + 20]), "+f"(d[OFF + 21]), "+f"(d[OFF + 22]), "+f"(d[OFF + 23]), "+f"(d[OFF + 24]), "+f"(d[OFF + 25]), "+f"(d[OFF + 26]), "+f"(d[OFF + 27]), "+f"(d[OFF + 28]), "+f"(d[OFF + 29]), "+f"(d[OFF + 30]), "+f"(d[OFF + 31])
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-}
+// The consumer's index (0, 1) as a warp-uniform value (a shuffle from lane 0): the skip's branches depend on
+// it, and on the per-thread wg - 1 ptxas took them for divergent paths and serialized every wgmma of the
+// kernel (C7520). Without the skip: wg - 1 itself, as before.
+__device__ __forceinline__ int uniform_cw(int cw) { return ATT_DIAG_SKIP ? __shfl_sync(0xffffffffu, cw, 0) : cw; }
 
-// S of one half of the tile's columns (OFF = 0: columns 0..63 of b's rows, 32: 64..127); the other
-// half's registers are left as they were
-template <int OFF>
-__device__ __forceinline__ void issue_s_half(float (&sc)[64], const unsigned char* a, const unsigned char* b) {
-#pragma unroll
-    for (int ks = 0; ks < HS / 16; ks++)
-        wgmma_bf16_n64_half<OFF>(sc, desc_k(a + 32 * ks), desc_k(b + (OFF ? 64 * ROW_BYTES : 0) + 32 * ks), ks > 0);
-}
-
-// issue_pv over keys 0..63 only (k-steps 0..3)
+// p v over keys 0..63 only (k-steps 0..3): the forward's diagonal tile for consumer 0
 __device__ __forceinline__ void issue_pv_lo(float (&o)[32], const uint32_t (&pa)[8][4], const unsigned char* sv) {
 #pragma unroll
     for (int kk = 0; kk < BKV / 32; kk++) wgmma_bf16_rs_n64<1>(o, pa[kk], desc_mn(sv + kk * 2048), 1);
-}
-
-// The forward's products of key tile k (stage st), with the diagonal tile's keys 64..127 left out for
-// consumer 0 (lo: ATT_DIAG_SKIP and cw == 0; diag: the tile is the block's last) and their scores set to
-// -inf, as the mask would
-__device__ __forceinline__ void issue_s_fwd(float (&sc)[64], const unsigned char* sqw, const unsigned char* st, bool half) {
-    if (half)
-        issue_s_half<0>(sc, sqw, st);
-    else
-        issue_s(sc, sqw, st);
-}
-__device__ __forceinline__ void scores_hi_masked(float (&sc)[64], bool half) {
-    if (half) {
-#pragma unroll
-        for (int z = 32; z < 64; z++) sc[z] = -INFINITY;
-    }
-}
-__device__ __forceinline__ void issue_pv_fwd(float (&o)[32], const uint32_t (&pa)[8][4], const unsigned char* sv, bool half) {
-    if (half)
-        issue_pv_lo(o, pa, sv);
-    else
-        issue_pv(o, pa, sv);
 }
 
 // Causal masks of a score tile in the accumulator layout (register 4j + e: row half e >> 1, column
@@ -391,27 +358,27 @@ __device__ __forceinline__ void forward_block_plain(float (&o)[32], float (&m)[2
     float sc[64];
     uint32_t pa[8][4];
     float corr[2];
-    const bool lo = ATT_DIAG_SKIP && turn.cw == 0;  // (the diagonal tile's keys 64..127 left out: above)
     for (int i = 0; i < nkt; i++) {
         const int u = u0 + i;
-        const bool half = lo && i == nkt - 1;
         unsigned char* st = skv + (u % ST) * STAGE_BYTES;  // k, then v KV_BYTES after it
         mbar_wait(&full[u % ST], (u / ST) & 1);
         turn.begin();
         wgmma_fence();
-        issue_s_fwd(sc, sqw, st, half);
+        issue_s(sc, sqw, st);
         wgmma_commit();
         turn.end(false);
         wgmma_wait<0>();
         keep_in_regs(sc);
-        scores_hi_masked(sc, half);
         if (i == nkt - 1) on_q_read();
         softmax_tile(sc, m, l, corr, i == nkt - 1, i * BKV, row0, t, c2);
         rescale_o(o, corr);
         pack_p(pa, sc);
         turn.begin();
         wgmma_fence();
-        issue_pv_fwd(o, pa, st + KV_BYTES, half);
+        if (ATT_DIAG_SKIP && i == nkt - 1 && turn.cw == 0)  // (keys 64..127 of the diagonal tile: all masked)
+            issue_pv_lo(o, pa, st + KV_BYTES);
+        else
+            issue_pv(o, pa, st + KV_BYTES);
         wgmma_commit();
         turn.end(i == nkt - 1);
         wgmma_wait<0>();  // also: the P registers may be reused only after this
@@ -449,16 +416,14 @@ __device__ __forceinline__ void forward_block_overlap(float (&o)[32], float (&m)
     auto stage = [&](int i) { return skv + ((u0 + i) % ST) * STAGE_BYTES; };  // k, then v KV_BYTES after it
     auto wait_full = [&](int i) { mbar_wait(&full[(u0 + i) % ST], ((u0 + i) / ST) & 1); };
     auto release = [&](int i) { __syncwarp(); if (lane == 0) mbar_arrive(&empty[(u0 + i) % ST]); };
-    const bool lo = ATT_DIAG_SKIP && turn.cw == 0;  // (the diagonal tile's keys 64..127 left out: above)
     wait_full(0);
     turn.begin();
     wgmma_fence();
-    issue_s_fwd(sc, sqw, stage(0), lo && nkt == 1);
+    issue_s(sc, sqw, stage(0));
     wgmma_commit();
     turn.end(false);
     wgmma_wait<0>();
     keep_in_regs(sc);
-    scores_hi_masked(sc, lo && nkt == 1);
     if (nkt == 1) on_q_read();
     softmax_tile(sc, m, l, corr, nkt == 1, 0, row0, t, c2);
     rescale_o(o, corr);
@@ -467,14 +432,13 @@ __device__ __forceinline__ void forward_block_overlap(float (&o)[32], float (&m)
         wait_full(i + 1);
         turn.begin();
         wgmma_fence();
-        issue_s_fwd(sc, sqw, stage(i + 1), lo && i + 2 == nkt);
+        issue_s(sc, sqw, stage(i + 1));
         wgmma_commit();
         issue_pv(o, pa, stage(i) + KV_BYTES);
         wgmma_commit();
         turn.end(false);
         wgmma_wait<1>();
         keep_in_regs(sc);
-        scores_hi_masked(sc, lo && i + 2 == nkt);
         if (i + 2 == nkt) on_q_read();
         softmax_tile(sc, m, l, corr, i + 2 == nkt, (i + 1) * BKV, row0, t, c2);
         wgmma_wait<0>();
@@ -484,8 +448,11 @@ __device__ __forceinline__ void forward_block_overlap(float (&o)[32], float (&m)
         pack_p(pa, sc);
     }
     turn.begin();
-    wgmma_fence();  // the last tile's p v
-    issue_pv_fwd(o, pa, stage(nkt - 1) + KV_BYTES, lo);
+    wgmma_fence();  // the last tile's p v (the diagonal tile: consumer 0's keys 64..127 all masked)
+    if (ATT_DIAG_SKIP && turn.cw == 0)
+        issue_pv_lo(o, pa, stage(nkt - 1) + KV_BYTES);
+    else
+        issue_pv(o, pa, stage(nkt - 1) + KV_BYTES);
     wgmma_commit();
     turn.end(true);
     wgmma_wait<0>();
@@ -555,7 +522,7 @@ __device__ __forceinline__ void flash_forward_wgmma(bf16* out, float* lse, const
     }
     asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
 
-    const int cw = wg - 1;  // consumer: query rows 64 cw .. 64 cw + 63 of the block
+    const int cw = uniform_cw(wg - 1);  // consumer: query rows 64 cw .. 64 cw + 63 of the block
     const int tid = threadIdx.x & 127, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const int row0 = q0 + 64 * cw + 16 * warp + g;  // this thread's rows: row0 (h = 0), row0 + 8 (h = 1)
     const float c2 = scale * LOG2E;                 // scores -> log2 units
@@ -663,7 +630,7 @@ __device__ __forceinline__ void flash_forward_wgmma_persistent(bf16* out, float*
     }
     asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
 
-    const int cw = wg - 1;  // consumer: query rows 64 cw .. 64 cw + 63 of each block
+    const int cw = uniform_cw(wg - 1);  // consumer: query rows 64 cw .. 64 cw + 63 of each block
     const int tid = threadIdx.x & 127, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const float c2 = scale * LOG2E;
     const PingPong<PINGPONG> turn{cw};
@@ -1055,7 +1022,7 @@ __device__ __forceinline__ const unsigned char* dkdv_tile_scores(float (&sc)[64]
                                                                  float& d_next, LoadRows load_rows, int i, int nt, int tid,
                                                                  int cw, const unsigned char* sqd, uint64_t* full,
                                                                  const unsigned char* skw, const unsigned char* svw,
-                                                                 const PingPong<PP>& turn, bool half = false) {
+                                                                 const PingPong<PP>& turn) {
     r[tid] = l_next * LOG2E;  // lse to log2 units here, a tile after its load (see load_rows)
     r[BQ + tid] = d_next;
     if (i + 1 < nt) load_rows(i + 1, l_next, d_next);
@@ -1064,25 +1031,13 @@ __device__ __forceinline__ const unsigned char* dkdv_tile_scores(float (&sc)[64]
     mbar_wait(&full[i % ST], (i / ST) & 1);
     turn.begin();
     wgmma_fence();
-    if (half) {  // (the diagonal tile, keys 64..127: queries 64..127 only; ATT_DIAG_SKIP above)
-        issue_s_half<32>(sc, skw, sqt);
-        issue_s_half<32>(dp, svw, sqt + KV_BYTES);
-    } else {
-        issue_s(sc, skw, sqt);             // S^T = k q^T
-        issue_s(dp, svw, sqt + KV_BYTES);  // dP^T = v dout^T
-    }
+    issue_s(sc, skw, sqt);             // S^T = k q^T
+    issue_s(dp, svw, sqt + KV_BYTES);  // dP^T = v dout^T
     wgmma_commit();
     turn.end(false);
     wgmma_wait<0>();
     keep_in_regs(sc);
     keep_in_regs(dp);
-    if (half) {  // queries 0..63: masked (p = 0, dS = 0, as the mask would make them)
-#pragma unroll
-        for (int z = 0; z < 32; z++) {
-            sc[z] = -INFINITY;
-            dp[z] = 0.0f;
-        }
-    }
     return sqt;
 }
 
@@ -1406,7 +1361,7 @@ __device__ __forceinline__ void flash_backward_dkdvq_wgmma(bf16* dinp, float* dq
     }
     asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
 
-    const int cw = wg - 1;  // consumer: keys 64 cw .. 64 cw + 63 of the block; queries 64 cw.. of dq
+    const int cw = uniform_cw(wg - 1);  // consumer: keys 64 cw .. 64 cw + 63 of the block; queries 64 cw.. of dq
     const int tid = threadIdx.x & 127, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const int key0 = k0 + 64 * cw + 16 * warp + g;  // this thread's keys: key0 (h = 0), key0 + 8 (h = 1)
     const float c2 = scale * LOG2E;
@@ -1432,16 +1387,15 @@ __device__ __forceinline__ void flash_backward_dkdvq_wgmma(bf16* dinp, float* dq
     const PingPong<PINGPONG> turn{cw};
     // dq (queries 64 cw.., 64 dims) of tile u = dS k: A = half cw of tile u's dS^T (both consumers'
     // rows), M-major; k-step kk is keys 16 kk.. (two 1024-byte atoms of 8 key rows); B = k, N-major
-    // (consumer 0's dq of the diagonal tile, u = 0: keys 0..63 only, k-steps 0..3; ATT_DIAG_SKIP above)
     auto issue_dq = [&](float (&dq)[32], int u) {
         const unsigned char* dsb = sds + (u % DS_RING) * DS_BYTES + cw * DS_HALF_BYTES;
-        if (ATT_DIAG_SKIP && u == 0 && cw == 0) {
 #pragma unroll
-            for (int kk = 0; kk < 4; kk++) wgmma_bf16_n64<1, 1>(dq, desc_mn(dsb + kk * 2048), desc_mn(sk + kk * 2048), kk > 0);
-        } else {
+        for (int kk = 0; kk < 8; kk++) wgmma_bf16_n64<1, 1>(dq, desc_mn(dsb + kk * 2048), desc_mn(sk + kk * 2048), kk > 0);
+    };
+    // consumer 0's dq of the diagonal tile (u = 0): keys 0..63 only (ATT_DIAG_SKIP above)
+    auto issue_dq_diag_lo = [&](float (&dq)[32]) {
 #pragma unroll
-            for (int kk = 0; kk < 8; kk++) wgmma_bf16_n64<1, 1>(dq, desc_mn(dsb + kk * 2048), desc_mn(sk + kk * 2048), kk > 0);
-        }
+        for (int kk = 0; kk < 4; kk++) wgmma_bf16_n64<1, 1>(dq, desc_mn(sds + kk * 2048), desc_mn(sk + kk * 2048), kk > 0);
     };
     // after tile u's dq product completed: its dS^T buffer is free (for this consumer); its rows go
     // through this consumer's staging buffer in shared memory (fp32, two boxes of 32 dims x 64 rows,
@@ -1477,10 +1431,8 @@ __device__ __forceinline__ void flash_backward_dkdvq_wgmma(bf16* dinp, float* dq
     turn.start();
     for (int i = 0; i < nt; i++) {
         float* r = myrows + (i & 1) * ROWS_FLOATS;  // this tile's lse, D (staged by dkdv_tile_scores)
-        // (consumer 1's diagonal tile, i = 0: queries 64..127 only; ATT_DIAG_SKIP above)
-        const bool half = ATT_DIAG_SKIP && i == 0 && cw == 1;
         const unsigned char* sqt = dkdv_tile_scores<V5_STAGES>(sc, dp, r, l_next, d_next, load_rows, i, nt, tid, cw, sqd,
-                                                               full, skw, svw, turn, half);
+                                                               full, skw, svw, turn);
         const int q0 = (kb + i) * BQ;
         if (i == 0 || i == nt - 1) mask_scores_t<16>(sc, q0 + 2 * t - key0, T - q0 - 2 * t);
         // P^T, dS^T as variant 4; each dS^T pair goes to shared memory as soon as it is formed (dS^T
@@ -1521,28 +1473,44 @@ __device__ __forceinline__ void flash_backward_dkdvq_wgmma(bf16* dinp, float* dq
 #pragma unroll
         for (int z = 0; z < 32; z++) dq[z] = 0.0f;
         turn.begin();
-        wgmma_fence();
         // dv += P^T dout; dk += dS^T q with A = this consumer's 64 key rows of the stored dS^T (K-major:
-        // k-step kk is queries 16 kk.., 32 bytes into the rows of half kk / 4). With half: queries
-        // 64..127 only (k-steps 4..7)
-        if (half) {
+        // k-step kk is queries 16 kk.., 32 bytes into the rows of half kk / 4); then tile i - 1's dq. Three
+        // arms, each from its fence to its wait: consumer 1's diagonal tile (i = 0: queries 64..127 only,
+        // k-steps 4..7; no dq yet), consumer 0's turn with the diagonal tile's dq (i = 1: keys 0..63 only),
+        // and the rest (ATT_DIAG_SKIP above)
+        auto dv_dk = [&](int kk0) {
 #pragma unroll
-            for (int kk = 4; kk < 8; kk++) wgmma_bf16_rs_n64<1>(dv, pa[kk], desc_mn(sqt + KV_BYTES + kk * 2048), 1);
+            for (int kk = kk0; kk < 8; kk++) wgmma_bf16_rs_n64<1>(dv, pa[kk], desc_mn(sqt + KV_BYTES + kk * 2048), 1);
 #pragma unroll
-            for (int kk = 4; kk < 8; kk++)
-                wgmma_bf16_n64<0, 1>(dk, desc_k(dsb + DS_HALF_BYTES + cw * 64 * ROW_BYTES + 32 * (kk & 3)),
+            for (int kk = kk0; kk < 8; kk++)
+                wgmma_bf16_n64<0, 1>(dk, desc_k(dsb + (kk >> 2) * DS_HALF_BYTES + cw * 64 * ROW_BYTES + 32 * (kk & 3)),
                                      desc_mn(sqt + kk * 2048), 1);
+        };
+        if (ATT_DIAG_SKIP && i == 0 && cw == 1) {
+            wgmma_fence();
+            dv_dk(4);
+            wgmma_commit();
+            turn.end(false);
+            wgmma_wait<0>();
+        } else if (ATT_DIAG_SKIP && i == 1 && cw == 0) {
+            wgmma_fence();
+            dv_dk(0);
+            issue_dq_diag_lo(dq);
+            wgmma_commit();
+            turn.end(false);
+            wgmma_wait<0>();
         } else {
+            wgmma_fence();
             issue_o(dv, pa, sqt + KV_BYTES);
 #pragma unroll
             for (int kk = 0; kk < 8; kk++)
                 wgmma_bf16_n64<0, 1>(dk, desc_k(dsb + (kk >> 2) * DS_HALF_BYTES + cw * 64 * ROW_BYTES + 32 * (kk & 3)),
                                      desc_mn(sqt + kk * 2048), 1);
+            if (i > 0) issue_dq(dq, i - 1);
+            wgmma_commit();
+            turn.end(false);
+            wgmma_wait<0>();
         }
-        if (i > 0) issue_dq(dq, i - 1);
-        wgmma_commit();
-        turn.end(false);
-        wgmma_wait<0>();
         keep_in_regs(dv);
         keep_in_regs(dk);
         keep_in_regs(dq);
@@ -1554,11 +1522,19 @@ __device__ __forceinline__ void flash_backward_dkdvq_wgmma(bf16* dinp, float* dq
         mbar_wait(&ds_full[(nt - 1) % DS_RING], ((nt - 1) / DS_RING) & 1);
         float dq[32];
         turn.begin();
-        wgmma_fence();
-        issue_dq(dq, nt - 1);
-        wgmma_commit();
-        turn.end(true);
-        wgmma_wait<0>();
+        if (ATT_DIAG_SKIP && nt == 1 && cw == 0) {  // (the diagonal tile's dq: keys 0..63 only)
+            wgmma_fence();
+            issue_dq_diag_lo(dq);
+            wgmma_commit();
+            turn.end(true);
+            wgmma_wait<0>();
+        } else {
+            wgmma_fence();
+            issue_dq(dq, nt - 1);
+            wgmma_commit();
+            turn.end(true);
+            wgmma_wait<0>();
+        }
         keep_in_regs(dq);
         dq_out(dq, nt - 1);
         // the staged dq rows read before the CTA exits (the reductions complete with the grid)

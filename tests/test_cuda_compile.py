@@ -209,6 +209,23 @@ def test_attention4_sass_has_hgmma_and_tma():
     _assert_wgmma_tma(funcs, kernels)
 
 
+@pytest.mark.parametrize("module", ["gemm_wgmma", "attention_wgmma"])
+def test_wgmma_kernels_keep_their_pipelines(module):
+    """No kernel waits for each wgmma on its own: in the SASS, at most one WARPGROUP.DEPBAR (a wait for the
+    warpgroup's products) for every two HGMMA. A serialized pipeline has one after every HGMMA (session 58:
+    attention 4 / 5 with a branch between an m64n64 and an m64n128 product, every HGMMA of the kernels
+    serialized, 16-42% slower in the lab). ptxas's notes said so there (C7515 / C7520, the test above);
+    this reads the machine code itself. Today's highest share is 1 in 2 (the TF32 engine's k-blocks of 4
+    products, a wait a block); the attention kernels' is 1 in 7 or lower."""
+    import re
+    funcs = _sass_functions(module)
+    counts = {f: (len(re.findall(r"\bHGMMA", b)), len(re.findall(r"WARPGROUP\.DEPBAR", b))) for f, b in funcs.items()}
+    wgmma = {f: c for f, c in counts.items() if c[0]}
+    assert len(wgmma) >= (60 if module == "gemm_wgmma" else 30), sorted(funcs)
+    serial = {f: c for f, c in wgmma.items() if 2 * c[1] > c[0]}
+    assert not serial, f"cuda/{module}.cu: kernels waiting on (nearly) every wgmma (HGMMA, DEPBAR): {serial}"
+
+
 def test_matmul_backward_bias4_sass_loads_16_bytes_plain():
     """matmul_backward_bias 4 reads dout and the partials 16 bytes a load and with plain loads: every
     global load in its SASS is LDG.E.128 (in bf16 a conversion helper that took the row's 16-byte word
