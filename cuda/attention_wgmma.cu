@@ -128,6 +128,14 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, u
                  : "memory");
 }
 
+// the box at (c0 = dim, c1 = head, c2 = row, c3 = batch) of a (B,T,C) tensor = the box staged in shared
+// memory (rows past the map's T not written), in the issuing thread's bulk group
+__device__ __forceinline__ void tma_store_4d(const CUtensorMap* map, const void* src, int c0, int c1, int c2, int c3) {
+    asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];"
+                 ::"l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(src)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+                 : "memory");
+}
+
 // barrier over one consumer warpgroup's 128 threads (ids 1, 2; 0 is __syncthreads)
 __device__ __forceinline__ void wg_barrier(int id) { asm volatile("bar.sync %0, 128;" ::"r"(id) : "memory"); }
 
@@ -486,6 +494,45 @@ __device__ __forceinline__ void forward_store(OUT* out, float* lse, const float 
     }
 }
 
+// The persistent forward's store of out (ATT_O_TMA, 1 unless defined 0; 0: forward_store's direct 4-byte
+// stores): this consumer's 64 rows x 64 dims go to shared memory (so: 8 KB, 128-byte swizzled: row r's
+// 16-byte chunk j at chunk j ^ (r % 8), so the 8 rows of a warp's store instruction meet different banks),
+// then out by one TMA store of the box (rows past T are outside the map: not written). The same values as
+// forward_store (the same products, rounded once). so is written again only after the previous item's store
+// has read it (wait_group.read by the thread that issued it, then the warpgroup's barrier); the CTA waits
+// for the last store's reads before it exits. lse as forward_store.
+#ifndef ATT_O_TMA
+#define ATT_O_TMA 1
+#endif
+constexpr int O_STAGE_BYTES = 64 * ROW_BYTES;  // a consumer's staged rows of out
+__device__ __forceinline__ void forward_store_tma(float* lse, const float (&o)[32], const float (&m)[2], const float (&l)[2],
+                                                  int row0, int t, int b, int h, int NH, int T, unsigned char* so,
+                                                  const CUtensorMap* tmo, int rowblk, int tid, int cw) {
+    const int warp = tid >> 5, g = (tid & 31) >> 2;
+    if (tid == 0) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+    wg_barrier(1 + cw);
+#pragma unroll
+    for (int hh = 0; hh < 2; hh++) {
+        const int row = row0 + 8 * hh, r = 16 * warp + g + 8 * hh;  // (r % 8 = g)
+        float lr = l[hh];
+        lr += __shfl_xor_sync(0xffffffffu, lr, 1);
+        lr += __shfl_xor_sync(0xffffffffu, lr, 2);
+        const float inv = 1.0f / lr;
+        const uint32_t a0 = smem_u32(so) + r * ROW_BYTES + 4 * t;
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+            asm volatile("st.shared.b32 [%0], %1;" ::"r"(a0 + ((j ^ g) << 4)),
+                         "r"(pack_bf16(o[4 * j + 2 * hh] * inv, o[4 * j + 2 * hh + 1] * inv)) : "memory");
+        if (t == 0 && row < T) lse[((size_t)b * NH + h) * T + row] = (m[hh] + __log2f(lr)) * LN2;
+    }
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // (generic stores, read by the TMA)
+    wg_barrier(1 + cw);
+    if (tid == 0) {
+        tma_store_4d(tmo, so, 0, h, rowblk, b);
+        asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    }
+}
+
 // tm: the 4D tensor map of inp (see Layouts: BTC), in global memory. OVERLAP: the scores of the next
 // tile are issued before p v of this one (FlashAttention-3's intra-warpgroup overlap; see the loop);
 // PINGPONG: the two consumers take turns issuing (above).
@@ -573,9 +620,15 @@ FWD4_BF16(_overlap_pingpong, true, true)
 // double-buffered (q_full / q_empty per buffer, freed once a block's last q k^T has completed); the
 // k/v ring runs on across blocks. The consumers run forward_block_plain or forward_block_overlap per
 // block: the same bits.
-constexpr int FWD_P_SMEM = 1024 + 2 * Q_BYTES + STAGES * STAGE_BYTES + 8 * (4 + 2 * STAGES);
-constexpr int fwd_p_smem(int st) { return 1024 + 2 * Q_BYTES + st * STAGE_BYTES + 8 * (4 + 2 * st); }  // ST stages
-static_assert(FWD_P_SMEM == fwd_p_smem(STAGES) && fwd_p_smem(6) <= 227 * 1024, "fits one SM's shared memory");
+// (+ 2 O_STAGE_BYTES up to 5 stages: the consumers' staged rows of out, forward_store_tma; the 6-stage
+// build stores out directly: its ring and the staging would not fit)
+__host__ __device__ constexpr bool fwd_o_staged(int st) { return st <= 5; }
+constexpr int fwd_p_smem(int st) {
+    return 1024 + 2 * Q_BYTES + st * STAGE_BYTES + (fwd_o_staged(st) ? 2 * O_STAGE_BYTES : 0) + 8 * (4 + 2 * st);
+}  // ST stages
+constexpr int FWD_P_SMEM = fwd_p_smem(STAGES);
+static_assert(FWD_P_SMEM <= 227 * 1024 && fwd_p_smem(5) <= 227 * 1024 && fwd_p_smem(6) <= 227 * 1024,
+              "fits one SM's shared memory");
 
 __device__ __forceinline__ int persistent_item(int r) {  // this CTA's r-th item (or >= items: done)
     const int G = gridDim.x, c = (r & 1) ? G - 1 - blockIdx.x : blockIdx.x;
@@ -589,7 +642,9 @@ __device__ __forceinline__ void flash_forward_wgmma_persistent(bf16* out, float*
     unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
     unsigned char* sq = smem;                     // q buffers 0, 1 (128 x 64 each)
     unsigned char* skv = smem + 2 * Q_BYTES;      // stage s: k at skv + s * STAGE_BYTES, v KV_BYTES after it
-    uint64_t* q_full = reinterpret_cast<uint64_t*>(skv + ST * STAGE_BYTES);  // [2]
+    constexpr bool OT = ATT_O_TMA && fwd_o_staged(ST);  // out through shared memory and the TMA
+    unsigned char* so = skv + ST * STAGE_BYTES;   // consumer cw's staged out rows at so + cw * O_STAGE_BYTES
+    uint64_t* q_full = reinterpret_cast<uint64_t*>(so + (fwd_o_staged(ST) ? 2 * O_STAGE_BYTES : 0));  // [2]
     uint64_t* q_empty = q_full + 2;                                               // [2]
     uint64_t* full = q_empty + 2;
     uint64_t* empty = full + ST;
@@ -634,6 +689,7 @@ __device__ __forceinline__ void flash_forward_wgmma_persistent(bf16* out, float*
     const int tid = threadIdx.x & 127, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const float c2 = scale * LOG2E;
     const PingPong<PINGPONG> turn{cw};
+    if (OT && tid == 0) tensormap_acquire(tm + 1);  // (out's map, the TMA store's)
     int u = 0;
     for (int r = 0;; r++) {
         const int w = persistent_item(r);
@@ -654,8 +710,13 @@ __device__ __forceinline__ void flash_forward_wgmma_persistent(bf16* out, float*
             forward_block_plain<PINGPONG, ST>(o, m, l, sq + j * Q_BYTES + cw * 64 * ROW_BYTES, skv, full, empty, u, qb + 1,
                                                     row0, t, lane, c2, turn, q_read);
         u += qb + 1;
-        forward_store(out, lse, o, m, l, row0, t, b, h, NH, T);
+        if (OT)
+            forward_store_tma(lse, o, m, l, row0, t, b, h, NH, T, so + cw * O_STAGE_BYTES, tm + 1, qb * BQ + 64 * cw,
+                              tid, cw);
+        else
+            forward_store(out, lse, o, m, l, row0, t, b, h, NH, T);
     }
+    if (OT && tid == 0) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");  // (so read before exit)
 }
 
 // The persistent builds (grid: one CTA per SM; the same bits as the plain kernel), named by their

@@ -896,6 +896,54 @@ def test_flash_attention_wgmma5_backward_gpu(rt, B, T, C, NH):
     assert np.allclose(stale[..., :C], 2 * want[..., :C], rtol=2.0 ** -6, atol=1e-5 * np.abs(want[..., :C]).max())
 
 
+# ATT_O_TMA (cuda/attention_wgmma.cu, 1 by default): the persistent forward stores out through shared memory
+# and one TMA store per consumer and item (forward_store_tma), where ATT_O_TMA=0 stores each pair of values
+# from registers. The same bits (the same values, rounded once), every row < T written and nothing else:
+# out sits inside a poisoned buffer, with a poisoned pad of 16 bytes before it and 4 KB after it (a box's
+# rows past T would land there if the map did not end at T). Every persistent schedule, the 6-stage one
+# (direct stores: its ring and the staging would not fit) included; T = 1, 65, 129 (boxes mostly past T),
+# 200, 1000; two launches in a row (the second waits for the first's store to have read the staging).
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,T,C,NH", [(1, 1, 64, 1), (2, 65, 128, 2), (1, 129, 64, 1), (2, 200, 192, 3),
+                                      (1, 1000, 128, 2)])
+def test_attention_forward4_out_by_tma_gpu(rt, B, T, C, NH):
+    from llmc.bf16 import BF16, from_bf16, round_bf16, to_bf16
+    from llmc.testing import module_defines
+    if rt.arch != "sm_90":
+        pytest.skip(f"attention_forward 4 needs an sm_90 GPU (this one is {rt.arch})")
+    rng = np.random.default_rng(T + 41)
+    inp = round_bf16(rng.standard_normal((B, T, 3 * C)))
+    d_inp, d_lse = rt.to_device(to_bf16(inp)), rt.empty((B, NH, T))
+    pre, post, n = 8, 2048, B * T * C
+    buf = rt.empty((pre + n + post,), BF16)
+    d_out = buf.view(pre, (B, T, C))
+    poison_bits = np.full(pre + n + post, 0x7FC1, np.uint16)
+    forms = [dict(pingpong=pp, overlap=ov, stages=st) for pp, ov, st in sorted(A.WGMMA_FWD_PERSISTENT)]
+    got = {}
+    for tma in (1, 0):
+        with module_defines(rt, "attention_wgmma", {"ATT_O_TMA": tma}):
+            builds = [A.build_flash_attention_forward_wgmma(rt, B=B, T=T, C=C, NH=NH, qkv_in_place=True, **kw)
+                      for kw in forms]
+        for kw, f in zip(forms, builds):
+            for run in range(2):
+                buf.set(poison_bits)
+                poison(d_lse)
+                f(d_out, d_inp, d_lse, d_inp)
+                whole = buf.get()
+                assert np.all(whole[:pre] == 0x7FC1) and np.all(whole[pre + n:] == 0x7FC1), \
+                    f"ATT_O_TMA={tma} {kw}: out written outside its (B,T,C)"
+                out = from_bf16(whole[pre:pre + n]).reshape(B, T, C)
+                assert np.isfinite(out).all() and np.isfinite(d_lse.get()).all(), f"ATT_O_TMA={tma} {kw}: unwritten"
+                got[tma, str(kw), run] = (out, d_lse.get())
+    out64, _, _ = A.attention_forward_ref(inp.astype(np.float64), NH)
+    vmax = np.abs(inp[..., 2 * C:]).max()
+    for kw in forms:
+        o1, l1 = got[1, str(kw), 0]
+        assert_close(o1, out64, atol=BF16_OUT * vmax, rtol=BF16_OUT, name=f"out {kw}")
+        for key in ((1, str(kw), 1), (0, str(kw), 0), (0, str(kw), 1)):
+            assert np.array_equal(got[key][0], o1) and np.array_equal(got[key][1], l1), f"{key}: out or lse differs"
+
+
 # ATT_DIAG_SKIP (cuda/attention_wgmma.cu, 1 by default): the diagonal tile's all-masked quarter (queries
 # 0..63 of the tile, keys 64..127) is left out of forward 4's and backward 5's products. What is left out
 # adds exact zeros, so every output keeps the bits of the build that forms it (ATT_DIAG_SKIP=0): out and
@@ -1447,9 +1495,11 @@ def test_wgmma_forward_builds(monkeypatch):
     memory the .cu computes, the persistent ping-pong kernel by default (a grid of min(blocks, SMs)),
     the one-CTA-per-block builds of the lab (a grid of (B*NH, ceil(T/128))), the persistent builds of
     the lab (the schedules the .cu builds, each with its ring's shared memory), and one tensor map per inp
-    pointer, encoded at its first launch only (a captured graph replays the same maps)."""
+    pointer, encoded at its first launch only (a captured graph replays the same maps); the persistent
+    kernels' maps per (inp, out) pair, inp's then out's (their TMA store of out), out 16-byte aligned."""
     import re
     from llmc.runtime import CUDA_DIR
+    from tests.fake_runtime import BASE as FAKE_BASE
     from tests.fake_runtime import FakeRuntime
     src = (CUDA_DIR / "attention_wgmma.cu").read_text()
     const = {k: int(re.search(rf"constexpr int {k} = (\d+);", src).group(1)) for k in ("BQ", "BKV", "STAGES")}
@@ -1459,6 +1509,8 @@ def test_wgmma_forward_builds(monkeypatch):
     encoded = []
     # the kernel reads q, k, v from inp (the qkv matmul's (B,T,3C) output): one map per inp pointer
     monkeypatch.setattr(A, "qkv_tensor_map", lambda ptr, B, T, NH: encoded.append((ptr, B, T, NH)) or bytes(128))
+    outs = []
+    monkeypatch.setattr(A, "out_tensor_map", lambda ptr, B, T, NH: outs.append((ptr, B, T, NH)) or bytes(range(128)))
     monkeypatch.setattr(A, "qkvr_tensor_map", lambda *a: pytest.fail("forward 4 reads inp, never qkvr"))
     rt = FakeRuntime(heap_bytes=1 << 16)  # the maps are copied to the fake device
     launch = ops.get("attention_forward").build(rt, 4, "bf16", B=2, T=200, C=128, NH=2)
@@ -1466,20 +1518,28 @@ def test_wgmma_forward_builds(monkeypatch):
     for inp in (0x10000, 0x10000, 0x20000):
         launch(0x1000, 0x4000, 0x3000, inp)  # out, qkvr, lse, inp
     assert encoded == [(0x10000, 2, 200, 2), (0x20000, 2, 200, 2)]
+    assert outs == [(0x1000, 2, 200, 2), (0x1000, 2, 200, 2)]  # (with each new inp: the pair is new)
+    launch(0x2000, 0x4000, 0x3000, 0x20000)  # another out: a new pair, two maps
+    assert encoded[-1] == (0x20000, 2, 200, 2) and outs[-1] == (0x2000, 2, 200, 2) and len(outs) == 3
     k = [x for x in rt.launches if x.func == "flash_attention_forward_kernel4_bf16_persistent_overlap_pingpong_s4"]
+    # the two maps back to back on the device, inp's then out's
+    at = int(k[-1].args[2]) - FAKE_BASE
+    assert bytes(rt.heap[at:at + 256]) == bytes(128) + bytes(range(128))
     # 2 * 2 heads x 2 blocks = 8 items: 8 CTAs (at most one per SM), the persistent kernel's shared memory
     # with a 4-deep ring (2 more stages of k and v, 4 more mbarriers)
     s4_smem = A.WGMMA_FWD_P_SMEM + 2 * 2 * 128 * 128 + 8 * 4
-    assert len(k) == 3 and k[0].grid == (8, 1, 1) and k[0].block == (384, 1, 1) and k[0].smem == s4_smem
+    assert len(k) == 4 and k[0].grid == (8, 1, 1) and k[0].block == (384, 1, 1) and k[0].smem == s4_smem
     plain = A.build_flash_attention_forward_wgmma(rt, B=2, T=200, C=128, NH=2, persistent=False, pingpong=False,
                                                   overlap=False)
     assert rt.built[-1] == "flash_attention_forward_kernel4_bf16"
     plain(0x1000, 0x4000, 0x3000, 0x10000)
     assert rt.launches[-1].grid == (4, 2, 1) and rt.launches[-1].smem == A.WGMMA_FWD_SMEM
     perm = [x for x in rt.launches if x.func == "permute_kernel2_bf16"]  # the permuted copy backward 2/3 read
-    assert len(perm) == 4 and perm[0].args[:2] == (0x4000, 0x10000)
-    with pytest.raises(LLMCError, match="16-byte aligned"):
+    assert len(perm) == 5 and perm[0].args[:2] == (0x4000, 0x10000)
+    with pytest.raises(LLMCError, match="inp must be 16-byte aligned"):
         launch(0x1000, 0x4000, 0x3000, 0x30008)
+    with pytest.raises(LLMCError, match="out must be 16-byte aligned"):
+        launch(0x1008, 0x4000, 0x3000, 0x30000)
     # the lab's other builds
     A.build_flash_attention_forward_wgmma(rt, B=2, T=200, C=128, NH=2, persistent=False, pingpong=False)
     assert rt.built[-1] == "flash_attention_forward_kernel4_bf16_overlap"
@@ -1490,8 +1550,9 @@ def test_wgmma_forward_builds(monkeypatch):
     with pytest.raises(AssertionError, match="2 stages only"):
         A.build_flash_attention_forward_wgmma(rt, B=2, T=200, C=128, NH=2, persistent=False, stages=4)
     # persistent: one CTA per SM at most (here 2 * 2 heads x 2 blocks = 8 items), its own shared memory
-    assert "constexpr int FWD_P_SMEM = 1024 + 2 * Q_BYTES + STAGES * STAGE_BYTES + 8 * (4 + 2 * STAGES);" in src
-    assert A.WGMMA_FWD_P_SMEM == A.WGMMA_FWD_SMEM + 128 * 128 + 8 * 3
+    assert "constexpr int FWD_P_SMEM = fwd_p_smem(STAGES);" in src
+    assert "constexpr int O_STAGE_BYTES = 64 * ROW_BYTES;" in src  # a consumer's staged out rows
+    assert A.WGMMA_FWD_P_SMEM == A.WGMMA_FWD_SMEM + 128 * 128 + 2 * 64 * 128 + 8 * 3
     per = A.build_flash_attention_forward_wgmma(rt, B=2, T=200, C=128, NH=2, overlap=False)
     assert rt.built[-1] == "flash_attention_forward_kernel4_bf16_persistent_pingpong"
     per(0x1000, 0x4000, 0x3000, 0x10000)
@@ -1499,7 +1560,8 @@ def test_wgmma_forward_builds(monkeypatch):
     per = A.build_flash_attention_forward_wgmma(rt, B=64, T=1024, C=128, NH=2, persistent=True)
     per(0x1000, 0x4000, 0x3000, 0x10000)
     assert rt.launches[-1].grid == (rt.sm_count, 1, 1)
-    assert "constexpr int fwd_p_smem(int st) { return 1024 + 2 * Q_BYTES + st * STAGE_BYTES + 8 * (4 + 2 * st); }" in src
+    assert "return 1024 + 2 * Q_BYTES + st * STAGE_BYTES + (fwd_o_staged(st) ? 2 * O_STAGE_BYTES : 0) + 8 * (4 + 2 * st);" in src
+    assert "__host__ __device__ constexpr bool fwd_o_staged(int st) { return st <= 5; }" in src
     # every persistent build the .cu has: its name and its ring's shared memory (fits the H100's 227 KB)
     for pp, ov, st in sorted(A.WGMMA_FWD_PERSISTENT):
         sfx = ("_overlap" if ov else "") + ("_pingpong" if pp else "") + ("" if st == 2 else f"_s{st}")
@@ -1507,7 +1569,8 @@ def test_wgmma_forward_builds(monkeypatch):
         per = A.build_flash_attention_forward_wgmma(rt, B=2, T=200, C=128, NH=2, pingpong=pp, overlap=ov, stages=st)
         per(0x1000, 0x4000, 0x3000, 0x10000)
         assert rt.built[-1] == "flash_attention_forward_kernel4_bf16_persistent" + sfx
-        assert rt.launches[-1].smem == A.WGMMA_FWD_P_SMEM + (st - 2) * (2 * 128 * 128 + 8 * 2) <= 227 * 1024
+        staged = 0 if st <= 5 else -2 * 64 * 128  # (6 stages: out stored directly, no staging)
+        assert rt.launches[-1].smem == A.WGMMA_FWD_P_SMEM + (st - 2) * (2 * 128 * 128 + 8 * 2) + staged <= 227 * 1024
     with pytest.raises(AssertionError, match="no persistent build"):
         A.build_flash_attention_forward_wgmma(rt, B=2, T=200, C=128, NH=2, overlap=False, pingpong=False, stages=6)
     # qkv in place: no permute at all, and qkvr must be inp (the tensor backward 4 then reads)

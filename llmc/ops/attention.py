@@ -511,12 +511,28 @@ def qkv_tensor_map(ptr: int, B: int, T: int, NH: int) -> bytes:
     return btc_tensor_map(ptr, B, T, 3 * NH, "attention 4: qkv")
 
 
+def out_tensor_map(ptr: int, B: int, T: int, NH: int) -> bytes:
+    """The CUtensorMap of the forward's out (B,T,C) bf16 for the persistent kernels' TMA store: btc_tensor_map's
+    4D view in boxes of (64, 1, 64, 1), one consumer's 64 rows of a head (rows past T are not written)."""
+    C = NH * FLASH_HS
+    return _bf16_tensor_map(ptr, (FLASH_HS, NH, T, B), (FLASH_HS * 2, C * 2, T * C * 2), (FLASH_HS, 1, 64, 1),
+                            f"attention_forward 4: out (B={B} T={T} C={C})")
+
+
+
+
+def _fwd_o_staged(stages):
+    """Whether the persistent forward with this ring stores out through shared memory and the TMA
+    (fwd_o_staged in the .cu: up to 5 stages; 6 and the staging would not fit)."""
+    return stages <= 5
 
 
 def _fwd_p_smem(stages):
     """The persistent forward's dynamic shared memory (fwd_p_smem(ST) in the .cu): 1 KB of slack, two q
-    buffers, `stages` x (k + v tiles), 4 + 2 stages mbarriers."""
-    return 1024 + 2 * WGMMA_BQ * 128 + stages * 2 * WGMMA_BQ * 128 + 8 * (4 + 2 * stages)
+    buffers, `stages` x (k + v tiles), the consumers' staged out rows (2 x 64 x 128 bytes, up to 5 stages),
+    4 + 2 stages mbarriers."""
+    staged = 2 * 64 * 128 if _fwd_o_staged(stages) else 0
+    return 1024 + 2 * WGMMA_BQ * 128 + stages * 2 * WGMMA_BQ * 128 + staged + 8 * (4 + 2 * stages)
 
 
 WGMMA_FWD_P_SMEM = _fwd_p_smem(WGMMA_STAGES)
@@ -538,7 +554,9 @@ def build_flash_attention_forward_wgmma(rt, B, T, C, NH, overlap=True, qkv_in_pl
     reads is inp itself (the caller passes the same tensor as qkvr and inp, and builds backward 4 with
     qkv_in_place too): the model's form in training when both directions are 4. The map holds inp's
     address: one map per inp pointer (each layer has its own in place), encoded and copied to the
-    device at its first launch, so a captured graph replays the same maps.
+    device at its first launch, so a captured graph replays the same maps. The persistent kernels store
+    out through shared memory and the TMA (up to 5 stages; cuda/attention_wgmma.cu, forward_store_tma):
+    their maps are per (inp, out) pair, inp's then out's.
     The schedule (every build gives the same bits): persistent, one CTA per SM walking the (b, h, query
     block) items, q double-buffered (else one CTA per block); overlap, the next tile's q k^T issued before
     this tile's p v, so the softmax overlaps the tensor cores within a warpgroup (FlashAttention-3's
@@ -577,11 +595,16 @@ def build_flash_attention_forward_wgmma(rt, B, T, C, NH, overlap=True, qkv_in_pl
         elif _ptr(qkvr) != ip:
             raise LLMCError("attention_forward 4 (qkv in place): qkvr must be inp, the tensor backward 4 reads "
                             f"(got 0x{_ptr(qkvr):x} and 0x{ip:x})")
-        dm = maps.get(ip)
-        if dm is None:  # first launch on this inp: encode its map, copy it to the device
+        # the persistent kernels' maps: inp's, then out's (their TMA store; 128 bytes each, back to back)
+        op = _ptr(out) if persistent else 0
+        dm = maps.get((ip, op))
+        if dm is None:  # first launch on this (inp, out): encode the maps, copy them to the device
             if ip & 15:
                 raise LLMCError(f"attention_forward 4: inp must be 16-byte aligned for the TMA (0x{ip:x})")
-            dm = maps[ip] = rt.to_device(np.frombuffer(qkv_tensor_map(ip, B, T, NH), np.uint8))
+            if op & 15:
+                raise LLMCError(f"attention_forward 4: out must be 16-byte aligned for the TMA (0x{op:x})")
+            two = qkv_tensor_map(ip, B, T, NH) + (out_tensor_map(op, B, T, NH) if persistent else b"")
+            dm = maps[(ip, op)] = rt.to_device(np.frombuffer(two, np.uint8))
         k(grid, block, _ptr(out), _ptr(lse), dm.ptr, *args, smem=smem)
     return launch
 
