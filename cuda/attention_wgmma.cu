@@ -1453,7 +1453,7 @@ __device__ __forceinline__ void flash_backward_dkdvq_wgmma(bf16* dinp, float* dq
 #pragma unroll
         for (int kk = 0; kk < 8; kk++) wgmma_bf16_n64<1, 1>(dq, desc_mn(dsb + kk * 2048), desc_mn(sk + kk * 2048), kk > 0);
     };
-    // consumer 0's dq of the diagonal tile (u = 0): keys 0..63 only (ATT_DIAG_SKIP above)
+    // consumer 0's dq of the diagonal tile (u = 0): keys 0..63 only (ATT_DIAG_SKIP above); its dS^T half at sds
     auto issue_dq_diag_lo = [&](float (&dq)[32]) {
 #pragma unroll
         for (int kk = 0; kk < 4; kk++) wgmma_bf16_n64<1, 1>(dq, desc_mn(sds + kk * 2048), desc_mn(sk + kk * 2048), kk > 0);
@@ -1562,11 +1562,7 @@ __device__ __forceinline__ void flash_backward_dkdvq_wgmma(bf16* dinp, float* dq
             wgmma_wait<0>();
         } else {
             wgmma_fence();
-            issue_o(dv, pa, sqt + KV_BYTES);
-#pragma unroll
-            for (int kk = 0; kk < 8; kk++)
-                wgmma_bf16_n64<0, 1>(dk, desc_k(dsb + (kk >> 2) * DS_HALF_BYTES + cw * 64 * ROW_BYTES + 32 * (kk & 3)),
-                                     desc_mn(sqt + kk * 2048), 1);
+            dv_dk(0);
             if (i > 0) issue_dq(dq, i - 1);
             wgmma_commit();
             turn.end(false);
