@@ -891,59 +891,6 @@ __device__ __forceinline__ void store_dkdv(bf16* dinp, const float (&dk)[32], co
                       part != nullptr ? part + 2 * C + h * HS : nullptr);
 }
 
-// backward 5's store of dk or dv (ATT_DKDV_TMA, 1 unless defined 0; 0: store_dkdv's 16-byte stores from the
-// staged rows): the rows staged as store_rows_staged stages them, then out by one TMA store of the box (tmd: a
-// map of dinp as (64 dims, 3 NH heads, T rows, B) in boxes of 64 rows; head: NH + h for dk, 2 NH + h for dv;
-// rows past T lie outside the map). buf: 8 KB of this warpgroup's own, 1024-byte aligned, not read again until
-// the store has read it; sf: 1 KB of scratch of its own for the column sums (part, as store_rows_staged: the
-// same sums in the same order, read back from the staged rows)
-__device__ __forceinline__ void store_rows_tma(const CUtensorMap* tmd, const float (&x)[32], float sx, unsigned char* buf,
-                                               float* sf, int b, int T, int head, int row64, int tid, int cw,
-                                               float* part) {
-    const int warp = tid >> 5, g = (tid >> 2) & 7, t = tid & 3;
-#pragma unroll
-    for (int hh = 0; hh < 2; hh++) {
-        const int r = 16 * warp + g + 8 * hh;
-#pragma unroll
-        for (int j = 0; j < 8; j++)
-            *reinterpret_cast<uint32_t*>(buf + r * ROW_BYTES + ((j ^ (r & 7)) << 4) + 4 * t) =
-                pack_bf16(x[4 * j + 2 * hh] * sx, x[4 * j + 2 * hh + 1] * sx);
-    }
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // (generic stores, read by the TMA)
-    wg_barrier(1 + cw);
-    if (tid == 0) {
-        tma_store_4d(tmd, buf, 0, head, row64, b);
-        asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-    }
-    if (part == nullptr) return;
-    float s[8];
-#pragma unroll
-    for (int e = 0; e < 8; e++) s[e] = 0.0f;
-#pragma unroll
-    for (int k = 0; k < 4; k++) {
-        const int c = tid + 128 * k, r = c >> 3, q = c & 7, row = row64 + r;
-        if (row < T) {
-            const uint4 v = *reinterpret_cast<const uint4*>(buf + r * ROW_BYTES + ((q ^ (r & 7)) << 4));
-            s[0] += unpack_lo(v.x); s[1] += unpack_hi(v.x); s[2] += unpack_lo(v.y); s[3] += unpack_hi(v.y);
-            s[4] += unpack_lo(v.z); s[5] += unpack_hi(v.z); s[6] += unpack_lo(v.w); s[7] += unpack_hi(v.w);
-        }
-    }
-#pragma unroll
-    for (int e = 0; e < 8; e++) {
-        s[e] += __shfl_xor_sync(0xffffffffu, s[e], 8);
-        s[e] += __shfl_xor_sync(0xffffffffu, s[e], 16);
-    }
-    if ((tid & 31) < 8) {
-#pragma unroll
-        for (int e = 0; e < 8; e++) sf[(tid >> 5) * 64 + 8 * (tid & 7) + e] = s[e];
-    }
-    wg_barrier(1 + cw);
-    if (tid < 64) part[tid] = ((sf[tid] + sf[64 + tid]) + sf[128 + tid]) + sf[192 + tid];
-}
-#ifndef ATT_DKDV_TMA
-#define ATT_DKDV_TMA 1
-#endif
-
 // Backward, part 1: per (b, h, 128 query rows), D = rowsum(dout * out) (written for part 2) and
 // dq = scale sum over key tiles 0..qb of (p (dp - D)) k. tm: tm[0] the map of q, k, v (BTC: of the
 // (B,T,3C) qkv tensor, else of the permuted qkvr; see Layouts), tm[1] the dout map.
@@ -1542,7 +1489,6 @@ __device__ __forceinline__ void flash_backward_dkdvq_wgmma(bf16* dinp, float* dq
         }
     };
     if (tid == 0) tensormap_acquire(tm + 2);
-    if (ATT_DKDV_TMA && tid == 0) tensormap_acquire(tm + 3);  // (dinp's, for dk and dv)
     turn.start();
     for (int i = 0; i < nt; i++) {
         float* r = myrows + (i & 1) * ROWS_FLOATS;  // this tile's lse, D (staged by dkdv_tile_scores)
@@ -1655,20 +1601,7 @@ __device__ __forceinline__ void flash_backward_dkdvq_wgmma(bf16* dinp, float* dq
     // (colsum form) this warpgroup's 64 keys' row of partials: dk's and dv's column sums (keys past T: none)
     const int k64 = k0 + 64 * cw;
     float* prow = part != nullptr && k64 < T ? part + ((size_t)b * ((T + 63) / 64) + k64 / 64) * 3 * C : nullptr;
-    if (ATT_DKDV_TMA) {
-        // dk, dv through this warpgroup's dq staging buffer (16 KB: its last reductions have read it, tid 0
-        // waited above) and two TMA stores; the lse / D rows as the column sums' scratch; the stores' reads of
-        // shared memory waited for before the CTA exits
-        unsigned char* sb = sdq + cw * DQ_STAGE_BYTES;
-        wg_barrier(1 + cw);
-        store_rows_tma(tm + 3, dk, scale, sb, myrows, b, T, NH + h, k64, tid, cw,
-                       prow != nullptr ? prow + C + h * HS : nullptr);
-        store_rows_tma(tm + 3, dv, 1.0f, sb + 64 * ROW_BYTES, myrows, b, T, 2 * NH + h, k64, tid, cw,
-                       prow != nullptr ? prow + 2 * C + h * HS : nullptr);
-        if (tid == 0) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-    } else {
-        store_dkdv(dinp, dk, dv, const_cast<unsigned char*>(svw), b, h, T, C, k64, tid, cw, scale, prow);
-    }
+    store_dkdv(dinp, dk, dv, const_cast<unsigned char*>(svw), b, h, T, C, k64, tid, cw, scale, prow);
 }
 
 // The main kernel's entry points: flash_attention_backward_dkdvq_kernel5_bf16<SFX>(BWD5_DKDVQ_PARAMS) runs

@@ -944,57 +944,6 @@ def test_attention_forward4_out_by_tma_gpu(rt, B, T, C, NH):
             assert np.array_equal(got[key][0], o1) and np.array_equal(got[key][1], l1), f"{key}: out or lse differs"
 
 
-# ATT_DKDV_TMA (cuda/attention_wgmma.cu, 1 by default): backward 5's main kernel stores dk and dv by two TMA
-# stores of the rows it staged (store_rows_tma), where ATT_DKDV_TMA=0 stores them 16 bytes a thread from the
-# staged rows (store_dkdv). The same dk and dv bits, and in the colsum form the same partials of their columns
-# (dbias's dk and dv columns bit for bit; its q columns sum dq, whose fp32 sums land in any order); every row < T
-# written and nothing outside dinp (a poisoned pad of 16 bytes before it and 4 KB after it). In place, with and
-# without ping-pong, plain and colsum; T = 1, 64 (the second 64 keys of a block past T), 65, 129, 1000.
-@pytest.mark.gpu
-@pytest.mark.parametrize("B,T,C,NH", [(1, 1, 64, 1), (2, 64, 128, 2), (2, 65, 128, 2), (1, 129, 64, 1),
-                                      (1, 1000, 128, 2)])
-def test_attention_backward5_dkdv_by_tma_gpu(rt, B, T, C, NH):
-    from llmc.bf16 import BF16, from_bf16, round_bf16, to_bf16
-    from llmc.testing import module_defines
-    if rt.arch != "sm_90":
-        pytest.skip(f"attention_backward 5 needs an sm_90 GPU (this one is {rt.arch})")
-    dout, qkvr64, att64, ref, d_inp, d_dout, d_out, d_qkvr, d_lse, _ = _wgmma_bwd_case(rt, B, T, C, NH, 31)
-    ops.get("attention_forward").build(rt, 4, "bf16", B=B, T=T, C=C, NH=NH)(d_out, d_qkvr, d_lse, d_inp)
-    pre, post, n = 8, 2048, B * T * 3 * C
-    buf = rt.empty((pre + n + post,), BF16)
-    d_dinp = buf.view(pre, (B, T, 3 * C))
-    poison_bits = np.full(pre + n + post, 0x7FC1, np.uint16)
-    d_dbias = rt.empty((3 * C,), BF16)
-    bias0 = round_bf16(np.random.default_rng(T + 5).standard_normal(3 * C) * 0.1)
-    forms = [(pp, cs) for pp in (True, False) for cs in (False, True)]
-    got = {}
-    for tma in (1, 0):
-        with module_defines(rt, "attention_wgmma", {"ATT_DKDV_TMA": tma}):
-            builds = [A.build_flash_attention_backward_wgmma5(rt, B=B, T=T, C=C, NH=NH, qkv_in_place=True, pingpong=pp,
-                                                              colsum=cs) for pp, cs in forms]
-        for (pp, cs), bwd in zip(forms, builds):
-            buf.set(poison_bits)
-            poison(*bwd.scratch.values())
-            if cs:
-                d_dbias.set(to_bf16(bias0))
-                bwd(d_dinp, d_dbias, d_dout, d_inp, d_lse, d_out)
-            else:
-                bwd(d_dinp, d_dout, d_inp, d_lse, d_out)
-            whole = buf.get()
-            form = f"ATT_DKDV_TMA={tma}, pingpong={pp}, colsum={cs}"
-            assert np.all(whole[:pre] == 0x7FC1) and np.all(whole[pre + n:] == 0x7FC1), f"{form}: wrote outside dinp"
-            dinp = from_bf16(whole[pre:pre + n]).reshape(B, T, 3 * C)
-            assert np.isfinite(dinp).all(), f"{form}: dinp has unwritten (NaN) elements"
-            for part, err in zip(("dq", "dk", "dv"), _part_errors(dinp, ref, C)):
-                assert err < 2.0 ** -6, f"{form}: {part} relative error {err:.2e}"
-            got[tma, pp, cs] = (dinp, from_bf16(d_dbias.get()) if cs else None)
-    for pp, cs in forms:
-        (g1, b1), (g0, b0) = got[1, pp, cs], got[0, pp, cs]
-        assert np.array_equal(g1[..., C:], g0[..., C:]), f"pingpong={pp} colsum={cs}: dk or dv differs without the TMA"
-        if cs:
-            assert np.array_equal(b1[C:], b0[C:]), f"pingpong={pp}: dbias's dk / dv columns differ without the TMA"
-
-
 # ATT_DIAG_SKIP (cuda/attention_wgmma.cu, 1 by default): the diagonal tile's all-masked quarter (queries
 # 0..63 of the tile, keys 64..127) is left out of forward 4's and backward 5's products. What is left out
 # adds exact zeros, so every output keeps the bits of the build that forms it (ATT_DIAG_SKIP=0): out and

@@ -511,14 +511,6 @@ def qkv_tensor_map(ptr: int, B: int, T: int, NH: int) -> bytes:
     return btc_tensor_map(ptr, B, T, 3 * NH, "attention 4: qkv")
 
 
-def dinp_tensor_map(ptr: int, B: int, T: int, NH: int) -> bytes:
-    """The CUtensorMap of attention_backward 5's dinp (B,T,3C) bf16 for its TMA stores of dk and dv: the qkv
-    map's 4D view (3*NH heads) in boxes of (64, 1, 64, 1), one consumer's 64 key rows of a head."""
-    C = NH * FLASH_HS
-    return _bf16_tensor_map(ptr, (FLASH_HS, 3 * NH, T, B), (FLASH_HS * 2, 3 * C * 2, T * 3 * C * 2), (FLASH_HS, 1, 64, 1),
-                            f"attention_backward 5: dinp (B={B} T={T} C={C})")
-
-
 def out_tensor_map(ptr: int, B: int, T: int, NH: int) -> bytes:
     """The CUtensorMap of the forward's out (B,T,C) bf16 for the persistent kernels' TMA store: btc_tensor_map's
     4D view in boxes of (64, 1, 64, 1), one consumer's 64 rows of a head (rows past T are not written)."""
@@ -945,21 +937,19 @@ def build_flash_attention_backward_wgmma5(rt, B, T, C, NH, qkv_in_place=False, p
            np.int32(0 if caller_zeroes or main_zeroes else 1))
 
     def tensor_maps(dinp, dout, qkvr, out):
-        """The main kernel's four maps on the device (encoded and copied at the first launch on each
-        (qkvr, dout, dinp), after the alignment checks: before any of the passes is launched)."""
-        qp, dp, ip = _ptr(qkvr), _ptr(dout), _ptr(dinp)
-        dm = maps.get((qp, dp, ip))
+        """The main kernel's three maps on the device (encoded and copied at the first launch on each
+        (qkvr, dout) pair, after the alignment checks: before any of the three passes is launched)."""
+        qp, dp = _ptr(qkvr), _ptr(dout)
+        dm = maps.get((qp, dp))
         if dm is None:
             for name, p in (("qkvr", qp), ("dout", dp), ("out", _ptr(out)), ("dinp", _ptr(dinp))):
                 if p & 15:
                     raise LLMCError(f"attention_backward 5: {name} must be 16-byte aligned (0x{p:x})")
             # tm[2]: dq_acc as (64 dims, T rows, B NH heads) fp32, reduced into in boxes of (32, 64, 1)
-            # tm[3]: dinp as (64 dims, 3 NH heads, T rows, B), stored into in boxes of 64 rows (dk, dv)
-            four = (qkv_map(qp) + btc_tensor_map(dp, B, T, NH, "attention_backward 5: dout")
-                    + _bf16_tensor_map(dq.ptr, (FLASH_HS, T, B * NH), (FLASH_HS * 4, T * FLASH_HS * 4), (32, 64, 1),
-                                       "attention_backward 5: dq", FLOAT32)
-                    + dinp_tensor_map(ip, B, T, NH))
-            dm = maps[(qp, dp, ip)] = rt.to_device(np.frombuffer(four, np.uint8))
+            three = (qkv_map(qp) + btc_tensor_map(dp, B, T, NH, "attention_backward 5: dout")
+                     + _bf16_tensor_map(dq.ptr, (FLASH_HS, T, B * NH), (FLASH_HS * 4, T * FLASH_HS * 4), (32, 64, 1),
+                                        "attention_backward 5: dq", FLOAT32))
+            dm = maps[(qp, dp)] = rt.to_device(np.frombuffer(three, np.uint8))
         return dm
 
     def main(dinp, dout, qkvr, lse, out):
