@@ -496,13 +496,15 @@ def qkvr_tensor_map(ptr: int, B: int, NH: int, T: int) -> bytes:
                             (FLASH_HS, WGMMA_BQ, 1), f"attention 4: qkvr (B={B} NH={NH} T={T})")
 
 
-def btc_tensor_map(ptr: int, B: int, T: int, NH: int, what: str = "attention_backward 4: dout") -> bytes:
+def btc_tensor_map(ptr: int, B: int, T: int, NH: int, what: str = "attention_backward 4: dout",
+                   rows: int = WGMMA_BQ) -> bytes:
     """The CUtensorMap of a (B,T,C) bf16 tensor (dout for attention_backward 4) seen as 4D (64 dims, NH
-    heads, T rows, B), read in boxes of (64, 1, 128, 1): one head's 128 rows of 128 bytes, 128-byte
-    swizzled like a qkvr box; rows past T are zero-filled (never the next batch row's)."""
+    heads, T rows, B), read in boxes of (64, 1, rows, 1): one head's 128 rows (by default) of 128 bytes,
+    128-byte swizzled like a qkvr box; rows past T are zero-filled (never the next batch row's) and not
+    written by a store."""
     C = NH * FLASH_HS
     return _bf16_tensor_map(ptr, (FLASH_HS, NH, T, B), (FLASH_HS * 2, C * 2, T * C * 2),  # bytes: head, row, batch
-                            (FLASH_HS, 1, WGMMA_BQ, 1), f"{what} (B={B} T={T} C={C})")
+                            (FLASH_HS, 1, rows, 1), f"{what} (B={B} T={T} C={C})")
 
 
 def qkv_tensor_map(ptr: int, B: int, T: int, NH: int) -> bytes:
@@ -512,13 +514,9 @@ def qkv_tensor_map(ptr: int, B: int, T: int, NH: int) -> bytes:
 
 
 def out_tensor_map(ptr: int, B: int, T: int, NH: int) -> bytes:
-    """The CUtensorMap of the forward's out (B,T,C) bf16 for the persistent kernels' TMA store: btc_tensor_map's
-    4D view in boxes of (64, 1, 64, 1), one consumer's 64 rows of a head (rows past T are not written)."""
-    C = NH * FLASH_HS
-    return _bf16_tensor_map(ptr, (FLASH_HS, NH, T, B), (FLASH_HS * 2, C * 2, T * C * 2), (FLASH_HS, 1, 64, 1),
-                            f"attention_forward 4: out (B={B} T={T} C={C})")
-
-
+    """The CUtensorMap of the forward's out (B,T,C) bf16 for the persistent kernels' TMA store: btc_tensor_map
+    in boxes of one consumer's 64 rows of a head (rows past T are not written)."""
+    return btc_tensor_map(ptr, B, T, NH, "attention_forward 4: out", rows=64)
 
 
 def _fwd_o_staged(stages):
